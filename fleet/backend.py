@@ -1,0 +1,83 @@
+"""What the controller needs from any generation engine, as a protocol.
+
+A second backend (another engine, or vLLM behind HTTP) implements this and the
+controller does not change. Capabilities are declared, not discovered by trial:
+a backend without native pause says so, and the controller then demands a
+confirmed cache invalidation (``invalidate_cache`` returning exactly ``True``)
+or raises ``NotImplementedError`` before it relies on one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, Sequence
+
+from fleet.types import Completion, EngineStats
+
+PauseMode = Literal["keep", "abort", "wait"]
+PAUSE_MODES: tuple[str, ...] = ("keep", "abort", "wait")
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    native_pause: bool
+    """``pause(mode, clear_cache)`` holds or aborts in-flight requests inside the engine."""
+    prefix_cache: bool
+    """The engine keeps a prefix cache that weight updates can make stale."""
+    cache_salt: bool
+    """Requests can carry a ``cache_salt`` that namespaces the prefix cache."""
+
+
+class EngineBackend(Protocol):
+    """One engine. Every method may raise ``EngineCrashedError`` if the engine died underneath."""
+
+    capabilities: BackendCapabilities
+
+    async def start(self) -> None: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: dict[str, Any],
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> list[Completion]: ...
+
+    async def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def is_paused(self) -> bool: ...
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool: ...
+
+    async def invalidate_cache(self) -> bool:
+        """Drop every cached KV block computed by the current weights; True only if confirmed."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def worker_rpc(self, method: str, args: tuple, kwargs: dict, timeout: float) -> list[Any]: ...
+
+    def check_alive(self) -> None:
+        """Raise ``EngineCrashedError`` if the engine process is gone."""
+        ...
+
+    async def shutdown(self) -> None: ...
+
+
+def confirmed(result: Any) -> bool:
+    """Interpret a cache-reset style result honestly.
+
+    True only for ``True`` or a non-empty sequence made only of ``True``. ``None``,
+    an empty result, or any ``None``/False inside is a failure (False), never success.
+    """
+    if result is True:
+        return True
+    if isinstance(result, (list, tuple)) and result:
+        return all(r is True for r in result)
+    return False

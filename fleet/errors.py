@@ -1,0 +1,43 @@
+"""Typed errors of rlfleet, named by what the caller must do, not by where they were raised.
+
+Every message names the shard (slot, incarnation), the phase or call, the deadline
+where one applies, and what was observed.
+"""
+
+from __future__ import annotations
+
+
+class RlfleetError(Exception):
+    """Base class of every error rlfleet raises on purpose."""
+
+
+class ConfigError(RlfleetError, ValueError):
+    """A setting is impossible or inconsistent. Raised at start; nothing was created.
+
+    The message names the field (dotted path), what was given and what is allowed.
+    """
+
+    def __init__(self, field: str, problem: str, value: object = None) -> None:
+        self.field = field
+        self.value = value
+        super().__init__(f"invalid config {field}: {problem} (got {value!r})")
+
+
+class ShardUnusableError(RlfleetError):
+    """The shard cannot serve this call (shut down, not started, engine dead): remove or restart it."""
+
+
+class ShardShutDownError(ShardUnusableError):
+    """A call reached a shard after ``shutdown()``."""
+
+
+class EngineCrashedError(ShardUnusableError):
+    """The engine core process behind a live shard actor died; the shard must be replaced."""
+
+
+class DeadlineExceeded(RlfleetError, TimeoutError):
+    """A bounded call did not finish within its deadline. The shard is hung, not proven dead."""
+
+
+class BadRequestError(RlfleetError, ValueError):
+    """The request itself is invalid (e.g. sampling parameters the engine rejects). Do not retry."""

