@@ -1,0 +1,182 @@
+"""Decisions: what the core tells the controller to do, and why.
+
+``decide(ledger, event, now)`` returns one ``Decision``. The controller carries out
+``decision.actions`` in order, logs ``decision.reason`` (and, if it likes, each
+``Transition``), and applies the decision to the ledger. It never changes a shard's
+state on its own: every state change is a ``Transition`` inside some decision.
+
+Actions are frozen dataclasses naming the slot and the incarnation they are about,
+so an action can be carried out against exactly the actor it was decided for:
+
+==================  =========================================================
+``Probe``           call the shard's health check; report ``Observed(call=PROBE)``
+``Evict``           kill that incarnation's actor (it is already dead in the ledger)
+``Restart``         launch ``incarnation`` in ``slot``; report ``EngineReady``
+``Retire``          the slot will never be restarted; release its resources
+``AbortRefit``      stop the refit now; the gate stays closed
+``OpenGate``        reopen dispatch: quorum holds on the committed version
+``KeepGateClosed``  the refit ended without a usable commit; gate stays closed
+``StopExhausted``   below quorum: stop loudly with the gate closed
+==================  =========================================================
+
+The last four fields of ``Decision`` (``basis``, ``records``, ``fleet``,
+``fires_timers``) are the exact change ``Ledger.apply`` makes; controllers need not
+read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+from health.states import CallKind, FailureClass, ShardState
+
+if TYPE_CHECKING:
+    from health.events import Event
+    from health.ledger import FleetState, SlotRecord
+
+__all__ = [
+    "AbortRefit",
+    "Action",
+    "Decision",
+    "Evict",
+    "KeepGateClosed",
+    "OpenGate",
+    "Probe",
+    "Restart",
+    "Retire",
+    "StopExhausted",
+    "Transition",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Check whether ``incarnation`` of ``slot`` is alive (bounded by a deadline) and
+    report the outcome as ``Observed(slot, incarnation, CallKind.PROBE, ...)``."""
+
+    slot: int
+    incarnation: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Kill ``incarnation`` of ``slot`` (``ray.kill``). The ledger already counts it
+    dead; killing fences it so a frozen or unreachable engine cannot come back."""
+
+    slot: int
+    incarnation: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """Launch a new engine in ``slot`` tagged ``incarnation`` (replacing
+    ``previous_incarnation``). Its backoff already ran out. Report ``EngineReady``
+    when it answers, or ``Observed(call=START, ...)`` if the launch fails."""
+
+    slot: int
+    incarnation: int
+    previous_incarnation: int
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Retire:
+    """``slot`` (last ``incarnation``) is dead with its restart budget spent; it will
+    never be restarted. Release its resources."""
+
+    slot: int
+    incarnation: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRefit:
+    """A lifecycle call failed in a way that forbids continuing (a hung pause or
+    resume, a lie, an error): stop the refit now; the gate stays closed."""
+
+    slot: int
+    incarnation: int
+    call: CallKind
+    failure: FailureClass
+    version: int | None
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class OpenGate:
+    """Reopen dispatch: ``serving`` engines (>= ``needed``) serve ``version``."""
+
+    version: int
+    serving: int
+    needed: int
+
+
+@dataclass(frozen=True, slots=True)
+class KeepGateClosed:
+    """The refit of ``version`` ended aborted or uncommitted: keep the gate closed
+    and surface ``message``."""
+
+    version: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StopExhausted:
+    """The fleet is below quorum: stop with the gate closed. ``message`` names every
+    dead or retired slot (``dead_slots``) and why it died."""
+
+    message: str
+    dead_slots: tuple[int, ...]
+    serving: int
+    needed: int
+
+
+Action = Union[Probe, Evict, Restart, Retire, AbortRefit, OpenGate, KeepGateClosed, StopExhausted]
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One slot changed state. ``incarnation`` is the slot's incarnation after the
+    change (a restart moves a slot to a new incarnation)."""
+
+    slot: int
+    incarnation: int
+    before: ShardState
+    after: ShardState
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The verdict on one event at one time.
+
+    ``failure``: how the event was classified (``OK`` when nothing went wrong,
+    ``LATE`` when it was ignored, ``EXHAUSTED`` when the fleet fell below quorum).
+    ``actions``: what the controller must do, in order. ``transitions``: every state
+    change this decision makes. ``reason``: one line for the event log.
+    """
+
+    event: Event
+    now: float
+    failure: FailureClass
+    actions: tuple[Action, ...]
+    transitions: tuple[Transition, ...]
+    reason: str
+    basis: int
+    records: tuple[SlotRecord, ...]
+    fleet: FleetState | None
+    fires_timers: bool
+
+    @property
+    def ignored(self) -> bool:
+        """True when the event was late (or otherwise void) and changes nothing."""
+        return self.failure is FailureClass.LATE
+
+    @property
+    def changes_ledger(self) -> bool:
+        """True when applying this decision changes slot records or fleet state."""
+        return bool(self.records) or self.fleet is not None

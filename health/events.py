@@ -1,0 +1,112 @@
+"""Events: what the controller tells the decision core it observed or did.
+
+Every event is a frozen dataclass. A *slot event* (``EngineReady``, ``Observed``,
+``RefitReport``) names the slot and the incarnation it is about; the core compares
+that incarnation with the ledger's, so an event from a replaced incarnation is
+"late" and changes nothing. A *fleet event* (``RefitStarted``, ``VersionCommitted``,
+``RefitFinished``, ``Tick``) is about the fleet as a whole and names no incarnation.
+
+Events carry no timestamps: the time is the ``now`` passed to ``decide`` with them.
+Construction does no validation (events are built on the hot path); ``decide``
+validates each one against the ledger and raises ``ValueError`` naming the slot,
+incarnation and value when an event is malformed, leaving the ledger unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from health.states import CallKind, FailureClass, RefitResult
+
+__all__ = [
+    "EngineReady",
+    "Event",
+    "FleetEvent",
+    "Observed",
+    "RefitFinished",
+    "RefitReport",
+    "RefitStarted",
+    "SlotEvent",
+    "Tick",
+    "VersionCommitted",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReady:
+    """The incarnation launched by a ``Restart`` action (or the first one) is loaded
+    and answering. It becomes ``STALE``: it serves only after a refit lands on it."""
+
+    slot: int
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """The outcome of one call to one shard, already classified.
+
+    ``failure`` comes from ``health.classify`` (``classify_outcome`` for a settled
+    call; ``FailureClass.HUNG`` for a call that missed its deadline). ``detail`` is a
+    short human description of what was seen (``describe_outcome``), carried into
+    reasons and error messages. ``observe()`` builds one from a raw outcome.
+    """
+
+    slot: int
+    incarnation: int
+    call: CallKind
+    failure: FailureClass
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RefitReport:
+    """What the weight transfer of ``version`` did to one participant.
+
+    Send one per participant after each transfer attempt. ``result`` must reflect
+    bytes actually moved (``health.classify.refit_result``): ``PARTIAL`` only when
+    some, not all, bytes reached this participant.
+    """
+
+    slot: int
+    incarnation: int
+    version: int
+    result: RefitResult
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RefitStarted:
+    """Step 1 of ``sync_weights(version)``: the gate is closed and a refit of
+    ``version`` begins. Suspect or hung shards are now on the eviction clock.
+    Re-sending it for the same version (the one retry) is a no-op."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class VersionCommitted:
+    """Step 6: ``version`` is stamped as the current weights. From now on only
+    incarnations that received a COMPLETE refit of it may serve."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class RefitFinished:
+    """Step 8: the refit of ``version`` is over (resumes settled, or stopped). The
+    decision says whether the gate may reopen."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Time passed. Fires due timers: restarts whose backoff ran out, and evictions
+    of shards suspect or hung for ``suspect_timeout_s`` during a refit. Send one at
+    (or after) ``Ledger.next_wake_at()``; extra ticks are harmless."""
+
+
+SlotEvent = Union[EngineReady, Observed, RefitReport]
+FleetEvent = Union[RefitStarted, VersionCommitted, RefitFinished, Tick]
+Event = Union[SlotEvent, FleetEvent]
