@@ -21,6 +21,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fleet.errors import ConfigError
+
 FINGERPRINT_FILE = "rlfleet-model.json"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 
@@ -106,10 +108,10 @@ def is_built(path: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> bo
 def build_model(path: str | os.PathLike, preset: str = "tiny", seed: int = 0, force: bool = False) -> Path:
     """Write model + tokenizer for ``preset`` into ``path`` (float32 safetensors).
 
-    Raises ValueError for an unknown preset. Returns the directory. Idempotent.
+    Raises ConfigError (a ValueError) for an unknown preset. Returns the directory. Idempotent.
     """
     if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; allowed: {sorted(PRESETS)}")
+        raise ConfigError("preset", f"unknown model preset; allowed: {sorted(PRESETS)}", preset)
     out = Path(path).resolve()
     if not force and is_built(out, preset, seed):
         return out
@@ -157,3 +159,9 @@ def digest(path: str | os.PathLike) -> str:
         h.update(str(f.relative_to(root)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()
+
+
+def default_model_dir(preset: str = "tiny") -> Path:
+    """Where set-up, tests and the demo keep built models (``RLFLEET_MODEL_CACHE`` overrides)."""
+    root = os.environ.get("RLFLEET_MODEL_CACHE") or Path.home() / ".cache" / "rlfleet" / "models"
+    return Path(root) / preset

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -11,14 +10,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-MODEL_CACHE = Path(os.environ.get("RLFLEET_MODEL_CACHE", Path.home() / ".cache" / "rlfleet" / "models"))
-
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from fleet.tinymodel import build_model
+    from fleet.tinymodel import build_model, default_model_dir
 
-    return str(build_model(MODEL_CACHE / "tiny", preset="tiny", seed=0))
+    return str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
 
 
 @pytest.fixture(scope="session")

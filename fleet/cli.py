@@ -1,0 +1,77 @@
+"""The ``rlfleet`` command line: build models, run the smoke job (later the demo), and sub-tools.
+
+Each subcommand is a small function; errors a user can fix (bad config, missing
+model) print one clear line and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+from fleet.errors import RlfleetError
+from fleet.tinymodel import PRESETS
+
+
+def _cmd_model_build(args: argparse.Namespace) -> int:
+    from fleet.tinymodel import build_model, default_model_dir, digest
+
+    path = build_model(args.dir or default_model_dir(args.preset), preset=args.preset, seed=args.seed, force=args.force)
+    print(json.dumps({"model_dir": str(path), "preset": args.preset, "seed": args.seed, "sha256": digest(path)}))
+    return 0
+
+
+def _cmd_smoke(args: argparse.Namespace) -> int:
+    from fleet.smoke import run_smoke
+
+    summary = run_smoke(engines=args.engines, model=args.model)
+    print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlfleet", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="build local models").add_subparsers(dest="model_command", required=True)
+    build = model.add_parser("build", help="build a deterministic Llama model + tokenizer into DIR")
+    build.add_argument("dir", nargs="?", help="output directory (default: the model cache)")
+    build.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--force", action="store_true", help="rebuild even if a matching build exists")
+    build.set_defaults(func=_cmd_model_build)
+
+    smoke = sub.add_parser("smoke", help="start a local Ray and engine shards; generate, pause, resume; print a summary")
+    smoke.add_argument("--engines", type=int, default=2)
+    smoke.add_argument("--model", default=None, help="model directory (default: the tiny model, built if missing)")
+    smoke.set_defaults(func=_cmd_smoke)
+
+    for register in _optional_commands():
+        register(sub)
+    return parser
+
+
+def _optional_commands() -> list[Callable]:
+    """Subcommands that live in their own modules (registered if present)."""
+    found = []
+    for mod in ("fleet.slurm_cli", "fleet.demo_cli", "fleet.faults_cli"):
+        try:
+            found.append(__import__(mod, fromlist=["register"]).register)
+        except ImportError:
+            continue
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except RlfleetError as exc:
+        print(f"rlfleet: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
