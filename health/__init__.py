@@ -22,7 +22,7 @@ Driving it (the controller's side)::
     # decision holds OpenGate, KeepGateClosed or StopExhausted.
 
 Modules: ``states`` (enums), ``config`` (HealthConfig), ``clock``, ``events``,
-``decision`` (actions, Decision), ``classify``, ``ledger``, ``decide``, ``quorum``,
+``decision`` (actions, Decision), ``classify``, ``ledger``, ``core`` (decide), ``quorum``,
 ``membership``, ``restart``.
 """
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 from health.classify import (
     classify_ack,
     classify_exception,
+    classify_kind,
     classify_observation,
     classify_outcome,
     describe_outcome,
@@ -41,7 +42,7 @@ from health.classify import (
 )
 from health.clock import Clock, FakeClock, MonotonicClock
 from health.config import HealthConfig
-from health.decide import decide, step
+from health.core import decide, step
 from health.decision import (
     AbortRefit,
     Action,
@@ -117,6 +118,7 @@ __all__ = [
     "check_quorum",
     "classify_ack",
     "classify_exception",
+    "classify_kind",
     "classify_observation",
     "classify_outcome",
     "decide",

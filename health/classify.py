@@ -27,7 +27,9 @@ classes that also inherit from the cause: an actor whose *own* call to another a
 raised ``ActorDiedError`` is alive, and must not be condemned for it.
 
 For a call still pending at its deadline, pass a ``TimeoutError`` naming the call
-and the deadline. Guarantee on failure: functions raise ``TypeError``/``ValueError``
+and the deadline. A Ray wrapper that has already reduced an outcome to a kind word
+(``ok``, ``died``, ``unavailable``, ``timed_out``, ``bad_ack``, ``error``) can use
+``classify_kind`` instead. Guarantee on failure: functions raise ``TypeError``/``ValueError``
 naming the bad argument and never return a guess.
 """
 
@@ -39,6 +41,7 @@ from health.states import CallKind, FailureClass, RefitResult
 __all__ = [
     "classify_ack",
     "classify_exception",
+    "classify_kind",
     "classify_observation",
     "classify_outcome",
     "describe_outcome",
@@ -95,6 +98,26 @@ def classify_outcome(outcome: object, *, expect_ack: bool = True) -> FailureClas
     if expect_ack:
         return classify_ack(outcome)
     return FailureClass.OK
+
+
+OUTCOME_KINDS: dict[str, FailureClass] = {
+    "ok": FailureClass.OK,
+    "died": FailureClass.DEAD,
+    "unavailable": FailureClass.SUSPECT,
+    "timed_out": FailureClass.HUNG,
+    "bad_ack": FailureClass.LIED,
+    "error": FailureClass.ERROR,
+}
+
+
+def classify_kind(kind: str) -> FailureClass:
+    """Map an outcome kind word from the Ray wrapper to a ``FailureClass``."""
+    try:
+        return OUTCOME_KINDS[kind]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown outcome kind {kind!r}; expected one of {', '.join(OUTCOME_KINDS)}"
+        ) from None
 
 
 def is_late(incarnation: int, current_incarnation: int) -> bool:

@@ -1,5 +1,5 @@
 """The shard ledger: one record per slot, plus the fleet-wide weight version, refit
-window and gate. ``decide`` (health.decide) reads it; ``Ledger.apply`` changes it.
+window and gate. ``decide`` (health.core) reads it; ``Ledger.apply`` changes it.
 
 Design (why a mutable ledger of immutable records)
 --------------------------------------------------

@@ -19,6 +19,8 @@ class ShardState(enum.Enum):
     Only ``HEALTHY`` receives traffic. ``HEALTHY`` and ``STALE`` slots join refits.
     """
 
+    __hash__ = object.__hash__
+
     STARTING = "starting"
     """The slot's first incarnation was launched and has not reported ready."""
     RESTARTING = "restarting"
@@ -46,6 +48,8 @@ class SlotPhase(enum.Enum):
     the state is what lets a version commit cost O(changed slots), not O(fleet).
     """
 
+    __hash__ = object.__hash__
+
     LAUNCHING = "launching"
     LIVE = "live"
     SUSPECT = "suspect"
@@ -56,6 +60,8 @@ class SlotPhase(enum.Enum):
 
 class FailureClass(enum.Enum):
     """How an observation of one shard is classified (DESIGN.md, failure classes)."""
+
+    __hash__ = object.__hash__
 
     OK = "ok"
     """The call succeeded: an ack that is exactly ``True``, or a normal result."""
@@ -79,6 +85,8 @@ class FailureClass(enum.Enum):
 class RefitResult(enum.Enum):
     """What one weight transfer did to one participant."""
 
+    __hash__ = object.__hash__
+
     NOT_STARTED = "not_started"
     """No bytes moved to it: its weights are untouched."""
     PARTIAL = "partial"
@@ -90,6 +98,8 @@ class RefitResult(enum.Enum):
 class CallKind(enum.Enum):
     """Which call an observation is about; the same failure means different things
     in different calls (a hung pause stops the refit, a hung probe is one failed probe)."""
+
+    __hash__ = object.__hash__
 
     START = "start"
     """Launching an incarnation, up to its first ready."""

@@ -286,7 +286,7 @@ def _observed_ok(d: _Draft, rec: SlotRecord, call: CallKind) -> None:
     if call is _START:
         _ready(d, rec)
         return
-    if call is _PROBE and rec.phase in QUARANTINE:
+    if call is _PROBE and (rec.phase is _SUSPECT or rec.phase is _HUNG):
         new = rec._replace(phase=_LIVE, since=d.now, failed_probes=0, reason="probe ok")
         d.put(rec, new)
         d.reasons.append(
@@ -356,7 +356,7 @@ def _failed_probe(d: _Draft, rec: SlotRecord, ev: Observed) -> None:
     if rec.phase is _LAUNCHING:
         d.reasons.append(f"slot {rec.slot} is still starting; {cause} ignored")
         return
-    quarantined = rec.phase in QUARANTINE
+    quarantined = rec.phase is _SUSPECT or rec.phase is _HUNG
     failed = rec.failed_probes + 1 if quarantined else 1
     threshold = d.ledger.config.unhealthy_threshold
     if failed >= threshold:

@@ -1,0 +1,169 @@
+"""Benchmark the health decision core: random events over a large fleet.
+
+Applies ``--events`` (default 1,000,000) random events to a ``--slots`` (default
+1,024) slot ledger with ``health.step`` (decide + apply) and reports events per
+second. Events are generated from the ledger's current state so they exercise real
+transitions (deaths, unavailability, probes, hangs, lies, restarts, refit reports,
+late events from replaced incarnations, refit cycles with commits, clock ticks)
+rather than being mostly ignored as late. The timed loop includes building each
+event, so the figure is a lower bound for decide + apply.
+
+The last line of output is one JSON object: ``events_per_s``, ``events``,
+``slots``, ``seconds``, ``seed``, and counts of what happened.
+
+Usage: ``python scripts/bench_health.py [--events N] [--slots N] [--seed N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import platform
+import random
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from health import (  # noqa: E402  (the path line above makes the repo importable)
+    CallKind,
+    EngineReady,
+    FailureClass,
+    HealthConfig,
+    Ledger,
+    Observed,
+    RefitFinished,
+    RefitReport,
+    RefitResult,
+    RefitStarted,
+    SlotPhase,
+    Tick,
+    VersionCommitted,
+    step,
+)
+
+LAUNCHING, LIVE, SUSPECT, HUNG, DEAD, RETIRED = (
+    SlotPhase.LAUNCHING, SlotPhase.LIVE, SlotPhase.SUSPECT,
+    SlotPhase.HUNG, SlotPhase.DEAD, SlotPhase.RETIRED,
+)
+CALLS = (CallKind.GENERATE, CallKind.GENERATE, CallKind.PAUSE, CallKind.REFIT, CallKind.RESUME)
+REFIT_EVERY = 4_000      # events between refit starts
+REFIT_LENGTH = 2_000     # events a refit stays open before commit + finish
+TICK_EVERY = 50          # events between ticks
+DT = 0.001               # seconds of fake time per event
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--slots", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def slot_event(rng: random.Random, ledger: Ledger, slot: int) -> object:
+    """A plausible event for ``slot`` given its stored phase."""
+    rec = ledger._records[slot]
+    inc = rec.incarnation
+    r = rng.random()
+    if r < 0.05 and inc > 1:  # late event from a replaced incarnation
+        return Observed(slot, inc - 1, CallKind.GENERATE, FailureClass.DEAD, "late death")
+    phase = rec.phase
+    if phase is LIVE:
+        if r < 0.55:
+            return Observed(slot, inc, CallKind.GENERATE, FailureClass.OK)
+        if r < 0.70:
+            return Observed(slot, inc, rng.choice(CALLS), FailureClass.SUSPECT, "unavailable")
+        if r < 0.76:
+            return Observed(slot, inc, rng.choice(CALLS), FailureClass.HUNG, "deadline")
+        if r < 0.78:
+            return Observed(slot, inc, rng.choice(CALLS), FailureClass.LIED, "ack=None")
+        if r < 0.81:
+            return Observed(slot, inc, rng.choice(CALLS), FailureClass.DEAD, "ActorDiedError")
+        version = ledger.refit_version if ledger.refit_version is not None else 0
+        result = RefitResult.COMPLETE if r < 0.97 else (
+            RefitResult.PARTIAL if r < 0.985 else RefitResult.NOT_STARTED)
+        return RefitReport(slot, inc, version, result)
+    if phase is SUSPECT or phase is HUNG:
+        failure = FailureClass.OK if r < 0.6 else (
+            FailureClass.SUSPECT if r < 0.85 else (FailureClass.HUNG if r < 0.95 else FailureClass.DEAD))
+        return Observed(slot, inc, CallKind.PROBE, failure, "probe")
+    if phase is LAUNCHING:
+        if r < 0.9:
+            return EngineReady(slot, inc)
+        return Observed(slot, inc, CallKind.START, FailureClass.ERROR, "start failed")
+    # DEAD or RETIRED: a duplicate report about the condemned incarnation.
+    return Observed(slot, inc, CallKind.GENERATE, FailureClass.DEAD, "duplicate")
+
+
+def run(events: int, slots: int, seed: int) -> dict[str, object]:
+    config = HealthConfig(
+        num_engines=slots,
+        min_healthy_engines=1,
+        unhealthy_threshold=3,
+        suspect_timeout_s=2.0,
+        restart_budget=10**9,
+        backoff_base_s=0.01,
+        backoff_cap_s=1.0,
+    )
+    rng = random.Random(seed)
+    ledger = Ledger(config)
+    now = 0.0
+    version = 0
+    refit_open_at = None
+    outcomes: collections.Counter[str] = collections.Counter()
+    actions: collections.Counter[str] = collections.Counter()
+    randrange = rng.randrange
+    started = time.perf_counter()
+    for i in range(events):
+        now += DT
+        if i % TICK_EVERY == 0:
+            event = Tick()
+        elif i % REFIT_EVERY == 1 and ledger.refit_version is None:
+            event = RefitStarted(version)
+            refit_open_at = i
+        elif refit_open_at is not None and i - refit_open_at == REFIT_LENGTH:
+            event = VersionCommitted(version)
+        elif refit_open_at is not None and i - refit_open_at == REFIT_LENGTH + 1:
+            event = RefitFinished(version)
+            refit_open_at = None
+            version += 1
+        else:
+            event = slot_event(rng, ledger, randrange(slots))
+        decision = step(ledger, event, now)
+        outcomes[decision.failure.value] += 1
+        for action in decision.actions:
+            actions[type(action).__name__] += 1
+    seconds = time.perf_counter() - started
+    states = collections.Counter(s.state.value for s in ledger.records())
+    return {
+        "events_per_s": round(events / seconds),
+        "events": events,
+        "slots": slots,
+        "seconds": round(seconds, 3),
+        "seed": seed,
+        "refits": version,
+        "decisions": dict(sorted(outcomes.items())),
+        "actions": dict(sorted(actions.items())),
+        "final_states": dict(sorted(states.items())),
+        "python": platform.python_version(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.events < 1 or args.slots < 1:
+        raise SystemExit(f"--events and --slots must be >= 1, got {args.events} and {args.slots}")
+    result = run(args.events, args.slots, args.seed)
+    print(
+        f"{result['events']:,} events over {result['slots']:,} slots in "
+        f"{result['seconds']} s: {result['events_per_s']:,} events/s"
+    )
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
