@@ -48,7 +48,7 @@ LAUNCHING, LIVE, SUSPECT, HUNG, DEAD, RETIRED = (
     SlotPhase.LAUNCHING, SlotPhase.LIVE, SlotPhase.SUSPECT,
     SlotPhase.HUNG, SlotPhase.DEAD, SlotPhase.RETIRED,
 )
-CALLS = (CallKind.GENERATE, CallKind.GENERATE, CallKind.PAUSE, CallKind.REFIT, CallKind.RESUME)
+LIFECYCLE = (CallKind.PAUSE, CallKind.REFIT, CallKind.REFIT, CallKind.RESUME)
 REFIT_EVERY = 4_000      # events between refit starts
 REFIT_LENGTH = 2_000     # events a refit stays open before commit + finish
 TICK_EVERY = 50          # events between ticks
@@ -72,20 +72,9 @@ def slot_event(rng: random.Random, ledger: Ledger, slot: int) -> object:
         return Observed(slot, inc - 1, CallKind.GENERATE, FailureClass.DEAD, "late death")
     phase = rec.phase
     if phase is LIVE:
-        if r < 0.55:
-            return Observed(slot, inc, CallKind.GENERATE, FailureClass.OK)
-        if r < 0.70:
-            return Observed(slot, inc, rng.choice(CALLS), FailureClass.SUSPECT, "unavailable")
-        if r < 0.76:
-            return Observed(slot, inc, rng.choice(CALLS), FailureClass.HUNG, "deadline")
-        if r < 0.78:
-            return Observed(slot, inc, rng.choice(CALLS), FailureClass.LIED, "ack=None")
-        if r < 0.81:
-            return Observed(slot, inc, rng.choice(CALLS), FailureClass.DEAD, "ActorDiedError")
-        version = ledger.refit_version if ledger.refit_version is not None else 0
-        result = RefitResult.COMPLETE if r < 0.97 else (
-            RefitResult.PARTIAL if r < 0.985 else RefitResult.NOT_STARTED)
-        return RefitReport(slot, inc, version, result)
+        if ledger.refit_version is None:
+            return live_event_outside_refit(r, slot, inc)
+        return live_event_during_refit(rng, r, slot, inc, ledger.refit_version)
     if phase is SUSPECT or phase is HUNG:
         failure = FailureClass.OK if r < 0.6 else (
             FailureClass.SUSPECT if r < 0.85 else (FailureClass.HUNG if r < 0.95 else FailureClass.DEAD))
@@ -96,6 +85,46 @@ def slot_event(rng: random.Random, ledger: Ledger, slot: int) -> object:
         return Observed(slot, inc, CallKind.START, FailureClass.ERROR, "start failed")
     # DEAD or RETIRED: a duplicate report about the condemned incarnation.
     return Observed(slot, inc, CallKind.GENERATE, FailureClass.DEAD, "duplicate")
+
+
+def live_event_outside_refit(r: float, slot: int, inc: int) -> object:
+    """Serving traffic: mostly fine, sometimes unreachable, hung, failing or dead."""
+    generate = CallKind.GENERATE
+    if r < 0.70:
+        return Observed(slot, inc, generate, FailureClass.OK)
+    if r < 0.85:
+        return Observed(slot, inc, generate, FailureClass.SUSPECT, "ActorUnavailableError")
+    if r < 0.90:
+        return Observed(slot, inc, generate, FailureClass.HUNG, "deadline passed")
+    if r < 0.93:
+        return Observed(slot, inc, generate, FailureClass.ERROR, "ValueError: bad prompt")
+    if r < 0.96:
+        return Observed(slot, inc, generate, FailureClass.DEAD, "ActorDiedError")
+    return Observed(slot, inc, CallKind.PROBE, FailureClass.OK)
+
+
+def live_event_during_refit(rng: random.Random, r: float, slot: int, inc: int, version: int) -> object:
+    """A refit: pause/transfer/resume outcomes and per-participant refit reports;
+    rarely a hung pause or a lie, which abort the refit."""
+    if r < 0.55:
+        return RefitReport(slot, inc, version, RefitResult.COMPLETE)
+    if r < 0.57:
+        return RefitReport(slot, inc, version, RefitResult.PARTIAL)
+    if r < 0.59:
+        return RefitReport(slot, inc, version, RefitResult.NOT_STARTED)
+    if r < 0.75:
+        return Observed(slot, inc, rng.choice(LIFECYCLE), FailureClass.OK)
+    if r < 0.88:
+        return Observed(slot, inc, rng.choice(LIFECYCLE), FailureClass.SUSPECT, "ActorUnavailableError")
+    if r < 0.93:
+        return Observed(slot, inc, CallKind.REFIT, FailureClass.HUNG, "transfer deadline passed")
+    if r < 0.9303:
+        return Observed(slot, inc, CallKind.PAUSE, FailureClass.HUNG, "pause deadline passed")
+    if r < 0.9305:
+        return Observed(slot, inc, CallKind.RESUME, FailureClass.LIED, "ack=None")
+    if r < 0.96:
+        return Observed(slot, inc, rng.choice(LIFECYCLE), FailureClass.DEAD, "ActorDiedError")
+    return Observed(slot, inc, CallKind.PROBE, FailureClass.OK)
 
 
 def run(events: int, slots: int, seed: int) -> dict[str, object]:
@@ -125,7 +154,8 @@ def run(events: int, slots: int, seed: int) -> dict[str, object]:
             event = RefitStarted(version)
             refit_open_at = i
         elif refit_open_at is not None and i - refit_open_at == REFIT_LENGTH:
-            event = VersionCommitted(version)
+            # A controller commits only a refit that was not aborted.
+            event = Tick() if ledger.fleet.halted else VersionCommitted(version)
         elif refit_open_at is not None and i - refit_open_at == REFIT_LENGTH + 1:
             event = RefitFinished(version)
             refit_open_at = None

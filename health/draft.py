@@ -1,0 +1,73 @@
+"""``Draft``: a decision under construction.
+
+Rule functions (``slot_rules``, ``fleet_rules``) read the ledger through a draft and
+record what must change in it, never in the ledger; ``Draft.finish`` freezes the
+result into a ``Decision``. Reading through the draft (``get``) sees changes made
+earlier in the same decision, so one event can move a slot through several states
+(hung -> dead -> restarting) and report each step as a ``Transition``.
+
+Package-internal: controllers use ``decide``/``step``. Never raises.
+"""
+
+from __future__ import annotations
+
+from health.decision import Action, Decision, Transition
+from health.events import Event
+from health.ledger import FleetState, Ledger, SlotRecord, view_state
+from health.states import FailureClass, SlotPhase
+
+__all__ = ["Draft"]
+
+_RETIRED = SlotPhase.RETIRED
+
+
+class Draft:
+    """The decision under construction: reads through to the ledger, records
+    changes without writing them."""
+
+    __slots__ = (
+        "ledger", "event", "now", "failure", "changed", "actions",
+        "transitions", "reasons", "fleet", "fires_timers", "retired",
+    )
+
+    def __init__(self, ledger: Ledger, event: Event, now: float) -> None:
+        self.ledger = ledger
+        self.event = event
+        self.now = now
+        self.failure = FailureClass.OK
+        self.changed: dict[int, SlotRecord] = {}
+        self.actions: list[Action] = []
+        self.transitions: list[Transition] = []
+        self.reasons: list[str] = []
+        self.fleet: FleetState | None = None
+        self.fires_timers = False
+        self.retired = False
+
+    def get(self, slot: int) -> SlotRecord:
+        rec = self.changed.get(slot)
+        return rec if rec is not None else self.ledger._records[slot]
+
+    def fleet_now(self) -> FleetState:
+        return self.fleet if self.fleet is not None else self.ledger._fleet
+
+    def put(self, old: SlotRecord, new: SlotRecord) -> None:
+        self.changed[new.slot] = new
+        cv = self.ledger._fleet.current_version
+        before = view_state(old, cv)
+        after = view_state(new, cv)
+        if before is not after or old.incarnation != new.incarnation:
+            self.transitions.append(Transition(new.slot, new.incarnation, before, after, new.reason))
+        if new.phase is _RETIRED:
+            self.retired = True
+
+    def late(self, reason: str) -> None:
+        self.failure = FailureClass.LATE
+        self.reasons.append(reason)
+
+    def finish(self) -> Decision:
+        return Decision(
+            self.event, self.now, self.failure, tuple(self.actions),
+            tuple(self.transitions), "; ".join(self.reasons) or "nothing to do",
+            self.ledger._serial, tuple(self.changed.values()), self.fleet,
+            self.fires_timers,
+        )

@@ -1,0 +1,186 @@
+"""Rules for fleet events: ``RefitStarted``, ``VersionCommitted``,
+``RefitFinished`` and ``Tick``, plus the permanent-exhaustion check that follows
+any retirement.
+
+Guarantee on failure: an event out of order (a commit without a refit, versions that
+do not increase, a finish for another version) raises ``ValueError`` naming the
+versions involved before anything is recorded.
+"""
+
+from __future__ import annotations
+
+from health.decision import KeepGateClosed, OpenGate, StopExhausted, Transition
+from health.draft import Draft
+from health.events import RefitFinished, RefitStarted, Tick, VersionCommitted
+from health.ledger import QUARANTINE, TIMER_RESTART, SlotRecord, view_state
+from health.quorum import check_quorum, exhausted_message
+from health.slot_rules import condemn, restart
+from health.states import FailureClass, ShardState, SlotPhase
+
+__all__ = [
+    "check_permanent_exhaustion",
+    "on_committed",
+    "on_refit_finished",
+    "on_refit_started",
+    "on_tick",
+]
+
+_SUSPECT = SlotPhase.SUSPECT
+_HUNG = SlotPhase.HUNG
+_DEAD = SlotPhase.DEAD
+_RETIRED = SlotPhase.RETIRED
+
+
+def _check_version(name: str, version: int) -> None:
+    if type(version) is not int or version < 0:
+        raise ValueError(f"{name} needs a weight version that is an integer >= 0, got {version!r}")
+
+
+def on_refit_started(d: Draft, ev: RefitStarted) -> None:
+    v = ev.version
+    _check_version("RefitStarted", v)
+    fleet = d.ledger._fleet
+    if fleet.refit_version is not None:
+        if v == fleet.refit_version:
+            d.reasons.append(f"refit of version {v} already in progress (retry): nothing changes")
+            return
+        raise ValueError(
+            f"RefitStarted({v}) while the refit of version {fleet.refit_version} is in "
+            f"progress; send RefitFinished({fleet.refit_version}) first"
+        )
+    cv = fleet.current_version
+    if cv is not None and v <= cv:
+        raise ValueError(f"RefitStarted({v}): weight versions must increase; current is {cv}")
+    d.fleet = fleet._replace(refit_version=v, refit_started_at=d.now, gate_open=False, halted=None)
+    d.reasons.append(f"refit of version {v} started; gate closed")
+    ledger = d.ledger
+    timeout = ledger.config.suspect_timeout_s
+    overdue = sorted(ledger._by_phase[_SUSPECT] | ledger._by_phase[_HUNG])
+    for slot in overdue:
+        rec = ledger._records[slot]
+        if d.now - rec.since >= timeout:
+            _evict_overdue(d, rec, v)
+
+
+def _evict_overdue(d: Draft, rec: SlotRecord, version: int) -> None:
+    state = rec.phase.value
+    waited = d.now - rec.since
+    timeout = d.ledger.config.suspect_timeout_s
+    cause = (
+        f"evicted: {state} for {waited:.3g} s during the refit of version {version} "
+        f"(suspect_timeout_s={timeout:g}); {rec.reason}"
+    )
+    condemn(d, rec, cause, evict=True)
+
+
+def on_committed(d: Draft, ev: VersionCommitted) -> None:
+    v = ev.version
+    _check_version("VersionCommitted", v)
+    ledger = d.ledger
+    fleet = ledger._fleet
+    if fleet.refit_version != v:
+        raise ValueError(
+            f"VersionCommitted({v}) but the refit in progress is {fleet.refit_version}: "
+            f"send RefitStarted({v}) first"
+        )
+    if fleet.halted is not None:
+        raise ValueError(f"VersionCommitted({v}) after the refit was aborted: {fleet.halted}")
+    cv = fleet.current_version
+    if cv is not None and v <= cv:
+        raise ValueError(f"VersionCommitted({v}): version {cv} is already committed")
+    d.fleet = fleet._replace(current_version=v)
+    records = ledger._records
+    joined = sorted(ledger._holding.get(v, ()))
+    left = sorted(ledger._holding.get(cv, ())) if cv is not None else []
+    for slot in joined:
+        r = records[slot]
+        d.transitions.append(Transition(
+            slot, r.incarnation, ShardState.STALE, ShardState.HEALTHY,
+            f"holds committed version {v}",
+        ))
+    for slot in left:
+        r = records[slot]
+        d.transitions.append(Transition(
+            slot, r.incarnation, ShardState.HEALTHY, ShardState.STALE,
+            f"did not receive version {v}",
+        ))
+    d.reasons.append(
+        f"version {v} committed: {len(joined)} engine(s) hold it and serve, "
+        f"{len(left)} left stale on version {cv}"
+    )
+
+
+def on_refit_finished(d: Draft, ev: RefitFinished) -> None:
+    v = ev.version
+    _check_version("RefitFinished", v)
+    ledger = d.ledger
+    fleet = ledger._fleet
+    if fleet.refit_version != v:
+        raise ValueError(f"RefitFinished({v}) but the refit in progress is {fleet.refit_version}")
+    closed = fleet._replace(refit_version=None, refit_started_at=None, halted=None, gate_open=False)
+    d.fleet = closed
+    if fleet.halted is not None:
+        message = f"gate stays closed: {fleet.halted}"
+        d.actions.append(KeepGateClosed(v, message))
+        d.reasons.append(message)
+        return
+    if fleet.current_version != v:
+        message = (
+            f"gate stays closed: the refit of version {v} was not committed; weights "
+            f"stay at version {fleet.current_version}"
+        )
+        d.actions.append(KeepGateClosed(v, message))
+        d.reasons.append(message)
+        return
+    q = check_quorum(ledger)
+    if q.ok:
+        d.fleet = closed._replace(gate_open=True)
+        d.actions.append(OpenGate(v, q.serving, q.needed))
+        d.reasons.append(f"gate opens: {q.message}")
+    else:
+        d.failure = FailureClass.EXHAUSTED
+        d.actions.append(StopExhausted(q.message, q.dead_slots, q.serving, q.needed))
+        d.reasons.append(q.message)
+
+
+def on_tick(d: Draft, ev: Tick) -> None:
+    d.fires_timers = True
+    ledger = d.ledger
+    refit = ledger._fleet.refit_version
+    for _due, _seq, kind, slot, incarnation, token in ledger.due_timers(d.now):
+        rec = d.get(slot)
+        if rec.incarnation != incarnation:
+            continue
+        if kind == TIMER_RESTART:
+            if rec.phase is _DEAD and rec.restart_at == token:
+                restart(d, rec)
+        elif refit is not None and rec.phase in QUARANTINE and rec.since == token:
+            _evict_overdue(d, rec, refit)
+
+
+def check_permanent_exhaustion(d: Draft) -> None:
+    """After a retirement: stop once if quorum can never hold again."""
+    ledger = d.ledger
+    fleet = d.fleet_now()
+    if fleet.exhausted:
+        return
+    records = ledger._records
+    retired = len(ledger._by_phase[_RETIRED])
+    for slot, new in d.changed.items():
+        retired += (new.phase is _RETIRED) - (records[slot].phase is _RETIRED)
+    n = len(records)
+    needed = ledger.config.min_healthy_engines
+    if n - retired >= needed:
+        return
+    gone = ledger._by_phase[_DEAD] | ledger._by_phase[_RETIRED] | set(d.changed)
+    post = [d.get(s) for s in range(n)]
+    dead_slots = tuple(sorted(s for s in gone if d.get(s).phase in (_DEAD, _RETIRED)))
+    serving = sum(1 for r in post if view_state(r, fleet.current_version) is ShardState.HEALTHY)
+    message = exhausted_message(
+        serving=serving, needed=needed, num_slots=n,
+        current_version=fleet.current_version, records=post, permanent=True,
+    )
+    d.fleet = fleet._replace(exhausted=True, gate_open=False)
+    d.failure = FailureClass.EXHAUSTED
+    d.actions.append(StopExhausted(message, dead_slots, serving, needed))
+    d.reasons.append(message)

@@ -1,0 +1,336 @@
+"""Rules for slot events: ``EngineReady``, ``Observed`` and ``RefitReport``.
+
+Each ``on_*`` function reads the ledger through a ``Draft`` and records the new
+records, actions and reasons (see ``health.core`` for the rule table). ``condemn``
+and ``restart`` are shared with the fleet rules (evictions and due restarts).
+
+Guarantee on failure: a malformed event raises ``ValueError`` naming the slot,
+incarnation and value before anything is recorded; nothing here touches the ledger.
+"""
+
+from __future__ import annotations
+
+from health.decision import AbortRefit, Evict, Probe, Restart, Retire
+from health.draft import Draft
+from health.events import EngineReady, Observed, RefitReport
+from health.ledger import SlotRecord, view_state
+from health.states import CallKind, FailureClass, RefitResult, ShardState, SlotPhase
+
+__all__ = ["condemn", "on_observed", "on_ready", "on_report", "restart"]
+
+_LAUNCHING = SlotPhase.LAUNCHING
+_LIVE = SlotPhase.LIVE
+_SUSPECT = SlotPhase.SUSPECT
+_HUNG = SlotPhase.HUNG
+_DEAD = SlotPhase.DEAD
+_RETIRED = SlotPhase.RETIRED
+
+_OK = FailureClass.OK
+_F_DEAD = FailureClass.DEAD
+_F_SUSPECT = FailureClass.SUSPECT
+_F_HUNG = FailureClass.HUNG
+_F_LATE = FailureClass.LATE
+
+_START = CallKind.START
+_PROBE = CallKind.PROBE
+_GENERATE = CallKind.GENERATE
+_PAUSE_OR_RESUME = frozenset({CallKind.PAUSE, CallKind.RESUME})
+
+
+def _resolve(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotRecord | None:
+    """The slot's record if ``ev`` is about its current, not-condemned incarnation;
+    ``None`` (decision marked LATE) if it is about a replaced or dead one."""
+    rec = _slot_record(d, ev)
+    slot = ev.slot
+    inc = ev.incarnation
+    if inc == rec.incarnation:
+        if rec.phase is _DEAD or rec.phase is _RETIRED:
+            d.late(
+                f"{_describe(ev)} from slot {slot} incarnation {inc}, which is already "
+                f"{rec.phase.value} ({rec.reason}): ignored"
+            )
+            return None
+        return rec
+    if type(inc) is int and inc < rec.incarnation:
+        d.late(
+            f"late {_describe(ev)} from slot {slot} incarnation {inc}; the slot is on "
+            f"incarnation {rec.incarnation}: ignored, it cannot condemn the replacement"
+        )
+        return None
+    raise ValueError(
+        f"{type(ev).__name__} names slot {slot} incarnation {inc!r}, which the ledger never "
+        f"issued (current incarnation {rec.incarnation}); only Restart actions create "
+        "incarnations"
+    )
+
+
+def _slot_record(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotRecord:
+    slot = ev.slot
+    records = d.ledger._records
+    if type(slot) is not int or not 0 <= slot < len(records):
+        raise ValueError(
+            f"{type(ev).__name__} names slot {slot!r}, but the fleet has slots "
+            f"0..{len(records) - 1}"
+        )
+    return records[slot]
+
+
+def _describe(ev: EngineReady | Observed | RefitReport) -> str:
+    if type(ev) is Observed:
+        return f"{ev.call.value} {ev.failure.value}" + (f" ({ev.detail})" if ev.detail else "")
+    if type(ev) is RefitReport:
+        return f"refit report ({ev.result.value}, version {ev.version})"
+    return "ready"
+
+
+def on_ready(d: Draft, ev: EngineReady) -> None:
+    rec = _resolve(d, ev)
+    if rec is not None:
+        _ready(d, rec)
+
+
+def _ready(d: Draft, rec: SlotRecord) -> None:
+    if rec.phase is not _LAUNCHING:
+        d.reasons.append(
+            f"slot {rec.slot} incarnation {rec.incarnation} reported ready while "
+            f"{_state(d, rec).value}: nothing to do"
+        )
+        return
+    cv = d.ledger._fleet.current_version
+    target = "its first refit" if cv is None else f"a refit of version {cv} (or later)"
+    reason = f"ready; stale until {target} lands on it"
+    new = rec._replace(
+        phase=_LIVE, weight_version=None, partial=False, since=d.now,
+        failed_probes=0, restart_at=None, reason=reason,
+    )
+    d.put(rec, new)
+    d.reasons.append(f"slot {rec.slot} incarnation {rec.incarnation} is {reason}")
+
+
+def on_observed(d: Draft, ev: Observed) -> None:
+    f = ev.failure
+    if f is FailureClass.EXHAUSTED or type(f) is not FailureClass:
+        raise ValueError(
+            f"Observed for slot {ev.slot} incarnation {ev.incarnation} has failure {f!r}; "
+            "EXHAUSTED is a fleet verdict, not an observation of one shard"
+        )
+    if f is _F_LATE:  # the caller already classified it late; still check the slot
+        _slot_record(d, ev)
+        d.late(f"{_describe(ev)} from slot {ev.slot} incarnation {ev.incarnation}: ignored")
+        return
+    rec = _resolve(d, ev)
+    if rec is None:
+        return
+    d.failure = f
+    call = ev.call
+    if f is _OK:
+        _observed_ok(d, rec, call)
+    elif f is _F_DEAD:
+        condemn(d, rec, f"died during {call.value}: {ev.detail or 'ActorDiedError'}", evict=False)
+    elif call is _PROBE:
+        _failed_probe(d, rec, ev)
+    elif call is _START:
+        _start_failed(d, rec, ev)
+    elif f is _F_SUSPECT or f is _F_HUNG:
+        _quarantine(d, rec, ev)
+    else:
+        _bad_answer(d, rec, ev)
+
+
+def _observed_ok(d: Draft, rec: SlotRecord, call: CallKind) -> None:
+    if call is _START:
+        _ready(d, rec)
+        return
+    if call is _PROBE and (rec.phase is _SUSPECT or rec.phase is _HUNG):
+        new = rec._replace(phase=_LIVE, since=d.now, failed_probes=0, reason="probe ok")
+        d.put(rec, new)
+        d.reasons.append(
+            f"slot {rec.slot} incarnation {rec.incarnation} answered its probe: "
+            f"{_state(d, new).value} again"
+        )
+        return
+    d.reasons.append(f"{call.value} ok on slot {rec.slot} incarnation {rec.incarnation}")
+
+
+def _quarantine(d: Draft, rec: SlotRecord, ev: Observed) -> None:
+    """SUSPECT or HUNG outside probes and starts."""
+    what = "unavailable" if ev.failure is _F_SUSPECT else "hung (deadline passed)"
+    cause = f"{what} during {ev.call.value}" + (f": {ev.detail}" if ev.detail else "")
+    if rec.phase is _LIVE:
+        phase = _SUSPECT if ev.failure is _F_SUSPECT else _HUNG
+        new = rec._replace(phase=phase, since=d.now, failed_probes=0, reason=cause)
+        d.put(rec, new)
+        d.actions.append(Probe(rec.slot, rec.incarnation, cause))
+        d.reasons.append(
+            f"slot {rec.slot} incarnation {rec.incarnation} {cause}: quarantined, probing"
+        )
+    else:
+        d.reasons.append(
+            f"slot {rec.slot} incarnation {rec.incarnation} {cause} while "
+            f"{_state(d, rec).value}: state unchanged"
+        )
+    if ev.failure is _F_HUNG and ev.call in _PAUSE_OR_RESUME and rec.phase is not _LAUNCHING:
+        _abort(d, rec, ev, cause)
+
+
+def _bad_answer(d: Draft, rec: SlotRecord, ev: Observed) -> None:
+    """LIED or ERROR in PAUSE, REFIT, RESUME or GENERATE."""
+    what = "lied (ack not exactly True)" if ev.failure is FailureClass.LIED else "raised"
+    cause = f"{ev.call.value} {what}" + (f": {ev.detail}" if ev.detail else "")
+    if ev.call is _GENERATE or rec.phase is _LAUNCHING:
+        d.reasons.append(
+            f"slot {rec.slot} incarnation {rec.incarnation} {cause}: not a liveness "
+            "signal, state unchanged"
+        )
+        return
+    if rec.weight_version is not None:
+        new = rec._replace(weight_version=None, reason=f"{cause}; weights unknown")
+        d.put(rec, new)
+    d.reasons.append(
+        f"slot {rec.slot} incarnation {rec.incarnation} {cause}: never counted as "
+        "success, weights unknown until a refit lands"
+    )
+    _abort(d, rec, ev, cause)
+
+
+def _abort(d: Draft, rec: SlotRecord, ev: Observed, cause: str) -> None:
+    fleet = d.fleet_now()
+    version = fleet.refit_version
+    message = (
+        f"{ev.call.value} of slot {rec.slot} (incarnation {rec.incarnation}) failed: "
+        f"{cause}; the refit of version {version} stops and the gate stays closed"
+    )
+    d.actions.append(AbortRefit(rec.slot, rec.incarnation, ev.call, ev.failure, version, message))
+    d.reasons.append("refit aborted")
+    if version is not None and fleet.halted is None:
+        d.fleet = fleet._replace(halted=message, gate_open=False)
+
+
+def _failed_probe(d: Draft, rec: SlotRecord, ev: Observed) -> None:
+    cause = f"probe {ev.failure.value}" + (f": {ev.detail}" if ev.detail else "")
+    if rec.phase is _LAUNCHING:
+        d.reasons.append(f"slot {rec.slot} is still starting; {cause} ignored")
+        return
+    quarantined = rec.phase is _SUSPECT or rec.phase is _HUNG
+    failed = rec.failed_probes + 1 if quarantined else 1
+    threshold = d.ledger.config.unhealthy_threshold
+    if failed >= threshold:
+        condemn(
+            d, rec,
+            f"dead after {failed} failed probe(s) (unhealthy_threshold={threshold}); "
+            f"last {cause}; first: {rec.reason}" if quarantined else
+            f"dead after {failed} failed probe(s) (unhealthy_threshold={threshold}); {cause}",
+            evict=True,
+        )
+        return
+    if quarantined:
+        new = rec._replace(failed_probes=failed)
+    else:
+        phase = _HUNG if ev.failure is _F_HUNG else _SUSPECT
+        new = rec._replace(phase=phase, since=d.now, failed_probes=failed, reason=cause)
+    d.put(rec, new)
+    d.actions.append(Probe(rec.slot, rec.incarnation, cause))
+    d.reasons.append(
+        f"slot {rec.slot} incarnation {rec.incarnation} {cause} "
+        f"({failed} of {threshold} failed probes): probing again"
+    )
+
+
+def _start_failed(d: Draft, rec: SlotRecord, ev: Observed) -> None:
+    cause = f"start {ev.failure.value}" + (f": {ev.detail}" if ev.detail else "")
+    if rec.phase is not _LAUNCHING:
+        d.reasons.append(
+            f"start outcome for slot {rec.slot} incarnation {rec.incarnation}, which is "
+            f"already {_state(d, rec).value}: ignored"
+        )
+        return
+    if ev.failure is _F_SUSPECT:
+        d.reasons.append(f"slot {rec.slot} incarnation {rec.incarnation} {cause}: still starting")
+        return
+    condemn(d, rec, f"failed to start: {cause}", evict=True)
+
+
+def condemn(d: Draft, rec: SlotRecord, cause: str, *, evict: bool) -> None:
+    """The incarnation in ``rec`` is dead: evict if asked, then restart or retire."""
+    if evict:
+        d.actions.append(Evict(rec.slot, rec.incarnation, cause))
+    plan = d.ledger.policy.plan(rec.restarts, d.now)
+    if not plan.allowed:
+        new = rec._replace(
+            phase=_RETIRED, weight_version=None, partial=False, since=d.now,
+            failed_probes=0, restart_at=None, reason=f"{cause}; {plan.reason}",
+        )
+        d.put(rec, new)
+        d.actions.append(Retire(rec.slot, rec.incarnation, new.reason))
+        d.reasons.append(f"slot {rec.slot} incarnation {rec.incarnation} retired: {new.reason}")
+        return
+    dead = rec._replace(
+        phase=_DEAD, weight_version=None, partial=False, since=d.now,
+        failed_probes=0, restart_at=plan.not_before, reason=cause,
+    )
+    d.put(rec, dead)
+    if plan.not_before <= d.now:
+        d.reasons.append(f"slot {rec.slot} incarnation {rec.incarnation} dead: {cause}")
+        restart(d, dead)
+    else:
+        d.reasons.append(
+            f"slot {rec.slot} incarnation {rec.incarnation} dead: {cause}; {plan.reason}"
+        )
+
+
+def restart(d: Draft, dead: SlotRecord) -> None:
+    attempt = dead.restarts + 1
+    budget = d.ledger.policy.restart_budget
+    new = SlotRecord(
+        dead.slot, dead.incarnation + 1, _LAUNCHING, None, False, d.now, 0, attempt, None,
+        f"restart {attempt} of {budget} after: {dead.reason}",
+    )
+    d.put(dead, new)
+    d.actions.append(Restart(dead.slot, new.incarnation, dead.incarnation, attempt, dead.reason))
+    d.reasons.append(f"slot {dead.slot}: launching incarnation {new.incarnation} ({new.reason})")
+
+
+def on_report(d: Draft, ev: RefitReport) -> None:
+    rec = _resolve(d, ev)
+    if rec is None:
+        return
+    result = ev.result
+    where = f"slot {rec.slot} incarnation {rec.incarnation}"
+    if result is RefitResult.NOT_STARTED:
+        d.reasons.append(f"refit of version {ev.version} moved no bytes to {where}: weights untouched")
+        return
+    if result is RefitResult.PARTIAL:
+        reason = (
+            f"partial refit of version {ev.version}: mixed weights, stale until a "
+            "complete refit lands"
+        )
+        d.put(rec, rec._replace(weight_version=None, partial=True, reason=reason))
+        d.reasons.append(f"{where}: {reason}")
+        return
+    if result is not RefitResult.COMPLETE:
+        raise ValueError(f"RefitReport for {where} has result {result!r}, not a RefitResult")
+    fleet = d.ledger._fleet
+    if fleet.refit_version != ev.version:
+        why = f"the refit in progress is {fleet.refit_version}"
+    elif fleet.halted is not None:
+        why = "that refit was aborted, so nothing from it counts as success"
+    elif rec.phase is _LAUNCHING:
+        why = "it is not ready"
+    else:
+        why = None
+    if why is not None:
+        d.late(
+            f"complete refit of version {ev.version} reported for {where}, but {why}: "
+            "ignored, weight stamp unchanged"
+        )
+        return
+    new = rec._replace(
+        weight_version=ev.version, partial=False, reason=f"refit of version {ev.version} landed"
+    )
+    d.put(rec, new)
+    serves = "serves" if fleet.current_version == ev.version else "serves once it is committed"
+    d.reasons.append(f"version {ev.version} landed on {where}; it {serves}")
+
+
+def _state(d: Draft, rec: SlotRecord) -> ShardState:
+    return view_state(rec, d.ledger._fleet.current_version)
