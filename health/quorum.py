@@ -95,7 +95,7 @@ def exhausted_message(
             state = view_state(r, current_version)
             if state is not ShardState.HEALTHY:
                 others.setdefault(state.value, []).append(
-                    f"{r.slot} (incarnation {r.incarnation})"
+                    f"slot {r.slot} (incarnation {r.incarnation})"
                 )
     if permanent:
         head = (
@@ -108,9 +108,14 @@ def exhausted_message(
             f"{current_version}, min_healthy_engines={needed}"
         )
     parts = [head]
-    parts.append("dead: " + ("; ".join(dead) if dead else "none"))
-    parts.append("retired: " + ("; ".join(retired) if retired else "none"))
+    if dead:
+        parts.append("Dead: " + " | ".join(dead))
+    if retired:
+        parts.append("Retired: " + " | ".join(retired))
+    if not dead and not retired:
+        parts.append("No slot is dead or retired")
     if others:
-        listed = ", ".join(f"{state} slot(s) {', '.join(v)}" for state, v in others.items())
-        parts.append(f"also not serving: {listed}")
-    return "; ".join(parts[:1]) + ". " + ". ".join(parts[1:]) + ". Gate stays closed."
+        listed = "; ".join(f"{state} {', '.join(v)}" for state, v in others.items())
+        parts.append(f"Not serving: {listed}")
+    parts.append("Gate stays closed.")
+    return ". ".join(parts)
