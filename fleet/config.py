@@ -100,6 +100,8 @@ def validate(model_cls: type[BaseModel], data: dict[str, Any], prefix: str = "")
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
         field = f"{prefix}.{loc}" if prefix else loc
+        problem = err["msg"].removeprefix("Value error, ")
         allowed = err.get("ctx", {}).get("expected")
-        problem = err["msg"] + (f"; allowed: {allowed}" if allowed else "")
+        if allowed and str(allowed) not in problem:
+            problem += f"; allowed: {allowed}"
         raise ConfigError(field, problem, err.get("input")) from None

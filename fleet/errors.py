@@ -41,3 +41,19 @@ class DeadlineExceeded(RlfleetError, TimeoutError):
 
 class BadRequestError(RlfleetError, ValueError):
     """The request itself is invalid (e.g. sampling parameters the engine rejects). Do not retry."""
+
+
+class FleetStopped(RlfleetError):
+    """The fleet stopped with the gate closed (below quorum, or an unrecovered refit failure).
+
+    The message names the dead shards and the phase that failed. Pending requests
+    are returned explicitly; nothing more is dispatched.
+    """
+
+
+class RefitFailed(FleetStopped):
+    """A refit could not complete (after its one retry); the gate stays closed."""
+
+
+class FleetExhausted(FleetStopped):
+    """Fewer than ``min_healthy_engines`` engines can serve; names every dead or retired slot."""

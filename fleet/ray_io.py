@@ -89,13 +89,6 @@ async def call(ref: Awaitable, timeout: float, expect_ack: bool = False) -> Outc
     return outcome_of(value, expect_ack=expect_ack, elapsed=time.monotonic() - t0)
 
 
-async def fan_out(refs: Mapping[Hashable, Awaitable], timeout: float, expect_ack: bool = False) -> dict[Hashable, Outcome]:
-    """Settle every call within one shared deadline; return an outcome per key."""
-    keys = list(refs)
-    results = await asyncio.gather(*(call(refs[k], timeout, expect_ack) for k in keys))
-    return dict(zip(keys, results))
-
-
 def get(ref, timeout: float, expect_ack: bool = False) -> Outcome:
     """Synchronous ``call`` for drivers and tests outside an event loop."""
     t0 = time.monotonic()
@@ -164,3 +157,33 @@ def init_local(num_cpus: int | None = None, **kwargs) -> None:
 def shutdown() -> None:
     if ray.is_initialized():
         ray.shutdown()
+
+
+class RayDoor:
+    """The controller's handle on Ray, by method name, so unit tests can swap in a fake door.
+
+    ``call``/``fan_out`` never raise for actor failures: they return ``Outcome``s.
+    """
+
+    def spawn_shard(self, config: EngineConfig, slot: int, incarnation: int, weight_version: int = 0, **options):
+        return spawn_shard(config, slot, incarnation, weight_version, **options)
+
+    async def call(self, handle, method: str, *args, timeout: float, expect_ack: bool = False, **kwargs) -> Outcome:
+        try:
+            ref = getattr(handle, method).remote(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - submitting to a dead actor can raise at once
+            return outcome_of(exc=exc)
+        return await call(ref, timeout, expect_ack)
+
+    async def fan_out(
+        self, calls: Mapping[Hashable, tuple], timeout: float, expect_ack: bool = False
+    ) -> dict[Hashable, Outcome]:
+        """``calls`` maps key -> (handle, method, args, kwargs); one shared deadline; all settle."""
+        keys = list(calls)
+        results = await asyncio.gather(
+            *(self.call(h, m, *a, timeout=timeout, expect_ack=expect_ack, **kw) for h, m, a, kw in (calls[k] for k in keys))
+        )
+        return dict(zip(keys, results))
+
+    def kill(self, handle) -> None:
+        kill(handle)

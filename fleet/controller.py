@@ -1,0 +1,339 @@
+"""``SingleController``: owns the engine shards, the dispatch gate, and the health ledger.
+
+The controller is a plain class (``fleet.ray_io.spawn_controller`` makes it an async
+Ray actor; unit tests drive it in-process with a fake door and fake shards). It
+never decides on its own how to react to a failure: it turns every observed
+outcome into a ``health`` event, applies ``health.step``'s decision, logs the
+reason, and carries out the actions (probe, evict, restart, retire, stop). The
+weight-update lifecycle lives in ``fleet.lifecycle``; the request path in
+``fleet.dispatch``.
+
+Guarantees: every accepted request ends completed or explicitly returned (see
+``Dispatcher``); the gate is open only while quorum serves the committed version;
+after an unrecovered failure the gate stays closed and the error names the shards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from typing import Any, Sequence
+
+from fleet.dispatch import Dispatcher, FleetResult
+from fleet.errors import ShardUnusableError
+from fleet.eventlog import EventLog
+from fleet.fleet_config import FleetConfig, load_fleet_config
+from fleet.gate import DispatchGate, RoutingState
+from fleet.metrics import FleetMetrics
+from fleet.ray_io import DIED, Outcome
+from health import (
+    CallKind,
+    Decision,
+    EngineReady,
+    Evict,
+    FailureClass,
+    Ledger,
+    MembershipPlan,
+    MonotonicClock,
+    Observed,
+    Probe,
+    RefitFinished,
+    RefitReport,
+    RefitResult,
+    RefitStarted,
+    Restart,
+    Retire,
+    StopExhausted,
+    Tick,
+    VersionCommitted,
+    step,
+)
+from health.classify import classify_kind
+
+MONITOR_INTERVAL_S = 1.0
+TIMER_INTERVAL_S = 0.2
+
+
+def observed(slot: int, incarnation: int, call: CallKind, outcome: Outcome) -> Observed:
+    """Turn a door ``Outcome`` into a health observation.
+
+    A shard that answers with ``ShardUnusableError`` (engine core crashed, shut down)
+    is as good as dead: the controller kills its actor to fence it.
+    """
+    failure = classify_kind(outcome.kind)
+    if outcome.kind == "error" and isinstance(outcome.error, ShardUnusableError):
+        failure = FailureClass.DEAD
+    return Observed(slot, incarnation, call, failure, outcome.describe()[:300])
+
+
+class SingleController:
+    """The fleet's control plane. Call ``start()`` once, then ``generate``/``sync_weights``."""
+
+    def __init__(self, config: dict | FleetConfig, door: Any = None, clock: Any = None, transfer: Any = None) -> None:
+        self.cfg = load_fleet_config(config)
+        self.clock = clock or MonotonicClock()
+        self.log = EventLog(self.cfg.event_log_path, clock=self.clock.now)
+        if door is None:
+            from fleet.ray_io import RayDoor
+
+            door = RayDoor()
+        self.door = door
+        self.ledger = Ledger(self.cfg.health_config(), now=self.clock.now())
+        self.gate = DispatchGate(self.log)
+        self.handles: dict[int, tuple[int, Any]] = {}
+        self.plan = MembershipPlan.initial()
+        self.stopped: str | None = None
+        self.dispatcher = Dispatcher(self, self.log, self.cfg.request_timeout_s, self.cfg.max_redispatch)
+        self.metrics = FleetMetrics(enabled=self.cfg.metrics)
+        self._transfer = transfer
+        self._tasks: set[asyncio.Task] = set()
+        self._restarting: dict[int, asyncio.Task] = {}
+        self._keep_warned = False
+        self.refits: list[dict] = []
+        from fleet.lifecycle import RefitLifecycle
+
+        self.lifecycle = RefitLifecycle(self)
+
+    # ------------------------------------------------------------------ start / stop
+    async def start(self) -> dict:
+        """Launch every slot, wait for them (bounded), commit the checkpoint as version 0, open the gate."""
+        self.log.emit("phase", phase="start", edge="begin", engines=self.cfg.num_engines)
+        for slot in range(self.cfg.num_engines):
+            self._spawn(slot, self.ledger.raw(slot).incarnation)
+        outs = await self.door.fan_out(
+            {slot: (h, "start", (), {}) for slot, (_, h) in self.handles.items()},
+            timeout=self.cfg.engine.start_timeout_s + 30,
+        )
+        for slot, out in outs.items():
+            inc = self.handles[slot][0]
+            if out.ok:
+                self.decide(EngineReady(slot, inc))
+            else:
+                self.decide(observed(slot, inc, CallKind.START, out))
+        await self._commit_checkpoint()
+        self._background(self._timer_loop())
+        self._background(self._monitor_loop())
+        self.log.emit("phase", phase="start", edge="end", serving=self.ledger.serving_count())
+        if self.stopped:
+            raise_stopped(self.stopped)
+        return self.status()
+
+    async def _commit_checkpoint(self) -> None:
+        """Every engine loaded the checkpoint from disk: that load is the complete refit of version 0."""
+        self.decide(RefitStarted(0))
+        for slot, (inc, _) in self.handles.items():
+            self.decide(RefitReport(slot, inc, 0, RefitResult.COMPLETE, "loaded from the checkpoint"))
+        self.decide(VersionCommitted(0))
+        self.finish_refit(0)
+
+    async def shutdown(self) -> dict:
+        """Stop dispatch, return every pending request explicitly, shut every shard down."""
+        self.halt("controller shut down")
+        for task in list(self._tasks):
+            task.cancel()
+        outs = await self.door.fan_out(
+            {slot: (h, "shutdown", (), {}) for slot, (_, h) in self.handles.items()}, timeout=60
+        )
+        for _, h in self.handles.values():
+            self.door.kill(h)
+        await self.dispatcher.notify_room()
+        self.log.emit("phase", phase="shutdown", edge="end", shards={s: o.kind for s, o in outs.items()})
+        self.log.close()
+        return self.dispatcher.counters()
+
+    def halt(self, reason: str) -> None:
+        """Stop with the gate closed: waiting requests are returned explicitly from now on."""
+        if self.stopped is None:
+            self.stopped = reason
+            self.log.emit("stopped", reason=reason)
+        self.gate.close(reason)
+
+    # ------------------------------------------------------------------ health
+    def decide(self, event) -> Decision:
+        """Apply one event to the ledger, log the decision, carry out its non-lifecycle actions."""
+        d = step(self.ledger, event, self.clock.now())
+        self.log.emit("decision", event=type(event).__name__, failure=d.failure, reason=d.reason)
+        for t in d.transitions:
+            self.log.emit(
+                "health", slot=t.slot, incarnation=t.incarnation, before=t.before, after=t.after, reason=t.reason
+            )
+        for action in d.actions:
+            self._carry_out(action)
+        self.metrics.health(self.ledger)
+        return d
+
+    def _carry_out(self, action) -> None:
+        if isinstance(action, Probe):
+            self._background(self._probe(action.slot, action.incarnation))
+        elif isinstance(action, Evict):
+            self._kill(action.slot, action.incarnation, f"evicted: {action.reason}")
+        elif isinstance(action, Restart):
+            if self.cfg.restart_dead_engines and not self.stopped:
+                self._restarting[action.slot] = self._background(self._restart(action))
+        elif isinstance(action, Retire):
+            self._kill(action.slot, action.incarnation, f"retired: {action.reason}")
+            self.log.emit("retire", slot=action.slot, incarnation=action.incarnation, reason=action.reason)
+        elif isinstance(action, StopExhausted):
+            self.halt(action.message)
+        # AbortRefit, OpenGate and KeepGateClosed are read by the lifecycle from the decision.
+
+    def _kill(self, slot: int, incarnation: int, reason: str) -> None:
+        current = self.handles.get(slot)
+        if current is not None and current[0] == incarnation:
+            self.door.kill(current[1])
+            self.log.emit("kill", slot=slot, incarnation=incarnation, reason=reason)
+
+    async def _probe(self, slot: int, incarnation: int) -> None:
+        handle = self.handle_of(slot, incarnation)
+        if handle is None:
+            return
+        out = await self.door.call(handle, "ping", timeout=self.cfg.probe_timeout_s)
+        if out.kind == DIED or (out.kind == "error" and isinstance(out.error, ShardUnusableError)):
+            self.door.kill(handle)
+        self.decide(observed(slot, incarnation, CallKind.PROBE, out))
+
+    def _spawn(self, slot: int, incarnation: int):
+        handle = self.door.spawn_shard(self.cfg.engine, slot, incarnation, 0)
+        self.handles[slot] = (incarnation, handle)
+        return handle
+
+    async def _restart(self, action: Restart) -> None:
+        old = self.handles.get(action.slot)
+        if old is not None:
+            self.door.kill(old[1])
+        self.log.emit("restart", slot=action.slot, incarnation=action.incarnation, edge="begin", attempt=action.attempt)
+        handle = self._spawn(action.slot, action.incarnation)
+        out = await self.door.call(handle, "start", timeout=self.cfg.engine.start_timeout_s + 30)
+        self.log.emit("restart", slot=action.slot, incarnation=action.incarnation, edge="end", outcome=out.kind)
+        if out.ok:
+            self.decide(EngineReady(action.slot, action.incarnation))
+        else:
+            self.door.kill(handle)
+            self.decide(observed(action.slot, action.incarnation, CallKind.START, out))
+        self._restarting.pop(action.slot, None)
+
+    async def _timer_loop(self) -> None:
+        while True:
+            wake = self.ledger.next_wake_at()
+            if wake is not None and self.clock.now() >= wake:
+                self.decide(Tick())
+            await asyncio.sleep(TIMER_INTERVAL_S)
+
+    async def _monitor_loop(self) -> None:
+        """Ping every live shard between refits so deaths are found without traffic."""
+        while True:
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+            if self.lifecycle.running:
+                continue
+            live = {s: (inc, h) for s, (inc, h) in self.handles.items() if self.ledger.state(s).value in ("healthy", "stale")}
+            outs = await self.door.fan_out(
+                {s: (h, "ping", (), {}) for s, (_, h) in live.items()}, timeout=self.cfg.probe_timeout_s
+            )
+            for slot, out in outs.items():
+                if not out.ok and self.handles.get(slot, (None,))[0] == live[slot][0]:
+                    await self.report_failure(slot, live[slot][0], out, CallKind.PROBE)
+
+    def _background(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.emit("error", where="background task", error=repr(task.exception()))
+
+    # ------------------------------------------------------------------ FleetView (for the dispatcher)
+    def serving(self) -> Sequence[tuple[int, int, Any]]:
+        out = []
+        for slot in self.ledger.serving_slots():
+            inc, handle = self.handles[slot]
+            if inc == self.ledger.raw(slot).incarnation:
+                out.append((slot, inc, handle))
+        return out
+
+    def caps(self) -> dict[int, int]:
+        return {slot: self.cfg.max_in_flight_per_shard for slot in self.handles}
+
+    def cache_salt(self, version: int) -> str | None:
+        return f"rlfleet-w{version}" if self.cfg.kv_policy == "salt" else None
+
+    async def report_failure(self, slot: int, incarnation: int, outcome: Outcome, call: CallKind = CallKind.GENERATE) -> None:
+        if outcome.kind == DIED or (outcome.kind == "error" and isinstance(outcome.error, ShardUnusableError)):
+            self._kill(slot, incarnation, f"{call.value} found it dead: {outcome.describe()[:200]}")
+        self.decide(observed(slot, incarnation, call, outcome))
+
+    def handle_of(self, slot: int, incarnation: int):
+        current = self.handles.get(slot)
+        return current[1] if current is not None and current[0] == incarnation else None
+
+    # ------------------------------------------------------------------ client API
+    async def generate(self, prompt: Any, sampling: dict | None = None, request_id: str | None = None) -> FleetResult:
+        """One prompt -> one ``FleetResult`` (completed with a tagged result, or returned with a reason)."""
+        return await self.dispatcher.submit(prompt, sampling, request_id)
+
+    async def generate_group(self, prompt: Any, n: int, sampling: dict | None = None, group_id: str | None = None) -> list[FleetResult]:
+        """``n`` samples of one prompt, routed independently (distinct seeds when a seed is given)."""
+        base = dict(sampling or {})
+        calls = []
+        for i in range(n):
+            s = dict(base)
+            if "seed" in s and s["seed"] is not None:
+                s["seed"] = int(s["seed"]) + i
+            calls.append(self.dispatcher.submit(prompt, s, f"{group_id}-{i}" if group_id else None))
+        return list(await asyncio.gather(*calls))
+
+    async def sync_weights(self, version: int, source: Any = None) -> dict:
+        """Run the refit lifecycle for ``version`` (see ``fleet.lifecycle``). Raises ``RefitFailed`` or ``FleetExhausted``."""
+        summary = await self.lifecycle.run(version, source)
+        self.refits.append(summary)
+        return summary
+
+    def transfer_port(self):
+        """The weight transport; built from ``refit`` on first use unless one was injected."""
+        if self._transfer is None:
+            from fleet.weights import RefitTransferPort
+
+            self._transfer = RefitTransferPort(self.cfg, self.door)
+        return self._transfer
+
+    def routing_state(self) -> RoutingState:
+        return RoutingState(self.gate.is_open, self.gate.version, self.plan.epoch, tuple(self.ledger.serving_slots()))
+
+    def status(self) -> dict:
+        return {
+            "gate_open": self.gate.is_open,
+            "version": self.gate.version,
+            "epoch": self.plan.epoch,
+            "stopped": self.stopped,
+            "requests": self.dispatcher.counters(),
+            "ledger": self.ledger.to_dict(),
+            "refits": len(self.refits),
+        }
+
+    def events(self, since: int = 0, kinds: list[str] | None = None) -> list[dict]:
+        return self.log.records(since, kinds)
+
+    def warn_keep_once(self, message: str) -> None:
+        if not self._keep_warned:
+            self._keep_warned = True
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            self.log.emit("warning", message=message)
+
+    def finish_refit(self, version: int) -> Decision:
+        """Step 8: ask the ledger whether the gate may reopen, and open it if so."""
+        from health import OpenGate
+
+        d = self.decide(RefitFinished(version))
+        for action in d.actions:
+            if isinstance(action, OpenGate):
+                self.gate.open(action.version, f"{action.serving} engine(s) serve version {action.version}")
+                self.metrics.gate(True, action.version)
+        return d
+
+
+def raise_stopped(message: str) -> None:
+    from fleet.errors import FleetStopped
+
+    raise FleetStopped(message)

@@ -1,0 +1,92 @@
+"""Typed configuration of a whole fleet, validated when the controller starts.
+
+An impossible or inconsistent setting (``min_healthy_engines`` above the engine
+count, a deadline that is not positive, an unknown KV policy) is rejected with a
+``ConfigError`` naming the field and the allowed values, before any actor exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.config import EngineConfig, validate
+from fleet.errors import ConfigError
+
+KV_POLICIES = ("recompute", "keep", "salt")
+REFIT_TIMEOUT_FALLBACK_S = 360.0
+
+
+class FleetConfig(BaseModel):
+    """Everything the ``SingleController`` needs. ``engine`` applies to every shard."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: EngineConfig
+    num_engines: int = Field(2, ge=1)
+    min_healthy_engines: int = Field(1, ge=1)
+    # Lifecycle deadlines: every pause/transfer/resume RPC is bounded by
+    # refit_timeout_s + lifecycle_grace_s (refit_timeout_s unset -> 360 s fallback).
+    refit_timeout_s: float | None = Field(None, gt=0)
+    lifecycle_grace_s: float = Field(10.0, ge=0)
+    kv_policy: Literal["recompute", "keep", "salt"] = "recompute"
+    # Health and restarts.
+    restart_dead_engines: bool = True
+    restart_budget: int = Field(3, ge=0)
+    restart_backoff_s: float = Field(1.0, ge=0)
+    restart_backoff_cap_s: float = Field(30.0, ge=0)
+    suspect_timeout_s: float = Field(20.0, gt=0)
+    unhealthy_threshold: int = Field(2, ge=1)
+    probe_timeout_s: float = Field(5.0, gt=0)
+    # Weight transport.
+    transport_backend: Literal["gloo", "nccl"] = "gloo"
+    bucket_mb: float = Field(64.0, gt=0)
+    apply_mode: Literal["staged", "streaming"] = "staged"
+    # Requests.
+    max_in_flight_per_shard: int = Field(256, ge=1)
+    max_staleness: int | None = Field(None, ge=0)
+    max_redispatch: int = Field(3, ge=0, description="times a request is re-sent after its shard failed, then returned")
+    request_timeout_s: float = Field(600.0, gt=0)
+    # Observability.
+    event_log_path: str | None = None
+    metrics: bool = True
+
+    @property
+    def lifecycle_deadline_s(self) -> float:
+        """Bound on every lifecycle RPC: ``refit_timeout_s`` (or the 360 s fallback) plus the grace."""
+        base = self.refit_timeout_s if self.refit_timeout_s is not None else REFIT_TIMEOUT_FALLBACK_S
+        return base + self.lifecycle_grace_s
+
+    def health_config(self):
+        from health import HealthConfig
+
+        return HealthConfig(
+            num_engines=self.num_engines,
+            min_healthy_engines=self.min_healthy_engines,
+            unhealthy_threshold=self.unhealthy_threshold,
+            suspect_timeout_s=self.suspect_timeout_s,
+            restart_budget=self.restart_budget if self.restart_dead_engines else 0,
+            backoff_base_s=self.restart_backoff_s,
+            backoff_cap_s=self.restart_backoff_cap_s,
+        )
+
+
+def _check_consistency(cfg: FleetConfig) -> None:
+    if cfg.min_healthy_engines > cfg.num_engines:
+        raise ConfigError(
+            "min_healthy_engines", f"must be between 1 and num_engines ({cfg.num_engines})", cfg.min_healthy_engines
+        )
+    if cfg.restart_backoff_cap_s < cfg.restart_backoff_s:
+        raise ConfigError(
+            "restart_backoff_cap_s", f"must be >= restart_backoff_s ({cfg.restart_backoff_s})", cfg.restart_backoff_cap_s
+        )
+    if cfg.transport_backend == "nccl" and cfg.engine.num_gpus <= 0:
+        raise ConfigError("transport_backend", "nccl needs GPU engines (engine.num_gpus > 0); use gloo on CPU", "nccl")
+
+
+def load_fleet_config(data: dict[str, Any] | FleetConfig) -> FleetConfig:
+    """Validate a fleet config (dict or object). Raises ``ConfigError`` naming the field."""
+    cfg = data if isinstance(data, FleetConfig) else validate(FleetConfig, data)
+    _check_consistency(cfg)
+    return cfg

@@ -1,0 +1,56 @@
+"""The dispatch gate: closed during every refit, open only on a committed version.
+
+The gate is part of the small, publishable routing state (open flag, weight
+version, membership epoch) that a client-side router could read. Waiting for the
+gate is bounded by the caller; nothing is dropped while it is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from fleet.eventlog import EventLog
+
+
+@dataclass(frozen=True)
+class RoutingState:
+    gate_open: bool
+    version: int
+    epoch: int
+    serving: tuple[int, ...]
+
+
+class DispatchGate:
+    def __init__(self, log: EventLog) -> None:
+        self._log = log
+        self._open = asyncio.Event()
+        self.version = 0
+        self.reason = "not yet opened"
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def open(self, version: int, reason: str) -> None:
+        self.version = version
+        self.reason = reason
+        if not self._open.is_set():
+            self._open.set()
+            self._log.emit("gate", open=True, version=version, reason=reason)
+
+    def close(self, reason: str) -> None:
+        self.reason = reason
+        if self._open.is_set():
+            self._open.clear()
+            self._log.emit("gate", open=False, version=self.version, reason=reason)
+
+    async def wait_open(self, timeout: float | None = None) -> bool:
+        """True once open; False if ``timeout`` passed first."""
+        if self._open.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._open.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False

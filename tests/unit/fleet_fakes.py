@@ -1,0 +1,150 @@
+"""In-process fakes for unit tests of the controller's pure logic (no Ray, no vLLM).
+
+``FakeDoor`` stands in for ``fleet.ray_io.RayDoor``: shards are ``FakeShard``
+objects whose behaviour per method is scripted ("die", "hang", "lie",
+"unavailable", "error"), and every call is recorded in ``door.calls`` as
+(method, slot, incarnation) in the order calls were made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from fleet.ray_io import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
+from fleet.types import Completion, GenerationResult
+from fleet.weights import TransferResult
+from health import RefitResult
+
+
+class ActorDiedError(Exception):
+    pass
+
+
+@dataclass
+class FakeShard:
+    slot: int
+    incarnation: int
+    version: int = 0
+    paused: bool = False
+    dead: bool = False
+    script: dict = field(default_factory=dict)  # method -> behaviour (consumed once unless sticky)
+    sticky: dict = field(default_factory=dict)  # method -> behaviour (every call)
+    held: int = 0
+
+    def behaviour(self, method: str) -> str | None:
+        return self.sticky.get(method) or self.script.pop(method, None)
+
+
+class FakeDoor:
+    def __init__(self, gen_delay: float = 0.01) -> None:
+        self.shards: dict[tuple[int, int], FakeShard] = {}
+        self.calls: list[tuple[str, int, int]] = []
+        self.kwargs: list[tuple[str, int, dict]] = []
+        self.gen_delay = gen_delay
+        self.on_spawn: dict[tuple[int, int], dict] = {}  # (slot, inc) -> sticky script for new shards
+
+    def spawn_shard(self, config, slot, incarnation, weight_version=0, **options):
+        shard = FakeShard(slot, incarnation, sticky=dict(self.on_spawn.get((slot, incarnation), {})))
+        self.shards[(slot, incarnation)] = shard
+        return shard
+
+    def kill(self, handle: FakeShard) -> None:
+        handle.dead = True
+
+    async def call(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
+        self.calls.append((method, handle.slot, handle.incarnation))
+        self.kwargs.append((method, handle.slot, kw))
+        if handle.dead:
+            return Outcome(DIED, error=ActorDiedError(f"slot {handle.slot} died"))
+        b = handle.behaviour(method)
+        if b == "die":
+            handle.dead = True
+            return Outcome(DIED, error=ActorDiedError(f"slot {handle.slot} died in {method}"))
+        if b == "hang":
+            await asyncio.sleep(timeout)
+            return Outcome(TIMED_OUT, error=TimeoutError(f"{method} hung"))
+        if b == "unavailable":
+            return Outcome(UNAVAILABLE, error=ConnectionError("unavailable"))
+        if b == "error":
+            return Outcome(ERROR, error=RuntimeError(f"{method} failed"))
+        if b == "lie":
+            return Outcome(BAD_ACK, value=None)
+        value = await getattr(self, f"_{method}")(handle, *args, **kw)
+        if handle.dead:
+            return Outcome(DIED, error=ActorDiedError(f"slot {handle.slot} died during {method}"))
+        if expect_ack and value is not True:
+            return Outcome(BAD_ACK, value=value)
+        return Outcome(OK, value=value)
+
+    async def fan_out(self, calls, timeout, expect_ack=False):
+        keys = list(calls)
+        outs = await asyncio.gather(
+            *(self.call(h, m, *a, timeout=timeout, expect_ack=expect_ack, **kw) for h, m, a, kw in (calls[k] for k in keys))
+        )
+        return dict(zip(keys, outs))
+
+    # -- the fake shard methods -----------------------------------------------------
+    async def _start(self, s):
+        return {"start_s": 0.0}
+
+    async def _ping(self, s):
+        return {"slot": s.slot}
+
+    async def _pause(self, s, mode="keep", clear_cache=True):
+        s.paused = True
+        return True
+
+    async def _resume(self, s):
+        s.paused = False
+        return True
+
+    async def _set_weight_version(self, s, v):
+        s.version = v
+        return True
+
+    async def _abort(self, s, ids):
+        return True
+
+    async def _shutdown(self, s):
+        s.dead = True
+        return True
+
+    async def _generate(self, s, prompt, sampling, request_id=None, cache_salt=None):
+        start = s.version
+        await asyncio.sleep(self.gen_delay)
+        while s.paused and not s.dead:
+            await asyncio.sleep(0.005)
+        c = Completion((1, 2), (-0.1, -0.2), "length")
+        return GenerationResult(request_id, (1,), (c,), start, s.version, s.slot, s.incarnation)
+
+
+class FakeTransfer:
+    """Scripted transport: ``fail[attempt] = {slot: "die"|"hang"|"partial"|"error"}``."""
+
+    def __init__(self, door: FakeDoor) -> None:
+        self.door = door
+        self.attempts: list[tuple[int, int, tuple[int, ...], bool]] = []
+        self.fail: dict[int, dict[int, str]] = {}
+
+    async def transfer(self, participants, version, epoch, source, rebuild, timeout):
+        self.attempts.append((version, epoch, tuple(p.slot for p, _ in participants), rebuild))
+        self.door.calls.append(("transfer", -1, len(self.attempts)))
+        plan = self.fail.get(len(self.attempts), {})
+        out = {}
+        broken = any(v in ("die", "hang") for v in plan.values())
+        for p, shard in participants:
+            what = plan.get(p.slot)
+            if what == "die":
+                shard.dead = True
+                out[p.slot] = TransferResult(RefitResult.NOT_STARTED, "connection reset: peer died")
+            elif what == "hang":
+                shard.sticky["ping"] = "hang"
+                out[p.slot] = TransferResult(RefitResult.NOT_STARTED, "timed out")
+            elif what == "partial":
+                out[p.slot] = TransferResult(RefitResult.PARTIAL, "apply failed midway", 10)
+            elif what == "error" or broken:
+                out[p.slot] = TransferResult(RefitResult.NOT_STARTED, "collective failed: a peer is gone")
+            else:
+                out[p.slot] = TransferResult(RefitResult.COMPLETE, "ok", 100)
+        return out
