@@ -1,0 +1,207 @@
+"""One refit process group per membership epoch, built beside (never inside) the default group.
+
+``torch.distributed`` is used only through explicit objects: a ``TCPStore`` the
+sender hosts on a fresh port for every epoch, a ``PrefixStore`` per epoch, and a
+``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU) built on it. No default
+process group is created, read or changed, so vLLM's own groups and the trainer's
+are untouched. The same code path serves both backends; only the device of the
+buffers differs.
+
+Failure guarantees:
+
+- every blocking call takes a deadline and raises ``TransferError`` when it passes
+  (``Work.wait(timeout)``); group construction is bounded by the store timeout;
+- ``close()`` never blocks: a gloo group with an operation still pending blocks in
+  its destructor until that operation ends, so groups are released on a reaper
+  thread. Dropping the sender's group closes its sockets, which makes every
+  receiver still waiting on it fail at once instead of waiting out its timeout;
+- after any failed collective the group is ``broken`` and must be replaced by a
+  new epoch; it is never used again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from refit.errors import RefitUsageError, TransferError
+
+BACKENDS = ("gloo", "nccl")
+_MAGIC = 0x52464C54  # "RFLT"
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """Where the ranks of one epoch meet. Plain data; travels through the control RPC."""
+
+    addr: str
+    port: int
+    epoch: int
+    world_size: int
+    backend: str
+
+    def to_wire(self) -> dict:
+        return {"addr": self.addr, "port": self.port, "epoch": self.epoch, "world_size": self.world_size, "backend": self.backend}
+
+    @classmethod
+    def from_wire(cls, d) -> "GroupAddress":
+        return cls(str(d["addr"]), int(d["port"]), int(d["epoch"]), int(d["world_size"]), str(d["backend"]))
+
+
+def default_address() -> str:
+    """The address peers use to reach this host: ``RLFLEET_REFIT_ADDR``, else the outbound interface, else loopback."""
+    env = os.environ.get("RLFLEET_REFIT_ADDR")
+    if env:
+        return env
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet is sent; this only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def device_for(backend: str, device: torch.device | str | None = None) -> torch.device:
+    if backend not in BACKENDS:
+        raise RefitUsageError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "gloo":
+        return torch.device("cpu")
+    return torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(0.001, float(seconds)))
+
+
+# -- reaper: releases groups off the caller's thread ----------------------------------
+
+_reap_q: "queue.Queue[tuple]" = queue.Queue()
+_reaper: threading.Thread | None = None
+_reaper_lock = threading.Lock()
+
+
+def _reap_forever() -> None:
+    while True:
+        objs = _reap_q.get()
+        try:
+            for o in objs:
+                if o is not None and hasattr(o, "abort") and type(o).__name__ == "ProcessGroupNCCL":
+                    try:
+                        o.abort()
+                    except Exception:  # noqa: BLE001 - best effort on a dead group
+                        pass
+        finally:
+            del objs  # the destructors run here, possibly blocking until a pending op ends
+
+
+def _release(*objs) -> None:
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None or not _reaper.is_alive():
+            _reaper = threading.Thread(target=_reap_forever, name="rlfleet-refit-reaper", daemon=True)
+            _reaper.start()
+    _reap_q.put(objs)
+
+
+# -- the group ----------------------------------------------------------------------------
+
+def host_store(addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Start a rendezvous store on a fresh free port (rank 0 only)."""
+    return dist.TCPStore(addr, 0, world_size, is_master=True, wait_for_workers=False, timeout=_td(timeout_s))
+
+
+def _make_pg(store, rank: int, world: int, backend: str, timeout_s: float):
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = _td(timeout_s)
+        iface = os.environ.get("GLOO_SOCKET_IFNAME")
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface else dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(store, rank, world, opts)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = _td(timeout_s)
+    return dist.ProcessGroupNCCL(store, rank, world, opts)
+
+
+class RefitGroup:
+    """This process's rank in the refit group of one epoch.
+
+    Preconditions: rank 0 passes the store it hosts (``host_store``); other ranks
+    pass ``store=None`` and connect to ``address``. Construction blocks until every
+    rank joined and the handshake (epoch check) passed, or raises ``TransferError``
+    after ``timeout_s``.
+    """
+
+    def __init__(self, address: GroupAddress, rank: int, timeout_s: float, store=None, device=None) -> None:
+        if not 0 <= rank < address.world_size:
+            raise RefitUsageError(f"rank {rank} outside world of size {address.world_size} (epoch {address.epoch})")
+        self.address = address
+        self.rank = rank
+        self.timeout_s = float(timeout_s)
+        self.device = device_for(address.backend, device)
+        self.broken = False
+        self._store = store
+        self._pg = None
+        t0 = time.monotonic()
+        try:
+            if self._store is None:
+                self._store = dist.TCPStore(address.addr, address.port, address.world_size, is_master=False, timeout=_td(timeout_s))
+            prefix = dist.PrefixStore(f"rlfleet/epoch{address.epoch}", self._store)
+            self._pg = _make_pg(prefix, rank, address.world_size, address.backend, timeout_s)
+            self._handshake(t0 + self.timeout_s)
+        except TransferError:
+            self.close()
+            raise
+        except Exception as exc:  # noqa: BLE001 - store/connect failures of every kind
+            self.close()
+            raise TransferError(f"rank {rank} could not join the refit group of epoch {address.epoch} at {address.addr}:{address.port} within {timeout_s:.1f} s: {type(exc).__name__}: {exc}") from None
+        self.build_s = time.monotonic() - t0
+
+    def _handshake(self, deadline: float) -> None:
+        a = self.address
+        hello = torch.tensor([_MAGIC, a.epoch, a.world_size], dtype=torch.int64, device=self.device)
+        if self.rank != 0:
+            hello.zero_()
+        self.wait(self.broadcast(hello), deadline, "handshake")
+        got = [int(x) for x in hello.cpu().tolist()]
+        if got != [_MAGIC, a.epoch, a.world_size]:
+            raise TransferError(f"handshake of epoch {a.epoch} on rank {self.rank} got {got}: a rank of another epoch is on this port")
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0):
+        """Start a broadcast of ``tensor`` (contiguous, on ``self.device``) from ``root``; returns the work."""
+        if self._pg is None or self.broken:
+            raise TransferError(f"refit group of epoch {self.address.epoch} is {'broken' if self.broken else 'closed'}; rebuild it")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        return self._pg.broadcast([tensor], opts)
+
+    def wait(self, work, deadline: float, what: str) -> None:
+        """Wait for ``work`` until the monotonic ``deadline``; raise ``TransferError`` naming ``what`` on failure or timeout."""
+        remaining = deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise TimeoutError("deadline already passed")
+            work.wait(_td(remaining))
+        except Exception as exc:  # noqa: BLE001 - gloo/nccl raise RuntimeError subclasses
+            self.broken = True
+            late = time.monotonic() >= deadline - 1e-3
+            cause = "timed out" if late or "timed out" in str(exc).lower() else "failed"
+            raise TransferError(
+                f"{what} {cause} on rank {self.rank} of epoch {self.address.epoch} "
+                f"(deadline {self.timeout_s:.1f} s): {type(exc).__name__}: {str(exc)[:300]}"
+            ) from None
+
+    def close(self) -> None:
+        """Drop the group without blocking (see module docstring). Idempotent."""
+        pg, store = self._pg, self._store
+        self._pg = self._store = None
+        self.broken = True
+        if pg is not None or store is not None:
+            _release(pg, store)

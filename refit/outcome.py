@@ -1,0 +1,108 @@
+"""Typed results of a refit: one outcome per participant, phase timings, and the report.
+
+These are the inputs the health ledger needs: an outcome says what weights the
+engine holds now, not only whether a call failed.
+
+- ``NOT_STARTED``: the engine's live weights were not touched; it still holds the
+  old weights and the old version stamp (it may have received bytes into staging).
+- ``PARTIAL``: the live weights may be a mix of old and new (a streaming apply
+  stopped mid-way, an apply failed, or the engine could not be asked and may have
+  been applying): it must not serve until replaced or refitted completely.
+- ``COMPLETE``: every tensor was applied and the new version stamped.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Mapping
+
+
+class Outcome(str, enum.Enum):
+    NOT_STARTED = "not_started"
+    PARTIAL = "partial"
+    COMPLETE = "complete"
+
+
+@dataclass(frozen=True)
+class Participant:
+    """One engine of the membership plan: its slot, incarnation and receiving ranks (one per weight-holding worker).
+
+    Rank 0 is always the trainer's sender; engines take ranks 1..N, consecutive per engine.
+    """
+
+    slot: int
+    incarnation: int
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+
+    def describe(self) -> str:
+        return f"slot {self.slot} (incarnation {self.incarnation})"
+
+
+def assign_ranks(members: Mapping[tuple[int, int], int]) -> list[Participant]:
+    """Lay out ranks for ``{(slot, incarnation): worker_count}`` in slot order: engines take 1.., consecutively."""
+    out, nxt = [], 1
+    for (slot, inc), workers in sorted(members.items()):
+        out.append(Participant(slot, inc, tuple(range(nxt, nxt + int(workers)))))
+        nxt += int(workers)
+    return out
+
+
+def describe(key: Hashable) -> str:
+    return key.describe() if hasattr(key, "describe") else str(key)
+
+
+@dataclass(frozen=True)
+class ParticipantResult:
+    outcome: Outcome
+    error: str | None = None
+    phase: str | None = None  # where it failed: "group", "prepare", "transfer", "apply"
+    bytes_moved: int = 0
+    exception: BaseException | None = None  # the original exception of a failed call (for the caller's classifier)
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.COMPLETE
+
+
+@dataclass(frozen=True)
+class PhaseTimings:
+    group_s: float = 0.0  # 0 when the epoch's group was reused
+    prepare_s: float = 0.0
+    transfer_s: float = 0.0  # the transfer call, wall clock (includes the apply on the receivers)
+    apply_s: float = 0.0  # the slowest participant's apply
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RefitReport:
+    version: int
+    epoch: int
+    refit_id: int
+    results: Mapping[Hashable, ParticipantResult]
+    timings: PhaseTimings
+    group_rebuilt: bool
+    bytes_sent: int = 0
+    sender_error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True only if the sender finished and every participant is COMPLETE."""
+        return self.sender_error is None and bool(self.results) and all(r.ok for r in self.results.values())
+
+    @property
+    def failed(self) -> list[Hashable]:
+        return [k for k, r in self.results.items() if not r.ok]
+
+    def summary(self) -> str:
+        head = f"refit {self.refit_id} to version {self.version} (epoch {self.epoch}): " + ("ok" if self.ok else "FAILED")
+        lines = [head + f" in {self.timings.total_s:.2f} s, {self.bytes_sent / 2**20:.1f} MiB sent"]
+        if self.sender_error:
+            lines.append(f"  sender: {self.sender_error}")
+        for k, r in self.results.items():
+            lines.append(f"  {describe(k)}: {r.outcome.value}" + (f" [{r.phase}] {r.error}" if r.error else ""))
+        return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""The two ports the synchronizer talks through. Ray-agnostic: the caller adapts its handles.
+
+``ReceiverPort`` is one engine (one participant): an async ``worker_rpc`` that runs a
+method of the worker extension on every worker of that engine and returns one result
+per worker, exactly like ``EngineShard.worker_rpc``. Over Ray the adapter is three
+lines (``await shard.worker_rpc.remote(method, args, kwargs, timeout)``).
+
+``SenderPort`` is the trainer's ``WeightSender``. ``LocalSenderPort`` is the
+in-process implementation: it runs the sender's blocking calls on one dedicated
+thread, so it can live inside an asyncio trainer or be turned into a Ray actor as is
+(``ray.remote(LocalSenderPort)``).
+
+The synchronizer bounds every call on both ports itself; ports need not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+
+from refit.sender import WeightSender
+
+
+class ReceiverPort(Protocol):
+    async def worker_rpc(self, method: str, args: Sequence = (), kwargs: Mapping | None = None, timeout: float | None = None) -> list: ...
+
+
+class SenderPort(Protocol):
+    async def open_group(self, epoch: int, world_size: int, backend: str, timeout_s: float) -> dict: ...
+
+    async def connect(self, timeout_s: float) -> dict: ...
+
+    async def close_group(self) -> bool: ...
+
+    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float) -> dict: ...
+
+    async def send(self, refit_id: int, timeout_s: float) -> dict: ...
+
+
+class LocalSenderPort:
+    """``SenderPort`` over a ``WeightSender`` in this process (or a factory that builds one on first use).
+
+    A factory lets the sender be built where the port lives (e.g. inside a Ray actor).
+    """
+
+    def __init__(self, sender: WeightSender | Callable[[], WeightSender]) -> None:
+        self._sender = sender if isinstance(sender, WeightSender) else None
+        self._factory = None if isinstance(sender, WeightSender) else sender
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlfleet-refit-sender")
+
+    @property
+    def sender(self) -> WeightSender:
+        if self._sender is None:
+            self._sender = self._factory()
+        return self._sender
+
+    async def _run(self, fn: Callable, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args))
+
+    async def open_group(self, epoch: int, world_size: int, backend: str, timeout_s: float) -> dict:
+        return await self._run(lambda: self.sender.open_group(epoch, world_size, backend, timeout_s))
+
+    async def connect(self, timeout_s: float) -> dict:
+        return await self._run(lambda: self.sender.connect(timeout_s))
+
+    async def close_group(self) -> bool:
+        return await self._run(lambda: self.sender.close_group())
+
+    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float) -> dict:
+        return await self._run(lambda: self.sender.prepare(refit_id, transfer, bucket_mb))
+
+    async def send(self, refit_id: int, timeout_s: float) -> dict:
+        return await self._run(lambda: self.sender.send(refit_id, timeout_s))
+
+    async def send_raw(self, refit_id: int, nbytes: int, timeout_s: float) -> dict:
+        return await self._run(lambda: self.sender.send_raw(refit_id, nbytes, timeout_s))
+
+    async def checksum(self, names: Iterable[str] | None = None) -> str:
+        names = list(names) if names is not None else None
+        return await self._run(lambda: self.sender.checksum(names))

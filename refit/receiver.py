@@ -1,0 +1,325 @@
+"""``WeightReceiver``: one receiving rank, inside an engine's worker process.
+
+Ray-free and vLLM-free: the model is reached through a ``ModelAdapter`` (the vLLM
+worker extension provides one; tests provide a plain ``nn.Module`` one), so the
+whole receive path runs in unit tests with real gloo groups.
+
+A refit on this rank is ``prepare`` (validate the manifest against the model; no
+byte moves, nothing changes) then ``receive`` (header, buckets, apply, stamp).
+Guarantees:
+
+- a manifest that does not fit the model is refused in ``prepare`` with an error
+  naming the tensor; weights and version stay as they were;
+- ``staged``: every bucket lands in a staging area (reused across refits); weights
+  change only in the single apply at the end, so a transfer failure leaves the old
+  weights and version intact (``not_started``); only a failing apply reports ``partial``;
+- ``streaming``: buckets land in two reused ring buffers and whole layers are
+  applied as soon as they are complete; a failure after the first apply reports
+  ``partial`` and the version stamp is not moved;
+- the version is stamped only after a complete apply; every wait has a deadline.
+
+Results are plain dicts (they cross ``collective_rpc``), never exceptions.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterable, Protocol
+
+import torch
+
+from refit import checksum as _checksum
+from refit.errors import ApplyError, ManifestError, RefitUsageError, TransferError
+from refit.group import GroupAddress, RefitGroup
+from refit.manifest import ExpectedSpec, Manifest, layer_group, validate
+from refit.sender import HEADER_MAGIC
+
+APPLY_MODES = ("staged", "streaming")
+NOT_STARTED, PARTIAL, COMPLETE = "not_started", "partial", "complete"
+
+
+class ModelAdapter(Protocol):
+    """What a receiver needs from the model it updates."""
+
+    def expected_spec(self) -> ExpectedSpec | None:
+        """Checkpoint name -> (shape, dtype); None if unknown (then only dtypes are checked)."""
+
+    def engine_dtype(self) -> str | None:
+        """The dtype floating weights must arrive in (e.g. "float32")."""
+
+    def apply(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load these tensors (checkpoint names) into the live model. May raise."""
+
+    def live_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The model's live parameters under their own names (for read-back checksums)."""
+
+
+class _Fault:
+    """Deterministic fault injection for tests: act at a bucket index of the next receive."""
+
+    def __init__(self, kind: str, at_bucket: int, freeze_s: float) -> None:
+        if kind not in ("die", "freeze", "fail_apply"):
+            raise RefitUsageError(f"unknown fault {kind!r}")
+        self.kind, self.at_bucket, self.freeze_s = kind, at_bucket, freeze_s
+
+    def maybe_fire(self, bucket: int) -> None:
+        if bucket != self.at_bucket:
+            return
+        if self.kind == "die":
+            os._exit(17)
+        if self.kind == "freeze":
+            self.kind = "spent"
+            time.sleep(self.freeze_s)
+
+
+class WeightReceiver:
+    def __init__(self, model: ModelAdapter, device=None) -> None:
+        self.model = model
+        self._device = device
+        self.group: RefitGroup | None = None
+        self.weight_version: int = 0
+        self.weights_state = "initial"  # initial | complete | partial
+        self._prepared: tuple[int, Manifest, int, str, bool] | None = None
+        self._staging: dict[str, torch.Tensor] = {}
+        self._ring: dict[tuple[str, int], torch.Tensor] = {}
+        self._raw: torch.Tensor | None = None
+        self._applied_digests: dict[str, bytes] = {}
+        self._applied_shapes: dict[str, tuple[int, ...]] = {}
+        self._fault: _Fault | None = None
+        self._spec_cache: tuple[ExpectedSpec | None] | None = None
+
+    # -- group ------------------------------------------------------------------------------
+    def join(self, address: dict, rank: int, timeout_s: float) -> dict:
+        """Leave any old group, then join the epoch at ``address`` as ``rank`` (bounded)."""
+        self.leave()
+        addr = GroupAddress.from_wire(address)
+        t0 = time.monotonic()
+        try:
+            self.group = RefitGroup(addr, int(rank), timeout_s, device=self._device)
+        except (TransferError, RefitUsageError) as exc:
+            return {"ok": False, "error": str(exc), "build_s": time.monotonic() - t0}
+        return {"ok": True, "error": None, "build_s": self.group.build_s, "rank": int(rank), "epoch": addr.epoch}
+
+    def leave(self) -> bool:
+        if self.group is not None:
+            if self.group.broken:
+                self._drop_buffers()  # a pending op of the dead group may still write into them
+            self.group.close()
+        self.group = None
+        self._prepared = None
+        return True
+
+    def _drop_buffers(self) -> None:
+        self._staging.clear()
+        self._ring.clear()
+        self._raw = None
+
+    def inject_fault(self, kind: str | None, at_bucket: int = 0, freeze_s: float = 3600.0) -> bool:
+        self._fault = _Fault(kind, int(at_bucket), float(freeze_s)) if kind else None
+        return True
+
+    # -- prepare ----------------------------------------------------------------------------
+    def _expected(self) -> ExpectedSpec | None:
+        if self._spec_cache is None:
+            self._spec_cache = (self.model.expected_spec(),)
+        return self._spec_cache[0]
+
+    def prepare(self, refit_id: int, manifest: dict, version: int, mode: str = "staged", checksum: bool = False) -> dict:
+        """Validate the update against the model. Nothing moves and nothing changes here."""
+        self._prepared = None
+        try:
+            if mode not in APPLY_MODES:
+                raise RefitUsageError(f"apply mode must be one of {APPLY_MODES}, got {mode!r}")
+            m = Manifest.from_wire(manifest)
+            validate(m, self._expected(), self.model.engine_dtype())
+        except (ManifestError, RefitUsageError) as exc:
+            return {"ok": False, "error": str(exc), "state": NOT_STARTED}
+        if self.group is None or self.group.broken:
+            return {"ok": False, "error": "no live refit group on this rank: rebuild the epoch", "state": NOT_STARTED}
+        self._prepared = (int(refit_id), m, int(version), mode, bool(checksum))
+        return {"ok": True, "error": None, "state": NOT_STARTED, "bytes": m.total_bytes}
+
+    # -- receive ----------------------------------------------------------------------------
+    def receive(self, refit_id: int, timeout_s: float) -> dict:
+        """Receive and apply the prepared update; returns state, bytes, timings, error."""
+        res = {"ok": False, "state": NOT_STARTED, "error": None, "bytes": 0, "recv_s": 0.0, "apply_s": 0.0, "version": self.weight_version}
+        prepared, self._prepared = self._prepared, None
+        if prepared is None or prepared[0] != int(refit_id):
+            res["error"] = f"receive({refit_id}) without a matching prepare on this rank"
+            return res
+        _, manifest, version, mode, want_digest = prepared
+        group = self.group
+        if group is None or group.broken:
+            res["error"] = "no live refit group on this rank: rebuild the epoch"
+            return res
+        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        try:
+            self._receive_header(group, refit_id, len(manifest.buckets), manifest.digest(), deadline)
+            if mode == "staged":
+                self._receive_staged(group, manifest, deadline, res, want_digest)
+            else:
+                self._receive_streaming(group, manifest, deadline, res, want_digest)
+        except TransferError as exc:
+            self._on_group_failure()
+            res["error"] = str(exc)
+        except ApplyError as exc:
+            res["state"] = PARTIAL
+            res["error"] = str(exc)
+        res["recv_s"] = time.monotonic() - t0 - res["apply_s"]
+        if res["state"] == PARTIAL:
+            self.weights_state = PARTIAL
+        elif res["state"] == COMPLETE:
+            self.weights_state = COMPLETE
+            self.weight_version = version
+            res["ok"] = True
+        res["version"] = self.weight_version
+        return res
+
+    def _on_group_failure(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = None
+        self._drop_buffers()
+
+    def _receive_header(self, group: RefitGroup, refit_id: int, n_ops: int, digest: int, deadline: float) -> None:
+        header = torch.zeros(5, dtype=torch.int64, device=group.device)
+        group.wait(group.broadcast(header), deadline, "stream header")
+        got = [int(x) for x in header.cpu().tolist()]
+        want = [HEADER_MAGIC, group.address.epoch, int(refit_id), n_ops, digest]
+        if got != want:
+            raise TransferError(f"stream header mismatch on rank {group.rank}: got {got}, expected {want}; the sender is sending another update")
+
+    def _buffer(self, store: dict, key, numel: int, dtype: str, device) -> torch.Tensor:
+        buf = store.get(key)
+        if buf is None or buf.numel() < numel or buf.device != device:
+            store.pop(key, None)
+            buf = torch.empty(numel, dtype=getattr(torch, dtype), device=device)
+            store[key] = buf
+        return buf
+
+    def _post_all(self, group: RefitGroup, manifest: Manifest, targets, deadline: float, res: dict, on_bucket) -> None:
+        """Receive bucket i into ``targets(i)`` with at most two receives in flight; ``on_bucket(i)`` after each."""
+        n = len(manifest.buckets)
+        works = {}
+        for i in range(min(2, n)):
+            works[i] = group.broadcast(targets(i))
+        for i in range(n):
+            if self._fault is not None:
+                self._fault.maybe_fire(i)
+            group.wait(works.pop(i), deadline, f"bucket {i + 1}/{n}")
+            res["bytes"] += manifest.buckets[i].nbytes
+            on_bucket(i)
+            if i + 2 < n:
+                works[i + 2] = group.broadcast(targets(i + 2))
+
+    def _receive_staged(self, group: RefitGroup, manifest: Manifest, deadline: float, res: dict, want_digest: bool) -> None:
+        for dt, numel in manifest.staging_numel().items():
+            self._buffer(self._staging, dt, numel, dt, group.device)
+        buckets = manifest.buckets
+
+        def target(i: int) -> torch.Tensor:
+            b = buckets[i]
+            return self._staging[b.dtype][b.staging_offset : b.staging_offset + b.numel]
+
+        self._post_all(group, manifest, target, deadline, res, lambda i: None)
+        views = [
+            (e.name, self._staging[b.dtype][b.staging_offset + e.offset : b.staging_offset + e.offset + e.numel].view(e.shape))
+            for b in buckets for e in b.entries
+        ]
+        self._apply(views, res, want_digest, first=True)
+        res["state"] = COMPLETE
+
+    def _receive_streaming(self, group: RefitGroup, manifest: Manifest, deadline: float, res: dict, want_digest: bool) -> None:
+        sizes = manifest.max_bucket_numel()
+        remaining: dict[str, int] = {}
+        for name in manifest.names:
+            remaining[layer_group(name)] = remaining.get(layer_group(name), 0) + 1
+        carry: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        parity: dict[int, int] = {}
+        counters: dict[str, int] = {}
+        for b in manifest.buckets:  # ring slot of every bucket, alternating per dtype
+            parity[b.index] = counters.get(b.dtype, 0) % 2
+            counters[b.dtype] = counters.get(b.dtype, 0) + 1
+
+        def target(i: int) -> torch.Tensor:
+            b = manifest.buckets[i]
+            return self._buffer(self._ring, (b.dtype, parity[i]), sizes[b.dtype], b.dtype, group.device)[: b.numel]
+
+        def on_bucket(i: int) -> None:
+            b = manifest.buckets[i]
+            buf = self._ring[(b.dtype, parity[i])]
+            ready: list[tuple[str, torch.Tensor]] = []
+            for e in b.entries:
+                g = layer_group(e.name)
+                view = buf[e.offset : e.offset + e.numel].view(e.shape)
+                remaining[g] -= 1
+                if remaining[g] == 0:
+                    ready.extend(carry.pop(g, []))
+                    ready.append((e.name, view))
+                else:  # the ring slot is reused two buckets later: keep a copy of an incomplete layer
+                    carry.setdefault(g, []).append((e.name, view.clone()))
+            if ready:
+                self._apply(ready, res, want_digest, first=res["state"] == NOT_STARTED)
+                res["state"] = PARTIAL  # until the last layer is in
+
+        self._post_all(group, manifest, target, deadline, res, on_bucket)
+        if carry:
+            raise ApplyError(f"layers {sorted(carry)} never completed in the stream")
+        res["state"] = COMPLETE
+
+    def _apply(self, weights: list[tuple[str, torch.Tensor]], res: dict, want_digest: bool, first: bool) -> None:
+        if first:
+            self._applied_digests.clear()
+            self._applied_shapes.clear()
+        if self._fault is not None and self._fault.kind == "fail_apply":
+            self._fault = None
+            raise ApplyError("injected apply failure")
+        t0 = time.monotonic()
+        try:
+            self.model.apply(weights)
+        except Exception as exc:  # noqa: BLE001 - the model may fail in any way
+            raise ApplyError(f"applying {len(weights)} tensors (first {weights[0][0]!r}) failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            res["apply_s"] += time.monotonic() - t0
+        for name, t in weights:
+            self._applied_shapes[name] = tuple(t.shape)
+            if want_digest:
+                self._applied_digests[name] = _checksum.tensor_digest(name, t)
+
+    # -- benchmark baseline ------------------------------------------------------------------
+    def receive_raw(self, refit_id: int, numel: int, timeout_s: float) -> dict:
+        """Receive one flat float32 buffer of ``numel`` elements into a reused buffer (benchmark baseline)."""
+        group = self.group
+        if group is None or group.broken:
+            return {"ok": False, "error": "no live refit group on this rank", "bytes": 0}
+        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        try:
+            self._receive_header(group, refit_id, 1, int(numel), deadline)
+            if self._raw is None or self._raw.numel() != numel:
+                self._raw = torch.empty(int(numel), dtype=torch.float32, device=group.device)
+            group.wait(group.broadcast(self._raw), deadline, "raw buffer")
+        except TransferError as exc:
+            self._on_group_failure()
+            return {"ok": False, "error": str(exc), "bytes": 0}
+        return {"ok": True, "error": None, "bytes": int(numel) * 4, "recv_s": time.monotonic() - t0}
+
+    # -- read-back --------------------------------------------------------------------------
+    def checksum(self) -> dict:
+        """``applied``: digest of what the last refit handed to the model (needs ``checksum=True`` at prepare).
+        ``live``: digest of live parameters whose name and shape equal a tensor of the last update
+        (on CPU: embeddings, norms, lm_head; packed linears have no readable weight), with their names."""
+        live = {}
+        for name, t in self.model.live_tensors():
+            if self._applied_shapes.get(name) == tuple(t.shape) and t.numel() > 0:
+                live[name] = _checksum.tensor_digest(name, t)
+        return {
+            "applied": _checksum.combine(self._applied_digests) if self._applied_digests else None,
+            "applied_names": len(self._applied_digests),
+            "live": _checksum.combine(live) if live else None,
+            "live_names": sorted(live),
+            "weight_version": self.weight_version,
+            "weights_state": self.weights_state,
+        }

@@ -1,0 +1,221 @@
+"""``WeightSender``: the trainer side of a refit (rank 0 of every epoch's group).
+
+Lives in the trainer's process. It reads the weights at send time from a
+``torch.nn.Module``, a state dict, or a callable that yields (name, tensor) pairs,
+with Hugging Face names (``model.layers.0.self_attn.q_proj.weight``).
+
+Bucketed sending packs tensors into two reused buffers per dtype and overlaps
+packing bucket i+1 with the broadcast of bucket i, so packing never adds a full
+serial copy and the sender's memory does not grow from refit to refit. Per-tensor
+sending (the benchmark baseline) broadcasts each tensor on its own, one at a time.
+
+All methods are blocking and meant to run on one thread (``LocalSenderPort`` puts
+them on a dedicated thread). Failures of peers never raise: ``send`` returns a
+result with ``ok=False``, the error, and how far it got; the group is then closed at
+once, which makes receivers still waiting on it fail fast.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from refit import checksum as _checksum
+from refit.errors import RefitUsageError, TransferError
+from refit.group import GroupAddress, RefitGroup, default_address, device_for, host_store
+from refit.manifest import Manifest, plan_buckets
+
+HEADER_MAGIC = 0x5246484452  # header of one transfer: [magic, epoch, refit_id, n_buckets, digest]
+WeightSource = torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+def stream_header(epoch: int, refit_id: int, n_ops: int, digest: int, device) -> torch.Tensor:
+    return torch.tensor([HEADER_MAGIC, epoch, refit_id, n_ops, digest], dtype=torch.int64, device=device)
+
+
+class WeightSender:
+    """Rank 0 of the refit group. ``dtype`` casts floating tensors while packing (to the engines' dtype)."""
+
+    def __init__(self, source: WeightSource, *, dtype: torch.dtype | None = None, addr: str | None = None, device=None) -> None:
+        self._source = source
+        self._dtype = dtype
+        self._addr = addr or default_address()
+        self._device = device
+        self._group: RefitGroup | None = None
+        self._pending_address: GroupAddress | None = None
+        self._store = None
+        self._prepared: tuple[int, Manifest, dict[str, torch.Tensor]] | None = None
+        self._pack: dict[tuple[str, int], torch.Tensor] = {}
+        self._raw: torch.Tensor | None = None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, dtype: torch.dtype = torch.float32, **kw) -> "WeightSender":
+        """Load a Hugging Face causal LM (tests, benchmark, demo trainer) and send its weights."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model.eval()
+        sender = cls(model, dtype=dtype, **kw)
+        sender.model = model
+        return sender
+
+    # -- weights ------------------------------------------------------------------------
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The current weights, one entry per storage (tied tensors are sent once, under their first name)."""
+        src = self._source
+        if isinstance(src, torch.nn.Module):
+            items = list(src.state_dict(keep_vars=False).items())
+        elif isinstance(src, Mapping):
+            items = list(src.items())
+        elif callable(src):
+            items = list(src())
+        else:
+            raise RefitUsageError(f"weight source must be a Module, a mapping or a callable, got {type(src).__name__}")
+        seen: set[tuple[int, int]] = set()
+        out = []
+        for name, t in items:
+            if not isinstance(t, torch.Tensor):
+                raise RefitUsageError(f"weight {name!r} is a {type(t).__name__}, not a tensor")
+            key = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else (id(t), 0)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append((name, t.detach()))
+        return out
+
+    def _wire_dtype(self, t: torch.Tensor) -> torch.dtype:
+        return self._dtype if (self._dtype is not None and t.is_floating_point()) else t.dtype
+
+    def checksum(self, names: Iterable[str] | None = None) -> str:
+        """Digest of the weights as they would be sent (after the dtype cast), over ``names`` or all."""
+        wanted = set(names) if names is not None else None
+        return _checksum.digest(
+            (n, t.to(self._wire_dtype(t))) for n, t in self.named_tensors() if wanted is None or n in wanted
+        )
+
+    # -- group --------------------------------------------------------------------------
+    def open_group(self, epoch: int, world_size: int, backend: str, timeout_s: float) -> dict:
+        """Close any old group and host the rendezvous of ``epoch`` on a fresh port. Returns the address."""
+        self.close_group()
+        if world_size < 2:
+            raise RefitUsageError(f"a refit group needs the sender and at least one receiver, got world size {world_size}")
+        device_for(backend, self._device)
+        self._store = host_store(self._addr, world_size, timeout_s)
+        self._pending_address = GroupAddress(self._addr, int(self._store.port), int(epoch), int(world_size), backend)
+        return self._pending_address.to_wire()
+
+    def connect(self, timeout_s: float) -> dict:
+        """Join as rank 0; blocks until every receiver joined (bounded). Raises ``TransferError``."""
+        if self._pending_address is None:
+            raise RefitUsageError("connect() before open_group()")
+        address, store = self._pending_address, self._store
+        self._pending_address = self._store = None
+        self._group = RefitGroup(address, 0, timeout_s, store=store, device=self._device)
+        return {"build_s": self._group.build_s, "epoch": address.epoch}
+
+    def close_group(self) -> bool:
+        if self._group is not None:
+            self._group.close()
+        self._group = None
+        self._pending_address = self._store = None
+        return True
+
+    def _live_group(self) -> RefitGroup:
+        if self._group is None or self._group.broken:
+            raise RefitUsageError("no live refit group: call open_group() and connect() for a new epoch first")
+        return self._group
+
+    # -- one update ---------------------------------------------------------------------
+    def prepare(self, refit_id: int, transfer: str = "bucketed", bucket_mb: float = 64.0) -> dict:
+        """Plan the buckets of the current weights; returns the manifest (wire form) receivers validate."""
+        tensors = dict(self.named_tensors())
+        specs = [(n, tuple(t.shape), self._wire_dtype(t)) for n, t in tensors.items()]
+        manifest = plan_buckets(specs, int(bucket_mb * 2**20), transfer)
+        self._prepared = (int(refit_id), manifest, tensors)
+        return manifest.to_wire()
+
+    def send(self, refit_id: int, timeout_s: float) -> dict:
+        """Broadcast the prepared update. Never raises for peer failures; see the module docstring."""
+        if self._prepared is None or self._prepared[0] != int(refit_id):
+            raise RefitUsageError(f"send({refit_id}) without a matching prepare()")
+        group = self._live_group()
+        _, manifest, tensors = self._prepared
+        self._prepared = None
+        deadline = time.monotonic() + timeout_s
+        progress = {"bytes_sent": 0, "buckets_sent": 0, "n_buckets": len(manifest.buckets)}
+        t0 = time.monotonic()
+        try:
+            header = stream_header(group.address.epoch, refit_id, len(manifest.buckets), manifest.digest(), group.device)
+            group.wait(group.broadcast(header), deadline, "stream header")
+            if manifest.transfer == "per_tensor":
+                self._send_per_tensor(group, manifest, tensors, deadline, progress)
+            else:
+                self._send_bucketed(group, manifest, tensors, deadline, progress)
+        except TransferError as exc:
+            self.close_group()  # closes our sockets: receivers still waiting fail now
+            return {"ok": False, "error": str(exc), "send_s": time.monotonic() - t0, **progress}
+        return {"ok": True, "error": None, "send_s": time.monotonic() - t0, **progress}
+
+    def _pack_buffer(self, dtype: str, parity: int, numel: int, device) -> torch.Tensor:
+        buf = self._pack.get((dtype, parity))
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = torch.empty(numel, dtype=getattr(torch, dtype), device=device)
+            self._pack[(dtype, parity)] = buf
+        return buf
+
+    @torch.no_grad()
+    def _send_bucketed(self, group: RefitGroup, manifest: Manifest, tensors, deadline: float, progress: dict) -> None:
+        sizes = manifest.max_bucket_numel()
+        in_flight: dict[tuple[str, int], tuple[object, int]] = {}  # buffer -> (work, bucket index)
+        order: list[tuple[str, int]] = []
+        counters: dict[str, int] = {}
+
+        def settle(key) -> None:
+            work, idx = in_flight.pop(key)
+            group.wait(work, deadline, f"bucket {idx + 1}/{len(manifest.buckets)}")
+            progress["buckets_sent"] += 1
+            progress["bytes_sent"] += manifest.buckets[idx].nbytes
+
+        for b in manifest.buckets:
+            parity = counters.get(b.dtype, 0) % 2
+            counters[b.dtype] = counters.get(b.dtype, 0) + 1
+            key = (b.dtype, parity)
+            if key in in_flight:  # this buffer still feeds bucket i-2: wait before overwriting it
+                settle(key)
+                order.remove(key)
+            buf = self._pack_buffer(b.dtype, parity, sizes[b.dtype], group.device)
+            for e in b.entries:
+                buf[e.offset : e.offset + e.numel].view(e.shape).copy_(tensors[e.name])
+            in_flight[key] = (group.broadcast(buf[: b.numel]), b.index)
+            order.append(key)
+        for key in order:
+            settle(key)
+
+    @torch.no_grad()
+    def _send_per_tensor(self, group: RefitGroup, manifest: Manifest, tensors, deadline: float, progress: dict) -> None:
+        for b in manifest.buckets:
+            (e,) = b.entries
+            t = tensors[e.name]
+            if not (t.is_contiguous() and t.dtype == getattr(torch, e.dtype) and t.device == group.device):
+                t = t.to(device=group.device, dtype=getattr(torch, e.dtype)).contiguous()
+            group.wait(group.broadcast(t.view(-1)), deadline, f"tensor {e.name!r}")
+            progress["buckets_sent"] += 1
+            progress["bytes_sent"] += b.nbytes
+
+    def send_raw(self, refit_id: int, nbytes: int, timeout_s: float) -> dict:
+        """Benchmark baseline: broadcast one already-packed flat buffer of ``nbytes`` (no packing, no model)."""
+        group = self._live_group()
+        numel = nbytes // 4
+        if self._raw is None or self._raw.numel() != numel or self._raw.device != group.device:
+            self._raw = torch.ones(numel, dtype=torch.float32, device=group.device)
+        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        try:
+            group.wait(group.broadcast(stream_header(group.address.epoch, refit_id, 1, numel, group.device)), deadline, "raw header")
+            group.wait(group.broadcast(self._raw), deadline, "raw buffer")
+        except TransferError as exc:
+            self.close_group()
+            return {"ok": False, "error": str(exc), "send_s": time.monotonic() - t0, "bytes_sent": 0}
+        return {"ok": True, "error": None, "send_s": time.monotonic() - t0, "bytes_sent": numel * 4}

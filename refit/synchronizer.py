@@ -1,0 +1,316 @@
+"""``WeightSynchronizer``: the one entry point the controller calls to refit a set of engines.
+
+``refit(participants, version, epoch)`` runs three phases, each a fan-out of bounded
+calls that all settle (``asyncio.gather``) before anything acts on one result:
+
+1. group: only when the epoch, the participant set or the health of the last group
+   changed: the sender hosts a fresh rendezvous (new store, new port), every
+   participant's workers join with the ranks of the plan, the old group is closed on
+   the sender and left by old members that are not in the new set (members in the
+   new set replace their old group when they join);
+2. prepare: the sender plans the buckets; every receiving worker validates the
+   manifest against its model. A refusal aborts the refit before any byte moves;
+3. transfer: the sender's broadcast and every receiver's receive-and-apply run
+   together; each receiver reports what it holds now.
+
+Failure guarantees: ``refit`` raises only ``RefitUsageError`` (sender-side misuse:
+bad rank layout, empty participant set). Every participant failure is reported as a
+typed outcome in the ``RefitReport``. No call waits past its bound; after any failed
+transfer the group is considered dead and the next ``refit`` rebuilds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Hashable, Mapping
+
+from tenacity import AsyncRetrying, retry_if_result, stop_after_attempt
+
+from refit.errors import RefitUsageError
+from refit.group import BACKENDS
+from refit.manifest import TRANSFERS
+from refit.outcome import Outcome, ParticipantResult, PhaseTimings, RefitReport, describe
+from refit.ports import ReceiverPort, SenderPort
+from refit.receiver import APPLY_MODES, COMPLETE, PARTIAL
+
+SENDER = "sender"
+
+
+@dataclass(frozen=True)
+class RefitConfig:
+    """How refits move weights. Times in seconds; every blocking call is bounded by one of them."""
+
+    backend: str = "gloo"  # "nccl" on GPU
+    bucket_mb: float = 64.0
+    apply_mode: str = "staged"  # or "streaming" (low memory; a failure mid-way reports PARTIAL)
+    transfer: str = "bucketed"  # or "per_tensor" (benchmark baseline)
+    timeout_s: float = 60.0  # transfer deadline on every rank (a peer's death or freeze surfaces within it)
+    group_timeout_s: float = 30.0  # group build (rendezvous + handshake)
+    apply_timeout_s: float = 120.0  # added to timeout_s for the receive-and-apply call
+    rpc_timeout_s: float = 30.0  # short control calls (prepare, leave, close)
+    grace_s: float = 5.0  # slack for the RPC path on top of the ranks' own deadlines
+    checksum: bool = False  # receivers digest what they apply (tests; costs a pass over the weights)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}"),
+            (self.apply_mode in APPLY_MODES, f"apply_mode must be one of {APPLY_MODES}, got {self.apply_mode!r}"),
+            (self.transfer in TRANSFERS, f"transfer must be one of {TRANSFERS}, got {self.transfer!r}"),
+            (self.bucket_mb > 0, f"bucket_mb must be positive, got {self.bucket_mb}"),
+        ]
+        for name in ("timeout_s", "group_timeout_s", "apply_timeout_s", "rpc_timeout_s", "grace_s"):
+            checks.append((getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}"))
+        for ok, msg in checks:
+            if not ok:
+                raise RefitUsageError(f"invalid refit config: {msg}")
+
+
+@dataclass(frozen=True)
+class _Settled:
+    value: Any = None
+    exc: BaseException | None = None
+    timed_out: bool = False
+    elapsed_s: float = 0.0
+
+    def error(self, what: str, bound: float) -> str | None:
+        if self.timed_out:
+            return f"{what} did not answer within {bound:.1f} s"
+        if self.exc is not None:
+            return f"{what} raised {type(self.exc).__name__}: {str(self.exc)[:400]}"
+        return None
+
+
+async def _bounded(aw: Awaitable, timeout: float) -> _Settled:
+    t0 = time.monotonic()
+    try:
+        value = await asyncio.wait_for(aw, timeout)
+    except asyncio.TimeoutError:
+        return _Settled(timed_out=True, elapsed_s=time.monotonic() - t0)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, none escapes
+        return _Settled(exc=exc, elapsed_s=time.monotonic() - t0)
+    return _Settled(value, elapsed_s=time.monotonic() - t0)
+
+
+async def _settle_all(calls: Mapping[Hashable, Awaitable], timeout: float) -> dict[Hashable, _Settled]:
+    keys = list(calls)
+    done = await asyncio.gather(*(_bounded(calls[k], timeout) for k in keys))
+    return dict(zip(keys, done))
+
+
+def _per_worker(value: Any) -> list[dict]:
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [v if isinstance(v, dict) else {"ok": False, "error": f"unexpected worker answer {v!r}"} for v in items]
+
+
+def _worker_error(results: list[dict]) -> str | None:
+    errs = [f"worker {i}: {r.get('error')}" for i, r in enumerate(results) if not r.get("ok")]
+    return "; ".join(errs) if errs else None
+
+
+def check_layout(participants: Mapping[Hashable, ReceiverPort]) -> int:
+    """Ranks must be exactly 1..N, each engine's consecutive. Returns the world size (N + 1)."""
+    if not participants:
+        raise RefitUsageError("refit needs at least one participant")
+    seen: list[int] = []
+    for key in participants:
+        ranks = tuple(getattr(key, "ranks", ()))
+        if not ranks:
+            raise RefitUsageError(f"participant {describe(key)} has no ranks; build keys with refit.Participant / assign_ranks")
+        if list(ranks) != list(range(ranks[0], ranks[0] + len(ranks))):
+            raise RefitUsageError(f"ranks of {describe(key)} are not consecutive: {list(ranks)}")
+        seen.extend(ranks)
+    if sorted(seen) != list(range(1, len(seen) + 1)):
+        raise RefitUsageError(f"participant ranks must be exactly 1..{len(seen)} without overlap (0 is the sender), got {sorted(seen)}")
+    return len(seen) + 1
+
+
+class WeightSynchronizer:
+    """Drives refits through a ``SenderPort`` and one ``ReceiverPort`` per participant. One refit at a time."""
+
+    def __init__(self, sender: SenderPort, config: RefitConfig | None = None) -> None:
+        self.sender = sender
+        self.config = config or RefitConfig()
+        self._epoch: int | None = None
+        self._members: dict[Hashable, ReceiverPort] = {}
+        self._group_ok = False
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+
+    @property
+    def epoch(self) -> int | None:
+        """Epoch of the live group, or None when the next refit must build one."""
+        return self._epoch if self._group_ok else None
+
+    # -- entry point ------------------------------------------------------------------------
+    async def refit(self, participants: Mapping[Hashable, ReceiverPort], version: int, epoch: int) -> RefitReport:
+        """Move the sender's current weights into every participant; stamp ``version`` on complete applies."""
+        world = check_layout(participants)
+        async with self._lock:
+            return await self._refit(dict(participants), int(version), int(epoch), world)
+
+    async def _refit(self, parts: dict, version: int, epoch: int, world: int) -> RefitReport:
+        t0 = time.monotonic()
+        refit_id = next(self._ids)
+        ctx = dict(version=version, epoch=epoch, refit_id=refit_id)
+        group_s, rebuilt = 0.0, False
+        if not self._group_ok or epoch != self._epoch or set(parts) != set(self._members):
+            rebuilt = True
+            failure = await self._build_group(parts, epoch, world)
+            group_s = time.monotonic() - t0
+            if failure is not None:
+                return self._aborted(parts, "group", failure, ctx, PhaseTimings(group_s=group_s, total_s=time.monotonic() - t0), rebuilt)
+        t1 = time.monotonic()
+        manifest, failure = await self._prepare(parts, refit_id, version)
+        prepare_s = time.monotonic() - t1
+        if failure is not None:
+            timings = PhaseTimings(group_s=group_s, prepare_s=prepare_s, total_s=time.monotonic() - t0)
+            return self._aborted(parts, "prepare", failure, ctx, timings, rebuilt)
+        t2 = time.monotonic()
+        results, sender = await self._transfer(parts, refit_id)
+        transfer_s = time.monotonic() - t2
+        apply_s = max((float(r.detail.get("apply_s", 0.0)) for r in results.values()), default=0.0)
+        timings = PhaseTimings(group_s, prepare_s, transfer_s, apply_s, time.monotonic() - t0)
+        sender_error = None if sender.get("ok") else sender.get("error") or "sender failed"
+        report = RefitReport(version, epoch, refit_id, results, timings, rebuilt, int(sender.get("bytes_sent", 0)), sender_error)
+        if not report.ok:
+            self._group_ok = False  # a failed transfer leaves the group dead: rebuild next time
+        return report
+
+    # -- phase 1: group ---------------------------------------------------------------------
+    async def _build_group(self, parts: dict, epoch: int, world: int) -> tuple[str | None, dict] | None:
+        """Returns None on success, else (sender error or None, {key: (error, exc)})."""
+        cfg = self.config
+        leaving = {k: p for k, p in self._members.items() if k not in parts}
+        self._members, self._group_ok, self._epoch = {}, False, None
+        leaves = {k: p.worker_rpc("rlfleet_leave", (), {}, cfg.rpc_timeout_s) for k, p in leaving.items()}
+        opened, _ = await asyncio.gather(
+            _bounded(self.sender.open_group(epoch, world, cfg.backend, cfg.group_timeout_s), cfg.rpc_timeout_s),
+            _settle_all(leaves, cfg.rpc_timeout_s + cfg.grace_s),  # old members: best effort, bounded
+        )
+        if opened.value is None:
+            return (opened.error("sender open_group", cfg.rpc_timeout_s) or "sender open_group returned nothing", {})
+        bound = cfg.group_timeout_s + cfg.grace_s
+        calls: dict[Hashable, Awaitable] = {SENDER: self.sender.connect(cfg.group_timeout_s)}
+        for key, port in parts.items():
+            kw = {"address": opened.value, "ranks": list(key.ranks), "timeout_s": cfg.group_timeout_s}
+            calls[key] = port.worker_rpc("rlfleet_join", (), kw, bound)
+        settled = await _settle_all(calls, bound)
+        sender_err = settled.pop(SENDER).error("sender connect", bound)
+        failures = {}
+        for key, s in settled.items():
+            err = s.error(f"join of {describe(key)}", bound) or (_worker_error(_per_worker(s.value)) if s.value is not None else None)
+            if err:
+                failures[key] = (err, s.exc)
+        if sender_err or failures:
+            await _bounded(self.sender.close_group(), cfg.rpc_timeout_s)
+            return (sender_err, failures)
+        self._members, self._group_ok, self._epoch = dict(parts), True, epoch
+        return None
+
+    # -- phase 2: prepare -------------------------------------------------------------------
+    async def _prepare(self, parts: dict, refit_id: int, version: int):
+        cfg = self.config
+        planned = await _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb), cfg.rpc_timeout_s)
+        if planned.value is None:
+            return None, (planned.error("sender prepare", cfg.rpc_timeout_s) or "sender prepare returned nothing", {})
+        kw = {"refit_id": refit_id, "manifest": planned.value, "version": version, "mode": cfg.apply_mode, "checksum": cfg.checksum}
+        settled = await _settle_all({k: p.worker_rpc("rlfleet_prepare", (), kw, cfg.rpc_timeout_s) for k, p in parts.items()}, cfg.rpc_timeout_s + cfg.grace_s)
+        failures = {}
+        for key, s in settled.items():
+            err = s.error(f"prepare of {describe(key)}", cfg.rpc_timeout_s)
+            if err:
+                self._group_ok = False  # an unreachable member cannot take part in this group's collectives
+            else:
+                err = _worker_error(_per_worker(s.value))
+            if err:
+                failures[key] = (err, s.exc)
+        return planned.value, ((None, failures) if failures else None)
+
+    # -- phase 3: transfer and apply ----------------------------------------------------------
+    async def _transfer(self, parts: dict, refit_id: int) -> tuple[dict, dict]:
+        cfg = self.config
+        recv_bound = cfg.timeout_s + cfg.apply_timeout_s
+        bound = recv_bound + cfg.grace_s
+        calls: dict[Hashable, Awaitable] = {SENDER: self.sender.send(refit_id, cfg.timeout_s)}
+        for key, port in parts.items():
+            calls[key] = port.worker_rpc("rlfleet_receive", (), {"refit_id": refit_id, "timeout_s": cfg.timeout_s}, recv_bound)
+        settled = await _settle_all(calls, bound)
+        s = settled.pop(SENDER)
+        sender = s.value if isinstance(s.value, dict) else {"ok": False, "error": s.error("sender send", bound) or f"sender answered {s.value!r}"}
+        results = {key: self._receive_outcome(key, st, sender, bound) for key, st in settled.items()}
+        return results, sender
+
+    def _receive_outcome(self, key: Hashable, s: _Settled, sender: dict, bound: float) -> ParticipantResult:
+        err = s.error(f"receive on {describe(key)}", bound)
+        if err is not None:
+            # The engine could not tell what it holds: judge by what the sender moved.
+            sent_all = sender.get("ok") and sender.get("buckets_sent") == sender.get("n_buckets")
+            moved = int(sender.get("bytes_sent", 0)) if "bytes_sent" in sender else None
+            if self.config.apply_mode == "staged":
+                partial = bool(sent_all) or moved is None
+            else:
+                partial = moved is None or moved > 0
+            outcome = Outcome.PARTIAL if partial else Outcome.NOT_STARTED
+            return ParticipantResult(outcome, err, "transfer", moved or 0, s.exc)
+        workers = _per_worker(s.value)
+        states = [w.get("state") for w in workers]
+        if all(st == COMPLETE for st in states) and all(w.get("ok") for w in workers):
+            outcome = Outcome.COMPLETE
+        elif any(st in (COMPLETE, PARTIAL) for st in states):
+            outcome = Outcome.PARTIAL  # some worker changed its weights, not all completed
+        else:
+            outcome = Outcome.NOT_STARTED
+        error = _worker_error(workers)
+        phase = None if error is None else ("apply" if any(st == PARTIAL for st in states) else "transfer")
+        detail = {
+            "recv_s": max(float(w.get("recv_s", 0.0)) for w in workers),
+            "apply_s": max(float(w.get("apply_s", 0.0)) for w in workers),
+            "versions": [w.get("version") for w in workers],
+        }
+        return ParticipantResult(outcome, error, phase, sum(int(w.get("bytes", 0)) for w in workers), None, detail)
+
+    def _aborted(self, parts: dict, phase: str, failure: tuple, ctx: dict, timings: PhaseTimings, rebuilt: bool) -> RefitReport:
+        sender_err, failures = failure
+        first = sender_err or (f"{describe(next(iter(failures)))}: {next(iter(failures.values()))[0]}" if failures else "unknown")
+        results = {}
+        for key in parts:
+            if key in failures:
+                err, exc = failures[key]
+                results[key] = ParticipantResult(Outcome.NOT_STARTED, err, phase, 0, exc)
+            else:
+                results[key] = ParticipantResult(Outcome.NOT_STARTED, f"refit aborted in {phase} before any weight moved: {first}", phase)
+        return RefitReport(ctx["version"], ctx["epoch"], ctx["refit_id"], results, timings, rebuilt, 0, sender_err)
+
+    # -- teardown ------------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Leave the group on every member and close it on the sender (bounded, best effort)."""
+        cfg = self.config
+        calls: dict[Hashable, Awaitable] = {k: p.worker_rpc("rlfleet_leave", (), {}, cfg.rpc_timeout_s) for k, p in self._members.items()}
+        calls[SENDER] = self.sender.close_group()
+        await _settle_all(calls, cfg.rpc_timeout_s + cfg.grace_s)
+        self._members, self._group_ok, self._epoch = {}, False, None
+
+
+async def retry_once(attempt: Callable[[int], Awaitable[RefitReport]]) -> RefitReport:
+    """Run ``attempt(1)``; if its report is not ok, run ``attempt(2)`` once and return that report.
+
+    ``attempt(n)`` is the controller's callable: on ``n == 2`` it rebuilds membership
+    without the failed participants (new epoch, re-paused participants) and calls
+    ``refit`` again. Exceptions (misuse) are not retried; they propagate.
+    """
+    numbers = itertools.count(1)
+    retrying = AsyncRetrying(
+        stop=stop_after_attempt(2),
+        retry=retry_if_result(lambda report: not report.ok),
+        retry_error_callback=lambda state: state.outcome.result(),
+        reraise=True,
+    )
+    async def next_attempt() -> RefitReport:
+        return await attempt(next(numbers))
+
+    return await retrying(next_attempt)

@@ -1,0 +1,331 @@
+"""The refit transport end to end without Ray or vLLM: real gloo groups, receivers as fake workers.
+
+A fake worker is ``RefitWorkerExtension`` over a dict of tensors, so these tests run
+the extension's methods, the receiver, the sender and the synchronizer for real.
+Workers run on threads (fast) or, where a death must be real, in child processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from refit import LocalSenderPort, Outcome, Participant, RefitConfig, RefitUsageError, WeightSender, WeightSynchronizer, retry_once
+from refit.manifest import dtype_name
+from refit.worker_extension import RefitWorkerExtension
+
+LAYERS = 3
+
+
+def model_tensors(seed: int, layers: int = LAYERS) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {"model.embed_tokens.weight": torch.randn(32, 16, generator=g)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for n, shape in [
+            ("self_attn.q_proj.weight", (16, 16)), ("self_attn.k_proj.weight", (16, 16)), ("self_attn.v_proj.weight", (16, 16)),
+            ("mlp.gate_proj.weight", (24, 16)), ("mlp.up_proj.weight", (24, 16)), ("input_layernorm.weight", (16,)),
+        ]:
+            out[p + n] = torch.randn(*shape, generator=g)
+    out["model.norm.weight"] = torch.randn(16, generator=g)
+    out["lm_head.weight"] = torch.randn(32, 16, generator=g)
+    return out
+
+
+class DictModel:
+    """``ModelAdapter`` over a dict of tensors; records every apply call."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = {n: t.clone() for n, t in tensors.items()}
+        self.apply_calls: list[list[str]] = []
+
+    def expected_spec(self):
+        return {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in self.tensors.items()}
+
+    def engine_dtype(self):
+        return "float32"
+
+    def apply(self, weights):
+        self.apply_calls.append([n for n, _ in weights])
+        for n, w in weights:
+            self.tensors[n].copy_(w)
+
+    def live_tensors(self):
+        return self.tensors.items()
+
+
+class FakeWorker(RefitWorkerExtension):
+    def __init__(self, tensors, index: int = 0, count: int = 1) -> None:
+        self.model = DictModel(tensors)
+        self.index, self.count = index, count
+
+    def _rlfleet_model(self):
+        return self.model
+
+    def _rlfleet_index(self):
+        return self.index, self.count
+
+
+class ThreadEngine:
+    """A ``ReceiverPort``: one engine whose workers each run on their own thread."""
+
+    def __init__(self, tensors, workers: int = 1) -> None:
+        self.workers = [FakeWorker(tensors, i, workers) for i in range(workers)]
+        self.pools = [ThreadPoolExecutor(1) for _ in range(workers)]
+
+    async def worker_rpc(self, method, args=(), kwargs=None, timeout=None):
+        loop = asyncio.get_running_loop()
+        calls = [loop.run_in_executor(pool, lambda w=w: getattr(w, method)(*args, **(kwargs or {}))) for w, pool in zip(self.workers, self.pools)]
+        return list(await asyncio.wait_for(asyncio.gather(*calls), timeout))
+
+
+def _serve(conn, tensors):
+    worker = FakeWorker(tensors)
+    while True:
+        method, args, kwargs = conn.recv()
+        if method == "__tensors__":
+            conn.send({n: t.clone() for n, t in worker.model.tensors.items()})
+            continue
+        conn.send(getattr(worker, method)(*args, **kwargs))
+
+
+class ProcessEngine:
+    """A ``ReceiverPort``: one single-worker engine in a child process (so it can really die)."""
+
+    def __init__(self, tensors) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, tensors), daemon=True)
+        self.proc.start()
+        self.pool = ThreadPoolExecutor(1)
+
+    def _call(self, method, args, kwargs):
+        self.conn.send((method, tuple(args), dict(kwargs or {})))
+        return self.conn.recv()  # EOFError once the process died
+
+    async def worker_rpc(self, method, args=(), kwargs=None, timeout=None):
+        loop = asyncio.get_running_loop()
+        return [await asyncio.wait_for(loop.run_in_executor(self.pool, self._call, method, args, kwargs), timeout)]
+
+    def tensors(self):
+        return self._call("__tensors__", (), {})
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.join(5)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def sync_for(sender_tensors, **cfg):
+    sender = WeightSender(lambda: list(sender_tensors.items()), addr="127.0.0.1")
+    return sender, WeightSynchronizer(LocalSenderPort(sender), RefitConfig(**{"timeout_s": 10, "group_timeout_s": 10, **cfg}))
+
+
+def assert_holds(engine: ThreadEngine, tensors):
+    for w in engine.workers:
+        for n, t in tensors.items():
+            assert torch.equal(w.model.tensors[n], t), n
+
+
+@pytest.mark.parametrize("mode,transfer,bucket_mb", [("staged", "bucketed", 0.004), ("streaming", "bucketed", 0.004), ("staged", "per_tensor", 1), ("streaming", "bucketed", 1)])
+def test_refit_moves_weights_and_stamps_version(mode, transfer, bucket_mb):
+    new = model_tensors(1)
+    a, b = ThreadEngine(model_tensors(0)), ThreadEngine(model_tensors(0), workers=2)  # b: a tensor-parallel engine
+    sender, sync = sync_for(new, apply_mode=mode, transfer=transfer, bucket_mb=bucket_mb, checksum=True)
+    parts = {Participant(0, 1, (1,)): a, Participant(1, 1, (2, 3)): b}
+    report = run(sync.refit(parts, version=7, epoch=1))
+    assert report.ok, report.summary()
+    assert report.group_rebuilt and report.bytes_sent == sum(t.numel() * 4 for t in new.values())
+    assert all(r.outcome is Outcome.COMPLETE and r.bytes_moved > 0 for r in report.results.values())
+    assert_holds(a, new)
+    assert_holds(b, new)
+    want = sender.checksum()
+    for eng in (a, b):
+        for w in eng.workers:
+            assert w.rlfleet_worker_info()["weight_version"] == 7
+            cs = w.rlfleet_checksum()
+            assert cs["applied"] == want and cs["live"] == sender.checksum(cs["live_names"]) and len(cs["live_names"]) == len(new)
+    if mode == "streaming":  # every apply call holds whole layers only
+        for calls in (w.model.apply_calls for w in a.workers):
+            for call in calls:
+                layers = {n.split(".")[2] for n in call if n.startswith("model.layers.")}
+                for layer in layers:
+                    assert sum(n.startswith(f"model.layers.{layer}.") for n in call) == 6
+            if bucket_mb < 0.01:
+                assert len(calls) > 1
+    # a second refit in the same epoch reuses the group and the receive buffers
+    rx = a.workers[0]._rlfleet_receiver()
+    buffers = {k: v.data_ptr() for k, v in {**rx._staging, **{str(k): v for k, v in rx._ring.items()}}.items()}
+    newer = model_tensors(2)
+    new.update(newer)
+    report = run(sync.refit(parts, version=8, epoch=1))
+    assert report.ok and not report.group_rebuilt
+    assert buffers == {k: v.data_ptr() for k, v in {**rx._staging, **{str(k): v for k, v in rx._ring.items()}}.items()}
+    assert_holds(a, newer)
+    run(sync.close())
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda t: t.update({"model.layers.1.mlp.up_projj.weight": t.pop("model.layers.1.mlp.up_proj.weight")}), r"'model\.layers\.1\.mlp\.up_projj\.weight' is not a weight"),
+        (lambda t: t.update({"model.norm.weight": torch.zeros(17)}), r"'model\.norm\.weight' has shape \[17\] in the update but \[16\]"),
+        (lambda t: t.update({"lm_head.weight": torch.zeros(32, 16, dtype=torch.float64)}), r"'lm_head\.weight' has dtype float64 .* engine runs float32"),
+    ],
+    ids=["name", "shape", "dtype"],
+)
+def test_bad_update_is_refused_before_anything_changes(mutate, match):
+    old, new = model_tensors(0), model_tensors(1)
+    mutate(new)
+    a = ThreadEngine(old)
+    _, sync = sync_for(new)
+    part = Participant(0, 1, (1,))
+    report = run(sync.refit({part: a}, version=3, epoch=1))
+    assert not report.ok
+    res = report.results[part]
+    assert res.outcome is Outcome.NOT_STARTED and res.phase == "prepare" and res.bytes_moved == 0
+    assert pytest.approx(0) == report.bytes_sent
+    import re
+
+    assert re.search(match, res.error), res.error
+    assert_holds(a, old)
+    assert a.workers[0].model.apply_calls == [] and a.workers[0].rlfleet_worker_info()["weight_version"] == 0
+    run(sync.close())
+
+
+def test_freeze_mid_transfer_fails_survivors_within_timeout_then_new_epoch_refits_them():
+    new = model_tensors(1)
+    a, frozen = ThreadEngine(model_tensors(0)), ThreadEngine(model_tensors(0))
+    _, sync = sync_for(new, timeout_s=3, bucket_mb=0.004, apply_timeout_s=1, grace_s=1)
+    pa, pf = Participant(0, 1, (1,)), Participant(1, 1, (2,))
+    assert run(sync.refit({pa: a, pf: frozen}, 1, epoch=1)).ok
+    frozen.workers[0].rlfleet_inject_fault("freeze", at_bucket=1, freeze_s=6)
+    t0 = time.monotonic()
+    report = run(sync.refit({pa: a, pf: frozen}, 2, epoch=1))
+    took = time.monotonic() - t0
+    assert not report.ok and took < 3 + 1 + 1 + 1.5, took
+    ra = report.results[pa]
+    assert ra.outcome is Outcome.NOT_STARTED and "timed out" in ra.error and "bucket" in ra.error, ra
+    assert report.results[pf].outcome is Outcome.NOT_STARTED  # staged and the sender never finished: nothing applied
+    assert a.workers[0].rlfleet_worker_info()["weight_version"] == 1
+    # the controller rebuilds membership without the frozen engine: new epoch, survivor not restarted
+    new.update(model_tensors(2))
+    report = run(sync.refit({Participant(0, 1, (1,)): a}, 3, epoch=2))
+    assert report.ok and report.group_rebuilt, report.summary()
+    assert_holds(a, new)
+    time.sleep(3)  # let the frozen thread wake before the pools are dropped
+    run(sync.close())
+
+
+@pytest.mark.parametrize("mode", ["staged", "streaming"])
+def test_death_mid_transfer_fails_survivors_fast_and_restarted_engine_joins_next_epoch(mode):
+    new = model_tensors(1)
+    a = ThreadEngine(model_tensors(0))
+    doomed = ProcessEngine(model_tensors(0))
+    _, sync = sync_for(new, timeout_s=20, bucket_mb=0.004, apply_mode=mode)
+    pa, pd = Participant(0, 1, (1,)), Participant(1, 1, (2,))
+    try:
+        run(doomed.worker_rpc("rlfleet_inject_fault", ("die", 2)))
+        t0 = time.monotonic()
+        report = run(sync.refit({pa: a, pd: doomed}, 1, epoch=1))
+        took = time.monotonic() - t0
+        assert not report.ok and took < 10, (took, report.summary())  # far below the 20 s timeout
+        ra, rd = report.results[pa], report.results[pd]
+        assert "bucket" in ra.error and report.sender_error
+        assert rd.error and rd.phase == "transfer"
+        if mode == "staged":
+            assert ra.outcome is Outcome.NOT_STARTED and a.workers[0].rlfleet_worker_info()["weight_version"] == 0
+        else:
+            assert ra.outcome is Outcome.PARTIAL and ra.bytes_moved > 0
+            assert a.workers[0].rlfleet_worker_info()["weights_state"] == "partial"
+        # epoch 2 without the dead engine
+        report = run(sync.refit({pa: a}, 2, epoch=2))
+        assert report.ok, report.summary()
+        assert_holds(a, new)
+        # epoch 3 adds a restarted engine in that slot: it joins and receives the full weights
+        restarted = ProcessEngine(model_tensors(0))
+        try:
+            pr = Participant(1, 2, (2,))
+            report = run(sync.refit({pa: a, pr: restarted}, 3, epoch=3))
+            assert report.ok and report.results[pr].bytes_moved == report.bytes_sent
+            got = restarted.tensors()
+            assert all(torch.equal(got[n], t) for n, t in new.items())
+        finally:
+            restarted.stop()
+    finally:
+        doomed.stop()
+        run(sync.close())
+
+
+def test_failed_apply_reports_partial():
+    a = ThreadEngine(model_tensors(0))
+    _, sync = sync_for(model_tensors(1))
+    part = Participant(0, 1, (1,))
+    a.workers[0].rlfleet_inject_fault("fail_apply")
+    report = run(sync.refit({part: a}, 1, epoch=1))
+    assert report.results[part].outcome is Outcome.PARTIAL and report.results[part].phase == "apply"
+    assert "injected apply failure" in report.results[part].error
+    assert a.workers[0].rlfleet_worker_info()["weight_version"] == 0
+    run(sync.close())
+
+
+def test_rank_layout_misuse_raises():
+    _, sync = sync_for(model_tensors(1))
+    a, b = ThreadEngine(model_tensors(0)), ThreadEngine(model_tensors(0))
+    with pytest.raises(RefitUsageError, match="exactly 1..2"):
+        run(sync.refit({Participant(0, 1, (1,)): a, Participant(1, 1, (1,)): b}, 1, 1))
+    with pytest.raises(RefitUsageError, match="at least one participant"):
+        run(sync.refit({}, 1, 1))
+    with pytest.raises(RefitUsageError, match="apply_mode"):
+        RefitConfig(apply_mode="lazy")
+
+
+def test_plan_with_wrong_worker_count_fails_in_group_phase():
+    a = ThreadEngine(model_tensors(0), workers=2)
+    _, sync = sync_for(model_tensors(1), group_timeout_s=2)
+    part = Participant(0, 1, (1,))
+    report = run(sync.refit({part: a}, 1, epoch=1))
+    assert report.results[part].phase == "group" and "2 weight-holding workers" in report.results[part].error
+
+
+def test_retry_once_runs_second_attempt_only_after_failure():
+    new = model_tensors(1)
+    a = ThreadEngine(model_tensors(0))
+    _, sync = sync_for(new, timeout_s=3)
+    attempts = []
+
+    async def attempt(n):
+        attempts.append(n)
+        if n == 1:
+            a.workers[0].rlfleet_inject_fault("fail_apply")
+        return await sync.refit({Participant(0, 1, (1,)): a}, 5, epoch=n)
+
+    report = run(retry_once(attempt))
+    assert attempts == [1, 2] and report.ok and report.epoch == 2
+
+    async def always_fails(n):
+        attempts.append(n)
+        a.workers[0].rlfleet_inject_fault("fail_apply")
+        return await sync.refit({Participant(0, 1, (1,)): a}, 6, epoch=10 + n)
+
+    attempts.clear()
+    report = run(retry_once(always_fails))
+    assert attempts == [1, 2] and not report.ok and report.epoch == 12
+
+    async def misuse(n):
+        attempts.append(n)
+        return await sync.refit({}, 7, epoch=20)
+
+    attempts.clear()
+    with pytest.raises(RefitUsageError):
+        run(retry_once(misuse))
+    assert attempts == [1]
+    run(sync.close())
