@@ -34,8 +34,22 @@ from health import (
     plan_membership,
 )
 
+from refit.synchronizer import retry_once
+
 if TYPE_CHECKING:
     from fleet.controller import SingleController
+
+
+class _Attempt:
+    """One transfer attempt's results; ``ok`` drives the one-shot retry."""
+
+    def __init__(self, number: int, plan: MembershipPlan, results: dict) -> None:
+        self.number, self.plan, self.results = number, plan, results
+        self.complete = {s for s, r in results.items() if r.result is RefitResult.COMPLETE}
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.plan.participants) and len(self.complete) == len(self.plan.participants)
 
 
 class RefitLifecycle:
@@ -150,21 +164,25 @@ class RefitLifecycle:
 
     async def transfer(self, plan: MembershipPlan, version: int, source: Any, paused: set[int]):
         """Step 5: transfer; on failure classify, rebuild without the dead, re-pause, retry exactly once."""
-        results = await self._transfer_once(plan, version, source, rebuild=False)
-        complete = {s for s, r in results.items() if r.result is RefitResult.COMPLETE}
-        if len(complete) == len(plan.participants):
-            return plan, complete, 1
-        failed = [p for p in plan.participants if p.slot not in complete]
-        self.ctl.log.emit("refit_failed_attempt", version=version, attempt=1,
-                          failed={p.slot: results[p.slot].detail[:200] for p in failed if p.slot in results})
-        await self._classify_failed(failed)
-        plan = self.reconcile()
-        # Re-pause every retry participant, engines that restarted meanwhile included.
-        paused.intersection_update(p.slot for p in plan.participants)
-        paused.update(await self.pause(plan))
-        results = await self._transfer_once(plan, version, source, rebuild=True)
-        complete = {s for s, r in results.items() if r.result is RefitResult.COMPLETE}
-        return plan, complete, 2
+        current = {"plan": plan}
+
+        async def attempt(n: int) -> _Attempt:
+            if n == 2:
+                previous = current["plan"]
+                failed = [p for p in previous.participants if p.slot not in self._last.complete]
+                self.ctl.log.emit("refit_failed_attempt", version=version, attempt=1,
+                                  failed={p.slot: self._last.results[p.slot].detail[:200] for p in failed})
+                await self._classify_failed(failed)
+                current["plan"] = self.reconcile()
+                # Re-pause every retry participant, engines that restarted meanwhile included.
+                paused.intersection_update(p.slot for p in current["plan"].participants)
+                paused.update(await self.pause(current["plan"]))
+            results = await self._transfer_once(current["plan"], version, source, rebuild=n > 1)
+            self._last = _Attempt(n, current["plan"], results)
+            return self._last
+
+        final = await retry_once(attempt)
+        return final.plan, final.complete, final.number
 
     async def stamp(self, plan: MembershipPlan, version: int, complete: set[int]) -> None:
         """Step 6: commit the version in the ledger and stamp it on every engine that holds it."""

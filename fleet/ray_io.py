@@ -159,6 +159,32 @@ def shutdown() -> None:
         ray.shutdown()
 
 
+class ActorProxy:
+    """Async method calls on an actor handle: ``await proxy.method(*args)`` == ``await handle.method.remote(*args)``.
+
+    Used to hand actors to Ray-agnostic code (``refit`` ports) that awaits plain coroutines.
+    Failures propagate as the actor's own exception; callers bound the calls.
+    """
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+
+    def __getattr__(self, name: str):
+        method = getattr(self._handle, name)
+
+        async def remote_call(*args, **kwargs):
+            return await _unwrapping(method.remote(*args, **kwargs))
+
+        return remote_call
+
+
+async def _unwrapping(ref):
+    try:
+        return await ref
+    except rex.RayTaskError as exc:
+        raise _unwrap(exc) from None
+
+
 class RayDoor:
     """The controller's handle on Ray, by method name, so unit tests can swap in a fake door.
 

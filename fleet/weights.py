@@ -37,3 +37,64 @@ class TransferPort(Protocol):
         (after any failed transfer the old group cannot be trusted).
         """
         ...
+
+
+def _refit_config(cfg) -> Any:
+    from fleet.fleet_config import REFIT_TIMEOUT_FALLBACK_S
+    from refit.synchronizer import RefitConfig
+
+    t = cfg.refit_timeout_s if cfg.refit_timeout_s is not None else REFIT_TIMEOUT_FALLBACK_S
+    return RefitConfig(
+        backend=cfg.transport_backend,
+        bucket_mb=cfg.bucket_mb,
+        apply_mode=cfg.apply_mode,
+        timeout_s=t,
+        group_timeout_s=min(30.0, t),
+        apply_timeout_s=t,
+        rpc_timeout_s=min(30.0, t),
+        grace_s=max(1.0, cfg.lifecycle_grace_s),
+    )
+
+
+class RefitTransferPort:
+    """``TransferPort`` over ``refit.WeightSynchronizer``; participants' shards and the source are Ray actors.
+
+    ``source`` is an actor with the ``refit.SenderPort`` methods (e.g. the trainer
+    actor embedding a ``WeightSender``). One synchronizer per source: a new source
+    gets a fresh one (and a fresh group).
+    """
+
+    def __init__(self, cfg, door: Any = None) -> None:
+        self._cfg = cfg
+        self._config = _refit_config(cfg)
+        self._sync = None
+        self._source = None
+
+    async def transfer(self, participants, version, epoch, source, rebuild, timeout) -> dict[int, TransferResult]:
+        from fleet.errors import BadRequestError
+        from fleet.ray_io import ActorProxy
+        from refit.outcome import assign_ranks
+        from refit.synchronizer import WeightSynchronizer
+
+        if source is None:
+            raise BadRequestError("sync_weights needs a weight source (an actor with the refit sender methods)")
+        if self._sync is None or self._source is not source:
+            if self._sync is not None:
+                await self._sync.close()
+            self._sync, self._source = WeightSynchronizer(ActorProxy(source), self._config), source
+        workers = max(1, self._cfg.engine.tensor_parallel_size)
+        keys = assign_ranks({(p.slot, p.incarnation): workers for p, _ in participants})
+        handles = {(p.slot, p.incarnation): h for p, h in participants}
+        report = await self._sync.refit({k: ActorProxy(handles[(k.slot, k.incarnation)]) for k in keys}, version, epoch)
+        out: dict[int, TransferResult] = {}
+        for key, r in report.results.items():
+            detail = r.error or ("ok" if r.ok else r.outcome.value)
+            if report.sender_error and not r.ok:
+                detail += f"; sender: {report.sender_error}"
+            out[key.slot] = TransferResult(RefitResult(r.outcome.value), f"[{r.phase or 'done'}] {detail}", r.bytes_moved)
+        self.last_report = report
+        return out
+
+    async def close(self) -> None:
+        if self._sync is not None:
+            await self._sync.close()
