@@ -1,0 +1,128 @@
+"""A short fleet job across every node of a launcher-started Ray cluster (the CI's two-node driver).
+
+Run on the head by the launcher:
+
+    sbatch slurm/rlfleet.sbatch python slurm/examples/fleet_check.py --nodes 2
+
+It connects to the job's Ray (``RAY_ADDRESS``, exported by the launcher, so it never
+attaches to another Ray on a shared host), checks that ``--nodes`` nodes are alive,
+builds the tiny model on the shared filesystem, pins one ``EngineShard`` to each node
+(``NodeAffinitySchedulingStrategy``, hard), starts them, generates on each, runs the
+refit step on all of them, generates again, and prints one line:
+
+    RLFLEET_FLEET_CHECK {"nodes": [...], "shards": [{"node_id": ..., ...}], ...}
+
+Exit code 0 only when every check passed; any failure raises (non-zero exit), after
+the shards are shut down. ``--hold S`` keeps the shards alive S seconds after the
+summary (the cancel test cancels the job during this window).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from fleet import ray_io
+from fleet.config import EngineConfig
+from fleet.tinymodel import build_model
+
+PROMPT = [1, 20, 30, 40, 50]
+SAMPLING = {"max_tokens": 8, "ignore_eos": True, "temperature": 1.0, "seed": 3}
+T = 300.0
+
+
+def run_refit(shards: list) -> dict:
+    """One refit across the fleet.
+
+    TODO(controller): replace with the SingleController's ``sync_weights(version)`` once it
+    lands (pause every leader, transfer weights, stamp the version, resume). Until then
+    this stands in for it with the lifecycle calls a refit makes: pause each shard
+    (keep in-flight requests, clear the cache), then resume each; every ack must be
+    exactly True.
+    """
+    paused = [ray_io.get_or_raise(s.pause.remote(mode="keep", clear_cache=True), 60) for s in shards]
+    resumed = [ray_io.get_or_raise(s.resume.remote(), 60) for s in shards]
+    if paused != [True] * len(shards) or resumed != [True] * len(shards):
+        raise RuntimeError(f"refit acks were not all True: pause {paused}, resume {resumed}")
+    return {"kind": "pause-resume (placeholder)", "paused": len(paused), "resumed": len(resumed)}
+
+
+def alive_nodes() -> list[dict]:
+    return [n for n in ray.nodes() if n["Alive"]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=2, help="Ray nodes that must be alive (one shard each)")
+    ap.add_argument("--model-dir", help="where to build the tiny model (shared filesystem); default <log dir>/tiny-model")
+    ap.add_argument("--hold", type=float, default=0.0, help="seconds to keep the shards after the summary")
+    args = ap.parse_args(argv)
+
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        print("RAY_ADDRESS is not set: run me through the rlfleet launcher", file=sys.stderr)
+        return 2
+    ray.init(address=address, log_to_driver=True, logging_level="WARNING")
+    nodes = alive_nodes()
+    if len(nodes) != args.nodes:
+        raise RuntimeError(f"expected {args.nodes} alive Ray nodes, found {len(nodes)}: {[n['NodeID'] for n in nodes]}")
+
+    model_dir = args.model_dir or os.path.join(os.environ.get("RLFLEET_LOG_DIR", "."), "tiny-model")
+    model = str(build_model(model_dir, preset="tiny", seed=0))
+    cfg = EngineConfig(model=model, kv_cache_memory_bytes=32 << 20, max_model_len=256, num_cpus=1)
+
+    t0 = time.monotonic()
+    shards = [
+        ray_io.spawn_shard(
+            cfg, slot=i, incarnation=1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False),
+        )  # fmt: skip
+        for i, n in enumerate(nodes)
+    ]
+    try:
+        starts = [ray_io.get_or_raise(s.start.remote(), T) for s in shards]
+        located = [ray_io.get_or_raise(s.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), 30) for s in shards]
+        before = [ray_io.get_or_raise(s.generate.remote(PROMPT, SAMPLING), T) for s in shards]
+        refit = run_refit(shards)
+        after = [ray_io.get_or_raise(s.generate.remote(PROMPT, SAMPLING), T) for s in shards]
+        for res in before + after:
+            if len(res.completions[0].token_ids) != SAMPLING["max_tokens"]:
+                raise RuntimeError(f"shard slot {res.slot} returned {len(res.completions[0].token_ids)} tokens")
+        summary = {
+            "ray_address": address,
+            "nodes": [{"node_id": n["NodeID"], "ip": n["NodeManagerAddress"], "port": n["NodeManagerPort"]} for n in nodes],
+            "shards": [
+                {
+                    "slot": st["slot"],
+                    "pid": st["pid"],
+                    "node_id": node_id,
+                    "start_s": round(st["start_s"], 2),
+                    "tokens_before": len(b.completions[0].token_ids),
+                    "tokens_after": len(a.completions[0].token_ids),
+                }
+                for st, node_id, b, a in zip(starts, located, before, after)
+            ],
+            "refit": refit,
+            "elapsed_s": round(time.monotonic() - t0, 2),
+        }
+        if sorted(located) != sorted(n["NodeID"] for n in nodes):
+            raise RuntimeError(f"shards are on {located}, not one per node {[n['NodeID'] for n in nodes]}")
+        print("RLFLEET_FLEET_CHECK " + json.dumps(summary, sort_keys=True), flush=True)
+        if args.hold > 0:
+            print(f"holding the shards for {args.hold:.0f} s", flush=True)
+            time.sleep(args.hold)
+    finally:
+        for s in shards:
+            ray_io.get(s.shutdown.remote(), 60)
+            ray_io.kill(s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
