@@ -1,0 +1,38 @@
+"""An async GRPO recipe for rlfleet: a learnable verifiable task, its prompts, and the trainer.
+
+- ``AllowedTokensTask``, ``PromptGenerator`` (``task``): the task and seeded prompts; no torch.
+- ``Sample``, ``Group``, ``group_advantages``, ``build_group``, ``clipped_pg_loss`` (``grpo``).
+- ``GRPOTrainer``, ``TrainerConfig`` (``trainer``): float32 Llama + Adam, one step per batch.
+- ``RecipeConfig`` (``config``): batch shape and the engines' sampling parameters.
+- ``direct_push``: a worker-extension stopgap that pushes small models through ``worker_rpc``.
+
+Imports are lazy so ``from fleet.recipe import AllowedTokensTask`` does not load torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_EXPORTS = {
+    "AllowedTokensTask": "fleet.recipe.task",
+    "PromptGenerator": "fleet.recipe.task",
+    "Task": "fleet.recipe.task",
+    "Sample": "fleet.recipe.grpo",
+    "Group": "fleet.recipe.grpo",
+    "group_advantages": "fleet.recipe.grpo",
+    "build_group": "fleet.recipe.grpo",
+    "clipped_pg_loss": "fleet.recipe.grpo",
+    "GRPOTrainer": "fleet.recipe.trainer",
+    "TrainerConfig": "fleet.recipe.trainer",
+    "RecipeConfig": "fleet.recipe.config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'fleet.recipe' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

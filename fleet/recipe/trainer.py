@@ -1,0 +1,218 @@
+"""``GRPOTrainer``: the learner side of the async GRPO recipe (plain class; the demo wraps it in Ray).
+
+It holds a float32 ``LlamaForCausalLM`` and an Adam optimizer. Each ``step(groups)``:
+
+1. drops samples older than ``max_staleness`` versions (counted, never trained on);
+2. computes group-normalised advantages per prompt group;
+3. runs one forward pass over every (prompt + completion), reads the trainer's
+   logprobs of the sampled tokens, and compares them, before any update, with the
+   engine's (``mismatch_*``: numerical train/rollout mismatch plus policy lag for
+   stale samples; ``fresh_mismatch_*`` covers only samples produced by the trainer's
+   current version, i.e. the pure numerical mismatch);
+4. takes one optimizer step on the PPO-clipped token-level loss whose importance
+   ratio is trainer / engine logprob (rollouts are typically one version behind);
+5. increments ``version``.
+
+Guarantees: the weights stay float32; a step that finds nothing trainable (empty
+batch, or every sample stale) changes nothing and does not move ``version``; an
+exception inside ``step`` before the optimizer step leaves weights and version as
+they were. Not thread-safe: read ``state_dict_items`` between steps, never during
+one (a Ray actor with the default concurrency of 1 guarantees this).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from fleet.recipe.grpo import Group, clipped_pg_loss, group_advantages
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = 3e-3
+    """Adam learning rate. 3e-3 teaches the tiny model ``AllowedTokensTask`` in ~20 steps."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    clip_eps: float = 0.2
+    """PPO ratio clip."""
+    adv_eps: float = 1e-6
+    max_grad_norm: float | None = 1.0
+    max_staleness: int | None = None
+    """Drop samples with ``version - version_start > max_staleness`` (None keeps all)."""
+    seed: int = 0
+    num_threads: int | None = None
+    """``torch.set_num_threads`` for this process (None leaves it alone)."""
+    initial_version: int = 0
+    """The version of the weights loaded from ``model_dir`` (the engines' starting version)."""
+
+
+class GRPOTrainer:
+    """Precondition: ``model_dir`` holds a Hugging Face Llama checkpoint (e.g. ``fleet.tinymodel.build_model``)."""
+
+    def __init__(self, model_dir: str, config: TrainerConfig | None = None, **overrides) -> None:
+        from transformers import LlamaForCausalLM
+
+        cfg = config or TrainerConfig()
+        if overrides:
+            cfg = TrainerConfig(**{**cfg.__dict__, **overrides})
+        self.config = cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        torch.manual_seed(cfg.seed)
+        self.model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.model.eval()  # no dropout in Llama; eval keeps the forward identical to the engine's
+        self.pad_id = int(self.model.config.pad_token_id or 0)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, betas=cfg.betas)
+        self.version = int(cfg.initial_version)
+
+    # -- weights -------------------------------------------------------------------------
+    def state_dict_items(self) -> list[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, float32 tensor) for every weight, the names ``reload_weights`` takes.
+
+        The tensors are detached views of the live weights (no copy): read them before
+        the next ``step``. Also a valid ``refit.sender.WeightSender`` source (a callable).
+        """
+        return [(name, t.detach()) for name, t in self.model.state_dict().items()]
+
+    def get_version(self) -> int:
+        return self.version
+
+    # -- logprobs ------------------------------------------------------------------------
+    def _batch(self, seqs: Sequence[tuple[Sequence[int], Sequence[int]]]):
+        """Right-padded ids [B, T] and, per row, the index range of its completion targets.
+
+        Right padding needs no attention mask for a causal model: real tokens never
+        attend to the pads after them, and their positions are unchanged.
+        """
+        lengths = [len(p) + len(c) for p, c in seqs]
+        width = max(lengths)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        for i, (p, c) in enumerate(seqs):
+            ids[i, : lengths[i]] = torch.tensor(list(p) + list(c), dtype=torch.long)
+        return ids
+
+    def _token_logprobs(self, seqs: Sequence[tuple[Sequence[int], Sequence[int]]]):
+        """Logprob of each completion token given everything before it: [B, Tmax] plus mask [B, Tmax]."""
+        ids = self._batch(seqs)
+        logits = self.model(input_ids=ids).logits.float()
+        logp_all = torch.log_softmax(logits[:, :-1], dim=-1)
+        tok_lp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, T-1]: logprob of ids[:, t+1]
+        cmax = max(len(c) for _, c in seqs)
+        out = torch.zeros(len(seqs), cmax, dtype=torch.float32)
+        mask = torch.zeros(len(seqs), cmax, dtype=torch.float32)
+        # A completion token at sequence index j is predicted at position j - 1.
+        rows, cols, src = [], [], []
+        for i, (p, c) in enumerate(seqs):
+            for k in range(len(c)):
+                rows.append(i)
+                cols.append(k)
+                src.append(len(p) + k - 1)
+        if rows:
+            r = torch.tensor(rows)
+            k = torch.tensor(cols)
+            out = out.index_put((r, k), tok_lp[r, torch.tensor(src)])
+            mask[r, k] = 1.0
+        return out, mask
+
+    @torch.no_grad()
+    def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
+        """The trainer's float32 logprob of each completion token (current weights)."""
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if not completion_ids:
+            return []
+        lp, _ = self._token_logprobs([(prompt_ids, completion_ids)])
+        return [float(x) for x in lp[0, : len(completion_ids)]]
+
+    # -- one update ----------------------------------------------------------------------
+    def step(self, groups: Sequence[Group]) -> dict:
+        """One GRPO optimizer step over ``groups``; returns metrics (see the module docstring)."""
+        t0 = time.monotonic()
+        cfg = self.config
+        seqs, advs, old, stal, fresh, rewards = [], [], [], [], [], []
+        dropped = with_signal = 0
+        for g in groups:
+            keep = []
+            for s in g.samples:
+                staleness = self.version - s.version_start
+                if cfg.max_staleness is not None and staleness > cfg.max_staleness:
+                    dropped += 1
+                else:
+                    keep.append((s, staleness))
+            if not keep:
+                continue
+            adv = group_advantages([s.reward for s, _ in keep], cfg.adv_eps)
+            with_signal += any(a != 0.0 for a in adv)
+            for (s, staleness), a in zip(keep, adv):
+                rewards.append(s.reward)
+                if not s.completion_ids:
+                    continue
+                seqs.append((g.prompt_ids, s.completion_ids))
+                advs.append(a)
+                old.append(s.logprobs)
+                stal.append(staleness)
+                fresh.append(staleness == 0)
+        metrics: dict = {
+            "version": self.version,
+            "samples": len(rewards),
+            "dropped_stale": dropped,
+            "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+            "reward_max": max(rewards) if rewards else float("nan"),
+        }
+        if not seqs:
+            metrics.update(trained=False, step_s=time.monotonic() - t0)
+            return metrics
+
+        logp_new, mask = self._token_logprobs(seqs)
+        logp_old = torch.zeros_like(logp_new)
+        missing = 0
+        for i, lps in enumerate(old):
+            row = torch.tensor(lps, dtype=torch.float32)
+            bad = ~torch.isfinite(row)
+            if bad.any():  # the engine did not report a logprob: use the trainer's own (ratio 1)
+                missing += int(bad.sum())
+                row = torch.where(bad, logp_new[i, : len(lps)].detach(), row)
+            logp_old[i, : len(lps)] = row
+        adv_t = torch.tensor(advs, dtype=torch.float32).unsqueeze(1)
+
+        with torch.no_grad():
+            diff = (logp_new.detach() - logp_old).abs() * mask
+            fresh_rows = torch.tensor(fresh)
+            fresh_diff = diff[fresh_rows]
+            n_fresh_tok = float(mask[fresh_rows].sum())
+
+        loss, clip_frac, ratio_mean = clipped_pg_loss(logp_new, logp_old, adv_t, mask, cfg.clip_eps)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite GRPO loss at version {self.version}; weights left unchanged")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float("nan")
+        if cfg.max_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+        self.optimizer.step()
+        self.version += 1
+
+        n_tok = float(mask.sum())
+        metrics.update(
+            trained=True,
+            loss=loss.item(),
+            tokens=int(n_tok),
+            groups=len(groups),
+            groups_with_signal=with_signal,
+            mismatch_max=float(diff.max()),
+            mismatch_mean=float(diff.sum()) / n_tok,
+            fresh_mismatch_max=float(fresh_diff.max()) if n_fresh_tok else float("nan"),
+            fresh_mismatch_mean=float(fresh_diff.sum()) / n_fresh_tok if n_fresh_tok else float("nan"),
+            missing_logprobs=missing,
+            staleness_max=max(stal),
+            staleness_mean=sum(stal) / len(stal),
+            clip_frac=clip_frac,
+            ratio_mean=ratio_mean,
+            grad_norm=grad_norm,
+            new_version=self.version,
+            step_s=time.monotonic() - t0,
+        )
+        return metrics
