@@ -315,6 +315,23 @@ class SingleController:
     def events(self, since: int = 0, kinds: list[str] | None = None) -> list[dict]:
         return self.log.records(since, kinds)
 
+    # ------------------------------------------------------------------ fault injection
+    async def arm_fault(self, slot: int, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0) -> bool:
+        """Arm a fault in the current incarnation of ``slot`` (see ``fleet.fault_hooks``)."""
+        inc, handle = self.handles[slot]
+        out = await self.door.call(handle, "arm_fault", point, action, delay_s, after_calls, timeout=self.cfg.probe_timeout_s)
+        self.log.emit("fault", slot=slot, incarnation=inc, point=point, action=action, armed=out.ok)
+        if not out.ok:
+            raise out.error or RuntimeError(f"arming a fault on slot {slot} failed: {out.describe()}")
+        return True
+
+    async def kill_shard(self, slot: int) -> bool:
+        """Kill the current incarnation's actor process now (a fault at a step boundary)."""
+        inc, handle = self.handles[slot]
+        self.log.emit("fault", slot=slot, incarnation=inc, point="step_boundary", action="kill", armed=True)
+        self.door.kill(handle)
+        return True
+
     def warn_keep_once(self, message: str) -> None:
         if not self._keep_warned:
             self._keep_warned = True

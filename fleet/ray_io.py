@@ -128,6 +128,24 @@ def spawn_shard(config: EngineConfig, slot: int, incarnation: int, weight_versio
 
 
 _SHARD_CLS = None
+_ACTOR_CLASSES: dict[type, Any] = {}
+
+
+def spawn_actor(cls: type, *args, **options):
+    """Create an actor of a plain class (controller, weight source, trainer) with Ray options."""
+    remote_cls = _ACTOR_CLASSES.get(cls)
+    if remote_cls is None:
+        remote_cls = _ACTOR_CLASSES[cls] = ray.remote(cls)
+    return remote_cls.options(**options).remote(*args) if options else remote_cls.remote(*args)
+
+
+def spawn_controller(config: Any, **options):
+    """The ``SingleController`` actor: no CPU reserved (it only waits), high concurrency for requests."""
+    from fleet.controller import SingleController
+
+    opts = dict(num_cpus=0, max_concurrency=100_000, max_restarts=0)
+    opts.update(options)
+    return spawn_actor(SingleController, config, **opts)
 
 
 def _shard_actor_class():

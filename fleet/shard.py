@@ -22,10 +22,13 @@ from typing import Any, Callable, Sequence
 
 from fleet.backend import PAUSE_MODES, EngineBackend
 from fleet.config import EngineConfig
+from fleet.fault_hooks import ArmedFault, FaultHooks
 from fleet.errors import BadRequestError, DeadlineExceeded, ShardShutDownError, ShardUnusableError
 from fleet.types import EngineStats, GenerationResult
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
+# Worker-extension methods that move weights: the "transfer" fault point.
+TRANSFER_METHODS = frozenset({"rlfleet_receive", "rlfleet_receive_raw"})
 
 
 def _vllm_backend(config: EngineConfig) -> EngineBackend:
@@ -55,6 +58,7 @@ class EngineShard:
         self._version = weight_version
         self._backend = (backend_factory or _vllm_backend)(self.config)
         self._state = "new"
+        self._hooks = FaultHooks(lambda: getattr(self._backend, "engine_core_pids", lambda: [])())
         self._inflight: dict[str, int] = {}
         self._ids = itertools.count()
 
@@ -119,8 +123,19 @@ class EngineShard:
 
     async def ping(self) -> dict[str, Any]:
         """Liveness: raises if the shard or its engine cannot serve."""
+        if self._hooks.armed:
+            await self._hooks.at("ping")
         self._require_ready("ping")
         return self.ping_info()
+
+    # -- fault injection (hook points; free when nothing is armed) ---------------
+    def arm_fault(self, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0) -> bool:
+        """Arm one fault at a hook point (see ``fleet.fault_hooks``). Raises ValueError for an unknown one."""
+        self._hooks.arm(ArmedFault(point, action, float(delay_s), int(after_calls)))
+        return True
+
+    def faults_fired(self) -> list[dict]:
+        return list(self._hooks.fired)
 
     # -- data path ----------------------------------------------------------------
     async def generate(
@@ -132,6 +147,8 @@ class EngineShard:
         timeout: float | None = None,
     ) -> GenerationResult:
         """Generate for one prompt (text or token ids). Aborted requests return with finish reason "abort"."""
+        if self._hooks.armed:
+            await self._hooks.at("generate")
         backend = self._require_ready("generate")
         tokens = backend.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not tokens:
@@ -181,11 +198,15 @@ class EngineShard:
         """Pause generation. ``keep`` holds in-flight requests, ``abort`` ends them, ``wait`` drains them."""
         if mode not in PAUSE_MODES:
             raise BadRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if self._hooks.armed and await self._hooks.at("pause"):
+            return False
         backend = self._require_ready("pause")
         await self._bounded(f"pause(mode={mode})", backend.pause(mode, bool(clear_cache)), timeout)
         return True
 
     async def resume(self, timeout: float | None = None) -> bool:
+        if self._hooks.armed and await self._hooks.at("resume"):
+            return False
         backend = self._require_ready("resume")
         await self._bounded("resume", backend.resume(), timeout)
         return True
@@ -207,12 +228,16 @@ class EngineShard:
         return self._version
 
     async def set_weight_version(self, version: int) -> bool:
+        if self._hooks.armed and await self._hooks.at("set_weight_version"):
+            return False
         self._require_ready("set_weight_version")
         self._version = int(version)
         return True
 
     async def worker_rpc(self, method: str, args: Sequence = (), kwargs: dict | None = None, timeout: float | None = None) -> list:
         """Call ``method`` on every worker's extension (``collective_rpc``), bounded."""
+        if self._hooks.armed and method in TRANSFER_METHODS:
+            await self._hooks.at("transfer")
         backend = self._require_ready(f"worker_rpc({method})")
         deadline = self.config.call_timeout_s if timeout is None else timeout
         return await self._bounded(f"worker_rpc({method})", backend.worker_rpc(method, tuple(args), kwargs or {}, deadline), deadline + 1.0)

@@ -1,0 +1,111 @@
+"""Fault hooks inside an engine shard: where a fault plan acts on a real actor.
+
+A shard calls ``hooks.at(point)`` at each hook point (start of ``pause``, ``resume``,
+``set_weight_version``, ``generate``, ``ping``, and the weight receive inside
+``worker_rpc``, point ``transfer``). With nothing armed the shard skips the call
+entirely (``if self._hooks.armed``), so code without an active plan pays nothing.
+
+Actions (each armed fault fires once, after ``after_calls`` matching calls; ``slow``
+applies to every hooked call from the moment it is armed):
+
+- ``kill``: the actor process exits at once (``os._exit``); its engine processes die with it.
+  With ``delay_s`` the exit happens that long after the call began (mid-transfer).
+- ``freeze``: the engine-core processes are stopped (SIGSTOP) and the actor's event
+  loop blocks: the shard stops answering anything, as a wedged host would.
+- ``hang``: this one call sleeps past any deadline; other calls still answer.
+- ``false_ack``: this one call answers ``False`` instead of ``True``.
+- ``slow``: every hooked call is delayed by ``delay_s``.
+- ``crash_engine``: the engine-core process is killed (SIGKILL); the actor lives on and
+  reports ``EngineCrashedError`` from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+POINTS = ("pause", "resume", "set_weight_version", "generate", "ping", "transfer")
+ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine")
+
+
+@dataclass
+class ArmedFault:
+    point: str
+    action: str
+    delay_s: float = 0.0
+    after_calls: int = 0
+
+    def __post_init__(self) -> None:
+        if self.point not in POINTS:
+            raise ValueError(f"fault point must be one of {POINTS}, got {self.point!r}")
+        if self.action not in ACTIONS:
+            raise ValueError(f"fault action must be one of {ACTIONS}, got {self.action!r}")
+        if self.delay_s < 0 or self.after_calls < 0:
+            raise ValueError("fault delay_s and after_calls must be >= 0")
+
+
+class FaultHooks:
+    def __init__(self, engine_pids: Callable[[], list[int]]) -> None:
+        self._engine_pids = engine_pids
+        self._armed: list[ArmedFault] = []
+        self._slow_s = 0.0
+        self.fired: list[dict] = []
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._armed) or self._slow_s > 0
+
+    def arm(self, fault: ArmedFault) -> None:
+        if fault.action == "slow":  # every hooked call, from now on
+            self._slow_s = fault.delay_s
+            return
+        self._armed.append(fault)
+
+    async def at(self, point: str) -> bool:
+        """Run the hook for ``point``. Returns True when the call must answer ``False`` (a lie)."""
+        if self._slow_s:
+            await asyncio.sleep(self._slow_s)
+        for fault in list(self._armed):
+            if fault.point != point:
+                continue
+            if fault.after_calls > 0:
+                fault.after_calls -= 1
+                continue
+            self._armed.remove(fault)
+            self.fired.append({"point": point, "action": fault.action, "t": time.monotonic()})
+            return await self._fire(fault)
+        return False
+
+    async def _fire(self, fault: ArmedFault) -> bool:
+        action = fault.action
+        if action == "false_ack":
+            return True
+        elif action == "hang":
+            await asyncio.sleep(10**6)
+        elif action == "kill":
+            if fault.delay_s:
+                threading.Timer(fault.delay_s, os._exit, args=(137,)).start()
+            else:
+                os._exit(137)
+        elif action == "crash_engine":
+            if fault.delay_s:
+                await asyncio.sleep(fault.delay_s)
+            self._signal_engines(signal.SIGKILL)
+        elif action == "freeze":
+            if fault.delay_s:
+                await asyncio.sleep(fault.delay_s)
+            self._signal_engines(signal.SIGSTOP)
+            time.sleep(10**6)  # blocks the actor's event loop: nothing answers any more
+        return False
+
+    def _signal_engines(self, sig: int) -> None:
+        for pid in self._engine_pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
