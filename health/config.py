@@ -25,6 +25,8 @@ class HealthConfig:
     - ``unhealthy_threshold``: failed probes that condemn a suspect shard (>= 1).
     - ``suspect_timeout_s``: longest a shard may stay suspect or hung while a refit
       is in progress before it is evicted (> 0 s).
+    - ``probe_interval_s``: least time between two probes of one quarantined shard,
+      so a probe that fails fast cannot spend ``unhealthy_threshold`` at once (>= 0 s).
     - ``restart_budget``: restarts allowed per slot over the run (>= 0).
     - ``backoff_base_s`` / ``backoff_cap_s``: restart backoff, doubling from base up
       to cap (0 <= base <= cap).
@@ -34,6 +36,7 @@ class HealthConfig:
     min_healthy_engines: int = 1
     unhealthy_threshold: int = 3
     suspect_timeout_s: float = 30.0
+    probe_interval_s: float = 1.0
     restart_budget: int = 3
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 60.0
@@ -50,6 +53,9 @@ class HealthConfig:
         t = self.suspect_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"suspect_timeout_s must be a finite number of seconds > 0, got {t!r}")
+        p = self.probe_interval_s
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0:
+            raise ValueError(f"probe_interval_s must be a finite number of seconds >= 0, got {p!r}")
         # Building the policy validates restart_budget and the backoff pair.
         RestartPolicy(self.restart_budget, self.backoff_base_s, self.backoff_cap_s)
 

@@ -16,8 +16,9 @@ Transition rules (DESIGN.md failure classes; "quarantine" = SUSPECT or HUNG):
 - LIED / ERROR in PAUSE, REFIT or RESUME: the weight stamp is dropped (STALE) and
   ``AbortRefit``. In GENERATE: not a liveness signal, nothing changes.
 - probe ok: quarantine -> HEALTHY if still on the current version, else STALE.
-  Probe failed (unavailable, hung, lie, error): one failed probe; at
-  ``unhealthy_threshold`` failed probes -> dead with ``Evict``.
+  Probe failed (unavailable, hung, lie, error): one failed probe, next ``Probe``
+  not before ``probe_interval_s``; at ``unhealthy_threshold`` failed probes -> dead
+  with ``Evict``.
 - START failed (hung, lie, error): ``Evict``, dead. START unavailable: keep waiting.
 - dead -> ``RestartPolicy``: within budget, DEAD until the backoff runs out, then
   (on a ``Tick``) RESTARTING at incarnation + 1 with ``Restart``; immediately when

@@ -9,7 +9,8 @@ Actions are frozen dataclasses naming the slot and the incarnation they are abou
 so an action can be carried out against exactly the actor it was decided for:
 
 ==================  =========================================================
-``Probe``           call the shard's health check; report ``Observed(call=PROBE)``
+``Probe``           at ``not_before``, call the shard's health check; report
+                    ``Observed(call=PROBE)``
 ``Evict``           kill that incarnation's actor (it is already dead in the ledger)
 ``Restart``         launch ``incarnation`` in ``slot``; report ``EngineReady``
 ``Retire``          the slot will never be restarted; release its resources
@@ -52,11 +53,14 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """Check whether ``incarnation`` of ``slot`` is alive (bounded by a deadline) and
-    report the outcome as ``Observed(slot, incarnation, CallKind.PROBE, ...)``."""
+    """At or after ``not_before``, check whether ``incarnation`` of ``slot`` is alive
+    (bounded by a deadline) and report ``Observed(slot, incarnation, CallKind.PROBE,
+    ...)``. The first probe of a quarantine is due at once; later ones are spaced
+    by ``probe_interval_s``."""
 
     slot: int
     incarnation: int
+    not_before: float
     reason: str
 
 

@@ -160,7 +160,7 @@ def _quarantine(d: Draft, rec: SlotRecord, ev: Observed) -> None:
         phase = _SUSPECT if ev.failure is _F_SUSPECT else _HUNG
         new = rec._replace(phase=phase, since=d.now, failed_probes=0, reason=cause)
         d.put(rec, new)
-        d.actions.append(Probe(rec.slot, rec.incarnation, cause))
+        d.actions.append(Probe(rec.slot, rec.incarnation, d.now, cause))
         d.reasons.append(
             f"slot {rec.slot} incarnation {rec.incarnation} {cause}: quarantined, probing"
         )
@@ -196,9 +196,10 @@ def _bad_answer(d: Draft, rec: SlotRecord, ev: Observed) -> None:
 def _abort(d: Draft, rec: SlotRecord, ev: Observed, cause: str) -> None:
     fleet = d.fleet_now()
     version = fleet.refit_version
+    which = f"the refit of version {version}" if version is not None else "the lifecycle step"
     message = (
         f"{ev.call.value} of slot {rec.slot} (incarnation {rec.incarnation}) failed: "
-        f"{cause}; the refit of version {version} stops and the gate stays closed"
+        f"{cause}; {which} stops and the gate stays closed"
     )
     d.actions.append(AbortRefit(rec.slot, rec.incarnation, ev.call, ev.failure, version, message))
     d.reasons.append("refit aborted")
@@ -229,10 +230,11 @@ def _failed_probe(d: Draft, rec: SlotRecord, ev: Observed) -> None:
         phase = _HUNG if ev.failure is _F_HUNG else _SUSPECT
         new = rec._replace(phase=phase, since=d.now, failed_probes=failed, reason=cause)
     d.put(rec, new)
-    d.actions.append(Probe(rec.slot, rec.incarnation, cause))
+    interval = d.ledger.config.probe_interval_s
+    d.actions.append(Probe(rec.slot, rec.incarnation, d.now + interval, cause))
     d.reasons.append(
         f"slot {rec.slot} incarnation {rec.incarnation} {cause} "
-        f"({failed} of {threshold} failed probes): probing again"
+        f"({failed} of {threshold} failed probes): probing again in {interval:g} s"
     )
 
 

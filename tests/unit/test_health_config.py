@@ -26,6 +26,7 @@ def test_defaults_are_valid_and_expose_the_restart_policy():
         ({"num_engines": 3, "unhealthy_threshold": 0}, "unhealthy_threshold must be an integer >= 1, got 0"),
         ({"num_engines": 3, "suspect_timeout_s": 0}, "suspect_timeout_s must be a finite number of seconds > 0, got 0"),
         ({"num_engines": 3, "suspect_timeout_s": math.inf}, "suspect_timeout_s .* got inf"),
+        ({"num_engines": 3, "probe_interval_s": -1.0}, "probe_interval_s must be a finite number of seconds >= 0, got -1.0"),
         ({"num_engines": 3, "restart_budget": -1}, "restart_budget must be an integer >= 0, got -1"),
         ({"num_engines": 3, "backoff_base_s": -0.5}, "backoff_base_s must be a finite number of seconds >= 0, got -0.5"),
         ({"num_engines": 3, "backoff_base_s": 10.0, "backoff_cap_s": 5.0},

@@ -111,7 +111,7 @@ def test_unavailable_quarantines_and_probes_but_never_kills(call):
     ledger = ready_fleet(config())
     d = step(ledger, Observed(1, 1, call, SUSPECT, "ActorUnavailableError"), 1.0)
     assert ledger.state(1) is ShardState.SUSPECT and ledger.serving_slots() == (0, 2)
-    assert d.actions == (Probe(1, 1, d.actions[0].reason),)
+    assert d.actions == (Probe(1, 1, 1.0, d.actions[0].reason),)  # first probe: at once
     assert [(t.before, t.after) for t in d.transitions] == [(ShardState.HEALTHY, ShardState.SUSPECT)]
     for i in range(50):  # no amount of unavailability condemns it on its own
         step(ledger, Observed(1, 1, call, SUSPECT), 2.0 + i)
@@ -136,11 +136,12 @@ def test_probe_ok_after_the_version_moved_on_returns_it_stale():
 
 @pytest.mark.parametrize("failure", [SUSPECT, HUNG, LIED, ERROR])
 def test_failed_probes_condemn_at_unhealthy_threshold(failure):
-    ledger = ready_fleet(config(unhealthy_threshold=3))
+    ledger = ready_fleet(config(unhealthy_threshold=3, probe_interval_s=0.5))
     step(ledger, Observed(2, 1, GENERATE, SUSPECT), 1.0)
     for n in (1, 2):
         d = step(ledger, Observed(2, 1, PROBE, failure), 1.0 + n)
         assert kinds(d) == ["Probe"] and ledger.record(2).failed_probes == n
+        assert d.actions[0].not_before == 1.0 + n + 0.5  # spaced by probe_interval_s
         assert ledger.state(2) is ShardState.SUSPECT
     d = step(ledger, Observed(2, 1, PROBE, failure), 4.0)
     assert kinds(d) == ["Evict"] and ledger.state(2) is ShardState.DEAD
