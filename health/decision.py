@@ -28,7 +28,7 @@ read them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, NamedTuple, Union
 
 from health.states import CallKind, FailureClass, ShardState
 
@@ -142,10 +142,9 @@ class StopExhausted:
 Action = Union[Probe, Evict, Restart, Retire, AbortRefit, OpenGate, KeepGateClosed, StopExhausted]
 
 
-@dataclass(frozen=True, slots=True)
-class Transition:
+class Transition(NamedTuple):
     """One slot changed state. ``incarnation`` is the slot's incarnation after the
-    change (a restart moves a slot to a new incarnation)."""
+    change (a restart moves a slot to a new incarnation). Immutable."""
 
     slot: int
     incarnation: int
@@ -154,14 +153,16 @@ class Transition:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     """The verdict on one event at one time.
 
     ``failure``: how the event was classified (``OK`` when nothing went wrong,
     ``LATE`` when it was ignored, ``EXHAUSTED`` when the fleet fell below quorum).
     ``actions``: what the controller must do, in order. ``transitions``: every state
     change this decision makes. ``reason``: one line for the event log.
+
+    Immutable like the actions; a ``NamedTuple`` rather than a frozen dataclass
+    because one is built per event and costs a fifth as much (read fields by name).
     """
 
     event: Event

@@ -35,10 +35,13 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from health.config import HealthConfig
 from health.states import ShardState, SlotPhase
+
+if TYPE_CHECKING:
+    from health.decision import Decision
 
 __all__ = ["FleetState", "Ledger", "SlotRecord", "SlotStatus", "view_state"]
 
@@ -298,7 +301,7 @@ class Ledger:
 
     # ------------------------------------------------------------------ change
 
-    def apply(self, decision: Any) -> None:
+    def apply(self, decision: Decision) -> None:
         """Store the changes of ``decision`` (made by ``decide`` on this ledger).
 
         Raises ``ValueError`` (and changes nothing) when the decision was made

@@ -109,10 +109,11 @@ def _ready(d: Draft, rec: SlotRecord) -> None:
 
 def on_observed(d: Draft, ev: Observed) -> None:
     f = ev.failure
-    if f is FailureClass.EXHAUSTED or type(f) is not FailureClass:
+    if f is FailureClass.EXHAUSTED or type(f) is not FailureClass or type(ev.call) is not CallKind:
         raise ValueError(
-            f"Observed for slot {ev.slot} incarnation {ev.incarnation} has failure {f!r}; "
-            "EXHAUSTED is a fleet verdict, not an observation of one shard"
+            f"Observed for slot {ev.slot} incarnation {ev.incarnation} has call {ev.call!r} "
+            f"and failure {f!r}; it needs a CallKind and a FailureClass other than "
+            "EXHAUSTED (EXHAUSTED is a fleet verdict, not an observation of one shard)"
         )
     if f is _F_LATE:  # the caller already classified it late; still check the slot
         _slot_record(d, ev)
@@ -216,13 +217,9 @@ def _failed_probe(d: Draft, rec: SlotRecord, ev: Observed) -> None:
     failed = rec.failed_probes + 1 if quarantined else 1
     threshold = d.ledger.config.unhealthy_threshold
     if failed >= threshold:
-        condemn(
-            d, rec,
-            f"dead after {failed} failed probe(s) (unhealthy_threshold={threshold}); "
-            f"last {cause}; first: {rec.reason}" if quarantined else
-            f"dead after {failed} failed probe(s) (unhealthy_threshold={threshold}); {cause}",
-            evict=True,
-        )
+        verdict = f"dead after {failed} failed probe(s) (unhealthy_threshold={threshold})"
+        history = f"last {cause}; quarantined for: {rec.reason}" if quarantined else cause
+        condemn(d, rec, f"{verdict}; {history}", evict=True)
         return
     if quarantined:
         new = rec._replace(failed_probes=failed)
