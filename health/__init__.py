@@ -3,27 +3,48 @@
 Given what the controller observed about its engines (deaths, unavailability,
 deadlines, lies, probe results, refit outcomes) and the time, this package decides
 what the fleet's state is and what to do next; the controller only carries the
-decisions out. It imports nothing from Ray or vLLM and reads no clock of its own,
-so every rule is testable with plain Python and a ``FakeClock``.
+decisions out. It imports nothing from Ray or vLLM and reads no clock of its own
+(time is always the ``now`` argument), so every rule runs in plain Python with a
+``FakeClock``.
 
-Driving it (the controller's side)::
+One loop: ``decision = step(ledger, event, clock.now())``; carry out
+``decision.actions`` in order; log ``decision.reason``. (``step`` is ``decide``, a
+pure function, followed by ``ledger.apply``.) What to feed, and when:
 
-    ledger = Ledger(HealthConfig(num_engines=4, min_healthy_engines=2))
-    # launch every slot at ledger.record(slot).incarnation, then for each:
-    step(ledger, EngineReady(slot, incarnation), clock.now())
-    # every observed call outcome:
-    d = step(ledger, observe(slot, incarnation, CallKind.PAUSE, outcome), clock.now())
-    for action in d.actions: carry_out(action)       # Probe, Evict, Restart, ...
-    log(d.reason)
-    # timers (restart backoff, eviction of frozen shards): at ledger.next_wake_at()
-    step(ledger, Tick(), clock.now())
-    # a refit: RefitStarted(v), plan_membership(ledger, last_plan), RefitReport per
-    # participant, VersionCommitted(v), resume outcomes, RefitFinished(v) -> the
-    # decision holds OpenGate, KeepGateClosed or StopExhausted.
+=====================================  =============================================
+when                                   event  ->  actions to expect
+=====================================  =============================================
+start-up: launch each slot at          ``EngineReady(slot, inc)`` -> none (STALE)
+``ledger.record(slot).incarnation``
+every settled call to a shard          ``observe(slot, inc, CallKind.X, outcome)``
+(exception or returned value; a        -> ``Probe`` (suspect/hung), ``Evict``,
+``TimeoutError`` for a missed          ``Restart``, ``Retire``, ``AbortRefit``,
+deadline)                              ``StopExhausted``
+``Probe`` action due (``not_before``)  its outcome as ``CallKind.PROBE``
+``Restart`` action                     launch ``action.incarnation``; then
+                                       ``EngineReady`` or ``CallKind.START`` failure
+at ``ledger.next_wake_at()``           ``Tick()`` -> due ``Restart``; ``Evict`` of
+                                       shards frozen past ``suspect_timeout_s``
+                                       during a refit
+sync_weights step 1 (gate closed)      ``RefitStarted(v)`` -> ``Evict`` of overdue
+step 3                                 ``plan_membership(ledger, last_plan)``
+step 5, per participant and attempt    ``RefitReport(slot, inc, v, refit_result(...))``
+step 6                                 ``VersionCommitted(v)`` (not after an abort)
+step 8                                 ``RefitFinished(v)`` -> exactly one of
+                                       ``OpenGate``, ``KeepGateClosed``,
+                                       ``StopExhausted``
+=====================================  =============================================
 
-Modules: ``states`` (enums), ``config`` (HealthConfig), ``clock``, ``events``,
-``decision`` (actions, Decision), ``classify``, ``ledger``, ``core`` (decide), ``quorum``,
-``membership``, ``restart``.
+Guarantees: only ``HEALTHY`` slots (``ledger.serving_slots()``) may get traffic,
+and they are exactly the live incarnations on which a COMPLETE refit of the
+committed version landed; an incarnation that died never serves again; events
+from replaced incarnations change nothing; ``decide`` raises (``ValueError``
+naming slot/incarnation/version/time) before anything changes.
+
+Modules: ``states`` (enums), ``config`` (``HealthConfig``), ``clock``, ``events``,
+``decision`` (actions, ``Decision``), ``classify``, ``ledger``, ``core``
+(``decide``, ``step``) with ``draft``, ``slot_rules`` and ``fleet_rules``,
+``quorum``, ``membership``, ``restart``, ``testing`` (builders for tests).
 """
 
 from __future__ import annotations

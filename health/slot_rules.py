@@ -36,6 +36,9 @@ _PROBE = CallKind.PROBE
 _GENERATE = CallKind.GENERATE
 _PAUSE_OR_RESUME = frozenset({CallKind.PAUSE, CallKind.RESUME})
 
+# Enum ``.value`` is a Python-level property; reasons are built on every event.
+_NAME = {m: m.value for e in (CallKind, FailureClass, RefitResult, ShardState, SlotPhase) for m in e}
+
 
 def _resolve(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotRecord | None:
     """The slot's record if ``ev`` is about its current, not-condemned incarnation;
@@ -47,7 +50,7 @@ def _resolve(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotRecord |
         if rec.phase is _DEAD or rec.phase is _RETIRED:
             d.late(
                 f"{_describe(ev)} from slot {slot} incarnation {inc}, which is already "
-                f"{rec.phase.value} ({rec.reason}): ignored"
+                f"{_NAME[rec.phase]} ({rec.reason}): ignored"
             )
             return None
         return rec
@@ -77,9 +80,9 @@ def _slot_record(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotReco
 
 def _describe(ev: EngineReady | Observed | RefitReport) -> str:
     if type(ev) is Observed:
-        return f"{ev.call.value} {ev.failure.value}" + (f" ({ev.detail})" if ev.detail else "")
+        return f"{_NAME[ev.call]} {_NAME[ev.failure]}" + (f" ({ev.detail})" if ev.detail else "")
     if type(ev) is RefitReport:
-        return f"refit report ({ev.result.value}, version {ev.version})"
+        return f"refit report ({_NAME[ev.result]}, version {ev.version})"
     return "ready"
 
 
@@ -93,7 +96,7 @@ def _ready(d: Draft, rec: SlotRecord) -> None:
     if rec.phase is not _LAUNCHING:
         d.reasons.append(
             f"slot {rec.slot} incarnation {rec.incarnation} reported ready while "
-            f"{_state(d, rec).value}: nothing to do"
+            f"{_NAME[_state(d, rec)]}: nothing to do"
         )
         return
     cv = d.ledger._fleet.current_version
@@ -127,7 +130,7 @@ def on_observed(d: Draft, ev: Observed) -> None:
     if f is _OK:
         _observed_ok(d, rec, call)
     elif f is _F_DEAD:
-        condemn(d, rec, f"died during {call.value}: {ev.detail or 'ActorDiedError'}", evict=False)
+        condemn(d, rec, f"died during {_NAME[call]}: {ev.detail or 'ActorDiedError'}", evict=False)
     elif call is _PROBE:
         _failed_probe(d, rec, ev)
     elif call is _START:
@@ -147,16 +150,16 @@ def _observed_ok(d: Draft, rec: SlotRecord, call: CallKind) -> None:
         d.put(rec, new)
         d.reasons.append(
             f"slot {rec.slot} incarnation {rec.incarnation} answered its probe: "
-            f"{_state(d, new).value} again"
+            f"{_NAME[_state(d, new)]} again"
         )
         return
-    d.reasons.append(f"{call.value} ok on slot {rec.slot} incarnation {rec.incarnation}")
+    d.reasons.append(f"{_NAME[call]} ok on slot {rec.slot} incarnation {rec.incarnation}")
 
 
 def _quarantine(d: Draft, rec: SlotRecord, ev: Observed) -> None:
     """SUSPECT or HUNG outside probes and starts."""
     what = "unavailable" if ev.failure is _F_SUSPECT else "hung (deadline passed)"
-    cause = f"{what} during {ev.call.value}" + (f": {ev.detail}" if ev.detail else "")
+    cause = f"{what} during {_NAME[ev.call]}" + (f": {ev.detail}" if ev.detail else "")
     if rec.phase is _LIVE:
         phase = _SUSPECT if ev.failure is _F_SUSPECT else _HUNG
         new = rec._replace(phase=phase, since=d.now, failed_probes=0, reason=cause)
@@ -168,7 +171,7 @@ def _quarantine(d: Draft, rec: SlotRecord, ev: Observed) -> None:
     else:
         d.reasons.append(
             f"slot {rec.slot} incarnation {rec.incarnation} {cause} while "
-            f"{_state(d, rec).value}: state unchanged"
+            f"{_NAME[_state(d, rec)]}: state unchanged"
         )
     if ev.failure is _F_HUNG and ev.call in _PAUSE_OR_RESUME and rec.phase is not _LAUNCHING:
         _abort(d, rec, ev, cause)
@@ -177,7 +180,7 @@ def _quarantine(d: Draft, rec: SlotRecord, ev: Observed) -> None:
 def _bad_answer(d: Draft, rec: SlotRecord, ev: Observed) -> None:
     """LIED or ERROR in PAUSE, REFIT, RESUME or GENERATE."""
     what = "lied (ack not exactly True)" if ev.failure is FailureClass.LIED else "raised"
-    cause = f"{ev.call.value} {what}" + (f": {ev.detail}" if ev.detail else "")
+    cause = f"{_NAME[ev.call]} {what}" + (f": {ev.detail}" if ev.detail else "")
     if ev.call is _GENERATE or rec.phase is _LAUNCHING:
         d.reasons.append(
             f"slot {rec.slot} incarnation {rec.incarnation} {cause}: not a liveness "
@@ -199,7 +202,7 @@ def _abort(d: Draft, rec: SlotRecord, ev: Observed, cause: str) -> None:
     version = fleet.refit_version
     which = f"the refit of version {version}" if version is not None else "the lifecycle step"
     message = (
-        f"{ev.call.value} of slot {rec.slot} (incarnation {rec.incarnation}) failed: "
+        f"{_NAME[ev.call]} of slot {rec.slot} (incarnation {rec.incarnation}) failed: "
         f"{cause}; {which} stops and the gate stays closed"
     )
     d.actions.append(AbortRefit(rec.slot, rec.incarnation, ev.call, ev.failure, version, message))
@@ -209,7 +212,7 @@ def _abort(d: Draft, rec: SlotRecord, ev: Observed, cause: str) -> None:
 
 
 def _failed_probe(d: Draft, rec: SlotRecord, ev: Observed) -> None:
-    cause = f"probe {ev.failure.value}" + (f": {ev.detail}" if ev.detail else "")
+    cause = f"probe {_NAME[ev.failure]}" + (f": {ev.detail}" if ev.detail else "")
     if rec.phase is _LAUNCHING:
         d.reasons.append(f"slot {rec.slot} is still starting; {cause} ignored")
         return
@@ -236,11 +239,11 @@ def _failed_probe(d: Draft, rec: SlotRecord, ev: Observed) -> None:
 
 
 def _start_failed(d: Draft, rec: SlotRecord, ev: Observed) -> None:
-    cause = f"start {ev.failure.value}" + (f": {ev.detail}" if ev.detail else "")
+    cause = f"start {_NAME[ev.failure]}" + (f": {ev.detail}" if ev.detail else "")
     if rec.phase is not _LAUNCHING:
         d.reasons.append(
             f"start outcome for slot {rec.slot} incarnation {rec.incarnation}, which is "
-            f"already {_state(d, rec).value}: ignored"
+            f"already {_NAME[_state(d, rec)]}: ignored"
         )
         return
     if ev.failure is _F_SUSPECT:
