@@ -2,7 +2,10 @@
 
 ``decide`` is a pure function: it reads the ledger and returns what must change
 (new slot records, new fleet state), what the controller must do (actions) and why
-(reason). ``Ledger.apply(decision)`` makes the change; ``step`` does both.
+(reason). ``Ledger.apply(decision)`` makes the change; ``step`` does both. Why a
+mutable ledger of immutable records rather than a copied or persistent one: see
+``health.ledger`` (O(1) per event on a 1,024-slot fleet, nothing copied, and a
+failed decision cannot leave a half-applied ledger).
 
 Transition rules (DESIGN.md failure classes; "quarantine" = SUSPECT or HUNG):
 
@@ -24,8 +27,9 @@ Transition rules (DESIGN.md failure classes; "quarantine" = SUSPECT or HUNG):
   (on a ``Tick``) RESTARTING at incarnation + 1 with ``Restart``; immediately when
   the backoff is zero. Budget spent -> RETIRED with ``Retire``.
 - ``RefitReport``: COMPLETE of the refit in progress (not aborted) stamps the
-  version on that incarnation; PARTIAL drops the stamp (mixed weights: STALE, rejoins the next
-  refit; a complete refit overwrites every weight); NOT_STARTED changes nothing.
+  version on that incarnation; PARTIAL drops the stamp (mixed weights: STALE,
+  rejoins the next refit, whose complete transfer overwrites every weight);
+  NOT_STARTED changes nothing.
 - ``RefitStarted``: gate closed; quarantined shards already past
   ``suspect_timeout_s`` are evicted; during the refit a ``Tick`` evicts the rest
   when their time runs out.

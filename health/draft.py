@@ -56,7 +56,9 @@ class Draft:
         before = view_state(old, cv)
         after = view_state(new, cv)
         if before is not after or old.incarnation != new.incarnation:
-            self.transitions.append(Transition(new.slot, new.incarnation, before, after, new.reason))
+            self.transitions.append(
+                Transition(new.slot, new.incarnation, before, after, new.reason)
+            )
         if new.phase is _RETIRED:
             self.retired = True
 

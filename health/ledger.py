@@ -157,11 +157,15 @@ class Ledger:
     incarnation, report ``EngineReady``, then run a first refit so engines serve.
     """
 
-    def __init__(self, config: HealthConfig, *, now: float = 0.0, first_incarnation: int = 1) -> None:
+    def __init__(
+        self, config: HealthConfig, *, now: float = 0.0, first_incarnation: int = 1
+    ) -> None:
         if not isinstance(config, HealthConfig):
             raise TypeError(f"Ledger needs a HealthConfig, got {type(config).__name__}")
         if type(first_incarnation) is not int or first_incarnation < 0:
-            raise ValueError(f"first_incarnation must be an integer >= 0, got {first_incarnation!r}")
+            raise ValueError(
+                f"first_incarnation must be an integer >= 0, got {first_incarnation!r}"
+            )
         self.config = config
         self.policy = config.restart_policy
         n = config.num_engines

@@ -37,7 +37,9 @@ _GENERATE = CallKind.GENERATE
 _PAUSE_OR_RESUME = frozenset({CallKind.PAUSE, CallKind.RESUME})
 
 # Enum ``.value`` is a Python-level property; reasons are built on every event.
-_NAME = {m: m.value for e in (CallKind, FailureClass, RefitResult, ShardState, SlotPhase) for m in e}
+_NAME = {
+    m: m.value for e in (CallKind, FailureClass, RefitResult, ShardState, SlotPhase) for m in e
+}
 
 
 def _resolve(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotRecord | None:
@@ -299,7 +301,9 @@ def on_report(d: Draft, ev: RefitReport) -> None:
     result = ev.result
     where = f"slot {rec.slot} incarnation {rec.incarnation}"
     if result is RefitResult.NOT_STARTED:
-        d.reasons.append(f"refit of version {ev.version} moved no bytes to {where}: weights untouched")
+        d.reasons.append(
+            f"refit of version {ev.version} moved no bytes to {where}: weights untouched"
+        )
         return
     if result is RefitResult.PARTIAL:
         reason = (
