@@ -155,6 +155,8 @@ class Ledger:
     A new ledger has every slot ``STARTING`` at ``first_incarnation``, no committed
     version, no refit in progress and the gate closed: launch every slot's first
     incarnation, report ``EngineReady``, then run a first refit so engines serve.
+
+    One owner (the controller actor) feeds it; it is not thread-safe.
     """
 
     def __init__(

@@ -336,6 +336,17 @@ def test_time_must_not_go_backwards(now):
         decide(ledger, Tick(), now)
 
 
+def test_ledger_construction_is_checked():
+    with pytest.raises(TypeError, match="needs a HealthConfig, got dict"):
+        Ledger({"num_engines": 3})
+    with pytest.raises(ValueError, match="first_incarnation must be an integer >= 0, got -1"):
+        Ledger(config(), first_incarnation=-1)
+    ledger = Ledger(config(), now=7.0, first_incarnation=10)
+    assert ledger.record(2).incarnation == 10 and ledger.now == 7.0
+    with pytest.raises(ValueError, match="monotonic"):
+        decide(ledger, Tick(), 6.0)
+
+
 def test_non_events_are_refused():
     with pytest.raises(TypeError, match="not a health event"):
         decide(Ledger(config()), "tick", 0.0)
