@@ -4,7 +4,9 @@
 - ``Sample``, ``Group``, ``group_advantages``, ``build_group``, ``clipped_pg_loss`` (``grpo``).
 - ``GRPOTrainer``, ``TrainerConfig`` (``trainer``): float32 Llama + Adam, one step per batch.
 - ``RecipeConfig`` (``config``): batch shape and the engines' sampling parameters.
-- ``direct_push``: a worker-extension stopgap that pushes small models through ``worker_rpc``.
+
+Weights reach the engines through ``refit``: ``WeightSender(trainer.state_dict_items,
+dtype=torch.float32)`` is the trainer's sender (see ``GRPOTrainer.state_dict_items``).
 
 Imports are lazy so ``from fleet.recipe import AllowedTokensTask`` does not load torch.
 """

@@ -26,14 +26,22 @@ class RecipeConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def seed_for(self, step: int, prompt_index: int) -> int:
-        """Seed of sample 0 of one prompt; sample i uses ``seed + i`` (what both vLLM's ``n`` and
-        ``SingleController.generate_group`` do), so the seeds of a step never collide."""
+        """Seed of sample 0 of one prompt; sample i uses ``seed + i`` (what
+        ``SingleController.generate_group`` does), so the seeds of a run never collide."""
         return self.seed * 1_000_003 + step * 10_007 * self.samples_per_prompt + prompt_index * self.samples_per_prompt
 
-    def sampling(self, step: int, prompt_index: int, n: int | None = None) -> dict:
-        """vLLM sampling parameters for one prompt. ``n`` (samples in one request) defaults to 1:
-        pass ``n=samples_per_prompt`` to get the whole group from one request."""
-        params = {"max_tokens": self.max_tokens, "temperature": 1.0, "ignore_eos": True, "seed": self.seed_for(step, prompt_index)}
-        if n is not None and n != 1:
-            params["n"] = int(n)
-        return params
+    def sampling(self, step: int, prompt_index: int, sample_index: int = 0) -> dict:
+        """vLLM sampling parameters of one request (one completion).
+
+        Pass the ``sample_index == 0`` form to ``generate_group(prompt, samples_per_prompt,
+        sampling)``: it adds i to the seed of request i. One completion per request, on
+        purpose: ``n > 1`` in one request currently loses completions (the engine
+        backend keeps only the last streamed output, which holds only the children
+        that finished in the last engine step).
+        """
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "seed": self.seed_for(step, prompt_index) + int(sample_index),
+        }

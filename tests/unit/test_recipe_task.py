@@ -129,7 +129,8 @@ def test_sampling_params_and_seeds_never_collide():
     cfg = RecipeConfig(prompts_per_step=8, samples_per_prompt=8, max_tokens=6, seed=0)
     p = cfg.sampling(2, 3)
     assert p == {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True, "seed": cfg.seed_for(2, 3)}
-    assert cfg.sampling(2, 3, n=8)["n"] == 8
+    assert cfg.sampling(2, 3, sample_index=5)["seed"] == cfg.seed_for(2, 3) + 5
+    assert "n" not in p
     seeds = [cfg.seed_for(s, j) + i for s in range(50) for j in range(8) for i in range(8)]
     assert len(set(seeds)) == len(seeds)
     with pytest.raises(ValueError, match="samples_per_prompt"):

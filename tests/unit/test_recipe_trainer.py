@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from fleet.recipe.direct_push import decode_weights, encode_weights
 from fleet.recipe.grpo import Group, Sample, clipped_pg_loss
 from fleet.recipe.task import AllowedTokensTask, PromptGenerator
 from fleet.recipe.trainer import GRPOTrainer
 from refit.model_spec import checkpoint_spec
+from refit.sender import WeightSender
 
 
 # One intra-op thread: on a shared 2-core machine OpenMP threads spinning against other
@@ -67,8 +67,10 @@ def test_weights_are_float32_under_checkpoint_names(trainer, tiny_model):
     for name, t in items:
         assert t.dtype == torch.float32 and not t.requires_grad
         assert tuple(t.shape) == spec[name][0]
-    back = decode_weights(encode_weights(items))
-    assert all(n1 == n2 and torch.equal(a, b) for (n1, a), (n2, b) in zip(items, back))
+    # The trainer is a valid WeightSender source: every weight is sent, live (no copy).
+    sent = WeightSender(trainer.state_dict_items, dtype=torch.float32).named_tensors()
+    assert [n for n, _ in sent] == [n for n, _ in items]
+    assert all(a.data_ptr() == b.data_ptr() for (_, a), (_, b) in zip(sent, items))
 
 
 def test_one_step_updates_weights_and_version_and_reports_mismatch(trainer):
