@@ -24,6 +24,7 @@ set -euo pipefail
 
 S=${RLFLEET_SLURM_DIR:-/tmp/rlfleet-slurm}
 CTLD_PORT=${RLFLEET_SLURMCTLD_PORT:-6917}      # slurmd ports follow: 6918, 6919, ...
+FIRST_JOB_ID=${RLFLEET_SLURM_FIRST_JOB_ID:-1}  # distinct per cluster when two run on one machine
 NET_PREFIX=${RLFLEET_NETNS_PREFIX:-10.213.0}
 BRIDGE=${RLFLEET_NETNS_BRIDGE:-rlfbr0}
 
@@ -117,6 +118,7 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MpiDefault=none
 MinJobAge=4
+FirstJobId=$FIRST_JOB_ID
 KillWait=30
 InactiveLimit=0
 SchedulerType=sched/backfill

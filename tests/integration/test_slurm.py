@@ -1,0 +1,347 @@
+"""The Slurm launcher against a real Slurm: slurmctld, two slurmd and munge on this machine.
+
+A module fixture brings the local cluster up once (slurm/localcluster.sh, which
+installs Debian's packages when missing) and down at the end, even on failure. Jobs
+go through the real CLI (``python -m fleet.slurm_cli submit``) and ``sbatch``.
+
+What each test proves:
+- a two-node fleet job: both Ray nodes alive, one engine shard pinned on each, one
+  refit, exit 0, one log file per step, nothing left running;
+- a failing driver: the job's exit code is the driver's code;
+- a worker whose Ray dies: the job ends early with that step's non-zero code;
+- scancel mid-run: no process of the job remains, including daemonized children that
+  escaped their parents (which a plain process-tree cleanup leaks);
+- two jobs at once on the same nodes: disjoint ports, both succeed;
+- (bonus) each node in its own network namespace: distinct node IPs, shards on both.
+
+Needs root (slurmd, munge, namespaces). Leak checks look only for this job's
+processes (its Ray temp dir, its SLURM_JOB_ID, its ports), never a global `pgrep ray`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+psutil = pytest.importorskip("psutil")
+
+REPO = Path(__file__).resolve().parents[2]
+LOCALCLUSTER = REPO / "slurm" / "localcluster.sh"
+FLEET_CHECK = REPO / "slurm" / "examples" / "fleet_check.py"
+RAY_PROBE = REPO / "slurm" / "examples" / "ray_probe.py"
+PY = sys.executable
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="a local Slurm needs Linux and root"),
+    pytest.mark.skipif(
+        shutil.which("slurmctld") is None and shutil.which("apt-get") is None,
+        reason="no Slurm and no apt-get to install it",
+    ),
+]
+
+
+# -- the local cluster and its jobs ------------------------------------------------------
+@dataclass
+class LocalSlurm:
+    scratch: Path
+    ctld_port: int
+    first_job_id: int = 1
+    netns: bool = False
+    nodes: int = 2
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            RLFLEET_SLURM_DIR=str(self.scratch),
+            RLFLEET_SLURMCTLD_PORT=str(self.ctld_port),
+            RLFLEET_SLURM_FIRST_JOB_ID=str(self.first_job_id),
+            SLURM_CONF=str(self.scratch / "slurm.conf"),
+            PATH=f"{Path(PY).parent}:{env.get('PATH', '')}",
+        )
+        env.pop("RLFLEET_RAY_TMP", None)
+        return env
+
+    def up(self) -> None:
+        cmd = [str(LOCALCLUSTER), "up", "--nodes", str(self.nodes)] + (["--netns"] if self.netns else [])
+        subprocess.run(cmd, env=self.env(), check=True, timeout=600)
+
+    def down(self) -> None:
+        subprocess.run([str(LOCALCLUSTER), "down"], env=self.env(), check=False, timeout=120)
+
+    def submit_argv(self, log_root: Path, driver: list[str], wait: bool) -> list[str]:
+        return [
+            PY, "-m", "fleet.slurm_cli", "submit", "--nodes", str(self.nodes), "--cpus-per-node", "2",
+            "--time", "00:10:00", "--log-root", str(log_root), "--python", PY, "--ready-timeout", "150",
+            *(["--wait"] if wait else []), "--", PY, *driver,
+        ]  # fmt: skip
+
+    def run_job(self, log_root: Path, driver: list[str], timeout: float = 300) -> int:
+        """Submit through the CLI with --wait; returns the job's exit code."""
+        log_root.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(self.submit_argv(log_root, driver, True), cwd=log_root, env=self.env(), timeout=timeout)
+        return proc.returncode
+
+    def start_job(self, log_root: Path, driver: list[str]) -> int:
+        """Submit through the CLI without waiting; returns the job id."""
+        log_root.mkdir(parents=True, exist_ok=True)
+        out = subprocess.run(
+            self.submit_argv(log_root, driver, False), cwd=log_root, env=self.env(),
+            capture_output=True, text=True, check=True, timeout=60,
+        )  # fmt: skip
+        return int(out.stdout.strip().split(";")[0])
+
+    def job_listed(self, job_id: int) -> bool:
+        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%i"], env=self.env(), capture_output=True, text=True)
+        return str(job_id) in out.stdout.split()
+
+
+@dataclass
+class JobLogs:
+    folder: Path
+
+    @classmethod
+    def only_one(cls, log_root: Path) -> "JobLogs":
+        found = sorted(log_root.glob("*-logs"))
+        assert len(found) == 1, f"expected one <jobid>-logs folder under {log_root}, found {found}"
+        return cls(found[0])
+
+    @property
+    def job_id(self) -> int:
+        return int(self.folder.name.split("-")[0])
+
+    def text(self, name: str) -> str:
+        path = self.folder / name
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def env(self) -> dict[str, str]:
+        out = {}
+        for line in self.text("launcher.env").splitlines():
+            key, _, value = line.partition("=")
+            out[key] = value.strip('"')
+        return out
+
+    def port_ranges(self) -> list[range]:
+        """Every port range the launcher gave this job (fixed blocks and worker windows, all nodes)."""
+        ranges = []
+        for key, value in self.env().items():
+            if key.startswith("RLFLEET_NODE_"):
+                for lo, hi in re.findall(r"ports=(\d+)-(\d+)", value):
+                    ranges.append(range(int(lo), int(hi) + 1))
+        return ranges
+
+    def marker(self, tag: str) -> dict:
+        for line in self.text("driver.log").splitlines():
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1 :])
+        raise AssertionError(f"no {tag} line in {self.folder}/driver.log:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        parts = []
+        for f in sorted(self.folder.glob("*.log")):
+            lines = f.read_text(errors="replace").splitlines()[-n:]
+            parts.append(f"== {f.name}\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+
+def job_processes(logs: JobLogs) -> list[str]:
+    """Processes that belong to this job: its Ray temp dir in the command line, its SLURM_JOB_ID
+    in the environment, or a listening socket on one of its ports. Never anyone else's Ray."""
+    temp_root = logs.env()["RLFLEET_RAY_TMP_ROOT"]
+    marker = f"SLURM_JOB_ID={logs.job_id}"
+    ranges = logs.port_ranges()
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if proc.pid == os.getpid():
+            continue
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if temp_root + "/" in cmd or cmd.endswith(temp_root):
+                found[proc.pid] = f"{proc.pid} (Ray temp dir) {cmd[:120]}"
+                continue
+            if proc.environ().get("SLURM_JOB_ID") == str(logs.job_id):
+                found[proc.pid] = f"{proc.pid} ({marker}) {cmd[:120]}"
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.status == psutil.CONN_LISTEN and conn.pid and any(conn.laddr.port in r for r in ranges):
+            found.setdefault(conn.pid, f"{conn.pid} (listens on {conn.laddr.port} of this job)")
+    return sorted(found.values())
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s")
+
+
+def assert_nothing_left(logs: JobLogs, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    left = job_processes(logs)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.3)
+        left = job_processes(logs)
+    assert not left, f"job {logs.job_id} left processes behind:\n" + "\n".join(left)
+
+
+# -- fixtures ----------------------------------------------------------------------------
+def _bring_up(cluster: LocalSlurm):
+    cluster.down()  # an aborted earlier run: `down` stops only what that `up` recorded
+    try:
+        t0 = time.monotonic()
+        cluster.up()
+        print(f"local Slurm up in {time.monotonic() - t0:.1f} s ({cluster.scratch})")
+        yield cluster
+    finally:
+        cluster.down()
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    yield from _bring_up(LocalSlurm(scratch=Path("/tmp/rlfleet-slurm-pytest"), ctld_port=6947, first_job_id=1000))
+
+
+@pytest.fixture(scope="module")
+def slurm_netns_cluster():
+    if shutil.which("ip") is None and shutil.which("apt-get") is None:
+        pytest.skip("no iproute2")
+    yield from _bring_up(LocalSlurm(scratch=Path("/tmp/rlfleet-slurm-pytest-ns"), ctld_port=6957, first_job_id=1050, netns=True))
+
+
+# -- tests -------------------------------------------------------------------------------
+def _assert_fleet_summary(logs: JobLogs, distinct_ips: bool) -> dict:
+    summary = logs.marker("RLFLEET_FLEET_CHECK")
+    node_ids = [n["node_id"] for n in summary["nodes"]]
+    assert len(node_ids) == 2 and len(set(node_ids)) == 2, summary["nodes"]
+    shard_nodes = [s["node_id"] for s in summary["shards"]]
+    assert sorted(shard_nodes) == sorted(node_ids), f"shards not one per node: {shard_nodes} vs {node_ids}"
+    assert [(s["tokens_before"], s["tokens_after"]) for s in summary["shards"]] == [(8, 8), (8, 8)]
+    assert summary["refit"]["paused"] == 2 and summary["refit"]["resumed"] == 2
+    ips = [n["ip"] for n in summary["nodes"]]
+    if distinct_ips:
+        assert len(set(ips)) == 2, f"nodes share an IP: {ips}"
+    return summary
+
+
+def test_two_node_fleet_job_places_a_shard_on_each_node_and_exits_zero(slurm_cluster, tiny_model, tmp_path):
+    rc = slurm_cluster.run_job(tmp_path, [str(FLEET_CHECK), "--nodes", "2", "--model-dir", tiny_model])
+    logs = JobLogs.only_one(tmp_path)
+    assert rc == 0, logs.tail()
+    summary = _assert_fleet_summary(logs, distinct_ips=False)
+    env = logs.env()
+    assert env["RLFLEET_NODES"] == "n1 n2"
+    gcs_port = int(env["RAY_ADDRESS"].rsplit(":", 1)[1])
+    assert summary["ray_address"] == env["RAY_ADDRESS"] and 1024 < gcs_port < 10002
+    for name in ("launcher.log", "head-n1.log", "worker-n2.log", "driver.log", "launcher.env", "job.sbatch"):
+        assert (logs.folder / name).is_file(), f"{name} missing from {logs.folder}"
+    assert "RLFLEET_READY" in logs.text("head-n1.log")
+    assert f"job {logs.job_id} exits with code 0" in logs.text("launcher.log")
+    assert env["RAY_AUTH_MODE"] == "disabled"
+    assert_nothing_left(logs)
+
+
+def test_worker_whose_ray_dies_ends_the_job_with_that_steps_code(slurm_cluster, tmp_path):
+    t0 = time.monotonic()
+    rc = slurm_cluster.run_job(tmp_path, [str(RAY_PROBE), "--nodes", "2", "--kill-worker-raylet"])
+    logs = JobLogs.only_one(tmp_path)
+    launcher = logs.text("launcher.log")
+    m = re.search(r"step worker-n2 ended early \(code (\d+)\)", launcher)
+    assert m, logs.tail()
+    assert rc != 0 and rc == (int(m.group(1)) or 1), (rc, launcher)
+    assert "did not stop the job" not in logs.text("driver.log")
+    assert time.monotonic() - t0 < 110, "the job ran on after its worker died"
+    assert_nothing_left(logs)
+
+
+def test_cancel_mid_run_leaves_no_process_behind(slurm_cluster, tmp_path):
+    job = slurm_cluster.start_job(tmp_path, [str(RAY_PROBE), "--nodes", "2", "--spawn-orphans", "--hold", "300"])
+    logs = JobLogs(tmp_path / f"{job}-logs")
+    try:
+        wait_for(lambda: "RLFLEET_PROBE" in logs.text("driver.log"), 180, f"job {job} driver report")
+        report = logs.marker("RLFLEET_PROBE")
+        pids = [report["driver_pid"]] + [a["pid"] for a in report["actors"]] + [a["orphan_pid"] for a in report["actors"]]
+        assert all(psutil.pid_exists(p) for p in pids), pids
+        before = job_processes(logs)
+        # The check must see the job while it runs: Ray daemons by temp dir, workers by env or port.
+        assert len(before) >= 8, before
+        orphan_parents = {psutil.Process(a["orphan_pid"]).ppid() for a in report["actors"]}
+        assert 1 not in orphan_parents, "a daemonized child escaped to init while the job ran"
+    finally:
+        subprocess.run(["scancel", str(job)], env=slurm_cluster.env(), check=False)
+    wait_for(lambda: not slurm_cluster.job_listed(job), 60, f"job {job} to leave the queue")
+    assert_nothing_left(logs)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes of cancelled job {job} still alive: {alive}"
+    assert "stopped; no process of this step is left" in logs.text("head-n1.log")
+
+
+def test_two_jobs_at_once_on_the_same_nodes_use_disjoint_ports_and_keep_their_exit_codes(slurm_cluster, tmp_path):
+    """Job a's driver succeeds, job b's driver fails with 7: each job ends with its own driver's code."""
+    rdv = tmp_path / "rendezvous"
+    roots = [tmp_path / "a", tmp_path / "b"]
+    driver = [str(RAY_PROBE), "--nodes", "2", "--rendezvous", str(rdv), "--peers", "2"]
+    for root in roots:
+        root.mkdir()
+    procs = [
+        subprocess.Popen(slurm_cluster.submit_argv(root, driver + extra, True), cwd=root, env=slurm_cluster.env())
+        for root, extra in zip(roots, ([], ["--exit-code", "7"]))
+    ]
+    rcs = [p.wait(timeout=300) for p in procs]
+    logs = [JobLogs.only_one(root) for root in roots]
+    assert rcs == [0, 7], "\n".join(lg.tail() for lg in logs)
+    assert "driver exited with code 7" in logs[1].text("launcher.log")
+    assert f"job {logs[1].job_id} exits with code 7" in logs[1].text("launcher.log")
+    reports = [lg.marker("RLFLEET_PROBE") for lg in logs]
+    assert reports[0]["peers"] == reports[1]["peers"] == sorted(str(lg.job_id) for lg in logs)  # ran at the same time
+    envs = [lg.env() for lg in logs]
+    assert envs[0]["RLFLEET_NODES"] == envs[1]["RLFLEET_NODES"] == "n1 n2"  # the same nodes
+    assert envs[0]["RAY_ADDRESS"] != envs[1]["RAY_ADDRESS"]
+    ports = [set().union(*lg.port_ranges()) for lg in logs]
+    assert all(len(p) > 0 and max(p) <= 19999 for p in ports)
+    assert not ports[0] & ports[1], f"jobs share ports: {sorted(ports[0] & ports[1])[:10]}"
+    fixed = [{p for r in lg.port_ranges() if len(r) == 10 for p in r} for lg in logs]
+    assert all(max(f) < 10002 for f in fixed), "fixed ports must stay below Ray's worker range"
+    node_ids = [{n["node_id"] for n in r["nodes"]} for r in reports]
+    assert not node_ids[0] & node_ids[1], "the two jobs joined one Ray cluster"
+    for lg in logs:
+        assert_nothing_left(lg)
+
+
+def test_two_node_job_with_a_network_namespace_per_node(slurm_netns_cluster, tmp_path):
+    """Each emulated node has its own IP: Ray sees two hosts, actors land on both, nothing leaks.
+
+    (The full fleet_check job passes here too; CI runs the light probe to stay in budget.
+    Set RLFLEET_SLURM_NETNS_FLEET=1 to run fleet_check instead.)
+    """
+    if os.environ.get("RLFLEET_SLURM_NETNS_FLEET") == "1":
+        from fleet.tinymodel import build_model
+
+        model = str(build_model(Path.home() / ".cache" / "rlfleet" / "models" / "tiny"))
+        rc = slurm_netns_cluster.run_job(tmp_path, [str(FLEET_CHECK), "--nodes", "2", "--model-dir", model])
+        logs = JobLogs.only_one(tmp_path)
+        assert rc == 0, logs.tail()
+        ips = [n["ip"] for n in _assert_fleet_summary(logs, distinct_ips=True)["nodes"]]
+    else:
+        rc = slurm_netns_cluster.run_job(tmp_path, [str(RAY_PROBE), "--nodes", "2"])
+        logs = JobLogs.only_one(tmp_path)
+        assert rc == 0, logs.tail()
+        report = logs.marker("RLFLEET_PROBE")
+        ips = [n["ip"] for n in report["nodes"]]
+        assert sorted(a["ip"] for a in report["actors"]) == sorted(ips)
+        assert len({a["node_id"] for a in report["actors"]}) == 2
+    assert sorted(ips) == ["10.213.0.11", "10.213.0.12"], ips
+    assert logs.env()["RAY_ADDRESS"].startswith("10.213.0.11:")
+    assert_nothing_left(logs)

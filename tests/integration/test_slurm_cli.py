@@ -1,0 +1,110 @@
+"""`rlfleet slurm submit` and the launcher script, without Slurm: rendering, validation, shell syntax.
+
+Fast (no Slurm, no Ray): these run anywhere bash runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fleet import slurm_cli
+from fleet.slurm_cli import JobSpec, SubmitError, render, render_default
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _dry_run(capsys, *args: str) -> str:
+    assert slurm_cli.main(["submit", "--dry-run", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_committed_launcher_equals_the_rendered_template():
+    committed = (REPO / "slurm" / "rlfleet.sbatch").read_text()
+    assert committed == render_default(), (
+        "slurm/rlfleet.sbatch is stale; regenerate it: "
+        "python -c 'from fleet.slurm_cli import render_default; print(render_default(), end=\"\")' > slurm/rlfleet.sbatch"
+    )
+
+
+def test_embedded_supervisor_is_the_step_program_verbatim():
+    script = render_default()
+    program = (REPO / "slurm" / "rlfleet_step.py").read_text().rstrip()
+    assert program in script
+    assert "# @RLFLEET_STEP_PY@" not in script
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_rendered_scripts_are_valid_bash(tmp_path):
+    for text in (render_default(), render(JobSpec(nodes=4, gpus_per_node=8, settings={"RLFLEET_SETUP": "source 'a b'/bin/activate"}))):
+        path = tmp_path / "job.sbatch"
+        path.write_text(text)
+        assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+
+
+def test_dry_run_fills_header_settings_and_driver(capsys):
+    out = _dry_run(
+        capsys, "--nodes", "2", "--gpus-per-node", "8", "--cpus-per-node", "64", "--partition", "h100",
+        "--auth", "token", "--setup", "source $HOME/venv/bin/activate", "--sbatch-arg=--mem=0",
+        "--", "python", "-m", "my_recipe", "--name", "a b",
+    )  # fmt: skip
+    header = [line for line in out.splitlines() if line.startswith("#SBATCH")]
+    assert header == [
+        "#SBATCH --job-name=rlfleet",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --cpus-per-task=64",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=01:00:00",
+        "#SBATCH --output=rlfleet-%j.out",
+        "#SBATCH --partition=h100",
+        "#SBATCH --mem=0",
+    ]
+    assert 'RLFLEET_GPUS_PER_NODE="8"' in out
+    assert 'RLFLEET_AUTH="token"' in out
+    assert 'RLFLEET_SETUP="source \\$HOME/venv/bin/activate"' in out  # expanded in the step, not at render time
+    assert "DEFAULT_DRIVER=(python -m my_recipe --name 'a b')" in out
+    assert ': "${RLFLEET_DASHBOARD:=0}"' in out  # untouched settings keep their env-overridable default
+
+
+def test_default_driver_is_the_demo(capsys):
+    assert "DEFAULT_DRIVER=(rlfleet demo)" in _dry_run(capsys)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nodes", "0"], "--nodes"),
+        (["--gpus-per-node", "-1"], "--gpus-per-node"),
+        (["--time", "soon"], "--time"),
+        (["--sbatch-arg=mem=0"], "--sbatch-arg"),
+        (["--container-image", "a.sqsh", "--apptainer-image", "b.sif"], "exclude each other"),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_is_submitted(capsys, args, message):
+    assert slurm_cli.main(["submit", "--dry-run", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_setting_is_refused():
+    with pytest.raises(SubmitError, match="RLFLEET_NOPE"):
+        render(JobSpec(settings={"RLFLEET_NOPE": "1"}))
+
+
+def test_register_adds_slurm_submit_to_a_parent_cli():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="rlfleet")
+    slurm_cli.register(parser.add_subparsers(dest="command"))
+    ns = parser.parse_args(["slurm", "submit", "--nodes", "3", "--dry-run", "--", "python", "x.py"])
+    assert ns.func is slurm_cli.submit and ns.nodes == 3 and ns.driver[-2:] == ["python", "x.py"]
+
+
+def test_launcher_refuses_to_run_outside_slurm(tmp_path):
+    path = tmp_path / "job.sbatch"
+    path.write_text(render_default())
+    out = subprocess.run(["bash", str(path)], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, timeout=30)
+    assert out.returncode == 64 and "SLURM_JOB_ID" in out.stdout + out.stderr
