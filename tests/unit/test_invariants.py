@@ -1,0 +1,41 @@
+"""The event-log invariant checks catch each violation they exist for."""
+
+from fleet import invariants as inv
+
+
+def ev(kind, **kw):
+    return {"kind": kind, **kw}
+
+
+def req(event, rid, **kw):
+    return ev("request", event=event, request_id=rid, **kw)
+
+
+def test_lost_and_double_ended_requests_are_reported():
+    events = [req("accepted", "a"), req("accepted", "b"), req("completed", "a", slot=0, incarnation=1, version=0),
+              req("returned", "a", reason="x")]
+    out = inv.requests_accounted(events)
+    assert any("b accepted but never" in o for o in out) and any("a ended 2 times" in o for o in out)
+    assert inv.requests_accounted([req("accepted", "a"), req("returned", "a", reason="r")]) == []
+
+
+def test_version_tag_must_match_the_last_stamp_of_that_incarnation():
+    good = [ev("stamp", version=1, members=[[0, 1]]), req("completed", "a", slot=0, incarnation=1, version=1),
+            req("completed", "b", slot=0, incarnation=2, version=0)]
+    assert inv.version_tags_match_stamps(good) == []
+    bad = good + [req("completed", "c", slot=0, incarnation=2, version=1)]
+    assert len(inv.version_tags_match_stamps(bad)) == 1
+
+
+def test_open_gate_only_sees_current_version():
+    events = [ev("gate", open=True, version=2), req("completed", "a", slot=0, incarnation=1, version=1)]
+    assert len(inv.open_gate_serves_current_version(events)) == 1
+    events = [ev("gate", open=False, version=2), req("completed", "a", slot=0, incarnation=1, version=1)]
+    assert inv.open_gate_serves_current_version(events) == []
+
+
+def test_phase_deadline_and_gate_after_stop():
+    assert inv.phases_within_deadline([ev("phase", phase="pause", edge="end", seconds=11.0)], 10.0)
+    assert not inv.phases_within_deadline([ev("phase", phase="transfer", edge="end", seconds=11.0)], 10.0)
+    assert inv.gate_closed_after_stop([ev("stopped", reason="x"), ev("gate", open=True, version=3)])
+    assert not inv.gate_closed_after_stop([ev("gate", open=True, version=3), ev("stopped", reason="x")])
