@@ -47,13 +47,17 @@ class GroupAddress:
     epoch: int
     world_size: int
     backend: str
+    op_timeout_s: float = 1800.0  # the process group's own timeout for one collective (>= any transfer deadline)
 
     def to_wire(self) -> dict:
-        return {"addr": self.addr, "port": self.port, "epoch": self.epoch, "world_size": self.world_size, "backend": self.backend}
+        return {
+            "addr": self.addr, "port": self.port, "epoch": self.epoch, "world_size": self.world_size,
+            "backend": self.backend, "op_timeout_s": self.op_timeout_s,
+        }
 
     @classmethod
     def from_wire(cls, d) -> "GroupAddress":
-        return cls(str(d["addr"]), int(d["port"]), int(d["epoch"]), int(d["world_size"]), str(d["backend"]))
+        return cls(str(d["addr"]), int(d["port"]), int(d["epoch"]), int(d["world_size"]), str(d["backend"]), float(d.get("op_timeout_s", 1800.0)))
 
 
 def default_address() -> str:
@@ -154,7 +158,7 @@ class RefitGroup:
             if self._store is None:
                 self._store = dist.TCPStore(address.addr, address.port, address.world_size, is_master=False, timeout=_td(timeout_s))
             prefix = dist.PrefixStore(f"rlfleet/epoch{address.epoch}", self._store)
-            self._pg = _make_pg(prefix, rank, address.world_size, address.backend, timeout_s)
+            self._pg = _make_pg(prefix, rank, address.world_size, address.backend, max(timeout_s, address.op_timeout_s))
             self._handshake(t0 + self.timeout_s)
         except TransferError:
             self.close()
@@ -169,7 +173,7 @@ class RefitGroup:
         hello = torch.tensor([_MAGIC, a.epoch, a.world_size], dtype=torch.int64, device=self.device)
         if self.rank != 0:
             hello.zero_()
-        self.wait(self.broadcast(hello), deadline, "handshake")
+        self.wait(self.broadcast(hello), deadline, "handshake", self.timeout_s)
         got = [int(x) for x in hello.cpu().tolist()]
         if got != [_MAGIC, a.epoch, a.world_size]:
             raise TransferError(f"handshake of epoch {a.epoch} on rank {self.rank} got {got}: a rank of another epoch is on this port")
@@ -182,8 +186,8 @@ class RefitGroup:
         opts.rootRank = root
         return self._pg.broadcast([tensor], opts)
 
-    def wait(self, work, deadline: float, what: str) -> None:
-        """Wait for ``work`` until the monotonic ``deadline``; raise ``TransferError`` naming ``what`` on failure or timeout."""
+    def wait(self, work, deadline: float, what: str, budget_s: float) -> None:
+        """Wait for ``work`` until the monotonic ``deadline`` (of a ``budget_s`` budget); raise ``TransferError`` naming ``what``."""
         remaining = deadline - time.monotonic()
         try:
             if remaining <= 0:
@@ -195,7 +199,7 @@ class RefitGroup:
             cause = "timed out" if late or "timed out" in str(exc).lower() else "failed"
             raise TransferError(
                 f"{what} {cause} on rank {self.rank} of epoch {self.address.epoch} "
-                f"(deadline {self.timeout_s:.1f} s): {type(exc).__name__}: {str(exc)[:300]}"
+                f"({budget_s - max(0.0, deadline - time.monotonic()):.2f} s into a {budget_s:.1f} s budget): {type(exc).__name__}: {str(exc)[:300]}"
             ) from None
 
     def close(self) -> None:

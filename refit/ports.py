@@ -27,7 +27,7 @@ class ReceiverPort(Protocol):
 
 
 class SenderPort(Protocol):
-    async def open_group(self, epoch: int, world_size: int, backend: str, timeout_s: float) -> dict: ...
+    async def open_group(self, epoch: int, world_size: int, backend: str, timeout_s: float, op_timeout_s: float | None = None) -> dict: ...
 
     async def connect(self, timeout_s: float) -> dict: ...
 
@@ -58,8 +58,8 @@ class LocalSenderPort:
     async def _run(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args))
 
-    async def open_group(self, epoch: int, world_size: int, backend: str, timeout_s: float) -> dict:
-        return await self._run(lambda: self.sender.open_group(epoch, world_size, backend, timeout_s))
+    async def open_group(self, epoch: int, world_size: int, backend: str, timeout_s: float, op_timeout_s: float | None = None) -> dict:
+        return await self._run(lambda: self.sender.open_group(epoch, world_size, backend, timeout_s, op_timeout_s))
 
     async def connect(self, timeout_s: float) -> dict:
         return await self._run(lambda: self.sender.connect(timeout_s))

@@ -88,6 +88,7 @@ class WeightReceiver:
         self._applied_shapes: dict[str, tuple[int, ...]] = {}
         self._fault: _Fault | None = None
         self._spec_cache: tuple[ExpectedSpec | None] | None = None
+        self._budget = 0.0
 
     # -- group ------------------------------------------------------------------------------
     def join(self, address: dict, rank: int, timeout_s: float) -> dict:
@@ -156,6 +157,7 @@ class WeightReceiver:
         deadline = time.monotonic() + timeout_s
         t0 = time.monotonic()
         try:
+            self._budget = float(timeout_s)
             self._receive_header(group, refit_id, len(manifest.buckets), manifest.digest(), deadline)
             if mode == "staged":
                 self._receive_staged(group, manifest, deadline, res, want_digest)
@@ -185,7 +187,7 @@ class WeightReceiver:
 
     def _receive_header(self, group: RefitGroup, refit_id: int, n_ops: int, digest: int, deadline: float) -> None:
         header = torch.zeros(5, dtype=torch.int64, device=group.device)
-        group.wait(group.broadcast(header), deadline, "stream header")
+        group.wait(group.broadcast(header), deadline, "stream header", self._budget)
         got = [int(x) for x in header.cpu().tolist()]
         want = [HEADER_MAGIC, group.address.epoch, int(refit_id), n_ops, digest]
         if got != want:
@@ -208,7 +210,7 @@ class WeightReceiver:
         for i in range(n):
             if self._fault is not None:
                 self._fault.maybe_fire(i)
-            group.wait(works.pop(i), deadline, f"bucket {i + 1}/{n}")
+            group.wait(works.pop(i), deadline, f"bucket {i + 1}/{n}", self._budget)
             res["bytes"] += manifest.buckets[i].nbytes
             on_bucket(i)
             if i + 2 < n:
@@ -296,11 +298,12 @@ class WeightReceiver:
             return {"ok": False, "error": "no live refit group on this rank", "bytes": 0}
         deadline = time.monotonic() + timeout_s
         t0 = time.monotonic()
+        self._budget = float(timeout_s)
         try:
             self._receive_header(group, refit_id, 1, int(numel), deadline)
             if self._raw is None or self._raw.numel() != numel:
                 self._raw = torch.empty(int(numel), dtype=torch.float32, device=group.device)
-            group.wait(group.broadcast(self._raw), deadline, "raw buffer")
+            group.wait(group.broadcast(self._raw), deadline, "raw buffer", self._budget)
         except TransferError as exc:
             self._on_group_failure()
             return {"ok": False, "error": str(exc), "bytes": 0}

@@ -96,14 +96,19 @@ class WeightSender:
         )
 
     # -- group --------------------------------------------------------------------------
-    def open_group(self, epoch: int, world_size: int, backend: str, timeout_s: float) -> dict:
-        """Close any old group and host the rendezvous of ``epoch`` on a fresh port. Returns the address."""
+    def open_group(self, epoch: int, world_size: int, backend: str, timeout_s: float, op_timeout_s: float | None = None) -> dict:
+        """Close any old group and host the rendezvous of ``epoch`` on a fresh port. Returns the address.
+
+        ``timeout_s`` bounds the rendezvous; ``op_timeout_s`` (default: ``timeout_s``) is the group's
+        own per-collective timeout and must be at least the longest transfer deadline.
+        """
         self.close_group()
         if world_size < 2:
             raise RefitUsageError(f"a refit group needs the sender and at least one receiver, got world size {world_size}")
         device_for(backend, self._device)
         self._store = host_store(self._addr, world_size, timeout_s)
-        self._pending_address = GroupAddress(self._addr, int(self._store.port), int(epoch), int(world_size), backend)
+        op = float(op_timeout_s if op_timeout_s is not None else timeout_s)
+        self._pending_address = GroupAddress(self._addr, int(self._store.port), int(epoch), int(world_size), backend, op)
         return self._pending_address.to_wire()
 
     def connect(self, timeout_s: float) -> dict:
@@ -148,11 +153,11 @@ class WeightSender:
         t0 = time.monotonic()
         try:
             header = stream_header(group.address.epoch, refit_id, len(manifest.buckets), manifest.digest(), group.device)
-            group.wait(group.broadcast(header), deadline, "stream header")
+            group.wait(group.broadcast(header), deadline, "stream header", timeout_s)
             if manifest.transfer == "per_tensor":
-                self._send_per_tensor(group, manifest, tensors, deadline, progress)
+                self._send_per_tensor(group, manifest, tensors, deadline, timeout_s, progress)
             else:
-                self._send_bucketed(group, manifest, tensors, deadline, progress)
+                self._send_bucketed(group, manifest, tensors, deadline, timeout_s, progress)
         except TransferError as exc:
             self.close_group()  # closes our sockets: receivers still waiting fail now
             return {"ok": False, "error": str(exc), "send_s": time.monotonic() - t0, **progress}
@@ -166,7 +171,7 @@ class WeightSender:
         return buf
 
     @torch.no_grad()
-    def _send_bucketed(self, group: RefitGroup, manifest: Manifest, tensors, deadline: float, progress: dict) -> None:
+    def _send_bucketed(self, group: RefitGroup, manifest: Manifest, tensors, deadline: float, budget: float, progress: dict) -> None:
         sizes = manifest.max_bucket_numel()
         in_flight: dict[tuple[str, int], tuple[object, int]] = {}  # buffer -> (work, bucket index)
         order: list[tuple[str, int]] = []
@@ -174,7 +179,7 @@ class WeightSender:
 
         def settle(key) -> None:
             work, idx = in_flight.pop(key)
-            group.wait(work, deadline, f"bucket {idx + 1}/{len(manifest.buckets)}")
+            group.wait(work, deadline, f"bucket {idx + 1}/{len(manifest.buckets)}", budget)
             progress["buckets_sent"] += 1
             progress["bytes_sent"] += manifest.buckets[idx].nbytes
 
@@ -194,13 +199,13 @@ class WeightSender:
             settle(key)
 
     @torch.no_grad()
-    def _send_per_tensor(self, group: RefitGroup, manifest: Manifest, tensors, deadline: float, progress: dict) -> None:
+    def _send_per_tensor(self, group: RefitGroup, manifest: Manifest, tensors, deadline: float, budget: float, progress: dict) -> None:
         for b in manifest.buckets:
             (e,) = b.entries
             t = tensors[e.name]
             if not (t.is_contiguous() and t.dtype == getattr(torch, e.dtype) and t.device == group.device):
                 t = t.to(device=group.device, dtype=getattr(torch, e.dtype)).contiguous()
-            group.wait(group.broadcast(t.view(-1)), deadline, f"tensor {e.name!r}")
+            group.wait(group.broadcast(t.view(-1)), deadline, f"tensor {e.name!r}", budget)
             progress["buckets_sent"] += 1
             progress["bytes_sent"] += b.nbytes
 
@@ -213,8 +218,8 @@ class WeightSender:
         deadline = time.monotonic() + timeout_s
         t0 = time.monotonic()
         try:
-            group.wait(group.broadcast(stream_header(group.address.epoch, refit_id, 1, numel, group.device)), deadline, "raw header")
-            group.wait(group.broadcast(self._raw), deadline, "raw buffer")
+            group.wait(group.broadcast(stream_header(group.address.epoch, refit_id, 1, numel, group.device)), deadline, "raw header", timeout_s)
+            group.wait(group.broadcast(self._raw), deadline, "raw buffer", timeout_s)
         except TransferError as exc:
             self.close_group()
             return {"ok": False, "error": str(exc), "send_s": time.monotonic() - t0, "bytes_sent": 0}

@@ -189,7 +189,7 @@ class WeightSynchronizer:
         self._members, self._group_ok, self._epoch = {}, False, None
         leaves = {k: p.worker_rpc("rlfleet_leave", (), {}, cfg.rpc_timeout_s) for k, p in leaving.items()}
         opened, _ = await asyncio.gather(
-            _bounded(self.sender.open_group(epoch, world, cfg.backend, cfg.group_timeout_s), cfg.rpc_timeout_s),
+            _bounded(self.sender.open_group(epoch, world, cfg.backend, cfg.group_timeout_s, max(cfg.timeout_s, cfg.group_timeout_s)), cfg.rpc_timeout_s),
             _settle_all(leaves, cfg.rpc_timeout_s + cfg.grace_s),  # old members: best effort, bounded
         )
         if opened.value is None:

@@ -22,18 +22,18 @@ from refit.worker_extension import RefitWorkerExtension
 LAYERS = 3
 
 
-def model_tensors(seed: int, layers: int = LAYERS) -> dict[str, torch.Tensor]:
+def model_tensors(seed: int, layers: int = LAYERS, d: int = 16) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    out = {"model.embed_tokens.weight": torch.randn(32, 16, generator=g)}
+    out = {"model.embed_tokens.weight": torch.randn(32, d, generator=g)}
     for i in range(layers):
         p = f"model.layers.{i}."
         for n, shape in [
-            ("self_attn.q_proj.weight", (16, 16)), ("self_attn.k_proj.weight", (16, 16)), ("self_attn.v_proj.weight", (16, 16)),
-            ("mlp.gate_proj.weight", (24, 16)), ("mlp.up_proj.weight", (24, 16)), ("input_layernorm.weight", (16,)),
+            ("self_attn.q_proj.weight", (d, d)), ("self_attn.k_proj.weight", (d, d)), ("self_attn.v_proj.weight", (d, d)),
+            ("mlp.gate_proj.weight", (d + d // 2, d)), ("mlp.up_proj.weight", (d + d // 2, d)), ("input_layernorm.weight", (d,)),
         ]:
             out[p + n] = torch.randn(*shape, generator=g)
-    out["model.norm.weight"] = torch.randn(16, generator=g)
-    out["lm_head.weight"] = torch.randn(32, 16, generator=g)
+    out["model.norm.weight"] = torch.randn(d, generator=g)
+    out["lm_head.weight"] = torch.randn(32, d, generator=g)
     return out
 
 
@@ -227,10 +227,11 @@ def test_freeze_mid_transfer_fails_survivors_within_timeout_then_new_epoch_refit
 
 @pytest.mark.parametrize("mode", ["staged", "streaming"])
 def test_death_mid_transfer_fails_survivors_fast_and_restarted_engine_joins_next_epoch(mode):
-    new = model_tensors(1)
-    a = ThreadEngine(model_tensors(0))
-    doomed = ProcessEngine(model_tensors(0))
-    _, sync = sync_for(new, timeout_s=20, bucket_mb=0.004, apply_mode=mode)
+    # 30 MB in 1 MB buckets: more than the socket buffers hold, so the survivor is truly mid-transfer
+    new = model_tensors(1, layers=4, d=768)
+    a = ThreadEngine(model_tensors(0, layers=4, d=768))
+    doomed = ProcessEngine(model_tensors(0, layers=4, d=768))
+    _, sync = sync_for(new, timeout_s=20, bucket_mb=1, apply_mode=mode)
     pa, pd = Participant(0, 1, (1,)), Participant(1, 1, (2,))
     try:
         run(doomed.worker_rpc("rlfleet_inject_fault", ("die", 2)))
@@ -251,7 +252,7 @@ def test_death_mid_transfer_fails_survivors_fast_and_restarted_engine_joins_next
         assert report.ok, report.summary()
         assert_holds(a, new)
         # epoch 3 adds a restarted engine in that slot: it joins and receives the full weights
-        restarted = ProcessEngine(model_tensors(0))
+        restarted = ProcessEngine(model_tensors(0, layers=4, d=768))
         try:
             pr = Participant(1, 2, (2,))
             report = run(sync.refit({pa: a, pr: restarted}, 3, epoch=3))

