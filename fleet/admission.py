@@ -57,7 +57,7 @@ MISSING = "missing"  # call failed, unreadable, or stale while work is in flight
 class AdmissionConfig(BaseModel):
     """Knobs of the admission law; defaults suit a shard polled twice a second.
 
-    - ``ceiling``: the cap never exceeds this (use ``FleetConfig.max_in_flight_per_shard``).
+    - ``ceiling``: the cap never exceeds this (``FleetConfig.admission.ceiling``).
     - ``fallback_cap``: the conservative cap of a shard whose stats have been missing
       for ``absent_fallback_s`` or whose KV capacity is not known yet (at most ``ceiling``
       is used).

@@ -19,6 +19,7 @@ import asyncio
 import warnings
 from typing import Any, Sequence
 
+from fleet.admission import AdmissionController
 from fleet.dispatch import Dispatcher, FleetResult
 from fleet.errors import ShardUnusableError
 from fleet.eventlog import EventLog
@@ -85,6 +86,7 @@ class SingleController:
         self.stopped: str | None = None
         self.dispatcher = Dispatcher(self, self.log, self.cfg.request_timeout_s, self.cfg.max_redispatch)
         self.metrics = FleetMetrics(enabled=self.cfg.metrics)
+        self.admission = AdmissionController(self.cfg.admission)
         self._transfer = transfer
         self._tasks: set[asyncio.Task] = set()
         self._restarting: dict[int, asyncio.Task] = {}
@@ -111,8 +113,10 @@ class SingleController:
             else:
                 self.decide(observed(slot, inc, CallKind.START, out))
         await self._commit_checkpoint()
+        await self.poll_admission()  # size every cap from the engines' KV capacity before the first request
         self._background(self._timer_loop())
         self._background(self._monitor_loop())
+        self._background(self._admission_loop())
         self.log.emit("phase", phase="start", edge="end", serving=self.ledger.serving_count())
         if self.stopped:
             raise_stopped(self.stopped)
@@ -203,6 +207,7 @@ class SingleController:
             self.door.kill(old[1])
         self.log.emit("restart", slot=action.slot, incarnation=action.incarnation, edge="begin", attempt=action.attempt)
         handle = self._spawn(action.slot, action.incarnation)
+        self.admission.forget(action.slot)
         out = await self.door.call(handle, "start", timeout=self.cfg.engine.start_timeout_s + 30)
         self.log.emit("restart", slot=action.slot, incarnation=action.incarnation, edge="end", outcome=out.kind)
         if out.ok:
@@ -225,13 +230,35 @@ class SingleController:
             await asyncio.sleep(MONITOR_INTERVAL_S)
             if self.lifecycle.running:
                 continue
-            live = {s: (inc, h) for s, (inc, h) in self.handles.items() if self.ledger.state(s).value in ("healthy", "stale")}
+            live = self.live_handles()
             outs = await self.door.fan_out(
                 {s: (h, "ping", (), {}) for s, (_, h) in live.items()}, timeout=self.cfg.probe_timeout_s
             )
             for slot, out in outs.items():
                 if not out.ok and self.handles.get(slot, (None,))[0] == live[slot][0]:
                     await self.report_failure(slot, live[slot][0], out, CallKind.PROBE)
+
+    async def _admission_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.admission.poll_interval_s)
+            await self.poll_admission()
+
+    async def poll_admission(self) -> None:
+        """Poll every live shard's engine stats once and let the admission law set its cap."""
+        live = self.live_handles()
+        outs = await self.door.fan_out(
+            {s: (h, "stats", (), {}) for s, (_, h) in live.items()}, timeout=self.cfg.probe_timeout_s
+        )
+        grew = False
+        for slot, out in outs.items():
+            inc = live[slot][0]
+            before = self.admission.cap(slot)
+            reason = self.admission.observe(slot, out.value if out.ok else None, self.clock.now(), incarnation=inc)
+            if reason:
+                self.log.emit("admission", slot=slot, incarnation=inc, cap=self.admission.cap(slot), reason=reason)
+            grew = grew or self.admission.cap(slot) > before
+        if grew:
+            await self.dispatcher.notify_room()
 
     def _background(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -254,7 +281,7 @@ class SingleController:
         return out
 
     def caps(self) -> dict[int, int]:
-        return {slot: self.cfg.max_in_flight_per_shard for slot in self.handles}
+        return self.admission.caps(self.handles)
 
     def cache_salt(self, version: int) -> str | None:
         return f"rlfleet-w{version}" if self.cfg.kv_policy == "salt" else None
@@ -263,6 +290,10 @@ class SingleController:
         if outcome.kind == DIED or (outcome.kind == "error" and isinstance(outcome.error, ShardUnusableError)):
             self._kill(slot, incarnation, f"{call.value} found it dead: {outcome.describe()[:200]}")
         self.decide(observed(slot, incarnation, call, outcome))
+
+    def live_handles(self) -> dict[int, tuple[int, Any]]:
+        """slot -> (incarnation, handle) of every engine that is up (serving or stale)."""
+        return {s: (inc, h) for s, (inc, h) in self.handles.items() if self.ledger.state(s).value in ("healthy", "stale")}
 
     def handle_of(self, slot: int, incarnation: int):
         current = self.handles.get(slot)

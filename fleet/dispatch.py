@@ -51,6 +51,7 @@ class FleetView(Protocol):
     door: Any
     gate: DispatchGate
     stopped: str | None
+    admission: Any
 
     def serving(self) -> Sequence[tuple[int, int, Any]]: ...
 
@@ -143,6 +144,7 @@ class Dispatcher:
         p.attempts += 1
         rid = f"{p.request_id}#{p.attempts}"
         self.outstanding.setdefault(slot, {})[rid] = (incarnation, version)
+        self._view.admission.on_dispatch(slot, incarnation)
         try:
             outcome = await self._view.door.call(
                 handle,
@@ -155,6 +157,7 @@ class Dispatcher:
             )
         finally:
             self.outstanding.get(slot, {}).pop(rid, None)
+            self._view.admission.on_finish(slot, incarnation)
             await self.notify_room()
         if outcome.ok:
             result: GenerationResult = outcome.value

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.admission import AdmissionConfig
 from fleet.config import EngineConfig, validate
 from fleet.errors import ConfigError
 
@@ -43,8 +44,8 @@ class FleetConfig(BaseModel):
     transport_backend: Literal["gloo", "nccl"] = "gloo"
     bucket_mb: float = Field(64.0, gt=0)
     apply_mode: Literal["staged", "streaming"] = "staged"
-    # Requests.
-    max_in_flight_per_shard: int = Field(256, ge=1)
+    # Requests and admission (per-shard in-flight cap that follows the engine's KV-cache load).
+    admission: AdmissionConfig = AdmissionConfig()
     max_staleness: int | None = Field(None, ge=0)
     max_redispatch: int = Field(3, ge=0, description="times a request is re-sent after its shard failed, then returned")
     request_timeout_s: float = Field(600.0, gt=0)

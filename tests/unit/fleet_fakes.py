@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from fleet.ray_io import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
-from fleet.types import Completion, GenerationResult
+from fleet.types import Completion, EngineStats, GenerationResult
 from fleet.weights import TransferResult
 from health import RefitResult
 
@@ -87,6 +87,9 @@ class FakeDoor:
     # -- the fake shard methods -----------------------------------------------------
     async def _start(self, s):
         return {"start_s": 0.0}
+
+    async def _stats(self, s):
+        return EngineStats(kv_cache_tokens=32768, max_model_len=512, updated_at=1.0)
 
     async def _ping(self, s):
         return {"slot": s.slot}
