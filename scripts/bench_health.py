@@ -17,7 +17,8 @@ The last line of output is one JSON object:
 - ``cpu_events_per_s``: events / CPU seconds of this process (robust when other
   processes share the machine);
 - ``events``, ``slots``, ``seconds``, ``cpu_seconds``, ``seed``, ``refits``, and
-  counts of decisions by class, actions by type and final states.
+  counts of decisions by class, actions by type and final states, and the
+  machine's 1-minute load average (a loaded machine lowers the wall-clock rates).
 
 Usage: ``python scripts/bench_health.py [--events N] [--slots N] [--seed N]``
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import pathlib
 import platform
 import random
@@ -195,6 +197,8 @@ def run(events: int, slots: int, seed: int) -> dict[str, object]:
         "actions": dict(sorted(actions.items())),
         "final_states": dict(sorted(states.items())),
         "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
