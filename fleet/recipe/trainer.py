@@ -52,9 +52,11 @@ class TrainerConfig:
 class GRPOTrainer:
     """Precondition: ``model_dir`` holds a Hugging Face Llama checkpoint (e.g. ``fleet.tinymodel.build_model``)."""
 
-    def __init__(self, model_dir: str, config: TrainerConfig | None = None, **overrides) -> None:
-        from transformers import LlamaForCausalLM
+    def __init__(self, model_dir: str, config: TrainerConfig | None = None, *, model: torch.nn.Module | None = None, **overrides) -> None:
+        """Load ``model_dir`` in float32, or train ``model`` (already loaded from ``model_dir``) in place.
 
+        ``overrides`` replace fields of ``config`` (e.g. ``GRPOTrainer(d, lr=1e-3)``).
+        """
         cfg = config or TrainerConfig()
         if overrides:
             cfg = TrainerConfig(**{**cfg.__dict__, **overrides})
@@ -62,7 +64,14 @@ class GRPOTrainer:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
-        self.model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        if model is None:
+            from transformers import LlamaForCausalLM
+
+            model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+        if bad:
+            raise ValueError(f"GRPOTrainer keeps float32 weights; the model has {bad}")
+        self.model = model
         self.model.eval()  # no dropout in Llama; eval keeps the forward identical to the engine's
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, betas=cfg.betas)

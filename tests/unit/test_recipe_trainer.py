@@ -136,3 +136,29 @@ def test_trainer_learns_the_task_from_its_own_samples(tiny_model):
     first, last = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
     print(f"self-play reward first 3 steps {first:.3f}, last 3 steps {last:.3f}: {[round(r, 3) for r in curve]}")
     assert first < 0.15 and last > first + 0.2
+
+
+def test_trainer_actor_trains_the_model_it_sends_and_refuses_a_torn_update(tiny_model):
+    """``GRPOTrainerActor`` in-process (no Ray): one model for sender and trainer; step between prepare and send."""
+    import asyncio
+
+    from fleet.recipe.actor import GRPOTrainerActor
+
+    async def scenario():
+        actor = GRPOTrainerActor(tiny_model, lr=3e-3, threads=THREADS)
+        assert actor.trainer.model is actor.model
+        task = AllowedTokensTask()
+        gen = torch.Generator().manual_seed(2)
+        groups = [_self_sample(actor.trainer, p, 4, 4, gen, task) for p in PromptGenerator().batch(0, 2)]
+        before = await actor.checksum()
+        manifest = await actor.prepare(1, "bucketed", 64.0)
+        assert manifest  # planned against version 0
+        m = await actor.step(groups)
+        assert m["new_version"] == 1 and await actor.get_version() == 1
+        assert await actor.checksum() != before  # the sender sees the trained weights
+        out = await actor.send(1, 5.0)
+        assert out["ok"] is False and "between prepare and send" in out["error"] and out["bytes_sent"] == 0
+        lp = await actor.logprobs(groups[0].prompt_ids, groups[0].samples[0].completion_ids)
+        assert lp == pytest.approx(actor.trainer.logprobs(groups[0].prompt_ids, groups[0].samples[0].completion_ids))
+
+    asyncio.run(scenario())
