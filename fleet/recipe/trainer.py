@@ -104,26 +104,27 @@ class GRPOTrainer:
         return ids
 
     def _token_logprobs(self, seqs: Sequence[tuple[Sequence[int], Sequence[int]]]):
-        """Logprob of each completion token given everything before it: [B, Tmax] plus mask [B, Tmax]."""
+        """Logprob of each completion token given everything before it: [B, Cmax] plus mask [B, Cmax].
+
+        Only the completion positions go through the softmax (a completion token at
+        sequence index j is predicted by the logits at j - 1).
+        """
+        if any(not p for p, _ in seqs):
+            raise ValueError("every sequence needs a non-empty prompt")
         ids = self._batch(seqs)
-        logits = self.model(input_ids=ids).logits.float()
-        logp_all = torch.log_softmax(logits[:, :-1], dim=-1)
-        tok_lp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, T-1]: logprob of ids[:, t+1]
         cmax = max(len(c) for _, c in seqs)
         out = torch.zeros(len(seqs), cmax, dtype=torch.float32)
         mask = torch.zeros(len(seqs), cmax, dtype=torch.float32)
-        # A completion token at sequence index j is predicted at position j - 1.
-        rows, cols, src = [], [], []
-        for i, (p, c) in enumerate(seqs):
-            for k in range(len(c)):
-                rows.append(i)
-                cols.append(k)
-                src.append(len(p) + k - 1)
-        if rows:
-            r = torch.tensor(rows)
-            k = torch.tensor(cols)
-            out = out.index_put((r, k), tok_lp[r, torch.tensor(src)])
-            mask[r, k] = 1.0
+        rows = [i for i, (_, c) in enumerate(seqs) for _ in c]
+        cols = [k for _, c in seqs for k in range(len(c))]
+        if not rows:
+            return out, mask
+        src = [len(p) + k - 1 for p, c in seqs for k in range(len(c))]
+        r, k, pos = torch.tensor(rows), torch.tensor(cols), torch.tensor(src)
+        logits = self.model(input_ids=ids).logits[r, pos].float()  # [N, V]
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[r, pos + 1].unsqueeze(-1)).squeeze(-1)
+        out = out.index_put((r, k), lp)
+        mask[r, k] = 1.0
         return out, mask
 
     @torch.no_grad()
