@@ -3,6 +3,8 @@
 - ``AllowedTokensTask``, ``PromptGenerator`` (``task``): the task and seeded prompts; no torch.
 - ``Sample``, ``Group``, ``group_advantages``, ``build_group``, ``clipped_pg_loss`` (``grpo``).
 - ``GRPOTrainer``, ``TrainerConfig`` (``trainer``): float32 Llama + Adam, one step per batch.
+- ``GRPOTrainerActor`` (``actor``): the trainer plus the refit sender port, for one Ray actor
+  whose handle is the ``source`` of ``sync_weights``.
 - ``RecipeConfig`` (``config``): batch shape and the engines' sampling parameters.
 
 Weights reach the engines through ``refit``: ``WeightSender(trainer.state_dict_items,
@@ -26,6 +28,7 @@ _EXPORTS = {
     "clipped_pg_loss": "fleet.recipe.grpo",
     "GRPOTrainer": "fleet.recipe.trainer",
     "TrainerConfig": "fleet.recipe.trainer",
+    "GRPOTrainerActor": "fleet.recipe.actor",
     "RecipeConfig": "fleet.recipe.config",
 }
 
