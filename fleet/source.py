@@ -1,10 +1,11 @@
 """A weight source: the trainer side of a refit, as a class any trainer can extend.
 
-``PolicySource`` holds a Hugging Face causal LM in float32 and exposes the
-``refit.SenderPort`` methods, so its actor handle is the ``source`` argument of
-``sync_weights``. It also computes the trainer's logprobs of sampled tokens, the
-reference every logprob-agreement check compares the engines against. The GRPO
-trainer extends it; tests use it directly (``perturb`` makes "new weights").
+``PolicySource`` holds a Hugging Face causal LM in float32 and is a
+``refit.ports.LocalSenderPort`` over it, so its actor handle is the ``source``
+argument of ``sync_weights``. It also computes the trainer's logprobs of sampled tokens, the
+reference every logprob-agreement check compares the engines against. Tests, the
+fault runner and benchmarks use it (``perturb`` makes "new weights"); the GRPO
+trainer actor is a sender port of the same kind.
 """
 
 from __future__ import annotations
@@ -14,39 +15,22 @@ from typing import Sequence
 
 import torch
 
+from refit.ports import LocalSenderPort
+from refit.sender import WeightSender
 
-class PolicySource:
+
+class PolicySource(LocalSenderPort):
+    """A float32 causal LM whose weights this actor sends (it *is* the ``refit`` sender port)."""
+
     def __init__(self, model_dir: str, seed: int = 0, threads: int = 1) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         torch.set_num_threads(threads)
         from transformers import AutoModelForCausalLM
 
-        from refit.ports import LocalSenderPort
-        from refit.sender import WeightSender
-
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.eval()
-        self._port = LocalSenderPort(WeightSender(self.model, dtype=torch.float32))
-
-    # -- the refit.SenderPort surface (the controller's synchronizer drives these) ----
-    async def open_group(self, epoch: int, world_size: int, backend: str, timeout_s: float) -> dict:
-        return await self._port.open_group(epoch, world_size, backend, timeout_s)
-
-    async def connect(self, timeout_s: float) -> dict:
-        return await self._port.connect(timeout_s)
-
-    async def close_group(self) -> bool:
-        return await self._port.close_group()
-
-    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float) -> dict:
-        return await self._port.prepare(refit_id, transfer, bucket_mb)
-
-    async def send(self, refit_id: int, timeout_s: float) -> dict:
-        return await self._port.send(refit_id, timeout_s)
-
-    async def checksum(self) -> str:
-        return await self._port.checksum()
+        super().__init__(WeightSender(self.model, dtype=torch.float32))
 
     # -- the policy -------------------------------------------------------------------
     def perturb(self, seed: int, scale: float = 0.02) -> bool:

@@ -91,11 +91,14 @@ class VllmBackend:
     ) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
 
         engine = self._live()
         params = dict(sampling)
         params.setdefault("logprobs", 0)
+        # One final output holding every completion (with n > 1 a streamed output holds only some).
+        params["output_kind"] = RequestOutputKind.FINAL_ONLY
         try:
             sp = SamplingParams(**params)
         except (TypeError, ValueError, VLLMClientError) as exc:

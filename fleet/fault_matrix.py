@@ -1,0 +1,78 @@
+"""The fault matrix: every failure class of DESIGN.md as a plan with its expected outcome.
+
+Each variant is a plan (``health.faultplan`` format) plus the extra checks that
+prove its point beyond "recovered": a frozen shard must be evicted (not merely
+skipped), a killed shard must come back and serve, a slot killed past its
+restart budget must be retired.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The fleet every variant runs on unless its plan overrides a field.
+BASE_FLEET = {
+    "num_engines": 3,
+    "min_healthy_engines": 2,
+    "refit_timeout_s": 10.0,
+    "lifecycle_grace_s": 5.0,
+    "probe_timeout_s": 3.0,
+    "suspect_timeout_s": 8.0,
+    "unhealthy_threshold": 2,
+    "restart_backoff_s": 0.5,
+    "restart_backoff_cap_s": 2.0,
+    "restart_budget": 3,
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    plan: dict
+    checks: tuple[str, ...] = ()  # "evicted:<slot>", "readmitted:<slot>", "retired:<slot>"
+
+    @property
+    def name(self) -> str:
+        return self.plan["name"]
+
+
+def _v(name, expect, faults, checks=(), steps=2, fleet=None, description=""):
+    plan = {"name": name, "expect": expect, "steps": steps, "faults": faults, "description": description}
+    if fleet:
+        plan["fleet"] = fleet
+    return Variant(plan, tuple(checks))
+
+
+MATRIX: tuple[Variant, ...] = (
+    _v("kill-step-boundary", "recovers", [{"where": "step_boundary", "what": "kill", "shard": 1, "step": 1}],
+       description="ray.kill of a shard between steps"),
+    _v("kill-during-pause", "recovers", [{"where": "pause", "what": "kill", "shard": 2, "step": 1}]),
+    _v("kill-during-transfer", "recovers", [{"where": "transfer", "what": "kill", "shard": 0, "step": 1, "delay_s": 0.02}]),
+    _v("kill-during-resume", "recovers", [{"where": "resume", "what": "kill", "shard": 1, "step": 1}]),
+    _v("engine-core-crash", "recovers", [{"where": "generate", "what": "crash_engine", "shard": 2, "step": 1}],
+       description="the vLLM engine core dies inside a live shard actor"),
+    _v("freeze-during-transfer", "recovers", [{"where": "transfer", "what": "freeze", "shard": 0, "step": 1}],
+       checks=("evicted:0",), description="a frozen shard is left out of the retry, then evicted, not waited on"),
+    _v("restart-readmission", "recovers", [{"where": "step_boundary", "what": "kill", "shard": 1, "step": 1}],
+       checks=("readmitted:1",), description="the killed shard restarts, joins the next refit and serves again"),
+    _v("restart-budget-exhausted", "recovers",
+       [{"where": "step_boundary", "what": "kill", "shard": 2, "step": 1, "every": 1, "times": 2}],
+       checks=("retired:2",), fleet={"restart_budget": 1},
+       description="the same slot killed past its restart budget is retired; quorum still holds"),
+    _v("kill-two-below-quorum", "stops",
+       [{"where": "step_boundary", "what": "kill", "shard": 0, "step": 1},
+        {"where": "pause", "what": "kill", "shard": 1, "step": 1}],
+       fleet={"restart_dead_engines": False}, steps=1),
+    _v("hang-past-deadline", "stops", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}], steps=1,
+       description="a pause that never returns: the refit stops with the gate closed within its deadline"),
+    _v("false-ack-on-resume", "stops", [{"where": "resume", "what": "false_ack", "shard": 2, "step": 1}], steps=1),
+)
+
+
+def by_name(names: list[str] | None = None) -> list[Variant]:
+    if not names:
+        return list(MATRIX)
+    known = {v.name: v for v in MATRIX}
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise ValueError(f"unknown matrix variant(s) {missing}; known: {sorted(known)}")
+    return [known[n] for n in names]

@@ -1,0 +1,227 @@
+"""Run fault plans against a short async loop on a real fleet, and judge each against its expectation.
+
+The loop, per step: new weights on the source, a batch of generation groups in
+flight, the step's faults fired (a kill now, or a fault armed at a hook point),
+then ``sync_weights``. Afterwards the runner collects every result, checks the
+DESIGN invariants on the event log, and the variant's own checks (evicted,
+readmitted, retired). A variant passes only if the observed outcome is the
+expected one, no prompt was lost, no sample carried a wrong version tag, and
+every invariant held.
+
+Fleets are reused across consecutive variants that expect to recover and share a
+fleet config (the runner heals the fleet in between: restarts done, every slot
+serving); a variant that stops gets its own fleet.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from fleet import invariants, ray_io
+from fleet.api import Fleet
+from fleet.errors import FleetStopped
+from fleet.fault_matrix import BASE_FLEET, Variant
+from fleet.source import PolicySource
+from health.faultplan import FaultPlan, Firing, load_plan, resolve
+
+PROMPT = [1, 21, 31, 41, 51]
+SAMPLING = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0}
+POINT_OF = {"pause": "pause", "transfer": "transfer", "resume": "resume", "generate": "generate", "step_boundary": "ping"}
+
+
+@dataclass
+class VariantReport:
+    variant: str
+    expected: str
+    observed: str = "error"
+    passed: bool = False
+    fault_to_reopen_s: float | None = None
+    accepted: int = 0
+    completed: int = 0
+    returned: int = 0
+    lost: int = 0
+    wrong_version_tags: int = 0
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def row(self) -> dict:
+        return asdict(self)
+
+
+class FaultRunner:
+    def __init__(self, model_dir: str, engine: dict | None = None, groups: int = 4, n: int = 2, log: Callable = print) -> None:
+        self.model_dir = model_dir
+        self.engine = {"model": model_dir, "kv_cache_memory_bytes": 32 << 20, **(engine or {})}
+        self.groups, self.n = groups, n
+        self.log = log
+        self._fleet: Fleet | None = None
+        self._fleet_key: tuple | None = None
+        self._source = None
+        self._version = 0
+
+    # ------------------------------------------------------------------ fleets
+    def _config(self, plan: FaultPlan) -> dict:
+        return {**BASE_FLEET, **plan.fleet, "engine": self.engine}
+
+    def _fleet_for(self, plan: FaultPlan) -> Fleet:
+        key = tuple(sorted(plan.fleet.items()))
+        if self._fleet is not None and (self._fleet_key != key or self._fleet.status()["stopped"]):
+            self.close_fleet()
+        if self._fleet is None:
+            self.log(f"[faults] starting a fleet for {plan.name} ({self._config(plan)['num_engines']} engines)")
+            self._fleet = Fleet.start(self._config(plan))
+            self._fleet_key = key
+            self._version = self._fleet.status()["version"]
+        else:
+            self._heal(self._fleet)
+        if self._source is None:
+            self._source = ray_io.spawn_actor(PolicySource, self.model_dir, num_cpus=0)
+        return self._fleet
+
+    def close_fleet(self) -> None:
+        if self._fleet is not None:
+            self._fleet.shutdown()
+            self._fleet, self._fleet_key = None, None
+
+    def close(self) -> None:
+        self.close_fleet()
+        if self._source is not None:
+            ray_io.kill(self._source)
+            self._source = None
+
+    def _states(self, fleet: Fleet) -> dict[int, str]:
+        return {s["slot"]: s["state"] for s in fleet.status()["ledger"]["slots"]}
+
+    def _wait(self, predicate, timeout_s: float, what: str) -> bool:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if predicate():
+                return True
+            time.sleep(0.5)
+        self.log(f"[faults] gave up waiting for {what} after {timeout_s:.0f} s")
+        return False
+
+    def _heal(self, fleet: Fleet) -> None:
+        """Wait for restarts to finish; refit so every live slot serves the current version."""
+        settled = {"healthy", "stale", "retired"}
+        self._wait(lambda: set(self._states(fleet).values()) <= settled, 240, "every slot up")
+        if "stale" in self._states(fleet).values():
+            self._refit(fleet)
+
+    def _refit(self, fleet: Fleet) -> dict:
+        self._version += 1
+        ray_io.get_or_raise(self._source.perturb.remote(self._version, 0.01), 60)
+        return fleet.sync_weights(self._version, self._source)
+
+    # ------------------------------------------------------------------ one variant
+    def run(self, variant: Variant) -> VariantReport:
+        plan = load_plan(variant.plan)
+        t0 = time.monotonic()
+        rep = VariantReport(plan.name, plan.expect)
+        try:
+            fleet = self._fleet_for(plan)
+            self._run_steps(fleet, plan, variant, rep)
+        except Exception as exc:  # noqa: BLE001 - a broken variant is a failed row, not a crashed matrix
+            rep.notes.append(f"runner error: {type(exc).__name__}: {exc}")
+            self.close_fleet()
+        rep.wall_s = round(time.monotonic() - t0, 1)
+        self.log(
+            f"[faults] {rep.variant}: expected {rep.expected}, observed {rep.observed}, "
+            f"{'PASS' if rep.passed else 'FAIL'} in {rep.wall_s} s"
+        )
+        if rep.observed == "stops":
+            self.close_fleet()
+        return rep
+
+    def _run_steps(self, fleet: Fleet, plan: FaultPlan, variant: Variant, rep: VariantReport) -> None:
+        mark = len(fleet.events())
+        before = fleet.status()["requests"]
+        firings = resolve(plan, self._config(plan)["num_engines"])
+        stopped: str | None = None
+        pending: list = []
+        for step in range(1, plan.steps + 1):
+            pending += [fleet.submit(PROMPT, self.n, SAMPLING) for _ in range(self.groups)]
+            for f in (f for f in firings if f.step == step):
+                self._fire(fleet, f)
+            try:
+                self._refit(fleet)
+            except FleetStopped as exc:
+                stopped = str(exc)
+                break
+        results = [r for p in pending for r in fleet.collect(p)]
+        rep.observed = "stops" if stopped else "recovers"
+        if stopped:
+            rep.notes.append(f"stopped: {stopped[:300]}")
+        self._extra_checks(fleet, variant, rep)
+        self._account(fleet, before, mark, results, rep)
+        rep.passed = rep.observed == rep.expected and rep.lost == 0 and rep.wrong_version_tags == 0 and not rep.violations
+
+    def _fire(self, fleet: Fleet, f: Firing) -> None:
+        if f.where == "step_boundary" and f.what == "kill":
+            self._wait(lambda: self._states(fleet)[f.slot] in ("healthy", "stale"), 240, f"slot {f.slot} up before the kill")
+            fleet.kill_shard(f.slot)
+        else:
+            fleet.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
+
+    def _extra_checks(self, fleet: Fleet, variant: Variant, rep: VariantReport) -> None:
+        for check in variant.checks:
+            kind, slot = check.split(":")
+            slot = int(slot)
+            if kind == "evicted":
+                ok = self._wait(lambda: any(e["slot"] == slot and "evicted" in e["reason"] for e in fleet.events(kinds=["kill"])),
+                                60, f"eviction of slot {slot}")
+            elif kind == "retired":
+                ok = self._wait(lambda: self._states(fleet)[slot] == "retired", 240, f"slot {slot} retired")
+            elif kind == "readmitted":
+                ok = self._readmitted(fleet, slot)
+            else:
+                raise ValueError(f"unknown check {check!r}")
+            if not ok:
+                rep.violations.append(f"check {check} failed")
+
+    def _readmitted(self, fleet: Fleet, slot: int) -> bool:
+        self._heal(fleet)
+        inc = next(s["incarnation"] for s in fleet.status()["ledger"]["slots"] if s["slot"] == slot)
+        groups = fleet.generate([PROMPT] * 6, n=1, sampling={"max_tokens": 4})
+        return inc > 1 and any(r.ok and (r.result.slot, r.result.incarnation) == (slot, inc) for g in groups for r in g)
+
+    def _account(self, fleet: Fleet, before: dict, mark: int, results: list, rep: VariantReport) -> None:
+        after = fleet.status()["requests"]
+        rep.accepted = after["accepted"] - before["accepted"]
+        rep.completed = after["completed"] - before["completed"]
+        rep.returned = after["returned"] - before["returned"]
+        rep.lost = rep.accepted - rep.completed - rep.returned - after["in_progress"]
+        events = fleet.events()
+        new = events[mark:]
+        rep.wrong_version_tags = len(invariants.version_tags_match_stamps(events)) - len(
+            invariants.version_tags_match_stamps(events[:mark])
+        ) + len(invariants.open_gate_serves_current_version(new))
+        rep.violations += invariants.requests_accounted(new) + invariants.phases_within_deadline(
+            new, fleet.config.lifecycle_deadline_s
+        ) + invariants.gate_closed_after_stop(new)
+        rep.fault_to_reopen_s = _fault_to_reopen(new)
+
+
+def _fault_to_reopen(events: list[dict]) -> float | None:
+    """Seconds from the first sign of the fault (a slot leaving healthy, or a stop) to the next gate opening."""
+    t_fault = next(
+        (e["t"] for e in events
+         if (e["kind"] == "health" and e["before"] == "healthy" and e["after"] in ("dead", "suspect", "hung", "stale"))
+         or e["kind"] == "stopped"),
+        None,
+    )
+    if t_fault is None:
+        return None
+    t_open = next((e["t"] for e in events if e["kind"] == "gate" and e["open"] and e["t"] >= t_fault), None)
+    return None if t_open is None else round(t_open - t_fault, 3)
+
+
+def run_variants(model_dir: str, variants: list[Variant], log: Callable = print, **kw: Any) -> list[VariantReport]:
+    runner = FaultRunner(model_dir, log=log, **kw)
+    try:
+        return [runner.run(v) for v in variants]
+    finally:
+        runner.close()

@@ -1,0 +1,142 @@
+"""Declarative fault plans: where, what, which shard and when, validated and resolved deterministically.
+
+A plan is plain data (a dict or YAML text) so users can write campaigns without
+code::
+
+    name: kill-during-transfer
+    expect: recovers            # or: stops (with the gate closed)
+    steps: 3                    # refits in the short async loop
+    seed: 7                     # resolves shard: random
+    fleet: {restart_budget: 2}  # overrides of the fleet config for this plan
+    faults:
+      - {where: transfer, what: kill, shard: 1, step: 2, delay_s: 0.02}
+
+``where``: ``step_boundary`` (before the step's refit), ``pause``, ``transfer``,
+``resume``, ``generate``. ``what``: ``kill`` (the actor process), ``freeze`` (stops
+answering), ``hang`` (one lifecycle call past its deadline), ``false_ack``,
+``slow`` (every call by ``delay_s``), ``crash_engine`` (the engine core inside a
+live actor). ``shard``: a slot number or ``random`` (drawn with the plan's seed).
+``step``: the step it fires at; ``every``: fire again every that many steps,
+``times`` times in all (repeated kills of one slot).
+
+Pure: no Ray, no vLLM. ``load_plan`` raises ``ValueError`` naming the field
+(``faults[0].where``) and the allowed values; ``resolve`` turns a plan into
+concrete (step, where, what, slot, delay) firings, the same ones for the same seed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+WHERE = ("step_boundary", "pause", "transfer", "resume", "generate")
+WHAT = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine")
+EXPECT = ("recovers", "stops")
+# Which actions make sense where: a lie needs a call that acknowledges; a hang needs a call with a deadline.
+ALLOWED = {
+    "false_ack": ("pause", "resume"),
+    "hang": ("pause", "transfer", "resume"),
+}
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    where: str
+    what: str
+    shard: int | str
+    step: int = 1
+    delay_s: float = 0.0
+    every: int = 0
+    times: int = 1
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    name: str
+    expect: str
+    faults: tuple[FaultSpec, ...]
+    steps: int = 3
+    seed: int = 0
+    fleet: Mapping[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Firing:
+    """One concrete fault: at ``step``, at ``where``, do ``what`` to ``slot``."""
+
+    step: int
+    where: str
+    what: str
+    slot: int
+    delay_s: float = 0.0
+
+
+def _need(cond: bool, field_name: str, problem: str, value: Any) -> None:
+    if not cond:
+        raise ValueError(f"fault plan {field_name}: {problem} (got {value!r})")
+
+
+def _int(d: Mapping, key: str, default: int, where: str, minimum: int) -> int:
+    v = d.get(key, default)
+    _need(type(v) is int and v >= minimum, f"{where}.{key}", f"must be an integer >= {minimum}", v)
+    return v
+
+
+def _fault(d: Any, i: int, steps: int) -> FaultSpec:
+    at = f"faults[{i}]"
+    _need(isinstance(d, Mapping), at, "must be a mapping", d)
+    unknown = set(d) - {"where", "what", "shard", "step", "delay_s", "every", "times"}
+    _need(not unknown, at, f"unknown keys {sorted(unknown)}", d)
+    where, what = d.get("where"), d.get("what")
+    _need(where in WHERE, f"{at}.where", f"must be one of {WHERE}", where)
+    _need(what in WHAT, f"{at}.what", f"must be one of {WHAT}", what)
+    if what in ALLOWED:
+        _need(where in ALLOWED[what], f"{at}.where", f"{what} is only possible at {ALLOWED[what]}", where)
+    shard = d.get("shard", "random")
+    _need(shard == "random" or (type(shard) is int and shard >= 0), f"{at}.shard", "must be a slot >= 0 or 'random'", shard)
+    step = _int(d, "step", 1, at, 1)
+    _need(step <= steps, f"{at}.step", f"must be within the plan's {steps} steps", step)
+    delay = d.get("delay_s", 0.0)
+    _need(isinstance(delay, (int, float)) and not isinstance(delay, bool) and delay >= 0, f"{at}.delay_s", "must be >= 0", delay)
+    every, times = _int(d, "every", 0, at, 0), _int(d, "times", 1, at, 1)
+    _need(times == 1 or every >= 1, f"{at}.every", "must be >= 1 when times > 1", every)
+    return FaultSpec(where, what, shard, step, float(delay), every, times)
+
+
+def load_plan(data: Mapping[str, Any] | str) -> FaultPlan:
+    """Validate a plan from a mapping or YAML text."""
+    if isinstance(data, str):
+        import yaml
+
+        data = yaml.safe_load(data)
+    _need(isinstance(data, Mapping), "<root>", "must be a mapping", data)
+    unknown = set(data) - {"name", "expect", "faults", "steps", "seed", "fleet", "description"}
+    _need(not unknown, "<root>", f"unknown keys {sorted(unknown)}", sorted(unknown))
+    name = data.get("name")
+    _need(isinstance(name, str) and name != "", "name", "must be a non-empty string", name)
+    expect = data.get("expect")
+    _need(expect in EXPECT, "expect", f"must be one of {EXPECT}", expect)
+    steps = _int(data, "steps", 3, "<root>", 1)
+    seed = _int(data, "seed", 0, "<root>", 0)
+    fleet = data.get("fleet", {}) or {}
+    _need(isinstance(fleet, Mapping), "fleet", "must be a mapping of fleet config overrides", fleet)
+    faults = data.get("faults", ())
+    _need(isinstance(faults, (list, tuple)), "faults", "must be a list", faults)
+    specs = tuple(_fault(f, i, steps) for i, f in enumerate(faults))
+    return FaultPlan(name, expect, specs, steps, seed, dict(fleet), str(data.get("description", "")))
+
+
+def resolve(plan: FaultPlan, num_engines: int) -> list[Firing]:
+    """Concrete firings, sorted by step; ``random`` shards drawn from ``plan.seed``. Slots must exist."""
+    rng = random.Random(plan.seed)
+    out = []
+    for i, f in enumerate(plan.faults):
+        slot = rng.randrange(num_engines) if f.shard == "random" else f.shard
+        _need(slot < num_engines, f"faults[{i}].shard", f"must be below the fleet's {num_engines} engines", slot)
+        for k in range(f.times):
+            step = f.step + k * f.every
+            if step <= plan.steps:
+                out.append(Firing(step, f.where, f.what, slot, f.delay_s))
+    return sorted(out, key=lambda x: (x.step, x.slot))
