@@ -26,6 +26,7 @@ import ray
 from ray import exceptions as rex
 
 from fleet.config import EngineConfig
+from fleet.errors import DeadlineExceeded
 
 OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR = "ok", "died", "unavailable", "timed_out", "bad_ack", "error"
 
@@ -50,11 +51,19 @@ class Outcome:
 
 
 def _classify(exc: BaseException) -> str:
-    # Order matters: ActorUnavailableError and ActorDiedError both derive from RayActorError.
-    if isinstance(exc, rex.ActorUnavailableError):
-        return UNAVAILABLE
-    if isinstance(exc, (rex.ActorDiedError, rex.RayActorError)):
+    """Map what a call raised to an outcome kind, from the outside in.
+
+    An exception the actor itself raised arrives wrapped in ``RayTaskError``: that is
+    an answer (``error``), never a death, even if the actor's own code saw an
+    ``ActorDiedError``; the one exception is the shard's own ``DeadlineExceeded``,
+    which means the shard is hung. A bare ``RayActorError`` is not a confirmed death.
+    """
+    if isinstance(exc, rex.RayTaskError):
+        return TIMED_OUT if isinstance(_unwrap(exc), DeadlineExceeded) else ERROR
+    if isinstance(exc, rex.ActorDiedError):
         return DIED
+    if isinstance(exc, (rex.ActorUnavailableError, rex.RayActorError)):
+        return UNAVAILABLE
     if isinstance(exc, (asyncio.TimeoutError, rex.GetTimeoutError, TimeoutError)):
         return TIMED_OUT
     return ERROR
@@ -70,8 +79,7 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 def outcome_of(value: Any = None, exc: BaseException | None = None, expect_ack: bool = False, elapsed: float = 0.0) -> Outcome:
     if exc is not None:
-        inner = _unwrap(exc)
-        return Outcome(_classify(inner), error=inner, elapsed_s=elapsed)
+        return Outcome(_classify(exc), error=_unwrap(exc), elapsed_s=elapsed)
     if expect_ack and value is not True:
         return Outcome(BAD_ACK, value=value, elapsed_s=elapsed)
     return Outcome(OK, value=value, elapsed_s=elapsed)
