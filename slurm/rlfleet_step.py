@@ -59,8 +59,16 @@ HEAD_ONLY = ("gcs", "ray_client_server", "dashboard")
 _stop_requested = False
 
 
+def say(line: str) -> None:
+    """Print one line; never raises (after scancel, srun may be gone and stdout a broken pipe)."""
+    try:
+        print(line, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def log(msg: str) -> None:
-    print(f"[rlfleet-step {os.environ.get('SLURMD_NODENAME', '?')} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    say(f"[rlfleet-step {os.environ.get('SLURMD_NODENAME', '?')} {time.strftime('%H:%M:%S')}] {msg}")
 
 
 def env_float(name: str, default: float) -> float:
@@ -312,7 +320,7 @@ def run_ray_node(role: str, ip: str, base: int, min_wp: int, max_wp: int) -> int
                 return EXIT_NOT_READY
             if not reason:
                 log("head ready")
-                print(f"RLFLEET_READY {ip} {ports['gcs']}", flush=True)
+                say(f"RLFLEET_READY {ip} {ports['gcs']}")
         rc = wait_main(main)
         if rc is not None:
             log(f"ray exited on its own with code {rc}")

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -100,6 +101,10 @@ class LocalSlurm:
         )  # fmt: skip
         return int(out.stdout.strip().split(";")[0])
 
+    def next_job_id(self) -> int:
+        out = subprocess.run(["scontrol", "show", "config"], env=self.env(), capture_output=True, text=True, check=True)
+        return int(re.search(r"NEXT_JOB_ID\s*=\s*(\d+)", out.stdout).group(1))
+
     def job_listed(self, job_id: int) -> bool:
         out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%i"], env=self.env(), capture_output=True, text=True)
         return str(job_id) in out.stdout.split()
@@ -130,13 +135,15 @@ class JobLogs:
             out[key] = value.strip('"')
         return out
 
-    def port_ranges(self) -> list[range]:
-        """Every port range the launcher gave this job (fixed blocks and worker windows, all nodes)."""
+    def port_ranges(self, fixed_only: bool = False) -> list[range]:
+        """The port ranges the launcher gave this job, all nodes: fixed blocks, and unless
+        ``fixed_only`` the Ray worker-port windows."""
         ranges = []
         for key, value in self.env().items():
             if key.startswith("RLFLEET_NODE_"):
-                for lo, hi in re.findall(r"ports=(\d+)-(\d+)", value):
-                    ranges.append(range(int(lo), int(hi) + 1))
+                for kind, lo, hi in re.findall(r"(\w*ports)=(\d+)-(\d+)", value):
+                    if kind == "ports" or not fixed_only:
+                        ranges.append(range(int(lo), int(hi) + 1))
         return ranges
 
     def marker(self, tag: str) -> dict:
@@ -155,10 +162,12 @@ class JobLogs:
 
 def job_processes(logs: JobLogs) -> list[str]:
     """Processes that belong to this job: its Ray temp dir in the command line, its SLURM_JOB_ID
-    in the environment, or a listening socket on one of its ports. Never anyone else's Ray."""
+    in the environment, or a listening socket on one of its fixed ports (the launcher picks a
+    block nobody listened on at start). Never anyone else's Ray: worker-port windows are not
+    used here, since other Ray instances on a shared host pick worker ports in 10002-19999 too."""
     temp_root = logs.env()["RLFLEET_RAY_TMP_ROOT"]
     marker = f"SLURM_JOB_ID={logs.job_id}"
-    ranges = logs.port_ranges()
+    ranges = logs.port_ranges(fixed_only=True)
     found = {}
     for proc in psutil.process_iter(["pid", "cmdline"]):
         if proc.pid == os.getpid():
@@ -267,8 +276,21 @@ def test_worker_whose_ray_dies_ends_the_job_with_that_steps_code(slurm_cluster, 
 
 
 def test_cancel_mid_run_leaves_no_process_behind(slurm_cluster, tmp_path):
-    job = slurm_cluster.start_job(tmp_path, [str(RAY_PROBE), "--nodes", "2", "--spawn-orphans", "--hold", "300"])
-    logs = JobLogs(tmp_path / f"{job}-logs")
+    """Also: a port block with a port already listening is skipped (here one the test holds)."""
+    expected_block = slurm_cluster.next_job_id() % 100
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("0.0.0.0", 7000 + expected_block * 30 + 3))
+    squatter.listen()
+    try:
+        job = slurm_cluster.start_job(tmp_path, [str(RAY_PROBE), "--nodes", "2", "--spawn-orphans", "--hold", "300"])
+        logs = JobLogs(tmp_path / f"{job}-logs")
+        wait_for(lambda: "RLFLEET_NODE_n2" in logs.text("launcher.env"), 120, f"job {job} port choice")
+        assert job % 100 == expected_block
+    finally:
+        squatter.close()
+    assert f"port block {expected_block} has ports in use" in logs.text("launcher.log")
+    assert all(7000 + expected_block * 30 + 3 not in r for r in logs.port_ranges()), logs.env()
     try:
         wait_for(lambda: "RLFLEET_PROBE" in logs.text("driver.log"), 180, f"job {job} driver report")
         report = logs.marker("RLFLEET_PROBE")
