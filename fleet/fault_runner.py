@@ -200,7 +200,7 @@ class FaultRunner:
             invariants.version_tags_match_stamps(events[:mark])
         ) + len(invariants.open_gate_serves_current_version(new))
         rep.violations += invariants.requests_accounted(new) + invariants.phases_within_deadline(
-            new, fleet.config.lifecycle_deadline_s
+            new, fleet.config.lifecycle_deadline_s, slack_s=fleet.config.probe_timeout_s + 2.0
         ) + invariants.gate_closed_after_stop(new)
         rep.fault_to_reopen_s = _fault_to_reopen(new)
 
