@@ -66,7 +66,7 @@ class FaultRunner:
     def _config(self, plan: FaultPlan) -> dict:
         return {**BASE_FLEET, **plan.fleet, "engine": self.engine}
 
-    def _fleet_for(self, plan: FaultPlan) -> Fleet:
+    def fleet_for(self, plan: FaultPlan) -> Fleet:
         key = tuple(sorted(plan.fleet.items()))
         if self._fleet is not None and (self._fleet_key != key or self._fleet.status()["stopped"]):
             self.close_fleet()
@@ -76,7 +76,7 @@ class FaultRunner:
             self._fleet_key = key
             self._version = self._fleet.status()["version"]
         else:
-            self._heal(self._fleet)
+            self.heal(self._fleet)
         if self._source is None:
             self._source = ray_io.spawn_actor(PolicySource, self.model_dir, num_cpus=0)
         return self._fleet
@@ -92,7 +92,7 @@ class FaultRunner:
             ray_io.kill(self._source)
             self._source = None
 
-    def _states(self, fleet: Fleet) -> dict[int, str]:
+    def states(self, fleet: Fleet) -> dict[int, str]:
         return {s["slot"]: s["state"] for s in fleet.status()["ledger"]["slots"]}
 
     def _wait(self, predicate, timeout_s: float, what: str) -> bool:
@@ -104,14 +104,14 @@ class FaultRunner:
         self.log(f"[faults] gave up waiting for {what} after {timeout_s:.0f} s")
         return False
 
-    def _heal(self, fleet: Fleet) -> None:
+    def heal(self, fleet: Fleet) -> None:
         """Wait for restarts to finish; refit so every live slot serves the current version."""
         settled = {"healthy", "stale", "retired"}
-        self._wait(lambda: set(self._states(fleet).values()) <= settled, 240, "every slot up")
-        if "stale" in self._states(fleet).values():
-            self._refit(fleet)
+        self._wait(lambda: set(self.states(fleet).values()) <= settled, 240, "every slot up")
+        if "stale" in self.states(fleet).values():
+            self.refit(fleet)
 
-    def _refit(self, fleet: Fleet) -> dict:
+    def refit(self, fleet: Fleet) -> dict:
         self._version += 1
         ray_io.get_or_raise(self._source.perturb.remote(self._version, 0.01), 60)
         return fleet.sync_weights(self._version, self._source)
@@ -122,7 +122,7 @@ class FaultRunner:
         t0 = time.monotonic()
         rep = VariantReport(plan.name, plan.expect)
         try:
-            fleet = self._fleet_for(plan)
+            fleet = self.fleet_for(plan)
             self._run_steps(fleet, plan, variant, rep)
         except Exception as exc:  # noqa: BLE001 - a broken variant is a failed row, not a crashed matrix
             rep.notes.append(f"runner error: {type(exc).__name__}: {exc}")
@@ -145,9 +145,9 @@ class FaultRunner:
         for step in range(1, plan.steps + 1):
             pending += [fleet.submit(PROMPT, self.n, SAMPLING) for _ in range(self.groups)]
             for f in (f for f in firings if f.step == step):
-                self._fire(fleet, f)
+                self.fire(fleet, f)
             try:
-                self._refit(fleet)
+                self.refit(fleet)
             except FleetStopped as exc:
                 stopped = str(exc)
                 break
@@ -159,9 +159,9 @@ class FaultRunner:
         self._account(fleet, before, mark, results, rep)
         rep.passed = rep.observed == rep.expected and rep.lost == 0 and rep.wrong_version_tags == 0 and not rep.violations
 
-    def _fire(self, fleet: Fleet, f: Firing) -> None:
+    def fire(self, fleet: Fleet, f: Firing) -> None:
         if f.where == "step_boundary" and f.what == "kill":
-            self._wait(lambda: self._states(fleet)[f.slot] in ("healthy", "stale"), 240, f"slot {f.slot} up before the kill")
+            self._wait(lambda: self.states(fleet)[f.slot] in ("healthy", "stale"), 240, f"slot {f.slot} up before the kill")
             fleet.kill_shard(f.slot)
         else:
             fleet.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
@@ -174,7 +174,7 @@ class FaultRunner:
                 ok = self._wait(lambda: any(e["slot"] == slot and "evicted" in e["reason"] for e in fleet.events(kinds=["kill"])),
                                 60, f"eviction of slot {slot}")
             elif kind == "retired":
-                ok = self._wait(lambda: self._states(fleet)[slot] == "retired", 240, f"slot {slot} retired")
+                ok = self._wait(lambda: self.states(fleet)[slot] == "retired", 240, f"slot {slot} retired")
             elif kind == "readmitted":
                 ok = self._readmitted(fleet, slot)
             else:
@@ -183,7 +183,7 @@ class FaultRunner:
                 rep.violations.append(f"check {check} failed")
 
     def _readmitted(self, fleet: Fleet, slot: int) -> bool:
-        self._heal(fleet)
+        self.heal(fleet)
         inc = next(s["incarnation"] for s in fleet.status()["ledger"]["slots"] if s["slot"] == slot)
         groups = fleet.generate([PROMPT] * 6, n=1, sampling={"max_tokens": 4})
         return inc > 1 and any(r.ok and (r.result.slot, r.result.incarnation) == (slot, inc) for g in groups for r in g)

