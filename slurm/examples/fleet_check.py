@@ -8,7 +8,8 @@ It connects to the job's Ray (``RAY_ADDRESS``, exported by the launcher, so it n
 attaches to another Ray on a shared host), checks that ``--nodes`` nodes are alive,
 builds the tiny model on the shared filesystem, pins one ``EngineShard`` to each node
 (``NodeAffinitySchedulingStrategy``, hard), starts them, generates on each, runs the
-refit step on all of them, generates again, and prints one line:
+real refit (new weights from a trainer-side source, broadcast over one
+gloo group spanning the nodes, checked by logprob agreement), generates again, and prints one line:
 
     RLFLEET_FLEET_CHECK {"nodes": [...], "shards": [{"node_id": ..., ...}], ...}
 
@@ -37,20 +38,55 @@ SAMPLING = {"max_tokens": 8, "ignore_eos": True, "temperature": 1.0, "seed": 3}
 T = 300.0
 
 
-def run_refit(shards: list) -> dict:
-    """One refit across the fleet.
+def run_refit(shards: list, model_dir: str) -> dict:
+    """One real refit across the nodes: new weights from a trainer-side source into every shard.
 
-    TODO(controller): replace with the SingleController's ``sync_weights(version)`` once it
-    lands (pause every leader, transfer weights, stamp the version, resume). Until then
-    this stands in for it with the lifecycle calls a refit makes: pause each shard
-    (keep in-flight requests, clear the cache), then resume each; every ack must be
-    exactly True.
+    The lifecycle a refit makes, over the pinned shards: pause each (keep in-flight
+    requests, clear the cache), broadcast the source's perturbed weights through
+    refit's ``WeightSynchronizer`` (gloo, one group spanning both nodes), stamp
+    version 1, resume. Every ack must be exactly True and every engine COMPLETE.
     """
-    paused = [ray_io.get_or_raise(s.pause.remote(mode="keep", clear_cache=True), 60) for s in shards]
-    resumed = [ray_io.get_or_raise(s.resume.remote(), 60) for s in shards]
-    if paused != [True] * len(shards) or resumed != [True] * len(shards):
-        raise RuntimeError(f"refit acks were not all True: pause {paused}, resume {resumed}")
-    return {"kind": "pause-resume (placeholder)", "paused": len(paused), "resumed": len(resumed)}
+    import asyncio
+
+    from fleet.source import PolicySource
+    from refit.outcome import assign_ranks
+    from refit.synchronizer import RefitConfig, WeightSynchronizer
+
+    source = ray_io.spawn_actor(PolicySource, model_dir, num_cpus=0)
+    try:
+        ray_io.get_or_raise(source.perturb.remote(1, 0.05), 120)
+        paused = [ray_io.get_or_raise(s.pause.remote(mode="keep", clear_cache=True), 60) for s in shards]
+        keys = assign_ranks({(i, 1): 1 for i in range(len(shards))})
+        sync = WeightSynchronizer(ray_io.ActorProxy(source), RefitConfig(timeout_s=120.0))
+
+        async def refit():
+            try:
+                return await sync.refit({k: ray_io.ActorProxy(shards[k.slot]) for k in keys}, 1, 1)
+            finally:
+                await sync.close()
+
+        report = asyncio.run(refit())
+        if not report.ok:
+            raise RuntimeError("refit failed:\n" + report.summary())
+        stamped = [ray_io.get_or_raise(s.set_weight_version.remote(1), 60) for s in shards]
+        resumed = [ray_io.get_or_raise(s.resume.remote(), 60) for s in shards]
+        if paused + stamped + resumed != [True] * (3 * len(shards)):
+            raise RuntimeError(f"refit acks were not all True: pause {paused}, stamp {stamped}, resume {resumed}")
+        after = [ray_io.get_or_raise(s.generate.remote(PROMPT, SAMPLING), T) for s in shards]
+        gap = 0.0
+        for res in after:
+            c = res.completions[0]
+            ref = ray_io.get_or_raise(source.logprobs.remote(list(res.prompt_token_ids), list(c.token_ids)), 60)
+            gap = max(gap, max(abs(x - y) for x, y in zip(ref, c.logprobs)))
+        if gap > 1e-4 or any(r.weight_version != 1 for r in after):
+            raise RuntimeError(f"engines do not serve the new weights: logprob gap {gap:.2e}, versions {[r.weight_version for r in after]}")
+        return {
+            "kind": "weights", "version": 1, "paused": len(paused), "resumed": len(resumed),
+            "complete": len(report.results), "bytes_sent": report.bytes_sent,
+            "transfer_s": round(report.timings.total_s, 3), "logprob_gap": gap,
+        }
+    finally:
+        ray_io.kill(source)
 
 
 def alive_nodes() -> list[dict]:
@@ -89,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         starts = [ray_io.get_or_raise(s.start.remote(), T) for s in shards]
         located = [ray_io.get_or_raise(s.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), 30) for s in shards]
         before = [ray_io.get_or_raise(s.generate.remote(PROMPT, SAMPLING), T) for s in shards]
-        refit = run_refit(shards)
+        refit = run_refit(shards, model)
         after = [ray_io.get_or_raise(s.generate.remote(PROMPT, SAMPLING), T) for s in shards]
         for res in before + after:
             if len(res.completions[0].token_ids) != SAMPLING["max_tokens"]:

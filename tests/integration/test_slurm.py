@@ -239,6 +239,8 @@ def _assert_fleet_summary(logs: JobLogs, distinct_ips: bool) -> dict:
     assert sorted(shard_nodes) == sorted(node_ids), f"shards not one per node: {shard_nodes} vs {node_ids}"
     assert [(s["tokens_before"], s["tokens_after"]) for s in summary["shards"]] == [(8, 8), (8, 8)]
     assert summary["refit"]["paused"] == 2 and summary["refit"]["resumed"] == 2
+    assert summary["refit"]["kind"] == "weights" and summary["refit"]["complete"] == 2
+    assert summary["refit"]["bytes_sent"] > 0 and summary["refit"]["logprob_gap"] < 1e-4
     ips = [n["ip"] for n in summary["nodes"]]
     if distinct_ips:
         assert len(set(ips)) == 2, f"nodes share an IP: {ips}"
