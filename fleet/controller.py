@@ -91,6 +91,7 @@ class SingleController:
         self._tasks: set[asyncio.Task] = set()
         self._restarting: dict[int, asyncio.Task] = {}
         self._keep_warned = False
+        self.native_pause: dict[int, bool] = {}
         self.refits: list[dict] = []
         from fleet.lifecycle import RefitLifecycle
 
@@ -109,6 +110,7 @@ class SingleController:
         for slot, out in outs.items():
             inc = self.handles[slot][0]
             if out.ok:
+                self.native_pause[slot] = bool(out.value.get("native_pause", True))
                 self.decide(EngineReady(slot, inc))
             else:
                 self.decide(observed(slot, inc, CallKind.START, out))
@@ -211,6 +213,7 @@ class SingleController:
         out = await self.door.call(handle, "start", timeout=self.cfg.engine.start_timeout_s + 30)
         self.log.emit("restart", slot=action.slot, incarnation=action.incarnation, edge="end", outcome=out.kind)
         if out.ok:
+            self.native_pause[action.slot] = bool(out.value.get("native_pause", True))
             self.decide(EngineReady(action.slot, action.incarnation))
         else:
             self.door.kill(handle)
@@ -257,6 +260,7 @@ class SingleController:
             if reason:
                 self.log.emit("admission", slot=slot, incarnation=inc, cap=self.admission.cap(slot), reason=reason)
             grew = grew or self.admission.cap(slot) > before
+        self.metrics.in_flight(self.dispatcher.in_progress)
         if grew:
             await self.dispatcher.notify_room()
 
@@ -317,7 +321,11 @@ class SingleController:
 
     async def sync_weights(self, version: int, source: Any = None) -> dict:
         """Run the refit lifecycle for ``version`` (see ``fleet.lifecycle``). Raises ``RefitFailed`` or ``FleetExhausted``."""
-        summary = await self.lifecycle.run(version, source)
+        self.admission.refit_started()  # the engines pause (and may reset their cache): not load signals
+        try:
+            summary = await self.lifecycle.run(version, source)
+        finally:
+            self.admission.refit_finished(self.clock.now())
         self.refits.append(summary)
         return summary
 
@@ -345,6 +353,10 @@ class SingleController:
 
     def events(self, since: int = 0, kinds: list[str] | None = None) -> list[dict]:
         return self.log.records(since, kinds)
+
+    def admission_metrics(self) -> dict[int, dict]:
+        """Read-only: per slot, the cap, the law's counters and the last polled engine stats (preemptions, KV)."""
+        return self.admission.metrics()
 
     # ------------------------------------------------------------------ fault injection
     async def arm_fault(self, slot: int, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0) -> bool:

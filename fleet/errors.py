@@ -57,3 +57,8 @@ class RefitFailed(FleetStopped):
 
 class FleetExhausted(FleetStopped):
     """Fewer than ``min_healthy_engines`` engines can serve; names every dead or retired slot."""
+
+
+class CacheInvalidationUnsupported(RefitFailed, NotImplementedError):
+    """``kv_policy='recompute'`` on a backend without native pause that could not confirm an equivalent
+    cache invalidation: the refit stops rather than serve requests over KV computed by old weights."""

@@ -20,7 +20,7 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from fleet.errors import FleetExhausted, FleetStopped, RefitFailed
+from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed
 from health import (
     AbortRefit,
     CallKind,
@@ -147,6 +147,8 @@ class RefitLifecycle:
         """Step 4: pause every participant (keep in-flight requests); all pause calls settle first."""
         clear_cache = self._clear_cache(plan)
         targets = {p.slot: p for p in plan.participants}
+        if clear_cache:
+            await self._invalidate_without_native_pause(targets)
         outs = await self._fan_out(
             {s: (self._handle(p), "pause", (), {"mode": "keep", "clear_cache": clear_cache}) for s, p in targets.items()},
             expect_ack=True,
@@ -260,6 +262,24 @@ class RefitLifecycle:
                     "prefix-cache blocks computed by the old weights (use 'recompute' or 'salt' to avoid this)"
                 )
         return False
+
+    async def _invalidate_without_native_pause(self, targets: dict) -> None:
+        """A backend without native pause must confirm an equivalent cache invalidation, or the refit stops."""
+        emulated = {s: p for s, p in targets.items() if not self.ctl.native_pause.get(s, True)}
+        if not emulated:
+            return
+        outs = await self._fan_out({s: (self._handle(p), "invalidate_cache", (), {}) for s, p in emulated.items()},
+                                   expect_ack=True)
+        failed = sorted(s for s, o in outs.items() if not o.ok)
+        if failed:
+            message = (
+                f"kv_policy={self.ctl.cfg.kv_policy!r} needs the KV cache cleared at pause, but slot(s) {failed} "
+                f"have no native pause and did not confirm a cache invalidation "
+                f"({'; '.join(outs[s].describe() for s in failed)})"
+            )
+            self.ctl.finish_refit(self._version)
+            self.ctl.halt(message)
+            raise CacheInvalidationUnsupported(message)
 
     async def _transfer_once(self, plan: MembershipPlan, version: int, source: Any, rebuild: bool) -> dict:
         participants = [(p, self._handle(p)) for p in plan.participants]

@@ -93,7 +93,8 @@ class EngineShard:
             self._state = "failed"
             raise
         self._state = "ready"
-        return {"start_s": time.monotonic() - t0, **self.ping_info()}
+        caps = self._backend.capabilities
+        return {"start_s": time.monotonic() - t0, "native_pause": caps.native_pause, **self.ping_info()}
 
     def ping_info(self) -> dict[str, Any]:
         return {
@@ -218,6 +219,11 @@ class EngineShard:
         """vLLM's real answer: False while running requests hold blocks and they may not be reset."""
         backend = self._require_ready("reset_prefix_cache")
         return await self._bounded("reset_prefix_cache", backend.reset_prefix_cache(reset_running_requests), None)
+
+    async def invalidate_cache(self) -> bool:
+        """Drop every cached KV block computed by the current weights; True only if the engine confirms it."""
+        backend = self._require_ready("invalidate_cache")
+        return await self._bounded("invalidate_cache", backend.invalidate_cache(), None)
 
     async def stats(self) -> EngineStats:
         s = self._require_ready("stats").stats()

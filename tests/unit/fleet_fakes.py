@@ -86,7 +86,10 @@ class FakeDoor:
 
     # -- the fake shard methods -----------------------------------------------------
     async def _start(self, s):
-        return {"start_s": 0.0}
+        return {"start_s": 0.0, "native_pause": not s.sticky.get("no_native_pause")}
+
+    async def _invalidate_cache(self, s):
+        return s.sticky.get("invalidate_answer", True)
 
     async def _stats(self, s):
         return EngineStats(kv_cache_tokens=32768, max_model_len=512, updated_at=1.0)

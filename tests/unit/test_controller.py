@@ -333,6 +333,26 @@ def test_kv_policy_salt_keeps_kv_and_salts_new_requests_by_version(model_dir):
     run(go())
 
 
+def test_backend_without_native_pause_must_confirm_invalidation_under_recompute(model_dir):
+    from fleet.errors import CacheInvalidationUnsupported
+
+    async def go(answer):
+        ctl, door, _ = make(model_dir)
+        door.on_spawn[(1, 1)] = {"no_native_pause": True, "invalidate_answer": answer}
+        await ctl.start()
+        try:
+            await ctl.sync_weights(1)
+            return ctl, door
+        finally:
+            await ctl.shutdown()
+
+    ctl, door = run(go(True))
+    assert [s for m, s, _ in door.calls if m == "invalidate_cache"] == [1]
+    with pytest.raises(CacheInvalidationUnsupported, match=r"slot\(s\) \[1\].*no native pause") as err:
+        run(go(None))
+    assert isinstance(err.value, NotImplementedError)
+
+
 def test_bad_config_is_rejected_naming_the_field(model_dir):
     with pytest.raises(ConfigError, match="min_healthy_engines"):
         load_fleet_config({"engine": {"model": model_dir}, "num_engines": 2, "min_healthy_engines": 3})
