@@ -50,7 +50,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if args.plan:
         text = args.plan.read_text()
-        plan = load_plan(text)  # validates; raises naming the field
+        try:
+            plan = load_plan(text)  # validates, naming the field at fault
+        except ValueError as exc:
+            print(f"rlfleet: error: {args.plan}: {exc}", file=sys.stderr)
+            return 2
         variants = [Variant(dict(yaml.safe_load(text)))]
         print(f"[faults] plan {plan.name}: {len(plan.faults)} fault(s), expect {plan.expect}")
     else:

@@ -1,0 +1,47 @@
+"""`rlfleet faults run`: table, last-line JSON summary and exit code, with the runner stubbed (no Ray)."""
+
+import json
+
+import pytest
+
+from fleet import cli
+from fleet.fault_runner import VariantReport
+
+
+@pytest.fixture
+def stub_runner(monkeypatch):
+    seen = {}
+
+    def fake_run_variants(model, variants, log=print, **kw):
+        seen["names"] = [v.name for v in variants]
+        return [VariantReport(v.name, v.plan["expect"], v.plan["expect"], passed=(i != seen.get("fail_at")),
+                              accepted=4, completed=4, fault_to_reopen_s=1.5) for i, v in enumerate(variants)]
+
+    monkeypatch.setattr("fleet.fault_runner.run_variants", fake_run_variants)
+    monkeypatch.setattr("fleet.ray_io.init_local", lambda **kw: None)
+    monkeypatch.setattr("fleet.ray_io.shutdown", lambda: None)
+    return seen
+
+
+def test_matrix_prints_table_and_json_summary(stub_runner, capsys, tmp_path):
+    rc = cli.main(["faults", "run", "--matrix", "--only", "kill-during-pause", "hang-past-deadline", "--model", str(tmp_path)])
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    assert rc == 0 and summary["variants"] == 2 and summary["passed"] == 2
+    assert summary["prompts_lost"] == 0 and summary["wrong_version_tags"] == 0
+    assert any("kill-during-pause" in line and "PASS" in line for line in out)
+
+
+def test_a_missed_variant_fails_the_run(stub_runner, capsys, tmp_path):
+    stub_runner["fail_at"] = 1
+    rc = cli.main(["faults", "run", "--matrix", "--only", "kill-during-pause", "hang-past-deadline", "--model", str(tmp_path)])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 1 and summary["failed"] == ["hang-past-deadline"]
+
+
+def test_a_bad_plan_file_is_refused_naming_the_field(stub_runner, tmp_path, capsys):
+    plan = tmp_path / "p.yaml"
+    plan.write_text("name: x\nexpect: recovers\nfaults:\n  - {where: pause, what: melt, shard: 0}\n")
+    rc = cli.main(["faults", "run", "--plan", str(plan), "--model", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "faults[0].what" in err and "melt" in err and "names" not in stub_runner
