@@ -180,6 +180,11 @@ def init_local(num_cpus: int | None = None, **kwargs) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=kwargs.pop("log_to_driver", True), **kwargs)
 
 
+def is_initialized() -> bool:
+    """True once this process has started or joined a Ray (a caller that did not start it should not shut it down)."""
+    return ray.is_initialized()
+
+
 def shutdown() -> None:
     if ray.is_initialized():
         ray.shutdown()
