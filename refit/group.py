@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 import socket
 import threading
 import time
@@ -85,34 +84,28 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(0.001, float(seconds)))
 
 
-# -- reaper: releases groups off the caller's thread ----------------------------------
-
-_reap_q: "queue.Queue[tuple]" = queue.Queue()
-_reaper: threading.Thread | None = None
-_reaper_lock = threading.Lock()
+# -- release off the caller's thread ---------------------------------------------------------
 
 
-def _reap_forever() -> None:
-    while True:
-        objs = _reap_q.get()
-        try:
-            for o in objs:
-                if o is not None and hasattr(o, "abort") and type(o).__name__ == "ProcessGroupNCCL":
-                    try:
-                        o.abort()
-                    except Exception:  # noqa: BLE001 - best effort on a dead group
-                        pass
-        finally:
-            del objs  # the destructors run here, possibly blocking until a pending op ends
+def _drop(objs: list) -> None:
+    for o in objs:
+        if type(o).__name__ == "ProcessGroupNCCL":
+            try:
+                o.abort()  # NCCL needs an explicit abort to unblock pending collectives
+            except Exception:  # noqa: BLE001 - best effort on a dead group
+                pass
+    o = None
+    objs.clear()  # the destructors run here, possibly blocking until a pending op ends
 
 
-def _release(*objs) -> None:
-    global _reaper
-    with _reaper_lock:
-        if _reaper is None or not _reaper.is_alive():
-            _reaper = threading.Thread(target=_reap_forever, name="rlfleet-refit-reaper", daemon=True)
-            _reaper.start()
-    _reap_q.put(objs)
+def _release(holder: list) -> None:
+    """Drop the objects in ``holder`` on a fresh daemon thread, so no caller blocks in a destructor.
+
+    The caller must hold no other reference: the list is the only owner, and it is
+    emptied on the release thread.
+    """
+    if any(o is not None for o in holder):
+        threading.Thread(target=_drop, args=(holder,), name="rlfleet-refit-release", daemon=True).start()
 
 
 # -- the group ----------------------------------------------------------------------------
@@ -204,8 +197,7 @@ class RefitGroup:
 
     def close(self) -> None:
         """Drop the group without blocking (see module docstring). Idempotent."""
-        pg, store = self._pg, self._store
+        holder = [self._pg, self._store]
         self._pg = self._store = None
         self.broken = True
-        if pg is not None or store is not None:
-            _release(pg, store)
+        _release(holder)

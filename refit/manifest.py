@@ -9,7 +9,8 @@ Layout guarantees of ``plan_buckets``:
 
 - one dtype per bucket; tensors keep their input order within a dtype;
 - a bucket holds at most ``bucket_bytes`` unless a single tensor is larger, in which
-  case that tensor travels alone in a bucket of its own size;
+  case that tensor travels alone in a bucket of its own size; tensors of at least
+  ``direct_bytes`` also travel alone (sent from their own storage, no packing);
 - buckets of one dtype are laid end to end (``staging_offset``), so a receiver can
   receive every bucket straight into one reused staging buffer per dtype;
 - ``per_tensor`` transfer is the same structure with one tensor per bucket.
@@ -161,8 +162,14 @@ class Manifest:
                     raise ManifestError(f"tensor {e.name!r} lies outside bucket {b.index} ({b.numel} elements)")
 
 
-def plan_buckets(specs: Iterable[tuple[str, Sequence[int], object]], bucket_bytes: int, transfer: str = "bucketed") -> Manifest:
-    """Lay tensors ``(name, shape, dtype)`` into buckets. See the module docstring for the guarantees."""
+def plan_buckets(
+    specs: Iterable[tuple[str, Sequence[int], object]], bucket_bytes: int, transfer: str = "bucketed", direct_bytes: int | None = None
+) -> Manifest:
+    """Lay tensors ``(name, shape, dtype)`` into buckets. See the module docstring for the guarantees.
+
+    Tensors of at least ``direct_bytes`` get a bucket of their own (the sender can then
+    broadcast them straight from their storage, without packing).
+    """
     if transfer not in TRANSFERS:
         raise ManifestError(f"unknown transfer {transfer!r}; allowed: {TRANSFERS}")
     if bucket_bytes <= 0:
@@ -185,11 +192,15 @@ def plan_buckets(specs: Iterable[tuple[str, Sequence[int], object]], bucket_byte
                 staging += fill
                 current, fill = [], 0
 
+        direct = limit if direct_bytes is None else max(1, direct_bytes // dtype_size(dt))
         for name, shape, numel in items:
-            if current and (transfer == "per_tensor" or fill + numel > limit):
+            alone = transfer == "per_tensor" or numel >= direct
+            if current and (alone or fill + numel > limit):
                 close()
             current.append(TensorEntry(name, shape, dt, fill, numel))
             fill += numel
+            if alone:
+                close()
         close()
     manifest = Manifest(transfer, tuple(buckets))
     manifest.check_layout()

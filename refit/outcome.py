@@ -74,6 +74,7 @@ class PhaseTimings:
     group_s: float = 0.0  # 0 when the epoch's group was reused
     prepare_s: float = 0.0
     transfer_s: float = 0.0  # the transfer call, wall clock (includes the apply on the receivers)
+    send_s: float = 0.0  # the sender's broadcast of the stream (packing included; no apply)
     apply_s: float = 0.0  # the slowest participant's apply
     total_s: float = 0.0
 

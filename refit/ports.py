@@ -33,7 +33,7 @@ class SenderPort(Protocol):
 
     async def close_group(self) -> bool: ...
 
-    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float) -> dict: ...
+    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None) -> dict: ...
 
     async def send(self, refit_id: int, timeout_s: float) -> dict: ...
 
@@ -67,8 +67,8 @@ class LocalSenderPort:
     async def close_group(self) -> bool:
         return await self._run(lambda: self.sender.close_group())
 
-    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float) -> dict:
-        return await self._run(lambda: self.sender.prepare(refit_id, transfer, bucket_mb))
+    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None) -> dict:
+        return await self._run(lambda: self.sender.prepare(refit_id, transfer, bucket_mb, direct_mb))
 
     async def send(self, refit_id: int, timeout_s: float) -> dict:
         return await self._run(lambda: self.sender.send(refit_id, timeout_s))

@@ -33,7 +33,9 @@ from refit import checksum as _checksum
 from refit.errors import ApplyError, ManifestError, RefitUsageError, TransferError
 from refit.group import GroupAddress, RefitGroup
 from refit.manifest import ExpectedSpec, Manifest, layer_group, validate
-from refit.sender import HEADER_MAGIC
+from refit.sender import HEADER_MAGIC, IN_FLIGHT
+
+AHEAD = IN_FLIGHT  # receives posted ahead of the one being waited for (staged; streaming uses 2: its ring has two slots)
 
 APPLY_MODES = ("staged", "streaming")
 NOT_STARTED, PARTIAL, COMPLETE = "not_started", "partial", "complete"
@@ -80,7 +82,7 @@ class WeightReceiver:
         self.group: RefitGroup | None = None
         self.weight_version: int = 0
         self.weights_state = "initial"  # initial | complete | partial
-        self._prepared: tuple[int, Manifest, int, str, bool] | None = None
+        self._prepared: tuple[int, Manifest, int, str, bool, int] | None = None
         self._staging: dict[str, torch.Tensor] = {}
         self._ring: dict[tuple[str, int], torch.Tensor] = {}
         self._raw: torch.Tensor | None = None
@@ -138,7 +140,7 @@ class WeightReceiver:
             return {"ok": False, "error": str(exc), "state": NOT_STARTED}
         if self.group is None or self.group.broken:
             return {"ok": False, "error": "no live refit group on this rank: rebuild the epoch", "state": NOT_STARTED}
-        self._prepared = (int(refit_id), m, int(version), mode, bool(checksum))
+        self._prepared = (int(refit_id), m, int(version), mode, bool(checksum), m.digest())
         return {"ok": True, "error": None, "state": NOT_STARTED, "bytes": m.total_bytes}
 
     # -- receive ----------------------------------------------------------------------------
@@ -149,7 +151,7 @@ class WeightReceiver:
         if prepared is None or prepared[0] != int(refit_id):
             res["error"] = f"receive({refit_id}) without a matching prepare on this rank"
             return res
-        _, manifest, version, mode, want_digest = prepared
+        _, manifest, version, mode, want_digest, digest = prepared
         group = self.group
         if group is None or group.broken:
             res["error"] = "no live refit group on this rank: rebuild the epoch"
@@ -158,11 +160,11 @@ class WeightReceiver:
         t0 = time.monotonic()
         try:
             self._budget = float(timeout_s)
-            self._receive_header(group, refit_id, len(manifest.buckets), manifest.digest(), deadline)
+            expect = [HEADER_MAGIC, group.address.epoch, int(refit_id), len(manifest.buckets), digest]
             if mode == "staged":
-                self._receive_staged(group, manifest, deadline, res, want_digest)
+                self._receive_staged(group, manifest, deadline, res, want_digest, expect)
             else:
-                self._receive_streaming(group, manifest, deadline, res, want_digest)
+                self._receive_streaming(group, manifest, deadline, res, want_digest, expect)
         except TransferError as exc:
             self._on_group_failure()
             res["error"] = str(exc)
@@ -185,13 +187,11 @@ class WeightReceiver:
         self.group = None
         self._drop_buffers()
 
-    def _receive_header(self, group: RefitGroup, refit_id: int, n_ops: int, digest: int, deadline: float) -> None:
-        header = torch.zeros(5, dtype=torch.int64, device=group.device)
-        group.wait(group.broadcast(header), deadline, "stream header", self._budget)
+    def _check_header(self, group: RefitGroup, header: torch.Tensor, work, expect: list[int], deadline: float) -> None:
+        group.wait(work, deadline, "stream header", self._budget)
         got = [int(x) for x in header.cpu().tolist()]
-        want = [HEADER_MAGIC, group.address.epoch, int(refit_id), n_ops, digest]
-        if got != want:
-            raise TransferError(f"stream header mismatch on rank {group.rank}: got {got}, expected {want}; the sender is sending another update")
+        if got != expect:
+            raise TransferError(f"stream header mismatch on rank {group.rank}: got {got}, expected {expect}; the sender is sending another update")
 
     def _buffer(self, store: dict, key, numel: int, dtype: str, device) -> torch.Tensor:
         buf = store.get(key)
@@ -201,22 +201,27 @@ class WeightReceiver:
             store[key] = buf
         return buf
 
-    def _post_all(self, group: RefitGroup, manifest: Manifest, targets, deadline: float, res: dict, on_bucket) -> None:
-        """Receive bucket i into ``targets(i)`` with at most two receives in flight; ``on_bucket(i)`` after each."""
+    def _post_all(self, group: RefitGroup, manifest: Manifest, targets, deadline: float, res: dict, on_bucket, expect: list[int], ahead: int) -> None:
+        """Receive the header, then bucket i into ``targets(i)`` with ``ahead`` receives posted; ``on_bucket(i)`` after each.
+
+        The first buckets are posted together with the header, so the sender never waits for
+        this rank to check the header before it can stream.
+        """
         n = len(manifest.buckets)
-        works = {}
-        for i in range(min(2, n)):
-            works[i] = group.broadcast(targets(i))
+        header = torch.zeros(5, dtype=torch.int64, device=group.device)
+        header_work = group.broadcast(header)
+        works = {i: group.broadcast(targets(i)) for i in range(min(ahead, n))}
+        self._check_header(group, header, header_work, expect, deadline)
         for i in range(n):
             if self._fault is not None:
                 self._fault.maybe_fire(i)
             group.wait(works.pop(i), deadline, f"bucket {i + 1}/{n}", self._budget)
             res["bytes"] += manifest.buckets[i].nbytes
             on_bucket(i)
-            if i + 2 < n:
-                works[i + 2] = group.broadcast(targets(i + 2))
+            if i + ahead < n:
+                works[i + ahead] = group.broadcast(targets(i + ahead))
 
-    def _receive_staged(self, group: RefitGroup, manifest: Manifest, deadline: float, res: dict, want_digest: bool) -> None:
+    def _receive_staged(self, group: RefitGroup, manifest: Manifest, deadline: float, res: dict, want_digest: bool, expect: list[int]) -> None:
         for dt, numel in manifest.staging_numel().items():
             self._buffer(self._staging, dt, numel, dt, group.device)
         buckets = manifest.buckets
@@ -225,7 +230,7 @@ class WeightReceiver:
             b = buckets[i]
             return self._staging[b.dtype][b.staging_offset : b.staging_offset + b.numel]
 
-        self._post_all(group, manifest, target, deadline, res, lambda i: None)
+        self._post_all(group, manifest, target, deadline, res, lambda i: None, expect, AHEAD)
         views = [
             (e.name, self._staging[b.dtype][b.staging_offset + e.offset : b.staging_offset + e.offset + e.numel].view(e.shape))
             for b in buckets for e in b.entries
@@ -233,7 +238,7 @@ class WeightReceiver:
         self._apply(views, res, want_digest, first=True)
         res["state"] = COMPLETE
 
-    def _receive_streaming(self, group: RefitGroup, manifest: Manifest, deadline: float, res: dict, want_digest: bool) -> None:
+    def _receive_streaming(self, group: RefitGroup, manifest: Manifest, deadline: float, res: dict, want_digest: bool, expect: list[int]) -> None:
         sizes = manifest.max_bucket_numel()
         remaining: dict[str, int] = {}
         for name in manifest.names:
@@ -266,7 +271,7 @@ class WeightReceiver:
                 self._apply(ready, res, want_digest, first=res["state"] == NOT_STARTED)
                 res["state"] = PARTIAL  # until the last layer is in
 
-        self._post_all(group, manifest, target, deadline, res, on_bucket)
+        self._post_all(group, manifest, target, deadline, res, on_bucket, expect, 2)
         if carry:
             raise ApplyError(f"layers {sorted(carry)} never completed in the stream")
         res["state"] = COMPLETE
@@ -300,7 +305,6 @@ class WeightReceiver:
         t0 = time.monotonic()
         self._budget = float(timeout_s)
         try:
-            self._receive_header(group, refit_id, 1, int(numel), deadline)
             if self._raw is None or self._raw.numel() != numel:
                 self._raw = torch.empty(int(numel), dtype=torch.float32, device=group.device)
             group.wait(group.broadcast(self._raw), deadline, "raw buffer", self._budget)

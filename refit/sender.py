@@ -18,6 +18,7 @@ once, which makes receivers still waiting on it fail fast.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -27,12 +28,24 @@ from refit.errors import RefitUsageError, TransferError
 from refit.group import GroupAddress, RefitGroup, default_address, device_for, host_store
 from refit.manifest import Manifest, plan_buckets
 
+IN_FLIGHT = 4  # broadcasts outstanding at once on the sender (and receives posted ahead on receivers)
 HEADER_MAGIC = 0x5246484452  # header of one transfer: [magic, epoch, refit_id, n_buckets, digest]
 WeightSource = torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
 def stream_header(epoch: int, refit_id: int, n_ops: int, digest: int, device) -> torch.Tensor:
     return torch.tensor([HEADER_MAGIC, epoch, refit_id, n_ops, digest], dtype=torch.int64, device=device)
+
+
+def _pack(out: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy ``tensors`` end to end into the flat ``out`` with one ``torch.cat`` when dtypes and devices allow."""
+    if all(t.dtype == out.dtype and t.device == out.device for t in tensors):
+        torch.cat([t.reshape(-1) for t in tensors], out=out)
+        return
+    off = 0
+    for t in tensors:  # casting path (e.g. float32 trainer -> bfloat16 engines)
+        out[off : off + t.numel()].view(t.shape).copy_(t)
+        off += t.numel()
 
 
 class WeightSender:
@@ -46,7 +59,7 @@ class WeightSender:
         self._group: RefitGroup | None = None
         self._pending_address: GroupAddress | None = None
         self._store = None
-        self._prepared: tuple[int, Manifest, dict[str, torch.Tensor]] | None = None
+        self._prepared: tuple[int, Manifest, dict[str, torch.Tensor], int] | None = None
         self._pack: dict[tuple[str, int], torch.Tensor] = {}
         self._raw: torch.Tensor | None = None
 
@@ -133,12 +146,16 @@ class WeightSender:
         return self._group
 
     # -- one update ---------------------------------------------------------------------
-    def prepare(self, refit_id: int, transfer: str = "bucketed", bucket_mb: float = 64.0) -> dict:
-        """Plan the buckets of the current weights; returns the manifest (wire form) receivers validate."""
+    def prepare(self, refit_id: int, transfer: str = "bucketed", bucket_mb: float = 16.0, direct_mb: float | None = 4.0) -> dict:
+        """Plan the buckets of the current weights; returns the manifest (wire form) receivers validate.
+
+        Tensors of at least ``direct_mb`` travel alone, straight from their storage (no packing).
+        """
         tensors = dict(self.named_tensors())
         specs = [(n, tuple(t.shape), self._wire_dtype(t)) for n, t in tensors.items()]
-        manifest = plan_buckets(specs, int(bucket_mb * 2**20), transfer)
-        self._prepared = (int(refit_id), manifest, tensors)
+        direct = None if direct_mb is None else int(direct_mb * 2**20)
+        manifest = plan_buckets(specs, int(bucket_mb * 2**20), transfer, direct)
+        self._prepared = (int(refit_id), manifest, tensors, manifest.digest())
         return manifest.to_wire()
 
     def send(self, refit_id: int, timeout_s: float) -> dict:
@@ -146,18 +163,19 @@ class WeightSender:
         if self._prepared is None or self._prepared[0] != int(refit_id):
             raise RefitUsageError(f"send({refit_id}) without a matching prepare()")
         group = self._live_group()
-        _, manifest, tensors = self._prepared
+        _, manifest, tensors, digest = self._prepared
         self._prepared = None
         deadline = time.monotonic() + timeout_s
         progress = {"bytes_sent": 0, "buckets_sent": 0, "n_buckets": len(manifest.buckets)}
         t0 = time.monotonic()
         try:
-            header = stream_header(group.address.epoch, refit_id, len(manifest.buckets), manifest.digest(), group.device)
-            group.wait(group.broadcast(header), deadline, "stream header", timeout_s)
+            header = stream_header(group.address.epoch, refit_id, len(manifest.buckets), digest, group.device)
+            header_work = group.broadcast(header)  # ordered before the buckets; waited for after them
             if manifest.transfer == "per_tensor":
                 self._send_per_tensor(group, manifest, tensors, deadline, timeout_s, progress)
             else:
                 self._send_bucketed(group, manifest, tensors, deadline, timeout_s, progress)
+            group.wait(header_work, deadline, "stream header", timeout_s)
         except TransferError as exc:
             self.close_group()  # closes our sockets: receivers still waiting fail now
             return {"ok": False, "error": str(exc), "send_s": time.monotonic() - t0, **progress}
@@ -172,31 +190,44 @@ class WeightSender:
 
     @torch.no_grad()
     def _send_bucketed(self, group: RefitGroup, manifest: Manifest, tensors, deadline: float, budget: float, progress: dict) -> None:
-        sizes = manifest.max_bucket_numel()
-        in_flight: dict[tuple[str, int], tuple[object, int]] = {}  # buffer -> (work, bucket index)
-        order: list[tuple[str, int]] = []
-        counters: dict[str, int] = {}
+        """Up to ``IN_FLIGHT`` broadcasts outstanding; packing the next bucket overlaps the sending of earlier ones.
 
-        def settle(key) -> None:
-            work, idx = in_flight.pop(key)
-            group.wait(work, deadline, f"bucket {idx + 1}/{len(manifest.buckets)}", budget)
+        A bucket holding one tensor that is already contiguous in the wire dtype is sent from its
+        own storage. Packed buckets alternate between two reused buffers per dtype; a buffer is
+        refilled only after the broadcast that used it completed.
+        """
+        sizes = manifest.max_bucket_numel()
+        pending: deque[tuple[object, int, tuple[str, int] | None]] = deque()
+        busy: set[tuple[str, int]] = set()
+        counters: dict[str, int] = {}
+        n = len(manifest.buckets)
+
+        def settle_oldest() -> None:
+            work, idx, key = pending.popleft()
+            group.wait(work, deadline, f"bucket {idx + 1}/{n}", budget)
+            busy.discard(key)
             progress["buckets_sent"] += 1
             progress["bytes_sent"] += manifest.buckets[idx].nbytes
 
         for b in manifest.buckets:
-            parity = counters.get(b.dtype, 0) % 2
-            counters[b.dtype] = counters.get(b.dtype, 0) + 1
-            key = (b.dtype, parity)
-            if key in in_flight:  # this buffer still feeds bucket i-2: wait before overwriting it
-                settle(key)
-                order.remove(key)
-            buf = self._pack_buffer(b.dtype, parity, sizes[b.dtype], group.device)
-            for e in b.entries:
-                buf[e.offset : e.offset + e.numel].view(e.shape).copy_(tensors[e.name])
-            in_flight[key] = (group.broadcast(buf[: b.numel]), b.index)
-            order.append(key)
-        for key in order:
-            settle(key)
+            src = tensors[b.entries[0].name] if len(b.entries) == 1 else None
+            key = None
+            if src is not None and src.is_contiguous() and src.dtype == getattr(torch, b.dtype) and src.device == group.device:
+                payload = src.view(-1)
+            else:
+                parity = counters.get(b.dtype, 0) % 2
+                counters[b.dtype] = counters.get(b.dtype, 0) + 1
+                key = (b.dtype, parity)
+                while key in busy:  # this buffer still feeds an earlier broadcast
+                    settle_oldest()
+                payload = self._pack_buffer(b.dtype, parity, sizes[b.dtype], group.device)[: b.numel]
+                _pack(payload, [tensors[e.name] for e in b.entries])
+                busy.add(key)
+            pending.append((group.broadcast(payload), b.index, key))
+            while len(pending) > IN_FLIGHT:
+                settle_oldest()
+        while pending:
+            settle_oldest()
 
     @torch.no_grad()
     def _send_per_tensor(self, group: RefitGroup, manifest: Manifest, tensors, deadline: float, budget: float, progress: dict) -> None:
@@ -210,7 +241,7 @@ class WeightSender:
             progress["bytes_sent"] += b.nbytes
 
     def send_raw(self, refit_id: int, nbytes: int, timeout_s: float) -> dict:
-        """Benchmark baseline: broadcast one already-packed flat buffer of ``nbytes`` (no packing, no model)."""
+        """Benchmark baseline: one broadcast of an already-packed flat buffer of ``nbytes`` (no header, no packing)."""
         group = self._live_group()
         numel = nbytes // 4
         if self._raw is None or self._raw.numel() != numel or self._raw.device != group.device:
@@ -218,7 +249,6 @@ class WeightSender:
         deadline = time.monotonic() + timeout_s
         t0 = time.monotonic()
         try:
-            group.wait(group.broadcast(stream_header(group.address.epoch, refit_id, 1, numel, group.device)), deadline, "raw header", timeout_s)
             group.wait(group.broadcast(self._raw), deadline, "raw buffer", timeout_s)
         except TransferError as exc:
             self.close_group()

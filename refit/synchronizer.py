@@ -44,7 +44,8 @@ class RefitConfig:
     """How refits move weights. Times in seconds; every blocking call is bounded by one of them."""
 
     backend: str = "gloo"  # "nccl" on GPU
-    bucket_mb: float = 64.0
+    bucket_mb: float = 16.0
+    direct_mb: float | None = 4.0  # tensors this large travel alone from their own storage (None: always pack)
     apply_mode: str = "staged"  # or "streaming" (low memory; a failure mid-way reports PARTIAL)
     transfer: str = "bucketed"  # or "per_tensor" (benchmark baseline)
     timeout_s: float = 60.0  # transfer deadline on every rank (a peer's death or freeze surfaces within it)
@@ -77,7 +78,7 @@ class _Settled:
 
     def error(self, what: str, bound: float) -> str | None:
         if self.timed_out:
-            return f"{what} did not answer within {bound:.1f} s"
+            return f"{what} timed out after {self.elapsed_s:.1f} s (bound {bound:.1f} s)"
         if self.exc is not None:
             return f"{what} raised {type(self.exc).__name__}: {str(self.exc)[:400]}"
         return None
@@ -174,7 +175,7 @@ class WeightSynchronizer:
         results, sender = await self._transfer(parts, refit_id)
         transfer_s = time.monotonic() - t2
         apply_s = max((float(r.detail.get("apply_s", 0.0)) for r in results.values()), default=0.0)
-        timings = PhaseTimings(group_s, prepare_s, transfer_s, apply_s, time.monotonic() - t0)
+        timings = PhaseTimings(group_s, prepare_s, transfer_s, float(sender.get("send_s", 0.0)), apply_s, time.monotonic() - t0)
         sender_error = None if sender.get("ok") else sender.get("error") or "sender failed"
         report = RefitReport(version, epoch, refit_id, results, timings, rebuilt, int(sender.get("bytes_sent", 0)), sender_error)
         if not report.ok:
@@ -215,7 +216,7 @@ class WeightSynchronizer:
     # -- phase 2: prepare -------------------------------------------------------------------
     async def _prepare(self, parts: dict, refit_id: int, version: int):
         cfg = self.config
-        planned = await _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb), cfg.rpc_timeout_s)
+        planned = await _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb), cfg.rpc_timeout_s)
         if planned.value is None:
             return None, (planned.error("sender prepare", cfg.rpc_timeout_s) or "sender prepare returned nothing", {})
         kw = {"refit_id": refit_id, "manifest": planned.value, "version": version, "mode": cfg.apply_mode, "checksum": cfg.checksum}
