@@ -103,6 +103,7 @@ class ProcessEngine:
         self.proc = ctx.Process(target=_serve, args=(child, tensors), daemon=True)
         self.proc.start()
         self.pool = ThreadPoolExecutor(1)
+        self._call("rlfleet_worker_info", (), {})  # ready: the child imported torch and built its worker
 
     def _call(self, method, args, kwargs):
         self.conn.send((method, tuple(args), dict(kwargs or {})))
