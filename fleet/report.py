@@ -195,7 +195,9 @@ def plot_learning(
             ax.axvline(x, color=color, ls="--", lw=1)
     ymax = ax_r.get_ylim()[1]
     for x, label, color in marks:
-        ax_r.text(x, ymax * 0.98, f" {label}", color=color, fontsize=8, va="top", rotation=0)
+        right = x > 0.8 * max(len(rows), 1)
+        ax_r.text(x, ymax * 0.98, f" {label} " if not right else f"{label} ", color=color, fontsize=8, va="top",
+                  ha="right" if right else "left")
     ax_r.legend(loc="upper left", fontsize=8)
     ax_m.legend(loc="center right", fontsize=7)
     if title:
