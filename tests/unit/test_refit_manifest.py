@@ -33,10 +33,10 @@ tensors = st.lists(
 
 
 @settings(max_examples=200, deadline=None)
-@given(tensors, st.integers(1, 4096), st.sampled_from(["bucketed", "per_tensor"]))
-def test_plan_buckets_invariants(items, bucket_bytes, transfer):
+@given(tensors, st.integers(1, 4096), st.sampled_from(["bucketed", "per_tensor"]), st.one_of(st.none(), st.integers(1, 4096)))
+def test_plan_buckets_invariants(items, bucket_bytes, transfer, direct_bytes):
     specs = [(f"t{i}", shape, dt) for i, (shape, dt) in enumerate(items)]
-    m = plan_buckets(specs, bucket_bytes, transfer)
+    m = plan_buckets(specs, bucket_bytes, transfer, direct_bytes)
     # every tensor exactly once, in input order within its dtype
     assert sorted(m.names) == sorted(n for n, _, _ in specs)
     for dt in {dt for _, _, dt in specs}:
@@ -54,6 +54,8 @@ def test_plan_buckets_invariants(items, bucket_bytes, transfer):
         assert b.nbytes <= bucket_bytes or len(b.entries) == 1
         if transfer == "per_tensor":
             assert len(b.entries) == 1
+        if direct_bytes is not None and any(e.nbytes >= direct_bytes for e in b.entries):
+            assert len(b.entries) == 1  # large tensors travel alone, straight from their storage
         # buckets of one dtype lie end to end in the staging area
         assert b.staging_offset == staging.get(b.dtype, 0)
         staging[b.dtype] = b.staging_offset + b.numel

@@ -43,12 +43,13 @@ class DictModel:
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = {n: t.clone() for n, t in tensors.items()}
         self.apply_calls: list[list[str]] = []
+        self.dtype = dtype_name(next(iter(self.tensors.values())).dtype)
 
     def expected_spec(self):
         return {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in self.tensors.items()}
 
     def engine_dtype(self):
-        return "float32"
+        return self.dtype
 
     def apply(self, weights):
         self.apply_calls.append([n for n, _ in weights])
@@ -333,4 +334,17 @@ def test_retry_once_runs_second_attempt_only_after_failure():
     with pytest.raises(RefitUsageError):
         run(retry_once(misuse))
     assert attempts == [1]
+    run(sync.close())
+
+
+def test_float32_trainer_refits_bfloat16_engines_casting_while_packing():
+    new = model_tensors(1, layers=2, d=64)
+    engine = ThreadEngine({n: t.to(torch.bfloat16) for n, t in model_tensors(0, layers=2, d=64).items()})
+    sender = WeightSender(new, dtype=torch.bfloat16, addr="127.0.0.1")
+    sync = WeightSynchronizer(LocalSenderPort(sender), RefitConfig(timeout_s=10, bucket_mb=0.02, direct_mb=0.01, checksum=True))
+    report = run(sync.refit({Participant(0, 1, (1,)): engine}, 1, epoch=1))
+    assert report.ok, report.summary()
+    assert report.bytes_sent == sum(t.numel() * 2 for t in new.values())
+    assert_holds(engine, {n: t.to(torch.bfloat16) for n, t in new.items()})
+    assert engine.workers[0].rlfleet_checksum()["applied"] == sender.checksum()
     run(sync.close())
