@@ -11,13 +11,22 @@ The law, per shard (thresholds from ``AdmissionConfig``):
 - **start** at ``kv_cache_tokens // max_model_len`` (how many max-length sequences
   the KV cache holds), clamped to ``[1, ceiling]``;
 - **cut** (``cap * cut_factor``, at least 1) when KV usage is above ``high_mark`` or
-  the cumulative preemption counter rose since the last fresh poll. A cut *latches*:
-  no further cut and no growth until the shard's in-flight count has drained below
-  the new cap, so one spike gives one cut;
+  the cumulative preemption counter rose since the last fresh poll. The starting
+  cap is a soft floor: a cut from above it stops at it, and at or below it only
+  preemptions cut (every request admitted there fits at max length, so a full cache
+  is not an overload; preemptions say the capacity estimate is wrong, e.g. requests
+  that sample several sequences). A cut *latches*: no further cut and no growth
+  until the shard's in-flight count has drained below the new cap (at a poll or at
+  any moment between two polls), so one spike gives one cut; preemptions reported
+  with the drain are that spike's (its overflow still ran) and do not cut again;
 - **grow** (``max(cap + 1, cap * growth_factor)``, at most ``ceiling``) when KV
   usage is below ``low_mark``, nothing is waiting, the latch is off, in flight
   reached the cap, and the pool turned over (see ``update``);
-- **hold** otherwise.
+- **hold** otherwise, and always while a refit runs and for ``refit_grace_s`` after
+  it (rule ``refit``): a refit pauses the engines and, unless the KV policy keeps the
+  cache, its cache reset preempts every running request; those preemptions and the
+  paused engine's usage say nothing about load, so the preemption baseline is moved
+  past them and no cut or growth is taken.
 
 Guarantees on failure: the cap is always within ``[1, ceiling]``; stats that are
 missing (call failed), unreadable (NaN, negative counts) or stale (record older
@@ -68,6 +77,9 @@ class AdmissionConfig(BaseModel):
     - ``stats_max_age_s``: a record older than this counts as missing.
     - ``absent_fallback_s`` (>= ``stats_max_age_s``): how long stats may be missing on
       every poll before the cap drops to ``fallback_cap``.
+    - ``refit_grace_s``: after a refit ends, how long its effects (the preemptions of a
+      cache reset, which the engine reports with its first steps after the resume) are
+      not taken as load signals.
     - ``enabled``: False pins every cap at ``ceiling`` (stats are still kept for metrics).
     """
 
@@ -82,6 +94,7 @@ class AdmissionConfig(BaseModel):
     poll_interval_s: float = Field(0.5, gt=0, allow_inf_nan=False)
     stats_max_age_s: float = Field(5.0, gt=0, allow_inf_nan=False)
     absent_fallback_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    refit_grace_s: float = Field(1.0, ge=0, allow_inf_nan=False)
     enabled: bool = True
 
     @field_validator("high_mark")
@@ -122,7 +135,7 @@ class AdmissionState:
     """One shard's admission state (one incarnation). Build with ``initial_state``.
 
     - ``cap``: requests the dispatcher may have in flight on the shard.
-    - ``capacity_cap``: the starting cap from the KV capacity (kept for metrics).
+    - ``capacity_cap``: the starting cap from the KV capacity; the soft floor of cuts.
     - ``latched``: a cut was taken and in-flight has not yet drained below ``cap``.
     - ``window_cap`` / ``window_start``: the cap set by the last cap change and the
       shard's ``finished_total`` at that moment (the turnover window, see ``update``).
@@ -185,18 +198,25 @@ def update(
     now: float,
     cfg: AdmissionConfig,
     peak_in_flight: int | None = None,
+    trough_in_flight: int | None = None,
+    refit: bool = False,
 ) -> tuple[AdmissionState, str]:
     """Apply one poll to one shard's state; returns the new state and the reason.
 
     Arguments: ``stats`` as read from the shard (``None``: the call failed);
     ``in_flight``: requests the dispatcher has outstanding on the shard now;
     ``finished_total``: requests that ended on the shard (this incarnation) so far,
-    for any reason; ``peak_in_flight``: the most in flight since the previous poll
-    (defaults to ``in_flight``); ``now``: the caller's monotonic time.
+    for any reason; ``peak_in_flight`` / ``trough_in_flight``: the most / fewest in
+    flight since the previous poll (both default to ``in_flight``); ``refit``: a refit
+    is running or ended less than ``refit_grace_s`` ago; ``now``: the caller's
+    monotonic time.
 
     Order of the rules:
 
-    1. *Drain*: a latched state whose ``in_flight < cap`` unlatches.
+    1. *Drain*: a latched state unlatches once in flight fell below ``cap``, at this
+       poll or at any moment since the previous one (``trough_in_flight``): with a
+       backlog the dispatcher refills a freed place at once, so a poll may never see
+       fewer than ``cap`` in flight although the pool drained long ago.
     2. *Classify the data.* Missing: ``stats`` is None or unreadable, or its record is
        older than ``stats_max_age_s`` while work is in flight. Quiet: the record is
        old (or absent) but the shard and the dispatcher both have 0 in flight, so an
@@ -205,8 +225,14 @@ def update(
     3. Missing: hold (never grow). Once stats have been missing on every poll for
        ``absent_fallback_s``, drop to ``floor_cap`` as a latched cut (rule ``fallback``).
        Quiet: hold, and the absence clock stops (an idle engine is not absent).
-    4. Fresh: *cut* if usage > ``high_mark`` or preemptions rose since the last fresh
-       poll (``preempt``), unless latched (one cut per spike). Else *grow* if usage <
+    4. Fresh during a refit (``refit``): hold (rule ``refit``); the preemption
+       baseline moves to the current count, so a cache reset's preemptions never cut.
+    5. Fresh: *cut* if usage > ``high_mark`` or preemptions rose since the last fresh
+       poll (``preempt``), unless latched (one cut per spike), to
+       ``max(capacity_cap, cap * cut_factor)`` from above ``capacity_cap``; at or
+       below it, usage alone holds and preemptions cut to ``cap * cut_factor`` (at
+       least 1). Preemptions that rose by the poll that sees a drain belong to the
+       drained spike: the baseline moves, only usage can cut. Else *grow* if usage <
        ``low_mark``, ``waiting == 0``, not latched, saturated, below the ceiling, and
        the pool turned over. Else hold.
 
@@ -223,10 +249,12 @@ def update(
     if not 1 <= state.cap <= cfg.ceiling:  # a state from another config: bring it within bounds
         state = replace(state, cap=max(1, min(state.cap, cfg.ceiling)))
     reached = max(in_flight, peak_in_flight if peak_in_flight is not None else in_flight)
+    low = min(in_flight, trough_in_flight if trough_in_flight is not None else in_flight)
     drained = ""
-    if state.latched and in_flight < state.cap:
+    if state.latched and low < state.cap:
         s = replace(state, latched=False, window_start=finished_total, window_cap=state.cap, saturated=False)
-        drained = f"drained ({in_flight} in flight < cap {s.cap}); "
+        seen = f"{in_flight} in flight" if low == in_flight else f"{low} in flight since the last poll"
+        drained = f"drained ({seen} < cap {s.cap}); "
     else:
         s = replace(state, saturated=state.saturated or reached >= state.cap)
     s, data, why = _classify(s, stats, in_flight, now, cfg)
@@ -234,8 +262,14 @@ def update(
         s, reason = _on_missing(s, why, finished_total, now, cfg)
     elif data == QUIET:
         s, reason = replace(s, data=QUIET, missing_since=None, rule="hold"), f"hold: {why}"
+    elif refit:
+        rebased = stats.preemptions - s.preemptions if s.preemptions is not None and stats.preemptions > s.preemptions else 0
+        s = replace(s, data=FRESH, missing_since=None, preemptions=stats.preemptions, rule="refit")
+        reason = "refit: hold (engine paused or just resumed)" + (
+            f"; {rebased} preemption(s) from its cache reset not counted" if rebased else ""
+        )
     else:
-        s, reason = _on_fresh(replace(s, data=FRESH, missing_since=None), stats, finished_total, cfg)
+        s, reason = _on_fresh(replace(s, data=FRESH, missing_since=None), stats, finished_total, cfg, bool(drained))
     if drained and s.rule == "hold":
         s = replace(s, rule="drained")
     return s, drained + reason
@@ -294,12 +328,21 @@ def _on_missing(s: AdmissionState, why: str, finished_total: int, now: float, cf
     return replace(s, rule="hold"), f"hold: {why}; growth frozen (missing for {absent:.1f} s)"
 
 
-def _on_fresh(s: AdmissionState, stats: EngineStats, finished_total: int, cfg: AdmissionConfig):
+def _on_fresh(s: AdmissionState, stats: EngineStats, finished_total: int, cfg: AdmissionConfig, drained: bool = False):
     usage = float(stats.kv_cache_usage)
     rose = 0
     if s.preemptions is not None and stats.preemptions > s.preemptions:
         rose = stats.preemptions - s.preemptions
     s = replace(s, preemptions=stats.preemptions)  # a counter that went back (new engine) rebases silently
+    if drained and rose:
+        # Preempted while the latched spike drained (its overflow still ran): that spike was cut for already.
+        s, reason = _judge(s, usage, 0, stats.waiting, finished_total, cfg)
+        return s, f"{rose} preemption(s) of the drained spike not counted; {reason}"
+    return _judge(s, usage, rose, stats.waiting, finished_total, cfg)
+
+
+def _judge(s: AdmissionState, usage: float, rose: int, waiting: int, finished_total: int, cfg: AdmissionConfig):
+    """Cut, grow or hold on fresh data: KV ``usage`` and ``rose`` new preemptions."""
     signal = ""
     if usage > cfg.high_mark:
         signal = f"kv usage {usage:.2f} > high mark {cfg.high_mark:g}"
@@ -311,14 +354,20 @@ def _on_fresh(s: AdmissionState, stats: EngineStats, finished_total: int, cfg: A
             return replace(s, rule="hold"), f"hold: {signal}, cut already taken for this spike (latched)"
         if s.cap == 1:
             return replace(s, rule="hold"), f"hold: {signal}; cap already at the floor of 1"
-        new = max(1, math.floor(s.cap * cfg.cut_factor))
+        if not rose and s.cap <= s.capacity_cap:
+            return replace(s, rule="hold"), (
+                f"hold: {signal}, but cap {s.cap} <= KV capacity cap {s.capacity_cap}: "
+                "every admitted request fits at max length (only preemptions cut below it)"
+            )
+        lowest = s.capacity_cap if s.cap > s.capacity_cap else 1
+        new = max(lowest, math.floor(s.cap * cfg.cut_factor))
         rule = "preempt" if rose and usage <= cfg.high_mark else "cut"
         old = s.cap
         s = _set_cap(s, new, finished_total, rule=rule, latched=True)
         return s, f"{rule}: {signal}; cap {old} -> {new} (latched until in flight < {new})"
-    if usage < cfg.low_mark and stats.waiting == 0:
+    if usage < cfg.low_mark and waiting == 0:
         return _try_grow(s, usage, finished_total, cfg)
-    return replace(s, rule="hold"), f"hold: kv usage {usage:.2f}, {stats.waiting} waiting"
+    return replace(s, rule="hold"), f"hold: kv usage {usage:.2f}, {waiting} waiting"
 
 
 def _try_grow(s: AdmissionState, usage: float, finished_total: int, cfg: AdmissionConfig):
@@ -354,8 +403,10 @@ class _Slot:
     state: AdmissionState | None = None
     in_flight: int = 0
     peak: int = 0
+    trough: int = 0
     finished: int = 0
     stats: EngineStats | None = None
+    refit_preemptions: int = 0  # preemptions seen during refits (cache resets), never taken as load
     counts: dict[str, int] = field(default_factory=lambda: {"cut": 0, "preempt": 0, "grow": 0, "fallback": 0})
 
 
@@ -371,6 +422,23 @@ class AdmissionController:
     def __init__(self, cfg: AdmissionConfig | dict | None = None) -> None:
         self.cfg = load_admission_config(cfg)
         self._slots: dict[int, _Slot] = {}
+        self._refits_running = 0
+        self._refit_ended_at: float | None = None
+
+    def refit_started(self) -> None:
+        """A refit began (the engines will pause): polls hold until ``refit_grace_s`` after it ends."""
+        self._refits_running += 1
+
+    def refit_finished(self, now: float) -> None:
+        """The refit ended (committed or not): its grace runs from ``now``."""
+        self._refits_running = max(0, self._refits_running - 1)
+        self._refit_ended_at = now
+
+    def in_refit(self, now: float) -> bool:
+        """True while a refit runs and for ``refit_grace_s`` after the last one ended."""
+        if self._refits_running:
+            return True
+        return self._refit_ended_at is not None and now - self._refit_ended_at < self.cfg.refit_grace_s
 
     def _slot(self, slot: int, incarnation: int | None) -> _Slot | None:
         rec = self._slots.get(slot)
@@ -403,11 +471,17 @@ class AdmissionController:
             rec.state = initial_state(stats, self.cfg, rec.finished)
             first = f"init: cap {rec.state.cap} (kv {stats.kv_cache_tokens} tokens / max len {stats.max_model_len}); "
         old = rec.state
-        new, reason = update(old, stats, rec.in_flight, rec.finished, now, self.cfg, rec.peak)
-        rec.state, rec.peak = new, rec.in_flight
+        new, reason = update(
+            old, stats, rec.in_flight, rec.finished, now, self.cfg, rec.peak, rec.trough, refit=self.in_refit(now)
+        )
+        rec.state, rec.peak, rec.trough = new, rec.in_flight, rec.in_flight
         if new.rule in rec.counts:
             rec.counts[new.rule] += 1
-        if first or new.cap != old.cap or new.latched != old.latched or new.data != old.data:
+        if new.rule == "refit" and old.preemptions is not None and new.preemptions is not None:
+            rec.refit_preemptions += max(0, new.preemptions - old.preemptions)
+        if first or new.cap != old.cap or new.latched != old.latched or new.data != old.data or (
+            new.rule == "refit" and new.preemptions != old.preemptions
+        ):
             return f"{prefix}: {first}{reason}"
         return None
 
@@ -426,6 +500,7 @@ class AdmissionController:
         if incarnation is not None and rec.incarnation is not None and incarnation != rec.incarnation:
             return
         rec.in_flight -= 1
+        rec.trough = min(rec.trough, rec.in_flight)
         rec.finished += 1
 
     def cap(self, slot: int) -> int:
@@ -466,9 +541,12 @@ class AdmissionController:
                 "running": s.running if s else None,
                 "waiting": s.waiting if s else None,
                 "preemptions": s.preemptions if s else None,
+                "kv_cache_tokens": s.kv_cache_tokens if s else None,
+                "max_model_len": s.max_model_len if s else None,
                 "cuts": rec.counts["cut"],
                 "preempt_cuts": rec.counts["preempt"],
                 "growths": rec.counts["grow"],
                 "fallbacks": rec.counts["fallback"],
+                "refit_preemptions": rec.refit_preemptions,
             }
         return out

@@ -66,6 +66,10 @@ class Fleet:
     def events(self, since: int = 0, kinds: list[str] | None = None) -> list[dict]:
         return self._get(self._ctl.events.remote(since, kinds), 60)
 
+    def admission_metrics(self) -> dict[int, dict]:
+        """Per slot: admission cap, the law's counters, and the engine's last polled stats (preemptions, KV usage)."""
+        return self._get(self._ctl.admission_metrics.remote(), 60)
+
     def arm_fault(self, slot: int, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0) -> bool:
         return self._get(self._ctl.arm_fault.remote(slot, point, action, delay_s, after_calls), 60)
 

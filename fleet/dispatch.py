@@ -39,6 +39,7 @@ class FleetResult:
     attempts: int = 0
     accepted_version: int = 0
     latency_s: float = 0.0
+    queue_s: float = 0.0  # acceptance -> the last dispatch to a shard (latency_s - queue_s: time on the shard)
 
     @property
     def ok(self) -> bool:
@@ -71,6 +72,7 @@ class _Pending:
     accepted_version: int
     attempts: int = 0
     reasons: list[str] = field(default_factory=list)
+    dispatched_at: float | None = None
 
 
 class Dispatcher:
@@ -142,6 +144,7 @@ class Dispatcher:
         slot, incarnation, handle = target
         version = self._view.gate.version
         p.attempts += 1
+        p.dispatched_at = time.monotonic()
         rid = f"{p.request_id}#{p.attempts}"
         self.outstanding.setdefault(slot, {})[rid] = (incarnation, version)
         self._view.admission.on_dispatch(slot, incarnation)
@@ -200,9 +203,10 @@ class Dispatcher:
             version=result.weight_version,
             version_start=result.version_start,
         )
+        now = time.monotonic()
         return FleetResult(
             p.request_id, COMPLETED, result, attempts=p.attempts, accepted_version=p.accepted_version,
-            latency_s=time.monotonic() - p.accepted_at,
+            latency_s=now - p.accepted_at, queue_s=(p.dispatched_at or now) - p.accepted_at,
         )
 
     def _return(self, p: _Pending, reason: str) -> FleetResult:

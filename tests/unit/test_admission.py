@@ -32,9 +32,10 @@ def stats(usage=0.1, waiting=0, preemptions=0, in_flight=1, tokens=32 * 512, max
     )
 
 
-def state(cap=32, **kw) -> AdmissionState:
+def state(cap=32, capacity_cap=1, **kw) -> AdmissionState:
+    """A shard's state at ``cap``; by default one that grew above its KV capacity cap (1), so cuts go down to 1."""
     window_cap, window_start = kw.pop("window_cap", cap), kw.pop("window_start", 0)
-    return AdmissionState(cap=cap, capacity_cap=cap, window_cap=window_cap, window_start=window_start, **kw)
+    return AdmissionState(cap=cap, capacity_cap=capacity_cap, window_cap=window_cap, window_start=window_start, **kw)
 
 
 # ---------------------------------------------------------------- config
@@ -155,6 +156,123 @@ def test_high_mark_one_leaves_only_preemptions_to_cut():
     cfg = AdmissionConfig(ceiling=64, high_mark=1.0)
     s, _ = update(state(32), stats(usage=1.0), 32, 0, 1.0, cfg)
     assert s.cap == 32
+
+
+def test_the_latch_releases_on_a_drain_between_polls_under_a_backlog():
+    """With a backlog the dispatcher refills a freed place at once: polls see in flight == cap forever."""
+    s, _ = update(state(3), stats(usage=0.95), 3, 0, 1.0, CFG)
+    assert (s.cap, s.latched) == (1, True)
+    s, _ = update(s, stats(usage=0.3), 1, 2, 2.0, CFG)  # drained to 1 (== cap): not below it
+    assert s.latched
+    s, why = update(s, stats(usage=0.3), 1, 3, 3.0, CFG, trough_in_flight=0)  # 1 -> 0 -> refilled to 1
+    assert (s.cap, s.latched, s.window_start) == (1, False, 3)
+    assert why.startswith("drained (0 in flight since the last poll < cap 1)")
+
+
+def test_controller_tracks_the_fewest_in_flight_between_polls():
+    ac = AdmissionController(CFG)
+    ac.observe(0, stats(tokens=2 * 512, in_flight=0), 0.0)  # capacity cap 2
+    for _ in range(3):
+        ac.on_dispatch(0)
+    ac.observe(0, stats(usage=0.95, preemptions=2), 0.5)
+    assert (ac.cap(0), ac.state(0).latched) == (1, True)
+    ac.observe(0, stats(usage=0.95, preemptions=2), 1.0)
+    for _ in range(2):  # two end; the last one leaves nothing in flight and the dispatcher refills at once
+        ac.on_finish(0)
+    ac.on_finish(0)
+    ac.on_dispatch(0)
+    why = ac.observe(0, stats(usage=0.3, preemptions=2), 1.5)
+    assert why is not None and "drained (0 in flight since the last poll < cap 1)" in why
+    assert not ac.state(0).latched and ac.metrics()[0]["in_flight"] == 1
+    # the next poll's trough starts from the count at this poll
+    assert ac.observe(0, stats(usage=0.3, preemptions=2), 2.0) is None
+
+
+def test_preemptions_reported_with_the_drain_belong_to_the_drained_spike():
+    """The overflow admitted before a cut still runs and may be preempted: no second cut for it."""
+    s, _ = update(state(3, capacity_cap=2, preemptions=0), stats(usage=0.95, preemptions=0), 3, 0, 1.0, CFG)
+    assert (s.cap, s.latched) == (2, True)
+    s, why = update(s, stats(usage=0.5, preemptions=1), 2, 2, 2.0, CFG, trough_in_flight=1)
+    assert (s.cap, s.latched, s.preemptions) == (2, False, 1)
+    assert why.startswith("drained (1 in flight since the last poll < cap 2); 1 preemption(s) of the drained spike")
+    s, _ = update(s, stats(usage=0.5, preemptions=2), 2, 3, 3.0, CFG)  # a later one is a new signal
+    assert (s.cap, s.rule) == (1, "preempt")
+
+
+# ---------------------------------------------------------------- the KV capacity cap as a soft floor
+def test_high_usage_at_or_below_the_capacity_cap_holds():
+    """Every request admitted under kv_tokens // max_len fits at max length: full KV is no overload."""
+    for cap in (4, 2):
+        s, why = update(state(cap, capacity_cap=4), stats(usage=1.0), cap, 0, 1.0, CFG)
+        assert (s.cap, s.latched, s.rule) == (cap, False, "hold")
+        assert f"cap {cap} <= KV capacity cap 4" in why
+
+
+def test_a_cut_from_above_the_capacity_cap_stops_at_it():
+    s, why = update(state(5, capacity_cap=4), stats(usage=0.95), 5, 0, 1.0, CFG)
+    assert (s.cap, s.latched, s.rule) == (4, True, "cut") and "5 -> 4" in why
+    s, _ = update(state(40, capacity_cap=4), stats(usage=0.5, preemptions=1), 40, 0, 1.0, CFG,)
+    assert s.cap == 40  # baseline only
+    s, _ = update(state(40, capacity_cap=4, preemptions=0), stats(usage=0.5, preemptions=1), 40, 0, 1.0, CFG)
+    assert (s.cap, s.rule) == (20, "preempt")
+    s, _ = update(state(6, capacity_cap=4, preemptions=0), stats(usage=0.5, preemptions=1), 6, 0, 1.0, CFG)
+    assert s.cap == 4
+
+
+def test_preemptions_at_the_capacity_cap_cut_below_it():
+    """The capacity estimate was wrong (e.g. a request samples several sequences): preemptions say so."""
+    s, why = update(state(4, capacity_cap=4, preemptions=0), stats(usage=1.0, preemptions=2), 4, 0, 1.0, CFG)
+    assert (s.cap, s.latched) == (2, True) and "2 preemption(s)" in why
+
+
+# ---------------------------------------------------------------- refits
+def test_a_refit_holds_and_moves_the_preemption_baseline_past_its_cache_reset():
+    s = state(8, capacity_cap=2, preemptions=5, window_start=-100, saturated=True)
+    s, why = update(s, stats(usage=0.1, preemptions=9), 8, 0, 1.0, CFG, refit=True)
+    assert (s.cap, s.latched, s.rule, s.preemptions) == (8, False, "refit", 9)  # no cut, no growth
+    assert why == "refit: hold (engine paused or just resumed); 4 preemption(s) from its cache reset not counted"
+    s, why = update(s, stats(usage=0.95, preemptions=9), 8, 0, 2.0, CFG, refit=True)
+    assert (s.cap, s.rule) == (8, "refit") and why == "refit: hold (engine paused or just resumed)"
+    s, _ = update(s, stats(usage=0.7, preemptions=9), 8, 0, 3.0, CFG)  # after: nothing new, no cut
+    assert (s.cap, s.latched) == (8, False)
+    s, _ = update(s, stats(usage=0.7, preemptions=10), 8, 0, 4.0, CFG)  # a real one later still cuts
+    assert (s.cap, s.rule) == (4, "preempt")
+
+
+def test_a_refit_does_not_hide_missing_stats_or_stop_a_drain():
+    s, _ = update(state(8), stats(usage=0.95), 8, 0, 1.0, CFG)
+    s, why = update(s, stats(usage=0.1), 3, 5, 2.0, CFG, refit=True)
+    assert not s.latched and why.startswith("drained") and s.rule == "refit"
+    s, why = update(s, None, 3, 5, 3.0, CFG, refit=True)
+    assert s.data == "missing" and why.startswith("hold: stats call failed")
+
+
+def test_controller_holds_during_a_refit_and_its_grace():
+    cfg = AdmissionConfig(ceiling=64, refit_grace_s=1.0)
+    ac = AdmissionController(cfg)
+    ac.observe(0, stats(tokens=8 * 512, in_flight=0), 0.0)
+    for _ in range(8):
+        ac.on_dispatch(0)
+    ac.observe(0, stats(usage=0.5, preemptions=0), 0.5)
+    assert not ac.in_refit(0.5)
+    ac.refit_started()
+    assert ac.in_refit(0.6)
+    why = ac.observe(0, stats(usage=0.1, preemptions=0), 1.0)
+    ac.refit_finished(1.2)
+    assert ac.in_refit(2.1) and not ac.in_refit(2.2)
+    why = ac.observe(0, stats(usage=0.9, preemptions=8), 1.7)  # the reset's preemptions, reported after resume
+    assert why == "slot 0: refit: hold (engine paused or just resumed); 8 preemption(s) from its cache reset not counted"
+    assert ac.cap(0) == 8
+    ac.observe(0, stats(usage=0.5, preemptions=8), 2.5)
+    assert ac.cap(0) == 8 and ac.metrics()[0]["refit_preemptions"] == 8
+    ac.observe(0, stats(usage=0.5, preemptions=9), 3.0)
+    assert ac.cap(0) == 4
+
+
+def test_refit_grace_must_not_be_negative():
+    with pytest.raises(ConfigError) as err:
+        load_admission_config({"refit_grace_s": -1})
+    assert err.value.field == "admission.refit_grace_s"
 
 
 # ---------------------------------------------------------------- growth and turnover
@@ -362,9 +480,12 @@ def test_controller_reports_changes_not_plain_holds():
     assert ac.observe(0, stats(usage=0.7), 0.5) is None
     for _ in range(32):
         ac.on_dispatch(0)
-    why = ac.observe(0, stats(usage=0.95), 1.0)
-    assert why == "slot 0: cut: kv usage 0.95 > high mark 0.9; cap 32 -> 16 (latched until in flight < 16)"
-    assert ac.observe(0, stats(usage=0.95), 1.5) is None
+    why = ac.observe(0, stats(usage=0.95, preemptions=1), 1.0)
+    assert why == (
+        "slot 0: cut: kv usage 0.95 > high mark 0.9 and 1 preemption(s) since the last poll; "
+        "cap 32 -> 16 (latched until in flight < 16)"
+    )
+    assert ac.observe(0, stats(usage=0.95, preemptions=1), 1.5) is None
     for _ in range(17):
         ac.on_finish(0)
     assert ac.observe(0, stats(usage=0.5), 2.0).startswith("slot 0: drained (15 in flight < cap 16)")
@@ -374,6 +495,7 @@ def test_controller_reports_changes_not_plain_holds():
     assert (m["cap"], m["in_flight"], m["finished"], m["cuts"]) == (16, 15, 17, 1)
     assert (m["latched"], m["data"]) == (False, "missing")
     assert (m["kv_cache_usage"], m["waiting"], m["preemptions"], m["capacity_cap"]) == (0.5, 0, 0, 32)
+    assert (m["kv_cache_tokens"], m["max_model_len"], m["refit_preemptions"]) == (32 * 512, 512, 0)
 
 
 def test_controller_grows_after_turnover_of_dispatched_and_finished_requests():
@@ -393,7 +515,7 @@ def test_forget_and_incarnations_start_afresh_and_ignore_late_events():
     ac.observe(1, stats(), 0.0, incarnation=1)
     ac.on_dispatch(1, incarnation=1)
     ac.on_dispatch(1, incarnation=1)
-    ac.observe(1, stats(usage=0.95), 1.0, incarnation=1)
+    ac.observe(1, stats(usage=0.95, preemptions=1), 1.0, incarnation=1)
     assert ac.cap(1) == 16
     ac.on_dispatch(1, incarnation=2)  # the replacement: a fresh record
     assert ac.cap(1) == 4 and ac.metrics()[1]["in_flight"] == 1

@@ -40,6 +40,7 @@ class Poll:
     in_flight: int
     ended: int  # requests that ended since the previous poll
     dt: float
+    refit: bool = False  # a refit runs (or ended within its grace) at this poll
 
 
 polls = st.builds(
@@ -51,6 +52,7 @@ polls = st.builds(
     in_flight=st.integers(0, 320),
     ended=st.integers(0, 40),
     dt=st.sampled_from([0.0, 0.5, 0.5, 2.0, 6.0, 40.0]),
+    refit=st.sampled_from([False, False, False, True]),
 )
 
 
@@ -89,10 +91,12 @@ class Feed:
 
 
 @settings(max_examples=300, deadline=None)
-@given(cfg=configs(), cap0=st.integers(1, 300), seq=st.lists(polls, max_size=60))
-def test_cap_stays_in_bounds_and_never_grows_without_fresh_low_usage(cfg, cap0, seq):
+@given(cfg=configs(), cap0=st.integers(1, 300), kv_cap=st.integers(1, 300), seq=st.lists(polls, max_size=60))
+def test_cap_stays_in_bounds_and_never_grows_without_fresh_low_usage(cfg, cap0, kv_cap, seq):
+    """... and never cuts on fresh data during a refit, nor below the KV capacity cap without preemptions."""
     cap0 = min(cap0, cfg.ceiling)
-    s = AdmissionState(cap=cap0, capacity_cap=cap0, window_cap=cap0, window_start=0)
+    kv_cap = min(kv_cap, cap0)
+    s = AdmissionState(cap=cap0, capacity_cap=kv_cap, window_cap=cap0, window_start=0)
     feed = Feed()
     window = (0, cap0)  # (finished, cap) when the turnover window last opened, as the test sees it
     preempted = None  # preemptions fed since the last fresh poll (None: no fresh poll yet, no baseline)
@@ -102,14 +106,22 @@ def test_cap_stays_in_bounds_and_never_grows_without_fresh_low_usage(cfg, cap0, 
         if preempted is not None:
             preempted += p.preempted
         old = s
-        s, reason = update(s, stats, p.in_flight, feed.finished, feed.now, cfg)
+        s, reason = update(s, stats, p.in_flight, feed.finished, feed.now, cfg, refit=p.refit)
         assert 1 <= s.cap <= cfg.ceiling, reason
         event(f"rule {s.rule}")
+        if fresh and p.refit:
+            assert s.cap == old.cap and s.rule == "refit", reason
+        if s.rule in ("cut", "preempt"):
+            assert s.cap < old.cap
+            if old.cap > kv_cap:
+                assert s.cap >= kv_cap, f"cut below the KV capacity cap {kv_cap} from above it: {reason}"
+            else:
+                assert preempted, f"cut at or below the KV capacity cap {kv_cap} without preemptions: {reason}"
         if old.latched and p.in_flight < old.cap:
             window = (feed.finished, old.cap)
         if s.cap > old.cap:
             assert fresh, f"grew on missing/stale stats: {reason}"
-            assert p.usage < cfg.low_mark and p.waiting == 0 and not preempted, reason
+            assert p.usage < cfg.low_mark and p.waiting == 0 and not preempted and not p.refit, reason
             assert not old.latched
             assert feed.finished - window[0] >= window[1], f"grew before a turnover: {reason}"
         if not fresh:
@@ -125,18 +137,21 @@ def test_cap_stays_in_bounds_and_never_grows_without_fresh_low_usage(cfg, cap0, 
 @given(
     cfg=configs(),
     cap0=st.integers(2, 300),
+    kv_cap=st.integers(1, 300),
     n=st.integers(1, 30),
     usages=st.lists(st.sampled_from([0.91, 0.95, 1.0]), min_size=30, max_size=30),
     extra=st.lists(st.integers(0, 50), min_size=30, max_size=30),
     preempt=st.booleans(),
 )
-def test_one_spike_without_draining_gives_exactly_one_cut(cfg, cap0, n, usages, extra, preempt):
+def test_one_spike_without_draining_gives_exactly_one_cut(cfg, cap0, kv_cap, n, usages, extra, preempt):
     """Consecutive over-admission polls (usage above the high mark, or new preemptions)
-    while in flight never drains below the cap: one cut, then holds."""
+    while in flight never drains below the cap: one cut, then holds. A cut from above
+    the KV capacity cap stops at it; at or below it only preemptions cut."""
     cap0 = min(cap0, cfg.ceiling)
+    kv_cap = min(kv_cap, cap0)
     if cap0 < 2 or (not preempt and cfg.high_mark >= 1.0):
         return  # nothing to cut, or usage can never be above the mark
-    s = AdmissionState(cap=cap0, capacity_cap=cap0, window_cap=cap0, window_start=0, preemptions=0)
+    s = AdmissionState(cap=cap0, capacity_cap=kv_cap, window_cap=cap0, window_start=0, preemptions=0)
     caps = []
     for i in range(n):
         usage = 0.5 if preempt else min(usages[i], 1.0)
@@ -148,9 +163,14 @@ def test_one_spike_without_draining_gives_exactly_one_cut(cfg, cap0, n, usages, 
         )
         s, _ = update(s, stats, cap0 + extra[i], i, float(i), cfg)  # in flight never below the first cap
         caps.append(s.cap)
-    expected = max(1, math.floor(cap0 * cfg.cut_factor))
+    if cap0 > kv_cap:
+        expected = max(kv_cap, math.floor(cap0 * cfg.cut_factor))
+    elif preempt:
+        expected = max(1, math.floor(cap0 * cfg.cut_factor))
+    else:
+        expected = cap0  # usage alone never cuts within the KV capacity
     assert caps == [expected] * n
-    assert s.latched
+    assert s.latched == (expected < cap0)
 
 
 @settings(max_examples=200, deadline=None)
