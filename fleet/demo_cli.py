@@ -30,6 +30,9 @@ def register(sub) -> None:
     p.add_argument("--out", default="rlfleet-demo", help="report directory (default ./rlfleet-demo)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="model directory (default: the tiny model, built if missing)")
+    p.add_argument("--rejoin-step", type=int, default=None,
+                   help="the step whose refit first waits for restarts in progress, so a restarted shard rejoins "
+                        "mid-run (default: 2/3 of the run when the plan has faults; -1: never hold training)")
     p.add_argument("--progress", default="auto", choices=("auto", "rich", "plain", "off"),
                    help="live view: rich on a terminal, plain lines otherwise (auto)")
     p.set_defaults(func=_cmd_demo)
@@ -39,7 +42,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from fleet.demo import DemoConfig, _nan_to_none, run_demo
 
     cfg = DemoConfig(steps=args.steps, engines=args.engines, fault_plan=args.fault_plan, kv_policy=args.kv_policy,
-                     out=args.out, seed=args.seed, model=args.model, progress=args.progress)
+                     out=args.out, seed=args.seed, model=args.model, progress=args.progress,
+                     rejoin_step=args.rejoin_step)
     summary = run_demo(cfg)
     for problem in summary["invariant_violations"][:10]:
         print(f"invariant broken: {problem}")

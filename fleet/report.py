@@ -247,6 +247,7 @@ def plot_timeline(
     title: str = "",
     size: tuple[float, float] = (10.0, 4.2),
     crop_startup: bool = True,
+    holds: Sequence[tuple[float, float, str]] = (),
 ) -> Path:
     """Each shard's state, the gate and the refit phases over time (seconds from ``t0``).
 
@@ -255,7 +256,8 @@ def plot_timeline(
     the new incarnation in). ``step_times``: training-step starts, drawn as light
     vertical lines. ``crop_startup`` (with ``t0`` unset): time 0 is the gate's first
     opening; engine start-up, often most of a short run on CPU, is cut to a short
-    lead-in and its length is printed under the axis.
+    lead-in and its length is printed under the axis. ``holds``: (t0, t1, label)
+    periods the driver held training (shaded and labelled).
     """
     plt = _pyplot()
     from matplotlib.patches import Patch
@@ -320,6 +322,9 @@ def plot_timeline(
 
     for ts in step_times:
         ax.axvline(ts - t0, color="#d9d9d9", lw=0.5, zorder=0)
+    for a, b, label in holds:
+        ax.axvspan(a - t0, b - t0, color="#fee391", alpha=0.35, lw=0, zorder=0)
+        ax.text((a + b) / 2 - t0, refit_y, label, fontsize=7, ha="center", va="center", color="#8c510a")
     ax.set_yticks([*rows.values(), gate_y, refit_y], [*(f"slot {s}" for s in slots), "gate", "refit"])
     ax.set_ylim(-0.8, refit_y + 0.6)
     span = max(t_end - t0, 1.0)

@@ -61,6 +61,11 @@ def test_demo_learns_through_a_shard_kill(demo):
     assert summary["stale_samples_dropped"] == 0  # one version off-policy is within max_staleness 1
     assert summary["faults_injected"] == 1 and summary["recoveries"] >= 1
     assert summary["final_eval"]["refit_participants"] == [0, 1, 2], "the killed slot must be back by the end"
+    # Re-admitted mid-run: the refit of the rejoin step brought it back and it generated training batches after.
+    readmitted = summary["log"]["readmissions"][0]
+    assert summary["rejoin"]["step"] == 2 * STEPS // 3 and readmitted["version"] < STEPS
+    after = [m for m in summary["metrics"] if m["step"] > summary["rejoin"]["step"]]
+    assert after and all([KILLED_SLOT, readmitted["incarnation"]] in m["shards_used"] for m in after)
     on_disk = _strict_json((out / "summary.json").read_text())
     for key in ("steps", "reward_first", "reward_last", "max_logprob_mismatch", "prompts_lost", "faults_injected",
                 "recoveries", "wall_s", "refit_s_p50", "refit_s_max", "metrics", "fleet", "kv_policy",

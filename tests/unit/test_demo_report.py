@@ -121,6 +121,19 @@ def test_default_plan_and_plan_errors(tmp_path):
     assert plan.fleet == {"restart_budget": 1} and plan.faults[0].delay_s == 0.02
 
 
+def test_rejoin_step():
+    from health.faultplan import resolve
+
+    cfg = DemoConfig(steps=30)
+    firings = resolve(load_demo_plan(cfg), 3)
+    assert cfg.rejoin_at(firings) == 20
+    assert cfg.rejoin_at([]) is None, "nothing to wait for without faults"
+    assert DemoConfig(steps=30, rejoin_step=-1).rejoin_at(firings) is None
+    assert DemoConfig(steps=30, rejoin_step=12).rejoin_at(firings) == 12
+    late = DemoConfig(steps=3)
+    assert late.rejoin_at(resolve(load_demo_plan(late), 3)) == 2
+
+
 def test_views_and_json_cleaning():
     buf = io.StringIO()
     view = make_view("plain", 3, stream=buf)
