@@ -71,7 +71,7 @@ class DemoConfig:
     min_healthy_engines: int | None = None  # None: engines - 1 (at least 1)
     fault_plan: str = "default"
     kv_policy: str = "recompute"
-    out: str | Path = "rlfleet-demo"
+    out: str | Path = "runs/demo"
     seed: int = 0
     model: str | None = None
     prompts_per_step: int = 8
@@ -336,7 +336,7 @@ def run_demo(cfg: DemoConfig, view=None) -> dict:
         version = engines_at = 0
         for step in range(cfg.steps):
             t0 = time.monotonic()
-            view.phase(f"step {step + 1}: collecting batch {step}")
+            view.phase(f"step {step + 1}: collecting batch {step}", minor=True)
             groups, returned, slots = collect(pending)
             for f in (f for f in firings if f.step == step):
                 fire(f)
@@ -352,7 +352,7 @@ def run_demo(cfg: DemoConfig, view=None) -> dict:
                         + (f"; slots {busy} still not back" if busy else "; every live slot joins this refit"))
             refit = None
             if engines_at != version:
-                view.phase(f"step {step + 1}: refit v{version}")
+                view.phase(f"step {step + 1}: refit v{version}", minor=True)
                 t_refit = time.monotonic()
                 try:
                     refit = fleet.sync_weights(version, trainer)
@@ -365,7 +365,7 @@ def run_demo(cfg: DemoConfig, view=None) -> dict:
                     break
                 engines_at = version
             pending = submit(step + 1) if step + 1 < cfg.steps else None
-            view.phase(f"step {step + 1}: training on batch {step}")
+            view.phase(f"step {step + 1}: training on batch {step}", minor=True)
             m = ray_io.get_or_raise(trainer.step.remote(groups), 600)
             version = m.get("new_version", version)
             status = fleet.status()
@@ -505,8 +505,8 @@ def _summarize(cfg, plan, fired, rows, final, events, fleet_cfg, fcfg, stopped, 
         "invariant_violations": violations,
         "wall_s": round(wall_s, 2),
         "fleet_start_s": round(fleet_start_s, 2) if fleet_start_s is not None else None,
-        "step_s_p50": _pct([r["wall_s"] for r in rows], 0.5),
-        "step_s_max": _max([r["wall_s"] for r in rows]),
+        "step_s_p50": _pct([r["wall_s"] - r["held_s"] for r in rows], 0.5),
+        "step_s_max": _max([r["wall_s"] - r["held_s"] for r in rows]),
         "refit_s_p50": _pct(refit_walls, 0.5),
         "refit_s_max": _max(refit_walls),
         "refits": len(refit_walls),

@@ -27,7 +27,7 @@ def register(sub) -> None:
     p.add_argument("--fault-plan", default="default",
                    help="'default' (kill slot 1 a third of the way in), 'none', or a YAML fault plan path")
     p.add_argument("--kv-policy", default="recompute", choices=("recompute", "keep", "salt"))
-    p.add_argument("--out", default="rlfleet-demo", help="report directory (default ./rlfleet-demo)")
+    p.add_argument("--out", default="runs/demo", help="report directory (default ./runs/demo, git-ignored)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="model directory (default: the tiny model, built if missing)")
     p.add_argument("--rejoin-step", type=int, default=None,
@@ -49,7 +49,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"invariant broken: {problem}")
     if summary.get("error"):
         print(f"error: {summary['error']}")
-    files = ", ".join(f"{summary['files'].get(k)}" for k in ("summary", "events", "learning", "timeline") if summary["files"].get(k))
+    from pathlib import Path
+
+    files = ", ".join(f for f in summary["files"].values() if (Path(cfg.out) / f).exists())
     print(f"report: {cfg.out} ({files})")
     print(json.dumps(_nan_to_none({k: summary.get(k) for k in DIGEST}), default=str))
     return 0 if summary["ok"] else 1

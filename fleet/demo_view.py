@@ -2,7 +2,8 @@
 
 Both views take the same calls from the demo loop:
 
-- ``phase(text)``: what the run is doing now (starting engines, refit, settling);
+- ``phase(text, minor)``: what the run is doing now (starting engines, refit, settling);
+  ``minor`` phases (the parts of every step) are shown live but not logged as lines;
 - ``note(text)``: something happened (a fault fired, a shard died, restarted, was re-admitted);
 - ``step(row, status)``: one training step finished (its metrics and the fleet status after it);
 - ``fleet(status)``: a fresh fleet status (the rich view polls it every second between steps).
@@ -66,8 +67,9 @@ class PlainView:
             f"kv_policy {info.get('kv_policy')}, seed {info.get('seed')}, report -> {info.get('out')}"
         )
 
-    def phase(self, text: str) -> None:
-        self._say(text)
+    def phase(self, text: str, minor: bool = False) -> None:
+        if not minor:
+            self._say(text)
 
     def note(self, text: str) -> None:
         self._say(f"* {text}")
@@ -132,7 +134,7 @@ class RichView:
             if status is not None:
                 self.fleet(status)
 
-    def phase(self, text: str) -> None:
+    def phase(self, text: str, minor: bool = False) -> None:
         with self._lock:
             self.now = text
 
