@@ -11,6 +11,9 @@ Failure guarantees:
 
 - every blocking call takes a deadline and raises ``TransferError`` when it passes
   (``Work.wait(timeout)``); group construction is bounded by the store timeout;
+- receivers also watch the sender's store while they wait: when the sender gives up
+  (a peer died) it sets an abort key, and every receiver stops within ``ABORT_POLL_S``;
+  a vanished store (sender process gone) counts as an abort;
 - ``close()`` never blocks: a gloo group with an operation still pending blocks in
   its destructor until that operation ends, so groups are released on a reaper
   thread. Dropping the sender's group closes its sockets, which makes every
@@ -35,6 +38,13 @@ from refit.errors import RefitUsageError, TransferError
 
 BACKENDS = ("gloo", "nccl")
 _MAGIC = 0x52464C54  # "RFLT"
+_ABORT_KEY = "abort"
+ABORT_POLL_S = 0.05  # how often a waiting receiver looks for the sender's abort signal
+STORE_POLL_TIMEOUT_S = 1.0  # bound of one such look (a frozen sender host cannot stall it longer)
+
+
+class _SenderAborted(Exception):
+    pass
 
 
 @dataclass(frozen=True)
@@ -145,14 +155,17 @@ class RefitGroup:
         self.device = device_for(address.backend, device)
         self.broken = False
         self._store = store
+        self._prefix = None
         self._pg = None
         t0 = time.monotonic()
         try:
             if self._store is None:
                 self._store = dist.TCPStore(address.addr, address.port, address.world_size, is_master=False, timeout=_td(timeout_s))
-            prefix = dist.PrefixStore(f"rlfleet/epoch{address.epoch}", self._store)
-            self._pg = _make_pg(prefix, rank, address.world_size, address.backend, max(timeout_s, address.op_timeout_s))
+            self._prefix = dist.PrefixStore(f"rlfleet/epoch{address.epoch}", self._store)
+            self._pg = _make_pg(self._prefix, rank, address.world_size, address.backend, max(timeout_s, address.op_timeout_s))
             self._handshake(t0 + self.timeout_s)
+            if rank != 0:  # abort polls must stay short even if the sender's host froze
+                self._store.set_timeout(_td(STORE_POLL_TIMEOUT_S))
         except TransferError:
             self.close()
             raise
@@ -180,12 +193,21 @@ class RefitGroup:
         return self._pg.broadcast([tensor], opts)
 
     def wait(self, work, deadline: float, what: str, budget_s: float) -> None:
-        """Wait for ``work`` until the monotonic ``deadline`` (of a ``budget_s`` budget); raise ``TransferError`` naming ``what``."""
-        remaining = deadline - time.monotonic()
+        """Wait for ``work`` until the monotonic ``deadline`` (of a ``budget_s`` budget); raise ``TransferError`` naming ``what``.
+
+        Receiving ranks also stop at once when the sender signalled an abort (or its store
+        vanished): a survivor never waits out its deadline for a transfer the sender gave up.
+        """
         try:
+            if self.rank != 0:
+                self._wait_watching_sender(work, deadline)
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError("deadline already passed")
+                raise TimeoutError("deadline passed")
             work.wait(_td(remaining))
+        except _SenderAborted as exc:
+            self.broken = True
+            raise TransferError(f"{what} stopped on rank {self.rank} of epoch {self.address.epoch}: the sender aborted the transfer ({exc})") from None
         except Exception as exc:  # noqa: BLE001 - gloo/nccl raise RuntimeError subclasses
             self.broken = True
             late = time.monotonic() >= deadline - 1e-3
@@ -195,9 +217,33 @@ class RefitGroup:
                 f"({budget_s - max(0.0, deadline - time.monotonic()):.2f} s into a {budget_s:.1f} s budget): {type(exc).__name__}: {str(exc)[:300]}"
             ) from None
 
+    def _wait_watching_sender(self, work, deadline: float) -> None:
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _f: done.set())
+        while not done.wait(min(ABORT_POLL_S, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise TimeoutError("deadline passed")
+            self._check_abort()
+
+    def _check_abort(self) -> None:
+        try:
+            flagged = self._prefix.check([_ABORT_KEY])
+        except Exception as exc:  # noqa: BLE001 - the store lives in the sender: gone means the sender is gone
+            raise _SenderAborted(f"its rendezvous store is unreachable: {type(exc).__name__}") from None
+        if flagged:
+            raise _SenderAborted(self._prefix.get(_ABORT_KEY).decode(errors="replace")[:300])
+
+    def signal_abort(self, reason: str) -> None:
+        """Sender: tell every receiver of this epoch to stop now (best effort, never raises)."""
+        try:
+            if self._prefix is not None:
+                self._prefix.set(_ABORT_KEY, reason[:1000])
+        except Exception:  # noqa: BLE001
+            pass
+
     def close(self) -> None:
         """Drop the group without blocking (see module docstring). Idempotent."""
-        holder = [self._pg, self._store]
-        self._pg = self._store = None
+        holder = [self._pg, self._prefix, self._store]
+        self._pg = self._prefix = self._store = None
         self.broken = True
         _release(holder)

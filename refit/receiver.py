@@ -35,7 +35,7 @@ from refit.group import GroupAddress, RefitGroup
 from refit.manifest import ExpectedSpec, Manifest, layer_group, validate
 from refit.sender import HEADER_MAGIC, IN_FLIGHT
 
-AHEAD = IN_FLIGHT  # receives posted ahead of the one being waited for (staged; streaming uses 2: its ring has two slots)
+AHEAD = IN_FLIGHT  # receives posted ahead in staged mode (the staging area holds every bucket); streaming uses 2
 
 APPLY_MODES = ("staged", "streaming")
 NOT_STARTED, PARTIAL, COMPLETE = "not_started", "partial", "complete"
@@ -58,7 +58,8 @@ class ModelAdapter(Protocol):
 
 
 class _Fault:
-    """Deterministic fault injection for tests: act at a bucket index of the next receive."""
+    """Deterministic fault injection for tests: before bucket ``at_bucket`` of the next receive is posted,
+    exit the process (``die``) or stop this rank (``freeze``: no later bucket is posted while it sleeps)."""
 
     def __init__(self, kind: str, at_bucket: int, freeze_s: float) -> None:
         if kind not in ("die", "freeze", "fail_apply"):
@@ -208,18 +209,22 @@ class WeightReceiver:
         this rank to check the header before it can stream.
         """
         n = len(manifest.buckets)
+
+        def post(j: int):
+            if self._fault is not None:  # an injected death/freeze stops this rank before bucket j is posted
+                self._fault.maybe_fire(j)
+            return group.broadcast(targets(j))
+
         header = torch.zeros(5, dtype=torch.int64, device=group.device)
         header_work = group.broadcast(header)
-        works = {i: group.broadcast(targets(i)) for i in range(min(ahead, n))}
+        works = {i: post(i) for i in range(min(ahead, n))}
         self._check_header(group, header, header_work, expect, deadline)
         for i in range(n):
-            if self._fault is not None:
-                self._fault.maybe_fire(i)
             group.wait(works.pop(i), deadline, f"bucket {i + 1}/{n}", self._budget)
             res["bytes"] += manifest.buckets[i].nbytes
             on_bucket(i)
             if i + ahead < n:
-                works[i + ahead] = group.broadcast(targets(i + ahead))
+                works[i + ahead] = post(i + ahead)
 
     def _receive_staged(self, group: RefitGroup, manifest: Manifest, deadline: float, res: dict, want_digest: bool, expect: list[int]) -> None:
         for dt, numel in manifest.staging_numel().items():

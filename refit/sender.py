@@ -28,7 +28,10 @@ from refit.errors import RefitUsageError, TransferError
 from refit.group import GroupAddress, RefitGroup, default_address, device_for, host_store
 from refit.manifest import Manifest, plan_buckets
 
-IN_FLIGHT = 4  # broadcasts outstanding at once on the sender (and receives posted ahead on receivers)
+# Broadcasts outstanding at once on the sender. Many: every completion a Python thread waits for
+# costs a GIL hand-off (up to the 5 ms switch interval when another thread of the process is
+# busy), so the wire must never stall on Python; gloo/nccl progress the posted ops on their own.
+IN_FLIGHT = 64
 HEADER_MAGIC = 0x5246484452  # header of one transfer: [magic, epoch, refit_id, n_buckets, digest]
 WeightSource = torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
@@ -177,7 +180,8 @@ class WeightSender:
                 self._send_bucketed(group, manifest, tensors, deadline, timeout_s, progress)
             group.wait(header_work, deadline, "stream header", timeout_s)
         except TransferError as exc:
-            self.close_group()  # closes our sockets: receivers still waiting fail now
+            group.signal_abort(str(exc))  # receivers still waiting stop now instead of at their deadline
+            self.close_group()
             return {"ok": False, "error": str(exc), "send_s": time.monotonic() - t0, **progress}
         return {"ok": True, "error": None, "send_s": time.monotonic() - t0, **progress}
 
@@ -251,6 +255,7 @@ class WeightSender:
         try:
             group.wait(group.broadcast(self._raw), deadline, "raw buffer", timeout_s)
         except TransferError as exc:
+            group.signal_abort(str(exc))
             self.close_group()
             return {"ok": False, "error": str(exc), "send_s": time.monotonic() - t0, "bytes_sent": 0}
         return {"ok": True, "error": None, "send_s": time.monotonic() - t0, "bytes_sent": numel * 4}
