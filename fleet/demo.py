@@ -404,6 +404,8 @@ def run_demo(cfg: DemoConfig, view=None) -> dict:
         say(f"error: {error[:300]}")
     finally:
         view.phase("shutting down")
+        if hasattr(view, "stop_polling"):
+            view.stop_polling()
         status_end = None
         if fleet is not None:
             try:

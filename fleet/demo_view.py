@@ -125,6 +125,12 @@ class RichView:
             self._thread = threading.Thread(target=self._poller, name="rlfleet-demo-view", daemon=True)
             self._thread.start()
 
+    def stop_polling(self) -> None:
+        """Stop the status poller (before the fleet shuts down); the panel stays up until ``close``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
     def _poller(self) -> None:
         while not self._stop.wait(self._poll_every):
             try:
@@ -161,7 +167,8 @@ class RichView:
 
         with self._lock:
             rows, status, notes, now = list(self.rows[-12:]), self.status, list(self.notes), self.now
-        done = len(self.rows)
+            done = len(self.rows)
+            last_refit = next((r["refit_s"] for r in reversed(self.rows) if r.get("refit_s") is not None), None)
         head = Text.from_markup(
             f"[bold]rlfleet demo[/bold]  step {done}/{self.steps}  "
             f"{self.info.get('engines')} engines  plan [bold]{self.info.get('plan')}[/bold]  "
@@ -177,10 +184,11 @@ class RichView:
             fleet_line.append("gate ", style="bold")
             fleet_line.append("open" if gate else "closed", style="green" if gate else "red")
             fleet_line.append(f" on v{status.get('version')}")
-        last_refit = next((r["refit_s"] for r in reversed(self.rows) if r.get("refit_s") is not None), None)
         fleet_line.append(f"   last refit {_fmt(last_refit, '.2f')}s")
         table = Table(expand=False, pad_edge=False, box=None, header_style="bold")
-        for col in ("step", "version", "reward", "max", "mismatch", "serving", "gate", "refit s", "dropped", "returned", "step s"):
+        # Short headers so the table fits 80 columns: serving shards, refit seconds, stale samples dropped,
+        # results returned, step seconds.
+        for col in ("step", "v", "reward", "max", "mismatch", "srv", "gate", "refit", "drop", "ret", "sec"):
             table.add_column(col, justify="right")
         for r in rows:
             table.add_row(
@@ -195,9 +203,7 @@ class RichView:
         return Panel(Group(*parts), border_style="blue")
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self.stop_polling()
         self._live.stop()
 
 
