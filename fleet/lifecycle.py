@@ -320,10 +320,11 @@ class RefitLifecycle:
     async def _fan_out(self, calls: dict, expect_ack: bool = False, timeout: float | None = None) -> dict:
         if not calls:
             return {}
+        t0 = time.monotonic()
         outs = await self.ctl.door.fan_out(
             calls, timeout=timeout or self.ctl.cfg.lifecycle_deadline_s, expect_ack=expect_ack
         )
-        self._inside_s += max((o.elapsed_s for o in outs.values()), default=0.0)
+        self._inside_s += time.monotonic() - t0  # the shards' calls, RPC round trips included
         return outs
 
     def _handle(self, p):

@@ -1,7 +1,8 @@
 """The controller's own overhead per refit cycle, with 1, 2, 4 and 8 lightweight shard actors.
 
-Overhead = total ``sync_weights`` time minus the time spent inside the shards'
-pause / transfer / stamp / resume calls (the lifecycle measures both). Shards are
+Overhead = total ``sync_weights`` time minus the wall time of the fan-outs to the
+shards (pause / transfer / stamp / resume, RPC round trips included; the lifecycle
+measures both). Shards are
 real Ray actors (``EngineShard``) over ``NullBackend`` (no engine), so what is left
 is the controller: health decisions, event log, fan-out scheduling and Ray's call
 path. Fan-outs are concurrent, so the overhead should stay flat as shards grow.
