@@ -11,8 +11,9 @@ round so that machine noise hits every mode alike (medians reported):
 
 Reported per mode: the sender's broadcast time and payload MB/s (model bytes / send
 time; with 2 engines the wire carries twice that), the transfer call (receive +
-apply), and end to end (pause to resume). Then the engine worker's resident memory
-after 1 and after 20 refits (receive buffers are reused, so it must not grow).
+apply), and end to end (pause to resume). Before the timed rounds, the engine worker's
+resident memory after refit 1 and after refit 20 (receive buffers are reused, so it
+must not grow; measured before the raw baseline allocates its own buffer).
 The last line of output is one JSON object.
 
 Run: python scripts/bench_refit.py [--repeats 7] [--bucket-mb 16] [--presets 100m,many-small]
@@ -97,9 +98,13 @@ async def bench_preset(preset: str, args, ray, ray_io, counter) -> dict:
             parts = {Participant(i, 1, (i + 1,)): RemoteReceiverPort(h) for i, h in enumerate(members)}
             epoch = next(counter)
             sync.config = base
-            report, _ = await refit_e2e(sync, members, parts, next(counter), epoch)  # builds the group, warms buffers
+            # Memory first, before the baselines allocate their own buffers: refit 1, then up to refit 20.
+            report, _ = await refit_e2e(sync, members, parts, next(counter), epoch)  # builds the group
             rss_first = await worker_rss(members)
-            refits = 1
+            for _ in range(args.rss_refits - 1):
+                await refit_e2e(sync, members, parts, next(counter), epoch)
+            rss_last = await worker_rss(members)
+            refits = args.rss_refits
             nbytes = report.bytes_sent
             samples: dict[str, dict[str, list[float]]] = {m: {"send_s": [], "transfer_s": [], "apply_s": [], "e2e_s": []} for m in configs}
             samples["raw"] = {"send_s": []}
@@ -108,17 +113,12 @@ async def bench_preset(preset: str, args, ray, ray_io, counter) -> dict:
                 for mode, c in configs.items():
                     sync.config = c
                     report, e2e = await refit_e2e(sync, members, parts, next(counter), epoch)
-                    refits += 1
                     s = samples[mode]
                     s["send_s"].append(report.timings.send_s)
                     s["transfer_s"].append(report.timings.transfer_s)
                     s["apply_s"].append(report.timings.apply_s)
                     s["e2e_s"].append(e2e)
             sync.config = base
-            while refits < args.rss_refits:
-                await refit_e2e(sync, members, parts, next(counter), epoch)
-                refits += 1
-            rss_last = await worker_rss(members)
             med = {m: {k: statistics.median(v) for k, v in s.items()} for m, s in samples.items()}
             for m in med.values():
                 m["mb_per_s"] = nbytes / 1e6 / m["send_s"]
@@ -126,7 +126,7 @@ async def bench_preset(preset: str, args, ray, ray_io, counter) -> dict:
                 "bytes": nbytes,
                 "modes": med,
                 "rss_after_1_mb": rss_first,
-                f"rss_after_{refits}_mb": rss_last,
+                "rss_after_last_mb": rss_last,
                 "rss_refits": refits,
                 "rss_growth_mb": max(b - a for a, b in zip(rss_first, rss_last)),
             }
