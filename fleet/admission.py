@@ -263,13 +263,14 @@ def update(
     elif data == QUIET:
         s, reason = replace(s, data=QUIET, missing_since=None, rule="hold"), f"hold: {why}"
     elif refit:
-        rebased = stats.preemptions - s.preemptions if s.preemptions is not None and stats.preemptions > s.preemptions else 0
+        rebased = max(0, stats.preemptions - s.preemptions) if s.preemptions is not None else 0
         s = replace(s, data=FRESH, missing_since=None, preemptions=stats.preemptions, rule="refit")
         reason = "refit: hold (engine paused or just resumed)" + (
             f"; {rebased} preemption(s) from its cache reset not counted" if rebased else ""
         )
     else:
-        s, reason = _on_fresh(replace(s, data=FRESH, missing_since=None), stats, finished_total, cfg, bool(drained))
+        s = replace(s, data=FRESH, missing_since=None)
+        s, reason = _on_fresh(s, stats, finished_total, cfg, drained=bool(drained))
     if drained and s.rule == "hold":
         s = replace(s, rule="drained")
     return s, drained + reason

@@ -261,7 +261,9 @@ def test_controller_holds_during_a_refit_and_its_grace():
     ac.refit_finished(1.2)
     assert ac.in_refit(2.1) and not ac.in_refit(2.2)
     why = ac.observe(0, stats(usage=0.9, preemptions=8), 1.7)  # the reset's preemptions, reported after resume
-    assert why == "slot 0: refit: hold (engine paused or just resumed); 8 preemption(s) from its cache reset not counted"
+    assert why == (
+        "slot 0: refit: hold (engine paused or just resumed); 8 preemption(s) from its cache reset not counted"
+    )
     assert ac.cap(0) == 8
     ac.observe(0, stats(usage=0.5, preemptions=8), 2.5)
     assert ac.cap(0) == 8 and ac.metrics()[0]["refit_preemptions"] == 8
