@@ -64,7 +64,8 @@ class VllmBackend:
         args = AsyncEngineArgs(**self._engine_args)
         self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[_make_stats_logger(self._stats)])
         cache = self._engine.vllm_config.cache_config
-        self._stats.kv_cache_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
+        # vLLM's block pool keeps one block back (its null block): usable tokens are one block fewer.
+        self._stats.kv_cache_tokens = int(max(0, (cache.num_gpu_blocks or 0) - 1) * cache.block_size)
         self._stats.max_model_len = int(self._engine.model_config.max_model_len)
         self._tokenizer = self._engine.get_tokenizer()
 
