@@ -200,8 +200,15 @@ def plot_learning(
                   ha="right" if right else "left")
     ax_r.legend(loc="upper left", fontsize=8)
     ax_m.legend(loc="center right", fontsize=7)
+    return _save(fig, ax_r, title, path)
+
+
+def _save(fig, ax, title: str | None, path) -> Path:
+    """Title the top axes, lay out, write the PNG and free the figure."""
+    import matplotlib.pyplot as plt
+
     if title:
-        ax_r.set_title(title, fontsize=10)
+        ax.set_title(title, fontsize=10)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out)
@@ -342,10 +349,4 @@ def plot_timeline(
     legend += [Patch(color=OTHER_PHASE_COLOR, label="refit: other")]
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.2),
               ncol=6, fontsize=7, frameon=False)
-    if title:
-        ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return _save(fig, ax, title, path)
