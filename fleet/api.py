@@ -31,6 +31,7 @@ class Fleet:
         """Validate ``config``, start (or join) a local Ray, create the controller and its engines."""
         cfg = load_fleet_config(config)
         ray_io.init_local(num_cpus=num_cpus, log_to_driver=False)
+        ray_io.check_capacity(cfg.num_engines, cfg.engine.num_cpus, cfg.engine.num_gpus)
         ctl = ray_io.spawn_controller(cfg.model_dump())
         fleet = cls(ctl, cfg)
         timeout = start_timeout_s or cfg.engine.start_timeout_s + 120

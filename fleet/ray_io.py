@@ -18,6 +18,7 @@ caller never acts on one result while others are still in flight.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Hashable, Mapping
@@ -26,7 +27,7 @@ import ray
 from ray import exceptions as rex
 
 from fleet.config import EngineConfig
-from fleet.errors import DeadlineExceeded
+from fleet.errors import ConfigError, DeadlineExceeded
 
 OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR = "ok", "died", "unavailable", "timed_out", "bad_ack", "error"
 
@@ -173,11 +174,38 @@ def kill(handle) -> None:
         pass
 
 
+LOCAL_MIN_CPUS = 8
+
+
 def init_local(num_cpus: int | None = None, **kwargs) -> None:
-    """Start (or join, if already started in this process) a local Ray for drivers, demos and tests."""
+    """Start (or join, if already started in this process) a local Ray for drivers, demos and tests.
+
+    Ray's CPUs are logical: an engine shard reserves one, but on one machine the
+    shards share the cores. Unless told otherwise, a local Ray advertises at least
+    ``LOCAL_MIN_CPUS`` so a 3-engine fleet fits on a 2-core laptop.
+    """
     if ray.is_initialized():
         return
+    if num_cpus is None:
+        num_cpus = max(os.cpu_count() or 1, LOCAL_MIN_CPUS)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=kwargs.pop("log_to_driver", True), **kwargs)
+
+
+def check_capacity(num_engines: int, cpus_per_engine: float, gpus_per_engine: float) -> None:
+    """Refuse a fleet the Ray cluster cannot place, instead of waiting forever for its actors.
+
+    Raises ``ConfigError`` naming the field to change.
+    """
+    have = ray.cluster_resources()
+    for what, per, field in (("CPU", cpus_per_engine, "engine.num_cpus"), ("GPU", gpus_per_engine, "engine.num_gpus")):
+        need = num_engines * per
+        if need > have.get(what, 0.0) + 1e-9:
+            raise ConfigError(
+                field,
+                f"{num_engines} engines x {per:g} {what} = {need:g} {what}, but the Ray cluster has "
+                f"{have.get(what, 0.0):g}; lower {field} or num_engines, or add nodes",
+                per,
+            )
 
 
 def is_initialized() -> bool:

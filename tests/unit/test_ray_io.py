@@ -32,3 +32,17 @@ def test_acks_must_be_exactly_true():
     for lie in (False, None, 1, "True", [True]):
         assert outcome_of(lie, expect_ack=True).kind == BAD_ACK
     assert outcome_of({"any": "value"}).kind == OK
+
+
+def test_a_fleet_the_cluster_cannot_place_is_refused_naming_the_field(monkeypatch):
+    import pytest
+
+    from fleet import ray_io
+    from fleet.errors import ConfigError
+
+    monkeypatch.setattr(ray_io.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    ray_io.check_capacity(2, 1.0, 0.0)  # fits
+    with pytest.raises(ConfigError, match=r"engine\.num_cpus.*3 engines x 1 CPU = 3 CPU.*has 2"):
+        ray_io.check_capacity(3, 1.0, 0.0)
+    with pytest.raises(ConfigError, match=r"engine\.num_gpus"):
+        ray_io.check_capacity(1, 0.0, 1.0)
