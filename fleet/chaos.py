@@ -87,7 +87,7 @@ def soak(model_dir: str, duration_s: float = 600.0, rate_per_min: float = 3.0, s
             if all(v == "healthy" for v in states.values()) and rng.random() < rate_per_min * step_s / 60.0:
                 where, what = RECOVERABLE[rng.randrange(len(RECOVERABLE))]
                 slot = rng.randrange(n)
-                runner.fire(fleet, Firing(0, where, what, slot, 0.02 if where == "transfer" else 0.0))
+                runner.fire(fleet, Firing(0, where, what, slot))
                 fired.append((where, what, slot))
                 log(f"[soak] t={time.monotonic() - t_start:6.1f}s fault {len(fired)}: {what} at {where} on slot {slot}")
             try:

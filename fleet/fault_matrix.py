@@ -46,7 +46,7 @@ MATRIX: tuple[Variant, ...] = (
     _v("kill-step-boundary", "recovers", [{"where": "step_boundary", "what": "kill", "shard": 1, "step": 1}],
        description="ray.kill of a shard between steps"),
     _v("kill-during-pause", "recovers", [{"where": "pause", "what": "kill", "shard": 2, "step": 1}]),
-    _v("kill-during-transfer", "recovers", [{"where": "transfer", "what": "kill", "shard": 0, "step": 1, "delay_s": 0.02}]),
+    _v("kill-during-transfer", "recovers", [{"where": "transfer", "what": "kill", "shard": 0, "step": 1}]),
     _v("kill-during-resume", "recovers", [{"where": "resume", "what": "kill", "shard": 1, "step": 1}]),
     _v("engine-core-crash", "recovers", [{"where": "generate", "what": "crash_engine", "shard": 2, "step": 1}],
        description="the vLLM engine core dies inside a live shard actor"),

@@ -9,7 +9,7 @@ code::
     seed: 7                     # resolves shard: random
     fleet: {restart_budget: 2}  # overrides of the fleet config for this plan
     faults:
-      - {where: transfer, what: kill, shard: 1, step: 2, delay_s: 0.02}
+      - {where: transfer, what: kill, shard: 1, step: 2}
 
 ``where``: ``step_boundary`` (before the step's refit), ``pause``, ``transfer``,
 ``resume``, ``generate``. ``what``: ``kill`` (the actor process), ``freeze`` (stops

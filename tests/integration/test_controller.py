@@ -93,7 +93,7 @@ def test_kill_recovers_on_survivors_without_losing_requests(run, where, slot):
     if where == "step_boundary":
         run.fleet.kill_shard(slot)
     else:
-        run.fleet.arm_fault(slot, where, "kill", delay_s=0.02 if where == "transfer" else 0.0)
+        run.fleet.arm_fault(slot, where, "kill")  # at the receive call: before its bytes, while the sender broadcasts
     summary = run.refit()
     results = collect(run.fleet, pending)
     status = run.fleet.status()
