@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-psutil = pytest.importorskip("psutil")
+import psutil  # noqa: E402 - installed with ray[default]
 
 REPO = Path(__file__).resolve().parents[2]
 LOCALCLUSTER = REPO / "slurm" / "localcluster.sh"
@@ -225,8 +225,6 @@ def slurm_cluster():
 
 @pytest.fixture(scope="module")
 def slurm_netns_cluster():
-    if shutil.which("ip") is None and shutil.which("apt-get") is None:
-        pytest.skip("no iproute2")
     yield from _bring_up(LocalSlurm(scratch=Path("/tmp/rlfleet-slurm-pytest-ns"), ctld_port=6957, first_job_id=1050, netns=True))
 
 
