@@ -112,7 +112,7 @@ class StalenessFilter:
         """``(kept, dropped)`` over results, in order.
 
         Each item is judged by its ``version_start`` (a ``GenerationResult``, a
-        ``fleet.recipe.grpo.Sample``) or by its ``.result``'s (a completed
+        ``recipe.grpo.Sample``) or by its ``.result``'s (a completed
         ``FleetResult``). Items with neither (a returned ``FleetResult``) are not
         samples: they pass through into ``kept`` uncounted, for the caller to handle.
         """

@@ -196,7 +196,7 @@ class Arm:
         """A fresh fleet and weight source; warm up with one short request per engine and one refit (v1)."""
         from fleet import ray_io
         from fleet.api import Fleet
-        from fleet.source import PolicySource
+        from faults.source import PolicySource
 
         t = time.monotonic()
         self.source = ray_io.spawn_actor(PolicySource, self.model_dir, num_cpus=0)
@@ -397,7 +397,7 @@ def summary_of(results: dict[str, dict]) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from fleet import ray_io
-    from fleet.tinymodel import build_model, default_model_dir
+    from recipe.tinymodel import build_model, default_model_dir
 
     if args.prompt_tokens + args.completion_tokens > args.max_model_len:
         raise SystemExit("--prompt-tokens + --completion-tokens must fit in --max-model-len")

@@ -28,7 +28,7 @@ from fleet.controller import SingleController
 from fleet.null_backend import null_backend
 from fleet.ray_io import RayDoor
 from fleet.shard import EngineShard
-from fleet.tinymodel import build_model, default_model_dir
+from recipe.tinymodel import build_model, default_model_dir
 from fleet.weights import TransferResult
 from health import RefitResult
 
@@ -83,7 +83,7 @@ async def overhead_for(n: int, model: str, refits: int) -> dict:
 
 def death_to_reopen(model: str) -> dict:
     from fleet.api import Fleet
-    from fleet.source import PolicySource
+    from faults.source import PolicySource
 
     fleet = Fleet.start({"engine": {"model": model, "kv_cache_memory_bytes": 32 << 20}, "num_engines": 3,
                          "min_healthy_engines": 2, "refit_timeout_s": 15, "restart_dead_engines": False})

@@ -78,7 +78,7 @@ async def raw_round(trainer, shards, rid: int, nbytes: int, timeout: float) -> f
 
 async def bench_preset(preset: str, args, ray, ray_io, counter) -> dict:
     from fleet.config import EngineConfig
-    from fleet.tinymodel import build_model
+    from recipe.tinymodel import build_model
     from refit import Participant, RefitConfig, WeightSynchronizer
     from refit.testing import RemoteReceiverPort, RemoteSenderPort, TrainerHost
 

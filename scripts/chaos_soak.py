@@ -12,8 +12,8 @@ import json
 import sys
 
 from fleet import ray_io
-from fleet.chaos import soak
-from fleet.tinymodel import build_model, default_model_dir
+from faults.chaos import soak
+from recipe.tinymodel import build_model, default_model_dir
 
 
 def main() -> int:

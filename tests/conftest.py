@@ -13,7 +13,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from fleet.tinymodel import build_model, default_model_dir
+    from recipe.tinymodel import build_model, default_model_dir
 
     return str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
 

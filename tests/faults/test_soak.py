@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.chaos import recovery_times, soak
+from faults.chaos import recovery_times, soak
 
 pytestmark = [pytest.mark.integration, pytest.mark.soak]
 

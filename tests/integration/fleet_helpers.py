@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from fleet import invariants
+from faults import invariants
 
 PROMPTS = [[1, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(8)]
 SAMPLING = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0}

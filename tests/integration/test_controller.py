@@ -13,7 +13,7 @@ import pytest
 from fleet import ray_io
 from fleet.api import Fleet
 from fleet.errors import FleetExhausted
-from fleet.source import PolicySource
+from faults.source import PolicySource
 from tests.integration.fleet_helpers import assert_invariants, collect, slot_states, submit_load, wait_for
 
 pytestmark = pytest.mark.integration

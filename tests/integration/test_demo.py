@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from fleet.demo import DemoConfig, run_demo
+from demo.run import DemoConfig, run_demo
 
 pytestmark = pytest.mark.integration
 
@@ -122,7 +122,7 @@ def test_plots_are_valid_images(demo):
 
 
 def test_bad_fault_plan_is_refused_before_anything_starts(tmp_path, capsys):
-    from fleet.cli import main
+    from cli.main import main
 
     assert main(["demo", "--fault-plan", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "r")]) == 2
     assert "fault_plan" in capsys.readouterr().err

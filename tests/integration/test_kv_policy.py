@@ -38,7 +38,7 @@ import pytest
 
 from fleet import ray_io
 from fleet.api import Fleet
-from fleet.source import PolicySource
+from faults.source import PolicySource
 from tests.integration.fleet_helpers import assert_invariants, wait_for
 
 pytestmark = pytest.mark.integration

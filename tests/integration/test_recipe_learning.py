@@ -27,8 +27,8 @@ import ray
 
 from fleet import ray_io
 from fleet.config import EngineConfig
-from fleet.recipe import AllowedTokensTask, PromptGenerator, RecipeConfig, TrainerConfig, build_group
-from fleet.recipe.actor import GRPOTrainerActor
+from recipe import AllowedTokensTask, PromptGenerator, RecipeConfig, TrainerConfig, build_group
+from recipe.actor import GRPOTrainerActor
 from refit import Outcome, Participant, RefitConfig, WeightSynchronizer
 
 pytestmark = pytest.mark.integration

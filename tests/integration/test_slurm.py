@@ -2,7 +2,7 @@
 
 A module fixture brings the local cluster up once (slurm/localcluster.sh, which
 installs Debian's packages when missing) and down at the end, even on failure. Jobs
-go through the real CLI (``python -m fleet.slurm_cli submit``) and ``sbatch``.
+go through the real CLI (``python -m cli.slurm submit``) and ``sbatch``.
 
 What each test proves:
 - a two-node fleet job: both Ray nodes alive, one engine shard pinned on each, one
@@ -81,7 +81,7 @@ class LocalSlurm:
 
     def submit_argv(self, log_root: Path, driver: list[str], wait: bool) -> list[str]:
         return [
-            PY, "-m", "fleet.slurm_cli", "submit", "--nodes", str(self.nodes), "--cpus-per-node", "2",
+            PY, "-m", "cli.slurm", "submit", "--nodes", str(self.nodes), "--cpus-per-node", "2",
             "--time", "00:10:00", "--log-root", str(log_root), "--python", PY, "--ready-timeout", "150",
             *(["--wait"] if wait else []), "--", PY, *driver,
         ]  # fmt: skip
@@ -349,7 +349,7 @@ def test_two_node_job_with_a_network_namespace_per_node(slurm_netns_cluster, tmp
     Set RLFLEET_SLURM_NETNS_FLEET=1 to run fleet_check instead.)
     """
     if os.environ.get("RLFLEET_SLURM_NETNS_FLEET") == "1":
-        from fleet.tinymodel import build_model
+        from recipe.tinymodel import build_model
 
         model = str(build_model(Path.home() / ".cache" / "rlfleet" / "models" / "tiny"))
         rc = slurm_netns_cluster.run_job(tmp_path, [str(FLEET_CHECK), "--nodes", "2", "--model-dir", model])

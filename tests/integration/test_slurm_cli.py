@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fleet import slurm_cli
-from fleet.slurm_cli import JobSpec, SubmitError, render, render_default
+from cli import slurm as slurm_cli
+from cli.slurm import JobSpec, SubmitError, render, render_default
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def test_committed_launcher_equals_the_rendered_template():
     committed = (REPO / "slurm" / "rlfleet.sbatch").read_text()
     assert committed == render_default(), (
         "slurm/rlfleet.sbatch is stale; regenerate it: "
-        "python -c 'from fleet.slurm_cli import render_default; print(render_default(), end=\"\")' > slurm/rlfleet.sbatch"
+        "python -c 'from cli.slurm import render_default; print(render_default(), end=\"\")' > slurm/rlfleet.sbatch"
     )
 
 

@@ -6,10 +6,10 @@ import io
 
 import pytest
 
-from fleet.demo import DemoConfig, EventWatcher, _nan_to_none, default_plan, load_demo_plan
-from fleet.demo_view import PlainView, make_view
+from demo.run import DemoConfig, EventWatcher, _nan_to_none, default_plan, load_demo_plan
+from demo.view import PlainView, make_view
 from fleet.errors import ConfigError
-from fleet.report import log_numbers, plot_learning, plot_timeline, readmissions, refit_spans, state_segments
+from demo.report import log_numbers, plot_learning, plot_timeline, readmissions, refit_spans, state_segments
 
 
 def _log() -> list[dict]:

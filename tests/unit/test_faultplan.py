@@ -2,7 +2,7 @@
 
 import pytest
 
-from fleet.fault_matrix import MATRIX, by_name
+from faults.matrix import MATRIX, by_name
 from health.faultplan import load_plan, resolve
 
 

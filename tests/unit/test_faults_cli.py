@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from fleet import cli
-from fleet.fault_runner import VariantReport
+from cli import main as cli
+from faults.runner import VariantReport
 
 
 @pytest.fixture
@@ -17,7 +17,7 @@ def stub_runner(monkeypatch):
         return [VariantReport(v.name, v.plan["expect"], v.plan["expect"], passed=(i != seen.get("fail_at")),
                               accepted=4, completed=4, fault_to_reopen_s=1.5) for i, v in enumerate(variants)]
 
-    monkeypatch.setattr("fleet.fault_runner.run_variants", fake_run_variants)
+    monkeypatch.setattr("faults.runner.run_variants", fake_run_variants)
     monkeypatch.setattr("fleet.ray_io.init_local", lambda **kw: None)
     monkeypatch.setattr("fleet.ray_io.shutdown", lambda: None)
     return seen

@@ -1,6 +1,6 @@
 """The event-log invariant checks catch each violation they exist for."""
 
-from fleet import invariants as inv
+from faults import invariants as inv
 
 
 def ev(kind, **kw):

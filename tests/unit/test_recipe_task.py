@@ -7,9 +7,9 @@ import math
 import pytest
 
 from fleet.dispatch import FleetResult
-from fleet.recipe.config import RecipeConfig
-from fleet.recipe.grpo import Group, Sample, build_group, group_advantages
-from fleet.recipe.task import FIRST_ORDINARY_ID, AllowedTokensTask, PromptGenerator
+from recipe.config import RecipeConfig
+from recipe.grpo import Group, Sample, build_group, group_advantages
+from recipe.task import FIRST_ORDINARY_ID, AllowedTokensTask, PromptGenerator
 from fleet.types import Completion, GenerationResult
 
 

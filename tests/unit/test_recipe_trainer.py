@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from fleet.recipe.grpo import Group, Sample, clipped_pg_loss
-from fleet.recipe.task import AllowedTokensTask, PromptGenerator
-from fleet.recipe.trainer import GRPOTrainer
+from recipe.grpo import Group, Sample, clipped_pg_loss
+from recipe.task import AllowedTokensTask, PromptGenerator
+from recipe.trainer import GRPOTrainer
 from refit.model_spec import checkpoint_spec
 from refit.sender import WeightSender
 
@@ -142,7 +142,7 @@ def test_trainer_actor_trains_the_model_it_sends_and_refuses_a_torn_update(tiny_
     """``GRPOTrainerActor`` in-process (no Ray): one model for sender and trainer; step between prepare and send."""
     import asyncio
 
-    from fleet.recipe.actor import GRPOTrainerActor
+    from recipe.actor import GRPOTrainerActor
 
     async def scenario():
         actor = GRPOTrainerActor(tiny_model, lr=3e-3, threads=THREADS)

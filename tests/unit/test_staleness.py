@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from fleet.dispatch import FleetResult
 from fleet.errors import ConfigError
-from fleet.recipe.grpo import Sample
+from recipe.grpo import Sample
 from fleet.staleness import StalenessFilter, staleness_of
 from fleet.types import Completion, GenerationResult
 

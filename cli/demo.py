@@ -39,7 +39,7 @@ def register(sub) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from fleet.demo import DemoConfig, _nan_to_none, run_demo
+    from demo.run import DemoConfig, _nan_to_none, run_demo
 
     cfg = DemoConfig(steps=args.steps, engines=args.engines, fault_plan=args.fault_plan, kv_policy=args.kv_policy,
                      out=args.out, seed=args.seed, model=args.model, progress=args.progress,

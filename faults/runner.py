@@ -19,11 +19,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from fleet import invariants, ray_io
+from faults import invariants
+from fleet import ray_io
 from fleet.api import Fleet
 from fleet.errors import FleetStopped
-from fleet.fault_matrix import BASE_FLEET, Variant
-from fleet.source import PolicySource
+from faults.matrix import BASE_FLEET, Variant
+from faults.source import PolicySource
 from health.faultplan import FaultPlan, Firing, load_plan, resolve
 
 PROMPT = [1, 21, 31, 41, 51]

@@ -26,8 +26,8 @@ from typing import Sequence
 
 import torch
 
-from fleet.recipe.grpo import Group
-from fleet.recipe.trainer import GRPOTrainer, TrainerConfig
+from recipe.grpo import Group
+from recipe.trainer import GRPOTrainer, TrainerConfig
 from refit.ports import LocalSenderPort
 from refit.sender import WeightSender
 

@@ -1,6 +1,6 @@
 """``rlfleet demo``: the GRPO recipe trained on a fleet of vLLM engines through a shard kill, with a report.
 
-    from fleet.demo import DemoConfig, run_demo
+    from demo.run import DemoConfig, run_demo
     summary = run_demo(DemoConfig(steps=30, out="rlfleet-demo"))
 
 What it runs: a local Ray, a ``Fleet`` of ``engines`` vLLM engines (tiny model,
@@ -26,9 +26,9 @@ happens) and two plots (``learning.png``, ``timeline.png``).
 
 Guarantees: every actor it started is shut down (also on Ctrl-C or an error);
 the summary's fleet numbers (faults, recoveries, prompts lost, ...) are computed
-from the event log (``fleet.report.log_numbers``), so they agree with
+from the event log (``demo.report.log_numbers``), so they agree with
 ``events.jsonl``; ``summary["ok"]`` is False if a prompt was lost, the fleet
-stopped, a step was not run, or an invariant of ``fleet.invariants`` broke.
+stopped, a step was not run, or an invariant of ``faults.invariants`` broke.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fleet import invariants, ray_io
+from faults import invariants
+from fleet import ray_io
 from fleet.errors import ConfigError, FleetStopped
 
 # How the demo's fleet differs from the defaults: short deadlines and fast restarts, sized
@@ -245,10 +246,10 @@ class EventWatcher:
 def run_demo(cfg: DemoConfig, view=None) -> dict:
     """Run the demo and write its report into ``cfg.out``; returns the summary (also in ``summary.json``)."""
     from fleet.api import Fleet
-    from fleet.demo_trainer import AuditedTrainerActor
-    from fleet.demo_view import make_view
-    from fleet.recipe import AllowedTokensTask, PromptGenerator, RecipeConfig, TrainerConfig, build_group
-    from fleet.tinymodel import build_model, default_model_dir
+    from demo.trainer import AuditedTrainerActor
+    from demo.view import make_view
+    from recipe import AllowedTokensTask, PromptGenerator, RecipeConfig, TrainerConfig, build_group
+    from recipe.tinymodel import build_model, default_model_dir
     from health.faultplan import resolve
 
     if cfg.steps < 1:
@@ -469,7 +470,7 @@ def _finish(fleet, trainer, cfg: DemoConfig, version: int, submit, collect, view
 
 def _summarize(cfg, plan, fired, rows, final, events, fleet_cfg, fcfg, stopped, error, wall_s, fleet_start_s,
                status_end, notes, task) -> dict:
-    from fleet.report import log_numbers
+    from demo.report import log_numbers
 
     log = log_numbers(events)
     deadline = fleet_cfg.lifecycle_deadline_s if fleet_cfg is not None else 0.0
@@ -533,7 +534,7 @@ def _summarize(cfg, plan, fired, rows, final, events, fleet_cfg, fcfg, stopped, 
 
 
 def _plots(out: Path, rows, events, summary, final, task, t_start) -> dict:
-    from fleet.report import plot_learning, plot_timeline
+    from demo.report import plot_learning, plot_timeline
 
     files = {}
     marks = []

@@ -13,7 +13,7 @@ from fleet.config import EngineConfig, validate
 
 
 def run_smoke(engines: int = 2, model: str | None = None) -> dict:
-    from fleet.tinymodel import build_model, default_model_dir
+    from recipe.tinymodel import build_model, default_model_dir
 
     model = model or str(build_model(default_model_dir("tiny")))
     cfg = validate(EngineConfig, {"model": model}, prefix="engine")

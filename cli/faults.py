@@ -41,9 +41,9 @@ def _table(rows: list[dict]) -> str:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fleet import ray_io
-    from fleet.fault_matrix import Variant, by_name
-    from fleet.fault_runner import run_variants
-    from fleet.tinymodel import build_model, default_model_dir
+    from faults.matrix import Variant, by_name
+    from faults.runner import run_variants
+    from recipe.tinymodel import build_model, default_model_dir
     import yaml
 
     from health.faultplan import load_plan

@@ -10,7 +10,7 @@
 Weights reach the engines through ``refit``: ``WeightSender(trainer.state_dict_items,
 dtype=torch.float32)`` is the trainer's sender (see ``GRPOTrainer.state_dict_items``).
 
-Imports are lazy so ``from fleet.recipe import AllowedTokensTask`` does not load torch.
+Imports are lazy so ``from recipe import AllowedTokensTask`` does not load torch.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "AllowedTokensTask": "fleet.recipe.task",
-    "PromptGenerator": "fleet.recipe.task",
-    "Task": "fleet.recipe.task",
-    "Sample": "fleet.recipe.grpo",
-    "Group": "fleet.recipe.grpo",
-    "group_advantages": "fleet.recipe.grpo",
-    "build_group": "fleet.recipe.grpo",
-    "clipped_pg_loss": "fleet.recipe.grpo",
-    "GRPOTrainer": "fleet.recipe.trainer",
-    "TrainerConfig": "fleet.recipe.trainer",
-    "GRPOTrainerActor": "fleet.recipe.actor",
-    "RecipeConfig": "fleet.recipe.config",
+    "AllowedTokensTask": "recipe.task",
+    "PromptGenerator": "recipe.task",
+    "Task": "recipe.task",
+    "Sample": "recipe.grpo",
+    "Group": "recipe.grpo",
+    "group_advantages": "recipe.grpo",
+    "build_group": "recipe.grpo",
+    "clipped_pg_loss": "recipe.grpo",
+    "GRPOTrainer": "recipe.trainer",
+    "TrainerConfig": "recipe.trainer",
+    "GRPOTrainerActor": "recipe.actor",
+    "RecipeConfig": "recipe.config",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -37,7 +37,7 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'fleet.recipe' has no attribute {name!r}")
+        raise AttributeError(f"module 'recipe' has no attribute {name!r}")
     import importlib
 
     return getattr(importlib.import_module(_EXPORTS[name]), name)

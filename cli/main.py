@@ -1,4 +1,4 @@
-"""The ``rlfleet`` command line: build models, run the smoke job (later the demo), and sub-tools.
+"""The ``rlfleet`` command line: build models, the smoke check, and the demo, faults and slurm subcommands.
 
 Each subcommand is a small function; errors a user can fix (bad config, missing
 model) print one clear line and exit 2, never a traceback.
@@ -7,16 +7,17 @@ model) print one clear line and exit 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from typing import Callable
 
 from fleet.errors import RlfleetError
-from fleet.tinymodel import PRESETS
+from recipe.tinymodel import PRESETS
 
 
 def _cmd_model_build(args: argparse.Namespace) -> int:
-    from fleet.tinymodel import build_model, default_model_dir, digest
+    from recipe.tinymodel import build_model, default_model_dir, digest
 
     path = build_model(args.dir or default_model_dir(args.preset), preset=args.preset, seed=args.seed, force=args.force)
     print(json.dumps({"model_dir": str(path), "preset": args.preset, "seed": args.seed, "sha256": digest(path)}))
@@ -24,7 +25,7 @@ def _cmd_model_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_smoke(args: argparse.Namespace) -> int:
-    from fleet.smoke import run_smoke
+    from cli.smoke import run_smoke
 
     summary = run_smoke(engines=args.engines, model=args.model)
     print(json.dumps(summary))
@@ -48,20 +49,32 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--model", default=None, help="model directory (default: the tiny model, built if missing)")
     smoke.set_defaults(func=_cmd_smoke)
 
-    for register in _optional_commands():
-        register(sub)
+    for module in SUBCOMMAND_MODULES:
+        _register(sub, module)
     return parser
 
 
-def _optional_commands() -> list[Callable]:
-    """Subcommands that live in their own modules (registered if present)."""
-    found = []
-    for mod in ("fleet.slurm_cli", "fleet.demo_cli", "fleet.faults_cli"):
-        try:
-            found.append(__import__(mod, fromlist=["register"]).register)
-        except ImportError:
-            continue
-    return found
+SUBCOMMAND_MODULES = ("cli.demo", "cli.faults", "cli.slurm")
+
+
+def _register(sub, module: str) -> None:
+    """Register a subcommand module. A module that fails to import still gets its command,
+    which then says why it cannot run (a broken import must never make a command vanish)."""
+    try:
+        importlib.import_module(module).register(sub)
+    except Exception as exc:  # noqa: BLE001 - any import failure is reported by the command itself
+        name = module.rsplit(".", 1)[-1]
+        broken = sub.add_parser(name, help=f"unavailable: {exc}", add_help=False)
+        broken.add_argument("rest", nargs=argparse.REMAINDER)
+        broken.set_defaults(func=_unavailable(name, module, exc))
+
+
+def _unavailable(name: str, module: str, exc: Exception) -> Callable[[argparse.Namespace], int]:
+    def run(_: argparse.Namespace) -> int:
+        print(f"rlfleet {name}: cannot run: importing {module} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

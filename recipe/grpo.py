@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from fleet.recipe.task import Task
+from recipe.task import Task
 
 
 @dataclass(frozen=True)

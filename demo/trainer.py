@@ -25,9 +25,9 @@ from typing import Sequence
 
 import torch
 
-from fleet.recipe.actor import GRPOTrainerActor
-from fleet.recipe.grpo import Group
-from fleet.recipe.trainer import GRPOTrainer, TrainerConfig
+from recipe.actor import GRPOTrainerActor
+from recipe.grpo import Group
+from recipe.trainer import GRPOTrainer, TrainerConfig
 
 
 class AuditedTrainerActor(GRPOTrainerActor):

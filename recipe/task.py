@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 BOS_ID = 1
-FIRST_ORDINARY_ID = 4  # ids 0..3 are <unk>, <s>, </s>, <pad> in fleet.tinymodel's tokenizer
+FIRST_ORDINARY_ID = 4  # ids 0..3 are <unk>, <s>, </s>, <pad> in recipe.tinymodel's tokenizer
 
 
 class Task(Protocol):

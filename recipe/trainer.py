@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from fleet.recipe.grpo import Group, clipped_pg_loss, group_advantages
+from recipe.grpo import Group, clipped_pg_loss, group_advantages
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class TrainerConfig:
 
 
 class GRPOTrainer:
-    """Precondition: ``model_dir`` holds a Hugging Face Llama checkpoint (e.g. ``fleet.tinymodel.build_model``)."""
+    """Precondition: ``model_dir`` holds a Hugging Face Llama checkpoint (e.g. ``recipe.tinymodel.build_model``)."""
 
     def __init__(self, model_dir: str, config: TrainerConfig | None = None, *, model: torch.nn.Module | None = None, **overrides) -> None:
         """Load ``model_dir`` in float32, or train ``model`` (already loaded from ``model_dir``) in place.

@@ -19,9 +19,9 @@ import statistics
 import time
 from typing import Callable
 
-from fleet import invariants
+from faults import invariants
 from fleet.errors import FleetStopped
-from fleet.fault_runner import PROMPT, SAMPLING, FaultRunner
+from faults.runner import PROMPT, SAMPLING, FaultRunner
 from health.faultplan import Firing, load_plan
 
 RECOVERABLE = (
