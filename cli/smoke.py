@@ -10,9 +10,12 @@ import time
 
 from fleet import ray_io
 from fleet.config import EngineConfig, validate
+from fleet.errors import ConfigError
 
 
 def run_smoke(engines: int = 2, model: str | None = None) -> dict:
+    if isinstance(engines, bool) or not isinstance(engines, int) or engines < 1:
+        raise ConfigError("engines", "the smoke check needs at least one engine", engines)
     from recipe.tinymodel import build_model, default_model_dir
 
     model = model or str(build_model(default_model_dir("tiny")))
@@ -21,15 +24,15 @@ def run_smoke(engines: int = 2, model: str | None = None) -> dict:
     ray_io.init_local(num_cpus=max(4, engines * 2), log_to_driver=False)
     shards = [ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(engines)]
     try:
-        starts = [ray_io.get_or_raise(s.start.remote(), cfg.start_timeout_s + 30) for s in shards]
+        starts = [ray_io.ask(s, "start", timeout=cfg.start_timeout_s + 30) for s in shards]
         sampling = {"max_tokens": 64, "ignore_eos": True, "seed": 0}
-        held = [s.generate.remote([1, 2, 3, 4], sampling) for s in shards]
-        paused = [ray_io.get(s.pause.remote(mode="keep"), 60, expect_ack=True).ok for s in shards]
-        resumed = [ray_io.get(s.resume.remote(), 60, expect_ack=True).ok for s in shards]
-        results = [ray_io.get_or_raise(r, 300) for r in held]
-        resets = [ray_io.get_or_raise(s.reset_prefix_cache.remote(), 60) for s in shards]
-        stats = [ray_io.get_or_raise(s.stats.remote(), 30) for s in shards]
-        memory = [ray_io.get_or_raise(s.memory_mb.remote(), 30) for s in shards]
+        held = [ray_io.submit(s, "generate", [1, 2, 3, 4], sampling) for s in shards]
+        paused = [ray_io.try_ask(s, "pause", mode="keep", timeout=60, expect_ack=True).ok for s in shards]
+        resumed = [ray_io.try_ask(s, "resume", timeout=60, expect_ack=True).ok for s in shards]
+        results = ray_io.results(held, 300)
+        resets = [ray_io.ask(s, "reset_prefix_cache", timeout=60) for s in shards]
+        stats = [ray_io.ask(s, "stats", timeout=30) for s in shards]
+        memory = [ray_io.ask(s, "memory_mb", timeout=30) for s in shards]
         tokens = [len(r.completions[0].token_ids) for r in results]
         ok = all(paused) and all(resumed) and all(resets) and tokens == [64] * engines
         return {
@@ -46,6 +49,6 @@ def run_smoke(engines: int = 2, model: str | None = None) -> dict:
         }
     finally:
         for s in shards:
-            ray_io.get(s.shutdown.remote(), 60)
+            ray_io.try_ask(s, "shutdown", timeout=60)
             ray_io.kill(s)
         ray_io.shutdown()

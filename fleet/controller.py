@@ -1,7 +1,7 @@
 """``SingleController``: owns the engine shards, the dispatch gate, and the health ledger.
 
-The controller is a plain class (``fleet.ray_io.spawn_controller`` makes it an async
-Ray actor; unit tests drive it in-process with a fake door and fake shards). It
+The controller is a plain class (``fleet.api.Fleet.start`` makes it an async Ray
+actor through the door; unit tests drive it in-process with a fake door and fake shards). It
 never decides on its own how to react to a failure: it turns every observed
 outcome into a ``health`` event, applies ``health.step``'s decision, logs the
 reason, and carries out the actions (probe, evict, restart, retire, stop). The
@@ -21,22 +21,19 @@ from typing import Any, Sequence
 
 from fleet.admission import AdmissionController
 from fleet.dispatch import Dispatcher, FleetResult
-from fleet.errors import ShardUnusableError
 from fleet.eventlog import EventLog
 from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.gate import DispatchGate, RoutingState
 from fleet.metrics import FleetMetrics
-from fleet.ray_io import DIED, Outcome
+from fleet.outcome import Outcome, is_unusable, observed
 from health import (
     CallKind,
     Decision,
     EngineReady,
     Evict,
-    FailureClass,
     Ledger,
     MembershipPlan,
     MonotonicClock,
-    Observed,
     Probe,
     RefitFinished,
     RefitReport,
@@ -49,22 +46,9 @@ from health import (
     VersionCommitted,
     step,
 )
-from health.classify import classify_kind
 
 MONITOR_INTERVAL_S = 1.0
 TIMER_INTERVAL_S = 0.2
-
-
-def observed(slot: int, incarnation: int, call: CallKind, outcome: Outcome) -> Observed:
-    """Turn a door ``Outcome`` into a health observation.
-
-    A shard that answers with ``ShardUnusableError`` (engine core crashed, shut down)
-    is as good as dead: the controller kills its actor to fence it.
-    """
-    failure = classify_kind(outcome.kind)
-    if outcome.kind == "error" and isinstance(outcome.error, ShardUnusableError):
-        failure = FailureClass.DEAD
-    return Observed(slot, incarnation, call, failure, outcome.describe()[:300])
 
 
 class SingleController:
@@ -80,12 +64,12 @@ class SingleController:
             door = RayDoor()
         self.door = door
         self.ledger = Ledger(self.cfg.health_config(), now=self.clock.now())
-        self.gate = DispatchGate(self.log)
         self.handles: dict[int, tuple[int, Any]] = {}
         self.plan = MembershipPlan.initial()
         self.stopped: str | None = None
-        self.dispatcher = Dispatcher(self, self.log, self.cfg.request_timeout_s, self.cfg.max_redispatch)
+        self.dispatcher = Dispatcher(self, self.log, self.cfg.request_timeout_s, self.cfg.max_redispatch, self.clock)
         self.metrics = FleetMetrics(enabled=self.cfg.metrics)
+        self.gate = DispatchGate(self.log, on_change=self.metrics.gate)
         self.admission = AdmissionController(self.cfg.admission)
         self._transfer = transfer
         self._tasks: set[asyncio.Task] = set()
@@ -113,7 +97,7 @@ class SingleController:
                 self.native_pause[slot] = bool(out.value.get("native_pause", True))
                 self.decide(EngineReady(slot, inc))
             else:
-                self.decide(observed(slot, inc, CallKind.START, out))
+                self.observe(slot, inc, CallKind.START, out)
         await self._commit_checkpoint()
         await self.poll_admission()  # size every cap from the engines' KV capacity before the first request
         self._background(self._timer_loop())
@@ -184,6 +168,7 @@ class SingleController:
         # AbortRefit, OpenGate and KeepGateClosed are read by the lifecycle from the decision.
 
     def _kill(self, slot: int, incarnation: int, reason: str) -> None:
+        """Kill ``incarnation`` of ``slot`` if it is still the slot's current actor; never its replacement."""
         current = self.handles.get(slot)
         if current is not None and current[0] == incarnation:
             self.door.kill(current[1])
@@ -194,9 +179,7 @@ class SingleController:
         if handle is None:
             return
         out = await self.door.call(handle, "ping", timeout=self.cfg.probe_timeout_s)
-        if out.kind == DIED or (out.kind == "error" and isinstance(out.error, ShardUnusableError)):
-            self.door.kill(handle)
-        self.decide(observed(slot, incarnation, CallKind.PROBE, out))
+        self.observe(slot, incarnation, CallKind.PROBE, out)
 
     def _spawn(self, slot: int, incarnation: int):
         handle = self.door.spawn_shard(self.cfg.engine, slot, incarnation, 0)
@@ -216,7 +199,7 @@ class SingleController:
             self.native_pause[action.slot] = bool(out.value.get("native_pause", True))
             self.decide(EngineReady(action.slot, action.incarnation))
         else:
-            self.door.kill(handle)
+            self._kill(action.slot, action.incarnation, f"restart failed: {out.describe()[:200]}")
             self.decide(observed(action.slot, action.incarnation, CallKind.START, out))
         self._restarting.pop(action.slot, None)
 
@@ -239,7 +222,7 @@ class SingleController:
             )
             for slot, out in outs.items():
                 if not out.ok and self.handles.get(slot, (None,))[0] == live[slot][0]:
-                    await self.report_failure(slot, live[slot][0], out, CallKind.PROBE)
+                    self.observe(slot, live[slot][0], CallKind.PROBE, out)
 
     async def _admission_loop(self) -> None:
         while True:
@@ -290,10 +273,15 @@ class SingleController:
     def cache_salt(self, version: int) -> str | None:
         return f"rlfleet-w{version}" if self.cfg.kv_policy == "salt" else None
 
-    async def report_failure(self, slot: int, incarnation: int, outcome: Outcome, call: CallKind = CallKind.GENERATE) -> None:
-        if outcome.kind == DIED or (outcome.kind == "error" and isinstance(outcome.error, ShardUnusableError)):
-            self._kill(slot, incarnation, f"{call.value} found it dead: {outcome.describe()[:200]}")
-        self.decide(observed(slot, incarnation, call, outcome))
+    def observe(self, slot: int, incarnation: int, call: CallKind, outcome: Outcome) -> Decision:
+        """Turn one settled call into a health decision: the one place a failure is classified and fenced.
+
+        A dead or unusable incarnation is killed first, and only that incarnation:
+        a late report about a replaced one never touches its replacement.
+        """
+        if is_unusable(outcome):
+            self._kill(slot, incarnation, f"{call.value} found it unusable: {outcome.describe()[:200]}")
+        return self.decide(observed(slot, incarnation, call, outcome))
 
     def live_handles(self) -> dict[int, tuple[int, Any]]:
         """slot -> (incarnation, handle) of every engine that is up (serving or stale)."""
@@ -387,9 +375,8 @@ class SingleController:
 
         d = self.decide(RefitFinished(version))
         for action in d.actions:
-            if isinstance(action, OpenGate):
+            if isinstance(action, OpenGate) and not self.stopped:
                 self.gate.open(action.version, f"{action.serving} engine(s) serve version {action.version}")
-                self.metrics.gate(True, action.version)
         return d
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -21,9 +20,10 @@ from typing import Any, Protocol, Sequence
 from fleet.errors import BadRequestError
 from fleet.eventlog import EventLog
 from fleet.gate import DispatchGate
-from fleet.ray_io import Outcome
+from fleet.outcome import Outcome
 from fleet.router import pick_shard
 from fleet.types import GenerationResult
+from health import CallKind, Clock, MonotonicClock
 
 COMPLETED, RETURNED = "completed", "returned"
 
@@ -60,7 +60,7 @@ class FleetView(Protocol):
 
     def cache_salt(self, version: int) -> str | None: ...
 
-    async def report_failure(self, slot: int, incarnation: int, outcome: Outcome) -> None: ...
+    def observe(self, slot: int, incarnation: int, call: CallKind, outcome: Outcome) -> Any: ...
 
 
 @dataclass
@@ -76,8 +76,11 @@ class _Pending:
 
 
 class Dispatcher:
-    def __init__(self, view: FleetView, log: EventLog, request_timeout_s: float, max_redispatch: int) -> None:
+    def __init__(
+        self, view: FleetView, log: EventLog, request_timeout_s: float, max_redispatch: int, clock: Clock | None = None
+    ) -> None:
         self._view = view
+        self._clock = clock or MonotonicClock()
         self._log = log
         self._timeout = request_timeout_s
         self._max_redispatch = max_redispatch
@@ -120,7 +123,7 @@ class Dispatcher:
             request_id=request_id or f"req-{next(self._ids)}",
             prompt=prompt,
             sampling=dict(sampling or {}),
-            accepted_at=time.monotonic(),
+            accepted_at=self._clock.now(),
             accepted_version=self._view.gate.version,
         )
         self.accepted += 1
@@ -144,7 +147,7 @@ class Dispatcher:
         slot, incarnation, handle = target
         version = self._view.gate.version
         p.attempts += 1
-        p.dispatched_at = time.monotonic()
+        p.dispatched_at = self._clock.now()
         rid = f"{p.request_id}#{p.attempts}"
         self.outstanding.setdefault(slot, {})[rid] = (incarnation, version)
         self._view.admission.on_dispatch(slot, incarnation)
@@ -156,7 +159,7 @@ class Dispatcher:
                 p.sampling,
                 request_id=rid,
                 cache_salt=self._view.cache_salt(version),
-                timeout=max(1.0, deadline - time.monotonic()),
+                timeout=max(1.0, deadline - self._clock.now()),
             )
         finally:
             self.outstanding.get(slot, {}).pop(rid, None)
@@ -169,7 +172,7 @@ class Dispatcher:
             return self._complete(p, result)
         if isinstance(outcome.error, BadRequestError):
             return self._return(p, f"bad request: {outcome.error}")
-        await self._view.report_failure(slot, incarnation, outcome)
+        self._view.observe(slot, incarnation, CallKind.GENERATE, outcome)
         return f"slot {slot} (incarnation {incarnation}) failed: {outcome.describe()}"
 
     async def _acquire(self, p: _Pending, deadline: float):
@@ -177,7 +180,7 @@ class Dispatcher:
         while True:
             if self._view.stopped:
                 return self._return(p, f"fleet stopped: {self._view.stopped}")
-            left = deadline - time.monotonic()
+            left = deadline - self._clock.now()
             if left <= 0:
                 return self._return(p, f"no serving shard within the request timeout ({self._timeout:.0f} s)")
             if not await self._view.gate.wait_open(min(left, 1.0)):
@@ -203,7 +206,7 @@ class Dispatcher:
             version=result.weight_version,
             version_start=result.version_start,
         )
-        now = time.monotonic()
+        now = self._clock.now()
         return FleetResult(
             p.request_id, COMPLETED, result, attempts=p.attempts, accepted_version=p.accepted_version,
             latency_s=now - p.accepted_at, queue_s=(p.dispatched_at or now) - p.accepted_at,
@@ -214,7 +217,7 @@ class Dispatcher:
         self.returned_reasons[reason.split(":")[0]] += 1
         self._log.emit("request", event="returned", request_id=p.request_id, reason=reason)
         return FleetResult(
-            p.request_id, RETURNED, None, reason, p.attempts, p.accepted_version, time.monotonic() - p.accepted_at
+            p.request_id, RETURNED, None, reason, p.attempts, p.accepted_version, self._clock.now() - p.accepted_at
         )
 
     def in_flight_on(self, slot: int) -> dict[str, tuple[int, int]]:

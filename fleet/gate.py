@@ -1,7 +1,9 @@
 """The dispatch gate: closed during every refit, open only on a committed version.
 
 The gate is part of the small, publishable routing state (open flag, weight
-version, membership epoch) that a client-side router could read. Waiting for the
+version, membership epoch) that a client-side router could read. It owns its
+state and announces every change in one place (the event log, and the
+``on_change(open, version)`` listener: the controller's metrics). Waiting for the
 gate is bounded by the caller; nothing is dropped while it is closed.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Callable
 
 from fleet.eventlog import EventLog
 
@@ -22,8 +25,9 @@ class RoutingState:
 
 
 class DispatchGate:
-    def __init__(self, log: EventLog) -> None:
+    def __init__(self, log: EventLog, on_change: Callable[[bool, int], None] | None = None) -> None:
         self._log = log
+        self._on_change = on_change or (lambda is_open, version: None)
         self._open = asyncio.Event()
         self.version = 0
         self.reason = "not yet opened"
@@ -38,12 +42,14 @@ class DispatchGate:
         if not self._open.is_set():
             self._open.set()
             self._log.emit("gate", open=True, version=version, reason=reason)
+            self._on_change(True, version)
 
     def close(self, reason: str) -> None:
         self.reason = reason
         if self._open.is_set():
             self._open.clear()
             self._log.emit("gate", open=False, version=self.version, reason=reason)
+            self._on_change(False, self.version)
 
     async def wait_open(self, timeout: float | None = None) -> bool:
         """True once open; False if ``timeout`` passed first."""

@@ -16,9 +16,8 @@ keep their old version tag (or are fenced from serving when partial).
 from __future__ import annotations
 
 import asyncio
-import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed
 from health import (
@@ -34,42 +33,45 @@ from health import (
     plan_membership,
 )
 
-from refit.synchronizer import retry_once
-
-if TYPE_CHECKING:
-    from fleet.controller import SingleController
 
 
-class _Attempt:
-    """One transfer attempt's results; ``ok`` drives the one-shot retry."""
+class _EndRefit(Exception):
+    """Raised inside a step to end the refit without reopening; ``RefitLifecycle.run`` handles it in one place."""
 
-    def __init__(self, number: int, plan: MembershipPlan, results: dict) -> None:
-        self.number, self.plan, self.results = number, plan, results
-        self.complete = {s for s, r in results.items() if r.result is RefitResult.COMPLETE}
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.plan.participants) and len(self.complete) == len(self.plan.participants)
+    def __init__(self, error: type[FleetStopped], message: str) -> None:
+        super().__init__(message)
+        self.error, self.message = error, message
 
 
 class RefitLifecycle:
-    def __init__(self, ctl: SingleController) -> None:
+    """The refit of one version at a time, for the controller ``ctl`` (a ``SingleController``).
+
+    Reads from the controller its door, ledger, handles, dispatcher, gate, log and
+    clock; decides nothing about health itself (``ctl.observe``/``ctl.decide`` do).
+    """
+
+    def __init__(self, ctl: Any) -> None:
         self.ctl = ctl
         self.running = False
         self._lock = asyncio.Lock()
         self._phases: dict[str, float] = {}
         self._inside_s = 0.0
         self._version = 0
+        self._finished = False
 
     async def run(self, version: int, source: Any) -> dict:
+        """The eight steps; on an unrecovered failure, ``_end`` (the one way a refit ends without reopening)."""
         async with self._lock:
             if self.ctl.stopped:
                 raise FleetStopped(f"sync_weights({version}) refused: fleet stopped: {self.ctl.stopped}")
             self.running = True
-            self._phases, self._inside_s, self._version = {}, 0.0, version
-            t0 = time.monotonic()
+            self._phases, self._inside_s, self._version, self._finished = {}, 0.0, version, False
+            t0 = self.ctl.clock.now()
             try:
                 return await self._steps(version, source, t0)
+            except _EndRefit as end:
+                await self._end(end.error, end.message)
+                raise AssertionError("unreachable: _end raises")
             finally:
                 self.running = False
 
@@ -84,14 +86,14 @@ class RefitLifecycle:
         with self._phase("pause"):
             plan, paused = await self.pause_settled(plan)  # 4
         with self._phase("transfer"):
-            plan, complete, attempts = await self.transfer(plan, version, source, paused)  # 5
+            plan, paused, complete, attempts = await self.transfer(plan, version, source, paused)  # 5
         with self._phase("stamp"):
             await self.stamp(plan, version, complete)  # 6
         with self._phase("resume"):
             await self.resume(plan, paused, complete)  # 7
         with self._phase("reopen"):
             self.reopen(version)  # 8
-        total = time.monotonic() - t0
+        total = self.ctl.clock.now() - t0
         return {
             "version": version,
             "epoch": plan.epoch,
@@ -110,7 +112,6 @@ class RefitLifecycle:
     def close_gate(self, version: int) -> None:
         """Step 1: close dispatch; new requests queue in the controller, nothing is dropped."""
         self.ctl.gate.close(f"refit of version {version}")
-        self.ctl.metrics.gate(False, self.ctl.gate.version)
         self.ctl.decide(RefitStarted(version))
 
     async def abort_too_old(self, version: int) -> int:
@@ -140,7 +141,7 @@ class RefitLifecycle:
             )
         self.ctl.plan = plan
         if not plan.participants:
-            self._stop_sync(f"refit of version {self._version}: no live engine to take part")
+            raise _EndRefit(FleetExhausted, f"refit of version {self._version}: no live engine to take part")
         return plan
 
     async def pause(self, plan: MembershipPlan) -> set[int]:
@@ -156,12 +157,12 @@ class RefitLifecycle:
         paused: set[int] = set()
         aborts = []
         for slot, out in outs.items():
-            d = self.ctl.decide(self._observed(targets[slot], CallKind.PAUSE, out))
+            d = self.ctl.observe(slot, targets[slot].incarnation, CallKind.PAUSE, out)
             aborts += [a for a in d.actions if isinstance(a, AbortRefit)]
             if out.ok:
                 paused.add(slot)
         if aborts:
-            await self._stop(aborts[0].message, paused)
+            raise _EndRefit(RefitFailed, aborts[0].message)
         return paused
 
     async def pause_settled(self, plan: MembershipPlan) -> tuple[MembershipPlan, set[int]]:
@@ -181,26 +182,28 @@ class RefitLifecycle:
         return plan, paused
 
     async def transfer(self, plan: MembershipPlan, version: int, source: Any, paused: set[int]):
-        """Step 5: transfer; on failure classify, rebuild without the dead, re-pause, retry exactly once."""
-        current = {"plan": plan}
+        """Step 5: transfer; on failure classify, rebuild without the dead, re-pause, retry exactly once.
 
-        async def attempt(n: int) -> _Attempt:
-            if n == 2:
-                previous = current["plan"]
-                failed = [p for p in previous.participants if p.slot not in self._last.complete]
-                self.ctl.log.emit("refit_failed_attempt", version=version, attempt=1,
-                                  failed={p.slot: self._last.results[p.slot].detail[:200] for p in failed})
-                await self._classify_failed(failed)
-                # Re-pause every retry participant, engines that restarted meanwhile included.
-                current["plan"], again = await self.pause_settled(self.reconcile())
-                paused.intersection_update(again)
-                paused.update(again)
-            results = await self._transfer_once(current["plan"], version, source, rebuild=n > 1)
-            self._last = _Attempt(n, current["plan"], results)
-            return self._last
+        Returns the plan of the last attempt, the engines paused for it, the slots that
+        hold the complete new weights, and the number of attempts (1 or 2).
+        """
+        for attempt in (1, 2):
+            if attempt == 2:
+                plan, paused = await self._prepare_retry(plan, version, results, complete)
+            results = await self._transfer_once(plan, version, source, rebuild=attempt > 1)
+            complete = {s for s, r in results.items() if r.result is RefitResult.COMPLETE}
+            if plan.participants and len(complete) == len(plan.participants):
+                break
+        return plan, paused, complete, attempt
 
-        final = await retry_once(attempt)
-        return final.plan, final.complete, final.number
+    async def _prepare_retry(self, plan: MembershipPlan, version: int, results: dict, complete: set[int]):
+        """Before the one retry: classify the failed participants, rebuild membership, re-pause every
+        retry participant (engines restarted meanwhile included)."""
+        failed = [p for p in plan.participants if p.slot not in complete]
+        self.ctl.log.emit("refit_failed_attempt", version=version, attempt=1,
+                          failed={p.slot: results[p.slot].detail[:200] for p in failed})
+        await self._classify_failed(failed)
+        return await self.pause_settled(self.reconcile())
 
     async def stamp(self, plan: MembershipPlan, version: int, complete: set[int]) -> None:
         """Step 6: commit the version in the ledger and stamp it on every engine that holds it."""
@@ -213,7 +216,7 @@ class RefitLifecycle:
         )
         for p in parts:
             if not outs[p.slot].ok:
-                self.ctl.decide(self._observed(p, CallKind.REFIT, outs[p.slot]))
+                self.ctl.observe(p.slot, p.incarnation, CallKind.REFIT, outs[p.slot])
         stamped = [p for p in parts if outs[p.slot].ok]
         self.ctl.log.emit("stamp", version=version, members=[[p.slot, p.incarnation] for p in stamped])
 
@@ -232,20 +235,20 @@ class RefitLifecycle:
         outs = await self._fan_out({p.slot: (self._handle(p), "resume", (), {}) for p in parts}, expect_ack=True)
         aborts = []
         for p in parts:
-            d = self.ctl.decide(self._observed(p, CallKind.RESUME, outs[p.slot]))
+            d = self.ctl.observe(p.slot, p.incarnation, CallKind.RESUME, outs[p.slot])
             aborts += [a for a in d.actions if isinstance(a, AbortRefit)]
         if aborts:
-            await self._stop(aborts[0].message, set())
+            raise _EndRefit(RefitFailed, aborts[0].message)
 
     def reopen(self, version: int) -> None:
         """Step 8: reopen the gate only if quorum serves ``version``; else stop with it closed."""
         d = self.ctl.finish_refit(version)
+        self._finished = True
         if self.ctl.gate.is_open:
             return
         stop = next((a for a in d.actions if isinstance(a, (StopExhausted, KeepGateClosed))), None)
         message = stop.message if stop is not None else d.reason
-        self.ctl.halt(message)
-        raise (FleetExhausted if isinstance(stop, StopExhausted) else RefitFailed)(message)
+        raise _EndRefit(FleetExhausted if isinstance(stop, StopExhausted) else RefitFailed, message)
 
     # ------------------------------------------------------------------ helpers
     def _clear_cache(self, plan: MembershipPlan) -> bool:
@@ -277,17 +280,15 @@ class RefitLifecycle:
                 f"have no native pause and did not confirm a cache invalidation "
                 f"({'; '.join(outs[s].describe() for s in failed)})"
             )
-            self.ctl.finish_refit(self._version)
-            self.ctl.halt(message)
-            raise CacheInvalidationUnsupported(message)
+            raise _EndRefit(CacheInvalidationUnsupported, message)
 
     async def _transfer_once(self, plan: MembershipPlan, version: int, source: Any, rebuild: bool) -> dict:
         participants = [(p, self._handle(p)) for p in plan.participants]
-        t0 = time.monotonic()
+        t0 = self.ctl.clock.now()
         results = await self.ctl.transfer_port().transfer(
             participants, version, plan.epoch, source, rebuild=rebuild, timeout=self.ctl.cfg.lifecycle_deadline_s
         )
-        self._inside_s += time.monotonic() - t0
+        self._inside_s += self.ctl.clock.now() - t0
         for p in plan.participants:
             r = results[p.slot]
             self.ctl.decide(RefitReport(p.slot, p.incarnation, version, r.result, r.detail[:300]))
@@ -301,50 +302,42 @@ class RefitLifecycle:
         for p in failed:
             out = outs[p.slot]
             if not out.ok:
-                await self.ctl.report_failure(p.slot, p.incarnation, out, CallKind.REFIT)
+                self.ctl.observe(p.slot, p.incarnation, CallKind.REFIT, out)
 
-    async def _stop(self, message: str, paused: set[int]) -> None:
-        """An unrecovered failure: close out the refit, halt with the gate closed, return held requests."""
-        self.ctl.finish_refit(self._version)
+    async def _end(self, error: type[FleetStopped], message: str) -> None:
+        """The one way a refit ends without reopening: halt with the gate closed (it never opens on
+        the way), close the refit in the ledger, return held requests at once, raise ``error``."""
         self.ctl.halt(message)
+        if not self._finished:
+            self.ctl.finish_refit(self._version)
+            self._finished = True
         live = {s: (h, "pause", (), {"mode": "abort"}) for s, (_, h) in self.ctl.handles.items()}
         await self.ctl.door.fan_out(live, timeout=self.ctl.cfg.probe_timeout_s, expect_ack=True)
         await self.ctl.dispatcher.notify_room()
-        raise RefitFailed(message)
-
-    def _stop_sync(self, message: str) -> None:
-        self.ctl.finish_refit(self._version)
-        self.ctl.halt(message)
-        raise FleetExhausted(message)
+        raise error(message)
 
     async def _fan_out(self, calls: dict, expect_ack: bool = False, timeout: float | None = None) -> dict:
         if not calls:
             return {}
-        t0 = time.monotonic()
+        t0 = self.ctl.clock.now()
         outs = await self.ctl.door.fan_out(
             calls, timeout=timeout or self.ctl.cfg.lifecycle_deadline_s, expect_ack=expect_ack
         )
-        self._inside_s += time.monotonic() - t0  # the shards' calls, RPC round trips included
+        self._inside_s += self.ctl.clock.now() - t0  # the shards' calls, RPC round trips included
         return outs
 
     def _handle(self, p):
         return self.ctl.handles[p.slot][1]
 
-    def _observed(self, p, call: CallKind, out):
-        from fleet.controller import observed
-
-        if out.kind == "died":
-            self.ctl.door.kill(self._handle(p))
-        return observed(p.slot, p.incarnation, call, out)
 
     @contextmanager
     def _phase(self, name: str):
-        t0 = time.monotonic()
+        t0 = self.ctl.clock.now()
         self.ctl.log.emit("phase", phase=name, edge="begin", version=self._version)
         try:
             yield
         finally:
-            dt = time.monotonic() - t0
+            dt = self.ctl.clock.now() - t0
             self._phases[name] = dt
             self.ctl.metrics.phase(name, dt)
             self.ctl.log.emit("phase", phase=name, edge="end", version=self._version, seconds=round(dt, 6))

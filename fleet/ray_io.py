@@ -1,15 +1,15 @@
 """The one door to Ray: actor creation, bounded calls, fan-outs, kills, and exception mapping.
 
-No other rlfleet module calls ``ray.get``/``ray.wait``/``ray.kill`` or sees a Ray
-exception type. Every call here is bounded, and every failure becomes an
-``Outcome`` whose ``kind`` says what happened:
+No other rlfleet module calls ``.remote``, ``ray.get``/``ray.wait``/``ray.kill`` or
+sees a Ray exception type. Every call here is bounded, and every failure becomes an
+``Outcome`` (``fleet.outcome``, Ray-free) whose ``kind`` says what happened: this
+module is where an exception becomes a kind (``ActorDiedError`` -> ``died``,
+``ActorUnavailableError`` -> ``unavailable``, a deadline -> ``timed_out``, the
+actor's own exception -> ``error``, an ack that is not ``True`` -> ``bad_ack``).
 
-- ``ok``: the call returned (``value`` holds the result);
-- ``died``: the actor is confirmed dead (``ActorDiedError``);
-- ``unavailable``: the actor could not be reached right now (``ActorUnavailableError``): suspect, not dead;
-- ``timed_out``: the deadline passed: hung;
-- ``bad_ack``: an acknowledgement that was not exactly ``True``;
-- ``error``: the call raised inside the actor (``error`` holds the original exception).
+It also implements ``refit``'s two ports over actor handles (``ShardReceiverPort``,
+``ActorSenderPort``), and the synchronous calls drivers, tests and apps use
+(``ask``, ``submit``/``result``, ``ready``).
 
 Fan-outs settle every call (success, failure or deadline) before returning, so the
 caller never acts on one result while others are still in flight.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Awaitable, Hashable, Mapping
 
 import ray
@@ -28,28 +27,7 @@ from ray import exceptions as rex
 
 from fleet.config import EngineConfig
 from fleet.errors import ConfigError, DeadlineExceeded
-
-OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR = "ok", "died", "unavailable", "timed_out", "bad_ack", "error"
-
-
-@dataclass(frozen=True)
-class Outcome:
-    kind: str
-    value: Any = None
-    error: BaseException | None = None
-    elapsed_s: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.kind == OK
-
-    def describe(self) -> str:
-        if self.kind == OK:
-            return "ok"
-        if self.kind == BAD_ACK:
-            return f"bad ack {self.value!r}"
-        return f"{self.kind}: {type(self.error).__name__}: {self.error}" if self.error else self.kind
-
+from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome  # noqa: F401 - re-exported
 
 def _classify(exc: BaseException) -> str:
     """Map what a call raised to an outcome kind, from the outside in.
@@ -148,15 +126,6 @@ def spawn_actor(cls: type, *args, **options):
     return remote_cls.options(**options).remote(*args) if options else remote_cls.remote(*args)
 
 
-def spawn_controller(config: Any, **options):
-    """The ``SingleController`` actor: no CPU reserved (it only waits), high concurrency for requests."""
-    from fleet.controller import SingleController
-
-    opts = dict(num_cpus=0, max_concurrency=100_000, max_restarts=0)
-    opts.update(options)
-    return spawn_actor(SingleController, config, **opts)
-
-
 def _shard_actor_class():
     global _SHARD_CLS
     if _SHARD_CLS is None:
@@ -218,30 +187,100 @@ def shutdown() -> None:
         ray.shutdown()
 
 
-class ActorProxy:
-    """Async method calls on an actor handle: ``await proxy.method(*args)`` == ``await handle.method.remote(*args)``.
+# ------------------------------------------------------------------ calls from drivers, tests, apps
+# A "handle" is an actor handle from ``spawn_*``; a "pending" call is what ``submit`` returns.
+# Nothing outside this module holds a Ray object ref by its type or calls ``.remote``.
 
-    Used to hand actors to Ray-agnostic code (``refit`` ports) that awaits plain coroutines.
-    Failures propagate as the actor's own exception; callers bound the calls.
+
+def submit(handle, method: str, *args, **kwargs):
+    """Start ``handle.method(*args, **kwargs)`` without waiting; settle it with ``result``/``get``/``ready``."""
+    return getattr(handle, method).remote(*args, **kwargs)
+
+
+def ask(handle, method: str, *args, timeout: float, **kwargs) -> Any:
+    """Call ``handle.method`` and wait at most ``timeout`` s: the value, or the actor's own exception
+    (``TimeoutError`` past the deadline)."""
+    return get_or_raise(submit(handle, method, *args, **kwargs), timeout)
+
+
+def try_ask(handle, method: str, *args, timeout: float, expect_ack: bool = False, **kwargs) -> Outcome:
+    """Like ``ask`` but never raises for an actor failure: an ``Outcome``."""
+    try:
+        pending = submit(handle, method, *args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - submitting to a dead actor can raise at once
+        return outcome_of(exc=exc)
+    return get(pending, timeout, expect_ack=expect_ack)
+
+
+def result(pending, timeout: float) -> Any:
+    """The value of a ``submit``ted call (raises like ``ask``)."""
+    return get_or_raise(pending, timeout)
+
+
+def results(pendings: list, timeout: float) -> list:
+    """Values of several ``submit``ted calls, one shared deadline (raises like ``ask`` on the first failure)."""
+    deadline = time.monotonic() + timeout
+    return [get_or_raise(p, max(0.0, deadline - time.monotonic())) for p in pendings]
+
+
+def ready(pendings: list, timeout: float, num_returns: int = 1) -> tuple[list, list]:
+    """Split ``pendings`` into (finished, still running) after at most ``timeout`` s (``ray.wait``)."""
+    if not pendings:
+        return [], []
+    return ray.wait(list(pendings), num_returns=min(num_returns, len(pendings)), timeout=timeout)
+
+
+async def call_async(handle, method: str, *args, **kwargs) -> Any:
+    """Await ``handle.method`` inside an event loop; raises the actor's own exception. Callers bound it."""
+    try:
+        return await submit(handle, method, *args, **kwargs)
+    except rex.RayTaskError as exc:
+        raise _unwrap(exc) from None
+
+
+class ShardReceiverPort:
+    """``refit.ReceiverPort`` over an ``EngineShard`` actor: ``worker_rpc`` on every worker of that engine."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    async def worker_rpc(self, method: str, args=(), kwargs=None, timeout: float | None = None) -> list:
+        return await call_async(self.handle, "worker_rpc", method, list(args), dict(kwargs or {}), timeout)
+
+
+class ActorSenderPort:
+    """``refit.SenderPort`` over an actor whose class is a ``refit.ports.LocalSenderPort`` (a trainer, a weight source).
+
+    The five port methods are spelled out; any other method of the actor (``send_raw``,
+    ``checksum``, ...) is reached the same way through attribute access.
     """
 
     def __init__(self, handle) -> None:
-        self._handle = handle
+        self.handle = handle
+
+    async def open_group(self, epoch: int, world_size: int, backend: str, timeout_s: float, op_timeout_s: float | None = None) -> dict:
+        return await call_async(self.handle, "open_group", epoch, world_size, backend, timeout_s, op_timeout_s)
+
+    async def connect(self, timeout_s: float) -> dict:
+        return await call_async(self.handle, "connect", timeout_s)
+
+    async def close_group(self) -> bool:
+        return await call_async(self.handle, "close_group")
+
+    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None) -> dict:
+        return await call_async(self.handle, "prepare", refit_id, transfer, bucket_mb, direct_mb)
+
+    async def send(self, refit_id: int, timeout_s: float) -> dict:
+        return await call_async(self.handle, "send", refit_id, timeout_s)
 
     def __getattr__(self, name: str):
-        method = getattr(self._handle, name)
+        if name.startswith("_"):
+            raise AttributeError(name)
 
         async def remote_call(*args, **kwargs):
-            return await _unwrapping(method.remote(*args, **kwargs))
+            return await call_async(self.handle, name, *args, **kwargs)
 
         return remote_call
-
-
-async def _unwrapping(ref):
-    try:
-        return await ref
-    except rex.RayTaskError as exc:
-        raise _unwrap(exc) from None
 
 
 class RayDoor:
@@ -272,3 +311,9 @@ class RayDoor:
 
     def kill(self, handle) -> None:
         kill(handle)
+
+    def receiver_port(self, handle) -> ShardReceiverPort:
+        return ShardReceiverPort(handle)
+
+    def sender_port(self, handle) -> ActorSenderPort:
+        return ActorSenderPort(handle)

@@ -1,4 +1,4 @@
-"""The controller's port to the weight transport (``refit/``), and its Ray adapters.
+"""The controller's port to the weight transport (``refit/``), over the Ray door's refit ports.
 
 ``refit`` never imports ``fleet``; this module is where the two meet. The
 lifecycle calls ``TransferPort.transfer(participants, version, epoch, source,
@@ -11,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
+from fleet.errors import BadRequestError
+from fleet.fleet_config import REFIT_TIMEOUT_FALLBACK_S
 from health import Participant, RefitResult
+from refit.outcome import assign_ranks
+from refit.synchronizer import RefitConfig, WeightSynchronizer
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,7 @@ class TransferPort(Protocol):
         ...
 
 
-def _refit_config(cfg) -> Any:
-    from fleet.fleet_config import REFIT_TIMEOUT_FALLBACK_S
-    from refit.synchronizer import RefitConfig
-
+def _refit_config(cfg) -> RefitConfig:
     t = cfg.refit_timeout_s if cfg.refit_timeout_s is not None else REFIT_TIMEOUT_FALLBACK_S
     return RefitConfig(
         backend=cfg.transport_backend,
@@ -61,31 +62,28 @@ class RefitTransferPort:
 
     ``source`` is an actor with the ``refit.SenderPort`` methods (e.g. the trainer
     actor embedding a ``WeightSender``). One synchronizer per source: a new source
-    gets a fresh one (and a fresh group).
+    gets a fresh one (and a fresh group). The ``door`` turns handles into refit's
+    ports (``receiver_port``, ``sender_port``), so this module imports no Ray.
     """
 
-    def __init__(self, cfg, door: Any = None) -> None:
+    def __init__(self, cfg, door: Any) -> None:
         self._cfg = cfg
+        self._door = door
         self._config = _refit_config(cfg)
         self._sync = None
         self._source = None
         self._workers: dict[tuple[int, int], int] = {}
 
     async def transfer(self, participants, version, epoch, source, rebuild, timeout) -> dict[int, TransferResult]:
-        from fleet.errors import BadRequestError
-        from fleet.ray_io import ActorProxy
-        from refit.outcome import assign_ranks
-        from refit.synchronizer import WeightSynchronizer
-
         if source is None:
             raise BadRequestError("sync_weights needs a weight source (an actor with the refit sender methods)")
         if self._sync is None or self._source is not source:
             if self._sync is not None:
                 await self._sync.close()
-            self._sync, self._source = WeightSynchronizer(ActorProxy(source), self._config), source
+            self._sync, self._source = WeightSynchronizer(self._door.sender_port(source), self._config), source
         handles = {(p.slot, p.incarnation): h for p, h in participants}
         keys = assign_ranks({member: await self._worker_count(member, h) for member, h in handles.items()})
-        report = await self._sync.refit({k: ActorProxy(handles[(k.slot, k.incarnation)]) for k in keys}, version, epoch)
+        report = await self._sync.refit({k: self._door.receiver_port(handles[(k.slot, k.incarnation)]) for k in keys}, version, epoch)
         out: dict[int, TransferResult] = {}
         for key, r in report.results.items():
             detail = r.error or ("ok" if r.ok else r.outcome.value)
@@ -102,11 +100,9 @@ class RefitTransferPort:
         asked, the configured tensor-parallel size stands in (the refit then reports it).
         """
         if member not in self._workers:
-            from fleet.ray_io import ActorProxy
-
             fallback = max(1, self._cfg.engine.tensor_parallel_size * self._cfg.engine.pipeline_parallel_size)
             try:
-                infos = await ActorProxy(handle).worker_rpc("rlfleet_worker_info", (), {}, self._config.rpc_timeout_s)
+                infos = await self._door.receiver_port(handle).worker_rpc("rlfleet_worker_info", (), {}, self._config.rpc_timeout_s)
                 self._workers[member] = max(1, len(infos))
             except Exception:  # noqa: BLE001 - a dead engine fails its refit with a precise report instead
                 return fallback

@@ -49,18 +49,7 @@ Modules: ``states`` (enums), ``config`` (``HealthConfig``), ``clock``, ``events`
 
 from __future__ import annotations
 
-from health.classify import (
-    classify_ack,
-    classify_exception,
-    classify_kind,
-    classify_observation,
-    classify_outcome,
-    describe_outcome,
-    exception_names,
-    is_late,
-    observe,
-    refit_result,
-)
+from health.classify import classify_kind, is_late, refit_result
 from health.clock import Clock, FakeClock, MonotonicClock
 from health.config import HealthConfig
 from health.core import decide, step
@@ -137,16 +126,9 @@ __all__ = [
     "Transition",
     "VersionCommitted",
     "check_quorum",
-    "classify_ack",
-    "classify_exception",
     "classify_kind",
-    "classify_observation",
-    "classify_outcome",
     "decide",
-    "describe_outcome",
-    "exception_names",
     "is_late",
-    "observe",
     "plan_membership",
     "refit_result",
     "step",

@@ -1,103 +1,32 @@
-"""Failure classification: pure functions from what the controller saw to a
-``FailureClass`` (DESIGN.md, "Failure classes").
+"""Failure classification: from what one call came to, to a ``FailureClass``
+(DESIGN.md, "Failure classes"). Pure: imports no Ray.
 
-Ray exception types are matched by *class name* along the exception's MRO, so this
-module (and all of ``health/``) imports no Ray, and subclasses are recognised:
+The one path is ``exception or value -> outcome kind -> failure class``. The Ray
+door (``fleet.ray_io``) does the first arrow, because only it may see Ray's
+exception types; this module does the second:
 
-=================================  ==========  ===============================
-seen                               class       why
-=================================  ==========  ===============================
-``RayTaskError`` (any cause)       ERROR       the actor answered: the method
-                                               raised, the actor is alive
-``ActorDiedError``                 DEAD        confirmed death
-``ActorUnavailableError``          SUSPECT     may come back; probe decides
-``GetTimeoutError``,               HUNG        a deadline passed
-``TimeoutError`` (incl. asyncio's)
-bare ``RayActorError``             SUSPECT     dead *or* unavailable: not a
-                                               confirmed death, so probe
-any other exception                ERROR       the call failed
-an ack that ``is True``            OK
-any other ack (``None``, ``1``,    LIED        never counted as success
-``"ok"``, ``numpy.True_`` ...)
-event's incarnation != current     LATE        ignored
-=================================  ==========  ===============================
+==============  ==========  ===============================================
+outcome kind    class       why
+==============  ==========  ===============================================
+``ok``          OK          the call returned (an ack that ``is True``)
+``died``        DEAD        confirmed death (``ActorDiedError``)
+``unavailable`` SUSPECT     may come back (``ActorUnavailableError``, a bare
+                            ``RayActorError``); probes decide
+``timed_out``   HUNG        a deadline passed
+``bad_ack``     LIED        any other ack (``None``, ``1``, ``"ok"`` ...)
+``error``       ERROR       the actor answered with an exception: it is alive
+==============  ==========  ===============================================
 
-``RayTaskError`` is checked first because Ray builds ``RayTaskError(<Cause>)``
-classes that also inherit from the cause: an actor whose *own* call to another actor
-raised ``ActorDiedError`` is alive, and must not be condemned for it.
-
-For a call still pending at its deadline, pass a ``TimeoutError`` naming the call
-and the deadline. A Ray wrapper that has already reduced an outcome to a kind word
-(``ok``, ``died``, ``unavailable``, ``timed_out``, ``bad_ack``, ``error``) can use
-``classify_kind`` instead. Guarantee on failure: functions raise ``TypeError``/``ValueError``
-naming the bad argument and never return a guess.
+An event about a replaced incarnation is LATE whatever it says (``is_late``).
+Guarantee on failure: functions raise ``ValueError`` naming the bad argument and
+never return a guess.
 """
 
 from __future__ import annotations
 
-from health.events import Observed
-from health.states import CallKind, FailureClass, RefitResult
+from health.states import FailureClass, RefitResult
 
-__all__ = [
-    "classify_ack",
-    "classify_exception",
-    "classify_kind",
-    "classify_observation",
-    "classify_outcome",
-    "describe_outcome",
-    "exception_names",
-    "is_late",
-    "observe",
-    "refit_result",
-]
-
-APPLICATION_ERROR_NAMES = frozenset({"RayTaskError"})
-DEATH_NAMES = frozenset({"ActorDiedError"})
-UNAVAILABLE_NAMES = frozenset({"ActorUnavailableError"})
-TIMEOUT_NAMES = frozenset({"GetTimeoutError", "TimeoutError"})
-ACTOR_ERROR_NAMES = frozenset({"RayActorError"})
-
-_RULES = (
-    (APPLICATION_ERROR_NAMES, FailureClass.ERROR),
-    (DEATH_NAMES, FailureClass.DEAD),
-    (UNAVAILABLE_NAMES, FailureClass.SUSPECT),
-    (TIMEOUT_NAMES, FailureClass.HUNG),
-    (ACTOR_ERROR_NAMES, FailureClass.SUSPECT),
-)
-
-
-def exception_names(exc: BaseException) -> frozenset[str]:
-    """Names of every class in ``type(exc).__mro__``."""
-    return frozenset(cls.__name__ for cls in type(exc).__mro__)
-
-
-def classify_exception(exc: BaseException) -> FailureClass:
-    """Classify an exception raised by a call to one shard (see the module table)."""
-    if not isinstance(exc, BaseException):
-        raise TypeError(f"classify_exception needs an exception instance, got {exc!r}")
-    names = exception_names(exc)
-    for rule_names, failure in _RULES:
-        if not names.isdisjoint(rule_names):
-            return failure
-    return FailureClass.ERROR
-
-
-def classify_ack(value: object) -> FailureClass:
-    """``OK`` iff ``value is True``; anything else is a lie (``LIED``)."""
-    return FailureClass.OK if value is True else FailureClass.LIED
-
-
-def classify_outcome(outcome: object, *, expect_ack: bool = True) -> FailureClass:
-    """Classify a settled call: an exception instance, or the value it returned.
-
-    With ``expect_ack`` (lifecycle calls and probes) the value must be exactly
-    ``True``; without it (ordinary results) any value is ``OK``.
-    """
-    if isinstance(outcome, BaseException):
-        return classify_exception(outcome)
-    if expect_ack:
-        return classify_ack(outcome)
-    return FailureClass.OK
+__all__ = ["OUTCOME_KINDS", "classify_kind", "is_late", "refit_result"]
 
 
 OUTCOME_KINDS: dict[str, FailureClass] = {
@@ -123,41 +52,6 @@ def classify_kind(kind: str) -> FailureClass:
 def is_late(incarnation: int, current_incarnation: int) -> bool:
     """True when an event about ``incarnation`` comes from a replaced incarnation."""
     return incarnation != current_incarnation
-
-
-def classify_observation(
-    outcome: object, *, incarnation: int, current_incarnation: int, expect_ack: bool = True
-) -> FailureClass:
-    """``LATE`` for a replaced incarnation, else ``classify_outcome(outcome)``."""
-    if is_late(incarnation, current_incarnation):
-        return FailureClass.LATE
-    return classify_outcome(outcome, expect_ack=expect_ack)
-
-
-def describe_outcome(outcome: object, *, limit: int = 200) -> str:
-    """A short description for reasons: ``ActorDiedError: ...`` or ``ack=None``."""
-    if isinstance(outcome, BaseException):
-        text = f"{type(outcome).__name__}: {outcome}"
-    else:
-        text = f"ack={outcome!r}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def observe(
-    slot: int, incarnation: int, call: CallKind, outcome: object, *, expect_ack: bool = True
-) -> Observed:
-    """Build the ``Observed`` event for one settled call (the usual controller path).
-
-    ``outcome`` is the exception the call raised or the value it returned; for a call
-    that missed its deadline pass a ``TimeoutError``.
-    """
-    if not isinstance(call, CallKind):
-        raise TypeError(f"observe needs a CallKind for slot {slot}, got {call!r}")
-    return Observed(
-        slot, incarnation, call,
-        classify_outcome(outcome, expect_ack=expect_ack),
-        describe_outcome(outcome),
-    )
 
 
 def refit_result(bytes_moved: int, bytes_expected: int) -> RefitResult:

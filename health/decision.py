@@ -66,7 +66,7 @@ class Probe:
 
 @dataclass(frozen=True, slots=True)
 class Evict:
-    """Kill ``incarnation`` of ``slot`` (``ray.kill``). The ledger already counts it
+    """Kill ``incarnation`` of ``slot`` (through the Ray door). The ledger already counts it
     dead; killing fences it so a frozen or unreachable engine cannot come back."""
 
     slot: int

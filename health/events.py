@@ -46,10 +46,10 @@ class EngineReady:
 class Observed:
     """The outcome of one call to one shard, already classified.
 
-    ``failure`` comes from ``health.classify`` (``classify_outcome`` for a settled
-    call; ``FailureClass.HUNG`` for a call that missed its deadline). ``detail`` is a
-    short human description of what was seen (``describe_outcome``), carried into
-    reasons and error messages. ``observe()`` builds one from a raw outcome.
+    ``failure`` comes from the outcome kind through ``health.classify.classify_kind``
+    (``FailureClass.HUNG`` for a call that missed its deadline). ``detail`` is a
+    short human description of what was seen, carried into reasons and error
+    messages. ``fleet.outcome.observed()`` builds one from a settled call.
     """
 
     slot: int

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import warnings
 
 import pytest
@@ -17,7 +16,9 @@ import pytest
 from fleet.controller import SingleController
 from fleet.errors import ConfigError, FleetExhausted, RefitFailed
 from fleet.fleet_config import REFIT_TIMEOUT_FALLBACK_S, load_fleet_config
-from tests.unit.fleet_fakes import FakeDoor, FakeTransfer
+from fleet.outcome import DIED, UNAVAILABLE, Outcome, observed
+from health import CallKind
+from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, run_virtual
 
 
 @pytest.fixture
@@ -43,11 +44,12 @@ def make(model_dir, **over):
     cfg.update(over)
     door = FakeDoor()
     transfer = FakeTransfer(door)
-    return SingleController(cfg, door=door, transfer=transfer), door, transfer
+    return SingleController(cfg, door=door, transfer=transfer, clock=LoopClock()), door, transfer
 
 
 def run(coro):
-    return asyncio.run(coro)
+    """Every controller test runs in virtual time: timeouts, probes and backoffs cost no real time."""
+    return run_virtual(coro)
 
 
 def order_for(door, slot, methods=("pause", "transfer", "set_weight_version", "resume")):
@@ -127,10 +129,10 @@ def test_hung_pause_stops_with_gate_closed_within_deadline(model_dir):
         ctl, door, _ = make(model_dir)
         await ctl.start()
         door.shards[(1, 1)].sticky["pause"] = "hang"
-        t0 = time.monotonic()
+        t0 = ctl.clock.now()
         with pytest.raises(RefitFailed, match="slot 1"):
             await ctl.sync_weights(1)
-        assert time.monotonic() - t0 < ctl.cfg.lifecycle_deadline_s + 1.0
+        assert ctl.clock.now() - t0 < ctl.cfg.lifecycle_deadline_s + 1.0
         assert not ctl.gate.is_open
         await ctl.shutdown()
 
@@ -156,9 +158,7 @@ def test_unavailable_is_suspect_never_dead_on_its_own(model_dir):
         ctl, door, _ = make(model_dir, unhealthy_threshold=3)
         await ctl.start()
         door.shards[(0, 1)].script["ping"] = "unavailable"  # one failed probe, then answers again
-        from fleet.ray_io import UNAVAILABLE, Outcome
-
-        await ctl.report_failure(0, 1, Outcome(UNAVAILABLE, error=ConnectionError("x")))
+        ctl.observe(0, 1, CallKind.GENERATE, Outcome(UNAVAILABLE, error=ConnectionError("x")))
         assert ctl.ledger.state(0).value == "suspect"
         for _ in range(40):
             await asyncio.sleep(0.02)
@@ -175,16 +175,13 @@ def test_late_error_from_replaced_incarnation_does_not_condemn_replacement(model
     async def go():
         ctl, door, _ = make(model_dir)
         await ctl.start()
-        from fleet.ray_io import DIED, Outcome
-
-        await ctl.report_failure(1, 1, Outcome(DIED, error=RuntimeError("ActorDiedError")))
+        ctl.observe(1, 1, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("ActorDiedError")))
         for _ in range(50):
             await asyncio.sleep(0.02)
             if ctl.handles[1][0] == 2 and ctl.ledger.state(1).value == "stale":
                 break
         assert ctl.handles[1][0] == 2 and ctl.ledger.state(1).value == "stale"
-        d = ctl.decide(__import__("fleet.controller", fromlist=["observed"]).observed(
-            1, 1, __import__("health").CallKind.GENERATE, Outcome(DIED, error=RuntimeError("late"))))
+        d = ctl.decide(observed(1, 1, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("late"))))
         assert d.ignored and ctl.ledger.state(1).value == "stale"
         await ctl.shutdown()
 

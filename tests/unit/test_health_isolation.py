@@ -46,3 +46,16 @@ def test_importing_health_loads_neither_ray_nor_vllm():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_control_plane_logic_and_its_unit_fakes_load_no_ray():
+    """Only the door (fleet.ray_io) may import Ray: the controller, lifecycle, dispatch, outcome,
+    weight port and the unit tests' fakes run without it."""
+    code = (
+        "import sys, fleet.controller, fleet.lifecycle, fleet.dispatch, fleet.outcome, fleet.weights\n"
+        "import tests.unit.fleet_fakes\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

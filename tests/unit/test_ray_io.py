@@ -46,3 +46,85 @@ def test_a_fleet_the_cluster_cannot_place_is_refused_naming_the_field(monkeypatc
         ray_io.check_capacity(3, 1.0, 0.0)
     with pytest.raises(ConfigError, match=r"engine\.num_gpus"):
         ray_io.check_capacity(1, 0.0, 1.0)
+
+
+# --- exception -> outcome kind -> failure class: one row per line of DESIGN's failure table,
+# through the one path the controller uses (the door's outcome_of, then fleet.outcome.observed).
+import asyncio  # noqa: E402
+import concurrent.futures  # noqa: E402
+
+import pytest  # noqa: E402
+
+from fleet.errors import EngineCrashedError, ShardShutDownError  # noqa: E402
+from fleet.outcome import observed  # noqa: E402
+from health import CallKind, FailureClass, Observed  # noqa: E402
+
+
+def _failure(outcome) -> FailureClass:
+    return observed(0, 1, CallKind.PAUSE, outcome).failure
+
+
+class PreemptedDeath(rex.ActorDiedError):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (rex.ActorDiedError(), FailureClass.DEAD),
+        (PreemptedDeath(), FailureClass.DEAD),
+        (rex.ActorUnavailableError("gone", None), FailureClass.SUSPECT),
+        (rex.GetTimeoutError(), FailureClass.HUNG),
+        (TimeoutError("pause did not settle in 30 s"), FailureClass.HUNG),
+        (asyncio.TimeoutError(), FailureClass.HUNG),
+        (concurrent.futures.TimeoutError(), FailureClass.HUNG),
+        (rex.RayActorError(), FailureClass.SUSPECT),
+        (_task_error(ValueError("shape")), FailureClass.ERROR),
+        (_task_error(rex.ActorDiedError()), FailureClass.ERROR),
+        (_task_error(TimeoutError("inner")), FailureClass.ERROR),
+        (ValueError("bad weights"), FailureClass.ERROR),
+        (RuntimeError("cuda"), FailureClass.ERROR),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else v.value,
+)
+def test_exception_classification_table(exc, expected):
+    assert _failure(outcome_of(exc=exc)) is expected
+
+
+def test_a_wrapped_death_the_shard_itself_reported_is_an_answer():
+    wrapped = rex.RayTaskError("reload", "tb", rex.ActorDiedError()).as_instanceof_cause()
+    assert isinstance(wrapped, rex.ActorDiedError)  # Ray's dual class inherits the cause...
+    assert _failure(outcome_of(exc=wrapped)) is FailureClass.ERROR  # ...but the shard itself answered
+
+
+class _EqualsTrue:
+    def __eq__(self, other):
+        return True
+
+    def __bool__(self):
+        return True
+
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize("ack", [False, None, 1, 1.0, "True", "ok", [True], (True,), _EqualsTrue()])
+def test_any_ack_but_true_is_a_lie(ack):
+    assert _failure(outcome_of(ack, expect_ack=True)) is FailureClass.LIED
+    assert _failure(outcome_of(True, expect_ack=True)) is FailureClass.OK
+
+
+def test_results_without_an_ack_are_ok_unless_they_raised():
+    assert _failure(outcome_of({"tokens": [1, 2]})) is FailureClass.OK
+    assert _failure(outcome_of(None)) is FailureClass.OK
+
+
+def test_an_unusable_shard_counts_as_dead():
+    for exc in (EngineCrashedError("engine core exited"), ShardShutDownError("shut down")):
+        assert _failure(outcome_of(exc=_task_error(exc))) is FailureClass.DEAD
+
+
+def test_observed_carries_a_bounded_description():
+    ev = observed(2, 5, CallKind.PAUSE, outcome_of(exc=rex.ActorUnavailableError("node 7 unreachable", None)))
+    assert ev == Observed(2, 5, CallKind.PAUSE, FailureClass.SUSPECT, ev.detail)
+    assert ev.detail.startswith("unavailable: ActorUnavailableError")
+    assert len(observed(1, 1, CallKind.RESUME, outcome_of(exc=ValueError("x" * 1000))).detail) == 300

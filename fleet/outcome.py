@@ -1,0 +1,60 @@
+"""What one call to a shard came to, and what that means for the health core. Ray-free.
+
+The door (``fleet.ray_io``) turns whatever a call raised or returned into an
+``Outcome`` whose ``kind`` is one word; this module turns an outcome into a health
+observation. Together they are the one classification path:
+
+    exception or value --(ray_io.outcome_of)--> Outcome.kind --(observed)--> FailureClass
+
+- ``ok``: the call returned (``value`` holds the result);
+- ``died``: the actor is confirmed dead;
+- ``unavailable``: the actor could not be reached right now: suspect, not dead;
+- ``timed_out``: the deadline passed: hung;
+- ``bad_ack``: an acknowledgement that was not exactly ``True``: a lie;
+- ``error``: the call raised inside the actor (``error`` holds the actor's own exception).
+
+A shard that answers with ``ShardUnusableError`` (engine core crashed, shut down)
+is as good as dead: ``is_unusable`` says so, and ``observed`` classes it ``dead``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.errors import ShardUnusableError
+from health import CallKind, FailureClass, Observed
+from health.classify import classify_kind
+
+OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR = "ok", "died", "unavailable", "timed_out", "bad_ack", "error"
+KINDS = (OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str
+    value: Any = None
+    error: BaseException | None = None
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == OK
+
+    def describe(self) -> str:
+        if self.kind == OK:
+            return "ok"
+        if self.kind == BAD_ACK:
+            return f"bad ack {self.value!r}"
+        return f"{self.kind}: {type(self.error).__name__}: {self.error}" if self.error else self.kind
+
+
+def is_unusable(outcome: Outcome) -> bool:
+    """Dead, or alive but unable to serve (its engine crashed, it was shut down): fence it."""
+    return outcome.kind == DIED or (outcome.kind == ERROR and isinstance(outcome.error, ShardUnusableError))
+
+
+def observed(slot: int, incarnation: int, call: CallKind, outcome: Outcome) -> Observed:
+    """The health observation for one settled call of ``incarnation`` of ``slot``."""
+    failure = FailureClass.DEAD if is_unusable(outcome) else classify_kind(outcome.kind)
+    return Observed(slot, incarnation, call, failure, outcome.describe()[:300])
