@@ -1,6 +1,7 @@
-"""DESIGN.md's failure-class table, row by row, end to end: a raw call outcome (an
-exception named like Ray's, or an ack value) goes through ``observe`` and
-``step``, and the test checks the effect the table promises."""
+"""DESIGN.md's failure-class table, row by row, end to end: a raw call outcome (one of
+Ray's own exceptions, or an ack value) goes through the one classification path (the
+door's ``outcome_of``, then ``fleet.outcome.observed``) and ``step``, and the test
+checks the effect the table promises."""
 
 from __future__ import annotations
 
@@ -21,13 +22,34 @@ from health import (
     StopExhausted,
     Tick,
     VersionCommitted,
-    observe,
     step,
 )
 from health.testing import feed, ready_fleet
+from ray import exceptions as rex
 
-ActorDiedError = type("ActorDiedError", (type("RayActorError", (Exception,), {}),), {})
-ActorUnavailableError = type("ActorUnavailableError", (Exception,), {})
+from fleet.outcome import observed
+from fleet.ray_io import outcome_of
+
+
+class ActorDiedError(rex.ActorDiedError):
+    """Ray's own death, with the cause the test names in its message."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__()
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def ActorUnavailableError(message: str) -> BaseException:  # noqa: N802
+    return rex.ActorUnavailableError(message, None)
+
+
+def observe(slot: int, incarnation: int, call: CallKind, raw: object):
+    """What the controller does with one settled call: exception or ack -> outcome -> observation."""
+    out = outcome_of(exc=raw) if isinstance(raw, BaseException) else outcome_of(raw, expect_ack=True)
+    return observed(slot, incarnation, call, out)
 
 
 def fleet(**overrides):
