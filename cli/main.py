@@ -59,14 +59,15 @@ SUBCOMMAND_MODULES = ("cli.demo", "cli.faults", "cli.slurm")
 
 def _register(sub, module: str) -> None:
     """Register a subcommand module. A module that fails to import still gets its command,
-    which then says why it cannot run (a broken import must never make a command vanish)."""
+    which then says why it cannot run (a broken import must never make a command vanish).
+    The broken command takes any arguments (``main`` passes them through), so
+    ``rlfleet demo --engines 3`` names the failed import, not an unknown flag."""
     try:
         importlib.import_module(module).register(sub)
     except Exception as exc:  # noqa: BLE001 - any import failure is reported by the command itself
         name = module.rsplit(".", 1)[-1]
         broken = sub.add_parser(name, help=f"unavailable: {exc}", add_help=False)
-        broken.add_argument("rest", nargs=argparse.REMAINDER)
-        broken.set_defaults(func=_unavailable(name, module, exc))
+        broken.set_defaults(func=_unavailable(name, module, exc), any_args=True)
 
 
 def _unavailable(name: str, module: str, exc: Exception) -> Callable[[argparse.Namespace], int]:
@@ -78,7 +79,10 @@ def _unavailable(name: str, module: str, exc: Exception) -> Callable[[argparse.N
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "any_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except RlfleetError as exc:

@@ -1,14 +1,17 @@
 """``rlfleet slurm submit``: fill the sbatch launcher from flags and submit it.
 
-The launcher lives in ``slurm/``: ``rlfleet.sbatch.in`` (the shell logic, with an
-``#SBATCH`` header block and a settings block) and ``rlfleet_step.py`` (the per-step
-supervisor, embedded into the script as a heredoc). ``render`` fills both blocks and
-embeds the supervisor, so the submitted script is one self-contained file; the
-committed ``slurm/rlfleet.sbatch`` is ``render_default()`` (a test keeps them equal).
+The launcher lives in the ``slurm`` package (``slurm/`` in a checkout, shipped as
+package data in a wheel, read with ``importlib.resources``): ``rlfleet.sbatch.in``
+(the shell logic, with an ``#SBATCH`` header block and a settings block) and
+``rlfleet_step.py`` (the per-step supervisor, embedded into the script as a heredoc).
+``render`` fills both blocks and embeds the supervisor, so the submitted script is
+one self-contained file; the committed ``slurm/rlfleet.sbatch`` is
+``render_default()`` (a test keeps them equal).
 
 Guarantees: flags are validated before anything is submitted (``SubmitError`` names
 the flag); ``--dry-run`` prints the exact script and submits nothing; with ``--wait``
-the exit code is the job's own (``sbatch --wait`` propagates it).
+the exit code is the job's own (``sbatch --wait`` propagates it); a launcher file the
+install lacks is one line naming it (``LauncherMissing``), exit 2.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
+from importlib import resources
+from importlib.resources.abc import Traversable
 from typing import Sequence
 
-SLURM_DIR = Path(os.environ.get("RLFLEET_SLURM_DIR_SRC", Path(__file__).resolve().parents[1] / "slurm"))
+LAUNCHER_PACKAGE = "slurm"
 TEMPLATE = "rlfleet.sbatch.in"
 STEP_PROGRAM = "rlfleet_step.py"
 STEP_MARKER = "# @RLFLEET_STEP_PY@"
@@ -36,6 +40,10 @@ _SETTING = re.compile(r'^: "\$\{(RLFLEET_[A-Z0-9_]+):=(.*)\}"(\s+#.*)?$')
 
 class SubmitError(ValueError):
     """A flag value the launcher cannot use; the message names the flag."""
+
+
+class LauncherMissing(RuntimeError):
+    """The launcher files are not installed; the message names the file."""
 
 
 @dataclass
@@ -135,19 +143,28 @@ def _embed_step(text: str, program: str) -> str:
     return text.replace(STEP_MARKER, block, 1)
 
 
-def render(spec: JobSpec, slurm_dir: Path = SLURM_DIR) -> str:
+def _read(name: str, source: Traversable | None) -> str:
+    """One launcher file, from ``source`` or the installed ``slurm`` package."""
+    try:
+        return ((source or resources.files(LAUNCHER_PACKAGE)) / name).read_text()
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        raise LauncherMissing(
+            f"launcher file {LAUNCHER_PACKAGE}/{name} not found ({exc}); reinstall rlfleet, it ships them as package data"
+        ) from exc
+
+
+def render(spec: JobSpec, source: Traversable | None = None) -> str:
     """The complete sbatch script for ``spec``. Raises ``SubmitError`` for bad values."""
     spec.validate()
-    text = (slurm_dir / TEMPLATE).read_text()
+    text = _read(TEMPLATE, source)
     text = _replace_block(text, "sbatch header", header(spec))
     text = _fill_settings(text, spec)
-    return _embed_step(text, (slurm_dir / STEP_PROGRAM).read_text())
+    return _embed_step(text, _read(STEP_PROGRAM, source))
 
 
-def render_default(slurm_dir: Path = SLURM_DIR) -> str:
+def render_default(source: Traversable | None = None) -> str:
     """The committed ``slurm/rlfleet.sbatch``: the template with its own defaults."""
-    text = (slurm_dir / TEMPLATE).read_text()
-    return _embed_step(text, (slurm_dir / STEP_PROGRAM).read_text())
+    return _embed_step(_read(TEMPLATE, source), _read(STEP_PROGRAM, source))
 
 
 # -- argparse ---------------------------------------------------------------------------
@@ -226,7 +243,7 @@ def spec_from_args(ns: argparse.Namespace) -> JobSpec:
 def submit(ns: argparse.Namespace) -> int:
     try:
         script = render(spec_from_args(ns))
-    except SubmitError as exc:
+    except (SubmitError, LauncherMissing) as exc:
         print(f"rlfleet slurm submit: {exc}", file=sys.stderr)
         return 2
     cmd = ["sbatch", "--wait"] if ns.wait else ["sbatch", "--parsable"]

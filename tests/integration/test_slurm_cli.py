@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,12 @@ def test_default_driver_is_the_demo(capsys):
 def test_bad_flags_are_refused_before_anything_is_submitted(capsys, args, message):
     assert slurm_cli.main(["submit", "--dry-run", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_missing_launcher_files_are_one_line_naming_the_file(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "slurm", None)  # as if the install shipped no `slurm` package
+    assert slurm_cli.main(["submit", "--dry-run"]) == 2
+    assert "launcher file slurm/rlfleet.sbatch.in not found" in capsys.readouterr().err
 
 
 def test_unknown_setting_is_refused():
