@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed
+from fleet.staleness import too_old
 from health import (
     AbortRefit,
     CallKind,
@@ -121,7 +122,7 @@ class RefitLifecycle:
             return 0
         calls = {}
         for slot, reqs in self.ctl.dispatcher.outstanding.items():
-            old = [rid for rid, (inc, v) in reqs.items() if version - v > limit and self.ctl.handle_of(slot, inc)]
+            old = [rid for rid, (inc, v) in reqs.items() if too_old(v, version, limit) and self.ctl.handle_of(slot, inc)]
             if old:
                 inc = next(iter(reqs.values()))[0]
                 calls[slot] = (self.ctl.handle_of(slot, inc), "abort", (old,), {})
@@ -187,6 +188,8 @@ class RefitLifecycle:
         Returns the plan of the last attempt, the engines paused for it, the slots that
         hold the complete new weights, and the number of attempts (1 or 2).
         """
+        results: dict = {}
+        complete: set[int] = set()
         for attempt in (1, 2):
             if attempt == 2:
                 plan, paused = await self._prepare_retry(plan, version, results, complete)
