@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.admission import AdmissionConfig
+from fleet.admission_config import AdmissionConfig
 from fleet.config import EngineConfig, validate
 from fleet.errors import ConfigError
 

@@ -1,4 +1,5 @@
-"""The admission law, rule by rule, with synthetic stats and a hand-moved clock."""
+"""The admission config, law (``fleet.admission_law``) rule by rule, and tracker
+(``fleet.admission``), with synthetic stats and a hand-moved clock."""
 
 from __future__ import annotations
 
@@ -7,15 +8,9 @@ import math
 
 import pytest
 
-from fleet.admission import (
-    AdmissionConfig,
-    AdmissionController,
-    AdmissionState,
-    initial_cap,
-    initial_state,
-    load_admission_config,
-    update,
-)
+from fleet.admission import AdmissionController
+from fleet.admission_config import AdmissionConfig, load_admission_config
+from fleet.admission_law import AdmissionState, initial_cap, initial_state, update
 from fleet.errors import ConfigError
 from fleet.types import EngineStats
 
@@ -465,7 +460,7 @@ def test_update_is_pure():
     assert a == b and s0 == state(8)
 
 
-# ---------------------------------------------------------------- the wrapper
+# ---------------------------------------------------------------- the tracker (fleet.admission)
 def test_controller_sizes_on_first_stats_and_gates_with_fallback_before():
     ac = AdmissionController(CFG)
     assert ac.cap(0) == 4 and ac.caps([0, 1]) == {0: 4, 1: 4}
