@@ -1,11 +1,21 @@
-"""A weight source: the trainer side of a refit, as a class any trainer can extend.
+"""``WeightSource``: a stand-in trainer that holds a float32 Hugging Face model and sends its weights.
 
-``PolicySource`` holds a Hugging Face causal LM in float32 and is a
-``refit.ports.LocalSenderPort`` over it, so its actor handle is the ``source``
-argument of ``sync_weights``. It also computes the trainer's logprobs of sampled tokens, the
-reference every logprob-agreement check compares the engines against. Tests, the
-fault runner and benchmarks use it (``perturb`` makes "new weights"); the GRPO
-trainer actor is a sender port of the same kind.
+It is a ``refit.ports.LocalSenderPort`` over the model it holds, so its actor handle
+(``fleet.ray_io.spawn_actor(WeightSource, model_dir, num_cpus=0)``) is the ``source``
+argument of ``sync_weights``, and ``fleet.ray_io.ActorSenderPort(handle)`` is the
+sender port a bare ``refit.WeightSynchronizer`` drives. Tests, benchmarks, the fault
+runner and campaigns use it to:
+
+- take a deterministic "training step" (``perturb``: seeded noise, plain or scaled by
+  each tensor's std);
+- score sampled tokens (``logprobs``: ``recipe.logprobs.token_logprobs``, the same
+  scoring the GRPO trainer uses), the reference every logprob-agreement check
+  compares the engines against;
+- break its next update on purpose (``corrupt_next_update``: a wrong name, shape or
+  dtype for one tensor), and report its checksum and resident memory.
+
+Every method runs on the sender's one thread, so a step or a score never overlaps a
+``prepare`` or a ``send`` of the same actor.
 """
 
 from __future__ import annotations
@@ -15,36 +25,81 @@ from typing import Sequence
 
 import torch
 
+from recipe.logprobs import token_logprobs
 from refit.ports import LocalSenderPort
 from refit.sender import WeightSender
 
+CORRUPTIONS = ("name", "shape", "dtype")
 
-class PolicySource(LocalSenderPort):
-    """A float32 causal LM whose weights this actor sends (it *is* the ``refit`` sender port)."""
 
-    def __init__(self, model_dir: str, seed: int = 0, threads: int = 1) -> None:
+class WeightSource(LocalSenderPort):
+    """A float32 causal LM loaded from ``model_dir`` whose weights this actor sends.
+
+    ``seed`` seeds torch before loading; ``threads``: torch intra-op threads of this
+    process (None leaves them alone); ``addr``: the address engines reach the refit
+    group's store at (None: ``refit.group.default_address()``).
+    """
+
+    def __init__(self, model_dir: str, seed: int = 0, threads: int | None = 1, addr: str | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        torch.set_num_threads(threads)
+        if threads:
+            torch.set_num_threads(threads)
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.eval()
-        super().__init__(WeightSender(self.model, dtype=torch.float32))
+        super().__init__(WeightSender(self.model, dtype=torch.float32, addr=addr))
 
     # -- the policy -------------------------------------------------------------------
-    def perturb(self, seed: int, scale: float = 0.02) -> bool:
-        """Add seeded noise to every weight (a stand-in for an optimizer step in tests)."""
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * scale)
-        return True
+    async def perturb(self, seed: int, scale: float = 0.02, relative: bool = False) -> int:
+        """A deterministic "training step": every weight += seeded N(0, 1) noise times ``scale``.
 
-    def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
-        """Logprob of each completion token given the prompt and the tokens before it (float32)."""
-        ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
-        with torch.no_grad():
-            logits = self.model(ids).logits.float()
-        logp = torch.log_softmax(logits[0, len(prompt_ids) - 1 : -1], dim=-1)
-        return logp.gather(1, torch.tensor(list(completion_ids)).unsqueeze(1)).squeeze(1).tolist()
+        With ``relative``, the noise of each tensor is also scaled by that tensor's std
+        (1 for a one-element or constant tensor). Returns the number of tensors changed.
+        """
+
+        def step() -> int:
+            gen = torch.Generator().manual_seed(seed)
+            params = list(self.model.parameters())
+            with torch.no_grad():
+                for p in params:
+                    std = (p.float().std().item() if p.numel() > 1 else 1.0) if relative else 1.0
+                    p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * (scale * (std or 1.0)))
+            return len(params)
+
+        return await self._run(step)
+
+    async def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
+        """Float32 logprob of each completion token given the prompt and the tokens before it."""
+        return await self._run(lambda: token_logprobs(self.model, list(prompt_ids), list(completion_ids)))
+
+    # -- tests --------------------------------------------------------------------------
+    async def corrupt_next_update(self, kind: str | None, name: str = "model.layers.1.mlp.up_proj.weight") -> bool:
+        """Until called with None, every update carries a wrong ``name``, ``shape`` or ``dtype`` for tensor ``name``."""
+        if kind is not None and kind not in CORRUPTIONS:
+            raise ValueError(f"unknown corruption {kind!r}; expected one of {CORRUPTIONS} or None")
+
+        def set_source() -> bool:
+            sender = self.sender
+            if kind is None:
+                sender._source, sender._dtype = self.model, torch.float32
+                return True
+            sd = dict(self.model.state_dict())
+            t = sd[name]
+            if kind == "name":
+                sd[name.replace("up_proj", "up_projj")] = sd.pop(name)
+            elif kind == "shape":
+                sd[name] = torch.zeros(t.shape[0], t.shape[1] + 1)
+            else:
+                sd[name] = t.to(torch.float16)
+            sender._source = lambda: list(sd.items())
+            sender._dtype = None if kind == "dtype" else torch.float32
+            return True
+
+        return await self._run(set_source)
+
+    async def rss_mb(self) -> float:
+        """Resident memory of this process, MB."""
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

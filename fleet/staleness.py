@@ -3,9 +3,13 @@
 The staleness of a sample is ``current_version - version_start``: the trainer's
 weight version when it consumes the sample minus the version the request *started*
 under. A sample that spanned a refit (held through ``pause(mode="keep")``, so
-``weight_version > version_start``) is as old as its oldest token. This is the rule
-``fleet.lifecycle`` applies to requests in flight (``version - v > max_staleness``),
-so a request that survived step 2 of a refit is not dropped here for the same age.
+``weight_version > version_start``) is as old as its oldest token.
+
+``too_old(version_start, current_version, max_staleness)`` is the one cut-off:
+staleness above ``max_staleness`` (None: no limit). ``fleet.lifecycle`` aborts requests
+in flight by it (step 2 of a refit), ``StalenessFilter`` drops results by it and the
+recipe's trainer drops samples by it, so a request that survived a refit is never
+dropped later for the same age.
 
 A sample is kept when ``max_staleness`` is None (no limit; still counted) or its
 staleness is at most ``max_staleness``; ``max_staleness = 0`` keeps only samples
@@ -25,7 +29,7 @@ from typing import Any, Iterable
 
 from fleet.errors import ConfigError
 
-__all__ = ["StalenessFilter", "staleness_of"]
+__all__ = ["StalenessFilter", "staleness_of", "too_old"]
 
 
 def staleness_of(version_start: int, current_version: int) -> int:
@@ -40,6 +44,15 @@ def staleness_of(version_start: int, current_version: int) -> int:
             f"{current_version}: pass the trainer's latest published version"
         )
     return age
+
+
+def too_old(version_start: int, current_version: int, max_staleness: int | None) -> bool:
+    """True when the sample is more than ``max_staleness`` versions old (never with None: no limit).
+
+    Raises like ``staleness_of`` (a sample from the future is the caller's error).
+    """
+    age = staleness_of(version_start, current_version)
+    return max_staleness is not None and age > max_staleness
 
 
 @dataclass
@@ -97,7 +110,7 @@ class StalenessFilter:
     ) -> bool:
         """Judge one sample and count it; True when it is fresh enough to train on."""
         age = staleness_of(version_start, current_version)
-        keep = self.max_staleness is None or age <= self.max_staleness
+        keep = not too_old(version_start, current_version, self.max_staleness)
         spanned = weight_version is not None and weight_version != version_start
         for c in (self._total, self._by_slot.setdefault(slot, _Counts())):
             c.histogram[age] += 1

@@ -2,6 +2,8 @@
 
 - ``AllowedTokensTask``, ``PromptGenerator`` (``task``): the task and seeded prompts; no torch.
 - ``Sample``, ``Group``, ``group_advantages``, ``build_group``, ``clipped_pg_loss`` (``grpo``).
+- ``token_logprobs``, ``batch_token_logprobs`` (``logprobs``): the trainer-side logprobs of
+  sampled tokens, the one scoring rule (the trainer, ``faults.source.WeightSource``).
 - ``GRPOTrainer``, ``TrainerConfig`` (``trainer``): float32 Llama + Adam, one step per batch.
 - ``GRPOTrainerActor`` (``actor``): the trainer plus the refit sender port, for one Ray actor
   whose handle is the ``source`` of ``sync_weights``.
@@ -26,6 +28,8 @@ _EXPORTS = {
     "group_advantages": "recipe.grpo",
     "build_group": "recipe.grpo",
     "clipped_pg_loss": "recipe.grpo",
+    "token_logprobs": "recipe.logprobs",
+    "batch_token_logprobs": "recipe.logprobs",
     "GRPOTrainer": "recipe.trainer",
     "TrainerConfig": "recipe.trainer",
     "GRPOTrainerActor": "recipe.actor",

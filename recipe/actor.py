@@ -1,20 +1,21 @@
 """``GRPOTrainerActor``: the GRPO trainer and the refit weight source in one Ray actor.
 
-    trainer = ray.remote(GRPOTrainerActor).options(num_cpus=1).remote(model_dir, TrainerConfig(lr=3e-3))
-    metrics = ray.get(trainer.step.remote(groups))
+    trainer = ray_io.spawn_actor(GRPOTrainerActor, model_dir, TrainerConfig(lr=3e-3), num_cpus=1)
+    metrics = ray_io.ask(trainer, "step", groups, timeout=300)
     fleet.sync_weights(version=metrics["new_version"], source=trainer)
 
 It is a ``refit.ports.LocalSenderPort`` (the ``refit.SenderPort`` surface the
-controller's synchronizer drives, through ``fleet.ray_io.ActorProxy``) whose
+controller's synchronizer drives, through ``fleet.ray_io.ActorSenderPort``) whose
 ``WeightSender`` reads the very model the trainer trains in place, so what a refit
 sends is exactly what the trainer holds.
 
 Weights never tear: ``step`` and the weight-reading sender calls (``prepare``,
-``send``, ``checksum``, ``logprobs``) take one lock, so a step never runs during a
-send. A step that lands between a refit's ``prepare`` and its ``send`` would make
-the update carry newer weights than the version it is stamped with: ``send`` then
-refuses (``ok: False``) and closes the group, so receivers fail at once, keep their
-old weights, and the controller's retry re-prepares with the current weights.
+``send``, ``checksum``, ``logprobs``: ``recipe.logprobs.token_logprobs``) take one
+lock, so a step never runs during a send. A step that lands between a refit's
+``prepare`` and its ``send`` would make the update carry newer weights than the
+version it is stamped with: ``send`` then refuses (``ok: False``) and closes the
+group, so receivers fail at once, keep their old weights, and the controller's retry
+re-prepares with the current weights.
 """
 
 from __future__ import annotations

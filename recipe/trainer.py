@@ -2,7 +2,8 @@
 
 It holds a float32 ``LlamaForCausalLM`` and an Adam optimizer. Each ``step(groups)``:
 
-1. drops samples older than ``max_staleness`` versions (counted, never trained on);
+1. drops samples older than ``max_staleness`` versions (counted, never trained on), by
+   ``fleet.staleness.too_old``, the rule the fleet applies to requests in flight;
 2. computes group-normalised advantages per prompt group;
 3. runs one forward pass over every (prompt + completion), reads the trainer's
    logprobs of the sampled tokens, and compares them, before any update, with the
@@ -15,8 +16,9 @@ It holds a float32 ``LlamaForCausalLM`` and an Adam optimizer. Each ``step(group
 
 Guarantees: the weights stay float32; a step that finds nothing trainable (empty
 batch, or every sample stale) changes nothing and does not move ``version``; an
-exception inside ``step`` before the optimizer step leaves weights and version as
-they were. Not thread-safe: read ``state_dict_items`` between steps, never during
+exception inside ``step`` before the optimizer step (e.g. the ``ValueError`` for a
+sample from a version newer than the trainer's) leaves weights and version as they
+were. Not thread-safe: read ``state_dict_items`` between steps, never during
 one (a Ray actor with the default concurrency of 1 guarantees this).
 """
 
@@ -28,7 +30,9 @@ from typing import Sequence
 
 import torch
 
+from fleet.staleness import staleness_of, too_old
 from recipe.grpo import Group, clipped_pg_loss, group_advantages
+from recipe.logprobs import batch_token_logprobs, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class TrainerConfig:
     adv_eps: float = 1e-6
     max_grad_norm: float | None = 1.0
     max_staleness: int | None = None
-    """Drop samples with ``version - version_start > max_staleness`` (None keeps all)."""
+    """Drop samples with ``version - version_start > max_staleness`` (``fleet.staleness.too_old``; None keeps all)."""
     seed: int = 0
     num_threads: int | None = None
     """``torch.set_num_threads`` for this process (None leaves it alone)."""
@@ -90,52 +94,13 @@ class GRPOTrainer:
         return self.version
 
     # -- logprobs ------------------------------------------------------------------------
-    def _batch(self, seqs: Sequence[tuple[Sequence[int], Sequence[int]]]):
-        """Right-padded ids [B, T] and, per row, the index range of its completion targets.
-
-        Right padding needs no attention mask for a causal model: real tokens never
-        attend to the pads after them, and their positions are unchanged.
-        """
-        lengths = [len(p) + len(c) for p, c in seqs]
-        width = max(lengths)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        for i, (p, c) in enumerate(seqs):
-            ids[i, : lengths[i]] = torch.tensor(list(p) + list(c), dtype=torch.long)
-        return ids
-
     def _token_logprobs(self, seqs: Sequence[tuple[Sequence[int], Sequence[int]]]):
-        """Logprob of each completion token given everything before it: [B, Cmax] plus mask [B, Cmax].
+        """``recipe.logprobs.batch_token_logprobs`` under these weights, pads = the model's pad token."""
+        return batch_token_logprobs(self.model, seqs, self.pad_id)
 
-        Only the completion positions go through the softmax (a completion token at
-        sequence index j is predicted by the logits at j - 1).
-        """
-        if any(not p for p, _ in seqs):
-            raise ValueError("every sequence needs a non-empty prompt")
-        ids = self._batch(seqs)
-        cmax = max(len(c) for _, c in seqs)
-        out = torch.zeros(len(seqs), cmax, dtype=torch.float32)
-        mask = torch.zeros(len(seqs), cmax, dtype=torch.float32)
-        rows = [i for i, (_, c) in enumerate(seqs) for _ in c]
-        cols = [k for _, c in seqs for k in range(len(c))]
-        if not rows:
-            return out, mask
-        src = [len(p) + k - 1 for p, c in seqs for k in range(len(c))]
-        r, k, pos = torch.tensor(rows), torch.tensor(cols), torch.tensor(src)
-        logits = self.model(input_ids=ids).logits[r, pos].float()  # [N, V]
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[r, pos + 1].unsqueeze(-1)).squeeze(-1)
-        out = out.index_put((r, k), lp)
-        mask[r, k] = 1.0
-        return out, mask
-
-    @torch.no_grad()
     def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
-        """The trainer's float32 logprob of each completion token (current weights)."""
-        if not prompt_ids:
-            raise ValueError("empty prompt")
-        if not completion_ids:
-            return []
-        lp, _ = self._token_logprobs([(prompt_ids, completion_ids)])
-        return [float(x) for x in lp[0, : len(completion_ids)]]
+        """The trainer's float32 logprob of each completion token (current weights; ``recipe.logprobs.token_logprobs``)."""
+        return token_logprobs(self.model, prompt_ids, completion_ids)
 
     # -- one update ----------------------------------------------------------------------
     def step(self, groups: Sequence[Group]) -> dict:
@@ -147,11 +112,10 @@ class GRPOTrainer:
         for g in groups:
             keep = []
             for s in g.samples:
-                staleness = self.version - s.version_start
-                if cfg.max_staleness is not None and staleness > cfg.max_staleness:
+                if too_old(s.version_start, self.version, cfg.max_staleness):
                     dropped += 1
                 else:
-                    keep.append((s, staleness))
+                    keep.append((s, staleness_of(s.version_start, self.version)))
             if not keep:
                 continue
             adv = group_advantages([s.reward for s, _ in keep], cfg.adv_eps)

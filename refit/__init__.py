@@ -24,11 +24,11 @@ Ports (``refit.ports``)::
     ReceiverPort:  async worker_rpc(method, args=(), kwargs=None, timeout=None) -> list   # one result per worker
     SenderPort:    async open_group / connect / close_group / prepare / send               # see ports.py
 
-``EngineShard.worker_rpc`` already is a receiver port once wrapped in three lines over
-its Ray handle (``refit.testing.RemoteReceiverPort``). The sender lives in the
-trainer's process: ``LocalSenderPort(WeightSender(model))`` in-process, or
-``ray.remote(LocalSenderPort)`` / ``ray.remote(TrainerHost)`` behind
-``RemoteSenderPort``.
+``EngineShard.worker_rpc`` already is a receiver port once wrapped over its Ray
+handle (``fleet.ray_io.ShardReceiverPort(handle)``). The sender lives in the
+trainer's process: ``LocalSenderPort(WeightSender(model))`` in-process, or an actor
+whose class is a ``LocalSenderPort`` (the recipe's ``GRPOTrainerActor``, the test and
+benchmark ``faults.source.WeightSource``) behind ``fleet.ray_io.ActorSenderPort(handle)``.
 
 Driving a refit (the controller's steps 4-7)::
 

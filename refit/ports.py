@@ -2,13 +2,14 @@
 
 ``ReceiverPort`` is one engine (one participant): an async ``worker_rpc`` that runs a
 method of the worker extension on every worker of that engine and returns one result
-per worker, exactly like ``EngineShard.worker_rpc``. Over Ray the adapter is three
-lines (``await shard.worker_rpc.remote(method, args, kwargs, timeout)``).
+per worker, exactly like ``EngineShard.worker_rpc``. Over Ray the adapter is
+``fleet.ray_io.ShardReceiverPort(handle)``.
 
 ``SenderPort`` is the trainer's ``WeightSender``. ``LocalSenderPort`` is the
 in-process implementation: it runs the sender's blocking calls on one dedicated
 thread, so it can live inside an asyncio trainer or be turned into a Ray actor as is
-(``ray.remote(LocalSenderPort)``).
+(a subclass of it, spawned by ``fleet.ray_io.spawn_actor``, driven through
+``fleet.ray_io.ActorSenderPort(handle)``).
 
 The synchronizer bounds every call on both ports itself; ports need not.
 """

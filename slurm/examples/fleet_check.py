@@ -48,35 +48,35 @@ def run_refit(shards: list, model_dir: str) -> dict:
     """
     import asyncio
 
-    from faults.source import PolicySource
+    from faults.source import WeightSource
     from refit.outcome import assign_ranks
     from refit.synchronizer import RefitConfig, WeightSynchronizer
 
-    source = ray_io.spawn_actor(PolicySource, model_dir, num_cpus=0)
+    source = ray_io.spawn_actor(WeightSource, model_dir, num_cpus=0)
     try:
-        ray_io.get_or_raise(source.perturb.remote(1, 0.05), 120)
-        paused = [ray_io.get_or_raise(s.pause.remote(mode="keep", clear_cache=True), 60) for s in shards]
+        ray_io.ask(source, "perturb", 1, 0.05, timeout=120)
+        paused = [ray_io.ask(s, "pause", mode="keep", clear_cache=True, timeout=60) for s in shards]
         keys = assign_ranks({(i, 1): 1 for i in range(len(shards))})
-        sync = WeightSynchronizer(ray_io.ActorProxy(source), RefitConfig(timeout_s=120.0))
+        sync = WeightSynchronizer(ray_io.ActorSenderPort(source), RefitConfig(timeout_s=120.0))
 
         async def refit():
             try:
-                return await sync.refit({k: ray_io.ActorProxy(shards[k.slot]) for k in keys}, 1, 1)
+                return await sync.refit({k: ray_io.ShardReceiverPort(shards[k.slot]) for k in keys}, 1, 1)
             finally:
                 await sync.close()
 
         report = asyncio.run(refit())
         if not report.ok:
             raise RuntimeError("refit failed:\n" + report.summary())
-        stamped = [ray_io.get_or_raise(s.set_weight_version.remote(1), 60) for s in shards]
-        resumed = [ray_io.get_or_raise(s.resume.remote(), 60) for s in shards]
+        stamped = [ray_io.ask(s, "set_weight_version", 1, timeout=60) for s in shards]
+        resumed = [ray_io.ask(s, "resume", timeout=60) for s in shards]
         if paused + stamped + resumed != [True] * (3 * len(shards)):
             raise RuntimeError(f"refit acks were not all True: pause {paused}, stamp {stamped}, resume {resumed}")
-        after = [ray_io.get_or_raise(s.generate.remote(PROMPT, SAMPLING), T) for s in shards]
+        after = [ray_io.ask(s, "generate", PROMPT, SAMPLING, timeout=T) for s in shards]
         gap = 0.0
         for res in after:
             c = res.completions[0]
-            ref = ray_io.get_or_raise(source.logprobs.remote(list(res.prompt_token_ids), list(c.token_ids)), 60)
+            ref = ray_io.ask(source, "logprobs", list(res.prompt_token_ids), list(c.token_ids), timeout=60)
             gap = max(gap, max(abs(x - y) for x, y in zip(ref, c.logprobs)))
         if gap > 1e-4 or any(r.weight_version != 1 for r in after):
             raise RuntimeError(f"engines do not serve the new weights: logprob gap {gap:.2e}, versions {[r.weight_version for r in after]}")
@@ -122,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         for i, n in enumerate(nodes)
     ]
     try:
-        starts = [ray_io.get_or_raise(s.start.remote(), T) for s in shards]
-        located = [ray_io.get_or_raise(s.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), 30) for s in shards]
-        before = [ray_io.get_or_raise(s.generate.remote(PROMPT, SAMPLING), T) for s in shards]
+        starts = [ray_io.ask(s, "start", timeout=T) for s in shards]
+        located = [ray_io.ask(s, "__ray_call__", lambda self: ray.get_runtime_context().get_node_id(), timeout=30) for s in shards]
+        before = [ray_io.ask(s, "generate", PROMPT, SAMPLING, timeout=T) for s in shards]
         refit = run_refit(shards, model)
-        after = [ray_io.get_or_raise(s.generate.remote(PROMPT, SAMPLING), T) for s in shards]
+        after = [ray_io.ask(s, "generate", PROMPT, SAMPLING, timeout=T) for s in shards]
         for res in before + after:
             if len(res.completions[0].token_ids) != SAMPLING["max_tokens"]:
                 raise RuntimeError(f"shard slot {res.slot} returned {len(res.completions[0].token_ids)} tokens")
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.hold)
     finally:
         for s in shards:
-            ray_io.get(s.shutdown.remote(), 60)
+            ray_io.try_ask(s, "shutdown", timeout=60)
             ray_io.kill(s)
     return 0
 

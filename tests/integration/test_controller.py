@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+from faults.source import WeightSource
 from fleet import ray_io
 from fleet.api import Fleet
 from fleet.errors import FleetExhausted
-from faults.source import PolicySource
 from tests.integration.fleet_helpers import assert_invariants, collect, slot_states, submit_load, wait_for
 
 pytestmark = pytest.mark.integration
@@ -27,7 +27,7 @@ class Run:
 
     def next_weights(self) -> int:
         self.version += 1
-        ray_io.get_or_raise(self.source.perturb.remote(self.version, 0.02), 60)
+        ray_io.ask(self.source, "perturb", self.version, 0.02, timeout=60)
         return self.version
 
     def refit(self) -> dict:
@@ -56,7 +56,7 @@ def run(ray_local, tiny_model):
             "restart_budget": 10,
         }
     )
-    source = ray_io.spawn_actor(PolicySource, tiny_model, num_cpus=0)
+    source = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
     yield Run(fleet, source)
     fleet.shutdown()
     ray_io.kill(source)
@@ -66,7 +66,7 @@ def _logprob_gap(run: Run, results) -> float:
     worst = 0.0
     for r in results:
         c = r.result.completions[0]
-        ref = ray_io.get_or_raise(run.source.logprobs.remote(list(r.result.prompt_token_ids), list(c.token_ids)), 60)
+        ref = ray_io.ask(run.source, "logprobs", list(r.result.prompt_token_ids), list(c.token_ids), timeout=60)
         worst = max(worst, max(abs(a - b) for a, b in zip(ref, c.logprobs)))
     return worst
 

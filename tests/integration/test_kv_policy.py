@@ -6,7 +6,7 @@ reuses them, so its sampled tokens are conditioned on KV from other weights and 
 logprobs no longer match the trainer's for the same tokens.
 
 Each test runs one 1-engine fleet (prefix caching on, float32, block_size 32) and
-one float32 trainer (``PolicySource``), and does the same thing:
+one float32 trainer (``faults.source.WeightSource``), and does the same thing:
 
 1. sample a repeated prompt of ``PROMPT_LEN`` tokens (3 full blocks = 96 cached tokens
    plus a tail) under the old weights, which fills the prefix cache;
@@ -36,9 +36,9 @@ import time
 
 import pytest
 
+from faults.source import WeightSource
 from fleet import ray_io
 from fleet.api import Fleet
-from faults.source import PolicySource
 from tests.integration.fleet_helpers import assert_invariants, wait_for
 
 pytestmark = pytest.mark.integration
@@ -59,7 +59,7 @@ MEASURED: dict[str, float] = {}
 
 @pytest.fixture(scope="module")
 def source(ray_local, tiny_model):
-    src = ray_io.spawn_actor(PolicySource, tiny_model, num_cpus=0)
+    src = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
     yield src
     ray_io.kill(src)
     if MEASURED:
@@ -85,13 +85,13 @@ class Run:
         """Max |engine - trainer| over the sampled tokens' logprobs (trainer: current source weights)."""
         c = result.completions[0]
         assert len(c.token_ids) == SAMPLE["max_tokens"] and len(c.logprobs) == len(c.token_ids)
-        ref = ray_io.get_or_raise(self.source.logprobs.remote(list(result.prompt_token_ids), list(c.token_ids)), T)
+        ref = ray_io.ask(self.source, "logprobs", list(result.prompt_token_ids), list(c.token_ids), timeout=T)
         return max(abs(a - b) for a, b in zip(ref, c.logprobs))
 
     def new_weights(self) -> int:
         self.version += 1
         self.seed += 1
-        ray_io.get_or_raise(self.source.perturb.remote(self.seed, PERTURB_SCALE), T)
+        ray_io.ask(self.source, "perturb", self.seed, PERTURB_SCALE, timeout=T)
         return self.version
 
     def refit(self, in_flight: bool) -> tuple[dict, object | None]:

@@ -13,12 +13,11 @@ import signal
 import time
 
 import pytest
-import ray
 
+from faults.source import WeightSource
 from fleet import ray_io
 from fleet.config import EngineConfig
 from refit import Outcome, Participant, RefitConfig, WeightSynchronizer
-from refit.testing import RemoteReceiverPort, RemoteSenderPort, TrainerHost
 
 pytestmark = pytest.mark.integration
 
@@ -26,48 +25,49 @@ PROMPT = [1, 20, 30, 40, 50, 60, 70]
 SAMPLING = {"max_tokens": 16, "ignore_eos": True, "temperature": 1.0, "seed": 5}
 T = 120.0
 TIMEOUT_S = 20.0
+STEP = {"scale": 0.05, "relative": True}  # a "training step": every weight += 0.05 * its std * noise
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_local, tiny_model):
     cfg = EngineConfig(model=tiny_model, kv_cache_memory_bytes=16 << 20)
     shards = {i: ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(2)}
-    trainer = ray.remote(TrainerHost).options(num_cpus=0).remote(tiny_model)
+    trainer = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
     for h in shards.values():
-        ray_io.get_or_raise(h.start.remote(), 300)
+        ray_io.ask(h, "start", timeout=300)
     state = {"shards": shards, "trainer": trainer, "cfg": cfg}
     yield state
     for h in state["shards"].values():
-        ray_io.get(h.shutdown.remote(), 60)
+        ray_io.try_ask(h, "shutdown", timeout=60)
         ray_io.kill(h)
     ray_io.kill(trainer)
 
 
 def worker_info(h) -> dict:
-    (info,) = ray_io.get_or_raise(h.worker_rpc.remote("rlfleet_worker_info", [], {}, 30), 60)
+    (info,) = ray_io.ask(h, "worker_rpc", "rlfleet_worker_info", [], {}, 30, timeout=60)
     return info
 
 
 def logprob_gap(h, trainer) -> float:
-    c = ray_io.get_or_raise(h.generate.remote(PROMPT, SAMPLING), T).completions[0]
-    ref = ray_io.get_or_raise(trainer.logprobs.remote(PROMPT, list(c.token_ids)), T)
+    c = ray_io.ask(h, "generate", PROMPT, SAMPLING, timeout=T).completions[0]
+    ref = ray_io.ask(trainer, "logprobs", PROMPT, list(c.token_ids), timeout=T)
     return max(abs(a - b) for a, b in zip(c.logprobs, ref))
 
 
 def test_kill_during_transfer_fails_survivors_fast_and_rebuilt_epochs_recover(cluster):
     shards, trainer = cluster["shards"], cluster["trainer"]
-    sync = WeightSynchronizer(RemoteSenderPort(trainer), RefitConfig(timeout_s=TIMEOUT_S, bucket_mb=0.1, checksum=True))
+    sync = WeightSynchronizer(ray_io.ActorSenderPort(trainer), RefitConfig(timeout_s=TIMEOUT_S, bucket_mb=0.1, checksum=True))
     survivor, doomed = shards[0], shards[1]
     incarnation = {0: 1, 1: 1}
 
     def plan(slots):
-        return {Participant(s, incarnation[s], (i + 1,)): RemoteReceiverPort(shards[s]) for i, s in enumerate(slots)}
+        return {Participant(s, incarnation[s], (i + 1,)): ray_io.ShardReceiverPort(shards[s]) for i, s in enumerate(slots)}
 
     survivor_pid = worker_info(survivor)["pid"]
     doomed_pid = worker_info(doomed)["pid"]
-    ray_io.get_or_raise(trainer.perturb.remote(seed=1), T)
+    ray_io.ask(trainer, "perturb", seed=1, **STEP, timeout=T)
     # epoch 1: the doomed worker freezes at bucket 2; we kill it while the survivor is mid-transfer
-    assert ray_io.get_or_raise(doomed.worker_rpc.remote("rlfleet_inject_fault", ["freeze", 2, 600.0], {}, 30), 60) == [True]
+    assert ray_io.ask(doomed, "worker_rpc", "rlfleet_inject_fault", ["freeze", 2, 600.0], {}, 30, timeout=60) == [True]
 
     async def refit_and_kill():
         task = asyncio.ensure_future(sync.refit(plan([0, 1]), 1, epoch=1))
@@ -98,16 +98,16 @@ def test_kill_during_transfer_fails_survivors_fast_and_rebuilt_epochs_recover(cl
     # epoch 3: a restarted engine takes slot 1 (incarnation 2) and receives the full weights
     restarted = ray_io.spawn_shard(cluster["cfg"], slot=1, incarnation=2)
     shards[1] = restarted
-    ray_io.get_or_raise(restarted.start.remote(), 300)
+    ray_io.ask(restarted, "start", timeout=300)
     incarnation[1] = 2
-    ray_io.get_or_raise(trainer.perturb.remote(seed=2), T)
+    ray_io.ask(trainer, "perturb", seed=2, **STEP, timeout=T)
     report = asyncio.run(sync.refit(plan([0, 1]), 2, epoch=3))
     assert report.ok, report.summary()
     new = report.results[Participant(1, 2, (2,))]
     assert new.bytes_moved == report.bytes_sent > 0
-    want = ray_io.get_or_raise(trainer.checksum.remote(), T)
+    want = ray_io.ask(trainer, "checksum", timeout=T)
     for h in (survivor, restarted):
-        (cs,) = ray_io.get_or_raise(h.worker_rpc.remote("rlfleet_checksum", [], {}, 60), 90)
+        (cs,) = ray_io.ask(h, "worker_rpc", "rlfleet_checksum", [], {}, 60, timeout=90)
         assert cs["applied"] == want and cs["weight_version"] == 2
         assert logprob_gap(h, trainer) < 1e-4
     assert worker_info(survivor)["pid"] == survivor_pid
@@ -117,13 +117,13 @@ def test_kill_during_transfer_fails_survivors_fast_and_rebuilt_epochs_recover(cl
 def test_unreachable_participant_aborts_before_any_weight_moves(cluster):
     """A participant that is already dead fails the group phase; the live one is told why and keeps its weights."""
     shards, trainer = cluster["shards"], cluster["trainer"]
-    sync = WeightSynchronizer(RemoteSenderPort(trainer), RefitConfig(timeout_s=10, group_timeout_s=5))
+    sync = WeightSynchronizer(ray_io.ActorSenderPort(trainer), RefitConfig(timeout_s=10, group_timeout_s=5))
     ghost = ray_io.spawn_shard(cluster["cfg"], slot=9, incarnation=1)
     ray_io.kill(ghost)  # never started, now dead
     live = shards[0]
     before = worker_info(live)["weight_version"]
     t0 = time.monotonic()
-    report = asyncio.run(sync.refit({Participant(0, 1, (1,)): RemoteReceiverPort(live), Participant(9, 1, (2,)): RemoteReceiverPort(ghost)}, 50, epoch=10))
+    report = asyncio.run(sync.refit({Participant(0, 1, (1,)): ray_io.ShardReceiverPort(live), Participant(9, 1, (2,)): ray_io.ShardReceiverPort(ghost)}, 50, epoch=10))
     took = time.monotonic() - t0
     assert not report.ok and took < 5 + 5 + 5
     assert all(r.outcome is Outcome.NOT_STARTED and r.phase == "group" for r in report.results.values()), report.summary()
@@ -131,5 +131,5 @@ def test_unreachable_participant_aborts_before_any_weight_moves(cluster):
     assert ghost_res.exception is not None and "Actor" in type(ghost_res.exception).__name__
     assert worker_info(live)["weight_version"] == before
     # the next epoch without the ghost works
-    assert asyncio.run(sync.refit({Participant(0, 1, (1,)): RemoteReceiverPort(live)}, before + 1, epoch=11)).ok
+    assert asyncio.run(sync.refit({Participant(0, 1, (1,)): ray_io.ShardReceiverPort(live)}, before + 1, epoch=11)).ok
     asyncio.run(sync.close())

@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import ray
 
+from faults.source import WeightSource
 from fleet import ray_io
 from fleet.config import EngineConfig
 from refit import Outcome, RefitConfig, WeightSynchronizer, assign_ranks
-from refit.testing import RemoteReceiverPort, RemoteSenderPort, TrainerHost
 
 pytestmark = pytest.mark.integration
 
@@ -34,12 +33,12 @@ def engines(ray_local, tiny_model):
         0: ray_io.spawn_shard(single, slot=0, incarnation=1),
         1: ray_io.spawn_shard(tp2, slot=1, incarnation=1, runtime_env={"env_vars": env}),
     }
-    trainer = ray.remote(TrainerHost).options(num_cpus=0).remote(tiny_model)
+    trainer = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
     for h in shards.values():
-        ray_io.get_or_raise(h.start.remote(), 300)
+        ray_io.ask(h, "start", timeout=300)
     yield shards, trainer
     for h in shards.values():
-        ray_io.get(h.shutdown.remote(), 60)
+        ray_io.try_ask(h, "shutdown", timeout=60)
         ray_io.kill(h)
     ray_io.kill(trainer)
 
@@ -47,10 +46,10 @@ def engines(ray_local, tiny_model):
 def plan(shards) -> dict:
     counts = {}
     for slot, h in shards.items():
-        infos = ray_io.get_or_raise(h.worker_rpc.remote("rlfleet_worker_info", [], {}, 30), 60)
+        infos = ray_io.ask(h, "worker_rpc", "rlfleet_worker_info", [], {}, 30, timeout=60)
         assert sorted(i["worker_index"] for i in infos) == list(range(len(infos)))
         counts[(slot, 1)] = len(infos)
-    return {p: RemoteReceiverPort(shards[p.slot]) for p in assign_ranks(counts)}
+    return {p: ray_io.ShardReceiverPort(shards[p.slot]) for p in assign_ranks(counts)}
 
 
 @pytest.mark.parametrize("mode", ["staged", "streaming"])
@@ -58,20 +57,20 @@ def test_tensor_parallel_engine_refits_every_worker(engines, mode):
     shards, trainer = engines
     parts = plan(shards)
     assert sorted(p.ranks for p in parts) == [(1,), (2, 3)]
-    sync = WeightSynchronizer(RemoteSenderPort(trainer), RefitConfig(timeout_s=30, apply_mode=mode, bucket_mb=0.25, checksum=True))
-    ray_io.get_or_raise(trainer.perturb.remote(seed=11 if mode == "staged" else 12), T)
+    sync = WeightSynchronizer(ray_io.ActorSenderPort(trainer), RefitConfig(timeout_s=30, apply_mode=mode, bucket_mb=0.25, checksum=True))
+    ray_io.ask(trainer, "perturb", seed=11 if mode == "staged" else 12, scale=0.05, relative=True, timeout=T)
     report = asyncio.run(sync.refit(parts, version=1 if mode == "staged" else 2, epoch=1 if mode == "staged" else 2))
     assert report.ok, report.summary()
     assert all(r.outcome is Outcome.COMPLETE for r in report.results.values())
-    want = ray_io.get_or_raise(trainer.checksum.remote(), T)
-    tp_workers = ray_io.get_or_raise(shards[1].worker_rpc.remote("rlfleet_checksum", [], {}, 60), 90)
+    want = ray_io.ask(trainer, "checksum", timeout=T)
+    tp_workers = ray_io.ask(shards[1], "worker_rpc", "rlfleet_checksum", [], {}, 60, timeout=90)
     assert len(tp_workers) == 2 and all(cs["applied"] == want for cs in tp_workers)
     # sharded tensors (embeddings, lm_head) do not read back under their full shape; replicated norms do
     assert all("model.norm.weight" in cs["live_names"] and "lm_head.weight" not in cs["live_names"] for cs in tp_workers)
     gaps = []
     for h in shards.values():
-        c = ray_io.get_or_raise(h.generate.remote(PROMPT, SAMPLING), T).completions[0]
-        ref = ray_io.get_or_raise(trainer.logprobs.remote(PROMPT, list(c.token_ids)), T)
+        c = ray_io.ask(h, "generate", PROMPT, SAMPLING, timeout=T).completions[0]
+        ref = ray_io.ask(trainer, "logprobs", PROMPT, list(c.token_ids), timeout=T)
         gaps.append(max(abs(a - b) for a, b in zip(c.logprobs, ref)))
     print(f"\n{mode}: max logprob difference TP=1 {gaps[0]:.2e}, TP=2 {gaps[1]:.2e}")
     assert max(gaps) < 1e-4, gaps

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from recipe.grpo import Group, Sample, clipped_pg_loss
+from recipe.logprobs import batch_token_logprobs
 from recipe.task import AllowedTokensTask, PromptGenerator
 from recipe.trainer import GRPOTrainer
 from refit.model_spec import checkpoint_spec
@@ -51,7 +52,7 @@ def test_logprobs_match_a_plain_forward_and_padding_changes_nothing(trainer):
     for p, c in zip(prompts, comps):
         assert trainer.logprobs(p, c) == pytest.approx(_reference_logprobs(trainer.model, p, c), abs=1e-6)
     with torch.no_grad():
-        batched, mask = trainer._token_logprobs(list(zip(prompts, comps)))
+        batched, mask = batch_token_logprobs(trainer.model, list(zip(prompts, comps)), trainer.pad_id)
     for i, (p, c) in enumerate(zip(prompts, comps)):
         assert mask[i].sum() == len(c)
         assert batched[i, : len(c)].tolist() == pytest.approx(trainer.logprobs(p, c), abs=1e-6)
@@ -160,5 +161,30 @@ def test_trainer_actor_trains_the_model_it_sends_and_refuses_a_torn_update(tiny_
         assert out["ok"] is False and "between prepare and send" in out["error"] and out["bytes_sent"] == 0
         lp = await actor.logprobs(groups[0].prompt_ids, groups[0].samples[0].completion_ids)
         assert lp == pytest.approx(actor.trainer.logprobs(groups[0].prompt_ids, groups[0].samples[0].completion_ids))
+
+    asyncio.run(scenario())
+
+
+def test_the_weight_source_scores_like_the_trainer_and_steps_deterministically(trainer, tiny_model):
+    """``faults.source.WeightSource`` in-process (no Ray): the trainer's logprobs; seeded plain and relative steps."""
+    import asyncio
+
+    from faults.source import WeightSource
+
+    async def scenario():
+        src = WeightSource(tiny_model, threads=THREADS)
+        p, c = [1, 10, 11], [20, 21, 22]
+        assert await src.logprobs(p, c) == trainer.logprobs(p, c)
+        first = next(src.model.parameters())
+        w0 = first.detach().clone()
+        assert await src.perturb(seed=1, scale=0.02) == len(list(src.model.parameters()))
+        noise = torch.randn(w0.shape, generator=torch.Generator().manual_seed(1))
+        assert torch.allclose(first.detach() - w0, noise * 0.02, atol=1e-6)  # plain: noise x scale
+        w1 = first.detach().clone()
+        await src.perturb(seed=1, scale=0.05, relative=True)
+        assert torch.allclose(first.detach() - w1, noise * 0.05 * w1.std().item(), atol=1e-6)  # x each tensor's std
+        assert await src.logprobs(p, c) != trainer.logprobs(p, c)
+        with pytest.raises(ValueError, match="unknown corruption"):
+            await src.corrupt_next_update("size")
 
     asyncio.run(scenario())

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from fleet.dispatch import FleetResult
 from fleet.errors import ConfigError
 from recipe.grpo import Sample
-from fleet.staleness import StalenessFilter, staleness_of
+from fleet.staleness import StalenessFilter, staleness_of, too_old
 from fleet.types import Completion, GenerationResult
 
 
@@ -91,13 +91,21 @@ def test_filter_accepts_fleet_results_and_grpo_samples_and_passes_returned_reque
     assert (f.kept, f.dropped) == (1, 2)  # the returned request is not a sample
 
 
-def test_the_rule_matches_the_lifecycles_abort_of_in_flight_requests():
-    # fleet.lifecycle aborts in flight requests with (version - v_dispatch) > max_staleness;
+def test_too_old_is_staleness_above_the_limit_and_none_is_no_limit():
+    assert [too_old(v, 9, 2) for v in (9, 7, 6, 0)] == [False, False, True, True]
+    assert [too_old(v, 4, 0) for v in (4, 3)] == [False, True]
+    assert not too_old(0, 10**6, None)
+    with pytest.raises(ValueError, match="started under version 8, newer than the current version 7"):
+        too_old(8, 7, None)
+
+
+def test_the_filter_keeps_exactly_what_too_old_lets_through():
+    # fleet.lifecycle aborts requests in flight and the recipe's trainer drops samples by too_old;
     # a result the lifecycle let through is never dropped here for the same age.
     limit, version = 2, 9
     f = StalenessFilter(limit)
     for v in range(0, version + 1):
-        assert f.admit(v, version) == (not (version - v > limit))
+        assert f.admit(v, version) == (not too_old(v, version, limit)) == (not (version - v > limit))
 
 
 @settings(max_examples=200, deadline=None)
