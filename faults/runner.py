@@ -24,7 +24,7 @@ from fleet import ray_io
 from fleet.api import Fleet
 from fleet.errors import FleetStopped
 from faults.matrix import BASE_FLEET, Variant
-from faults.source import PolicySource
+from faults.source import WeightSource
 from health.faultplan import FaultPlan, Firing, load_plan, resolve
 
 PROMPT = [1, 21, 31, 41, 51]
@@ -79,7 +79,7 @@ class FaultRunner:
         else:
             self.heal(self._fleet)
         if self._source is None:
-            self._source = ray_io.spawn_actor(PolicySource, self.model_dir, num_cpus=0)
+            self._source = ray_io.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
         return self._fleet
 
     def close_fleet(self) -> None:

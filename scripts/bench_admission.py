@@ -196,10 +196,10 @@ class Arm:
         """A fresh fleet and weight source; warm up with one short request per engine and one refit (v1)."""
         from fleet import ray_io
         from fleet.api import Fleet
-        from faults.source import PolicySource
+        from faults.source import WeightSource
 
         t = time.monotonic()
-        self.source = ray_io.spawn_actor(PolicySource, self.model_dir, num_cpus=0)
+        self.source = ray_io.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
         self.fleet = Fleet.start(fleet_config(self.args, self.model_dir, self.name == "adaptive"))
         self.fleet.generate([prompt(self.args, -1)] * self.args.engines, n=1, sampling={"max_tokens": 4})
         ray_io.get_or_raise(self.source.perturb.remote(1, 0.02), 60)

@@ -83,11 +83,11 @@ async def overhead_for(n: int, model: str, refits: int) -> dict:
 
 def death_to_reopen(model: str) -> dict:
     from fleet.api import Fleet
-    from faults.source import PolicySource
+    from faults.source import WeightSource
 
     fleet = Fleet.start({"engine": {"model": model, "kv_cache_memory_bytes": 32 << 20}, "num_engines": 3,
                          "min_healthy_engines": 2, "refit_timeout_s": 15, "restart_dead_engines": False})
-    source = ray_io.spawn_actor(PolicySource, model, num_cpus=0)
+    source = ray_io.spawn_actor(WeightSource, model, num_cpus=0)
     try:
         fleet.sync_weights(1, source)
         mark = len(fleet.events())
