@@ -1,8 +1,11 @@
-"""The demo's report: numbers read off the event log, and the two PNG plots.
+"""The demo's report: the summary of a finished run, and the two PNG plots.
 
-``log_numbers(events)`` derives every count the summary states about the fleet
-(faults, restarts, recoveries, requests, refits) from the controller's event log
-alone, so a reader can re-check the summary against ``events.jsonl``.
+``summarize(run, events, wall_s)`` builds ``summary.json``: the headline numbers
+(reward, logprob mismatch, prompts lost, faults, recoveries, step and refit
+times), then what they were computed from. Every fleet number comes from the
+event log through ``faults.timeline.log_numbers``, so a reader can re-check the
+summary against ``events.jsonl``; ``ok`` also needs every invariant of
+``faults.invariants`` to hold.
 
 ``plot_learning`` draws reward and logprob mismatch per step; ``plot_timeline``
 draws each shard's health state, the dispatch gate and the refit phases over
@@ -15,11 +18,13 @@ Pure functions of their inputs: no Ray, no vLLM.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from pathlib import Path
-from statistics import median
 from typing import Any, Iterable, Sequence
 
-REFIT_PHASES = ("close", "staleness", "reconcile", "pause", "transfer", "stamp", "resume", "reopen")
+from faults import invariants
+from faults.timeline import log_numbers, percentile, readmissions, refit_spans
+
 STATE_COLORS = {
     "starting": "#c7c7c7",
     "restarting": "#6baed6",
@@ -32,103 +37,125 @@ STATE_COLORS = {
 }
 PHASE_COLORS = {"pause": "#fdae6b", "transfer": "#3182bd", "resume": "#74c476"}
 OTHER_PHASE_COLOR = "#bdbdbd"
-# The controller's own ``stopped`` record when it is shut down on purpose (not a failure).
-SHUTDOWN_REASON = "controller shut down"
 
 
-# ---------------------------------------------------------------------------------- numbers
-def restarted_incarnations(events: Iterable[dict]) -> list[tuple[int, int]]:
-    """(slot, incarnation) of every replacement engine that started (restart end with outcome ok)."""
-    return [
-        (e["slot"], e["incarnation"])
-        for e in events
-        if e["kind"] == "restart" and e.get("edge") == "end" and e.get("outcome") == "ok"
-    ]
+# ---------------------------------------------------------------------------------- summary
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
 
 
-def readmissions(events: Sequence[dict]) -> list[dict]:
-    """Each restarted incarnation's first stamp (it received the weights and rejoined serving), in log order.
-
-    A *recovery* is one such re-admission: a replacement engine that started after a
-    death and was later stamped with a committed weight version by a refit.
-    """
-    started: dict[tuple[int, int], float] = {}
-    out: list[dict] = []
-    seen: set[tuple[int, int]] = set()
-    for e in events:
-        if e["kind"] == "restart" and e.get("edge") == "end" and e.get("outcome") == "ok":
-            started[(e["slot"], e["incarnation"])] = e["t"]
-        elif e["kind"] == "stamp":
-            for slot, inc in e["members"]:
-                key = (slot, inc)
-                if key in started and key not in seen:
-                    seen.add(key)
-                    out.append({"slot": slot, "incarnation": inc, "version": e["version"], "t": e["t"],
-                                "restart_end_t": started[key]})
-    return out
+def _max(xs) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return max(xs) if xs else None
 
 
-def served_by(events: Iterable[dict], pairs: Iterable[tuple[int, int]]) -> dict[tuple[int, int], int]:
-    """Completed requests per (slot, incarnation) among ``pairs``."""
-    want = {tuple(p): 0 for p in pairs}
-    for e in events:
-        if e["kind"] == "request" and e["event"] == "completed":
-            key = (e["slot"], e["incarnation"])
-            if key in want:
-                want[key] += 1
-    return want
-
-
-def refit_spans(events: Iterable[dict]) -> list[dict]:
-    """One record per refit: version, begin/end time (close begin .. reopen end) and its phases' spans."""
-    spans: dict[int, dict] = {}
-    open_phase: dict[tuple[int, str], float] = {}
-    for e in events:
-        if e["kind"] != "phase" or e.get("phase") not in REFIT_PHASES:
-            continue
-        v = e.get("version")
-        rec = spans.setdefault(v, {"version": v, "begin": e["t"], "end": None, "phases": []})
-        if e["edge"] == "begin":
-            open_phase[(v, e["phase"])] = e["t"]
-        else:
-            t0 = open_phase.pop((v, e["phase"]), e["t"] - float(e.get("seconds", 0.0)))
-            rec["phases"].append((e["phase"], t0, e["t"]))
-            rec["end"] = e["t"]
-    return [s for s in spans.values() if s["end"] is not None]
-
-
-def log_numbers(events: Sequence[dict]) -> dict[str, Any]:
-    """Every fleet-side number of the summary, from the event log alone."""
-    req = {"accepted": 0, "completed": 0, "returned": 0, "requeued": 0}
-    for e in events:
-        if e["kind"] == "request" and e["event"] in req:
-            req[e["event"]] += 1
-    faults = [e for e in events if e["kind"] == "fault"]
-    readm = readmissions(events)
-    started = restarted_incarnations(events)
-    served = served_by(events, [(r["slot"], r["incarnation"]) for r in readm])
-    gate_opens = [e for e in events if e["kind"] == "gate" and e["open"]]
-    first_fault_t = min((e["t"] for e in faults), default=None)
-    refits = [s for s in refit_spans(events) if s["version"] is not None]
-    refit_s = [s["end"] - s["begin"] for s in refits]
+def summarize(run, events: Sequence[dict], wall_s: float) -> dict:
+    """``summary.json`` of a finished ``demo.run.DemoRun`` whose fleet wrote ``events``, ``wall_s`` after it began."""
+    rows, final, cfg = run.rows, run.final, run.cfg
+    log = log_numbers(events)
+    fleet_cfg = run.fleet.config if run.fleet is not None else None
+    violations = _violations(events, fleet_cfg)
+    stopped = run.stopped or log["stopped"]
+    complete = len(rows) == cfg.steps and bool(final)
     return {
-        "requests": req,
-        "prompts_lost": req["accepted"] - req["completed"] - req["returned"],
-        "faults_injected": len(faults),
-        "faults": [{k: e.get(k) for k in ("t", "slot", "incarnation", "point", "action", "armed")} for e in faults],
-        "kills": sum(1 for e in events if e["kind"] == "kill"),
-        "deaths": sum(1 for e in events if e["kind"] == "health" and e["after"] == "dead"),
-        "restarts_started": sum(1 for e in events if e["kind"] == "restart" and e.get("edge") == "begin"),
-        "restarts_ok": len(started),
-        "recoveries": len(readm),
-        "readmissions": [{**r, "served_after": served[(r["slot"], r["incarnation"])]} for r in readm],
-        "gate_reopenings_after_fault": sum(1 for e in gate_opens if first_fault_t is not None and e["t"] > first_fault_t),
-        "stopped": next((e["reason"] for e in events if e["kind"] == "stopped" and e["reason"] != SHUTDOWN_REASON), None),
-        "refits": len(refits),
-        "refit_s_p50": round(median(refit_s), 3) if refit_s else None,
-        "refit_s_max": round(max(refit_s), 3) if refit_s else None,
-        "staleness_aborts": sum(e.get("requests", 0) for e in events if e["kind"] == "staleness_abort"),
+        "ok": log["prompts_lost"] == 0 and not stopped and not run.error and not violations and complete,
+        "steps": len(rows),
+        "steps_planned": cfg.steps,
+        **_learning(rows, final, run.task.chance_reward),
+        "prompts_lost": log["prompts_lost"],
+        "faults_injected": log["faults_injected"],
+        "recoveries": log["recoveries"],
+        "stale_samples_dropped": sum(int(r.get("dropped_stale", 0)) for r in rows),
+        "results_returned": sum(int(r.get("returned", 0)) for r in rows) + int(final.get("returned", 0) or 0),
+        "stopped": stopped,
+        "error": run.error,
+        "invariant_violations": violations,
+        "wall_s": round(wall_s, 2),
+        "fleet_start_s": round(run.fleet_start_s, 2) if run.fleet_start_s is not None else None,
+        **_timings(rows, final),
+        "kv_policy": cfg.kv_policy,
+        "seed": cfg.seed,
+        "fault_plan": {
+            "name": run.plan.name if run.plan else "none",
+            "source": str(cfg.fault_plan),
+            "expect": run.plan.expect if run.plan else None,
+            "description": run.plan.description if run.plan else "",
+            "fired": run.fired,
+        },
+        "log": log,
+        "final_eval": final,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "fleet": fleet_cfg.model_dump() if fleet_cfg is not None else run.fcfg,
+        "fleet_end": run.status_end,
+        "notes": run.notes,
+        "metrics": rows,
+        "files": {"summary": "summary.json", "events": "events.jsonl"},
+        "rejoin": run.rejoin,
     }
+
+
+def _violations(events: Sequence[dict], fleet_cfg) -> list[str]:
+    """Every broken invariant of the event log (deadlines from the fleet's config)."""
+    if not events:
+        return ["no event log was written"]
+    deadline = fleet_cfg.lifecycle_deadline_s if fleet_cfg is not None else 0.0
+    slack = (fleet_cfg.probe_timeout_s if fleet_cfg is not None else 5.0) + 2.0
+    return invariants.check_all(events, deadline, slack_s=slack)
+
+
+def _learning(rows: Sequence[dict], final: dict, chance: float) -> dict:
+    """Reward at the start and the end of the run, and the train-vs-rollout logprob mismatch."""
+    rewards = [r.get("reward_mean") for r in rows]
+    k = max(1, min(5, len(rows) // 4))
+    fresh = [r.get("audit_mismatch_max") for r in rows] + [final.get("audit_mismatch_max")]
+    return {
+        "reward_first": _mean(rewards[:k]),
+        "reward_last": _mean(rewards[-k:]),
+        "reward_window_steps": k,
+        "reward_chance": chance,
+        "reward_final_eval": final.get("reward_mean"),
+        "max_logprob_mismatch": _max(fresh),
+        "mean_logprob_mismatch": _mean([r.get("audit_mismatch_mean") for r in rows]),
+        "max_logprob_mismatch_with_lag": _max([r.get("mismatch_max") for r in rows]),
+        "trainer_fresh_mismatch_max": _max([r.get("fresh_mismatch_max") for r in rows]),
+    }
+
+
+def _timings(rows: Sequence[dict], final: dict) -> dict:
+    """Step wall times (without a hold for restarts) and refit wall times as the driver saw them."""
+    steps = [r["wall_s"] - r["held_s"] for r in rows]
+    refits = [r["refit_s"] for r in rows if r.get("refit_s") is not None]
+    if final.get("refit_s") is not None:
+        refits.append(final["refit_s"])
+    return {
+        "step_s_p50": percentile(steps, 0.5),
+        "step_s_max": _max(steps),
+        "refit_s_p50": percentile(refits, 0.5),
+        "refit_s_max": _max(refits),
+        "refits": len(refits),
+    }
+
+
+def write_plots(out: Path, rows: Sequence[dict], events: Sequence[dict], summary: dict, final: dict, task) -> dict:
+    """``learning.png`` (if a step ran) and ``timeline.png`` (if the fleet wrote a log) in ``out``; their names."""
+    files = {}
+    marks = []
+    for f in summary["fault_plan"]["fired"]:
+        marks.append((f["step"], f"{f['what']} slot {f['slot']}", "#a50f15"))
+    for r in summary["log"]["readmissions"]:
+        step = next((row["step"] for row in rows if row["t_end"] >= r["t"]), len(rows))
+        marks.append((step, f"slot {r['slot']} back", "#00441b"))
+    title = (f"rlfleet demo: {summary['steps']} steps, {summary['fleet']['num_engines']} engines, "
+             f"plan {summary['fault_plan']['name']}, kv_policy {summary['kv_policy']}")
+    if rows:
+        files["learning"] = plot_learning(rows, out / "learning.png", chance=task.chance_reward, marks=marks,
+                                          final=final, title=title).name
+    if events:
+        holds = [(*r["held"], "training held for the restart") for r in rows if r.get("held") and r["held_s"] >= 1.0]
+        files["timeline"] = plot_timeline(events, out / "timeline.png", step_times=[r["t_begin"] for r in rows],
+                                          holds=holds, title=title).name
+    return files
 
 
 # ---------------------------------------------------------------------------------- plots
@@ -267,8 +294,6 @@ def plot_timeline(
     periods the driver held training (shaded and labelled).
     """
     plt = _pyplot()
-    from matplotlib.patches import Patch
-
     if not events:
         raise ValueError("no events to plot")
     t_end = events[-1]["t"]
@@ -280,10 +305,32 @@ def plot_timeline(
             startup_s, t0 = t_open - t0, t_open
     slots = sorted({e["slot"] for e in events if e["kind"] == "health"})
     rows = {slot: i for i, slot in enumerate(slots)}
-    gate_y, refit_y = len(slots), len(slots) + 1
     fig, ax = plt.subplots(figsize=size, dpi=100)
-    h = 0.7
+    _draw_bars(ax, events, rows, t0, t_end)
+    _draw_marks(ax, events, rows, t0, t_end)
+    for ts in step_times:
+        ax.axvline(ts - t0, color="#d9d9d9", lw=0.5, zorder=0)
+    for a, b, label in holds:
+        ax.axvspan(a - t0, b - t0, color="#fee391", alpha=0.35, lw=0, zorder=0)
+        ax.text((a + b) / 2 - t0, len(slots) + 1, label, fontsize=7, ha="center", va="center", color="#8c510a")
+    span = max(t_end - t0, 1.0)
+    lead = min(startup_s, 0.04 * span) if startup_s is not None else 0.0
+    ax.set_xlim(-lead, span * 1.01)
+    steps_note = "; grey lines: training steps" if step_times else ""
+    if startup_s is not None:
+        ax.set_xlabel(f"seconds since the gate first opened (engines took {startup_s:.0f} s to start){steps_note}")
+    else:
+        ax.set_xlabel(f"seconds{steps_note}")
+    _label_rows(ax, slots)
+    return _save(fig, ax, title, path)
 
+
+BAR_H = 0.7  # height of a timeline bar (rows are 1 apart)
+
+
+def _draw_bars(ax, events: Sequence[dict], rows: dict[int, int], t0: float, t_end: float) -> None:
+    """Per slot its states (with each incarnation's start labelled), then the gate, then the refit phases."""
+    h = BAR_H
     for slot, segs in state_segments(events, t_end).items():
         y = rows[slot]
         ax.broken_barh([(a - t0, b - a) for a, b, _, _ in segs], (y - h / 2, h),
@@ -293,6 +340,7 @@ def plot_timeline(
             if inc != last_inc:
                 ax.text(max(a - t0, 0.0), y + h / 2 + 0.02, f"inc {inc}", fontsize=6.5, va="bottom", ha="left", color="#444444")
                 last_inc = inc
+    gate_y, refit_y = len(rows), len(rows) + 1
     gates = gate_segments(events, t_end)
     ax.broken_barh([(a - t0, b - a) for a, b, _ in gates], (gate_y - h / 2, h),
                    facecolors=["#41ab5d" if o else "#969696" for _, _, o in gates], edgecolor="none")
@@ -303,6 +351,9 @@ def plot_timeline(
         colors = [PHASE_COLORS.get(p, OTHER_PHASE_COLOR) for p, _, _ in span["phases"]]
         ax.broken_barh(bars, (refit_y - h / 2, h), facecolors=colors, edgecolor="none")
 
+
+def _draw_marks(ax, events: Sequence[dict], rows: dict[int, int], t0: float, t_end: float) -> None:
+    """On the slot rows: faults, kills, restarts (begin to end) and re-admissions."""
     for e in events:
         if e["kind"] == "fault" and e["slot"] in rows:
             ax.plot(e["t"] - t0, rows[e["slot"]], "x", color="#a50f15", ms=10, mew=2.5, zorder=5)
@@ -315,7 +366,7 @@ def plot_timeline(
             if e.get("edge") == "begin":
                 begins[key] = e["t"]
             elif key in begins:
-                y = rows[e["slot"]] - h / 2 - 0.08
+                y = rows[e["slot"]] - BAR_H / 2 - 0.08
                 ax.annotate("", xy=(e["t"] - t0, y), xytext=(begins[key] - t0, y),
                             arrowprops=dict(arrowstyle="|-|", color="#08519c", lw=1.2, mutation_scale=3))
                 ax.text((begins[key] + e["t"]) / 2 - t0, y - 0.05, "restart", fontsize=7, color="#08519c",
@@ -327,21 +378,14 @@ def plot_timeline(
             ax.text(r["t"] - t0, rows[r["slot"]] + 0.05, f"re-admitted (v{r['version']}) ", fontsize=7,
                     color="#00441b", va="bottom", ha="right" if right else "left", zorder=6)
 
-    for ts in step_times:
-        ax.axvline(ts - t0, color="#d9d9d9", lw=0.5, zorder=0)
-    for a, b, label in holds:
-        ax.axvspan(a - t0, b - t0, color="#fee391", alpha=0.35, lw=0, zorder=0)
-        ax.text((a + b) / 2 - t0, refit_y, label, fontsize=7, ha="center", va="center", color="#8c510a")
-    ax.set_yticks([*rows.values(), gate_y, refit_y], [*(f"slot {s}" for s in slots), "gate", "refit"])
+
+def _label_rows(ax, slots: Sequence[int]) -> None:
+    """Row names (slots, gate, refit) and the colour legend under the axis."""
+    from matplotlib.patches import Patch
+
+    gate_y, refit_y = len(slots), len(slots) + 1
+    ax.set_yticks([*range(len(slots)), gate_y, refit_y], [*(f"slot {s}" for s in slots), "gate", "refit"])
     ax.set_ylim(-0.8, refit_y + 0.6)
-    span = max(t_end - t0, 1.0)
-    lead = min(startup_s, 0.04 * span) if startup_s is not None else 0.0
-    ax.set_xlim(-lead, span * 1.01)
-    steps_note = "; grey lines: training steps" if step_times else ""
-    if startup_s is not None:
-        ax.set_xlabel(f"seconds since the gate first opened (engines took {startup_s:.0f} s to start){steps_note}")
-    else:
-        ax.set_xlabel(f"seconds{steps_note}")
     legend = [Patch(color=STATE_COLORS[s], label="healthy / gate open" if s == "healthy" else s)
               for s in ("starting", "healthy", "stale", "dead", "restarting", "suspect")]
     legend += [Patch(color="#969696", label="gate closed")]
@@ -349,4 +393,3 @@ def plot_timeline(
     legend += [Patch(color=OTHER_PHASE_COLOR, label="refit: other")]
     ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.2),
               ncol=6, fontsize=7, frameon=False)
-    return _save(fig, ax, title, path)

@@ -26,7 +26,7 @@ happens) and two plots (``learning.png``, ``timeline.png``).
 
 Guarantees: every actor it started is shut down (also on Ctrl-C or an error);
 the summary's fleet numbers (faults, recoveries, prompts lost, ...) are computed
-from the event log (``demo.report.log_numbers``), so they agree with
+from the event log (``faults.timeline.log_numbers``), so they agree with
 ``events.jsonl``; ``summary["ok"]`` is False if a prompt was lost, the fleet
 stopped, a step was not run, or an invariant of ``faults.invariants`` broke.
 """
@@ -36,11 +36,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from faults import invariants
+from faults.firing import FaultFiring, slot_states
+from faults.timeline import read_log
 from fleet import ray_io
 from fleet.errors import ConfigError, FleetStopped
 
@@ -58,7 +59,6 @@ DEMO_FLEET: dict[str, Any] = {
     "restart_backoff_cap_s": 8.0,
     "request_timeout_s": 300.0,
 }
-POINT_OF = {"pause": "pause", "transfer": "transfer", "resume": "resume", "generate": "generate", "step_boundary": "ping"}
 UNSETTLED = ("starting", "restarting", "suspect", "hung")
 
 
@@ -157,35 +157,6 @@ def _nan_to_none(x: Any) -> Any:
     return x
 
 
-def _mean(xs) -> float | None:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else None
-
-
-def _max(xs) -> float | None:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return max(xs) if xs else None
-
-
-def _pct(xs, q: float) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
-def read_events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by a crash
-    return out
-
-
 def wait_for_restarts(fleet, timeout_s: float, on_poll=None) -> tuple[float, list[int]]:
     """Block until no slot is starting, restarting, quarantined, or dead with a restart scheduled.
 
@@ -245,311 +216,288 @@ class EventWatcher:
 # ---------------------------------------------------------------------------------- the run
 def run_demo(cfg: DemoConfig, view=None) -> dict:
     """Run the demo and write its report into ``cfg.out``; returns the summary (also in ``summary.json``)."""
-    from fleet.api import Fleet
-    from demo.trainer import AuditedTrainerActor
-    from demo.view import make_view
-    from recipe import AllowedTokensTask, PromptGenerator, RecipeConfig, TrainerConfig, build_group
-    from recipe.tinymodel import build_model, default_model_dir
-    from health.faultplan import resolve
+    return DemoRun(cfg, view).run()
 
-    if cfg.steps < 1:
-        raise ConfigError("steps", "must be >= 1", cfg.steps)
-    if cfg.engines < 1:
-        raise ConfigError("engines", "must be >= 1", cfg.engines)
-    plan = load_demo_plan(cfg)
-    firings = resolve(plan, cfg.engines) if plan is not None else []
-    rejoin_step = cfg.rejoin_at(firings)
-    rejoin: dict = {"step": rejoin_step, "wait_s": None, "unsettled": None}
-    out = Path(cfg.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    event_path = out / "events.jsonl"
-    for stale in ("events.jsonl", "summary.json", "learning.png", "timeline.png"):
-        (out / stale).unlink(missing_ok=True)
-    model = cfg.model or str(build_model(default_model_dir("tiny")))
-    fcfg = fleet_config(cfg, model, plan, event_path)
-    rc = RecipeConfig(prompts_per_step=cfg.prompts_per_step, samples_per_prompt=cfg.samples_per_prompt,
-                      max_tokens=cfg.max_tokens, seed=cfg.seed)
-    tcfg = TrainerConfig(lr=cfg.lr, max_staleness=cfg.max_staleness, seed=cfg.seed)
-    task, prompts = AllowedTokensTask(), PromptGenerator(seed=cfg.seed)
 
-    view = view or make_view(cfg.progress, cfg.steps)
-    owns_ray = not ray_io.is_initialized()
-    t_start = time.monotonic()
-    rows: list[dict] = []
-    notes: list[dict] = []
-    fired: list[dict] = []
-    stopped: str | None = None
-    error: str | None = None
-    final: dict = {}
-    fleet = trainer = None
-    fleet_start_s = None
-    view.start({"engines": cfg.engines, "plan": plan.name if plan else "none", "kv_policy": cfg.kv_policy,
-                "seed": cfg.seed, "out": str(out)})
+class DemoRun:
+    """One demo run: the fleet, trainer and fault firing it drives, the rows its steps measured, its notes.
 
-    def say(text: str) -> None:
-        notes.append({"t": round(time.monotonic() - t_start, 3), "note": text})
-        view.note(text)
+    ``run`` is the whole run; every other method does one part of it. A bad argument
+    or plan raises ``ConfigError`` before anything starts; a later error ends the run
+    early and is reported in the summary, after every actor the run started is shut down.
+    """
 
-    try:
-        ray_io.init_local(num_cpus=cfg.engines + 3, log_to_driver=False)
-        view.phase(f"starting the trainer and {cfg.engines} engines")
-        trainer = ray_io.spawn_actor(AuditedTrainerActor, model, tcfg, 1, num_cpus=1)
-        fleet = Fleet.start(fcfg)
-        fleet_start_s = time.monotonic() - t_start
-        if hasattr(view, "set_poll"):
-            view.set_poll(fleet.status)
-        watcher = EventWatcher(fleet)
-        if ray_io.get_or_raise(trainer.get_version.remote(), 300) != 0:
+    def __init__(self, cfg: DemoConfig, view=None) -> None:
+        from health.faultplan import resolve
+        from recipe import AllowedTokensTask, PromptGenerator, RecipeConfig, TrainerConfig
+
+        if cfg.steps < 1:
+            raise ConfigError("steps", "must be >= 1", cfg.steps)
+        if cfg.engines < 1:
+            raise ConfigError("engines", "must be >= 1", cfg.engines)
+        self.cfg = cfg
+        self.plan = load_demo_plan(cfg)
+        self.firings = resolve(self.plan, cfg.engines) if self.plan is not None else []
+        self.rejoin: dict = {"step": cfg.rejoin_at(self.firings), "wait_s": None, "unsettled": None}
+        self.out = Path(cfg.out).resolve()
+        self.rc = RecipeConfig(prompts_per_step=cfg.prompts_per_step, samples_per_prompt=cfg.samples_per_prompt,
+                               max_tokens=cfg.max_tokens, seed=cfg.seed)
+        self.tcfg = TrainerConfig(lr=cfg.lr, max_staleness=cfg.max_staleness, seed=cfg.seed)
+        self.task, self.prompts = AllowedTokensTask(), PromptGenerator(seed=cfg.seed)
+        self.view = view
+        self.model: str | None = None
+        self.fcfg: dict = {}
+        self.t_start = time.monotonic()
+        self.rows: list[dict] = []
+        self.notes: list[dict] = []
+        self.final: dict = {}
+        self.stopped: str | None = None
+        self.error: str | None = None
+        self.fleet = self.trainer = self.watcher = self.firing = None
+        self.fleet_start_s: float | None = None
+        self.status_end: dict | None = None
+        self.version = self.engines_at = 0  # the trainer's weight version, and the one the engines hold
+
+    def run(self) -> dict:
+        self.prepare()
+        owns_ray = not ray_io.is_initialized()
+        self.t_start = time.monotonic()
+        self.view.start({"engines": self.cfg.engines, "plan": self.plan.name if self.plan else "none",
+                         "kv_policy": self.cfg.kv_policy, "seed": self.cfg.seed, "out": str(self.out)})
+        try:
+            self.start()
+            self.train()
+            if self.stopped is None:
+                self.finish()
+        except KeyboardInterrupt:
+            self.error = "interrupted (Ctrl-C)"
+            self.say(self.error)
+        except Exception as exc:  # noqa: BLE001 - the report is written whatever happened
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.say(f"error: {self.error[:300]}")
+        finally:
+            self.shut_down(owns_ray)
+        return self.write_report()
+
+    # ------------------------------------------------------------------ set-up and tear-down
+    def prepare(self) -> None:
+        """The report directory (cleared of a previous run's files), the model, the fleet config, the view."""
+        from demo.view import make_view
+        from recipe.tinymodel import build_model, default_model_dir
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        for stale in ("events.jsonl", "summary.json", "learning.png", "timeline.png"):
+            (self.out / stale).unlink(missing_ok=True)
+        self.model = self.cfg.model or str(build_model(default_model_dir("tiny")))
+        self.fcfg = fleet_config(self.cfg, self.model, self.plan, self.out / "events.jsonl")
+        self.view = self.view or make_view(self.cfg.progress, self.cfg.steps)
+
+    def start(self) -> None:
+        """A local Ray, the trainer actor (checked at version 0), the fleet, and the watcher and firing on it."""
+        from demo.trainer import AuditedTrainerActor
+        from fleet.api import Fleet
+
+        engines = self.cfg.engines
+        ray_io.init_local(num_cpus=engines + 3, log_to_driver=False)
+        self.view.phase(f"starting the trainer and {engines} engines")
+        self.trainer = ray_io.spawn_actor(AuditedTrainerActor, self.model, self.tcfg, 1, num_cpus=1)
+        self.fleet = Fleet.start(self.fcfg)
+        self.fleet_start_s = time.monotonic() - self.t_start
+        if hasattr(self.view, "set_poll"):
+            self.view.set_poll(self.fleet.status)
+        self.watcher = EventWatcher(self.fleet)
+        self.firing = FaultFiring(self.fleet, self.firings, log=self.say, t0=self.t_start)
+        if ray_io.ask(self.trainer, "get_version", timeout=300) != 0:
             raise RuntimeError("the trainer did not start at version 0")
-        view.phase("training")
-        say(f"fleet up in {fleet_start_s:.1f}s: {cfg.engines} engines serving v0")
+        self.view.phase("training")
+        self.say(f"fleet up in {self.fleet_start_s:.1f}s: {engines} engines serving v0")
 
-        def submit(step: int):
-            batch = prompts.batch(step, rc.prompts_per_step)
-            return batch, [fleet.submit(p, rc.samples_per_prompt, rc.sampling(step, j)) for j, p in enumerate(batch)]
-
-        def collect(pending) -> tuple[list, int, set]:
-            batch, refs = pending
-            groups, returned, slots = [], 0, set()
-            for p, r in zip(batch, refs):
-                results = fleet.collect(r)
-                slots |= {(x.result.slot, x.result.incarnation) for x in results if x.ok}
-                group, skipped = build_group(p, results, task)
-                groups.append(group)
-                returned += skipped
-            return groups, returned, slots
-
-        def fire(f) -> None:
-            if f.where == "step_boundary" and f.what == "kill":
-                end = time.monotonic() + 240
-                while time.monotonic() < end:
-                    states = {s["slot"]: s["state"] for s in fleet.status()["ledger"]["slots"]}
-                    if states.get(f.slot) in ("healthy", "stale"):
-                        break
-                    time.sleep(0.5)
-                fleet.kill_shard(f.slot)
-            else:
-                fleet.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
-            fired.append({**asdict(f), "t": round(time.monotonic() - t_start, 3)})
-            say(f"FAULT: {f.what} slot {f.slot} at {f.where} (step {f.step})")
-
-        pending = submit(0)
-        version = engines_at = 0
-        for step in range(cfg.steps):
-            t0 = time.monotonic()
-            view.phase(f"step {step + 1}: collecting batch {step}", minor=True)
-            groups, returned, slots = collect(pending)
-            for f in (f for f in firings if f.step == step):
-                fire(f)
-            held = None
-            if step == rejoin_step:
-                t_hold = time.monotonic()
-                view.phase(f"step {step + 1}: holding training until restarts in progress finish (rejoin step)")
-                waited, busy = wait_for_restarts(fleet, cfg.settle_timeout_s, lambda: [say(n) for n in watcher.poll()])
-                rejoin.update(wait_s=round(waited, 3), unsettled=busy)
-                held = (t_hold, time.monotonic())
-                if waited >= 1.0 or busy:
-                    say(f"rejoin step {step}: held training {waited:.1f}s for restarts"
-                        + (f"; slots {busy} still not back" if busy else "; every live slot joins this refit"))
-            refit = None
-            if engines_at != version:
-                view.phase(f"step {step + 1}: refit v{version}", minor=True)
-                t_refit = time.monotonic()
-                try:
-                    refit = fleet.sync_weights(version, trainer)
-                    refit["wall_s"] = time.monotonic() - t_refit
-                except FleetStopped as exc:
-                    stopped = str(exc)
-                    for n in watcher.poll():
-                        say(n)
-                    say(f"refit of v{version} failed, the fleet stopped: {stopped[:200]}")
-                    break
-                engines_at = version
-            pending = submit(step + 1) if step + 1 < cfg.steps else None
-            view.phase(f"step {step + 1}: training on batch {step}", minor=True)
-            m = ray_io.get_or_raise(trainer.step.remote(groups), 600)
-            version = m.get("new_version", version)
-            status = fleet.status()
-            row = {
-                "step": step, **m, "returned": returned,
-                "generated_by": sorted({s.weight_version for g in groups for s in g.samples}),
-                "shards_used": [list(x) for x in sorted(slots)],
-                "refit_s": refit["wall_s"] if refit else None,
-                "refit_total_s": refit["total_s"] if refit else None,
-                "refit_attempts": refit["attempts"] if refit else None,
-                "refit_participants": refit["participants"] if refit else None,
-                "serving": [s["slot"] for s in status["ledger"]["slots"] if s["state"] == "healthy"],
-                "states": {s["slot"]: s["state"] for s in status["ledger"]["slots"]},
-                "gate_open": status["gate_open"],
-                "held_s": held[1] - held[0] if held else 0.0, "held": held,
-                "t_begin": t0, "t_end": time.monotonic(), "wall_s": time.monotonic() - t0,
-            }
-            rows.append(row)
-            view.step(row, status)
-            for n in watcher.poll():
-                say(n)
-
-        if stopped is None:
-            for f in (f for f in firings if f.step >= cfg.steps):
-                if f.step == cfg.steps:
-                    fire(f)
-                else:
-                    say(f"fault {f.what} at step {f.step} is past the run's {cfg.steps} steps: not fired")
-            final = _finish(fleet, trainer, cfg, version, submit, collect, view, say, watcher)
-            stopped = final.pop("stopped", None)
-    except KeyboardInterrupt:
-        error = "interrupted (Ctrl-C)"
-        say(error)
-    except Exception as exc:  # noqa: BLE001 - the report is written whatever happened
-        error = f"{type(exc).__name__}: {exc}"
-        say(f"error: {error[:300]}")
-    finally:
-        view.phase("shutting down")
-        if hasattr(view, "stop_polling"):
-            view.stop_polling()
-        status_end = None
-        if fleet is not None:
+    def shut_down(self, owns_ray: bool) -> None:
+        """Stop the view's polling, shut the fleet down (keeping its last status), kill the trainer, stop our Ray."""
+        self.view.phase("shutting down")
+        if hasattr(self.view, "stop_polling"):
+            self.view.stop_polling()
+        if self.fleet is not None:
             try:
-                status_end = fleet.status()
-            except Exception:  # noqa: BLE001
+                self.status_end = self.fleet.status()
+            except Exception:  # noqa: BLE001 - the status is for the report only
                 pass
-            fleet.shutdown()
-        if trainer is not None:
-            ray_io.kill(trainer)
+            self.fleet.shutdown()
+        if self.trainer is not None:
+            ray_io.kill(self.trainer)
         if owns_ray:
             ray_io.shutdown()
-        view.close()
+        self.view.close()
 
-    events = read_events(event_path)
-    fleet_cfg = fleet.config if fleet is not None else None
-    summary = _summarize(cfg, plan, fired, rows, final, events, fleet_cfg, fcfg, stopped, error,
-                         time.monotonic() - t_start, fleet_start_s, status_end, notes, task)
-    summary["rejoin"] = rejoin
-    if cfg.plots:
-        summary["files"].update(_plots(out, rows, events, summary, final, task, t_start))
-    (out / "summary.json").write_text(json.dumps(_nan_to_none(summary), indent=2))
-    return summary
+    @property
+    def fired(self) -> list[dict]:
+        """The faults fired so far (``faults.firing.FaultFiring.fired``)."""
+        return self.firing.fired if self.firing is not None else []
 
+    # ------------------------------------------------------------------ helpers of every step
+    def say(self, text: str) -> None:
+        self.notes.append({"t": round(time.monotonic() - self.t_start, 3), "note": text})
+        self.view.note(text)
 
-def _finish(fleet, trainer, cfg: DemoConfig, version: int, submit, collect, view, say, watcher) -> dict:
-    """Wait (bounded) for restarts in progress, push the final weights, evaluate one fresh batch on them."""
-    view.phase("waiting for restarts in progress")
-    waited, busy = wait_for_restarts(fleet, cfg.settle_timeout_s, lambda: [say(n) for n in watcher.poll()])
-    if busy:
-        say(f"slots {busy} still not back after {waited:.0f}s: the final refit goes without them")
-    view.phase(f"final refit v{version}")
-    t0 = time.monotonic()
-    try:
-        refit = fleet.sync_weights(version, trainer)
-    except FleetStopped as exc:
-        for n in watcher.poll():
-            say(n)
-        return {"stopped": str(exc), "settle_wait_s": waited}
-    refit_s = time.monotonic() - t0
-    view.phase("evaluating the final weights on every serving engine")
-    groups, returned, slots = collect(submit(cfg.steps))
-    audit = ray_io.get_or_raise(trainer.audit.remote(groups), 300)
-    rewards = [s.reward for g in groups for s in g.samples]
-    for n in watcher.poll():
-        say(n)
-    final = {
-        "version": version,
-        "settle_wait_s": waited,
-        "refit_s": refit_s,
-        "refit_participants": refit["participants"],
-        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-        "samples": len(rewards),
-        "returned": returned,
-        "shards_used": [list(x) for x in sorted(slots)],
-        **audit,
-    }
-    say(f"final weights v{version} on shards {refit['complete']}: eval reward {final['reward_mean']:.3f}, "
-        f"mismatch max {audit['audit_mismatch_max']:.1e}")
-    return final
+    def poll_notes(self) -> None:
+        for n in self.watcher.poll():
+            self.say(n)
 
+    def submit(self, step: int):
+        batch = self.prompts.batch(step, self.rc.prompts_per_step)
+        return batch, [self.fleet.submit(p, self.rc.samples_per_prompt, self.rc.sampling(step, j))
+                       for j, p in enumerate(batch)]
 
-def _summarize(cfg, plan, fired, rows, final, events, fleet_cfg, fcfg, stopped, error, wall_s, fleet_start_s,
-               status_end, notes, task) -> dict:
-    from demo.report import log_numbers
+    def collect(self, pending) -> tuple[list, int, set]:
+        """Groups of the batch ``pending``, results returned (not generated), (slot, incarnation) that served it."""
+        from recipe import build_group
 
-    log = log_numbers(events)
-    deadline = fleet_cfg.lifecycle_deadline_s if fleet_cfg is not None else 0.0
-    slack = (fleet_cfg.probe_timeout_s if fleet_cfg is not None else 5.0) + 2.0
-    violations = invariants.check_all(events, deadline, slack_s=slack) if events else ["no event log was written"]
-    rewards = [r.get("reward_mean") for r in rows]
-    k = max(1, min(5, len(rows) // 4))
-    refit_walls = [r["refit_s"] for r in rows if r.get("refit_s") is not None]
-    if final.get("refit_s") is not None:
-        refit_walls.append(final["refit_s"])
-    fresh = [r.get("audit_mismatch_max") for r in rows] + [final.get("audit_mismatch_max")]
-    stopped = stopped or log["stopped"]
-    complete = len(rows) == cfg.steps and bool(final)
-    ok = log["prompts_lost"] == 0 and not stopped and not error and not violations and complete
-    return {
-        "ok": ok,
-        "steps": len(rows),
-        "steps_planned": cfg.steps,
-        "reward_first": _mean(rewards[:k]),
-        "reward_last": _mean(rewards[-k:]),
-        "reward_window_steps": k,
-        "reward_chance": task.chance_reward,
-        "reward_final_eval": final.get("reward_mean"),
-        "max_logprob_mismatch": _max(fresh),
-        "mean_logprob_mismatch": _mean([r.get("audit_mismatch_mean") for r in rows]),
-        "max_logprob_mismatch_with_lag": _max([r.get("mismatch_max") for r in rows]),
-        "trainer_fresh_mismatch_max": _max([r.get("fresh_mismatch_max") for r in rows]),
-        "prompts_lost": log["prompts_lost"],
-        "faults_injected": log["faults_injected"],
-        "recoveries": log["recoveries"],
-        "stale_samples_dropped": sum(int(r.get("dropped_stale", 0)) for r in rows),
-        "results_returned": sum(int(r.get("returned", 0)) for r in rows) + int(final.get("returned", 0) or 0),
-        "stopped": stopped,
-        "error": error,
-        "invariant_violations": violations,
-        "wall_s": round(wall_s, 2),
-        "fleet_start_s": round(fleet_start_s, 2) if fleet_start_s is not None else None,
-        "step_s_p50": _pct([r["wall_s"] - r["held_s"] for r in rows], 0.5),
-        "step_s_max": _max([r["wall_s"] - r["held_s"] for r in rows]),
-        "refit_s_p50": _pct(refit_walls, 0.5),
-        "refit_s_max": _max(refit_walls),
-        "refits": len(refit_walls),
-        "kv_policy": cfg.kv_policy,
-        "seed": cfg.seed,
-        "fault_plan": {
-            "name": plan.name if plan else "none",
-            "source": str(cfg.fault_plan),
-            "expect": plan.expect if plan else None,
-            "description": plan.description if plan else "",
-            "fired": fired,
-        },
-        "log": log,
-        "final_eval": final,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-        "fleet": fleet_cfg.model_dump() if fleet_cfg is not None else fcfg,
-        "fleet_end": status_end,
-        "notes": notes,
-        "metrics": rows,
-        "files": {"summary": "summary.json", "events": "events.jsonl"},
-    }
+        batch, refs = pending
+        groups, returned, slots = [], 0, set()
+        for p, r in zip(batch, refs):
+            results = self.fleet.collect(r)
+            slots |= {(x.result.slot, x.result.incarnation) for x in results if x.ok}
+            group, skipped = build_group(p, results, self.task)
+            groups.append(group)
+            returned += skipped
+        return groups, returned, slots
 
+    def fire(self, step: int) -> None:
+        for f in self.firing.due(step):
+            self.firing.fire(f)
+            self.say(f"FAULT: {f.what} slot {f.slot} at {f.where} (step {f.step})")
 
-def _plots(out: Path, rows, events, summary, final, task, t_start) -> dict:
-    from demo.report import plot_learning, plot_timeline
+    # ------------------------------------------------------------------ training
+    def train(self) -> None:
+        """Every training step, until the last one or until the fleet stops."""
+        pending = self.submit(0)
+        for step in range(self.cfg.steps):
+            pending = self.step(step, pending)
+            if self.stopped is not None:
+                return
 
-    files = {}
-    marks = []
-    for f in summary["fault_plan"]["fired"]:
-        marks.append((f["step"], f"{f['what']} slot {f['slot']}", "#a50f15"))
-    for r in summary["log"]["readmissions"]:
-        step = next((row["step"] for row in rows if row["t_end"] >= r["t"]), len(rows))
-        marks.append((step, f"slot {r['slot']} back", "#00441b"))
-    title = (f"rlfleet demo: {summary['steps']} steps, {summary['fleet']['num_engines']} engines, "
-             f"plan {summary['fault_plan']['name']}, kv_policy {summary['kv_policy']}")
-    if rows:
-        files["learning"] = plot_learning(rows, out / "learning.png", chance=task.chance_reward, marks=marks,
-                                          final=final, title=title).name
-    if events:
-        holds = [(*r["held"], "training held for the restart") for r in rows if r.get("held") and r["held_s"] >= 1.0]
-        files["timeline"] = plot_timeline(events, out / "timeline.png", step_times=[r["t_begin"] for r in rows],
-                                          holds=holds, title=title).name
-    return files
+    def step(self, step: int, pending):
+        """Collect batch ``step``, fire its faults, (hold,) refit, submit the next batch, train on this one.
+
+        Returns the next batch in flight (None after the last step or when the fleet stopped).
+        """
+        t0 = time.monotonic()
+        self.view.phase(f"step {step + 1}: collecting batch {step}", minor=True)
+        groups, returned, slots = self.collect(pending)
+        self.fire(step)
+        held = self.hold_for_rejoin(step) if step == self.rejoin["step"] else None
+        refit = self.refit(step)
+        if self.stopped is not None:
+            return None
+        pending = self.submit(step + 1) if step + 1 < self.cfg.steps else None
+        self.view.phase(f"step {step + 1}: training on batch {step}", minor=True)
+        metrics = ray_io.ask(self.trainer, "step", groups, timeout=600)
+        self.version = metrics.get("new_version", self.version)
+        self.record(step, {**metrics, "returned": returned}, groups, slots, refit, held, t0)
+        return pending
+
+    def hold_for_rejoin(self, step: int) -> tuple[float, float]:
+        """Hold training until restarts in progress have finished (bounded), so this step's refit re-admits them."""
+        t_hold = time.monotonic()
+        self.view.phase(f"step {step + 1}: holding training until restarts in progress finish (rejoin step)")
+        waited, busy = wait_for_restarts(self.fleet, self.cfg.settle_timeout_s, self.poll_notes)
+        self.rejoin.update(wait_s=round(waited, 3), unsettled=busy)
+        held = (t_hold, time.monotonic())
+        if waited >= 1.0 or busy:
+            self.say(f"rejoin step {step}: held training {waited:.1f}s for restarts"
+                     + (f"; slots {busy} still not back" if busy else "; every live slot joins this refit"))
+        return held
+
+    def refit(self, step: int) -> dict | None:
+        """Push the trainer's weights if the engines are behind. None if not needed, or if the fleet stopped (``stopped``)."""
+        if self.engines_at == self.version:
+            return None
+        self.view.phase(f"step {step + 1}: refit v{self.version}", minor=True)
+        t0 = time.monotonic()
+        try:
+            refit = self.fleet.sync_weights(self.version, self.trainer)
+        except FleetStopped as exc:
+            self.stopped = str(exc)
+            self.poll_notes()
+            self.say(f"refit of v{self.version} failed, the fleet stopped: {self.stopped[:200]}")
+            return None
+        refit["wall_s"] = time.monotonic() - t0
+        self.engines_at = self.version
+        return refit
+
+    def record(self, step: int, metrics: dict, groups, slots, refit, held, t0: float) -> None:
+        """The row of ``step``: the trainer's metrics, who generated the batch, the refit, the fleet after it."""
+        status = self.fleet.status()
+        row = {
+            "step": step, **metrics,
+            "generated_by": sorted({s.weight_version for g in groups for s in g.samples}),
+            "shards_used": [list(x) for x in sorted(slots)],
+            "refit_s": refit["wall_s"] if refit else None,
+            "refit_total_s": refit["total_s"] if refit else None,
+            "refit_attempts": refit["attempts"] if refit else None,
+            "refit_participants": refit["participants"] if refit else None,
+            "serving": [s["slot"] for s in status["ledger"]["slots"] if s["state"] == "healthy"],
+            "states": slot_states(status),
+            "gate_open": status["gate_open"],
+            "held_s": held[1] - held[0] if held else 0.0, "held": held,
+            "t_begin": t0, "t_end": time.monotonic(), "wall_s": time.monotonic() - t0,
+        }
+        self.rows.append(row)
+        self.view.step(row, status)
+        self.poll_notes()
+
+    # ------------------------------------------------------------------ after the last step
+    def finish(self) -> None:
+        """The faults planned for the end of the run, then the final refit and evaluation."""
+        self.fire(self.cfg.steps)
+        for f in self.firing.beyond(self.cfg.steps):
+            self.say(f"fault {f.what} at step {f.step} is past the run's {self.cfg.steps} steps: not fired")
+        self.final = self.evaluate_final()
+        self.stopped = self.final.pop("stopped", None)
+
+    def evaluate_final(self) -> dict:
+        """Wait (bounded) for restarts in progress, push the final weights, evaluate one fresh batch on them."""
+        version = self.version
+        self.view.phase("waiting for restarts in progress")
+        waited, busy = wait_for_restarts(self.fleet, self.cfg.settle_timeout_s, self.poll_notes)
+        if busy:
+            self.say(f"slots {busy} still not back after {waited:.0f}s: the final refit goes without them")
+        self.view.phase(f"final refit v{version}")
+        t0 = time.monotonic()
+        try:
+            refit = self.fleet.sync_weights(version, self.trainer)
+        except FleetStopped as exc:
+            self.poll_notes()
+            return {"stopped": str(exc), "settle_wait_s": waited}
+        refit_s = time.monotonic() - t0
+        self.view.phase("evaluating the final weights on every serving engine")
+        groups, returned, slots = self.collect(self.submit(self.cfg.steps))
+        audit = ray_io.ask(self.trainer, "audit", groups, timeout=300)
+        rewards = [s.reward for g in groups for s in g.samples]
+        self.poll_notes()
+        final = {
+            "version": version,
+            "settle_wait_s": waited,
+            "refit_s": refit_s,
+            "refit_participants": refit["participants"],
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "samples": len(rewards),
+            "returned": returned,
+            "shards_used": [list(x) for x in sorted(slots)],
+            **audit,
+        }
+        self.say(f"final weights v{version} on shards {refit['complete']}: eval reward {final['reward_mean']:.3f}, "
+                 f"mismatch max {audit['audit_mismatch_max']:.1e}")
+        return final
+
+    # ------------------------------------------------------------------ the report
+    def write_report(self) -> dict:
+        """``summary.json`` and the plots, from the rows, the notes and the event log the fleet wrote."""
+        from demo.report import summarize, write_plots
+
+        events = read_log(self.out / "events.jsonl")
+        summary = summarize(self, events, time.monotonic() - self.t_start)
+        if self.cfg.plots:
+            summary["files"].update(write_plots(self.out, self.rows, events, summary, self.final, self.task))
+        (self.out / "summary.json").write_text(json.dumps(_nan_to_none(summary), indent=2))
+        return summary

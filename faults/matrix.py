@@ -44,7 +44,7 @@ def _v(name, expect, faults, checks=(), steps=2, fleet=None, description=""):
 
 MATRIX: tuple[Variant, ...] = (
     _v("kill-step-boundary", "recovers", [{"where": "step_boundary", "what": "kill", "shard": 1, "step": 1}],
-       description="ray.kill of a shard between steps"),
+       description="a shard's actor process killed between steps"),
     _v("kill-during-pause", "recovers", [{"where": "pause", "what": "kill", "shard": 2, "step": 1}]),
     _v("kill-during-transfer", "recovers", [{"where": "transfer", "what": "kill", "shard": 0, "step": 1}]),
     _v("kill-during-resume", "recovers", [{"where": "resume", "what": "kill", "shard": 1, "step": 1}]),

@@ -1,12 +1,13 @@
 """Run fault plans against a short async loop on a real fleet, and judge each against its expectation.
 
 The loop, per step: new weights on the source, a batch of generation groups in
-flight, the step's faults fired (a kill now, or a fault armed at a hook point),
-then ``sync_weights``. Afterwards the runner collects every result, checks the
-DESIGN invariants on the event log, and the variant's own checks (evicted,
-readmitted, retired). A variant passes only if the observed outcome is the
-expected one, no prompt was lost, no sample carried a wrong version tag, and
-every invariant held.
+flight, the step's faults fired (``faults.firing``: a kill now, or a fault armed
+at a hook point), then ``sync_weights``. Afterwards the runner collects every
+result, checks the DESIGN invariants on the event log, and the variant's own
+checks (evicted, readmitted, retired); the time from the fault to the gate
+reopening is ``faults.timeline.fault_to_reopen``. A variant passes only if the
+observed outcome is the expected one, no prompt was lost, no sample carried a
+wrong version tag, and every invariant held.
 
 Fleets are reused across consecutive variants that expect to recover and share a
 fleet config (the runner heals the fleet in between: restarts done, every slot
@@ -20,16 +21,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from faults import invariants
+from faults.firing import FaultFiring, slot_states, wait_until
+from faults.timeline import fault_to_reopen
 from fleet import ray_io
 from fleet.api import Fleet
 from fleet.errors import FleetStopped
 from faults.matrix import BASE_FLEET, Variant
 from faults.source import WeightSource
-from health.faultplan import FaultPlan, Firing, load_plan, resolve
+from health.faultplan import FaultPlan, load_plan, resolve
 
 PROMPT = [1, 21, 31, 41, 51]
 SAMPLING = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0}
-POINT_OF = {"pause": "pause", "transfer": "transfer", "resume": "resume", "generate": "generate", "step_boundary": "ping"}
 
 
 @dataclass
@@ -72,7 +74,7 @@ class FaultRunner:
         if self._fleet is not None and (self._fleet_key != key or self._fleet.status()["stopped"]):
             self.close_fleet()
         if self._fleet is None:
-            self.log(f"[faults] starting a fleet for {plan.name} ({self._config(plan)['num_engines']} engines)")
+            self.say(f"starting a fleet for {plan.name} ({self._config(plan)['num_engines']} engines)")
             self._fleet = Fleet.start(self._config(plan))
             self._fleet_key = key
             self._version = self._fleet.status()["version"]
@@ -93,28 +95,26 @@ class FaultRunner:
             ray_io.kill(self._source)
             self._source = None
 
-    def states(self, fleet: Fleet) -> dict[int, str]:
-        return {s["slot"]: s["state"] for s in fleet.status()["ledger"]["slots"]}
+    def say(self, message: str) -> None:
+        """One line of the run's log, marked as the fault runner's."""
+        self.log(f"[faults] {message}")
 
     def _wait(self, predicate, timeout_s: float, what: str) -> bool:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if predicate():
-                return True
-            time.sleep(0.5)
-        self.log(f"[faults] gave up waiting for {what} after {timeout_s:.0f} s")
+        if wait_until(predicate, timeout_s):
+            return True
+        self.say(f"gave up waiting for {what} after {timeout_s:.0f} s")
         return False
 
     def heal(self, fleet: Fleet) -> None:
         """Wait for restarts to finish; refit so every live slot serves the current version."""
         settled = {"healthy", "stale", "retired"}
-        self._wait(lambda: set(self.states(fleet).values()) <= settled, 240, "every slot up")
-        if "stale" in self.states(fleet).values():
+        self._wait(lambda: set(slot_states(fleet.status()).values()) <= settled, 240, "every slot up")
+        if "stale" in slot_states(fleet.status()).values():
             self.refit(fleet)
 
     def refit(self, fleet: Fleet) -> dict:
         self._version += 1
-        ray_io.get_or_raise(self._source.perturb.remote(self._version, 0.01), 60)
+        ray_io.ask(self._source, "perturb", self._version, 0.01, timeout=60)
         return fleet.sync_weights(self._version, self._source)
 
     # ------------------------------------------------------------------ one variant
@@ -129,8 +129,8 @@ class FaultRunner:
             rep.notes.append(f"runner error: {type(exc).__name__}: {exc}")
             self.close_fleet()
         rep.wall_s = round(time.monotonic() - t0, 1)
-        self.log(
-            f"[faults] {rep.variant}: expected {rep.expected}, observed {rep.observed}, "
+        self.say(
+            f"{rep.variant}: expected {rep.expected}, observed {rep.observed}, "
             f"{'PASS' if rep.passed else 'FAIL'} in {rep.wall_s} s"
         )
         if rep.observed == "stops":
@@ -140,13 +140,12 @@ class FaultRunner:
     def _run_steps(self, fleet: Fleet, plan: FaultPlan, variant: Variant, rep: VariantReport) -> None:
         mark = len(fleet.events())
         before = fleet.status()["requests"]
-        firings = resolve(plan, self._config(plan)["num_engines"])
+        firing = FaultFiring(fleet, resolve(plan, self._config(plan)["num_engines"]), log=self.say)
         stopped: str | None = None
         pending: list = []
         for step in range(1, plan.steps + 1):
             pending += [fleet.submit(PROMPT, self.n, SAMPLING) for _ in range(self.groups)]
-            for f in (f for f in firings if f.step == step):
-                self.fire(fleet, f)
+            firing.at(step)
             try:
                 self.refit(fleet)
             except FleetStopped as exc:
@@ -160,13 +159,6 @@ class FaultRunner:
         self._account(fleet, before, mark, results, rep)
         rep.passed = rep.observed == rep.expected and rep.lost == 0 and rep.wrong_version_tags == 0 and not rep.violations
 
-    def fire(self, fleet: Fleet, f: Firing) -> None:
-        if f.where == "step_boundary" and f.what == "kill":
-            self._wait(lambda: self.states(fleet)[f.slot] in ("healthy", "stale"), 240, f"slot {f.slot} up before the kill")
-            fleet.kill_shard(f.slot)
-        else:
-            fleet.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
-
     def _extra_checks(self, fleet: Fleet, variant: Variant, rep: VariantReport) -> None:
         for check in variant.checks:
             kind, slot = check.split(":")
@@ -175,7 +167,7 @@ class FaultRunner:
                 ok = self._wait(lambda: any(e["slot"] == slot and "evicted" in e["reason"] for e in fleet.events(kinds=["kill"])),
                                 60, f"eviction of slot {slot}")
             elif kind == "retired":
-                ok = self._wait(lambda: self.states(fleet)[slot] == "retired", 240, f"slot {slot} retired")
+                ok = self._wait(lambda: slot_states(fleet.status())[slot] == "retired", 240, f"slot {slot} retired")
             elif kind == "readmitted":
                 ok = self._readmitted(fleet, slot)
             else:
@@ -203,21 +195,7 @@ class FaultRunner:
         rep.violations += invariants.requests_accounted(new) + invariants.phases_within_deadline(
             new, fleet.config.lifecycle_deadline_s, slack_s=fleet.config.probe_timeout_s + 2.0
         ) + invariants.gate_closed_after_stop(new)
-        rep.fault_to_reopen_s = _fault_to_reopen(new)
-
-
-def _fault_to_reopen(events: list[dict]) -> float | None:
-    """Seconds from the first sign of the fault (a slot leaving healthy, or a stop) to the next gate opening."""
-    t_fault = next(
-        (e["t"] for e in events
-         if (e["kind"] == "health" and e["before"] == "healthy" and e["after"] in ("dead", "suspect", "hung", "stale"))
-         or e["kind"] == "stopped"),
-        None,
-    )
-    if t_fault is None:
-        return None
-    t_open = next((e["t"] for e in events if e["kind"] == "gate" and e["open"] and e["t"] >= t_fault), None)
-    return None if t_open is None else round(t_open - t_fault, 3)
+        rep.fault_to_reopen_s = fault_to_reopen(new)
 
 
 def run_variants(model_dir: str, variants: list[Variant], log: Callable = print, **kw: Any) -> list[VariantReport]:

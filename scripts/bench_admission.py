@@ -156,15 +156,6 @@ def prompt(args, i: int) -> list[int]:
     return [1] + [rng.randrange(4, 500) for _ in range(args.prompt_tokens - 1)]
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def law_counters(fleet) -> dict:
     """The engines' counters (as last polled by the controller) and the admission law's."""
     m = fleet.admission_metrics()
@@ -202,7 +193,7 @@ class Arm:
         self.source = ray_io.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
         self.fleet = Fleet.start(fleet_config(self.args, self.model_dir, self.name == "adaptive"))
         self.fleet.generate([prompt(self.args, -1)] * self.args.engines, n=1, sampling={"max_tokens": 4})
-        ray_io.get_or_raise(self.source.perturb.remote(1, 0.02), 60)
+        ray_io.ask(self.source, "perturb", 1, 0.02, timeout=60)
         self.fleet.sync_weights(1, self.source)
         self.start_s = time.monotonic() - t
 
@@ -226,8 +217,7 @@ class Arm:
                 barrier.abort()
 
     def _loop(self) -> dict:
-        import ray
-
+        from faults.timeline import percentile
         from fleet import ray_io
         from fleet.staleness import StalenessFilter, staleness_of
 
@@ -258,9 +248,9 @@ class Arm:
                          for v in fleet.admission_metrics().values()]
                 next_sample = now + 1.0
             wake = min(end, next_refit) - now
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(0.5, max(0.01, wake)))
+            ready, _ = ray_io.ready(list(pending), min(0.5, max(0.01, wake)), num_returns=1)
             if ready:
-                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+                ready, _ = ray_io.ready(list(pending), 0, num_returns=len(pending))
             measured = before is not None and time.monotonic() < end
             for ref in ready:
                 pending.pop(ref)
@@ -287,7 +277,7 @@ class Arm:
                 next_refit = max(next_refit + every_s, time.monotonic())
                 since_refit = max(0, since_refit - int(args.refit_every))
                 version += 1
-                ray_io.get_or_raise(self.source.perturb.remote(version, 0.02), 60)
+                ray_io.ask(self.source, "perturb", version, 0.02, timeout=60)
                 fleet.sync_weights(version, self.source)
                 m["refits"] += before is not None and time.monotonic() < end
         wall = time.monotonic() - start
@@ -298,6 +288,7 @@ class Arm:
             for ev in fleet.events(kinds=["admission"]):
                 print(f"  [{self.name} t={ev['t'] - t0 - args.warmup_s:7.2f}s] cap {ev['cap']}: {ev['reason']}")
         judged = flt.kept + flt.dropped
+        nan = float("nan")
         caps = [c for c, _, _ in load if c is not None]
         running = [r for _, r, _ in load if r is not None]
         usage = [u for _, _, u in load if u is not None]
@@ -308,11 +299,11 @@ class Arm:
             "samples": m["samples"],
             "returned": m["returned"],
             "preemptions": after["preemptions"] - before["preemptions"],
-            "p50_latency_s": round(percentile(on_shard, 0.5), 3),
-            "p95_latency_s": round(percentile(on_shard, 0.95), 3),
-            "p50_accept_latency_s": round(percentile(accept, 0.5), 3),
-            "p95_accept_latency_s": round(percentile(accept, 0.95), 3),
-            "p50_queue_s": round(percentile(queued, 0.5), 3),
+            "p50_latency_s": percentile(on_shard, 0.5, 3, default=nan),
+            "p95_latency_s": percentile(on_shard, 0.95, 3, default=nan),
+            "p50_accept_latency_s": percentile(accept, 0.5, 3, default=nan),
+            "p95_accept_latency_s": percentile(accept, 0.95, 3, default=nan),
+            "p50_queue_s": percentile(queued, 0.5, 3, default=nan),
             "mean_staleness": round(statistics.fmean(ages), 3) if ages else float("nan"),
             "staleness_histogram": flt.histogram,
             "dropped_share": round(flt.dropped / judged, 4) if judged else float("nan"),

@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import time
 
+from faults.timeline import percentile, reopen_s
 from fleet import ray_io
 from fleet.controller import SingleController
 from fleet.null_backend import null_backend
@@ -74,10 +74,10 @@ async def overhead_for(n: int, model: str, refits: int) -> dict:
     over = [r["overhead_s"] for r in rows]
     return {
         "shards": n,
-        "overhead_s": statistics.median(over),
-        "overhead_p90_s": sorted(over)[int(0.9 * (len(over) - 1))],
-        "cycle_s": statistics.median(r["total_s"] for r in rows),
-        "inside_shards_s": statistics.median(r["inside_shards_s"] for r in rows),
+        "overhead_s": percentile(over, 0.5),
+        "overhead_p90_s": percentile(over, 0.9),
+        "cycle_s": percentile([r["total_s"] for r in rows], 0.5),
+        "inside_shards_s": percentile([r["inside_shards_s"] for r in rows], 0.5),
     }
 
 
@@ -96,9 +96,8 @@ def death_to_reopen(model: str) -> dict:
         summary = fleet.sync_weights(2, source)
         wall = time.monotonic() - t0
         events = fleet.events(mark)
-        t_kill = next(e["t"] for e in events if e["kind"] == "fault")
-        t_open = next(e["t"] for e in events if e["kind"] == "gate" and e["open"])
-        return {"death_to_reopen_s": round(t_open - t_kill, 3), "next_refit_wall_s": round(wall, 3),
+        kill = next(i for i, e in enumerate(events) if e["kind"] == "fault")
+        return {"death_to_reopen_s": round(reopen_s(events, kill), 3), "next_refit_wall_s": round(wall, 3),
                 "refit_participants": summary["complete"]}
     finally:
         fleet.shutdown()

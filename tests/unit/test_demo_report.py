@@ -1,4 +1,7 @@
-"""The demo report's pure parts: numbers read off an event log, the plots, the fault plans and the views."""
+"""The demo's pure parts: the plots, the fault plans and their firing, the views and the event notes.
+
+The numbers read off the event log are ``faults.timeline``'s (tests/unit/test_timeline.py).
+"""
 
 from __future__ import annotations
 
@@ -6,89 +9,19 @@ import io
 
 import pytest
 
+from demo.report import plot_learning, plot_timeline, state_segments
 from demo.run import DemoConfig, EventWatcher, _nan_to_none, default_plan, load_demo_plan
 from demo.view import PlainView, make_view
+from faults.firing import FaultFiring
 from fleet.errors import ConfigError
-from demo.report import log_numbers, plot_learning, plot_timeline, readmissions, refit_spans, state_segments
+from health.faultplan import Firing
+from tests.unit.test_timeline import demo_log as _log
 
 
-def _log() -> list[dict]:
-    """A fleet of 2: start, one refit, slot 1 killed, restarted, re-admitted by the next refit, shut down."""
-    recs = []
-
-    def ev(t, kind, **f):
-        recs.append({"t": t, "seq": len(recs), "kind": kind, **f})
-
-    ev(0.0, "phase", phase="start", edge="begin", engines=2)
-    for s in (0, 1):
-        ev(5.0, "health", slot=s, incarnation=1, before="starting", after="stale", reason="ready")
-        ev(5.1, "health", slot=s, incarnation=1, before="stale", after="healthy", reason="v0")
-    ev(5.2, "gate", open=True, version=0, reason="2 serve")
-    for i in range(3):
-        ev(6.0 + i, "request", event="accepted", request_id=f"r{i}")
-        ev(6.5 + i, "request", event="completed", request_id=f"r{i}", slot=i % 2, incarnation=1, version=0, version_start=0)
-
-    def refit(t, version, members):
-        ev(t, "phase", phase="close", edge="begin", version=version)
-        ev(t, "gate", open=False, version=version - 1, reason="refit")
-        ev(t + 0.01, "phase", phase="close", edge="end", version=version, seconds=0.01)
-        ev(t + 0.1, "phase", phase="transfer", edge="begin", version=version)
-        ev(t + 0.5, "phase", phase="transfer", edge="end", version=version, seconds=0.4)
-        ev(t + 0.6, "stamp", version=version, members=members)
-        ev(t + 0.7, "phase", phase="reopen", edge="begin", version=version)
-        ev(t + 0.7, "gate", open=True, version=version, reason="ok")
-        ev(t + 0.8, "phase", phase="reopen", edge="end", version=version, seconds=0.1)
-
-    refit(10.0, 1, [[0, 1], [1, 1]])
-    ev(12.0, "fault", slot=1, incarnation=1, point="step_boundary", action="kill", armed=True)
-    ev(12.5, "health", slot=1, incarnation=1, before="healthy", after="dead", reason="died")
-    ev(13.0, "restart", slot=1, incarnation=2, edge="begin", attempt=1)
-    ev(13.0, "health", slot=1, incarnation=2, before="dead", after="restarting", reason="restart")
-    refit(14.0, 2, [[0, 1]])
-    ev(20.0, "restart", slot=1, incarnation=2, edge="end", outcome="ok")
-    ev(20.0, "health", slot=1, incarnation=2, before="restarting", after="stale", reason="ready")
-    refit(22.0, 3, [[0, 1], [1, 2]])
-    ev(22.6, "health", slot=1, incarnation=2, before="stale", after="healthy", reason="v3")
-    ev(23.0, "request", event="accepted", request_id="r9")
-    ev(23.5, "request", event="completed", request_id="r9", slot=1, incarnation=2, version=3, version_start=3)
-    ev(24.0, "request", event="accepted", request_id="r10")
-    ev(30.0, "stopped", reason="controller shut down")
-    ev(30.0, "request", event="returned", request_id="r10", reason="fleet stopped: controller shut down")
-    ev(30.1, "phase", phase="shutdown", edge="end", shards={})
-    return recs
-
-
-def test_log_numbers_count_faults_recoveries_and_requests():
-    n = log_numbers(_log())
-    assert n["requests"] == {"accepted": 5, "completed": 4, "returned": 1, "requeued": 0}
-    assert n["prompts_lost"] == 0
-    assert n["faults_injected"] == 1 and n["deaths"] == 1
-    assert n["restarts_started"] == n["restarts_ok"] == 1
-    assert n["recoveries"] == 1
-    assert n["readmissions"][0] | {} == {"slot": 1, "incarnation": 2, "version": 3, "t": 22.6, "restart_end_t": 20.0,
-                                         "served_after": 1}
-    assert n["gate_reopenings_after_fault"] == 2
-    assert n["stopped"] is None, "the controller's own shutdown is not a stop"
-    assert n["refits"] == 3 and n["refit_s_max"] == pytest.approx(0.8)
-
-
-def test_a_lost_request_and_a_real_stop_show():
-    log = _log()[:-3] + [{"t": 31.0, "seq": 999, "kind": "stopped", "reason": "below quorum"}]
-    n = log_numbers(log)
-    assert n["prompts_lost"] == 1 and n["stopped"] == "below quorum"
-
-
-def test_restart_without_a_stamp_is_not_a_recovery():
-    log = [e for e in _log() if not (e["kind"] == "stamp" and e["version"] == 3)]
-    assert readmissions(log) == [] and log_numbers(log)["recoveries"] == 0
-
-
-def test_segments_and_spans():
-    log = _log()
-    segs = state_segments(log, 30.1)
+def test_segments():
+    segs = state_segments(_log(), 30.1)
     assert [s[2] for s in segs[1]] == ["starting", "stale", "healthy", "dead", "restarting", "stale", "healthy"]
     assert segs[1][-1][3] == 2 and segs[1][-1][1] == 30.1
-    assert [s["version"] for s in refit_spans(log)] == [1, 2, 3]
 
 
 def test_plots_write_pngs(tmp_path):
@@ -151,11 +84,24 @@ def test_views_and_json_cleaning():
 
 
 class _FakeFleet:
-    def __init__(self, log):
-        self.log = log
+    def __init__(self, log=(), states=None):
+        self.log = list(log)
+        self.states = dict(states or {})
+        self.calls: list[tuple] = []
 
     def events(self, since=0, kinds=None):
         return [e for e in self.log[since:] if kinds is None or e["kind"] in kinds]
+
+    def status(self):
+        return {"ledger": {"slots": [{"slot": s, "state": st} for s, st in self.states.items()]}}
+
+    def kill_shard(self, slot):
+        self.calls.append(("kill_shard", slot))
+        return True
+
+    def arm_fault(self, slot, point, action, delay_s=0.0):
+        self.calls.append(("arm_fault", slot, point, action, delay_s))
+        return True
 
 
 def test_event_watcher_notes_death_restart_and_readmission():
@@ -165,3 +111,24 @@ def test_event_watcher_notes_death_restart_and_readmission():
     assert any("restarting as incarnation 2" in n for n in notes)
     assert any("re-admitted: stamped v3" in n for n in notes)
     assert w.poll() == []
+
+
+def test_fault_firing_fires_each_step_s_faults_at_their_hook_points():
+    fleet = _FakeFleet(states={0: "healthy", 1: "stale", 2: "healthy"})
+    firings = [Firing(1, "step_boundary", "kill", 1), Firing(1, "transfer", "freeze", 0, 0.5),
+               Firing(2, "step_boundary", "slow", 2), Firing(5, "pause", "kill", 2)]
+    firing = FaultFiring(fleet, firings)
+    assert firing.at(0) == [] and fleet.calls == []
+    assert firing.at(1) == firings[:2]
+    assert fleet.calls == [("kill_shard", 1), ("arm_fault", 0, "transfer", "freeze", 0.5)]
+    firing.fire(firings[2])
+    assert fleet.calls[-1] == ("arm_fault", 2, "ping", "slow", 0.0), "a step-boundary fault other than a kill: at the probe"
+    assert [(f["step"], f["slot"], f["what"]) for f in firing.fired] == [(1, 1, "kill"), (1, 0, "freeze"), (2, 2, "slow")]
+    assert firing.beyond(2) == firings[3:] and firing.due(5) == firings[3:]
+
+
+def test_a_kill_waits_for_the_slot_to_be_up_then_fires_anyway():
+    fleet = _FakeFleet(states={0: "restarting"})
+    notes = []
+    FaultFiring(fleet, log=notes.append, up_timeout_s=0.01).fire(Firing(1, "step_boundary", "kill", 0))
+    assert fleet.calls == [("kill_shard", 0)] and "gave up waiting for slot 0" in notes[0]

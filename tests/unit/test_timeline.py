@@ -1,0 +1,167 @@
+"""Numbers read off an event log (``faults.timeline``): one definition each, checked on small hand-made logs."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from faults.timeline import (
+    fault_to_reopen,
+    log_numbers,
+    percentile,
+    read_log,
+    readmissions,
+    recovery_times,
+    refit_spans,
+    reopen_s,
+)
+
+
+def demo_log() -> list[dict]:
+    """A fleet of 2: start, one refit, slot 1 killed, restarted, re-admitted by the next refit, shut down."""
+    recs = []
+
+    def ev(t, kind, **f):
+        recs.append({"t": t, "seq": len(recs), "kind": kind, **f})
+
+    ev(0.0, "phase", phase="start", edge="begin", engines=2)
+    for s in (0, 1):
+        ev(5.0, "health", slot=s, incarnation=1, before="starting", after="stale", reason="ready")
+        ev(5.1, "health", slot=s, incarnation=1, before="stale", after="healthy", reason="v0")
+    ev(5.2, "gate", open=True, version=0, reason="2 serve")
+    for i in range(3):
+        ev(6.0 + i, "request", event="accepted", request_id=f"r{i}")
+        ev(6.5 + i, "request", event="completed", request_id=f"r{i}", slot=i % 2, incarnation=1, version=0, version_start=0)
+
+    def refit(t, version, members):
+        ev(t, "phase", phase="close", edge="begin", version=version)
+        ev(t, "gate", open=False, version=version - 1, reason="refit")
+        ev(t + 0.01, "phase", phase="close", edge="end", version=version, seconds=0.01)
+        ev(t + 0.1, "phase", phase="transfer", edge="begin", version=version)
+        ev(t + 0.5, "phase", phase="transfer", edge="end", version=version, seconds=0.4)
+        ev(t + 0.6, "stamp", version=version, members=members)
+        ev(t + 0.7, "phase", phase="reopen", edge="begin", version=version)
+        ev(t + 0.7, "gate", open=True, version=version, reason="ok")
+        ev(t + 0.8, "phase", phase="reopen", edge="end", version=version, seconds=0.1)
+
+    refit(10.0, 1, [[0, 1], [1, 1]])
+    ev(12.0, "fault", slot=1, incarnation=1, point="step_boundary", action="kill", armed=True)
+    ev(12.5, "health", slot=1, incarnation=1, before="healthy", after="dead", reason="died")
+    ev(13.0, "restart", slot=1, incarnation=2, edge="begin", attempt=1)
+    ev(13.0, "health", slot=1, incarnation=2, before="dead", after="restarting", reason="restart")
+    refit(14.0, 2, [[0, 1]])
+    ev(20.0, "restart", slot=1, incarnation=2, edge="end", outcome="ok")
+    ev(20.0, "health", slot=1, incarnation=2, before="restarting", after="stale", reason="ready")
+    refit(22.0, 3, [[0, 1], [1, 2]])
+    ev(22.6, "health", slot=1, incarnation=2, before="stale", after="healthy", reason="v3")
+    ev(23.0, "request", event="accepted", request_id="r9")
+    ev(23.5, "request", event="completed", request_id="r9", slot=1, incarnation=2, version=3, version_start=3)
+    ev(24.0, "request", event="accepted", request_id="r10")
+    ev(30.0, "stopped", reason="controller shut down")
+    ev(30.0, "request", event="returned", request_id="r10", reason="fleet stopped: controller shut down")
+    ev(30.1, "phase", phase="shutdown", edge="end", shards={})
+    return recs
+
+
+# ---------------------------------------------------------------------------------- percentile
+def test_percentile_interpolates_between_ranks():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.9) == pytest.approx(4.6)
+    assert percentile([1.0, 2.0], 0.0) == 1.0 and percentile([1.0, 2.0], 1.0) == 2.0
+    assert percentile([7.12345], 0.95, 3) == 7.123
+    assert percentile([None, 1.0, None, 3.0], 0.5) == 2.0, "None values are skipped"
+    assert percentile([], 0.5) is None and percentile([None], 0.5, default="n/a") == "n/a"
+    with pytest.raises(ValueError, match="within"):
+        percentile([1.0], 50)
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=40), st.integers(1, 99))
+def test_percentile_agrees_with_the_standard_library(xs, pct):
+    want = xs[0] if len(xs) == 1 else statistics.quantiles(xs, n=100, method="inclusive")[pct - 1]
+    assert percentile(xs, pct / 100) == pytest.approx(want, rel=1e-9, abs=1e-6)
+    assert percentile(xs, 0.5) == pytest.approx(statistics.median(xs), rel=1e-9, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------- the demo's numbers
+def test_log_numbers_count_faults_recoveries_and_requests():
+    n = log_numbers(demo_log())
+    assert n["requests"] == {"accepted": 5, "completed": 4, "returned": 1, "requeued": 0}
+    assert n["prompts_lost"] == 0
+    assert n["faults_injected"] == 1 and n["deaths"] == 1
+    assert n["restarts_started"] == n["restarts_ok"] == 1
+    assert n["recoveries"] == 1
+    assert n["readmissions"][0] | {} == {"slot": 1, "incarnation": 2, "version": 3, "t": 22.6, "restart_end_t": 20.0,
+                                         "served_after": 1}
+    assert n["gate_reopenings_after_fault"] == 2
+    assert n["stopped"] is None, "the controller's own shutdown is not a stop"
+    assert n["refits"] == 3 and n["refit_s_max"] == pytest.approx(0.8)
+    assert n["refit_s_p50"] == pytest.approx(0.8)
+
+
+def test_a_lost_request_and_a_real_stop_show():
+    log = demo_log()[:-3] + [{"t": 31.0, "seq": 999, "kind": "stopped", "reason": "below quorum"}]
+    n = log_numbers(log)
+    assert n["prompts_lost"] == 1 and n["stopped"] == "below quorum"
+
+
+def test_restart_without_a_stamp_is_not_a_recovery():
+    log = [e for e in demo_log() if not (e["kind"] == "stamp" and e["version"] == 3)]
+    assert readmissions(log) == [] and log_numbers(log)["recoveries"] == 0
+
+
+def test_refit_spans():
+    spans = refit_spans(demo_log())
+    assert [s["version"] for s in spans] == [1, 2, 3]
+    assert spans[0]["begin"] == 10.0 and spans[0]["end"] == pytest.approx(10.8)
+    assert [p for p, _, _ in spans[0]["phases"]] == ["close", "transfer", "reopen"]
+
+
+# ---------------------------------------------------------------------------------- recovery and reopening
+def test_recovery_times_read_from_the_event_log():
+    events = [
+        {"kind": "health", "slot": 1, "incarnation": 1, "before": "healthy", "after": "dead", "t": 10.0},
+        {"kind": "gate", "open": True, "version": 2, "t": 12.0},
+        {"kind": "stamp", "version": 3, "members": [[0, 1], [1, 2]], "t": 30.0},
+        {"kind": "health", "slot": 0, "incarnation": 1, "before": "healthy", "after": "suspect", "t": 40.0},
+        {"kind": "health", "slot": 2, "incarnation": 1, "before": "healthy", "after": "hung", "t": 50.0},
+        {"kind": "health", "slot": 2, "incarnation": 1, "before": "hung", "after": "healthy", "t": 53.0},
+    ]
+    recover, reopen, unrecovered = recovery_times(events)
+    assert recover == [20.0, 3.0] and reopen == [2.0] and unrecovered == 1
+
+
+def test_a_slot_left_off_a_refit_is_a_departure_that_recovers_at_the_next_refit():
+    events = [
+        {"kind": "health", "slot": 0, "incarnation": 1, "before": "healthy", "after": "stale", "t": 1.0},
+        {"kind": "gate", "open": True, "version": 1, "t": 1.5},
+        {"kind": "health", "slot": 0, "incarnation": 1, "before": "stale", "after": "healthy", "t": 4.0},
+    ]
+    assert recovery_times(events) == ([3.0], [0.5], 0)
+    assert fault_to_reopen(events) == 0.5
+
+
+def test_fault_to_reopen_from_the_first_departure():
+    log = demo_log()
+    assert fault_to_reopen(log) == pytest.approx(14.7 - 12.5)
+    assert fault_to_reopen(log[:20]) is None, "no departure yet"
+    cut = next(i for i, e in enumerate(log) if e["kind"] == "health" and e["after"] == "dead")
+    assert fault_to_reopen(log[:cut + 1]) is None, "the gate never reopened"
+    stop = {"t": 12.1, "seq": -1, "kind": "stopped", "reason": "below quorum"}
+    assert fault_to_reopen(log[:cut] + [stop] + log[cut:]) is None, "after a stop the gate stays closed"
+
+
+def test_reopen_s_counts_only_openings_after_the_record():
+    events = [{"kind": "gate", "open": True, "t": 1.0}, {"kind": "fault", "t": 2.0},
+              {"kind": "gate", "open": False, "t": 3.0}, {"kind": "gate", "open": True, "t": 5.5}]
+    assert reopen_s(events, 1) == 3.5 and reopen_s(events, 3) is None
+
+
+def test_read_log_skips_a_line_cut_short(tmp_path):
+    path = tmp_path / "events.jsonl"
+    assert read_log(path) == []
+    path.write_text(json.dumps({"t": 1.0, "kind": "gate", "open": True}) + "\n" + '{"t": 2.0, "ki')
+    assert read_log(path) == [{"t": 1.0, "kind": "gate", "open": True}]
