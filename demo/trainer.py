@@ -27,6 +27,7 @@ import torch
 
 from recipe.actor import GRPOTrainerActor
 from recipe.grpo import Group
+from recipe.logprobs import batch_token_logprobs
 from recipe.trainer import GRPOTrainer, TrainerConfig
 
 
@@ -73,7 +74,8 @@ class AuditedTrainerActor(GRPOTrainerActor):
         for version, batch in rows.items():
             if not batch:
                 continue
-            lp, _ = scorers[version]._token_logprobs([(p, c) for p, c, _ in batch])
+            scorer = scorers[version]
+            lp, _ = batch_token_logprobs(scorer.model, [(p, c) for p, c, _ in batch], scorer.pad_id)
             for i, (_, _, engine_lp) in enumerate(batch):
                 for k, e in enumerate(engine_lp):
                     if math.isfinite(e):

@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict
 from typing import Callable, Iterable
 
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+
 from health.faultplan import Firing
 
 # A plan's ``where`` -> the shard's fault hook point (a step-boundary fault other than a kill goes off at the next probe).
@@ -31,12 +33,13 @@ def slot_states(status: dict) -> dict[int, str]:
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, poll_s: float = 0.5) -> bool:
     """Poll ``predicate`` every ``poll_s`` until it is true (True) or ``timeout_s`` has passed (False)."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(poll_s)
-    return False
+    polling = Retrying(
+        stop=stop_after_delay(timeout_s),
+        wait=wait_fixed(poll_s),
+        retry=retry_if_result(lambda ok: not ok),
+        retry_error_callback=lambda state: False,
+    )
+    return bool(polling(lambda: bool(predicate())))
 
 
 class FaultFiring:

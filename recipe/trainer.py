@@ -94,9 +94,6 @@ class GRPOTrainer:
         return self.version
 
     # -- logprobs ------------------------------------------------------------------------
-    def _token_logprobs(self, seqs: Sequence[tuple[Sequence[int], Sequence[int]]]):
-        """``recipe.logprobs.batch_token_logprobs`` under these weights, pads = the model's pad token."""
-        return batch_token_logprobs(self.model, seqs, self.pad_id)
 
     def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
         """The trainer's float32 logprob of each completion token (current weights; ``recipe.logprobs.token_logprobs``)."""
@@ -140,7 +137,7 @@ class GRPOTrainer:
             metrics.update(trained=False, step_s=time.monotonic() - t0)
             return metrics
 
-        logp_new, mask = self._token_logprobs(seqs)
+        logp_new, mask = batch_token_logprobs(self.model, seqs, self.pad_id)
         logp_old = torch.zeros_like(logp_new)
         missing = 0
         for i, lps in enumerate(old):

@@ -35,12 +35,10 @@ Driving a refit (the controller's steps 4-7)::
     sync = WeightSynchronizer(sender_port, RefitConfig(backend="gloo", bucket_mb=16,
                                                        apply_mode="staged", timeout_s=60))
 
-    async def attempt(n: int) -> RefitReport:
-        if n == 2:                      # after a failure: rebuild membership first
-            plan = rebuild_without(report.failed), re-pause its participants, epoch += 1
-        return await sync.refit({participant: port, ...}, version, epoch)
-
-    report = await retry_once(attempt)          # tenacity, stop_after_attempt(2)
+    report = await sync.refit({participant: port, ...}, version, epoch)
+    if not report.ok:                           # the controller's one retry (fleet.lifecycle.transfer):
+        ...                                     # rebuild without the failed, re-pause, epoch += 1
+        report = await sync.refit({participant: port, ...}, version, epoch)
     for key, res in report.results.items():     # res.outcome: NOT_STARTED / PARTIAL / COMPLETE
         ...                                     # res.error, res.phase, res.bytes_moved, res.exception
     # on COMPLETE: shard.set_weight_version(version); then resume
@@ -84,10 +82,10 @@ from refit.errors import ApplyError, ManifestError, RefitError, RefitUsageError,
 from refit.outcome import Outcome, Participant, ParticipantResult, PhaseTimings, RefitReport, assign_ranks
 from refit.ports import LocalSenderPort, ReceiverPort, SenderPort
 from refit.sender import WeightSender
-from refit.synchronizer import RefitConfig, WeightSynchronizer, retry_once
+from refit.synchronizer import RefitConfig, WeightSynchronizer
 
 __all__ = [
     "ApplyError", "LocalSenderPort", "ManifestError", "Outcome", "Participant", "ParticipantResult", "PhaseTimings",
     "ReceiverPort", "RefitConfig", "RefitError", "RefitReport", "RefitUsageError", "SenderPort", "TransferError",
-    "WeightSender", "WeightSynchronizer", "assign_ranks", "retry_once",
+    "WeightSender", "WeightSynchronizer", "assign_ranks",
 ]

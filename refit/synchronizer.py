@@ -25,9 +25,8 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Hashable, Mapping
+from typing import Any, Awaitable, Hashable, Mapping
 
-from tenacity import AsyncRetrying, retry_if_result, stop_after_attempt
 
 from refit.errors import RefitUsageError
 from refit.group import BACKENDS
@@ -295,23 +294,3 @@ class WeightSynchronizer:
         calls[SENDER] = self.sender.close_group()
         await _settle_all(calls, cfg.rpc_timeout_s + cfg.grace_s)
         self._members, self._group_ok, self._epoch = {}, False, None
-
-
-async def retry_once(attempt: Callable[[int], Awaitable[RefitReport]]) -> RefitReport:
-    """Run ``attempt(1)``; if its report is not ok, run ``attempt(2)`` once and return that report.
-
-    ``attempt(n)`` is the controller's callable: on ``n == 2`` it rebuilds membership
-    without the failed participants (new epoch, re-paused participants) and calls
-    ``refit`` again. Exceptions (misuse) are not retried; they propagate.
-    """
-    numbers = itertools.count(1)
-    retrying = AsyncRetrying(
-        stop=stop_after_attempt(2),
-        retry=retry_if_result(lambda report: not report.ok),
-        retry_error_callback=lambda state: state.outcome.result(),
-        reraise=True,
-    )
-    async def next_attempt() -> RefitReport:
-        return await attempt(next(numbers))
-
-    return await retrying(next_attempt)

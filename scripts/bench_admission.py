@@ -25,7 +25,7 @@ samples as they arrive: a sample's staleness is the trainer's version at
 consumption minus the version its request started under; samples staler than
 ``--max-staleness`` are dropped (``fleet.staleness.StalenessFilter``). After
 every ``--refit-every`` (8) completed samples it takes a step
-(``PolicySource.perturb``) and refits its fleet (``sync_weights``): a fixed
+(``WeightSource.perturb``) and refits its fleet (``sync_weights``): a fixed
 cadence in samples, so a sample's staleness counts the samples that completed
 while it was on the engine, whatever the machine's speed. ``--refit-unit kept``
 steps after every N *kept* samples instead (the trainer waits for a full batch),

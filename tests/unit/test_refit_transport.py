@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from refit import LocalSenderPort, Outcome, Participant, RefitConfig, RefitUsageError, WeightSender, WeightSynchronizer, retry_once
+from refit import LocalSenderPort, Outcome, Participant, RefitConfig, RefitUsageError, WeightSender, WeightSynchronizer
 from refit.manifest import dtype_name
 from refit.worker_extension import RefitWorkerExtension
 
@@ -302,7 +302,13 @@ def test_plan_with_wrong_worker_count_fails_in_group_phase():
     assert report.results[part].phase == "group" and "2 weight-holding workers" in report.results[part].error
 
 
-def test_retry_once_runs_second_attempt_only_after_failure():
+async def retry_once(attempt):
+    """The controller's retry pattern (fleet.lifecycle.transfer): a second attempt only after a failed first."""
+    report = await attempt(1)
+    return report if report.ok else await attempt(2)
+
+
+def test_a_failed_refit_leaves_the_synchronizer_ready_for_one_retry_on_a_new_epoch():
     new = model_tensors(1)
     a = ThreadEngine(model_tensors(0))
     _, sync = sync_for(new, timeout_s=3)
