@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from fleet.admission import AdmissionController
 from fleet.dispatch import Dispatcher, FleetResult
+from fleet.errors import RefitArgumentError, RefitRefused
 from fleet.eventlog import EventLog
 from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.gate import DispatchGate, RoutingState
@@ -34,10 +35,12 @@ from health import (
     Ledger,
     MembershipPlan,
     MonotonicClock,
+    OpenGate,
     Probe,
     RefitFinished,
     RefitReport,
     RefitResult,
+    RefitRolledBack,
     RefitStarted,
     Restart,
     Retire,
@@ -298,6 +301,8 @@ class SingleController:
 
     async def generate_group(self, prompt: Any, n: int, sampling: dict | None = None, group_id: str | None = None) -> list[FleetResult]:
         """``n`` samples of one prompt, routed independently (distinct seeds when a seed is given)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n (samples per prompt) must be an integer >= 1, got {n!r}")
         base = dict(sampling or {})
         calls = []
         for i in range(n):
@@ -308,14 +313,35 @@ class SingleController:
         return list(await asyncio.gather(*calls))
 
     async def sync_weights(self, version: int, source: Any = None) -> dict:
-        """Run the refit lifecycle for ``version`` (see ``fleet.lifecycle``). Raises ``RefitFailed`` or ``FleetExhausted``."""
-        self.admission.refit_started()  # the engines pause (and may reset their cache): not load signals
-        try:
-            summary = await self.lifecycle.run(version, source)
-        finally:
-            self.admission.refit_finished(self.clock.now())
+        """Run the refit lifecycle for ``version`` (see ``fleet.lifecycle``).
+
+        Raises ``TypeError``/``RefitRefused`` (nothing changed) for a bad ``version`` or
+        ``source``; ``RefitFailed`` or ``FleetExhausted`` when the fleet had to stop.
+        """
+        summary = await self.lifecycle.run(version, source)
         self.refits.append(summary)
         return summary
+
+    def check_refit(self, version: Any, source: Any) -> None:
+        """Refuse a refit the caller got wrong, before anything changes; the error names the argument."""
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise RefitArgumentError(
+                f"sync_weights: version must be an integer weight version, got {version!r} "
+                f"({type(version).__name__}); nothing changed, the fleet serves version {self.gate.version}"
+            )
+        committed = self.ledger.current_version
+        if committed is not None and version <= committed:
+            raise RefitRefused(
+                f"sync_weights: version {version} is not greater than the committed version {committed}; "
+                f"refused, nothing changed, the fleet serves version {committed}"
+            )
+        self.transfer_port().check_source(source)
+
+    def roll_back_refit(self, version: int, reason: str) -> Decision:
+        """Close a refit that changed no engine; reopen the gate on the committed version if quorum serves it."""
+        d = self.decide(RefitRolledBack(version, reason))
+        self._open_if(d)
+        return d
 
     def transfer_port(self):
         """The weight transport; built from ``refit`` on first use unless one was injected."""
@@ -371,13 +397,14 @@ class SingleController:
 
     def finish_refit(self, version: int) -> Decision:
         """Step 8: ask the ledger whether the gate may reopen, and open it if so."""
-        from health import OpenGate
-
         d = self.decide(RefitFinished(version))
+        self._open_if(d)
+        return d
+
+    def _open_if(self, d: Decision) -> None:
         for action in d.actions:
             if isinstance(action, OpenGate) and not self.stopped:
                 self.gate.open(action.version, f"{action.serving} engine(s) serve version {action.version}")
-        return d
 
 
 def raise_stopped(message: str) -> None:

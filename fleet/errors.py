@@ -43,6 +43,17 @@ class BadRequestError(RlfleetError, ValueError):
     """The request itself is invalid (e.g. sampling parameters the engine rejects). Do not retry."""
 
 
+class RefitRefused(RlfleetError, ValueError):
+    """The caller's refit is wrong (a version that does not increase, a weight update that does not
+    fit the model): refused before any engine changed; the fleet keeps serving the committed version.
+    The message names the argument or tensor and what was expected."""
+
+
+class RefitArgumentError(RlfleetError, TypeError):
+    """A ``sync_weights`` argument of the wrong kind (a version that is not an integer, a source that
+    is not a weight sender): refused before anything changed; the message names the argument."""
+
+
 class FleetStopped(RlfleetError):
     """The fleet stopped with the gate closed (below quorum, or an unrecovered refit failure).
 

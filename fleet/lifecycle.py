@@ -7,10 +7,15 @@ shared deadline, reopen only with quorum. Every fan-out settles every call
 before any result is acted on, and every call is bounded by
 ``refit_timeout_s + grace``.
 
-Guarantee on failure: the gate stays closed, the controller halts (pending
-requests are returned explicitly), and ``RefitFailed``/``FleetExhausted`` names
-the shards and the phase. Engines that did not receive the complete new weights
-keep their old version tag (or are fenced from serving when partial).
+Guarantee on failure: arguments are checked before anything changes (a version
+that does not increase, a source that is not a sender: refused, nothing touched).
+After that, a refit ends in exactly one of three ways: committed and reopened;
+rolled back (nothing reached any engine: paused engines resumed on the committed
+version, gate reopened on it, the caller's error raised); or stopped (``_end``:
+gate closed, held requests returned, ``RefitFailed``/``FleetExhausted`` naming the
+shards and the phase). Never engines paused with the gate closed and the fleet
+"not stopped". Engines that did not receive the complete new weights keep their
+old version tag (or are fenced from serving when partial).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import asyncio
 from contextlib import contextmanager
 from typing import Any
 
-from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed
+from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed, RefitRefused
 from fleet.staleness import too_old
 from health import (
     AbortRefit,
@@ -34,6 +39,15 @@ from health import (
     plan_membership,
 )
 
+
+
+class _RollBack(Exception):
+    """Raised inside a step when nothing reached any engine and the refit must not go on
+    (e.g. the update itself was refused); ``run`` rolls back and raises ``error`` to the caller."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _EndRefit(Exception):
@@ -59,22 +73,38 @@ class RefitLifecycle:
         self._inside_s = 0.0
         self._version = 0
         self._finished = False
+        self._moving = False  # the transfer began: engines may hold bytes of the new version
+        self._held: dict[tuple[int, int], Any] = {}  # (slot, incarnation) -> handle paused by this refit
 
     async def run(self, version: int, source: Any) -> dict:
-        """The eight steps; on an unrecovered failure, ``_end`` (the one way a refit ends without reopening)."""
+        """The eight steps. One refit at a time: a second call waits, then is checked against
+        the version the first committed. Ends committed, rolled back or stopped (module docstring)."""
         async with self._lock:
             if self.ctl.stopped:
-                raise FleetStopped(f"sync_weights({version}) refused: fleet stopped: {self.ctl.stopped}")
+                raise FleetStopped(f"sync_weights({version!r}) refused: fleet stopped: {self.ctl.stopped}")
+            self.ctl.check_refit(version, source)  # raises before any state changes
             self.running = True
-            self._phases, self._inside_s, self._version, self._finished = {}, 0.0, version, False
+            self._phases, self._inside_s, self._version = {}, 0.0, version
+            self._finished, self._moving, self._held = False, False, {}
+            self.ctl.admission.refit_started()  # the engines pause (and may reset their cache): not load signals
             t0 = self.ctl.clock.now()
             try:
                 return await self._steps(version, source, t0)
             except _EndRefit as end:
                 await self._end(end.error, end.message)
-                raise AssertionError("unreachable: _end raises")
+            except _RollBack as back:
+                await self._roll_back(f"{type(back.error).__name__}: {back.error}")
+                raise back.error from None
+            except Exception as exc:  # noqa: BLE001 - an unexpected error still ends the refit in one of the two ways
+                what = f"{type(exc).__name__}: {exc}"
+                if self._moving:
+                    await self._end(RefitFailed, f"refit of version {version} failed during the transfer or after: {what}", exc)
+                await self._roll_back(what)
+                raise
             finally:
                 self.running = False
+                self.ctl.admission.refit_finished(self.ctl.clock.now())
+            raise AssertionError("unreachable: every failure path raises")
 
     async def _steps(self, version: int, source: Any, t0: float) -> dict:
         ctl = self.ctl
@@ -87,6 +117,7 @@ class RefitLifecycle:
         with self._phase("pause"):
             plan, paused = await self.pause_settled(plan)  # 4
         with self._phase("transfer"):
+            self._moving = True
             plan, paused, complete, attempts = await self.transfer(plan, version, source, paused)  # 5
         with self._phase("stamp"):
             await self.stamp(plan, version, complete)  # 6
@@ -162,6 +193,7 @@ class RefitLifecycle:
             aborts += [a for a in d.actions if isinstance(a, AbortRefit)]
             if out.ok:
                 paused.add(slot)
+                self._held[(slot, targets[slot].incarnation)] = self._handle(targets[slot])
         if aborts:
             raise _EndRefit(RefitFailed, aborts[0].message)
         return paused
@@ -194,10 +226,22 @@ class RefitLifecycle:
             if attempt == 2:
                 plan, paused = await self._prepare_retry(plan, version, results, complete)
             results = await self._transfer_once(plan, version, source, rebuild=attempt > 1)
+            self._refuse_if_the_update_does_not_fit(results)
             complete = {s for s, r in results.items() if r.result is RefitResult.COMPLETE}
             if plan.participants and len(complete) == len(plan.participants):
                 break
         return plan, paused, complete, attempt
+
+    def _refuse_if_the_update_does_not_fit(self, results: dict) -> None:
+        """An update that does not fit the model is the trainer's fault, not the engines': no retry,
+        no engine marked, roll back (the engines refused it before any byte moved)."""
+        refused = sorted({r.refused for r in results.values() if r.refused})
+        if refused and not any(r.bytes_moved for r in results.values()):
+            self._moving = False
+            raise _RollBack(RefitRefused(
+                f"weight update for version {self._version} refused: {'; '.join(refused)[:1500]}; "
+                f"the fleet keeps serving version {self.ctl.ledger.current_version}"
+            ))
 
     async def _prepare_retry(self, plan: MembershipPlan, version: int, results: dict, complete: set[int]):
         """Before the one retry: classify the failed participants, rebuild membership, re-pause every
@@ -307,7 +351,7 @@ class RefitLifecycle:
             if not out.ok:
                 self.ctl.observe(p.slot, p.incarnation, CallKind.REFIT, out)
 
-    async def _end(self, error: type[FleetStopped], message: str) -> None:
+    async def _end(self, error: type[FleetStopped], message: str, cause: BaseException | None = None) -> None:
         """The one way a refit ends without reopening: halt with the gate closed (it never opens on
         the way), close the refit in the ledger, return held requests at once, raise ``error``."""
         self.ctl.halt(message)
@@ -317,7 +361,19 @@ class RefitLifecycle:
         live = {s: (h, "pause", (), {"mode": "abort"}) for s, (_, h) in self.ctl.handles.items()}
         await self.ctl.door.fan_out(live, timeout=self.ctl.cfg.probe_timeout_s, expect_ack=True)
         await self.ctl.dispatcher.notify_room()
-        raise error(message)
+        raise error(message) from cause
+
+    async def _roll_back(self, reason: str) -> None:
+        """The refit ends before any engine's weights changed: resume what it paused (on the committed
+        version), close the refit without a commit, reopen the gate on the committed version if quorum serves it."""
+        held = {key: h for key, h in self._held.items() if self.ctl.handle_of(*key) is h}
+        outs = await self._fan_out({key: (h, "resume", (), {}) for key, h in held.items()}, expect_ack=True)
+        for (slot, inc), out in outs.items():
+            self.ctl.observe(slot, inc, CallKind.RESUME, out)
+        self.ctl.log.emit("refit_rolled_back", version=self._version, reason=reason[:300],
+                          resumed=sorted(slot for (slot, _), o in outs.items() if o.ok))
+        self.ctl.roll_back_refit(self._version, reason)
+        self._finished = True
 
     async def _fan_out(self, calls: dict, expect_ack: bool = False, timeout: float | None = None) -> dict:
         if not calls:

@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Hashable, Mapping
 
 import ray
 from ray import exceptions as rex
+from ray.actor import ActorHandle
 
 from fleet.config import EngineConfig
 from fleet.errors import ConfigError, DeadlineExceeded
@@ -217,6 +218,11 @@ def result(pending, timeout: float) -> Any:
     return get_or_raise(pending, timeout)
 
 
+def settle(pending, timeout: float, expect_ack: bool = False) -> Outcome:
+    """The ``Outcome`` of a ``submit``ted call (never raises for an actor failure)."""
+    return get(pending, timeout, expect_ack=expect_ack)
+
+
 def results(pendings: list, timeout: float) -> list:
     """Values of several ``submit``ted calls, one shared deadline (raises like ``ask`` on the first failure)."""
     deadline = time.monotonic() + timeout
@@ -283,6 +289,14 @@ class ActorSenderPort:
         return remote_call
 
 
+def _has_method(handle, name: str) -> bool:
+    try:
+        getattr(handle, name)
+    except AttributeError:
+        return False
+    return True
+
+
 class RayDoor:
     """The controller's handle on Ray, by method name, so unit tests can swap in a fake door.
 
@@ -311,6 +325,12 @@ class RayDoor:
 
     def kill(self, handle) -> None:
         kill(handle)
+
+    def is_sender(self, handle, methods) -> bool:
+        """True if ``handle`` is an actor handle exposing every method in ``methods`` (no call is made)."""
+        if not isinstance(handle, ActorHandle):
+            return False
+        return all(_has_method(handle, m) for m in methods)
 
     def receiver_port(self, handle) -> ShardReceiverPort:
         return ShardReceiverPort(handle)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from fleet.errors import BadRequestError
+from fleet.errors import RefitArgumentError
 from fleet.fleet_config import REFIT_TIMEOUT_FALLBACK_S
 from health import Participant, RefitResult
 from refit.outcome import assign_ranks
@@ -23,9 +23,17 @@ class TransferResult:
     result: RefitResult
     detail: str = ""
     bytes_moved: int = 0
+    refused: str | None = None  # the update itself does not fit the model (names the tensor); nothing moved
+
+
+SENDER_METHODS = ("open_group", "connect", "close_group", "prepare", "send")
 
 
 class TransferPort(Protocol):
+    def check_source(self, source: Any) -> None:
+        """Refuse, before anything changes, a ``source`` that cannot send weights."""
+        ...
+
     async def transfer(
         self,
         participants: Sequence[tuple[Participant, Any]],
@@ -74,9 +82,16 @@ class RefitTransferPort:
         self._source = None
         self._workers: dict[tuple[int, int], int] = {}
 
+    def check_source(self, source: Any) -> None:
+        if source is None or not self._door.is_sender(source, SENDER_METHODS):
+            raise RefitArgumentError(
+                f"sync_weights: source must be a weight sender (an actor whose class is a "
+                f"refit.ports.LocalSenderPort, with methods {', '.join(SENDER_METHODS)}), got {source!r}; "
+                f"nothing changed"
+            )
+
     async def transfer(self, participants, version, epoch, source, rebuild, timeout) -> dict[int, TransferResult]:
-        if source is None:
-            raise BadRequestError("sync_weights needs a weight source (an actor with the refit sender methods)")
+        self.check_source(source)
         if self._sync is None or self._source is not source:
             if self._sync is not None:
                 await self._sync.close()

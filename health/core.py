@@ -38,6 +38,8 @@ Transition rules (DESIGN.md failure classes; "quarantine" = SUSPECT or HUNG):
 - ``RefitFinished``: ``OpenGate`` iff the refit was committed, not aborted, and
   quorum holds; ``KeepGateClosed`` if aborted/uncommitted; ``StopExhausted`` (naming
   every dead slot) below quorum.
+- ``RefitRolledBack`` (before any commit): the refit closes without one; ``OpenGate``
+  on the committed version iff quorum serves it (and nothing aborted the refit).
 - whenever retirements leave fewer than ``min_healthy_engines`` slots that could
   ever serve: ``StopExhausted`` (once).
 
@@ -57,6 +59,7 @@ from health.events import (
     Observed,
     RefitFinished,
     RefitReport,
+    RefitRolledBack,
     RefitStarted,
     Tick,
     VersionCommitted,
@@ -72,6 +75,7 @@ _HANDLERS = {
     RefitStarted: fleet_rules.on_refit_started,
     VersionCommitted: fleet_rules.on_committed,
     RefitFinished: fleet_rules.on_refit_finished,
+    RefitRolledBack: fleet_rules.on_refit_rolled_back,
     Tick: fleet_rules.on_tick,
 }
 

@@ -25,6 +25,7 @@ __all__ = [
     "FleetEvent",
     "Observed",
     "RefitFinished",
+    "RefitRolledBack",
     "RefitReport",
     "RefitStarted",
     "SlotEvent",
@@ -101,6 +102,17 @@ class RefitFinished:
 
 
 @dataclass(frozen=True, slots=True)
+class RefitRolledBack:
+    """The refit of ``version`` was abandoned before any engine's weights changed
+    (the update was refused, or the caller's mistake surfaced inside the lifecycle):
+    nothing is committed, and the decision says whether the gate may reopen on the
+    committed version. Never after ``VersionCommitted``."""
+
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     """Time passed. Fires due timers: restarts whose backoff ran out, and evictions
     of shards suspect or hung for ``suspect_timeout_s`` during a refit. Send one at
@@ -108,5 +120,5 @@ class Tick:
 
 
 SlotEvent = Union[EngineReady, Observed, RefitReport]
-FleetEvent = Union[RefitStarted, VersionCommitted, RefitFinished, Tick]
+FleetEvent = Union[RefitStarted, VersionCommitted, RefitFinished, RefitRolledBack, Tick]
 Event = Union[SlotEvent, FleetEvent]

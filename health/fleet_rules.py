@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from health.decision import KeepGateClosed, OpenGate, StopExhausted, Transition
 from health.draft import Draft
-from health.events import RefitFinished, RefitStarted, Tick, VersionCommitted
+from health.events import RefitFinished, RefitRolledBack, RefitStarted, Tick, VersionCommitted
 from health.ledger import QUARANTINE, TIMER_RESTART, SlotRecord, view_state
 from health.quorum import check_quorum, exhausted_message
 from health.slot_rules import condemn, restart
@@ -137,6 +137,34 @@ def on_refit_finished(d: Draft, ev: RefitFinished) -> None:
         d.fleet = closed._replace(gate_open=True)
         d.actions.append(OpenGate(v, q.serving, q.needed))
         d.reasons.append(f"gate opens: {q.message}")
+    else:
+        d.failure = FailureClass.EXHAUSTED
+        d.actions.append(StopExhausted(q.message, q.dead_slots, q.serving, q.needed))
+        d.reasons.append(q.message)
+
+
+def on_refit_rolled_back(d: Draft, ev: RefitRolledBack) -> None:
+    """Close the refit without a commit; reopen on the committed version if quorum serves it."""
+    v = ev.version
+    _check_version("RefitRolledBack", v)
+    fleet = d.ledger._fleet
+    if fleet.refit_version != v:
+        raise ValueError(f"RefitRolledBack({v}) but the refit in progress is {fleet.refit_version}")
+    cv = fleet.current_version
+    if cv is not None and cv >= v:
+        raise ValueError(f"RefitRolledBack({v}) after version {cv} was committed: a commit cannot be rolled back")
+    closed = fleet._replace(refit_version=None, refit_started_at=None, halted=None, gate_open=False)
+    d.fleet = closed
+    if fleet.halted is not None:
+        message = f"gate stays closed: {fleet.halted}"
+        d.actions.append(KeepGateClosed(v, message))
+        d.reasons.append(message)
+        return
+    q = check_quorum(d.ledger)
+    if q.ok:
+        d.fleet = closed._replace(gate_open=True)
+        d.actions.append(OpenGate(cv, q.serving, q.needed))
+        d.reasons.append(f"refit of version {v} rolled back ({ev.reason}); gate reopens on version {cv}: {q.message}")
     else:
         d.failure = FailureClass.EXHAUSTED
         d.actions.append(StopExhausted(q.message, q.dead_slots, q.serving, q.needed))

@@ -20,6 +20,7 @@ from typing import Any, Coroutine
 
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
 from fleet.types import Completion, EngineStats, GenerationResult
+from fleet.errors import RefitArgumentError
 from fleet.weights import TransferResult
 from health import RefitResult
 
@@ -179,6 +180,10 @@ class FakeTransfer:
         self.attempts: list[tuple[int, int, tuple[int, ...], bool]] = []
         self.fail: dict[int, dict[int, str]] = {}
 
+    def check_source(self, source) -> None:
+        if source == "not a sender":
+            raise RefitArgumentError(f"sync_weights: source must be a weight sender, got {source!r}")
+
     async def transfer(self, participants, version, epoch, source, rebuild, timeout):
         self.attempts.append((version, epoch, tuple(p.slot for p, _ in participants), rebuild))
         self.door.calls.append(("transfer", -1, len(self.attempts)))
@@ -193,6 +198,11 @@ class FakeTransfer:
             elif what == "hang":
                 shard.sticky["ping"] = "hang"
                 out[p.slot] = TransferResult(RefitResult.NOT_STARTED, "timed out")
+            elif what == "refuse":
+                out[p.slot] = TransferResult(
+                    RefitResult.NOT_STARTED, "[prepare] refused", 0,
+                    refused="tensor model.layers.0.mlp.down_proj.weight: shape (3, 3), engine expects (128, 512)",
+                )
             elif what == "partial":
                 out[p.slot] = TransferResult(RefitResult.PARTIAL, "apply failed midway", 10)
             elif what == "error" or broken:

@@ -263,3 +263,36 @@ def test_evicted_shard_restarts_after_backoff():
     assert ledger.record(0).restart_at == 13.0
     d = step(ledger, Tick(), 13.0)
     assert [(type(a).__name__, a.incarnation) for a in d.actions] == [("Restart", 2)]
+
+
+# --- a refit rolled back before any engine changed -------------------------------------------------
+from health import RefitRolledBack  # noqa: E402
+
+
+def test_a_rolled_back_refit_reopens_on_the_committed_version():
+    ledger = ready_fleet(HealthConfig(num_engines=3, min_healthy_engines=2))
+    step(ledger, RefitStarted(1), 1.0)
+    d = step(ledger, RefitRolledBack(1, "tensor x: wrong shape"), 2.0)
+    assert d.actions == (OpenGate(0, 3, 2),) and "rolled back (tensor x: wrong shape)" in d.reason
+    assert ledger.current_version == 0 and sorted(ledger.serving_slots()) == [0, 1, 2]
+    assert step(ledger, RefitStarted(1), 3.0).reason.startswith("refit of version 1 started")  # the version is free again
+
+
+def test_a_rolled_back_refit_below_quorum_stops_naming_the_dead():
+    ledger = ready_fleet(HealthConfig(num_engines=3, min_healthy_engines=3, restart_budget=0))
+    step(ledger, RefitStarted(1), 1.0)
+    step(ledger, Observed(2, 1, CallKind.PAUSE, FailureClass.DEAD, "killed"), 1.5)
+    d = step(ledger, RefitRolledBack(1, "bad update"), 2.0)
+    assert [type(a) for a in d.actions] == [StopExhausted] and d.failure is FailureClass.EXHAUSTED
+
+
+def test_a_commit_cannot_be_rolled_back_and_the_version_must_match():
+    ledger = ready_fleet(HealthConfig(num_engines=3, min_healthy_engines=2))
+    step(ledger, RefitStarted(1), 1.0)
+    with pytest.raises(ValueError, match=r"RefitRolledBack\(2\) but the refit in progress is 1"):
+        decide(ledger, RefitRolledBack(2, "x"), 1.5)
+    for s in range(3):
+        step(ledger, RefitReport(s, 1, 1, COMPLETE), 1.5)
+    step(ledger, VersionCommitted(1), 1.6)
+    with pytest.raises(ValueError, match="a commit cannot be rolled back"):
+        decide(ledger, RefitRolledBack(1, "too late"), 2.0)

@@ -1,0 +1,211 @@
+"""The guarantees off the happy path (issue: refit misuse, bad updates, late deaths, API input),
+driven through the real controller and lifecycle with fakes in virtual time (no Ray, no vLLM).
+
+Each test names the promise: a caller's mistake is refused before anything changes, or the refit
+rolls back and the fleet keeps serving what it had; only what cannot be undone stops the fleet."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fleet.api import Fleet, check_n, check_prompts
+from fleet.errors import FleetStopped, RefitArgumentError, RefitFailed, RefitRefused
+from fleet.outcome import DIED, Outcome
+from health import CallKind
+from tests.unit.test_controller import make, model_dir, run  # noqa: F401 - model_dir is a fixture
+
+REFIT_CALLS = ("pause", "transfer", "set_weight_version", "resume")
+
+
+def _refit_calls(door):
+    return [c for c in door.calls if c[0] in REFIT_CALLS]
+
+
+def _serving_unchanged(ctl, version):
+    assert ctl.gate.is_open and ctl.gate.version == version and ctl.stopped is None
+    assert not ctl.lifecycle.running and ctl.ledger.raw(0).slot == 0
+    assert sorted(ctl.ledger.serving_slots()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("bad", [1, 2, 3])
+def test_a_version_that_does_not_increase_is_refused_and_nothing_changes(model_dir, bad):
+    async def go():
+        ctl, door, _ = make(model_dir)
+        await ctl.start()
+        for v in (1, 2, 3):
+            await ctl.sync_weights(v)
+        door.calls.clear()
+        gates = len(ctl.events(kinds=["gate"]))
+        with pytest.raises(RefitRefused, match=rf"version {bad} is not greater than the committed version 3"):
+            await ctl.sync_weights(bad)
+        assert _refit_calls(door) == [] and len(ctl.events(kinds=["gate"])) == gates
+        _serving_unchanged(ctl, 3)
+        assert (await ctl.sync_weights(4))["version"] == 4  # the fleet still refits
+        await ctl.shutdown()
+
+    run(go())
+
+
+@pytest.mark.parametrize("bad", [4.0, "4", None, True])
+def test_a_version_that_is_not_an_integer_is_refused_naming_the_argument(model_dir, bad):
+    async def go():
+        ctl, door, _ = make(model_dir)
+        await ctl.start()
+        door.calls.clear()
+        with pytest.raises(RefitArgumentError, match="version must be an integer weight version"):
+            await ctl.sync_weights(bad)
+        assert _refit_calls(door) == []
+        _serving_unchanged(ctl, 0)
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_a_source_that_is_not_a_sender_is_refused_before_the_gate_closes(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir)
+        await ctl.start()
+        door.calls.clear()
+        with pytest.raises(RefitArgumentError, match="source must be a weight sender"):
+            await ctl.sync_weights(1, "not a sender")
+        assert _refit_calls(door) == []
+        _serving_unchanged(ctl, 0)
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_an_update_the_engines_refuse_rolls_back_without_the_retry(model_dir):
+    async def go():
+        ctl, door, transfer = make(model_dir)
+        await ctl.start()
+        transfer.fail[1] = {s: "refuse" for s in range(3)}
+        with pytest.raises(RefitRefused, match=r"down_proj.weight: shape \(3, 3\), engine expects \(128, 512\)"):
+            await ctl.sync_weights(1)
+        assert len(transfer.attempts) == 1  # the trainer's fault: no retry spent
+        _serving_unchanged(ctl, 0)
+        assert not any(s.paused for s in door.shards.values())  # resumed on the old weights
+        assert all(ctl.ledger.raw(s).weight_version == 0 for s in range(3))
+        assert ctl.events(kinds=["refit_rolled_back"])[-1]["resumed"] == [0, 1, 2]
+        res = await ctl.generate([1, 2])
+        assert res.ok and res.result.weight_version == 0
+        assert (await ctl.sync_weights(1))["complete"] == [0, 1, 2]  # the next, correct update lands
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_an_unexpected_error_before_any_byte_moves_rolls_back(model_dir):
+    async def go():
+        ctl, door, transfer = make(model_dir)
+        await ctl.start()
+        real = ctl.lifecycle.pause_settled
+
+        async def pause_then_fail(plan):
+            await real(plan)
+            raise RuntimeError("bug between pause and transfer")
+
+        ctl.lifecycle.pause_settled = pause_then_fail
+        with pytest.raises(RuntimeError, match="bug between pause and transfer"):
+            await ctl.sync_weights(1)
+        assert transfer.attempts == []
+        _serving_unchanged(ctl, 0)
+        assert not any(s.paused for s in door.shards.values())
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_an_unexpected_error_in_the_transfer_stops_the_fleet_loudly_and_returns_waiting_requests(model_dir):
+    async def go():
+        ctl, door, transfer = make(model_dir, request_timeout_s=3600)
+
+        async def broken(*args, **kwargs):
+            raise RuntimeError("transport bug")
+
+        await ctl.start()
+        transfer.transfer = broken
+        with pytest.raises(RefitFailed, match="transport bug") as err:
+            waiting = asyncio.ensure_future(ctl.generate([1]))
+            await ctl.sync_weights(1)
+        assert isinstance(err.value.__cause__, RuntimeError)
+        assert not ctl.gate.is_open and ctl.stopped and not ctl.lifecycle.running
+        t0 = ctl.clock.now()
+        res = await waiting
+        assert not res.ok and "fleet stopped" in res.reason and ctl.clock.now() - t0 < 5  # at once, not after 3600 s
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_two_concurrent_refits_run_one_after_the_other_and_the_stale_one_is_refused(model_dir):
+    async def go():
+        ctl, door, transfer = make(model_dir)
+        await ctl.start()
+        first, second = await asyncio.gather(ctl.sync_weights(2), ctl.sync_weights(1), return_exceptions=True)
+        assert first["version"] == 2 and isinstance(second, RefitRefused)
+        assert len(transfer.attempts) == 1
+        assert [g["open"] for g in ctl.events(kinds=["gate"])][-2:] == [False, True]
+        _serving_unchanged(ctl, 2)
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_a_late_death_of_a_replaced_incarnation_never_kills_the_replacement(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir)
+        await ctl.start()
+        ctl.observe(1, 1, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("died")))
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if ctl.handles[1][0] == 2 and ctl.ledger.state(1).value == "stale":
+                break
+        replacement = door.shards[(1, 2)]
+        for call in (CallKind.PAUSE, CallKind.RESUME, CallKind.REFIT, CallKind.PROBE):  # every path reports this way
+            ctl.observe(1, 1, call, Outcome(DIED, error=RuntimeError("late report")))
+        assert not replacement.dead and ctl.handles[1] == (2, replacement)
+        assert ctl.ledger.state(1).value == "stale"
+        assert (await ctl.sync_weights(1))["complete"] == [0, 1, 2]
+        await ctl.shutdown()
+
+    run(go())
+
+
+# --- the public API refuses malformed input before anything is sent ---------------------------
+
+@pytest.mark.parametrize(
+    ("prompts", "match"),
+    [([1, 2, 3], r"flat list of 3 integers.*pass \[\[1, 2, 3\]\]"), ("text", r"one string.*pass \['text'\]"),
+     ([[1, 2], "ok", []], r"prompts\[2\] must be"), ([[1, -2]], r"prompts\[0\] must be"), (7, "got int")],
+)
+def test_generate_refuses_what_is_not_a_list_of_prompts(prompts, match):
+    with pytest.raises(TypeError, match=match):
+        check_prompts(prompts)
+    fleet = Fleet(controller=None, config=None)
+    with pytest.raises(TypeError, match=match):
+        fleet.generate(prompts)  # refused before any call: the controller here is None
+
+
+def test_n_must_be_a_positive_integer():
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="n \\(samples per prompt\\) must be an integer >= 1"):
+            check_n(bad)
+    assert check_prompts([[1, 2], "text"]) == [[1, 2], "text"] and check_n(3) == 3
+
+
+def test_calls_after_shutdown_raise_fleet_stopped(monkeypatch, model_dir):
+    from fleet import ray_io
+    from fleet.fleet_config import load_fleet_config
+
+    monkeypatch.setattr(ray_io, "try_ask", lambda *a, **k: Outcome("ok", value={"accepted": 0}))
+    monkeypatch.setattr(ray_io, "kill", lambda handle: None)
+    fleet = Fleet(controller=object(), config=load_fleet_config({"engine": {"model": model_dir}}))
+    fleet.shutdown()
+    for call in (lambda: fleet.generate([[1]]), lambda: fleet.status(), lambda: fleet.sync_weights(1, None),
+                 lambda: fleet.submit([1])):
+        with pytest.raises(FleetStopped, match="shut down"):
+            call()
+    assert fleet.shutdown() == {"already_shut_down": True}
