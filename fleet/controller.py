@@ -29,6 +29,7 @@ from fleet.metrics import FleetMetrics
 from fleet.outcome import Outcome, is_unusable, observed
 from health import (
     CallKind,
+    CloseGate,
     Decision,
     EngineReady,
     Evict,
@@ -168,7 +169,11 @@ class SingleController:
             self.log.emit("retire", slot=action.slot, incarnation=action.incarnation, reason=action.reason)
         elif isinstance(action, StopExhausted):
             self.halt(action.message)
-        # AbortRefit, OpenGate and KeepGateClosed are read by the lifecycle from the decision.
+        elif isinstance(action, CloseGate):
+            self.gate.close(action.message)
+        elif isinstance(action, OpenGate) and not self.stopped:
+            self.gate.open(action.version, f"{action.serving} engine(s) serve version {action.version}")
+        # AbortRefit and KeepGateClosed are read by the lifecycle from the decision.
 
     def _kill(self, slot: int, incarnation: int, reason: str) -> None:
         """Kill ``incarnation`` of ``slot`` if it is still the slot's current actor; never its replacement."""
@@ -339,9 +344,7 @@ class SingleController:
 
     def roll_back_refit(self, version: int, reason: str) -> Decision:
         """Close a refit that changed no engine; reopen the gate on the committed version if quorum serves it."""
-        d = self.decide(RefitRolledBack(version, reason))
-        self._open_if(d)
-        return d
+        return self.decide(RefitRolledBack(version, reason))  # an OpenGate in it reopens the gate
 
     def transfer_port(self):
         """The weight transport; built from ``refit`` on first use unless one was injected."""
@@ -397,14 +400,7 @@ class SingleController:
 
     def finish_refit(self, version: int) -> Decision:
         """Step 8: ask the ledger whether the gate may reopen, and open it if so."""
-        d = self.decide(RefitFinished(version))
-        self._open_if(d)
-        return d
-
-    def _open_if(self, d: Decision) -> None:
-        for action in d.actions:
-            if isinstance(action, OpenGate) and not self.stopped:
-                self.gate.open(action.version, f"{action.serving} engine(s) serve version {action.version}")
+        return self.decide(RefitFinished(version))  # an OpenGate in it opens the gate (_carry_out)
 
 
 def raise_stopped(message: str) -> None:

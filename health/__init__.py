@@ -56,6 +56,7 @@ from health.core import decide, step
 from health.decision import (
     AbortRefit,
     Action,
+    CloseGate,
     Decision,
     Evict,
     KeepGateClosed,
@@ -88,6 +89,7 @@ from health.states import CallKind, FailureClass, RefitResult, ShardState, SlotP
 __all__ = [
     "AbortRefit",
     "Action",
+    "CloseGate",
     "CallKind",
     "Clock",
     "Decision",

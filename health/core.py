@@ -40,6 +40,9 @@ Transition rules (DESIGN.md failure classes; "quarantine" = SUSPECT or HUNG):
   every dead slot) below quorum.
 - ``RefitRolledBack`` (before any commit): the refit closes without one; ``OpenGate``
   on the committed version iff quorum serves it (and nothing aborted the refit).
+- between refits, after any slot change: ``CloseGate`` when fewer than
+  ``min_healthy_engines`` serve the committed version (requests wait); ``OpenGate``
+  once enough serve again (only when quorum closed it).
 - whenever retirements leave fewer than ``min_healthy_engines`` slots that could
   ever serve: ``StopExhausted`` (once).
 
@@ -99,6 +102,8 @@ def decide(ledger: Ledger, event: Event, now: float) -> Decision:
     handler(draft, event)
     if draft.retired:
         fleet_rules.check_permanent_exhaustion(draft)
+    if draft.changed:
+        fleet_rules.check_quorum_between_refits(draft)
     return draft.finish()
 
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AbortRefit",
     "Action",
+    "CloseGate",
     "Decision",
     "Evict",
     "KeepGateClosed",
@@ -120,6 +121,16 @@ class OpenGate:
 
 
 @dataclass(frozen=True, slots=True)
+class CloseGate:
+    """Between refits, fewer than ``needed`` engines serve the committed version: close dispatch
+    (requests wait, they do not fail) until restarts or a refit bring quorum back."""
+
+    message: str
+    serving: int
+    needed: int
+
+
+@dataclass(frozen=True, slots=True)
 class KeepGateClosed:
     """The refit of ``version`` ended aborted or uncommitted: keep the gate closed
     and surface ``message``."""
@@ -139,7 +150,7 @@ class StopExhausted:
     needed: int
 
 
-Action = Union[Probe, Evict, Restart, Retire, AbortRefit, OpenGate, KeepGateClosed, StopExhausted]
+Action = Union[Probe, Evict, Restart, Retire, AbortRefit, OpenGate, CloseGate, KeepGateClosed, StopExhausted]
 
 
 class Transition(NamedTuple):

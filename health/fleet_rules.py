@@ -9,7 +9,7 @@ versions involved before anything is recorded.
 
 from __future__ import annotations
 
-from health.decision import KeepGateClosed, OpenGate, StopExhausted, Transition
+from health.decision import CloseGate, KeepGateClosed, OpenGate, StopExhausted, Transition
 from health.draft import Draft
 from health.events import RefitFinished, RefitRolledBack, RefitStarted, Tick, VersionCommitted
 from health.ledger import QUARANTINE, TIMER_RESTART, SlotRecord, view_state
@@ -19,6 +19,7 @@ from health.states import FailureClass, ShardState, SlotPhase
 
 __all__ = [
     "check_permanent_exhaustion",
+    "check_quorum_between_refits",
     "on_committed",
     "on_refit_finished",
     "on_refit_started",
@@ -51,7 +52,7 @@ def on_refit_started(d: Draft, ev: RefitStarted) -> None:
     cv = fleet.current_version
     if cv is not None and v <= cv:
         raise ValueError(f"RefitStarted({v}): weight versions must increase; current is {cv}")
-    d.fleet = fleet._replace(refit_version=v, refit_started_at=d.now, gate_open=False, halted=None)
+    d.fleet = fleet._replace(refit_version=v, refit_started_at=d.now, gate_open=False, halted=None, quorum_lost=False)
     d.reasons.append(f"refit of version {v} started; gate closed")
     ledger = d.ledger
     timeout = ledger.config.suspect_timeout_s
@@ -184,6 +185,38 @@ def on_tick(d: Draft, ev: Tick) -> None:
                 restart(d, rec)
         elif refit is not None and rec.phase in QUARANTINE and rec.since == token:
             _evict_overdue(d, rec, refit)
+
+
+def check_quorum_between_refits(d: Draft) -> None:
+    """Between refits, the gate follows quorum: it closes when fewer than ``min_healthy_engines``
+    serve the committed version, and reopens (only if quorum closed it) when enough serve again.
+
+    O(slots changed by this event), so it can run after every slot event.
+    """
+    fleet = d.fleet_now()
+    cv = fleet.current_version
+    if fleet.refit_version is not None or fleet.halted is not None or fleet.exhausted or cv is None:
+        return
+    if not (fleet.gate_open or fleet.quorum_lost):
+        return
+    ledger = d.ledger
+    serving = ledger.serving_count()
+    for slot, new in d.changed.items():
+        was = view_state(ledger._records[slot], cv) is ShardState.HEALTHY
+        serving += (view_state(new, cv) is ShardState.HEALTHY) - was
+    needed = ledger.config.min_healthy_engines
+    if fleet.gate_open and serving < needed:
+        message = (
+            f"below quorum between refits: {serving} engine(s) serve version {cv}, "
+            f"min_healthy_engines={needed}; requests wait until restarts or a refit bring quorum back"
+        )
+        d.fleet = fleet._replace(gate_open=False, quorum_lost=True)
+        d.actions.append(CloseGate(message, serving, needed))
+        d.reasons.append(message)
+    elif fleet.quorum_lost and serving >= needed:
+        d.fleet = fleet._replace(gate_open=True, quorum_lost=False)
+        d.actions.append(OpenGate(cv, serving, needed))
+        d.reasons.append(f"quorum is back: {serving} engine(s) serve version {cv}; gate reopens")
 
 
 def check_permanent_exhaustion(d: Draft) -> None:

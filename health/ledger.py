@@ -103,6 +103,7 @@ class FleetState(NamedTuple):
     gate_open: bool
     halted: str | None
     exhausted: bool
+    quorum_lost: bool = False  # the gate closed between refits because fewer than min_healthy_engines serve
 
 
 def view_state(record: SlotRecord, current_version: int | None) -> ShardState:

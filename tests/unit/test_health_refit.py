@@ -296,3 +296,31 @@ def test_a_commit_cannot_be_rolled_back_and_the_version_must_match():
     step(ledger, VersionCommitted(1), 1.6)
     with pytest.raises(ValueError, match="a commit cannot be rolled back"):
         decide(ledger, RefitRolledBack(1, "too late"), 2.0)
+
+
+# --- quorum between refits: the gate follows it ----------------------------------------------------
+from health import CloseGate, EngineReady  # noqa: E402
+
+
+def test_deaths_between_refits_below_quorum_close_the_gate_and_a_refit_reopens_it():
+    ledger = ready_fleet(HealthConfig(num_engines=3, min_healthy_engines=2, backoff_base_s=5.0, backoff_cap_s=5.0))
+    assert ledger.gate_open
+    d = step(ledger, Observed(0, 1, CallKind.GENERATE, FailureClass.DEAD, "killed"), 1.0)
+    assert not any(isinstance(a, CloseGate) for a in d.actions) and ledger.gate_open  # 2 of 3 still serve
+    d = step(ledger, Observed(1, 1, CallKind.PROBE, FailureClass.DEAD, "killed"), 2.0)
+    [close] = [a for a in d.actions if isinstance(a, CloseGate)]
+    assert (close.serving, close.needed) == (1, 2) and "requests wait" in close.message and not ledger.gate_open
+    step(ledger, Tick(), 10.0)  # backoff over: both restart
+    for slot in (0, 1):
+        d = step(ledger, EngineReady(slot, 2), 11.0)
+        assert not any(isinstance(a, OpenGate) for a in d.actions)  # a restarted engine is stale until a refit
+    refit(ledger, 1, 12.0)
+    assert ledger.gate_open and sorted(ledger.serving_slots()) == [0, 1, 2]
+
+
+def test_quorum_back_between_refits_reopens_only_a_gate_quorum_closed():
+    ledger = ready_fleet(HealthConfig(num_engines=3, min_healthy_engines=3, unhealthy_threshold=3))
+    d = step(ledger, Observed(2, 1, CallKind.GENERATE, FailureClass.SUSPECT, "unreachable"), 1.0)
+    assert [type(a) for a in d.actions if isinstance(a, (CloseGate, OpenGate))] == [CloseGate]
+    d = step(ledger, Observed(2, 1, CallKind.PROBE, FailureClass.OK, "answers again"), 2.0)
+    assert [a for a in d.actions if isinstance(a, OpenGate)] == [OpenGate(0, 3, 3)] and ledger.gate_open

@@ -209,3 +209,23 @@ def test_calls_after_shutdown_raise_fleet_stopped(monkeypatch, model_dir):
         with pytest.raises(FleetStopped, match="shut down"):
             call()
     assert fleet.shutdown() == {"already_shut_down": True}
+
+
+def test_below_quorum_between_refits_requests_wait_and_the_next_refit_brings_quorum_back(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir, request_timeout_s=3600, restart_backoff_s=1.0, restart_backoff_cap_s=1.0)
+        await ctl.start()
+        await ctl.sync_weights(1)
+        for slot in (1, 2):
+            ctl.observe(slot, 1, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("killed")))
+        assert not ctl.gate.is_open and ctl.stopped is None and "below quorum" in ctl.gate.reason
+        waiting = asyncio.ensure_future(ctl.generate([1, 2]))
+        await asyncio.sleep(30)  # virtual: restarts are back (stale) and the request still waits
+        assert not waiting.done() and ctl.handles[1][0] == ctl.handles[2][0] == 2
+        summary = await ctl.sync_weights(2)
+        assert summary["complete"] == [0, 1, 2] and ctl.gate.is_open
+        res = await waiting
+        assert res.ok and res.result.weight_version == 2
+        await ctl.shutdown()
+
+    run(go())
