@@ -14,7 +14,10 @@ from fleet.admission_law import AdmissionState, initial_cap, initial_state, upda
 from fleet.errors import ConfigError
 from fleet.types import EngineStats
 
-CFG = AdmissionConfig(ceiling=64, fallback_cap=4, stats_max_age_s=5.0, absent_fallback_s=30.0)
+# The law's mechanics are tested with a cut at 0.9 by half, numbers easy to follow by hand;
+# the defaults (the seed law: cut 30 % above 0.8, grow 25 % below 0.6) are tested on their own.
+LAW = dict(high_mark=0.9, cut_factor=0.5)
+CFG = AdmissionConfig(ceiling=64, fallback_cap=4, stats_max_age_s=5.0, absent_fallback_s=30.0, **LAW)
 _records = itertools.count(1)
 
 
@@ -36,7 +39,7 @@ def state(cap=32, capacity_cap=1, **kw) -> AdmissionState:
 # ---------------------------------------------------------------- config
 def test_defaults_are_valid():
     cfg = AdmissionConfig()
-    assert (cfg.ceiling, cfg.low_mark, cfg.high_mark, cfg.cut_factor, cfg.growth_factor) == (256, 0.6, 0.9, 0.5, 1.25)
+    assert (cfg.ceiling, cfg.low_mark, cfg.high_mark, cfg.cut_factor, cfg.growth_factor) == (256, 0.6, 0.8, 0.7, 1.25)
     assert (cfg.poll_interval_s, cfg.stats_max_age_s, cfg.absent_fallback_s, cfg.enabled) == (0.5, 5.0, 30.0, True)
 
 
@@ -66,7 +69,7 @@ def test_bad_config_names_the_field(data, field):
 
 
 def test_config_is_frozen_and_fallback_never_above_ceiling():
-    cfg = AdmissionConfig(ceiling=2)
+    cfg = AdmissionConfig(ceiling=2, **LAW)
     assert cfg.floor_cap == 2
     with pytest.raises(Exception):
         cfg.ceiling = 3  # type: ignore[misc]
@@ -93,6 +96,14 @@ def test_unknown_capacity_cannot_size(tokens, max_len):
 
 
 # ---------------------------------------------------------------- cut and latch
+def test_the_default_law_is_the_seed_law_cut_30_percent_above_0_8():
+    default = AdmissionConfig(ceiling=64, fallback_cap=4, stats_max_age_s=5.0, absent_fallback_s=30.0)
+    s, why = update(state(40), stats(usage=0.85), 40, 0, 1.0, default)
+    assert (s.cap, s.rule) == (28, "cut") and "0.85 > high mark 0.8" in why and "40 -> 28" in why
+    held, _ = update(state(40), stats(usage=0.75), 40, 0, 1.0, default)
+    assert held.cap == 40  # between the marks: hold
+
+
 def test_high_usage_cuts_and_latches_one_cut_per_spike():
     s, why = update(state(32), stats(usage=0.95), in_flight=32, finished_total=0, now=1.0, cfg=CFG)
     assert (s.cap, s.latched, s.rule) == (16, True, "cut")
@@ -243,7 +254,7 @@ def test_a_refit_does_not_hide_missing_stats_or_stop_a_drain():
 
 
 def test_controller_holds_during_a_refit_and_its_grace():
-    cfg = AdmissionConfig(ceiling=64, refit_grace_s=1.0)
+    cfg = AdmissionConfig(ceiling=64, refit_grace_s=1.0, **LAW)
     ac = AdmissionController(cfg)
     ac.observe(0, stats(tokens=8 * 512, in_flight=0), 0.0)
     for _ in range(8):
