@@ -175,7 +175,10 @@ def _quarantine(d: Draft, rec: SlotRecord, ev: Observed) -> None:
             f"slot {rec.slot} incarnation {rec.incarnation} {cause} while "
             f"{_NAME[_state(d, rec)]}: state unchanged"
         )
-    if ev.failure is _F_HUNG and ev.call in _PAUSE_OR_RESUME and rec.phase is not _LAUNCHING:
+    unacknowledged_resume = ev.failure is _F_SUSPECT and ev.call is CallKind.RESUME
+    if (ev.failure is _F_HUNG and ev.call in _PAUSE_OR_RESUME or unacknowledged_resume) and rec.phase is not _LAUNCHING:
+        # A resume nobody acknowledged leaves an engine paused (or not) that no probe can tell:
+        # it never re-enters serving on a probe; the refit stops (seed 001) unless it is a confirmed death.
         _abort(d, rec, ev, cause)
 
 

@@ -22,5 +22,7 @@ def test_benchmark_reports_events_per_second_as_its_last_line():
     # The random mix really exercises the core, not only the late path.
     for key in ("ok", "dead", "suspect", "hung", "late"):
         assert result["decisions"].get(key, 0) > 0, key
-    for action in ("Probe", "Restart", "Evict", "OpenGate"):
+    for action in ("Probe", "Restart", "Evict", "AbortRefit"):
         assert result["actions"].get(action, 0) > 0, action
+    # every refit ends in a gate verdict (the random mix aborts most of them: an unacknowledged resume stops one)
+    assert result["actions"].get("OpenGate", 0) + result["actions"].get("KeepGateClosed", 0) >= result["refits"] > 0

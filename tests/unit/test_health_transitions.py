@@ -17,9 +17,11 @@ from health import (
     HealthConfig,
     Ledger,
     Observed,
+    OpenGate,
     Probe,
     RefitReport,
     RefitResult,
+    RefitFinished,
     RefitStarted,
     Restart,
     Retire,
@@ -106,7 +108,7 @@ def test_duplicate_ready_changes_nothing():
 # ---------------------------------------------------------------- quarantine
 
 
-@pytest.mark.parametrize("call", [PAUSE, REFIT, RESUME, GENERATE])
+@pytest.mark.parametrize("call", [PAUSE, REFIT, GENERATE])
 def test_unavailable_quarantines_and_probes_but_never_kills(call):
     ledger = ready_fleet(config())
     d = step(ledger, Observed(1, 1, call, SUSPECT, "ActorUnavailableError"), 1.0)
@@ -116,6 +118,19 @@ def test_unavailable_quarantines_and_probes_but_never_kills(call):
     for i in range(50):  # no amount of unavailability condemns it on its own
         step(ledger, Observed(1, 1, call, SUSPECT), 2.0 + i)
     assert ledger.state(1) is ShardState.SUSPECT
+
+
+def test_an_unacknowledged_resume_stops_the_refit_and_no_probe_returns_the_shard_to_serving():
+    """Seed 001: a resume that fails stops with dispatch closed unless the failure is a confirmed death.
+    An unavailable shard might still be paused; answering a ping proves nothing about that."""
+    ledger = ready_fleet(config())
+    step(ledger, RefitStarted(1), 1.0)
+    d = step(ledger, Observed(1, 1, RESUME, SUSPECT, "ActorUnavailableError"), 2.0)
+    [abort] = [a for a in d.actions if isinstance(a, AbortRefit)]
+    assert abort.slot == 1 and "gate stays closed" in abort.message and ledger.state(1) is ShardState.SUSPECT
+    step(ledger, Observed(1, 1, PROBE, OK), 3.0)
+    d = step(ledger, RefitFinished(1), 4.0)
+    assert not ledger.gate_open and not any(isinstance(a, OpenGate) for a in d.actions)
 
 
 def test_probe_ok_returns_a_suspect_to_healthy_on_current_weights():
