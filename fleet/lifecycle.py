@@ -26,6 +26,7 @@ from typing import Any
 
 from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed, RefitRefused
 from fleet.staleness import too_old
+from fleet.weights import TransferResult
 from health import (
     AbortRefit,
     CallKind,
@@ -222,10 +223,14 @@ class RefitLifecycle:
         """
         results: dict = {}
         complete: set[int] = set()
+        deadline = self.ctl.clock.now() + self.ctl.cfg.lifecycle_deadline_s  # one bound for the phase, retry included
         for attempt in (1, 2):
             if attempt == 2:
                 plan, paused = await self._prepare_retry(plan, version, results, complete)
-            results = await self._transfer_once(plan, version, source, rebuild=attempt > 1)
+                if self.ctl.clock.now() >= deadline:
+                    self.ctl.log.emit("refit_retry_skipped", version=version, reason="the transfer phase's deadline passed")
+                    break
+            results = await self._transfer_once(plan, version, source, rebuild=attempt > 1, deadline=deadline)
             self._refuse_if_the_update_does_not_fit(results)
             complete = {s for s, r in results.items() if r.result is RefitResult.COMPLETE}
             if plan.participants and len(complete) == len(plan.participants):
@@ -329,12 +334,22 @@ class RefitLifecycle:
             )
             raise _EndRefit(CacheInvalidationUnsupported, message)
 
-    async def _transfer_once(self, plan: MembershipPlan, version: int, source: Any, rebuild: bool) -> dict:
+    async def _transfer_once(self, plan: MembershipPlan, version: int, source: Any, rebuild: bool, deadline: float) -> dict:
+        """One transfer attempt, cut off at the phase's ``deadline``: whoever had not finished
+        then holds unknown weights (PARTIAL: never serves them, rejoins the next refit)."""
         participants = [(p, self._handle(p)) for p in plan.participants]
         t0 = self.ctl.clock.now()
-        results = await self.ctl.transfer_port().transfer(
-            participants, version, plan.epoch, source, rebuild=rebuild, timeout=self.ctl.cfg.lifecycle_deadline_s
-        )
+        left = max(0.0, deadline - t0)
+        try:
+            results = await asyncio.wait_for(
+                self.ctl.transfer_port().transfer(participants, version, plan.epoch, source, rebuild=rebuild, timeout=left),
+                left,
+            )
+        except asyncio.TimeoutError:
+            bound = self.ctl.cfg.lifecycle_deadline_s
+            results = {p.slot: TransferResult(
+                RefitResult.PARTIAL, f"transfer cut off at the phase deadline ({bound:.1f} s); weights unknown"
+            ) for p in plan.participants}
         self._inside_s += self.ctl.clock.now() - t0
         for p in plan.participants:
             r = results[p.slot]

@@ -229,3 +229,25 @@ def test_below_quorum_between_refits_requests_wait_and_the_next_refit_brings_quo
         await ctl.shutdown()
 
     run(go())
+
+
+def test_the_transfer_phase_ends_within_its_deadline_retry_included(model_dir):
+    async def go():
+        ctl, door, transfer = make(model_dir)  # refit_timeout_s 0.3 + lifecycle_grace_s 0.1
+        await ctl.start()
+        real = transfer.transfer
+
+        async def slow(*args, **kwargs):  # every attempt takes 0.3 s of the 0.4 s bound
+            await asyncio.sleep(0.3)
+            return await real(*args, **kwargs)
+
+        transfer.transfer = slow
+        transfer.fail[1] = {1: "error"}  # the first attempt fails: the retry gets only what is left
+        with pytest.raises(RefitFailed):
+            await ctl.sync_weights(1)
+        [end] = [e for e in ctl.events(kinds=["phase"]) if e["phase"] == "transfer" and e["edge"] == "end"]
+        assert end["seconds"] <= ctl.cfg.lifecycle_deadline_s + 1e-6, end
+        assert not ctl.gate.is_open and ctl.stopped  # nothing complete: stopped loudly, not serving unknown weights
+        await ctl.shutdown()
+
+    run(go())
