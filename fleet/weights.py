@@ -97,9 +97,15 @@ class RefitTransferPort:
                 await self._sync.close()
             self._sync, self._source = WeightSynchronizer(self._door.sender_port(source), self._config), source
         handles = {(p.slot, p.incarnation): h for p, h in participants}
-        keys = assign_ranks({member: await self._worker_count(member, h) for member, h in handles.items()})
+        counts = {member: await self._worker_count(member, h) for member, h in handles.items()}
+        out: dict[int, TransferResult] = {
+            slot: TransferResult(RefitResult.NOT_STARTED, f"[workers] {why}")
+            for (slot, _), why in counts.items() if isinstance(why, str)
+        }
+        keys = assign_ranks({m: n for m, n in counts.items() if not isinstance(n, str)})
+        if not keys:
+            return out
         report = await self._sync.refit({k: self._door.receiver_port(handles[(k.slot, k.incarnation)]) for k in keys}, version, epoch)
-        out: dict[int, TransferResult] = {}
         for key, r in report.results.items():
             detail = r.error or ("ok" if r.ok else r.outcome.value)
             if report.sender_error and not r.ok:
@@ -108,19 +114,23 @@ class RefitTransferPort:
         self.last_report = report
         return out
 
-    async def _worker_count(self, member: tuple[int, int], handle: Any) -> int:
+    async def _worker_count(self, member: tuple[int, int], handle: Any) -> int | str:
         """Weight-holding workers of an engine (one receiving rank each), asked once per incarnation.
 
         With tensor or pipeline parallelism an engine has several; if it cannot be
         asked, the configured tensor-parallel size stands in (the refit then reports it).
+        An answer that is not a non-empty list of workers (``None``, ``[]``) is never
+        taken for success: the reason, as a string, and that engine is left out.
         """
         if member not in self._workers:
             fallback = max(1, self._cfg.engine.tensor_parallel_size * self._cfg.engine.pipeline_parallel_size)
             try:
                 infos = await self._door.receiver_port(handle).worker_rpc("rlfleet_worker_info", (), {}, self._config.rpc_timeout_s)
-                self._workers[member] = max(1, len(infos))
             except Exception:  # noqa: BLE001 - a dead engine fails its refit with a precise report instead
                 return fallback
+            if not isinstance(infos, list) or not infos:
+                return f"slot {member[0]} (incarnation {member[1]}) reported no weight-holding workers ({infos!r})"
+            self._workers[member] = len(infos)
         return self._workers[member]
 
     async def close(self) -> None:

@@ -251,3 +251,27 @@ def test_the_transfer_phase_ends_within_its_deadline_retry_included(model_dir):
         await ctl.shutdown()
 
     run(go())
+
+
+def test_an_engine_that_reports_no_workers_is_never_counted_as_refitted(model_dir):
+    """Seed 002's rule: a join answering None or an empty worker list is not a success."""
+    from fleet.fleet_config import load_fleet_config
+    from fleet.weights import RefitTransferPort
+    from health import Participant, RefitResult
+
+    class Door:
+        def receiver_port(self, handle):
+            class Port:
+                async def worker_rpc(self, method, args=(), kwargs=None, timeout=None):
+                    return handle
+
+            return Port()
+
+    port = RefitTransferPort(load_fleet_config({"engine": {"model": model_dir}}), Door())
+    for answer in (None, []):
+        assert "no weight-holding workers" in asyncio.run(port._worker_count((0, 1), answer))
+    assert asyncio.run(port._worker_count((1, 1), [{"rank": 0}, {"rank": 1}])) == 2
+    port._door.is_sender = lambda source, methods: True
+    port._sync, port._source = object(), "src"  # no synchronizer needed: every engine is left out
+    out = asyncio.run(port.transfer([(Participant(0, 1, (1,)), None)], 1, 1, "src", False, 1.0))
+    assert out[0].result is RefitResult.NOT_STARTED and "no weight-holding workers" in out[0].detail
