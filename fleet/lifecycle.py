@@ -179,12 +179,11 @@ class RefitLifecycle:
 
     async def pause(self, plan: MembershipPlan) -> set[int]:
         """Step 4: pause every participant (keep in-flight requests); all pause calls settle first."""
-        clear_cache = self._clear_cache(plan)
         targets = {p.slot: p for p in plan.participants}
-        if clear_cache:
-            await self._invalidate_without_native_pause(targets)
+        clear = {s: self._clear_cache(s) for s in targets}
+        await self._invalidate_without_native_pause({s: p for s, p in targets.items() if clear[s]})
         outs = await self._fan_out(
-            {s: (self._handle(p), "pause", (), {"mode": "keep", "clear_cache": clear_cache}) for s, p in targets.items()},
+            {s: (self._handle(p), "pause", (), {"mode": "keep", "clear_cache": clear[s]}) for s, p in targets.items()},
             expect_ack=True,
         )
         paused: set[int] = set()
@@ -303,11 +302,13 @@ class RefitLifecycle:
         raise _EndRefit(FleetExhausted if isinstance(stop, StopExhausted) else RefitFailed, message)
 
     # ------------------------------------------------------------------ helpers
-    def _clear_cache(self, plan: MembershipPlan) -> bool:
+    def _clear_cache(self, slot: int) -> bool:
+        """Whether pausing ``slot`` clears its KV cache; under ``keep``, decided per shard (an idle
+        shard invalidates its prefix cache even while another one is busy)."""
         policy = self.ctl.cfg.kv_policy
         if policy == "recompute":
             return True
-        drained = not any(self.ctl.dispatcher.in_flight_on(p.slot) for p in plan.participants)
+        drained = not self.ctl.dispatcher.in_flight_on(slot)
         if policy == "keep":
             if drained:
                 return True  # free: nothing in flight, so invalidate the prefix cache anyway

@@ -275,3 +275,21 @@ def test_an_engine_that_reports_no_workers_is_never_counted_as_refitted(model_di
     port._sync, port._source = object(), "src"  # no synchronizer needed: every engine is left out
     out = asyncio.run(port.transfer([(Participant(0, 1, (1,)), None)], 1, 1, "src", False, 1.0))
     assert out[0].result is RefitResult.NOT_STARTED and "no weight-holding workers" in out[0].detail
+
+
+def test_keep_decides_drained_per_shard_so_an_idle_shard_still_invalidates(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir, kv_policy="keep", min_healthy_engines=1)
+        await ctl.start()
+        door.gen_delay = 5.0
+        busy = asyncio.ensure_future(ctl.generate([1]))
+        await asyncio.sleep(0.1)
+        [(slot, _)] = [(s, r) for s, r in ctl.dispatcher.outstanding.items() if r]
+        door.kwargs.clear()
+        await ctl.sync_weights(1)
+        clear = {s: kw["clear_cache"] for m, s, kw in door.kwargs if m == "pause"}
+        assert clear == {s: s != slot for s in range(3)}  # only the busy shard keeps its cache
+        assert (await busy).ok
+        await ctl.shutdown()
+
+    run(go())
