@@ -12,7 +12,8 @@ runner and campaigns use it to:
   scoring the GRPO trainer uses), the reference every logprob-agreement check
   compares the engines against;
 - break its next update on purpose (``corrupt_next_update``: a wrong name, shape or
-  dtype for one tensor), and report its checksum and resident memory.
+  dtype for one tensor, one tensor or one whole decoder layer left out), and report
+  its checksum and resident memory.
 
 Every method runs on the sender's one thread, so a step or a score never overlaps a
 ``prepare`` or a ``send`` of the same actor.
@@ -26,10 +27,11 @@ from typing import Sequence
 import torch
 
 from recipe.logprobs import token_logprobs
+from refit.manifest import layer_group
 from refit.ports import LocalSenderPort
 from refit.sender import WeightSender
 
-CORRUPTIONS = ("name", "shape", "dtype")
+CORRUPTIONS = ("name", "shape", "dtype", "missing_tensor", "missing_layer")
 
 
 class WeightSource(LocalSenderPort):
@@ -76,7 +78,8 @@ class WeightSource(LocalSenderPort):
 
     # -- tests --------------------------------------------------------------------------
     async def corrupt_next_update(self, kind: str | None, name: str = "model.layers.1.mlp.up_proj.weight") -> bool:
-        """Until called with None, every update carries a wrong ``name``, ``shape`` or ``dtype`` for tensor ``name``."""
+        """Until called with None, every update carries a wrong ``name``, ``shape`` or ``dtype`` for tensor ``name``,
+        or leaves out that tensor (``missing_tensor``) or its whole decoder layer (``missing_layer``), undeclared."""
         if kind is not None and kind not in CORRUPTIONS:
             raise ValueError(f"unknown corruption {kind!r}; expected one of {CORRUPTIONS} or None")
 
@@ -91,8 +94,13 @@ class WeightSource(LocalSenderPort):
                 sd[name.replace("up_proj", "up_projj")] = sd.pop(name)
             elif kind == "shape":
                 sd[name] = torch.zeros(t.shape[0], t.shape[1] + 1)
-            else:
+            elif kind == "dtype":
                 sd[name] = t.to(torch.float16)
+            elif kind == "missing_tensor":
+                del sd[name]
+            else:
+                for n in [n for n in sd if layer_group(n) == layer_group(name)]:
+                    del sd[n]
             sender._source = lambda: list(sd.items())
             sender._dtype = None if kind == "dtype" else torch.float32
             return True

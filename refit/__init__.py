@@ -36,11 +36,13 @@ Driving a refit (the controller's steps 4-7)::
                                                        apply_mode="staged", timeout_s=60))
 
     report = await sync.refit({participant: port, ...}, version, epoch)
-    if not report.ok:                           # the controller's one retry (fleet.lifecycle.transfer):
+    if not report.ok and not report.refused:    # the controller's one retry (fleet.lifecycle.transfer):
         ...                                     # rebuild without the failed, re-pause, epoch += 1
         report = await sync.refit({participant: port, ...}, version, epoch)
+    if report.refused:                          # the update does not fit the model: no retry, nothing changed
+        ...
     for key, res in report.results.items():     # res.outcome: NOT_STARTED / PARTIAL / COMPLETE
-        ...                                     # res.error, res.phase, res.bytes_moved, res.exception
+        ...                                     # res.error, res.phase, res.refused, res.bytes_moved, res.exception
     # on COMPLETE: shard.set_weight_version(version); then resume
 
 ``refit(participants, version, epoch) -> RefitReport`` guarantees:
@@ -53,9 +55,24 @@ Driving a refit (the controller's steps 4-7)::
 - every member's call is bounded and all settle (``asyncio.gather``) before it returns;
   participant failures are reported, never raised. Only sender-side misuse raises
   ``RefitUsageError`` (bad rank layout, empty plan, bad config);
-- an update whose names, shapes or dtypes do not fit the model is refused by every
-  engine before any byte moves (outcome NOT_STARTED, phase "prepare", the error names
-  the tensor); engines keep their weights and version;
+- an update that does not fit the model is *refused* by every engine before any byte
+  moves: a wrong name, shape or dtype, a tensor or a whole layer missing without the
+  sender's declaration, a decoder layer sent in part. Every participant is then
+  NOT_STARTED in phase "prepare" with ``res.refused`` set to the message naming the
+  tensors (``"tensor model.layers.0.mlp.down_proj.weight: shape (3, 3), engine expects
+  (128, 512)"``, ``"missing tensors: model.layers.1.* (9 tensors); ..."``), and
+  ``report.refused`` is that message. The caller's mistake, not an engine's failure:
+  no engine changed its weights or version, the group is kept, a retry of the same
+  update cannot succeed;
+- a partial update is declared by the sender: ``WeightSender(model, partial=True)``
+  (whatever it does not yield is left out) or ``WeightSender(model, frozen=[names or
+  fnmatch patterns])``; engines keep exactly the tensors left out (whole decoder layers
+  or top-level tensors: vLLM fuses q/k/v and gate/up into one parameter);
+- ``RefitConfig(verify="checksum")`` (default ``"none"``): the sender digests the
+  update between prepare and send, every engine digests what it applied, and an engine
+  is COMPLETE (and stamps the version) only if the two agree; a mismatch is PARTIAL in
+  phase "verify", the error naming the engine and both digests (an engine failure, not
+  a refusal);
 - ``staged`` (default): an engine's weights change only in one apply after every byte
   arrived; a transfer failure leaves it NOT_STARTED with its old weights and version.
   ``streaming``: whole layers are applied as they arrive (low memory); a failure after

@@ -19,7 +19,7 @@ class RefitUsageError(RefitError, ValueError):
 
 
 class ManifestError(RefitError, ValueError):
-    """An update does not fit the model (unknown name, wrong shape or dtype, incomplete layer).
+    """An update does not fit the model (unknown name, wrong shape or dtype, an undeclared missing tensor, a torn layer).
 
     Raised before any byte moves or any weight changes; the message names the tensor.
     Retrying the same update cannot succeed.

@@ -14,11 +14,19 @@ Layout guarantees of ``plan_buckets``:
 - buckets of one dtype are laid end to end (``staging_offset``), so a receiver can
   receive every bucket straight into one reused staging buffer per dtype;
 - ``per_tensor`` transfer is the same structure with one tensor per bucket.
+
+Completeness (``validate``): an update carries every weight the model's checkpoint
+holds, unless the sender declares what it leaves out (``partial``: anything it does
+not send; ``frozen``: names or ``fnmatch`` patterns). What is left out stays exactly
+as it is on the engines; a decoder layer is sent whole or left out whole, because
+vLLM loads several checkpoint tensors into one parameter (q/k/v -> ``qkv_proj``,
+gate/up -> ``gate_up_proj``) and a half-loaded one would be undefined.
 """
 
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import hashlib
 import json
 import math
@@ -30,6 +38,9 @@ from refit.errors import ManifestError
 
 TRANSFERS = ("bucketed", "per_tensor")
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+# Checkpoint tensors vLLM never loads (buffers it recomputes): an update need not carry them.
+_NOT_LOADED = re.compile(r"\.rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+MAX_SHOWN = 6  # problems / names shown in one refusal message
 
 _DTYPE_SIZES = {
     "float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
@@ -88,10 +99,21 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Manifest:
-    """Every tensor of one update, bucketed. Build with ``plan_buckets``; ship with ``to_wire``."""
+    """Every tensor of one update, bucketed. Build with ``plan_buckets``; ship with ``to_wire``.
+
+    ``partial`` / ``frozen`` declare what the sender leaves out on purpose (see the module
+    docstring); ``aliases`` are (name, sent name) pairs of tied tensors sent once.
+    """
 
     transfer: str
     buckets: tuple[Bucket, ...]
+    partial: bool = False
+    frozen: tuple[str, ...] = ()
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    def leaves_out(self, name: str) -> bool:
+        """True if the sender declared that ``name`` may be absent (the engines keep it as it is)."""
+        return self.partial or any(fnmatch.fnmatchcase(name, p) for p in self.frozen)
 
     @property
     def entries(self) -> list[TensorEntry]:
@@ -126,6 +148,9 @@ class Manifest:
                 [b.dtype, b.numel, b.staging_offset, [[e.name, list(e.shape), e.offset, e.numel] for e in b.entries]]
                 for b in self.buckets
             ],
+            "partial": self.partial,
+            "frozen": list(self.frozen),
+            "aliases": [list(a) for a in self.aliases],
         }
 
     @classmethod
@@ -135,7 +160,12 @@ class Manifest:
                 Bucket(i, dtype_name(dt), int(n), int(so), tuple(TensorEntry(str(nm), tuple(int(s) for s in sh), dtype_name(dt), int(off), int(ne)) for nm, sh, off, ne in ents))
                 for i, (dt, n, so, ents) in enumerate(wire["buckets"])
             )
-            m = cls(str(wire["transfer"]), buckets)
+            declared = dict(
+                partial=bool(wire.get("partial", False)),
+                frozen=tuple(str(p) for p in wire.get("frozen", ())),
+                aliases=tuple((str(a), str(b)) for a, b in wire.get("aliases", ())),
+            )
+            m = cls(str(wire["transfer"]), buckets, **declared)
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from None
         m.check_layout()
@@ -160,6 +190,9 @@ class Manifest:
                     raise ManifestError(f"tensor {e.name!r}: numel {e.numel} does not match shape {e.shape}")
                 if e.offset < 0 or e.offset + e.numel > b.numel:
                     raise ManifestError(f"tensor {e.name!r} lies outside bucket {b.index} ({b.numel} elements)")
+        for alias, target in self.aliases:
+            if target not in seen or alias in seen:
+                raise ManifestError(f"alias {alias!r} -> {target!r} must name a tensor of the update under a name it does not use")
 
 
 def plan_buckets(
@@ -213,39 +246,75 @@ ExpectedSpec = Mapping[str, tuple[tuple[int, ...], str]]
 
 
 def validate(manifest: Manifest, expected: ExpectedSpec | None, engine_dtype: str | None) -> None:
-    """Raise ``ManifestError`` naming the first tensor that does not fit the model.
+    """Raise ``ManifestError`` naming every tensor (up to ``MAX_SHOWN``) that does not fit the model.
 
     ``expected`` maps checkpoint (Hugging Face) names to (shape, checkpoint dtype);
     ``None`` means the model's checkpoint layout is unknown and only dtypes are checked.
     Floating tensors must arrive in ``engine_dtype`` (the dtype the engine runs);
-    other dtypes must match the checkpoint. Every layer the update touches must be
-    complete (see ``layer_group``).
+    other dtypes must match the checkpoint. Every weight of ``expected`` must be in
+    the update unless the manifest declares it left out, and a decoder layer is
+    updated whole (see ``layer_group``).
     """
     manifest.check_layout()
     if not manifest.buckets:
         raise ManifestError("the update holds no tensors")
-    for e in manifest.entries:
-        want = expected.get(e.name) if expected is not None else None
-        if expected is not None and want is None:
-            close = difflib.get_close_matches(e.name, list(expected), n=1)
-            hint = f" (closest model tensor: {close[0]!r})" if close else ""
-            raise ManifestError(f"tensor {e.name!r} is not a weight of this model{hint}")
-        if want is not None and tuple(want[0]) != e.shape:
-            raise ManifestError(f"tensor {e.name!r} has shape {list(e.shape)} in the update but {list(want[0])} in the model")
-        floating = e.dtype in ("float32", "float64", "float16", "bfloat16")
-        if floating and engine_dtype is not None and e.dtype != engine_dtype:
-            raise ManifestError(f"tensor {e.name!r} has dtype {e.dtype} in the update but the engine runs {engine_dtype}")
-        if not floating and want is not None and e.dtype != want[1]:
-            raise ManifestError(f"tensor {e.name!r} has dtype {e.dtype} in the update but {want[1]} in the model")
-    if expected is not None:
-        _check_whole_layers(manifest.names, expected)
+    problems = [p for p in (_entry_problem(e, expected, engine_dtype) for e in manifest.entries) if p]
+    if expected is not None and not problems:
+        problems = _completeness_problems(manifest, expected)
+    if problems:
+        more = f"; and {len(problems) - MAX_SHOWN} more problems" if len(problems) > MAX_SHOWN else ""
+        raise ManifestError("; ".join(problems[:MAX_SHOWN]) + more)
 
 
-def _check_whole_layers(names: Sequence[str], expected: ExpectedSpec) -> None:
-    touched = {layer_group(n) for n in names}
-    present = set(names)
-    for group in sorted(touched):
-        missing = sorted(n for n in expected if layer_group(n) == group and n not in present)
-        if missing:
-            shown = ", ".join(repr(m) for m in missing[:4]) + (" ..." if len(missing) > 4 else "")
-            raise ManifestError(f"update touches {group!r} but lacks its tensors {shown}; a layer must be updated whole")
+def _entry_problem(e: TensorEntry, expected: ExpectedSpec | None, engine_dtype: str | None) -> str | None:
+    want = expected.get(e.name) if expected is not None else None
+    if expected is not None and want is None:
+        close = difflib.get_close_matches(e.name, list(expected), n=1)
+        return f"tensor {e.name}: not a weight of this model" + (f" (closest: {close[0]})" if close else "")
+    if want is not None and tuple(want[0]) != e.shape:
+        return f"tensor {e.name}: shape {e.shape}, engine expects {tuple(want[0])}"
+    floating = e.dtype in ("float32", "float64", "float16", "bfloat16")
+    if floating and engine_dtype is not None and e.dtype != engine_dtype:
+        return f"tensor {e.name}: dtype {e.dtype}, engine expects {engine_dtype} (the sender casts with WeightSender(dtype=...))"
+    if not floating and want is not None and e.dtype != want[1]:
+        return f"tensor {e.name}: dtype {e.dtype}, engine expects {want[1]}"
+    return None
+
+
+def _completeness_problems(manifest: Manifest, expected: ExpectedSpec) -> list[str]:
+    """Missing weights the sender did not declare, and decoder layers the update would tear."""
+    required = sorted(n for n in expected if not _NOT_LOADED.search(n))
+    carried = set(manifest.names) | {alias for alias, _ in manifest.aliases}
+    absent = [n for n in required if n not in carried]
+    undeclared = [n for n in absent if not manifest.leaves_out(n)]
+    problems = []
+    if undeclared:
+        problems.append(
+            f"missing tensors: {_name_groups(undeclared, required)}; an update carries every weight of the model "
+            "unless the sender declares a partial update (WeightSender(partial=True) or WeightSender(frozen=[...]))"
+        )
+    touched = {layer_group(n) for n in manifest.names}
+    torn = [n for n in absent if n not in undeclared and layer_group(n) in touched]
+    if torn:
+        layers = sorted({layer_group(n) for n in torn})
+        problems.append(
+            f"update touches {', '.join(layers)} but leaves out {_name_groups(torn, required)}; a decoder layer is sent "
+            "whole or left out whole (vLLM loads q/k/v into one qkv_proj and gate/up into one gate_up_proj)"
+        )
+    return problems
+
+
+def _name_groups(names: Sequence[str], required: Sequence[str]) -> str:
+    """``model.layers.1.* (9 tensors)`` for a whole layer, the names themselves otherwise; at most ``MAX_SHOWN`` items."""
+    size: dict[str, int] = {}
+    for n in required:
+        size[layer_group(n)] = size.get(layer_group(n), 0) + 1
+    by_group: dict[str, list[str]] = {}
+    for n in names:
+        by_group.setdefault(layer_group(n), []).append(n)
+    items: list[str] = []
+    for group, members in by_group.items():
+        whole = len(members) == size.get(group) and len(members) > 1
+        items.extend([f"{group}.* ({len(members)} tensors)"] if whole else members)
+    more = f", ... ({len(items) - MAX_SHOWN} more)" if len(items) > MAX_SHOWN else ""
+    return ", ".join(items[:MAX_SHOWN]) + more

@@ -8,7 +8,14 @@ engine holds now, not only whether a call failed.
 - ``PARTIAL``: the live weights may be a mix of old and new (a streaming apply
   stopped mid-way, an apply failed, or the engine could not be asked and may have
   been applying): it must not serve until replaced or refitted completely.
-- ``COMPLETE``: every tensor was applied and the new version stamped.
+- ``COMPLETE``: every tensor was applied and the new version stamped (and, under
+  ``RefitConfig(verify="checksum")``, the digest of what it applied equals the sender's).
+
+A *refusal* is not an engine failure: ``ParticipantResult.refused`` (and
+``RefitReport.refused``) holds the message naming the tensors when the prepare phase
+found that the update itself does not fit the model (wrong name, shape or dtype,
+undeclared missing tensors, a torn layer). Then nothing moved, no engine changed its
+weights or version, the group stays usable, and retrying the same update cannot succeed.
 """
 
 from __future__ import annotations
@@ -59,10 +66,11 @@ def describe(key: Hashable) -> str:
 class ParticipantResult:
     outcome: Outcome
     error: str | None = None
-    phase: str | None = None  # where it failed: "group", "prepare", "transfer", "apply"
+    phase: str | None = None  # where it failed: "group", "prepare", "transfer", "apply", "verify"
     bytes_moved: int = 0
     exception: BaseException | None = None  # the original exception of a failed call (for the caller's classifier)
     detail: Mapping[str, Any] = field(default_factory=dict)
+    refused: str | None = None  # the update does not fit this engine's model (names the tensors); nothing moved
 
     @property
     def ok(self) -> bool:
@@ -96,11 +104,21 @@ class RefitReport:
         return self.sender_error is None and bool(self.results) and all(r.ok for r in self.results.values())
 
     @property
+    def refused(self) -> str | None:
+        """Why the update itself does not fit the model (the sender's fault), or None.
+
+        Set only when the prepare phase rejected the manifest: then no byte moved, every
+        engine keeps its weights and version, and no engine is to blame.
+        """
+        return next((r.refused for r in self.results.values() if r.refused), None)
+
+    @property
     def failed(self) -> list[Hashable]:
         return [k for k, r in self.results.items() if not r.ok]
 
     def summary(self) -> str:
-        head = f"refit {self.refit_id} to version {self.version} (epoch {self.epoch}): " + ("ok" if self.ok else "FAILED")
+        verdict = "ok" if self.ok else ("REFUSED" if self.refused else "FAILED")
+        head = f"refit {self.refit_id} to version {self.version} (epoch {self.epoch}): " + verdict
         lines = [head + f" in {self.timings.total_s:.2f} s, {self.bytes_sent / 2**20:.1f} MiB sent"]
         if self.sender_error:
             lines.append(f"  sender: {self.sender_error}")

@@ -38,6 +38,10 @@ class SenderPort(Protocol):
 
     async def send(self, refit_id: int, timeout_s: float) -> dict: ...
 
+    async def checksum(self, names: Iterable[str] | None = None) -> str:
+        """Digest of the weights as sent (``refit.checksum``); called between prepare and send, only under ``verify="checksum"``."""
+        ...
+
 
 class LocalSenderPort:
     """``SenderPort`` over a ``WeightSender`` in this process (or a factory that builds one on first use).

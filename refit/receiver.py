@@ -8,15 +8,18 @@ A refit on this rank is ``prepare`` (validate the manifest against the model; no
 byte moves, nothing changes) then ``receive`` (header, buckets, apply, stamp).
 Guarantees:
 
-- a manifest that does not fit the model is refused in ``prepare`` with an error
-  naming the tensor; weights and version stay as they were;
+- a manifest that does not fit the model (name, shape, dtype, an undeclared missing
+  tensor, a torn layer) is refused in ``prepare``: the answer's ``refused`` names the
+  tensors; weights, version and the group stay as they were;
 - ``staged``: every bucket lands in a staging area (reused across refits); weights
   change only in the single apply at the end, so a transfer failure leaves the old
   weights and version intact (``not_started``); only a failing apply reports ``partial``;
 - ``streaming``: buckets land in two reused ring buffers and whole layers are
   applied as soon as they are complete; a failure after the first apply reports
   ``partial`` and the version stamp is not moved;
-- the version is stamped only after a complete apply; every wait has a deadline.
+- the version is stamped only after a complete apply; with ``expect_digest`` (the
+  sender's checksum) only if the digest of what was applied equals it, else the
+  answer is ``partial`` in phase ``verify``; every wait has a deadline.
 
 Results are plain dicts (they cross ``collective_rpc``), never exceptions.
 """
@@ -59,10 +62,11 @@ class ModelAdapter(Protocol):
 
 class _Fault:
     """Deterministic fault injection for tests: before bucket ``at_bucket`` of the next receive is posted,
-    exit the process (``die``) or stop this rank (``freeze``: no later bucket is posted while it sleeps)."""
+    exit the process (``die``) or stop this rank (``freeze``: no later bucket is posted while it sleeps);
+    at the next apply, fail it (``fail_apply``) or change one element of what is applied (``corrupt``)."""
 
     def __init__(self, kind: str, at_bucket: int, freeze_s: float) -> None:
-        if kind not in ("die", "freeze", "fail_apply"):
+        if kind not in ("die", "freeze", "fail_apply", "corrupt"):
             raise RefitUsageError(f"unknown fault {kind!r}")
         self.kind, self.at_bucket, self.freeze_s = kind, at_bucket, freeze_s
 
@@ -84,6 +88,7 @@ class WeightReceiver:
         self.weight_version: int = 0
         self.weights_state = "initial"  # initial | complete | partial
         self._prepared: tuple[int, Manifest, int, str, bool, int] | None = None
+        self._aliases: dict[str, list[str]] = {}  # sent name -> tied names the model also loads
         self._staging: dict[str, torch.Tensor] = {}
         self._ring: dict[tuple[str, int], torch.Tensor] = {}
         self._raw: torch.Tensor | None = None
@@ -137,17 +142,29 @@ class WeightReceiver:
                 raise RefitUsageError(f"apply mode must be one of {APPLY_MODES}, got {mode!r}")
             m = Manifest.from_wire(manifest)
             validate(m, self._expected(), self.model.engine_dtype())
-        except (ManifestError, RefitUsageError) as exc:
+        except ManifestError as exc:  # the update does not fit the model: the sender's fault, nothing changes
+            return {"ok": False, "error": str(exc), "state": NOT_STARTED, "refused": str(exc)}
+        except RefitUsageError as exc:
             return {"ok": False, "error": str(exc), "state": NOT_STARTED}
         if self.group is None or self.group.broken:
             return {"ok": False, "error": "no live refit group on this rank: rebuild the epoch", "state": NOT_STARTED}
         self._prepared = (int(refit_id), m, int(version), mode, bool(checksum), m.digest())
+        spec = self._expected()
+        self._aliases = {}
+        for alias, target in m.aliases:  # only names this model's checkpoint has (a tied model skips them)
+            if spec is not None and alias in spec:
+                self._aliases.setdefault(target, []).append(alias)
         return {"ok": True, "error": None, "state": NOT_STARTED, "bytes": m.total_bytes}
 
     # -- receive ----------------------------------------------------------------------------
-    def receive(self, refit_id: int, timeout_s: float) -> dict:
-        """Receive and apply the prepared update; returns state, bytes, timings, error."""
-        res = {"ok": False, "state": NOT_STARTED, "error": None, "bytes": 0, "recv_s": 0.0, "apply_s": 0.0, "version": self.weight_version}
+    def receive(self, refit_id: int, timeout_s: float, expect_digest: str | None = None) -> dict:
+        """Receive and apply the prepared update; returns state, bytes, timings, error, phase, digest.
+
+        ``expect_digest``: the sender's checksum of the update (needs ``checksum=True`` at
+        prepare); the update counts as complete only if what was applied digests to it.
+        """
+        res = {"ok": False, "state": NOT_STARTED, "error": None, "phase": None, "bytes": 0, "recv_s": 0.0, "apply_s": 0.0,
+               "version": self.weight_version, "digest": None}
         prepared, self._prepared = self._prepared, None
         if prepared is None or prepared[0] != int(refit_id):
             res["error"] = f"receive({refit_id}) without a matching prepare on this rank"
@@ -170,9 +187,11 @@ class WeightReceiver:
             self._on_group_failure()
             res["error"] = str(exc)
         except ApplyError as exc:
-            res["state"] = PARTIAL
+            res["state"], res["phase"] = PARTIAL, "apply"
             res["error"] = str(exc)
         res["recv_s"] = time.monotonic() - t0 - res["apply_s"]
+        if res["state"] == COMPLETE and (want_digest or expect_digest is not None):
+            self._verify(res, expect_digest)
         if res["state"] == PARTIAL:
             self.weights_state = PARTIAL
         elif res["state"] == COMPLETE:
@@ -181,6 +200,13 @@ class WeightReceiver:
             res["ok"] = True
         res["version"] = self.weight_version
         return res
+
+    def _verify(self, res: dict, expect_digest: str | None) -> None:
+        """Record the digest of what was applied; a mismatch with the sender's leaves the engine PARTIAL."""
+        res["digest"] = _checksum.combine(self._applied_digests)
+        if expect_digest is not None and res["digest"] != expect_digest:
+            res["state"], res["phase"] = PARTIAL, "verify"
+            res["error"] = f"checksum mismatch: applied {res['digest']}, sender sent {expect_digest}; the applied weights are not the sender's"
 
     def _on_group_failure(self) -> None:
         if self.group is not None:
@@ -288,9 +314,13 @@ class WeightReceiver:
         if self._fault is not None and self._fault.kind == "fail_apply":
             self._fault = None
             raise ApplyError("injected apply failure")
+        if self._fault is not None and self._fault.kind == "corrupt":
+            self._fault = None
+            weights[0][1].view(-1)[0] += 1
+        tied = [(alias, t) for name, t in weights for alias in self._aliases.get(name, ())]
         t0 = time.monotonic()
         try:
-            self.model.apply(weights)
+            self.model.apply(weights + tied)
         except Exception as exc:  # noqa: BLE001 - the model may fail in any way
             raise ApplyError(f"applying {len(weights)} tensors (first {weights[0][0]!r}) failed: {type(exc).__name__}: {exc}") from None
         finally:

@@ -9,6 +9,13 @@ packing bucket i+1 with the broadcast of bucket i, so packing never adds a full
 serial copy and the sender's memory does not grow from refit to refit. Per-tensor
 sending (the benchmark baseline) broadcasts each tensor on its own, one at a time.
 
+An update carries every weight unless the sender declares a partial one:
+``WeightSender(model, partial=True)`` (whatever the source does not yield is left
+out) or ``WeightSender(model, frozen=["model.embed_tokens.weight", "model.layers.0.*"])``
+(names or ``fnmatch`` patterns never sent). The declaration travels in the manifest;
+engines keep exactly the tensors left out, and refuse an update that leaves out a
+weight it did not declare.
+
 All methods are blocking and meant to run on one thread (``LocalSenderPort`` puts
 them on a dedicated thread). Failures of peers never raise: ``send`` returns a
 result with ``ok=False``, the error, and how far it got; the group is then closed at
@@ -17,6 +24,8 @@ once, which makes receivers still waiting on it fail fast.
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import time
 from collections import deque
 from typing import Callable, Iterable, Mapping
@@ -52,10 +61,21 @@ def _pack(out: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 
 class WeightSender:
-    """Rank 0 of the refit group. ``dtype`` casts floating tensors while packing (to the engines' dtype)."""
+    """Rank 0 of the refit group. ``dtype`` casts floating tensors while packing (to the engines' dtype).
 
-    def __init__(self, source: WeightSource, *, dtype: torch.dtype | None = None, addr: str | None = None, device=None) -> None:
+    ``partial`` / ``frozen`` declare a partial update (see the module docstring); both
+    may be changed between refits (``sender.frozen = (...)``).
+    """
+
+    def __init__(
+        self, source: WeightSource, *, dtype: torch.dtype | None = None, addr: str | None = None, device=None,
+        partial: bool = False, frozen: Iterable[str] = (),
+    ) -> None:
+        if isinstance(frozen, str):
+            raise RefitUsageError(f"frozen must be a collection of names or patterns, got the string {frozen!r}")
         self._source = source
+        self.partial = bool(partial)
+        self.frozen = tuple(frozen)
         self._dtype = dtype
         self._addr = addr or default_address()
         self._device = device
@@ -80,6 +100,10 @@ class WeightSender:
     # -- weights ------------------------------------------------------------------------
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The current weights, one entry per storage (tied tensors are sent once, under their first name)."""
+        return self._collect()[0]
+
+    def _collect(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+        """(weights, {tied name: the name it is sent under}), frozen names left out of both."""
         src = self._source
         if isinstance(src, torch.nn.Module):
             items = list(src.state_dict(keep_vars=False).items())
@@ -89,17 +113,23 @@ class WeightSender:
             items = list(src())
         else:
             raise RefitUsageError(f"weight source must be a Module, a mapping or a callable, got {type(src).__name__}")
-        seen: set[tuple[int, int]] = set()
-        out = []
+        first: dict[tuple, str] = {}
+        out, aliases = [], {}
         for name, t in items:
             if not isinstance(t, torch.Tensor):
                 raise RefitUsageError(f"weight {name!r} is a {type(t).__name__}, not a tensor")
-            key = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else (id(t), 0)
-            if key in seen:
+            if self._is_frozen(name):
                 continue
-            seen.add(key)
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()) if t.numel() else (id(t),)
+            if key in first:
+                aliases[name] = first[key]
+                continue
+            first[key] = name
             out.append((name, t.detach()))
-        return out
+        return out, aliases
+
+    def _is_frozen(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.frozen)
 
     def _wire_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self._dtype if (self._dtype is not None and t.is_floating_point()) else t.dtype
@@ -154,10 +184,14 @@ class WeightSender:
 
         Tensors of at least ``direct_mb`` travel alone, straight from their storage (no packing).
         """
-        tensors = dict(self.named_tensors())
+        items, aliases = self._collect()
+        tensors = dict(items)
         specs = [(n, tuple(t.shape), self._wire_dtype(t)) for n, t in tensors.items()]
         direct = None if direct_mb is None else int(direct_mb * 2**20)
-        manifest = plan_buckets(specs, int(bucket_mb * 2**20), transfer, direct)
+        manifest = dataclasses.replace(
+            plan_buckets(specs, int(bucket_mb * 2**20), transfer, direct),
+            partial=self.partial, frozen=self.frozen, aliases=tuple(sorted(aliases.items())),
+        )
         self._prepared = (int(refit_id), manifest, tensors, manifest.digest())
         return manifest.to_wire()
 

@@ -9,9 +9,14 @@ calls that all settle (``asyncio.gather``) before anything acts on one result:
    the sender and left by old members that are not in the new set (members in the
    new set replace their old group when they join);
 2. prepare: the sender plans the buckets; every receiving worker validates the
-   manifest against its model. A refusal aborts the refit before any byte moves;
+   manifest against its model. A refusal aborts the refit before any byte moves and
+   is typed (``ParticipantResult.refused`` / ``RefitReport.refused``): nothing is torn
+   down, the group stays usable. Under ``verify="checksum"`` the sender digests the
+   weights it will send here (between prepare and send, when they cannot change);
 3. transfer: the sender's broadcast and every receiver's receive-and-apply run
-   together; each receiver reports what it holds now.
+   together; each receiver reports what it holds now. Under ``verify="checksum"`` a
+   receiver is COMPLETE only if the digest of what it applied equals the sender's;
+   a mismatch is PARTIAL in phase "verify" (an engine failure, not a refusal).
 
 Failure guarantees: ``refit`` raises only ``RefitUsageError`` (sender-side misuse:
 bad rank layout, empty participant set). Every participant failure is reported as a
@@ -28,14 +33,15 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Hashable, Mapping
 
 
-from refit.errors import RefitUsageError
+from refit.errors import ManifestError, RefitUsageError
 from refit.group import BACKENDS
-from refit.manifest import TRANSFERS
+from refit.manifest import TRANSFERS, Manifest
 from refit.outcome import Outcome, ParticipantResult, PhaseTimings, RefitReport, describe
 from refit.ports import ReceiverPort, SenderPort
 from refit.receiver import APPLY_MODES, COMPLETE, PARTIAL
 
 SENDER = "sender"
+VERIFY_MODES = ("none", "checksum")
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,12 @@ class RefitConfig:
     apply_timeout_s: float = 120.0  # added to timeout_s for the receive-and-apply call
     rpc_timeout_s: float = 30.0  # short control calls (prepare, leave, close)
     grace_s: float = 5.0  # slack for the RPC path on top of the ranks' own deadlines
-    checksum: bool = False  # receivers digest what they apply (tests; costs a pass over the weights)
+    checksum: bool = False  # receivers digest what they apply, for rlfleet_checksum read-back (costs a pass over the weights)
+    verify: str = "none"  # "checksum": COMPLETE only if an engine's digest of what it applied equals the sender's
+
+    @property
+    def verifies(self) -> bool:
+        return self.verify == "checksum"
 
     def __post_init__(self) -> None:
         checks = [
@@ -60,6 +71,7 @@ class RefitConfig:
             (self.apply_mode in APPLY_MODES, f"apply_mode must be one of {APPLY_MODES}, got {self.apply_mode!r}"),
             (self.transfer in TRANSFERS, f"transfer must be one of {TRANSFERS}, got {self.transfer!r}"),
             (self.bucket_mb > 0, f"bucket_mb must be positive, got {self.bucket_mb}"),
+            (self.verify in VERIFY_MODES, f"verify must be one of {VERIFY_MODES}, got {self.verify!r}"),
         ]
         for name in ("timeout_s", "group_timeout_s", "apply_timeout_s", "rpc_timeout_s", "grace_s"):
             checks.append((getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}"))
@@ -165,13 +177,13 @@ class WeightSynchronizer:
             if failure is not None:
                 return self._aborted(parts, "group", failure, ctx, PhaseTimings(group_s=group_s, total_s=time.monotonic() - t0), rebuilt)
         t1 = time.monotonic()
-        manifest, failure = await self._prepare(parts, refit_id, version)
+        sender_digest, failure = await self._prepare(parts, refit_id, version)
         prepare_s = time.monotonic() - t1
         if failure is not None:
             timings = PhaseTimings(group_s=group_s, prepare_s=prepare_s, total_s=time.monotonic() - t0)
             return self._aborted(parts, "prepare", failure, ctx, timings, rebuilt)
         t2 = time.monotonic()
-        results, sender = await self._transfer(parts, refit_id)
+        results, sender = await self._transfer(parts, refit_id, sender_digest)
         transfer_s = time.monotonic() - t2
         apply_s = max((float(r.detail.get("apply_s", 0.0)) for r in results.values()), default=0.0)
         timings = PhaseTimings(group_s, prepare_s, transfer_s, float(sender.get("send_s", 0.0)), apply_s, time.monotonic() - t0)
@@ -183,7 +195,7 @@ class WeightSynchronizer:
 
     # -- phase 1: group ---------------------------------------------------------------------
     async def _build_group(self, parts: dict, epoch: int, world: int) -> tuple[str | None, dict] | None:
-        """Returns None on success, else (sender error or None, {key: (error, exc)})."""
+        """Returns None on success, else (sender error or None, {key: (error, exc, refused)})."""
         cfg = self.config
         leaving = {k: p for k, p in self._members.items() if k not in parts}
         self._members, self._group_ok, self._epoch = {}, False, None
@@ -205,7 +217,7 @@ class WeightSynchronizer:
         for key, s in settled.items():
             err = s.error(f"join of {describe(key)}", bound) or (_worker_error(_per_worker(s.value)) if s.value is not None else None)
             if err:
-                failures[key] = (err, s.exc)
+                failures[key] = (err, s.exc, None)
         if sender_err or failures:
             await _bounded(self.sender.close_group(), cfg.rpc_timeout_s)
             return (sender_err, failures)
@@ -213,32 +225,55 @@ class WeightSynchronizer:
         return None
 
     # -- phase 2: prepare -------------------------------------------------------------------
-    async def _prepare(self, parts: dict, refit_id: int, version: int):
+    async def _prepare(self, parts: dict, refit_id: int, version: int) -> tuple[str | None, tuple | None]:
+        """Plan, validate on every receiver, and (``verify``) digest on the sender.
+
+        Returns (the sender's digest or None, None) when every receiver accepted, else
+        (None, (sender error or None, {key: (error, exc, refused)})).
+        """
         cfg = self.config
         planned = await _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb), cfg.rpc_timeout_s)
         if planned.value is None:
-            return None, (planned.error("sender prepare", cfg.rpc_timeout_s) or "sender prepare returned nothing", {})
-        kw = {"refit_id": refit_id, "manifest": planned.value, "version": version, "mode": cfg.apply_mode, "checksum": cfg.checksum}
-        settled = await _settle_all({k: p.worker_rpc("rlfleet_prepare", (), kw, cfg.rpc_timeout_s) for k, p in parts.items()}, cfg.rpc_timeout_s + cfg.grace_s)
+            err = planned.error("sender prepare", cfg.rpc_timeout_s) or "sender prepare returned nothing"
+            refused = err if isinstance(planned.exc, ManifestError) else None  # e.g. a dtype that cannot be sent
+            return None, (err, {k: (err, planned.exc, refused) for k in parts} if refused else {})
+        kw = {"refit_id": refit_id, "manifest": planned.value, "version": version, "mode": cfg.apply_mode, "checksum": cfg.checksum or cfg.verifies}
+        prepares = _settle_all({k: p.worker_rpc("rlfleet_prepare", (), kw, cfg.rpc_timeout_s) for k, p in parts.items()}, cfg.rpc_timeout_s + cfg.grace_s)
+        calls = [prepares] + ([_bounded(self._sender_digest(planned.value), cfg.timeout_s)] if cfg.verifies else [])
+        settled, *digested = await asyncio.gather(*calls)
         failures = {}
         for key, s in settled.items():
-            err = s.error(f"prepare of {describe(key)}", cfg.rpc_timeout_s)
+            err, refused = s.error(f"prepare of {describe(key)}", cfg.rpc_timeout_s), None
             if err:
                 self._group_ok = False  # an unreachable member cannot take part in this group's collectives
             else:
-                err = _worker_error(_per_worker(s.value))
+                workers = _per_worker(s.value)
+                err, refused = _worker_error(workers), next((w["refused"] for w in workers if w.get("refused")), None)
             if err:
-                failures[key] = (err, s.exc)
-        return planned.value, ((None, failures) if failures else None)
+                failures[key] = (err, s.exc, refused)
+        if failures:
+            return None, (None, failures)
+        if not digested:
+            return None, None
+        if not isinstance(digested[0].value, str):
+            return None, (digested[0].error("sender checksum", cfg.timeout_s) or f"sender checksum answered {digested[0].value!r}", {})
+        return digested[0].value, None
+
+    async def _sender_digest(self, manifest_wire: dict) -> str:
+        """The sender's checksum of exactly the tensors of this update (after its dtype cast)."""
+        return await self.sender.checksum(Manifest.from_wire(manifest_wire).names)
 
     # -- phase 3: transfer and apply ----------------------------------------------------------
-    async def _transfer(self, parts: dict, refit_id: int) -> tuple[dict, dict]:
+    async def _transfer(self, parts: dict, refit_id: int, sender_digest: str | None) -> tuple[dict, dict]:
         cfg = self.config
         recv_bound = cfg.timeout_s + cfg.apply_timeout_s
         bound = recv_bound + cfg.grace_s
         calls: dict[Hashable, Awaitable] = {SENDER: self.sender.send(refit_id, cfg.timeout_s)}
+        kw: dict[str, Any] = {"refit_id": refit_id, "timeout_s": cfg.timeout_s}
+        if sender_digest is not None:
+            kw["expect_digest"] = sender_digest
         for key, port in parts.items():
-            calls[key] = port.worker_rpc("rlfleet_receive", (), {"refit_id": refit_id, "timeout_s": cfg.timeout_s}, recv_bound)
+            calls[key] = port.worker_rpc("rlfleet_receive", (), kw, recv_bound)
         settled = await _settle_all(calls, bound)
         s = settled.pop(SENDER)
         sender = s.value if isinstance(s.value, dict) else {"ok": False, "error": s.error("sender send", bound) or f"sender answered {s.value!r}"}
@@ -266,11 +301,15 @@ class WeightSynchronizer:
         else:
             outcome = Outcome.NOT_STARTED
         error = _worker_error(workers)
-        phase = None if error is None else ("apply" if any(st == PARTIAL for st in states) else "transfer")
+        phases = [w.get("phase") for w in workers if w.get("phase")]
+        phase = None if error is None else (phases[0] if phases else "apply" if any(st == PARTIAL for st in states) else "transfer")
+        if phase == "verify":
+            error = f"{describe(key)}: {error}"
         detail = {
             "recv_s": max(float(w.get("recv_s", 0.0)) for w in workers),
             "apply_s": max(float(w.get("apply_s", 0.0)) for w in workers),
             "versions": [w.get("version") for w in workers],
+            "digests": [w.get("digest") for w in workers],
         }
         return ParticipantResult(outcome, error, phase, sum(int(w.get("bytes", 0)) for w in workers), None, detail)
 
@@ -280,8 +319,8 @@ class WeightSynchronizer:
         results = {}
         for key in parts:
             if key in failures:
-                err, exc = failures[key]
-                results[key] = ParticipantResult(Outcome.NOT_STARTED, err, phase, 0, exc)
+                err, exc, refused = failures[key]
+                results[key] = ParticipantResult(Outcome.NOT_STARTED, err, phase, 0, exc, refused=refused)
             else:
                 results[key] = ParticipantResult(Outcome.NOT_STARTED, f"refit aborted in {phase} before any weight moved: {first}", phase)
         return RefitReport(ctx["version"], ctx["epoch"], ctx["refit_id"], results, timings, rebuilt, 0, sender_err)

@@ -109,8 +109,8 @@ class RefitWorkerExtension:
     def rlfleet_prepare(self, refit_id: int, manifest: dict, version: int, mode: str = "staged", checksum: bool = False) -> dict:
         return self._rlfleet_receiver().prepare(refit_id, manifest, version, mode, checksum)
 
-    def rlfleet_receive(self, refit_id: int, timeout_s: float) -> dict:
-        res = self._rlfleet_receiver().receive(refit_id, timeout_s)
+    def rlfleet_receive(self, refit_id: int, timeout_s: float, expect_digest: str | None = None) -> dict:
+        res = self._rlfleet_receiver().receive(refit_id, timeout_s, expect_digest)
         self._rlfleet_weight_version = self._rlfleet_receiver().weight_version
         return res
 
@@ -122,5 +122,6 @@ class RefitWorkerExtension:
         return self._rlfleet_receiver().checksum()
 
     def rlfleet_inject_fault(self, kind: str | None, at_bucket: int = 0, freeze_s: float = 3600.0) -> bool:
-        """Tests only: ``die`` (exit the process), ``freeze`` (sleep) at a bucket of the next receive, or ``fail_apply``."""
+        """Tests only: ``die`` (exit the process), ``freeze`` (sleep) at a bucket of the next receive, ``fail_apply``
+        or ``corrupt`` (change one element of what the next apply loads)."""
         return self._rlfleet_receiver().inject_fault(kind, at_bucket, freeze_s)

@@ -7,7 +7,10 @@ round so that machine noise hits every mode alike (medians reported):
 - raw: one already-packed flat float32 buffer of the model's size, one broadcast
   with the same backend into a reused buffer on every engine (the transport ceiling);
 - bucketed / per_tensor: a full refit through ``WeightSynchronizer`` (validation,
-  header, transfer, apply through ``reload_weights``), inside pause ... resume.
+  header, transfer, apply through ``reload_weights``), inside pause ... resume;
+- bucketed_verify: bucketed with ``verify="checksum"`` (the sender and every engine
+  digest the update; an engine is complete only if the digests agree). Its cost is
+  ``verify_checksum_overhead`` in the JSON line: refit time with / without, same run.
 
 Reported per mode: the sender's broadcast time and payload MB/s (model bytes / send
 time; with 2 engines the wire carries twice that), the transfer call (receive +
@@ -95,7 +98,11 @@ async def bench_preset(preset: str, args, counter) -> dict:
         await asyncio.gather(*(ray_io.call_async(h, "start") for h in shards))
         base = RefitConfig(timeout_s=args.timeout_s, apply_timeout_s=args.timeout_s, bucket_mb=args.bucket_mb, direct_mb=args.direct_mb)
         sync = WeightSynchronizer(ray_io.ActorSenderPort(trainer), base)
-        configs = {"bucketed": base, "per_tensor": dataclasses.replace(base, transfer="per_tensor")}
+        configs = {
+            "bucketed": base,
+            "per_tensor": dataclasses.replace(base, transfer="per_tensor"),
+            "bucketed_verify": dataclasses.replace(base, verify="checksum"),
+        }
         for n in (int(x) for x in args.engines.split(",")):
             members = shards[:n]
             parts = {Participant(i, 1, (i + 1,)): ray_io.ShardReceiverPort(h) for i, h in enumerate(members)}
@@ -148,7 +155,7 @@ def table(results: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in results:
         for n, e in r["engines"].items():
-            for mode in ("raw", "bucketed", "per_tensor"):
+            for mode in ("raw", "bucketed", "bucketed_verify", "per_tensor"):
                 m = e["modes"][mode]
                 xfer = f"{m['transfer_s'] * 1000:.0f}" if "transfer_s" in m else "-"
                 app = f"{m['apply_s'] * 1000:.0f}" if "apply_s" in m else "-"
@@ -191,6 +198,11 @@ async def main_async(args) -> dict:
             summary[f"refit_s_{preset}_{n}_engines"] = round(e["modes"]["bucketed"]["e2e_s"], 3)
             summary[f"bucketed_mb_per_s_{preset}_{n}_engines"] = round(e["modes"]["bucketed"]["mb_per_s"], 1)
     summary["refit_s_100m_2_engines"] = summary.get(f"refit_s_100m_{n2}_engines")
+    verify_preset = "100m" if "100m" in by else next(iter(by))
+    e = by[verify_preset][n2]["modes"]
+    summary["verify_checksum_overhead"] = round(e["bucketed_verify"]["e2e_s"] / e["bucketed"]["e2e_s"], 3)
+    summary["verify_checksum_added_s"] = round(e["bucketed_verify"]["e2e_s"] - e["bucketed"]["e2e_s"], 3)
+    summary["verify_checksum_preset"] = f"{verify_preset}, {n2} engine(s)"
     growth = [e["rss_growth_mb"] for p in by.values() for e in p.values()]
     summary["worker_rss_growth_mb_1_to_20"] = round(max(growth), 1) if growth else None
     summary["bucket_mb"] = args.bucket_mb

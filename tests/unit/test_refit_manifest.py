@@ -1,7 +1,8 @@
-"""Pure tests of the refit manifest: bucket layout invariants, wire round trip, validation messages."""
+"""Pure tests of the refit manifest: bucket layout invariants, wire round trip, refusal messages, declared partial updates."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refit.errors import ManifestError
-from refit.manifest import Manifest, dtype_size, layer_group, plan_buckets, validate
+from refit.manifest import MAX_SHOWN, Manifest, dtype_size, layer_group, plan_buckets, validate
 
 SPEC = {
     "model.embed_tokens.weight": ((16, 8), "float32"),
@@ -75,34 +76,86 @@ def test_validate_accepts_full_update():
     validate(plan_buckets(_specs(), 1024), SPEC, "float32")
 
 
+def refused(specs, spec=SPEC, **declared) -> str:
+    """The refusal message of an update of ``specs`` (with the sender's declarations) against ``spec``."""
+    m = dataclasses.replace(plan_buckets(specs, 1024), **declared)
+    with pytest.raises(ManifestError) as err:
+        validate(Manifest.from_wire(m.to_wire()), spec, "float32")  # the receiver sees the wire form
+    return str(err.value)
+
+
 def test_validate_names_unknown_tensor_with_hint():
     specs = _specs() + [("model.layers.0.self_attn.q_projj.weight", (8, 8), "float32")]
-    with pytest.raises(ManifestError, match=r"'model\.layers\.0\.self_attn\.q_projj\.weight' is not a weight.*closest.*q_proj\.weight"):
-        validate(plan_buckets(specs, 1024), SPEC, "float32")
+    assert refused(specs) == "tensor model.layers.0.self_attn.q_projj.weight: not a weight of this model (closest: model.layers.0.self_attn.q_proj.weight)"
 
 
 def test_validate_names_wrong_shape():
-    spec = dict(SPEC)
-    specs = [(n, (8, 9) if n == "model.layers.1.self_attn.q_proj.weight" else s, d) for n, (s, d) in spec.items()]
-    with pytest.raises(ManifestError, match=r"'model\.layers\.1\.self_attn\.q_proj\.weight' has shape \[8, 9\] in the update but \[8, 8\]"):
-        validate(plan_buckets(specs, 1024), SPEC, "float32")
+    specs = [(n, (3, 3) if n == "model.layers.1.self_attn.q_proj.weight" else s, d) for n, (s, d) in SPEC.items()]
+    assert refused(specs) == "tensor model.layers.1.self_attn.q_proj.weight: shape (3, 3), engine expects (8, 8)"
 
 
 def test_validate_names_wrong_dtype():
     specs = [(n, s, "bfloat16" if n == "model.norm.weight" else d) for n, (s, d) in SPEC.items()]
-    with pytest.raises(ManifestError, match=r"'model\.norm\.weight' has dtype bfloat16 in the update but the engine runs float32"):
-        validate(plan_buckets(specs, 1024), SPEC, "float32")
+    assert refused(specs).startswith("tensor model.norm.weight: dtype bfloat16, engine expects float32")
+    ints = {**SPEC, "model.step": ((1,), "int64")}
+    assert refused(_specs(ints)[:-1] + [("model.step", (1,), "int32")], ints) == "tensor model.step: dtype int32, engine expects int64"
+
+
+def test_validate_names_every_bad_tensor_up_to_a_limit():
+    specs = [(n, (2, 2), d) for n, (s, d) in SPEC.items()]
+    msg = refused(specs)
+    assert msg.count("engine expects") == len(SPEC) and "model.embed_tokens.weight: shape (2, 2), engine expects (16, 8)" in msg
+
+
+def test_validate_refuses_a_missing_tensor():
+    specs = [s for s in _specs() if s[0] != "model.norm.weight"]
+    assert refused(specs).startswith("missing tensors: model.norm.weight; an update carries every weight")
+
+
+def test_validate_refuses_a_missing_layer_naming_it_once():
+    spec = {**SPEC, "model.layers.1.input_layernorm.weight": ((8,), "float32")}
+    specs = [s for s in _specs(spec) if not s[0].startswith("model.layers.1.")]
+    msg = refused(specs, spec)
+    assert msg.startswith("missing tensors: model.layers.1.* (2 tensors); ") and "WeightSender(partial=True)" in msg
 
 
 def test_validate_refuses_half_a_layer():
     specs = [s for s in _specs() if s[0] != "model.layers.0.self_attn.k_proj.weight"]
-    with pytest.raises(ManifestError, match=r"touches 'model\.layers\.0' but lacks .*k_proj"):
-        validate(plan_buckets(specs, 1024), SPEC, "float32")
+    assert refused(specs).startswith("missing tensors: model.layers.0.self_attn.k_proj.weight;")
+    # declared partial, a torn layer is still refused: vLLM would half-load the fused qkv_proj
+    msg = refused(specs, partial=True)
+    assert msg.startswith("update touches model.layers.0 but leaves out model.layers.0.self_attn.k_proj.weight; a decoder layer is sent whole")
 
 
-def test_validate_accepts_whole_layer_subset():
+def test_validate_accepts_a_declared_partial_update_of_whole_layers():
     specs = [s for s in _specs() if s[0].startswith("model.layers.1.") or s[0] == "model.norm.weight"]
-    validate(plan_buckets(specs, 1024), SPEC, "float32")
+    m = dataclasses.replace(plan_buckets(specs, 1024), partial=True)
+    validate(Manifest.from_wire(m.to_wire()), SPEC, "float32")
+
+
+def test_validate_accepts_frozen_names_and_patterns_only():
+    frozen = ("model.embed_tokens.weight", "model.layers.0.*")
+    specs = [s for s in _specs() if not (s[0] == "model.embed_tokens.weight" or s[0].startswith("model.layers.0."))]
+    m = dataclasses.replace(plan_buckets(specs, 1024), frozen=frozen)
+    validate(Manifest.from_wire(m.to_wire()), SPEC, "float32")
+    assert m.leaves_out("model.layers.0.self_attn.q_proj.weight") and not m.leaves_out("model.norm.weight")
+    without_norm = [s for s in specs if s[0] != "model.norm.weight"]
+    assert refused(without_norm, frozen=frozen).startswith("missing tensors: model.norm.weight;")
+
+
+def test_validate_counts_tied_aliases_and_ignores_buffers_vllm_does_not_load():
+    spec = {**SPEC, "lm_head.weight": ((16, 8), "float32"), "model.layers.1.self_attn.rotary_emb.inv_freq": ((4,), "float32")}
+    m = dataclasses.replace(plan_buckets(_specs(), 1024), aliases=(("lm_head.weight", "model.embed_tokens.weight"),))
+    validate(Manifest.from_wire(m.to_wire()), spec, "float32")
+    assert refused(_specs(), spec).startswith("missing tensors: lm_head.weight;")
+    with pytest.raises(ManifestError, match="alias"):
+        dataclasses.replace(m, aliases=(("lm_head.weight", "nowhere"),)).check_layout()
+
+
+def test_validate_shows_a_bounded_list_of_missing_names():
+    spec = {f"model.blocks.{i}.weight": ((2,), "float32") for i in range(20)}
+    msg = refused([("model.blocks.0.weight", (2,), "float32")], spec)
+    assert msg.count("model.blocks.") == MAX_SHOWN and "(13 more)" in msg
 
 
 def test_layer_group():

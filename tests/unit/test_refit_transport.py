@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -175,32 +176,120 @@ def test_refit_moves_weights_and_stamps_version(mode, transfer, bucket_mb):
     run(sync.close())
 
 
+def _drop(prefix: str):
+    return lambda t: [t.pop(n) for n in [n for n in t if n.startswith(prefix)]]
+
+
 @pytest.mark.parametrize(
     "mutate,match",
     [
-        (lambda t: t.update({"model.layers.1.mlp.up_projj.weight": t.pop("model.layers.1.mlp.up_proj.weight")}), r"'model\.layers\.1\.mlp\.up_projj\.weight' is not a weight"),
-        (lambda t: t.update({"model.norm.weight": torch.zeros(17)}), r"'model\.norm\.weight' has shape \[17\] in the update but \[16\]"),
-        (lambda t: t.update({"lm_head.weight": torch.zeros(32, 16, dtype=torch.float64)}), r"'lm_head\.weight' has dtype float64 .* engine runs float32"),
+        (lambda t: t.update({"model.layers.1.mlp.up_projj.weight": t.pop("model.layers.1.mlp.up_proj.weight")}),
+         r"^tensor model\.layers\.1\.mlp\.up_projj\.weight: not a weight of this model \(closest: model\.layers\.1\.mlp\.up_proj\.weight\)$"),
+        (lambda t: t.update({"model.norm.weight": torch.zeros(17)}), r"^tensor model\.norm\.weight: shape \(17,\), engine expects \(16,\)$"),
+        (lambda t: t.update({"lm_head.weight": torch.zeros(32, 16, dtype=torch.float64)}), r"^tensor lm_head\.weight: dtype float64, engine expects float32"),
+        (_drop("model.layers.1.mlp.up_proj."), r"^missing tensors: model\.layers\.1\.mlp\.up_proj\.weight; .*WeightSender\(partial=True\)"),
+        (_drop("model.layers.2."), r"^missing tensors: model\.layers\.2\.\* \(6 tensors\); "),
     ],
-    ids=["name", "shape", "dtype"],
+    ids=["name", "shape", "dtype", "missing_tensor", "missing_layer"],
 )
 def test_bad_update_is_refused_before_anything_changes(mutate, match):
     old, new = model_tensors(0), model_tensors(1)
     mutate(new)
-    a = ThreadEngine(old)
-    _, sync = sync_for(new)
-    part = Participant(0, 1, (1,))
-    report = run(sync.refit({part: a}, version=3, epoch=1))
-    assert not report.ok
-    res = report.results[part]
-    assert res.outcome is Outcome.NOT_STARTED and res.phase == "prepare" and res.bytes_moved == 0
-    assert pytest.approx(0) == report.bytes_sent
-    import re
-
-    assert re.search(match, res.error), res.error
-    assert_holds(a, old)
-    assert a.workers[0].model.apply_calls == [] and a.workers[0].rlfleet_worker_info()["weight_version"] == 0
+    a, b = ThreadEngine(old), ThreadEngine(old, workers=2)
+    sender, sync = sync_for(new)
+    parts = {Participant(0, 1, (1,)): a, Participant(1, 1, (2, 3)): b}
+    report = run(sync.refit(parts, version=3, epoch=1))
+    print(report.summary())
+    assert not report.ok and report.refused and re.search(match, report.refused), report.refused
+    assert report.bytes_sent == 0 and report.sender_error is None and "REFUSED" in report.summary()
+    for res in report.results.values():
+        assert res.outcome is Outcome.NOT_STARTED and res.phase == "prepare" and res.bytes_moved == 0
+        assert res.refused == report.refused and report.refused in res.error
+    for eng in (a, b):
+        assert_holds(eng, old)
+        for w in eng.workers:
+            assert w.model.apply_calls == [] and w.rlfleet_worker_info()["weight_version"] == 0
+    # nothing was torn down: the same epoch's group carries the next, good update
+    sender._source = lambda: list(model_tensors(1).items())
+    report = run(sync.refit(parts, version=4, epoch=1))
+    assert report.ok and not report.group_rebuilt, report.summary()
+    assert_holds(a, model_tensors(1))
     run(sync.close())
+
+
+def test_an_update_the_sender_cannot_plan_is_refused_too():
+    new = {**model_tensors(1), "model.extra": torch.zeros(2, dtype=torch.complex64)}
+    a = ThreadEngine(model_tensors(0))
+    _, sync = sync_for(new)
+    report = run(sync.refit({Participant(0, 1, (1,)): a}, 1, epoch=1))
+    assert report.refused and "complex64" in report.refused and report.bytes_sent == 0, report.summary()
+    assert a.workers[0].rlfleet_worker_info()["weight_version"] == 0
+    run(sync.close())
+
+
+def test_tied_weights_travel_once_and_load_under_every_name_the_checkpoint_has():
+    new = model_tensors(1)
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]  # tied, as in a tied-embedding trainer
+    a = ThreadEngine(model_tensors(0))
+    _, sync = sync_for(new, verify="checksum")
+    report = run(sync.refit({Participant(0, 1, (1,)): a}, 1, epoch=1))
+    assert report.ok, report.summary()
+    assert report.bytes_sent == sum(t.numel() * 4 for n, t in new.items() if n != "lm_head.weight")
+    assert_holds(a, new)
+    run(sync.close())
+
+
+@pytest.mark.parametrize("declare", ["partial", "frozen"])
+def test_declared_partial_update_keeps_exactly_what_it_leaves_out(declare):
+    old, new = model_tensors(0), model_tensors(1)
+    left_out = {n for n in new if n.startswith("model.layers.1.") or n == "model.embed_tokens.weight"}
+    if declare == "partial":
+        source = {n: t for n, t in new.items() if n not in left_out}
+        sender = WeightSender(lambda: list(source.items()), addr="127.0.0.1", partial=True)
+    else:  # the source yields everything; the sender leaves the frozen names out
+        sender = WeightSender(new, addr="127.0.0.1", frozen=["model.embed_tokens.weight", "model.layers.1.*"])
+    sync = WeightSynchronizer(LocalSenderPort(sender), RefitConfig(timeout_s=10, apply_mode="streaming", bucket_mb=0.004, verify="checksum"))
+    a = ThreadEngine(old)
+    report = run(sync.refit({Participant(0, 1, (1,)): a}, 5, epoch=1))
+    assert report.ok and report.refused is None, report.summary()
+    assert report.bytes_sent == sum(t.numel() * 4 for n, t in new.items() if n not in left_out)
+    assert_holds(a, {n: (old if n in left_out else new)[n] for n in new})
+    assert not any(n in left_out for call in a.workers[0].model.apply_calls for n in call)
+    assert a.workers[0].rlfleet_worker_info()["weight_version"] == 5
+    # declared partial, a torn layer is still refused: the engines would half-load a fused parameter
+    sender.frozen = ("model.layers.0.self_attn.k_proj.weight",)
+    sender.partial = False
+    sender._source = new
+    report = run(sync.refit({Participant(0, 1, (1,)): a}, 6, epoch=1))
+    assert report.refused and report.refused.startswith("update touches model.layers.0 but leaves out model.layers.0.self_attn.k_proj.weight"), report.refused
+    assert a.workers[0].rlfleet_worker_info()["weight_version"] == 5
+    run(sync.close())
+
+
+@pytest.mark.parametrize("mode", ["staged", "streaming"])
+def test_checksum_verification_completes_on_a_match_and_fails_a_corrupted_apply(mode):
+    new = model_tensors(1)
+    a, b = ThreadEngine(model_tensors(0)), ThreadEngine(model_tensors(0), workers=2)
+    sender, sync = sync_for(new, verify="checksum", apply_mode=mode, bucket_mb=0.004)
+    pa, pb = Participant(0, 1, (1,)), Participant(1, 1, (2, 3))
+    report = run(sync.refit({pa: a, pb: b}, 1, epoch=1))
+    assert report.ok, report.summary()
+    want = sender.checksum()
+    assert all(r.detail["digests"] == [want] * len(r.detail["digests"]) for r in report.results.values())
+    new.update(model_tensors(2))
+    b.workers[1].rlfleet_inject_fault("corrupt")
+    report = run(sync.refit({pa: a, pb: b}, 2, epoch=1))
+    print(report.summary())
+    assert not report.ok and report.refused is None
+    assert report.results[pa].outcome is Outcome.COMPLETE
+    rb = report.results[pb]
+    assert rb.outcome is Outcome.PARTIAL and rb.phase == "verify" and rb.refused is None
+    assert rb.error.startswith("slot 1 (incarnation 1): worker 1: checksum mismatch: applied ") and f"sender sent {sender.checksum()}" in rb.error
+    info = b.workers[1].rlfleet_worker_info()
+    assert (info["weight_version"], info["weights_state"]) == (1, "partial")
+    run(sync.close())
+    with pytest.raises(RefitUsageError, match="verify must be one of"):
+        RefitConfig(verify="md5")
 
 
 def test_freeze_mid_transfer_fails_survivors_within_timeout_then_new_epoch_refits_them():
