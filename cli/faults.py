@@ -1,9 +1,11 @@
 """``rlfleet faults run``: run one fault plan or the whole matrix on a local Ray with real engines.
 
-Prints one row per variant (expected vs observed outcome, time from fault to the
-gate reopening, prompts accepted/completed/returned/lost, wrong version tags) and,
-last, one JSON object with ``variants``, ``passed``, ``prompts_lost`` and
-``wrong_version_tags``. Exits non-zero if any variant missed its expected outcome.
+Prints one row per variant (expected vs observed outcome, the faults that went off
+as slot/incarnation point:action, seconds from each firing to the gate reopening,
+prompts accepted/completed/returned/lost, wrong version tags) and, last, one JSON
+object with ``variants``, ``passed``, ``prompts_lost``, ``wrong_version_tags``,
+``failed`` and ``per_variant`` (each variant's verdict, fault -> reopen seconds and
+the faults it fired). Exits non-zero if any variant failed.
 """
 
 from __future__ import annotations
@@ -28,12 +30,24 @@ def register(sub) -> None:
     run.set_defaults(func=_cmd_run)
 
 
+FAULT_KEYS = ("slot", "incarnation", "point", "action", "fault_to_reopen_s")
+
+
+def _fault_cells(r: dict) -> dict:
+    """The table's cells for the faults a row fired: ``s1/i1 step_boundary:kill`` and each one's fault -> reopen."""
+    faults = r.get("faults") or []
+    fired = ", ".join(f"s{f['slot']}/i{f['incarnation']} {f['point']}:{f['action']}" for f in faults)
+    reopen = [r["fault_to_reopen_s"]] if not faults else [f["fault_to_reopen_s"] for f in faults]
+    return {"fired": fired or "none", "fault_to_reopen_s": " / ".join("-" if s is None else str(s) for s in reopen)}
+
+
 def _table(rows: list[dict]) -> str:
-    cols = ["variant", "expected", "observed", "fault_to_reopen_s", "accepted", "completed", "returned", "lost",
-            "wrong_version_tags", "passed"]
-    head = ["variant", "expected", "observed", "fault->reopen s", "accepted", "completed", "returned", "lost",
-            "wrong tags", "result"]
-    cells = [[("PASS" if r[c] else "FAIL") if c == "passed" else ("-" if r[c] is None else str(r[c])) for c in cols] for r in rows]
+    cols = ["variant", "expected", "observed", "fired", "fault_to_reopen_s", "accepted", "completed", "returned",
+            "lost", "wrong_version_tags", "passed"]
+    head = ["variant", "expected", "observed", "fault fired (slot/inc point:action)", "fault->reopen s", "accepted",
+            "completed", "returned", "lost", "wrong tags", "result"]
+    cells = [[("PASS" if r[c] else "FAIL") if c == "passed" else ("-" if r[c] is None else str(r[c])) for c in cols]
+             for r in ({**r, **_fault_cells(r)} for r in rows)]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
     line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(c) for c in cells])
@@ -76,6 +90,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "prompts_lost": sum(r["lost"] for r in rows),
         "wrong_version_tags": sum(r["wrong_version_tags"] for r in rows),
         "failed": [r["variant"] for r in rows if not r["passed"]],
+        "per_variant": {
+            r["variant"]: {"passed": r["passed"], "fault_to_reopen_s": r["fault_to_reopen_s"],
+                           "faults": [{k: f[k] for k in FAULT_KEYS} for f in r.get("faults", [])]}
+            for r in rows
+        },
     }
     if args.json_out:
         args.json_out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))

@@ -26,6 +26,11 @@ POINT_OF = {"pause": "pause", "transfer": "transfer", "resume": "resume", "gener
 UP = ("healthy", "stale")
 
 
+def hook_point(where: str, what: str) -> str:
+    """Where a firing goes off: ``step_boundary`` for the controller's own kill, else the shard's hook point."""
+    return "step_boundary" if (where, what) == ("step_boundary", "kill") else POINT_OF[where]
+
+
 def slot_states(status: dict) -> dict[int, str]:
     """Each slot's health state in a ``Fleet.status()``."""
     return {s["slot"]: s["state"] for s in status["ledger"]["slots"]}
@@ -45,7 +50,8 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, poll_s: float 
 class FaultFiring:
     """Fires ``firings`` on ``fleet`` when the caller's loop reaches their step; keeps a record of what fired.
 
-    ``fired``: one dict per firing done (the ``Firing``'s fields and ``t``, seconds since ``t0``).
+    ``fired``: one dict per firing done (the ``Firing``'s fields and ``t``, seconds since ``t0``): killed,
+    or armed. An armed fault goes off later, if ever; ``faults.evidence.prove`` tells from the records.
     """
 
     def __init__(self, fleet, firings: Iterable[Firing] = (), log: Callable[[str], object] | None = None,
@@ -73,7 +79,7 @@ class FaultFiring:
         return due
 
     def fire(self, f: Firing) -> None:
-        if f.where == "step_boundary" and f.what == "kill":
+        if hook_point(f.where, f.what) == "step_boundary":
             if not wait_until(lambda: slot_states(self.fleet.status()).get(f.slot) in UP, self.up_timeout_s) and self.log:
                 self.log(f"gave up waiting for slot {f.slot} up before the kill after {self.up_timeout_s:.0f} s")
             self.fleet.kill_shard(f.slot)

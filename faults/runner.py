@@ -4,10 +4,13 @@ The loop, per step: new weights on the source, a batch of generation groups in
 flight, the step's faults fired (``faults.firing``: a kill now, or a fault armed
 at a hook point), then ``sync_weights``. Afterwards the runner collects every
 result, checks the DESIGN invariants on the event log, and the variant's own
-checks (evicted, readmitted, retired); the time from the fault to the gate
-reopening is ``faults.timeline.fault_to_reopen``. A variant passes only if the
-observed outcome is the expected one, no prompt was lost, no sample carried a
-wrong version tag, and every invariant held.
+checks (evicted, readmitted, retired), and ``judge`` proves from the records
+that each fault went off on its slot and incarnation and did what it should
+(``faults.evidence``: the shards' fault journal, a file this runner names in the
+engine config, and the event log); fault -> reopen is measured from the firing.
+A variant passes only if the observed outcome is the expected one, every fault
+it fired went off and was followed by its health transition, no prompt was lost,
+no sample carried a wrong version tag, and every invariant held.
 
 Fleets are reused across consecutive variants that expect to recover and share a
 fleet config (the runner heals the fleet in between: restarts done, every slot
@@ -16,13 +19,16 @@ serving); a variant that stops gets its own fleet.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from faults import invariants
+from faults.evidence import prove
 from faults.firing import FaultFiring, slot_states, wait_until
-from faults.timeline import fault_to_reopen
+from faults.timeline import read_log
 from fleet import ray_io
 from fleet.api import Fleet
 from fleet.errors import FleetStopped
@@ -40,7 +46,8 @@ class VariantReport:
     expected: str
     observed: str = "error"
     passed: bool = False
-    fault_to_reopen_s: float | None = None
+    fault_to_reopen_s: float | None = None  # from the first firing
+    faults: list[dict] = field(default_factory=list)  # one evidence row per fault that went off (faults.evidence)
     accepted: int = 0
     completed: int = 0
     returned: int = 0
@@ -54,10 +61,22 @@ class VariantReport:
         return asdict(self)
 
 
+def judge(rep: VariantReport, done: list[dict], events: list[dict], journal: list[dict]) -> VariantReport:
+    """The verdict on a variant, from its records: ``done`` (``FaultFiring.fired``), the event log since the
+    variant began, and the fault journal's lines since then. A fault that did not go off, or did nothing, fails it."""
+    rep.faults, problems = prove(done, events, journal)
+    rep.violations += problems
+    rep.fault_to_reopen_s = rep.faults[0]["fault_to_reopen_s"] if rep.faults else None
+    rep.passed = rep.observed == rep.expected and rep.lost == 0 and rep.wrong_version_tags == 0 and not rep.violations
+    return rep
+
+
 class FaultRunner:
     def __init__(self, model_dir: str, engine: dict | None = None, groups: int = 4, n: int = 2, log: Callable = print) -> None:
         self.model_dir = model_dir
-        self.engine = {"model": model_dir, "kv_cache_memory_bytes": 32 << 20, **(engine or {})}
+        self._journal_dir = tempfile.mkdtemp(prefix="rlfleet-faults-")
+        self.journal = f"{self._journal_dir}/fired.jsonl"  # every shard appends the faults that go off
+        self.engine = {"model": model_dir, "kv_cache_memory_bytes": 32 << 20, "fault_journal": self.journal, **(engine or {})}
         self.groups, self.n = groups, n
         self.log = log
         self._fleet: Fleet | None = None
@@ -94,6 +113,11 @@ class FaultRunner:
         if self._source is not None:
             ray_io.kill(self._source)
             self._source = None
+        shutil.rmtree(self._journal_dir, ignore_errors=True)
+
+    def journal_since(self, t: float) -> list[dict]:
+        """The fault journal's lines written at or after monotonic time ``t``."""
+        return [r for r in read_log(self.journal) if r["t"] >= t]
 
     def say(self, message: str) -> None:
         """One line of the run's log, marked as the fault runner's."""
@@ -140,6 +164,7 @@ class FaultRunner:
     def _run_steps(self, fleet: Fleet, plan: FaultPlan, variant: Variant, rep: VariantReport) -> None:
         mark = len(fleet.events())
         before = fleet.status()["requests"]
+        t0 = time.monotonic()
         firing = FaultFiring(fleet, resolve(plan, self._config(plan)["num_engines"]), log=self.say)
         stopped: str | None = None
         pending: list = []
@@ -156,8 +181,8 @@ class FaultRunner:
         if stopped:
             rep.notes.append(f"stopped: {stopped[:300]}")
         self._extra_checks(fleet, variant, rep)
-        self._account(fleet, before, mark, results, rep)
-        rep.passed = rep.observed == rep.expected and rep.lost == 0 and rep.wrong_version_tags == 0 and not rep.violations
+        events = self._account(fleet, before, mark, results, rep)
+        judge(rep, firing.fired, events[mark:], self.journal_since(t0))
 
     def _extra_checks(self, fleet: Fleet, variant: Variant, rep: VariantReport) -> None:
         for check in variant.checks:
@@ -181,7 +206,8 @@ class FaultRunner:
         groups = fleet.generate([PROMPT] * 6, n=1, sampling={"max_tokens": 4})
         return inc > 1 and any(r.ok and (r.result.slot, r.result.incarnation) == (slot, inc) for g in groups for r in g)
 
-    def _account(self, fleet: Fleet, before: dict, mark: int, results: list, rep: VariantReport) -> None:
+    def _account(self, fleet: Fleet, before: dict, mark: int, results: list, rep: VariantReport) -> list[dict]:
+        """Requests, version tags and invariants since ``mark``; returns the whole event log."""
         after = fleet.status()["requests"]
         rep.accepted = after["accepted"] - before["accepted"]
         rep.completed = after["completed"] - before["completed"]
@@ -195,7 +221,7 @@ class FaultRunner:
         rep.violations += invariants.requests_accounted(new) + invariants.phases_within_deadline(
             new, fleet.config.lifecycle_deadline_s, slack_s=fleet.config.probe_timeout_s + 2.0
         ) + invariants.gate_closed_after_stop(new)
-        rep.fault_to_reopen_s = fault_to_reopen(new)
+        return events
 
 
 def run_variants(model_dir: str, variants: list[Variant], log: Callable = print, **kw: Any) -> list[VariantReport]:

@@ -7,10 +7,13 @@ returns numbers; ``percentile`` is the one percentile helper of the project.
 
 Definitions:
 
-- a *departure*: a ``health`` record in which a slot leaves ``healthy`` for
-  ``dead``, ``suspect``, ``hung`` or ``stale`` (a fault hit it: it died, stopped
-  answering, or missed a refit's weights);
-- *time to reopen*: from a record to the next gate opening after it in log order;
+- a *firing*: a record of a fault going off, with ``t`` on the event log's clock
+  (the fault journal's line, or the controller's ``fault`` record of a
+  step-boundary kill; ``faults.evidence`` pairs them with the plan);
+- a *departure*: the first ``health`` record after a firing in which the
+  incarnation it hit enters a state the fault leads to (``dead``, ``hung``, ...).
+  Not any ``healthy -> stale``: every refit that lands passes through ``stale``;
+- *fault to reopen*: from a firing to the next gate opening after it;
 - *recovered*: after a departure of (slot, incarnation), a stamp that includes a
   newer incarnation of the slot, or that same incarnation healthy again;
 - a *re-admission*: a restarted incarnation's first stamp (it received committed
@@ -26,9 +29,8 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, Sequence
 
-LEFT_SERVING = ("dead", "suspect", "hung", "stale")
 REFIT_PHASES = ("close", "staleness", "reconcile", "pause", "transfer", "stamp", "resume", "reopen")
 # The controller's own ``stopped`` record when it is shut down on purpose (not a failure).
 SHUTDOWN_REASON = "controller shut down"
@@ -68,26 +70,34 @@ def read_log(path: str | Path) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------- faults and recovery
-def is_departure(e: dict) -> bool:
-    return e["kind"] == "health" and e["before"] == "healthy" and e["after"] in LEFT_SERVING
-
-
 def reopen_s(events: Sequence[dict], i: int) -> float | None:
     """Seconds from ``events[i]`` to the next gate opening after it (None if the gate never opened again)."""
     t_open = next((x["t"] for x in events[i + 1:] if x["kind"] == "gate" and x["open"]), None)
     return None if t_open is None else t_open - events[i]["t"]
 
 
-def fault_to_reopen(events: Sequence[dict]) -> float | None:
-    """Seconds from the first sign of a fault (a departure) to the next gate opening, rounded to ms.
+def fault_to_reopen(events: Sequence[dict], fired: dict) -> float | None:
+    """Seconds from a firing (a record with ``t``) to the next gate opening after it, rounded to ms.
 
-    None without a departure, and when the fleet stopped first (the gate stays closed after a stop).
+    None when the gate never opened again, and when the fleet stopped first (the gate stays closed after a stop).
     """
-    i = next((i for i, e in enumerate(events) if is_departure(e) or e["kind"] == "stopped"), None)
-    if i is None or events[i]["kind"] == "stopped":
-        return None
-    s = reopen_s(events, i)
-    return None if s is None else round(s, 3)
+    for e in events:
+        if e["t"] < fired["t"]:
+            continue
+        if e["kind"] == "stopped":
+            return None
+        if e["kind"] == "gate" and e["open"]:
+            return round(e["t"] - fired["t"], 3)
+    return None
+
+
+def departure(events: Iterable[dict], slot: int, incarnation: int, since_t: float, states: Sequence[str]) -> dict | None:
+    """The first ``health`` record at or after ``since_t`` in which (slot, incarnation) entered one of ``states``."""
+    return next(
+        (e for e in events if e["kind"] == "health" and e["t"] >= since_t and e["slot"] == slot
+         and e["incarnation"] == incarnation and e["after"] in states and e["before"] != e["after"]),
+        None,
+    )
 
 
 def _serves_again(x: dict, slot: int, incarnation: int) -> bool:
@@ -97,29 +107,11 @@ def _serves_again(x: dict, slot: int, incarnation: int) -> bool:
     return x["kind"] == "health" and x["slot"] == slot and x["incarnation"] == incarnation and x["after"] == "healthy"
 
 
-class Recoveries(NamedTuple):
-    """Per departure: seconds until the slot served again, seconds until the gate reopened; departures never recovered."""
-
-    recover: list[float]
-    reopen: list[float]
-    unrecovered: int
-
-
-def recovery_times(events: Sequence[dict]) -> Recoveries:
-    """Time to recover and time to reopen of every departure, and how many never recovered."""
-    recover, reopen, unrecovered = [], [], 0
-    for i, e in enumerate(events):
-        if not is_departure(e):
-            continue
-        back = next((x["t"] for x in events[i + 1:] if _serves_again(x, e["slot"], e["incarnation"])), None)
-        if back is None:
-            unrecovered += 1
-        else:
-            recover.append(back - e["t"])
-        opened = reopen_s(events, i)
-        if opened is not None:
-            reopen.append(opened)
-    return Recoveries(recover, reopen, unrecovered)
+def recover_s(events: Iterable[dict], left: dict) -> float | None:
+    """Seconds from a departure record until its slot served again, rounded to ms (None if it never did)."""
+    back = next((x["t"] for x in events if x["t"] >= left["t"] and _serves_again(x, left["slot"], left["incarnation"])),
+                None)
+    return None if back is None else round(back - left["t"], 3)
 
 
 def restarted_incarnations(events: Iterable[dict]) -> list[tuple[int, int]]:

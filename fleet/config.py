@@ -43,6 +43,8 @@ class EngineConfig(BaseModel):
     start_timeout_s: float = Field(300.0, gt=0)
     call_timeout_s: float = Field(60.0, gt=0)
     generate_timeout_s: float = Field(600.0, gt=0)
+    # Fault injection: each fault that goes off is appended here before it acts (fleet.fault_hooks).
+    fault_journal: str | None = Field(None, description="JSON-lines file of the faults that fired (one host)")
 
     @field_validator("model")
     @classmethod

@@ -17,11 +17,20 @@ applies to every hooked call from the moment it is armed):
 - ``slow``: every hooked call is delayed by ``delay_s``.
 - ``crash_engine``: the engine-core process is killed (SIGKILL); the actor lives on and
   reports ``EngineCrashedError`` from then on.
+
+The fault journal: when the shard's config names one (``EngineConfig.fault_journal``),
+every fault that goes off is first appended to it as one JSON line (``t`` from
+``time.monotonic()``, the event log's clock on the same host; ``wall``; slot,
+incarnation, point, action, delay, pid) and fsynced, and only then acts, so the
+record outlives a kill or a crash. ``slow`` is recorded once, at its first delayed
+call. Arming with a journal that cannot be opened raises ``OSError`` naming the path,
+before anything is armed; a journal write that fails at a hook raises from that call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -50,26 +59,35 @@ class ArmedFault:
 
 
 class FaultHooks:
-    def __init__(self, engine_pids: Callable[[], list[int]]) -> None:
+    def __init__(self, engine_pids: Callable[[], list[int]], slot: int = -1, incarnation: int = 0,
+                 journal: str | None = None) -> None:
         self._engine_pids = engine_pids
+        self._who = {"slot": slot, "incarnation": incarnation}
+        self._journal = journal
         self._armed: list[ArmedFault] = []
-        self._slow_s = 0.0
+        self._slow: ArmedFault | None = None
+        self._slow_recorded = False
         self.fired: list[dict] = []
 
     @property
     def armed(self) -> bool:
-        return bool(self._armed) or self._slow_s > 0
+        return bool(self._armed) or self._slow is not None
 
     def arm(self, fault: ArmedFault) -> None:
+        if self._journal:
+            os.close(os.open(self._journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))  # refuse early
         if fault.action == "slow":  # every hooked call, from now on
-            self._slow_s = fault.delay_s
+            self._slow, self._slow_recorded = fault, False
             return
         self._armed.append(fault)
 
     async def at(self, point: str) -> bool:
         """Run the hook for ``point``. Returns True when the call must answer ``False`` (a lie)."""
-        if self._slow_s:
-            await asyncio.sleep(self._slow_s)
+        if self._slow is not None:
+            if not self._slow_recorded:
+                self._slow_recorded = True
+                self._record(point, self._slow)
+            await asyncio.sleep(self._slow.delay_s)
         for fault in list(self._armed):
             if fault.point != point:
                 continue
@@ -77,9 +95,22 @@ class FaultHooks:
                 fault.after_calls -= 1
                 continue
             self._armed.remove(fault)
-            self.fired.append({"point": point, "action": fault.action, "t": time.monotonic()})
+            self._record(point, fault)
             return await self._fire(fault)
         return False
+
+    def _record(self, point: str, fault: ArmedFault) -> None:
+        """Keep the firing, and make it durable in the journal before the fault acts."""
+        rec = {"t": round(time.monotonic(), 6), "wall": round(time.time(), 6), **self._who, "point": point,
+               "action": fault.action, "delay_s": fault.delay_s, "pid": os.getpid()}
+        self.fired.append(rec)
+        if self._journal:
+            fd = os.open(self._journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (json.dumps(rec) + "\n").encode())  # one O_APPEND write: lines never interleave
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     async def _fire(self, fault: ArmedFault) -> bool:
         action = fault.action

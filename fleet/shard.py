@@ -58,7 +58,8 @@ class EngineShard:
         self._version = weight_version
         self._backend = (backend_factory or _vllm_backend)(self.config)
         self._state = "new"
-        self._hooks = FaultHooks(lambda: getattr(self._backend, "engine_core_pids", lambda: [])())
+        self._hooks = FaultHooks(lambda: getattr(self._backend, "engine_core_pids", lambda: [])(), slot, incarnation,
+                                 self.config.fault_journal)
         self._inflight: dict[str, int] = {}
         self._ids = itertools.count()
 

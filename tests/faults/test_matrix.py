@@ -4,15 +4,18 @@ Each variant runs the short async loop of ``faults.runner`` (generation in
 flight across refits, the fault fired at its hook point), then checks the DESIGN
 invariants on the event log: no prompt lost, no wrong version tag, no phase past
 its deadline, no reopened gate after a stop, plus the variant's own checks
-(evicted, readmitted, retired). Consecutive recovering variants share one fleet.
+(evicted, readmitted, retired), and that every fault it fired went off on its slot
+and incarnation (the fault journal) and was followed by its health transition.
+Consecutive recovering variants share one fleet.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from faults.matrix import MATRIX
+from faults.matrix import BASE_FLEET, MATRIX
 from faults.runner import FaultRunner
+from health.faultplan import load_plan, resolve
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -29,11 +32,14 @@ def runner(ray_local, tiny_model):
 def test_variant_gets_expected_outcome_and_keeps_invariants(runner, variant):
     rep = runner.run(variant)
     detail = f"{rep.row()}"
+    print(f"{variant.name}: faults fired {rep.faults}")
     assert rep.observed == rep.expected, detail
     assert rep.lost == 0 and rep.wrong_version_tags == 0, detail
     assert rep.accepted > 0 and rep.accepted == rep.completed + rep.returned, detail
     assert not rep.violations, detail
+    planned = resolve(load_plan(variant.plan), BASE_FLEET["num_engines"])
+    assert len(rep.faults) == len(planned), detail  # every planned fault went off (rep.passed: and did its harm)
     if rep.expected == "recovers":
         assert rep.completed == rep.accepted, detail  # a recovered fleet completes everything it accepted
-        assert rep.fault_to_reopen_s is not None, detail
+        assert rep.fault_to_reopen_s is not None, detail  # from the first firing to the gate reopening
     assert rep.passed, detail

@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.soak]
 def test_short_chaos_soak_recovers_from_every_fault(ray_local, tiny_model):
     result = soak(tiny_model, duration_s=75.0, rate_per_min=30.0, seed=1)
     print(result)
-    assert result["faults"] >= 2, result
-    assert result["unrecovered"] == 0 and result["recoveries"] >= result["faults"], result
+    assert result["faults_fired"] >= 2, result  # went off: read from the fault journal, not counted as armed
+    assert result["faults_without_effect"] == [], result
+    assert result["unrecovered"] == 0 and result["recoveries"] == result["faults_fired"], result
     assert result["prompts_lost"] == 0 and result["wrong_version_tags"] == 0, result
     assert result["invariants_held"], result
 

@@ -1,8 +1,14 @@
-"""Fault plans: validation names the field, resolution is deterministic per seed."""
+"""Fault plans: validation names the field, resolution is deterministic per seed; where they act, the shard's
+fault hooks journal each fault before it acts."""
+
+import asyncio
+import os
 
 import pytest
 
 from faults.matrix import MATRIX, by_name
+from faults.timeline import read_log
+from fleet.fault_hooks import ArmedFault, FaultHooks
 from health.faultplan import load_plan, resolve
 
 
@@ -53,3 +59,57 @@ def test_matrix_covers_every_required_variant_and_all_plans_are_valid():
         load_plan(v.plan)
     with pytest.raises(ValueError, match="unknown matrix variant"):
         by_name(["nope"])
+
+
+def test_a_fault_is_in_the_journal_before_it_acts(tmp_path, monkeypatch):
+    journal = tmp_path / "fired.jsonl"
+    hooks = FaultHooks(lambda: [], slot=2, incarnation=3, journal=str(journal))
+    hooks.arm(ArmedFault("pause", "false_ack"))
+    hooks.arm(ArmedFault("transfer", "kill"))
+    on_disk_at_exit = []
+
+    def exit_now(code):
+        on_disk_at_exit.extend(read_log(journal))
+        raise RuntimeError(f"exit {code}")
+
+    monkeypatch.setattr(os, "_exit", exit_now)
+    assert asyncio.run(hooks.at("ping")) is False and read_log(journal) == [], "nothing armed there: no record"
+    assert asyncio.run(hooks.at("pause")) is True, "the lie"
+    with pytest.raises(RuntimeError, match="exit 137"):
+        asyncio.run(hooks.at("transfer"))
+    got = [(r["slot"], r["incarnation"], r["point"], r["action"]) for r in on_disk_at_exit]
+    assert got == [(2, 3, "pause", "false_ack"), (2, 3, "transfer", "kill")]
+    assert on_disk_at_exit == hooks.fired and not hooks.armed
+
+
+def test_slow_is_journaled_once_and_a_journal_that_cannot_be_written_refuses_the_arming(tmp_path):
+    journal = tmp_path / "fired.jsonl"
+    hooks = FaultHooks(lambda: [], slot=0, incarnation=1, journal=str(journal))
+    hooks.arm(ArmedFault("ping", "slow", delay_s=0.001))
+    for point in ("ping", "generate", "pause"):
+        assert asyncio.run(hooks.at(point)) is False
+    assert [(r["point"], r["action"]) for r in read_log(journal)] == [("ping", "slow")]
+    bad = str(tmp_path / "missing" / "fired.jsonl")
+    with pytest.raises(OSError, match="missing"):
+        FaultHooks(lambda: [], journal=bad).arm(ArmedFault("pause", "kill"))
+
+
+def test_a_shard_journals_its_faults_under_its_slot_and_incarnation(tmp_path, monkeypatch):
+    from fleet.config import EngineConfig
+    from fleet.null_backend import NullBackend
+    from fleet.shard import EngineShard
+
+    (tmp_path / "config.json").write_text("{}")
+    cfg = EngineConfig(model=str(tmp_path), fault_journal=str(tmp_path / "fired.jsonl"))
+    for k, v in cfg.process_env().items():
+        monkeypatch.setenv(k, v)  # the shard sets its process env; restored after the test
+    shard = EngineShard(cfg, slot=1, incarnation=4, backend_factory=NullBackend)
+
+    async def lie_at_pause():
+        await shard.start()
+        shard.arm_fault("pause", "false_ack")
+        return await shard.pause()
+
+    assert asyncio.run(lie_at_pause()) is False
+    assert [(r["slot"], r["incarnation"], r["point"], r["action"]) for r in read_log(cfg.fault_journal)] == [
+        (1, 4, "pause", "false_ack")]

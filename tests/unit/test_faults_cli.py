@@ -7,6 +7,9 @@ import pytest
 from cli import main as cli
 from faults.runner import VariantReport
 
+FIRED = {"slot": 2, "incarnation": 1, "point": "pause", "action": "kill", "t": 10.0, "left_for": "dead",
+         "fault_to_reopen_s": 1.5, "recover_s": 9.0}
+
 
 @pytest.fixture
 def stub_runner(monkeypatch):
@@ -15,7 +18,9 @@ def stub_runner(monkeypatch):
     def fake_run_variants(model, variants, log=print, **kw):
         seen["names"] = [v.name for v in variants]
         return [VariantReport(v.name, v.plan["expect"], v.plan["expect"], passed=(i != seen.get("fail_at")),
-                              accepted=4, completed=4, fault_to_reopen_s=1.5) for i, v in enumerate(variants)]
+                              accepted=4, completed=4, fault_to_reopen_s=1.5 if i == 0 else None,
+                              faults=[{**FIRED, "slot": i}] if i == 0 else [])
+                for i, v in enumerate(variants)]
 
     monkeypatch.setattr("faults.runner.run_variants", fake_run_variants)
     monkeypatch.setattr("fleet.ray_io.init_local", lambda **kw: None)
@@ -30,6 +35,14 @@ def test_matrix_prints_table_and_json_summary(stub_runner, capsys, tmp_path):
     assert rc == 0 and summary["variants"] == 2 and summary["passed"] == 2
     assert summary["prompts_lost"] == 0 and summary["wrong_version_tags"] == 0
     assert any("kill-during-pause" in line and "PASS" in line for line in out)
+    row = next(line for line in out if line.startswith("kill-during-pause"))
+    assert "s0/i1 pause:kill" in row and "1.5" in row, "a row lists the fault it fired and its fault -> reopen"
+    assert "none" in next(line for line in out if line.startswith("hang-past-deadline"))
+    assert summary["per_variant"] == {
+        "kill-during-pause": {"passed": True, "fault_to_reopen_s": 1.5, "faults": [
+            {"slot": 0, "incarnation": 1, "point": "pause", "action": "kill", "fault_to_reopen_s": 1.5}]},
+        "hang-past-deadline": {"passed": True, "fault_to_reopen_s": None, "faults": []},
+    }
 
 
 def test_a_missed_variant_fails_the_run(stub_runner, capsys, tmp_path):

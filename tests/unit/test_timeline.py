@@ -1,4 +1,5 @@
-"""Numbers read off an event log (``faults.timeline``): one definition each, checked on small hand-made logs."""
+"""Numbers read off an event log (``faults.timeline``), and the proof that a fault fired (``faults.evidence``,
+the fault runner's ``judge``): one definition each, checked on small hand-made logs and fault journals."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from faults.evidence import prove
+from faults.runner import VariantReport, judge
 from faults.timeline import (
+    departure,
     fault_to_reopen,
     log_numbers,
     percentile,
     read_log,
     readmissions,
-    recovery_times,
+    recover_s,
     refit_spans,
     reopen_s,
 )
@@ -121,37 +125,32 @@ def test_refit_spans():
 
 
 # ---------------------------------------------------------------------------------- recovery and reopening
-def test_recovery_times_read_from_the_event_log():
+def test_fault_to_reopen_from_the_firing():
+    log = demo_log()
+    kill = next(e for e in log if e["kind"] == "fault")
+    assert fault_to_reopen(log, kill) == pytest.approx(14.7 - 12.0)
+    assert fault_to_reopen(log, {"t": 30.5}) is None, "the gate never reopened"
+    stop = {"t": 12.1, "seq": -1, "kind": "stopped", "reason": "below quorum"}
+    cut = log.index(kill) + 1
+    assert fault_to_reopen(log[:cut] + [stop] + log[cut:], kill) is None, "after a stop the gate stays closed"
+
+
+def test_departure_is_the_first_record_of_a_state_the_fault_leads_to_after_the_firing():
+    log = demo_log()
+    assert departure(log, 1, 1, 12.0, ("dead", "retired"))["t"] == 12.5
+    assert departure(log, 0, 1, 0.0, ("dead", "retired")) is None
+    assert departure(log, 1, 2, 0.0, ("stale",))["before"] == "restarting"
+    assert departure(log, 1, 1, 13.0, ("dead",)) is None, "only records after the firing count"
+
+
+def test_recover_s_until_a_new_incarnation_is_stamped_or_the_same_one_is_healthy_again():
+    left = departure(demo_log(), 1, 1, 12.0, ("dead",))
+    assert recover_s(demo_log(), left) == pytest.approx(22.6 - 12.5)
     events = [
-        {"kind": "health", "slot": 1, "incarnation": 1, "before": "healthy", "after": "dead", "t": 10.0},
-        {"kind": "gate", "open": True, "version": 2, "t": 12.0},
-        {"kind": "stamp", "version": 3, "members": [[0, 1], [1, 2]], "t": 30.0},
-        {"kind": "health", "slot": 0, "incarnation": 1, "before": "healthy", "after": "suspect", "t": 40.0},
         {"kind": "health", "slot": 2, "incarnation": 1, "before": "healthy", "after": "hung", "t": 50.0},
         {"kind": "health", "slot": 2, "incarnation": 1, "before": "hung", "after": "healthy", "t": 53.0},
     ]
-    recover, reopen, unrecovered = recovery_times(events)
-    assert recover == [20.0, 3.0] and reopen == [2.0] and unrecovered == 1
-
-
-def test_a_slot_left_off_a_refit_is_a_departure_that_recovers_at_the_next_refit():
-    events = [
-        {"kind": "health", "slot": 0, "incarnation": 1, "before": "healthy", "after": "stale", "t": 1.0},
-        {"kind": "gate", "open": True, "version": 1, "t": 1.5},
-        {"kind": "health", "slot": 0, "incarnation": 1, "before": "stale", "after": "healthy", "t": 4.0},
-    ]
-    assert recovery_times(events) == ([3.0], [0.5], 0)
-    assert fault_to_reopen(events) == 0.5
-
-
-def test_fault_to_reopen_from_the_first_departure():
-    log = demo_log()
-    assert fault_to_reopen(log) == pytest.approx(14.7 - 12.5)
-    assert fault_to_reopen(log[:20]) is None, "no departure yet"
-    cut = next(i for i, e in enumerate(log) if e["kind"] == "health" and e["after"] == "dead")
-    assert fault_to_reopen(log[:cut + 1]) is None, "the gate never reopened"
-    stop = {"t": 12.1, "seq": -1, "kind": "stopped", "reason": "below quorum"}
-    assert fault_to_reopen(log[:cut] + [stop] + log[cut:]) is None, "after a stop the gate stays closed"
+    assert recover_s(events, events[0]) == 3.0 and recover_s(events[:1], events[0]) is None
 
 
 def test_reopen_s_counts_only_openings_after_the_record():
@@ -165,3 +164,73 @@ def test_read_log_skips_a_line_cut_short(tmp_path):
     assert read_log(path) == []
     path.write_text(json.dumps({"t": 1.0, "kind": "gate", "open": True}) + "\n" + '{"t": 2.0, "ki')
     assert read_log(path) == [{"t": 1.0, "kind": "gate", "open": True}]
+
+
+# ---------------------------------------------------------------------------------- the judge: did the fault fire?
+def transfer_log() -> list[dict]:
+    """3 slots; a kill armed at slot 0's transfer; refit 1 lands on slots 1 and 2 (each passes through stale)."""
+    recs = [{"kind": "gate", "open": True, "version": 0, "t": 1.0},
+            {"kind": "fault", "slot": 0, "incarnation": 1, "point": "transfer", "action": "kill", "armed": True, "t": 2.0},
+            {"kind": "gate", "open": False, "version": 0, "t": 3.0}]
+    for s in (1, 2):
+        recs.append({"kind": "health", "slot": s, "incarnation": 1, "before": "healthy", "after": "stale", "t": 3.2,
+                     "reason": "refit of version 1 landed"})
+    recs.append({"kind": "health", "slot": 0, "incarnation": 1, "before": "healthy", "after": "dead", "t": 3.3,
+                 "reason": "died during transfer"})
+    for s in (1, 2):
+        recs.append({"kind": "health", "slot": s, "incarnation": 1, "before": "stale", "after": "healthy", "t": 3.5})
+    recs.append({"kind": "gate", "open": True, "version": 1, "t": 3.6})
+    return recs
+
+
+DONE = [{"step": 1, "where": "transfer", "what": "kill", "slot": 0, "delay_s": 0.0, "t": 0.5}]
+SHOT = {"t": 3.1, "wall": 0.0, "slot": 0, "incarnation": 1, "point": "transfer", "action": "kill", "delay_s": 0.0, "pid": 7}
+
+
+def recovers() -> VariantReport:
+    return VariantReport("kill-during-transfer", "recovers", "recovers", accepted=4, completed=4)
+
+
+def test_a_fault_that_went_off_passes_with_its_slot_incarnation_and_fault_to_reopen():
+    rep = judge(recovers(), DONE, transfer_log(), [SHOT])
+    assert rep.passed and not rep.violations
+    assert rep.faults == [{"slot": 0, "incarnation": 1, "point": "transfer", "action": "kill", "t": 3.1,
+                           "left_for": "dead", "fault_to_reopen_s": 0.5, "recover_s": None}]
+    assert rep.fault_to_reopen_s == 0.5
+
+
+def test_a_fault_that_did_not_fire_fails_the_variant_though_the_log_shows_departures():
+    rep = judge(recovers(), DONE, transfer_log(), journal=[])
+    assert not rep.passed and rep.faults == [] and rep.fault_to_reopen_s is None
+    assert rep.violations == ["fault kill at transfer on slot 0 (incarnation 1) did not fire: armed at t=2.000, "
+                              "but no shard recorded it going off in the fault journal"]
+
+
+def test_a_fault_never_armed_fails_the_variant():
+    log = [e for e in transfer_log() if e["kind"] != "fault"]
+    rep = judge(recovers(), DONE, log, [SHOT])
+    assert not rep.passed and "did not fire: the event log has no 'fault' record" in rep.violations[0]
+
+
+def test_a_firing_in_another_incarnation_or_slot_does_not_count():
+    for other in ({**SHOT, "incarnation": 2}, {**SHOT, "slot": 1}, {**SHOT, "point": "pause"}):
+        rep = judge(recovers(), DONE, transfer_log(), [other])
+        assert not rep.passed and "did not fire" in rep.violations[0], other
+
+
+def test_a_fault_that_fired_but_did_nothing_fails_the_variant():
+    log = [e for e in transfer_log() if e.get("after") != "dead"]  # only the refit's own pass through stale is left
+    rep = judge(recovers(), DONE, log, [SHOT])
+    assert not rep.passed and rep.faults[0]["left_for"] is None
+    assert rep.violations == ["fault kill at transfer on slot 0 (incarnation 1) fired at t=3.100, but that "
+                              "incarnation never became dead or retired after it (no such health record)"]
+
+
+def test_a_step_boundary_kill_is_proven_by_the_controller_s_own_record():
+    done = [{"step": 1, "where": "step_boundary", "what": "kill", "slot": 1, "delay_s": 0.0, "t": 0.0}]
+    rows, problems = prove(done, demo_log(), journal=[])
+    assert problems == [] and len(rows) == 1
+    assert rows[0] | {} == {"slot": 1, "incarnation": 1, "point": "step_boundary", "action": "kill", "t": 12.0,
+                            "left_for": "dead", "fault_to_reopen_s": 2.7, "recover_s": 10.1}
+    rows, problems = prove(done * 2, demo_log(), journal=[])
+    assert len(rows) == 1 and "did not fire" in problems[0], "one record proves one firing"
