@@ -44,6 +44,9 @@ class FleetConfig(BaseModel):
     transport_backend: Literal["gloo", "nccl"] = "gloo"
     bucket_mb: float = Field(64.0, gt=0)
     apply_mode: Literal["staged", "streaming"] = "staged"
+    # "checksum": an engine's new version is stamped only when the digest of what it applied equals
+    # the sender's (about +1 s per refit of the 100M model on 2 CPU cores; scripts/bench_refit.py)
+    verify_weights: Literal["none", "checksum"] = "none"
     # Requests and admission (per-shard in-flight cap that follows the engine's KV-cache load).
     admission: AdmissionConfig = AdmissionConfig()
     max_staleness: int | None = Field(None, ge=0)

@@ -52,7 +52,17 @@ class TransferPort(Protocol):
 
 
 def _refit_config(cfg) -> RefitConfig:
-    t = cfg.refit_timeout_s if cfg.refit_timeout_s is not None else REFIT_TIMEOUT_FALLBACK_S
+    """Timeouts of one transfer attempt, sized so two attempts fit the phase's one bound.
+
+    The lifecycle bounds the transfer phase, its one retry included, by
+    ``refit_timeout_s + lifecycle_grace_s``. A receiver's own bound is its send
+    timeout plus its apply timeout plus grace, and a first attempt that fails on a
+    frozen peer runs into it (then a ping classifies the peer). Each of those is a
+    quarter of its setting, so a failed first attempt ends within about half the
+    bound and the retry gets the rest: set ``refit_timeout_s`` to about four times
+    a healthy transfer of your model.
+    """
+    t = (cfg.refit_timeout_s if cfg.refit_timeout_s is not None else REFIT_TIMEOUT_FALLBACK_S) / 4
     return RefitConfig(
         backend=cfg.transport_backend,
         bucket_mb=cfg.bucket_mb,
@@ -61,7 +71,8 @@ def _refit_config(cfg) -> RefitConfig:
         group_timeout_s=min(30.0, t),
         apply_timeout_s=t,
         rpc_timeout_s=min(30.0, t),
-        grace_s=max(1.0, cfg.lifecycle_grace_s),
+        grace_s=max(0.5, cfg.lifecycle_grace_s / 4),
+        verify=cfg.verify_weights,
     )
 
 
@@ -110,7 +121,9 @@ class RefitTransferPort:
             detail = r.error or ("ok" if r.ok else r.outcome.value)
             if report.sender_error and not r.ok:
                 detail += f"; sender: {report.sender_error}"
-            out[key.slot] = TransferResult(RefitResult(r.outcome.value), f"[{r.phase or 'done'}] {detail}", r.bytes_moved)
+            out[key.slot] = TransferResult(
+                RefitResult(r.outcome.value), f"[{r.phase or 'done'}] {detail}", r.bytes_moved, refused=r.refused
+            )
         self.last_report = report
         return out
 

@@ -13,7 +13,7 @@ import pytest
 from faults.source import WeightSource
 from fleet import ray_io
 from fleet.api import Fleet
-from fleet.errors import FleetExhausted
+from fleet.errors import FleetExhausted, RefitArgumentError, RefitRefused
 from tests.integration.fleet_helpers import assert_invariants, collect, slot_states, submit_load, wait_for
 
 pytestmark = pytest.mark.integration
@@ -110,6 +110,41 @@ def test_kill_recovers_on_survivors_without_losing_requests(run, where, slot):
     later = [r for g in run.fleet.generate([[3, 4, 5]] * 4, n=1, sampling={"max_tokens": 4}) for r in g]
     assert all(r.ok and r.result.weight_version == run.version and r.result.slot != slot for r in later)
     assert_invariants(run.fleet)
+
+
+@pytest.mark.parametrize(("kind", "match"), [("shape", r"up_proj.weight: shape"), ("missing_layer", r"missing tensors: model.layers.1")])
+def test_a_bad_weight_update_is_refused_naming_the_tensor_and_the_fleet_keeps_serving(run, kind, match):
+    run.heal()
+    before = run.fleet.status()
+    ray_io.ask(run.source, "corrupt_next_update", kind, timeout=60)
+    try:
+        with pytest.raises(RefitRefused, match=match):
+            run.refit()
+    finally:
+        ray_io.ask(run.source, "corrupt_next_update", None, timeout=60)
+    after = run.fleet.status()
+    assert after["gate_open"] and after["stopped"] is None and after["version"] == before["version"]
+    assert set(slot_states(run.fleet).values()) == {"healthy"}  # the trainer's fault: no engine marked
+    results = collect(run.fleet, submit_load(run.fleet, groups=3, n=1))
+    assert results and all(r.ok and r.result.weight_version == before["version"] for r in results)
+    assert run.fleet.events(kinds=["refit_rolled_back"])[-1]["resumed"] == [0, 1, 2]
+    assert run.refit()["complete"] == [0, 1, 2]  # the next, correct update lands
+    assert_invariants(run.fleet)
+
+
+def test_refit_misuse_changes_nothing(run):
+    run.heal()
+    version = run.fleet.status()["version"]
+    with pytest.raises(RefitRefused, match=rf"version {version} is not greater than the committed version {version}"):
+        run.fleet.sync_weights(version, run.source)
+    with pytest.raises(RefitArgumentError, match="source must be a weight sender"):
+        run.fleet.sync_weights(version + 1, None)
+    with pytest.raises(RefitArgumentError, match="version must be an integer"):
+        run.fleet.sync_weights(float(version + 1), run.source)
+    status = run.fleet.status()
+    assert status["gate_open"] and status["version"] == version and status["stopped"] is None
+    with pytest.raises(TypeError, match="flat list of 3 integers"):
+        run.fleet.generate([1, 2, 3])
 
 
 def test_killed_shard_restarts_joins_next_refit_and_serves(run):
