@@ -113,17 +113,8 @@ def on_committed(d: Draft, ev: VersionCommitted) -> None:
 
 def on_refit_finished(d: Draft, ev: RefitFinished) -> None:
     v = ev.version
-    _check_version("RefitFinished", v)
-    ledger = d.ledger
-    fleet = ledger._fleet
-    if fleet.refit_version != v:
-        raise ValueError(f"RefitFinished({v}) but the refit in progress is {fleet.refit_version}")
-    closed = fleet._replace(refit_version=None, refit_started_at=None, halted=None, gate_open=False)
-    d.fleet = closed
-    if fleet.halted is not None:
-        message = f"gate stays closed: {fleet.halted}"
-        d.actions.append(KeepGateClosed(v, message))
-        d.reasons.append(message)
+    fleet = _close_refit(d, "RefitFinished", v)
+    if fleet is None:
         return
     if fleet.current_version != v:
         message = (
@@ -133,39 +124,40 @@ def on_refit_finished(d: Draft, ev: RefitFinished) -> None:
         d.actions.append(KeepGateClosed(v, message))
         d.reasons.append(message)
         return
-    q = check_quorum(ledger)
-    if q.ok:
-        d.fleet = closed._replace(gate_open=True)
-        d.actions.append(OpenGate(v, q.serving, q.needed))
-        d.reasons.append(f"gate opens: {q.message}")
-    else:
-        d.failure = FailureClass.EXHAUSTED
-        d.actions.append(StopExhausted(q.message, q.dead_slots, q.serving, q.needed))
-        d.reasons.append(q.message)
+    _reopen_if_quorum(d, v, "gate opens")
 
 
 def on_refit_rolled_back(d: Draft, ev: RefitRolledBack) -> None:
     """Close the refit without a commit; reopen on the committed version if quorum serves it."""
     v = ev.version
-    _check_version("RefitRolledBack", v)
-    fleet = d.ledger._fleet
-    if fleet.refit_version != v:
-        raise ValueError(f"RefitRolledBack({v}) but the refit in progress is {fleet.refit_version}")
-    cv = fleet.current_version
+    cv = d.ledger._fleet.current_version
     if cv is not None and cv >= v:
         raise ValueError(f"RefitRolledBack({v}) after version {cv} was committed: a commit cannot be rolled back")
-    closed = fleet._replace(refit_version=None, refit_started_at=None, halted=None, gate_open=False)
-    d.fleet = closed
+    if _close_refit(d, "RefitRolledBack", v) is not None:
+        _reopen_if_quorum(d, cv, f"refit of version {v} rolled back ({ev.reason}); gate reopens on version {cv}")
+
+
+def _close_refit(d: Draft, name: str, v: int):
+    """End the refit of ``v`` in the draft; the fleet state before, or None when an abort keeps the gate closed."""
+    _check_version(name, v)
+    fleet = d.ledger._fleet
+    if fleet.refit_version != v:
+        raise ValueError(f"{name}({v}) but the refit in progress is {fleet.refit_version}")
+    d.fleet = fleet._replace(refit_version=None, refit_started_at=None, halted=None, gate_open=False)
     if fleet.halted is not None:
         message = f"gate stays closed: {fleet.halted}"
         d.actions.append(KeepGateClosed(v, message))
         d.reasons.append(message)
-        return
+        return None
+    return fleet
+
+
+def _reopen_if_quorum(d: Draft, version: int, why: str) -> None:
     q = check_quorum(d.ledger)
     if q.ok:
-        d.fleet = closed._replace(gate_open=True)
-        d.actions.append(OpenGate(cv, q.serving, q.needed))
-        d.reasons.append(f"refit of version {v} rolled back ({ev.reason}); gate reopens on version {cv}: {q.message}")
+        d.fleet = d.fleet._replace(gate_open=True)
+        d.actions.append(OpenGate(version, q.serving, q.needed))
+        d.reasons.append(f"{why}: {q.message}")
     else:
         d.failure = FailureClass.EXHAUSTED
         d.actions.append(StopExhausted(q.message, q.dead_slots, q.serving, q.needed))
