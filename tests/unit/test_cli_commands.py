@@ -52,3 +52,10 @@ def test_unknown_flags_of_a_working_command_are_still_refused(capsys):
         cli_main.main(["model", "build", "--bogus"])
     assert exc.value.code == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_smoke_with_no_engines_is_refused_naming_the_field(capsys):
+    from cli.main import main
+
+    assert main(["smoke", "--engines", "0"]) == 2  # refused before Ray or any engine starts
+    assert "invalid config engines" in capsys.readouterr().err
