@@ -1,7 +1,7 @@
 """``rlfleet faults run``: run one fault plan or the whole matrix on a local Ray with real engines.
 
 Prints one row per variant (expected vs observed outcome, the faults that went off
-as slot/incarnation point:action, seconds from each firing to the gate reopening,
+as slot/incarnation point:action (point:action for a trainer's fault), seconds from each firing to the gate reopening,
 prompts accepted/completed/returned/lost, wrong version tags) and, last, one JSON
 object with ``variants``, ``passed``, ``prompts_lost``, ``wrong_version_tags``,
 ``failed`` and ``per_variant`` (each variant's verdict, fault -> reopen seconds and
@@ -34,9 +34,11 @@ FAULT_KEYS = ("slot", "incarnation", "point", "action", "fault_to_reopen_s")
 
 
 def _fault_cells(r: dict) -> dict:
-    """The table's cells for the faults a row fired: ``s1/i1 step_boundary:kill`` and each one's fault -> reopen."""
+    """The table's cells for the faults a row fired: ``s1/i1 step_boundary:kill`` (``update:corrupt_shape`` for a
+    trainer's fault) and each one's fault -> reopen."""
     faults = r.get("faults") or []
-    fired = ", ".join(f"s{f['slot']}/i{f['incarnation']} {f['point']}:{f['action']}" for f in faults)
+    fired = ", ".join(("" if f["slot"] is None else f"s{f['slot']}/i{f['incarnation']} ") + f"{f['point']}:{f['action']}"
+                      for f in faults)
     reopen = [r["fault_to_reopen_s"]] if not faults else [f["fault_to_reopen_s"] for f in faults]
     return {"fired": fired or "none", "fault_to_reopen_s": " / ".join("-" if s is None else str(s) for s in reopen)}
 

@@ -14,9 +14,22 @@ say that a fault went off, each written before the fault acts:
 ``prove(done, events, journal)`` takes the firings the driver did
 (``FaultFiring.fired``) and checks each: the controller armed it (or killed) on
 the intended slot, it went off in that incarnation at its hook point, and that
-incarnation then entered a state its action leads to (``LEADS_TO``). It returns one
-evidence row per firing that went off (with fault -> reopen and time to recover,
-measured from the firing) and one sentence per firing that failed.
+incarnation then entered a state its action leads to (``LEADS_TO``). A trainer's
+fault (``where: update`` or ``call``) is its own refit call, recorded by the driver as
+it ended; its proof is the call's outcome and the event log around it:
+
+- ``corrupt_<kind>``: the refit was refused (``RefitRefused``) naming the tensor
+  (``REFUSAL_NAMES``), the log has its ``refit_rolled_back`` record naming it too, the
+  fleet kept serving (gate open on the same version, every slot healthy), and a later
+  refit reopened the gate on a newer version: ``rolled_back``;
+- ``stale_version``: refused as not greater than the committed version, with no gate
+  record and no phase of that version in the log while the call ran: ``refused``;
+- ``concurrent_refit``: both calls ended, one committed, the other committed too or
+  was refused as no longer greater, and the phases of the two refits never
+  interleave: ``serialized``.
+
+It returns one evidence row per firing that went off (with fault -> reopen and time
+to recover, measured from the firing) and one sentence per firing that failed.
 
 Times: both records carry ``time.monotonic()`` of their process; on one host (the
 local Ray of the fault runner and the soak) that is one clock. Pure: no Ray, no file;
@@ -29,20 +42,35 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from faults.firing import hook_point
-from faults.timeline import departure, fault_to_reopen, recover_s
+from faults.timeline import departure, fault_to_reopen, recover_s, refit_spans
+from health.faultplan import CORRUPTIONS, TRAINER_WHERE
+from refit.manifest import layer_group
 
 QUARANTINE_OR_DEAD = ("suspect", "hung", "dead", "retired")
-# The health states a fault's action puts the incarnation it hit into (health.core): killed or crashed -> dead
-# (retired when the restart budget is spent); frozen or hung -> quarantined, later evicted; a lie -> its weight
-# stamp dropped (stale). ``slow`` leads nowhere by necessity.
+# What a fault's action leads to. A shard's: the health states it puts the incarnation it hit into
+# (health.core): killed or crashed -> dead (retired when the restart budget is spent); frozen, hung or
+# unavailable -> quarantined, later evicted; a lie -> its weight stamp dropped (stale). ``slow`` leads nowhere
+# by necessity. A trainer's: what became of its refit call (module docstring).
 LEADS_TO: dict[str, tuple[str, ...]] = {
     "kill": ("dead", "retired"),
     "crash_engine": ("dead", "retired"),
     "freeze": QUARANTINE_OR_DEAD,
     "hang": QUARANTINE_OR_DEAD,
+    "unavailable": QUARANTINE_OR_DEAD,
     "false_ack": ("stale",) + QUARANTINE_OR_DEAD,
     "slow": (),
+    **{f"corrupt_{kind}": ("rolled_back",) for kind in CORRUPTIONS},
+    "stale_version": ("refused",),
+    "concurrent_refit": ("serialized",),
 }
+# What a refused corrupt update's message must say, for the corrupted tensor ``t`` (refit.manifest's words).
+REFUSAL_NAMES = {
+    "shape": lambda t: f"tensor {t}: shape",
+    "dtype": lambda t: f"tensor {t}: dtype",
+    "missing_tensor": lambda t: f"missing tensors: {t}",
+    "missing_layer": lambda t: f"missing tensors: {layer_group(t)}.*",
+}
+NOT_GREATER = "is not greater than the committed version"
 FIELDS = ("slot", "incarnation", "point", "action")
 
 
@@ -55,10 +83,14 @@ def _take(records: list[dict], **want) -> dict | None:
 
 
 def describe(fault: Mapping) -> str:
-    """``kill at transfer on slot 0 (incarnation 1)`` for a firing, an evidence row or a record."""
-    inc = f" (incarnation {fault['incarnation']})" if "incarnation" in fault else ""
+    """``kill at transfer on slot 0 (incarnation 1)`` for a firing, an evidence row or a record;
+    ``corrupt_shape at update`` for a trainer's fault."""
     where = fault.get("where", fault.get("point"))
-    return f"{fault.get('what', fault.get('action'))} at {where} on slot {fault['slot']}{inc}"
+    what = f"{fault.get('what', fault.get('action'))} at {where}"
+    if fault.get("slot") is None:
+        return what
+    inc = f" (incarnation {fault['incarnation']})" if fault.get("incarnation") is not None else ""
+    return f"{what} on slot {fault['slot']}{inc}"
 
 
 def evidence(events: list[dict], fired: Mapping) -> dict:
@@ -74,7 +106,7 @@ def evidence(events: list[dict], fired: Mapping) -> dict:
 
 
 def had_effect(row: Mapping) -> bool:
-    """The firing of an evidence row was followed by the health transition its action leads to."""
+    """The firing of an evidence row was followed by what its action leads to."""
     return not LEADS_TO[row["action"]] or row["left_for"] is not None
 
 
@@ -85,20 +117,100 @@ def prove(done: Iterable[Mapping], events: list[dict], journal: Iterable[dict]) 
     rows: list[dict] = []
     problems: list[str] = []
     for f in done:
-        point = hook_point(f["where"], f["what"])
-        arm = _take(arms, slot=f["slot"], point=point, action=f["what"])
-        if arm is None:
-            problems.append(f"fault {describe(f)} did not fire: the event log has no 'fault' record of it "
-                            f"(the controller never armed it)")
-            continue
-        fired = arm if point == "step_boundary" else _take(shots, **{k: arm[k] for k in FIELDS})
-        if fired is None:
-            problems.append(f"fault {describe(arm)} did not fire: armed at t={arm['t']:.3f}, but no shard "
-                            f"recorded it going off in the fault journal")
-            continue
-        row = evidence(events, fired)
-        rows.append(row)
-        if not had_effect(row):
-            problems.append(f"fault {describe(row)} fired at t={row['t']:.3f}, but that incarnation never became "
-                            f"{' or '.join(LEADS_TO[row['action']])} after it (no such health record)")
+        if f["where"] in TRAINER_WHERE:
+            row, wrong = _prove_trainer_fault(f, events)
+        else:
+            row, wrong = _prove_shard_fault(f, arms, shots, events)
+        rows += [row] if row is not None else []
+        problems += wrong
     return rows, problems
+
+
+def _prove_shard_fault(f: Mapping, arms: list[dict], shots: list[dict], events: list[dict]) -> tuple[dict | None, list[str]]:
+    point = hook_point(f["where"], f["what"])
+    arm = _take(arms, slot=f["slot"], point=point, action=f["what"])
+    if arm is None:
+        return None, [f"fault {describe(f)} did not fire: the event log has no 'fault' record of it "
+                      f"(the controller never armed it)"]
+    fired = arm if point == "step_boundary" else _take(shots, **{k: arm[k] for k in FIELDS})
+    if fired is None:
+        return None, [f"fault {describe(arm)} did not fire: armed at t={arm['t']:.3f}, but no shard "
+                      f"recorded it going off in the fault journal"]
+    row = evidence(events, fired)
+    if had_effect(row):
+        return row, []
+    return row, [f"fault {describe(row)} fired at t={row['t']:.3f}, but that incarnation never became "
+                 f"{' or '.join(LEADS_TO[row['action']])} after it (no such health record)"]
+
+
+# ---------------------------------------------------------------------------------- a trainer's faults
+def _prove_trainer_fault(f: Mapping, events: list[dict]) -> tuple[dict | None, list[str]]:
+    """A row for the refit call(s) the fault made (it went off when they were made); ``left_for`` is what it
+    leads to when every sentence of its proof holds, else None, and the sentences say what did not."""
+    calls = f.get("calls") or []
+    if not calls:
+        return None, [f"fault {describe(f)} did not fire: the driver made no refit call for it"]
+    what = f["what"]
+    prover = _corrupt_update if what.startswith("corrupt_") else _TRAINER_PROOFS[what]
+    wrong = [f"fault {describe(f)} (version(s) {', '.join(str(c['version']) for c in calls)}): {p}"
+             for p in prover(f, calls, events)]
+    began = min(c["began"] for c in calls)
+    row = {"slot": None, "incarnation": None, "point": f["where"], "action": what, "t": began,
+           "left_for": None if wrong else LEADS_TO[what][0],
+           "fault_to_reopen_s": fault_to_reopen(events, {"t": began}), "recover_s": None}
+    return row, wrong
+
+
+def _corrupt_update(f: Mapping, calls: list[dict], events: list[dict]) -> list[str]:
+    call, before, after = calls[0], f["before"], f["after"]
+    names = REFUSAL_NAMES[f["what"].removeprefix("corrupt_")](f["tensor"])
+    wrong = []
+    if call["outcome"] != "refused" or names not in (call["error"] or ""):
+        wrong.append(f"the refit was not refused naming {names!r}: {call['outcome']}: {call['error']}")
+    back = next((e for e in events if e["kind"] == "refit_rolled_back" and e["version"] == call["version"]), None)
+    if back is None or names not in back["reason"]:
+        wrong.append(f"no refit_rolled_back record of version {call['version']} names {names!r}"
+                     + (f" (it says {back['reason'][:200]!r})" if back else ""))
+    kept = after["gate_open"] and after["version"] == before["version"] and set(after["states"].values()) == {"healthy"}
+    if not kept:
+        wrong.append(f"the fleet did not keep serving version {before['version']} with every slot healthy: {after}")
+    if not any(e["kind"] == "gate" and e["open"] and e["version"] > before["version"] and e["t"] > call["ended"]
+               for e in events):
+        wrong.append(f"no later refit reopened the gate on a version above {before['version']}")
+    return wrong
+
+
+def _stale_version(f: Mapping, calls: list[dict], events: list[dict]) -> list[str]:
+    call = calls[0]
+    wrong = []
+    if call["outcome"] != "refused" or NOT_GREATER not in (call["error"] or ""):
+        wrong.append(f"the refit was not refused as not greater than the committed version: "
+                     f"{call['outcome']}: {call['error']}")
+    during = [e for e in events if call["began"] <= e["t"] <= call["ended"]
+              and (e["kind"] == "gate" or (e["kind"] == "phase" and e.get("version") == call["version"]))]
+    if during:
+        wrong.append(f"the refused call changed something: {[(e['kind'], e.get('phase', e.get('open'))) for e in during]}")
+    return wrong
+
+
+def _concurrent_refits(f: Mapping, calls: list[dict], events: list[dict]) -> list[str]:
+    wrong = []
+    committed = [c["version"] for c in calls if c["outcome"] == "committed"]
+    refused_ok = all(c["outcome"] == "committed" or (c["outcome"] == "refused" and NOT_GREATER in c["error"])
+                     for c in calls)
+    if not committed or not refused_ok:
+        wrong.append("not one committed and the other committed or refused as no longer greater: "
+                     f"{[(c['version'], c['outcome'], c['error']) for c in calls]}")
+    spans = {s["version"]: s for s in refit_spans(events) if s["version"] in {c["version"] for c in calls}}
+    missing = [v for v in committed if v not in spans]
+    if missing:
+        wrong.append(f"no phase records of the committed refit(s) {missing}")
+    if len(spans) == 2:
+        a, b = sorted(spans.values(), key=lambda s: s["begin"])
+        if b["begin"] < a["end"]:
+            wrong.append(f"the refits overlapped: version {b['version']} began at t={b['begin']:.3f}, before "
+                         f"version {a['version']} ended at t={a['end']:.3f}")
+    return wrong
+
+
+_TRAINER_PROOFS = {"stale_version": _stale_version, "concurrent_refit": _concurrent_refits}

@@ -1,39 +1,81 @@
 """Fault firing: the firings of a resolved fault plan carried out on a live fleet, step by step.
 
 The demo, the fault runner and the chaos soak fire faults through ``FaultFiring``
-only, so a firing means the same everywhere: a ``kill`` at the ``step_boundary``
-is ``Fleet.kill_shard`` once the slot is up (healthy or stale; waited for up to
-``up_timeout_s``, since killing a slot that is still restarting would hit
-nothing); every other fault is armed with ``Fleet.arm_fault`` at the shard's hook
-point for its ``where`` and goes off when the shard reaches that point.
+only, so a firing means the same everywhere, and this is the one place that knows
+how each kind of fault is fired (``faults.evidence`` is the one that knows how each
+is proven):
+
+- a ``kill`` at the ``step_boundary`` is ``Fleet.kill_shard`` once the slot is up
+  (healthy or stale; waited for up to ``up_timeout_s``, since killing a slot that is
+  still restarting would hit nothing);
+- a ``kill`` ``between_refits`` is the same kill; once the step's firings are done,
+  the firing waits until the controller found each such slot gone (on its own, before
+  any refit), submits a batch of requests (``load``: they must wait while the fleet is
+  below quorum), then waits until the slots are back up (restarted, stale), so the
+  step's refit can bring them in;
+- every other shard fault is armed with ``Fleet.arm_fault`` at the shard's hook point
+  for its ``where`` and goes off when the shard reaches that point;
+- a trainer's fault (``where: update`` or ``call``) is a ``sync_weights`` call the
+  firing makes itself, with the ``trainer``'s weight source, and records as it ends:
+  ``corrupt_<kind>``: the source's next update corrupted (``TENSOR``), one refit,
+  the source restored; ``stale_version``: a refit of the committed version;
+  ``concurrent_refit``: two refits of the next two versions from two threads at once.
 
 On failure: a fleet call that fails raises to the caller (nothing is recorded as
-fired); a slot that is not up in time is killed anyway, and the wait is logged.
+fired), except a refit the fault makes, whose ``RefitRefused`` or ``FleetStopped`` is
+recorded (``calls``) for the proof to judge; a slot that is not up in time is killed
+anyway, and every wait that gives up is logged.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
-from health.faultplan import Firing
+from fleet.errors import FleetStopped, RefitRefused
+from health.faultplan import TRAINER_WHERE, Firing
 
 # A plan's ``where`` -> the shard's fault hook point (a step-boundary fault other than a kill goes off at the next probe).
 POINT_OF = {"pause": "pause", "transfer": "transfer", "resume": "resume", "generate": "generate", "step_boundary": "ping"}
 UP = ("healthy", "stale")
+KILLED_BY_THE_CONTROLLER = ("step_boundary", "between_refits")
+TENSOR = "model.layers.1.mlp.up_proj.weight"  # the tensor an ``update`` fault corrupts (or leaves out with its layer)
+
+
+class Trainer(Protocol):
+    """What a trainer's faults need from the driver: its weight source (``sync_weights``'s ``source``),
+    fresh versions, and a way to break the source's updates."""
+
+    source: Any
+
+    def new_version(self) -> int:
+        """Take a training step on ``source``; return the new version number (never used before)."""
+
+    def corrupt_next_update(self, kind: str | None, tensor: str) -> None:
+        """From now on every update of ``source`` is corrupted (``faults.source.CORRUPTIONS``); None restores it."""
 
 
 def hook_point(where: str, what: str) -> str:
-    """Where a firing goes off: ``step_boundary`` for the controller's own kill, else the shard's hook point."""
-    return "step_boundary" if (where, what) == ("step_boundary", "kill") else POINT_OF[where]
+    """Where a firing goes off: ``step_boundary`` for the controller's own kill, ``update``/``call`` for a
+    trainer's fault (its own refit call), else the shard's hook point."""
+    if what == "kill" and where in KILLED_BY_THE_CONTROLLER:
+        return "step_boundary"
+    return where if where in TRAINER_WHERE else POINT_OF[where]
 
 
 def slot_states(status: dict) -> dict[int, str]:
     """Each slot's health state in a ``Fleet.status()``."""
     return {s["slot"]: s["state"] for s in status["ledger"]["slots"]}
+
+
+def incarnations(status: dict) -> dict[int, int]:
+    """Each slot's current incarnation in a ``Fleet.status()``."""
+    return {s["slot"]: s["incarnation"] for s in status["ledger"]["slots"]}
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, poll_s: float = 0.5) -> bool:
@@ -51,16 +93,23 @@ class FaultFiring:
     """Fires ``firings`` on ``fleet`` when the caller's loop reaches their step; keeps a record of what fired.
 
     ``fired``: one dict per firing done (the ``Firing``'s fields and ``t``, seconds since ``t0``): killed,
-    or armed. An armed fault goes off later, if ever; ``faults.evidence.prove`` tells from the records.
+    armed, or (a trainer's fault) the refit calls it made, each with its ``version``, ``outcome``
+    (``committed``, ``refused``, ``stopped``), ``error`` and ``began``/``ended`` (``time.monotonic()``, the
+    event log's clock on this host). An armed fault goes off later, if ever; ``faults.evidence.prove``
+    tells from the records. ``trainer``: needed by trainer's faults only; ``load``: submits a batch of
+    requests and returns how many (``between_refits`` kills only).
     """
 
     def __init__(self, fleet, firings: Iterable[Firing] = (), log: Callable[[str], object] | None = None,
-                 t0: float | None = None, up_timeout_s: float = 240.0) -> None:
+                 t0: float | None = None, up_timeout_s: float = 240.0, trainer: Trainer | None = None,
+                 load: Callable[[], int] | None = None) -> None:
         self.fleet = fleet
         self.firings = list(firings)
         self.log = log
         self.t0 = time.monotonic() if t0 is None else t0
         self.up_timeout_s = up_timeout_s
+        self.trainer = trainer
+        self.load = load
         self.fired: list[dict] = []
 
     def due(self, step: int) -> list[Firing]:
@@ -72,17 +121,99 @@ class FaultFiring:
         return [f for f in self.firings if f.step > step]
 
     def at(self, step: int) -> list[Firing]:
-        """Fire every firing planned for ``step``; returns them."""
+        """Fire every firing planned for ``step``, then wait out the ``between_refits`` kills; returns them."""
         due = self.due(step)
+        before = incarnations(self.fleet.status()) if any(f.where == "between_refits" for f in due) else {}
         for f in due:
             self.fire(f)
+        self._between_refits({f.slot: before[f.slot] for f in due if f.where == "between_refits"})
         return due
 
     def fire(self, f: Firing) -> None:
-        if hook_point(f.where, f.what) == "step_boundary":
-            if not wait_until(lambda: slot_states(self.fleet.status()).get(f.slot) in UP, self.up_timeout_s) and self.log:
-                self.log(f"gave up waiting for slot {f.slot} up before the kill after {self.up_timeout_s:.0f} s")
+        done: dict = {}
+        if f.where in TRAINER_WHERE:
+            done = self._trainer_fault(f)
+        elif hook_point(f.where, f.what) == "step_boundary":
+            self._say_if(not wait_until(lambda: slot_states(self.fleet.status()).get(f.slot) in UP, self.up_timeout_s),
+                         f"gave up waiting for slot {f.slot} up before the kill after {self.up_timeout_s:.0f} s")
             self.fleet.kill_shard(f.slot)
         else:
             self.fleet.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
-        self.fired.append({**asdict(f), "t": round(time.monotonic() - self.t0, 3)})
+        self.fired.append({**asdict(f), "t": round(time.monotonic() - self.t0, 3), **done})
+
+    def _say_if(self, cond: bool, message: str) -> None:
+        if cond and self.log:
+            self.log(message)
+
+    # ------------------------------------------------------------------ between refits
+    def _between_refits(self, killed: dict[int, int]) -> None:
+        """The controller finds each killed incarnation gone on its own; requests submitted then wait; the
+        slots come back up (restarted) before the step's refit."""
+        if not killed:
+            return
+
+        def gone() -> bool:
+            status = self.fleet.status()
+            states, incs = slot_states(status), incarnations(status)
+            return all(states[s] not in UP or incs[s] != inc for s, inc in killed.items())
+
+        self._say_if(not wait_until(gone, 60), f"gave up waiting for the controller to find slots {sorted(killed)} gone")
+        waiting = self.load() if self.load else 0
+        up = lambda: all(slot_states(self.fleet.status())[s] in UP for s in killed)  # noqa: E731
+        self._say_if(not wait_until(up, self.up_timeout_s),
+                     f"gave up waiting for slots {sorted(killed)} back up after {self.up_timeout_s:.0f} s")
+        for rec in self.fired:
+            if rec["where"] == "between_refits" and rec["slot"] in killed and "submitted_while_gone" not in rec:
+                rec["submitted_while_gone"] = waiting
+
+    # ------------------------------------------------------------------ trainer's faults
+    def _trainer_fault(self, f: Firing) -> dict:
+        if self.trainer is None:
+            raise ValueError(f"{f.what} at {f.where} needs the trainer's weight source; this driver gave none")
+        if f.what.startswith("corrupt_"):
+            return self._corrupt_update(f.what.removeprefix("corrupt_"))
+        if f.what == "stale_version":
+            return self._stale_version()
+        return self._concurrent_refits()
+
+    def _sync(self, version: int) -> dict:
+        """One ``sync_weights`` from the trainer's source; a refusal or a stop is recorded, not raised."""
+        began = time.monotonic()
+        outcome, error = "committed", None
+        try:
+            self.fleet.sync_weights(version, self.trainer.source)
+        except (RefitRefused, FleetStopped) as exc:
+            outcome, error = ("refused" if isinstance(exc, RefitRefused) else "stopped"), f"{type(exc).__name__}: {exc}"
+        return {"version": version, "outcome": outcome, "error": error, "began": round(began, 6),
+                "ended": round(time.monotonic(), 6)}
+
+    def _serving(self) -> dict:
+        status = self.fleet.status()
+        return {"gate_open": status["gate_open"], "version": status["version"], "states": slot_states(status),
+                "in_flight": status["requests"]["in_progress"]}
+
+    def _corrupt_update(self, kind: str) -> dict:
+        before = self._serving()
+        version = self.trainer.new_version()
+        self.trainer.corrupt_next_update(kind, TENSOR)
+        try:
+            call = self._sync(version)
+        finally:
+            self.trainer.corrupt_next_update(None, TENSOR)
+        return {"tensor": TENSOR, "calls": [call], "before": before, "after": self._serving()}
+
+    def _stale_version(self) -> dict:
+        before = self._serving()
+        return {"calls": [self._sync(before["version"])], "before": before, "after": self._serving()}
+
+    def _concurrent_refits(self) -> dict:
+        versions = [self.trainer.new_version(), self.trainer.new_version()]
+        together = threading.Barrier(len(versions))
+
+        def go(version: int) -> dict:
+            together.wait(timeout=60)
+            return self._sync(version)
+
+        with ThreadPoolExecutor(len(versions)) as pool:
+            calls = list(pool.map(go, versions))
+        return {"calls": calls}

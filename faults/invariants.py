@@ -95,6 +95,31 @@ def gate_closed_after_stop(events: Iterable[dict]) -> list[str]:
     return out
 
 
+def requests_waited_below_quorum(events: list[dict]) -> list[str]:
+    """A variant's expectation, not an invariant of every run: the gate closed between refits because
+    fewer than ``min_healthy_engines`` served ("below quorum"); requests accepted while it was closed
+    waited (none returned, none completed before the gate reopened), and a refit reopened it (on a newer
+    version: restarted engines serve only once a refit lands on them)."""
+    closes = [i for i, e in enumerate(events) if e["kind"] == "gate" and not e["open"] and "below quorum" in e["reason"]]
+    if not closes:
+        return ["the gate never closed below quorum between refits"]
+    out = []
+    for i in closes:
+        closed = events[i]
+        end = next((j for j in range(i + 1, len(events)) if events[j]["kind"] in ("stopped", "gate")), None)
+        reopened = end is not None and events[end]["kind"] == "gate" and events[end]["open"]
+        if not reopened or events[end]["version"] <= closed["version"]:
+            out.append(f"the gate closed below quorum at t={closed['t']:.3f} and no refit reopened it")
+        window = events[i + 1:end]
+        waiting = {e["request_id"] for e in window if e["kind"] == "request" and e["event"] == "accepted"}
+        ended = [e for e in window if e["kind"] == "request" and (e["event"] == "returned" or (
+            e["event"] == "completed" and e["request_id"] in waiting))]
+        if not waiting:
+            out.append(f"no request was accepted while the gate was closed below quorum (t={closed['t']:.3f})")
+        out += [f"request {e['request_id']} {e['event']} while the gate was closed below quorum" for e in ended]
+    return out
+
+
 def check_all(events: list[dict], deadline_s: float, slack_s: float = 2.0) -> list[str]:
     return (
         requests_accounted(events)

@@ -1,9 +1,12 @@
 """The fault matrix: every failure class of DESIGN.md as a plan with its expected outcome.
 
 Each variant is a plan (``health.faultplan`` format) plus the extra checks that
-prove its point beyond "recovered": a frozen shard must be evicted (not merely
-skipped), a killed shard must come back and serve, a slot killed past its
-restart budget must be retired.
+prove its point beyond "recovered" or "stopped": a frozen shard must be evicted (not
+merely skipped), a killed shard must come back and serve, a slot killed past its
+restart budget must be retired, a stop must name the slot that caused it, requests
+must wait while the fleet is below quorum between refits. The trainer's own faults
+(a bad update, a stale version, two refits at once) must change nothing but their
+refit.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ BASE_FLEET = {
 @dataclass(frozen=True)
 class Variant:
     plan: dict
-    checks: tuple[str, ...] = ()  # "evicted:<slot>", "readmitted:<slot>", "retired:<slot>"
+    # "evicted:<slot>", "readmitted:<slot>", "retired:<slot>", "stop_names:<slot>", "below_quorum"
+    checks: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -54,6 +58,20 @@ MATRIX: tuple[Variant, ...] = (
        checks=("evicted:0",), description="a frozen shard is left out of the retry, then evicted, not waited on"),
     _v("restart-readmission", "recovers", [{"where": "step_boundary", "what": "kill", "shard": 1, "step": 1}],
        checks=("readmitted:1",), description="the killed shard restarts, joins the next refit and serves again"),
+    _v("bad-update-wrong-shape", "recovers", [{"where": "update", "what": "corrupt_shape", "step": 1}], steps=1,
+       description="an update with a tensor of the wrong shape is refused naming it; the next update commits"),
+    _v("bad-update-missing-layer", "recovers", [{"where": "update", "what": "corrupt_missing_layer", "step": 1}],
+       steps=1, description="an update without one decoder layer is refused naming it; the next update commits"),
+    _v("misuse-stale-version", "recovers", [{"where": "call", "what": "stale_version", "step": 1}], steps=1,
+       description="a refit of a version not above the committed one, requests in flight: refused, nothing changes"),
+    _v("two-concurrent-refits", "recovers", [{"where": "call", "what": "concurrent_refit", "step": 1}], steps=1,
+       description="two refits at once from two threads: one after the other, never interleaved"),
+    _v("below-quorum-between-refits", "recovers",
+       [{"where": "between_refits", "what": "kill", "shard": 0, "step": 1},
+        {"where": "between_refits", "what": "kill", "shard": 1, "step": 1}],
+       checks=("below_quorum",), steps=1,
+       description="two of three shards die between refits: requests wait at the closed gate until the "
+                   "restarted shards come back and the next refit brings quorum back"),
     _v("restart-budget-exhausted", "recovers",
        [{"where": "step_boundary", "what": "kill", "shard": 2, "step": 1, "every": 1, "times": 2}],
        checks=("retired:2",), fleet={"restart_budget": 1},
@@ -65,6 +83,11 @@ MATRIX: tuple[Variant, ...] = (
     _v("hang-past-deadline", "stops", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}], steps=1,
        description="a pause that never returns: the refit stops with the gate closed within its deadline"),
     _v("false-ack-on-resume", "stops", [{"where": "resume", "what": "false_ack", "shard": 2, "step": 1}], steps=1),
+    _v("unavailable-at-resume", "stops", [{"where": "resume", "what": "unavailable", "shard": 2, "step": 1}], steps=1,
+       checks=("stop_names:2",),
+       description="a resume answers 'unavailable': nobody can tell whether that engine resumed; the refit stops"),
+    _v("hang-at-resume", "stops", [{"where": "resume", "what": "hang", "shard": 0, "step": 1}], steps=1,
+       checks=("stop_names:0",), description="a resume that never returns: the refit stops within its deadline"),
 )
 
 

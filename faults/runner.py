@@ -1,10 +1,13 @@
 """Run fault plans against a short async loop on a real fleet, and judge each against its expectation.
 
-The loop, per step: new weights on the source, a batch of generation groups in
-flight, the step's faults fired (``faults.firing``: a kill now, or a fault armed
-at a hook point), then ``sync_weights``. Afterwards the runner collects every
-result, checks the DESIGN invariants on the event log, and the variant's own
-checks (evicted, readmitted, retired), and ``judge`` proves from the records
+The loop, per step: a batch of generation groups in flight, the step's faults
+fired (``faults.firing``: a kill now, a fault armed at a hook point, or a trainer's
+fault: a refit call of its own, through this runner as the ``Trainer``), then new
+weights on the source and ``sync_weights``. Nothing is collected before the last
+refit (a fleet below quorum holds requests until a refit reopens the gate).
+Afterwards the runner collects every result, checks the DESIGN invariants on the
+event log, and the variant's own checks (evicted, readmitted, retired, the stop
+naming the slot, requests waiting below quorum), and ``judge`` proves from the records
 that each fault went off on its slot and incarnation and did what it should
 (``faults.evidence``: the shards' fault journal, a file this runner names in the
 engine config, and the event log); fault -> reopen is measured from the firing.
@@ -137,9 +140,21 @@ class FaultRunner:
             self.refit(fleet)
 
     def refit(self, fleet: Fleet) -> dict:
+        return fleet.sync_weights(self.new_version(), self._source)
+
+    # ------------------------------------------------------------------ the trainer (faults.firing.Trainer)
+    @property
+    def source(self):
+        return self._source
+
+    def new_version(self) -> int:
+        """A deterministic training step on the weight source; its version number."""
         self._version += 1
         ray_io.ask(self._source, "perturb", self._version, 0.01, timeout=60)
-        return fleet.sync_weights(self._version, self._source)
+        return self._version
+
+    def corrupt_next_update(self, kind: str | None, tensor: str) -> None:
+        ray_io.ask(self._source, "corrupt_next_update", kind, tensor, timeout=60)
 
     # ------------------------------------------------------------------ one variant
     def run(self, variant: Variant) -> VariantReport:
@@ -165,11 +180,18 @@ class FaultRunner:
         mark = len(fleet.events())
         before = fleet.status()["requests"]
         t0 = time.monotonic()
-        firing = FaultFiring(fleet, resolve(plan, self._config(plan)["num_engines"]), log=self.say)
-        stopped: str | None = None
         pending: list = []
+
+        def load() -> int:
+            batch = [fleet.submit(PROMPT, self.n, SAMPLING) for _ in range(self.groups)]
+            pending.extend(batch)
+            return len(batch)
+
+        firings = resolve(plan, self._config(plan)["num_engines"])
+        firing = FaultFiring(fleet, firings, log=self.say, trainer=self, load=load)
+        stopped: str | None = None
         for step in range(1, plan.steps + 1):
-            pending += [fleet.submit(PROMPT, self.n, SAMPLING) for _ in range(self.groups)]
+            load()
             firing.at(step)
             try:
                 self.refit(fleet)
@@ -180,15 +202,21 @@ class FaultRunner:
         rep.observed = "stops" if stopped else "recovers"
         if stopped:
             rep.notes.append(f"stopped: {stopped[:300]}")
-        self._extra_checks(fleet, variant, rep)
+        self._extra_checks(fleet, variant, rep, mark)
         events = self._account(fleet, before, mark, results, rep)
         judge(rep, firing.fired, events[mark:], self.journal_since(t0))
 
-    def _extra_checks(self, fleet: Fleet, variant: Variant, rep: VariantReport) -> None:
+    def _extra_checks(self, fleet: Fleet, variant: Variant, rep: VariantReport, mark: int) -> None:
         for check in variant.checks:
-            kind, slot = check.split(":")
-            slot = int(slot)
-            if kind == "evicted":
+            kind, _, arg = check.partition(":")
+            slot = int(arg) if arg else None
+            if kind == "below_quorum":
+                problems = invariants.requests_waited_below_quorum(fleet.events()[mark:])
+                rep.violations += [f"check {check}: {p}" for p in problems]
+                continue
+            if kind == "stop_names":
+                ok = any(f"slot {slot}" in e["reason"] for e in fleet.events(mark, kinds=["stopped"]))
+            elif kind == "evicted":
                 ok = self._wait(lambda: any(e["slot"] == slot and "evicted" in e["reason"] for e in fleet.events(kinds=["kill"])),
                                 60, f"eviction of slot {slot}")
             elif kind == "retired":

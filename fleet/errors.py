@@ -35,6 +35,11 @@ class EngineCrashedError(ShardUnusableError):
     """The engine core process behind a live shard actor died; the shard must be replaced."""
 
 
+class ShardUnavailableError(RlfleetError):
+    """The shard could not take this call right now (it may come back): suspect, not dead. The door
+    maps it to the ``unavailable`` outcome kind, as it maps Ray's own ``ActorUnavailableError``."""
+
+
 class DeadlineExceeded(RlfleetError, TimeoutError):
     """A bounded call did not finish within its deadline. The shard is hung, not proven dead."""
 

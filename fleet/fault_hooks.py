@@ -17,6 +17,8 @@ applies to every hooked call from the moment it is armed):
 - ``slow``: every hooked call is delayed by ``delay_s``.
 - ``crash_engine``: the engine-core process is killed (SIGKILL); the actor lives on and
   reports ``EngineCrashedError`` from then on.
+- ``unavailable``: this one call raises ``ShardUnavailableError`` (the door reads it as
+  ``unavailable``, like Ray's ``ActorUnavailableError``); other calls still answer.
 
 The fault journal: when the shard's config names one (``EngineConfig.fault_journal``),
 every fault that goes off is first appended to it as one JSON line (``t`` from
@@ -38,8 +40,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from fleet.errors import ShardUnavailableError
+
 POINTS = ("pause", "resume", "set_weight_version", "generate", "ping", "transfer")
-ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine")
+ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine", "unavailable")
 
 
 @dataclass
@@ -82,7 +86,8 @@ class FaultHooks:
         self._armed.append(fault)
 
     async def at(self, point: str) -> bool:
-        """Run the hook for ``point``. Returns True when the call must answer ``False`` (a lie)."""
+        """Run the hook for ``point``. Returns True when the call must answer ``False`` (a lie); raises
+        ``ShardUnavailableError`` for ``unavailable``."""
         if self._slow is not None:
             if not self._slow_recorded:
                 self._slow_recorded = True
@@ -116,6 +121,11 @@ class FaultHooks:
         action = fault.action
         if action == "false_ack":
             return True
+        elif action == "unavailable":
+            raise ShardUnavailableError(
+                f"fault injected: slot {self._who['slot']} (incarnation {self._who['incarnation']}) "
+                f"unavailable at {fault.point}"
+            )
         elif action == "hang":
             await asyncio.sleep(10**6)
         elif action == "kill":

@@ -27,19 +27,26 @@ from ray import exceptions as rex
 from ray.actor import ActorHandle
 
 from fleet.config import EngineConfig
-from fleet.errors import ConfigError, DeadlineExceeded
+from fleet.errors import ConfigError, DeadlineExceeded, ShardUnavailableError
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome  # noqa: F401 - re-exported
+
+# The shard's own exceptions that are not answers: what each says about the shard.
+_SHARD_SAYS = ((DeadlineExceeded, TIMED_OUT), (ShardUnavailableError, UNAVAILABLE))
+
 
 def _classify(exc: BaseException) -> str:
     """Map what a call raised to an outcome kind, from the outside in.
 
     An exception the actor itself raised arrives wrapped in ``RayTaskError``: that is
     an answer (``error``), never a death, even if the actor's own code saw an
-    ``ActorDiedError``; the one exception is the shard's own ``DeadlineExceeded``,
-    which means the shard is hung. A bare ``RayActorError`` is not a confirmed death.
+    ``ActorDiedError``; the exceptions are the shard's own ``DeadlineExceeded``, which
+    means the shard is hung (``timed_out``), and its ``ShardUnavailableError``, which
+    means it could not take the call (``unavailable``). A bare ``RayActorError`` is not
+    a confirmed death.
     """
     if isinstance(exc, rex.RayTaskError):
-        return TIMED_OUT if isinstance(_unwrap(exc), DeadlineExceeded) else ERROR
+        cause = _unwrap(exc)
+        return next((kind for cls, kind in _SHARD_SAYS if isinstance(cause, cls)), ERROR)
     if isinstance(exc, rex.ActorDiedError):
         return DIED
     if isinstance(exc, (rex.ActorUnavailableError, rex.RayActorError)):

@@ -14,10 +14,25 @@ code::
 ``where``: ``step_boundary`` (before the step's refit), ``pause``, ``transfer``,
 ``resume``, ``generate``. ``what``: ``kill`` (the actor process), ``freeze`` (stops
 answering), ``hang`` (one lifecycle call past its deadline), ``false_ack``,
-``slow`` (every call by ``delay_s``), ``crash_engine`` (the engine core inside a
-live actor). ``shard``: a slot number or ``random`` (drawn with the plan's seed).
-``step``: the step it fires at; ``every``: fire again every that many steps,
-``times`` times in all (repeated kills of one slot).
+``unavailable`` (one lifecycle call answers "unavailable"), ``slow`` (every call by
+``delay_s``), ``crash_engine`` (the engine core inside a live actor). ``shard``: a slot
+number or ``random`` (drawn with the plan's seed). ``step``: the step it fires at;
+``every``: fire again every that many steps, ``times`` times in all (repeated kills of
+one slot).
+
+``between_refits`` (``kill`` only): killed at the step boundary, and the step's refit
+waits until the controller found the death on its own and the slot is back up (kill
+two to take the fleet below quorum between refits, with requests waiting).
+
+Faults of the trainer's refit call itself name no ``shard``:
+
+- ``where: update``, ``what: corrupt_shape | corrupt_dtype | corrupt_missing_tensor |
+  corrupt_missing_layer``: the step's update carries a tensor of the wrong shape or
+  dtype, or leaves out one tensor or its whole decoder layer; that refit must be
+  refused naming the tensor, the fleet serving on; the next (correct) one commits;
+- ``where: call``, ``what: stale_version`` (a refit whose version is not greater than
+  the committed one, while requests are in flight: refused, nothing changes) or
+  ``concurrent_refit`` (two refits at once from two threads: they must not overlap).
 
 Pure: no Ray, no vLLM. ``load_plan`` raises ``ValueError`` naming the field
 (``faults[0].where``) and the allowed values; ``resolve`` turns a plan into
@@ -30,21 +45,35 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-WHERE = ("step_boundary", "pause", "transfer", "resume", "generate")
-WHAT = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine")
-EXPECT = ("recovers", "stops")
-# Which actions make sense where: a lie needs a call that acknowledges; a hang needs a call with a deadline.
-ALLOWED = {
-    "false_ack": ("pause", "resume"),
+HOOKED = ("pause", "transfer", "resume", "generate")  # the shard's hook points a plan can name
+SHARD_WHERE = ("step_boundary", "between_refits") + HOOKED
+TRAINER_WHERE = ("update", "call")  # faults of the trainer's refit call, not of a shard
+WHERE = SHARD_WHERE + TRAINER_WHERE
+CORRUPTIONS = ("shape", "dtype", "missing_tensor", "missing_layer")  # ``faults.source.WeightSource`` kinds
+_ANYWHERE = ("step_boundary",) + HOOKED
+# What is possible where: a lie needs a call that acknowledges; a hang needs a call with a deadline;
+# a trainer's fault happens in its own refit call.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "kill": ("step_boundary", "between_refits") + HOOKED,
+    "freeze": _ANYWHERE,
     "hang": ("pause", "transfer", "resume"),
+    "false_ack": ("pause", "resume"),
+    "unavailable": ("pause", "resume"),
+    "slow": _ANYWHERE,
+    "crash_engine": _ANYWHERE,
+    **{f"corrupt_{kind}": ("update",) for kind in CORRUPTIONS},
+    "stale_version": ("call",),
+    "concurrent_refit": ("call",),
 }
+WHAT = tuple(ALLOWED)
+EXPECT = ("recovers", "stops")
 
 
 @dataclass(frozen=True)
 class FaultSpec:
     where: str
     what: str
-    shard: int | str
+    shard: int | str | None  # None: a trainer's fault (``TRAINER_WHERE``)
     step: int = 1
     delay_s: float = 0.0
     every: int = 0
@@ -64,12 +93,12 @@ class FaultPlan:
 
 @dataclass(frozen=True)
 class Firing:
-    """One concrete fault: at ``step``, at ``where``, do ``what`` to ``slot``."""
+    """One concrete fault: at ``step``, at ``where``, do ``what`` to ``slot`` (None: to the trainer's refit)."""
 
     step: int
     where: str
     what: str
-    slot: int
+    slot: int | None
     delay_s: float = 0.0
 
 
@@ -92,10 +121,14 @@ def _fault(d: Any, i: int, steps: int) -> FaultSpec:
     where, what = d.get("where"), d.get("what")
     _need(where in WHERE, f"{at}.where", f"must be one of {WHERE}", where)
     _need(what in WHAT, f"{at}.what", f"must be one of {WHAT}", what)
-    if what in ALLOWED:
-        _need(where in ALLOWED[what], f"{at}.where", f"{what} is only possible at {ALLOWED[what]}", where)
-    shard = d.get("shard", "random")
-    _need(shard == "random" or (type(shard) is int and shard >= 0), f"{at}.shard", "must be a slot >= 0 or 'random'", shard)
+    _need(where in ALLOWED[what], f"{at}.where", f"{what} is only possible at {ALLOWED[what]}", where)
+    if where in TRAINER_WHERE:
+        _need("shard" not in d, f"{at}.shard", f"a fault at {where} acts on the trainer's refit call, not on a "
+              "shard: leave shard out", d.get("shard"))
+        shard = None
+    else:
+        shard = d.get("shard", "random")
+        _need(shard == "random" or (type(shard) is int and shard >= 0), f"{at}.shard", "must be a slot >= 0 or 'random'", shard)
     step = _int(d, "step", 1, at, 1)
     _need(step <= steps, f"{at}.step", f"must be within the plan's {steps} steps", step)
     delay = d.get("delay_s", 0.0)
@@ -134,9 +167,9 @@ def resolve(plan: FaultPlan, num_engines: int) -> list[Firing]:
     out = []
     for i, f in enumerate(plan.faults):
         slot = rng.randrange(num_engines) if f.shard == "random" else f.shard
-        _need(slot < num_engines, f"faults[{i}].shard", f"must be below the fleet's {num_engines} engines", slot)
+        _need(slot is None or slot < num_engines, f"faults[{i}].shard", f"must be below the fleet's {num_engines} engines", slot)
         for k in range(f.times):
             step = f.step + k * f.every
             if step <= plan.steps:
                 out.append(Firing(step, f.where, f.what, slot, f.delay_s))
-    return sorted(out, key=lambda x: (x.step, x.slot))
+    return sorted(out, key=lambda x: (x.step, -1 if x.slot is None else x.slot))

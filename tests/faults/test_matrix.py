@@ -4,8 +4,11 @@ Each variant runs the short async loop of ``faults.runner`` (generation in
 flight across refits, the fault fired at its hook point), then checks the DESIGN
 invariants on the event log: no prompt lost, no wrong version tag, no phase past
 its deadline, no reopened gate after a stop, plus the variant's own checks
-(evicted, readmitted, retired), and that every fault it fired went off on its slot
-and incarnation (the fault journal) and was followed by its health transition.
+(evicted, readmitted, retired, the stop naming the slot, requests waiting below
+quorum), and that every fault it fired went off on its slot and incarnation (the
+fault journal) and was followed by its health transition, or, for a trainer's fault
+(a bad update, a stale version, two refits at once), that its refit call ended as it
+must (``faults.evidence``).
 Consecutive recovering variants share one fleet.
 """
 

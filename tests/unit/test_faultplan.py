@@ -34,6 +34,15 @@ def test_yaml_plan_loads_and_resolves():
         ({"faults": [{"where": "pause", "what": "kill", "shard": 0, "step": 9}]}, r"faults\[0\]\.step"),
         ({"faults": [{"where": "pause", "what": "kill", "shard": 0, "times": 3}]}, r"faults\[0\]\.every"),
         ({"bogus": 1}, "unknown keys"),
+        ({"faults": [{"where": "generate", "what": "unavailable", "shard": 0}]}, r"faults\[0\]\.where"),
+        ({"faults": [{"where": "pause", "what": "corrupt_shape", "shard": 0}]}, r"faults\[0\]\.where.*update"),
+        ({"faults": [{"where": "update", "what": "kill"}]}, r"faults\[0\]\.where"),
+        ({"faults": [{"where": "update", "what": "corrupt_colour"}]}, r"faults\[0\]\.what"),
+        ({"faults": [{"where": "update", "what": "corrupt_shape", "shard": 1}]}, r"faults\[0\]\.shard.*leave shard out"),
+        ({"faults": [{"where": "call", "what": "stale_version", "shard": "random"}]}, r"faults\[0\]\.shard"),
+        ({"faults": [{"where": "update", "what": "stale_version"}]}, r"faults\[0\]\.where.*call"),
+        ({"faults": [{"where": "call", "what": "concurrent_refit", "step": 0}]}, r"faults\[0\]\.step"),
+        ({"faults": [{"where": "between_refits", "what": "freeze", "shard": 0}]}, r"faults\[0\]\.where"),
     ],
 )
 def test_bad_plans_name_the_field(over, field):
@@ -49,12 +58,23 @@ def test_random_shard_is_seeded_and_repeats_follow_every():
         resolve(load_plan(plan(faults=[{"where": "pause", "what": "kill", "shard": 7}])), 3)
 
 
+def test_trainer_faults_name_no_shard_and_resolve_to_no_slot():
+    p = load_plan(plan(steps=2, faults=[{"where": "call", "what": "concurrent_refit", "step": 2},
+                                        {"where": "update", "what": "corrupt_missing_layer", "step": 1, "every": 1, "times": 2},
+                                        {"where": "between_refits", "what": "kill", "shard": 2, "step": 2}]))
+    got = [(f.step, f.where, f.what, f.slot) for f in resolve(p, 3)]
+    assert got == [(1, "update", "corrupt_missing_layer", None), (2, "call", "concurrent_refit", None),
+                   (2, "update", "corrupt_missing_layer", None), (2, "between_refits", "kill", 2)]
+
+
 def test_matrix_covers_every_required_variant_and_all_plans_are_valid():
     names = {v.name for v in MATRIX}
     required = {"kill-step-boundary", "kill-during-pause", "kill-during-transfer", "kill-during-resume",
                 "kill-two-below-quorum", "freeze-during-transfer", "hang-past-deadline", "false-ack-on-resume",
-                "restart-readmission", "engine-core-crash", "restart-budget-exhausted"}
-    assert required <= names
+                "restart-readmission", "engine-core-crash", "restart-budget-exhausted",
+                "unavailable-at-resume", "hang-at-resume", "bad-update-wrong-shape", "bad-update-missing-layer",
+                "misuse-stale-version", "two-concurrent-refits", "below-quorum-between-refits"}
+    assert required <= names and len(MATRIX) == len(names) == 18
     for v in MATRIX:
         load_plan(v.plan)
     with pytest.raises(ValueError, match="unknown matrix variant"):
@@ -80,6 +100,18 @@ def test_a_fault_is_in_the_journal_before_it_acts(tmp_path, monkeypatch):
     got = [(r["slot"], r["incarnation"], r["point"], r["action"]) for r in on_disk_at_exit]
     assert got == [(2, 3, "pause", "false_ack"), (2, 3, "transfer", "kill")]
     assert on_disk_at_exit == hooks.fired and not hooks.armed
+
+
+def test_unavailable_raises_from_its_one_call_after_it_is_journaled(tmp_path):
+    from fleet.errors import ShardUnavailableError
+
+    journal = tmp_path / "fired.jsonl"
+    hooks = FaultHooks(lambda: [], slot=2, incarnation=1, journal=str(journal))
+    hooks.arm(ArmedFault("resume", "unavailable"))
+    with pytest.raises(ShardUnavailableError, match=r"slot 2 \(incarnation 1\) unavailable at resume"):
+        asyncio.run(hooks.at("resume"))
+    assert [(r["point"], r["action"]) for r in read_log(journal)] == [("resume", "unavailable")]
+    assert asyncio.run(hooks.at("resume")) is False, "only the one call"
 
 
 def test_slow_is_journaled_once_and_a_journal_that_cannot_be_written_refuses_the_arming(tmp_path):

@@ -58,3 +58,11 @@ def test_a_bad_plan_file_is_refused_naming_the_field(stub_runner, tmp_path, caps
     rc = cli.main(["faults", "run", "--plan", str(plan), "--model", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and "faults[0].what" in err and "melt" in err and "names" not in stub_runner
+
+
+def test_a_trainer_s_fault_is_listed_without_a_slot():
+    from cli.faults import _fault_cells
+
+    row = {"fault_to_reopen_s": 0.6, "faults": [{"slot": None, "incarnation": None, "point": "update",
+                                                 "action": "corrupt_shape", "fault_to_reopen_s": 0.6}]}
+    assert _fault_cells(row) == {"fired": "update:corrupt_shape", "fault_to_reopen_s": "0.6"}

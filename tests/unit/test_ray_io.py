@@ -2,7 +2,7 @@
 
 from ray import exceptions as rex
 
-from fleet.errors import DeadlineExceeded
+from fleet.errors import DeadlineExceeded, ShardUnavailableError
 from fleet.ray_io import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, outcome_of
 
 
@@ -25,6 +25,9 @@ def test_an_actor_answering_with_an_error_is_not_dead():
     assert outcome_of(exc=_task_error(rex.ActorDiedError())).kind == ERROR
     # the shard's own deadline means the shard is hung
     assert outcome_of(exc=_task_error(DeadlineExceeded("pause did not finish"))).kind == TIMED_OUT
+    # the shard's own "unavailable" means it could not take the call, as Ray's ActorUnavailableError does
+    out = outcome_of(exc=_task_error(ShardUnavailableError("slot 2 unavailable at resume")))
+    assert out.kind == UNAVAILABLE and isinstance(out.error, ShardUnavailableError)
 
 
 def test_acks_must_be_exactly_true():
@@ -82,6 +85,8 @@ class PreemptedDeath(rex.ActorDiedError):
         (_task_error(ValueError("shape")), FailureClass.ERROR),
         (_task_error(rex.ActorDiedError()), FailureClass.ERROR),
         (_task_error(TimeoutError("inner")), FailureClass.ERROR),
+        (_task_error(DeadlineExceeded("resume did not finish")), FailureClass.HUNG),
+        (_task_error(ShardUnavailableError("unavailable at resume")), FailureClass.SUSPECT),
         (ValueError("bad weights"), FailureClass.ERROR),
         (RuntimeError("cuda"), FailureClass.ERROR),
     ],

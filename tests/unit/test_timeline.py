@@ -234,3 +234,173 @@ def test_a_step_boundary_kill_is_proven_by_the_controller_s_own_record():
                             "left_for": "dead", "fault_to_reopen_s": 2.7, "recover_s": 10.1}
     rows, problems = prove(done * 2, demo_log(), journal=[])
     assert len(rows) == 1 and "did not fire" in problems[0], "one record proves one firing"
+
+
+# ---------------------------------------------------------------------------------- a trainer's faults: fired and proven
+from faults.firing import TENSOR, FaultFiring  # noqa: E402
+from faults.invariants import requests_waited_below_quorum  # noqa: E402
+from fleet.errors import RefitRefused  # noqa: E402
+from health.faultplan import Firing  # noqa: E402
+
+SHAPE = f"tensor {TENSOR}: shape (8, 9), engine expects (8, 8)"
+
+
+class _Trainer:
+    source = "the-source"
+
+    def __init__(self):
+        self.version, self.corruptions = 3, []
+
+    def new_version(self):
+        self.version += 1
+        return self.version
+
+    def corrupt_next_update(self, kind, tensor):
+        self.corruptions.append((kind, tensor))
+
+
+class _Fleet:
+    """Commits versions above ``committed`` unless the trainer's update is corrupt; kills make slots restart."""
+
+    def __init__(self, trainer=None):
+        self.trainer, self.committed, self.synced = trainer, 3, []
+        self.slots = {s: ["healthy", 1] for s in range(3)}
+
+    def status(self):
+        return {"gate_open": True, "version": self.committed, "requests": {"in_progress": 2},
+                "ledger": {"slots": [{"slot": s, "state": st, "incarnation": i} for s, (st, i) in self.slots.items()]}}
+
+    def sync_weights(self, version, source):
+        self.synced.append(version)
+        if self.trainer and self.trainer.corruptions and self.trainer.corruptions[-1][0]:
+            raise RefitRefused(f"weight update for version {version} refused: {SHAPE}")
+        if version <= self.committed:
+            raise RefitRefused(f"sync_weights: version {version} is not greater than the committed version "
+                               f"{self.committed}")
+        self.committed = version
+        return {"version": version}
+
+    def kill_shard(self, slot):
+        self.slots[slot] = ["restarting", self.slots[slot][1] + 1]
+
+
+def test_trainer_faults_are_refit_calls_the_firing_makes_and_records():
+    trainer = _Trainer()
+    fleet = _Fleet(trainer)
+    firing = FaultFiring(fleet, [Firing(1, "update", "corrupt_shape", None), Firing(1, "call", "stale_version", None),
+                                 Firing(1, "call", "concurrent_refit", None)], trainer=trainer)
+    firing.at(1)
+    bad, stale, both = firing.fired
+    assert trainer.corruptions == [("shape", TENSOR), (None, TENSOR)], "corrupted for one refit, then restored"
+    assert [(c["version"], c["outcome"]) for c in bad["calls"]] == [(4, "refused")] and SHAPE in bad["calls"][0]["error"]
+    assert bad["tensor"] == TENSOR and bad["after"]["version"] == 3
+    assert [(c["version"], c["outcome"]) for c in stale["calls"]] == [(3, "refused")]
+    assert sorted(c["version"] for c in both["calls"]) == [5, 6] and fleet.committed in (5, 6)
+    assert {c["outcome"] for c in both["calls"]} <= {"committed", "refused"}
+    with pytest.raises(ValueError, match="needs the trainer"):
+        FaultFiring(fleet).fire(Firing(1, "call", "stale_version", None))
+
+
+def test_between_refits_kills_wait_for_the_controller_then_load_then_the_restarts():
+    fleet = _Fleet()
+    seen = []
+
+    def load():
+        seen.append({s: st for s, (st, _) in fleet.slots.items()})
+        for s in (0, 1):
+            fleet.slots[s][0] = "stale"  # the restarts come back
+        return 8
+
+    firing = FaultFiring(fleet, [Firing(1, "between_refits", "kill", 0), Firing(1, "between_refits", "kill", 1)],
+                         load=load, up_timeout_s=5)
+    firing.at(1)
+    assert seen == [{0: "restarting", 1: "restarting", 2: "healthy"}], "requests submitted while both were gone"
+    assert [(f["slot"], f["submitted_while_gone"]) for f in firing.fired] == [(0, 8), (1, 8)]
+
+
+def _call(version, outcome, error=None, began=10.0, ended=11.0):
+    return {"version": version, "outcome": outcome, "error": error, "began": began, "ended": ended}
+
+
+def _refit(t, version, reopen=True):
+    out = [{"kind": "phase", "phase": p, "edge": e, "version": version, "t": t + k * 0.1}
+           for k, (p, e) in enumerate([("close", "begin"), ("close", "end"), ("reopen", "begin"), ("reopen", "end")])]
+    return out + ([{"kind": "gate", "open": True, "version": version, "t": t + 0.25}] if reopen else [])
+
+
+def _corrupt_done(**over):
+    base = {"step": 1, "where": "update", "what": "corrupt_shape", "slot": None, "delay_s": 0.0, "t": 1.0,
+            "tensor": TENSOR, "calls": [_call(4, "refused", f"RefitRefused: ... {SHAPE}")],
+            "before": {"gate_open": True, "version": 3, "states": {0: "healthy"}},
+            "after": {"gate_open": True, "version": 3, "states": {0: "healthy"}}}
+    return {**base, **over}
+
+
+def _corrupt_log():
+    return [{"kind": "gate", "open": False, "version": 3, "t": 10.1, "reason": "refit of version 4"},
+            {"kind": "refit_rolled_back", "version": 4, "reason": f"RefitRefused: {SHAPE}", "t": 10.5},
+            {"kind": "gate", "open": True, "version": 3, "t": 10.6}] + _refit(12.0, 5)
+
+
+def test_a_refused_update_is_proven_by_its_rollback_naming_the_tensor_and_the_next_commit():
+    rows, problems = prove([_corrupt_done()], _corrupt_log(), journal=[])
+    assert problems == [] and rows == [{"slot": None, "incarnation": None, "point": "update", "action": "corrupt_shape",
+                                        "t": 10.0, "left_for": "rolled_back", "fault_to_reopen_s": 0.6,
+                                        "recover_s": None}]
+    no_rollback = [e for e in _corrupt_log() if e["kind"] != "refit_rolled_back"]
+    rows, problems = prove([_corrupt_done()], no_rollback, journal=[])
+    assert rows[0]["left_for"] is None and "no refit_rolled_back record of version 4" in problems[0]
+    committed = _corrupt_done(calls=[_call(4, "committed")], after={"gate_open": True, "version": 4, "states": {0: "healthy"}})
+    _, problems = prove([committed], _corrupt_log(), journal=[])
+    assert "was not refused naming" in problems[0] and "did not keep serving version 3" in problems[1]
+    _, problems = prove([_corrupt_done()], _corrupt_log()[:3], journal=[])
+    assert problems == ["fault corrupt_shape at update (version(s) 4): no later refit reopened the gate on a version above 3"]
+    _, problems = prove([_corrupt_done(calls=[])], _corrupt_log(), journal=[])
+    assert problems == ["fault corrupt_shape at update did not fire: the driver made no refit call for it"]
+
+
+def test_a_stale_version_is_refused_without_touching_the_gate():
+    done = {"step": 1, "where": "call", "what": "stale_version", "slot": None, "t": 1.0,
+            "calls": [_call(3, "refused", "RefitRefused: version 3 is not greater than the committed version 3")]}
+    quiet = [{"kind": "decision", "t": 10.5}] + _refit(12.0, 4)
+    rows, problems = prove([done], quiet, journal=[])
+    assert problems == [] and rows[0]["left_for"] == "refused" and rows[0]["fault_to_reopen_s"] == 2.25
+    closed = [{"kind": "gate", "open": False, "version": 3, "t": 10.5, "reason": "refit of version 3"}] + quiet
+    _, problems = prove([done], closed, journal=[])
+    assert "the refused call changed something" in problems[0]
+
+
+def test_concurrent_refits_must_not_interleave():
+    done = {"step": 1, "where": "call", "what": "concurrent_refit", "slot": None, "t": 1.0,
+            "calls": [_call(4, "committed"), _call(5, "committed")]}
+    rows, problems = prove([done], _refit(10.0, 4) + _refit(10.5, 5), journal=[])
+    assert problems == [] and rows[0]["left_for"] == "serialized"
+    interleaved = sorted(_refit(10.0, 4) + _refit(10.15, 5), key=lambda e: e["t"])
+    _, problems = prove([done], interleaved, journal=[])
+    assert "the refits overlapped: version 5 began at t=10.150, before version 4 ended" in problems[0]
+    second_refused = {**done, "calls": [_call(5, "committed"), _call(4, "refused", "RefitRefused: version 4 is not "
+                                                                                  "greater than the committed version 5")]}
+    assert prove([second_refused], _refit(10.0, 5), journal=[])[1] == []
+    failed = {**done, "calls": [_call(4, "committed"), _call(5, "stopped", "FleetStopped: ...")]}
+    assert "not one committed and the other" in prove([failed], _refit(10.0, 4), journal=[])[1][0]
+
+
+def _below_quorum_log(returned=False, early=False):
+    log = [{"kind": "gate", "open": False, "version": 3, "t": 1.0, "reason": "below quorum between refits: 1 engine(s)"},
+           {"kind": "request", "event": "accepted", "request_id": "r1", "t": 2.0}]
+    if returned:
+        log.append({"kind": "request", "event": "returned", "request_id": "r0", "t": 2.5})
+    if early:
+        log.append({"kind": "request", "event": "completed", "request_id": "r1", "t": 2.6})
+    return log + _refit(5.0, 4) + [{"kind": "request", "event": "completed", "request_id": "r1", "t": 6.0}]
+
+
+def test_requests_wait_while_the_fleet_is_below_quorum_until_a_refit_reopens_the_gate():
+    assert requests_waited_below_quorum(_below_quorum_log()) == []
+    assert requests_waited_below_quorum(_below_quorum_log(returned=True)) == [
+        "request r0 returned while the gate was closed below quorum"]
+    assert requests_waited_below_quorum(_below_quorum_log(early=True)) == [
+        "request r1 completed while the gate was closed below quorum"]
+    assert requests_waited_below_quorum(_refit(5.0, 4)) == ["the gate never closed below quorum between refits"]
+    stopped = _below_quorum_log()[:2] + [{"kind": "stopped", "reason": "x", "t": 3.0}]
+    assert "no refit reopened it" in requests_waited_below_quorum(stopped)[0]
