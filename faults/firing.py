@@ -11,8 +11,8 @@ is proven):
 - a ``kill`` ``between_refits`` is the same kill; once the step's firings are done,
   the firing waits until the controller found each such slot gone (on its own, before
   any refit), submits a batch of requests (``load``: they must wait while the fleet is
-  below quorum), then waits until the slots are back up (restarted, stale), so the
-  step's refit can bring them in;
+  below quorum), then waits until the slots are back up (restarted, stale; or retired,
+  their restart budget spent: they never come back), so the step's refit can bring them in;
 - every other shard fault is armed with ``Fleet.arm_fault`` at the shard's hook point
   for its ``where`` and goes off when the shard reaches that point;
 - a trainer's fault (``where: update`` or ``call``) is a ``sync_weights`` call the
@@ -159,9 +159,10 @@ class FaultFiring:
 
         self._say_if(not wait_until(gone, 60), f"gave up waiting for the controller to find slots {sorted(killed)} gone")
         waiting = self.load() if self.load else 0
-        up = lambda: all(slot_states(self.fleet.status())[s] in UP for s in killed)  # noqa: E731
-        self._say_if(not wait_until(up, self.up_timeout_s),
+        back = lambda: {s: st for s, st in slot_states(self.fleet.status()).items() if s in killed}  # noqa: E731
+        self._say_if(not wait_until(lambda: set(back().values()) <= {*UP, "retired"}, self.up_timeout_s),
                      f"gave up waiting for slots {sorted(killed)} back up after {self.up_timeout_s:.0f} s")
+        self._say_if("retired" in back().values(), f"not back (retired: restart budget spent): {back()}")
         for rec in self.fired:
             if rec["where"] == "between_refits" and rec["slot"] in killed and "submitted_while_gone" not in rec:
                 rec["submitted_while_gone"] = waiting

@@ -69,7 +69,8 @@ MATRIX: tuple[Variant, ...] = (
     _v("below-quorum-between-refits", "recovers",
        [{"where": "between_refits", "what": "kill", "shard": 0, "step": 1},
         {"where": "between_refits", "what": "kill", "shard": 1, "step": 1}],
-       checks=("below_quorum",), steps=1,
+       checks=("below_quorum", "readmitted:0", "readmitted:1"), steps=1,
+       fleet={"restart_budget": 5},  # its own fleet: earlier variants may have spent these slots' restart budgets
        description="two of three shards die between refits: requests wait at the closed gate until the "
                    "restarted shards come back and the next refit brings quorum back"),
     _v("restart-budget-exhausted", "recovers",
