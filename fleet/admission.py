@@ -94,6 +94,7 @@ class AdmissionController:
             return None
         if stats is not None:
             rec.stats = stats
+            self._load_from(rec, stats)
         if not self.cfg.enabled:
             return None
         prefix = f"slot {slot}" + (f" (incarnation {rec.incarnation})" if rec.incarnation is not None else "")
@@ -117,6 +118,18 @@ class AdmissionController:
         ):
             return f"{prefix}: {first}{reason}"
         return None
+
+    @staticmethod
+    def _load_from(rec: _Slot, stats: EngineStats) -> None:
+        """Requests go straight from clients to the shard, so the shard counts its own load: in flight now,
+        finished so far, and the peak and trough since the last poll (``EngineShard.stats``)."""
+        load = stats.extra.get("load") if isinstance(stats.extra, dict) else None
+        if not load:
+            return  # stats without the shard's counts (older shard, unit test): dispatch events count
+        rec.in_flight = int(stats.in_flight)
+        rec.finished = int(load.get("finished", rec.finished))
+        rec.peak = max(int(load.get("peak", rec.in_flight)), rec.in_flight)
+        rec.trough = min(int(load.get("trough", rec.in_flight)), rec.in_flight)
 
     def on_dispatch(self, slot: int, incarnation: int | None = None) -> None:
         """A request was sent to the slot."""

@@ -10,20 +10,28 @@ Every call is bounded. A bad config raises ``ConfigError`` (naming the field)
 before any actor exists. Results are ``FleetResult`` objects: ``completed`` with a
 ``GenerationResult`` tagged by weight version, slot and incarnation, or
 ``returned`` with the reason; nothing is dropped silently.
+
+Requests never pass through the controller: ``Fleet`` embeds a ``FleetClient``
+(``fleet.client``) that follows the controller's published routing state and calls
+the shards itself. The controller only decides (gate, version, membership).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import time
+
 from fleet import ray_io
+from fleet.client import FleetClient
 from fleet.controller import SingleController
 from fleet.errors import FleetStopped
 from fleet.dispatch import FleetResult
 from fleet.fleet_config import FleetConfig, load_fleet_config
+from fleet.routing import VersionPolicy
 
-# The controller only waits: no CPU reserved; high concurrency because every request passes through it.
-CONTROLLER_OPTIONS = dict(num_cpus=0, max_concurrency=100_000, max_restarts=0)
+# The controller only waits: no CPU reserved; its calls are control calls and one long poll per client.
+CONTROLLER_OPTIONS = dict(num_cpus=0, max_concurrency=10_000, max_restarts=0)
 
 
 def check_prompts(prompts: Any) -> list:
@@ -64,6 +72,13 @@ class Fleet:
         self._ctl = controller
         self.config = config
         self._shut_down: str | None = None
+        self.client: FleetClient | None = None
+
+    def _open_client(self) -> FleetClient:
+        """The data plane: a client in this process that follows the controller's routing state."""
+        self.client = FleetClient(self._ctl, self.config)
+        self.client.wait_routing(-1, 60)
+        return self.client
 
     def _ask(self, method: str, *args, timeout: float) -> Any:
         """Call the controller; a controller that is gone (shut down, killed) raises ``FleetStopped``."""
@@ -95,6 +110,7 @@ class Fleet:
         timeout = start_timeout_s or cfg.engine.start_timeout_s + 120
         try:
             ray_io.ask(ctl, "start", timeout=timeout)
+            fleet._open_client()
         except BaseException:
             fleet.shutdown()
             raise
@@ -104,28 +120,36 @@ class Fleet:
     def _request_bound_s(self) -> float:
         return self.config.request_timeout_s + 60
 
-    def generate(self, prompts: Sequence[Any], n: int = 1, sampling: dict | None = None) -> list[list[FleetResult]]:
+    def generate(self, prompts: Sequence[Any], n: int = 1, sampling: dict | None = None,
+                 version_policy: Any = None) -> list[list[FleetResult]]:
         """``n`` samples for each prompt (text or token ids), as one group per prompt.
 
         ``prompts`` is a list of prompts: ``generate([[1, 2, 3]])``, ``generate(["text"])``;
         a flat token list or a bare string is refused (``TypeError``) before anything is sent.
+        ``version_policy``: ``"latest"``, ``"max_staleness=K"`` or ``"any"``; default: the
+        fleet's ``max_staleness`` setting.
         """
         prompts = check_prompts(prompts)
-        pending = [self.submit(p, n, sampling) for p in prompts]
+        pending = [self.submit(p, n, sampling, version_policy) for p in prompts]
         return [self.collect(p) for p in pending]
 
-    def submit(self, prompt: Any, n: int = 1, sampling: dict | None = None):
-        """Start one group without waiting; ``collect(pending)`` returns its results."""
+    def submit(self, prompt: Any, n: int = 1, sampling: dict | None = None, version_policy: Any = None):
+        """Start one group without waiting; ``collect(pending)`` returns its results. Thread-safe."""
         self._check_open("submit")
         check_prompt(prompt)
         check_n(n)
         if sampling is not None and not isinstance(sampling, dict):
             raise TypeError(f"sampling must be a dict of vLLM sampling parameters or None, got {type(sampling).__name__}")
-        return ray_io.submit(self._ctl, "generate_group", prompt, n, sampling)
+        policy = VersionPolicy.parse(version_policy, self.client.policy)
+        return self.client.submit(prompt, n, sampling, policy)
 
     def collect(self, pending) -> list[FleetResult]:
+        """The results of a ``submit``ted group (every request ends completed or returned within its bound)."""
         self._check_open("collect")
-        return self._value(ray_io.settle(pending, self._request_bound_s), "collect", self._request_bound_s)
+        try:
+            return pending.result(self._request_bound_s)
+        except TimeoutError:
+            raise TimeoutError(f"fleet.collect did not finish within {self._request_bound_s:.0f} s") from None
 
     def sync_weights(self, version: int, source: Any) -> dict:
         """Push ``source``'s weights as ``version``; returns the refit summary.
@@ -136,10 +160,16 @@ class Fleet:
         return self._ask("sync_weights", version, source, timeout=self.config.lifecycle_deadline_s * 4 + 60)
 
     def status(self) -> dict:
-        return self._ask("status", timeout=60)
+        """The controller's status, with this process's request counters under ``requests``."""
+        out = self._ask("status", timeout=60)
+        out["requests"] = self.client.counters()
+        return out
 
     def events(self, since: int = 0, kinds: list[str] | None = None) -> list[dict]:
-        return self._ask("events", since, kinds, timeout=60)
+        """The controller's event log and this client's request records, in time order."""
+        merged = sorted(self._ask("events", 0, None, timeout=60) + self.client.events(), key=lambda r: r["t"])
+        wanted = set(kinds) if kinds is not None else None
+        return [r for r in merged[since:] if wanted is None or r["kind"] in wanted]
 
     def admission_metrics(self) -> dict[int, dict]:
         """Per slot: admission cap, the law's counters, and the engine's last polled stats (preemptions, KV usage)."""
@@ -157,5 +187,18 @@ class Fleet:
             return {"already_shut_down": True}
         self._shut_down = "Fleet.shutdown() was called"
         out = ray_io.try_ask(self._ctl, "shutdown", timeout=180)
+        counters = self._close_client()
         ray_io.kill(self._ctl)
-        return out.value if out.ok else {"error": out.describe()}
+        summary = out.value if out.ok else {"error": out.describe()}
+        return {**summary, **counters}
+
+    def _close_client(self, bound_s: float = 30.0) -> dict:
+        """Let the client return what it still holds (it saw the stop), then close it."""
+        if self.client is None:
+            return {}
+        deadline = time.monotonic() + bound_s
+        while self.client.counters()["in_progress"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counters = self.client.counters()
+        self.client.close()
+        return counters

@@ -34,6 +34,9 @@ class EngineConfig(BaseModel):
     pipeline_parallel_size: int = Field(1, ge=1)
     seed: int = 0
     worker_extension_cls: str = DEFAULT_WORKER_EXTENSION
+    backend: Literal["vllm", "null"] = Field(
+        "vllm", description="'null': no engine, every call answers at once (benchmarks of the control and data planes)"
+    )
     # Placement and process environment of the actor hosting the engine.
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)

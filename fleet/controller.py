@@ -20,13 +20,14 @@ import warnings
 from typing import Any, Sequence
 
 from fleet.admission import AdmissionController
-from fleet.dispatch import Dispatcher, FleetResult
 from fleet.errors import RefitArgumentError, RefitRefused
 from fleet.eventlog import EventLog
 from fleet.fleet_config import FleetConfig, load_fleet_config
-from fleet.gate import DispatchGate, RoutingState
+from fleet.gate import DispatchGate
 from fleet.metrics import FleetMetrics
-from fleet.outcome import Outcome, is_unusable, observed
+from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed
+from fleet.publisher import RoutingPublisher
+from fleet.routing import RoutingState
 from health import (
     CallKind,
     CloseGate,
@@ -71,9 +72,9 @@ class SingleController:
         self.handles: dict[int, tuple[int, Any]] = {}
         self.plan = MembershipPlan.initial()
         self.stopped: str | None = None
-        self.dispatcher = Dispatcher(self, self.log, self.cfg.request_timeout_s, self.cfg.max_redispatch, self.clock)
         self.metrics = FleetMetrics(enabled=self.cfg.metrics)
-        self.gate = DispatchGate(self.log, on_change=self.metrics.gate)
+        self.gate = DispatchGate(self.log, on_change=self._gate_changed)
+        self.publisher = RoutingPublisher(self)
         self.admission = AdmissionController(self.cfg.admission)
         self._transfer = transfer
         self._tasks: set[asyncio.Task] = set()
@@ -104,6 +105,7 @@ class SingleController:
                 self.observe(slot, inc, CallKind.START, out)
         await self._commit_checkpoint()
         await self.poll_admission()  # size every cap from the engines' KV capacity before the first request
+        await self.publisher.publish()  # clients may route from here on
         self._background(self._timer_loop())
         self._background(self._monitor_loop())
         self._background(self._admission_loop())
@@ -130,10 +132,10 @@ class SingleController:
         )
         for _, h in self.handles.values():
             self.door.kill(h)
-        await self.dispatcher.notify_room()
+        await self.publisher.publish()  # clients learn the fleet stopped and return what they hold
         self.log.emit("phase", phase="shutdown", edge="end", shards={s: o.kind for s, o in outs.items()})
         self.log.close()
-        return self.dispatcher.counters()
+        return {"shards": {s: o.kind for s, o in outs.items()}}
 
     def halt(self, reason: str) -> None:
         """Stop with the gate closed: waiting requests are returned explicitly from now on."""
@@ -154,7 +156,15 @@ class SingleController:
         for action in d.actions:
             self._carry_out(action)
         self.metrics.health(self.ledger)
+        if d.transitions or d.actions:
+            self.publisher.mark_dirty()
         return d
+
+    def _gate_changed(self, is_open: bool, version: int) -> None:
+        self.metrics.gate(is_open, version)
+        if not is_open:
+            self.publisher.close_now(self.gate.reason)
+        self.publisher.mark_dirty()
 
     def _carry_out(self, action) -> None:
         if isinstance(action, Probe):
@@ -251,9 +261,9 @@ class SingleController:
             if reason:
                 self.log.emit("admission", slot=slot, incarnation=inc, cap=self.admission.cap(slot), reason=reason)
             grew = grew or self.admission.cap(slot) > before
-        self.metrics.in_flight(self.dispatcher.in_progress)
-        if grew:
-            await self.dispatcher.notify_room()
+        self.metrics.in_flight(sum(int(o.value.in_flight) for o in outs.values() if o.ok))
+        if grew or any(self.admission.cap(s) != c for s, c in self.publisher.current.cap_map().items()):
+            self.publisher.mark_dirty()
 
     def _background(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -266,7 +276,7 @@ class SingleController:
         if not task.cancelled() and task.exception() is not None:
             self.log.emit("error", where="background task", error=repr(task.exception()))
 
-    # ------------------------------------------------------------------ FleetView (for the dispatcher)
+    # ------------------------------------------------------------------ routing (what clients follow)
     def serving(self) -> Sequence[tuple[int, int, Any]]:
         out = []
         for slot in self.ledger.serving_slots():
@@ -277,9 +287,6 @@ class SingleController:
 
     def caps(self) -> dict[int, int]:
         return self.admission.caps(self.handles)
-
-    def cache_salt(self, version: int) -> str | None:
-        return f"rlfleet-w{version}" if self.cfg.kv_policy == "salt" else None
 
     def observe(self, slot: int, incarnation: int, call: CallKind, outcome: Outcome) -> Decision:
         """Turn one settled call into a health decision: the one place a failure is classified and fenced.
@@ -299,23 +306,30 @@ class SingleController:
         current = self.handles.get(slot)
         return current[1] if current is not None and current[0] == incarnation else None
 
-    # ------------------------------------------------------------------ client API
-    async def generate(self, prompt: Any, sampling: dict | None = None, request_id: str | None = None) -> FleetResult:
-        """One prompt -> one ``FleetResult`` (completed with a tagged result, or returned with a reason)."""
-        return await self.dispatcher.submit(prompt, sampling, request_id)
+    # ------------------------------------------------------------------ client API (control only)
+    async def watch_routing(self, after_epoch: int = -1, timeout: float = 10.0) -> RoutingState:
+        """The published routing state once its epoch is past ``after_epoch`` (a long poll), or the
+        current one after ``timeout`` s. Clients call this; no request passes through the controller."""
+        return await self.publisher.wait_newer(after_epoch, timeout)
 
-    async def generate_group(self, prompt: Any, n: int, sampling: dict | None = None, group_id: str | None = None) -> list[FleetResult]:
-        """``n`` samples of one prompt, routed independently (distinct seeds when a seed is given)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n (samples per prompt) must be an integer >= 1, got {n!r}")
-        base = dict(sampling or {})
-        calls = []
-        for i in range(n):
-            s = dict(base)
-            if "seed" in s and s["seed"] is not None:
-                s["seed"] = int(s["seed"]) + i
-            calls.append(self.dispatcher.submit(prompt, s, f"{group_id}-{i}" if group_id else None))
-        return list(await asyncio.gather(*calls))
+    def report_failure(self, slot: int, incarnation: int, kind: str, detail: str, epoch: int) -> bool:
+        """A client's request to ``incarnation`` of ``slot`` failed (``kind``: an outcome kind; ``died``
+        when the shard was unusable), as routed under ``epoch``. Returns True if it was taken as a health
+        observation.
+
+        A request that timed out while a refit ran, or that was routed before the last refit began,
+        timed out because the shard was paused for the refit: a slow refit is not a sick shard, so it is
+        logged and ignored.
+        """
+        if kind == TIMED_OUT and (self.lifecycle.running or epoch < self.publisher.refit_epoch):
+            self.log.emit("report_ignored", slot=slot, incarnation=incarnation, kind=kind, epoch=epoch,
+                          reason="the request was held by a refit")
+            return False
+        if self.handle_of(slot, incarnation) is None:
+            return False  # about an incarnation already replaced
+        error = RuntimeError(f"client report: {detail}") if kind != "ok" else None
+        self.observe(slot, incarnation, CallKind.GENERATE, Outcome(DIED if kind == DIED else kind, error=error))
+        return True
 
     async def sync_weights(self, version: int, source: Any = None) -> dict:
         """Run the refit lifecycle for ``version`` (see ``fleet.lifecycle``).
@@ -355,7 +369,7 @@ class SingleController:
         return self._transfer
 
     def routing_state(self) -> RoutingState:
-        return RoutingState(self.gate.is_open, self.gate.version, self.plan.epoch, tuple(self.ledger.serving_slots()))
+        return self.publisher.current
 
     def status(self) -> dict:
         return {
@@ -363,7 +377,7 @@ class SingleController:
             "version": self.gate.version,
             "epoch": self.plan.epoch,
             "stopped": self.stopped,
-            "requests": self.dispatcher.counters(),
+            "routing_epoch": self.publisher.current.epoch,
             "ledger": self.ledger.to_dict(),
             "refits": len(self.refits),
         }

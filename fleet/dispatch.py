@@ -1,4 +1,12 @@
-"""The request path: accept a prompt, wait for the gate, route, send, and account for it.
+"""The request path, in the caller's process: accept a prompt, wait for the gate, route, send, account.
+
+The controller publishes the routing state (``fleet.routing``); the dispatcher
+follows it and calls the shards itself, each call carrying a ``Ticket`` (routing
+epoch, version policy) the shard checks. A shard that refuses (``RouteRefused``:
+paused, not a member, an old epoch, weights that miss the policy) ran nothing: the
+dispatcher waits for a newer routing state and routes again, free of charge. A
+shard that failed the call (died, hung) is reported to the controller, left out of
+routing until the state changes, and the request is re-sent elsewhere.
 
 Guarantee: every accepted request ends exactly once, either ``completed`` (with a
 result tagged by the weight version, slot and incarnation that produced it) or
@@ -13,17 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from fleet.errors import BadRequestError
+from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog
-from fleet.gate import DispatchGate
 from fleet.outcome import Outcome
-from fleet.router import pick_shard
+from fleet.router import pick_two
+from fleet.routing import Member, RoutingState, Ticket, VersionPolicy
 from fleet.types import GenerationResult
-from health import CallKind, Clock, MonotonicClock
+from health import Clock, MonotonicClock
 
 COMPLETED, RETURNED = "completed", "returned"
 
@@ -47,20 +56,18 @@ class FleetResult:
 
 
 class FleetView(Protocol):
-    """What the dispatcher needs from the controller."""
+    """What the dispatcher needs: the published routing state, the door to the shards, a way to report."""
 
     door: Any
-    gate: DispatchGate
-    stopped: str | None
-    admission: Any
+    policy: VersionPolicy  # the default version policy
 
-    def serving(self) -> Sequence[tuple[int, int, Any]]: ...
+    def routing(self) -> RoutingState: ...
 
-    def caps(self) -> dict[int, int]: ...
+    async def newer_routing(self, epoch: int, timeout: float) -> RoutingState: ...
 
     def cache_salt(self, version: int) -> str | None: ...
 
-    def observe(self, slot: int, incarnation: int, call: CallKind, outcome: Outcome) -> Any: ...
+    def report(self, slot: int, incarnation: int, outcome: Outcome, epoch: int) -> None: ...
 
 
 @dataclass
@@ -68,22 +75,38 @@ class _Pending:
     request_id: str
     prompt: Any
     sampling: dict
+    policy: VersionPolicy
     accepted_at: float
     accepted_version: int
     attempts: int = 0
+    refusals: int = 0
     reasons: list[str] = field(default_factory=list)
     dispatched_at: float | None = None
 
 
+# A shard that failed a call is left out of routing until the routing state changes, or this long.
+EXCLUDE_S = 5.0
+# After a refusal, wait at most this long for a newer routing state before routing again.
+REFRESH_WAIT_S = 1.0
+
+
 class Dispatcher:
+    """The request path of one client (``fleet.client.FleetClient``): route, send, re-send, account.
+
+    Runs in the caller's process on one event loop; the controller never sees a request.
+    """
+
     def __init__(
-        self, view: FleetView, log: EventLog, request_timeout_s: float, max_redispatch: int, clock: Clock | None = None
+        self, view: FleetView, log: EventLog, request_timeout_s: float, max_redispatch: int,
+        clock: Clock | None = None, rng: random.Random | None = None, id_prefix: str = "req",
     ) -> None:
         self._view = view
         self._clock = clock or MonotonicClock()
+        self._rng = rng or random.Random()
         self._log = log
         self._timeout = request_timeout_s
         self._max_redispatch = max_redispatch
+        self._prefix = id_prefix
         self._ids = itertools.count()
         self._room = asyncio.Condition()
         self.accepted = 0
@@ -91,21 +114,24 @@ class Dispatcher:
         self.returned = 0
         self.returned_reasons: Counter[str] = Counter()
         self.requeued = 0
+        self.refused: Counter[str] = Counter()
         # slot -> {request_id: (incarnation, version at dispatch)}
         self.outstanding: dict[int, dict[str, tuple[int, int]]] = {}
+        self._excluded: dict[tuple[int, int], tuple[int, float]] = {}  # (slot, inc) -> (epoch, until)
 
     # -- accounting ----------------------------------------------------------------
     @property
     def in_progress(self) -> int:
         return self.accepted - self.completed - self.returned
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, Any]:
         return {
             "accepted": self.accepted,
             "completed": self.completed,
             "returned": self.returned,
             "in_progress": self.in_progress,
             "requeued": self.requeued,
+            "refused": dict(self.refused),
         }
 
     def load(self) -> dict[int, int]:
@@ -117,14 +143,17 @@ class Dispatcher:
             self._room.notify_all()
 
     # -- the request path ----------------------------------------------------------
-    async def submit(self, prompt: Any, sampling: dict | None = None, request_id: str | None = None) -> FleetResult:
+    async def submit(
+        self, prompt: Any, sampling: dict | None = None, request_id: str | None = None, policy: VersionPolicy | None = None
+    ) -> FleetResult:
         """Accept one request and see it to its end. Never raises for fleet failures."""
         p = _Pending(
-            request_id=request_id or f"req-{next(self._ids)}",
+            request_id=request_id or f"{self._prefix}-{next(self._ids)}",
             prompt=prompt,
             sampling=dict(sampling or {}),
+            policy=policy or self._view.policy,
             accepted_at=self._clock.now(),
-            accepted_version=self._view.gate.version,
+            accepted_version=self._view.routing().version,
         )
         self.accepted += 1
         self._log.emit("request", event="accepted", request_id=p.request_id)
@@ -133,62 +162,83 @@ class Dispatcher:
             verdict = await self._attempt(p, deadline)
             if isinstance(verdict, FleetResult):
                 return verdict
+            if verdict is None:  # refused without running: routing changed, route again
+                continue
             p.reasons.append(verdict)
             if p.attempts > self._max_redispatch:
                 return self._return(p, f"redispatch budget ({self._max_redispatch}) spent: {'; '.join(p.reasons)}")
             self.requeued += 1
             self._log.emit("request", event="requeued", request_id=p.request_id, reason=verdict)
 
-    async def _attempt(self, p: _Pending, deadline: float) -> FleetResult | str:
-        """One dispatch. Returns the final result, or a reason string to retry."""
+    async def _attempt(self, p: _Pending, deadline: float) -> FleetResult | str | None:
+        """One dispatch: the final result, a reason to re-send (counts against ``max_redispatch``),
+        or None when the shard refused it without running (re-route, free)."""
         target = await self._acquire(p, deadline)
         if isinstance(target, FleetResult):
             return target
-        slot, incarnation, handle = target
-        version = self._view.gate.version
+        state, m = target
         p.attempts += 1
         p.dispatched_at = self._clock.now()
-        rid = f"{p.request_id}#{p.attempts}"
-        self.outstanding.setdefault(slot, {})[rid] = (incarnation, version)
-        self._view.admission.on_dispatch(slot, incarnation)
+        self.outstanding.setdefault(m.slot, {})[p.request_id] = (m.incarnation, state.version)
         try:
             outcome = await self._view.door.call(
-                handle,
+                m.handle,
                 "generate",
                 p.prompt,
                 p.sampling,
-                request_id=rid,
-                cache_salt=self._view.cache_salt(version),
+                request_id=p.request_id,
+                cache_salt=self._view.cache_salt(state.version),
                 timeout=max(1.0, deadline - self._clock.now()),
+                ticket=Ticket(state.epoch, p.policy),
             )
         finally:
-            self.outstanding.get(slot, {}).pop(rid, None)
-            self._view.admission.on_finish(slot, incarnation)
+            self.outstanding.get(m.slot, {}).pop(p.request_id, None)
             await self.notify_room()
         if outcome.ok:
             result: GenerationResult = outcome.value
             if result.aborted:
-                return f"aborted on slot {slot} (incarnation {incarnation})"
+                return f"aborted on slot {m.slot} (incarnation {m.incarnation})"
             return self._complete(p, result)
+        if isinstance(outcome.error, RouteRefused):
+            p.attempts -= 1
+            p.refusals += 1
+            self.refused[outcome.error.reason] += 1
+            await self._view.newer_routing(state.epoch, min(REFRESH_WAIT_S, max(0.0, deadline - self._clock.now())))
+            if p.refusals > 3:
+                await asyncio.sleep(min(0.05 * p.refusals, 0.5))  # a shard that keeps refusing: do not spin
+            return None
         if isinstance(outcome.error, BadRequestError):
             return self._return(p, f"bad request: {outcome.error}")
-        self._view.observe(slot, incarnation, CallKind.GENERATE, outcome)
-        return f"slot {slot} (incarnation {incarnation}) failed: {outcome.describe()}"
+        self._exclude(m, state.epoch)
+        self._view.report(m.slot, m.incarnation, outcome, state.epoch)
+        return f"slot {m.slot} (incarnation {m.incarnation}) failed: {outcome.describe()}"
+
+    def _exclude(self, m: Member, epoch: int) -> None:
+        self._excluded[(m.slot, m.incarnation)] = (epoch, self._clock.now() + EXCLUDE_S)
+
+    def _candidates(self, state: RoutingState) -> list[Member]:
+        now = self._clock.now()
+        for key, (epoch, until) in list(self._excluded.items()):
+            if epoch != state.epoch or now >= until:
+                del self._excluded[key]
+        return [m for m in state.members if (m.slot, m.incarnation) not in self._excluded]
 
     async def _acquire(self, p: _Pending, deadline: float):
         """Wait for an open gate and a serving shard with room; or the explicit return of ``p``."""
         while True:
-            if self._view.stopped:
-                return self._return(p, f"fleet stopped: {self._view.stopped}")
+            state = self._view.routing()
+            if state.stopped:
+                return self._return(p, f"fleet stopped: {state.stopped}")
             left = deadline - self._clock.now()
             if left <= 0:
                 return self._return(p, f"no serving shard within the request timeout ({self._timeout:.0f} s)")
-            if not await self._view.gate.wait_open(min(left, 1.0)):
+            if not state.gate_open:
+                await self._view.newer_routing(state.epoch, min(left, 1.0))
                 continue
-            serving = self._view.serving()
-            slot = pick_shard([s for s, _, _ in serving], self.load(), self._view.caps())
-            if slot is not None:
-                return next(t for t in serving if t[0] == slot)
+            members = self._candidates(state)
+            m = pick_two(members, self.load(), state.cap_map(), self._rng)
+            if m is not None:
+                return state, m
             async with self._room:
                 try:
                     await asyncio.wait_for(self._room.wait(), min(left, 0.5))
@@ -205,6 +255,7 @@ class Dispatcher:
             incarnation=result.incarnation,
             version=result.weight_version,
             version_start=result.version_start,
+            _at=result.finished_at or None,  # when the shard made it (same host clock), not when it arrived
         )
         now = self._clock.now()
         return FleetResult(

@@ -44,6 +44,20 @@ class DeadlineExceeded(RlfleetError, TimeoutError):
     """A bounded call did not finish within its deadline. The shard is hung, not proven dead."""
 
 
+class RouteRefused(RlfleetError):
+    """The shard refused a request without running it: it is paused for a refit, out of the serving
+    set, the request was routed under an older epoch, or its weights miss the request's version
+    policy. Retryable: the client refreshes its routing state and routes again. ``reason`` is one
+    of ``fleet.shard_gate``'s reasons."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.reason))
+
+
 class BadRequestError(RlfleetError, ValueError):
     """The request itself is invalid (e.g. sampling parameters the engine rejects). Do not retry."""
 

@@ -32,8 +32,10 @@ class EventLog:
         self._file = open(path, "a", buffering=1) if path else None
         self.path = path
 
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        rec = {"t": round(self._clock(), 6), "seq": len(self._records), "kind": kind}
+    def emit(self, kind: str, _at: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Append one record; ``_at`` stamps it with a time other than now (when the thing it
+        records happened elsewhere, e.g. a result finished on a shard)."""
+        rec = {"t": round(self._clock() if _at is None else _at, 6), "seq": len(self._records), "kind": kind}
         rec.update({k: _plain(v) for k, v in fields.items()})
         self._records.append(rec)
         if self._file is not None:

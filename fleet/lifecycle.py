@@ -25,7 +25,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed, RefitRefused
-from fleet.staleness import too_old
 from fleet.weights import TransferResult
 from health import (
     AbortRefit,
@@ -76,6 +75,7 @@ class RefitLifecycle:
         self._finished = False
         self._moving = False  # the transfer began: engines may hold bytes of the new version
         self._held: dict[tuple[int, int], Any] = {}  # (slot, incarnation) -> handle paused by this refit
+        self._busy: dict[int, int] = {}  # slot -> requests in flight when the refit fenced it
 
     async def run(self, version: int, source: Any) -> dict:
         """The eight steps. One refit at a time: a second call waits, then is checked against
@@ -86,7 +86,7 @@ class RefitLifecycle:
             self.ctl.check_refit(version, source)  # raises before any state changes
             self.running = True
             self._phases, self._inside_s, self._version = {}, 0.0, version
-            self._finished, self._moving, self._held = False, False, {}
+            self._finished, self._moving, self._held, self._busy = False, False, {}, {}
             self.ctl.admission.refit_started()  # the engines pause (and may reset their cache): not load signals
             t0 = self.ctl.clock.now()
             try:
@@ -110,9 +110,9 @@ class RefitLifecycle:
     async def _steps(self, version: int, source: Any, t0: float) -> dict:
         ctl = self.ctl
         with self._phase("close"):
-            self.close_gate(version)  # 1
+            epoch = await self.close_gate(version)  # 1
         with self._phase("staleness"):
-            aborted = await self.abort_too_old(version)  # 2
+            aborted = await self.fence_and_abort_too_old(version, epoch)  # 2
         with self._phase("reconcile"):
             plan = self.reconcile()  # 3
         with self._phase("pause"):
@@ -125,7 +125,7 @@ class RefitLifecycle:
         with self._phase("resume"):
             await self.resume(plan, paused, complete)  # 7
         with self._phase("reopen"):
-            self.reopen(version)  # 8
+            await self.reopen(version)  # 8
         total = self.ctl.clock.now() - t0
         return {
             "version": version,
@@ -142,26 +142,24 @@ class RefitLifecycle:
         }
 
     # ------------------------------------------------------------------ the steps
-    def close_gate(self, version: int) -> None:
-        """Step 1: close dispatch; new requests queue in the controller, nothing is dropped."""
+    async def close_gate(self, version: int) -> int:
+        """Step 1: close dispatch and publish it; clients hold new requests, nothing is dropped.
+        Returns the routing epoch of the closed gate."""
         self.ctl.gate.close(f"refit of version {version}")
         self.ctl.decide(RefitStarted(version))
+        return await self.ctl.publisher.fence_for_refit()
 
-    async def abort_too_old(self, version: int) -> int:
-        """Step 2: abort in-flight requests older than ``max_staleness`` versions; the dispatcher re-queues them."""
-        limit = self.ctl.cfg.max_staleness
-        if limit is None:
-            return 0
-        calls = {}
-        for slot, reqs in self.ctl.dispatcher.outstanding.items():
-            old = [rid for rid, (inc, v) in reqs.items() if too_old(v, version, limit) and self.ctl.handle_of(slot, inc)]
-            if old:
-                inc = next(iter(reqs.values()))[0]
-                calls[slot] = (self.ctl.handle_of(slot, inc), "abort", (old,), {})
-        if calls:
-            await self._fan_out(calls)
-            self.ctl.log.emit("staleness_abort", version=version, requests=sum(len(c[2][0]) for c in calls.values()))
-        return sum(len(c[2][0]) for c in calls.values())
+    async def fence_and_abort_too_old(self, version: int, epoch: int) -> int:
+        """Step 2: every live shard refuses work routed before ``epoch`` from now on, and aborts the
+        in-flight requests whose version policy ``version`` would break (``max_staleness``, ``latest``);
+        their clients re-send them. Returns how many were aborted."""
+        live = self.ctl.live_handles()
+        outs = await self._fan_out({s: (h, "begin_refit", (epoch, version), {}) for s, (_, h) in live.items()})
+        self._busy = {s: int(o.value.get("in_flight", 0)) for s, o in outs.items() if o.ok}
+        aborted = sum(int(o.value.get("aborted", 0)) for o in outs.values() if o.ok)
+        if aborted:
+            self.ctl.log.emit("staleness_abort", version=version, requests=aborted)
+        return aborted
 
     def reconcile(self) -> MembershipPlan:
         """Step 3: settle membership from the ledger; a changed participant set is a new epoch."""
@@ -278,11 +276,9 @@ class RefitLifecycle:
         aborted first (the dispatcher re-sends them to a serving engine).
         """
         parts = [p for p in plan.participants if p.slot in paused]
-        stale = {p.slot: p for p in parts if p.slot not in complete and self.ctl.dispatcher.in_flight_on(p.slot)}
+        stale = {p.slot: p for p in parts if p.slot not in complete and self._busy.get(p.slot)}
         if stale:
-            await self._fan_out(
-                {s: (self._handle(p), "abort", (list(self.ctl.dispatcher.in_flight_on(s)),), {}) for s, p in stale.items()}
-            )
+            await self._fan_out({s: (self._handle(p), "abort_in_flight", (), {}) for s, p in stale.items()})
         outs = await self._fan_out({p.slot: (self._handle(p), "resume", (), {}) for p in parts}, expect_ack=True)
         aborts = []
         for p in parts:
@@ -291,11 +287,12 @@ class RefitLifecycle:
         if aborts:
             raise _EndRefit(RefitFailed, aborts[0].message)
 
-    def reopen(self, version: int) -> None:
+    async def reopen(self, version: int) -> None:
         """Step 8: reopen the gate only if quorum serves ``version``; else stop with it closed."""
         d = self.ctl.finish_refit(version)
         self._finished = True
         if self.ctl.gate.is_open:
+            await self.ctl.publisher.publish()  # out to clients before sync_weights returns
             return
         stop = next((a for a in d.actions if isinstance(a, (StopExhausted, KeepGateClosed))), None)
         message = stop.message if stop is not None else d.reason
@@ -308,7 +305,7 @@ class RefitLifecycle:
         policy = self.ctl.cfg.kv_policy
         if policy == "recompute":
             return True
-        drained = not self.ctl.dispatcher.in_flight_on(slot)
+        drained = not self._busy.get(slot)
         if policy == "keep":
             if drained:
                 return True  # free: nothing in flight, so invalidate the prefix cache anyway
@@ -376,7 +373,7 @@ class RefitLifecycle:
             self._finished = True
         live = {s: (h, "pause", (), {"mode": "abort"}) for s, (_, h) in self.ctl.handles.items()}
         await self.ctl.door.fan_out(live, timeout=self.ctl.cfg.probe_timeout_s, expect_ack=True)
-        await self.ctl.dispatcher.notify_room()
+        await self.ctl.publisher.publish()  # clients learn the fleet stopped and return what they hold
         raise error(message) from cause
 
     async def _roll_back(self, reason: str) -> None:
@@ -390,6 +387,7 @@ class RefitLifecycle:
                           resumed=sorted(slot for (slot, _), o in outs.items() if o.ok))
         self.ctl.roll_back_refit(self._version, reason)
         self._finished = True
+        await self.ctl.publisher.publish()
 
     async def _fan_out(self, calls: dict, expect_ack: bool = False, timeout: float | None = None) -> dict:
         if not calls:

@@ -1,8 +1,10 @@
-"""Routing: send each request to the least-loaded serving shard that has room (pure)."""
+"""Routing choices over the serving set, under the admission caps (pure)."""
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 def pick_shard(serving: Sequence[int], outstanding: Mapping[int, int], caps: Mapping[int, int]) -> int | None:
@@ -21,3 +23,17 @@ def pick_shard(serving: Sequence[int], outstanding: Mapping[int, int], caps: Map
         if best is None or load < best_load:
             best, best_load = slot, load
     return best
+
+
+def pick_two(members: Sequence[T], outstanding: Mapping[int, int], caps: Mapping[int, int], rng) -> T | None:
+    """Power of two choices: of two members drawn at random, the one with fewer outstanding requests.
+
+    Only members below their cap count; with none, None (the caller waits). Each member
+    has a ``slot``; a slot missing from ``caps`` has no cap. With ``rng`` seeded the
+    choice is reproducible. O(members) to filter by room, O(1) to choose.
+    """
+    room = [m for m in members if caps.get(m.slot) is None or outstanding.get(m.slot, 0) < caps[m.slot]]
+    if len(room) <= 1:
+        return room[0] if room else None
+    a, b = rng.sample(room, 2)
+    return a if outstanding.get(a.slot, 0) <= outstanding.get(b.slot, 0) else b

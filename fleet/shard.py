@@ -23,7 +23,9 @@ from typing import Any, Callable, Sequence
 from fleet.backend import PAUSE_MODES, EngineBackend
 from fleet.config import EngineConfig
 from fleet.fault_hooks import ArmedFault, FaultHooks
-from fleet.errors import BadRequestError, DeadlineExceeded, ShardShutDownError, ShardUnusableError
+from fleet.errors import BadRequestError, DeadlineExceeded, RouteRefused, ShardShutDownError, ShardUnusableError
+from fleet.routing import Ticket, VersionPolicy
+from fleet.shard_gate import EPOCH, NOT_MEMBER, PAUSED, RecentResults, ShardGate
 from fleet.types import EngineStats, GenerationResult
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
@@ -32,6 +34,10 @@ TRANSFER_METHODS = frozenset({"rlfleet_receive", "rlfleet_receive_raw"})
 
 
 def _vllm_backend(config: EngineConfig) -> EngineBackend:
+    if config.backend == "null":
+        from fleet.null_backend import NullBackend
+
+        return NullBackend(config)
     from fleet.vllm_backend import VllmBackend
 
     return VllmBackend(config.engine_args())
@@ -60,7 +66,12 @@ class EngineShard:
         self._state = "new"
         self._hooks = FaultHooks(lambda: getattr(self._backend, "engine_core_pids", lambda: [])(), slot, incarnation,
                                  self.config.fault_journal)
-        self._inflight: dict[str, int] = {}
+        self._inflight: dict[str, tuple[int, VersionPolicy | None]] = {}  # request id -> (version at start, policy)
+        self._running: dict[str, asyncio.Future] = {}
+        self._recent = RecentResults()
+        self.gate = ShardGate()
+        self.deduplicated = 0
+        self._load = {"finished": 0, "peak": 0, "trough": 0}  # for the admission law, since the last stats()
         self._ids = itertools.count()
 
     # -- identity and lifecycle -------------------------------------------------
@@ -147,38 +158,117 @@ class EngineShard:
         request_id: str | None = None,
         cache_salt: str | None = None,
         timeout: float | None = None,
+        ticket: Ticket | None = None,
     ) -> GenerationResult:
-        """Generate for one prompt (text or token ids). Aborted requests return with finish reason "abort"."""
+        """Generate for one prompt (text or token ids). Aborted requests return with finish reason "abort".
+
+        ``ticket`` (routing epoch and version policy) is checked first: a request this shard must
+        not serve raises ``RouteRefused`` without running. A ``request_id`` seen before never runs
+        twice: a completed one returns its result again, a running one joins the running call.
+        """
         if self._hooks.armed:
             await self._hooks.at("generate")
         backend = self._require_ready("generate")
+        if request_id is not None:
+            again = self._recent.get(request_id)
+            if again is not None:
+                self.deduplicated += 1
+                return again
+            running = self._running.get(request_id)
+            if running is not None:
+                self.deduplicated += 1
+                return await asyncio.shield(running)
+        refused = self.gate.admit(ticket, self._version)
+        if refused is not None:
+            raise RouteRefused(
+                f"{self._who()} refused request {request_id!r} ({refused}): "
+                f"{self._refusal_detail(refused, ticket)}", refused,
+            )
         tokens = backend.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not tokens:
             raise BadRequestError(f"empty prompt sent to {self._who()}")
         rid = request_id or f"s{self.slot}-i{self.incarnation}-{next(self._ids)}"
-        if rid in self._inflight:
-            raise BadRequestError(f"request id {rid!r} is already in flight on {self._who()}")
-        self._inflight[rid] = start = self._version
+        done = self._running[rid] = asyncio.get_running_loop().create_future()
+        self._inflight[rid] = (self._version, ticket.policy if ticket is not None else None)
+        self._load["peak"] = max(self._load["peak"], len(self._inflight))
+        start = self._version
         try:
             completions = await self._bounded(
                 f"generate {rid}",
                 backend.generate(tokens, sampling or {}, rid, cache_salt),
                 timeout if timeout is not None else self.config.generate_timeout_s,
             )
-        except DeadlineExceeded:
-            await self._abort_quietly([rid])
+            result = GenerationResult(
+                request_id=rid,
+                prompt_token_ids=tuple(tokens),
+                completions=tuple(completions),
+                version_start=start,
+                weight_version=self._version,
+                slot=self.slot,
+                incarnation=self.incarnation,
+                finished_at=time.monotonic(),
+            )
+        except BaseException as exc:
+            if isinstance(exc, DeadlineExceeded):
+                await self._abort_quietly([rid])
+            if isinstance(exc, asyncio.CancelledError):
+                done.cancel()
+            else:
+                done.set_exception(exc)
+                done.exception()  # retrieved: a failure nobody joined is not "never retrieved"
             raise
         finally:
             self._inflight.pop(rid, None)
-        return GenerationResult(
-            request_id=rid,
-            prompt_token_ids=tuple(tokens),
-            completions=tuple(completions),
-            version_start=start,
-            weight_version=self._version,
-            slot=self.slot,
-            incarnation=self.incarnation,
-        )
+            self._running.pop(rid, None)
+            self._load["finished"] += 1
+            self._load["trough"] = min(self._load["trough"], len(self._inflight))
+        if not result.aborted:  # an aborted request did not run to its end: a re-send runs it
+            self._recent.put(rid, result)
+        done.set_result(result)
+        return result
+
+    def _refusal_detail(self, reason: str, ticket: Ticket | None) -> str:
+        g = self.gate
+        if reason == PAUSED:
+            return "paused for a refit"
+        if reason == NOT_MEMBER:
+            return "not in the serving set"
+        if reason == EPOCH:
+            return f"routed under epoch {ticket.epoch}, this shard admits epoch {g.floor} or later"
+        return (f"weights version {self._version} do not meet policy {ticket.policy.describe()} "
+                f"(committed version {g.committed})")
+
+    def set_route(self, epoch: int, member: bool, committed: int) -> bool:
+        """The controller's routing word for this shard (see ``fleet.shard_gate.ShardGate.route``)."""
+        self.gate.route(int(epoch), bool(member), int(committed))
+        return True
+
+    def fence(self, epoch: int) -> bool:
+        """The gate closed at routing ``epoch``: refuse everything routed before it."""
+        self.gate.fence(int(epoch))
+        return True
+
+    async def begin_refit(self, epoch: int, version: int) -> dict[str, int]:
+        """A refit of ``version`` begins at routing ``epoch``: refuse work routed before it, and abort
+        (explicitly: the client re-sends) in-flight requests whose version policy ``version`` breaks."""
+        self.gate.fence(int(epoch))
+        old = [rid for rid, (start, policy) in self._inflight.items()
+               if policy is not None and not policy.allows(start, int(version))]
+        if old:
+            await self._bounded("abort", self._require_ready("abort").abort(old), None)
+        return {"aborted": len(old), "in_flight": len(self._inflight) - len(old)}
+
+    async def abort_in_flight(self) -> int:
+        """Abort every request in flight (their callers get explicit aborted results); returns how many."""
+        ids = list(self._inflight)
+        if ids:
+            await self.abort(ids)
+        return len(ids)
+
+    def counters(self) -> dict[str, Any]:
+        """What this shard ran and refused (the data plane's accounting, read by the invariant checker)."""
+        return {**self.gate.counters(), "deduplicated": self.deduplicated, "in_flight": len(self._inflight),
+                "slot": self.slot, "incarnation": self.incarnation, "weight_version": self._version}
 
     async def abort(self, request_ids: Sequence[str]) -> bool:
         """Abort these requests; their ``generate`` calls return explicit aborted results."""
@@ -204,6 +294,7 @@ class EngineShard:
             return False
         backend = self._require_ready("pause")
         await self._bounded(f"pause(mode={mode})", backend.pause(mode, bool(clear_cache)), timeout)
+        self.gate.paused = True  # from now on new work is refused (what was in flight is held or aborted)
         return True
 
     async def resume(self, timeout: float | None = None) -> bool:
@@ -211,6 +302,7 @@ class EngineShard:
             return False
         backend = self._require_ready("resume")
         await self._bounded("resume", backend.resume(), timeout)
+        self.gate.paused = False
         return True
 
     async def is_paused(self) -> bool:
@@ -228,7 +320,9 @@ class EngineShard:
 
     async def stats(self) -> EngineStats:
         s = self._require_ready("stats").stats()
-        return EngineStats(**{**s.__dict__, "in_flight": len(self._inflight), "extra": dict(s.extra)})
+        load = dict(self._load)
+        self._load.update(peak=len(self._inflight), trough=len(self._inflight))
+        return EngineStats(**{**s.__dict__, "in_flight": len(self._inflight), "extra": {**s.extra, "load": load}})
 
     # -- weights ---------------------------------------------------------------
     def get_weight_version(self) -> int:
@@ -239,6 +333,7 @@ class EngineShard:
             return False
         self._require_ready("set_weight_version")
         self._version = int(version)
+        self.gate.committed = max(self.gate.committed, self._version)  # stamped = committed by the controller
         return True
 
     async def worker_rpc(self, method: str, args: Sequence = (), kwargs: dict | None = None, timeout: float | None = None) -> list:

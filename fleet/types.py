@@ -37,6 +37,7 @@ class GenerationResult:
     weight_version: int
     slot: int
     incarnation: int
+    finished_at: float = 0.0  # time.monotonic() on the shard's host when the result was made
 
     @property
     def aborted(self) -> bool:

@@ -18,9 +18,11 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Coroutine
 
+from fleet.client import InProcessClient
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
+from fleet.shard_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
-from fleet.errors import RefitArgumentError
+from fleet.errors import BadRequestError, RefitArgumentError, RouteRefused
 from fleet.weights import TransferResult
 from health import RefitResult
 
@@ -78,6 +80,9 @@ class FakeShard:
     script: dict = field(default_factory=dict)  # method -> behaviour (consumed once unless sticky)
     sticky: dict = field(default_factory=dict)  # method -> behaviour (every call)
     held: int = 0
+    gate: ShardGate = field(default_factory=ShardGate)  # the real shard-side gate (pure)
+    in_flight: dict = field(default_factory=dict)  # request id -> (version at start, policy)
+    ran_while_paused: int = 0
 
     def behaviour(self, method: str) -> str | None:
         return self.sticky.get(method) or self.script.pop(method, None)
@@ -117,7 +122,10 @@ class FakeDoor:
             return Outcome(ERROR, error=RuntimeError(f"{method} failed"))
         if b == "lie":
             return Outcome(BAD_ACK, value=None)
-        value = await getattr(self, f"_{method}")(handle, *args, **kw)
+        try:
+            value = await getattr(self, f"_{method}")(handle, *args, **kw)
+        except (RouteRefused, BadRequestError) as exc:  # the shard's own answers, as Ray delivers them
+            return Outcome(ERROR, error=exc)
         if handle.dead:
             return Outcome(DIED, error=ActorDiedError(f"slot {handle.slot} died during {method}"))
         if expect_ack and value is not True:
@@ -145,16 +153,38 @@ class FakeDoor:
         return {"slot": s.slot}
 
     async def _pause(self, s, mode="keep", clear_cache=True):
-        s.paused = True
+        s.paused = s.gate.paused = True
         return True
 
     async def _resume(self, s):
-        s.paused = False
+        s.paused = s.gate.paused = False
         return True
 
     async def _set_weight_version(self, s, v):
         s.version = v
+        s.gate.committed = max(s.gate.committed, v)
         return True
+
+    async def _set_route(self, s, epoch, member, committed):
+        s.gate.route(epoch, member, committed)
+        return True
+
+    async def _fence(self, s, epoch):
+        s.gate.fence(epoch)
+        return True
+
+    async def _begin_refit(self, s, epoch, version):
+        s.gate.fence(epoch)
+        old = [rid for rid, (start, policy) in s.in_flight.items() if policy is not None and not policy.allows(start, version)]
+        for rid in old:
+            s.in_flight[rid] = None  # aborted: its generate returns an aborted result
+        return {"aborted": len(old), "in_flight": len(s.in_flight) - len(old)}
+
+    async def _abort_in_flight(self, s):
+        n = len(s.in_flight)
+        for rid in s.in_flight:
+            s.in_flight[rid] = None
+        return n
 
     async def _abort(self, s, ids):
         return True
@@ -163,12 +193,20 @@ class FakeDoor:
         s.dead = True
         return True
 
-    async def _generate(self, s, prompt, sampling, request_id=None, cache_salt=None):
+    async def _generate(self, s, prompt, sampling, request_id=None, cache_salt=None, timeout=None, ticket=None):
+        reason = s.gate.admit(ticket, s.version)
+        if reason is not None:
+            raise RouteRefused(f"slot {s.slot} refused {request_id} ({reason})", reason)
         start = s.version
-        await asyncio.sleep(self.gen_delay)
-        while s.paused and not s.dead:
-            await asyncio.sleep(0.005)
-        c = Completion((1, 2), (-0.1, -0.2), "length")
+        s.in_flight[request_id] = (start, ticket.policy if ticket is not None else None)
+        try:
+            await asyncio.sleep(self.gen_delay)
+            while s.paused and not s.dead and s.in_flight.get(request_id) is not None:
+                await asyncio.sleep(0.005)
+            aborted = s.in_flight.get(request_id) is None
+        finally:
+            s.in_flight.pop(request_id, None)
+        c = Completion((1, 2), (-0.1, -0.2), "abort" if aborted else "length")
         return GenerationResult(request_id, (1,), (c,), start, s.version, s.slot, s.incarnation)
 
 
@@ -210,3 +248,11 @@ class FakeTransfer:
             else:
                 out[p.slot] = TransferResult(RefitResult.COMPLETE, "ok", 100)
         return out
+
+
+def client(ctl) -> InProcessClient:
+    """The test's client of ``ctl`` (one per controller): requests go from it straight to the fake shards."""
+    c = getattr(ctl, "_test_client", None)
+    if c is None:
+        c = ctl._test_client = InProcessClient(ctl)
+    return c

@@ -18,7 +18,7 @@ from fleet.errors import ConfigError, FleetExhausted, RefitFailed
 from fleet.fleet_config import REFIT_TIMEOUT_FALLBACK_S, load_fleet_config
 from fleet.outcome import DIED, UNAVAILABLE, Outcome, observed
 from health import CallKind
-from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, run_virtual
+from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_two_deaths_below_quorum_stop_with_gate_closed_naming_both(model_dir):
         msg = str(err.value)
         assert "slot 1" in msg and "slot 2" in msg
         assert not ctl.gate.is_open and ctl.stopped
-        res = await ctl.generate([1, 2, 3])
+        res = await client(ctl).generate([1, 2, 3])
         assert res.status == "returned" and "fleet stopped" in res.reason
         await ctl.shutdown()
 
@@ -234,7 +234,7 @@ def test_partial_weights_never_serve(model_dir):
         transfer.fail[2] = {0: "partial"}
         await ctl.sync_weights(1)
         assert 0 not in ctl.ledger.serving_slots() and ctl.gate.is_open
-        res = await asyncio.gather(*(ctl.generate([1]) for _ in range(10)))
+        res = await asyncio.gather(*(client(ctl).generate([1]) for _ in range(10)))
         assert all(r.ok and r.result.slot != 0 and r.result.weight_version == 1 for r in res)
         await ctl.shutdown()
 
@@ -247,12 +247,12 @@ def test_no_accepted_request_is_lost_through_refits_and_deaths(model_dir):
         await ctl.start()
         door.gen_delay = 0.02
         transfer.fail[2] = {1: "die"}
-        reqs = [asyncio.ensure_future(ctl.generate([1, 2], {"max_tokens": 2})) for _ in range(60)]
+        reqs = [asyncio.ensure_future(client(ctl).generate([1, 2], {"max_tokens": 2})) for _ in range(60)]
         for v in (1, 2, 3):
             await asyncio.sleep(0.03)
             await ctl.sync_weights(v)
         results = await asyncio.gather(*reqs)
-        c = ctl.dispatcher.counters()
+        c = client(ctl).dispatcher.counters()
         assert c["accepted"] == 60 and c["completed"] + c["returned"] == 60 and c["in_progress"] == 0
         for r in results:
             if r.ok:  # the tag is the version the shard held when it finished
@@ -284,10 +284,10 @@ def test_kv_policy_keep_drained_still_invalidates_and_inflight_warns_once(model_
         door.gen_delay = 0.2
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            reqs = [asyncio.ensure_future(ctl.generate([1])) for _ in range(6)]
+            reqs = [asyncio.ensure_future(client(ctl).generate([1])) for _ in range(6)]
             await asyncio.sleep(0.05)
             await ctl.sync_weights(2)
-            reqs += [asyncio.ensure_future(ctl.generate([1])) for _ in range(6)]
+            reqs += [asyncio.ensure_future(client(ctl).generate([1])) for _ in range(6)]
             await asyncio.sleep(0.05)
             await ctl.sync_weights(3)
             await asyncio.gather(*reqs)
@@ -305,7 +305,7 @@ def test_kv_policy_keep_without_prefix_caching_never_warns(model_dir):
         door.gen_delay = 0.2
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            reqs = [asyncio.ensure_future(ctl.generate([1])) for _ in range(6)]
+            reqs = [asyncio.ensure_future(client(ctl).generate([1])) for _ in range(6)]
             await asyncio.sleep(0.05)
             await ctl.sync_weights(1)
             await asyncio.gather(*reqs)
@@ -319,9 +319,9 @@ def test_kv_policy_salt_keeps_kv_and_salts_new_requests_by_version(model_dir):
     async def go():
         ctl, door, _ = make(model_dir, kv_policy="salt")
         await ctl.start()
-        await ctl.generate([1])
+        await client(ctl).generate([1])
         await ctl.sync_weights(1)
-        await ctl.generate([1])
+        await client(ctl).generate([1])
         assert {kw["clear_cache"] for m, _, kw in door.kwargs if m == "pause"} == {False}
         salts = [kw["cache_salt"] for m, _, kw in door.kwargs if m == "generate"]
         assert salts[0] != salts[-1] and salts[-1].endswith("w1")

@@ -14,6 +14,7 @@ from fleet.api import Fleet, check_n, check_prompts
 from fleet.errors import FleetStopped, RefitArgumentError, RefitFailed, RefitRefused
 from fleet.outcome import DIED, Outcome
 from health import CallKind
+from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, model_dir, run  # noqa: F401 - model_dir is a fixture
 
 REFIT_CALLS = ("pause", "transfer", "set_weight_version", "resume")
@@ -89,7 +90,7 @@ def test_an_update_the_engines_refuse_rolls_back_without_the_retry(model_dir):
         assert not any(s.paused for s in door.shards.values())  # resumed on the old weights
         assert all(ctl.ledger.raw(s).weight_version == 0 for s in range(3))
         assert ctl.events(kinds=["refit_rolled_back"])[-1]["resumed"] == [0, 1, 2]
-        res = await ctl.generate([1, 2])
+        res = await client(ctl).generate([1, 2])
         assert res.ok and res.result.weight_version == 0
         assert (await ctl.sync_weights(1))["complete"] == [0, 1, 2]  # the next, correct update lands
         await ctl.shutdown()
@@ -128,7 +129,7 @@ def test_an_unexpected_error_in_the_transfer_stops_the_fleet_loudly_and_returns_
         await ctl.start()
         transfer.transfer = broken
         with pytest.raises(RefitFailed, match="transport bug") as err:
-            waiting = asyncio.ensure_future(ctl.generate([1]))
+            waiting = asyncio.ensure_future(client(ctl).generate([1]))
             await ctl.sync_weights(1)
         assert isinstance(err.value.__cause__, RuntimeError)
         assert not ctl.gate.is_open and ctl.stopped and not ctl.lifecycle.running
@@ -219,7 +220,7 @@ def test_below_quorum_between_refits_requests_wait_and_the_next_refit_brings_quo
         for slot in (1, 2):
             ctl.observe(slot, 1, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("killed")))
         assert not ctl.gate.is_open and ctl.stopped is None and "below quorum" in ctl.gate.reason
-        waiting = asyncio.ensure_future(ctl.generate([1, 2]))
+        waiting = asyncio.ensure_future(client(ctl).generate([1, 2]))
         await asyncio.sleep(30)  # virtual: restarts are back (stale) and the request still waits
         assert not waiting.done() and ctl.handles[1][0] == ctl.handles[2][0] == 2
         summary = await ctl.sync_weights(2)
@@ -282,9 +283,9 @@ def test_keep_decides_drained_per_shard_so_an_idle_shard_still_invalidates(model
         ctl, door, _ = make(model_dir, kv_policy="keep", min_healthy_engines=1)
         await ctl.start()
         door.gen_delay = 5.0
-        busy = asyncio.ensure_future(ctl.generate([1]))
+        busy = asyncio.ensure_future(client(ctl).generate([1]))
         await asyncio.sleep(0.1)
-        [(slot, _)] = [(s, r) for s, r in ctl.dispatcher.outstanding.items() if r]
+        [(slot, _)] = [(s, r) for s, r in client(ctl).dispatcher.outstanding.items() if r]
         door.kwargs.clear()
         await ctl.sync_weights(1)
         clear = {s: kw["clear_cache"] for m, s, kw in door.kwargs if m == "pause"}

@@ -1,0 +1,215 @@
+"""``FleetClient``: the data plane in the caller's process. Requests go straight to the shards.
+
+The controller publishes a small routing state (``fleet.routing.RoutingState``: gate,
+committed version, epoch, serving set with handles, caps). A client fetches it once,
+then follows it with a long poll (``SingleController.watch_routing``): one pending
+call per client, answered as soon as the state changes; no request ever travels
+through the controller. The client's ``Dispatcher`` routes each request (power of
+two choices under the caps), holds requests while the gate is closed, re-routes on
+a shard's refusal, re-sends after a shard's failure (which it reports to the
+controller) and keeps the accounting: accepted, completed, returned, in progress,
+with each request's end in the client's own event log.
+
+The client runs its own event loop on a daemon thread, so synchronous callers
+(a trainer, ``Fleet``) and asynchronous ones (``await client.generate_async``)
+both use it; any process that holds the controller's handle can embed one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+import uuid
+from typing import Any
+
+from fleet.dispatch import Dispatcher, FleetResult
+from fleet.eventlog import EventLog
+from fleet.outcome import DIED, Outcome, is_unusable
+from fleet.routing import RoutingState, VersionPolicy
+
+WATCH_S = 10.0  # one long poll waits at most this long for a change
+
+
+class _Gone(Exception):
+    pass
+
+
+class _Client:
+    """What every client shares: the dispatcher's view (minus how the routing state arrives) and the
+    request calls. Subclasses set ``door``, ``policy``, ``config``, ``log``, ``dispatcher``."""
+
+    door: Any
+    policy: VersionPolicy
+    config: Any
+    log: EventLog
+    dispatcher: Dispatcher
+
+    def cache_salt(self, version: int) -> str | None:
+        return f"rlfleet-w{version}" if self.config.kv_policy == "salt" else None
+
+    @staticmethod
+    def _failure(outcome: Outcome) -> tuple[str, str]:
+        """(kind, detail) of a failed call as the controller takes reports: an unusable shard is ``died``."""
+        return (DIED if is_unusable(outcome) else outcome.kind), outcome.describe()[:500]
+
+    async def generate_async(self, prompt: Any, sampling: dict | None = None, request_id: str | None = None,
+                             policy: VersionPolicy | None = None) -> FleetResult:
+        """One prompt -> one ``FleetResult`` (on the client's loop)."""
+        return await self.dispatcher.submit(prompt, sampling, request_id, policy)
+
+    generate = generate_async
+
+    async def group_async(self, prompt: Any, n: int, sampling: dict | None = None,
+                          policy: VersionPolicy | None = None) -> list[FleetResult]:
+        """``n`` samples of one prompt, routed independently (distinct seeds when a seed is given)."""
+        base = dict(sampling or {})
+        calls = []
+        for i in range(n):
+            s = dict(base)
+            if s.get("seed") is not None:
+                s["seed"] = int(s["seed"]) + i
+            calls.append(self.dispatcher.submit(prompt, s, None, policy))
+        return list(await asyncio.gather(*calls))
+
+    def counters(self) -> dict[str, Any]:
+        return self.dispatcher.counters()
+
+    def events(self) -> list[dict]:
+        return self.log.records()
+
+
+class InProcessClient(_Client):
+    """A client on the controller's own event loop, in its process (unit tests; an app that embeds the
+    controller). Reads the publisher directly and writes request records into the controller's log."""
+
+    def __init__(self, ctl: Any, rng: Any = None) -> None:
+        self._ctl = ctl
+        self.door = ctl.door
+        self.config = ctl.cfg
+        self.policy = VersionPolicy.for_fleet(ctl.cfg.max_staleness)
+        self.log = ctl.log
+        self.dispatcher = Dispatcher(self, ctl.log, ctl.cfg.request_timeout_s, ctl.cfg.max_redispatch, ctl.clock,
+                                     rng=rng, id_prefix="local")
+
+    def routing(self) -> RoutingState:
+        return self._ctl.publisher.current
+
+    async def newer_routing(self, epoch: int, timeout: float) -> RoutingState:
+        return await self._ctl.publisher.wait_newer(epoch, timeout)
+
+    def report(self, slot: int, incarnation: int, outcome: Outcome, epoch: int) -> None:
+        self._ctl.report_failure(slot, incarnation, *self._failure(outcome), epoch)
+
+
+class FleetClient(_Client):
+    """Follows one controller's routing state and sends requests straight to its shards.
+
+    ``door``: the Ray door (``fleet.ray_io.RayDoor``) or a fake for unit tests; it reaches
+    both the shards and the controller. Close with ``close()``.
+    """
+
+    def __init__(self, controller: Any, config: Any, door: Any = None, name: str | None = None) -> None:
+        if door is None:
+            from fleet.ray_io import RayDoor
+
+            door = RayDoor()
+        self.door = door
+        self._ctl = controller
+        self.config = config
+        self.name = name or f"c{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.policy = VersionPolicy.for_fleet(config.max_staleness)
+        self.log = EventLog()
+        self._state = RoutingState(epoch=-1, gate_open=False, version=0, reason="not fetched yet")
+        self._changed: asyncio.Condition | None = None
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"rlfleet-{self.name}", daemon=True)
+        self._thread.start()
+        self.dispatcher: Dispatcher = self._run(self._make_dispatcher(), 30)
+        self._watcher = asyncio.run_coroutine_threadsafe(self._follow(), self._loop)
+
+    async def _make_dispatcher(self) -> Dispatcher:
+        self._changed = asyncio.Condition()
+        return Dispatcher(self, self.log, self.config.request_timeout_s, self.config.max_redispatch, id_prefix=self.name)
+
+    def _run(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ------------------------------------------------------------------ the routing state
+    def routing(self) -> RoutingState:
+        return self._state
+
+    async def _follow(self) -> None:
+        """Fetch the routing state, then long-poll for each change until closed or the controller is gone."""
+        while not self._closed:
+            out = await self.door.call(self._ctl, "watch_routing", self._state.epoch, WATCH_S, timeout=WATCH_S + 30)
+            if out.ok:
+                await self._adopt(out.value)
+            elif out.kind in ("died", "unavailable") or self._closed:
+                await self._adopt(RoutingState(self._state.epoch + 1, False, self._state.version,
+                                               stopped=f"the fleet's controller is gone ({out.describe()[:200]})"))
+                return
+            else:
+                await asyncio.sleep(0.5)
+
+    async def _adopt(self, state: RoutingState) -> None:
+        if state.epoch < self._state.epoch:
+            return
+        self._state = state
+        async with self._changed:
+            self._changed.notify_all()
+        await self.dispatcher.notify_room()
+
+    async def newer_routing(self, epoch: int, timeout: float) -> RoutingState:
+        """The routing state once its epoch is past ``epoch``, or the current one after ``timeout`` s."""
+        if self._state.epoch > epoch or timeout <= 0:
+            return self._state
+        try:
+            async with self._changed:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self._state.epoch > epoch), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return self._state
+
+    def wait_routing(self, epoch: int = -1, timeout: float = 30.0) -> RoutingState:
+        """Synchronous: block until the client holds a routing state newer than ``epoch``."""
+        return self._run(self.newer_routing(epoch, timeout), timeout + 5)
+
+    # ------------------------------------------------------------------ FleetView for the dispatcher
+    def report(self, slot: int, incarnation: int, outcome: Outcome, epoch: int) -> None:
+        """Tell the controller a shard failed a request (fire and forget: it decides, not the client)."""
+        asyncio.ensure_future(self.door.call(self._ctl, "report_failure", slot, incarnation, *self._failure(outcome),
+                                             epoch, timeout=30))
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, prompt: Any, n: int = 1, sampling: dict | None = None,
+               policy: VersionPolicy | None = None) -> concurrent.futures.Future:
+        """Start one group from any thread; ``future.result(timeout)`` is its list of results."""
+        if self._closed:
+            raise RuntimeError(f"fleet client {self.name} is closed")
+        return asyncio.run_coroutine_threadsafe(self.group_async(prompt, n, sampling, policy), self._loop)
+
+    def close(self) -> None:
+        """Stop following the controller and stop the client's loop (requests still pending are returned
+        by their own deadlines; call after the fleet stopped)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self._cancel_all(), 10)
+        except Exception:  # noqa: BLE001 - closing must not raise
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    @staticmethod
+    async def _cancel_all() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

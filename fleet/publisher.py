@@ -1,0 +1,152 @@
+"""``RoutingPublisher``: the controller's routing state, published to clients and told to shards.
+
+Any change the controller makes (gate, committed version, serving set, caps, stop)
+marks the state dirty; one publication then computes the new ``RoutingState`` and,
+only if a client would see a difference, gives it the next epoch. Order matters and
+is fixed here: a shard joining the serving set is told so (``set_route``, awaited)
+before any client can route to it; a shard leaving it is told without waiting (its
+requests are refused from then on; clients stop routing to it with the new state).
+Clients follow with a long poll (``wait_newer``); nothing here sees a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from fleet.routing import Member, RoutingState
+from health import CallKind
+
+
+class RoutingPublisher:
+    def __init__(self, ctl: Any) -> None:
+        self.ctl = ctl
+        self.current = RoutingState(epoch=0, gate_open=False, version=0, reason="not started")
+        self.refit_epoch = 0  # the epoch at which the last refit closed the gate
+        self._told: dict[tuple[int, int], bool] = {}  # (slot, incarnation) -> told it is a member
+        self._lock: asyncio.Lock | None = None
+        self._changed: asyncio.Condition | None = None
+        self._scheduled = False
+
+    def _sync(self) -> tuple[asyncio.Lock, asyncio.Condition]:
+        if self._lock is None:
+            self._lock, self._changed = asyncio.Lock(), asyncio.Condition()
+        return self._lock, self._changed
+
+    def mark_dirty(self) -> None:
+        """Something clients follow may have changed: publish soon (once, however many changes)."""
+        if self._scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop yet (construction): start() publishes
+        self._scheduled = True
+        loop.call_soon(self._publish_soon)
+
+    def close_now(self, reason: str) -> None:
+        """The gate closed: publish that at once (closing only takes capacity away, so no shard has to
+        agree first), then fence the members so work routed before it is refused. A refit fences its
+        own shards (``begin_refit``)."""
+        if not self.current.gate_open:
+            return
+        self.current = dataclasses.replace(self.current, epoch=self.current.epoch + 1, gate_open=False, reason=reason)
+        self.ctl.log.emit("routing", epoch=self.current.epoch, gate_open=False, version=self.current.version,
+                          members=[[m.slot, m.incarnation] for m in self.current.members], stopped=bool(self.ctl.stopped))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self.ctl._background(self._closed(self.current.epoch, fence=not self.ctl.lifecycle.running))
+
+    async def _closed(self, epoch: int, fence: bool) -> None:
+        _, changed = self._sync()
+        async with changed:
+            changed.notify_all()
+        if fence:
+            live = self.ctl.live_handles()
+            await self.ctl.door.fan_out({s: (h, "fence", (epoch,), {}) for s, (_, h) in live.items()},
+                                        timeout=self.ctl.cfg.probe_timeout_s)
+
+    def _publish_soon(self) -> None:
+        self._scheduled = False
+        self.ctl._background(self.publish())
+
+    def _view(self) -> RoutingState:
+        ctl = self.ctl
+        members = tuple(Member(s, inc, h) for s, inc, h in ctl.serving())
+        caps = ctl.admission.caps([m.slot for m in members])
+        return RoutingState(
+            epoch=self.current.epoch,
+            gate_open=ctl.gate.is_open and not ctl.stopped,
+            version=ctl.gate.version,
+            members=() if ctl.stopped else members,  # while closed: who will serve when it reopens
+            caps=tuple(sorted(caps.items())),
+            stopped=ctl.stopped,
+            reason=ctl.gate.reason,
+        )
+
+    async def publish(self) -> RoutingState:
+        """Publish the controller's current view if it differs from the last one; returns the current state."""
+        lock, changed = self._sync()
+        async with lock:
+            view = self._view()
+            if view.same_view(self.current) and self.current.epoch > 0:
+                return self.current
+            epoch = self.current.epoch + 1
+            members = await self._tell_shards(view, epoch)
+            self.current = RoutingState(epoch, view.gate_open, view.version, members, view.caps, view.stopped,
+                                        view.reason)
+            self.ctl.log.emit("routing", epoch=epoch, gate_open=view.gate_open, version=view.version,
+                              members=[[m.slot, m.incarnation] for m in members], stopped=bool(view.stopped))
+        async with changed:
+            changed.notify_all()
+        return self.current
+
+    async def _tell_shards(self, view: RoutingState, epoch: int) -> tuple[Member, ...]:
+        """Tell joiners (awaited) and leavers (not awaited); a joiner that does not confirm is left out."""
+        ctl = self.ctl
+        joining = {(m.slot, m.incarnation): m for m in view.members if not self._told.get((m.slot, m.incarnation))}
+        keys = {(m.slot, m.incarnation) for m in view.members}
+        leaving = [k for k, told in self._told.items() if told and k not in keys]
+        for slot, inc in leaving:
+            self._told[(slot, inc)] = False
+            handle = ctl.handle_of(slot, inc)
+            if handle is not None:
+                ctl._background(ctl.door.call(handle, "set_route", epoch, False, view.version,
+                                              timeout=ctl.cfg.probe_timeout_s))
+        for key in [k for k in self._told if ctl.handle_of(*k) is None]:
+            del self._told[key]  # replaced or gone: nothing more to tell it
+        if not joining:
+            return view.members
+        outs = await ctl.door.fan_out(
+            {k: (m.handle, "set_route", (epoch, True, view.version), {}) for k, m in joining.items()},
+            timeout=ctl.cfg.probe_timeout_s, expect_ack=True,
+        )
+        refused = set()
+        for key, out in outs.items():
+            if out.ok:
+                self._told[key] = True
+            else:
+                refused.add(key)
+                ctl.observe(key[0], key[1], CallKind.PROBE, out)
+        return tuple(m for m in view.members if (m.slot, m.incarnation) not in refused)
+
+    async def fence_for_refit(self) -> int:
+        """Publish the closed gate of a refit that begins; returns its epoch (shards fence below it)."""
+        state = await self.publish()
+        self.refit_epoch = state.epoch
+        return state.epoch
+
+    async def wait_newer(self, after_epoch: int, timeout: float) -> RoutingState:
+        """The state once its epoch is past ``after_epoch``, or the current one after ``timeout`` s."""
+        _, changed = self._sync()
+        if self.current.epoch > after_epoch:
+            return self.current
+        try:
+            async with changed:
+                await asyncio.wait_for(changed.wait_for(lambda: self.current.epoch > after_epoch), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return self.current
