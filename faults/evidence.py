@@ -26,7 +26,11 @@ it ended; its proof is the call's outcome and the event log around it:
   record and no phase of that version in the log while the call ran: ``refused``;
 - ``concurrent_refit``: both calls ended, one committed, the other committed too or
   was refused as no longer greater, and the phases of the two refits never
-  interleave: ``serialized``.
+  interleave: ``serialized``;
+- ``refit_under_load``: the refit committed while client threads kept submitting
+  (requests were accepted while it ran), no ``latest`` request mixed versions, every
+  request a lagging client sent under the pre-refit epoch was refused by its shard
+  without running, and the shards' refusal counters grew by at least that many: ``held``.
 
 It returns one evidence row per firing that went off (with fault -> reopen and time
 to recover, measured from the firing) and one sentence per firing that failed.
@@ -62,6 +66,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     **{f"corrupt_{kind}": ("rolled_back",) for kind in CORRUPTIONS},
     "stale_version": ("refused",),
     "concurrent_refit": ("serialized",),
+    "refit_under_load": ("held",),
 }
 # What a refused corrupt update's message must say, for the corrupted tensor ``t`` (refit.manifest's words).
 REFUSAL_NAMES = {
@@ -213,4 +218,25 @@ def _concurrent_refits(f: Mapping, calls: list[dict], events: list[dict]) -> lis
     return wrong
 
 
-_TRAINER_PROOFS = {"stale_version": _stale_version, "concurrent_refit": _concurrent_refits}
+def _refit_under_load(f: Mapping, calls: list[dict], events: list[dict]) -> list[str]:
+    call, wrong = calls[0], []
+    if call["outcome"] != "committed":
+        wrong.append(f"the refit under load did not commit: {call['outcome']}: {call['error']}")
+    if not f["accepted_during"]:
+        wrong.append(f"no request was accepted while the refit ran ({f['submitted']} submitted): the load did not overlap it")
+    if f["mixed"]:
+        wrong.append(f"{f['mixed']} 'latest' request(s) completed with samples from two versions")
+    lagging = f["lagging"]
+    if not lagging:
+        wrong.append("the lagging client sent nothing while the gate was closed")
+    ran = [s for s in lagging if not s["refused"]]
+    if ran:
+        wrong.append(f"shards took work routed under the pre-refit epoch {f['stale_epoch']}: {ran}")
+    counted = sum(f["refused_delta"].values())
+    if counted < len(lagging):
+        wrong.append(f"the shards counted {counted} refusal(s) for {len(lagging)} lagging request(s): {f['refused_delta']}")
+    return wrong
+
+
+_TRAINER_PROOFS = {"stale_version": _stale_version, "concurrent_refit": _concurrent_refits,
+                   "refit_under_load": _refit_under_load}

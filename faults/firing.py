@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
+from faults.load import refit_under_load
 from fleet.errors import FleetStopped, RefitRefused
 from health.faultplan import TRAINER_WHERE, Firing
 
@@ -175,6 +176,8 @@ class FaultFiring:
             return self._corrupt_update(f.what.removeprefix("corrupt_"))
         if f.what == "stale_version":
             return self._stale_version()
+        if f.what == "refit_under_load":
+            return refit_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
         return self._concurrent_refits()
 
     def _sync(self, version: int) -> dict:

@@ -66,6 +66,9 @@ MATRIX: tuple[Variant, ...] = (
        description="a refit of a version not above the committed one, requests in flight: refused, nothing changes"),
     _v("two-concurrent-refits", "recovers", [{"where": "call", "what": "concurrent_refit", "step": 1}], steps=1,
        description="two refits at once from two threads: one after the other, never interleaved"),
+    _v("refit-under-load", "recovers", [{"where": "call", "what": "refit_under_load", "step": 1}], steps=1,
+       description="a refit while 4 client threads submit without pause and a lagging client sends work routed "
+                   "under the pre-refit state: 0 lost, 0 wrong version tags, every lagging request refused"),
     _v("below-quorum-between-refits", "recovers",
        [{"where": "between_refits", "what": "kill", "shard": 0, "step": 1},
         {"where": "between_refits", "what": "kill", "shard": 1, "step": 1}],

@@ -171,6 +171,10 @@ class Fleet:
         wanted = set(kinds) if kinds is not None else None
         return [r for r in merged[since:] if wanted is None or r["kind"] in wanted]
 
+    def shard_counters(self) -> dict[int, dict]:
+        """Per live slot: requests its shard admitted and refused, by reason (the data plane's own count)."""
+        return self._ask("shard_counters", timeout=60)
+
     def admission_metrics(self) -> dict[int, dict]:
         """Per slot: admission cap, the law's counters, and the engine's last polled stats (preemptions, KV usage)."""
         return self._ask("admission_metrics", timeout=60)

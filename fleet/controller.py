@@ -322,7 +322,7 @@ class SingleController:
         logged and ignored.
         """
         if kind == TIMED_OUT and (self.lifecycle.running or epoch < self.publisher.refit_epoch):
-            self.log.emit("report_ignored", slot=slot, incarnation=incarnation, kind=kind, epoch=epoch,
+            self.log.emit("report_ignored", slot=slot, incarnation=incarnation, outcome=kind, epoch=epoch,
                           reason="the request was held by a refit")
             return False
         if self.handle_of(slot, incarnation) is None:
@@ -384,6 +384,13 @@ class SingleController:
 
     def events(self, since: int = 0, kinds: list[str] | None = None) -> list[dict]:
         return self.log.records(since, kinds)
+
+    async def shard_counters(self) -> dict[int, dict]:
+        """Per live slot: what its shard admitted and refused, and why (``EngineShard.counters``)."""
+        live = self.live_handles()
+        outs = await self.door.fan_out({s: (h, "counters", (), {}) for s, (_, h) in live.items()},
+                                       timeout=self.cfg.probe_timeout_s)
+        return {s: o.value for s, o in outs.items() if o.ok}
 
     def admission_metrics(self) -> dict[int, dict]:
         """Read-only: per slot, the cap, the law's counters and the last polled engine stats (preemptions, KV)."""

@@ -49,6 +49,7 @@ class FleetResult:
     accepted_version: int = 0
     latency_s: float = 0.0
     queue_s: float = 0.0  # acceptance -> the last dispatch to a shard (latency_s - queue_s: time on the shard)
+    accepted_at: float = 0.0  # the client's clock (time.monotonic() in a FleetClient)
 
     @property
     def ok(self) -> bool:
@@ -260,7 +261,7 @@ class Dispatcher:
         now = self._clock.now()
         return FleetResult(
             p.request_id, COMPLETED, result, attempts=p.attempts, accepted_version=p.accepted_version,
-            latency_s=now - p.accepted_at, queue_s=(p.dispatched_at or now) - p.accepted_at,
+            latency_s=now - p.accepted_at, queue_s=(p.dispatched_at or now) - p.accepted_at, accepted_at=p.accepted_at,
         )
 
     def _return(self, p: _Pending, reason: str) -> FleetResult:
@@ -268,7 +269,8 @@ class Dispatcher:
         self.returned_reasons[reason.split(":")[0]] += 1
         self._log.emit("request", event="returned", request_id=p.request_id, reason=reason)
         return FleetResult(
-            p.request_id, RETURNED, None, reason, p.attempts, p.accepted_version, self._clock.now() - p.accepted_at
+            p.request_id, RETURNED, None, reason, p.attempts, p.accepted_version, self._clock.now() - p.accepted_at,
+            accepted_at=p.accepted_at,
         )
 
     def in_flight_on(self, slot: int) -> dict[str, tuple[int, int]]:

@@ -31,8 +31,11 @@ Faults of the trainer's refit call itself name no ``shard``:
   dtype, or leaves out one tensor or its whole decoder layer; that refit must be
   refused naming the tensor, the fleet serving on; the next (correct) one commits;
 - ``where: call``, ``what: stale_version`` (a refit whose version is not greater than
-  the committed one, while requests are in flight: refused, nothing changes) or
-  ``concurrent_refit`` (two refits at once from two threads: they must not overlap).
+  the committed one, while requests are in flight: refused, nothing changes),
+  ``concurrent_refit`` (two refits at once from two threads: they must not overlap) or
+  ``refit_under_load`` (a refit while 4 client threads submit without pause and a lagging
+  client sends work routed under the pre-refit state: nothing lost, nothing served on
+  the wrong weights, and every lagging request refused by the shards).
 
 Pure: no Ray, no vLLM. ``load_plan`` raises ``ValueError`` naming the field
 (``faults[0].where``) and the allowed values; ``resolve`` turns a plan into
@@ -64,6 +67,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     **{f"corrupt_{kind}": ("update",) for kind in CORRUPTIONS},
     "stale_version": ("call",),
     "concurrent_refit": ("call",),
+    "refit_under_load": ("call",),
 }
 WHAT = tuple(ALLOWED)
 EXPECT = ("recovers", "stops")

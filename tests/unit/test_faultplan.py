@@ -73,8 +73,8 @@ def test_matrix_covers_every_required_variant_and_all_plans_are_valid():
                 "kill-two-below-quorum", "freeze-during-transfer", "hang-past-deadline", "false-ack-on-resume",
                 "restart-readmission", "engine-core-crash", "restart-budget-exhausted",
                 "unavailable-at-resume", "hang-at-resume", "bad-update-wrong-shape", "bad-update-missing-layer",
-                "misuse-stale-version", "two-concurrent-refits", "below-quorum-between-refits"}
-    assert required <= names and len(MATRIX) == len(names) == 18
+                "misuse-stale-version", "two-concurrent-refits", "below-quorum-between-refits", "refit-under-load"}
+    assert required <= names and len(MATRIX) == len(names) == 19
     for v in MATRIX:
         load_plan(v.plan)
     with pytest.raises(ValueError, match="unknown matrix variant"):

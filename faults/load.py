@@ -1,0 +1,99 @@
+"""A refit under full load: client threads submit without pause while the fleet changes weights.
+
+``refit_under_load(fleet, sync)`` starts ``threads`` client threads that each submit one
+request at a time (version policy ``latest``) until told to stop, runs ``sync()`` (one
+refit) meanwhile, and, as soon as this process's client sees the gate closed, plays a
+lagging client: it sends one request to every shard of the last open routing state,
+stamped with that state's epoch, straight to the shard (as a client whose routing state
+has not caught up would). Those must all be refused by the shards (``RouteRefused``:
+paused or an old epoch) without running. The record says what happened, for
+``faults.evidence`` to judge:
+
+- ``calls``: the refit call (``sync``'s record);
+- ``submitted`` / ``accepted_during``: requests the threads submitted, and how many of
+  them were accepted while the refit ran (the load really overlapped the refit);
+- ``mixed``: completed ``latest`` requests whose samples did not come from one version;
+- ``lagging``: per lagging send, its slot and whether it was refused, and why;
+- ``refused_delta``: the shards' refusal counters over the run, by reason.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from fleet import ray_io
+from fleet.errors import RouteRefused
+from fleet.routing import LATEST, Ticket, VersionPolicy
+
+PROMPT = [5, 6, 7, 8]
+SAMPLING = {"max_tokens": 4}
+
+
+def _refused(counters: dict[int, dict]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counters.values():
+        for reason, n in c.get("refused", {}).items():
+            total[reason] = total.get(reason, 0) + n
+    return total
+
+
+def _lagging_sends(stale, timeout_s: float) -> list[dict]:
+    """One request per member of ``stale`` (an open routing state), stamped with its old epoch."""
+    pending = [(m, ray_io.submit(m.handle, "generate", PROMPT, SAMPLING, request_id=f"lagging-{m.slot}-{stale.epoch}",
+                                 ticket=Ticket(stale.epoch, VersionPolicy(LATEST)))) for m in stale.members]
+    out = []
+    for m, p in pending:
+        o = ray_io.settle(p, timeout_s)
+        refused = isinstance(o.error, RouteRefused)
+        out.append({"slot": m.slot, "incarnation": m.incarnation, "refused": refused,
+                    "reason": o.error.reason if refused else o.describe()[:200]})
+    return out
+
+
+def refit_under_load(fleet: Any, sync: Callable[[], dict], threads: int = 4, settle_s: float = 0.5) -> dict:
+    before = _refused(fleet.shard_counters())
+    stale = fleet.client.routing()
+    stop = threading.Event()
+    results: list = []
+    lock = threading.Lock()
+
+    def submit_forever() -> None:
+        while not stop.is_set():
+            group = fleet.collect(fleet.submit(PROMPT, 1, SAMPLING, version_policy="latest"))
+            with lock:
+                results.extend(group)
+
+    workers = [threading.Thread(target=submit_forever, name=f"load-{i}", daemon=True) for i in range(threads)]
+    for w in workers:
+        w.start()
+    time.sleep(settle_s)  # the load is running before the refit begins
+    box: dict = {}
+    refit = threading.Thread(target=lambda: box.update(call=sync()), name="refit", daemon=True)
+    refit.start()
+    lagging: list[dict] = []
+    deadline = time.monotonic() + 120
+    while refit.is_alive() and time.monotonic() < deadline:
+        if not fleet.client.routing().gate_open:
+            lagging = _lagging_sends(stale, 60)
+            break
+        time.sleep(0.002)
+    refit.join(timeout=600)
+    time.sleep(settle_s)  # and keeps running after it
+    stop.set()
+    for w in workers:
+        w.join(timeout=fleet.config.request_timeout_s + 60)
+    call = box.get("call", {"outcome": "did not end", "began": 0.0, "ended": 0.0, "version": None, "error": None})
+    accepted_during = sum(1 for r in results if call["began"] <= r.accepted_at <= call["ended"])
+    return {
+        "calls": [call],
+        "threads": threads,
+        "submitted": len(results),
+        "accepted_during": accepted_during,
+        "completed": sum(1 for r in results if r.ok),
+        "mixed": sum(1 for r in results if r.ok and r.result.version_start != r.result.weight_version),
+        "lagging": lagging,
+        "stale_epoch": stale.epoch,
+        "refused_delta": {k: v - before.get(k, 0) for k, v in _refused(fleet.shard_counters()).items()},
+    }

@@ -1,0 +1,259 @@
+"""The data plane's pure pieces and the shard's gate, in-process (no Ray).
+
+- ``VersionPolicy``: parsing (the error names ``version_policy``) and what each policy allows;
+- ``ShardGate``: each refusal reason, and that membership changes raise the floor;
+- ``EngineShard`` over ``NullBackend``: a refused request never reaches the engine, a re-sent id
+  never runs twice (completed: the same result; running: joins), ``begin_refit`` aborts by policy;
+- ``pick_two``: only members with room, the less loaded of two, reproducible with a seed;
+- the controller's routing state: published with a new epoch on each change, closing at once,
+  client timeouts during a refit not taken as shard failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+
+from fleet.errors import RouteRefused
+from fleet.null_backend import NullBackend
+from fleet.outcome import DIED, TIMED_OUT, Outcome
+from fleet.router import pick_two
+from fleet.routing import ANY, LATEST, MAX_STALENESS, Member, Ticket, VersionPolicy
+from fleet.shard import EngineShard
+from fleet.shard_gate import EPOCH, NOT_MEMBER, PAUSED, VERSION, RecentResults, ShardGate
+from health import CallKind
+from tests.unit.fleet_fakes import client
+from tests.unit.test_controller import make, model_dir, run  # noqa: F401 - model_dir is a fixture
+
+
+# ------------------------------------------------------------------ version policy
+@pytest.mark.parametrize("value,kind,k", [
+    (None, ANY, 0), ("latest", LATEST, 0), ("any", ANY, 0), ("max_staleness=2", MAX_STALENESS, 2),
+    ({"max_staleness": 3}, MAX_STALENESS, 3), ("max_staleness = 0", MAX_STALENESS, 0),
+])
+def test_version_policy_parses(value, kind, k):
+    p = VersionPolicy.parse(value)
+    assert (p.kind, p.k) == (kind, k)
+
+
+@pytest.mark.parametrize("bad", ["newest", "max_staleness=-1", "max_staleness", 3, {"staleness": 1}, ["latest"]])
+def test_a_bad_version_policy_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match="version_policy"):
+        VersionPolicy.parse(bad)
+
+
+def test_what_each_policy_allows():
+    latest, one, anything = VersionPolicy(LATEST), VersionPolicy(MAX_STALENESS, 1), VersionPolicy(ANY)
+    assert latest.allows(5, 5) and not latest.allows(4, 5)
+    assert one.allows(4, 5) and not one.allows(3, 5)
+    assert anything.allows(0, 99)
+    assert VersionPolicy.for_fleet(None) == anything and VersionPolicy.for_fleet(2) == VersionPolicy(MAX_STALENESS, 2)
+
+
+# ------------------------------------------------------------------ the shard's gate
+def member_gate(epoch: int = 3, committed: int = 2) -> ShardGate:
+    g = ShardGate()
+    g.route(epoch, True, committed)
+    return g
+
+
+def test_gate_refusal_reasons():
+    g = member_gate()
+    t = Ticket(3, VersionPolicy(LATEST))
+    assert g.refusal(t, 2) is None
+    assert g.refusal(Ticket(2), 2) == EPOCH  # routed before the shard joined
+    assert g.refusal(t, 1) == VERSION  # weights behind the committed version, policy latest
+    assert g.refusal(Ticket(3, VersionPolicy(ANY)), 1) is None
+    g.paused = True
+    assert g.refusal(t, 2) == PAUSED and g.refusal(None, 2) == PAUSED  # paused refuses even untagged calls
+    g.paused = False
+    g.route(7, False, 2)
+    assert g.refusal(Ticket(9), 2) == NOT_MEMBER
+    assert g.refusal(None, 2) is None  # an operator's direct call on a non-member
+
+
+def test_fence_and_rejoin_raise_the_floor():
+    g = member_gate(epoch=3)
+    g.fence(5)
+    assert g.refusal(Ticket(4), 2) == EPOCH and g.refusal(Ticket(5), 2) is None
+    g.route(6, True, 3)  # staying a member: the floor does not move
+    assert g.floor == 5 and g.committed == 3
+    g.route(8, False, 3)
+    g.route(10, True, 3)  # rejoined at 10: work routed at 8 or 9 (when it was out) is refused
+    assert g.refusal(Ticket(9), 3) == EPOCH and g.refusal(Ticket(10), 3) is None
+    g.admit(Ticket(9), 3)
+    g.admit(Ticket(10), 3)
+    assert g.counters()["refused"] == {EPOCH: 1} and g.admitted == 1
+
+
+def test_recent_results_are_bounded():
+    r = RecentResults(size=3)
+    for i in range(5):
+        r.put(f"id{i}", i)
+    assert len(r) == 3 and r.get("id0") is None and r.get("id4") == 4
+
+
+# ------------------------------------------------------------------ the shard, in-process over NullBackend
+class CountingBackend(NullBackend):
+    def __init__(self, config=None, delay: float = 0.0) -> None:
+        super().__init__(config)
+        self.runs: Counter[str] = Counter()
+        self.aborted: list[str] = []
+        self.delay = delay
+        self.release = asyncio.Event()
+
+    async def generate(self, prompt_token_ids, sampling, request_id, cache_salt=None):
+        self.runs[request_id] += 1
+        if self.delay:
+            try:
+                await asyncio.wait_for(self.release.wait(), self.delay)
+            except asyncio.TimeoutError:
+                pass
+        if request_id in self.aborted:
+            from fleet.types import Completion
+
+            return [Completion((), (), "abort")]
+        return await super().generate(prompt_token_ids, sampling, request_id, cache_salt)
+
+    async def abort(self, request_ids):
+        self.aborted += list(request_ids)
+        self.release.set()
+
+
+def shard_with(backend: CountingBackend, tmp_path) -> EngineShard:
+    (tmp_path / "config.json").write_text("{}")
+    return EngineShard({"model": str(tmp_path), "backend": "null"}, 0, 1, backend_factory=lambda cfg: backend)
+
+
+def test_a_refused_request_never_reaches_the_engine(tmp_path):
+    async def go():
+        b = CountingBackend()
+        shard = shard_with(b, tmp_path)
+        await shard.start()
+        with pytest.raises(RouteRefused) as err:
+            await shard.generate([1, 2], {}, "r1", ticket=Ticket(1))
+        assert err.value.reason == NOT_MEMBER and "not in the serving set" in str(err.value)
+        shard.set_route(4, True, 0)
+        with pytest.raises(RouteRefused) as err:
+            await shard.generate([1, 2], {}, "r2", ticket=Ticket(3))
+        assert err.value.reason == EPOCH
+        await shard.pause()
+        with pytest.raises(RouteRefused) as err:
+            await shard.generate([1, 2], {}, "r3", ticket=Ticket(4))
+        assert err.value.reason == PAUSED
+        await shard.resume()
+        ok = await shard.generate([1, 2], {}, "r4", ticket=Ticket(4))
+        assert ok.completions and b.runs == {"r4": 1}
+        c = shard.counters()
+        assert c["refused"] == {NOT_MEMBER: 1, EPOCH: 1, PAUSED: 1} and c["admitted"] == 1
+        # the error survives pickling with its reason (it crosses the Ray boundary)
+        import pickle
+
+        again = pickle.loads(pickle.dumps(err.value))
+        assert isinstance(again, RouteRefused) and again.reason == PAUSED
+
+    asyncio.run(go())
+
+
+def test_a_resent_request_id_never_runs_twice(tmp_path):
+    async def go():
+        b = CountingBackend(delay=0.2)
+        shard = shard_with(b, tmp_path)
+        await shard.start()
+        first, second = await asyncio.gather(shard.generate([1], {}, "same"), shard.generate([1], {}, "same"))
+        assert first is second and b.runs == {"same": 1}  # the second joined the running call
+        third = await shard.generate([1], {}, "same")
+        assert third is first and b.runs == {"same": 1} and shard.deduplicated == 2
+
+    asyncio.run(go())
+
+
+def test_begin_refit_aborts_only_what_the_policy_forbids(tmp_path):
+    async def go():
+        b = CountingBackend(delay=5.0)
+        shard = shard_with(b, tmp_path)
+        await shard.start()
+        shard.set_route(1, True, 0)
+        latest = asyncio.ensure_future(shard.generate([1], {}, "latest", ticket=Ticket(1, VersionPolicy(LATEST))))
+        anyv = asyncio.ensure_future(shard.generate([1], {}, "any", ticket=Ticket(1, VersionPolicy(ANY))))
+        await asyncio.sleep(0.05)
+        out = await shard.begin_refit(2, 1)
+        assert out == {"aborted": 1, "in_flight": 1} and b.aborted == ["latest"]
+        assert (await latest).aborted
+        assert shard.gate.floor == 2
+        b.release.set()
+        assert not (await anyv).aborted
+
+    asyncio.run(go())
+
+
+# ------------------------------------------------------------------ power of two choices
+def test_pick_two_only_members_with_room_and_the_less_loaded():
+    members = [Member(s, 1, None) for s in range(4)]
+    rng = random.Random(0)
+    assert pick_two(members, {0: 2, 1: 2, 2: 2, 3: 2}, {0: 2, 1: 2, 2: 2, 3: 2}, rng) is None
+    assert pick_two(members, {0: 2, 1: 2, 2: 2}, {0: 2, 1: 2, 2: 2, 3: 2}, rng).slot == 3
+    load = {0: 0, 1: 5, 2: 5, 3: 5}
+    picks = Counter(pick_two(members, load, {}, rng).slot for _ in range(600))
+    # slot 0 wins every draw it is in (half of all pairs); the others split the rest
+    assert 250 < picks[0] < 350 and set(picks) == {0, 1, 2, 3}
+    a = [pick_two(members, {}, {}, random.Random(7)).slot for _ in range(5)]
+    assert len(set(a)) == 1  # seeded: reproducible
+
+
+# ------------------------------------------------------------------ the controller publishes, clients follow
+def test_routing_state_is_published_with_a_new_epoch_per_change(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir)
+        await ctl.start()
+        s0 = ctl.publisher.current
+        assert s0.gate_open and [m.slot for m in s0.members] == [0, 1, 2] and s0.version == 0
+        assert all(sh.gate.member for sh in door.shards.values())  # members were told before clients saw them
+        assert (await ctl.watch_routing(s0.epoch, 0.5)).epoch == s0.epoch  # no change: the same state after the wait
+        waiter = asyncio.ensure_future(ctl.watch_routing(s0.epoch, 60))
+        await ctl.sync_weights(1)
+        s1 = await waiter
+        assert s1.epoch > s0.epoch  # the long poll answered on the first change (the gate closing)
+        s2 = ctl.publisher.current
+        assert s2.gate_open and s2.version == 1 and s2.epoch > s1.epoch
+        closes = [e for e in ctl.log.records(kinds=["routing"]) if not e["gate_open"]]
+        assert closes and all(door.shards[(s, 1)].gate.floor >= closes[-1]["epoch"] for s in range(3))
+
+    run(go())
+
+
+def test_a_closed_gate_is_seen_at_once_and_requests_wait(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir, request_timeout_s=3600)
+        await ctl.start()
+        for slot in (1, 2):
+            ctl.observe(slot, 1, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("killed")))
+        assert not ctl.publisher.current.gate_open  # published without waiting for any shard
+        waiting = asyncio.ensure_future(client(ctl).generate([1]))
+        await asyncio.sleep(5)
+        assert not waiting.done()
+        closed = next(e["epoch"] for e in ctl.log.records(kinds=["routing"]) if not e["gate_open"])
+        assert door.shards[(0, 1)].gate.floor == closed  # the survivor was fenced at the close
+        waiting.cancel()
+
+    run(go())
+
+
+def test_a_client_timeout_during_a_refit_is_not_a_sick_shard(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir)
+        await ctl.start()
+        epoch = ctl.publisher.current.epoch
+        await ctl.sync_weights(1)
+        # a request routed before the refit timed out while the shard was paused: ignored
+        assert ctl.report_failure(0, 1, TIMED_OUT, "timed out", epoch) is False
+        assert ctl.ledger.state(0).value == "healthy"
+        assert any(e["slot"] == 0 for e in ctl.log.records(kinds=["report_ignored"]))
+        # the same timeout on a request routed after the refit is a health observation
+        assert ctl.report_failure(0, 1, TIMED_OUT, "timed out", ctl.publisher.current.epoch) is True
+        assert ctl.ledger.state(0).value != "healthy"
+
+    run(go())
