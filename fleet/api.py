@@ -157,7 +157,10 @@ class Fleet:
         A version that does not increase or a source that is not a sender is refused
         (``RefitRefused``/``RefitArgumentError``) with nothing changed; ``FleetStopped`` on failure.
         """
-        return self._ask("sync_weights", version, source, timeout=self.config.lifecycle_deadline_s * 4 + 60)
+        summary = self._ask("sync_weights", version, source, timeout=self.config.lifecycle_deadline_s * 4 + 60)
+        if self.client is not None:  # from here on this process routes on the refit's state (or a later one)
+            self.client.wait_routing(summary.get("routing_epoch", 0) - 1, 30)
+        return summary
 
     def status(self) -> dict:
         """The controller's status, with this process's request counters under ``requests``."""

@@ -5,12 +5,14 @@ actor through the door; unit tests drive it in-process with a fake door and fake
 never decides on its own how to react to a failure: it turns every observed
 outcome into a ``health`` event, applies ``health.step``'s decision, logs the
 reason, and carries out the actions (probe, evict, restart, retire, stop). The
-weight-update lifecycle lives in ``fleet.lifecycle``; the request path in
-``fleet.dispatch``.
+weight-update lifecycle lives in ``fleet.lifecycle``. It is the control plane only:
+it publishes the routing state (``fleet.publisher``) and clients
+(``fleet.client``) send requests straight to the shards; a client reports a
+shard's failure with ``report_failure``.
 
-Guarantees: every accepted request ends completed or explicitly returned (see
-``Dispatcher``); the gate is open only while quorum serves the committed version;
-after an unrecovered failure the gate stays closed and the error names the shards.
+Guarantees: the gate is open only while quorum serves the committed version, and
+closing it is published at once and fences the shards; after an unrecovered
+failure the gate stays closed and the error names the shards.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ TIMER_INTERVAL_S = 0.2
 
 
 class SingleController:
-    """The fleet's control plane. Call ``start()`` once, then ``generate``/``sync_weights``."""
+    """The fleet's control plane. Call ``start()`` once, then ``sync_weights``; clients follow ``watch_routing``."""
 
     def __init__(self, config: dict | FleetConfig, door: Any = None, clock: Any = None, transfer: Any = None) -> None:
         self.cfg = load_fleet_config(config)

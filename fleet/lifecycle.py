@@ -139,6 +139,7 @@ class RefitLifecycle:
             "inside_shards_s": self._inside_s,
             "overhead_s": max(0.0, total - self._inside_s),
             "serving": list(ctl.ledger.serving_slots()),
+            "routing_epoch": ctl.publisher.current.epoch,  # clients routing on it (or later) see this refit
         }
 
     # ------------------------------------------------------------------ the steps

@@ -62,6 +62,7 @@ import statistics
 import sys
 import threading
 import time
+from concurrent import futures
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -248,9 +249,8 @@ class Arm:
                          for v in fleet.admission_metrics().values()]
                 next_sample = now + 1.0
             wake = min(end, next_refit) - now
-            ready, _ = ray_io.ready(list(pending), min(0.5, max(0.01, wake)), num_returns=1)
-            if ready:
-                ready, _ = ray_io.ready(list(pending), 0, num_returns=len(pending))
+            done, _ = futures.wait(list(pending), min(0.5, max(0.01, wake)), return_when=futures.FIRST_COMPLETED)
+            ready = list(done)
             measured = before is not None and time.monotonic() < end
             for ref in ready:
                 pending.pop(ref)

@@ -157,7 +157,9 @@ def test_killed_shard_restarts_joins_next_refit_and_serves(run):
     assert 2 in summary["complete"]
     after = {s["slot"]: s["incarnation"] for s in run.fleet.status()["ledger"]["slots"]}
     assert after[2] > before[2]
-    results = [r for g in run.fleet.generate([[7, 7, 7]] * 6, n=1, sampling={"max_tokens": 4}) for r in g]
+    routed = run.fleet.client.routing()
+    assert (2, after[2]) in {(m.slot, m.incarnation) for m in routed.members} and routed.gate_open
+    results = [r for g in run.fleet.generate([[7, 7, 7]] * 12, n=1, sampling={"max_tokens": 4}) for r in g]
     served = {(r.result.slot, r.result.incarnation) for r in results}
     assert (2, after[2]) in served, f"restarted slot 2 never served: {served}"
     assert all(r.result.weight_version == run.version for r in results)
