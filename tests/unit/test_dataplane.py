@@ -257,3 +257,40 @@ def test_a_client_timeout_during_a_refit_is_not_a_sick_shard(model_dir):
         assert ctl.ledger.state(0).value != "healthy"
 
     run(go())
+
+
+def test_a_restarted_shard_rejoins_routing_as_soon_as_it_serves_the_committed_version(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir)
+        await ctl.start()
+        ctl.observe(2, 1, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("killed")))
+        await asyncio.sleep(0.001)  # the next loop turn publishes it
+        assert (2, 1) not in {(m.slot, m.incarnation) for m in ctl.publisher.current.members}
+        await asyncio.sleep(1)  # virtual: incarnation 2 is up, stale until a refit lands on it
+        assert ctl.ledger.state(2).value == "stale" and not door.shards[(2, 2)].gate.member
+        await ctl.sync_weights(1)
+        # the moment sync_weights returns, the published state routes to it, and it was told first
+        assert (2, 2) in {(m.slot, m.incarnation) for m in ctl.publisher.current.members}
+        assert door.shards[(2, 2)].gate.member
+        res = [await client(ctl).generate([1]) for _ in range(12)]
+        assert any(r.result.slot == 2 and r.result.incarnation == 2 and r.result.weight_version == 1 for r in res)
+
+    run(go())
+
+
+def test_the_client_reroutes_a_refusal_for_free_and_resends_after_a_death(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir, max_redispatch=1)
+        await ctl.start()
+        door.shards[(0, 1)].gate.paused = True  # a shard that refuses everything (as if paused)
+        door.shards[(1, 1)].script["generate"] = "die"  # and one that dies on its next request
+        res = [await client(ctl).generate([1]) for _ in range(6)]
+        assert all(r.ok for r in res)  # every request ended on a shard that could serve it
+        assert {r.result.slot for r in res} == {2} or all(r.result.slot != 0 for r in res)
+        d = client(ctl).dispatcher
+        assert d.refused.get("paused", 0) >= 1 and d.requeued >= 1
+        assert door.shards[(0, 1)].gate.refused["paused"] == d.refused["paused"]  # nothing ran on the paused shard
+        assert ctl.ledger.state(1).value != "healthy"  # the client's report of the death reached the controller
+        assert all(r.attempts <= 2 for r in res)  # refusals do not spend the redispatch budget
+
+    run(go())
