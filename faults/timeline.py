@@ -56,7 +56,9 @@ def percentile(values: Iterable[float | None], q: float, ndigits: int | None = N
 
 
 def read_log(path: str | Path) -> list[dict]:
-    """The records of a JSONL event log (``[]`` if there is none); a line cut short by a crash is skipped."""
+    """The records of a JSONL event log (``[]`` if there is none), in time order; a line cut short by a
+    crash is skipped. The controller and the clients on its host append to one file (whole lines), so
+    records are sorted by ``t`` (stable: each writer's own records keep their order)."""
     path = Path(path)
     if not path.exists():
         return []
@@ -66,7 +68,7 @@ def read_log(path: str | Path) -> list[dict]:
             out.append(json.loads(line))
         except ValueError:
             continue
-    return out
+    return sorted(out, key=lambda r: r.get("t", 0.0))
 
 
 # ---------------------------------------------------------------------------------- faults and recovery

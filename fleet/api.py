@@ -169,10 +169,12 @@ class Fleet:
         return out
 
     def events(self, since: int = 0, kinds: list[str] | None = None) -> list[dict]:
-        """The controller's event log and this client's request records, in time order."""
+        """The controller's event log and this client's request records, in time order. ``since``: skip the
+        first records of that merged list (each record's ``seq`` is its index in it)."""
         merged = sorted(self._ask("events", 0, None, timeout=60) + self.client.events(), key=lambda r: r["t"])
         wanted = set(kinds) if kinds is not None else None
-        return [r for r in merged[since:] if wanted is None or r["kind"] in wanted]
+        # ``seq`` is the record's index in this merged list (what ``since`` counts)
+        return [{**r, "seq": i} for i, r in enumerate(merged) if i >= since and (wanted is None or r["kind"] in wanted)]
 
     def shard_counters(self) -> dict[int, dict]:
         """Per live slot: requests its shard admitted and refused, by reason (the data plane's own count)."""

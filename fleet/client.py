@@ -120,7 +120,9 @@ class FleetClient(_Client):
         self.config = config
         self.name = name or f"c{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.policy = VersionPolicy.for_fleet(config.max_staleness)
-        self.log = EventLog()
+        # Request ends go to the fleet's event log file too (whole lines appended: on one host the
+        # controller's and the clients' records share it; ``faults.timeline.read_log`` orders them by time).
+        self.log = EventLog(getattr(config, "event_log_path", None))
         self._state = RoutingState(epoch=-1, gate_open=False, version=0, reason="not fetched yet")
         self._changed: asyncio.Condition | None = None
         self._closed = False
@@ -206,6 +208,7 @@ class FleetClient(_Client):
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self._loop.close()
+        self.log.close()
 
     @staticmethod
     async def _cancel_all() -> None:
