@@ -64,6 +64,8 @@ class _Client:
     async def group_async(self, prompt: Any, n: int, sampling: dict | None = None,
                           policy: VersionPolicy | None = None) -> list[FleetResult]:
         """``n`` samples of one prompt, routed independently (distinct seeds when a seed is given)."""
+        if n == 1:  # the common case: no gather, no extra task
+            return [await self.dispatcher.submit(prompt, sampling, None, policy)]
         base = dict(sampling or {})
         calls = []
         for i in range(n):

@@ -264,7 +264,7 @@ class SingleController:
                 self.log.emit("admission", slot=slot, incarnation=inc, cap=self.admission.cap(slot), reason=reason)
             grew = grew or self.admission.cap(slot) > before
         self.metrics.in_flight(sum(int(o.value.in_flight) for o in outs.values() if o.ok))
-        if grew or any(self.admission.cap(s) != c for s, c in self.publisher.current.cap_map().items()):
+        if grew or any(self.admission.cap(s) != c for s, c in self.publisher.current.cap_map.items()):
             self.publisher.mark_dirty()
 
     def _background(self, coro) -> asyncio.Task:

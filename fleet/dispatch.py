@@ -118,6 +118,8 @@ class Dispatcher:
         self.refused: Counter[str] = Counter()
         # slot -> {request_id: (incarnation, version at dispatch)}
         self.outstanding: dict[int, dict[str, tuple[int, int]]] = {}
+        self._load: dict[int, int] = {}
+        self._waiting = 0  # requests waiting for room
         self._excluded: dict[tuple[int, int], tuple[int, float]] = {}  # (slot, inc) -> (epoch, until)
 
     # -- accounting ----------------------------------------------------------------
@@ -136,10 +138,13 @@ class Dispatcher:
         }
 
     def load(self) -> dict[int, int]:
-        return {slot: len(reqs) for slot, reqs in self.outstanding.items()}
+        """slot -> requests outstanding there (kept as they start and end; do not mutate)."""
+        return self._load
 
     async def notify_room(self) -> None:
         """Wake requests waiting for a shard with room (call after caps or membership changed)."""
+        if not self._waiting:
+            return
         async with self._room:
             self._room.notify_all()
 
@@ -181,6 +186,7 @@ class Dispatcher:
         p.attempts += 1
         p.dispatched_at = self._clock.now()
         self.outstanding.setdefault(m.slot, {})[p.request_id] = (m.incarnation, state.version)
+        self._load[m.slot] = self._load.get(m.slot, 0) + 1
         try:
             outcome = await self._view.door.call(
                 m.handle,
@@ -194,6 +200,7 @@ class Dispatcher:
             )
         finally:
             self.outstanding.get(m.slot, {}).pop(p.request_id, None)
+            self._load[m.slot] -= 1
             await self.notify_room()
         if outcome.ok:
             result: GenerationResult = outcome.value
@@ -237,14 +244,17 @@ class Dispatcher:
                 await self._view.newer_routing(state.epoch, min(left, 1.0))
                 continue
             members = self._candidates(state)
-            m = pick_two(members, self.load(), state.cap_map(), self._rng)
+            m = pick_two(members, self.load(), state.cap_map, self._rng)
             if m is not None:
                 return state, m
-            async with self._room:
-                try:
+            self._waiting += 1
+            try:
+                async with self._room:
                     await asyncio.wait_for(self._room.wait(), min(left, 0.5))
-                except asyncio.TimeoutError:
-                    pass
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._waiting -= 1
 
     def _complete(self, p: _Pending, result: GenerationResult) -> FleetResult:
         self.completed += 1

@@ -76,7 +76,8 @@ async def call(ref: Awaitable, timeout: float, expect_ack: bool = False) -> Outc
     """Await one actor call within ``timeout`` seconds; never raises."""
     t0 = time.monotonic()
     try:
-        value = await asyncio.wait_for(ref, timeout)
+        # an asyncio future of the ref, not the ref itself: wait_for would wrap an awaitable in a Task
+        value = await asyncio.wait_for(asyncio.wrap_future(ref.future()) if hasattr(ref, "future") else ref, timeout)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes an Outcome
         if isinstance(exc, asyncio.CancelledError) and not isinstance(exc, asyncio.TimeoutError):
             raise

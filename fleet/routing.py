@@ -11,6 +11,7 @@ refuses, without running anything, work it must not serve.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +92,9 @@ class RoutingState:
     stopped: str | None = None
     reason: str = ""
 
+    @functools.cached_property
     def cap_map(self) -> dict[int, int]:
+        """``caps`` as a dict (computed once per state; do not mutate)."""
         return dict(self.caps)
 
     def same_view(self, other: "RoutingState") -> bool:
