@@ -7,13 +7,20 @@ is a no-op, so the controller's logic never depends on them.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
+
+from health import ShardState
+
+_STATES = (
+    ShardState.HEALTHY, ShardState.STALE, ShardState.SUSPECT, ShardState.HUNG,
+    ShardState.DEAD, ShardState.RESTARTING, ShardState.STARTING, ShardState.RETIRED,
+)
 
 
 class FleetMetrics:
     def __init__(self, enabled: bool = True) -> None:
         self._m: dict[str, Any] = {}
+        self._shards: dict[ShardState, int] = {}  # the count each "shards" gauge was last set to
         if not enabled:
             return
         try:
@@ -42,10 +49,15 @@ class FleetMetrics:
             self._m["phase"].observe(seconds, tags={"phase": name})
 
     def health(self, ledger: Any) -> None:
+        """Shards per health state. Called after every decision, so it reads the ledger's counts
+        (O(1), not a walk over every slot) and sets only the gauges whose count changed."""
         if self._m:
-            counts = Counter(r.state.value for r in ledger.records())
-            for state in ("healthy", "stale", "suspect", "hung", "dead", "restarting", "starting", "retired"):
-                self._m["shards"].set(counts.get(state, 0), tags={"state": state})
+            counts = ledger.state_counts()
+            for state in _STATES:
+                n = counts.get(state, 0)
+                if self._shards.get(state) != n:
+                    self._shards[state] = n
+                    self._m["shards"].set(n, tags={"state": state.value})
 
     def gate(self, is_open: bool, version: int) -> None:
         if self._m:

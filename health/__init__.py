@@ -29,6 +29,8 @@ at ``ledger.next_wake_at()``           ``Tick()`` -> due ``Restart``; ``Evict`` 
 sync_weights step 1 (gate closed)      ``RefitStarted(v)`` -> ``Evict`` of overdue
 step 3                                 ``plan_membership(ledger, last_plan)``
 step 5, per participant and attempt    ``RefitReport(slot, inc, v, refit_result(...))``
+the settled calls of one fan-out       ``Batch((ev1, ev2, ...))``: one decision for
+                                       all of them, as if fed one by one
 step 6                                 ``VersionCommitted(v)`` (not after an abort)
 step 8                                 ``RefitFinished(v)`` -> exactly one of
                                        ``OpenGate``, ``KeepGateClosed``,
@@ -68,6 +70,7 @@ from health.decision import (
     Transition,
 )
 from health.events import (
+    Batch,
     EngineReady,
     Event,
     FleetEvent,
@@ -89,6 +92,7 @@ from health.states import CallKind, FailureClass, RefitResult, ShardState, SlotP
 __all__ = [
     "AbortRefit",
     "Action",
+    "Batch",
     "CloseGate",
     "CallKind",
     "Clock",

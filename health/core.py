@@ -45,6 +45,9 @@ Transition rules (DESIGN.md failure classes; "quarantine" = SUSPECT or HUNG):
   once enough serve again (only when quorum closed it).
 - whenever retirements leave fewer than ``min_healthy_engines`` slots that could
   ever serve: ``StopExhausted`` (once).
+- ``Batch(events)``: the slot events in order, each read through the changes of
+  the ones before it, with the two checks above after each, as if fed one by one;
+  one decision (one ``now``, one ledger write) for all of them.
 
 Guarantee on failure: ``decide`` raises ``ValueError`` (naming the slot,
 incarnation, version or time at fault) or ``TypeError`` for a non-event, before the
@@ -57,6 +60,7 @@ from health import fleet_rules, slot_rules
 from health.decision import Decision
 from health.draft import Draft
 from health.events import (
+    Batch,
     EngineReady,
     Event,
     Observed,
@@ -68,13 +72,22 @@ from health.events import (
     VersionCommitted,
 )
 from health.ledger import Ledger
+from health.states import FailureClass
 
 __all__ = ["decide", "step"]
 
-_HANDLERS = {
+_OK = FailureClass.OK
+_LATE = FailureClass.LATE
+_EXHAUSTED = FailureClass.EXHAUSTED
+
+_SLOT_HANDLERS = {
     EngineReady: slot_rules.on_ready,
     Observed: slot_rules.on_observed,
     RefitReport: slot_rules.on_report,
+}
+
+_HANDLERS = {
+    **_SLOT_HANDLERS,
     RefitStarted: fleet_rules.on_refit_started,
     VersionCommitted: fleet_rules.on_committed,
     RefitFinished: fleet_rules.on_refit_finished,
@@ -95,16 +108,58 @@ def decide(ledger: Ledger, event: Event, now: float) -> Decision:
             f"decide got now={now!r}, earlier than the ledger's last time "
             f"{ledger._now!r}: feed it a monotonic clock"
         )
+    draft = Draft(ledger, event, now)
+    if type(event) is Batch:
+        _decide_batch(draft, event)
+        return draft.finish()
     handler = _HANDLERS.get(type(event))
     if handler is None:
         raise TypeError(f"decide got a {type(event).__name__}, which is not a health event")
-    draft = Draft(ledger, event, now)
     handler(draft, event)
     if draft.retired:
         fleet_rules.check_permanent_exhaustion(draft)
     if draft.changed:
         fleet_rules.check_quorum_between_refits(draft)
     return draft.finish()
+
+
+def _decide_batch(draft: Draft, batch: Batch) -> None:
+    """Each slot event of ``batch`` in order, in one draft, with the checks ``decide`` makes after
+    a single event made after each one; the decision's ``failure`` sums theirs up (``_batch_failure``)."""
+    events = batch.events
+    if type(events) is not tuple:
+        raise TypeError(f"Batch.events must be a tuple of slot events, got {type(events).__name__}")
+    failures = []
+    draft.begin_batch()
+    for ev in events:
+        handler = _SLOT_HANDLERS.get(type(ev))
+        if handler is None:
+            raise TypeError(
+                f"a Batch holds slot events (EngineReady, Observed, RefitReport), got {type(ev).__name__}"
+            )
+        draft.failure = _OK
+        puts = draft.puts
+        handler(draft, ev)
+        if draft.retired:
+            fleet_rules.check_permanent_exhaustion(draft)
+        if draft.puts != puts:
+            fleet_rules.check_quorum_between_refits(draft)
+        draft.end_event()
+        failures.append(draft.failure)
+    draft.failure = _batch_failure(failures)
+
+
+def _batch_failure(failures: list[FailureClass]) -> FailureClass:
+    """EXHAUSTED if any event left the fleet exhausted; else the first failure that is neither OK
+    nor LATE; else LATE if every event was late; else OK (an empty batch too)."""
+    if _EXHAUSTED in failures:
+        return _EXHAUSTED
+    for f in failures:
+        if f is not _OK and f is not _LATE:
+            return f
+    if failures and all(f is _LATE for f in failures):
+        return _LATE
+    return _OK
 
 
 def step(ledger: Ledger, event: Event, now: float) -> Decision:

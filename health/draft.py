@@ -6,6 +6,11 @@ result into a ``Decision``. Reading through the draft (``get``) sees changes mad
 earlier in the same decision, so one event can move a slot through several states
 (hung -> dead -> restarting) and report each step as a ``Transition``.
 
+A ``Batch`` runs several slot events through one draft: each sees the changes of the
+ones before it (``get``, ``fleet_now``), as if they had been decided one by one, and
+the decision stores, in order, what each of their decisions would have stored (so
+the ledger's timers and indexes end exactly as after feeding them one by one).
+
 Package-internal: controllers use ``decide``/``step``. Never raises.
 """
 
@@ -27,7 +32,7 @@ class Draft:
 
     __slots__ = (
         "ledger", "event", "now", "failure", "changed", "actions",
-        "transitions", "reasons", "fleet", "fires_timers", "retired",
+        "transitions", "reasons", "fleet", "fires_timers", "retired", "puts", "stored", "pending",
     )
 
     def __init__(self, ledger: Ledger, event: Event, now: float) -> None:
@@ -42,6 +47,10 @@ class Draft:
         self.fleet: FleetState | None = None
         self.fires_timers = False
         self.retired = False
+        self.puts = 0  # records put so far (a batch checks quorum after each event that put one)
+        # A batch: what applying its events one by one would store, event after event (``end_event``).
+        self.stored: list[SlotRecord] | None = None
+        self.pending: dict[int, SlotRecord] = {}
 
     def get(self, slot: int) -> SlotRecord:
         rec = self.changed.get(slot)
@@ -52,6 +61,9 @@ class Draft:
 
     def put(self, old: SlotRecord, new: SlotRecord) -> None:
         self.changed[new.slot] = new
+        self.puts += 1
+        if self.stored is not None:
+            self.pending[new.slot] = new
         cv = self.ledger._fleet.current_version
         before = view_state(old, cv)
         after = view_state(new, cv)
@@ -62,6 +74,16 @@ class Draft:
         if new.phase is _RETIRED:
             self.retired = True
 
+    def begin_batch(self) -> None:
+        self.stored = []
+
+    def end_event(self) -> None:
+        """One event of a batch is decided: what it changed is stored next, as its own decision
+        would have stored it (slots in the order it first changed them, each at its last value)."""
+        if self.pending:
+            self.stored.extend(self.pending.values())
+            self.pending.clear()
+
     def late(self, reason: str) -> None:
         self.failure = FailureClass.LATE
         self.reasons.append(reason)
@@ -70,6 +92,8 @@ class Draft:
         return Decision(
             self.event, self.now, self.failure, tuple(self.actions),
             tuple(self.transitions), "; ".join(self.reasons) or "nothing to do",
-            self.ledger._serial, tuple(self.changed.values()), self.fleet,
+            self.ledger._serial,
+            tuple(self.changed.values()) if self.stored is None else tuple(self.stored),
+            self.fleet,
             self.fires_timers,
         )

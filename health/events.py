@@ -5,6 +5,7 @@ Every event is a frozen dataclass. A *slot event* (``EngineReady``, ``Observed``
 that incarnation with the ledger's, so an event from a replaced incarnation is
 "late" and changes nothing. A *fleet event* (``RefitStarted``, ``VersionCommitted``,
 ``RefitFinished``, ``Tick``) is about the fleet as a whole and names no incarnation.
+A ``Batch`` carries several slot events observed together (one fan-out's results).
 
 Events carry no timestamps: the time is the ``now`` passed to ``decide`` with them.
 Construction does no validation (events are built on the hot path); ``decide``
@@ -20,6 +21,7 @@ from typing import Union
 from health.states import CallKind, FailureClass, RefitResult
 
 __all__ = [
+    "Batch",
     "EngineReady",
     "Event",
     "FleetEvent",
@@ -121,4 +123,21 @@ class Tick:
 
 SlotEvent = Union[EngineReady, Observed, RefitReport]
 FleetEvent = Union[RefitStarted, VersionCommitted, RefitFinished, RefitRolledBack, Tick]
-Event = Union[SlotEvent, FleetEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Several slot events seen at once (the settled calls of one fan-out), decided as one.
+
+    ``decide`` applies ``events`` in order exactly as a sequence of single events
+    would be, at one ``now``, reading each slot through the changes of the events
+    before it, and returns one ``Decision`` carrying every transition and action
+    in that order. A fan-out to n shards thus costs one decision, one ledger write
+    and one log line, not n. All or nothing: an event the ledger refuses
+    (``ValueError``/``TypeError``) refuses the whole batch, before anything changes.
+    """
+
+    events: tuple[SlotEvent, ...]
+
+
+Event = Union[SlotEvent, FleetEvent, Batch]

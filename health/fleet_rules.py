@@ -30,6 +30,8 @@ _SUSPECT = SlotPhase.SUSPECT
 _HUNG = SlotPhase.HUNG
 _DEAD = SlotPhase.DEAD
 _RETIRED = SlotPhase.RETIRED
+_HEALTHY_STATE = ShardState.HEALTHY
+_STALE_STATE = ShardState.STALE
 
 
 def _check_version(name: str, version: int) -> None:
@@ -93,18 +95,13 @@ def on_committed(d: Draft, ev: VersionCommitted) -> None:
     records = ledger._records
     joined = sorted(ledger._holding.get(v, ()))
     left = sorted(ledger._holding.get(cv, ())) if cv is not None else []
+    transitions = d.transitions
+    holds = f"holds committed version {v}"
     for slot in joined:
-        r = records[slot]
-        d.transitions.append(Transition(
-            slot, r.incarnation, ShardState.STALE, ShardState.HEALTHY,
-            f"holds committed version {v}",
-        ))
+        transitions.append(Transition(slot, records[slot].incarnation, _STALE_STATE, _HEALTHY_STATE, holds))
+    missed = f"did not receive version {v}"
     for slot in left:
-        r = records[slot]
-        d.transitions.append(Transition(
-            slot, r.incarnation, ShardState.HEALTHY, ShardState.STALE,
-            f"did not receive version {v}",
-        ))
+        transitions.append(Transition(slot, records[slot].incarnation, _HEALTHY_STATE, _STALE_STATE, missed))
     d.reasons.append(
         f"version {v} committed: {len(joined)} engine(s) hold it and serve, "
         f"{len(left)} left stale on version {cv}"

@@ -179,6 +179,9 @@ class Ledger:
         self._by_phase: dict[SlotPhase, set[int]] = {p: set() for p in SlotPhase}
         self._by_phase[_LAUNCHING].update(range(n))
         self._holding: dict[int, set[int]] = {}
+        # Sorted views, rebuilt on first read after a change to what they list (None: stale).
+        self._live_sorted: tuple[int, ...] | None = None
+        self._serving_sorted: tuple[int, ...] | None = None
         self._fleet = FleetState(None, None, None, False, None, False)
         self._timers: list[tuple[float, int, int, int, int, float]] = []
         self._seq = itertools.count()
@@ -253,9 +256,41 @@ class Ledger:
         return len(self._holding.get(cv, ()))
 
     def serving_slots(self) -> tuple[int, ...]:
-        """The slots that may receive traffic, ascending."""
-        cv = self._fleet.current_version
-        return tuple(sorted(self._holding.get(cv, ()))) if cv is not None else ()
+        """The slots that may receive traffic, ascending. O(1) until the serving set changes."""
+        cached = self._serving_sorted
+        if cached is None:
+            cv = self._fleet.current_version
+            cached = self._serving_sorted = tuple(sorted(self._holding.get(cv, ()))) if cv is not None else ()
+        return cached
+
+    def live_slots(self) -> tuple[int, ...]:
+        """The slots whose phase is ``LIVE`` (HEALTHY or STALE: they take part in refits), ascending.
+        O(1) until a slot enters or leaves ``LIVE``."""
+        cached = self._live_sorted
+        if cached is None:
+            cached = self._live_sorted = tuple(sorted(self._by_phase[_LIVE]))
+        return cached
+
+    def state_counts(self) -> dict[ShardState, int]:
+        """How many slots are in each public state (every state listed, zeros included).
+
+        From the indexes, not the records: O(1) plus the slots launching (starting vs
+        restarting is read from their records)."""
+        live = len(self._by_phase[_LIVE])
+        healthy = self.serving_count()
+        records = self._records
+        launching = self._by_phase[_LAUNCHING]
+        restarting = sum(1 for s in launching if records[s].restarts != 0)
+        return {
+            ShardState.STARTING: len(launching) - restarting,
+            ShardState.RESTARTING: restarting,
+            ShardState.HEALTHY: healthy,
+            ShardState.STALE: live - healthy,
+            ShardState.SUSPECT: len(self._by_phase[_SUSPECT]),
+            ShardState.HUNG: len(self._by_phase[_HUNG]),
+            ShardState.DEAD: len(self._by_phase[_DEAD]),
+            ShardState.RETIRED: len(self._by_phase[_RETIRED]),
+        }
 
     def slots_in(self, phase: SlotPhase) -> frozenset[int]:
         """Slots whose stored phase is ``phase`` (a copy)."""
@@ -327,6 +362,8 @@ class Ledger:
         for record in decision.records:
             self._store(record)
         if decision.fleet is not None:
+            if decision.fleet.current_version != self._fleet.current_version:
+                self._serving_sorted = None
             self._fleet = decision.fleet
         self._now = decision.now
         self._serial += 1
@@ -338,9 +375,12 @@ class Ledger:
         if old.phase is not new.phase:
             self._by_phase[old.phase].discard(slot)
             self._by_phase[new.phase].add(slot)
+            if old.phase is _LIVE or new.phase is _LIVE:
+                self._live_sorted = None
         old_hold = old.weight_version if old.phase is _LIVE else None
         new_hold = new.weight_version if new.phase is _LIVE else None
         if old_hold != new_hold:
+            self._serving_sorted = None
             if old_hold is not None:
                 holders = self._holding[old_hold]
                 holders.discard(slot)

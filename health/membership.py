@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from health.ledger import Ledger
-from health.states import SlotPhase
 
 __all__ = ["TRAINER_RANK", "MembershipPlan", "Participant", "plan_membership"]
 
@@ -76,12 +75,27 @@ def plan_membership(ledger: Ledger, previous: MembershipPlan | None = None) -> M
         previous = MembershipPlan.initial()
     elif not isinstance(previous, MembershipPlan):
         raise TypeError(f"previous must be a MembershipPlan or None, got {type(previous).__name__}")
-    live = sorted(ledger.slots_in(SlotPhase.LIVE))
+    live = ledger.live_slots()
+    records = ledger._records
+    if _same_members(previous.participants, live, records):
+        return previous
     participants = tuple(
-        Participant(slot, ledger.raw(slot).incarnation, rank)
+        Participant(slot, records[slot].incarnation, rank)
         for rank, slot in enumerate(live, start=TRAINER_RANK + 1)
     )
     members = frozenset((p.slot, p.incarnation) for p in participants)
     if members == previous.members:
         return previous
     return MembershipPlan(previous.epoch + 1, participants)
+
+
+def _same_members(participants: tuple[Participant, ...], live: tuple[int, ...], records) -> bool:
+    """True when ``participants`` are exactly the ``live`` slots (ascending) at their current
+    incarnations: the (slot, incarnation) set is unchanged, without building a new plan. A plan
+    listed in another order is left to the full comparison."""
+    if len(participants) != len(live):
+        return False
+    for p, slot in zip(participants, live):
+        if p.slot != slot or p.incarnation != records[slot].incarnation:
+            return False
+    return True

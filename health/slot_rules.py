@@ -70,6 +70,7 @@ def _resolve(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotRecord |
 
 
 def _slot_record(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotRecord:
+    """The slot's record as the draft sees it: an earlier event of the same batch may have changed it."""
     slot = ev.slot
     records = d.ledger._records
     if type(slot) is not int or not 0 <= slot < len(records):
@@ -77,7 +78,8 @@ def _slot_record(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotReco
             f"{type(ev).__name__} names slot {slot!r}, but the fleet has slots "
             f"0..{len(records) - 1}"
         )
-    return records[slot]
+    changed = d.changed
+    return changed[slot] if slot in changed else records[slot]
 
 
 def _describe(ev: EngineReady | Observed | RefitReport) -> str:
@@ -318,7 +320,7 @@ def on_report(d: Draft, ev: RefitReport) -> None:
         return
     if result is not RefitResult.COMPLETE:
         raise ValueError(f"RefitReport for {where} has result {result!r}, not a RefitResult")
-    fleet = d.ledger._fleet
+    fleet = d.fleet_now()  # an earlier event of the same batch may have aborted the refit
     if fleet.refit_version != ev.version:
         why = f"the refit in progress is {fleet.refit_version}"
     elif fleet.halted is not None:
@@ -333,8 +335,10 @@ def on_report(d: Draft, ev: RefitReport) -> None:
             "ignored, weight stamp unchanged"
         )
         return
-    new = rec._replace(
-        weight_version=ev.version, partial=False, reason=f"refit of version {ev.version} landed"
+    # Built field by field (not ``_replace``): this runs once per participant of every refit.
+    new = SlotRecord(
+        rec.slot, rec.incarnation, rec.phase, ev.version, False, rec.since, rec.failed_probes,
+        rec.restarts, rec.restart_at, f"refit of version {ev.version} landed",
     )
     d.put(rec, new)
     serves = "serves" if fleet.current_version == ev.version else "serves once it is committed"
