@@ -56,6 +56,7 @@ class AdmissionController:
         self.cfg = load_admission_config(cfg)
         self._slots: dict[int, _Slot] = {}
         self._refits_running = 0
+        self.revision = 0  # grows whenever any cap may have changed (readers cache caps by it)
         self._refit_ended_at: float | None = None
 
     def refit_started(self) -> None:
@@ -109,6 +110,8 @@ class AdmissionController:
             old, stats, rec.in_flight, rec.finished, now, self.cfg, rec.peak, rec.trough, refit=self.in_refit(now)
         )
         rec.state, rec.peak, rec.trough = new, rec.in_flight, rec.in_flight
+        if first or new.cap != old.cap:
+            self.revision += 1
         if new.rule in rec.counts:
             rec.counts[new.rule] += 1
         if new.rule == "refit" and old.preemptions is not None and new.preemptions is not None:
@@ -164,6 +167,7 @@ class AdmissionController:
     def forget(self, slot: int) -> None:
         """The slot's incarnation was replaced: its next stats start a fresh state."""
         self._slots.pop(slot, None)
+        self.revision += 1
 
     def state(self, slot: int) -> AdmissionState | None:
         """The slot's law state; None until its KV capacity is known (or after ``forget``)."""

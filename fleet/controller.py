@@ -31,6 +31,7 @@ from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed
 from fleet.publisher import RoutingPublisher
 from fleet.routing import RoutingState
 from health import (
+    Batch,
     CallKind,
     CloseGate,
     Decision,
@@ -72,6 +73,7 @@ class SingleController:
         self.door = door
         self.ledger = Ledger(self.cfg.health_config(), now=self.clock.now())
         self.handles: dict[int, tuple[int, Any]] = {}
+        self.handles_revision = 0  # grows with every spawn (the publisher caches members by it)
         self.plan = MembershipPlan.initial()
         self.stopped: str | None = None
         self.metrics = FleetMetrics(enabled=self.cfg.metrics)
@@ -151,10 +153,7 @@ class SingleController:
         """Apply one event to the ledger, log the decision, carry out its non-lifecycle actions."""
         d = step(self.ledger, event, self.clock.now())
         self.log.emit("decision", event=type(event).__name__, failure=d.failure, reason=d.reason)
-        for t in d.transitions:
-            self.log.emit(
-                "health", slot=t.slot, incarnation=t.incarnation, before=t.before, after=t.after, reason=t.reason
-            )
+        self.log.emit_rows("health", d.transitions)  # per transition: slot, incarnation, before, after, reason
         for action in d.actions:
             self._carry_out(action)
         self.metrics.health(self.ledger)
@@ -204,6 +203,7 @@ class SingleController:
     def _spawn(self, slot: int, incarnation: int):
         handle = self.door.spawn_shard(self.cfg.engine, slot, incarnation, 0)
         self.handles[slot] = (incarnation, handle)
+        self.handles_revision += 1
         return handle
 
     async def _restart(self, action: Restart) -> None:
@@ -296,13 +296,27 @@ class SingleController:
         A dead or unusable incarnation is killed first, and only that incarnation:
         a late report about a replaced one never touches its replacement.
         """
+        return self.decide(self._fenced(slot, incarnation, call, outcome))
+
+    def _fenced(self, slot: int, incarnation: int, call: CallKind, outcome: Outcome):
         if is_unusable(outcome):
             self._kill(slot, incarnation, f"{call.value} found it unusable: {outcome.describe()[:200]}")
-        return self.decide(observed(slot, incarnation, call, outcome))
+        return observed(slot, incarnation, call, outcome)
+
+    def observe_all(self, call: CallKind, settled: dict[int, tuple[int, Outcome]]) -> tuple:
+        """``observe`` for every settled call of one fan-out (slot -> (incarnation, outcome)): the
+        unusable are fenced first, then one health decision (a ``Batch``) covers them all. Returns its
+        actions. An ``ok`` answer to a pause or resume is not fed: the health core only notes it (no
+        state, timer or action depends on it), and at 32 shards that note was most of a refit's cost."""
+        quiet = call in (CallKind.PAUSE, CallKind.RESUME)
+        events = tuple(self._fenced(slot, inc, call, out) for slot, (inc, out) in settled.items()
+                       if not (quiet and out.ok))
+        return self.decide(Batch(events)).actions if events else ()
 
     def live_handles(self) -> dict[int, tuple[int, Any]]:
         """slot -> (incarnation, handle) of every engine that is up (serving or stale)."""
-        return {s: (inc, h) for s, (inc, h) in self.handles.items() if self.ledger.state(s).value in ("healthy", "stale")}
+        handles = self.handles
+        return {s: handles[s] for s in self.ledger.live_slots() if s in handles}  # live == healthy or stale
 
     def handle_of(self, slot: int, incarnation: int):
         current = self.handles.get(slot)

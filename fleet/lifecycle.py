@@ -28,6 +28,7 @@ from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStop
 from fleet.weights import TransferResult
 from health import (
     AbortRefit,
+    Batch,
     CallKind,
     KeepGateClosed,
     MembershipPlan,
@@ -185,11 +186,10 @@ class RefitLifecycle:
             {s: (self._handle(p), "pause", (), {"mode": "keep", "clear_cache": clear[s]}) for s, p in targets.items()},
             expect_ack=True,
         )
+        acts = self.ctl.observe_all(CallKind.PAUSE, {s: (targets[s].incarnation, out) for s, out in outs.items()})
+        aborts = [a for a in acts if isinstance(a, AbortRefit)]
         paused: set[int] = set()
-        aborts = []
         for slot, out in outs.items():
-            d = self.ctl.observe(slot, targets[slot].incarnation, CallKind.PAUSE, out)
-            aborts += [a for a in d.actions if isinstance(a, AbortRefit)]
             if out.ok:
                 paused.add(slot)
                 self._held[(slot, targets[slot].incarnation)] = self._handle(targets[slot])
@@ -281,10 +281,8 @@ class RefitLifecycle:
         if stale:
             await self._fan_out({s: (self._handle(p), "abort_in_flight", (), {}) for s, p in stale.items()})
         outs = await self._fan_out({p.slot: (self._handle(p), "resume", (), {}) for p in parts}, expect_ack=True)
-        aborts = []
-        for p in parts:
-            d = self.ctl.observe(p.slot, p.incarnation, CallKind.RESUME, outs[p.slot])
-            aborts += [a for a in d.actions if isinstance(a, AbortRefit)]
+        acts = self.ctl.observe_all(CallKind.RESUME, {p.slot: (p.incarnation, outs[p.slot]) for p in parts})
+        aborts = [a for a in acts if isinstance(a, AbortRefit)]
         if aborts:
             raise _EndRefit(RefitFailed, aborts[0].message)
 
@@ -350,9 +348,10 @@ class RefitLifecycle:
                 RefitResult.PARTIAL, f"transfer cut off at the phase deadline ({bound:.1f} s); weights unknown"
             ) for p in plan.participants}
         self._inside_s += self.ctl.clock.now() - t0
-        for p in plan.participants:
-            r = results[p.slot]
-            self.ctl.decide(RefitReport(p.slot, p.incarnation, version, r.result, r.detail[:300]))
+        self.ctl.decide(Batch(tuple(
+            RefitReport(p.slot, p.incarnation, version, results[p.slot].result, results[p.slot].detail[:300])
+            for p in plan.participants
+        )))
         return results
 
     async def _classify_failed(self, failed) -> None:

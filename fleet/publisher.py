@@ -6,7 +6,9 @@ only if a client would see a difference, gives it the next epoch. Order matters 
 is fixed here: a shard joining the serving set is told so (``set_route``, awaited)
 before any client can route to it; a shard leaving it is told without waiting (its
 requests are refused from then on; clients stop routing to it with the new state).
-Clients follow with a long poll (``wait_newer``); nothing here sees a request.
+Clients follow with a long poll (``wait_newer``); nothing here sees a request. Each
+publication is one ``routing`` record in the event log (its ``members`` only when they
+changed).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class RoutingPublisher:
         self._lock: asyncio.Lock | None = None
         self._changed: asyncio.Condition | None = None
         self._scheduled = False
+        self._dirty = True
+        self._key: tuple | None = None
+        self._cached: tuple = ((), ())
 
     def _sync(self) -> tuple[asyncio.Lock, asyncio.Condition]:
         if self._lock is None:
@@ -35,8 +40,13 @@ class RoutingPublisher:
         return self._lock, self._changed
 
     def mark_dirty(self) -> None:
-        """Something clients follow may have changed: publish soon (once, however many changes)."""
-        if self._scheduled:
+        """Something clients follow may have changed: publish soon (once, however many changes).
+
+        Not while a refit runs: its gate is closed (published at once by ``close_now``), and the
+        lifecycle publishes when it ends, so slots passing through ``stale`` mid-refit are never
+        published as leaving and told so, only to rejoin a moment later."""
+        self._dirty = True
+        if self._scheduled or self.ctl.lifecycle.running:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -53,7 +63,7 @@ class RoutingPublisher:
             return
         self.current = dataclasses.replace(self.current, epoch=self.current.epoch + 1, gate_open=False, reason=reason)
         self.ctl.log.emit("routing", epoch=self.current.epoch, gate_open=False, version=self.current.version,
-                          members=[[m.slot, m.incarnation] for m in self.current.members], stopped=bool(self.ctl.stopped))
+                          stopped=bool(self.ctl.stopped))
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -73,16 +83,27 @@ class RoutingPublisher:
         self._scheduled = False
         self.ctl._background(self.publish())
 
+    def _members_and_caps(self) -> tuple[tuple[Member, ...], tuple[tuple[int, int], ...]]:
+        """The serving set and its caps, rebuilt only when the ledger's serving set, a handle or a cap
+        changed (a refit publishes twice: at 32 shards rebuilding them was a third of its own cost)."""
+        ctl = self.ctl
+        serving, handles_rev, caps_rev = ctl.ledger.serving_slots(), ctl.handles_revision, ctl.admission.revision
+        key = self._key
+        if key is None or key[0] is not serving or key[1:] != (handles_rev, caps_rev):
+            members = tuple(Member(s, inc, h) for s, inc, h in ctl.serving())
+            caps = tuple(sorted(ctl.admission.caps([m.slot for m in members]).items()))
+            self._key, self._cached = (serving, handles_rev, caps_rev), (members, caps)
+        return self._cached
+
     def _view(self) -> RoutingState:
         ctl = self.ctl
-        members = tuple(Member(s, inc, h) for s, inc, h in ctl.serving())
-        caps = ctl.admission.caps([m.slot for m in members])
+        members, caps = self._members_and_caps()
         return RoutingState(
             epoch=self.current.epoch,
             gate_open=ctl.gate.is_open and not ctl.stopped,
             version=ctl.gate.version,
             members=() if ctl.stopped else members,  # while closed: who will serve when it reopens
-            caps=tuple(sorted(caps.items())),
+            caps=caps,
             stopped=ctl.stopped,
             reason=ctl.gate.reason,
         )
@@ -91,15 +112,20 @@ class RoutingPublisher:
         """Publish the controller's current view if it differs from the last one; returns the current state."""
         lock, changed = self._sync()
         async with lock:
+            if not self._dirty and self.current.epoch > 0:
+                return self.current
+            self._dirty = False
             view = self._view()
             if view.same_view(self.current) and self.current.epoch > 0:
                 return self.current
             epoch = self.current.epoch + 1
-            members = await self._tell_shards(view, epoch)
+            same = view.members is self.current.members  # the cached tuple: no one joins or leaves
+            members = view.members if same else await self._tell_shards(view, epoch)
             self.current = RoutingState(epoch, view.gate_open, view.version, members, view.caps, view.stopped,
                                         view.reason)
+            changed_members = {} if same else {"members": [[m.slot, m.incarnation] for m in members]}
             self.ctl.log.emit("routing", epoch=epoch, gate_open=view.gate_open, version=view.version,
-                              members=[[m.slot, m.incarnation] for m in members], stopped=bool(view.stopped))
+                              stopped=bool(view.stopped), **changed_members)
         async with changed:
             changed.notify_all()
         return self.current

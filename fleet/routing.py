@@ -102,7 +102,8 @@ class RoutingState:
         return (
             self.gate_open == other.gate_open
             and self.version == other.version
-            and [(m.slot, m.incarnation) for m in self.members] == [(m.slot, m.incarnation) for m in other.members]
+            and (self.members is other.members
+                 or [(m.slot, m.incarnation) for m in self.members] == [(m.slot, m.incarnation) for m in other.members])
             and self.caps == other.caps
             and self.stopped == other.stopped
         )
