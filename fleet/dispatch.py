@@ -30,7 +30,7 @@ from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog
 from fleet.outcome import Outcome
 from fleet.router import pick_two
-from fleet.routing import Member, RoutingState, Ticket, VersionPolicy
+from fleet.routing import Member, RoutingState, VersionPolicy
 from fleet.types import GenerationResult
 from health import Clock, MonotonicClock
 
@@ -188,16 +188,9 @@ class Dispatcher:
         self.outstanding.setdefault(m.slot, {})[p.request_id] = (m.incarnation, state.version)
         self._load[m.slot] = self._load.get(m.slot, 0) + 1
         try:
-            outcome = await self._view.door.call(
-                m.handle,
-                "generate",
-                p.prompt,
-                p.sampling,
-                request_id=p.request_id,
-                cache_salt=self._view.cache_salt(state.version),
-                timeout=max(1.0, deadline - self._clock.now()),
-                ticket=Ticket(state.epoch, p.policy),
-            )
+            request = (p.prompt, p.sampling, p.request_id, self._view.cache_salt(state.version),
+                       state.epoch, p.policy.kind, p.policy.k)  # EngineShard.serve: one argument, one ticket
+            outcome = await self._view.door.call(m.handle, "serve", request, timeout=max(1.0, deadline - self._clock.now()))
         finally:
             self.outstanding.get(m.slot, {}).pop(p.request_id, None)
             self._load[m.slot] -= 1

@@ -227,6 +227,13 @@ class EngineShard:
         done.set_result(result)
         return result
 
+    async def serve(self, request: tuple) -> GenerationResult:
+        """``generate`` for the data plane, its arguments packed in one tuple: (prompt, sampling, request id,
+        cache salt, routing epoch, policy kind, policy k). Ray serializes each argument of a call on its
+        own; one argument instead of five is a fifth less per request on the client."""
+        prompt, sampling, request_id, cache_salt, epoch, kind, k = request
+        return await self.generate(prompt, sampling, request_id, cache_salt, None, Ticket(epoch, VersionPolicy(kind, k)))
+
     def _refusal_detail(self, reason: str, ticket: Ticket | None) -> str:
         g = self.gate
         if reason == PAUSED:

@@ -20,6 +20,7 @@ from typing import Any, Coroutine
 
 from fleet.client import InProcessClient
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
+from fleet.routing import Ticket, VersionPolicy
 from fleet.shard_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
 from fleet.errors import BadRequestError, RefitArgumentError, RouteRefused
@@ -105,6 +106,10 @@ class FakeDoor:
         handle.dead = True
 
     async def call(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
+        if method == "serve":  # the data plane's packed generate: recorded and scripted as "generate"
+            prompt, sampling, request_id, cache_salt, epoch, kind, k = args[0]
+            method, args = "generate", (prompt, sampling)
+            kw = dict(kw, request_id=request_id, cache_salt=cache_salt, ticket=Ticket(epoch, VersionPolicy(kind, k)))
         self.calls.append((method, handle.slot, handle.incarnation))
         self.kwargs.append((method, handle.slot, kw))
         if handle.dead:
