@@ -231,8 +231,11 @@ class FaultRunner:
     def _readmitted(self, fleet: Fleet, slot: int) -> bool:
         self.heal(fleet)
         inc = next(s["incarnation"] for s in fleet.status()["ledger"]["slots"] if s["slot"] == slot)
-        groups = fleet.generate([PROMPT] * 6, n=1, sampling={"max_tokens": 4})
-        return inc > 1 and any(r.ok and (r.result.slot, r.result.incarnation) == (slot, inc) for g in groups for r in g)
+        for _ in range(4):  # routing is a random choice of two: a few batches before "never served" counts
+            groups = fleet.generate([PROMPT] * 6, n=1, sampling={"max_tokens": 4})
+            if inc > 1 and any(r.ok and (r.result.slot, r.result.incarnation) == (slot, inc) for g in groups for r in g):
+                return True
+        return False
 
     def _account(self, fleet: Fleet, before: dict, mark: int, results: list, rep: VariantReport) -> list[dict]:
         """Requests, version tags and invariants since ``mark``; returns the whole event log."""

@@ -24,7 +24,7 @@ import itertools
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog

@@ -15,6 +15,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleet.staleness import too_old
+
 LATEST, MAX_STALENESS, ANY = "latest", "max_staleness", "any"
 
 
@@ -31,10 +33,9 @@ class VersionPolicy:
     k: int = 0
 
     def allows(self, version_start: int, committed: int) -> bool:
-        if self.kind == ANY:
+        if self.kind == ANY or version_start >= committed:
             return True
-        limit = 0 if self.kind == LATEST else self.k
-        return committed - version_start <= limit
+        return not too_old(version_start, committed, 0 if self.kind == LATEST else self.k)  # the one cut-off
 
     def describe(self) -> str:
         return f"max_staleness={self.k}" if self.kind == MAX_STALENESS else self.kind

@@ -15,6 +15,7 @@ clock on that loop (the same time the loop's timers use).
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import dataclass, field
 from typing import Any, Coroutine
 
@@ -259,5 +260,5 @@ def client(ctl) -> InProcessClient:
     """The test's client of ``ctl`` (one per controller): requests go from it straight to the fake shards."""
     c = getattr(ctl, "_test_client", None)
     if c is None:
-        c = ctl._test_client = InProcessClient(ctl)
+        c = ctl._test_client = InProcessClient(ctl, rng=random.Random(0))  # seeded: routing is reproducible
     return c

@@ -192,14 +192,17 @@ def test_begin_refit_aborts_only_what_the_policy_forbids(tmp_path):
 
 # ------------------------------------------------------------------ power of two choices
 def test_pick_two_only_members_with_room_and_the_less_loaded():
-    members = [Member(s, 1, None) for s in range(4)]
+    small = [Member(s, 1, None) for s in range(3)]
+    assert {pick_two(small, {0: 1, 1: 0, 2: 1}, {}, random.Random(s)).slot for s in range(20)} == {1}  # full scan
+    members = [Member(s, 1, None) for s in range(6)]
     rng = random.Random(0)
-    assert pick_two(members, {0: 2, 1: 2, 2: 2, 3: 2}, {0: 2, 1: 2, 2: 2, 3: 2}, rng) is None
-    assert pick_two(members, {0: 2, 1: 2, 2: 2}, {0: 2, 1: 2, 2: 2, 3: 2}, rng).slot == 3
-    load = {0: 0, 1: 5, 2: 5, 3: 5}
-    picks = Counter(pick_two(members, load, {}, rng).slot for _ in range(600))
-    # slot 0 wins every draw it is in (half of all pairs); the others split the rest
-    assert 250 < picks[0] < 350 and set(picks) == {0, 1, 2, 3}
+    full = {s: 2 for s in range(6)}
+    assert pick_two(members, full, full, rng) is None
+    assert pick_two(members, {s: 2 for s in range(5)}, full, rng).slot == 5
+    load = {0: 0, 1: 5, 2: 5, 3: 5, 4: 5, 5: 5}
+    picks = Counter(pick_two(members, load, {}, rng).slot for _ in range(1500))
+    # slot 0 wins every draw it is in (a third of all pairs); the others split the rest
+    assert 400 < picks[0] < 600 and set(picks) == set(range(6))
     a = [pick_two(members, {}, {}, random.Random(7)).slot for _ in range(5)]
     assert len(set(a)) == 1  # seeded: reproducible
 
@@ -284,9 +287,9 @@ def test_the_client_reroutes_a_refusal_for_free_and_resends_after_a_death(model_
         await ctl.start()
         door.shards[(0, 1)].gate.paused = True  # a shard that refuses everything (as if paused)
         door.shards[(1, 1)].script["generate"] = "die"  # and one that dies on its next request
-        res = [await client(ctl).generate([1]) for _ in range(6)]
+        res = [await client(ctl).generate([1]) for _ in range(12)]
         assert all(r.ok for r in res)  # every request ended on a shard that could serve it
-        assert {r.result.slot for r in res} == {2} or all(r.result.slot != 0 for r in res)
+        assert all(r.result.slot != 0 for r in res)
         d = client(ctl).dispatcher
         assert d.refused.get("paused", 0) >= 1 and d.requeued >= 1
         assert door.shards[(0, 1)].gate.refused["paused"] == d.refused["paused"]  # nothing ran on the paused shard
