@@ -2,11 +2,12 @@
 
 ``refit_under_load(fleet, sync)`` starts ``threads`` client threads that each submit one
 request at a time (version policy ``latest``) until told to stop, runs ``sync()`` (one
-refit) meanwhile, and, as soon as this process's client sees the gate closed, plays a
-lagging client: it sends one request to every shard of the last open routing state,
-stamped with that state's epoch, straight to the shard (as a client whose routing state
-has not caught up would). Those must all be refused by the shards (``RouteRefused``:
-paused or an old epoch) without running. The record says what happened, for
+refit) meanwhile, and, once the refit has fenced the shards (each shard's floor is past
+the last open routing state's epoch: a request routed before that reached its shard
+earlier and was legitimately in flight), plays a lagging client: it sends one request
+to every shard of that old state, stamped with its epoch, straight to the shard (as a
+client whose routing state has not caught up would). Those must all be refused by the
+shards (``RouteRefused``: paused or an old epoch) without running. The record says what happened, for
 ``faults.evidence`` to judge:
 
 - ``calls``: the refit call (``sync``'s record);
@@ -73,12 +74,16 @@ def refit_under_load(fleet: Any, sync: Callable[[], dict], threads: int = 4, set
     refit = threading.Thread(target=lambda: box.update(call=sync()), name="refit", daemon=True)
     refit.start()
     lagging: list[dict] = []
+    members = {m.slot for m in stale.members}
     deadline = time.monotonic() + 120
-    while refit.is_alive() and time.monotonic() < deadline:
-        if not fleet.client.routing().gate_open:
-            lagging = _lagging_sends(stale, 60)
-            break
-        time.sleep(0.002)
+    while time.monotonic() < deadline:  # once the refit fenced every shard of the old state
+        if not fleet.client.routing().gate_open or not refit.is_alive():
+            floors = {s: c.get("floor", 0) for s, c in fleet.shard_counters().items() if s in members}
+            if floors and all(f > stale.epoch for f in floors.values()):
+                during = refit.is_alive()
+                lagging = [{**x, "during_refit": during} for x in _lagging_sends(stale, 60)]
+                break
+        time.sleep(0.005)
     refit.join(timeout=600)
     time.sleep(settle_s)  # and keeps running after it
     stop.set()

@@ -15,6 +15,7 @@ Acks are exactly ``True``; anything else is a failure the controller must not co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import time
@@ -26,7 +27,7 @@ from fleet.fault_hooks import ArmedFault, FaultHooks
 from fleet.errors import BadRequestError, DeadlineExceeded, RouteRefused, ShardShutDownError, ShardUnusableError
 from fleet.routing import Ticket, VersionPolicy
 from fleet.shard_gate import EPOCH, NOT_MEMBER, PAUSED, RecentResults, ShardGate
-from fleet.types import EngineStats, GenerationResult
+from fleet.types import FINISH_ABORTED, Completion, EngineStats, GenerationResult
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
 # Worker-extension methods that move weights: the "transfer" fault point.
@@ -222,6 +223,13 @@ class EngineShard:
             self._running.pop(rid, None)
             self._load["finished"] += 1
             self._load["trough"] = min(self._load["trough"], len(self._inflight))
+        policy = ticket.policy if ticket is not None else None
+        if policy is not None and not result.aborted and not policy.allows(start, self._version):
+            # held across a refit its policy forbids, and begin_refit's abort missed it (it raced the engine
+            # registering the request): never hand out samples from two versions; the client re-sends it
+            self.gate.refused["version_at_finish"] += 1
+            result = dataclasses.replace(result, completions=tuple(
+                Completion((), (), FINISH_ABORTED) for _ in result.completions) or (Completion((), (), FINISH_ABORTED),))
         if not result.aborted:  # an aborted request did not run to its end: a re-send runs it
             self._recent.put(rid, result)
         done.set_result(result)

@@ -190,6 +190,25 @@ def test_begin_refit_aborts_only_what_the_policy_forbids(tmp_path):
     asyncio.run(go())
 
 
+def test_a_latest_request_that_finishes_on_newer_weights_is_returned_as_aborted(tmp_path):
+    async def go():
+        b = CountingBackend(delay=5.0)
+        shard = shard_with(b, tmp_path)
+        await shard.start()
+        shard.set_route(1, True, 0)
+        latest = asyncio.ensure_future(shard.generate([1], {}, "l", ticket=Ticket(1, VersionPolicy(LATEST))))
+        anyv = asyncio.ensure_future(shard.generate([1], {}, "a", ticket=Ticket(1, VersionPolicy(ANY))))
+        await asyncio.sleep(0.05)
+        await shard.set_weight_version(1)  # as if begin_refit's abort had missed it
+        b.release.set()
+        r = await latest
+        assert r.aborted and shard.gate.refused["version_at_finish"] == 1
+        assert not (await anyv).aborted
+        assert shard._recent.get("l") is None  # a re-send runs it again
+
+    asyncio.run(go())
+
+
 # ------------------------------------------------------------------ power of two choices
 def test_pick_two_only_members_with_room_and_the_less_loaded():
     small = [Member(s, 1, None) for s in range(3)]
