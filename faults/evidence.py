@@ -28,7 +28,7 @@ it ended; its proof is the call's outcome and the event log around it:
   was refused as no longer greater, and the phases of the two refits never
   interleave: ``serialized``;
 - ``refit_under_load``: the refit committed while client threads kept submitting
-  (requests were accepted while it ran), no ``latest`` request mixed versions, every
+  (requests were alive while it ran), no ``latest`` request mixed versions, every
   request a lagging client sent under the pre-refit epoch was refused by its shard
   without running, and the shards' refusal counters grew by at least that many: ``held``.
 
@@ -222,8 +222,8 @@ def _refit_under_load(f: Mapping, calls: list[dict], events: list[dict]) -> list
     call, wrong = calls[0], []
     if call["outcome"] != "committed":
         wrong.append(f"the refit under load did not commit: {call['outcome']}: {call['error']}")
-    if not f["accepted_during"]:
-        wrong.append(f"no request was accepted while the refit ran ({f['submitted']} submitted): the load did not overlap it")
+    if not f["overlapping"]:
+        wrong.append(f"no request was alive while the refit ran ({f['submitted']} submitted): the load did not overlap it")
     if f["mixed"]:
         wrong.append(f"{f['mixed']} 'latest' request(s) completed with samples from two versions")
     lagging = f["lagging"]

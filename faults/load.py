@@ -11,8 +11,9 @@ shards (``RouteRefused``: paused or an old epoch) without running. The record sa
 ``faults.evidence`` to judge:
 
 - ``calls``: the refit call (``sync``'s record);
-- ``submitted`` / ``accepted_during``: requests the threads submitted, and how many of
-  them were accepted while the refit ran (the load really overlapped the refit);
+- ``submitted`` / ``overlapping``: requests the threads submitted, and how many of them
+  were alive while the refit ran (held across it or accepted during it: the load really
+  overlapped the refit);
 - ``mixed``: completed ``latest`` requests whose samples did not come from one version;
 - ``lagging``: per lagging send, its slot and whether it was refused, and why;
 - ``refused_delta``: the shards' refusal counters over the run, by reason.
@@ -90,12 +91,13 @@ def refit_under_load(fleet: Any, sync: Callable[[], dict], threads: int = 4, set
     for w in workers:
         w.join(timeout=fleet.config.request_timeout_s + 60)
     call = box.get("call", {"outcome": "did not end", "began": 0.0, "ended": 0.0, "version": None, "error": None})
-    accepted_during = sum(1 for r in results if call["began"] <= r.accepted_at <= call["ended"])
+    # requests whose life (acceptance to end) overlapped the refit: held across it, or accepted during it
+    overlapping = sum(1 for r in results if r.accepted_at <= call["ended"] and r.accepted_at + r.latency_s >= call["began"])
     return {
         "calls": [call],
         "threads": threads,
         "submitted": len(results),
-        "accepted_during": accepted_during,
+        "overlapping": overlapping,
         "completed": sum(1 for r in results if r.ok),
         "mixed": sum(1 for r in results if r.ok and r.result.version_start != r.result.weight_version),
         "lagging": lagging,

@@ -388,13 +388,13 @@ def test_concurrent_refits_must_not_interleave():
 def test_a_refit_under_load_is_proven_only_when_the_shards_refused_every_lagging_request():
     lagging = [{"slot": s, "incarnation": 1, "refused": True, "reason": "paused"} for s in range(3)]
     done = {"step": 1, "where": "call", "what": "refit_under_load", "slot": None, "t": 1.0,
-            "calls": [_call(4, "committed")], "threads": 4, "submitted": 40, "accepted_during": 9, "completed": 40,
+            "calls": [_call(4, "committed")], "threads": 4, "submitted": 40, "overlapping": 9, "completed": 40,
             "mixed": 0, "lagging": lagging, "stale_epoch": 7, "refused_delta": {"paused": 3, "epoch": 2}}
     rows, problems = prove([done], _refit(10.0, 4), journal=[])
     assert problems == [] and rows[0]["left_for"] == "held"
     ran = {**done, "lagging": lagging[:2] + [{**lagging[2], "refused": False, "reason": "ok"}]}
     assert "shards took work routed under the pre-refit epoch 7" in prove([ran], _refit(10.0, 4), journal=[])[1][0]
-    idle = {**done, "accepted_during": 0}
+    idle = {**done, "overlapping": 0}
     assert "the load did not overlap it" in prove([idle], _refit(10.0, 4), journal=[])[1][0]
     nobody = {**done, "lagging": [], "refused_delta": {}}
     assert "the lagging client sent nothing" in prove([nobody], _refit(10.0, 4), journal=[])[1][0]
