@@ -161,7 +161,7 @@ class AdmissionController:
 
     def caps(self, slots: Iterable[int] | None = None) -> dict[int, int]:
         """Caps of ``slots`` (default: every slot seen). Pass the serving slots: a slot absent from
-        the map has no cap in ``pick_shard``."""
+        the map has no cap in ``fleet.router.pick_two``."""
         return {s: self.cap(s) for s in (self._slots if slots is None else slots)}
 
     def forget(self, slot: int) -> None:

@@ -1,7 +1,7 @@
 """The dispatch gate: closed during every refit, open only on a committed version.
 
-The gate is part of the small, publishable routing state (open flag, weight
-version, membership epoch) that a client-side router could read. It owns its
+The gate is part of the routing state the controller publishes
+(``fleet.publisher``); clients wait on that, not on this object. It owns its
 state and announces every change in one place (the event log, and the
 ``on_change(open, version)`` listener: the controller's metrics). Waiting for the
 gate is bounded by the caller; nothing is dropped while it is closed.
@@ -10,18 +10,9 @@ gate is bounded by the caller; nothing is dropped while it is closed.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Callable
 
 from fleet.eventlog import EventLog
-
-
-@dataclass(frozen=True)
-class RoutingState:
-    gate_open: bool
-    version: int
-    epoch: int
-    serving: tuple[int, ...]
 
 
 class DispatchGate:
@@ -50,13 +41,3 @@ class DispatchGate:
             self._open.clear()
             self._log.emit("gate", open=False, version=self.version, reason=reason)
             self._on_change(False, self.version)
-
-    async def wait_open(self, timeout: float | None = None) -> bool:
-        """True once open; False if ``timeout`` passed first."""
-        if self._open.is_set():
-            return True
-        try:
-            await asyncio.wait_for(self._open.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
