@@ -10,6 +10,14 @@ a shard's refusal, re-sends after a shard's failure (which it reports to the
 controller) and keeps the accounting: accepted, completed, returned, in progress,
 with each request's end in the client's own event log.
 
+The controller may restart (Ray restarts it; the new one re-adopts the shards and
+publishes higher epochs). While it cannot be reached the client rides through: it
+keeps routing on the last state it holds, straight to that state's shards, and
+polls again with a short backoff. Only a controller that has not answered for
+``controller_restart_wait_s`` is taken as gone: the client then adopts a ``stopped``
+state, which returns every held request. ``controller_outage()`` counts outages and
+the requests that completed during them.
+
 The client runs its own event loop on a daemon thread, so synchronous callers
 (a trainer, ``Fleet``) and asynchronous ones (``await client.generate_async``)
 both use it; any process that holds the controller's handle can embed one.
@@ -21,6 +29,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -30,6 +39,9 @@ from fleet.outcome import DIED, Outcome, is_unusable
 from fleet.routing import RoutingState, VersionPolicy
 
 WATCH_S = 10.0  # one long poll waits at most this long for a change
+# While the controller cannot be reached: poll again after this long, doubling up to the cap.
+RETRY_FIRST_S, RETRY_MAX_S = 0.2, 2.0
+RESTART_WAIT_S = 60.0  # the default ``controller_restart_wait_s``: how long an outage may last
 
 
 class _Gone(Exception):
@@ -54,10 +66,15 @@ class _Client:
         """(kind, detail) of a failed call as the controller takes reports: an unusable shard is ``died``."""
         return (DIED if is_unusable(outcome) else outcome.kind), outcome.describe()[:500]
 
+    def _ended(self, results: list[FleetResult]) -> None:
+        """Requests that came back (each exactly once): a hook for what a client counts about them."""
+
     async def generate_async(self, prompt: Any, sampling: dict | None = None, request_id: str | None = None,
                              policy: VersionPolicy | None = None) -> FleetResult:
         """One prompt -> one ``FleetResult`` (on the client's loop)."""
-        return await self.dispatcher.submit(prompt, sampling, request_id, policy)
+        result = await self.dispatcher.submit(prompt, sampling, request_id, policy)
+        self._ended([result])
+        return result
 
     generate = generate_async
 
@@ -65,7 +82,9 @@ class _Client:
                           policy: VersionPolicy | None = None) -> list[FleetResult]:
         """``n`` samples of one prompt, routed independently (distinct seeds when a seed is given)."""
         if n == 1:  # the common case: no gather, no extra task
-            return [await self.dispatcher.submit(prompt, sampling, None, policy)]
+            results = [await self.dispatcher.submit(prompt, sampling, None, policy)]
+            self._ended(results)
+            return results
         base = dict(sampling or {})
         calls = []
         for i in range(n):
@@ -73,7 +92,9 @@ class _Client:
             if s.get("seed") is not None:
                 s["seed"] = int(s["seed"]) + i
             calls.append(self.dispatcher.submit(prompt, s, None, policy))
-        return list(await asyncio.gather(*calls))
+        results = list(await asyncio.gather(*calls))
+        self._ended(results)
+        return results
 
     def counters(self) -> dict[str, Any]:
         return self.dispatcher.counters()
@@ -128,6 +149,10 @@ class FleetClient(_Client):
         self._state = RoutingState(epoch=-1, gate_open=False, version=0, reason="not fetched yet")
         self._changed: asyncio.Condition | None = None
         self._closed = False
+        # The controller's outages as this client saw them (written on the client's loop only).
+        self.outage: dict[str, Any] = {"unreachable_since": None, "outages": 0, "down_s_total": 0.0}
+        self.completed_while_down = 0  # requests that completed while the controller could not be reached
+        self._reports: set[asyncio.Future] = set()  # failure reports in flight (referenced until done)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"rlfleet-{self.name}", daemon=True)
         self._thread.start()
@@ -146,17 +171,67 @@ class FleetClient(_Client):
         return self._state
 
     async def _follow(self) -> None:
-        """Fetch the routing state, then long-poll for each change until closed or the controller is gone."""
+        """Fetch the routing state, then long-poll for each change until closed or the controller is gone.
+
+        A failed poll (the controller restarting, or gone) starts an outage: the client keeps routing on
+        the state it holds and polls again (0.2 s, doubling up to 2 s), asking for the state as it is
+        rather than waiting for a change. A controller that answers again ends the outage (a restarted
+        one publishes higher epochs, adopted as usual). One that has not answered for
+        ``controller_restart_wait_s`` is gone: the client adopts a ``stopped`` state and stops following.
+        """
+        wait_s = float(getattr(self.config, "controller_restart_wait_s", RESTART_WAIT_S))
+        retry = RETRY_FIRST_S
         while not self._closed:
-            out = await self.door.call(self._ctl, "watch_routing", self._state.epoch, WATCH_S, timeout=WATCH_S + 30)
+            since = self.outage["unreachable_since"]
+            if since is None:
+                out = await self.door.call(self._ctl, "watch_routing", self._state.epoch, WATCH_S, timeout=WATCH_S + 30)
+            else:  # no long poll while it is down: the current state, within the time left to wait for it
+                left = since + wait_s - time.monotonic()
+                out = await self.door.call(self._ctl, "watch_routing", self._state.epoch, 0.0,
+                                           timeout=max(1.0, min(WATCH_S + 30, left)))
             if out.ok:
+                if since is not None:
+                    self._controller_back(since)
+                retry = RETRY_FIRST_S
                 await self._adopt(out.value)
-            elif out.kind in ("died", "unavailable") or self._closed:
-                await self._adopt(RoutingState(self._state.epoch + 1, False, self._state.version,
-                                               stopped=f"the fleet's controller is gone ({out.describe()[:200]})"))
+                continue
+            if self._closed:
+                await self._stop(out)
                 return
-            else:
-                await asyncio.sleep(0.5)
+            now = time.monotonic()
+            if since is None:
+                since = self.outage["unreachable_since"] = now
+                self.outage["outages"] += 1
+                self.log.emit("controller_unreachable", outcome=out.kind, detail=out.describe()[:300])
+            if now - since >= wait_s:
+                self.outage["down_s_total"] += now - since
+                self.log.emit("controller_gone", outcome=out.kind, detail=out.describe()[:300], down_s=round(now - since, 3))
+                await self._stop(out)
+                return
+            await asyncio.sleep(min(retry, since + wait_s - now))  # the last try lands on the deadline
+            retry = min(retry * 2, RETRY_MAX_S)
+
+    def _controller_back(self, since: float) -> None:
+        down = time.monotonic() - since
+        self.outage["unreachable_since"] = None
+        self.outage["down_s_total"] += down
+        self.log.emit("controller_back", down_s=round(down, 6))
+
+    async def _stop(self, out: Outcome) -> None:
+        """Adopt the client's own ``stopped`` state: every held request is returned, none is lost."""
+        await self._adopt(RoutingState(self._state.epoch + 1, False, self._state.version,
+                                       stopped=f"the fleet's controller is gone ({out.describe()[:200]})"))
+
+    def controller_outage(self) -> dict[str, Any]:
+        """The controller's outages as this client saw them: ``unreachable_since`` (``time.monotonic()``
+        of the first failed poll of the outage going on, else None), ``outages`` (how many began),
+        ``down_s_total`` (seconds of outages that ended, by an answer or by giving up) and
+        ``completed_while_down`` (requests that completed while the controller could not be reached)."""
+        return {**self.outage, "completed_while_down": self.completed_while_down}
+
+    def _ended(self, results: list[FleetResult]) -> None:
+        if self.outage["unreachable_since"] is not None:
+            self.completed_while_down += sum(1 for r in results if r.ok)
 
     async def _adopt(self, state: RoutingState) -> None:
         if state.epoch < self._state.epoch:
@@ -183,9 +258,19 @@ class FleetClient(_Client):
 
     # ------------------------------------------------------------------ FleetView for the dispatcher
     def report(self, slot: int, incarnation: int, outcome: Outcome, epoch: int) -> None:
-        """Tell the controller a shard failed a request (fire and forget: it decides, not the client)."""
-        asyncio.ensure_future(self.door.call(self._ctl, "report_failure", slot, incarnation, *self._failure(outcome),
-                                             epoch, timeout=30))
+        """Tell the controller a shard failed a request (fire and forget: it decides, not the client).
+
+        A report the controller does not take (it is restarting, or gone) changes nothing: the dispatcher
+        has already left the shard out and re-sends the request; the restarted controller probes its shards."""
+        task = asyncio.ensure_future(self._report(slot, incarnation, *self._failure(outcome), epoch))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report(self, slot: int, incarnation: int, kind: str, detail: str, epoch: int) -> None:
+        try:
+            await self.door.call(self._ctl, "report_failure", slot, incarnation, kind, detail, epoch, timeout=30)
+        except Exception:  # noqa: BLE001 - fire and forget: a report that fails is dropped, never raised
+            pass
 
     # ------------------------------------------------------------------ requests
 

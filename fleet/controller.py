@@ -26,7 +26,9 @@ from fleet.errors import RefitArgumentError, RefitRefused
 from fleet.eventlog import EventLog
 from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.gate import DispatchGate
+from fleet.intent import Intent, IntentStore
 from fleet.metrics import FleetMetrics
+from fleet.naming import new_fleet_name, shard_name
 from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed
 from fleet.publisher import RoutingPublisher
 from fleet.routing import RoutingState
@@ -64,6 +66,7 @@ class SingleController:
 
     def __init__(self, config: dict | FleetConfig, door: Any = None, clock: Any = None, transfer: Any = None) -> None:
         self.cfg = load_fleet_config(config)
+        self.name = self.cfg.name or new_fleet_name()
         self.clock = clock or MonotonicClock()
         self.log = EventLog(self.cfg.event_log_path, clock=self.clock.now)
         if door is None:
@@ -89,11 +92,20 @@ class SingleController:
         from fleet.lifecycle import RefitLifecycle
 
         self.lifecycle = RefitLifecycle(self)
+        self.intent = IntentStore(door, self.name)
+        self.generation = 0  # times this fleet's controller was restarted
+        # Ray restarted this actor after its process died: the first call re-adopts the live shards.
+        self._must_adopt = bool(getattr(door, "restarted", lambda: False)())
+        self._adopting: asyncio.Lock | None = None
+        self.recovered: dict | None = None  # what re-adoption found and did (``fleet.recovery``)
+        self._crash_at: tuple[str, float] | None = None  # fault injection: where this process kills itself
 
     # ------------------------------------------------------------------ start / stop
     async def start(self) -> dict:
         """Launch every slot, wait for them (bounded), commit the checkpoint as version 0, open the gate."""
-        self.log.emit("phase", phase="start", edge="begin", engines=self.cfg.num_engines)
+        self.log.emit("phase", phase="start", edge="begin", engines=self.cfg.num_engines, fleet=self.name)
+        self.intent.save(Intent(self.name, self.cfg.model_dump(), slots={
+            s: (self.ledger.raw(s).incarnation, 0) for s in range(self.cfg.num_engines)}))
         for slot in range(self.cfg.num_engines):
             self._spawn(slot, self.ledger.raw(slot).incarnation)
         outs = await self.door.fan_out(
@@ -110,13 +122,17 @@ class SingleController:
         await self._commit_checkpoint()
         await self.poll_admission()  # size every cap from the engines' KV capacity before the first request
         await self.publisher.publish()  # clients may route from here on
-        self._background(self._timer_loop())
-        self._background(self._monitor_loop())
-        self._background(self._admission_loop())
+        self.start_loops()
         self.log.emit("phase", phase="start", edge="end", serving=self.ledger.serving_count())
         if self.stopped:
             raise_stopped(self.stopped)
         return self.status()
+
+    def start_loops(self) -> None:
+        """The background loops: health timers, the liveness monitor, the admission poll."""
+        self._background(self._timer_loop())
+        self._background(self._monitor_loop())
+        self._background(self._admission_loop())
 
     async def _commit_checkpoint(self) -> None:
         """Every engine loaded the checkpoint from disk: that load is the complete refit of version 0."""
@@ -127,17 +143,28 @@ class SingleController:
         self.finish_refit(0)
 
     async def shutdown(self) -> dict:
-        """Stop dispatch, return every pending request explicitly, shut every shard down."""
+        """Stop dispatch, return every pending request explicitly, shut every shard down.
+
+        The shutdown marker is stored first: a controller that dies halfway is restarted by Ray and
+        finishes the shutdown (``fleet.recovery``) instead of leaving engines orphaned."""
+        await self.adopt_if_restarted()
+        if self.intent.current is not None:
+            self.intent.update(shutdown=True)
         self.halt("controller shut down")
         for task in list(self._tasks):
             task.cancel()
-        outs = await self.door.fan_out(
-            {slot: (h, "shutdown", (), {}) for slot, (_, h) in self.handles.items()}, timeout=60
-        )
-        for _, h in self.handles.values():
-            self.door.kill(h)
+        outs = {}
+        slots = sorted(self.handles)
+        for part in (slots[: (len(slots) + 1) // 2], slots[(len(slots) + 1) // 2:]):
+            outs.update(await self.door.fan_out(
+                {slot: (self.handles[slot][1], "shutdown", (), {}) for slot in part}, timeout=60
+            ))
+            for slot in part:
+                self.door.kill(self.handles[slot][1])
+            self.crash_point("shutdown")  # fault injection: die with half the shards shut down
         await self.publisher.publish()  # clients learn the fleet stopped and return what they hold
         self.log.emit("phase", phase="shutdown", edge="end", shards={s: o.kind for s, o in outs.items()})
+        self.intent.clear()
         self.log.close()
         return {"shards": {s: o.kind for s, o in outs.items()}}
 
@@ -146,6 +173,8 @@ class SingleController:
         if self.stopped is None:
             self.stopped = reason
             self.log.emit("stopped", reason=reason)
+            if self.intent.current is not None:
+                self.intent.update(stopped=reason)
         self.gate.close(reason)
 
     # ------------------------------------------------------------------ health
@@ -201,7 +230,10 @@ class SingleController:
         self.observe(slot, incarnation, CallKind.PROBE, out)
 
     def _spawn(self, slot: int, incarnation: int):
-        handle = self.door.spawn_shard(self.cfg.engine, slot, incarnation, 0)
+        if self.intent.current is not None:  # stored before the actor exists: a successor finds it by name
+            slots = {**self.intent.current.slots, slot: (incarnation, self.ledger.raw(slot).restarts)}
+            self.intent.update(slots=slots)
+        handle = self.door.spawn_shard(self.cfg.engine, slot, incarnation, 0, name=shard_name(self.name, slot, incarnation))
         self.handles[slot] = (incarnation, handle)
         self.handles_revision += 1
         return handle
@@ -326,6 +358,7 @@ class SingleController:
     async def watch_routing(self, after_epoch: int = -1, timeout: float = 10.0) -> RoutingState:
         """The published routing state once its epoch is past ``after_epoch`` (a long poll), or the
         current one after ``timeout`` s. Clients call this; no request passes through the controller."""
+        await self.adopt_if_restarted()
         return await self.publisher.wait_newer(after_epoch, timeout)
 
     def report_failure(self, slot: int, incarnation: int, kind: str, detail: str, epoch: int) -> bool:
@@ -337,6 +370,8 @@ class SingleController:
         timed out because the shard was paused for the refit: a slow refit is not a sick shard, so it is
         logged and ignored.
         """
+        if self._must_adopt:
+            return False  # not re-adopted yet: the client excludes the shard on its own meanwhile
         if kind == TIMED_OUT and (self.lifecycle.running or epoch < self.publisher.refit_epoch):
             self.log.emit("report_ignored", slot=slot, incarnation=incarnation, outcome=kind, epoch=epoch,
                           reason="the request was held by a refit")
@@ -353,6 +388,11 @@ class SingleController:
         Raises ``TypeError``/``RefitRefused`` (nothing changed) for a bad ``version`` or
         ``source``; ``RefitFailed`` or ``FleetExhausted`` when the fleet had to stop.
         """
+        await self.adopt_if_restarted()
+        again = self.recovered.get("finished_refit") if self.recovered else None
+        if again is not None and version == again and version == self.ledger.current_version:
+            # the refit this call re-sends committed before the controller died; re-adoption finished it
+            return self.recovery_summary(version)
         summary = await self.lifecycle.run(version, source)
         self.refits.append(summary)
         return summary
@@ -389,6 +429,9 @@ class SingleController:
 
     def status(self) -> dict:
         return {
+            "fleet": self.name,
+            "generation": self.generation,
+            "recovered": self.recovered,
             "gate_open": self.gate.is_open,
             "version": self.gate.version,
             "epoch": self.plan.epoch,
@@ -403,6 +446,7 @@ class SingleController:
 
     async def shard_counters(self) -> dict[int, dict]:
         """Per live slot: what its shard admitted and refused, and why (``EngineShard.counters``)."""
+        await self.adopt_if_restarted()
         live = self.live_handles()
         outs = await self.door.fan_out({s: (h, "counters", (), {}) for s, (_, h) in live.items()},
                                        timeout=self.cfg.probe_timeout_s)
@@ -415,6 +459,7 @@ class SingleController:
     # ------------------------------------------------------------------ fault injection
     async def arm_fault(self, slot: int, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0) -> bool:
         """Arm a fault in the current incarnation of ``slot`` (see ``fleet.fault_hooks``)."""
+        await self.adopt_if_restarted()
         inc, handle = self.handles[slot]
         out = await self.door.call(handle, "arm_fault", point, action, delay_s, after_calls, timeout=self.cfg.probe_timeout_s)
         self.log.emit("fault", slot=slot, incarnation=inc, point=point, action=action, armed=out.ok)
@@ -434,6 +479,71 @@ class SingleController:
             self._keep_warned = True
             warnings.warn(message, RuntimeWarning, stacklevel=2)
             self.log.emit("warning", message=message)
+
+    # ------------------------------------------------------------------ restarts of the controller itself
+    async def ping(self) -> dict:
+        """Liveness of the controller (a restarted one re-adopts its shards first)."""
+        await self.adopt_if_restarted()
+        import os
+
+        return {"fleet": self.name, "generation": self.generation, "pid": os.getpid(), "stopped": self.stopped}
+
+    def config(self) -> dict:
+        """The fleet's config (what ``Fleet.connect`` builds its client from)."""
+        return self.cfg.model_dump()
+
+    async def adopt_if_restarted(self) -> None:
+        """After Ray restarted this controller: re-adopt the shards once (``fleet.recovery``), before any call."""
+        if not self._must_adopt:
+            return
+        if self._adopting is None:
+            self._adopting = asyncio.Lock()
+        async with self._adopting:
+            if not self._must_adopt:
+                return
+            from fleet.recovery import adopt
+
+            try:
+                await adopt(self)
+            finally:
+                self._must_adopt = False
+
+    def recovery_summary(self, version: int) -> dict:
+        return {"version": version, "recovered": True, "complete": sorted(self.ledger.serving_slots()),
+                "serving": list(self.ledger.serving_slots()), "routing_epoch": self.publisher.current.epoch,
+                "epoch": self.plan.epoch, "generation": self.generation}
+
+    def arm_crash(self, point: str, delay_s: float = 0.0) -> bool:
+        """Fault injection: kill this controller's process (SIGKILL) ``delay_s`` after it reaches ``point``:
+        the beginning of a refit phase (``close``, ``staleness``, ``reconcile``, ``pause``, ``transfer``,
+        ``stamp``, ``resume``, ``reopen``) or the middle of ``shutdown``. With a delay the process dies
+        while that phase's calls are in flight. Not stored: the restarted controller is not armed."""
+        from fleet.lifecycle import PHASES
+
+        if point not in PHASES + ("shutdown",):
+            raise ValueError(f"arm_crash: point must be one of {PHASES + ('shutdown',)}, got {point!r}")
+        if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not 0 <= delay_s < 600:
+            raise ValueError(f"arm_crash: delay_s must be a number of seconds in [0, 600), got {delay_s!r}")
+        self._crash_at = (point, float(delay_s))
+        self.log.emit("fault", target="controller", point=point, action="crash", delay_s=delay_s, armed=True)
+        return True
+
+    def crash_point(self, point: str) -> None:
+        if self._crash_at is None or self._crash_at[0] != point:
+            return
+        delay = self._crash_at[1]
+        self._crash_at = None
+        if delay:
+            asyncio.get_running_loop().call_later(delay, self._crash, point)
+        else:
+            self._crash(point)
+
+    def _crash(self, point: str) -> None:
+        import os
+        import signal
+
+        self.log.emit("fault", target="controller", point=point, action="crash", fired=True, pid=os.getpid())
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def finish_refit(self, version: int) -> Decision:
         """Step 8: ask the ledger whether the gate may reopen, and open it if so."""

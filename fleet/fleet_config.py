@@ -25,6 +25,13 @@ class FleetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     engine: EngineConfig
+    # The fleet's name: its controller and shards are named Ray actors under it (``fleet.naming``), its
+    # intent is stored under it, and ``Fleet.connect(name)`` attaches to it. None: a unique name at start.
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+    # A controller whose process dies is restarted by Ray up to this many times; the restarted one
+    # re-adopts the live shards. Clients and ``Fleet`` wait this long for it before giving up.
+    controller_max_restarts: int = Field(3, ge=0)
+    controller_restart_wait_s: float = Field(60.0, gt=0)
     num_engines: int = Field(2, ge=1)
     min_healthy_engines: int = Field(1, ge=1)
     # Lifecycle deadlines: every pause/transfer/resume RPC is bounded by

@@ -24,6 +24,7 @@ import asyncio
 from contextlib import contextmanager
 from typing import Any
 
+from fleet.intent import CLOSING, COMMITTED, MOVING, RefitIntent
 from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed, RefitRefused
 from fleet.weights import TransferResult
 from health import (
@@ -40,6 +41,7 @@ from health import (
     plan_membership,
 )
 
+PHASES = ("close", "staleness", "reconcile", "pause", "transfer", "stamp", "resume", "reopen")
 
 
 class _RollBack(Exception):
@@ -106,6 +108,7 @@ class RefitLifecycle:
             finally:
                 self.running = False
                 self.ctl.admission.refit_finished(self.ctl.clock.now())
+                self.ctl.intent.update(refit=None, membership_epoch=self.ctl.plan.epoch)
             raise AssertionError("unreachable: every failure path raises")
 
     async def _steps(self, version: int, source: Any, t0: float) -> dict:
@@ -118,6 +121,7 @@ class RefitLifecycle:
             plan = self.reconcile()  # 3
         with self._phase("pause"):
             plan, paused = await self.pause_settled(plan)  # 4
+        self.ctl.intent.update(refit=RefitIntent(version, MOVING))  # from here engines may hold new bytes
         with self._phase("transfer"):
             self._moving = True
             plan, paused, complete, attempts = await self.transfer(plan, version, source, paused)  # 5
@@ -147,6 +151,7 @@ class RefitLifecycle:
     async def close_gate(self, version: int) -> int:
         """Step 1: close dispatch and publish it; clients hold new requests, nothing is dropped.
         Returns the routing epoch of the closed gate."""
+        self.ctl.intent.update(refit=RefitIntent(version, CLOSING))  # stored before anything changes
         self.ctl.gate.close(f"refit of version {version}")
         self.ctl.decide(RefitStarted(version))
         return await self.ctl.publisher.fence_for_refit()
@@ -259,8 +264,11 @@ class RefitLifecycle:
         """Step 6: commit the version in the ledger and stamp it on every engine that holds it."""
         if not complete:
             return
-        self.ctl.decide(VersionCommitted(version))
         parts = [p for p in plan.participants if p.slot in complete]
+        # stored before the commit acts: a successor stamps exactly these engines and serves the version
+        self.ctl.intent.update(committed=version, refit=RefitIntent(
+            version, COMMITTED, tuple((p.slot, p.incarnation) for p in parts)))
+        self.ctl.decide(VersionCommitted(version))
         outs = await self._fan_out(
             {p.slot: (self._handle(p), "set_weight_version", (version,), {}) for p in parts}, expect_ack=True
         )
@@ -407,6 +415,7 @@ class RefitLifecycle:
     def _phase(self, name: str):
         t0 = self.ctl.clock.now()
         self.ctl.log.emit("phase", phase=name, edge="begin", version=self._version)
+        self.ctl.crash_point(name)
         try:
             yield
         finally:

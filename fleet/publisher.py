@@ -34,6 +34,12 @@ class RoutingPublisher:
         self._key: tuple | None = None
         self._cached: tuple = ((), ())
 
+    def start_above(self, epoch: int) -> None:
+        """A restarted controller: every epoch published from now on is above ``epoch`` (above all its
+        predecessor's), so clients adopt the new states and shards raise their floors to them."""
+        self.current = dataclasses.replace(self.current, epoch=max(self.current.epoch, int(epoch)))
+        self._dirty = True
+
     def _sync(self) -> tuple[asyncio.Lock, asyncio.Condition]:
         if self._lock is None:
             self._lock, self._changed = asyncio.Lock(), asyncio.Condition()

@@ -28,6 +28,7 @@ from ray.actor import ActorHandle
 
 from fleet.config import EngineConfig
 from fleet.errors import ConfigError, DeadlineExceeded, ShardUnavailableError
+from fleet.naming import NAMESPACE
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome  # noqa: F401 - re-exported
 
 # The shard's own exceptions that are not answers: what each says about the shard.
@@ -117,8 +118,8 @@ def spawn_shard(config: EngineConfig, slot: int, incarnation: int, weight_versio
         max_concurrency=1000,
         runtime_env={"env_vars": config.process_env()},
     )
-    if name:
-        opts["name"] = name
+    if name:  # a named shard outlives its controller's process (a restarted controller re-adopts it)
+        opts.update(name=name, namespace=NAMESPACE, lifetime="detached")
     opts.update(options)
     return _shard_actor_class().options(**opts).remote(config.model_dump(), slot, incarnation, weight_version)
 
@@ -142,6 +143,41 @@ def _shard_actor_class():
 
         _SHARD_CLS = ray.remote(EngineShard)
     return _SHARD_CLS
+
+
+def find_actor(name: str):
+    """The live named actor ``name`` in rlfleet's namespace, or None."""
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def kv_get(key: str) -> bytes | None:
+    """A value from Ray's GCS key-value store (rlfleet's namespace), or None."""
+    from ray.experimental import internal_kv
+
+    return internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+
+
+def kv_put(key: str, value: bytes) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(key, value, overwrite=True, namespace=NAMESPACE)
+
+
+def kv_del(key: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+
+
+def actor_was_restarted() -> bool:
+    """True inside an actor that Ray restarted after its process died."""
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - not in an actor
+        return False
 
 
 def kill(handle) -> None:
@@ -333,6 +369,21 @@ class RayDoor:
 
     def kill(self, handle) -> None:
         kill(handle)
+
+    def find(self, name: str):
+        return find_actor(name)
+
+    def restarted(self) -> bool:
+        return actor_was_restarted()
+
+    def kv_get(self, key: str) -> bytes | None:
+        return kv_get(key)
+
+    def kv_put(self, key: str, value: bytes) -> None:
+        kv_put(key, value)
+
+    def kv_del(self, key: str) -> None:
+        kv_del(key)
 
     def is_sender(self, handle, methods) -> bool:
         """True if ``handle`` is an actor handle exposing every method in ``methods`` (no call is made)."""

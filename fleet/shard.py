@@ -63,6 +63,7 @@ class EngineShard:
         self.slot = slot
         self.incarnation = incarnation
         self._version = weight_version
+        self._dirty = False  # a transfer wrote into the weights since the last stamp: they are unknown
         self._backend = (backend_factory or _vllm_backend)(self.config)
         self._state = "new"
         self._hooks = FaultHooks(lambda: getattr(self._backend, "engine_core_pids", lambda: [])(), slot, incarnation,
@@ -134,6 +135,14 @@ class EngineShard:
                 out[name] = float("nan")
         out["total"] = sum(v for v in out.values() if v == v)
         return out
+
+    def describe(self) -> dict[str, Any]:
+        """What a restarted controller re-adopts this shard from: who it is, its stamped weight version,
+        whether a transfer touched the weights since that stamp (``dirty``: unknown weights), whether it
+        is paused, and its gate (member, epoch floor, committed version as last told)."""
+        return {**self.ping_info(), "dirty": self._dirty, "paused": self.gate.paused,
+                "native_pause": self._backend.capabilities.native_pause,
+                "gate": self.gate.counters()}
 
     async def ping(self) -> dict[str, Any]:
         """Liveness: raises if the shard or its engine cannot serve."""
@@ -348,13 +357,16 @@ class EngineShard:
             return False
         self._require_ready("set_weight_version")
         self._version = int(version)
+        self._dirty = False
         self.gate.committed = max(self.gate.committed, self._version)  # stamped = committed by the controller
         return True
 
     async def worker_rpc(self, method: str, args: Sequence = (), kwargs: dict | None = None, timeout: float | None = None) -> list:
         """Call ``method`` on every worker's extension (``collective_rpc``), bounded."""
-        if self._hooks.armed and method in TRANSFER_METHODS:
-            await self._hooks.at("transfer")
+        if method in TRANSFER_METHODS:
+            self._dirty = True  # until stamped, the weights are whatever this transfer left
+            if self._hooks.armed:
+                await self._hooks.at("transfer")
         backend = self._require_ready(f"worker_rpc({method})")
         deadline = self.config.call_timeout_s if timeout is None else timeout
         return await self._bounded(f"worker_rpc({method})", backend.worker_rpc(method, tuple(args), kwargs or {}, deadline), deadline + 1.0)

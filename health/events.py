@@ -98,9 +98,15 @@ class VersionCommitted:
 @dataclass(frozen=True, slots=True)
 class RefitFinished:
     """Step 8: the refit of ``version`` is over (resumes settled, or stopped). The
-    decision says whether the gate may reopen."""
+    decision says whether the gate may reopen.
+
+    ``hold_without_quorum``: too few engines serving ``version`` keeps the gate closed
+    (``KeepGateClosed``, reopened by quorum between refits or by the next refit)
+    instead of stopping the fleet. A restarted controller re-adopting engines on mixed
+    versions finishes its re-adoption this way: the next ``sync_weights`` fixes it."""
 
     version: int
+    hold_without_quorum: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,6 +121,13 @@ def on_refit_finished(d: Draft, ev: RefitFinished) -> None:
         d.actions.append(KeepGateClosed(v, message))
         d.reasons.append(message)
         return
+    if ev.hold_without_quorum and not check_quorum(d.ledger).ok:
+        message = (f"gate stays closed: too few engines serve version {v} "
+                   f"({check_quorum(d.ledger).message}); the next refit brings the others to one version")
+        d.fleet = d.fleet._replace(quorum_lost=True)
+        d.actions.append(KeepGateClosed(v, message))
+        d.reasons.append(message)
+        return
     _reopen_if_quorum(d, v, "gate opens")
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 from health.config import HealthConfig
 from health.states import ShardState, SlotPhase
@@ -161,8 +161,11 @@ class Ledger:
     """
 
     def __init__(
-        self, config: HealthConfig, *, now: float = 0.0, first_incarnation: int = 1
+        self, config: HealthConfig, *, now: float = 0.0, first_incarnation: int = 1,
+        adopted: Mapping[int, tuple[int, int]] | None = None,
     ) -> None:
+        """``adopted`` (a restarted controller's ledger): slot -> (incarnation, restarts spent) as its
+        predecessor recorded them; those slots launch at that incarnation with that budget spent."""
         if not isinstance(config, HealthConfig):
             raise TypeError(f"Ledger needs a HealthConfig, got {type(config).__name__}")
         if type(first_incarnation) is not int or first_incarnation < 0:
@@ -176,6 +179,12 @@ class Ledger:
             SlotRecord(s, first_incarnation, _LAUNCHING, None, False, now, 0, 0, None, "launched")
             for s in range(n)
         ]
+        for slot, (inc, restarts) in (adopted or {}).items():
+            if not (0 <= slot < n) or type(inc) is not int or inc < 0 or type(restarts) is not int or restarts < 0:
+                raise ValueError(f"adopted slot {slot!r}: incarnation {inc!r} and restarts {restarts!r} must be "
+                                 f"integers >= 0 for a slot in 0..{n - 1}")
+            self._records[slot] = SlotRecord(slot, inc, _LAUNCHING, None, False, now, 0, restarts, None,
+                                             "adopted by a restarted controller")
         self._by_phase: dict[SlotPhase, set[int]] = {p: set() for p in SlotPhase}
         self._by_phase[_LAUNCHING].update(range(n))
         self._holding: dict[int, set[int]] = {}

@@ -85,6 +85,8 @@ class FakeShard:
     gate: ShardGate = field(default_factory=ShardGate)  # the real shard-side gate (pure)
     in_flight: dict = field(default_factory=dict)  # request id -> (version at start, policy)
     ran_while_paused: int = 0
+    dirty: bool = False  # a transfer wrote into the weights since the last stamp
+    name: str | None = None
 
     def behaviour(self, method: str) -> str | None:
         return self.sticky.get(method) or self.script.pop(method, None)
@@ -97,11 +99,29 @@ class FakeDoor:
         self.kwargs: list[tuple[str, int, dict]] = []
         self.gen_delay = gen_delay
         self.on_spawn: dict[tuple[int, int], dict] = {}  # (slot, inc) -> sticky script for new shards
+        self.kv: dict[str, bytes] = {}  # Ray's GCS key-value store
+        self.was_restarted = False  # what ``restarted()`` answers (a controller built after a crash)
 
     def spawn_shard(self, config, slot, incarnation, weight_version=0, **options):
-        shard = FakeShard(slot, incarnation, sticky=dict(self.on_spawn.get((slot, incarnation), {})))
+        shard = FakeShard(slot, incarnation, sticky=dict(self.on_spawn.get((slot, incarnation), {})),
+                          name=options.get("name"))
         self.shards[(slot, incarnation)] = shard
         return shard
+
+    def find(self, name):
+        return next((s for s in self.shards.values() if s.name == name and not s.dead), None)
+
+    def restarted(self) -> bool:
+        return self.was_restarted
+
+    def kv_get(self, key):
+        return self.kv.get(key)
+
+    def kv_put(self, key, value):
+        self.kv[key] = value
+
+    def kv_del(self, key):
+        self.kv.pop(key, None)
 
     def kill(self, handle: FakeShard) -> None:
         handle.dead = True
@@ -166,8 +186,14 @@ class FakeDoor:
         s.paused = s.gate.paused = False
         return True
 
+    async def _describe(self, s):
+        return {"slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version, "state": "ready",
+                "in_flight": len(s.in_flight), "dirty": s.dirty, "paused": s.paused, "native_pause": True,
+                "gate": s.gate.counters()}
+
     async def _set_weight_version(self, s, v):
         s.version = v
+        s.dirty = False
         s.gate.committed = max(s.gate.committed, v)
         return True
 
@@ -248,10 +274,12 @@ class FakeTransfer:
                     refused="tensor model.layers.0.mlp.down_proj.weight: shape (3, 3), engine expects (128, 512)",
                 )
             elif what == "partial":
+                shard.dirty = True
                 out[p.slot] = TransferResult(RefitResult.PARTIAL, "apply failed midway", 10)
             elif what == "error" or broken:
                 out[p.slot] = TransferResult(RefitResult.NOT_STARTED, "collective failed: a peer is gone")
             else:
+                shard.dirty = True
                 out[p.slot] = TransferResult(RefitResult.COMPLETE, "ok", 100)
         return out
 

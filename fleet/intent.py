@@ -1,0 +1,109 @@
+"""The controller's intent, the only state it persists (Ray's GCS key-value store).
+
+What a restarted controller cannot learn from its live shards is written here,
+before the controller acts on it: the config, the committed weight version, the
+membership epoch, each slot's incarnation and the restarts it has spent, the refit
+in progress (its version, how far it got, and once committed, which engines hold
+the new weights), the routing generation, and a shutdown marker. Everything else
+(health, load, the routing state) is rebuilt from the shards themselves
+(``fleet.recovery``).
+
+Stored as one JSON document per fleet; ``IntentStore`` reads and writes it through
+the door (``kv_get``/``kv_put``/``kv_del``), so unit tests use an in-memory door.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleet.naming import intent_key
+
+# How far an unfinished refit got when the intent was last written.
+CLOSING, MOVING, COMMITTED = "closing", "moving", "committed"
+REFIT_PHASES = (CLOSING, MOVING, COMMITTED)
+
+
+@dataclass(frozen=True)
+class RefitIntent:
+    """A refit in progress: ``version``; ``phase`` (closing: no weight moved yet; moving: the transfer
+    began; committed: ``version`` is committed and ``complete`` lists the (slot, incarnation) that hold it)."""
+
+    version: int
+    phase: str = CLOSING
+    complete: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Intent:
+    fleet: str
+    config: dict[str, Any]
+    committed: int = 0
+    membership_epoch: int = 0
+    slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (incarnation, restarts spent)
+    refit: RefitIntent | None = None
+    generation: int = 0  # controller restarts so far; routing epochs of generation g start above g's predecessors
+    shutdown: bool = False
+    stopped: str | None = None  # the fleet stopped (loudly) for this reason: a successor stays stopped
+
+    def to_json(self) -> str:
+        doc = dataclasses.asdict(self)
+        doc["slots"] = {str(s): list(v) for s, v in self.slots.items()}
+        return json.dumps(doc, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Intent":
+        doc = json.loads(text)
+        refit = doc.get("refit")
+        return cls(
+            fleet=doc["fleet"],
+            config=doc["config"],
+            committed=int(doc["committed"]),
+            membership_epoch=int(doc.get("membership_epoch", 0)),
+            slots={int(s): (int(v[0]), int(v[1])) for s, v in doc.get("slots", {}).items()},
+            refit=None if refit is None else RefitIntent(
+                int(refit["version"]), refit["phase"], tuple((int(a), int(b)) for a, b in refit.get("complete", ()))
+            ),
+            generation=int(doc.get("generation", 0)),
+            shutdown=bool(doc.get("shutdown", False)),
+            stopped=doc.get("stopped"),
+        )
+
+    def replace(self, **changes: Any) -> "Intent":
+        return dataclasses.replace(self, **changes)
+
+
+class IntentStore:
+    """Read and write one fleet's intent through ``door`` (``kv_get(key) -> bytes | None``,
+    ``kv_put(key, bytes)``, ``kv_del(key)``). ``save`` returns only once the store has it."""
+
+    def __init__(self, door: Any, fleet: str) -> None:
+        self.door = door
+        self.key = intent_key(fleet)
+        self.current: Intent | None = None
+        self.writes = 0
+
+    def load(self) -> Intent | None:
+        raw = self.door.kv_get(self.key)
+        self.current = None if raw is None else Intent.from_json(raw)
+        return self.current
+
+    def save(self, intent: Intent) -> Intent:
+        if intent != self.current:
+            self.door.kv_put(self.key, intent.to_json().encode())
+            self.current = intent
+            self.writes += 1
+        return intent
+
+    def update(self, **changes: Any) -> Intent | None:
+        """Write the current intent with ``changes``; nothing while none is stored (a controller that
+        was never started, or after a finished shutdown cleared it)."""
+        if self.current is None:
+            return None
+        return self.save(self.current.replace(**changes))
+
+    def clear(self) -> None:
+        self.door.kv_del(self.key)
+        self.current = None

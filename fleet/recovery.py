@@ -1,0 +1,191 @@
+"""Re-adoption: what a controller that Ray restarted does before it answers anything.
+
+The dead controller left its intent in Ray's key-value store (``fleet.intent``) and its
+shards running as named, detached actors (``fleet.naming``). The new one:
+
+1. reads the intent and counts itself one generation later (routing epochs of this
+   generation start above every epoch of the last: clients adopt the new states, and
+   shards raise their floors to them);
+2. finds each slot's recorded incarnation by name and fences what is not it: a
+   neighbouring incarnation that is still alive (replaced, or spawned after the last
+   write) is killed;
+3. if the intent holds a shutdown marker, finishes the shutdown (nothing orphaned) and
+   stays stopped; if the fleet had stopped, it stays stopped;
+4. asks every found shard what it is (``EngineShard.describe``): incarnation, stamped
+   version, ``dirty`` (a transfer wrote into its weights since that stamp), paused;
+   takes every shard out of routing (``set_route(member=False)``) until step 7;
+5. rebuilds the health ledger at the recorded incarnations and restarts spent; a
+   missing shard is dead (the health core restarts it within its budget);
+6. settles the weights. A refit that had committed (``committed`` phase) is finished:
+   the engines it lists that are still there are stamped with the committed version.
+   Only a shard stamped with the committed version and not dirty serves it; every other
+   shard (dirty: unknown weights, or on an older version) is stale and joins the next
+   refit. Requests held by a shard that will not serve are aborted (their clients
+   re-send them), then every paused shard resumes;
+7. commits the version in the ledger and reopens the gate only with quorum (mixed or
+   too few: it stays closed until the next ``sync_weights``), then publishes.
+
+Every step is one record in the event log (``controller_restarted``, ``adopt_fence``,
+``adopt``, ``adopted``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleet.intent import COMMITTED
+from fleet.naming import shard_name
+from fleet.outcome import DIED, Outcome
+from health import (
+    Batch,
+    CallKind,
+    EngineReady,
+    Ledger,
+    MembershipPlan,
+    RefitFinished,
+    RefitReport,
+    RefitResult,
+    RefitStarted,
+    VersionCommitted,
+)
+
+EPOCHS_PER_GENERATION = 1 << 40
+
+
+async def adopt(ctl: Any) -> dict:
+    """Re-adopt the shards of the controller ``ctl`` replaced; returns (and stores in
+    ``ctl.recovered``) what it found and did."""
+    intent = ctl.intent.load()
+    t0 = ctl.clock.now()
+    if intent is None:
+        ctl.halt("controller restarted but found no stored intent for fleet "
+                 f"{ctl.name!r}: its shards cannot be re-adopted")
+        ctl.recovered = {"intent": False}
+        return ctl.recovered
+    ctl.generation = intent.generation + 1
+    ctl.intent.save(intent.replace(generation=ctl.generation))
+    ctl.log.emit("controller_restarted", fleet=ctl.name, generation=ctl.generation, committed=intent.committed,
+                 refit=None if intent.refit is None else [intent.refit.version, intent.refit.phase],
+                 shutdown=intent.shutdown, stopped=intent.stopped)
+    ctl.publisher.start_above(ctl.generation * EPOCHS_PER_GENERATION)
+    found, fenced = _find_shards(ctl, intent)
+    if intent.shutdown:
+        return await _finish_shutdown(ctl, found, fenced, t0)
+
+    ctl.ledger = Ledger(ctl.cfg.health_config(), now=ctl.clock.now(), adopted=intent.slots)
+    ctl.plan = MembershipPlan(intent.membership_epoch, ())  # the next refit forms a new epoch (fresh group)
+    ctl.handles = {slot: (intent.slots[slot][0], h) for slot, h in found.items()}
+    ctl.handles_revision += 1
+    described = await ctl.door.fan_out({s: (h, "describe", (), {}) for s, h in found.items()},
+                                       timeout=ctl.cfg.probe_timeout_s)
+    # out of routing until the state below is published: nothing routed under the old controller runs
+    await ctl.door.fan_out({s: (h, "set_route", (ctl.publisher.current.epoch, False, intent.committed), {})
+                            for s, h in found.items()}, timeout=ctl.cfg.probe_timeout_s)
+    alive: dict[int, dict] = {}
+    for slot, (inc, _) in sorted(intent.slots.items()):
+        out = described.get(slot)
+        info = out.value if out is not None and out.ok else None
+        if info is not None and info.get("incarnation") == inc and info.get("state") == "ready":
+            alive[slot] = info
+            ctl.native_pause[slot] = bool(info.get("native_pause", True))
+            ctl.decide(EngineReady(slot, inc))
+    if intent.stopped:
+        ctl.halt(intent.stopped)
+    stamped = await _finish_commit(ctl, intent, alive)
+    serving = {s for s, info in alive.items()
+               if s in stamped or (info.get("weight_version") == intent.committed and not info.get("dirty"))}
+    paused = {s for s, info in alive.items() if info.get("paused")}
+    held = {s for s in paused if s not in serving and alive[s].get("in_flight")}
+    aborts = await ctl.door.fan_out({s: (found[s], "abort_in_flight", (), {}) for s in held},
+                                    timeout=ctl.cfg.probe_timeout_s)
+    resumed = await ctl.door.fan_out({s: (found[s], "resume", (), {}) for s in paused},
+                                     timeout=ctl.cfg.lifecycle_deadline_s, expect_ack=True)
+    for slot in sorted(alive):
+        info = alive[slot]
+        ctl.log.emit("adopt", slot=slot, incarnation=info["incarnation"], weight_version=info.get("weight_version"),
+                     dirty=bool(info.get("dirty")), paused=bool(info.get("paused")), serves=slot in serving,
+                     stamped=slot in stamped, aborted=aborts[slot].value if slot in aborts and aborts[slot].ok else 0,
+                     resumed=resumed[slot].ok if slot in resumed else None)
+    _commit(ctl, intent.committed, serving)
+    for slot, (inc, _) in sorted(intent.slots.items()):
+        if slot not in alive:  # gone, or not the recorded incarnation: dead (restarted within the budget)
+            why = described[slot].describe() if slot in described else "no actor of that name"
+            ctl.handles.pop(slot, None) if slot in found and slot in described and not described[slot].ok else None
+            ctl.observe(slot, inc, CallKind.START, Outcome(DIED, error=RuntimeError(
+                f"not found alive when the restarted controller re-adopted the fleet: {why[:200]}")))
+    for slot, out in resumed.items():
+        if not out.ok:
+            ctl.observe(slot, intent.slots[slot][0], CallKind.RESUME, out)
+    await ctl.publisher.publish()
+    finished = intent.refit.version if intent.refit is not None and intent.refit.phase == COMMITTED else None
+    ctl.recovered = {
+        "intent": True, "generation": ctl.generation, "committed": intent.committed,
+        "refit": None if intent.refit is None else [intent.refit.version, intent.refit.phase],
+        "finished_refit": finished, "alive": sorted(alive), "serving": sorted(serving),
+        "stale": sorted(set(alive) - serving), "missing": sorted(set(intent.slots) - set(alive)),
+        "fenced": fenced, "stamped": sorted(stamped), "gate_open": ctl.gate.is_open,
+        "seconds": round(ctl.clock.now() - t0, 3),
+    }
+    ctl.log.emit("adopted", **ctl.recovered)
+    ctl.start_loops()
+    return ctl.recovered
+
+
+def _find_shards(ctl: Any, intent) -> tuple[dict[int, Any], list]:
+    """slot -> handle of the recorded incarnation (when alive); kill the neighbours that are not it."""
+    found: dict[int, Any] = {}
+    fenced = []
+    for slot, (inc, _) in sorted(intent.slots.items()):
+        handle = ctl.door.find(shard_name(ctl.name, slot, inc))
+        if handle is not None:
+            found[slot] = handle
+        for other in (inc - 1, inc + 1):
+            stray = ctl.door.find(shard_name(ctl.name, slot, other)) if other >= 1 else None
+            if stray is not None:
+                ctl.door.kill(stray)
+                fenced.append([slot, other])
+                ctl.log.emit("adopt_fence", slot=slot, incarnation=other, recorded=inc,
+                             reason="an incarnation other than the recorded one: killed")
+    return found, fenced
+
+
+async def _finish_commit(ctl: Any, intent, alive: dict[int, dict]) -> set[int]:
+    """A refit that committed before the controller died: stamp the engines it lists (still there,
+    same incarnation). Returns the slots stamped now."""
+    refit = intent.refit
+    if refit is None or refit.phase != COMMITTED or refit.version != intent.committed:
+        return set()
+    todo = {slot: ctl.handles[slot][1] for slot, inc in refit.complete
+            if slot in alive and alive[slot]["incarnation"] == inc and alive[slot].get("weight_version") != refit.version}
+    outs = await ctl.door.fan_out({s: (h, "set_weight_version", (refit.version,), {}) for s, h in todo.items()},
+                                  timeout=ctl.cfg.probe_timeout_s, expect_ack=True)
+    return {s for s, o in outs.items() if o.ok}
+
+
+def _commit(ctl: Any, version: int, serving: set[int]) -> None:
+    """The committed version, landed on exactly the engines that serve it; reopen with quorum."""
+    ctl.decide(RefitStarted(version))
+    ctl.decide(Batch(tuple(
+        RefitReport(slot, ctl.handles[slot][0], version, RefitResult.COMPLETE, "re-adopted: holds the committed version")
+        for slot in sorted(serving)
+    )))
+    ctl.decide(VersionCommitted(version))
+    ctl.decide(RefitFinished(version, hold_without_quorum=True))  # opens the gate only with quorum
+
+
+async def _finish_shutdown(ctl: Any, found: dict[int, Any], fenced: list, t0: float) -> dict:
+    """The controller died inside ``shutdown``: shut down and kill every shard it can find, then stay stopped."""
+    ctl.halt("controller shut down (finished by the restarted controller)")
+    outs = await ctl.door.fan_out({s: (h, "shutdown", (), {}) for s, h in found.items()}, timeout=60)
+    for handle in found.values():
+        ctl.door.kill(handle)
+    ctl.handles = {}
+    ctl.handles_revision += 1
+    await ctl.publisher.publish()
+    ctl.intent.clear()
+    ctl.recovered = {"intent": True, "generation": ctl.generation, "shutdown_finished": True,
+                     "shards": {s: o.kind for s, o in outs.items()}, "fenced": fenced,
+                     "seconds": round(ctl.clock.now() - t0, 3)}
+    ctl.log.emit("adopted", **ctl.recovered)
+    ctl.log.emit("phase", phase="shutdown", edge="end", shards={s: o.kind for s, o in outs.items()})
+    return ctl.recovered
