@@ -28,10 +28,21 @@ from fleet.controller import SingleController
 from fleet.errors import FleetStopped
 from fleet.dispatch import FleetResult
 from fleet.fleet_config import FleetConfig, load_fleet_config
+from fleet.naming import NAMESPACE, controller_name, new_fleet_name
+from fleet.outcome import DIED, UNAVAILABLE
 from fleet.routing import VersionPolicy
 
 # The controller only waits: no CPU reserved; its calls are control calls and one long poll per client.
-CONTROLLER_OPTIONS = dict(num_cpus=0, max_concurrency=10_000, max_restarts=0)
+# Named and detached: Ray restarts it after its process dies (``max_restarts`` from the config), a
+# second driver finds it by name, and it outlives the driver that started it (``Fleet.connect``).
+# Calls in flight when it died are not re-sent by Ray (``max_task_retries=0``): ``Fleet`` re-sends
+# what is safe to re-send, once the restarted controller answers.
+CONTROLLER_OPTIONS = dict(num_cpus=0, max_concurrency=10_000, max_task_retries=0, lifetime="detached",
+                          namespace=NAMESPACE)
+# Calls Fleet re-sends to a restarted controller (sync_weights and shutdown are re-sent too: the
+# restarted controller finishes or re-runs them; see ``SingleController.sync_weights``).
+_RESENDABLE = frozenset({"status", "events", "shard_counters", "admission_metrics", "ping", "config",
+                         "sync_weights", "shutdown"})
 
 
 def check_prompts(prompts: Any) -> list:
@@ -73,6 +84,7 @@ class Fleet:
         self.config = config
         self._shut_down: str | None = None
         self.client: FleetClient | None = None
+        self.controller_restarts_seen = 0
 
     def _open_client(self) -> FleetClient:
         """The data plane: a client in this process that follows the controller's routing state."""
@@ -81,10 +93,26 @@ class Fleet:
         return self.client
 
     def _ask(self, method: str, *args, timeout: float) -> Any:
-        """Call the controller; a controller that is gone (shut down, killed) raises ``FleetStopped``."""
+        """Call the controller. If its process died (Ray restarts it), wait for the restarted one within
+        ``controller_restart_wait_s`` and send the call again once when that is safe; a controller that
+        stays gone raises ``FleetStopped``."""
         self._check_open(method)
         out = ray_io.try_ask(self._ctl, method, *args, timeout=timeout)
+        if out.kind in (DIED, UNAVAILABLE) and method in _RESENDABLE and self._wait_for_controller():
+            out = ray_io.try_ask(self._ctl, method, *args, timeout=timeout)
         return self._value(out, method, timeout)
+
+    def _wait_for_controller(self) -> bool:
+        """Ping the controller until it answers (a restarted one re-adopts its shards first) or
+        ``controller_restart_wait_s`` passes. True if it answered."""
+        deadline = time.monotonic() + self.config.controller_restart_wait_s
+        while time.monotonic() < deadline:
+            out = ray_io.try_ask(self._ctl, "ping", timeout=max(1.0, deadline - time.monotonic()))
+            if out.ok:
+                self.controller_restarts_seen = max(self.controller_restarts_seen, int(out.value.get("generation", 0)))
+                return True
+            time.sleep(0.2)
+        return False
 
     def _value(self, out, method: str, timeout: float) -> Any:
         if out.ok:
@@ -103,9 +131,17 @@ class Fleet:
     def start(cls, config: dict | FleetConfig, num_cpus: int | None = None, start_timeout_s: float | None = None) -> Fleet:
         """Validate ``config``, start (or join) a local Ray, create the controller and its engines."""
         cfg = load_fleet_config(config)
+        if cfg.name is None:
+            cfg = cfg.model_copy(update={"name": new_fleet_name()})
         ray_io.init_local(num_cpus=num_cpus, log_to_driver=False)
         ray_io.check_capacity(cfg.num_engines, cfg.engine.num_cpus, cfg.engine.num_gpus)
-        ctl = ray_io.spawn_actor(SingleController, cfg.model_dump(), **CONTROLLER_OPTIONS)
+        if ray_io.find_actor(controller_name(cfg.name)) is not None:
+            from fleet.errors import ConfigError
+
+            raise ConfigError("name", f"a fleet named {cfg.name!r} is already running on this Ray cluster; "
+                              f"attach to it with Fleet.connect({cfg.name!r}) or pick another name", cfg.name)
+        ctl = ray_io.spawn_actor(SingleController, cfg.model_dump(), name=controller_name(cfg.name),
+                                 max_restarts=cfg.controller_max_restarts, **CONTROLLER_OPTIONS)
         fleet = cls(ctl, cfg)
         timeout = start_timeout_s or cfg.engine.start_timeout_s + 120
         try:
@@ -115,6 +151,40 @@ class Fleet:
             fleet.shutdown()
             raise
         return fleet
+
+    @classmethod
+    def connect(cls, name: str, address: str | None = None, timeout_s: float = 60.0) -> Fleet:
+        """Attach this process to the running fleet ``name`` (on the Ray cluster at ``address``; default:
+        the one this process is in, else the local one): a resubmitted job reuses the live engines.
+        ``shutdown()`` from here stops the whole fleet; ``detach()`` only lets go of it."""
+        ray_io.join_cluster(address)
+        ctl = ray_io.find_actor(controller_name(name))
+        if ctl is None:
+            raise FleetStopped(f"Fleet.connect({name!r}): no running fleet of that name on this Ray cluster")
+        cfg = load_fleet_config(ray_io.ask(ctl, "config", timeout=timeout_s))
+        fleet = cls(ctl, cfg)
+        fleet._ask("ping", timeout=timeout_s)
+        fleet._open_client()
+        return fleet
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def detach(self) -> dict:
+        """Stop using the fleet from this process (its requests end first); the fleet keeps running."""
+        if self._shut_down is not None:
+            return {"already_detached": True}
+        self._shut_down = "Fleet.detach() was called"
+        return self._close_client(bound_s=self._request_bound_s)
+
+    def controller_info(self) -> dict:
+        """The controller's name, generation (times it was restarted) and process id."""
+        return self._ask("ping", timeout=60)
+
+    def arm_controller_crash(self, point: str, delay_s: float = 0.0) -> bool:
+        """Fault injection: the controller's process kills itself at ``point`` (``SingleController.arm_crash``)."""
+        return self._ask("arm_crash", point, delay_s, timeout=60)
 
     @property
     def _request_bound_s(self) -> float:
@@ -196,6 +266,10 @@ class Fleet:
             return {"already_shut_down": True}
         self._shut_down = "Fleet.shutdown() was called"
         out = ray_io.try_ask(self._ctl, "shutdown", timeout=180)
+        if out.kind in (DIED, UNAVAILABLE) and self._wait_for_controller():
+            # it died inside shutdown: the restarted controller finished it on its first call; this
+            # second call returns once it has
+            out = ray_io.try_ask(self._ctl, "shutdown", timeout=180)
         counters = self._close_client()
         ray_io.kill(self._ctl)
         summary = out.value if out.ok else {"error": out.describe()}

@@ -542,6 +542,10 @@ class SingleController:
         import os
         import signal
 
+        if point != "shutdown" and self.lifecycle.phase != point:  # a delayed crash only fires inside its phase
+            self.log.emit("fault", target="controller", point=point, action="crash", fired=False,
+                          reason=f"the {point} phase had ended when the delay ran out")
+            return
         self.log.emit("fault", target="controller", point=point, action="crash", fired=True, pid=os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
 

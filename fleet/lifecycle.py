@@ -71,6 +71,7 @@ class RefitLifecycle:
     def __init__(self, ctl: Any) -> None:
         self.ctl = ctl
         self.running = False
+        self.phase: str | None = None  # the step running now (``PHASES``)
         self._lock = asyncio.Lock()
         self._phases: dict[str, float] = {}
         self._inside_s = 0.0
@@ -415,10 +416,12 @@ class RefitLifecycle:
     def _phase(self, name: str):
         t0 = self.ctl.clock.now()
         self.ctl.log.emit("phase", phase=name, edge="begin", version=self._version)
+        self.phase = name
         self.ctl.crash_point(name)
         try:
             yield
         finally:
+            self.phase = None
             dt = self.ctl.clock.now() - t0
             self._phases[name] = dt
             self.ctl.metrics.phase(name, dt)

@@ -205,6 +205,14 @@ def init_local(num_cpus: int | None = None, **kwargs) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=kwargs.pop("log_to_driver", True), **kwargs)
 
 
+def join_cluster(address: str | None = None) -> None:
+    """Join a running Ray cluster (``address``; default ``auto``: the one this machine runs) unless this
+    process is already in one; a driver attaching to a fleet another driver started."""
+    if ray.is_initialized():
+        return
+    ray.init(address=address or "auto", log_to_driver=False)
+
+
 def check_capacity(num_engines: int, cpus_per_engine: float, gpus_per_engine: float) -> None:
     """Refuse a fleet the Ray cluster cannot place, instead of waiting forever for its actors.
 
