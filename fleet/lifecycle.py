@@ -24,7 +24,7 @@ import asyncio
 from contextlib import contextmanager
 from typing import Any
 
-from fleet.intent import CLOSING, COMMITTED, MOVING, RefitIntent
+from fleet.intent import CLOSING, COMMITTED, RefitIntent
 from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed, RefitRefused
 from fleet.weights import TransferResult
 from health import (
@@ -109,7 +109,11 @@ class RefitLifecycle:
             finally:
                 self.running = False
                 self.ctl.admission.refit_finished(self.ctl.clock.now())
-                self.ctl.intent.update(refit=None, membership_epoch=self.ctl.plan.epoch)
+                if self.ctl.intent.current is not None and self.ctl.intent.current.refit is not None \
+                        and self.ctl.intent.current.refit.phase != COMMITTED:
+                    # ended without a commit; a committed refit's record stays until the next one begins (a
+                    # successor re-stamps its engines, and a re-sent call for it returns its summary)
+                    self.ctl.intent.update(refit=None, membership_epoch=self.ctl.plan.epoch)
             raise AssertionError("unreachable: every failure path raises")
 
     async def _steps(self, version: int, source: Any, t0: float) -> dict:
@@ -122,7 +126,6 @@ class RefitLifecycle:
             plan = self.reconcile()  # 3
         with self._phase("pause"):
             plan, paused = await self.pause_settled(plan)  # 4
-        self.ctl.intent.update(refit=RefitIntent(version, MOVING))  # from here engines may hold new bytes
         with self._phase("transfer"):
             self._moving = True
             plan, paused, complete, attempts = await self.transfer(plan, version, source, paused)  # 5
@@ -267,7 +270,7 @@ class RefitLifecycle:
             return
         parts = [p for p in plan.participants if p.slot in complete]
         # stored before the commit acts: a successor stamps exactly these engines and serves the version
-        self.ctl.intent.update(committed=version, refit=RefitIntent(
+        self.ctl.intent.update(committed=version, membership_epoch=plan.epoch, refit=RefitIntent(
             version, COMMITTED, tuple((p.slot, p.incarnation) for p in parts)))
         self.ctl.decide(VersionCommitted(version))
         outs = await self._fan_out(
