@@ -44,8 +44,8 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.2, 2.0
 RESTART_WAIT_S = 60.0  # the default ``controller_restart_wait_s``: how long an outage may last
 
 
-class _Gone(Exception):
-    pass
+# What clients append to the fleet's event log file (the controller's log holds the rest).
+CLIENT_RECORD_KINDS = ("request", "controller_unreachable", "controller_back", "controller_gone")
 
 
 class _Client:

@@ -96,6 +96,10 @@ class SingleController:
         self.generation = 0  # times this fleet's controller was restarted
         # Ray restarted this actor after its process died: the first call re-adopts the live shards.
         self._must_adopt = bool(getattr(door, "restarted", lambda: False)())
+        if self._must_adopt:  # the history so far stays readable through events()
+            from fleet.client import CLIENT_RECORD_KINDS
+
+            self.log.load_previous(skip_kinds=CLIENT_RECORD_KINDS)
         self._adopting: asyncio.Lock | None = None
         self.recovered: dict | None = None  # what re-adoption found and did (``fleet.recovery``)
         self._crash_at: tuple[str, float] | None = None  # fault injection: where this process kills itself

@@ -80,6 +80,28 @@ class EventLog:
             if self._file is not None:
                 self._file.write(json.dumps(rec) + "\n")
 
+    def load_previous(self, skip_kinds: Iterable[str] = ()) -> int:
+        """A restarted writer (a controller Ray restarted) takes back what its predecessor wrote to the
+        file, minus ``skip_kinds`` (records other writers append to the same file), so ``records()`` stays
+        the whole history and ``seq`` goes on from it. Returns how many records it loaded."""
+        if not self.path or self._records:
+            return 0
+        skip = set(skip_kinds)
+        loaded = []
+        try:
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue  # a line cut short by the crash
+                    if isinstance(rec, dict) and rec.get("kind") not in skip:
+                        loaded.append(rec)
+        except OSError:
+            return 0
+        self._records = loaded
+        return len(loaded)
+
     def records(self, since: int = 0, kinds: Iterable[str] | None = None) -> list[dict[str, Any]]:
         wanted = set(kinds) if kinds is not None else None
         return [r for r in self._records[since:] if wanted is None or r["kind"] in wanted]

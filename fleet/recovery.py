@@ -116,6 +116,7 @@ async def adopt(ctl: Any) -> dict:
     for slot, out in resumed.items():
         if not out.ok:
             ctl.observe(slot, intent.slots[slot][0], CallKind.RESUME, out)
+    await ctl.poll_admission()  # caps sized from the engines before clients route on the new state
     await ctl.publisher.publish()
     finished = intent.refit.version if intent.refit is not None and intent.refit.phase == COMMITTED else None
     ctl.recovered = {

@@ -259,3 +259,26 @@ def test_a_bad_fleet_name_is_refused_naming_the_field(model_dir):
         load_fleet_config(config(model_dir, name="has space"))
     with pytest.raises(ConfigError, match="controller_max_restarts"):
         load_fleet_config(config(model_dir, controller_max_restarts=-1))
+
+
+def test_the_successor_keeps_the_event_history_without_the_clients_records(model_dir, tmp_path):
+    async def go():
+        path = str(tmp_path / "events.jsonl")
+        ctl, door = await started(model_dir, event_log_path=path)
+        res = await client(ctl).generate([1, 2, 3])
+        assert res.ok
+        client(ctl).log.close()
+        with open(path, "a") as f:  # a client in another process appends its request ends to the same file
+            f.write(json.dumps({"t": 1.0, "seq": 0, "kind": "request", "event": "completed"}) + "\n")
+        own = [e["kind"] for e in ctl.events() if e["kind"] != "request"]  # (this test client logs into ctl's log)
+        bury(ctl, door, dict(door.kv))
+        ctl.log.close()
+        new = successor(ctl, door)
+        await new.ping()
+        history = new.events()
+        assert [e["kind"] for e in history[:len(own)]] == own and history[len(own)]["kind"] == "controller_restarted"
+        assert not any(e["kind"] == "request" for e in history)
+        assert [e["seq"] for e in history] == list(range(len(history)))  # seq goes on from the predecessor's
+        await new.shutdown()
+
+    run_virtual(go())
