@@ -106,7 +106,7 @@ class Fleet:
         """Ping the controller until it answers (a restarted one re-adopts its shards first) or
         ``controller_restart_wait_s`` passes. True if it answered."""
         deadline = time.monotonic() + self.config.controller_restart_wait_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and ray_io.actor_state(self._ctl) != "DEAD":
             out = ray_io.try_ask(self._ctl, "ping", timeout=max(1.0, deadline - time.monotonic()))
             if out.ok:
                 self.controller_restarts_seen = max(self.controller_restarts_seen, int(out.value.get("generation", 0)))

@@ -203,13 +203,19 @@ class FleetClient(_Client):
                 since = self.outage["unreachable_since"] = now
                 self.outage["outages"] += 1
                 self.log.emit("controller_unreachable", outcome=out.kind, detail=out.describe()[:300])
-            if now - since >= wait_s:
+            if now - since >= wait_s or self._gone_for_good():
                 self.outage["down_s_total"] += now - since
                 self.log.emit("controller_gone", outcome=out.kind, detail=out.describe()[:300], down_s=round(now - since, 3))
                 await self._stop(out)
                 return
             await asyncio.sleep(min(retry, since + wait_s - now))  # the last try lands on the deadline
             retry = min(retry * 2, RETRY_MAX_S)
+
+    def _gone_for_good(self) -> bool:
+        """Ray says the controller is dead and will not restart (shut down, killed on purpose, restarts
+        spent): no point waiting for it."""
+        state = getattr(self.door, "actor_state", None)
+        return state is not None and state(self._ctl) == "DEAD"
 
     def _controller_back(self, since: float) -> None:
         down = time.monotonic() - since

@@ -12,6 +12,7 @@ from __future__ import annotations
 import uuid
 
 NAMESPACE = "rlfleet"
+CONTROLLER_SUFFIX = ".controller"
 
 
 def new_fleet_name() -> str:
@@ -19,7 +20,7 @@ def new_fleet_name() -> str:
 
 
 def controller_name(fleet: str) -> str:
-    return f"{fleet}.controller"
+    return f"{fleet}{CONTROLLER_SUFFIX}"
 
 
 def shard_name(fleet: str, slot: int, incarnation: int) -> str:

@@ -153,6 +153,26 @@ def find_actor(name: str):
         return None
 
 
+def running_fleets() -> list[str]:
+    """Names of the fleets whose controller is alive on this Ray cluster."""
+    from fleet.naming import CONTROLLER_SUFFIX
+
+    names = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(n["name"][: -len(CONTROLLER_SUFFIX)] for n in names
+                  if n.get("namespace") == NAMESPACE and n["name"].endswith(CONTROLLER_SUFFIX))
+
+
+def actor_state(handle) -> str:
+    """What Ray's GCS says of an actor: ``ALIVE``, ``RESTARTING`` (its process died, Ray is restarting
+    it), ``DEAD`` (for good), ``PENDING_CREATION``...; ``UNKNOWN`` if it cannot tell."""
+    try:
+        from ray._private import state
+
+        return str(state.actors(actor_id=handle._actor_id.hex()).get("State", "UNKNOWN"))
+    except Exception:  # noqa: BLE001 - a debugging API: never let it break a caller
+        return "UNKNOWN"
+
+
 def kv_get(key: str) -> bytes | None:
     """A value from Ray's GCS key-value store (rlfleet's namespace), or None."""
     from ray.experimental import internal_kv
@@ -203,6 +223,11 @@ def init_local(num_cpus: int | None = None, **kwargs) -> None:
     if num_cpus is None:
         num_cpus = max(os.cpu_count() or 1, LOCAL_MIN_CPUS)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=kwargs.pop("log_to_driver", True), **kwargs)
+
+
+def cluster_address() -> str:
+    """The address of the Ray cluster this process is in (what another process passes to ``join_cluster``)."""
+    return ray.get_runtime_context().gcs_address
 
 
 def join_cluster(address: str | None = None) -> None:
@@ -383,6 +408,9 @@ class RayDoor:
 
     def restarted(self) -> bool:
         return actor_was_restarted()
+
+    def actor_state(self, handle) -> str:
+        return actor_state(handle)
 
     def kv_get(self, key: str) -> bytes | None:
         return kv_get(key)

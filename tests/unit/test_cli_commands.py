@@ -13,7 +13,7 @@ import pytest
 
 from cli import main as cli_main
 
-COMMANDS = {"demo", "faults", "slurm", "smoke", "model"}
+COMMANDS = {"demo", "faults", "slurm", "smoke", "model", "fleet"}
 
 
 def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
