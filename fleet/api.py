@@ -155,7 +155,9 @@ class Fleet:
     @classmethod
     def connect(cls, name: str, address: str | None = None, timeout_s: float = 60.0) -> Fleet:
         """Attach this process to the running fleet ``name`` (on the Ray cluster at ``address``; default:
-        the one this process is in, else the local one): a resubmitted job reuses the live engines.
+        the one this process is in, else ``RAY_ADDRESS``, else Ray's ``auto``): a resubmitted job reuses the
+        live engines. Where one host runs several Ray clusters, pass ``address`` (the starting process's
+        ``ray_io.cluster_address()``): ``auto`` picks one of them.
         ``shutdown()`` from here stops the whole fleet; ``detach()`` only lets go of it."""
         ray_io.join_cluster(address)
         ctl = ray_io.find_actor(controller_name(name))
