@@ -195,7 +195,8 @@ def kv_del(key: str) -> None:
 def actor_was_restarted() -> bool:
     """True inside an actor that Ray restarted after its process died."""
     try:
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        ctx = ray.get_runtime_context()
+        return ctx.get_actor_id() is not None and bool(ctx.was_current_actor_reconstructed)
     except Exception:  # noqa: BLE001 - not in an actor
         return False
 
