@@ -100,6 +100,10 @@ class SingleController:
             from fleet.client import CLIENT_RECORD_KINDS
 
             self.log.load_previous(skip_kinds=CLIENT_RECORD_KINDS)
+            try:  # a Ray async actor is built on its loop: re-adopt now, not at the first call
+                asyncio.get_running_loop().call_soon(lambda: self._background(self.adopt_if_restarted()))
+            except RuntimeError:
+                pass  # built outside a loop: the first call re-adopts
         self._adopting: asyncio.Lock | None = None
         self.recovered: dict | None = None  # what re-adoption found and did (``fleet.recovery``)
         self._crash_at: tuple[str, float] | None = None  # fault injection: where this process kills itself
