@@ -3,13 +3,18 @@
 Each step runs generation across a refit, as the fault runner does; before a step,
 with probability ``rate_per_min * step_s / 60``, one random fault (kill at a step
 boundary, in pause, transfer or resume; engine-core crash in generation; freeze in
-transfer) hits a random slot, but only while every slot serves, so the fleet stays
-above quorum by construction and every fault must be recovered from. Restarts are on.
+transfer) hits a random slot, or the controller is killed (its process SIGKILLed from
+outside with the step's requests in flight, or crashing itself at a random phase of
+the step's refit), but only while every slot serves, so the fleet stays above quorum
+by construction and every fault must be recovered from. The first two faults of a
+soak are the two controller kills (so even a short soak has both); every later one
+is drawn from all of them. Restarts are on, the controller's too.
 
 Reported from the records (``faults.evidence``: the fault journal and the event
 log): the faults that went off, those that went off and did nothing, those
 recovered from (the slot serves again: a new incarnation stamped with weights, or
-the same one healthy again) and not, time to recover (departure -> serving again)
+the same one healthy again; the controller: restarted and re-adopted the fleet) and
+not, time to recover (departure -> serving again; the controller: kill -> re-adopted)
 and time to reopen (firing -> next gate opening) percentiles, and every DESIGN
 invariant. A fault armed but not gone off by the end is counted, not judged.
 """
@@ -26,8 +31,10 @@ from faults.firing import FaultFiring, slot_states
 from faults.runner import PROMPT, SAMPLING, FaultRunner
 from faults.timeline import percentile
 from fleet.errors import FleetStopped
-from health.faultplan import Firing, load_plan
+from health.faultplan import REFIT_PHASES, Firing, load_plan
 
+AT_A_PHASE = "<a refit phase>"  # drawn at random from REFIT_PHASES when the fault is fired
+CONTROLLER_KILLS = (("between_refits", "kill_controller"), (AT_A_PHASE, "kill_controller"))
 RECOVERABLE = (
     ("step_boundary", "kill"),
     ("pause", "kill"),
@@ -35,31 +42,42 @@ RECOVERABLE = (
     ("resume", "kill"),
     ("generate", "crash_engine"),
     ("transfer", "freeze"),
-)
+) + CONTROLLER_KILLS
 
 
 def soak(model_dir: str, duration_s: float = 600.0, rate_per_min: float = 3.0, seed: int = 0,
          groups: int = 3, log: Callable = print) -> dict:
     rng = random.Random(seed)
     runner = FaultRunner(model_dir, groups=groups, log=log)
-    plan = load_plan({"name": "chaos-soak", "expect": "recovers", "fleet": {"restart_budget": 10_000}})
+    plan = load_plan({"name": "chaos-soak", "expect": "recovers",
+                      "fleet": {"restart_budget": 10_000, "controller_max_restarts": 10_000}})
     steps, stopped = 0, None
     try:
         fleet = runner.fleet_for(plan)
         t_start = time.monotonic()  # the soak's duration starts once the fleet is up (its start is not soak time)
-        firing = FaultFiring(fleet, log=runner.say, t0=t_start)
+        pending: list = []
+
+        def load() -> int:  # a batch sent while the controller is down (killed from outside)
+            batch = [fleet.submit(PROMPT, 2, SAMPLING) for _ in range(groups)]
+            pending.extend(batch)
+            return len(batch)
+
+        firing = FaultFiring(fleet, log=runner.say, t0=t_start, load=load)
         n = fleet.config.num_engines
         last = time.monotonic()
         while time.monotonic() - t_start < duration_s:
             step_s = max(0.5, time.monotonic() - last)
             last = time.monotonic()
-            pending = [fleet.submit(PROMPT, 2, SAMPLING) for _ in range(groups)]
+            pending[:] = [fleet.submit(PROMPT, 2, SAMPLING) for _ in range(groups)]
             states = slot_states(fleet.status())
             if all(v == "healthy" for v in states.values()) and rng.random() < rate_per_min * step_s / 60.0:
-                where, what = RECOVERABLE[rng.randrange(len(RECOVERABLE))]
-                slot = rng.randrange(n)
+                k = len(firing.fired)
+                where, what = CONTROLLER_KILLS[k] if k < len(CONTROLLER_KILLS) else RECOVERABLE[rng.randrange(len(RECOVERABLE))]
+                where = REFIT_PHASES[rng.randrange(len(REFIT_PHASES))] if where == AT_A_PHASE else where
+                slot = None if what == "kill_controller" else rng.randrange(n)
                 firing.fire(Firing(0, where, what, slot))
-                log(f"[soak] t={time.monotonic() - t_start:6.1f}s fault {len(firing.fired)}: {what} at {where} on slot {slot}")
+                on = "the controller" if slot is None else f"slot {slot}"
+                log(f"[soak] t={time.monotonic() - t_start:6.1f}s fault {len(firing.fired)}: {what} at {where} on {on}")
             try:
                 runner.refit(fleet)
             except FleetStopped as exc:
@@ -70,7 +88,7 @@ def soak(model_dir: str, duration_s: float = 600.0, rate_per_min: float = 3.0, s
             steps += 1
         if not stopped:
             runner.heal(fleet)
-        events = fleet.events()
+        events = runner.events()  # from the file: the records of every controller generation
         status = fleet.status()
         journal = runner.journal_since(t_start)
     finally:
@@ -83,6 +101,7 @@ def soak(model_dir: str, duration_s: float = 600.0, rate_per_min: float = 3.0, s
         "duration_s": round(time.monotonic() - t_start, 1),
         "steps": steps,
         "faults": len(firing.fired),
+        "controller_kills": sum(1 for f in firing.fired if f["what"] == "kill_controller"),
         "faults_fired": len(fired),
         "fault_kinds": sorted({f"{f['point']}:{f['action']}" for f in fired}),
         "faults_without_effect": [describe(f) for f in fired if not had_effect(f)],

@@ -32,6 +32,19 @@ it ended; its proof is the call's outcome and the event log around it:
   request a lagging client sent under the pre-refit epoch was refused by its shard
   without running, and the shards' refusal counters grew by at least that many: ``held``.
 
+A ``kill_controller`` (``where: between_refits``, a refit phase or ``shutdown``) is proven
+by the event log, which the restarted controller appends to: at a phase, the controller's
+``fault`` record of the crash armed there, then its ``fault`` record ``fired: True`` from
+the process the driver aimed at (``pid``), written just before it killed itself (a
+delayed crash that found its phase over writes ``fired: False``: not fired); from
+outside, the driver's own record of the ``os.kill`` on the pid the controller reported
+just before, and the controller answering again from another process. Either way a
+``controller_restarted`` record of a later generation follows, then that generation's
+``adopted`` record (with ``shutdown_finished`` exactly when it died in the shutdown):
+``restarted``; ``recover_s`` is firing -> ``adopted``, and ``completed_while_down`` counts the
+requests that completed on the shards in between (the clients' records: the data plane
+does not wait for the controller; a client only notices the death a second or so late).
+
 It returns one evidence row per firing that went off (with fault -> reopen and time
 to recover, measured from the firing) and one sentence per firing that failed.
 
@@ -47,14 +60,15 @@ from typing import Iterable, Mapping
 
 from faults.firing import hook_point
 from faults.timeline import departure, fault_to_reopen, recover_s, refit_spans
-from health.faultplan import CORRUPTIONS, TRAINER_WHERE
+from health.faultplan import CONTROLLER_WHAT, CORRUPTIONS, TRAINER_WHERE
 from refit.manifest import layer_group
 
 QUARANTINE_OR_DEAD = ("suspect", "hung", "dead", "retired")
 # What a fault's action leads to. A shard's: the health states it puts the incarnation it hit into
 # (health.core): killed or crashed -> dead (retired when the restart budget is spent); frozen, hung or
 # unavailable -> quarantined, later evicted; a lie -> its weight stamp dropped (stale). ``slow`` leads nowhere
-# by necessity. A trainer's: what became of its refit call (module docstring).
+# by necessity. A trainer's: what became of its refit call (module docstring). The controller's: it was
+# restarted and re-adopted the fleet.
 LEADS_TO: dict[str, tuple[str, ...]] = {
     "kill": ("dead", "retired"),
     "crash_engine": ("dead", "retired"),
@@ -67,6 +81,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "stale_version": ("refused",),
     "concurrent_refit": ("serialized",),
     "refit_under_load": ("held",),
+    "kill_controller": ("restarted",),
 }
 # What a refused corrupt update's message must say, for the corrupted tensor ``t`` (refit.manifest's words).
 REFUSAL_NAMES = {
@@ -124,6 +139,8 @@ def prove(done: Iterable[Mapping], events: list[dict], journal: Iterable[dict]) 
     for f in done:
         if f["where"] in TRAINER_WHERE:
             row, wrong = _prove_trainer_fault(f, events)
+        elif f["what"] in CONTROLLER_WHAT:
+            row, wrong = _prove_controller_fault(f, arms, events)
         else:
             row, wrong = _prove_shard_fault(f, arms, shots, events)
         rows += [row] if row is not None else []
@@ -137,7 +154,14 @@ def _prove_shard_fault(f: Mapping, arms: list[dict], shots: list[dict], events: 
     if arm is None:
         return None, [f"fault {describe(f)} did not fire: the event log has no 'fault' record of it "
                       f"(the controller never armed it)"]
-    fired = arm if point == "step_boundary" else _take(shots, **{k: arm[k] for k in FIELDS})
+    if point == "step_boundary":
+        fired = arm
+    else:
+        want = {k: arm[k] for k in FIELDS}
+        if arm["action"] == "slow":  # it delays every hooked call from its arming on: journaled at the first
+            want.pop("point")
+        fired = _take(shots, **want)
+        fired = fired if fired is None else {**fired, "point": arm["point"]}
     if fired is None:
         return None, [f"fault {describe(arm)} did not fire: armed at t={arm['t']:.3f}, but no shard "
                       f"recorded it going off in the fault journal"]
@@ -146,6 +170,62 @@ def _prove_shard_fault(f: Mapping, arms: list[dict], shots: list[dict], events: 
         return row, []
     return row, [f"fault {describe(row)} fired at t={row['t']:.3f}, but that incarnation never became "
                  f"{' or '.join(LEADS_TO[row['action']])} after it (no such health record)"]
+
+
+# ---------------------------------------------------------------------------------- the controller's faults
+def _prove_controller_fault(f: Mapping, arms: list[dict], events: list[dict]) -> tuple[dict | None, list[str]]:
+    """A row for a ``kill_controller`` that went off (module docstring); ``left_for`` is ``restarted`` when
+    the controller came back and re-adopted the fleet, else None, and the sentences say what did not."""
+    where, aimed, wrong = f["where"], f.get("controller") or {}, []
+    if where == "between_refits":
+        t = f.get("killed_at")
+        if t is None:
+            return None, [f"fault {describe(f)} did not fire: {f.get('error') or 'the driver killed no process'}"]
+        after = f.get("after") or {}
+        if after.get("pid") == aimed.get("pid"):
+            wrong.append(f"the controller still answered from pid {aimed.get('pid')} after the kill: "
+                         "that pid was not its process")
+    else:
+        arm = _take(arms, target="controller", point=where, action="crash")
+        if arm is None:
+            return None, [f"fault {describe(f)} did not fire: the event log has no 'fault' record of the "
+                          f"controller's crash armed at {where}"]
+        shot = next((e for e in events if e["kind"] == "fault" and e.get("target") == "controller"
+                     and e.get("point") == where and "fired" in e and e["t"] >= arm["t"]), None)
+        if shot is None:
+            return None, [f"fault {describe(f)} did not fire: armed at t={arm['t']:.3f}, but the controller "
+                          f"never recorded it going off (it did not reach {where})"]
+        if not shot["fired"]:
+            return None, [f"fault {describe(f)} did not fire: {shot.get('reason', 'the controller says it did not')}"]
+        if shot.get("pid") != aimed.get("pid"):
+            wrong.append(f"it fired in pid {shot.get('pid')}, not in the controller's process the driver "
+                         f"armed (pid {aimed.get('pid')})")
+        t = shot["t"]
+    generation = aimed.get("generation", -1)
+    restarted = next((e for e in events if e["kind"] == "controller_restarted" and e["t"] >= t
+                      and e.get("generation", -1) > generation), None)
+    adopted = None if restarted is None else next(
+        (e for e in events if e["kind"] == "adopted" and e["t"] >= restarted["t"]
+         and e.get("generation") == restarted["generation"]), None)
+    if restarted is None:
+        wrong.append(f"no controller_restarted record of a generation above {generation} follows the kill at "
+                     f"t={t:.3f}: the controller did not come back")
+    elif adopted is None:
+        wrong.append(f"the controller restarted (generation {restarted['generation']}) but no adopted record "
+                     "follows: it never re-adopted the fleet")
+    elif bool(adopted.get("shutdown_finished")) != (where == "shutdown"):
+        wrong.append(f"the restarted controller's adopted record {'lacks' if where == 'shutdown' else 'has'} "
+                     f"shutdown_finished: {adopted}")
+    row = {"slot": None, "incarnation": None, "point": where, "action": f["what"], "t": t,
+           "left_for": None if wrong else LEADS_TO[f["what"]][0],
+           "fault_to_reopen_s": fault_to_reopen(events, {"t": t}),
+           "recover_s": None if adopted is None else round(adopted["t"] - t, 3),
+           "generation": None if restarted is None else restarted["generation"],
+           "adopt_s": None if adopted is None else adopted.get("seconds"),
+           "completed_while_down": sum(1 for e in events if e["kind"] == "request" and e["event"] == "completed"
+                                       and t <= e["t"] <= (adopted["t"] if adopted else float("inf"))),
+           **({"outage": f["outage"]} if "outage" in f else {})}
+    return row, [f"fault {describe(f)}: {w}" for w in wrong]
 
 
 # ---------------------------------------------------------------------------------- a trainer's faults

@@ -15,6 +15,13 @@ is proven):
   their restart budget spent: they never come back), so the step's refit can bring them in;
 - every other shard fault is armed with ``Fleet.arm_fault`` at the shard's hook point
   for its ``where`` and goes off when the shard reaches that point;
+- a ``kill_controller`` kills the fleet's controller (Ray restarts it; the new one
+  re-adopts the shards). ``between_refits``: its process is SIGKILLed from here
+  (``os.kill`` on the pid ``Fleet.controller_info`` names, read just before) while the
+  step's requests are in flight; a batch is submitted while it is down (``load``), and
+  the firing waits until the controller answers again (its generation grew) and
+  records the client's view of the outage. At a refit phase or ``shutdown``:
+  ``Fleet.arm_controller_crash`` (the controller kills itself when it gets there);
 - a trainer's fault (``where: update`` or ``call``) is a ``sync_weights`` call the
   firing makes itself, with the ``trainer``'s weight source, and records as it ends:
   ``corrupt_<kind>``: the source's next update corrupted (``TENSOR``), one refit,
@@ -29,6 +36,8 @@ anyway, and every wait that gives up is logged.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +48,7 @@ from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from faults.load import refit_under_load
 from fleet.errors import FleetStopped, RefitRefused
-from health.faultplan import TRAINER_WHERE, Firing
+from health.faultplan import CONTROLLER_WHAT, TRAINER_WHERE, Firing
 
 # A plan's ``where`` -> the shard's fault hook point (a step-boundary fault other than a kill goes off at the next probe).
 POINT_OF = {"pause": "pause", "transfer": "transfer", "resume": "resume", "generate": "generate", "step_boundary": "ping"}
@@ -63,10 +72,11 @@ class Trainer(Protocol):
 
 def hook_point(where: str, what: str) -> str:
     """Where a firing goes off: ``step_boundary`` for the controller's own kill, ``update``/``call`` for a
-    trainer's fault (its own refit call), else the shard's hook point."""
+    trainer's fault (its own refit call), the controller's point for a ``kill_controller``, else the
+    shard's hook point."""
     if what == "kill" and where in KILLED_BY_THE_CONTROLLER:
         return "step_boundary"
-    return where if where in TRAINER_WHERE else POINT_OF[where]
+    return where if where in TRAINER_WHERE or what in CONTROLLER_WHAT else POINT_OF[where]
 
 
 def slot_states(status: dict) -> dict[int, str]:
@@ -96,9 +106,12 @@ class FaultFiring:
     ``fired``: one dict per firing done (the ``Firing``'s fields and ``t``, seconds since ``t0``): killed,
     armed, or (a trainer's fault) the refit calls it made, each with its ``version``, ``outcome``
     (``committed``, ``refused``, ``stopped``), ``error`` and ``began``/``ended`` (``time.monotonic()``, the
-    event log's clock on this host). An armed fault goes off later, if ever; ``faults.evidence.prove``
-    tells from the records. ``trainer``: needed by trainer's faults only; ``load``: submits a batch of
-    requests and returns how many (``between_refits`` kills only).
+    event log's clock on this host); a ``kill_controller``: the ``controller`` it aimed at (pid and generation,
+    read just before), and from outside ``killed_at`` (``time.monotonic()`` just after the kill), the
+    controller ``after`` (pid and generation once it answered again) and the client's ``outage``
+    (completed and submitted while it was down). An armed fault goes off later, if ever;
+    ``faults.evidence.prove`` tells from the records. ``trainer``: needed by trainer's faults only;
+    ``load``: submits a batch of requests and returns how many (``between_refits`` kills).
     """
 
     def __init__(self, fleet, firings: Iterable[Firing] = (), log: Callable[[str], object] | None = None,
@@ -124,16 +137,19 @@ class FaultFiring:
     def at(self, step: int) -> list[Firing]:
         """Fire every firing planned for ``step``, then wait out the ``between_refits`` kills; returns them."""
         due = self.due(step)
-        before = incarnations(self.fleet.status()) if any(f.where == "between_refits" for f in due) else {}
+        shard_kills = [f for f in due if f.where == "between_refits" and f.slot is not None]
+        before = incarnations(self.fleet.status()) if shard_kills else {}
         for f in due:
             self.fire(f)
-        self._between_refits({f.slot: before[f.slot] for f in due if f.where == "between_refits"})
+        self._between_refits({f.slot: before[f.slot] for f in shard_kills})
         return due
 
     def fire(self, f: Firing) -> None:
         done: dict = {}
         if f.where in TRAINER_WHERE:
             done = self._trainer_fault(f)
+        elif f.what in CONTROLLER_WHAT:
+            done = self._controller_fault(f)
         elif hook_point(f.where, f.what) == "step_boundary":
             self._say_if(not wait_until(lambda: slot_states(self.fleet.status()).get(f.slot) in UP, self.up_timeout_s),
                          f"gave up waiting for slot {f.slot} up before the kill after {self.up_timeout_s:.0f} s")
@@ -141,6 +157,15 @@ class FaultFiring:
         else:
             self.fleet.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
         self.fired.append({**asdict(f), "t": round(time.monotonic() - self.t0, 3), **done})
+
+    def settle(self, step: int) -> list[Firing]:
+        """After the step's refit: the faults of ``step`` that would outlive it are undone (a ``slow`` shard
+        answers at full speed again: armed anew with no delay), so later steps and later variants on the same
+        fleet run at full speed and health probes of that shard do not time out. Returns them."""
+        slowed = [f for f in self.due(step) if f.what == "slow" and f.slot is not None]
+        for f in slowed:
+            self.fleet.arm_fault(f.slot, "ping", "slow", 0.0)
+        return slowed
 
     def _say_if(self, cond: bool, message: str) -> None:
         if cond and self.log:
@@ -167,6 +192,33 @@ class FaultFiring:
         for rec in self.fired:
             if rec["where"] == "between_refits" and rec["slot"] in killed and "submitted_while_gone" not in rec:
                 rec["submitted_while_gone"] = waiting
+
+    # ------------------------------------------------------------------ the controller's faults
+    def _controller_fault(self, f: Firing) -> dict:
+        """Arm the controller's crash at its point, or kill its process now (``between_refits``)."""
+        info = self.fleet.controller_info()
+        done: dict[str, Any] = {"controller": {"pid": info["pid"], "generation": info["generation"]}}
+        if f.where != "between_refits":
+            self.fleet.arm_controller_crash(f.where, f.delay_s)
+            return done
+        outage0 = self.fleet.client.controller_outage()
+        try:
+            os.kill(info["pid"], signal.SIGKILL)
+        except ProcessLookupError as exc:
+            return {**done, "error": f"os.kill({info['pid']}): {exc}"}
+        done["killed_at"] = round(time.monotonic(), 6)
+        waiting = self.load() if self.load else 0  # sent while the controller is down: straight to the shards
+        after = self.fleet.controller_info()  # waits for the restarted controller (it re-adopts first)
+        self._say_if(not wait_until(lambda: self.fleet.client.controller_outage()["unreachable_since"] is None, 60),
+                     "gave up waiting for the client to reach the restarted controller after 60 s")
+        outage = self.fleet.client.controller_outage()
+        self._say_if(after["generation"] <= info["generation"],
+                     f"the controller answered at generation {after['generation']} after its kill: not restarted?")
+        return {**done, "after": {"pid": after["pid"], "generation": after["generation"]},
+                "outage": {"outages": outage["outages"] - outage0["outages"],
+                           "down_s": round(outage["down_s_total"] - outage0["down_s_total"], 3),
+                           "completed_while_down": outage["completed_while_down"] - outage0["completed_while_down"],
+                           "submitted_while_down": waiting}}
 
     # ------------------------------------------------------------------ trainer's faults
     def _trainer_fault(self, f: Firing) -> dict:

@@ -7,6 +7,14 @@ past its deadline; the gate stays closed after an unrecovered failure.
 
 Each check returns a list of violations (empty when the invariant held), each a
 sentence naming the record that broke it.
+
+The log may span a controller's restart (Ray restarted it; the new one appends to
+the same file, its ``seq`` starting again at 0: records are read in time order,
+``faults.timeline.read_log``). Nothing here reads ``seq``; a phase the dead controller
+began has no ``end`` (only ended phases are timed); its closed gate stays closed until
+the successor opens it (a ``gate`` record like any other); the successor's re-adoption
+says, per engine it keeps (``adopt``), the version that engine holds: the one it was
+stamped with, or the committed one the successor stamped on it (``stamped``).
 """
 
 from __future__ import annotations
@@ -33,14 +41,21 @@ def requests_accounted(events: Iterable[dict]) -> list[str]:
 def version_tags_match_stamps(events: Iterable[dict]) -> list[str]:
     """Each completed sample's version tag is the version last stamped on that (slot, incarnation).
 
-    Every incarnation starts on the checkpoint (version 0) until a stamp says otherwise.
+    Every incarnation starts on the checkpoint (version 0) until a stamp says otherwise: a ``stamp``
+    record, or a restarted controller's ``adopt`` record of that engine (the version it reported, or
+    the committed version of its ``controller_restarted`` record when it stamped the engine itself).
     """
     stamped: dict[tuple[int, int], int] = {}
+    committed: int | None = None  # the restarted controller's committed version
     out = []
     for e in events:
         if e["kind"] == "stamp":
             for slot, inc in e["members"]:
                 stamped[(slot, inc)] = e["version"]
+        elif e["kind"] == "controller_restarted":
+            committed = e.get("committed")
+        elif e["kind"] == "adopt" and e.get("weight_version") is not None:
+            stamped[(e["slot"], e["incarnation"])] = committed if e.get("stamped") else e["weight_version"]
         elif e["kind"] == "request" and e["event"] == "completed":
             want = stamped.get((e["slot"], e["incarnation"]), 0)
             if e["version"] != want:

@@ -6,7 +6,10 @@ merely skipped), a killed shard must come back and serve, a slot killed past its
 restart budget must be retired, a stop must name the slot that caused it, requests
 must wait while the fleet is below quorum between refits. The trainer's own faults
 (a bad update, a stale version, two refits at once) must change nothing but their
-refit.
+refit. The controller's death (killed from outside between refits, or crashing itself
+in a refit phase or half way through the shutdown) must cost nothing: Ray restarts it,
+it re-adopts the shards, the step's refit (re-sent) lands, the fleet serves one
+committed version, and a shutdown it died in is finished with no shard left behind.
 """
 
 from __future__ import annotations
@@ -25,13 +28,19 @@ BASE_FLEET = {
     "restart_backoff_s": 0.5,
     "restart_backoff_cap_s": 2.0,
     "restart_budget": 3,
+    "controller_max_restarts": 10,  # the controller variants kill it 5 times, 4 on one fleet
 }
+# The controller crashes this long into the transfer, while one shard's transfer is held back longer (``slow``):
+# the transfer's calls are in flight when it dies. ``slow`` delays every call of that shard until the runner
+# undoes it after the step's refit: below ``probe_timeout_s`` (3 s), so its health probes still answer.
+SLOW_TRANSFER_S, CRASH_IN_TRANSFER_S = 2.0, 0.75
 
 
 @dataclass(frozen=True)
 class Variant:
     plan: dict
-    # "evicted:<slot>", "readmitted:<slot>", "retired:<slot>", "stop_names:<slot>", "below_quorum"
+    # "evicted:<slot>", "readmitted:<slot>", "retired:<slot>", "stop_names:<slot>", "below_quorum",
+    # "controller_back" (faults.runner)
     checks: tuple[str, ...] = ()
 
     @property
@@ -69,6 +78,27 @@ MATRIX: tuple[Variant, ...] = (
     _v("refit-under-load", "recovers", [{"where": "call", "what": "refit_under_load", "step": 1}], steps=1,
        description="a refit while 4 client threads submit without pause and a lagging client sends work routed "
                    "under the pre-refit state: 0 lost, 0 wrong version tags, every lagging request refused"),
+    _v("controller-kill-between-refits", "recovers", [{"where": "between_refits", "what": "kill_controller", "step": 1}],
+       checks=("controller_back",),
+       description="the controller's process SIGKILLed from outside with requests in flight: they complete on "
+                   "the shards meanwhile, Ray restarts it, it re-adopts the shards, the step's refit lands"),
+    _v("controller-kill-during-pause", "recovers", [{"where": "pause", "what": "kill_controller", "step": 1}],
+       checks=("controller_back",),
+       description="the controller dies as the refit starts pausing: the successor resumes the paused shards, "
+                   "serves the committed version and runs the re-sent refit"),
+    _v("controller-kill-during-transfer", "recovers",
+       [{"where": "transfer", "what": "slow", "shard": 0, "step": 1, "delay_s": SLOW_TRANSFER_S},
+        {"where": "transfer", "what": "kill_controller", "step": 1, "delay_s": CRASH_IN_TRANSFER_S}],
+       checks=("controller_back",),
+       description="the controller dies with the transfer's calls in flight (one shard's held back): every "
+                   "shard's weights are unknown, none serves them; the re-sent refit brings the fleet back"),
+    _v("controller-kill-during-resume", "recovers", [{"where": "resume", "what": "kill_controller", "step": 1}],
+       checks=("controller_back",),
+       description="the controller dies after the commit, before resuming: the successor resumes the shards on "
+                   "the committed version; the re-sent refit answers recovered"),
+    _v("controller-kill-during-shutdown", "recovers", [{"where": "shutdown", "what": "kill_controller", "step": 1}],
+       steps=1, description="the controller dies half way through the fleet's shutdown: the restarted one finishes "
+                            "it; no shard actor of any incarnation is left, nor the controller"),
     _v("below-quorum-between-refits", "recovers",
        [{"where": "between_refits", "what": "kill", "shard": 0, "step": 1},
         {"where": "between_refits", "what": "kill", "shard": 1, "step": 1}],

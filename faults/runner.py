@@ -15,6 +15,16 @@ A variant passes only if the observed outcome is the expected one, every fault
 it fired went off and was followed by its health transition, no prompt was lost,
 no sample carried a wrong version tag, and every invariant held.
 
+The runner reads the event log from the file each fleet writes (``event_log_path``, one
+per fleet it starts): a controller Ray restarted appends to it, so the file holds what
+the dead controller logged too (its in-memory log died with it); a variant's records
+are those stamped at or after the variant began. A ``kill_controller`` variant also
+checks that the controller came back (``controller_back``: its generation grew by one
+per kill, and the fleet serves one committed version); a plan with a
+``kill_controller`` at ``shutdown`` ends its fleet: after its steps the runner shuts the
+fleet down and checks that every shard actor of every incarnation the fleet listed is
+gone, and so is the controller (``_shutdown_clean``).
+
 Fleets are reused across consecutive variants that expect to recover and share a
 fleet config (the runner heals the fleet in between: restarts done, every slot
 serving); a variant that stops gets its own fleet.
@@ -22,6 +32,7 @@ serving); a variant that stops gets its own fleet.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
 import time
@@ -35,9 +46,10 @@ from faults.timeline import read_log
 from fleet import ray_io
 from fleet.api import Fleet
 from fleet.errors import FleetStopped
+from fleet.naming import controller_name, shard_name
 from faults.matrix import BASE_FLEET, Variant
 from faults.source import WeightSource
-from health.faultplan import FaultPlan, load_plan, resolve
+from health.faultplan import CONTROLLER_WHAT, FaultPlan, load_plan, resolve
 
 PROMPT = [1, 21, 31, 41, 51]
 SAMPLING = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0}
@@ -84,6 +96,8 @@ class FaultRunner:
         self.log = log
         self._fleet: Fleet | None = None
         self._fleet_key: tuple | None = None
+        self._fleets = itertools.count(1)
+        self.event_log: str | None = None  # the event log file of the current fleet
         self._source = None
         self._version = 0
 
@@ -97,8 +111,10 @@ class FaultRunner:
             self.close_fleet()
         if self._fleet is None:
             self.say(f"starting a fleet for {plan.name} ({self._config(plan)['num_engines']} engines)")
-            self._fleet = Fleet.start(self._config(plan))
+            self.event_log = f"{self._journal_dir}/events-{next(self._fleets)}.jsonl"
+            self._fleet = Fleet.start({**self._config(plan), "event_log_path": self.event_log})
             self._fleet_key = key
+            self._fleet.generate([PROMPT] * 6, n=1, sampling=SAMPLING)  # warm-up: an engine's first batch is slow
             self._version = self._fleet.status()["version"]
         else:
             self.heal(self._fleet)
@@ -121,6 +137,12 @@ class FaultRunner:
     def journal_since(self, t: float) -> list[dict]:
         """The fault journal's lines written at or after monotonic time ``t``."""
         return [r for r in read_log(self.journal) if r["t"] >= t]
+
+    def events(self, since_t: float = float("-inf"), kinds: tuple[str, ...] | None = None) -> list[dict]:
+        """The current fleet's event log from its file (every controller generation's records and the
+        client's), in time order, from monotonic time ``since_t`` on; ``seq`` numbers the whole file."""
+        records = [{**r, "seq": i} for i, r in enumerate(read_log(self.event_log))] if self.event_log else []
+        return [r for r in records if r["t"] >= since_t and (kinds is None or r["kind"] in kinds)]
 
     def say(self, message: str) -> None:
         """One line of the run's log, marked as the fault runner's."""
@@ -177,9 +199,9 @@ class FaultRunner:
         return rep
 
     def _run_steps(self, fleet: Fleet, plan: FaultPlan, variant: Variant, rep: VariantReport) -> None:
-        mark = len(fleet.events())
-        before = fleet.status()["requests"]
         t0 = time.monotonic()
+        before = fleet.status()["requests"]
+        generation = fleet.controller_info()["generation"]
         pending: list = []
 
         def load() -> int:
@@ -198,26 +220,33 @@ class FaultRunner:
             except FleetStopped as exc:
                 stopped = str(exc)
                 break
+            firing.settle(step)
         results = [r for p in pending for r in fleet.collect(p)]
         rep.observed = "stops" if stopped else "recovers"
         if stopped:
             rep.notes.append(f"stopped: {stopped[:300]}")
-        self._extra_checks(fleet, variant, rep, mark)
-        events = self._account(fleet, before, mark, results, rep)
-        judge(rep, firing.fired, events[mark:], self.journal_since(t0))
+        kills = sum(1 for f in firings if f.what in CONTROLLER_WHAT and f.where != "shutdown")
+        self._extra_checks(fleet, variant, rep, t0, generation + kills)
+        self._account(fleet, before, t0, results, rep)
+        if any(f.what in CONTROLLER_WHAT and f.where == "shutdown" for f in firings):
+            self._shutdown_clean(fleet, rep)
+        judge(rep, firing.fired, self.events(t0), self.journal_since(t0))
 
-    def _extra_checks(self, fleet: Fleet, variant: Variant, rep: VariantReport, mark: int) -> None:
+    def _extra_checks(self, fleet: Fleet, variant: Variant, rep: VariantReport, t0: float, generation: int) -> None:
         for check in variant.checks:
             kind, _, arg = check.partition(":")
             slot = int(arg) if arg else None
             if kind == "below_quorum":
-                problems = invariants.requests_waited_below_quorum(fleet.events()[mark:])
+                problems = invariants.requests_waited_below_quorum(self.events(t0))
                 rep.violations += [f"check {check}: {p}" for p in problems]
                 continue
+            if kind == "controller_back":
+                rep.violations += [f"check {check}: {p}" for p in self._controller_back(fleet, generation)]
+                continue
             if kind == "stop_names":
-                ok = any(f"slot {slot}" in e["reason"] for e in fleet.events(mark, kinds=["stopped"]))
+                ok = any(f"slot {slot}" in e["reason"] for e in self.events(t0, kinds=("stopped",)))
             elif kind == "evicted":
-                ok = self._wait(lambda: any(e["slot"] == slot and "evicted" in e["reason"] for e in fleet.events(kinds=["kill"])),
+                ok = self._wait(lambda: any(e["slot"] == slot and "evicted" in e["reason"] for e in self.events(kinds=("kill",))),
                                 60, f"eviction of slot {slot}")
             elif kind == "retired":
                 ok = self._wait(lambda: slot_states(fleet.status())[slot] == "retired", 240, f"slot {slot} retired")
@@ -228,6 +257,42 @@ class FaultRunner:
             if not ok:
                 rep.violations.append(f"check {check} failed")
 
+    def _controller_back(self, fleet: Fleet, generation: int) -> list[str]:
+        """The controller answers at ``generation`` (one restart per kill), the gate is open, and the fleet
+        serves one committed version: every serving slot holds it and a batch comes back tagged with it."""
+        out = []
+        info = fleet.controller_info()
+        if info["generation"] != generation:
+            out.append(f"the controller answers at generation {info['generation']}, expected {generation}")
+        status = fleet.status()
+        version, serving = status["version"], [s for s in status["ledger"]["slots"] if s["state"] == "healthy"]
+        if not status["gate_open"] or not serving:
+            out.append(f"the gate is {'open' if status['gate_open'] else 'closed'} with {len(serving)} slot(s) serving")
+        out += [f"slot {s['slot']} serves version {s['weight_version']}, not the committed {version}"
+                for s in serving if s["weight_version"] != version]
+        groups = fleet.generate([PROMPT] * 6, n=1, sampling={"max_tokens": 4})
+        tags = sorted({r.result.weight_version if r.ok else f"not ok: {r.status}" for g in groups for r in g}, key=str)
+        if tags != [version]:
+            out.append(f"a batch after the restart came back tagged {tags}, not only the committed version {version}")
+        return out
+
+    def _shutdown_clean(self, fleet: Fleet, rep: VariantReport) -> None:
+        """Shut the fleet down (its controller crashes half way: armed by the plan) and check that every shard
+        actor of every incarnation the fleet listed, and its controller, are gone."""
+        slots = fleet.status()["ledger"]["slots"]
+        names = [shard_name(fleet.name, s["slot"], inc) for s in slots for inc in range(1, s["incarnation"] + 2)]
+        summary = fleet.shutdown()
+        self._fleet, self._fleet_key = None, None
+        rep.notes.append(f"shutdown: {str(summary)[:300]}")
+
+        def left() -> list[str]:
+            return [n for n in names + [controller_name(fleet.name)] if ray_io.find_actor(n) is not None]
+
+        if not self._wait(lambda: not left(), 30, "the fleet's actors gone after its shutdown"):
+            rep.violations.append(f"check shutdown_clean: actors still alive 30 s after the shutdown: {left()}")
+        if "error" in summary:
+            rep.violations.append(f"check shutdown_clean: the shutdown call failed: {summary['error'][:300]}")
+
     def _readmitted(self, fleet: Fleet, slot: int) -> bool:
         self.heal(fleet)
         inc = next(s["incarnation"] for s in fleet.status()["ledger"]["slots"] if s["slot"] == slot)
@@ -237,17 +302,17 @@ class FaultRunner:
                 return True
         return False
 
-    def _account(self, fleet: Fleet, before: dict, mark: int, results: list, rep: VariantReport) -> list[dict]:
-        """Requests, version tags and invariants since ``mark``; returns the whole event log."""
+    def _account(self, fleet: Fleet, before: dict, t0: float, results: list, rep: VariantReport) -> list[dict]:
+        """Requests, version tags and invariants since monotonic time ``t0``; returns the whole event log."""
         after = fleet.status()["requests"]
         rep.accepted = after["accepted"] - before["accepted"]
         rep.completed = after["completed"] - before["completed"]
         rep.returned = after["returned"] - before["returned"]
         rep.lost = rep.accepted - rep.completed - rep.returned - after["in_progress"]
-        events = fleet.events()
-        new = events[mark:]
+        events = self.events()
+        new = [e for e in events if e["t"] >= t0]
         rep.wrong_version_tags = len(invariants.version_tags_match_stamps(events)) - len(
-            invariants.version_tags_match_stamps(events[:mark])
+            invariants.version_tags_match_stamps([e for e in events if e["t"] < t0])
         ) + len(invariants.open_gate_serves_current_version(new))
         rep.violations += invariants.requests_accounted(new) + invariants.phases_within_deadline(
             new, fleet.config.lifecycle_deadline_s, slack_s=fleet.config.probe_timeout_s + 2.0

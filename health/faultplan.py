@@ -24,6 +24,18 @@ one slot).
 waits until the controller found the death on its own and the slot is back up (kill
 two to take the fleet below quorum between refits, with requests waiting).
 
+Faults of the fleet's controller name no ``shard`` either: ``what: kill_controller``
+SIGKILLs the controller's process (Ray restarts it; the new one re-adopts the shards):
+
+- ``where: between_refits``: from outside (``os.kill`` on its pid) while the step's
+  requests are in flight, then the step's refit (re-sent once it answers again);
+- ``where`` a refit phase (``close``, ``staleness``, ``reconcile``, ``pause``,
+  ``transfer``, ``stamp``, ``resume``, ``reopen``): the controller kills itself as the
+  step's refit reaches that phase, or ``delay_s`` after (only if the phase still runs:
+  with a ``slow`` shard, the transfer's calls are in flight);
+- ``where: shutdown``: it kills itself half way through the fleet's shutdown (the
+  driver shuts the fleet down after the plan's last step).
+
 Faults of the trainer's refit call itself name no ``shard``:
 
 - ``where: update``, ``what: corrupt_shape | corrupt_dtype | corrupt_missing_tensor |
@@ -51,7 +63,12 @@ from typing import Any, Mapping
 HOOKED = ("pause", "transfer", "resume", "generate")  # the shard's hook points a plan can name
 SHARD_WHERE = ("step_boundary", "between_refits") + HOOKED
 TRAINER_WHERE = ("update", "call")  # faults of the trainer's refit call, not of a shard
-WHERE = SHARD_WHERE + TRAINER_WHERE
+# The refit's phases (``fleet.lifecycle.PHASES``) and the shutdown: where the controller can crash itself.
+REFIT_PHASES = ("close", "staleness", "reconcile", "pause", "transfer", "stamp", "resume", "reopen")
+CONTROLLER_WHERE = ("between_refits",) + REFIT_PHASES + ("shutdown",)
+CONTROLLER_WHAT = ("kill_controller",)  # faults of the fleet's controller, not of a shard
+WHERE = SHARD_WHERE + TRAINER_WHERE + tuple(w for w in CONTROLLER_WHERE if w not in SHARD_WHERE)
+MAX_CRASH_DELAY_S = 600.0  # the controller refuses a crash delayed this long or longer
 CORRUPTIONS = ("shape", "dtype", "missing_tensor", "missing_layer")  # ``faults.source.WeightSource`` kinds
 _ANYWHERE = ("step_boundary",) + HOOKED
 # What is possible where: a lie needs a call that acknowledges; a hang needs a call with a deadline;
@@ -68,6 +85,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "stale_version": ("call",),
     "concurrent_refit": ("call",),
     "refit_under_load": ("call",),
+    "kill_controller": CONTROLLER_WHERE,
 }
 WHAT = tuple(ALLOWED)
 EXPECT = ("recovers", "stops")
@@ -77,7 +95,7 @@ EXPECT = ("recovers", "stops")
 class FaultSpec:
     where: str
     what: str
-    shard: int | str | None  # None: a trainer's fault (``TRAINER_WHERE``)
+    shard: int | str | None  # None: a trainer's fault (``TRAINER_WHERE``) or the controller's (``CONTROLLER_WHAT``)
     step: int = 1
     delay_s: float = 0.0
     every: int = 0
@@ -97,7 +115,8 @@ class FaultPlan:
 
 @dataclass(frozen=True)
 class Firing:
-    """One concrete fault: at ``step``, at ``where``, do ``what`` to ``slot`` (None: to the trainer's refit)."""
+    """One concrete fault: at ``step``, at ``where``, do ``what`` to ``slot`` (None: to the trainer's refit
+    or, ``kill_controller``, to the fleet's controller)."""
 
     step: int
     where: str
@@ -130,6 +149,10 @@ def _fault(d: Any, i: int, steps: int) -> FaultSpec:
         _need("shard" not in d, f"{at}.shard", f"a fault at {where} acts on the trainer's refit call, not on a "
               "shard: leave shard out", d.get("shard"))
         shard = None
+    elif what in CONTROLLER_WHAT:
+        _need("shard" not in d, f"{at}.shard", f"{what} acts on the fleet's controller, not on a shard: "
+              "leave shard out", d.get("shard"))
+        shard = None
     else:
         shard = d.get("shard", "random")
         _need(shard == "random" or (type(shard) is int and shard >= 0), f"{at}.shard", "must be a slot >= 0 or 'random'", shard)
@@ -137,6 +160,10 @@ def _fault(d: Any, i: int, steps: int) -> FaultSpec:
     _need(step <= steps, f"{at}.step", f"must be within the plan's {steps} steps", step)
     delay = d.get("delay_s", 0.0)
     _need(isinstance(delay, (int, float)) and not isinstance(delay, bool) and delay >= 0, f"{at}.delay_s", "must be >= 0", delay)
+    if what in CONTROLLER_WHAT:
+        _need(delay == 0 or where in REFIT_PHASES, f"{at}.delay_s", f"only a {what} at a refit phase "
+              f"{REFIT_PHASES} can be delayed (it fires if that phase still runs), not one at {where}", delay)
+        _need(delay < MAX_CRASH_DELAY_S, f"{at}.delay_s", f"must be below {MAX_CRASH_DELAY_S:.0f} s", delay)
     every, times = _int(d, "every", 0, at, 0), _int(d, "times", 1, at, 1)
     _need(times == 1 or every >= 1, f"{at}.every", "must be >= 1 when times > 1", every)
     return FaultSpec(where, what, shard, step, float(delay), every, times)

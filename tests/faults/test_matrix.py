@@ -8,8 +8,9 @@ its deadline, no reopened gate after a stop, plus the variant's own checks
 quorum), and that every fault it fired went off on its slot and incarnation (the
 fault journal) and was followed by its health transition, or, for a trainer's fault
 (a bad update, a stale version, two refits at once), that its refit call ended as it
-must (``faults.evidence``).
-Consecutive recovering variants share one fleet.
+must, and for a controller's death, that it crashed where planned and Ray's restart
+re-adopted the fleet (``faults.evidence``).
+Consecutive recovering variants share one fleet; a controller killed in the shutdown ends it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ def test_variant_gets_expected_outcome_and_keeps_invariants(runner, variant):
     assert not rep.violations, detail
     planned = resolve(load_plan(variant.plan), BASE_FLEET["num_engines"])
     assert len(rep.faults) == len(planned), detail  # every planned fault went off (rep.passed: and did its harm)
+    ends_fleet = any(f.where == "shutdown" for f in planned)  # the gate never reopens: the fleet was shut down
     if rep.expected == "recovers":
         assert rep.completed == rep.accepted, detail  # a recovered fleet completes everything it accepted
-        assert rep.fault_to_reopen_s is not None, detail  # from the first firing to the gate reopening
+        assert ends_fleet or rep.fault_to_reopen_s is not None, detail  # from the first firing to the gate reopening
+    for row in rep.faults:
+        if row["action"] == "kill_controller":  # back and re-adopted, from the firing on
+            assert row["left_for"] == "restarted" and row["recover_s"] is not None, detail
     assert rep.passed, detail

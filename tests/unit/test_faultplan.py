@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from faults.matrix import MATRIX, by_name
+from faults.matrix import BASE_FLEET, MATRIX, by_name
 from faults.timeline import read_log
 from fleet.fault_hooks import ArmedFault, FaultHooks
 from health.faultplan import load_plan, resolve
@@ -43,6 +43,17 @@ def test_yaml_plan_loads_and_resolves():
         ({"faults": [{"where": "update", "what": "stale_version"}]}, r"faults\[0\]\.where.*call"),
         ({"faults": [{"where": "call", "what": "concurrent_refit", "step": 0}]}, r"faults\[0\]\.step"),
         ({"faults": [{"where": "between_refits", "what": "freeze", "shard": 0}]}, r"faults\[0\]\.where"),
+        ({"faults": [{"where": "pause", "what": "kill_controller", "shard": 1}]},
+         r"faults\[0\]\.shard: kill_controller acts on the fleet's controller.*leave shard out"),
+        ({"faults": [{"where": "between_refits", "what": "kill_controller", "shard": "random"}]}, r"faults\[0\]\.shard"),
+        ({"faults": [{"where": "generate", "what": "kill_controller"}]}, r"faults\[0\]\.where: kill_controller is only"),
+        ({"faults": [{"where": "update", "what": "kill_controller"}]}, r"faults\[0\]\.where"),
+        ({"faults": [{"where": "between_refits", "what": "kill_controller", "delay_s": 1.0}]},
+         r"faults\[0\]\.delay_s: only a kill_controller at a refit phase"),
+        ({"faults": [{"where": "shutdown", "what": "kill_controller", "delay_s": 0.5}]}, r"faults\[0\]\.delay_s"),
+        ({"faults": [{"where": "transfer", "what": "kill_controller", "delay_s": 600}]}, r"faults\[0\]\.delay_s.*below 600"),
+        ({"faults": [{"where": "stamp", "what": "kill", "shard": 0}]}, r"faults\[0\]\.where: kill is only"),
+        ({"faults": [{"where": "shutdown", "what": "slow", "shard": 0}]}, r"faults\[0\]\.where"),
     ],
 )
 def test_bad_plans_name_the_field(over, field):
@@ -67,16 +78,45 @@ def test_trainer_faults_name_no_shard_and_resolve_to_no_slot():
                    (2, "update", "corrupt_missing_layer", None), (2, "between_refits", "kill", 2)]
 
 
+def test_controller_faults_name_no_shard_and_resolve_to_no_slot():
+    p = load_plan(plan(steps=2, faults=[{"where": "transfer", "what": "slow", "shard": 0, "delay_s": 2.0},
+                                        {"where": "transfer", "what": "kill_controller", "delay_s": 0.75},
+                                        {"where": "between_refits", "what": "kill_controller", "step": 2},
+                                        {"where": "shutdown", "what": "kill_controller", "step": 2}]))
+    got = [(f.step, f.where, f.what, f.slot, f.delay_s) for f in resolve(p, 3)]
+    assert got == [(1, "transfer", "kill_controller", None, 0.75), (1, "transfer", "slow", 0, 2.0),
+                   (2, "between_refits", "kill_controller", None, 0.0), (2, "shutdown", "kill_controller", None, 0.0)]
+    for phase in ("close", "staleness", "reconcile", "pause", "stamp", "resume", "reopen"):
+        load_plan(plan(faults=[{"where": phase, "what": "kill_controller", "delay_s": 0.1}]))
+
+
+def test_the_plans_refit_phases_are_the_lifecycles():
+    from fleet.lifecycle import PHASES
+    from health.faultplan import REFIT_PHASES
+
+    assert REFIT_PHASES == PHASES
+
+
 def test_matrix_covers_every_required_variant_and_all_plans_are_valid():
     names = {v.name for v in MATRIX}
     required = {"kill-step-boundary", "kill-during-pause", "kill-during-transfer", "kill-during-resume",
                 "kill-two-below-quorum", "freeze-during-transfer", "hang-past-deadline", "false-ack-on-resume",
                 "restart-readmission", "engine-core-crash", "restart-budget-exhausted",
                 "unavailable-at-resume", "hang-at-resume", "bad-update-wrong-shape", "bad-update-missing-layer",
-                "misuse-stale-version", "two-concurrent-refits", "below-quorum-between-refits", "refit-under-load"}
-    assert required <= names and len(MATRIX) == len(names) == 19
+                "misuse-stale-version", "two-concurrent-refits", "below-quorum-between-refits", "refit-under-load",
+                "controller-kill-between-refits", "controller-kill-during-pause", "controller-kill-during-transfer",
+                "controller-kill-during-resume", "controller-kill-during-shutdown"}
+    assert required <= names and len(MATRIX) == len(names) == 24
     for v in MATRIX:
         load_plan(v.plan)
+    controller = [v for v in MATRIX if any(f["what"] == "kill_controller" for f in v.plan["faults"])]
+    assert [v.plan["expect"] for v in controller] == ["recovers"] * 5
+    kills = sum(f["what"] == "kill_controller" and f["where"] != "shutdown" for v in controller for f in v.plan["faults"])
+    assert kills < BASE_FLEET["controller_max_restarts"], "the recovering ones share a fleet: its restarts must last"
+    transfer = by_name(["controller-kill-during-transfer"])[0].plan["faults"]
+    slow = next(f for f in transfer if f["what"] == "slow")
+    crash = next(f for f in transfer if f["what"] == "kill_controller")
+    assert 0 < crash["delay_s"] < slow["delay_s"] < BASE_FLEET["probe_timeout_s"], "dies mid-transfer; probes still answer"
     with pytest.raises(ValueError, match="unknown matrix variant"):
         by_name(["nope"])
 
