@@ -31,6 +31,7 @@ Every step is one record in the event log (``controller_restarted``, ``adopt_fen
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fleet.intent import COMMITTED
@@ -82,6 +83,7 @@ async def adopt(ctl: Any) -> dict:
     await ctl.door.fan_out({s: (h, "set_route", (ctl.publisher.current.epoch, False, intent.committed), {})
                             for s, h in found.items()}, timeout=ctl.cfg.probe_timeout_s)
     alive: dict[int, dict] = {}
+    starting: dict[int, Any] = {}
     for slot, (inc, _) in sorted(intent.slots.items()):
         out = described.get(slot)
         info = out.value if out is not None and out.ok else None
@@ -89,6 +91,8 @@ async def adopt(ctl: Any) -> dict:
             alive[slot] = info
             ctl.native_pause[slot] = bool(info.get("native_pause", True))
             ctl.decide(EngineReady(slot, inc))
+        elif info is not None and info.get("incarnation") == inc and info.get("state") in ("new", "starting"):
+            starting[slot] = found[slot]  # a restart the predecessor began: wait for its engine, then it is ready
     if intent.stopped:
         ctl.halt(intent.stopped)
     stamped = await _finish_commit(ctl, intent, alive)
@@ -107,10 +111,12 @@ async def adopt(ctl: Any) -> dict:
                      stamped=slot in stamped, aborted=aborts[slot].value if slot in aborts and aborts[slot].ok else 0,
                      resumed=resumed[slot].ok if slot in resumed else None)
     _commit(ctl, intent.committed, serving)
+    for slot, handle in starting.items():
+        ctl.log.emit("adopt", slot=slot, incarnation=intent.slots[slot][0], starting=True)
+        ctl._background(_await_start(ctl, slot, intent.slots[slot][0], handle))
     for slot, (inc, _) in sorted(intent.slots.items()):
-        if slot not in alive:  # gone, or not the recorded incarnation: dead (restarted within the budget)
+        if slot not in alive and slot not in starting:  # gone, or not the recorded incarnation: dead (restarted within the budget)
             why = described[slot].describe() if slot in described else "no actor of that name"
-            ctl.handles.pop(slot, None) if slot in found and slot in described and not described[slot].ok else None
             ctl.observe(slot, inc, CallKind.START, Outcome(DIED, error=RuntimeError(
                 f"not found alive when the restarted controller re-adopted the fleet: {why[:200]}")))
     for slot, out in resumed.items():
@@ -123,13 +129,35 @@ async def adopt(ctl: Any) -> dict:
         "intent": True, "generation": ctl.generation, "committed": intent.committed,
         "refit": None if intent.refit is None else [intent.refit.version, intent.refit.phase],
         "finished_refit": finished, "alive": sorted(alive), "serving": sorted(serving),
-        "stale": sorted(set(alive) - serving), "missing": sorted(set(intent.slots) - set(alive)),
+        "stale": sorted(set(alive) - serving), "starting": sorted(starting),
+        "missing": sorted(set(intent.slots) - set(alive) - set(starting)),
         "fenced": fenced, "stamped": sorted(stamped), "gate_open": ctl.gate.is_open,
         "seconds": round(ctl.clock.now() - t0, 3),
     }
     ctl.log.emit("adopted", **ctl.recovered)
     ctl.start_loops()
     return ctl.recovered
+
+
+async def _await_start(ctl: Any, slot: int, incarnation: int, handle: Any) -> None:
+    """A shard its predecessor was (re)starting: once its engine is up it is ready (stale until a refit);
+    if it fails or does not come up within the start bound, it is dead like any failed start."""
+    deadline = ctl.clock.now() + ctl.cfg.engine.start_timeout_s + 30
+    while True:
+        out = await ctl.door.call(handle, "describe", timeout=ctl.cfg.probe_timeout_s)
+        state = out.value.get("state") if out.ok else None
+        if ctl.handle_of(slot, incarnation) is not handle:
+            return  # replaced meanwhile
+        if state == "ready":
+            ctl.native_pause[slot] = bool(out.value.get("native_pause", True))
+            ctl.decide(EngineReady(slot, incarnation))
+            return
+        if state not in ("new", "starting") or ctl.clock.now() >= deadline:
+            why = out.describe() if not out.ok else f"its engine is {state!r} after the start bound"
+            ctl._kill(slot, incarnation, f"re-adopted while starting: {why[:200]}")
+            ctl.observe(slot, incarnation, CallKind.START, Outcome(DIED, error=RuntimeError(why[:300])))
+            return
+        await asyncio.sleep(0.5)
 
 
 def _find_shards(ctl: Any, intent) -> tuple[dict[int, Any], list]:

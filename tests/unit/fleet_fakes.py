@@ -86,6 +86,7 @@ class FakeShard:
     in_flight: dict = field(default_factory=dict)  # request id -> (version at start, policy)
     ran_while_paused: int = 0
     dirty: bool = False  # a transfer wrote into the weights since the last stamp
+    state: str = "ready"  # what describe() says of its engine ("starting" while a restart is under way)
     name: str | None = None
 
     def behaviour(self, method: str) -> str | None:
@@ -187,7 +188,7 @@ class FakeDoor:
         return True
 
     async def _describe(self, s):
-        return {"slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version, "state": "ready",
+        return {"slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version, "state": s.state,
                 "in_flight": len(s.in_flight), "dirty": s.dirty, "paused": s.paused, "native_pause": True,
                 "gate": s.gate.counters()}
 

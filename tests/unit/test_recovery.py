@@ -282,3 +282,38 @@ def test_the_successor_keeps_the_event_history_without_the_clients_records(model
         await new.shutdown()
 
     run_virtual(go())
+
+
+def test_a_shard_still_starting_is_waited_for_not_restarted(model_dir):
+    async def go():
+        ctl, door = await started(model_dir)
+        bury(ctl, door, dict(door.kv))
+        door.shards[(2, 1)].state = "starting"  # the predecessor was restarting it when it died
+        new = successor(ctl, door)
+        await new.ping()
+        assert new.recovered["starting"] == [2] and new.recovered["missing"] == [] and new.gate.is_open
+        await asyncio.sleep(2.0)
+        assert 2 not in new.ledger.live_slots() and not door.shards[(2, 1)].dead  # still waiting, not killed
+        door.shards[(2, 1)].state = "ready"
+        await asyncio.sleep(1.0)
+        assert 2 in new.ledger.live_slots() and new.handles[2][0] == 1  # the same incarnation, no restart spent
+        assert (await new.sync_weights(1))["complete"] == [0, 1, 2]
+
+    run_virtual(go())
+
+
+def test_a_shard_whose_start_failed_is_dead_and_restarted(model_dir):
+    async def go():
+        ctl, door = await started(model_dir)
+        bury(ctl, door, dict(door.kv))
+        door.shards[(2, 1)].state = "starting"
+        new = successor(ctl, door)
+        await new.ping()
+        door.shards[(2, 1)].state = "failed"
+        for _ in range(40):
+            await asyncio.sleep(0.5)
+            if new.handles[2][0] == 2 and 2 in new.ledger.live_slots():
+                break
+        assert door.shards[(2, 1)].dead and new.handles[2][0] == 2  # killed, restarted as incarnation 2
+
+    run_virtual(go())
