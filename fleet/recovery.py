@@ -141,13 +141,24 @@ async def adopt(ctl: Any) -> dict:
 
 async def _await_start(ctl: Any, slot: int, incarnation: int, handle: Any) -> None:
     """A shard its predecessor was (re)starting: once its engine is up it is ready (stale until a refit);
-    if it fails or does not come up within the start bound, it is dead like any failed start."""
-    deadline = ctl.clock.now() + ctl.cfg.engine.start_timeout_s + 30
+    if it fails or does not come up within the start bound, it is dead like any failed start. One still
+    ``new`` never got its ``start`` (calls queued in a process that died are lost): start it here."""
+    bound = ctl.cfg.engine.start_timeout_s + 30
+    deadline = ctl.clock.now() + bound
     while True:
         out = await ctl.door.call(handle, "describe", timeout=ctl.cfg.probe_timeout_s)
         state = out.value.get("state") if out.ok else None
         if ctl.handle_of(slot, incarnation) is not handle:
             return  # replaced meanwhile
+        if state == "new":
+            ctl.log.emit("adopt", slot=slot, incarnation=incarnation, starting=True,
+                         reason="its start call died with the predecessor: started by the successor")
+            started = await ctl.door.call(handle, "start", timeout=bound)
+            if started.ok:
+                state = "ready"
+                out = started
+            elif ctl.clock.now() < deadline:
+                continue  # someone else's start won the race: watch it
         if state == "ready":
             ctl.native_pause[slot] = bool(out.value.get("native_pause", True))
             ctl.decide(EngineReady(slot, incarnation))

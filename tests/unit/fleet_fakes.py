@@ -168,6 +168,9 @@ class FakeDoor:
 
     # -- the fake shard methods -----------------------------------------------------
     async def _start(self, s):
+        if s.state not in ("new", "ready"):
+            raise RuntimeError(f"cannot start from state {s.state}")
+        s.state = "ready"
         return {"start_s": 0.0, "native_pause": not s.sticky.get("no_native_pause")}
 
     async def _invalidate_cache(self, s):

@@ -317,3 +317,22 @@ def test_a_shard_whose_start_failed_is_dead_and_restarted(model_dir):
         assert door.shards[(2, 1)].dead and new.handles[2][0] == 2  # killed, restarted as incarnation 2
 
     run_virtual(go())
+
+
+def test_a_shard_whose_start_call_died_with_the_predecessor_is_started_by_the_successor(model_dir):
+    async def go():
+        ctl, door = await started(model_dir)
+        bury(ctl, door, dict(door.kv))
+        door.shards[(1, 1)].state = "new"  # spawned, but its start call was queued in the dead process
+        new = successor(ctl, door)
+        await new.ping()
+        assert new.recovered["starting"] == [1]
+        for _ in range(20):
+            await asyncio.sleep(0.5)
+            if 1 in new.ledger.live_slots():
+                break
+        assert 1 in new.ledger.live_slots() and new.handles[1][0] == 1 and not door.shards[(1, 1)].dead
+        assert [m for m, s, _ in door.calls if s == 1].count("start") == 2  # the predecessor's, then the successor's
+        assert (await new.sync_weights(1))["complete"] == [0, 1, 2]
+
+    run_virtual(go())
