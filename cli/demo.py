@@ -1,4 +1,4 @@
-"""``rlfleet demo``: train the GRPO recipe on a local fleet through a shard kill; write a report directory.
+"""``rlfleet demo``: train the GRPO recipe on a local fleet through a shard kill and a controller kill; write a report directory.
 
 Exit status: 0 when the run finished every step with no prompt lost, the fleet never
 stopped and every event-log invariant held; 1 otherwise; 2 for a bad flag or plan.
@@ -19,13 +19,13 @@ DIGEST = (
 def register(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="the main job: GRPO on a fleet of vLLM engines through a shard kill; live progress and a report",
+        help="the main job: GRPO on a fleet of vLLM engines through a shard kill and a controller kill; live progress and a report",
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     p.add_argument("--engines", type=int, default=3, help="engine shards (default 3; quorum = engines - 1)")
     p.add_argument("--fault-plan", default="default",
-                   help="'default' (kill slot 1 a third of the way in), 'none', or a YAML fault plan path")
+                   help="'default' (kill slot 1 a third of the way in, the controller halfway), 'none', or a YAML fault plan path")
     p.add_argument("--kv-policy", default="recompute", choices=("recompute", "keep", "salt"))
     p.add_argument("--out", default="runs/demo", help="report directory (default ./runs/demo, git-ignored)")
     p.add_argument("--seed", type=int, default=0)

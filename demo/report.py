@@ -66,6 +66,7 @@ def summarize(run, events: Sequence[dict], wall_s: float) -> dict:
         "prompts_lost": log["prompts_lost"],
         "faults_injected": log["faults_injected"],
         "recoveries": log["recoveries"],
+        "controller_restarts": log["controller_restarts"],
         "stale_samples_dropped": sum(int(r.get("dropped_stale", 0)) for r in rows),
         "results_returned": sum(int(r.get("returned", 0)) for r in rows) + int(final.get("returned", 0) or 0),
         "stopped": stopped,
@@ -142,7 +143,8 @@ def write_plots(out: Path, rows: Sequence[dict], events: Sequence[dict], summary
     files = {}
     marks = []
     for f in summary["fault_plan"]["fired"]:
-        marks.append((f["step"], f"{f['what']} slot {f['slot']}", "#a50f15"))
+        what = "kill controller" if f["slot"] is None else f"{f['what']} slot {f['slot']}"
+        marks.append((f["step"], what, "#a50f15"))
     for r in summary["log"]["readmissions"]:
         step = next((row["step"] for row in rows if row["t_end"] >= r["t"]), len(rows))
         marks.append((step, f"slot {r['slot']} back", "#00441b"))
@@ -354,10 +356,15 @@ def _draw_bars(ax, events: Sequence[dict], rows: dict[int, int], t0: float, t_en
 
 def _draw_marks(ax, events: Sequence[dict], rows: dict[int, int], t0: float, t_end: float) -> None:
     """On the slot rows: faults, kills, restarts (begin to end) and re-admissions."""
+    gate_y = len(rows)
     for e in events:
-        if e["kind"] == "fault" and e["slot"] in rows:
+        if e["kind"] == "fault" and e.get("target") == "controller" and e.get("fired"):
+            ax.plot(e["t"] - t0, gate_y, "X", color="#a50f15", ms=11, mec="white", zorder=6)
+            ax.text(e["t"] - t0, gate_y + 0.18, "controller killed", fontsize=7, color="#a50f15", ha="center",
+                    va="bottom", zorder=6)
+        elif e["kind"] == "fault" and e.get("slot") in rows:
             ax.plot(e["t"] - t0, rows[e["slot"]], "x", color="#a50f15", ms=10, mew=2.5, zorder=5)
-        elif e["kind"] == "kill" and e["slot"] in rows:
+        elif e["kind"] == "kill" and e.get("slot") in rows:
             ax.plot(e["t"] - t0, rows[e["slot"]] - 0.05, "v", color="black", ms=6, zorder=5)
     begins = {}
     for e in events:

@@ -190,7 +190,9 @@ def stop_reason(events: Iterable[dict]) -> str | None:
 def log_numbers(events: Sequence[dict]) -> dict[str, Any]:
     """Every fleet-side number of the demo's summary, from the event log alone."""
     req = request_counts(events)
-    faults = [e for e in events if e["kind"] == "fault"]
+    # one record per fault: a shard's fault is recorded once; the controller's crash once armed and once
+    # fired (only the firing counts)
+    faults = [e for e in events if e["kind"] == "fault" and (e.get("target") != "controller" or e.get("fired"))]
     readm = readmissions(events)
     served = served_by(events, [(r["slot"], r["incarnation"]) for r in readm])
     first_fault_t = min((e["t"] for e in faults), default=None)
@@ -199,7 +201,9 @@ def log_numbers(events: Sequence[dict]) -> dict[str, Any]:
         "requests": req,
         "prompts_lost": req["accepted"] - req["completed"] - req["returned"],
         "faults_injected": len(faults),
-        "faults": [{k: e.get(k) for k in ("t", "slot", "incarnation", "point", "action", "armed")} for e in faults],
+        "faults": [{k: e.get(k) for k in ("t", "target", "slot", "incarnation", "point", "action", "armed")}
+                   for e in faults],
+        "controller_restarts": sum(1 for e in events if e["kind"] == "controller_restarted"),
         "kills": sum(1 for e in events if e["kind"] == "kill"),
         "deaths": sum(1 for e in events if e["kind"] == "health" and e["after"] == "dead"),
         "restarts_started": sum(1 for e in events if e["kind"] == "restart" and e.get("edge") == "begin"),

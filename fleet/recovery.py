@@ -113,7 +113,7 @@ async def adopt(ctl: Any) -> dict:
     _commit(ctl, intent.committed, serving)
     for slot, handle in starting.items():
         ctl.log.emit("adopt", slot=slot, incarnation=intent.slots[slot][0], starting=True)
-        ctl._background(_await_start(ctl, slot, intent.slots[slot][0], handle))
+        ctl._background(_await_start(ctl, slot, intent.slots[slot][0], handle, restart=intent.slots[slot][1] > 0))
     for slot, (inc, _) in sorted(intent.slots.items()):
         if slot not in alive and slot not in starting:  # gone, or not the recorded incarnation: dead (restarted within the budget)
             why = described[slot].describe() if slot in described else "no actor of that name"
@@ -139,7 +139,7 @@ async def adopt(ctl: Any) -> dict:
     return ctl.recovered
 
 
-async def _await_start(ctl: Any, slot: int, incarnation: int, handle: Any) -> None:
+async def _await_start(ctl: Any, slot: int, incarnation: int, handle: Any, restart: bool) -> None:
     """A shard its predecessor was (re)starting: once its engine is up it is ready (stale until a refit);
     if it fails or does not come up within the start bound, it is dead like any failed start. One still
     ``new`` never got its ``start`` (calls queued in a process that died are lost): start it here."""
@@ -160,11 +160,15 @@ async def _await_start(ctl: Any, slot: int, incarnation: int, handle: Any) -> No
             elif ctl.clock.now() < deadline:
                 continue  # someone else's start won the race: watch it
         if state == "ready":
+            if restart:  # the end of the restart the predecessor began
+                ctl.log.emit("restart", slot=slot, incarnation=incarnation, edge="end", outcome="ok", adopted=True)
             ctl.native_pause[slot] = bool(out.value.get("native_pause", True))
             ctl.decide(EngineReady(slot, incarnation))
             return
         if state not in ("new", "starting") or ctl.clock.now() >= deadline:
             why = out.describe() if not out.ok else f"its engine is {state!r} after the start bound"
+            if restart:
+                ctl.log.emit("restart", slot=slot, incarnation=incarnation, edge="end", outcome="failed", adopted=True)
             ctl._kill(slot, incarnation, f"re-adopted while starting: {why[:200]}")
             ctl.observe(slot, incarnation, CallKind.START, Outcome(DIED, error=RuntimeError(why[:300])))
             return

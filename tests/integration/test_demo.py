@@ -1,9 +1,12 @@
-"""``rlfleet demo`` end to end: the GRPO recipe learns on a 3-engine fleet while a shard is killed and comes back.
+"""``rlfleet demo`` end to end: the GRPO recipe learns on a 3-engine fleet while a shard is killed and comes back,
+and while the fleet's controller is killed mid-refit and Ray restarts it.
 
 One run of the demo (``run_demo``, the code path of the CLI) under the default fault
 plan serves the module: a local Ray, three vLLM-CPU engines (quorum 2, restarts on),
 the trainer actor; slot 1 is killed at the step boundary a third of the way in,
-restarts, and is re-admitted by a later refit. The tests check what the demo
+restarts, and is re-admitted by a later refit; halfway in, the controller's process dies as
+that step's refit begins its transfer, Ray restarts it, it re-adopts the shards, and the
+trainer's re-sent refit lands. The tests check what the demo
 claims: it learned, nothing was lost, it never stopped, the plots are real images,
 and every fleet number in ``summary.json`` can be recomputed from ``events.jsonl``.
 """
@@ -59,7 +62,7 @@ def test_demo_learns_through_a_shard_kill(demo):
     assert all(m["audit_tokens"] > 0 and m["audit_skipped"] == 0 for m in summary["metrics"])
     assert summary["prompts_lost"] == 0 and summary["invariant_violations"] == []
     assert summary["stale_samples_dropped"] == 0  # one version off-policy is within max_staleness 1
-    assert summary["faults_injected"] == 1 and summary["recoveries"] >= 1
+    assert summary["faults_injected"] == 2 and summary["recoveries"] >= 1 and summary["controller_restarts"] == 1
     assert summary["final_eval"]["refit_participants"] == [0, 1, 2], "the killed slot must be back by the end"
     # Re-admitted mid-run: the refit of the rejoin step brought it back and it generated training batches after.
     readmitted = summary["log"]["readmissions"][0]
@@ -76,9 +79,18 @@ def test_demo_learns_through_a_shard_kill(demo):
 
 def test_summary_agrees_with_the_event_log(demo):
     _, summary, events = demo
-    faults = [e for e in events if e["kind"] == "fault"]
+    faults = [e for e in events if e["kind"] == "fault" and (e.get("target") != "controller" or e.get("fired"))]
     assert summary["faults_injected"] == len(faults)
-    assert [(f["slot"], f["action"]) for f in faults] == [(KILLED_SLOT, "kill")]
+    assert [(f.get("slot"), f["action"]) for f in faults] == [(KILLED_SLOT, "kill"), (None, "crash")]
+
+    # The controller died as the refit of the kill's step began its transfer; its successor (one generation
+    # later) re-adopted every shard, and that refit then landed: one version, served on.
+    crash = next(f for f in faults if f.get("target") == "controller")
+    assert crash["point"] == "transfer"
+    restarted = next(e for e in events if e["kind"] == "controller_restarted" and e["t"] > crash["t"])
+    adopted = next(e for e in events if e["kind"] == "adopted" and e["t"] >= restarted["t"])
+    assert restarted["generation"] == 1 and sorted(adopted["alive"] + adopted["starting"]) == [0, 1, 2]
+    assert any(e["kind"] == "gate" and e["open"] and e["t"] > adopted["t"] for e in events)
 
     counts = {k: sum(1 for e in events if e["kind"] == "request" and e["event"] == k)
               for k in ("accepted", "completed", "returned")}
