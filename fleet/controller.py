@@ -513,6 +513,10 @@ class SingleController:
 
             try:
                 await adopt(self)
+            except Exception as exc:  # noqa: BLE001 - a half-adopted fleet must not serve: stop, loudly
+                self.log.emit("error", where="re-adoption", error=repr(exc)[:500])
+                self.halt(f"the restarted controller could not re-adopt its shards: {type(exc).__name__}: {exc}")
+                await self.publisher.publish()  # clients learn the fleet stopped and return what they hold
             finally:
                 self._must_adopt = False
 

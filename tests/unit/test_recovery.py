@@ -336,3 +336,21 @@ def test_a_shard_whose_start_call_died_with_the_predecessor_is_started_by_the_su
         assert (await new.sync_weights(1))["complete"] == [0, 1, 2]
 
     run_virtual(go())
+
+
+def test_a_re_adoption_that_fails_stops_the_fleet_loudly(model_dir):
+    async def go():
+        ctl, door = await started(model_dir)
+        bury(ctl, door, dict(door.kv))
+        new = successor(ctl, door)
+
+        def broken(name):
+            raise ConnectionError("GCS unreachable")
+
+        door.find = broken
+        await new.ping()
+        assert new.stopped and "could not re-adopt" in new.stopped and "GCS unreachable" in new.stopped
+        assert new.publisher.current.stopped and not new.gate.is_open
+        assert any(e["kind"] == "error" and e["where"] == "re-adoption" for e in new.events())
+
+    run_virtual(go())
