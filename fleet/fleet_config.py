@@ -34,6 +34,9 @@ class FleetConfig(BaseModel):
     controller_restart_wait_s: float = Field(60.0, gt=0)
     num_engines: int = Field(2, ge=1)
     min_healthy_engines: int = Field(1, ge=1)
+    # Warm spares: this many more engines run, take part in every refit (on the committed weights) and
+    # serve nothing; when a serving engine fails, a healthy spare takes its place at once (``health.roles``).
+    spare_engines: int = Field(0, ge=0)
     # Lifecycle deadlines: every pause/transfer/resume RPC is bounded by
     # refit_timeout_s + lifecycle_grace_s (refit_timeout_s unset -> 360 s fallback).
     refit_timeout_s: float | None = Field(None, gt=0)
@@ -47,6 +50,10 @@ class FleetConfig(BaseModel):
     suspect_timeout_s: float = Field(20.0, gt=0)
     unhealthy_threshold: int = Field(2, ge=1)
     probe_timeout_s: float = Field(5.0, gt=0)
+    # An engine that misses the pause or resume deadline: "evict" kills it and the refit goes on with the
+    # rest when quorum holds (its slot restarts, its requests are re-sent at once); "stop" stops the refit
+    # with the gate closed. Between refits a shard that stops answering probes is always evicted.
+    on_hang: Literal["evict", "stop"] = "evict"
     # Weight transport.
     transport_backend: Literal["gloo", "nccl"] = "gloo"
     bucket_mb: float = Field(64.0, gt=0)
@@ -69,17 +76,23 @@ class FleetConfig(BaseModel):
         base = self.refit_timeout_s if self.refit_timeout_s is not None else REFIT_TIMEOUT_FALLBACK_S
         return base + self.lifecycle_grace_s
 
+    @property
+    def total_engines(self) -> int:
+        """Engines the fleet runs: ``num_engines`` serving plus ``spare_engines`` spares."""
+        return self.num_engines + self.spare_engines
+
     def health_config(self):
         from health import HealthConfig
 
         return HealthConfig(
-            num_engines=self.num_engines,
+            num_engines=self.total_engines,  # every slot, spares included: the health core treats them alike
             min_healthy_engines=self.min_healthy_engines,
             unhealthy_threshold=self.unhealthy_threshold,
             suspect_timeout_s=self.suspect_timeout_s,
             restart_budget=self.restart_budget if self.restart_dead_engines else 0,
             backoff_base_s=self.restart_backoff_s,
             backoff_cap_s=self.restart_backoff_cap_s,
+            on_hang=self.on_hang,
         )
 
 

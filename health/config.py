@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from health.restart import RestartPolicy
 
-__all__ = ["HealthConfig"]
+__all__ = ["HealthConfig", "ON_HANG"]
+
+ON_HANG = ("evict", "stop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,9 @@ class HealthConfig:
     - ``restart_budget``: restarts allowed per slot over the run (>= 0).
     - ``backoff_base_s`` / ``backoff_cap_s``: restart backoff, doubling from base up
       to cap (0 <= base <= cap).
+    - ``on_hang``: what a pause or resume that misses its deadline (or a resume answered
+      'unavailable') does: ``evict`` kills that engine and counts it dead (the refit goes on
+      with the rest when quorum holds); ``stop`` stops the refit with the gate closed.
     """
 
     num_engines: int
@@ -40,6 +45,7 @@ class HealthConfig:
     restart_budget: int = 3
     backoff_base_s: float = 1.0
     backoff_cap_s: float = 60.0
+    on_hang: str = "evict"
 
     def __post_init__(self) -> None:
         _check_int("num_engines", self.num_engines, 1)
@@ -56,6 +62,8 @@ class HealthConfig:
         p = self.probe_interval_s
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p < 0:
             raise ValueError(f"probe_interval_s must be a finite number of seconds >= 0, got {p!r}")
+        if self.on_hang not in ON_HANG:
+            raise ValueError(f"on_hang must be one of {ON_HANG}, got {self.on_hang!r}")
         # Building the policy validates restart_budget and the backoff pair.
         RestartPolicy(self.restart_budget, self.backoff_base_s, self.backoff_cap_s)
 

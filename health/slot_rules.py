@@ -164,6 +164,16 @@ def _quarantine(d: Draft, rec: SlotRecord, ev: Observed) -> None:
     """SUSPECT or HUNG outside probes and starts."""
     what = "unavailable" if ev.failure is _F_SUSPECT else "hung (deadline passed)"
     cause = f"{what} during {_NAME[ev.call]}" + (f": {ev.detail}" if ev.detail else "")
+    unacknowledged_resume = ev.failure is _F_SUSPECT and ev.call is CallKind.RESUME
+    wedged = (ev.failure is _F_HUNG and ev.call in _PAUSE_OR_RESUME or unacknowledged_resume) \
+        and rec.phase is not _LAUNCHING
+    if wedged and d.ledger.config.on_hang == "evict":
+        # A pause or resume nobody acknowledged leaves an engine in a state no probe can tell. Under
+        # ``evict`` it is killed (a SIGKILL ends a stopped process too) and counts as dead: the refit goes
+        # on with the rest when quorum holds, the slot restarts within its budget, and its clients re-send
+        # its in-flight requests the moment the kill fails their calls.
+        condemn(d, rec, f"{cause}; evicted (on_hang=evict)", evict=True)
+        return
     if rec.phase is _LIVE:
         phase = _SUSPECT if ev.failure is _F_SUSPECT else _HUNG
         new = rec._replace(phase=phase, since=d.now, failed_probes=0, reason=cause)
@@ -177,10 +187,8 @@ def _quarantine(d: Draft, rec: SlotRecord, ev: Observed) -> None:
             f"slot {rec.slot} incarnation {rec.incarnation} {cause} while "
             f"{_NAME[_state(d, rec)]}: state unchanged"
         )
-    unacknowledged_resume = ev.failure is _F_SUSPECT and ev.call is CallKind.RESUME
-    if (ev.failure is _F_HUNG and ev.call in _PAUSE_OR_RESUME or unacknowledged_resume) and rec.phase is not _LAUNCHING:
-        # A resume nobody acknowledged leaves an engine paused (or not) that no probe can tell:
-        # it never re-enters serving on a probe; the refit stops (seed 001) unless it is a confirmed death.
+    if wedged:
+        # on_hang=stop (seed 001): a pause or resume nobody acknowledged stops the refit with the gate closed.
         _abort(d, rec, ev, cause)
 
 

@@ -124,9 +124,30 @@ def test_two_deaths_below_quorum_stop_with_gate_closed_naming_both(model_dir):
     run(go())
 
 
-def test_hung_pause_stops_with_gate_closed_within_deadline(model_dir):
+@pytest.mark.parametrize("point", ["pause", "resume"])
+def test_under_on_hang_evict_a_hung_engine_is_killed_and_the_refit_commits_on_the_rest(model_dir, point):
     async def go():
-        ctl, door, _ = make(model_dir)
+        ctl, door, _ = make(model_dir, restart_backoff_s=30.0, restart_backoff_cap_s=30.0)
+        await ctl.start()
+        hung = door.shards[(1, 1)]
+        hung.sticky[point] = "hang"
+        t0 = ctl.clock.now()
+        summary = await ctl.sync_weights(1)
+        assert ctl.clock.now() - t0 < 2 * ctl.cfg.lifecycle_deadline_s + 1.0
+        assert hung.dead and ctl.gate.is_open and ctl.stopped is None
+        assert set(ctl.ledger.serving_slots()) == {0, 2}
+        assert (1 in summary["complete"]) == (point == "resume")  # a hung resume had its weights already
+        kill = [e for e in ctl.log.records(kinds=["kill"]) if e["slot"] == 1]
+        assert kill and "on_hang=evict" in kill[0]["reason"]
+        assert ctl.ledger.state(1).value == "dead"  # its restart waits out the backoff
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_hung_pause_stops_with_gate_closed_within_deadline_under_on_hang_stop(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir, on_hang="stop")
         await ctl.start()
         door.shards[(1, 1)].sticky["pause"] = "hang"
         t0 = ctl.clock.now()

@@ -82,8 +82,21 @@ def test_row_unavailable_is_quarantined_and_probed_never_death_on_its_own():
     assert ledger.state(1) is ShardState.HEALTHY
 
 
-def test_row_hung_pause_or_resume_stops_with_the_gate_closed():
-    ledger = fleet()
+def test_row_hung_pause_or_resume_under_on_hang_evict_kills_it_and_the_refit_goes_on():
+    ledger = fleet()  # on_hang defaults to evict
+    step(ledger, RefitStarted(1), 1.0)
+    d = step(ledger, observe(2, 1, CallKind.RESUME, TimeoutError("resume: 30 s")), 31.0)
+    assert d.failure is FailureClass.HUNG and not any(isinstance(a, AbortRefit) for a in d.actions)
+    assert Evict(2, 1, d.actions[0].reason) == d.actions[0] and "on_hang=evict" in d.actions[0].reason
+    assert ledger.state(2) in (ShardState.DEAD, ShardState.RESTARTING) and ledger.fleet.halted is None
+    d = step(ledger, observe(1, 1, CallKind.PAUSE, TimeoutError("pause: 30 s")), 31.0)
+    assert isinstance(d.actions[0], Evict) and ledger.fleet.halted is None
+    # slots 0 and 3 hold the version: quorum (2) holds and the gate reopens
+    assert finish_refit(ledger, 1, (0, 3), 31.0).actions == (OpenGate(1, 2, 2),)
+
+
+def test_row_hung_pause_or_resume_under_on_hang_stop_stops_with_the_gate_closed():
+    ledger = fleet(on_hang="stop")
     step(ledger, RefitStarted(1), 1.0)
     d = step(ledger, observe(2, 1, CallKind.RESUME, TimeoutError("resume: 30 s")), 31.0)
     assert d.failure is FailureClass.HUNG and any(isinstance(a, AbortRefit) for a in d.actions)

@@ -58,6 +58,7 @@ def configs(draw) -> HealthConfig:
         restart_budget=draw(st.integers(0, 3)),
         backoff_base_s=base,
         backoff_cap_s=base * draw(st.sampled_from([1, 4])),
+        on_hang=draw(st.sampled_from(["evict", "stop"])),
     )
 
 
@@ -164,9 +165,12 @@ def check_decision(ledger: Ledger, model: Model, event, decision, before: dict) 
             model.ever_gone.add((t.slot, t.incarnation))
     if decision.ignored:
         assert decision.actions == () and not decision.changes_ledger
-    # Unavailability outside probes never condemns on its own.
+    # Unavailability outside probes never condemns on its own, except a resume nobody acknowledged
+    # under on_hang=evict (that engine is killed: no probe can tell whether it resumed).
+    evicted_resume = event.call is CallKind.RESUME and ledger.config.on_hang == "evict" \
+        if isinstance(event, Observed) else False
     if isinstance(event, Observed) and event.failure is FailureClass.SUSPECT \
-            and event.call not in (CallKind.PROBE, CallKind.START):
+            and event.call not in (CallKind.PROBE, CallKind.START) and not evicted_resume:
         assert not any(t.after in GONE | {ShardState.RESTARTING} for t in decision.transitions)
     for action in decision.actions:
         if isinstance(action, Restart):

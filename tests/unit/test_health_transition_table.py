@@ -3,7 +3,9 @@ class -> the state that must follow. A change to any rule changes a cell here.
 
 unhealthy_threshold is 2, so one failed probe quarantines but does not kill; the
 restart backoff is non-zero, so a death shows as ``dead`` (the restart comes on a
-later tick).
+later tick). The table is ``on_hang="evict"`` (the default): a pause or resume that
+misses its deadline, or a resume answered 'unavailable', kills that engine.
+``ON_HANG_STOP`` lists the cells that differ under ``on_hang="stop"``.
 """
 
 from __future__ import annotations
@@ -28,20 +30,20 @@ FAILURES = ("ok", "dead", "suspect", "hung", "lied", "error")
 # state before  call       after: ok        dead  suspect   hung      lied      error
 TABLE = """
 healthy     generate  healthy    dead  suspect   hung      healthy   healthy
-healthy     pause     healthy    dead  suspect   hung      stale     stale
+healthy     pause     healthy    dead  suspect   dead      stale     stale
 healthy     refit     healthy    dead  suspect   hung      stale     stale
-healthy     resume    healthy    dead  suspect   hung      stale     stale
+healthy     resume    healthy    dead  dead      dead      stale     stale
 healthy     probe     healthy    dead  suspect   hung      suspect   suspect
 healthy     start     healthy    dead  healthy   healthy   healthy   healthy
 stale       generate  stale      dead  suspect   hung      stale     stale
-stale       pause     stale      dead  suspect   hung      stale     stale
+stale       pause     stale      dead  suspect   dead      stale     stale
 stale       probe     stale      dead  suspect   hung      suspect   suspect
 suspect     generate  suspect    dead  suspect   suspect   suspect   suspect
-suspect     pause     suspect    dead  suspect   suspect   suspect   suspect
+suspect     pause     suspect    dead  suspect   dead      suspect   suspect
 suspect     probe     healthy    dead  suspect   suspect   suspect   suspect
 suspect     start     suspect    dead  suspect   suspect   suspect   suspect
 hung        generate  hung       dead  hung      hung      hung      hung
-hung        resume    hung       dead  hung      hung      hung      hung
+hung        resume    hung       dead  dead      dead      hung      hung
 hung        probe     healthy    dead  hung      hung      hung      hung
 starting    generate  starting   dead  starting  starting  starting  starting
 starting    pause     starting   dead  starting  starting  starting  starting
@@ -55,6 +57,18 @@ dead        probe     dead       dead  dead      dead      dead      dead
 retired     start     retired    retired retired retired   retired   retired
 retired     probe     retired    retired retired retired   retired   retired
 """
+
+# (state before, call, failure) -> state after, under on_hang="stop": the engine stays quarantined (the
+# refit itself stops, see test_health_design_table)
+ON_HANG_STOP = {
+    ("healthy", "pause", "hung"): "hung",
+    ("healthy", "resume", "suspect"): "suspect",
+    ("healthy", "resume", "hung"): "hung",
+    ("stale", "pause", "hung"): "hung",
+    ("suspect", "pause", "hung"): "suspect",
+    ("hung", "resume", "suspect"): "hung",
+    ("hung", "resume", "hung"): "hung",
+}
 
 CASES = [
     (row[0], row[1], failure, after)
@@ -70,11 +84,11 @@ def _config(**overrides) -> HealthConfig:
     return HealthConfig(**values)
 
 
-def _in_state(state: str) -> Ledger:
+def _in_state(state: str, on_hang: str = "evict") -> Ledger:
     """A ledger whose slot 0 is in ``state`` (reached through events only)."""
     if state == "starting":
-        return Ledger(_config())
-    ledger = ready_fleet(_config(restart_budget=0 if state == "retired" else 2))
+        return Ledger(_config(on_hang=on_hang))
+    ledger = ready_fleet(_config(restart_budget=0 if state == "retired" else 2, on_hang=on_hang))
     if state == "stale":
         step(ledger, RefitReport(0, 1, 0, RefitResult.PARTIAL), 0.0)
     elif state in ("suspect", "hung"):
@@ -95,6 +109,15 @@ def test_transition_table(before, call, failure, after):
     decision = step(ledger, Observed(0, incarnation, CallKind(call), FailureClass(failure)), 2.0)
     assert ledger.state(0).value == after, decision.reason
     assert ledger.state(1).value in ("healthy", "starting")  # nothing else moved
+
+
+@pytest.mark.parametrize(("before", "call", "failure"), sorted(ON_HANG_STOP), ids=["-".join(k) for k in sorted(ON_HANG_STOP)])
+def test_under_on_hang_stop_a_missed_pause_or_resume_deadline_quarantines_instead(before, call, failure):
+    ledger = _in_state(before, on_hang="stop")
+    decision = step(ledger, Observed(0, ledger.record(0).incarnation, CallKind(call), FailureClass(failure)), 2.0)
+    assert ledger.state(0).value == ON_HANG_STOP[(before, call, failure)], decision.reason
+    evict = dict(((b, c, f), a) for b, c, f, a in CASES)
+    assert evict[(before, call, failure)] == "dead"  # the table (evict) differs in exactly these cells
 
 
 def test_table_covers_every_state_and_call():

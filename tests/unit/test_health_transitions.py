@@ -122,8 +122,9 @@ def test_unavailable_quarantines_and_probes_but_never_kills(call):
 
 def test_an_unacknowledged_resume_stops_the_refit_and_no_probe_returns_the_shard_to_serving():
     """Seed 001: a resume that fails stops with dispatch closed unless the failure is a confirmed death.
-    An unavailable shard might still be paused; answering a ping proves nothing about that."""
-    ledger = ready_fleet(config())
+    An unavailable shard might still be paused; answering a ping proves nothing about that.
+    That is ``on_hang="stop"``; under ``evict`` (the default) the engine is killed instead."""
+    ledger = ready_fleet(config(on_hang="stop"))
     step(ledger, RefitStarted(1), 1.0)
     d = step(ledger, Observed(1, 1, RESUME, SUSPECT, "ActorUnavailableError"), 2.0)
     [abort] = [a for a in d.actions if isinstance(a, AbortRefit)]
@@ -184,14 +185,32 @@ def test_hung_generate_quarantines_without_stopping_anything():
 
 
 @pytest.mark.parametrize("call", [PAUSE, RESUME])
-def test_hung_pause_or_resume_aborts_the_refit(call):
-    ledger = ready_fleet(config())
+def test_hung_pause_or_resume_aborts_the_refit_under_on_hang_stop(call):
+    ledger = ready_fleet(config(on_hang="stop"))
     step(ledger, RefitStarted(1), 1.0)
     d = step(ledger, Observed(0, 1, call, HUNG, "30 s"), 2.0)
     assert kinds(d) == ["Probe", "AbortRefit"] and ledger.state(0) is ShardState.HUNG
     abort = d.actions[1]
     assert isinstance(abort, AbortRefit) and (abort.slot, abort.incarnation, abort.version) == (0, 1, 1)
     assert "slot 0 (incarnation 1)" in abort.message and "gate stays closed" in abort.message
+
+
+@pytest.mark.parametrize(("call", "failure"), [(PAUSE, HUNG), (RESUME, HUNG), (RESUME, SUSPECT)])
+def test_under_on_hang_evict_a_missed_pause_or_resume_kills_that_engine_and_the_refit_goes_on(call, failure):
+    ledger = ready_fleet(config())
+    step(ledger, RefitStarted(1), 1.0)
+    d = step(ledger, Observed(0, 1, call, failure, "30 s"), 2.0)
+    assert kinds(d)[0] == "Evict" and "AbortRefit" not in kinds(d) and ledger.fleet.halted is None
+    assert d.actions[0].slot == 0 and "on_hang=evict" in d.actions[0].reason
+    assert ledger.state(0) in (ShardState.DEAD, ShardState.RESTARTING)  # restarts within its budget
+
+
+def test_under_on_hang_evict_a_pause_answered_unavailable_is_only_quarantined():
+    """An unavailable pause may still arrive: probes decide, as between refits."""
+    ledger = ready_fleet(config())
+    step(ledger, RefitStarted(1), 1.0)
+    d = step(ledger, Observed(0, 1, PAUSE, SUSPECT, "x"), 2.0)
+    assert kinds(d) == ["Probe"] and ledger.state(0) is ShardState.SUSPECT
 
 
 def test_hung_transfer_takes_the_recovery_path_without_abort():
