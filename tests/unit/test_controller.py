@@ -8,7 +8,6 @@ accepted request is ever lost.
 from __future__ import annotations
 
 import asyncio
-import json
 import warnings
 
 import pytest
@@ -19,12 +18,6 @@ from fleet.fleet_config import REFIT_TIMEOUT_FALLBACK_S, load_fleet_config
 from fleet.outcome import DIED, UNAVAILABLE, Outcome, observed
 from health import CallKind
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    return str(tmp_path)
 
 
 def make(model_dir, **over):

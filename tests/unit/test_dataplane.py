@@ -26,7 +26,7 @@ from fleet.shard import EngineShard
 from fleet.shard_gate import EPOCH, NOT_MEMBER, PAUSED, VERSION, RecentResults, ShardGate
 from health import CallKind
 from tests.unit.fleet_fakes import client
-from tests.unit.test_controller import make, model_dir, run  # noqa: F401 - model_dir is a fixture
+from tests.unit.test_controller import make, run
 
 
 # ------------------------------------------------------------------ version policy

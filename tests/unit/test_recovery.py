@@ -26,12 +26,6 @@ class Crash(BaseException):
     """The controller's process died here (not an Exception: nothing in the lifecycle handles it)."""
 
 
-@pytest.fixture
-def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    return str(tmp_path)
-
-
 def config(model_dir, **over):
     cfg = dict(engine={"model": model_dir}, num_engines=3, min_healthy_engines=2, name="testfleet",
                refit_timeout_s=0.3, lifecycle_grace_s=0.1, probe_timeout_s=0.1, suspect_timeout_s=0.3,

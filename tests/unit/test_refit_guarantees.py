@@ -15,7 +15,7 @@ from fleet.errors import FleetStopped, RefitArgumentError, RefitFailed, RefitRef
 from fleet.outcome import DIED, Outcome
 from health import CallKind
 from tests.unit.fleet_fakes import client
-from tests.unit.test_controller import make, model_dir, run  # noqa: F401 - model_dir is a fixture
+from tests.unit.test_controller import make, run
 
 REFIT_CALLS = ("pause", "transfer", "set_weight_version", "resume")
 

@@ -1,0 +1,64 @@
+"""Which Ray node each engine shard runs on, and what a lost node takes with it. Ray-free.
+
+A shard names its node when it starts (and when a restarted controller re-adopts it);
+the controller keeps the map here. When a probe finds shards failing, the controller
+asks the door which nodes the cluster has declared dead. Every shard on such a node
+is dead with it, and goes into the same health decision as the failures that revealed
+it (one ``Batch``). So a lost node costs one membership change for all its shards,
+never one per shard, and shards that merely timed out are not left quarantined.
+They would otherwise wait out their probes.
+
+Guarantee on failure: nothing here raises on missing facts. A shard that never named
+its node is simply not on any node: it is found dead by its own probes, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from fleet.outcome import DIED, Outcome
+
+__all__ = ["NodeLost", "NodeMap"]
+
+
+class NodeLost(Exception):
+    """The Ray node a shard ran on was declared dead by the cluster: the shard died with it."""
+
+
+class NodeMap:
+    """slot -> (incarnation, node id) of each shard that named its node."""
+
+    def __init__(self) -> None:
+        self._where: dict[int, tuple[int, str]] = {}
+        self.reported: set[str] = set()  # nodes whose loss was already logged
+
+    def place(self, slot: int, incarnation: int, node: Any) -> None:
+        """Record that ``incarnation`` of ``slot`` runs on ``node`` (ignored when ``node`` is empty)."""
+        if node:
+            self._where[slot] = (incarnation, str(node))
+
+    def node_of(self, slot: int, incarnation: int) -> str | None:
+        where = self._where.get(slot)
+        return where[1] if where is not None and where[0] == incarnation else None
+
+    def by_node(self) -> dict[str, list[int]]:
+        """node id -> the slots placed on it, ascending (for status pages)."""
+        out: dict[str, list[int]] = {}
+        for slot, (_, node) in sorted(self._where.items()):
+            out.setdefault(node, []).append(slot)
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self._where)
+
+    def lost(self, dead_nodes: Iterable[str], current: Mapping[int, int]) -> dict[str, dict[int, tuple[int, Outcome]]]:
+        """For every node in ``dead_nodes``: the slots whose current incarnation (``current``: slot ->
+        incarnation) ran on it, each with a ``died`` outcome that names the node."""
+        dead = set(dead_nodes)
+        out: dict[str, dict[int, tuple[int, Outcome]]] = {}
+        for slot, inc in current.items():
+            node = self.node_of(slot, inc)
+            if node is not None and node in dead:
+                error = NodeLost(f"its Ray node {node[:12]} was declared dead by the cluster")
+                out.setdefault(node, {})[slot] = (inc, Outcome(DIED, error=error))
+        return out
