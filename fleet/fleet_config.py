@@ -50,6 +50,11 @@ class FleetConfig(BaseModel):
     suspect_timeout_s: float = Field(20.0, gt=0)
     unhealthy_threshold: int = Field(2, ge=1)
     probe_timeout_s: float = Field(5.0, gt=0)
+    # Between refits every live shard is pinged each ``monitor_interval_s``; one that does not answer is
+    # probed again every ``probe_interval_s`` and evicted after ``unhealthy_threshold`` failed probes in a
+    # row. ``hang_detection_bound_s`` is the longest that takes.
+    monitor_interval_s: float = Field(1.0, gt=0)
+    probe_interval_s: float = Field(1.0, ge=0)
     # An engine that misses the pause or resume deadline: "evict" kills it and the refit goes on with the
     # rest when quorum holds (its slot restarts, its requests are re-sent at once); "stop" stops the refit
     # with the gate closed. Between refits a shard that stops answering probes is always evicted.
@@ -77,6 +82,14 @@ class FleetConfig(BaseModel):
         return base + self.lifecycle_grace_s
 
     @property
+    def hang_detection_bound_s(self) -> float:
+        """Longest time from a shard freezing between refits to its eviction: the next monitor ping, then
+        ``unhealthy_threshold`` probes (the ping counts as the first), each bounded by ``probe_timeout_s``
+        and spaced by ``probe_interval_s``. Its in-flight requests are re-sent as the kill fails their calls."""
+        n = self.unhealthy_threshold
+        return self.monitor_interval_s + n * self.probe_timeout_s + (n - 1) * self.probe_interval_s
+
+    @property
     def total_engines(self) -> int:
         """Engines the fleet runs: ``num_engines`` serving plus ``spare_engines`` spares."""
         return self.num_engines + self.spare_engines
@@ -89,6 +102,7 @@ class FleetConfig(BaseModel):
             min_healthy_engines=self.min_healthy_engines,
             unhealthy_threshold=self.unhealthy_threshold,
             suspect_timeout_s=self.suspect_timeout_s,
+            probe_interval_s=self.probe_interval_s,
             restart_budget=self.restart_budget if self.restart_dead_engines else 0,
             backoff_base_s=self.restart_backoff_s,
             backoff_cap_s=self.restart_backoff_cap_s,

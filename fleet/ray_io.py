@@ -173,6 +173,19 @@ def actor_state(handle) -> str:
         return "UNKNOWN"
 
 
+def current_node_id() -> str | None:
+    """The id of the Ray node this process runs on, or None outside Ray."""
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside a Ray worker there is no node to name
+        return None
+
+
+def dead_nodes() -> set[str]:
+    """Ids of the nodes the cluster has declared dead (GCS health checks failed)."""
+    return {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
+
+
 def kv_get(key: str) -> bytes | None:
     """A value from Ray's GCS key-value store (rlfleet's namespace), or None."""
     from ray.experimental import internal_kv
@@ -412,6 +425,9 @@ class RayDoor:
 
     def actor_state(self, handle) -> str:
         return actor_state(handle)
+
+    def dead_nodes(self) -> set[str]:
+        return dead_nodes()
 
     def kv_get(self, key: str) -> bytes | None:
         return kv_get(key)

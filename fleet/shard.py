@@ -108,7 +108,8 @@ class EngineShard:
             raise
         self._state = "ready"
         caps = self._backend.capabilities
-        return {"start_s": time.monotonic() - t0, "native_pause": caps.native_pause, **self.ping_info()}
+        return {"start_s": time.monotonic() - t0, "native_pause": caps.native_pause, "node": _node_id(),
+                **self.ping_info()}
 
     def ping_info(self) -> dict[str, Any]:
         return {
@@ -140,7 +141,7 @@ class EngineShard:
         """What a restarted controller re-adopts this shard from: who it is, its stamped weight version,
         whether a transfer touched the weights since that stamp (``dirty``: unknown weights), whether it
         is paused, and its gate (member, epoch floor, committed version as last told)."""
-        return {**self.ping_info(), "dirty": self._dirty, "paused": self.gate.paused,
+        return {**self.ping_info(), "node": _node_id(), "dirty": self._dirty, "paused": self.gate.paused,
                 "native_pause": self._backend.capabilities.native_pause,
                 "gate": self.gate.counters()}
 
@@ -385,3 +386,10 @@ class EngineShard:
         except Exception:
             pass
         return True
+
+
+def _node_id() -> str | None:
+    """The Ray node this shard runs on (the controller groups shards by node: ``fleet.nodes``)."""
+    from fleet import ray_io
+
+    return ray_io.current_node_id()
