@@ -46,7 +46,7 @@ naming slot/incarnation/version/time) before anything changes.
 Modules: ``states`` (enums), ``config`` (``HealthConfig``), ``clock``, ``events``,
 ``decision`` (actions, ``Decision``), ``classify``, ``ledger``, ``core``
 (``decide``, ``step``) with ``draft``, ``slot_rules`` and ``fleet_rules``,
-``quorum``, ``membership``, ``restart``, ``testing`` (builders for tests).
+``quorum``, ``membership``, ``restart``, ``resize`` (elastic size), ``testing`` (builders for tests).
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ from health.events import (
 from health.ledger import FleetState, Ledger, SlotRecord, SlotStatus, view_state
 from health.membership import TRAINER_RANK, MembershipPlan, Participant, plan_membership
 from health.quorum import QuorumDecision, check_quorum
+from health.resize import CheckpointLoaded, Drain, ResizePlan, SlotRemoved, SlotsAdded, check_size, plan_resize
 from health.restart import RestartPlan, RestartPolicy
 from health.states import CallKind, FailureClass, RefitResult, ShardState, SlotPhase
 
@@ -95,10 +96,12 @@ __all__ = [
     "Batch",
     "CloseGate",
     "CallKind",
+    "CheckpointLoaded",
     "Clock",
     "Decision",
     "EngineReady",
     "Event",
+    "Drain",
     "Evict",
     "FailureClass",
     "FakeClock",
@@ -119,6 +122,7 @@ __all__ = [
     "RefitReport",
     "RefitResult",
     "RefitStarted",
+    "ResizePlan",
     "Restart",
     "RestartPlan",
     "RestartPolicy",
@@ -127,16 +131,20 @@ __all__ = [
     "SlotEvent",
     "SlotPhase",
     "SlotRecord",
+    "SlotRemoved",
+    "SlotsAdded",
     "SlotStatus",
     "StopExhausted",
     "TRAINER_RANK",
     "Tick",
     "Transition",
     "VersionCommitted",
+    "check_size",
     "check_quorum",
     "classify_kind",
     "decide",
     "is_late",
+    "plan_resize",
     "plan_membership",
     "refit_result",
     "step",

@@ -45,6 +45,9 @@ Transition rules (DESIGN.md failure classes; "quarantine" = SUSPECT or HUNG):
   once enough serve again (only when quorum closed it).
 - whenever retirements leave fewer than ``min_healthy_engines`` slots that could
   ever serve: ``StopExhausted`` (once).
+- resize (``health.resize``): ``SlotsAdded`` appends STARTING slots; ``CheckpointLoaded``
+  lands version 0 on a ready slot while 0 is committed; ``SlotRemoved`` retires a slot on
+  purpose (``Drain`` while it may still run requests), not counted as a failure.
 - ``Batch(events)``: the slot events in order, each read through the changes of
   the ones before it, with the two checks above after each, as if fed one by one;
   one decision (one ``now``, one ledger write) for all of them.
@@ -56,7 +59,7 @@ ledger could change; ``decide`` itself never changes the ledger.
 
 from __future__ import annotations
 
-from health import fleet_rules, slot_rules
+from health import fleet_rules, resize, slot_rules
 from health.decision import Decision
 from health.draft import Draft
 from health.events import (
@@ -84,6 +87,8 @@ _SLOT_HANDLERS = {
     EngineReady: slot_rules.on_ready,
     Observed: slot_rules.on_observed,
     RefitReport: slot_rules.on_report,
+    resize.SlotRemoved: resize.on_slot_removed,
+    resize.CheckpointLoaded: resize.on_checkpoint_loaded,
 }
 
 _HANDLERS = {
@@ -93,6 +98,7 @@ _HANDLERS = {
     RefitFinished: fleet_rules.on_refit_finished,
     RefitRolledBack: fleet_rules.on_refit_rolled_back,
     Tick: fleet_rules.on_tick,
+    resize.SlotsAdded: resize.on_slots_added,
 }
 
 
@@ -135,7 +141,8 @@ def _decide_batch(draft: Draft, batch: Batch) -> None:
         handler = _SLOT_HANDLERS.get(type(ev))
         if handler is None:
             raise TypeError(
-                f"a Batch holds slot events (EngineReady, Observed, RefitReport), got {type(ev).__name__}"
+                "a Batch holds slot events (EngineReady, Observed, RefitReport, SlotRemoved, CheckpointLoaded), "
+                f"got {type(ev).__name__}"
             )
         draft.failure = _OK
         puts = draft.puts

@@ -197,8 +197,9 @@ def check_quorum_between_refits(d: Draft) -> None:
         return
     ledger = d.ledger
     serving = ledger.serving_count()
+    records = ledger._records
     for slot, new in d.changed.items():
-        was = view_state(ledger._records[slot], cv) is ShardState.HEALTHY
+        was = slot < len(records) and view_state(records[slot], cv) is ShardState.HEALTHY  # else: added by a resize
         serving += (view_state(new, cv) is ShardState.HEALTHY) - was
     needed = ledger.config.min_healthy_engines
     if fleet.gate_open and serving < needed:
@@ -224,17 +225,18 @@ def check_permanent_exhaustion(d: Draft) -> None:
     records = ledger._records
     retired = len(ledger._by_phase[_RETIRED])
     for slot, new in d.changed.items():
-        retired += (new.phase is _RETIRED) - (records[slot].phase is _RETIRED)
+        retired += (new.phase is _RETIRED) - (slot < len(records) and records[slot].phase is _RETIRED)
     n = len(records)
     needed = ledger.config.min_healthy_engines
+    # Slots that can ever serve: all but the retired. A slot a resize removed is retired too, so this is
+    # the target size minus the slots retired by failures: removing slots on purpose never stops the fleet.
     if n - retired >= needed:
         return
-    gone = ledger._by_phase[_DEAD] | ledger._by_phase[_RETIRED] | set(d.changed)
-    post = [d.get(s) for s in range(n)]
-    dead_slots = tuple(sorted(s for s in gone if d.get(s).phase in (_DEAD, _RETIRED)))
+    post = [r for r in (d.get(s) for s in range(n)) if not r.removed]
+    dead_slots = tuple(r.slot for r in post if r.phase in (_DEAD, _RETIRED))
     serving = sum(1 for r in post if view_state(r, fleet.current_version) is ShardState.HEALTHY)
     message = exhausted_message(
-        serving=serving, needed=needed, num_slots=n,
+        serving=serving, needed=needed, num_slots=len(post),
         current_version=fleet.current_version, records=post, permanent=True,
     )
     d.fleet = fleet._replace(exhausted=True, gate_open=False)

@@ -78,6 +78,8 @@ class SlotRecord(NamedTuple):
     - ``restarts``: restarts this slot has used from its budget.
     - ``restart_at``: for ``DEAD``, when the restart is due.
     - ``reason``: why the slot is in its phase (for dead/retired: why it died).
+    - ``removed``: retired on purpose by a resize (``health.resize``), not by a failure: it no
+      longer counts in the fleet's target size.
     """
 
     slot: int
@@ -90,6 +92,7 @@ class SlotRecord(NamedTuple):
     restarts: int
     restart_at: float | None
     reason: str
+    removed: bool = False
 
 
 class FleetState(NamedTuple):
@@ -133,6 +136,7 @@ class SlotStatus:
     restarts: int
     restart_at: float | None
     reason: str
+    removed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (enum values as strings)."""
@@ -147,6 +151,7 @@ class SlotStatus:
             "restarts": self.restarts,
             "restart_at": self.restart_at,
             "reason": self.reason,
+            "removed": self.removed,
         }
 
 
@@ -163,9 +168,12 @@ class Ledger:
     def __init__(
         self, config: HealthConfig, *, now: float = 0.0, first_incarnation: int = 1,
         adopted: Mapping[int, tuple[int, int]] | None = None,
+        removed: Mapping[int, int] | None = None,
     ) -> None:
         """``adopted`` (a restarted controller's ledger): slot -> (incarnation, restarts spent) as its
-        predecessor recorded them; those slots launch at that incarnation with that budget spent."""
+        predecessor recorded them; those slots launch at that incarnation with that budget spent.
+        ``removed``: slot -> last incarnation of the slots a resize removed (retired for good, out of
+        the target size)."""
         if not isinstance(config, HealthConfig):
             raise TypeError(f"Ledger needs a HealthConfig, got {type(config).__name__}")
         if type(first_incarnation) is not int or first_incarnation < 0:
@@ -185,8 +193,17 @@ class Ledger:
                                  f"integers >= 0 for a slot in 0..{n - 1}")
             self._records[slot] = SlotRecord(slot, inc, _LAUNCHING, None, False, now, 0, restarts, None,
                                              "adopted by a restarted controller")
+        for slot, inc in (removed or {}).items():
+            if not (0 <= slot < n) or slot in (adopted or {}) or type(inc) is not int or inc < 0:
+                raise ValueError(f"removed slot {slot!r} (incarnation {inc!r}) must be a slot in 0..{n - 1} "
+                                 "that is not also adopted, with an incarnation >= 0")
+            self._records[slot] = SlotRecord(slot, inc, _RETIRED, None, False, now, 0, 0, None,
+                                             "removed by a resize", True)
+        self.first_incarnation = first_incarnation  # what a slot added by a resize starts at
         self._by_phase: dict[SlotPhase, set[int]] = {p: set() for p in SlotPhase}
-        self._by_phase[_LAUNCHING].update(range(n))
+        for r in self._records:
+            self._by_phase[r.phase].add(r.slot)
+        self._removed: set[int] = {r.slot for r in self._records if r.removed}
         self._holding: dict[int, set[int]] = {}
         # Sorted views, rebuilt on first read after a change to what they list (None: stale).
         self._live_sorted: tuple[int, ...] | None = None
@@ -202,6 +219,16 @@ class Ledger:
     @property
     def num_slots(self) -> int:
         return len(self._records)
+
+    @property
+    def target_size(self) -> int:
+        """Slots the fleet is meant to have: every slot but those a resize removed (failed and retired
+        slots count: they are the fleet's, lost). O(1)."""
+        return len(self._records) - len(self._removed)
+
+    def removed_slots(self) -> frozenset[int]:
+        """The slots a resize removed (a copy)."""
+        return frozenset(self._removed)
 
     @property
     def now(self) -> float:
@@ -250,7 +277,7 @@ class Ledger:
         return SlotStatus(
             r.slot, r.incarnation, view_state(r, self._fleet.current_version),
             r.weight_version, r.partial, r.since, r.failed_probes, r.restarts,
-            r.restart_at, r.reason,
+            r.restart_at, r.reason, r.removed,
         )
 
     def records(self) -> tuple[SlotStatus, ...]:
@@ -347,6 +374,7 @@ class Ledger:
             "halted": f.halted,
             "exhausted": f.exhausted,
             "serving": self.serving_count(),
+            "target_size": self.target_size,
             "slots": [s.to_dict() for s in self.records()],
         }
 
@@ -379,8 +407,14 @@ class Ledger:
 
     def _store(self, new: SlotRecord) -> None:
         slot = new.slot
+        if slot == len(self._records):  # a slot a resize added (``health.resize``): appended, launching
+            self._records.append(new)
+            self._by_phase[new.phase].add(slot)
+            return
         old = self._records[slot]
         self._records[slot] = new
+        if new.removed != old.removed:
+            (self._removed.add if new.removed else self._removed.discard)(slot)
         if old.phase is not new.phase:
             self._by_phase[old.phase].discard(slot)
             self._by_phase[new.phase].add(slot)

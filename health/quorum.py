@@ -24,8 +24,8 @@ __all__ = ["QuorumDecision", "check_quorum", "exhausted_message", "describe_dead
 
 @dataclass(frozen=True, slots=True)
 class QuorumDecision:
-    """``ok`` iff ``serving >= needed``. ``dead_slots``: every DEAD or RETIRED slot,
-    ascending. ``message``: one line; on failure it names each dead slot and why."""
+    """``ok`` iff ``serving >= needed``. ``dead_slots``: every DEAD or RETIRED slot
+    (not those a resize removed), ascending. ``message``: one line; on failure it names each dead slot and why."""
 
     ok: bool
     serving: int
@@ -44,18 +44,18 @@ def check_quorum(ledger: Ledger, min_healthy: int | None = None) -> QuorumDecisi
         )
     serving = ledger.serving_count()
     dead_slots = tuple(
-        sorted(ledger.slots_in(SlotPhase.DEAD) | ledger.slots_in(SlotPhase.RETIRED))
+        sorted((ledger.slots_in(SlotPhase.DEAD) | ledger.slots_in(SlotPhase.RETIRED)) - ledger.removed_slots())
     )
     cv = ledger.current_version
     if serving >= needed:
         message = (
-            f"quorum holds: {serving} of {ledger.num_slots} engines serve weight version "
+            f"quorum holds: {serving} of {ledger.target_size} engines serve weight version "
             f"{cv} (min_healthy_engines={needed})"
         )
         return QuorumDecision(True, serving, needed, message, dead_slots)
-    records = [ledger.raw(s) for s in range(ledger.num_slots)]
+    records = [r for r in (ledger.raw(s) for s in range(ledger.num_slots)) if not r.removed]
     message = exhausted_message(
-        serving=serving, needed=needed, num_slots=ledger.num_slots,
+        serving=serving, needed=needed, num_slots=ledger.target_size,
         current_version=cv, records=records,
     )
     return QuorumDecision(False, serving, needed, message, dead_slots)
