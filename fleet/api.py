@@ -42,7 +42,7 @@ CONTROLLER_OPTIONS = dict(num_cpus=0, max_concurrency=10_000, max_task_retries=0
 # Calls Fleet re-sends to a restarted controller (sync_weights and shutdown are re-sent too: the
 # restarted controller finishes or re-runs them; see ``SingleController.sync_weights``).
 _RESENDABLE = frozenset({"status", "events", "shard_counters", "admission_metrics", "ping", "config",
-                         "sync_weights", "shutdown"})
+                         "sync_weights", "shutdown", "resize"})  # resize(n) to the size it has is a no-op
 
 
 def check_prompts(prompts: Any) -> list:
@@ -231,6 +231,31 @@ class Fleet:
         """
         summary = self._ask("sync_weights", version, source, timeout=self.config.lifecycle_deadline_s * 4 + 60)
         if self.client is not None:  # from here on this process routes on the refit's state (or a later one)
+            self.client.wait_routing(summary.get("routing_epoch", 0) - 1, 30)
+        return summary
+
+    def resize(self, n: int, drain_timeout_s: float | None = None) -> dict:
+        """Grow or shrink the fleet to ``n`` serving engines (``fleet.resize``); returns the resize summary.
+
+        Growing starts the new engines and returns once they started; they serve once a refit lands on
+        them (the next ``sync_weights``), or at once while the committed version is the checkpoint (0).
+        Shrinking takes the engines that serve least out of routing at once, lets their in-flight requests
+        finish (up to ``drain_timeout_s``, default ``request_timeout_s``; the rest are re-sent, none is
+        lost), then shuts them down. A running refit finishes first, and the next one waits for the
+        resize. An ``n`` that is not an integer >= 1 and >= ``min_healthy_engines``, or more engines than
+        the Ray cluster can place, raises ``ConfigError`` before anything changes; resizing to the size
+        the fleet has changes nothing (so it is re-sent safely after a controller restart).
+        """
+        from fleet.resize import check_target, drain_bound
+
+        self._check_open("resize")
+        n = check_target(n, self.config.min_healthy_engines)
+        drain = drain_bound(drain_timeout_s, self.config.request_timeout_s)
+        ray_io.check_capacity(n + self.config.spare_engines, self.config.engine.num_cpus, self.config.engine.num_gpus)
+        bound = self.config.lifecycle_deadline_s * 4 + self.config.engine.start_timeout_s + drain + 120
+        summary = self._ask("resize", n, drain_timeout_s, timeout=bound)
+        self.config = self.config.model_copy(update={"num_engines": n})
+        if self.client is not None:  # from here on this process routes on the resized fleet (or later)
             self.client.wait_routing(summary.get("routing_epoch", 0) - 1, 30)
         return summary
 

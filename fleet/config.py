@@ -37,6 +37,9 @@ class EngineConfig(BaseModel):
     backend: Literal["vllm", "null"] = Field(
         "vllm", description="'null': no engine, every call answers at once (benchmarks of the control and data planes)"
     )
+    null_generate_s: float = Field(
+        0.0, ge=0, description="'null' backend only: each generate takes this long (requests stay in flight; abortable)"
+    )
     # Placement and process environment of the actor hosting the engine.
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)

@@ -405,6 +405,14 @@ class SingleController:
         self.refits.append(summary)
         return summary
 
+    async def resize(self, n: int, drain_timeout_s: float | None = None) -> dict:
+        """Grow or shrink the fleet to ``n`` serving engines (``fleet.resize``); waits for a refit running now.
+        ``ConfigError`` (nothing changed) for an ``n`` that is not an integer >= 1 and >= ``min_healthy_engines``."""
+        await self.adopt_if_restarted()
+        from fleet.resize import resize
+
+        return await resize(self, n, drain_timeout_s)
+
     def check_refit(self, version: Any, source: Any) -> None:
         """Refuse a refit the caller got wrong, before anything changes; the error names the argument."""
         if isinstance(version, bool) or not isinstance(version, int):
@@ -445,6 +453,7 @@ class SingleController:
             "epoch": self.plan.epoch,
             "stopped": self.stopped,
             "routing_epoch": self.publisher.current.epoch,
+            "target_size": self.cfg.num_engines,  # serving engines the fleet is sized to (``resize``)
             "ledger": self.ledger.to_dict(),
             "refits": len(self.refits),
         }

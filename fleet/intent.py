@@ -4,9 +4,9 @@ What a restarted controller cannot learn from its live shards is written here,
 before the controller acts on it: the config, the committed weight version, the
 membership epoch, each slot's incarnation and the restarts it has spent, the refit
 in progress (its version, how far it got, and once committed, which engines hold
-the new weights), the routing generation, and a shutdown marker. Everything else
-(health, load, the routing state) is rebuilt from the shards themselves
-(``fleet.recovery``).
+the new weights), the slots a resize removed (``fleet.resize``), the routing
+generation, and a shutdown marker. Everything else (health, load, the routing
+state) is rebuilt from the shards themselves (``fleet.recovery``).
 
 Stored as one JSON document per fleet; ``IntentStore`` reads and writes it through
 the door (``kv_get``/``kv_put``/``kv_del``), so unit tests use an in-memory door.
@@ -49,10 +49,12 @@ class Intent:
     generation: int = 0  # controller restarts so far; routing epochs of generation g start above g's predecessors
     shutdown: bool = False
     stopped: str | None = None  # the fleet stopped (loudly) for this reason: a successor stays stopped
+    removed: dict[int, int] = field(default_factory=dict)  # slot -> last incarnation, of slots a resize removed
 
     def to_json(self) -> str:
         doc = dataclasses.asdict(self)
         doc["slots"] = {str(s): list(v) for s, v in self.slots.items()}
+        doc["removed"] = {str(s): inc for s, inc in self.removed.items()}
         return json.dumps(doc, sort_keys=True)
 
     @classmethod
@@ -71,6 +73,7 @@ class Intent:
             generation=int(doc.get("generation", 0)),
             shutdown=bool(doc.get("shutdown", False)),
             stopped=doc.get("stopped"),
+            removed={int(s): int(inc) for s, inc in doc.get("removed", {}).items()},
         )
 
     def replace(self, **changes: Any) -> "Intent":

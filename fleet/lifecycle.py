@@ -81,6 +81,11 @@ class RefitLifecycle:
         self._held: dict[tuple[int, int], Any] = {}  # (slot, incarnation) -> handle paused by this refit
         self._busy: dict[int, int] = {}  # slot -> requests in flight when the refit fenced it
 
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held for the whole of a refit; a resize (``fleet.resize``) holds it too, so the two never interleave."""
+        return self._lock
+
     async def run(self, version: int, source: Any) -> dict:
         """The eight steps. One refit at a time: a second call waits, then is checked against
         the version the first committed. Ends committed, rolled back or stopped (module docstring)."""

@@ -8,7 +8,7 @@ shards running as named, detached actors (``fleet.naming``). The new one:
    shards raise their floors to them);
 2. finds each slot's recorded incarnation by name and fences what is not it: a
    neighbouring incarnation that is still alive (replaced, or spawned after the last
-   write) is killed;
+   write) is killed, and so is any engine left of a slot a resize removed;
 3. if the intent holds a shutdown marker, finishes the shutdown (nothing orphaned) and
    stays stopped; if the fleet had stopped, it stays stopped;
 4. asks every found shard what it is (``EngineShard.describe``): incarnation, stamped
@@ -37,11 +37,11 @@ from typing import Any
 from fleet.intent import COMMITTED
 from fleet.naming import shard_name
 from fleet.outcome import DIED, Outcome
+from fleet.resize import adopted_ledger, fence_removed
 from health import (
     Batch,
     CallKind,
     EngineReady,
-    Ledger,
     MembershipPlan,
     RefitFinished,
     RefitReport,
@@ -70,10 +70,11 @@ async def adopt(ctl: Any) -> dict:
                  shutdown=intent.shutdown, stopped=intent.stopped)
     ctl.publisher.start_above(ctl.generation * EPOCHS_PER_GENERATION)
     found, fenced = _find_shards(ctl, intent)
+    fenced += fence_removed(ctl, intent)  # a resize removed them: nothing of theirs may serve again
     if intent.shutdown:
         return await _finish_shutdown(ctl, found, fenced, t0)
 
-    ctl.ledger = Ledger(ctl.cfg.health_config(), now=ctl.clock.now(), adopted=intent.slots)
+    ctl.ledger = adopted_ledger(ctl, intent)  # every slot it had (a resize may have grown or shrunk it)
     ctl.plan = MembershipPlan(intent.membership_epoch, ())  # the next refit forms a new epoch (fresh group)
     ctl.handles = {slot: (intent.slots[slot][0], h) for slot, h in found.items()}
     ctl.handles_revision += 1

@@ -201,6 +201,11 @@ class FakeDoor:
         s.gate.committed = max(s.gate.committed, v)
         return True
 
+    async def _counters(self, s):
+        """``EngineShard.counters``: in flight counts requests not aborted yet (an aborted one is ending)."""
+        return {**s.gate.counters(), "in_flight": sum(1 for v in s.in_flight.values() if v is not None),
+                "slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version}
+
     async def _set_route(self, s, epoch, member, committed):
         s.gate.route(epoch, member, committed)
         return True

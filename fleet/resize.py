@@ -1,0 +1,231 @@
+"""Elastic size on the controller: ``SingleController.resize(n)`` grows or shrinks the fleet to ``n``
+serving engines (``num_engines``; warm spares, if any, stay on top of it).
+
+What changes is decided by the health core (``health.resize``: ``plan_resize``, ``SlotsAdded``,
+``SlotRemoved``, ``CheckpointLoaded``); this module carries it out, holding the refit
+lifecycle's lock for the whole resize, so a resize and a refit never interleave (each waits for
+the other).
+
+Grow (``n`` above the target size): the new slots are stored in the intent before their
+actors exist (a restarted controller finds them by name), spawned and started under the
+start bound (a start that fails is a dead engine: restarted within its budget). A started
+engine is stale: it serves once a refit lands on it, i.e. after the trainer's next
+``sync_weights``; while the committed version is 0 (the checkpoint every engine loads from
+disk) it serves at once, as the engines of ``start`` do. ``resize`` returns when the new
+engines have started (or failed to), not when they serve.
+
+Shrink (``n`` below): the slots that serve least go first (``plan_resize``). They are stored
+in the intent as removed, retired in the ledger (out of the serving set, out of refits,
+never restarted; not a failure) and the routing state is published at once. Each removed
+engine is then drained (``Drain``): told it is no longer a member (it refuses new work, which
+its clients route elsewhere), its in-flight requests are left to finish for up to the drain
+bound (``request_timeout_s`` unless given), whatever is still running then is aborted (the
+clients re-send it: nothing is lost), and the engine is shut down and killed.
+
+Every resize writes a ``resize`` record at its beginning and end (sizes, slots added and
+removed, and per removed slot what its drain saw: in flight and admitted at removal,
+admitted at the end, finished, aborted). ``resize(n)`` to the size the fleet has changes
+nothing, so re-sending it to a restarted controller is safe.
+
+Guarantee on failure: ``n`` is checked before anything changes (``ConfigError`` naming ``n``
+and ``min_healthy_engines``); a stopped fleet refuses (``FleetStopped``). After that a
+resize always ends with the target size recorded in the intent and the ledger; engines that
+fail to start are handled as any dead engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from fleet.errors import ConfigError, FleetStopped
+from fleet.naming import shard_name
+from health import (
+    Batch,
+    CallKind,
+    CheckpointLoaded,
+    Drain,
+    EngineReady,
+    Ledger,
+    SlotRemoved,
+    SlotsAdded,
+    check_size,
+    plan_resize,
+)
+
+DRAIN_POLL_S = 0.05  # how often a draining shard's in-flight count is read
+
+
+def check_target(n: Any, min_healthy_engines: int) -> int:
+    """``n`` as a new serving size, or ``ConfigError`` naming ``n`` and ``min_healthy_engines``."""
+    try:
+        return check_size(n, min_healthy_engines)
+    except ValueError as exc:
+        raise ConfigError("n", f"{exc}; nothing changed, the fleet keeps serving", n) from None
+
+
+def drain_bound(drain_timeout_s: Any, request_timeout_s: float) -> float:
+    """How long a removed engine's in-flight requests may take to finish: ``drain_timeout_s``, else
+    ``request_timeout_s``; ``ConfigError`` for anything but a number >= 0 or None."""
+    if drain_timeout_s is None:
+        return float(request_timeout_s)
+    if isinstance(drain_timeout_s, bool) or not isinstance(drain_timeout_s, (int, float)) or not drain_timeout_s >= 0:
+        raise ConfigError("drain_timeout_s", "must be a number of seconds >= 0 or None (request_timeout_s)",
+                          drain_timeout_s)
+    return float(drain_timeout_s)
+
+
+async def resize(ctl: Any, n: Any, drain_timeout_s: Any = None) -> dict:
+    """Grow or shrink ``ctl``'s fleet to ``n`` serving engines (module docstring); returns a summary."""
+    n = check_target(n, ctl.cfg.min_healthy_engines)
+    bound = drain_bound(drain_timeout_s, ctl.cfg.request_timeout_s)
+    async with ctl.lifecycle.lock:  # a refit running now ends first; the next one waits for this resize
+        if ctl.stopped:
+            raise FleetStopped(f"resize({n}) refused: fleet stopped: {ctl.stopped}")
+        spares = ctl.cfg.spare_engines
+        plan = plan_resize(ctl.ledger, n + spares)
+        size_from = plan.current - spares
+        t0 = ctl.clock.now()
+        if plan.unchanged:
+            return _summary(ctl, size_from, n, [], {}, t0)
+        ctl.log.emit("resize", edge="begin", size_from=size_from, size_to=n, add=plan.add,
+                     remove=[s for s, _ in plan.remove])
+        ctl.cfg = ctl.cfg.model_copy(update={"num_engines": n})  # the serving size follows at once
+        added, drained = [], {}
+        if plan.add:
+            added = await _grow(ctl, plan.add, n)
+        else:
+            drained = await _shrink(ctl, plan.remove, n, bound)
+        await ctl.publisher.publish()
+        summary = _summary(ctl, size_from, n, added, drained, t0)
+        ctl.log.emit("resize", edge="end", **{k: v for k, v in summary.items() if k != "routing_epoch"})
+        return summary
+
+
+def _summary(ctl: Any, size_from: int, n: int, added: list, drained: dict, t0: float) -> dict:
+    return {"size_from": size_from, "size_to": n, "added": added, "removed": sorted(drained),
+            "drained": {str(s): row for s, row in sorted(drained.items())}, "serving": sorted(m.slot for m in ctl.publisher.current.members),
+            "seconds": round(ctl.clock.now() - t0, 3), "routing_epoch": ctl.publisher.current.epoch}
+
+
+# ------------------------------------------------------------------------------ grow
+async def _grow(ctl: Any, count: int, n: int) -> list[int]:
+    """Add ``count`` slots, spawn and start their engines; returns the new slots."""
+    first = ctl.ledger.num_slots
+    ctl.decide(SlotsAdded(count, f"resize to {n} engines"))
+    new = list(range(first, first + count))
+    incs = {}
+    for slot in new:  # each is stored in the intent before its actor exists
+        incs[slot] = ctl.ledger.raw(slot).incarnation
+        ctl._spawn(slot, incs[slot])
+    outs = await ctl.door.fan_out({s: (ctl.handles[s][1], "start", (), {}) for s in new},
+                                  timeout=ctl.cfg.engine.start_timeout_s + 30)
+    ready = []
+    for slot, out in outs.items():
+        if out.ok:
+            ctl.native_pause[slot] = bool(out.value.get("native_pause", True))
+            ready.append(slot)
+        else:  # a failed start is a dead engine: evicted, restarted within its budget
+            ctl.observe(slot, incs[slot], CallKind.START, out)
+    if ready:
+        ctl.decide(Batch(tuple(EngineReady(s, incs[s]) for s in ready)))
+        ctl.decide(Batch(tuple(CheckpointLoaded(s, incs[s]) for s in ready)))  # serves at once only at version 0
+    await ctl.poll_admission()  # caps sized from the new engines before clients route to them
+    return new
+
+
+# ------------------------------------------------------------------------------ shrink
+async def _shrink(ctl: Any, remove: tuple[tuple[int, int], ...], n: int, bound: float) -> dict[int, dict]:
+    """Retire ``remove`` (slot, incarnation) for good, drain what still runs there, shut it down."""
+    removed = dict(remove)
+    intent = ctl.intent.current
+    if intent is not None:  # stored first: a successor never serves them again, it fences them
+        ctl.intent.update(slots={s: v for s, v in intent.slots.items() if s not in removed},
+                          removed={**intent.removed, **removed})
+    for slot in removed:  # a restart under way would bring back an engine nobody wants
+        task = ctl._restarting.pop(slot, None)
+        if task is not None:
+            task.cancel()
+    d = ctl.decide(Batch(tuple(SlotRemoved(s, inc, f"resize to {n} engines") for s, inc in remove)))
+    drains = [a for a in d.actions if isinstance(a, Drain)]
+    await ctl.publisher.publish()  # out of the serving set before the drain begins
+    epoch = ctl.publisher.current.epoch
+    rows = await asyncio.gather(*(_drain(ctl, a, epoch, bound) for a in drains))
+    out = {a.slot: row for a, row in zip(drains, rows)}
+    for slot, inc in remove:
+        out.setdefault(slot, {"incarnation": inc, "drained": False, "note": "no engine left to drain"})
+        _forget(ctl, slot, inc)
+    return out
+
+
+async def _drain(ctl: Any, action: Drain, epoch: int, bound: float) -> dict:
+    """Tell the shard it left the serving set, wait (bounded) until its in-flight requests finished, abort
+    what is left (the clients re-send it), shut it down. Returns what the drain saw."""
+    slot, inc = action.slot, action.incarnation
+    handle = ctl.handle_of(slot, inc)
+    row: dict[str, Any] = {"incarnation": inc, "drained": False}
+    if handle is None:
+        return {**row, "note": "no engine left to drain"}
+    probe = ctl.cfg.probe_timeout_s
+    told = await ctl.door.call(handle, "set_route", epoch, False, ctl.gate.version, timeout=probe, expect_ack=True)
+    first = await ctl.door.call(handle, "counters", timeout=probe)
+    t0, last, aborted = ctl.clock.now(), first, 0
+    while last.ok and last.value["in_flight"] and ctl.clock.now() - t0 < bound:
+        await asyncio.sleep(DRAIN_POLL_S)
+        last = await ctl.door.call(handle, "counters", timeout=probe)
+    if last.ok and last.value["in_flight"]:  # the bound passed: what still runs is aborted and re-sent
+        out = await ctl.door.call(handle, "abort_in_flight", timeout=probe)
+        aborted = out.value if out.ok else last.value["in_flight"]
+        last = await ctl.door.call(handle, "counters", timeout=probe)
+    if first.ok and last.ok:
+        c0, c1 = first.value, last.value
+        row.update(drained=not c1["in_flight"], in_flight_at_removal=c0["in_flight"], finished=c0["in_flight"] - aborted,
+                   aborted=aborted, admitted_at_removal=c0["admitted"], admitted_at_end=c1["admitted"],
+                   refused_after_removal=sum(c1["refused"].values()) - sum(c0["refused"].values()))
+    else:
+        row["note"] = f"its counters could not be read: {(first if not first.ok else last).describe()[:200]}"
+    row["told"] = told.kind
+    row["drain_s"] = round(ctl.clock.now() - t0, 3)
+    shut = await ctl.door.call(handle, "shutdown", timeout=ctl.cfg.engine.call_timeout_s + 5)
+    row["shutdown"] = shut.kind
+    return row
+
+
+def _forget(ctl: Any, slot: int, incarnation: int) -> None:
+    """The removed engine's actor is killed (if still the slot's) and the controller lets go of the slot."""
+    ctl._kill(slot, incarnation, "removed by a resize")
+    if slot in ctl.handles:
+        del ctl.handles[slot]
+        ctl.handles_revision += 1
+    ctl.native_pause.pop(slot, None)
+    ctl.admission.forget(slot)
+
+
+# ------------------------------------------------------------------------------ re-adoption (fleet.recovery)
+def adopted_ledger(ctl: Any, intent: Any) -> Ledger:
+    """The ledger a restarted controller rebuilds from ``intent``: every slot the fleet ever had (grown
+    ones too), the removed ones retired for good; ``ctl.cfg.num_engines`` follows the target size."""
+    slots = set(intent.slots) | set(intent.removed)
+    total = max(slots) + 1 if slots else ctl.cfg.total_engines
+    config = dataclasses.replace(ctl.cfg.health_config(), num_engines=total)
+    ledger = Ledger(config, now=ctl.clock.now(), adopted=intent.slots, removed=intent.removed)
+    serving = ledger.target_size - ctl.cfg.spare_engines
+    if serving != ctl.cfg.num_engines and serving >= ctl.cfg.min_healthy_engines:
+        ctl.cfg = ctl.cfg.model_copy(update={"num_engines": serving})
+    return ledger
+
+
+def fence_removed(ctl: Any, intent: Any) -> list[list[int]]:
+    """Kill any actor left of a slot a resize removed (the predecessor died before it was shut down:
+    its clients re-send what it ran). Returns [slot, incarnation] of each one killed."""
+    fenced = []
+    for slot, inc in sorted(intent.removed.items()):
+        for other in (inc - 1, inc, inc + 1):
+            handle = ctl.door.find(shard_name(ctl.name, slot, other)) if other >= 1 else None
+            if handle is not None:
+                ctl.door.kill(handle)
+                fenced.append([slot, other])
+                ctl.log.emit("adopt_fence", slot=slot, incarnation=other, recorded=inc,
+                             reason="a slot a resize removed: killed")
+    return fenced
