@@ -30,6 +30,7 @@ from fleet.intent import Intent, IntentStore
 from fleet.metrics import FleetMetrics
 from fleet.naming import new_fleet_name, shard_name
 from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed
+from fleet.nodes import NodeMap
 from fleet.publisher import RoutingPublisher
 from fleet.routing import RoutingState
 from health import (
@@ -57,8 +58,8 @@ from health import (
     step,
 )
 
-MONITOR_INTERVAL_S = 1.0
 TIMER_INTERVAL_S = 0.2
+PLACEMENT_POLL_S = 1.0  # how often a restart that Ray cannot place yet asks again
 
 
 class SingleController:
@@ -88,6 +89,7 @@ class SingleController:
         self._restarting: dict[int, asyncio.Task] = {}
         self._keep_warned = False
         self.native_pause: dict[int, bool] = {}
+        self.nodes = NodeMap()  # which Ray node each shard runs on (``fleet.nodes``)
         self.refits: list[dict] = []
         from fleet.lifecycle import RefitLifecycle
 
@@ -123,7 +125,7 @@ class SingleController:
         for slot, out in outs.items():
             inc = self.handles[slot][0]
             if out.ok:
-                self.native_pause[slot] = bool(out.value.get("native_pause", True))
+                self.note_started(slot, inc, out.value)
                 self.decide(EngineReady(slot, inc))
             else:
                 self.observe(slot, inc, CallKind.START, out)
@@ -235,7 +237,25 @@ class SingleController:
         if handle is None:
             return
         out = await self.door.call(handle, "ping", timeout=self.cfg.probe_timeout_s)
-        self.observe(slot, incarnation, CallKind.PROBE, out)
+        if out.ok:
+            self.observe(slot, incarnation, CallKind.PROBE, out)
+        else:
+            self.observe_all(CallKind.PROBE, self._with_lost_nodes({slot: (incarnation, out)}))
+
+    def _with_lost_nodes(self, failed: dict[int, tuple[int, Outcome]]) -> dict[int, tuple[int, Outcome]]:
+        """``failed`` probes, plus every shard on a node the cluster declared dead (``fleet.nodes``): a lost
+        node's shards all die in the decision that found the first of them."""
+        dead_nodes = getattr(self.door, "dead_nodes", None)
+        if not failed or not self.nodes or dead_nodes is None:
+            return failed
+        current = {s: inc for s, (inc, _) in self.handles.items() if inc == self.ledger.raw(s).incarnation}
+        out = dict(failed)
+        for node, slots in self.nodes.lost(dead_nodes(), current).items():
+            out.update(slots)
+            if node not in self.nodes.reported:
+                self.nodes.reported.add(node)
+                self.log.emit("node_lost", node=node, slots=sorted(slots))
+        return out
 
     def _spawn(self, slot: int, incarnation: int):
         if self.intent.current is not None:  # stored before the actor exists: a successor finds it by name
@@ -253,15 +273,39 @@ class SingleController:
         self.log.emit("restart", slot=action.slot, incarnation=action.incarnation, edge="begin", attempt=action.attempt)
         handle = self._spawn(action.slot, action.incarnation)
         self.admission.forget(action.slot)
+        await self._placed(action.slot, action.incarnation, handle)
         out = await self.door.call(handle, "start", timeout=self.cfg.engine.start_timeout_s + 30)
         self.log.emit("restart", slot=action.slot, incarnation=action.incarnation, edge="end", outcome=out.kind)
         if out.ok:
-            self.native_pause[action.slot] = bool(out.value.get("native_pause", True))
+            self.note_started(action.slot, action.incarnation, out.value)
             self.decide(EngineReady(action.slot, action.incarnation))
         else:
             self._kill(action.slot, action.incarnation, f"restart failed: {out.describe()[:200]}")
             self.decide(observed(action.slot, action.incarnation, CallKind.START, out))
         self._restarting.pop(action.slot, None)
+
+    def note_started(self, slot: int, incarnation: int, info: dict) -> None:
+        """What a shard said of itself when it started (or was re-adopted): native pause, its node."""
+        self.native_pause[slot] = bool(info.get("native_pause", True))
+        self.nodes.place(slot, incarnation, info.get("node"))
+
+    async def _placed(self, slot: int, incarnation: int, handle) -> None:
+        """Wait, without bound, while Ray cannot place a restarted shard (no node has room: a node was lost).
+        The slot stays restarting and the fleet serves on quorum; the start's own deadline begins once
+        the actor exists. Ends when the slot moved on (killed, replaced) or the fleet stopped."""
+        state_of = getattr(self.door, "actor_state", None)
+        if state_of is None:
+            return
+        waited = False
+        while state_of(handle) in ("PENDING_CREATION", "DEPENDENCIES_UNREADY") and not self.stopped \
+                and self.handles.get(slot, (None,))[0] == incarnation:
+            if not waited:
+                waited = True
+                self.log.emit("placement", slot=slot, incarnation=incarnation, edge="waiting",
+                              reason="no node has room for it yet: the slot stays restarting")
+            await asyncio.sleep(PLACEMENT_POLL_S)
+        if waited:
+            self.log.emit("placement", slot=slot, incarnation=incarnation, edge="placed")
 
     async def _timer_loop(self) -> None:
         while True:
@@ -271,18 +315,20 @@ class SingleController:
             await asyncio.sleep(TIMER_INTERVAL_S)
 
     async def _monitor_loop(self) -> None:
-        """Ping every live shard between refits so deaths are found without traffic."""
+        """Ping every live shard between refits so deaths and freezes are found without traffic; the
+        failures of one round (and the shards of a lost node) are one health decision."""
         while True:
-            await asyncio.sleep(MONITOR_INTERVAL_S)
+            await asyncio.sleep(self.cfg.monitor_interval_s)
             if self.lifecycle.running:
                 continue
             live = self.live_handles()
             outs = await self.door.fan_out(
                 {s: (h, "ping", (), {}) for s, (_, h) in live.items()}, timeout=self.cfg.probe_timeout_s
             )
-            for slot, out in outs.items():
-                if not out.ok and self.handles.get(slot, (None,))[0] == live[slot][0]:
-                    self.observe(slot, live[slot][0], CallKind.PROBE, out)
+            failed = {slot: (live[slot][0], out) for slot, out in outs.items()
+                      if not out.ok and self.handles.get(slot, (None,))[0] == live[slot][0]}
+            if failed:
+                self.observe_all(CallKind.PROBE, self._with_lost_nodes(failed))
 
     async def _admission_loop(self) -> None:
         while True:
@@ -453,6 +499,8 @@ class SingleController:
             "epoch": self.plan.epoch,
             "stopped": self.stopped,
             "routing_epoch": self.publisher.current.epoch,
+            "hang_detection_bound_s": self.cfg.hang_detection_bound_s,
+            "nodes": self.nodes.by_node(),
             "target_size": self.cfg.num_engines,  # serving engines the fleet is sized to (``resize``)
             "ledger": self.ledger.to_dict(),
             "refits": len(self.refits),

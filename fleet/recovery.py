@@ -90,7 +90,7 @@ async def adopt(ctl: Any) -> dict:
         info = out.value if out is not None and out.ok else None
         if info is not None and info.get("incarnation") == inc and info.get("state") == "ready":
             alive[slot] = info
-            ctl.native_pause[slot] = bool(info.get("native_pause", True))
+            ctl.note_started(slot, inc, info)
             ctl.decide(EngineReady(slot, inc))
         elif info is not None and info.get("incarnation") == inc and info.get("state") in ("new", "starting"):
             starting[slot] = found[slot]  # a restart the predecessor began: wait for its engine, then it is ready
@@ -163,7 +163,7 @@ async def _await_start(ctl: Any, slot: int, incarnation: int, handle: Any, resta
         if state == "ready":
             if restart:  # the end of the restart the predecessor began
                 ctl.log.emit("restart", slot=slot, incarnation=incarnation, edge="end", outcome="ok", adopted=True)
-            ctl.native_pause[slot] = bool(out.value.get("native_pause", True))
+            ctl.note_started(slot, incarnation, out.value)
             ctl.decide(EngineReady(slot, incarnation))
             return
         if state not in ("new", "starting") or ctl.clock.now() >= deadline:
