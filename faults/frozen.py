@@ -1,0 +1,67 @@
+"""Proof for a shard frozen between refits: evicted within the detection bound, its requests re-sent.
+
+A frozen shard answers nothing, so its requests would wait for their own deadline
+(``request_timeout_s``, 600 s by default). The fleet promises better. The
+controller's probes find the freeze within ``hang_detection_bound_s``
+(``FleetConfig``). It then kills the shard, the kill fails the calls in flight on
+it, and their clients re-send them at once. ``prove_resent`` checks that promise
+from the records, for the freeze of one slot:
+
+- the fault journal's line of the freeze going off (slot, incarnation, ``t``),
+  written before the shard stopped answering;
+- the controller's ``kill`` record of that incarnation with ``evicted`` in its
+  reason, no later than ``bound_s`` (plus ``slack_s``) after the freeze;
+- the clients' ``request`` records: at least one ``requeued`` naming that
+  incarnation after the freeze (a request was in flight on it), each no later than
+  ``slack_s`` after the kill (re-sent at the kill, not at its own deadline), and
+  each such request then ``completed``.
+
+Pure: records in, one sentence per broken promise out (an empty list: proven).
+Records carry ``time.monotonic()`` of their process, one clock on one host.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+__all__ = ["prove_resent"]
+
+
+def _names(reason: str, slot: int, incarnation: int) -> bool:
+    return f"slot {slot} (incarnation {incarnation})" in reason
+
+
+def prove_resent(events: list[Mapping], journal: Iterable[Mapping], slot: int, bound_s: float,
+                 slack_s: float = 1.5, measured: dict | None = None) -> list[str]:
+    """Sentences naming what did not happen (module docstring); empty when the freeze of ``slot`` was
+    found within ``bound_s`` and the requests it held were re-sent at its eviction and completed.
+    ``measured`` (when given) receives ``evicted_after_s``, ``bound_s`` and ``resent``."""
+    shot = next((r for r in journal if r.get("slot") == slot and r.get("action") == "freeze"), None)
+    if shot is None:
+        return [f"slot {slot} never froze: the fault journal has no freeze of it"]
+    inc, t_freeze = shot["incarnation"], shot["t"]
+    kill = next((e for e in events if e["kind"] == "kill" and e.get("slot") == slot
+                 and e.get("incarnation") == inc and "evicted" in str(e.get("reason", "")) and e["t"] >= t_freeze), None)
+    if kill is None:
+        return [f"slot {slot} (incarnation {inc}) froze at t={t_freeze:.3f} but was never evicted"]
+    problems = []
+    found = kill["t"] - t_freeze
+    if found > bound_s + slack_s:
+        problems.append(f"slot {slot} (incarnation {inc}) was evicted {found:.2f} s after it froze, past the "
+                        f"detection bound of {bound_s:.2f} s (+{slack_s:g} s slack)")
+    resent = [e for e in events if e["kind"] == "request" and e.get("event") == "requeued"
+              and e["t"] >= t_freeze and _names(str(e.get("reason", "")), slot, inc)]
+    if measured is not None:
+        measured.update(evicted_after_s=round(found, 3), bound_s=bound_s, resent=len(resent))
+    if not resent:
+        problems.append(f"no request was re-sent from slot {slot} (incarnation {inc}): none was in flight on it "
+                        "when it froze, so the variant proves nothing about its requests")
+    late = [e for e in resent if e["t"] > kill["t"] + slack_s]
+    if late:
+        problems.append(f"{len(late)} request(s) held by frozen slot {slot} were re-sent only "
+                        f"{max(e['t'] for e in late) - kill['t']:.2f} s after its eviction, not at it")
+    completed = {e["request_id"] for e in events if e["kind"] == "request" and e.get("event") == "completed"}
+    lost = sorted({e["request_id"] for e in resent} - completed)
+    if lost:
+        problems.append(f"request(s) {lost[:5]} re-sent from frozen slot {slot} never completed")
+    return problems
