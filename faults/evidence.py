@@ -30,7 +30,10 @@ it ended; its proof is the call's outcome and the event log around it:
 - ``refit_under_load``: the refit committed while client threads kept submitting
   (requests were alive while it ran), no ``latest`` request mixed versions, every
   request a lagging client sent under the pre-refit epoch was refused by its shard
-  without running, and the shards' refusal counters grew by at least that many: ``held``.
+  without running, and the shards' refusal counters grew by at least that many: ``held``;
+- ``resize_under_load``: both resizes happened around a committed refit, the new engine
+  served after it, the removed one finished what it held, admitted nothing more and was
+  retired as removed, nothing lost (``faults.resize_evidence``): ``resized``.
 
 A ``kill_controller`` (``where: between_refits``, a refit phase or ``shutdown``) is proven
 by the event log, which the restarted controller appends to: at a phase, the controller's
@@ -59,6 +62,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from faults.firing import hook_point
+from faults.resize_evidence import prove_resize_under_load
 from faults.timeline import departure, fault_to_reopen, recover_s, refit_spans
 from health.faultplan import CONTROLLER_WHAT, CORRUPTIONS, TRAINER_WHERE
 from refit.manifest import layer_group
@@ -81,6 +85,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "stale_version": ("refused",),
     "concurrent_refit": ("serialized",),
     "refit_under_load": ("held",),
+    "resize_under_load": ("resized",),
     "kill_controller": ("restarted",),
 }
 # What a refused corrupt update's message must say, for the corrupted tensor ``t`` (refit.manifest's words).
@@ -319,4 +324,4 @@ def _refit_under_load(f: Mapping, calls: list[dict], events: list[dict]) -> list
 
 
 _TRAINER_PROOFS = {"stale_version": _stale_version, "concurrent_refit": _concurrent_refits,
-                   "refit_under_load": _refit_under_load}
+                   "refit_under_load": _refit_under_load, "resize_under_load": prove_resize_under_load}

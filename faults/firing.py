@@ -230,6 +230,14 @@ class FaultFiring:
             return self._stale_version()
         if f.what == "refit_under_load":
             return refit_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
+        if f.what == "resize_under_load":
+            from faults.resize_load import resize_under_load  # imports this module: import when fired
+
+            rec = resize_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
+            self._say_if(True, f"resize under load: added {rec['added']}, removed {rec['removed']}, new engine "
+                               f"{rec['new_engine']}, drained {rec['resizes'][1]['summary'].get('drained')}, "
+                               f"{rec['completed']} of {rec['submitted']} requests completed")
+            return rec
         return self._concurrent_refits()
 
     def _sync(self, version: int) -> dict:

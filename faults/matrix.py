@@ -78,6 +78,10 @@ MATRIX: tuple[Variant, ...] = (
     _v("refit-under-load", "recovers", [{"where": "call", "what": "refit_under_load", "step": 1}], steps=1,
        description="a refit while 4 client threads submit without pause and a lagging client sends work routed "
                    "under the pre-refit state: 0 lost, 0 wrong version tags, every lagging request refused"),
+    _v("resize-under-load", "recovers", [{"where": "call", "what": "resize_under_load", "step": 1}], steps=1,
+       description="client threads submit without pause while the fleet grows by one engine, a refit lands (the "
+                   "new engine serves after it), and it shrinks by one (the removed engine finishes what it held, "
+                   "admits nothing more, is retired): 0 lost"),
     _v("controller-kill-between-refits", "recovers", [{"where": "between_refits", "what": "kill_controller", "step": 1}],
        checks=("controller_back",),
        description="the controller's process SIGKILLed from outside with requests in flight: they complete on "

@@ -124,7 +124,7 @@ async def _grow(ctl: Any, count: int, n: int) -> list[int]:
     ready = []
     for slot, out in outs.items():
         if out.ok:
-            ctl.native_pause[slot] = bool(out.value.get("native_pause", True))
+            ctl.note_started(slot, incs[slot], out.value)  # native pause, node
             ready.append(slot)
         else:  # a failed start is a dead engine: evicted, restarted within its budget
             ctl.observe(slot, incs[slot], CallKind.START, out)

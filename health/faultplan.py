@@ -47,7 +47,10 @@ Faults of the trainer's refit call itself name no ``shard``:
   ``concurrent_refit`` (two refits at once from two threads: they must not overlap) or
   ``refit_under_load`` (a refit while 4 client threads submit without pause and a lagging
   client sends work routed under the pre-refit state: nothing lost, nothing served on
-  the wrong weights, and every lagging request refused by the shards).
+  the wrong weights, and every lagging request refused by the shards), or
+  ``resize_under_load`` (client threads submit without pause while the fleet grows by
+  one engine, a refit lands, and it shrinks by one: the new engine serves after the
+  refit, the removed one is drained and retired, nothing lost).
 
 Pure: no Ray, no vLLM. ``load_plan`` raises ``ValueError`` naming the field
 (``faults[0].where``) and the allowed values; ``resolve`` turns a plan into
@@ -85,6 +88,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "stale_version": ("call",),
     "concurrent_refit": ("call",),
     "refit_under_load": ("call",),
+    "resize_under_load": ("call",),
     "kill_controller": CONTROLLER_WHERE,
 }
 WHAT = tuple(ALLOWED)

@@ -105,8 +105,8 @@ def test_matrix_covers_every_required_variant_and_all_plans_are_valid():
                 "unavailable-at-resume", "hang-at-resume", "bad-update-wrong-shape", "bad-update-missing-layer",
                 "misuse-stale-version", "two-concurrent-refits", "below-quorum-between-refits", "refit-under-load",
                 "controller-kill-between-refits", "controller-kill-during-pause", "controller-kill-during-transfer",
-                "controller-kill-during-resume", "controller-kill-during-shutdown"}
-    assert required <= names and len(MATRIX) == len(names) == 24
+                "controller-kill-during-resume", "controller-kill-during-shutdown", "resize-under-load"}
+    assert required <= names and len(MATRIX) == len(names) == 25
     for v in MATRIX:
         load_plan(v.plan)
     controller = [v for v in MATRIX if any(f["what"] == "kill_controller" for f in v.plan["faults"])]
