@@ -134,7 +134,7 @@ class Fleet:
         if cfg.name is None:
             cfg = cfg.model_copy(update={"name": new_fleet_name()})
         ray_io.init_local(num_cpus=num_cpus, log_to_driver=False)
-        ray_io.check_capacity(cfg.num_engines, cfg.engine.num_cpus, cfg.engine.num_gpus)
+        ray_io.check_capacity(cfg.total_engines, cfg.engine.num_cpus, cfg.engine.num_gpus)  # spares included
         if ray_io.find_actor(controller_name(cfg.name)) is not None:
             from fleet.errors import ConfigError
 

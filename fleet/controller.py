@@ -33,6 +33,7 @@ from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed
 from fleet.nodes import NodeMap
 from fleet.publisher import RoutingPublisher
 from fleet.routing import RoutingState
+from fleet.spares import apply_roles, initial_roles, role_rows
 from health import (
     Batch,
     CallKind,
@@ -76,6 +77,7 @@ class SingleController:
             door = RayDoor()
         self.door = door
         self.ledger = Ledger(self.cfg.health_config(), now=self.clock.now())
+        self.roles = initial_roles(self)  # which slots serve and which are warm spares (``fleet.spares``)
         self.handles: dict[int, tuple[int, Any]] = {}
         self.handles_revision = 0  # grows with every spawn (the publisher caches members by it)
         self.plan = MembershipPlan.initial()
@@ -113,10 +115,12 @@ class SingleController:
     # ------------------------------------------------------------------ start / stop
     async def start(self) -> dict:
         """Launch every slot, wait for them (bounded), commit the checkpoint as version 0, open the gate."""
-        self.log.emit("phase", phase="start", edge="begin", engines=self.cfg.num_engines, fleet=self.name)
+        self.log.emit("phase", phase="start", edge="begin", engines=self.cfg.num_engines,
+                      spares=self.cfg.spare_engines, fleet=self.name)
         self.intent.save(Intent(self.name, self.cfg.model_dump(), slots={
-            s: (self.ledger.raw(s).incarnation, 0) for s in range(self.cfg.num_engines)}))
-        for slot in range(self.cfg.num_engines):
+            s: (self.ledger.raw(s).incarnation, 0) for s in range(self.ledger.num_slots)},
+            serving_roles=tuple(self.roles.to_list())))
+        for slot in range(self.ledger.num_slots):
             self._spawn(slot, self.ledger.raw(slot).incarnation)
         outs = await self.door.fan_out(
             {slot: (h, "start", (), {}) for slot, (_, h) in self.handles.items()},
@@ -198,6 +202,7 @@ class SingleController:
         self.metrics.health(self.ledger)
         if d.transitions or d.actions:
             self.publisher.mark_dirty()
+            apply_roles(self)  # a healthy spare takes the place of a serving slot that is not healthy
         return d
 
     def _gate_changed(self, is_open: bool, version: int) -> None:
@@ -365,9 +370,18 @@ class SingleController:
             self.log.emit("error", where="background task", error=repr(task.exception()))
 
     # ------------------------------------------------------------------ routing (what clients follow)
+    def serving_size(self) -> int:
+        """How many slots serve when all is well: ``num_engines`` (a resize updates it); the fleet's other
+        slots, ``spare_engines`` of them, are warm spares."""
+        return self.cfg.num_engines
+
+    def serving_slots(self) -> list[int]:
+        """The slots that get traffic: HEALTHY (on the committed version) and in the serving role."""
+        return [s for s in self.ledger.serving_slots() if s in self.roles.serving]
+
     def serving(self) -> Sequence[tuple[int, int, Any]]:
         out = []
-        for slot in self.ledger.serving_slots():
+        for slot in self.serving_slots():
             inc, handle = self.handles[slot]
             if inc == self.ledger.raw(slot).incarnation:
                 out.append((slot, inc, handle))
@@ -490,6 +504,7 @@ class SingleController:
         return self.publisher.current
 
     def status(self) -> dict:
+        ledger = self.ledger.to_dict()
         return {
             "fleet": self.name,
             "generation": self.generation,
@@ -499,10 +514,11 @@ class SingleController:
             "epoch": self.plan.epoch,
             "stopped": self.stopped,
             "routing_epoch": self.publisher.current.epoch,
+            "target_size": self.cfg.num_engines,  # serving engines the fleet is sized to (``resize``)
             "hang_detection_bound_s": self.cfg.hang_detection_bound_s,
             "nodes": self.nodes.by_node(),
-            "target_size": self.cfg.num_engines,  # serving engines the fleet is sized to (``resize``)
-            "ledger": self.ledger.to_dict(),
+            "ledger": {**ledger, "slots": role_rows(self, ledger["slots"])},  # each slot's role: serving or spare
+            "serving": self.serving_slots(),
             "refits": len(self.refits),
         }
 
@@ -579,7 +595,7 @@ class SingleController:
 
     def recovery_summary(self, version: int) -> dict:
         return {"version": version, "recovered": True, "complete": sorted(self.ledger.serving_slots()),
-                "serving": list(self.ledger.serving_slots()), "routing_epoch": self.publisher.current.epoch,
+                "serving": self.serving_slots(), "routing_epoch": self.publisher.current.epoch,
                 "epoch": self.plan.epoch, "generation": self.generation}
 
     def arm_crash(self, point: str, delay_s: float = 0.0) -> bool:

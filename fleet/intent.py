@@ -5,8 +5,9 @@ before the controller acts on it: the config, the committed weight version, the
 membership epoch, each slot's incarnation and the restarts it has spent, the refit
 in progress (its version, how far it got, and once committed, which engines hold
 the new weights), the slots a resize removed (``fleet.resize``), the routing
-generation, and a shutdown marker. Everything else (health, load, the routing
-state) is rebuilt from the shards themselves (``fleet.recovery``).
+generation, which slots serve and which are warm spares, and a shutdown marker.
+Everything else (health, load, the routing state) is rebuilt from the shards
+themselves (``fleet.recovery``).
 
 Stored as one JSON document per fleet; ``IntentStore`` reads and writes it through
 the door (``kv_get``/``kv_put``/``kv_del``), so unit tests use an in-memory door.
@@ -50,6 +51,7 @@ class Intent:
     shutdown: bool = False
     stopped: str | None = None  # the fleet stopped (loudly) for this reason: a successor stays stopped
     removed: dict[int, int] = field(default_factory=dict)  # slot -> last incarnation, of slots a resize removed
+    serving_roles: tuple[int, ...] | None = None  # slots with the serving role (``health.roles``); None: the first ones
 
     def to_json(self) -> str:
         doc = dataclasses.asdict(self)
@@ -74,6 +76,7 @@ class Intent:
             shutdown=bool(doc.get("shutdown", False)),
             stopped=doc.get("stopped"),
             removed={int(s): int(inc) for s, inc in doc.get("removed", {}).items()},
+            serving_roles=None if doc.get("serving_roles") is None else tuple(int(s) for s in doc["serving_roles"]),
         )
 
     def replace(self, **changes: Any) -> "Intent":

@@ -152,7 +152,7 @@ class RefitLifecycle:
             "total_s": total,
             "inside_shards_s": self._inside_s,
             "overhead_s": max(0.0, total - self._inside_s),
-            "serving": list(ctl.ledger.serving_slots()),
+            "serving": ctl.serving_slots(),  # spares hold the version too, but serve nothing
             "routing_epoch": ctl.publisher.current.epoch,  # clients routing on it (or later) see this refit
         }
 

@@ -14,8 +14,9 @@ shards running as named, detached actors (``fleet.naming``). The new one:
 4. asks every found shard what it is (``EngineShard.describe``): incarnation, stamped
    version, ``dirty`` (a transfer wrote into its weights since that stamp), paused;
    takes every shard out of routing (``set_route(member=False)``) until step 7;
-5. rebuilds the health ledger at the recorded incarnations and restarts spent; a
-   missing shard is dead (the health core restarts it within its budget);
+5. rebuilds the health ledger at the recorded incarnations and restarts spent, and
+   the roles (which slots serve, which are warm spares) as recorded; a missing shard
+   is dead (the health core restarts it within its budget);
 6. settles the weights. A refit that had committed (``committed`` phase) is finished:
    the engines it lists that are still there are stamped with the committed version.
    Only a shard stamped with the committed version and not dirty serves it; every other
@@ -38,6 +39,7 @@ from fleet.intent import COMMITTED
 from fleet.naming import shard_name
 from fleet.outcome import DIED, Outcome
 from fleet.resize import adopted_ledger, fence_removed
+from fleet.spares import restore_roles
 from health import (
     Batch,
     CallKind,
@@ -75,6 +77,7 @@ async def adopt(ctl: Any) -> dict:
         return await _finish_shutdown(ctl, found, fenced, t0)
 
     ctl.ledger = adopted_ledger(ctl, intent)  # every slot it had (a resize may have grown or shrunk it)
+    restore_roles(ctl, intent.serving_roles)  # before any decision: a rebalance reads them
     ctl.plan = MembershipPlan(intent.membership_epoch, ())  # the next refit forms a new epoch (fresh group)
     ctl.handles = {slot: (intent.slots[slot][0], h) for slot, h in found.items()}
     ctl.handles_revision += 1
@@ -130,7 +133,7 @@ async def adopt(ctl: Any) -> dict:
         "intent": True, "generation": ctl.generation, "committed": intent.committed,
         "refit": None if intent.refit is None else [intent.refit.version, intent.refit.phase],
         "finished_refit": finished, "alive": sorted(alive), "serving": sorted(serving),
-        "stale": sorted(set(alive) - serving), "starting": sorted(starting),
+        "stale": sorted(set(alive) - serving), "starting": sorted(starting), "roles": ctl.roles.to_list(),
         "missing": sorted(set(intent.slots) - set(alive) - set(starting)),
         "fenced": fenced, "stamped": sorted(stamped), "gate_open": ctl.gate.is_open,
         "seconds": round(ctl.clock.now() - t0, 3),
