@@ -45,7 +45,8 @@ def on_refit_started(d: Draft, ev: RefitStarted) -> None:
     fleet = d.ledger._fleet
     if fleet.refit_version is not None:
         if v == fleet.refit_version:
-            d.reasons.append(f"refit of version {v} already in progress (retry): nothing changes")
+            d.reasons.append(f"refit of version {v} already in progress (retry): nothing else changes")
+            _evict_all_overdue(d, v)  # the retry is a moment to act on the eviction clock, as the start is
             return
         raise ValueError(
             f"RefitStarted({v}) while the refit of version {fleet.refit_version} is in "
@@ -56,13 +57,17 @@ def on_refit_started(d: Draft, ev: RefitStarted) -> None:
         raise ValueError(f"RefitStarted({v}): weight versions must increase; current is {cv}")
     d.fleet = fleet._replace(refit_version=v, refit_started_at=d.now, gate_open=False, halted=None, quorum_lost=False)
     d.reasons.append(f"refit of version {v} started; gate closed")
+    _evict_all_overdue(d, v)
+
+
+def _evict_all_overdue(d: Draft, version: int) -> None:
+    """Evict every shard quarantined (suspect or hung) for ``suspect_timeout_s`` or longer."""
     ledger = d.ledger
     timeout = ledger.config.suspect_timeout_s
-    overdue = sorted(ledger._by_phase[_SUSPECT] | ledger._by_phase[_HUNG])
-    for slot in overdue:
-        rec = ledger._records[slot]
-        if d.now - rec.since >= timeout:
-            _evict_overdue(d, rec, v)
+    for slot in sorted(ledger._by_phase[_SUSPECT] | ledger._by_phase[_HUNG]):
+        rec = d.get(slot)
+        if rec.phase in QUARANTINE and rec.since + timeout <= d.now:  # the escalation timer's own arithmetic
+            _evict_overdue(d, rec, version)
 
 
 def _evict_overdue(d: Draft, rec: SlotRecord, version: int) -> None:

@@ -234,7 +234,7 @@ def check_timers(ledger: Ledger, event) -> None:
     for slot in range(ledger.num_slots):
         r = ledger.raw(slot)
         if ledger.refit_version is not None and r.phase in (SlotPhase.SUSPECT, SlotPhase.HUNG):
-            assert now - r.since < timeout, r
+            assert r.since + timeout > now, r  # the arithmetic of the escalation timer
         if isinstance(event, Tick) and r.phase is SlotPhase.DEAD:
             assert r.restart_at > now, r
 
