@@ -13,6 +13,10 @@ is proven):
   any refit), submits a batch of requests (``load``: they must wait while the fleet is
   below quorum), then waits until the slots are back up (restarted, stale; or retired,
   their restart budget spent: they never come back), so the step's refit can bring them in;
+- a ``freeze`` ``between_refits`` is armed at the shard's next request (``generate``), and
+  batches are submitted (``load``, every ``PROVOKE_EVERY_S``) until the controller found
+  the slot gone; then as for a kill. The controller must evict it within its
+  ``hang_detection_bound_s`` (recorded as ``bound_s``), and its requests are re-sent then;
 - every other shard fault is armed with ``Fleet.arm_fault`` at the shard's hook point
   for its ``where`` and goes off when the shard reaches that point;
 - a ``kill_controller`` kills the fleet's controller (Ray restarts it; the new one
@@ -51,9 +55,12 @@ from fleet.errors import FleetStopped, RefitRefused
 from health.faultplan import CONTROLLER_WHAT, TRAINER_WHERE, Firing
 
 # A plan's ``where`` -> the shard's fault hook point (a step-boundary fault other than a kill goes off at the next probe).
-POINT_OF = {"pause": "pause", "transfer": "transfer", "resume": "resume", "generate": "generate", "step_boundary": "ping"}
+# A ``freeze`` ``between_refits`` goes off at the shard's next request: one is in flight on it when it freezes.
+POINT_OF = {"pause": "pause", "transfer": "transfer", "resume": "resume", "generate": "generate", "step_boundary": "ping",
+            "between_refits": "generate"}
 UP = ("healthy", "stale")
 KILLED_BY_THE_CONTROLLER = ("step_boundary", "between_refits")
+PROVOKE_EVERY_S = 2.0
 TENSOR = "model.layers.1.mlp.up_proj.weight"  # the tensor an ``update`` fault corrupts (or leaves out with its layer)
 
 
@@ -141,7 +148,8 @@ class FaultFiring:
         before = incarnations(self.fleet.status()) if shard_kills else {}
         for f in due:
             self.fire(f)
-        self._between_refits({f.slot: before[f.slot] for f in shard_kills})
+        self._between_refits({f.slot: before[f.slot] for f in shard_kills},
+                             frozen={f.slot for f in shard_kills if f.what == "freeze"})
         return due
 
     def fire(self, f: Firing) -> None:
@@ -156,6 +164,8 @@ class FaultFiring:
             self.fleet.kill_shard(f.slot)
         else:
             self.fleet.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
+        if f.where == "between_refits" and f.what == "freeze":
+            done["bound_s"] = self.fleet.status()["hang_detection_bound_s"]
         self.fired.append({**asdict(f), "t": round(time.monotonic() - self.t0, 3), **done})
 
     def settle(self, step: int) -> list[Firing]:
@@ -172,9 +182,10 @@ class FaultFiring:
             self.log(message)
 
     # ------------------------------------------------------------------ between refits
-    def _between_refits(self, killed: dict[int, int]) -> None:
-        """The controller finds each killed incarnation gone on its own; requests submitted then wait; the
-        slots come back up (restarted) before the step's refit."""
+    def _between_refits(self, killed: dict[int, int], frozen: set[int] = frozenset()) -> None:
+        """The controller finds each killed (or frozen) incarnation gone on its own; requests submitted then
+        wait; the slots come back up (restarted) before the step's refit. A frozen slot freezes at its next
+        request: batches are submitted until it did and the controller noticed."""
         if not killed:
             return
 
@@ -183,7 +194,13 @@ class FaultFiring:
             states, incs = slot_states(status), incarnations(status)
             return all(states[s] not in UP or incs[s] != inc for s, inc in killed.items())
 
-        self._say_if(not wait_until(gone, 60), f"gave up waiting for the controller to find slots {sorted(killed)} gone")
+        deadline = time.monotonic() + 60
+        while frozen and not gone() and time.monotonic() < deadline:
+            if self.load:
+                self.load()
+            wait_until(gone, PROVOKE_EVERY_S)
+        self._say_if(not wait_until(gone, max(0.0, deadline - time.monotonic())),
+                     f"gave up waiting for the controller to find slots {sorted(killed)} gone")
         waiting = self.load() if self.load else 0
         back = lambda: {s: st for s, st in slot_states(self.fleet.status()).items() if s in killed}  # noqa: E731
         self._say_if(not wait_until(lambda: set(back().values()) <= {*UP, "retired"}, self.up_timeout_s),

@@ -4,7 +4,8 @@ Each variant is a plan (``health.faultplan`` format) plus the extra checks that
 prove its point beyond "recovered" or "stopped": a frozen shard must be evicted (not
 merely skipped), a killed shard must come back and serve, a slot killed past its
 restart budget must be retired, a stop must name the slot that caused it, requests
-must wait while the fleet is below quorum between refits. The trainer's own faults
+must wait while the fleet is below quorum between refits, a warm spare must take a
+killed serving engine's place before its restart ends. The trainer's own faults
 (a bad update, a stale version, two refits at once) must change nothing but their
 refit. The controller's death (killed from outside between refits, or crashing itself
 in a refit phase or half way through the shutdown) must cost nothing: Ray restarts it,
@@ -40,7 +41,7 @@ SLOW_TRANSFER_S, CRASH_IN_TRANSFER_S = 2.0, 0.75
 class Variant:
     plan: dict
     # "evicted:<slot>", "readmitted:<slot>", "retired:<slot>", "stop_names:<slot>", "below_quorum",
-    # "controller_back" (faults.runner)
+    # "controller_back", "promoted:<slot>", "resent:<slot>" (faults.runner)
     checks: tuple[str, ...] = ()
 
     @property
@@ -110,6 +111,25 @@ MATRIX: tuple[Variant, ...] = (
        fleet={"restart_budget": 5},  # its own fleet: earlier variants may have spent these slots' restart budgets
        description="two of three shards die between refits: requests wait at the closed gate until the "
                    "restarted shards come back and the next refit brings quorum back"),
+    # on_hang=evict (the default): a hung engine is killed and the refit goes on; these share the fleet above
+    _v("hang-at-pause-evicted", "recovers", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}],
+       checks=("evicted:1", "readmitted:1"), fleet={"restart_budget": 5},
+       description="a pause that never returns: that engine is killed at the pause deadline, the refit commits "
+                   "on the other two, the slot restarts and serves again after the next refit"),
+    _v("hang-at-resume-evicted", "recovers", [{"where": "resume", "what": "hang", "shard": 0, "step": 1}],
+       checks=("evicted:0", "readmitted:0"), fleet={"restart_budget": 5},
+       description="a resume that never returns: that engine is killed at the resume deadline, the gate reopens "
+                   "on the other two, the slot restarts and serves again after the next refit"),
+    _v("freeze-between-refits", "recovers", [{"where": "between_refits", "what": "freeze", "shard": 2, "step": 1}],
+       checks=("evicted:2", "resent:2"), steps=1, fleet={"restart_budget": 5},
+       description="a shard frozen with a request in flight and no refit coming: evicted within "
+                   "hang_detection_bound_s, its requests re-sent at the eviction and completed elsewhere"),
+    _v("spare-promotion", "recovers", [{"where": "between_refits", "what": "kill", "shard": 0, "step": 1}],
+       checks=("promoted:0",), steps=1,
+       fleet={"num_engines": 2, "min_healthy_engines": 2, "spare_engines": 1},  # 2 serve, 1 warm spare
+       description="a serving engine killed between refits under load: the warm spare is promoted before the "
+                   "killed slot's restart ends, the gate stays open (2 of 2 needed), the restarted slot is the "
+                   "new spare"),
     _v("restart-budget-exhausted", "recovers",
        [{"where": "step_boundary", "what": "kill", "shard": 2, "step": 1, "every": 1, "times": 2}],
        checks=("retired:2",), fleet={"restart_budget": 1},
@@ -119,13 +139,17 @@ MATRIX: tuple[Variant, ...] = (
         {"where": "pause", "what": "kill", "shard": 1, "step": 1}],
        fleet={"restart_dead_engines": False}, steps=1),
     _v("hang-past-deadline", "stops", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}], steps=1,
-       description="a pause that never returns: the refit stops with the gate closed within its deadline"),
+       fleet={"on_hang": "stop"},
+       description="on_hang=stop: a pause that never returns: the refit stops with the gate closed within its "
+                   "deadline"),
     _v("false-ack-on-resume", "stops", [{"where": "resume", "what": "false_ack", "shard": 2, "step": 1}], steps=1),
     _v("unavailable-at-resume", "stops", [{"where": "resume", "what": "unavailable", "shard": 2, "step": 1}], steps=1,
-       checks=("stop_names:2",),
-       description="a resume answers 'unavailable': nobody can tell whether that engine resumed; the refit stops"),
+       checks=("stop_names:2",), fleet={"on_hang": "stop"},
+       description="on_hang=stop: a resume answers 'unavailable': nobody can tell whether that engine resumed; "
+                   "the refit stops"),
     _v("hang-at-resume", "stops", [{"where": "resume", "what": "hang", "shard": 0, "step": 1}], steps=1,
-       checks=("stop_names:0",), description="a resume that never returns: the refit stops within its deadline"),
+       checks=("stop_names:0",), fleet={"on_hang": "stop"},
+       description="on_hang=stop: a resume that never returns: the refit stops within its deadline"),
 )
 
 

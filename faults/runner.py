@@ -7,7 +7,8 @@ weights on the source and ``sync_weights``. Nothing is collected before the last
 refit (a fleet below quorum holds requests until a refit reopens the gate).
 Afterwards the runner collects every result, checks the DESIGN invariants on the
 event log, and the variant's own checks (evicted, readmitted, retired, the stop
-naming the slot, requests waiting below quorum), and ``judge`` proves from the records
+naming the slot, requests waiting below quorum, a warm spare promoted in place of a
+killed serving slot), and ``judge`` proves from the records
 that each fault went off on its slot and incarnation and did what it should
 (``faults.evidence``: the shards' fault journal, a file this runner names in the
 engine config, and the event log); fault -> reopen is measured from the firing.
@@ -41,6 +42,8 @@ from typing import Any, Callable
 
 from faults import invariants
 from faults.evidence import prove
+from faults.frozen import prove_resent
+from faults.promotion import prove_promotion
 from faults.firing import FaultFiring, slot_states, wait_until
 from faults.timeline import read_log
 from fleet import ray_io
@@ -240,8 +243,20 @@ class FaultRunner:
                 problems = invariants.requests_waited_below_quorum(self.events(t0))
                 rep.violations += [f"check {check}: {p}" for p in problems]
                 continue
+            if kind == "resent":  # a frozen shard: evicted within the detection bound, its requests re-sent then
+                self._wait(lambda: any(e["slot"] == slot and "evicted" in e["reason"]
+                                       for e in self.events(t0, kinds=("kill",))), 60, f"eviction of slot {slot}")
+                bound = fleet.status()["hang_detection_bound_s"]
+                measured: dict = {}
+                problems = prove_resent(self.events(t0), self.journal_since(t0), slot, bound, measured=measured)
+                rep.violations += [f"check {check}: {p}" for p in problems]
+                rep.notes.append(f"check {check}: {measured}")
+                continue
             if kind == "controller_back":
                 rep.violations += [f"check {check}: {p}" for p in self._controller_back(fleet, generation)]
+                continue
+            if kind == "promoted":  # a warm spare took the killed serving slot's place (faults.promotion)
+                rep.violations += [f"check {check}: {p}" for p in prove_promotion(self.events(t0), slot)]
                 continue
             if kind == "stop_names":
                 ok = any(f"slot {slot}" in e["reason"] for e in self.events(t0, kinds=("stopped",)))

@@ -20,9 +20,10 @@ number or ``random`` (drawn with the plan's seed). ``step``: the step it fires a
 ``every``: fire again every that many steps, ``times`` times in all (repeated kills of
 one slot).
 
-``between_refits`` (``kill`` only): killed at the step boundary, and the step's refit
-waits until the controller found the death on its own and the slot is back up (kill
-two to take the fleet below quorum between refits, with requests waiting).
+``between_refits`` (``kill`` or ``freeze``): killed at the step boundary, or frozen at
+its next request (so one is in flight on it), and the step's refit waits until the
+controller found it on its own (dead, or frozen and evicted) and the slot is back up
+(kill two to take the fleet below quorum between refits, with requests waiting).
 
 Faults of the fleet's controller name no ``shard`` either: ``what: kill_controller``
 SIGKILLs the controller's process (Ray restarts it; the new one re-adopts the shards):
@@ -78,7 +79,7 @@ _ANYWHERE = ("step_boundary",) + HOOKED
 # a trainer's fault happens in its own refit call.
 ALLOWED: dict[str, tuple[str, ...]] = {
     "kill": ("step_boundary", "between_refits") + HOOKED,
-    "freeze": _ANYWHERE,
+    "freeze": _ANYWHERE + ("between_refits",),
     "hang": ("pause", "transfer", "resume"),
     "false_ack": ("pause", "resume"),
     "unavailable": ("pause", "resume"),

@@ -42,7 +42,7 @@ def test_yaml_plan_loads_and_resolves():
         ({"faults": [{"where": "call", "what": "stale_version", "shard": "random"}]}, r"faults\[0\]\.shard"),
         ({"faults": [{"where": "update", "what": "stale_version"}]}, r"faults\[0\]\.where.*call"),
         ({"faults": [{"where": "call", "what": "concurrent_refit", "step": 0}]}, r"faults\[0\]\.step"),
-        ({"faults": [{"where": "between_refits", "what": "freeze", "shard": 0}]}, r"faults\[0\]\.where"),
+        ({"faults": [{"where": "between_refits", "what": "hang", "shard": 0}]}, r"faults\[0\]\.where"),
         ({"faults": [{"where": "pause", "what": "kill_controller", "shard": 1}]},
          r"faults\[0\]\.shard: kill_controller acts on the fleet's controller.*leave shard out"),
         ({"faults": [{"where": "between_refits", "what": "kill_controller", "shard": "random"}]}, r"faults\[0\]\.shard"),
@@ -105,8 +105,9 @@ def test_matrix_covers_every_required_variant_and_all_plans_are_valid():
                 "unavailable-at-resume", "hang-at-resume", "bad-update-wrong-shape", "bad-update-missing-layer",
                 "misuse-stale-version", "two-concurrent-refits", "below-quorum-between-refits", "refit-under-load",
                 "controller-kill-between-refits", "controller-kill-during-pause", "controller-kill-during-transfer",
-                "controller-kill-during-resume", "controller-kill-during-shutdown", "resize-under-load"}
-    assert required <= names and len(MATRIX) == len(names) == 25
+                "controller-kill-during-resume", "controller-kill-during-shutdown", "spare-promotion",
+                "hang-at-pause-evicted", "hang-at-resume-evicted", "freeze-between-refits", "resize-under-load"}
+    assert required <= names and len(MATRIX) == len(names) == 29
     for v in MATRIX:
         load_plan(v.plan)
     controller = [v for v in MATRIX if any(f["what"] == "kill_controller" for f in v.plan["faults"])]
