@@ -9,7 +9,7 @@ time until told to stop, then:
 3. waits (bounded) until the new engine has admitted requests since the refit and a request
    completed on it with the refit's version, and until the engine the shrink will remove (the
    highest slot: with every engine serving, ``health.resize.plan_resize`` removes it) holds
-   requests in flight, so that its drain has something to drain;
+   ``HELD`` requests in flight, so that its drain has something to drain;
 4. shrinks the fleet by one (``Fleet.resize(size)``), keeps the load on a little longer, stops.
 
 The record says what happened, for ``faults.resize_evidence`` to judge:
@@ -33,7 +33,8 @@ from typing import Any, Callable
 from faults.firing import wait_until
 
 PROMPT = [1, 21, 31, 41, 51]
-SAMPLING = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0}  # long enough to be in flight at a resize
+SAMPLING = {"max_tokens": 128, "ignore_eos": True, "temperature": 1.0}  # long enough to be in flight at a resize
+HELD = 2  # requests the engine to remove should hold when the shrink begins (waited for, bounded)
 
 
 def _resize(fleet: Any, n: int) -> dict:
@@ -94,7 +95,7 @@ def resize_under_load(fleet: Any, sync: Callable[[], dict], threads: int = 6, se
         new["completed_on_version"] = load.completed_on(slot, new["incarnation"], call["version"])
         new["waited_for_it"] = bool(served)
     victim = max(s["slot"] for s in fleet.status()["ledger"]["slots"] if not s.get("removed"))
-    busy = wait_until(lambda: _in_flight(fleet, victim) > 0, wait_s, 0.02)  # the drain has something to drain
+    busy = wait_until(lambda: _in_flight(fleet, victim) >= HELD, wait_s, 0.02)  # the drain has something to drain
     shrink = _resize(fleet, size)
     time.sleep(settle_s)  # and the load keeps running after it
     results = load.end(fleet.config.request_timeout_s + 60)

@@ -174,7 +174,10 @@ def actor_state(handle) -> str:
 
 
 def current_node_id() -> str | None:
-    """The id of the Ray node this process runs on, or None outside Ray."""
+    """The id of the Ray node this process runs on, or None outside Ray (asking Ray's runtime context
+    outside Ray would start a local Ray instance: an in-process shard in a unit test must not)."""
+    if not ray.is_initialized():
+        return None
     try:
         return ray.get_runtime_context().get_node_id()
     except Exception:  # noqa: BLE001 - outside a Ray worker there is no node to name

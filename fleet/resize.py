@@ -147,11 +147,12 @@ async def _shrink(ctl: Any, remove: tuple[tuple[int, int], ...], n: int, bound: 
         task = ctl._restarting.pop(slot, None)
         if task is not None:
             task.cancel()
+    before = ctl.publisher.current.epoch
     d = ctl.decide(Batch(tuple(SlotRemoved(s, inc, f"resize to {n} engines") for s, inc in remove)))
     drains = [a for a in d.actions if isinstance(a, Drain)]
-    await ctl.publisher.publish()  # out of the serving set before the drain begins
+    await ctl.publisher.publish()  # out of the serving set (each leaver is told) before the drain begins
     epoch = ctl.publisher.current.epoch
-    rows = await asyncio.gather(*(_drain(ctl, a, epoch, bound) for a in drains))
+    rows = await asyncio.gather(*(_drain(ctl, a, before, epoch, bound) for a in drains))
     out = {a.slot: row for a, row in zip(drains, rows)}
     for slot, inc in remove:
         out.setdefault(slot, {"incarnation": inc, "drained": False, "note": "no engine left to drain"})
@@ -159,9 +160,11 @@ async def _shrink(ctl: Any, remove: tuple[tuple[int, int], ...], n: int, bound: 
     return out
 
 
-async def _drain(ctl: Any, action: Drain, epoch: int, bound: float) -> dict:
-    """Tell the shard it left the serving set, wait (bounded) until its in-flight requests finished, abort
-    what is left (the clients re-send it), shut it down. Returns what the drain saw."""
+async def _drain(ctl: Any, action: Drain, before: int, epoch: int, bound: float) -> dict:
+    """Tell the shard it left the serving set (the publisher told it already if it was a member), wait
+    (bounded) until its in-flight requests finished, abort what is left (the clients re-send it), shut it
+    down. Returns what the drain saw: what the shard held and had admitted as it left the serving set (its
+    own note, taken at that instant, at an epoch after ``before``; else at the first read), and after."""
     slot, inc = action.slot, action.incarnation
     handle = ctl.handle_of(slot, inc)
     row: dict[str, Any] = {"incarnation": inc, "drained": False}
@@ -180,8 +183,10 @@ async def _drain(ctl: Any, action: Drain, epoch: int, bound: float) -> dict:
         last = await ctl.door.call(handle, "counters", timeout=probe)
     if first.ok and last.ok:
         c0, c1 = first.value, last.value
-        row.update(drained=not c1["in_flight"], in_flight_at_removal=c0["in_flight"], finished=c0["in_flight"] - aborted,
-                   aborted=aborted, admitted_at_removal=c0["admitted"], admitted_at_end=c1["admitted"],
+        left = c0.get("left")
+        at = left if left is not None and left["epoch"] > before else c0  # the instant it left, if it was serving
+        row.update(drained=not c1["in_flight"], in_flight_at_removal=at["in_flight"], finished=at["in_flight"] - aborted,
+                   aborted=aborted, admitted_at_removal=at["admitted"], admitted_at_end=c1["admitted"],
                    refused_after_removal=sum(c1["refused"].values()) - sum(c0["refused"].values()))
     else:
         row["note"] = f"its counters could not be read: {(first if not first.ok else last).describe()[:200]}"

@@ -73,6 +73,7 @@ class EngineShard:
         self._recent = RecentResults()
         self.gate = ShardGate()
         self.deduplicated = 0
+        self._left: dict[str, int] | None = None  # what it held when it last left the serving set
         self._load = {"finished": 0, "peak": 0, "trough": 0}  # for the admission law, since the last stats()
         self._ids = itertools.count()
 
@@ -264,7 +265,13 @@ class EngineShard:
                 f"(committed version {g.committed})")
 
     def set_route(self, epoch: int, member: bool, committed: int) -> bool:
-        """The controller's routing word for this shard (see ``fleet.shard_gate.ShardGate.route``)."""
+        """The controller's routing word for this shard (see ``fleet.shard_gate.ShardGate.route``).
+
+        Leaving the serving set, the shard notes what it held at that instant (``left`` in ``counters``:
+        requests in flight, requests admitted so far, the epoch), so a drain (``fleet.resize``) knows
+        what it had to finish and can tell whether anything was admitted after."""
+        if self.gate.member and not member:
+            self._left = {"in_flight": len(self._inflight), "admitted": self.gate.admitted, "epoch": int(epoch)}
         self.gate.route(int(epoch), bool(member), int(committed))
         return True
 
@@ -293,7 +300,8 @@ class EngineShard:
     def counters(self) -> dict[str, Any]:
         """What this shard ran and refused (the data plane's accounting, read by the invariant checker)."""
         return {**self.gate.counters(), "deduplicated": self.deduplicated, "in_flight": len(self._inflight),
-                "slot": self.slot, "incarnation": self.incarnation, "weight_version": self._version}
+                "slot": self.slot, "incarnation": self.incarnation, "weight_version": self._version,
+                "left": self._left}
 
     async def abort(self, request_ids: Sequence[str]) -> bool:
         """Abort these requests; their ``generate`` calls return explicit aborted results."""

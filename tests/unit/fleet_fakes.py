@@ -88,6 +88,7 @@ class FakeShard:
     dirty: bool = False  # a transfer wrote into the weights since the last stamp
     state: str = "ready"  # what describe() says of its engine ("starting" while a restart is under way)
     name: str | None = None
+    left: dict | None = None  # what it held when it last left the serving set (``EngineShard.set_route``)
 
     def behaviour(self, method: str) -> str | None:
         return self.sticky.get(method) or self.script.pop(method, None)
@@ -204,9 +205,12 @@ class FakeDoor:
     async def _counters(self, s):
         """``EngineShard.counters``: in flight counts requests not aborted yet (an aborted one is ending)."""
         return {**s.gate.counters(), "in_flight": sum(1 for v in s.in_flight.values() if v is not None),
-                "slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version}
+                "slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version, "left": s.left}
 
     async def _set_route(self, s, epoch, member, committed):
+        if s.gate.member and not member:  # as EngineShard.set_route: what it held as it left the serving set
+            s.left = {"in_flight": sum(1 for v in s.in_flight.values() if v is not None),
+                      "admitted": s.gate.admitted, "epoch": epoch}
         s.gate.route(epoch, member, committed)
         return True
 

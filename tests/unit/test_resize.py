@@ -315,3 +315,31 @@ def test_the_intent_keeps_the_removed_slots_and_reads_an_older_one_without_them(
     assert Intent.from_json(intent.to_json()) == intent
     older = intent.to_json().replace('"removed": {"2": 3}, ', "")
     assert '"removed"' not in older and Intent.from_json(older).removed == {}
+
+
+def test_a_shard_notes_what_it_held_as_it_left_the_serving_set_and_admits_nothing_after(model_dir):
+    from fleet.errors import RouteRefused
+    from fleet.routing import Ticket, VersionPolicy
+    from fleet.shard import EngineShard
+
+    async def go():
+        shard = EngineShard({"model": model_dir, "backend": "null", "null_generate_s": 5.0}, 3, 1)
+        await shard.start()
+        shard.set_route(7, True, 0)
+        ticket = Ticket(7, VersionPolicy("any"))
+        running = [asyncio.ensure_future(shard.generate([1, 2], request_id=f"r{i}", ticket=ticket)) for i in range(2)]
+        await asyncio.sleep(0.1)
+        assert shard.counters()["left"] is None
+        shard.set_route(9, False, 0)  # removed: it holds two requests
+        assert shard.counters()["left"] == {"in_flight": 2, "admitted": 2, "epoch": 9}
+        with pytest.raises(RouteRefused):
+            await shard.generate([1, 2], request_id="late", ticket=Ticket(9, VersionPolicy("any")))
+        shard.set_route(10, False, 0)  # told again (the publisher, then the drain): the note stays
+        done = await asyncio.gather(*running)
+        assert all(not r.aborted for r in done)
+        c = shard.counters()
+        assert c["in_flight"] == 0 and c["admitted"] == 2 and c["left"]["epoch"] == 9 and c["refused"]["not_member"] == 1
+        await shard.abort_in_flight()  # nothing left: the null backend's abort ends only what runs
+        await shard.shutdown()
+
+    run_virtual(go())
