@@ -343,3 +343,25 @@ def test_a_shard_notes_what_it_held_as_it_left_the_serving_set_and_admits_nothin
         await shard.shutdown()
 
     run_virtual(go())
+
+
+def test_with_warm_spares_a_resize_sizes_the_serving_set_and_the_spares_stay(model_dir):
+    async def go():
+        ctl, door = make(model_dir, num_engines=2, spare_engines=1)
+        await ctl.start()
+        assert members(ctl) == [0, 1] and ctl.ledger.num_slots == 3
+        await ctl.sync_weights(1)
+        grown = await ctl.resize(3)  # the healthy spare serves at once; the new engine is stale
+        assert grown["added"] == [3] and members(ctl) == [0, 1, 2] and ctl.ledger.state(3).value == "stale"
+        await ctl.sync_weights(2)  # the new engine holds the weights: the new spare
+        assert members(ctl) == [0, 1, 2] and ctl.ledger.state(3).value == "healthy" and ctl.status()["target_size"] == 3
+        reqs = await load(ctl, 12)
+        shrunk = await ctl.resize(2)
+        await asyncio.gather(*reqs)
+        accounted(ctl, 12)
+        assert len(shrunk["removed"]) == 1 and len(members(ctl)) == 2 and ctl.ledger.target_size == 3  # 2 + 1 spare
+        spares = [s for s in range(ctl.ledger.num_slots) if not ctl.ledger.raw(s).removed and s not in members(ctl)]
+        assert len(spares) == 1 and ctl.ledger.state(spares[0]).value == "healthy"
+        await ctl.shutdown()
+
+    run_virtual(go())
