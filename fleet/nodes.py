@@ -37,6 +37,10 @@ class NodeMap:
         if node:
             self._where[slot] = (incarnation, str(node))
 
+    def forget(self, slot: int) -> None:
+        """``slot`` runs nowhere any more (a resize removed it)."""
+        self._where.pop(slot, None)
+
     def node_of(self, slot: int, incarnation: int) -> str | None:
         where = self._where.get(slot)
         return where[1] if where is not None and where[0] == incarnation else None

@@ -204,6 +204,7 @@ def _forget(ctl: Any, slot: int, incarnation: int) -> None:
         del ctl.handles[slot]
         ctl.handles_revision += 1
     ctl.native_pause.pop(slot, None)
+    ctl.nodes.forget(slot)
     ctl.admission.forget(slot)
 
 

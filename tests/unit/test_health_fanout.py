@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from fleet.eventlog import EventLog
 from fleet.metrics import FleetMetrics
 from health import (
-    AbortRefit,
     Batch,
     CallKind,
     EngineReady,

@@ -299,7 +299,7 @@ def test_a_commit_cannot_be_rolled_back_and_the_version_must_match():
 
 
 # --- quorum between refits: the gate follows it ----------------------------------------------------
-from health import CloseGate, EngineReady  # noqa: E402
+from health import CloseGate  # noqa: E402
 
 
 def test_deaths_between_refits_below_quorum_close_the_gate_and_a_refit_reopens_it():

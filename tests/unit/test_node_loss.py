@@ -59,6 +59,8 @@ def test_the_node_map_names_only_current_incarnations_on_dead_nodes():
     assert inc == 1 and out.kind == "died" and "declared dead" in out.describe()
     assert nodes.lost({"b"}, {1: 2}) == {}  # slot 1 was restarted elsewhere meanwhile
     assert nodes.by_node() == {"a": [0], "b": [1]}
+    nodes.forget(1)  # removed by a resize
+    assert nodes.by_node() == {"a": [0]} and nodes.lost({"b"}, {1: 1}) == {}
 
 
 def test_a_lost_node_takes_all_its_shards_in_one_decision_and_one_epoch(model_dir):
