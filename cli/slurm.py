@@ -23,7 +23,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from importlib.resources.abc import Traversable
 from typing import Sequence
@@ -34,6 +34,7 @@ STEP_PROGRAM = "rlfleet_step.py"
 STEP_MARKER = "# @RLFLEET_STEP_PY@"
 HEREDOC_END = "RLFLEET_STEP_PY_END"
 DEFAULT_DRIVER = ("rlfleet", "demo")
+ON_NODE_LOSS = ("continue", "fail")  # the first is the default
 
 _SETTING = re.compile(r'^: "\$\{(RLFLEET_[A-Z0-9_]+):=(.*)\}"(\s+#.*)?$')
 
@@ -63,6 +64,9 @@ class JobSpec:
     sbatch_args: list[str] = field(default_factory=list)
     settings: dict[str, str] = field(default_factory=dict)  # RLFLEET_* -> value (fixed in the script)
     driver: list[str] = field(default_factory=lambda: list(DEFAULT_DRIVER))
+    # A worker node lost after the cluster came up: "continue" (sbatch --no-kill; the job's exit code stays
+    # the driver's) or "fail" (the job ends with that node's step code; Slurm may kill the job itself).
+    on_node_loss: str = ON_NODE_LOSS[0]
 
     def validate(self) -> None:
         if self.nodes < 1:
@@ -81,6 +85,10 @@ class JobSpec:
                 raise SubmitError(f"{key} must be one line")
         if not self.driver:
             raise SubmitError("the driver command after -- is empty")
+        if "RLFLEET_ON_NODE_LOSS" in self.settings:
+            raise SubmitError("set the node-loss policy with on_node_loss (--on-node-loss), not settings")
+        if self.on_node_loss not in ON_NODE_LOSS:
+            raise SubmitError(f"--on-node-loss must be one of {', '.join(ON_NODE_LOSS)}; got {self.on_node_loss!r}")
 
 
 def header(spec: JobSpec) -> list[str]:
@@ -93,6 +101,8 @@ def header(spec: JobSpec) -> list[str]:
     if spec.gpus_per_node:
         lines.append(f"--gpus-per-node={spec.gpus_per_node}")
     lines += [f"--time={spec.time}", f"--output={spec.output}"]
+    if spec.on_node_loss == "continue":
+        lines.append("--no-kill")  # Slurm removes a failed node from the job instead of killing the job
     for flag, value in (("partition", spec.partition), ("account", spec.account), ("qos", spec.qos)):
         if value:
             lines.append(f"--{flag}={value}")
@@ -154,10 +164,15 @@ def _read(name: str, source: Traversable | None) -> str:
 
 
 def render(spec: JobSpec, source: Traversable | None = None) -> str:
-    """The complete sbatch script for ``spec``. Raises ``SubmitError`` for bad values."""
+    """The complete sbatch script for ``spec``. Raises ``SubmitError`` for bad values.
+
+    ``spec.on_node_loss`` is fixed in the script (``RLFLEET_ON_NODE_LOSS``) and, for ``continue``,
+    adds ``#SBATCH --no-kill``: the header and the launcher's policy never disagree.
+    """
     spec.validate()
     text = _read(TEMPLATE, source)
     text = _replace_block(text, "sbatch header", header(spec))
+    spec = replace(spec, settings={**spec.settings, "RLFLEET_ON_NODE_LOSS": spec.on_node_loss})
     text = _fill_settings(text, spec)
     return _embed_step(text, _read(STEP_PROGRAM, source))
 
@@ -189,6 +204,12 @@ def _add_submit_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--port-base", type=int, help="first port of the launcher's range (default 7000)")
     r.add_argument("--setup", help="shell code every step runs first, e.g. 'source ~/venv/bin/activate'")
     r.add_argument("--python", help="the Python with Ray (default python3)")
+    r.add_argument(
+        "--on-node-loss", default=ON_NODE_LOSS[0], metavar="|".join(ON_NODE_LOSS),
+        help="a worker node lost after the cluster came up: 'continue' (default; sbatch --no-kill, the job "
+        "goes on and ends with the driver's exit code) or 'fail' (the job ends with that node's step code). "
+        "A lost head always ends the job",
+    )  # fmt: skip
     c = p.add_argument_group("containers (pick one)")
     c.add_argument("--container-image", help="pyxis: srun --container-image for every step")
     c.add_argument("--container-mounts", help="pyxis: srun --container-mounts (the log folder is added)")
@@ -237,6 +258,7 @@ def spec_from_args(ns: argparse.Namespace) -> JobSpec:
         sbatch_args=list(ns.sbatch_arg),
         settings=settings,
         driver=driver or list(DEFAULT_DRIVER),
+        on_node_loss=ns.on_node_loss,
     )
 
 

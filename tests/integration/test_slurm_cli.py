@@ -61,10 +61,12 @@ def test_dry_run_fills_header_settings_and_driver(capsys):
         "#SBATCH --gpus-per-node=8",
         "#SBATCH --time=01:00:00",
         "#SBATCH --output=rlfleet-%j.out",
+        "#SBATCH --no-kill",
         "#SBATCH --partition=h100",
         "#SBATCH --mem=0",
     ]
     assert 'RLFLEET_GPUS_PER_NODE="8"' in out
+    assert 'RLFLEET_ON_NODE_LOSS="continue"' in out
     assert 'RLFLEET_AUTH="token"' in out
     assert 'RLFLEET_SETUP="source \\$HOME/venv/bin/activate"' in out  # expanded in the step, not at render time
     assert "DEFAULT_DRIVER=(python -m my_recipe --name 'a b')" in out
@@ -83,6 +85,7 @@ def test_default_driver_is_the_demo(capsys):
         (["--time", "soon"], "--time"),
         (["--sbatch-arg=mem=0"], "--sbatch-arg"),
         (["--container-image", "a.sqsh", "--apptainer-image", "b.sif"], "exclude each other"),
+        (["--on-node-loss", "sometimes"], "--on-node-loss must be one of continue, fail; got 'sometimes'"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_is_submitted(capsys, args, message):
@@ -99,6 +102,36 @@ def test_missing_launcher_files_are_one_line_naming_the_file(monkeypatch, capsys
 def test_unknown_setting_is_refused():
     with pytest.raises(SubmitError, match="RLFLEET_NOPE"):
         render(JobSpec(settings={"RLFLEET_NOPE": "1"}))
+
+
+def test_on_node_loss_fail_keeps_slurms_kill_and_fixes_the_policy(capsys):
+    out = _dry_run(capsys, "--on-node-loss", "fail", "--", "python", "x.py")
+    assert "#SBATCH --no-kill" not in out.splitlines()
+    assert 'RLFLEET_ON_NODE_LOSS="fail"   # set by rlfleet slurm submit' in out
+
+
+def test_node_loss_policy_defaults_to_continue_with_no_kill_in_the_committed_launcher():
+    """Copy-paste users get the same policy as the CLI's default: a lost worker leaves the job to its driver."""
+    script = render_default().splitlines()
+    header = script[script.index("# >>> sbatch header") : script.index("# <<< sbatch header")]
+    assert "#SBATCH --no-kill" in header
+    assert any(line.startswith(': "${RLFLEET_ON_NODE_LOSS:=continue}"') for line in script)
+
+
+def test_node_loss_policy_is_set_by_its_own_field_not_by_settings():
+    with pytest.raises(SubmitError, match="on_node_loss"):
+        render(JobSpec(settings={"RLFLEET_ON_NODE_LOSS": "fail"}))
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_launcher_refuses_an_unknown_node_loss_policy_naming_it(tmp_path):
+    """Set in the environment of sbatch (not through the CLI), a bad value stops the job at once: code 64."""
+    path = tmp_path / "job.sbatch"
+    path.write_text(render_default())
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "7", "RLFLEET_LOG_ROOT": str(tmp_path), "RLFLEET_ON_NODE_LOSS": "maybe"}
+    out = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, timeout=30)
+    assert out.returncode == 64, out.stdout + out.stderr
+    assert "RLFLEET_ON_NODE_LOSS (--on-node-loss) must be 'continue' or 'fail', got 'maybe'" in out.stdout + out.stderr
 
 
 def test_register_adds_slurm_submit_to_a_parent_cli():
