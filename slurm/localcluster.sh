@@ -4,6 +4,7 @@
 #   slurm/localcluster.sh up [--nodes N] [--cpus C] [--netns]   start munged, slurmctld, N slurmd
 #   slurm/localcluster.sh env                                   print `export SLURM_CONF=...`
 #   slurm/localcluster.sh status                                sinfo + daemon PIDs
+#   slurm/localcluster.sh restart-node NAME                     start a killed node's slurmd again
 #   slurm/localcluster.sh down                                  cancel jobs, stop what `up` started
 #
 # Everything lives under one scratch folder, $RLFLEET_SLURM_DIR (default
@@ -20,6 +21,10 @@
 #   alone), and deletes only the network namespaces and bridge `up` recorded.
 # - With --netns each emulated node gets its own network namespace and IP address
 #   (10.213.0.11, .12, ...) behind a bridge at 10.213.0.1, so Ray sees distinct hosts.
+# - `restart-node NAME` brings back a node whose processes were killed (a node-loss test):
+#   it starts that node's slurmd again (in its namespace with --netns), records its PID,
+#   resumes the node if it is DOWN (set by hand, or by slurmctld after SlurmdTimeout), and
+#   returns once the node is up.
 set -euo pipefail
 
 S=${RLFLEET_SLURM_DIR:-/tmp/rlfleet-slurm}
@@ -192,18 +197,20 @@ start_munge() {
     record munged "$(cat "$S/munge/munged.pid")" munged
 }
 
-start_slurm() {   # nodes netns
-    local n=$1 netns=$2 i pre=()
+start_slurmd() {   # node: start its slurmd (in its network namespace if `up` made one) and record it
+    local node=$1 pre=()
+    mkdir -p "$S/spool/$node"
+    # nsenter, not `ip netns exec`: the latter remounts /sys and slurmd then finds no cgroup fs.
+    [[ -f $S/net ]] && grep -qx "netns rlf-$node" "$S/net" && pre=(nsenter "--net=/run/netns/rlf-$node")
+    setsid "${pre[@]}" slurmd -D -f "$S/slurm.conf" -N "$node" </dev/null >>"$S/log/slurmd-$node.out" 2>&1 &
+    record "slurmd-$node" $! slurmd
+}
+
+start_slurm() {   # nodes
+    local n=$1 i
     setsid slurmctld -D -c -f "$S/slurm.conf" </dev/null >>"$S/log/slurmctld.out" 2>&1 &
     record slurmctld $! slurmctld
-    for ((i = 1; i <= n; i++)); do
-        mkdir -p "$S/spool/n$i"
-        pre=()
-        # nsenter, not `ip netns exec`: the latter remounts /sys and slurmd then finds no cgroup fs.
-        [[ $netns == 1 ]] && pre=(nsenter "--net=/run/netns/rlf-n$i")
-        setsid "${pre[@]}" slurmd -D -f "$S/slurm.conf" -N "n$i" </dev/null >>"$S/log/slurmd-n$i.out" 2>&1 &
-        record "slurmd-n$i" $! slurmd
-    done
+    for ((i = 1; i <= n; i++)); do start_slurmd "n$i"; done
 }
 
 wait_idle() {   # nodes
@@ -240,7 +247,7 @@ cmd_up() {
     write_conf "$nodes" "$cpus" "$netns"
     [[ $netns == 1 ]] && netns_up "$nodes"
     start_munge
-    start_slurm "$nodes" "$netns"
+    start_slurm "$nodes"
     wait_idle "$nodes" || { log "nodes never became idle"; false; }
     trap - EXIT
     log "up: $nodes node(s), $cpus CPUs each$([[ $netns == 1 ]] && echo ", one network namespace per node"); SLURM_CONF=$SLURM_CONF"
@@ -263,6 +270,36 @@ cmd_down() {
     log "down ($S)"
 }
 
+node_state() { sinfo -h -N -n "$1" -o '%T' 2>/dev/null | head -n 1; }   # e.g. idle, down*, allocated*
+
+cmd_restart_node() {   # node
+    local node=${1:-} pid prog state deadline resumed=0
+    [[ -n $node ]] || die "usage: $0 restart-node NAME"
+    need_root
+    export SLURM_CONF=$S/slurm.conf
+    [[ -f $SLURM_CONF ]] && grep -q "^NodeName=$node " "$SLURM_CONF" || die "no node $node in a cluster under $S"
+    if [[ -f $S/pids/slurmd-$node ]]; then
+        read -r pid prog <"$S/pids/slurmd-$node"
+        pid_matches "$pid" "$prog" && die "slurmd of $node is still running (pid $pid)"
+    fi
+    start_slurmd "$node"
+    deadline=$((SECONDS + 60))
+    while ((SECONDS < deadline)); do
+        state=$(node_state "$node")
+        case $state in
+            '' | *'*' | unknown*) ;;   # its slurmd has not registered yet
+            down* | drain* | fail*)    # registered, but DOWN by hand or after SlurmdTimeout: resume it
+                ((resumed)) || scontrol update "NodeName=$node" State=RESUME || true   # it may return on its own meanwhile
+                resumed=1
+                ;;
+            *) log "$node is back ($state)"; return 0 ;;
+        esac
+        sleep 0.2
+    done
+    sinfo -N -l >&2 || true
+    die "$node did not come back within 60 s (state: $(node_state "$node"))"
+}
+
 cmd_status() {
     export SLURM_CONF=$S/slurm.conf
     local f pid prog
@@ -279,5 +316,6 @@ case ${1:-} in
     down) cmd_down ;;
     status) cmd_status ;;
     env) echo "export SLURM_CONF=$S/slurm.conf" ;;
-    *) echo "usage: $0 {up [--nodes N] [--cpus C] [--netns] | down | status | env}" >&2; exit 2 ;;
+    restart-node) shift; cmd_restart_node "$@" ;;
+    *) echo "usage: $0 {up [--nodes N] [--cpus C] [--netns] | restart-node NAME | down | status | env}" >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """A light launcher test driver: one actor per Ray node, a JSON report, then an exit chosen by flags.
 
     python slurm/examples/ray_probe.py --nodes 2 [--exit-code N] [--hold S]
-        [--spawn-orphans] [--kill-worker-raylet] [--rendezvous DIR --peers K]
+        [--spawn-orphans] [--kill-worker-raylet] [--kill-head-gcs] [--rendezvous DIR --peers K]
 
 Prints one line ``RLFLEET_PROBE {json}`` with the Ray address, the alive nodes, and
 per node the actor's PID, node IP and (with ``--spawn-orphans``) the PID of a
@@ -12,7 +12,11 @@ Other flags:
 - ``--rendezvous DIR --peers K``: write ``DIR/<jobid>`` and wait (up to 120 s) until K
   such files exist, proving K jobs ran at the same time (exit 3 otherwise);
 - ``--kill-worker-raylet``: SIGKILL the raylet of a non-head node (its actor's parent),
-  then wait: the launcher must end the job because that worker step died;
+  then wait: under ``--on-node-loss fail`` the launcher must end the job because that
+  worker step died;
+- ``--kill-head-gcs``: SIGKILL this job's GCS server (found on the head by the job's Ray
+  temp dir in its command line), then wait: the launcher must end the job because the
+  head step died, whatever ``--on-node-loss`` says;
 - ``--hold S``: sleep S seconds before exiting (a window to scancel the job);
 - ``--exit-code N``: exit with N at the end.
 """
@@ -55,6 +59,21 @@ class NodeProbe:
         return raylet
 
 
+def kill_head_gcs() -> int:
+    """SIGKILL this job's GCS server (this driver runs on the head); returns its PID."""
+    temp_root = os.environ["RLFLEET_RAY_TMP_ROOT"] + "/"
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except (OSError, ValueError):
+            continue
+        if argv and argv[0].endswith("gcs_server") and any(temp_root in a for a in argv):
+            os.kill(int(entry), signal.SIGKILL)
+            return int(entry)
+    raise RuntimeError(f"no gcs_server with {temp_root} in its command line")
+
+
 def rendezvous(folder: str, peers: int, timeout: float = 120.0) -> list[str]:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, os.environ.get("SLURM_JOB_ID", str(os.getpid()))), "w") as f:
@@ -75,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hold", type=float, default=0.0)
     ap.add_argument("--spawn-orphans", action="store_true")
     ap.add_argument("--kill-worker-raylet", action="store_true")
+    ap.add_argument("--kill-head-gcs", action="store_true")
     ap.add_argument("--rendezvous")
     ap.add_argument("--peers", type=int, default=1)
     args = ap.parse_args(argv)
@@ -118,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         victim.kill_raylet.remote()
         time.sleep(120)  # the launcher must end the job before this
         print("the launcher did not stop the job after a worker died", flush=True)
+        return 5
+    if args.kill_head_gcs:
+        print(f"killed the head's GCS server (pid {kill_head_gcs()})", flush=True)
+        time.sleep(120)  # the launcher must end the job before this
+        print("the launcher did not stop the job after its head died", flush=True)
         return 5
     if args.hold > 0:
         print(f"holding {args.hold:.0f} s", flush=True)

