@@ -140,8 +140,12 @@ class Fleet:
 
             raise ConfigError("name", f"a fleet named {cfg.name!r} is already running on this Ray cluster; "
                               f"attach to it with Fleet.connect({cfg.name!r}) or pick another name", cfg.name)
+        # The controller runs beside the driver (a soft affinity: Ray restarts it elsewhere if that node
+        # dies), not on whatever node Ray picks for an actor that asks for no CPU: on a Slurm job the
+        # driver's node is the head, and a worker node the job may lose is no place for the control plane.
+        options = dict(CONTROLLER_OPTIONS, **ray_io.on_this_node(soft=True))
         ctl = ray_io.spawn_actor(SingleController, cfg.model_dump(), name=controller_name(cfg.name),
-                                 max_restarts=cfg.controller_max_restarts, **CONTROLLER_OPTIONS)
+                                 max_restarts=cfg.controller_max_restarts, **options)
         fleet = cls(ctl, cfg)
         timeout = start_timeout_s or cfg.engine.start_timeout_s + 120
         try:

@@ -53,6 +53,7 @@ from health import (
     RefitStarted,
     Restart,
     Retire,
+    SlotPhase,
     StopExhausted,
     Tick,
     VersionCommitted,
@@ -61,6 +62,7 @@ from health import (
 
 TIMER_INTERVAL_S = 0.2
 PLACEMENT_POLL_S = 1.0  # how often a restart that Ray cannot place yet asks again
+PLACEMENT_NOTE_AFTER_S = 5.0  # Ray takes a moment to start any actor's process: pending longer is worth a record
 
 
 class SingleController:
@@ -169,18 +171,22 @@ class SingleController:
             task.cancel()
         outs = {}
         slots = sorted(self.handles)
+        # An engine still starting (or waiting for Ray to place it) holds no request and may not answer
+        # for a long while: it is killed, not asked to shut down (a lost node's restart waited 60 s here).
+        starting = {s for s in slots if self.ledger.raw(s).phase is SlotPhase.LAUNCHING}
         for part in (slots[: (len(slots) + 1) // 2], slots[(len(slots) + 1) // 2:]):
             outs.update(await self.door.fan_out(
-                {slot: (self.handles[slot][1], "shutdown", (), {}) for slot in part}, timeout=60
+                {slot: (self.handles[slot][1], "shutdown", (), {}) for slot in part if slot not in starting}, timeout=60
             ))
             for slot in part:
                 self.door.kill(self.handles[slot][1])
             self.crash_point("shutdown")  # fault injection: die with half the shards shut down
         await self.publisher.publish()  # clients learn the fleet stopped and return what they hold
-        self.log.emit("phase", phase="shutdown", edge="end", shards={s: o.kind for s, o in outs.items()})
+        kinds = {s: outs[s].kind if s in outs else "killed_while_starting" for s in slots}
+        self.log.emit("phase", phase="shutdown", edge="end", shards=kinds)
         self.intent.clear()
         self.log.close()
-        return {"shards": {s: o.kind for s, o in outs.items()}}
+        return {"shards": kinds}
 
     def halt(self, reason: str) -> None:
         """Stop with the gate closed: waiting requests are returned explicitly from now on."""
@@ -301,10 +307,10 @@ class SingleController:
         state_of = getattr(self.door, "actor_state", None)
         if state_of is None:
             return
-        waited = False
+        waited, t0 = False, self.clock.now()
         while state_of(handle) in ("PENDING_CREATION", "DEPENDENCIES_UNREADY") and not self.stopped \
                 and self.handles.get(slot, (None,))[0] == incarnation:
-            if not waited:
+            if not waited and self.clock.now() - t0 >= PLACEMENT_NOTE_AFTER_S:
                 waited = True
                 self.log.emit("placement", slot=slot, incarnation=incarnation, edge="waiting",
                               reason="no node has room for it yet: the slot stays restarting")

@@ -184,6 +184,15 @@ def current_node_id() -> str | None:
         return None
 
 
+def on_this_node(soft: bool = True) -> dict:
+    """Ray options placing an actor on this process's node (``soft``: elsewhere when it cannot be); empty
+    outside Ray."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = current_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=soft)} if node else {}
+
+
 def dead_nodes() -> set[str]:
     """Ids of the nodes the cluster has declared dead (GCS health checks failed)."""
     return {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}

@@ -8,6 +8,7 @@ import asyncio
 
 from fleet.controller import SingleController
 from fleet.nodes import NodeMap
+from fleet.outcome import TIMED_OUT, Outcome
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, run_virtual
 
 NODE = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
@@ -30,6 +31,12 @@ class NodeDoor(FakeDoor):
 
     def actor_state(self, handle) -> str:
         return "PENDING_CREATION" if (handle.slot, handle.incarnation) in self.pending else "ALIVE"
+
+    async def call(self, handle, method, *args, timeout, **kw):
+        if (handle.slot, handle.incarnation) in self.pending:  # Ray queues the call until it places the actor
+            await asyncio.sleep(timeout)
+            return Outcome(TIMED_OUT, error=TimeoutError(f"{method}: actor not placed"))
+        return await super().call(handle, method, *args, timeout=timeout, **kw)
 
     def lose(self, node: str) -> None:
         """The node's processes are gone: calls to its shards hang (unreachable), the GCS says dead."""
@@ -114,6 +121,22 @@ def test_a_restart_ray_cannot_place_waits_restarting_then_starts_when_placed(mod
         await asyncio.sleep(2.0)
         assert ctl.ledger.state(1).value == "stale" and ctl.log.records(kinds=["placement"])[-1]["edge"] == "placed"
         await ctl.shutdown()
+
+
+def test_shutdown_kills_a_restart_still_waiting_for_placement_instead_of_waiting_on_it(model_dir):
+    async def go():
+        ctl, door = make(model_dir, restart_backoff_s=0.0, restart_backoff_cap_s=0.0)
+        await ctl.start()
+        door.pending.add((1, 2))
+        door.shards[(1, 1)].dead = True
+        await asyncio.sleep(10.0)
+        assert ctl.ledger.state(1).value == "restarting"
+        t0 = ctl.clock.now()
+        summary = await ctl.shutdown()
+        assert ctl.clock.now() - t0 < 1.0  # not the 60 s a shutdown call to an unplaced actor waits
+        assert summary["shards"][1] == "killed_while_starting" and door.shards[(1, 2)].dead
+        assert all(("shutdown", s, 1) in door.calls for s in (0, 2, 3))  # the started ones were asked
+        assert not any(m == "shutdown" and s == 1 for m, s, _ in door.calls)
 
     run_virtual(go())
 
