@@ -128,8 +128,12 @@ class Fleet:
             raise FleetStopped(f"fleet.{method} refused: the fleet was shut down ({self._shut_down})")
 
     @classmethod
-    def start(cls, config: dict | FleetConfig, num_cpus: int | None = None, start_timeout_s: float | None = None) -> Fleet:
-        """Validate ``config``, start (or join) a local Ray, create the controller and its engines."""
+    def start(cls, config: dict | FleetConfig, num_cpus: int | None = None, start_timeout_s: float | None = None,
+              controller_node: str | None = None) -> Fleet:
+        """Validate ``config``, start (or join) a local Ray, create the controller and its engines.
+
+        The controller runs on ``controller_node`` (a Ray node id: pinned there, restarted there), else
+        preferably on the node this driver is attached to (Ray may place it elsewhere)."""
         cfg = load_fleet_config(config)
         if cfg.name is None:
             cfg = cfg.model_copy(update={"name": new_fleet_name()})
@@ -140,10 +144,13 @@ class Fleet:
 
             raise ConfigError("name", f"a fleet named {cfg.name!r} is already running on this Ray cluster; "
                               f"attach to it with Fleet.connect({cfg.name!r}) or pick another name", cfg.name)
-        # The controller runs beside the driver (a soft affinity: Ray restarts it elsewhere if that node
-        # dies), not on whatever node Ray picks for an actor that asks for no CPU: on a Slurm job the
-        # driver's node is the head, and a worker node the job may lose is no place for the control plane.
-        options = dict(CONTROLLER_OPTIONS, **ray_io.on_this_node(soft=True))
+        # The controller runs beside the driver, not on whatever node Ray picks for an actor that asks for
+        # no CPU: on a Slurm job the driver's node is the head, and a worker node the job may lose is no
+        # place for the control plane. A soft affinity is a preference Ray does not always keep (two
+        # raylets on one IP): a caller who must have it names the node, and gets a hard one.
+        where = ray_io.on_node(controller_node, soft=False) if controller_node else \
+            ray_io.on_node(ray_io.current_node_id(), soft=True)
+        options = dict(CONTROLLER_OPTIONS, **where)
         ctl = ray_io.spawn_actor(SingleController, cfg.model_dump(), name=controller_name(cfg.name),
                                  max_restarts=cfg.controller_max_restarts, **options)
         fleet = cls(ctl, cfg)

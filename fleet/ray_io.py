@@ -184,13 +184,12 @@ def current_node_id() -> str | None:
         return None
 
 
-def on_this_node(soft: bool = True) -> dict:
-    """Ray options placing an actor on this process's node (``soft``: elsewhere when it cannot be); empty
-    outside Ray."""
+def on_node(node_id: str | None, soft: bool = True) -> dict:
+    """Ray options placing an actor on node ``node_id`` (``soft``: elsewhere when that node is gone or
+    cannot host it); empty for no node."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    node = current_node_id()
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=soft)} if node else {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)} if node_id else {}
 
 
 def dead_nodes() -> set[str]:

@@ -93,10 +93,11 @@ def start_trainer(model: str, head: dict, head_engines: int):
     return trainer
 
 
-def start_fleet(config: dict) -> Fleet:
-    """``Fleet.start``; its controller runs on this driver's node, the head (``Fleet.start`` places it
-    beside its driver), never on the node this job loses: checked in ``placement``."""
-    return Fleet.start(config)
+def start_fleet(config: dict, head: dict) -> Fleet:
+    """``Fleet.start`` with its controller on the head (``controller_node``), never on the node this job
+    loses. Its default, the driver's own node, is ambiguous here: both emulated nodes share one IP, and a
+    driver may attach to either raylet."""
+    return Fleet.start(config, controller_node=head["NodeID"])
 
 
 def slot_rows(fleet: Fleet) -> list[dict]:
@@ -260,7 +261,7 @@ def run(args, report: dict) -> None:
     trainer = start_trainer(model, head, args.head_engines)
     fleet = None
     try:
-        fleet = start_fleet(fleet_config(args, model, f"node-loss-{report['job_id']}"))
+        fleet = start_fleet(fleet_config(args, model, f"node-loss-{report['job_id']}"), head)
         report["placement"] = placement(fleet, head, worker, args.head_engines)
         prompts = [[1, 20 + i, 30, 40, 50] for i in range(args.prompts)]
         for step in range(1, args.steps + 1):
