@@ -295,6 +295,16 @@ class SingleController:
             self.decide(observed(action.slot, action.incarnation, CallKind.START, out))
         self._restarting.pop(action.slot, None)
 
+    def fence_by_name(self, slot: int, incarnation: int, recorded: int, reason: str) -> bool:
+        """Kill the shard actor named for ``incarnation`` of ``slot`` if one is alive (a restarted controller
+        fencing what its intent does not want serving: ``recorded`` is the incarnation it did record)."""
+        handle = self.door.find(shard_name(self.name, slot, incarnation)) if incarnation >= 1 else None
+        if handle is None:
+            return False
+        self.door.kill(handle)
+        self.log.emit("adopt_fence", slot=slot, incarnation=incarnation, recorded=recorded, reason=reason)
+        return True
+
     def note_started(self, slot: int, incarnation: int, info: dict) -> None:
         """What a shard said of itself when it started (or was re-adopted): native pause, its node."""
         self.native_pause[slot] = bool(info.get("native_pause", True))

@@ -188,12 +188,8 @@ def _find_shards(ctl: Any, intent) -> tuple[dict[int, Any], list]:
         if handle is not None:
             found[slot] = handle
         for other in (inc - 1, inc + 1):
-            stray = ctl.door.find(shard_name(ctl.name, slot, other)) if other >= 1 else None
-            if stray is not None:
-                ctl.door.kill(stray)
+            if ctl.fence_by_name(slot, other, inc, "an incarnation other than the recorded one: killed"):
                 fenced.append([slot, other])
-                ctl.log.emit("adopt_fence", slot=slot, incarnation=other, recorded=inc,
-                             reason="an incarnation other than the recorded one: killed")
     return found, fenced
 
 

@@ -40,7 +40,6 @@ import dataclasses
 from typing import Any
 
 from fleet.errors import ConfigError, FleetStopped
-from fleet.naming import shard_name
 from health import (
     Batch,
     CallKind,
@@ -228,10 +227,6 @@ def fence_removed(ctl: Any, intent: Any) -> list[list[int]]:
     fenced = []
     for slot, inc in sorted(intent.removed.items()):
         for other in (inc - 1, inc, inc + 1):
-            handle = ctl.door.find(shard_name(ctl.name, slot, other)) if other >= 1 else None
-            if handle is not None:
-                ctl.door.kill(handle)
+            if ctl.fence_by_name(slot, other, inc, "a slot a resize removed: killed"):
                 fenced.append([slot, other])
-                ctl.log.emit("adopt_fence", slot=slot, incarnation=other, recorded=inc,
-                             reason="a slot a resize removed: killed")
     return fenced
