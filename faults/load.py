@@ -104,3 +104,35 @@ def refit_under_load(fleet: Any, sync: Callable[[], dict], threads: int = 4, set
         "stale_epoch": stale.epoch,
         "refused_delta": {k: v - before.get(k, 0) for k, v in _refused(fleet.shard_counters()).items()},
     }
+
+
+class ClientLoad:
+    """``threads`` client threads, each submitting one request (``prompt``, ``sampling``) at a time until
+    ``end``; every result is kept (``results``)."""
+
+    def __init__(self, fleet: Any, threads: int, prompt: Any, sampling: dict, name: str = "client-load") -> None:
+        self.fleet, self.results, self.stop = fleet, [], threading.Event()
+        self._prompt, self._sampling = prompt, sampling
+        self._lock = threading.Lock()
+        self._workers = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for w in self._workers:
+            w.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            group = self.fleet.collect(self.fleet.submit(self._prompt, 1, self._sampling))
+            with self._lock:
+                self.results.extend(group)
+
+    def completed_on(self, slot: int, incarnation: int | None = None, version: int | None = None) -> int:
+        """Requests that completed on ``slot`` (and that incarnation, tagged with that version, if given)."""
+        with self._lock:
+            return sum(1 for r in self.results if r.ok and r.result.slot == slot
+                       and incarnation in (None, r.result.incarnation) and version in (None, r.result.weight_version))
+
+    def end(self, timeout_s: float) -> list:
+        """Stop submitting; wait (``timeout_s`` per thread) for the requests in flight; every result."""
+        self.stop.set()
+        for w in self._workers:
+            w.join(timeout=timeout_s)
+        return self.results

@@ -26,11 +26,11 @@ The record says what happened, for ``faults.resize_evidence`` to judge:
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any, Callable
 
 from faults.firing import wait_until
+from faults.load import ClientLoad
 
 PROMPT = [1, 21, 31, 41, 51]
 SAMPLING = {"max_tokens": 128, "ignore_eos": True, "temperature": 1.0}  # long enough to be in flight at a resize
@@ -47,32 +47,6 @@ def _resize(fleet: Any, n: int) -> dict:
             "ended": round(time.monotonic(), 6)}
 
 
-class _Load:
-    def __init__(self, fleet: Any, threads: int) -> None:
-        self.fleet, self.results, self.stop = fleet, [], threading.Event()
-        self._lock = threading.Lock()
-        self._workers = [threading.Thread(target=self._run, name=f"resize-load-{i}", daemon=True) for i in range(threads)]
-        for w in self._workers:
-            w.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            group = self.fleet.collect(self.fleet.submit(PROMPT, 1, SAMPLING))
-            with self._lock:
-                self.results.extend(group)
-
-    def completed_on(self, slot: int, incarnation: int, version: int) -> int:
-        with self._lock:
-            return sum(1 for r in self.results if r.ok and (r.result.slot, r.result.incarnation) == (slot, incarnation)
-                       and r.result.weight_version == version)
-
-    def end(self, timeout_s: float) -> list:
-        self.stop.set()
-        for w in self._workers:
-            w.join(timeout=timeout_s)
-        return self.results
-
-
 def _in_flight(fleet: Any, slot: int) -> int:
     return int(fleet.shard_counters().get(slot, {}).get("in_flight", 0))
 
@@ -80,7 +54,7 @@ def _in_flight(fleet: Any, slot: int) -> int:
 def resize_under_load(fleet: Any, sync: Callable[[], dict], threads: int = 6, settle_s: float = 0.5,
                       wait_s: float = 60.0) -> dict:
     size = fleet.status()["target_size"]
-    load = _Load(fleet, threads)
+    load = ClientLoad(fleet, threads, PROMPT, SAMPLING, name="resize-load")
     time.sleep(settle_s)  # the load is running before the fleet grows
     grow = _resize(fleet, size + 1)
     added = grow["summary"].get("added", [])

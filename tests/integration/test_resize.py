@@ -9,11 +9,11 @@ fault matrix's ``resize-under-load``.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
+from faults.load import ClientLoad
 from fleet import ray_io
 from fleet.api import Fleet
 from fleet.errors import ConfigError
@@ -35,33 +35,6 @@ def fleet(ray_local, tiny_model):
     f.shutdown()
 
 
-class Load:
-    """``threads`` client threads, each submitting one request at a time until stopped."""
-
-    def __init__(self, fleet: Fleet, threads: int = 6) -> None:
-        self.fleet, self.results, self.stop = fleet, [], threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            group = self.fleet.collect(self.fleet.submit(PROMPT, 1, SAMPLING))
-            with self._lock:
-                self.results.extend(group)
-
-    def on(self, slot: int) -> int:
-        with self._lock:
-            return sum(1 for r in self.results if r.ok and r.result.slot == slot)
-
-    def end(self) -> list:
-        self.stop.set()
-        for t in self._threads:
-            t.join(timeout=60)
-        return self.results
-
-
 def test_a_bad_size_is_refused_and_the_fleet_keeps_serving(fleet):
     for n in (1, 0, 2.5, "3"):
         with pytest.raises(ConfigError) as err:
@@ -73,16 +46,16 @@ def test_a_bad_size_is_refused_and_the_fleet_keeps_serving(fleet):
 
 def test_grow_and_shrink_under_load_lose_nothing_and_drain_the_removed_engine(fleet):
     before = fleet.status()["requests"]
-    load = Load(fleet)
+    load = ClientLoad(fleet, 6, PROMPT, SAMPLING)
     time.sleep(1.5)
     grown = fleet.resize(3)
     assert grown["added"] == [2] and grown["size_from"] == 2 and fleet.status()["target_size"] == 3
     assert grown["serving"] == [0, 1, 2]  # at the checkpoint version a new engine serves once started
-    wait_for(lambda: load.on(2) >= 3, 30, 0.2, "requests served by the new engine")
+    wait_for(lambda: load.completed_on(2) >= 3, 30, 0.2, "requests served by the new engine")
     # slot 2 (all serve: the highest) will be removed: shrink while it holds requests
     wait_for(lambda: fleet.shard_counters()[2]["in_flight"] >= 2, 30, 0.05, "requests in flight on slot 2")
     shrunk = fleet.resize(2)
-    results = load.end()
+    results = load.end(60)
     after = fleet.status()["requests"]
 
     assert shrunk["removed"] == [2] and shrunk["serving"] == [0, 1] and fleet.status()["target_size"] == 2
