@@ -256,12 +256,11 @@ class SingleController:
     def _with_lost_nodes(self, failed: dict[int, tuple[int, Outcome]]) -> dict[int, tuple[int, Outcome]]:
         """``failed`` probes, plus every shard on a node the cluster declared dead (``fleet.nodes``): a lost
         node's shards all die in the decision that found the first of them."""
-        dead_nodes = getattr(self.door, "dead_nodes", None)
-        if not failed or not self.nodes or dead_nodes is None:
+        if not failed or not self.nodes:
             return failed
         current = {s: inc for s, (inc, _) in self.handles.items() if inc == self.ledger.raw(s).incarnation}
         out = dict(failed)
-        for node, slots in self.nodes.lost(dead_nodes(), current).items():
+        for node, slots in self.nodes.lost(self.door.dead_nodes(), current).items():
             out.update(slots)
             if node not in self.nodes.reported:
                 self.nodes.reported.add(node)
@@ -314,11 +313,8 @@ class SingleController:
         """Wait, without bound, while Ray cannot place a restarted shard (no node has room: a node was lost).
         The slot stays restarting and the fleet serves on quorum; the start's own deadline begins once
         the actor exists. Ends when the slot moved on (killed, replaced) or the fleet stopped."""
-        state_of = getattr(self.door, "actor_state", None)
-        if state_of is None:
-            return
         waited, t0 = False, self.clock.now()
-        while state_of(handle) in ("PENDING_CREATION", "DEPENDENCIES_UNREADY") and not self.stopped \
+        while self.door.actor_state(handle) in ("PENDING_CREATION", "DEPENDENCIES_UNREADY") and not self.stopped \
                 and self.handles.get(slot, (None,))[0] == incarnation:
             if not waited and self.clock.now() - t0 >= PLACEMENT_NOTE_AFTER_S:
                 waited = True

@@ -125,6 +125,14 @@ class FakeDoor:
     def kv_del(self, key):
         self.kv.pop(key, None)
 
+    def dead_nodes(self) -> set[str]:  # Ray's GCS: no node has died
+        return set()
+
+    def actor_state(self, handle) -> str:  # Ray's GCS: a shard is placed at once; of anything else it cannot tell
+        if not isinstance(handle, FakeShard):
+            return "UNKNOWN"
+        return "DEAD" if handle.dead else "ALIVE"
+
     def kill(self, handle: FakeShard) -> None:
         handle.dead = True
 
