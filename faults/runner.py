@@ -244,8 +244,7 @@ class FaultRunner:
                 rep.violations += [f"check {check}: {p}" for p in problems]
                 continue
             if kind == "resent":  # a frozen shard: evicted within the detection bound, its requests re-sent then
-                self._wait(lambda: any(e["slot"] == slot and "evicted" in e["reason"]
-                                       for e in self.events(t0, kinds=("kill",))), 60, f"eviction of slot {slot}")
+                self._wait(lambda: self._evicted(slot, t0), 60, f"eviction of slot {slot}")
                 bound = fleet.status()["hang_detection_bound_s"]
                 measured: dict = {}
                 problems = prove_resent(self.events(t0), self.journal_since(t0), slot, bound, measured=measured)
@@ -261,8 +260,7 @@ class FaultRunner:
             if kind == "stop_names":
                 ok = any(f"slot {slot}" in e["reason"] for e in self.events(t0, kinds=("stopped",)))
             elif kind == "evicted":
-                ok = self._wait(lambda: any(e["slot"] == slot and "evicted" in e["reason"] for e in self.events(kinds=("kill",))),
-                                60, f"eviction of slot {slot}")
+                ok = self._wait(lambda: self._evicted(slot), 60, f"eviction of slot {slot}")
             elif kind == "retired":
                 ok = self._wait(lambda: slot_states(fleet.status())[slot] == "retired", 240, f"slot {slot} retired")
             elif kind == "readmitted":
@@ -271,6 +269,10 @@ class FaultRunner:
                 raise ValueError(f"unknown check {check!r}")
             if not ok:
                 rep.violations.append(f"check {check} failed")
+
+    def _evicted(self, slot: int, since_t: float = float("-inf")) -> bool:
+        """The controller killed an incarnation of ``slot`` as evicted (at or after ``since_t``)."""
+        return any(e["slot"] == slot and "evicted" in e["reason"] for e in self.events(since_t, kinds=("kill",)))
 
     def _controller_back(self, fleet: Fleet, generation: int) -> list[str]:
         """The controller answers at ``generation`` (one restart per kill), the gate is open, and the fleet
