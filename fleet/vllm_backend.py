@@ -7,6 +7,7 @@ dead engine core is either bounded by the caller or checks ``check_alive`` first
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Sequence
 
@@ -38,12 +39,21 @@ def _make_stats_logger(sink: EngineStats):
     return lambda vllm_config, engine_index=0: _SinkLogger(vllm_config, engine_index)
 
 
-def _completion(out) -> Completion:
+def _completion(out, top: bool = False) -> Completion:
+    """One vLLM ``CompletionOutput`` as plain data; ``top``: keep each position's top-k logprobs too."""
     lps: list[float] = []
     for tok, entry in zip(out.token_ids, out.logprobs or ()):
         lp = entry.get(tok) if entry else None
         lps.append(float(lp.logprob) if lp is not None else float("nan"))
-    return Completion(token_ids=tuple(out.token_ids), logprobs=tuple(lps), finish_reason=out.finish_reason)
+    tops = tuple({int(t): float(v.logprob) for t, v in (entry or {}).items()} for entry in out.logprobs or ()) if top else None
+    return Completion(token_ids=tuple(out.token_ids), logprobs=tuple(lps), finish_reason=out.finish_reason,
+                      text=out.text or None, top_logprobs=tops, stop_reason=out.stop_reason)
+
+
+def _shut_down_late(building) -> None:
+    """An engine whose start was given up on (deadline passed) and that came up anyway: shut it down."""
+    if not building.cancelled() and building.exception() is None:
+        building.result().shutdown()
 
 
 class VllmBackend:
@@ -58,16 +68,31 @@ class VllmBackend:
         self._tokenizer = None
 
     async def start(self) -> None:
+        """Build the engine on a thread, off the shard's event loop: importing vLLM and starting its engine
+        core take tens of seconds (minutes for a large model), and all that time the shard must still answer
+        ``describe`` and ``ping``, or a controller that re-adopts it meanwhile would count a live, starting
+        shard as missing. ``AsyncLLM`` may be built with no running loop: its output tasks start on first
+        use. If the start's deadline cancels this call, an engine that comes up later is shut down."""
+        loop = asyncio.get_running_loop()
+        building = loop.run_in_executor(None, self._build)
+        try:
+            engine = await asyncio.shield(building)
+        except asyncio.CancelledError:
+            building.add_done_callback(_shut_down_late)
+            raise
+        self._engine = engine
+        cache = engine.vllm_config.cache_config
+        # vLLM's block pool keeps one block back (its null block): usable tokens are one block fewer.
+        self._stats.kv_cache_tokens = int(max(0, (cache.num_gpu_blocks or 0) - 1) * cache.block_size)
+        self._stats.max_model_len = int(engine.model_config.max_model_len)
+        self._tokenizer = engine.get_tokenizer()
+
+    def _build(self):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(**self._engine_args)
-        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[_make_stats_logger(self._stats)])
-        cache = self._engine.vllm_config.cache_config
-        # vLLM's block pool keeps one block back (its null block): usable tokens are one block fewer.
-        self._stats.kv_cache_tokens = int(max(0, (cache.num_gpu_blocks or 0) - 1) * cache.block_size)
-        self._stats.max_model_len = int(self._engine.model_config.max_model_len)
-        self._tokenizer = self._engine.get_tokenizer()
+        return AsyncLLM.from_engine_args(args, stat_loggers=[_make_stats_logger(self._stats)])
 
     def _live(self):
         if self._engine is None:
@@ -117,7 +142,8 @@ class VllmBackend:
             raise BadRequestError(f"request {request_id} rejected by vLLM: {exc}") from None
         if final is None:
             raise EngineCrashedError(f"request {request_id} produced no output")
-        return [_completion(o) for o in final.outputs]
+        top = bool(sp.logprobs)  # logprobs=k > 0: the caller wants each position's top k as well
+        return [_completion(o, top) for o in final.outputs]
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         await self._live().abort(list(request_ids))

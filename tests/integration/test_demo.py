@@ -89,7 +89,15 @@ def test_summary_agrees_with_the_event_log(demo):
     assert crash["point"] == "transfer"
     restarted = next(e for e in events if e["kind"] == "controller_restarted" and e["t"] > crash["t"])
     adopted = next(e for e in events if e["kind"] == "adopted" and e["t"] >= restarted["t"])
-    assert restarted["generation"] == 1 and sorted(adopted["alive"] + adopted["starting"]) == [0, 1, 2]
+    assert restarted["generation"] == 1
+    assert sorted(adopted["alive"] + adopted["starting"] + adopted["missing"]) == [0, 1, 2]
+    # One miss is legitimate: the killed slot, when the controller died after deciding its restart and before
+    # Ray created the new actor; the successor then finds no actor of that name and restarts the slot itself.
+    # Any other missing slot, or a miss for any other reason, is a re-adoption that lost a live shard.
+    for slot in adopted["missing"]:
+        assert slot == KILLED_SLOT, adopted
+        why = [e for e in events if e.get("slot") == slot and e["t"] >= adopted["t"] and "not found alive" in json.dumps(e)]
+        assert why and all("no actor of that name" in json.dumps(e) for e in why), why
     assert any(e["kind"] == "gate" and e["open"] and e["t"] > adopted["t"] for e in events)
 
     counts = {k: sum(1 for e in events if e["kind"] == "request" and e["event"] == k)

@@ -18,16 +18,34 @@ pytestmark = pytest.mark.integration
 LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "seed": 7}
 PROMPT = [1, 20, 30, 40, 50]
 T = 120.0
+handles_states: list[str] = []  # every state ``describe`` answered while the module's shards started
+
+
+def test_a_starting_shard_answers_describe(shards):
+    assert handles_states.count("starting") >= 3, handles_states
+    assert handles_states[-2:] == ["ready", "ready"]
 
 
 @pytest.fixture(scope="module")
 def shards(ray_local, tiny_model):
     cfg = EngineConfig(model=tiny_model, max_model_len=512)
     handles = [ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(2)]
-    infos = [ray_io.ask(h, "start", timeout=300) for h in handles]
+    starts = [ray_io.submit(h, "start") for h in handles]
+    # While its engine starts, a shard still answers: a controller re-adopting it meanwhile asks
+    # ``describe`` with a short deadline, and a shard that cannot answer would be counted missing.
+    seen: list[str] = []
+    end = time.monotonic() + 300
+    while time.monotonic() < end:
+        states = [ray_io.ask(h, "describe", timeout=5.0)["state"] for h in handles]
+        seen += states
+        if all(s == "ready" for s in states):
+            break
+        time.sleep(0.2)
+    infos = ray_io.results(starts, 60)
     for h, info in zip(handles, infos):
         mem = ray_io.ask(h, "memory_mb", timeout=30)
         print(f"shard {info['slot']}: start {info['start_s']:.1f} s, resident {mem}")
+    handles_states[:] = seen
     yield handles
     for h in handles:
         ray_io.try_ask(h, "shutdown", timeout=60)
