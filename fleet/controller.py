@@ -219,7 +219,7 @@ class SingleController:
 
     def _carry_out(self, action) -> None:
         if isinstance(action, Probe):
-            self._background(self._probe(action.slot, action.incarnation))
+            self._background(self._probe(action.slot, action.incarnation, action.not_before))
         elif isinstance(action, Evict):
             self._kill(action.slot, action.incarnation, f"evicted: {action.reason}")
         elif isinstance(action, Restart):
@@ -243,7 +243,13 @@ class SingleController:
             self.door.kill(current[1])
             self.log.emit("kill", slot=slot, incarnation=incarnation, reason=reason)
 
-    async def _probe(self, slot: int, incarnation: int) -> None:
+    async def _probe(self, slot: int, incarnation: int, not_before: float | None = None) -> None:
+        """Probe ``incarnation`` of ``slot`` once, not before ``not_before`` (the health core spaces the
+        probes of a quarantine by ``probe_interval_s``: a killed process fails every probe at once, and
+        probing it back to back would find it dead before the cluster can say its node was lost)."""
+        wait = (not_before - self.clock.now()) if not_before is not None else 0.0
+        if wait > 0:
+            await asyncio.sleep(wait)
         handle = self.handle_of(slot, incarnation)
         if handle is None:
             return

@@ -56,8 +56,9 @@ __all__ = [
 class Probe:
     """At or after ``not_before``, check whether ``incarnation`` of ``slot`` is alive
     (bounded by a deadline) and report ``Observed(slot, incarnation, CallKind.PROBE,
-    ...)``. The first probe of a quarantine is due at once; later ones are spaced
-    by ``probe_interval_s``."""
+    ...)``. Every probe, the first of a quarantine too, is due ``probe_interval_s`` after
+    the failure that called for it: a killed process fails at once, and back-to-back
+    probes would condemn it before the cluster could say its node was lost."""
 
     slot: int
     incarnation: int

@@ -1,0 +1,208 @@
+"""Simulate fleets of 64, 256 and 1,024 engines under real failure rates, with the production controller.
+
+Each fleet runs ``--hours`` of async training in simulated time (``sim.run``): the real
+``SingleController`` with its lifecycle, health core, admission and recovery, driven
+through a simulated door (``sim.door``) and a virtual-time event loop, against
+simulated shards with the latencies of a 70B-class model (``sim.shard.Timings``,
+``sim.transfer.TransferModel``: 140 GB broadcast at 8 GB/s, engine start 5 minutes, 8
+engines per node) and the Llama 3 report's interruption rate scaled to the fleet
+(``sim.faults``), plus one controller death per run.
+
+Runs, all measured here and now:
+
+1. each size at the default failure rate (the table's rows);
+2. each size without any fault, same hours: the gate's duty cycle, what the refits
+   alone cost (``availability_fault_free``), the baseline the faulty run is compared
+   against (``availability_lost_to_faults_N`` is the difference);
+3. the largest size under ``--stress`` times the rate, without and with warm spares
+   (``spare_engines`` = one node's worth), on the same fault schedule: how long capacity
+   takes to come back after a failure, and what spares change.
+
+Writes ``--plot`` (availability and serving capacity over simulated time, 1,024 engines)
+and prints a markdown table; the last line is one JSON object with, for each size N,
+``availability_N``, ``availability_fault_free_N``, ``capacity_mean_share_N``,
+``capacity_min_share_N``, ``refit_s_N``, ``controller_cpu_s_per_refit_N`` (real CPU seconds
+of this process while a refit ran), ``refits_stopped_N``, and the stress run's figures.
+
+Usage: ``python scripts/simulate_fleet.py [--sizes 64,256,1024] [--hours 6] [--step-s 600]
+[--stress 100] [--stress-hours 3] [--seed 0] [--plot docs/scale.png]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from sim.faults import FaultSpec, schedule  # noqa: E402  (the path line above makes the repo importable)
+from sim.run import Scenario, simulate  # noqa: E402
+
+KEYS = ("availability", "capacity_mean_share", "capacity_min_share", "refits_stopped", "controller_cpu_s_per_refit")
+
+
+def door_cpu_s_per_refit(n: int, mix: dict[str, float], rounds: int = 5) -> float:
+    """The simulated door's own CPU for one refit's calls: ``mix`` (calls per refit by method, as the
+    run counted them) replayed as fan-outs to ``n`` healthy shards, with no controller. The part of
+    the measured CPU per refit that production's door would replace with Ray's cost."""
+    import asyncio
+
+    from sim.clock import run_virtual
+    from sim.door import SimDoor
+    from sim.shard import Timings
+
+    args = {"set_route": (1, True, 0), "fence": (1,), "begin_refit": (1, 1), "set_weight_version": (1,),
+            "abort": ([],)}
+
+    async def go() -> float:
+        door = SimDoor(n, Timings())
+        handles = [door.spawn_shard(None, s, 1) for s in range(n)]
+        for h in handles:
+            h.state = "ready"
+        t0 = time.process_time()
+        for _ in range(rounds):
+            for method, count in mix.items():
+                if method in ("start", "shutdown"):
+                    continue
+                k = round(count)
+                calls = {i: (handles[i % n], method, args.get(method, ()), {}) for i in range(k)}
+                await door.fan_out(calls, timeout=600.0)
+        await asyncio.sleep(0)
+        return (time.process_time() - t0) / rounds
+
+    return round(run_virtual(go()), 4)
+
+
+def median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 1) if xs else None
+
+
+def row(name: str, r: dict) -> str:
+    ttfc = r["time_to_full_capacity_s"]
+    faults = r["faults"]
+    return (f"| {name} | {r['engines']} | {r['spare_engines']} | {r['horizon_h']:g} | {r['refits']} "
+            f"| {faults['die']}/{faults['hang']}/{faults['node']}/{faults['controller']} "
+            f"| {r['availability']:.4f} | {r['capacity_mean_share']:.4f} | {r['capacity_min_share']:.4f} "
+            f"| {r['refit_s_mean']} | {r['refit_s_max']} | {median(ttfc) if ttfc else '-'} "
+            f"| {r['refits_stopped']} | {r['controller_cpu_s_per_refit'] * 1e3:.0f} "
+            f"| {r['controller_cpu_s_per_hour_between_refits']:.1f} | {r['calls_per_refit']:.0f} "
+            f"| {r['kv_puts_per_refit']:g} | {r['real_s']} |")
+
+
+HEADER = ("| run | engines | spares | hours | refits | faults die/hang/node/ctl | availability | capacity mean "
+          "| capacity min | refit s | refit s max | time to full capacity s (median) | refits that stopped "
+          "| controller CPU ms / refit | controller CPU s / h between refits | door calls / refit "
+          "| KV writes / refit | real s |\n" + "|---" * 18 + "|")
+
+
+def plot(path: pathlib.Path, runs: list[tuple[str, object]], engines: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
+    window = 1800.0
+    for i, (label, run) in enumerate(runs):
+        series = run.series(every_s=window)
+        hours = [t / 3600 for t, *_ in series] + [series[-1][0] / 3600 + window / 3600]
+        color, style = f"C{i}", ("-", "--", ":")[i % 3]
+        axes[0].step(hours, [s[1] for s in series] + [series[-1][1]], where="post", color=color, ls=style, label=label)
+        axes[1].step(hours, [s[2] for s in series] + [series[-1][2]], where="post", color=color, label=f"{label}: mean")
+        axes[1].step(hours, [s[3] for s in series] + [series[-1][3]], where="post", color=color, ls=":", alpha=0.5)
+        faults = [f for f in run.fired if f["kind"] != "controller"]
+        axes[1].scatter([f["t"] / 3600 for f in faults], [1.0] * len(faults), marker="v", s=22, color=color)
+    axes[0].set_ylabel("gate open share\n(per 30 min)")
+    axes[1].set_ylabel("serving capacity share\n(per 30 min: mean, dotted min)")
+    axes[1].set_xlabel("simulated hours (triangles: engine faults)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower left", fontsize=8)
+    fig.suptitle(f"{engines:,} simulated engines, production controller: availability and capacity")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="64,256,1024", help="fleet sizes (engines), comma-separated")
+    ap.add_argument("--hours", type=float, default=6.0, help="simulated hours per run at the default rate")
+    ap.add_argument("--step-s", type=float, default=600.0, help="seconds of one training step")
+    ap.add_argument("--stress", type=float, default=100.0, help="failure-rate multiplier of the stress runs (0: none)")
+    ap.add_argument("--stress-hours", type=float, default=3.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", type=pathlib.Path, default=None, help="write the plot here (PNG)")
+    args = ap.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        ap.error(f"--sizes must be integers separated by commas, got {args.sizes!r}")
+    if not sizes or min(sizes) < 8 or args.hours <= 0 or args.step_s <= 0 or args.stress < 0:
+        ap.error("--sizes must be >= 8 engines, --hours and --step-s > 0, --stress >= 0")
+
+    t0 = time.perf_counter()
+    out: dict = {"step_s": args.step_s, "hours": args.hours, "seed": args.seed}
+    lines = [HEADER]
+    plotted = []
+    for n in sizes:
+        base = Scenario(engines=n, step_s=args.step_s, horizon_s=args.hours * 3600, faults=FaultSpec(seed=args.seed))
+        run, r = simulate(base)
+        _, ff = simulate(Scenario(engines=n, step_s=args.step_s, horizon_s=args.hours * 3600,
+                                  faults=FaultSpec(rate_multiplier=0, controller_deaths=0)))
+        lines += [row("default rate", r), row("no faults", ff)]
+        for k in KEYS:
+            out[f"{k}_{n}"] = r[k]
+        out[f"availability_fault_free_{n}"] = ff["availability"]
+        out[f"availability_lost_to_faults_{n}"] = round(ff["availability"] - r["availability"], 5)
+        out[f"refit_s_{n}"] = r["refit_s_mean"]
+        out[f"refit_s_fault_free_{n}"] = ff["refit_s_mean"]
+        out[f"faults_{n}"] = r["faults"]
+        out[f"controller_cpu_s_per_hour_between_refits_{n}"] = r["controller_cpu_s_per_hour_between_refits"]
+        out[f"door_calls_per_refit_{n}"] = r["calls_per_refit"]
+        out[f"kv_puts_per_refit_{n}"] = r["kv_puts_per_refit"]
+        door_s = door_cpu_s_per_refit(n, ff["calls_by_method_per_refit"])
+        out[f"sim_door_cpu_s_per_refit_{n}"] = door_s
+        out[f"controller_cpu_s_per_refit_net_{n}"] = round(ff["controller_cpu_s_per_refit"] - door_s, 4)
+        for k in ("kv_bytes_per_put", "routing_publications_per_refit", "routing_state_bytes_without_handles",
+                  "event_records_per_refit", "calls_by_method_per_refit"):
+            out[f"{k}_{n}"] = ff[k]
+        print(f"{n} engines: availability {r['availability']:.4f} (fault-free {ff['availability']:.4f}), "
+              f"{r['refits']} refits of {r['refit_s_mean']} s, faults {r['faults']}, {r['real_s']} s real", flush=True)
+        if n == max(sizes):
+            plotted.append((f"default rate ({sum(r['faults'].values())} faults)", run))
+    if args.stress > 0:
+        n = max(sizes)
+        spec = FaultSpec(seed=args.seed, rate_multiplier=args.stress)
+        faults = tuple(schedule(spec, n, args.stress_hours * 3600))
+        for spares in (0, 8):
+            sc = Scenario(engines=n, spare_engines=spares, step_s=args.step_s, horizon_s=args.stress_hours * 3600,
+                          faults=spec, fault_list=faults)
+            run, r = simulate(sc)
+            lines.append(row(f"x{args.stress:g} rate", r))
+            tag = "spares" if spares else "no_spares"
+            out[f"stress_availability_{tag}_{n}"] = r["availability"]
+            out[f"stress_capacity_mean_share_{tag}_{n}"] = r["capacity_mean_share"]
+            out[f"stress_capacity_min_share_{tag}_{n}"] = r["capacity_min_share"]
+            out[f"stress_time_to_full_capacity_s_{tag}_{n}"] = median(r["time_to_full_capacity_s"])
+            out[f"stress_refits_stopped_{tag}_{n}"] = r["refits_stopped"]
+            print(f"x{args.stress:g} rate, {spares} spares: availability {r['availability']:.4f}, capacity mean "
+                  f"{r['capacity_mean_share']:.4f}, time to full capacity {r['time_to_full_capacity_s']}", flush=True)
+            plotted.append((f"x{args.stress:g} rate, {spares} warm spares ({sum(r['faults'].values())} faults)", run))
+        out["stress"] = args.stress
+    if args.plot:
+        plot(args.plot, plotted, max(sizes))
+        out["plot"] = str(args.plot)
+    print("\n".join(lines))
+    out["real_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

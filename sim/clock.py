@@ -1,0 +1,56 @@
+"""Simulated time: an asyncio event loop whose clock jumps to its next timer.
+
+Whenever nothing is ready to run, ``VirtualTimeLoop`` moves its time to the next
+scheduled timer instead of sleeping, so ``asyncio.sleep``, ``wait_for`` deadlines,
+probe intervals, restart backoffs and engine start times all pass in no real time,
+in a deterministic order. ``LoopClock`` is the controller's clock on that loop (the
+same seconds the loop's timers use). Real CPU time is not simulated: code that runs
+between two timers takes no simulated time at all, which is what lets the simulator
+measure the controller's own CPU cost separately (``time.process_time``).
+
+Real I/O is still served: the selector is polled first, and blocks for real only when
+no timer is pending at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Coroutine
+
+__all__ = ["LoopClock", "VirtualTimeLoop", "run_virtual"]
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock moves only by jumping to the next timer when nothing else can run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._virtual_now = 0.0
+        poll = self._selector.select
+
+        def select(timeout: float | None = None):
+            events = poll(0)
+            if events or (timeout is not None and timeout <= 0):
+                return events
+            if timeout is None:
+                return poll(None)
+            self._virtual_now += timeout
+            return []
+
+        self._selector.select = select
+
+    def time(self) -> float:
+        return self._virtual_now
+
+
+class LoopClock:
+    """The running loop's time as a ``health.Clock`` (virtual seconds on a ``VirtualTimeLoop``)."""
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+
+def run_virtual(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` to completion on a fresh ``VirtualTimeLoop``."""
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        return runner.run(coro)

@@ -1,0 +1,195 @@
+"""A simulated engine shard: ``EngineShard``'s control methods, with latencies and no engine.
+
+``SimShard`` answers every method the control plane calls (``fleet.door.CONTROL_METHODS``)
+with the signature ``fleet.shard.EngineShard`` has, and keeps the state those methods
+keep: the real shard-side gate (``fleet.shard_gate.ShardGate``), the stamped weight
+version, ``dirty`` after a transfer touched the weights, paused. Each call takes the
+simulated time its ``Timings`` field says (an engine start takes ``engine_start_s``).
+
+What can happen to it (``sim.faults`` decides when): it dies (every call from then on,
+and every call in flight, fails as a dead actor's does), it hangs (calls in flight and
+later ones never answer: the caller's deadline decides), or its node is lost (it dies,
+and the node is declared dead ``node_death_detect_s`` later).
+
+Nothing here is driven by the wall clock: latencies are ``asyncio.sleep`` on the
+simulator's virtual-time loop (``sim.clock``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from fleet.shard_gate import ShardGate
+from fleet.types import EngineStats
+
+__all__ = ["CALL_DEADLINE", "CallTimedOut", "ShardDied", "SimShard", "Timings"]
+
+# The deadline (loop time) of the call being served: the door sets it around every call.
+CALL_DEADLINE: contextvars.ContextVar[float] = contextvars.ContextVar("sim_call_deadline", default=float("inf"))
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Simulated latencies, seconds. Defaults: a 70B-class engine on one GPU (see ``sim.scenario``)."""
+
+    rpc_s: float = 0.0  # one control call's round trip (~1 ms on a real cluster: nothing here depends on it)
+    engine_start_s: float = 300.0  # process start, weights from disk, CUDA graphs, KV cache
+    pause_s: float = 0.5  # vLLM pause(keep): the running step finishes
+    resume_s: float = 0.2
+    invalidate_s: float = 0.05
+    shutdown_s: float = 2.0
+    kv_cache_tokens: int = 400_000
+    max_model_len: int = 32_768
+
+    @functools.cached_property
+    def _slow(self) -> dict[str, float]:
+        return {"start": self.engine_start_s, "pause": self.pause_s, "resume": self.resume_s,
+                "invalidate_cache": self.invalidate_s, "reset_prefix_cache": self.invalidate_s,
+                "shutdown": self.shutdown_s}
+
+    def of(self, method: str) -> float:
+        """The simulated seconds ``method`` takes on a healthy shard (asked once per call of a fan-out)."""
+        return self._slow.get(method, self.rpc_s)
+
+
+class ShardDied(Exception):
+    """The simulated shard's process is gone (what Ray reports as ``ActorDiedError``)."""
+
+
+class CallTimedOut(TimeoutError):
+    """A simulated call passed its deadline (the shard hung, or the call takes longer than allowed)."""
+
+
+class SimShard:
+    """One simulated ``EngineShard`` actor (``slot``, ``incarnation``) on ``node``."""
+
+    def __init__(self, slot: int, incarnation: int, node: str, timings: Timings, name: str | None = None) -> None:
+        self.slot, self.incarnation, self.node, self.name = slot, incarnation, node, name
+        self.t = timings
+        self.gate = ShardGate()
+        self.version = 0
+        self.dirty = False
+        self.state = "new"
+        self.dead = False
+        self.hung = False
+        self._left: dict | None = None
+
+    # -- what happens to it (``sim.faults``) ----------------------------------------------
+    def die(self) -> None:
+        self.dead = True
+
+    def hang(self) -> None:
+        self.hung = True
+
+    async def _take(self, seconds: float) -> None:
+        """Spend ``seconds`` of simulated time on a call, within the call's deadline. Raises as the actor
+        would look from outside: ``ShardDied`` if it died meanwhile, ``CallTimedOut`` if it hung or the
+        call needs longer than its deadline allows."""
+        loop = asyncio.get_running_loop()
+        left = CALL_DEADLINE.get() - loop.time()
+        if self.hung or seconds > left:
+            await asyncio.sleep(max(0.0, left))
+            raise CallTimedOut(f"slot {self.slot}: no answer within the call's deadline"
+                               + (" (hung)" if self.hung else f" ({seconds:.1f} s needed)"))
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+        if self.dead:
+            raise ShardDied(f"slot {self.slot} incarnation {self.incarnation} died")
+        if self.hung:  # it hung while the call ran: the answer never comes
+            await asyncio.sleep(max(0.0, CALL_DEADLINE.get() - loop.time()))
+            raise CallTimedOut(f"slot {self.slot}: no answer within the call's deadline (hung)")
+
+    def _info(self) -> dict[str, Any]:
+        return {"slot": self.slot, "incarnation": self.incarnation, "weight_version": self.version,
+                "state": self.state, "in_flight": 0, "pid": 0}
+
+    # -- EngineShard's control methods (same names and parameters) ------------------------
+    async def start(self) -> dict[str, Any]:
+        if self.state != "new":
+            raise RuntimeError(f"slot {self.slot} cannot start from state {self.state}")
+        self.state = "starting"
+        await self._take(self.t.engine_start_s)
+        self.state = "ready"
+        return {"start_s": self.t.engine_start_s, "native_pause": True, "node": self.node, **self._info()}
+
+    async def ping(self) -> dict[str, Any]:
+        await self._take(self.t.rpc_s)
+        return self._info()
+
+    async def stats(self) -> EngineStats:
+        await self._take(self.t.rpc_s)
+        return EngineStats(kv_cache_tokens=self.t.kv_cache_tokens, max_model_len=self.t.max_model_len,
+                           updated_at=asyncio.get_running_loop().time())
+
+    async def describe(self) -> dict[str, Any]:
+        await self._take(self.t.rpc_s)
+        return {**self._info(), "node": self.node, "dirty": self.dirty, "paused": self.gate.paused,
+                "native_pause": True, "gate": self.gate.counters()}
+
+    async def counters(self) -> dict[str, Any]:
+        await self._take(self.t.rpc_s)
+        return {**self.gate.counters(), "deduplicated": 0, "in_flight": 0, "slot": self.slot,
+                "incarnation": self.incarnation, "weight_version": self.version, "left": self._left}
+
+    async def set_route(self, epoch: int, member: bool, committed: int) -> bool:
+        await self._take(self.t.rpc_s)
+        if self.gate.member and not member:
+            self._left = {"in_flight": 0, "admitted": self.gate.admitted, "epoch": int(epoch)}
+        self.gate.route(int(epoch), bool(member), int(committed))
+        return True
+
+    async def fence(self, epoch: int) -> bool:
+        await self._take(self.t.rpc_s)
+        self.gate.fence(int(epoch))
+        return True
+
+    async def begin_refit(self, epoch: int, version: int) -> dict[str, int]:
+        await self._take(self.t.rpc_s)
+        self.gate.fence(int(epoch))
+        return {"aborted": 0, "in_flight": 0}
+
+    async def abort_in_flight(self) -> int:
+        await self._take(self.t.rpc_s)
+        return 0
+
+    async def abort(self, request_ids: Sequence[str]) -> bool:
+        await self._take(self.t.rpc_s)
+        return True
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = True, timeout: float | None = None) -> bool:
+        await self._take(self.t.pause_s)
+        self.gate.paused = True
+        return True
+
+    async def resume(self, timeout: float | None = None) -> bool:
+        await self._take(self.t.resume_s)
+        self.gate.paused = False
+        return True
+
+    async def invalidate_cache(self) -> bool:
+        await self._take(self.t.invalidate_s)
+        return True
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        await self._take(self.t.invalidate_s)
+        return True
+
+    async def set_weight_version(self, version: int) -> bool:
+        await self._take(self.t.rpc_s)
+        self.version = int(version)
+        self.dirty = False
+        self.gate.committed = max(self.gate.committed, self.version)
+        return True
+
+    async def arm_fault(self, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0) -> bool:
+        raise NotImplementedError("a simulated shard has no fault hooks: the simulator injects faults itself (sim.faults)")
+
+    async def shutdown(self) -> bool:
+        await self._take(self.t.shutdown_s)
+        self.state = "shut_down"
+        self.dead = True
+        return True

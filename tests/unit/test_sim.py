@@ -1,0 +1,198 @@
+"""The fleet simulator: it drives the production controller, through the same door protocol as Ray's.
+
+Protocol: ``RayDoor`` and ``SimDoor`` both have every ``fleet.door.Door`` method with its
+parameters; every shard method the control plane calls by name is listed in
+``CONTROL_METHODS`` (found by scanning the control plane's source), and ``EngineShard``
+and ``SimShard`` both answer each with the same parameters.
+
+Runs: short simulations in virtual time (a second or two of real time each) where
+each fault is scripted and then shown to have fired and been handled by the real
+controller (its event log), plus determinism and a quorum loss that stops the fleet.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import fleet.controller
+import fleet.lifecycle
+from fleet.door import CONTROL_METHODS, FAULT_METHODS, Door
+from fleet.ray_io import RayDoor
+from fleet.shard import EngineShard
+from sim.door import SimDoor
+from sim.faults import Fault, FaultSpec, schedule
+from sim.run import Scenario, simulate
+from sim.shard import SimShard, Timings
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTROL_PLANE = ["fleet/controller.py", "fleet/lifecycle.py", "fleet/publisher.py", "fleet/recovery.py",
+                 "fleet/resize.py", "fleet/spares.py", "fleet/nodes.py", "fleet/weights.py"]
+
+
+def params(fn) -> list[tuple[str, object, object]]:
+    """(name, kind, default) of every parameter but ``self`` and Ray's own: once a process has made
+    ``EngineShard`` an actor class (``ray.remote``), Ray's tracing adds ``_ray_trace_ctx`` to its methods."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()
+            if p.name != "self" and not p.name.startswith("_ray_")]
+
+
+def door_methods() -> list[str]:
+    return [n for n, v in vars(Door).items() if callable(v) and not n.startswith("_")]
+
+
+# -- the protocol --------------------------------------------------------------------------------
+@pytest.mark.parametrize("door", [RayDoor, SimDoor])
+def test_both_doors_have_every_door_method_with_its_parameters(door):
+    names = door_methods()
+    assert len(names) >= 14, names
+    for name in names:
+        assert hasattr(door, name), f"{door.__name__} lacks {name}"
+        assert params(getattr(door, name)) == params(getattr(Door, name)), f"{door.__name__}.{name}"
+        assert inspect.iscoroutinefunction(getattr(door, name)) == inspect.iscoroutinefunction(getattr(Door, name)), name
+
+
+def test_a_door_missing_a_method_is_caught():
+    class Partial(SimDoor):
+        kv_del = None  # type: ignore[assignment]
+
+    assert isinstance(SimDoor(8, Timings()), Door)
+    assert not isinstance(Partial(8, Timings()), Door)
+
+
+def called_by_name(path: Path) -> set[str]:
+    """Shard methods called by name in ``path``: ``door.call(h, "m", ...)`` and fan-out entries
+    ``(h, "m", args, kwargs)``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "call" \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            found.add(node.args[1].value)
+        if isinstance(node, ast.Tuple) and len(node.elts) == 4 and isinstance(node.elts[1], ast.Constant) \
+                and isinstance(node.elts[1].value, str) and isinstance(node.elts[2], ast.Tuple):
+            found.add(node.elts[1].value)
+    return found
+
+
+def test_every_shard_method_the_control_plane_calls_is_a_listed_control_method():
+    called = set().union(*(called_by_name(ROOT / p) for p in CONTROL_PLANE))
+    assert len(called) >= 12, sorted(called)  # the scan sees the calls (it cannot pass on nothing)
+    listed = set(CONTROL_METHODS) | set(FAULT_METHODS)
+    assert called <= listed, sorted(called - listed)
+
+
+@pytest.mark.parametrize("method", CONTROL_METHODS + FAULT_METHODS)
+def test_sim_shard_answers_each_control_method_as_engine_shard_does(method):
+    assert params(getattr(SimShard, method)) == params(getattr(EngineShard, method)), method
+
+
+def test_the_simulator_runs_the_production_classes():
+    run, _ = simulate(Scenario(engines=8, horizon_s=1200, step_s=300, fault_list=()))
+    ctl = run.controllers[0]
+    assert type(ctl) is fleet.controller.SingleController
+    assert type(ctl.lifecycle) is fleet.lifecycle.RefitLifecycle
+    assert type(ctl.door) is SimDoor
+    assert len(run.refits) >= 3 and ctl.ledger.current_version == len(run.refits)
+
+
+# -- faults fire and the real controller handles them ----------------------------------------------
+def records(run, kind: str) -> list[dict]:
+    return [r for c in run.controllers for r in c.log.records(kinds=[kind])]
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    """16 engines on 2 nodes + 1 spare node; an engine death, a hang, a node loss, a controller death."""
+    faults = (Fault(1000, "die", 0.1), Fault(2500, "hang", 0.5), Fault(4000, "node", 0.0), Fault(5500, "controller", 0))
+    sc = Scenario(engines=16, spare_nodes=1, horizon_s=2.5 * 3600, step_s=600, fault_list=faults, node_repair_s=1800)
+    return simulate(sc)
+
+
+def test_each_scripted_fault_fired_and_was_found_by_the_controller(scripted):
+    run, report = scripted
+    assert [f["kind"] for f in run.fired] == ["die", "hang", "node", "controller"]
+    assert report["faults"] == {"die": 1, "hang": 1, "node": 1, "controller": 1}
+    died, hung, node = (set(f["shards"]) for f in run.fired[:3])  # (slot, incarnation) the fault hit
+    kills = records(run, "kill")
+    killed = {(r["slot"], r["incarnation"]) for r in kills}
+    assert died | hung | node <= killed, (died, hung, node, kills)
+    assert any("hung" in r["reason"] for r in kills if (r["slot"], r["incarnation"]) in hung), kills
+    assert len(node) == 8
+    assert run.door.nodes[run.fired[2]["node"]].declared_dead
+
+
+def test_the_fleet_trains_through_them_and_capacity_comes_back(scripted):
+    run, report = scripted
+    assert report["refits_stopped"] == 0 and report["stopped"] is None
+    versions = [r["version"] for r in run.refits]
+    assert versions == list(range(1, len(versions) + 1)) and len(versions) >= 12
+    assert report["controller_generations"] == 2
+    assert run.controllers[1].generation == 1 and run.controllers[1].recovered is not None
+    assert report["capacity_min_share"] == 0.5  # the lost node's 8 of 16, until they restarted elsewhere
+    back = report["time_to_full_capacity_s"]
+    assert len(back) == 3 and all(b is not None and 0 < b < 1800 for b in back), back
+    assert 0.85 < report["availability"] < 0.97  # ~20 s refits every 600 s close the gate ~3 %
+
+
+def test_the_same_scenario_gives_the_same_run():
+    sc = Scenario(engines=16, horizon_s=3 * 3600, step_s=600, faults=FaultSpec(rate_multiplier=300, seed=3))
+    a, b = simulate(sc)[1], simulate(sc)[1]
+    for r in (a, b):
+        for k in ("real_s", "real_cpu_s", "controller_cpu_s_per_refit", "controller_cpu_s_per_hour_between_refits"):
+            r.pop(k)
+    assert sum(a["faults"].values()) >= 2 and a == b
+
+
+def test_losing_quorum_stops_the_fleet_and_the_rest_of_the_run_counts_as_closed():
+    # 16 engines, quorum 12: a lost node takes 8, and no other node has room for them
+    sc = Scenario(engines=16, horizon_s=2 * 3600, step_s=600, fault_list=(Fault(1500, "node", 0.0),))
+    run, report = simulate(sc)
+    assert report["refits_stopped"] == 1 and "min_healthy_engines=12" in report["stopped"], report["stopped"]
+    assert records(run, "stopped")
+    closed_after = [g for t, g, _ in run.samples if t > 2200]
+    assert closed_after and not any(closed_after)
+    assert report["availability"] < 0.5
+
+
+def test_the_fault_schedule_follows_its_rate_and_mix():
+    spec = FaultSpec(rate_multiplier=1000, seed=1, controller_deaths=2)
+    faults = schedule(spec, gpus=1024, horizon_s=24 * 3600)
+    engine_faults = [f for f in faults if f.kind != "controller"]
+    expected = spec.per_gpu_hour * 1000 * 1024 * 24
+    assert abs(len(engine_faults) - expected) < 4 * expected ** 0.5
+    assert sum(f.kind == "controller" for f in faults) == 2
+    share_node = sum(f.kind == "node" for f in engine_faults) / len(engine_faults)
+    assert abs(share_node - spec.share_node) < 0.05
+    assert [f.t for f in faults] == sorted(f.t for f in faults)
+    with pytest.raises(ValueError, match="share_die"):
+        FaultSpec(share_die=0.9)
+
+
+def test_the_script_prints_its_figures_as_the_last_line(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    plot = tmp_path / "scale.png"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate_fleet.py"), "--sizes", "16", "--hours", "1",
+                          "--stress", "3000", "--stress-hours", "1", "--plot", str(plot)],
+                         capture_output=True, text=True, timeout=300, check=True)
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("availability_16", "availability_fault_free_16", "capacity_min_share_16", "refit_s_16",
+                "controller_cpu_s_per_refit_16", "refits_stopped_16", "stress_availability_spares_16"):
+        assert key in last, key
+    assert 0.9 < last["availability_fault_free_16"] < 1.0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| default rate | 16 |" in out.stdout
+
+
+def test_the_script_refuses_bad_arguments_naming_them():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate_fleet.py"), "--sizes", "many"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--sizes" in out.stderr
