@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SUBCOMMAND_MODULES = ("cli.demo", "cli.faults", "cli.slurm", "cli.fleet")
+SUBCOMMAND_MODULES = ("cli.demo", "cli.faults", "cli.slurm", "cli.fleet", "cli.serve")
 
 
 def _register(sub, module: str) -> None:

@@ -11,6 +11,7 @@ runner and campaigns use it to:
 - score sampled tokens (``logprobs``: ``recipe.logprobs.token_logprobs``, the same
   scoring the GRPO trainer uses), the reference every logprob-agreement check
   compares the engines against;
+- hold its next update (``hold_next_update``: a slow trainer, the gate held closed);
 - break its next update on purpose (``corrupt_next_update``: a wrong name, shape or
   dtype for one tensor, one tensor or one whole decoder layer left out), and report
   its checksum and resident memory.
@@ -21,6 +22,7 @@ Every method runs on the sender's one thread, so a step or a score never overlap
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Sequence
 
@@ -51,7 +53,20 @@ class WeightSource(LocalSenderPort):
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.eval()
+        self._hold_s = 0.0
         super().__init__(WeightSender(self.model, dtype=torch.float32, addr=addr))
+
+    async def hold_next_update(self, seconds: float) -> bool:
+        """Fault injection: the next ``prepare`` waits ``seconds`` first, as a slow trainer would; the refit,
+        and the gate it closed, are held that long (the engines are paused by then)."""
+        self._hold_s = float(seconds)
+        return True
+
+    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None) -> dict:
+        hold, self._hold_s = self._hold_s, 0.0
+        if hold:
+            await asyncio.sleep(hold)
+        return await super().prepare(refit_id, transfer, bucket_mb, direct_mb)
 
     # -- the policy -------------------------------------------------------------------
     async def perturb(self, seed: int, scale: float = 0.02, relative: bool = False) -> int:

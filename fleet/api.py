@@ -184,6 +184,11 @@ class Fleet:
     def name(self) -> str:
         return self.config.name
 
+    @property
+    def controller(self) -> Any:
+        """The controller's actor handle (for callers that ask it things on their own loop: the HTTP front)."""
+        return self._ctl
+
     def detach(self) -> dict:
         """Stop using the fleet from this process (its requests end first); the fleet keeps running."""
         if self._shut_down is not None:
@@ -298,16 +303,17 @@ class Fleet:
     def kill_shard(self, slot: int) -> bool:
         return self._ask("kill_shard", slot, timeout=60)
 
-    def shutdown(self) -> dict:
-        """Return pending requests explicitly, stop every engine and the controller. A second call is a no-op."""
+    def shutdown(self, timeout_s: float = 180.0) -> dict:
+        """Return pending requests explicitly, stop every engine and the controller. A second call is a no-op.
+        ``timeout_s`` bounds the controller's part (a driver whose local Ray is going down with it passes less)."""
         if self._shut_down is not None:
             return {"already_shut_down": True}
         self._shut_down = "Fleet.shutdown() was called"
-        out = ray_io.try_ask(self._ctl, "shutdown", timeout=180)
+        out = ray_io.try_ask(self._ctl, "shutdown", timeout=timeout_s)
         if out.kind in (DIED, UNAVAILABLE) and self._wait_for_controller():
             # it died inside shutdown: the restarted controller finished it on its first call; this
             # second call returns once it has
-            out = ray_io.try_ask(self._ctl, "shutdown", timeout=180)
+            out = ray_io.try_ask(self._ctl, "shutdown", timeout=timeout_s)
         counters = self._close_client()
         ray_io.kill(self._ctl)
         summary = out.value if out.ok else {"error": out.describe()}

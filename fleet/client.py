@@ -48,6 +48,16 @@ RESTART_WAIT_S = 60.0  # the default ``controller_restart_wait_s``: how long an 
 CLIENT_RECORD_KINDS = ("request", "controller_unreachable", "controller_back", "controller_gone")
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed (vLLM installs it): the client's loop carries every request of
+    its process, and an HTTP front's parsing too; asyncio's own otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class _Client:
     """What every client shares: the dispatcher's view (minus how the routing state arrives) and the
     request calls. Subclasses set ``door``, ``policy``, ``config``, ``log``, ``dispatcher``."""
@@ -153,7 +163,7 @@ class FleetClient(_Client):
         self.outage: dict[str, Any] = {"unreachable_since": None, "outages": 0, "down_s_total": 0.0}
         self.completed_while_down = 0  # requests that completed while the controller could not be reached
         self._reports: set[asyncio.Future] = set()  # failure reports in flight (referenced until done)
-        self._loop = asyncio.new_event_loop()
+        self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"rlfleet-{self.name}", daemon=True)
         self._thread.start()
         self.dispatcher: Dispatcher = self._run(self._make_dispatcher(), 30)
@@ -279,6 +289,13 @@ class FleetClient(_Client):
             pass
 
     # ------------------------------------------------------------------ requests
+
+    def spawn(self, coro) -> concurrent.futures.Future:
+        """Run ``coro`` on the client's event loop, where its requests are routed (the HTTP front serves
+        there: ``serve.server``)."""
+        if self._closed:
+            raise RuntimeError(f"fleet client {self.name} is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def submit(self, prompt: Any, n: int = 1, sampling: dict | None = None,
                policy: VersionPolicy | None = None) -> concurrent.futures.Future:

@@ -83,6 +83,8 @@ class _Pending:
     refusals: int = 0
     reasons: list[str] = field(default_factory=list)
     dispatched_at: float | None = None
+    on: Member | None = None  # the shard running it now, if any
+
 
 
 # A shard that failed a call is left out of routing until the routing state changes, or this long.
@@ -121,6 +123,7 @@ class Dispatcher:
         self._load: dict[int, int] = {}
         self._waiting = 0  # requests waiting for room
         self._excluded: dict[tuple[int, int], tuple[int, float]] = {}  # (slot, inc) -> (epoch, until)
+        self._aborts: set[asyncio.Future] = set()  # aborts of cancelled requests in flight (referenced until done)
 
     # -- accounting ----------------------------------------------------------------
     @property
@@ -164,17 +167,30 @@ class Dispatcher:
         self.accepted += 1
         self._log.emit("request", event="accepted", request_id=p.request_id)
         deadline = p.accepted_at + self._timeout
-        while True:
-            verdict = await self._attempt(p, deadline)
-            if isinstance(verdict, FleetResult):
-                return verdict
-            if verdict is None:  # refused without running: routing changed, route again
-                continue
-            p.reasons.append(verdict)
-            if p.attempts > self._max_redispatch:
-                return self._return(p, f"redispatch budget ({self._max_redispatch}) spent: {'; '.join(p.reasons)}")
-            self.requeued += 1
-            self._log.emit("request", event="requeued", request_id=p.request_id, reason=verdict)
+        try:
+            while True:
+                verdict = await self._attempt(p, deadline)
+                if isinstance(verdict, FleetResult):
+                    return verdict
+                if verdict is None:  # refused without running: routing changed, route again
+                    continue
+                p.reasons.append(verdict)
+                if p.attempts > self._max_redispatch:
+                    return self._return(p, f"redispatch budget ({self._max_redispatch}) spent: {'; '.join(p.reasons)}")
+                self.requeued += 1
+                self._log.emit("request", event="requeued", request_id=p.request_id, reason=verdict)
+        except asyncio.CancelledError:
+            self._cancelled(p)
+            raise
+
+    def _cancelled(self, p: _Pending) -> None:
+        """The caller gave up on ``p`` (its task was cancelled: an HTTP client that disconnected): abort it
+        on the shard running it, so the engine stops spending on it, and account it as returned."""
+        if p.on is not None:
+            abort = asyncio.ensure_future(self._view.door.call(p.on.handle, "abort", [p.request_id], timeout=10.0))
+            self._aborts.add(abort)
+            abort.add_done_callback(self._aborts.discard)
+        self._return(p, "cancelled by the caller")
 
     async def _attempt(self, p: _Pending, deadline: float) -> FleetResult | str | None:
         """One dispatch: the final result, a reason to re-send (counts against ``max_redispatch``),
@@ -185,12 +201,14 @@ class Dispatcher:
         state, m = target
         p.attempts += 1
         p.dispatched_at = self._clock.now()
+        p.on = m
         self.outstanding.setdefault(m.slot, {})[p.request_id] = (m.incarnation, state.version)
         self._load[m.slot] = self._load.get(m.slot, 0) + 1
         try:
             request = (p.prompt, p.sampling, p.request_id, self._view.cache_salt(state.version),
                        state.epoch, p.policy.kind, p.policy.k)  # EngineShard.serve: one argument, one ticket
             outcome = await self._view.door.call(m.handle, "serve", request, timeout=max(1.0, deadline - self._clock.now()))
+            p.on = None  # (left set when the call is cancelled: ``_cancelled`` aborts it there)
         finally:
             self.outstanding.get(m.slot, {}).pop(p.request_id, None)
             self._load[m.slot] -= 1

@@ -54,9 +54,19 @@ class Intent:
     serving_roles: tuple[int, ...] | None = None  # slots with the serving role (``health.roles``); None: the first ones
 
     def to_json(self) -> str:
-        doc = dataclasses.asdict(self)
-        doc["slots"] = {str(s): list(v) for s, v in self.slots.items()}
-        doc["removed"] = {str(s): inc for s, inc in self.removed.items()}
+        # Built by hand, not with ``dataclasses.asdict``: that deep-copies the config and every slot's
+        # entry on each write, and a refit writes twice (the cost grew with the fleet's size).
+        r = self.refit
+        doc = {
+            "fleet": self.fleet, "config": self.config, "committed": self.committed,
+            "membership_epoch": self.membership_epoch,
+            "slots": {str(s): [inc, spent] for s, (inc, spent) in self.slots.items()},
+            "refit": None if r is None else {"version": r.version, "phase": r.phase,
+                                             "complete": [[s, inc] for s, inc in r.complete]},
+            "generation": self.generation, "shutdown": self.shutdown, "stopped": self.stopped,
+            "removed": {str(s): inc for s, inc in self.removed.items()},
+            "serving_roles": None if self.serving_roles is None else list(self.serving_roles),
+        }
         return json.dumps(doc, sort_keys=True)
 
     @classmethod

@@ -8,6 +8,12 @@ it (one ``Batch``). So a lost node costs one membership change for all its shard
 never one per shard, and shards that merely timed out are not left quarantined.
 They would otherwise wait out their probes.
 
+The cluster's verdict can come later than a shard's own: a killed shard process refuses
+connections at once, so its probes can reach ``unhealthy_threshold`` before Ray's health
+checks declare the node dead. That shard then dies on its own, and the rest of its node
+with the node's verdict (within one detection bound). Membership still changes once: the
+next refit reconciles both deaths together.
+
 Guarantee on failure: nothing here raises on missing facts. A shard that never named
 its node is simply not on any node: it is found dead by its own probes, as before.
 """

@@ -246,6 +246,8 @@ class EngineShard:
         done.set_result(result)
         return result
 
+    DATA_PLANE_METHODS = ("serve",)  # called once per request: Ray records no task events for it (``ray_io``)
+
     async def serve(self, request: tuple) -> GenerationResult:
         """``generate`` for the data plane, its arguments packed in one tuple: (prompt, sampling, request id,
         cache salt, routing epoch, policy kind, policy k). Ray serializes each argument of a call on its

@@ -9,11 +9,19 @@ FINISH_ABORTED = "abort"
 
 @dataclass(frozen=True)
 class Completion:
-    """One sampled continuation: its tokens, each sampled token's logprob, and why it ended."""
+    """One sampled continuation: its tokens, each sampled token's logprob, and why it ended.
+
+    ``text`` is the engine's own detokenization (stop strings already cut), when it made one;
+    ``top_logprobs`` (one ``{token id: logprob}`` per position) only when the sampling params
+    asked for ``logprobs > 0``. The trainer path uses neither; the HTTP front (``serve``) does.
+    """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str | None
+    text: str | None = None
+    top_logprobs: tuple[dict[int, float], ...] | None = None
+    stop_reason: int | str | None = None
 
     @property
     def aborted(self) -> bool:

@@ -25,6 +25,13 @@ from fleet.errors import ConfigError
 
 FINGERPRINT_FILE = "rlfleet-model.json"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
+# A minimal chat template (Jinja, as Hugging Face tokenizers carry it): one line per message, the role
+# in brackets, and the assistant's turn opened when a generation prompt is asked for. The HTTP front
+# (``rlfleet serve``) renders chat requests with it, as vLLM's own server would.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,7 @@ def build_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(
+    out = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
         bos_token="<s>",
@@ -90,10 +97,12 @@ def build_tokenizer(vocab_size: int):
         pad_token="<pad>",
         model_max_length=PRESETS["tiny"].max_position_embeddings,
     )
+    out.chat_template = CHAT_TEMPLATE
+    return out
 
 
 def _fingerprint(preset_name: str, seed: int) -> dict:
-    return {"preset": preset_name, "seed": seed, "arch": asdict(PRESETS[preset_name]), "format": 1}
+    return {"preset": preset_name, "seed": seed, "arch": asdict(PRESETS[preset_name]), "format": 2}  # 2: chat template
 
 
 def is_built(path: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> bool:

@@ -218,6 +218,7 @@ def loss_records(events: list[dict], lost: list[int]) -> dict:
     return {
         "lost_shards": [e for e in events if e["kind"] in slot_kinds and e.get("slot") in lost],
         "epochs": [e for e in events if e["kind"] == "epoch"],
+        "node_lost": [e for e in events if e["kind"] == "node_lost"],
     }
 
 
@@ -278,6 +279,7 @@ def run(args, report: dict) -> None:
         report["requests"] = status["requests"]
         report["unaccounted"] = requests_accounted(events)
         report["records"] = loss_records(events, report["placement"]["lost_slots"])
+        report["hang_detection_bound_s"] = status["hang_detection_bound_s"]
         report["final"] = {
             "serving": status["serving"], "epoch": status["epoch"], "version": status["version"],
             "gate_open": status["gate_open"], "stopped": status["stopped"],

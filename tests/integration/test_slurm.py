@@ -562,11 +562,17 @@ def test_job_that_loses_a_worker_node_trains_on_and_exits_zero(slurm_cluster, ti
     assert f"job {logs.job_id} exits with code 0" in launcher
     assert f"Removing failed node n2 from JobId={logs.job_id}" in (slurm_cluster.scratch / "log" / "slurmctld.log").read_text()
 
-    # the fleet: both lost shards found dead, in one decision
+    # the fleet: both lost shards found dead. Usually in one decision (the node's loss); but a shard
+    # whose process refused connections can reach its own probe threshold (2 probes 1 s apart) before
+    # Ray's GCS declares the node dead (3 missed checks 1 s apart): it then dies on its own, and the
+    # rest of the node with the node's verdict, within one probe bound of it. Either way at least one
+    # death names the node, and the membership change below is one epoch step.
     deaths = [e for e in report["records"]["lost_shards"]
               if e["kind"] == "health" and e["after"] == "dead" and e["incarnation"] == 1]  # fmt: skip
     assert sorted(e["slot"] for e in deaths) == lost, report["records"]["lost_shards"]
-    assert len({e["t"] for e in deaths}) == 1, f"the lost node's shards died in separate decisions: {deaths}"
+    assert any("NodeLost" in e["reason"] for e in deaths), deaths
+    assert max(e["t"] for e in deaths) - min(e["t"] for e in deaths) <= report["hang_detection_bound_s"], deaths
+    assert [e["kind"] for e in report["records"]["node_lost"]] == ["node_lost"], report["records"]["node_lost"]
 
     # ... and dropped from membership in one epoch step: the next refit's epoch is the last one's + 1
     runs = report["steps"]

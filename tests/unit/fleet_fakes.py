@@ -5,11 +5,8 @@ objects whose behaviour per method is scripted ("die", "hang", "lie",
 "unavailable", "error"), and every call is recorded in ``door.calls`` as
 (method, slot, incarnation) in the order calls were made.
 
-``run_virtual(coro)`` runs a test on an event loop whose time is virtual: whenever
-nothing is ready to run, the loop jumps to its next timer instead of sleeping, so
-``asyncio.sleep``, ``wait_for`` deadlines, probe intervals and restart backoffs all
-pass in no real time, in a deterministic order. ``LoopClock`` is the controller's
-clock on that loop (the same time the loop's timers use).
+``run_virtual(coro)`` runs a test in virtual time and ``LoopClock`` is the controller's
+clock on that loop (both from ``sim.clock``, which the fleet simulator uses too).
 """
 
 from __future__ import annotations
@@ -17,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass, field
-from typing import Any, Coroutine
 
 from fleet.client import InProcessClient
+from sim.clock import LoopClock, VirtualTimeLoop, run_virtual  # noqa: F401 - the unit tests' virtual time
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
 from fleet.routing import Ticket, VersionPolicy
 from fleet.shard_gate import ShardGate
@@ -31,45 +28,6 @@ from health import RefitResult
 
 class ActorDiedError(Exception):
     pass
-
-
-class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    """An event loop whose clock moves only by jumping to the next timer when nothing else can run.
-
-    Real I/O (e.g. a thread waking the loop) is still served: the selector is polled
-    first, and blocks for real only when no timer is pending at all.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._virtual_now = 0.0
-        poll = self._selector.select
-
-        def select(timeout: float | None = None):
-            events = poll(0)
-            if events or (timeout is not None and timeout <= 0):
-                return events
-            if timeout is None:
-                return poll(None)
-            self._virtual_now += timeout
-            return []
-
-        self._selector.select = select
-
-    def time(self) -> float:
-        return self._virtual_now
-
-
-class LoopClock:
-    """The running loop's time as the controller's clock (``VirtualTimeLoop``'s virtual seconds in tests)."""
-
-    def now(self) -> float:
-        return asyncio.get_running_loop().time()
-
-
-def run_virtual(coro: Coroutine[Any, Any, Any]) -> Any:
-    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
-        return runner.run(coro)
 
 
 @dataclass
@@ -240,6 +198,9 @@ class FakeDoor:
         return n
 
     async def _abort(self, s, ids):
+        for rid in ids:  # as the engine does: each running request ends with finish reason "abort"
+            if rid in s.in_flight:
+                s.in_flight[rid] = None
         return True
 
     async def _shutdown(self, s):

@@ -174,8 +174,8 @@ def test_unavailable_is_suspect_never_dead_on_its_own(model_dir):
         door.shards[(0, 1)].script["ping"] = "unavailable"  # one failed probe, then answers again
         ctl.observe(0, 1, CallKind.GENERATE, Outcome(UNAVAILABLE, error=ConnectionError("x")))
         assert ctl.ledger.state(0).value == "suspect"
-        for _ in range(40):
-            await asyncio.sleep(0.02)
+        for _ in range(40):  # probes are probe_interval_s (1 s) apart: virtual time, so no real wait
+            await asyncio.sleep(0.2)
             if ctl.ledger.state(0).value == "healthy":
                 break
         assert ctl.ledger.state(0).value == "healthy"

@@ -348,3 +348,13 @@ def test_a_re_adoption_that_fails_stops_the_fleet_loudly(model_dir):
         assert any(e["kind"] == "error" and e["where"] == "re-adoption" for e in new.events())
 
     run_virtual(go())
+
+
+def test_the_intent_document_round_trips_every_field():
+    from fleet.intent import COMMITTED, Intent, RefitIntent
+
+    full = Intent("f", {"engine": {"model": "/m"}, "num_engines": 3}, committed=7, membership_epoch=4,
+                  slots={0: (2, 1), 5: (1, 0)}, refit=RefitIntent(7, COMMITTED, ((0, 2), (5, 1))), generation=2,
+                  shutdown=True, stopped="why", removed={3: 2}, serving_roles=(0, 5))
+    for intent in (full, Intent("g", {})):
+        assert Intent.from_json(intent.to_json()) == intent

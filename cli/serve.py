@@ -1,0 +1,125 @@
+"""``rlfleet serve``: an OpenAI-compatible HTTP front on a fleet.
+
+    rlfleet serve --config fleet.yaml [--host 127.0.0.1] [--port 8000]   start a fleet and serve it
+    rlfleet serve --connect NAME [--address ADDR] [--port 8000]          serve a fleet that already runs
+
+Prints one JSON line once it serves (``{"serving": URL, "fleet": NAME, ...}``) and one when it
+ends. SIGTERM or SIGINT stops it: the server stops accepting, requests in flight finish, and a
+fleet it started is shut down (one it attached to with ``--connect`` keeps running). Weight updates
+stay with the trainer (``Fleet.connect(NAME).sync_weights``): nothing here changes weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+
+SHUTDOWN_S = 60.0  # how long a stop waits for the controller to shut the fleet down
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a fleet over an OpenAI-compatible HTTP API")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="fleet config (YAML or JSON): start this fleet and serve it")
+    src.add_argument("--connect", metavar="NAME", help="serve the running fleet NAME (started elsewhere)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray for --config, "
+                                                   "the running one for --connect)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this host only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long a request may wait for the gate and an engine before a 503 "
+                        "(default: the fleet's request_timeout_s)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model path)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _load_config(path: str) -> dict:
+    import yaml
+
+    from fleet.errors import ConfigError
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror}", path) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("config", f"{path} is not valid YAML: {exc}", path) from None
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path} must hold a mapping of fleet settings", type(data).__name__)
+    return data
+
+
+def _join_ray(args: argparse.Namespace):
+    """Ray first (it installs its own SIGTERM handler in a driver), then the fleet's config, checked before
+    any actor exists; returns the config to start, or None for --connect."""
+    from fleet import ray_io
+    from fleet.fleet_config import load_fleet_config
+
+    if args.connect:
+        ray_io.join_cluster(args.address)
+        return None
+    config = load_fleet_config(_load_config(args.config))  # refused here, before Ray starts, naming the field
+    if args.address:
+        ray_io.join_cluster(args.address)
+    else:
+        ray_io.init_local(log_to_driver=False)
+    return config
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from fleet import ray_io
+    from fleet.api import Fleet
+    from serve.server import HttpServer
+
+    config = _join_ray(args)
+    # After Ray's start-up (which installs a handler of its own), so that a signal, even one that arrives
+    # while the fleet starts, ends in an orderly stop: nothing started is left behind.
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        if stop.is_set():  # a second signal while stopping: stop now (what was started may be left behind)
+            os._exit(128 + signum)
+        stop.set()
+
+    signals = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    fleet, owned = (Fleet.connect(args.connect, address=args.address), False) if config is None else \
+        (Fleet.start(config), True)
+    server = None
+    try:
+        if stop.is_set():
+            return 0
+        try:
+            server = HttpServer(fleet, host=args.host, port=args.port, model_name=args.served_model_name,
+                                request_timeout_s=args.request_timeout).start()
+        except OSError as exc:
+            print(f"rlfleet serve: error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps({"serving": server.url, "fleet": fleet.name, "model": server.model_name,
+                          "started_fleet": owned}), flush=True)
+        while not stop.wait(0.5):
+            if not server.running():
+                print("rlfleet serve: error: the HTTP server stopped on its own", file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        counters = server.front.counters() if server is not None and server.front is not None else {}
+        if server is not None:
+            server.stop()
+        gone = ray_io.local_ray_down() if owned and stop.is_set() else []
+        if gone:  # the signal reached this process group's local Ray too: the fleet went down with it
+            print(json.dumps({"stopped": True, "fleet_shut_down": True, "front": counters,
+                              "end": f"the local Ray stopped with the signal ({', '.join(gone)} exited): "
+                                     f"its engines and controller stopped with it"}), flush=True)
+            os._exit(0)  # nothing is left to shut down; Ray's own exit would wait for its dead GCS
+        # Bounded: a signal sent to the whole process group (Ctrl-C, timeout(1), a batch system) also stops
+        # the local Ray this process started, and a controller that cannot answer must not hold the exit.
+        end = fleet.shutdown(timeout_s=SHUTDOWN_S) if owned else fleet.detach()
+        print(json.dumps({"stopped": True, "fleet_shut_down": owned, "front": counters, "end": end}, default=str),
+              flush=True)
+        for sig, old in signals.items():
+            signal.signal(sig, old)

@@ -1,0 +1,114 @@
+"""The HTTP routes of ``rlfleet serve`` (FastAPI), over one ``Front``.
+
+OpenAI-compatible: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(``stream: true`` as server-sent events). The fleet's own: ``GET /health``, ``GET /metrics``
+(Prometheus text), ``GET /v1/fleet/status``. Weight updates are not exposed: they stay the
+trainer's call (``Fleet.sync_weights``) on the same fleet.
+
+A streamed request is sent as events once its completion is whole: the fleet re-sends a
+request whose engine died, which a half-streamed answer could not survive, so a client
+never sees a prefix from an engine that then vanished.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.utils.api_utils import with_cancellation
+
+from serve import protocol
+from serve.front import Front
+from serve.metrics import prometheus_text
+
+
+def _error(code: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(protocol.error_body(message, kind, code, param), status_code=code)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """One line per problem, as pydantic words it (the messages of vLLM's own validators among them)."""
+    parts = []
+    for e in exc.errors():
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return "; ".join(parts) or str(exc)
+
+
+def build_app(front: Front) -> FastAPI:
+    app = FastAPI(title="rlfleet", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        front.count(request.url.path, 400)
+        return _error(400, _validation_message(exc), "BadRequestError")
+
+    @app.get("/v1/models")
+    async def models():
+        return protocol.models_body(front.model, front.max_model_len)
+
+    @app.get("/health")
+    async def health():
+        code, body = front.health()
+        return JSONResponse(body, status_code=code)
+
+    @app.get("/metrics")
+    async def metrics():
+        _, health_body = front.health()
+        text = prometheus_text(health_body, front.counters(), await front.status(timeout=5.0))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/fleet/status")
+    async def fleet_status():
+        status = await front.status()
+        _, health_body = front.health()
+        body = {"front": front.counters(), "routing": health_body, "controller": status}
+        return JSONResponse(json.loads(json.dumps(body, default=str)), status_code=200 if status is not None else 503)
+
+    @app.post("/v1/completions")
+    @with_cancellation
+    async def completions(request: CompletionRequest, raw_request: Request):
+        return await _serve(front, "/v1/completions", request, protocol.completion_call,
+                            protocol.completion_response, protocol.completion_chunks)
+
+    @app.post("/v1/chat/completions")
+    @with_cancellation
+    async def chat(request: ChatCompletionRequest, raw_request: Request):
+        return await _serve(front, "/v1/chat/completions", request, protocol.chat_call,
+                            protocol.chat_response, protocol.chat_chunks)
+
+    return app
+
+
+async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond: Callable, chunks: Callable) -> Response:
+    if req.model is not None and req.model != front.model:
+        front.count(endpoint, 404)
+        return _error(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
+    try:
+        prompt, sampling = call(req, front.tokenizer, front.max_model_len)
+    except protocol.BadRequest as exc:
+        front.count(endpoint, 400)
+        return _error(400, str(exc), "BadRequestError", exc.param)
+    outcome = await front.run(prompt, sampling)
+    front.count(endpoint, outcome.code)
+    if outcome.code != 200:
+        return _error(outcome.code, outcome.message, outcome.kind)
+    fr = outcome.result
+    res = fr.result
+    headers = {protocol.VERSION_HEADER: str(res.weight_version)}
+    if not req.stream:
+        return JSONResponse(respond(req, front.model, res, fr.request_id, fr.attempts, front.tokenizer), headers=headers)
+    events = [f"data: {json.dumps(c)}\n\n" for c in chunks(req, front.model, res, fr.request_id, fr.attempts,
+                                                            front.tokenizer)]
+    events.append("data: [DONE]\n\n")
+
+    async def stream():
+        for e in events:
+            yield e
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)

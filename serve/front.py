@@ -1,0 +1,127 @@
+"""What the HTTP front does with a request, apart from HTTP: run it on the fleet, say how it ended.
+
+``Front`` holds the fleet's client (``fleet.client.FleetClient``: it routes straight to the
+shards, holds a request while the gate is closed, re-sends after an engine death), the
+tokenizer, and the front's own counters. It runs on the client's event loop, so a request
+costs no hop between threads and none through the controller.
+
+An accepted request ends in one of these, and nothing else:
+- completed: 200, tagged with the weight versions, slot and incarnation;
+- refused by vLLM's validation (the front's or the engine's): 400 with vLLM's message;
+- returned by the fleet (stopped; no serving engine within the request timeout, which names
+  why the gate is closed; the re-send budget spent): 503 with the reason;
+- abandoned by its HTTP client: aborted on the engine and counted ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.dispatch import FleetResult
+
+# Latencies kept for the /metrics quantiles (the most recent ones).
+_LATENCY_WINDOW = 4096
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one request ended, as HTTP: the status code, and either the result or an error message."""
+
+    code: int
+    result: FleetResult | None = None
+    message: str = ""
+    kind: str = ""
+
+
+class Front:
+    def __init__(self, client: Any, tokenizer: Any, model: str, max_model_len: int, controller: Any = None) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model = model
+        self.max_model_len = max_model_len
+        self._ctl = controller
+        self.responses: Counter[tuple[str, int]] = Counter()  # (endpoint, status code) -> responses sent
+        self.cancelled = 0
+        self.in_flight = 0
+        self.tokens_out = 0
+        self.latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+
+    # ------------------------------------------------------------------ requests
+    async def run(self, prompt: list[int], sampling: dict) -> Outcome:
+        """One request on the fleet; returns how it ended. Cancelled (the HTTP client left): aborted on the
+        engine by the dispatcher and counted here, then the cancellation goes on."""
+        self.in_flight += 1
+        t0 = time.monotonic()
+        try:
+            result = await self.client.generate_async(prompt, sampling)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight -= 1
+        if result.ok:
+            self.latencies.append(time.monotonic() - t0)
+            self.tokens_out += sum(len(c.token_ids) for c in result.result.completions)
+            return Outcome(200, result)
+        return self.returned(result)
+
+    def returned(self, result: FleetResult) -> Outcome:
+        """A request the fleet returned: the caller's mistake is a 400, everything else a 503 with the reason."""
+        reason = result.reason
+        if reason.startswith("bad request: "):
+            return Outcome(400, result, _vllm_message(reason[len("bad request: "):]), "BadRequestError")
+        state = self.client.routing()
+        if reason.startswith("no serving shard") and not state.gate_open and not state.stopped:
+            reason = f"{reason}; the gate is closed: {state.reason or 'a refit is running'}"
+        return Outcome(503, result, reason, "ServiceUnavailableError")
+
+    def count(self, endpoint: str, code: int) -> None:
+        self.responses[(endpoint, code)] += 1
+
+    # ------------------------------------------------------------------ the fleet's state
+    def health(self) -> tuple[int, dict]:
+        """200 while the gate is open; 503 with the reason while it is closed or the fleet stopped."""
+        s = self.client.routing()
+        body = {"gate_open": s.gate_open, "version": s.version, "epoch": s.epoch, "serving": len(s.members)}
+        if s.stopped:
+            return 503, {**body, "status": "stopped", "reason": s.stopped}
+        if not s.gate_open:
+            return 503, {**body, "status": "gate closed", "reason": s.reason or "a refit is running"}
+        return 200, {**body, "status": "ok"}
+
+    async def status(self, timeout: float = 10.0) -> dict | None:
+        """The controller's ``status()`` (None if it does not answer within ``timeout``: it may be restarting)."""
+        if self._ctl is None:
+            return None
+        out = await self.client.door.call(self._ctl, "status", timeout=timeout)
+        return out.value if out.ok else None
+
+    def counters(self) -> dict[str, Any]:
+        lat = sorted(self.latencies)
+        return {
+            "responses": {f"{e} {c}": n for (e, c), n in sorted(self.responses.items())},
+            "in_flight": self.in_flight,
+            "cancelled": self.cancelled,
+            "tokens_out": self.tokens_out,
+            "latency_p50_s": _quantile(lat, 0.5),
+            "latency_p99_s": _quantile(lat, 0.99),
+            "client": self.client.counters(),
+        }
+
+
+def _quantile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def _vllm_message(detail: str) -> str:
+    """The shard wraps vLLM's refusal (``request X rejected by vLLM: <message>``); the client gets vLLM's words."""
+    for marker in ("rejected by vLLM: ", "sampling params rejected by vLLM: "):
+        if marker in detail:
+            return detail.split(marker, 1)[1]
+    return detail

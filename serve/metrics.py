@@ -1,0 +1,55 @@
+"""``GET /metrics``: the fleet's gauges and counters in the Prometheus text format (version 0.0.4)."""
+
+from __future__ import annotations
+
+
+
+def _line(out: list[str], name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> None:
+    out.append(f"# HELP {name} {help_}")
+    out.append(f"# TYPE {name} {kind}")
+    for labels, value in samples:
+        lab = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+        out.append(f"{name}{{{lab}}} {float(value):g}" if lab else f"{name} {float(value):g}")
+
+
+def _escape(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(health: dict, front: dict, status: dict | None) -> str:
+    """``health``: ``Front.health()``'s body; ``front``: ``Front.counters()``; ``status``: the controller's
+    ``status()`` (None while it does not answer: its gauges are left out and ``rlfleet_controller_up`` is 0)."""
+    out: list[str] = []
+    _line(out, "rlfleet_gate_open", "gauge", "1 while the fleet's gate is open", [({}, 1 if health["gate_open"] else 0)])
+    _line(out, "rlfleet_weight_version", "gauge", "Committed weight version", [({}, health["version"])])
+    _line(out, "rlfleet_routing_epoch", "gauge", "Routing state epoch this front holds", [({}, health["epoch"])])
+    _line(out, "rlfleet_serving_engines", "gauge", "Engines in the serving set", [({}, health["serving"])])
+    _line(out, "rlfleet_stopped", "gauge", "1 once the fleet stopped", [({}, 1 if health["status"] == "stopped" else 0)])
+    _line(out, "rlfleet_http_responses_total", "counter", "HTTP responses by endpoint and status code",
+          [({"endpoint": k.rsplit(" ", 1)[0], "code": k.rsplit(" ", 1)[1]}, n) for k, n in front["responses"].items()])
+    _line(out, "rlfleet_http_in_flight", "gauge", "Requests the front is running", [({}, front["in_flight"])])
+    _line(out, "rlfleet_http_cancelled_total", "counter", "Requests whose HTTP client disconnected (aborted)",
+          [({}, front["cancelled"])])
+    _line(out, "rlfleet_generated_tokens_total", "counter", "Tokens generated for this front", [({}, front["tokens_out"])])
+    lat = [({"quantile": q}, front[key]) for q, key in (("0.5", "latency_p50_s"), ("0.99", "latency_p99_s"))
+           if front[key] is not None]
+    _line(out, "rlfleet_http_request_seconds", "summary", "Request latency through the fleet (recent window)", lat)
+    client = front["client"]
+    for key in ("accepted", "completed", "returned", "requeued"):
+        _line(out, f"rlfleet_requests_{key}_total", "counter", f"Requests {key} by this front's fleet client",
+              [({}, client[key])])
+    _line(out, "rlfleet_requests_in_progress", "gauge", "Requests accepted and not yet ended", [({}, client["in_progress"])])
+    _line(out, "rlfleet_requests_refused_total", "counter", "Shard refusals by reason (re-routed at no cost)",
+          [({"reason": r}, n) for r, n in sorted(client["refused"].items())])
+    _line(out, "rlfleet_controller_up", "gauge", "1 if the controller answered the last status call",
+          [({}, 0 if status is None else 1)])
+    if status is not None:
+        states: dict[str, int] = {}
+        for s in status["ledger"]["slots"]:
+            states[s["state"]] = states.get(s["state"], 0) + 1
+        _line(out, "rlfleet_engines", "gauge", "Engines per health state", [({"state": k}, v) for k, v in sorted(states.items())])
+        _line(out, "rlfleet_refits_total", "counter", "Refits the controller ran", [({}, status["refits"])])
+        _line(out, "rlfleet_controller_generation", "gauge", "Controller restarts adopted (0: never restarted)",
+              [({}, status["generation"])])
+        _line(out, "rlfleet_target_engines", "gauge", "Serving engines the fleet is sized to", [({}, status["target_size"])])
+    return "\n".join(out) + "\n"

@@ -1,0 +1,285 @@
+"""OpenAI requests in, fleet calls out; fleet results in, OpenAI responses out.
+
+The request and response models are vLLM's own (``vllm.entrypoints.openai``), so a
+request is validated exactly as ``vllm serve`` validates it and a bad one is refused
+with vLLM's message. What is written here is the fleet's part only:
+
+- which sampling fields a request sets, as the plain dict a shard turns back into
+  ``SamplingParams`` (``sampling_of``: vLLM builds the params, the dict is what
+  differs from vLLM's defaults, so nothing is re-derived here);
+- the prompt's token ids (a chat request rendered with the model's own chat template);
+- the tags every response carries: the weight version the request started and
+  finished under, the slot and incarnation that produced it, and the completion's
+  token ids (``rlfleet`` in the body, ``x-rlfleet-weight-version`` in the headers).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+)
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo
+from vllm.exceptions import VLLMClientError
+from vllm.sampling_params import SamplingParams
+
+from fleet.types import Completion, GenerationResult
+
+VERSION_HEADER = "x-rlfleet-weight-version"
+# SamplingParams fields a shard never takes from a caller: how outputs are delivered is the backend's business.
+_NOT_SAMPLING = frozenset({"output_kind", "skip_clone", "output_text_buffer_length", "stream_interval"})
+_DEFAULTS = SamplingParams()
+
+
+class BadRequest(ValueError):
+    """A request the front refuses before routing it (HTTP 400); ``param`` names the field when known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
+    """The error body vLLM's server sends (``{"error": {"message", "type", "param", "code"}}``)."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code)).model_dump()
+
+
+def models_body(model: str, max_model_len: int) -> dict:
+    return ModelList(data=[ModelCard(id=model, root=model, owned_by="rlfleet", max_model_len=max_model_len)]).model_dump()
+
+
+def sampling_of(params: SamplingParams) -> dict[str, Any]:
+    """The fields of ``params`` that differ from vLLM's defaults: what a shard needs to rebuild them."""
+    out = {}
+    for name in params.__struct_fields__:
+        if name.startswith("_") or name in _NOT_SAMPLING:
+            continue
+        value = getattr(params, name)
+        if value != getattr(_DEFAULTS, name):
+            out[name] = value
+    return out
+
+
+def _sampling(req: Any, prompt_len: int, max_model_len: int, requested_max: int | None) -> dict[str, Any]:
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                         f"has {prompt_len} tokens, which leaves no room for the completion.", "prompt")
+    max_tokens = room if requested_max is None else min(requested_max, room)  # as vLLM's server clamps it
+    try:
+        if isinstance(req, ChatCompletionRequest):
+            params = req.to_sampling_params(max_tokens, {})
+        else:
+            params = req.to_sampling_params(max_tokens)
+    except (ValueError, TypeError, VLLMClientError) as exc:  # vLLM's own validation of the params
+        raise BadRequest(str(exc), getattr(exc, "parameter", None)) from None
+    out = sampling_of(params)
+    # said even when None: a shard computes the sampled tokens' logprobs unless told not to (a trainer
+    # always wants them); an HTTP client that did not ask gets none, and the engine spends nothing on them
+    out["logprobs"] = params.logprobs
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def completion_prompt(req: CompletionRequest, tokenizer: Any) -> list[int]:
+    """One prompt's token ids: token ids as given, or the text tokenized as vLLM would (special tokens added)."""
+    p = req.prompt
+    if p is None or p == "" or p == []:
+        raise BadRequest("prompt is required and must not be empty", "prompt")
+    if isinstance(p, list) and p and isinstance(p[0], (list, str)):
+        if len(p) != 1:
+            raise BadRequest(f"one prompt per request (got a batch of {len(p)}): send one request per prompt", "prompt")
+        p = p[0]
+    if isinstance(p, str):
+        return list(tokenizer.encode(p, add_special_tokens=req.add_special_tokens))
+    return [int(t) for t in p]
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+    """The conversation rendered with the model's chat template (the request's own template if it sends one)."""
+    if not req.messages:
+        raise BadRequest("messages must not be empty", "messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is served here
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise BadRequest(f"messages[{i}]: only text content parts are supported", "messages")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        messages.append({"role": m.get("role"), "content": content if content is not None else ""})
+    template = req.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise BadRequest("the model's tokenizer has no chat template and the request sent none", "chat_template")
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=True, return_dict=False,
+            add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+            **(req.chat_template_kwargs or {}),
+        )
+    except Exception as exc:  # noqa: BLE001 - a template that fails on this conversation is the caller's to fix
+        raise BadRequest(f"chat template failed: {exc}", "messages") from None
+    if isinstance(ids, dict):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def completion_call(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> tuple[list[int], dict]:
+    prompt = completion_prompt(req, tokenizer)
+    if req.echo:
+        raise BadRequest("echo is not supported by rlfleet serve", "echo")
+    return prompt, _sampling(req, len(prompt), max_model_len, req.max_tokens)
+
+
+def chat_call(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -> tuple[list[int], dict]:
+    prompt = chat_prompt(req, tokenizer)
+    # ``max_tokens`` is deprecated for chat (read from the fields, so that reading it warns no one)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.__dict__.get("max_tokens")
+    return prompt, _sampling(req, len(prompt), max_model_len, requested)
+
+
+# ---------------------------------------------------------------------------------------------- responses
+def tags(result: GenerationResult, request_id: str, attempts: int) -> dict[str, Any]:
+    """What the fleet adds to every response: which weights, which engine, which request."""
+    return {"weight_version": result.weight_version, "version_start": result.version_start,
+            "slot": result.slot, "incarnation": result.incarnation, "request_id": request_id,
+            "attempts": attempts}
+
+
+def _text(c: Completion, tokenizer: Any, skip_special: bool) -> str:
+    return c.text if c.text is not None else tokenizer.decode(list(c.token_ids), skip_special_tokens=skip_special)
+
+
+def _usage(result: GenerationResult) -> UsageInfo:
+    done = sum(len(c.token_ids) for c in result.completions)
+    prompt = len(result.prompt_token_ids)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+
+
+def _completion_logprobs(c: Completion, tokenizer: Any, k: int | None) -> CompletionLogProbs | None:
+    if k is None:
+        return None
+    tokens = tokenizer.convert_ids_to_tokens(list(c.token_ids))
+    top = None
+    if k > 0 and c.top_logprobs is not None:
+        top = [{tokenizer.convert_ids_to_tokens(t): lp for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:k]}
+               for d in c.top_logprobs]
+    offsets, at = [], 0
+    for t in c.token_ids:
+        offsets.append(at)
+        at += len(tokenizer.decode([t]))
+    return CompletionLogProbs(text_offset=offsets, token_logprobs=list(c.logprobs), tokens=tokens,
+                              top_logprobs=top or [None] * len(tokens))
+
+
+def _chat_logprobs(c: Completion, tokenizer: Any, want: bool, k: int | None) -> ChatCompletionLogProbs | None:
+    if not want:
+        return None
+    content = []
+    for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        tops = []
+        if k and c.top_logprobs is not None and i < len(c.top_logprobs):
+            for tt, tlp in sorted(c.top_logprobs[i].items(), key=lambda kv: -kv[1])[:k]:
+                s = tokenizer.decode([tt])
+                tops.append(ChatCompletionLogProb(token=s, logprob=max(tlp, -9999.0), bytes=list(s.encode())))
+        s = tokenizer.decode([t])
+        content.append(ChatCompletionLogProbsContent(token=s, logprob=max(lp, -9999.0), bytes=list(s.encode()),
+                                                     top_logprobs=tops))
+    return ChatCompletionLogProbs(content=content)
+
+
+def completion_response(req: CompletionRequest, model: str, result: GenerationResult, request_id: str,
+                        attempts: int, tokenizer: Any) -> dict:
+    choices = [
+        CompletionResponseChoice(index=i, text=_text(c, tokenizer, req.skip_special_tokens),
+                                 logprobs=_completion_logprobs(c, tokenizer, req.logprobs),
+                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=list(c.token_ids),
+                                 prompt_token_ids=list(result.prompt_token_ids) if i == 0 else None)
+        for i, c in enumerate(result.completions)
+    ]
+    body = CompletionResponse(id=f"cmpl-{request_id}", model=model, choices=choices, usage=_usage(result)).model_dump(
+        exclude_none=True)
+    body["rlfleet"] = tags(result, request_id, attempts)
+    return body
+
+
+def chat_response(req: ChatCompletionRequest, model: str, result: GenerationResult, request_id: str,
+                  attempts: int, tokenizer: Any) -> dict:
+    choices = [
+        ChatCompletionResponseChoice(
+            index=i, message=ChatMessage(role="assistant", content=_text(c, tokenizer, req.skip_special_tokens)),
+            logprobs=_chat_logprobs(c, tokenizer, bool(req.logprobs), req.top_logprobs),
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=list(c.token_ids))
+        for i, c in enumerate(result.completions)
+    ]
+    body = ChatCompletionResponse(id=f"chatcmpl-{request_id}", model=model, choices=choices, usage=_usage(result),
+                                  prompt_token_ids=list(result.prompt_token_ids)).model_dump(exclude_none=True)
+    body["rlfleet"] = tags(result, request_id, attempts)
+    return body
+
+
+def completion_chunks(req: CompletionRequest, model: str, result: GenerationResult, request_id: str,
+                      attempts: int, tokenizer: Any) -> list[dict]:
+    """The stream of a finished completion: each choice's text in one chunk with its finish reason, then
+    (if asked for with ``stream_options.include_usage``) one chunk of usage; every chunk tagged."""
+    created = int(time.time())
+    chunks = []
+    for i, c in enumerate(result.completions):
+        chunk = CompletionStreamResponse(
+            id=f"cmpl-{request_id}", created=created, model=model,
+            choices=[CompletionResponseStreamChoice(
+                index=i, text=_text(c, tokenizer, req.skip_special_tokens),
+                logprobs=_completion_logprobs(c, tokenizer, req.logprobs), finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason, token_ids=list(c.token_ids))]).model_dump(exclude_none=True)
+        chunks.append(chunk)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        chunks.append(CompletionStreamResponse(id=f"cmpl-{request_id}", created=created, model=model, choices=[],
+                                               usage=_usage(result)).model_dump(exclude_none=True))
+    for chunk in chunks:
+        chunk["rlfleet"] = tags(result, request_id, attempts)
+    return chunks
+
+
+def chat_chunks(req: ChatCompletionRequest, model: str, result: GenerationResult, request_id: str,
+                attempts: int, tokenizer: Any) -> list[dict]:
+    """As ``completion_chunks``, in the chat format: the role first, then the content, then the finish."""
+    created = int(time.time())
+    cid = f"chatcmpl-{request_id}"
+    chunks = []
+    for i, c in enumerate(result.completions):
+        chunks.append(ChatCompletionStreamResponse(id=cid, created=created, model=model, choices=[
+            ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+        ]).model_dump(exclude_none=True))
+        chunks.append(ChatCompletionStreamResponse(id=cid, created=created, model=model, choices=[
+            ChatCompletionResponseStreamChoice(
+                index=i, delta=DeltaMessage(content=_text(c, tokenizer, req.skip_special_tokens)),
+                logprobs=_chat_logprobs(c, tokenizer, bool(req.logprobs), req.top_logprobs),
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=list(c.token_ids))
+        ]).model_dump(exclude_none=True))
+    if req.stream_options is not None and req.stream_options.include_usage:
+        chunks.append(ChatCompletionStreamResponse(id=cid, created=created, model=model, choices=[],
+                                                   usage=_usage(result)).model_dump(exclude_none=True))
+    for chunk in chunks:
+        chunk["rlfleet"] = tags(result, request_id, attempts)
+    return chunks

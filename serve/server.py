@@ -1,0 +1,106 @@
+"""Run the HTTP front of a fleet: uvicorn, on the event loop of the fleet's own client.
+
+    fleet = Fleet.start(config)                     # or Fleet.connect(name)
+    server = HttpServer(fleet, port=8000).start()   # http://127.0.0.1:8000/v1
+    ...                                             # fleet.sync_weights(...) from the trainer as usual
+    server.stop(); fleet.shutdown()
+
+The server shares the loop the fleet client routes on, so a request goes from the HTTP
+parser to the shard's actor call with no hop between threads and none through the
+controller. ``rlfleet serve`` (``cli.serve``) wraps this with Ray start-up and signals.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class HttpServer:
+    def __init__(self, fleet: Any, host: str = DEFAULT_HOST, port: int = 8000, model_name: str | None = None,
+                 tokenizer: Any = None, request_timeout_s: float | None = None) -> None:
+        """``request_timeout_s``: how long an HTTP request may wait for the gate and a shard before it is
+        answered 503 (default: the fleet's ``request_timeout_s``, which the trainer's requests use too)."""
+        self.fleet = fleet
+        self.request_timeout_s = request_timeout_s
+        self._own_client = None
+        self.host = host
+        self.port = port
+        self.model_name = model_name or fleet.config.engine.model
+        self._tokenizer = tokenizer
+        self.front = None
+        self._server = None
+        self._done = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "HttpServer":
+        """Bind (an ``OSError`` here names the address: port taken, host unknown), then serve in the background."""
+        import uvicorn
+
+        from serve.app import build_app
+        from serve.front import Front
+
+        client = self.fleet.client
+        if self.request_timeout_s is not None and self.request_timeout_s != self.fleet.config.request_timeout_s:
+            from fleet.client import FleetClient
+
+            # a client of its own: the dispatcher's timeout is per client
+            config = self.fleet.config.model_copy(update={"request_timeout_s": float(self.request_timeout_s)})
+            client = self._own_client = FleetClient(self.fleet.controller, config)
+            client.wait_routing(-1, 60)
+        tokenizer = self._tokenizer or load_tokenizer(self.fleet.config.engine.model)
+        self.front = Front(client, tokenizer, self.model_name, self.fleet.config.engine.max_model_len,
+                           controller=self.fleet.controller)
+        # IPPROTO_TCP named, not left 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are
+        # TCP, and accepted sockets inherit it. Left on, every answer on a kept-alive connection stalls ~40 ms
+        # (Nagle against the client's delayed ACK).
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM,
+                             socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot listen on {self.host}:{self.port} ({exc.strerror or exc}); pick another --port") from None
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(build_app(self.front), log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=10)
+        self._server = uvicorn.Server(config)
+        self._done = client.spawn(self._server.serve(sockets=[sock]))
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if self._done.done():
+                self._done.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server exited while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the HTTP server did not start within {timeout_s:.0f} s")
+            time.sleep(0.02)
+        return self
+
+    def running(self) -> bool:
+        return self._done is not None and not self._done.done()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop accepting, let requests in flight finish (up to 10 s), close."""
+        if self._server is None:
+            return
+        self._server.should_exit = True
+        try:
+            self._done.result(timeout_s)
+        except Exception:  # noqa: BLE001 - stopping must not raise
+            pass
+        if self._own_client is not None:
+            self._own_client.close()

@@ -1,0 +1,225 @@
+"""``rlfleet serve`` on real vLLM-CPU engines, through the real ``openai`` client and ``curl``.
+
+One fleet of two engines and one HTTP front for the module (the front runs in this process, on
+the fleet client's loop, as ``rlfleet serve`` runs it):
+
+- completions and chat, plain and streamed, text and token-id prompts, logprobs with top-k: every
+  response carries its weight versions, slot, incarnation and token ids, and the version header;
+- the endpoints a deployment watches (``/health``, ``/metrics``, ``/v1/models``,
+  ``/v1/fleet/status``) and the refusals (400 with vLLM's message, 404 for another model);
+- a bounded load test with two refits in the middle: every request answered 200, none lost,
+  responses from before and after each refit (the refits happened under the load);
+- a shard killed under load: every request ends complete (re-sent) or with a clear error, none hangs,
+  and the kill is shown to have hit requests in flight (they were re-sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from faults.source import WeightSource
+from fleet import ray_io
+from fleet.api import Fleet
+from serve.loadtest import run_load
+from serve.protocol import VERSION_HEADER
+from serve.server import HttpServer
+from tests.integration.fleet_helpers import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def served(ray_local, tiny_model):
+    fleet = Fleet.start({"engine": {"model": tiny_model}, "num_engines": 2, "min_healthy_engines": 1,
+                         "name": "serve-test", "request_timeout_s": 120})
+    server = HttpServer(fleet, port=0).start()
+    source = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
+    try:
+        yield SimpleNamespace(fleet=fleet, server=server, source=source, url=server.url, model=server.model_name)
+    finally:
+        server.stop()
+        fleet.shutdown()
+        ray_io.kill(source)
+
+
+def openai_client(s) -> OpenAI:
+    return OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def curl(*args: str) -> tuple[int, str]:
+    """(HTTP status, body) of one ``curl`` call."""
+    out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", *args], capture_output=True, text=True, timeout=120)
+    body, _, code = out.stdout.rpartition("\n")
+    return int(code), body
+
+
+def tags_of(obj) -> dict:
+    return obj.model_dump()["rlfleet"]
+
+
+def test_completions_and_chat_through_the_openai_client_are_tagged_with_their_weights(served):
+    c = openai_client(served)
+    version = served.fleet.status()["version"]
+    raw = c.completions.with_raw_response.create(model=served.model, prompt=[5, 6, 7, 8], max_tokens=8, logprobs=2,
+                                                 extra_body={"ignore_eos": True})
+    assert raw.headers[VERSION_HEADER] == str(version)
+    r = raw.parse()
+    choice = r.choices[0]
+    assert len(choice.logprobs.token_logprobs) == 8 and all(len(t) == 2 for t in choice.logprobs.top_logprobs)
+    tag = tags_of(r)
+    assert tag["weight_version"] == tag["version_start"] == version and tag["slot"] in (0, 1) and tag["incarnation"] >= 1
+    assert len(choice.model_dump()["token_ids"]) == 8 and r.usage.completion_tokens == 8
+
+    text = c.completions.create(model=served.model, prompt="hello world", max_tokens=4, n=2, seed=1)
+    assert len(text.choices) == 2 and all(ch.text for ch in text.choices)
+
+    chat = c.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "count to three"}],
+                                     max_tokens=6, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    msg = chat.choices[0]
+    assert msg.message.role == "assistant" and msg.message.content
+    assert len(msg.logprobs.content) == 6 and all(len(t.top_logprobs) == 2 for t in msg.logprobs.content)
+    assert tags_of(chat)["weight_version"] == version
+
+
+def test_streams_arrive_as_server_sent_events_with_the_whole_completion(served):
+    c = openai_client(served)
+    chunks = list(c.completions.create(model=served.model, prompt=[9, 10, 11], max_tokens=8, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert chunks[-1].usage.completion_tokens == 8 and all("rlfleet" in ch.model_dump() for ch in chunks)
+    chat = list(c.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=5, stream=True, extra_body={"ignore_eos": True}))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].choices[0].finish_reason == "length" and "".join(ch.choices[0].delta.content or "" for ch in chat)
+
+
+def test_a_bad_request_is_refused_with_vllms_message_and_another_model_is_not_found(served):
+    c = openai_client(served)
+    with pytest.raises(BadRequestError, match="temperature must be non-negative"):
+        c.completions.create(model=served.model, prompt=[1, 2], temperature=-1.0)
+    with pytest.raises(BadRequestError, match="out of vocabulary"):  # refused by the engine, through the fleet
+        c.completions.create(model=served.model, prompt=[1, 10**7], max_tokens=2)
+    with pytest.raises(NotFoundError, match="does not exist"):
+        c.completions.create(model="gpt-4", prompt=[1, 2])
+    code, body = curl(f"{served.url}/v1/completions", "-H", "content-type: application/json", "-d", "{not json")
+    assert code == 400 and json.loads(body)["error"]["type"] == "BadRequestError"
+    code, body = curl(f"{served.url}/v1/chat/completions", "-H", "content-type: application/json",
+                      "-d", json.dumps({"messages": [], "max_tokens": 2}))
+    assert code == 400 and "messages" in json.loads(body)["error"]["message"]
+    assert served.fleet.status()["gate_open"]  # the caller's mistakes changed nothing
+
+
+def test_curl_sees_health_models_metrics_and_status(served):
+    code, body = curl(f"{served.url}/health")
+    assert code == 200 and json.loads(body)["status"] == "ok"
+    code, body = curl(f"{served.url}/v1/models")
+    assert code == 200 and json.loads(body)["data"][0]["id"] == served.model
+    code, body = curl("-i", f"{served.url}/v1/completions", "-H", "content-type: application/json",
+                      "-d", json.dumps({"prompt": [3, 4, 5], "max_tokens": 3}))
+    assert code == 200 and f"{VERSION_HEADER}: " in body.lower()
+    code, body = curl(f"{served.url}/metrics")
+    assert code == 200
+    lines = body.splitlines()
+    assert "rlfleet_gate_open 1" in lines and "rlfleet_controller_up 1" in lines
+    assert any(line.startswith('rlfleet_http_responses_total{endpoint="/v1/completions",code="200"}') for line in lines)
+    assert 'rlfleet_engines{state="healthy"} 2' in lines
+    code, body = curl(f"{served.url}/v1/fleet/status")
+    status = json.loads(body)
+    assert code == 200 and status["controller"]["fleet"] == "serve-test" and status["routing"]["serving"] == 2
+
+
+def _load_in_thread(url: str, clients: int, seconds: float, max_tokens: int) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(asyncio.run(run_load(url, clients, seconds, max_tokens))))
+    t.start()
+    return t, out
+
+
+def test_load_with_two_refits_in_the_middle_loses_nothing_and_sends_no_5xx(served):
+    fleet, source = served.fleet, served.source
+    v0 = fleet.status()["version"]
+    t, out = _load_in_thread(served.url, clients=6, seconds=12.0, max_tokens=16)
+    for i, at in enumerate((3.0, 7.0)):
+        time.sleep(at - (3.0 if i else 0.0))
+        ray_io.ask(source, "perturb", 100 + i, timeout=60)
+        fleet.sync_weights(version=v0 + 1 + i, source=source)  # raises unless it committed
+    t.join(timeout=180)
+    assert not t.is_alive(), "the load test did not end"
+    assert out["lost"] == 0, out["errors"]
+    assert out["server_errors"] == 0 and out["by_code"] == {"200": out["sent"]}, out["errors"]
+    versions = {int(v) for v in out["versions"]}
+    assert {v0, v0 + 2} <= versions, f"responses did not straddle the refits: {out['versions']}"  # they ran under load
+    assert fleet.status()["version"] == v0 + 2
+
+
+def test_a_request_waits_while_a_refit_holds_the_gate_and_past_its_timeout_gets_503_naming_it(served):
+    fleet, source = served.fleet, served.source
+    impatient = HttpServer(fleet, port=0, request_timeout_s=1.5).start()  # same fleet, a front of its own
+    try:
+        v = fleet.status()["version"]
+        ray_io.ask(source, "perturb", 7, timeout=60)
+        ray_io.ask(source, "hold_next_update", 5.0, timeout=30)  # a slow trainer holds the refit and the gate
+        refit = threading.Thread(target=lambda: fleet.sync_weights(version=v + 1, source=source))
+        refit.start()
+        code, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(curl(f"{served.url}/health")), 30,
+                              every_s=0.05, what="the gate to close")
+        assert json.loads(body)["status"] == "gate closed"
+        waited: dict = {}
+        patient = threading.Thread(target=lambda: waited.update(
+            openai_client(served).completions.create(model=served.model, prompt=[4, 5, 6], max_tokens=4).model_dump()))
+        patient.start()
+        t0 = time.monotonic()
+        code, body = curl(f"{impatient.url}/v1/completions", "-H", "content-type: application/json",
+                          "-d", json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}))
+        assert code == 503 and "the gate is closed" in json.loads(body)["error"]["message"]
+        assert time.monotonic() - t0 >= 1.0  # it waited for the gate before giving up
+        refit.join(120)
+        patient.join(120)
+        # sent while the gate was closed, it waited and ran on the new weights
+        assert waited["rlfleet"]["version_start"] == waited["rlfleet"]["weight_version"] == v + 1
+        assert curl(f"{served.url}/health")[0] == 200
+    finally:
+        impatient.stop()
+
+
+def test_the_documented_agent_rollout_tags_each_turn_with_the_weights_that_made_it(served):
+    spec = importlib.util.spec_from_file_location("agent_rollout", Path(__file__).parents[2] / "docs/examples/agent_rollout.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    fleet, source = served.fleet, served.source
+    v = fleet.status()["version"]
+
+    def refit() -> None:
+        ray_io.ask(source, "perturb", 11, timeout=60)
+        fleet.sync_weights(version=v + 1, source=source)
+
+    turn1, turn2 = example.play_episode(openai_client(served), served.model, example.TASKS[0], refit)
+    assert (turn1["weight_version"], turn2["weight_version"]) == (v, v + 1)
+    assert all(len(t["token_ids"]) == len(t["logprobs"]) > 0 for t in (turn1, turn2))
+
+
+def test_a_shard_killed_under_load_costs_the_clients_nothing_but_latency(served):
+    fleet = served.fleet
+    before = served.server.front.client.counters()["requeued"]
+    t, out = _load_in_thread(served.url, clients=6, seconds=8.0, max_tokens=32)
+    time.sleep(2.5)
+    fleet.kill_shard(0)
+    t.join(timeout=180)
+    assert not t.is_alive(), "the load test did not end: a request hung"
+    assert out["lost"] == 0, out["errors"]
+    # complete (re-sent), or a clear error: never an answer without a status and a message
+    assert out["by_code"].get("200", 0) + sum(v for k, v in out["by_code"].items() if k != "200") == out["sent"]
+    assert all(": " in e for e in out["errors"])
+    assert served.server.front.client.counters()["requeued"] > before, "the kill hit no request in flight"
+    wait_for(lambda: any(s["slot"] == 0 and s["incarnation"] >= 2 for s in fleet.status()["ledger"]["slots"]),
+             120, what="slot 0 restarted")

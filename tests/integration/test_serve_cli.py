@@ -1,0 +1,157 @@
+"""``rlfleet serve`` as a user runs it: a process, signals, a stopped fleet, a client that gives up.
+
+Engines here have no model (the ``null`` backend: every shard is a real Ray actor, generation
+answers after ``null_generate_s``), so each case costs seconds; the tokenizer is the tiny
+model's. Each test shows its fault happened:
+
+- ``--connect``: curl through a second process; SIGINT ends it (exit 0) and the fleet it attached
+  to keeps serving; a port already taken is refused naming the address;
+- the fleet stopped under the front (by another handle): ``/health`` and completions answer 503 naming why;
+- ``--config`` with its own local Ray, then SIGTERM to the whole process group (what Ctrl-C,
+  ``timeout`` or a batch system do): it exits 0 at once with its last line, leaving no process;
+- a bad config is refused before anything starts, naming the field;
+- an HTTP client that disconnects: its request is aborted on the engine (the shard holds nothing
+  long before the generation would have ended) and counted ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from fleet import ray_io
+from fleet.api import Fleet
+from serve.server import HttpServer
+from tests.integration.fleet_helpers import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def null_fleet(model: str, name: str, **over) -> Fleet:
+    engine = {"model": model, "backend": "null", "num_cpus": 0, **over.pop("engine", {})}
+    return Fleet.start({"engine": engine, "num_engines": 1, "min_healthy_engines": 1, "name": name, **over})
+
+
+def env() -> dict:
+    return dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"), HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1")
+
+
+def serve_process(*args: str, **popen) -> tuple[subprocess.Popen, dict]:
+    """Start ``rlfleet serve ARGS``; return it and its first line (where it serves), or fail with its stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env(), **popen)
+    first: dict = {}
+    reader = threading.Thread(target=lambda: first.update(json.loads(proc.stdout.readline() or "{}")), daemon=True)
+    reader.start()
+    reader.join(180)
+    if "serving" not in first:
+        proc.kill()
+        pytest.fail(f"rlfleet serve did not start: {proc.stderr.read()[-3000:]}")
+    return proc, first
+
+
+def finish(proc: subprocess.Popen, timeout: float = 90.0) -> tuple[int, list[dict]]:
+    out, err = proc.communicate(timeout=timeout)
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert lines, f"no last line; stderr: {err[-2000:]}"
+    return proc.returncode, lines
+
+
+def curl(*args: str) -> tuple[int, dict]:
+    out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", *args], capture_output=True, text=True, timeout=60)
+    body, _, code = out.stdout.rpartition("\n")
+    return int(code), json.loads(body) if body.startswith("{") else {"raw": body}
+
+
+def complete(url: str, max_tokens: int = 2) -> tuple[int, dict]:
+    return curl(f"{url}/v1/completions", "-H", "content-type: application/json",
+                "-d", json.dumps({"prompt": [1, 2, 3], "max_tokens": max_tokens}))
+
+
+def test_serve_connect_answers_curl_and_sigint_leaves_the_fleet_serving(ray_local, tiny_model):
+    fleet = null_fleet(tiny_model, "serve-cli-a")
+    try:
+        proc, first = serve_process("--connect", "serve-cli-a", "--address", ray_io.cluster_address(), "--port", "0")
+        url = first["serving"]
+        assert first["fleet"] == "serve-cli-a" and first["started_fleet"] is False and url.startswith("http://127.0.0.1:")
+        code, body = complete(url)
+        assert code == 200 and body["rlfleet"]["weight_version"] == 0 and body["choices"][0]["token_ids"] == [0]
+        port = int(url.rsplit(":", 1)[1])
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):  # `rlfleet serve` prints it, exit 2
+            HttpServer(fleet, port=port).start()
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        code, lines = finish(proc)
+        assert code == 0 and lines[-1]["stopped"] and lines[-1]["fleet_shut_down"] is False
+        assert lines[-1]["front"]["responses"] == {"/v1/completions 200": 1}
+        assert fleet.generate([[1, 2]])[0][0].ok  # detached, not stopped: the fleet still serves
+    finally:
+        fleet.shutdown()
+
+
+def test_a_fleet_stopped_under_the_front_is_answered_503_naming_why(ray_local, tiny_model):
+    fleet = null_fleet(tiny_model, "serve-cli-b")
+    server = HttpServer(fleet, port=0).start()
+    try:
+        assert complete(server.url)[0] == 200
+        Fleet.connect("serve-cli-b").shutdown()  # by another handle, as `rlfleet fleet stop` would
+        code, health = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(curl(f"{server.url}/health")), 60,
+                                what="/health to say 503")
+        assert health["status"] == "stopped" and health["reason"]
+        code, body = complete(server.url)
+        assert code == 503 and body["error"]["message"].startswith("fleet stopped:")
+        assert server.front.counters()["responses"]["/v1/completions 503"] == 1
+    finally:
+        server.stop()
+        fleet.shutdown()
+
+
+def test_serve_config_then_sigterm_to_its_process_group_exits_cleanly(tiny_model, tmp_path):
+    cfg = tmp_path / "fleet.yaml"
+    cfg.write_text(json.dumps({"engine": {"model": tiny_model, "backend": "null", "num_cpus": 0}, "num_engines": 1}))
+    proc, first = serve_process("--config", str(cfg), "--port", "0", start_new_session=True)
+    assert first["started_fleet"] is True
+    assert complete(first["serving"])[0] == 200
+    session = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(session) > 3  # the local Ray's daemons run in the process group the signal reaches
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    code, lines = finish(proc, 120)
+    assert code == 0 and lines[-1]["stopped"] and lines[-1]["fleet_shut_down"] is True
+    assert time.monotonic() - t0 < 60
+    wait_for(lambda: not subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).stdout, 30,
+             what="every process of the session to exit")
+
+
+def test_a_bad_config_is_refused_before_anything_starts(tmp_path, tiny_model):
+    cfg = tmp_path / "fleet.yaml"
+    cfg.write_text(json.dumps({"engine": {"model": tiny_model}, "num_engines": 0}))
+    out = subprocess.run([sys.executable, "-m", "cli.main", "serve", "--config", str(cfg)], capture_output=True,
+                         text=True, env=env(), timeout=120)
+    assert out.returncode == 2 and "num_engines" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_client_that_disconnects_has_its_request_aborted_on_the_engine(ray_local, tiny_model):
+    fleet = null_fleet(tiny_model, "serve-cli-gone", engine={"null_generate_s": 20.0})
+    server = HttpServer(fleet, port=0).start()
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=1.0)
+        t0 = time.monotonic()
+        wait_for(lambda: server.front.cancelled == 1 and fleet.shard_counters()[0]["in_flight"] == 0, 10,
+                 every_s=0.1, what="the abandoned request to be aborted on its shard")
+        assert time.monotonic() - t0 < 10  # far sooner than the 20 s the generation would have taken
+        counters = server.front.client.counters()
+        assert counters["in_progress"] == 0 and counters["returned"] == 1
+        assert server.front.client.dispatcher.returned_reasons["cancelled by the caller"] == 1
+    finally:
+        server.stop()
+        fleet.shutdown()

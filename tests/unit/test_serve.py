@@ -1,0 +1,200 @@
+"""The HTTP front's pure parts, without Ray or engines.
+
+- OpenAI request -> (prompt token ids, sampling dict): vLLM's own models and validation decide; the
+  dict is what differs from vLLM's defaults and rebuilds the same ``SamplingParams`` on a shard;
+- chat requests are rendered with the model's chat template (the tiny model has one);
+- responses carry the fleet's tags (weight versions, slot, incarnation, request id) and token ids;
+- how a returned request becomes HTTP (400 for the caller's mistake with vLLM's words, 503 naming why);
+- the Prometheus text;
+- a cancelled request (its HTTP client left) is aborted on its shard and accounted, never lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.sampling_params import SamplingParams
+
+from fleet.dispatch import FleetResult
+from fleet.routing import RoutingState
+from fleet.types import Completion, GenerationResult
+from recipe.tinymodel import CHAT_TEMPLATE, build_tokenizer
+from serve import protocol
+from serve.front import Front
+from serve.metrics import prometheus_text
+from tests.unit.fleet_fakes import client
+from tests.unit.test_controller import make, run
+
+MAX_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(512)
+
+
+def result(n: int = 1, version: int = 3, start: int = 2, text: str | None = None) -> GenerationResult:
+    comps = tuple(Completion((10 + i, 11, 12), (-0.5, -1.0, -1.5), "length", text=text,
+                             top_logprobs=({10 + i: -0.5, 7: -0.7}, {11: -1.0}, {12: -1.5})) for i in range(n))
+    return GenerationResult("r-1", (1, 2, 3), comps, start, version, slot=4, incarnation=2)
+
+
+# ------------------------------------------------------------------ requests
+def test_a_completion_request_becomes_token_ids_and_the_sampling_fields_it_set(tok):
+    req = CompletionRequest(prompt="hello world", max_tokens=5, temperature=0.5, seed=7, logprobs=2, n=2,
+                            stop=["xyz"])
+    prompt, sampling = protocol.completion_call(req, tok, MAX_LEN)
+    assert prompt == tok.encode("hello world")
+    assert sampling == {"n": 2, "temperature": 0.5, "seed": 7, "max_tokens": 5, "logprobs": 2, "stop": ["xyz"]}
+    rebuilt = SamplingParams(**sampling)  # what the shard's backend does with it
+    assert (rebuilt.n, rebuilt.temperature, rebuilt.max_tokens, rebuilt.logprobs) == (2, 0.5, 5, 2)
+
+
+def test_token_id_prompts_pass_through_and_max_tokens_is_clamped_to_the_context(tok):
+    prompt, sampling = protocol.completion_call(CompletionRequest(prompt=[5, 6, 7], max_tokens=10_000), tok, MAX_LEN)
+    assert prompt == [5, 6, 7] and sampling["max_tokens"] == MAX_LEN - 3
+    assert sampling["logprobs"] is None  # not asked for: the engine does not compute them
+    prompt, _ = protocol.completion_call(CompletionRequest(prompt=[[8, 9]]), tok, MAX_LEN)
+    assert prompt == [8, 9]
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"prompt": [1, 2], "temperature": -1.0}, "temperature", "temperature must be non-negative"),
+    ({"prompt": [1, 2], "top_p": 0.0}, "top_p", "top_p must be in (0, 1]"),
+    ({"prompt": [[1], [2]]}, "prompt", "one prompt per request"),
+    ({"prompt": list(range(MAX_LEN))}, "prompt", "maximum context length"),
+    ({"prompt": [1], "echo": True}, "echo", "echo is not supported"),
+])
+def test_a_bad_completion_request_is_refused_with_vllms_words_naming_the_field(tok, body, param, words):
+    with pytest.raises(protocol.BadRequest, match=words.replace("(", r"\(").replace(")", r"\)")) as err:
+        protocol.completion_call(CompletionRequest(**body), tok, MAX_LEN)
+    assert err.value.param == param
+
+
+def test_a_chat_request_is_rendered_with_the_models_chat_template(tok):
+    assert tok.chat_template == CHAT_TEMPLATE
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": [{"type": "text", "text": "yes"}]},
+                                          {"role": "user", "content": "again"}],
+                                max_completion_tokens=4, logprobs=True, top_logprobs=3)
+    prompt, sampling = protocol.chat_call(req, tok, MAX_LEN)
+    assert tok.decode(prompt) == "[user] hi\n[assistant] yes\n[user] again\n[assistant] "
+    assert sampling["max_tokens"] == 4 and sampling["logprobs"] == 3
+
+
+def test_a_chat_request_with_an_image_part_is_refused(tok):
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(protocol.BadRequest, match="only text"):
+        protocol.chat_call(req, tok, MAX_LEN)
+
+
+# ------------------------------------------------------------------ responses
+def test_a_completion_response_is_tagged_with_versions_engine_and_token_ids(tok):
+    body = protocol.completion_response(CompletionRequest(prompt=[1, 2, 3], logprobs=1), "m", result(2), "r-1", 2, tok)
+    assert body["rlfleet"] == {"weight_version": 3, "version_start": 2, "slot": 4, "incarnation": 2,
+                               "request_id": "r-1", "attempts": 2}
+    assert [c["token_ids"] for c in body["choices"]] == [[10, 11, 12], [11, 11, 12]]
+    assert body["choices"][0]["text"] == tok.decode([10, 11, 12])  # no engine text: decoded by the front
+    lp = body["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [-0.5, -1.0, -1.5] and len(lp["top_logprobs"]) == 3
+    assert len(lp["top_logprobs"][0]) == 1  # k=1 of the two the engine sent
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+
+
+def test_the_engines_own_text_is_preferred_and_chat_logprobs_carry_top_k(tok):
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2)
+    body = protocol.chat_response(req, "m", result(text="engine text"), "r-1", 1, tok)
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "engine text"}
+    assert [len(c["top_logprobs"]) for c in choice["logprobs"]["content"]] == [2, 1, 1]
+    assert body["rlfleet"]["weight_version"] == 3
+
+
+def test_a_stream_holds_the_whole_completion_and_usage_when_asked(tok):
+    req = CompletionRequest(prompt=[1], stream=True, stream_options={"include_usage": True})
+    chunks = protocol.completion_chunks(req, "m", result(2), "r-1", 1, tok)
+    assert [len(c["choices"]) for c in chunks] == [1, 1, 0] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all(c["rlfleet"]["weight_version"] == 3 for c in chunks)
+    chat = protocol.chat_chunks(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True),
+                                "m", result(), "r-1", 1, tok)
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant" and chat[1]["choices"][0]["finish_reason"] == "length"
+
+
+# ------------------------------------------------------------------ a returned request, as HTTP
+class _Client:
+    def __init__(self, state: RoutingState) -> None:
+        self.state = state
+
+    def routing(self) -> RoutingState:
+        return self.state
+
+    def counters(self) -> dict:
+        return {"accepted": 0, "completed": 0, "returned": 0, "in_progress": 0, "requeued": 0, "refused": {}}
+
+
+def returned(reason: str) -> FleetResult:
+    return FleetResult("r-9", "returned", None, reason)
+
+
+def test_returned_requests_become_400_for_the_caller_and_503_naming_why_for_the_fleet(tok):
+    closed = Front(_Client(RoutingState(5, False, 2, reason="refit of version 3")), tok, "m", MAX_LEN)
+    out = closed.returned(returned("bad request: request r-9 rejected by vLLM: Token id 999 is out of vocabulary"))
+    assert (out.code, out.message) == (400, "Token id 999 is out of vocabulary")
+    out = closed.returned(returned("no serving shard within the request timeout (60 s)"))
+    assert out.code == 503 and "the gate is closed: refit of version 3" in out.message
+    stopped = Front(_Client(RoutingState(6, False, 2, stopped="FleetExhausted: slots 0, 1 dead")), tok, "m", MAX_LEN)
+    out = stopped.returned(returned("fleet stopped: FleetExhausted: slots 0, 1 dead"))
+    assert out.code == 503 and "slots 0, 1 dead" in out.message
+    assert stopped.health() == (503, {"gate_open": False, "version": 2, "epoch": 6, "serving": 0,
+                                      "status": "stopped", "reason": "FleetExhausted: slots 0, 1 dead"})
+    assert closed.health()[0] == 503 and closed.health()[1]["reason"] == "refit of version 3"
+
+
+def test_prometheus_text_has_the_fleets_gauges_and_the_fronts_counters(tok):
+    front = Front(_Client(RoutingState(5, True, 2)), tok, "m", MAX_LEN)
+    front.count("/v1/completions", 200)
+    front.count("/v1/completions", 200)
+    front.latencies.append(0.25)
+    status = {"ledger": {"slots": [{"state": "healthy"}, {"state": "healthy"}, {"state": "dead"}]},
+              "refits": 4, "generation": 1, "target_size": 3}
+    text = prometheus_text(front.health()[1], front.counters(), status)
+    lines = set(text.splitlines())
+    assert 'rlfleet_http_responses_total{endpoint="/v1/completions",code="200"} 2' in lines
+    assert {"rlfleet_gate_open 1", "rlfleet_weight_version 2", 'rlfleet_engines{state="healthy"} 2',
+            'rlfleet_engines{state="dead"} 1', "rlfleet_refits_total 4", "rlfleet_controller_up 1",
+            'rlfleet_http_request_seconds{quantile="0.5"} 0.25'} <= lines
+    down = prometheus_text(front.health()[1], front.counters(), None)
+    assert "rlfleet_controller_up 0" in down and "rlfleet_engines" not in down
+    for line in text.splitlines():  # every sample line parses: name{labels} value
+        if not line.startswith("#"):
+            assert not math.isnan(float(line.rsplit(" ", 1)[1]))
+
+
+# ------------------------------------------------------------------ a client that leaves
+def test_a_cancelled_request_is_aborted_on_its_shard_and_counted_returned(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir)
+        door.gen_delay = 5.0  # long enough that the caller leaves while it runs
+        await ctl.start()
+        c = client(ctl)
+        task = asyncio.ensure_future(c.generate_async([1, 2, 3], {"max_tokens": 4}))
+        await asyncio.sleep(0.5)
+        running = [(s.slot, rid) for s in door.shards.values() for rid in s.in_flight]
+        assert len(running) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.1)
+        slot, rid = running[0]
+        assert ("abort", slot, 1) in door.calls
+        assert not any(s.in_flight for s in door.shards.values())  # the engine stopped spending on it
+        counters = c.counters()
+        assert (counters["accepted"], counters["returned"], counters["in_progress"]) == (1, 1, 0)
+        assert c.dispatcher.returned_reasons["cancelled by the caller"] == 1
+        await ctl.shutdown()
+
+    run(go())
