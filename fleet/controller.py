@@ -342,8 +342,8 @@ class SingleController:
         failures of one round (and the shards of a lost node) are one health decision."""
         while True:
             await asyncio.sleep(self.cfg.monitor_interval_s)
-            if self.lifecycle.running:
-                continue
+            if self.lifecycle.holding:
+                continue  # paused engines are not probed; while a refit stages, the fleet serves and is watched
             live = self.live_handles()
             outs = await self.door.fan_out(
                 {s: (h, "ping", (), {}) for s, (_, h) in live.items()}, timeout=self.cfg.probe_timeout_s
@@ -458,7 +458,7 @@ class SingleController:
         """
         if self._must_adopt:
             return False  # not re-adopted yet: the client excludes the shard on its own meanwhile
-        if kind == TIMED_OUT and (self.lifecycle.running or epoch < self.publisher.refit_epoch):
+        if kind == TIMED_OUT and (self.lifecycle.holding or epoch < self.publisher.refit_epoch):
             self.log.emit("report_ignored", slot=slot, incarnation=incarnation, outcome=kind, epoch=epoch,
                           reason="the request was held by a refit")
             return False

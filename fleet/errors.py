@@ -68,6 +68,13 @@ class RefitRefused(RlfleetError, ValueError):
     The message names the argument or tensor and what was expected."""
 
 
+class RefitNotStaged(RlfleetError):
+    """Under ``stage_ahead``: fewer than ``min_healthy_engines`` engines received the update into their
+    staging area, after the one retry. The gate never closed and no engine's weights changed: the fleet
+    keeps serving the committed version, and the same update may be sent again. The message names each
+    engine that failed and why."""
+
+
 class RefitArgumentError(RlfleetError, TypeError):
     """A ``sync_weights`` argument of the wrong kind (a version that is not an integer, a source that
     is not a weight sender): refused before anything changed; the message names the argument."""

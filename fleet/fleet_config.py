@@ -63,6 +63,10 @@ class FleetConfig(BaseModel):
     transport_backend: Literal["gloo", "nccl"] = "gloo"
     bucket_mb: float = Field(64.0, gt=0)
     apply_mode: Literal["staged", "streaming"] = "staged"
+    # Stage ahead: move the update into every engine's staging area while the fleet serves (gate open), then
+    # close the gate only to pause, apply, stamp and resume. Costs a second copy of the weights per engine
+    # and, on CPU engines, generation speed while the bytes move. Needs apply_mode "staged".
+    stage_ahead: bool = False
     # "checksum": an engine's new version is stamped only when the digest of what it applied equals
     # the sender's (about +1 s per refit of the 100M model on 2 CPU cores; scripts/bench_refit.py)
     verify_weights: Literal["none", "checksum"] = "none"
@@ -118,6 +122,11 @@ def _check_consistency(cfg: FleetConfig) -> None:
     if cfg.restart_backoff_cap_s < cfg.restart_backoff_s:
         raise ConfigError(
             "restart_backoff_cap_s", f"must be >= restart_backoff_s ({cfg.restart_backoff_s})", cfg.restart_backoff_cap_s
+        )
+    if cfg.stage_ahead and cfg.apply_mode != "staged":
+        raise ConfigError(
+            "stage_ahead", f"needs apply_mode 'staged' (weights held apart until applied), got apply_mode {cfg.apply_mode!r}",
+            True,
         )
     if cfg.transport_backend == "nccl" and cfg.engine.num_gpus <= 0:
         raise ConfigError("transport_backend", "nccl needs GPU engines (engine.num_gpus > 0); use gloo on CPU", "nccl")

@@ -1,5 +1,11 @@
 """The refit lifecycle: ``sync_weights(version)`` as the eight steps of DESIGN.md.
 
+Under ``stage_ahead`` a step 0 comes first, with the gate open: the update moves into
+every live engine's staging area while the fleet serves (``stage_ahead``); step 5 is
+then only the apply of what each paused engine staged. A failure while staging never
+closes the gate: the refit is refused (``RefitRefused``, ``RefitNotStaged``) and the
+fleet serves what it had.
+
 ``RefitLifecycle.run`` reads like the design: close the gate, abort requests that
 are too old, reconcile membership, pause the participants, transfer (classify,
 rebuild, re-pause, retry exactly once), stamp the version, resume under one
@@ -25,7 +31,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from fleet.intent import CLOSING, COMMITTED, RefitIntent
-from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed, RefitRefused
+from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed, RefitNotStaged, RefitRefused
 from fleet.weights import TransferResult
 from health import (
     AbortRefit,
@@ -71,7 +77,8 @@ class RefitLifecycle:
     def __init__(self, ctl: Any) -> None:
         self.ctl = ctl
         self.running = False
-        self.phase: str | None = None  # the step running now (``PHASES``)
+        self.holding = False  # the refit holds the gate closed (from ``close`` on); while it stages, the fleet serves
+        self.phase: str | None = None  # the step running now (``stage`` or one of ``PHASES``)
         self._lock = asyncio.Lock()
         self._phases: dict[str, float] = {}
         self._inside_s = 0.0
@@ -96,7 +103,6 @@ class RefitLifecycle:
             self.running = True
             self._phases, self._inside_s, self._version = {}, 0.0, version
             self._finished, self._moving, self._held, self._busy = False, False, {}, {}
-            self.ctl.admission.refit_started()  # the engines pause (and may reset their cache): not load signals
             t0 = self.ctl.clock.now()
             try:
                 return await self._steps(version, source, t0)
@@ -112,8 +118,9 @@ class RefitLifecycle:
                 await self._roll_back(what)
                 raise
             finally:
-                self.running = False
-                self.ctl.admission.refit_finished(self.ctl.clock.now())
+                if self.holding:
+                    self.ctl.admission.refit_finished(self.ctl.clock.now())
+                self.running = self.holding = False
                 if self.ctl.intent.current is not None and self.ctl.intent.current.refit is not None \
                         and self.ctl.intent.current.refit.phase != COMMITTED:
                     # ended without a commit; a committed refit's record stays until the next one begins (a
@@ -123,6 +130,10 @@ class RefitLifecycle:
 
     async def _steps(self, version: int, source: Any, t0: float) -> dict:
         ctl = self.ctl
+        staged = None
+        if ctl.cfg.stage_ahead:
+            with self._phase("stage"):
+                staged = await self.stage_ahead(version, source)  # 0: the bytes move while the fleet serves
         with self._phase("close"):
             epoch = await self.close_gate(version)  # 1
         with self._phase("staleness"):
@@ -133,7 +144,10 @@ class RefitLifecycle:
             plan, paused = await self.pause_settled(plan)  # 4
         with self._phase("transfer"):
             self._moving = True
-            plan, paused, complete, attempts = await self.transfer(plan, version, source, paused)  # 5
+            if staged is None:
+                plan, paused, complete, attempts = await self.transfer(plan, version, source, paused)  # 5
+            else:
+                complete, attempts = await self.apply_staged(plan, version, paused, staged), 1  # 5: the apply only
         with self._phase("stamp"):
             await self.stamp(plan, version, complete)  # 6
         with self._phase("resume"):
@@ -157,9 +171,45 @@ class RefitLifecycle:
         }
 
     # ------------------------------------------------------------------ the steps
+    async def stage_ahead(self, version: int, source: Any) -> set[tuple[int, int]]:
+        """Step 0, under ``stage_ahead``: with the gate open and every engine serving, move the update into
+        the staging area of every live engine; on failure classify the failed (a ping), reconcile, and stage
+        once more on a rebuilt group, all within one phase deadline. Returns the (slot, incarnation) that
+        hold the whole update. Nothing live changed, so every way out of here rolls back with the gate
+        never closed: an update that does not fit (``RefitRefused``), fewer than ``min_healthy_engines``
+        staged (``RefitNotStaged``, naming each engine and why)."""
+        deadline = self.ctl.clock.now() + self.ctl.cfg.lifecycle_deadline_s
+        results: dict = {}
+        for attempt in (1, 2):
+            plan = self.reconcile()
+            results = await self._bounded_transfer(
+                plan, deadline, lambda parts, left: self.ctl.transfer_port().stage(parts, version, plan.epoch, source, timeout=left))
+            self._refuse_if_the_update_does_not_fit(results)
+            staged = {(p.slot, p.incarnation) for p in plan.participants if results[p.slot].staged}
+            if len(staged) == len(plan.participants):
+                break
+            failed = [p for p in plan.participants if (p.slot, p.incarnation) not in staged]
+            self.ctl.log.emit("refit_failed_attempt", version=version, attempt=attempt, phase="stage",
+                              failed={p.slot: results[p.slot].detail[:200] for p in failed})
+            await self._classify_failed(failed)
+            if self.ctl.clock.now() >= deadline:
+                break
+        self.ctl.log.emit("staged", version=version, epoch=plan.epoch, attempts=attempt,
+                          members=sorted([s, i] for s, i in staged))
+        if len(staged) < self.ctl.cfg.min_healthy_engines:
+            why = "; ".join(f"slot {p.slot} (incarnation {p.incarnation}): {results[p.slot].detail[:200]}"
+                            for p in plan.participants if (p.slot, p.incarnation) not in staged)
+            raise _RollBack(RefitNotStaged(
+                f"refit of version {version}: {len(staged)} engine(s) staged the update after {attempt} attempt(s), "
+                f"fewer than min_healthy_engines ({self.ctl.cfg.min_healthy_engines}); failed: {why or 'no live engine'}. "
+                f"The gate never closed; the fleet keeps serving version {self.ctl.ledger.current_version}"))
+        return staged
+
     async def close_gate(self, version: int) -> int:
         """Step 1: close dispatch and publish it; clients hold new requests, nothing is dropped.
         Returns the routing epoch of the closed gate."""
+        self.holding = True
+        self.ctl.admission.refit_started()  # the engines pause (and may reset their cache): not load signals
         self.ctl.intent.update(refit=RefitIntent(version, CLOSING))  # stored before anything changes
         self.ctl.gate.close(f"refit of version {version}")
         self.ctl.decide(RefitStarted(version))
@@ -351,25 +401,48 @@ class RefitLifecycle:
     async def _transfer_once(self, plan: MembershipPlan, version: int, source: Any, rebuild: bool, deadline: float) -> dict:
         """One transfer attempt, cut off at the phase's ``deadline``: whoever had not finished
         then holds unknown weights (PARTIAL: never serves them, rejoins the next refit)."""
+        results = await self._bounded_transfer(plan, deadline, lambda parts, left: self.ctl.transfer_port().transfer(
+            parts, version, plan.epoch, source, rebuild=rebuild, timeout=left))
+        self._report(plan.participants, version, results)
+        return results
+
+    async def apply_staged(self, plan: MembershipPlan, version: int, paused: set[int], staged: set[tuple[int, int]]) -> set[int]:
+        """Step 5 under ``stage_ahead``: apply the staged update on the paused participants that staged it
+        (the same incarnation); the others did not get it (``NOT_STARTED``: stale until the next refit).
+        Returns the slots that hold the complete new weights. No retry: an apply that failed left its
+        engine's weights unknown."""
+        deadline = self.ctl.clock.now() + self.ctl.cfg.lifecycle_deadline_s
+        ready = MembershipPlan(plan.epoch, tuple(p for p in plan.participants
+                                                 if p.slot in paused and (p.slot, p.incarnation) in staged))
+        results = await self._bounded_transfer(ready, deadline, lambda parts, left: self.ctl.transfer_port().apply_staged(
+            parts, version, timeout=left)) if ready.participants else {}
+        for p in plan.participants:
+            results.setdefault(p.slot, TransferResult(RefitResult.NOT_STARTED, "[stage] did not stage this update"))
+        self._report(plan.participants, version, results)
+        return {s for s, r in results.items() if r.result is RefitResult.COMPLETE}
+
+    async def _bounded_transfer(self, plan: MembershipPlan, deadline: float, call) -> dict:
+        """``call(participants, seconds_left)`` on the port, cut off at ``deadline``: whoever had not
+        finished then holds unknown weights (PARTIAL)."""
         participants = [(p, self._handle(p)) for p in plan.participants]
         t0 = self.ctl.clock.now()
         left = max(0.0, deadline - t0)
         try:
-            results = await asyncio.wait_for(
-                self.ctl.transfer_port().transfer(participants, version, plan.epoch, source, rebuild=rebuild, timeout=left),
-                left,
-            )
+            results = await asyncio.wait_for(call(participants, left), left)
         except asyncio.TimeoutError:
             bound = self.ctl.cfg.lifecycle_deadline_s
             results = {p.slot: TransferResult(
-                RefitResult.PARTIAL, f"transfer cut off at the phase deadline ({bound:.1f} s); weights unknown"
+                RefitResult.PARTIAL, f"{self.phase} cut off at the phase deadline ({bound:.1f} s); weights unknown"
             ) for p in plan.participants}
         self._inside_s += self.ctl.clock.now() - t0
+        return results
+
+    def _report(self, participants, version: int, results: dict) -> None:
+        """What each participant holds after the transfer step, as one health decision."""
         self.ctl.decide(Batch(tuple(
             RefitReport(p.slot, p.incarnation, version, results[p.slot].result, results[p.slot].detail[:300])
-            for p in plan.participants
+            for p in participants
         )))
-        return results
 
     async def _classify_failed(self, failed) -> None:
         """Find out why participants failed: dead, hung, or alive (a survivor of someone else's failure)."""
@@ -385,7 +458,7 @@ class RefitLifecycle:
         """The one way a refit ends without reopening: halt with the gate closed (it never opens on
         the way), close the refit in the ledger, return held requests at once, raise ``error``."""
         self.ctl.halt(message)
-        if not self._finished:
+        if not self._finished and self.holding:  # a refit that never closed the gate never began in the ledger
             self.ctl.finish_refit(self._version)
             self._finished = True
         live = {s: (h, "pause", (), {"mode": "abort"}) for s, (_, h) in self.ctl.handles.items()}
@@ -401,8 +474,9 @@ class RefitLifecycle:
         for (slot, inc), out in outs.items():
             self.ctl.observe(slot, inc, CallKind.RESUME, out)
         self.ctl.log.emit("refit_rolled_back", version=self._version, reason=reason[:300],
-                          resumed=sorted(slot for (slot, _), o in outs.items() if o.ok))
-        self.ctl.roll_back_refit(self._version, reason)
+                          resumed=sorted(slot for (slot, _), o in outs.items() if o.ok), gate_closed=self.holding)
+        if self.holding:  # a refit refused while it staged never closed the gate nor began in the ledger
+            self.ctl.roll_back_refit(self._version, reason)
         self._finished = True
         await self.ctl.publisher.publish()
 

@@ -48,11 +48,11 @@ class RoutingPublisher:
     def mark_dirty(self) -> None:
         """Something clients follow may have changed: publish soon (once, however many changes).
 
-        Not while a refit runs: its gate is closed (published at once by ``close_now``), and the
+        Not while a refit holds the gate closed: it is closed (published at once by ``close_now``), and the
         lifecycle publishes when it ends, so slots passing through ``stale`` mid-refit are never
         published as leaving and told so, only to rejoin a moment later."""
         self._dirty = True
-        if self._scheduled or self.ctl.lifecycle.running:
+        if self._scheduled or self.ctl.lifecycle.holding:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -74,7 +74,7 @@ class RoutingPublisher:
             asyncio.get_running_loop()
         except RuntimeError:
             return
-        self.ctl._background(self._closed(self.current.epoch, fence=not self.ctl.lifecycle.running))
+        self.ctl._background(self._closed(self.current.epoch, fence=not self.ctl.lifecycle.holding))
 
     async def _closed(self, epoch: int, fence: bool) -> None:
         _, changed = self._sync()

@@ -31,7 +31,8 @@ from fleet.types import FINISH_ABORTED, Completion, EngineStats, GenerationResul
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
 # Worker-extension methods that move weights: the "transfer" fault point.
-TRANSFER_METHODS = frozenset({"rlfleet_receive", "rlfleet_receive_raw"})
+TRANSFER_METHODS = frozenset({"rlfleet_receive", "rlfleet_receive_raw", "rlfleet_apply_staged"})  # they write live weights
+STAGE_METHODS = frozenset({"rlfleet_stage"})  # bytes move into the staging area; live weights untouched
 
 
 def _vllm_backend(config: EngineConfig) -> EngineBackend:
@@ -376,8 +377,8 @@ class EngineShard:
         """Call ``method`` on every worker's extension (``collective_rpc``), bounded."""
         if method in TRANSFER_METHODS:
             self._dirty = True  # until stamped, the weights are whatever this transfer left
-            if self._hooks.armed:
-                await self._hooks.at("transfer")
+        if (method in TRANSFER_METHODS or method in STAGE_METHODS) and self._hooks.armed:
+            await self._hooks.at("transfer")  # a fault armed at the transfer fires where the bytes start moving
         backend = self._require_ready(f"worker_rpc({method})")
         deadline = self.config.call_timeout_s if timeout is None else timeout
         return await self._bounded(f"worker_rpc({method})", backend.worker_rpc(method, tuple(args), kwargs or {}, deadline), deadline + 1.0)

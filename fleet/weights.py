@@ -3,7 +3,9 @@
 ``refit`` never imports ``fleet``; this module is where the two meet. The
 lifecycle calls ``TransferPort.transfer(participants, version, epoch, source,
 rebuild, timeout)`` and gets one ``TransferResult`` per participant slot, typed by
-the bytes that actually reached it (not started / partial / complete).
+the bytes that actually reached it (not started / partial / complete). Under
+``stage_ahead`` it calls ``stage`` while the fleet serves, then ``apply_staged`` on
+the paused engines that staged the update.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any, Protocol, Sequence
 from fleet.errors import RefitArgumentError
 from fleet.fleet_config import REFIT_TIMEOUT_FALLBACK_S
 from health import Participant, RefitResult
-from refit.outcome import assign_ranks
+from refit.outcome import Outcome, assign_ranks
 from refit.synchronizer import RefitConfig, WeightSynchronizer
 
 
@@ -24,6 +26,7 @@ class TransferResult:
     detail: str = ""
     bytes_moved: int = 0
     refused: str | None = None  # the update itself does not fit the model (names the tensor); nothing moved
+    staged: bool = False  # (``stage`` only) the whole update is in the engine's staging area; live weights untouched
 
 
 SENDER_METHODS = ("open_group", "connect", "close_group", "prepare", "send")
@@ -48,6 +51,27 @@ class TransferPort(Protocol):
         ``rebuild`` forces a fresh process group even when ``epoch`` is unchanged
         (after any failed transfer the old group cannot be trusted).
         """
+        ...
+
+    async def stage(
+        self,
+        participants: Sequence[tuple[Participant, Any]],
+        version: int,
+        epoch: int,
+        source: Any,
+        timeout: float,
+    ) -> dict[int, TransferResult]:
+        """Move ``version``'s weights from ``source`` into every participant's staging area while it serves.
+
+        Live weights never change here: every result is ``NOT_STARTED``, with ``staged`` set for the
+        participants that hold the whole update. A refusal (the update does not fit) is ``refused``."""
+        ...
+
+    async def apply_staged(
+        self, participants: Sequence[tuple[Participant, Any]], version: int, timeout: float
+    ) -> dict[int, TransferResult]:
+        """Apply what the last ``stage`` left on these participants (paused, the same incarnations that
+        staged it): ``COMPLETE``, ``PARTIAL`` (the apply failed or went unanswered) or ``NOT_STARTED``."""
         ...
 
 
@@ -91,6 +115,7 @@ class RefitTransferPort:
         self._config = _refit_config(cfg)
         self._sync = None
         self._source = None
+        self._staged = None  # the synchronizer's report of the last stage (what ``apply_staged`` applies)
         self._workers: dict[tuple[int, int], int] = {}
 
     def check_source(self, source: Any) -> None:
@@ -102,11 +127,41 @@ class RefitTransferPort:
             )
 
     async def transfer(self, participants, version, epoch, source, rebuild, timeout) -> dict[int, TransferResult]:
+        out, ports = await self._ports(participants, source)
+        if ports:
+            out.update(self._results(await self._sync.refit(ports, version, epoch)))
+        return out
+
+    async def stage(self, participants, version, epoch, source, timeout) -> dict[int, TransferResult]:
+        out, ports = await self._ports(participants, source)
+        self._staged = None
+        if ports:
+            self._staged = await self._sync.stage(ports, version, epoch)
+            out.update(self._results(self._staged))
+        return out
+
+    async def apply_staged(self, participants, version, timeout) -> dict[int, TransferResult]:
+        report = self._staged
+        members = {(p.slot, p.incarnation): h for p, h in participants}
+        keys = {} if report is None or report.version != version else \
+            {k: members[(k.slot, k.incarnation)] for k, r in report.results.items()
+             if (k.slot, k.incarnation) in members and r.outcome is Outcome.STAGED}
+        out = {p.slot: TransferResult(RefitResult.NOT_STARTED, f"[stage] version {version} is not staged on this engine")
+               for p, _ in participants if (p.slot, p.incarnation) not in {(k.slot, k.incarnation) for k in keys}}
+        if keys:
+            out.update(self._results(await self._sync.apply_staged(
+                report, {k: self._door.receiver_port(h) for k, h in keys.items()})))
+        return out
+
+    async def _ports(self, participants, source) -> tuple[dict[int, TransferResult], dict]:
+        """The synchronizer for ``source`` and a receiver port per participant, ranks laid out; engines
+        whose workers cannot be counted are answered ``NOT_STARTED`` at once."""
         self.check_source(source)
         if self._sync is None or self._source is not source:
             if self._sync is not None:
                 await self._sync.close()
             self._sync, self._source = WeightSynchronizer(self._door.sender_port(source), self._config), source
+            self._staged = None
         handles = {(p.slot, p.incarnation): h for p, h in participants}
         counts = {member: await self._worker_count(member, h) for member, h in handles.items()}
         out: dict[int, TransferResult] = {
@@ -114,17 +169,23 @@ class RefitTransferPort:
             for (slot, _), why in counts.items() if isinstance(why, str)
         }
         keys = assign_ranks({m: n for m, n in counts.items() if not isinstance(n, str)})
-        if not keys:
-            return out
-        report = await self._sync.refit({k: self._door.receiver_port(handles[(k.slot, k.incarnation)]) for k in keys}, version, epoch)
+        return out, {k: self._door.receiver_port(handles[(k.slot, k.incarnation)]) for k in keys}
+
+    def _results(self, report) -> dict[int, TransferResult]:
+        """One ``TransferResult`` per slot of a synchronizer report (a stage's outcome ``STAGED`` is
+        ``NOT_STARTED`` with ``staged``: the live weights are untouched)."""
+        self.last_report = report
+        out = {}
         for key, r in report.results.items():
-            detail = r.error or ("ok" if r.ok else r.outcome.value)
-            if report.sender_error and not r.ok:
+            staged = r.outcome is Outcome.STAGED
+            reached = r.ok or staged
+            detail = r.error or ("ok" if reached else r.outcome.value)
+            if report.sender_error and not reached:
                 detail += f"; sender: {report.sender_error}"
             out[key.slot] = TransferResult(
-                RefitResult(r.outcome.value), f"[{r.phase or 'done'}] {detail}", r.bytes_moved, refused=r.refused
+                RefitResult.NOT_STARTED if staged else RefitResult(r.outcome.value), f"[{r.phase or 'done'}] {detail}",
+                r.bytes_moved, refused=r.refused, staged=staged,
             )
-        self.last_report = report
         return out
 
     async def _worker_count(self, member: tuple[int, int], handle: Any) -> int | str:

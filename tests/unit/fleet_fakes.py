@@ -265,6 +265,45 @@ class FakeTransfer:
                 out[p.slot] = TransferResult(RefitResult.COMPLETE, "ok", 100)
         return out
 
+    # -- stage ahead: ``stage_fail[attempt] = {slot: "die"|"hang"|"error"|"refuse"}``, ``apply_fail = {slot: "partial"}``
+    async def stage(self, participants, version, epoch, source, timeout):
+        self.stage_attempts = getattr(self, "stage_attempts", [])
+        self.stage_attempts.append((version, epoch, tuple(p.slot for p, _ in participants)))
+        self.door.calls.append(("stage", -1, len(self.stage_attempts)))
+        plan = getattr(self, "stage_fail", {}).get(len(self.stage_attempts), {})
+        broken = any(v in ("die", "hang", "refuse") for v in plan.values())  # a refusal aborts everyone's prepare
+        out = {}
+        for p, shard in participants:
+            what = plan.get(p.slot)
+            if what == "die":
+                shard.dead = True
+            elif what == "hang":
+                shard.sticky["ping"] = "hang"
+            if what == "refuse":
+                out[p.slot] = TransferResult(RefitResult.NOT_STARTED, "[prepare] refused", 0,
+                                             refused="tensor lm_head.weight: dtype float16, engine expects float32")
+            elif what or broken:
+                out[p.slot] = TransferResult(RefitResult.NOT_STARTED, f"[transfer] staging failed ({what or 'a peer is gone'})")
+            else:  # the staging area holds it: live weights untouched, the shard stays clean
+                self.staged_on = getattr(self, "staged_on", {})
+                self.staged_on[(p.slot, p.incarnation)] = version
+                out[p.slot] = TransferResult(RefitResult.NOT_STARTED, "[done] staged", 100, staged=True)
+        return out
+
+    async def apply_staged(self, participants, version, timeout):
+        self.door.calls.append(("apply_staged", -1, tuple(p.slot for p, _ in participants)))
+        out = {}
+        for p, shard in participants:
+            if getattr(self, "apply_fail", {}).get(p.slot) == "partial":
+                shard.dirty = True
+                out[p.slot] = TransferResult(RefitResult.PARTIAL, "[apply] injected apply failure", 100)
+            elif getattr(self, "staged_on", {}).get((p.slot, p.incarnation)) == version:
+                shard.dirty = True
+                out[p.slot] = TransferResult(RefitResult.COMPLETE, "ok", 100)
+            else:
+                out[p.slot] = TransferResult(RefitResult.NOT_STARTED, "[stage] nothing staged")
+        return out
+
 
 def client(ctl) -> InProcessClient:
     """The test's client of ``ctl`` (one per controller): requests go from it straight to the fake shards."""
