@@ -112,6 +112,7 @@ class ClientLoad:
 
     def __init__(self, fleet: Any, threads: int, prompt: Any, sampling: dict, name: str = "client-load") -> None:
         self.fleet, self.results, self.stop = fleet, [], threading.Event()
+        self.finished: list[tuple[float, Any]] = []  # (time.monotonic() when it came back, result): one clock per machine
         self._prompt, self._sampling = prompt, sampling
         self._lock = threading.Lock()
         self._workers = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
@@ -121,8 +122,10 @@ class ClientLoad:
     def _run(self) -> None:
         while not self.stop.is_set():
             group = self.fleet.collect(self.fleet.submit(self._prompt, 1, self._sampling))
+            now = time.monotonic()
             with self._lock:
                 self.results.extend(group)
+                self.finished.extend((now, r) for r in group)
 
     def completed_on(self, slot: int, incarnation: int | None = None, version: int | None = None) -> int:
         """Requests that completed on ``slot`` (and that incarnation, tagged with that version, if given)."""

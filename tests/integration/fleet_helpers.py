@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from faults import invariants
+from fleet import ray_io
 
 PROMPTS = [[1, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(8)]
 SAMPLING = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0}
@@ -38,3 +39,14 @@ def assert_invariants(fleet, since: int = 0) -> list[dict]:
     problems = invariants.check_all(events, fleet.config.lifecycle_deadline_s)
     assert not problems, "invariants broken:\n" + "\n".join(problems[:20])
     return events[since:]
+
+
+def logprob_gap(source, results) -> float:
+    """Largest difference between the logprobs the engines reported for ``results`` and the trainer's
+    (``source``, a ``WeightSource``) scoring of the same tokens: ~1e-6 when the engines hold its weights."""
+    worst = 0.0
+    for r in results:
+        c = r.result.completions[0]
+        ref = ray_io.ask(source, "logprobs", list(r.result.prompt_token_ids), list(c.token_ids), timeout=60)
+        worst = max(worst, max(abs(a - b) for a, b in zip(ref, c.logprobs)))
+    return worst

@@ -14,7 +14,7 @@ from faults.source import WeightSource
 from fleet import ray_io
 from fleet.api import Fleet
 from fleet.errors import FleetExhausted, RefitArgumentError, RefitRefused
-from tests.integration.fleet_helpers import assert_invariants, collect, slot_states, submit_load, wait_for
+from tests.integration.fleet_helpers import assert_invariants, collect, logprob_gap, slot_states, submit_load, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -62,22 +62,13 @@ def run(ray_local, tiny_model):
     ray_io.kill(source)
 
 
-def _logprob_gap(run: Run, results) -> float:
-    worst = 0.0
-    for r in results:
-        c = r.result.completions[0]
-        ref = ray_io.ask(run.source, "logprobs", list(r.result.prompt_token_ids), list(c.token_ids), timeout=60)
-        worst = max(worst, max(abs(a - b) for a, b in zip(ref, c.logprobs)))
-    return worst
-
-
 def test_refit_moves_new_weights_into_every_engine(run):
     summary = run.refit()
     assert summary["complete"] == [0, 1, 2] and summary["attempts"] == 1
     results = [r for g in run.fleet.generate([[1, 9, 8, 7]] * 3, n=2, sampling={"max_tokens": 12, "seed": 5}) for r in g]
     assert all(r.ok and r.result.weight_version == run.version for r in results)
     assert {r.result.slot for r in results} == {0, 1, 2}
-    gap = _logprob_gap(run, results)
+    gap = logprob_gap(run.source, results)
     print(f"engine vs trainer logprob max diff after refit: {gap:.2e}")
     assert gap < 1e-4
     assert_invariants(run.fleet)
