@@ -8,8 +8,15 @@ engine holds now, not only whether a call failed.
 - ``PARTIAL``: the live weights may be a mix of old and new (a streaming apply
   stopped mid-way, an apply failed, or the engine could not be asked and may have
   been applying): it must not serve until replaced or refitted completely.
+- ``STAGED``: (stage ahead, ``WeightSynchronizer.stage``) every byte of the update is
+  in the engine's staging area; its live weights and version stamp are untouched, so it
+  may keep serving. ``WeightSynchronizer.apply_staged`` later turns it into COMPLETE.
 - ``COMPLETE``: every tensor was applied and the new version stamped (and, under
   ``RefitConfig(verify="checksum")``, the digest of what it applied equals the sender's).
+
+A report has a *goal*: ``"refit"`` (``refit``, ``apply_staged``: the goal is COMPLETE)
+or ``"stage"`` (``stage``: the goal is STAGED). ``RefitReport.ok`` means the sender
+finished and every participant reached the goal.
 
 A *refusal* is not an engine failure: ``ParticipantResult.refused`` (and
 ``RefitReport.refused``) holds the message naming the tensors when the prepare phase
@@ -28,7 +35,12 @@ from typing import Any, Hashable, Mapping
 class Outcome(str, enum.Enum):
     NOT_STARTED = "not_started"
     PARTIAL = "partial"
+    STAGED = "staged"  # every byte in the engine's staging area; live weights and version untouched
     COMPLETE = "complete"
+
+
+GOALS = ("refit", "stage")
+_GOAL_OUTCOME = {"refit": Outcome.COMPLETE, "stage": Outcome.STAGED}
 
 
 @dataclass(frozen=True)
@@ -74,7 +86,12 @@ class ParticipantResult:
 
     @property
     def ok(self) -> bool:
+        """COMPLETE: new weights applied and stamped (whatever the report's goal)."""
         return self.outcome is Outcome.COMPLETE
+
+    def reached(self, goal: str) -> bool:
+        """Whether this participant reached a report's goal: COMPLETE for "refit", STAGED for "stage"."""
+        return self.outcome is _GOAL_OUTCOME[goal]
 
 
 @dataclass(frozen=True)
@@ -97,11 +114,22 @@ class RefitReport:
     group_rebuilt: bool
     bytes_sent: int = 0
     sender_error: str | None = None
+    goal: str = "refit"  # "stage" for a stage report (participants aim at STAGED)
+    sender_digest: str | None = None  # the sender's checksum of the update (stage under verify="checksum")
+
+    def __post_init__(self) -> None:
+        if self.goal not in GOALS:
+            raise ValueError(f"report goal must be one of {GOALS}, got {self.goal!r}")
 
     @property
     def ok(self) -> bool:
-        """True only if the sender finished and every participant is COMPLETE."""
-        return self.sender_error is None and bool(self.results) and all(r.ok for r in self.results.values())
+        """True only if the sender finished and every participant reached the goal (COMPLETE, or STAGED for "stage")."""
+        return self.sender_error is None and bool(self.results) and all(r.reached(self.goal) for r in self.results.values())
+
+    @property
+    def staged(self) -> list[Hashable]:
+        """Participants whose staging area holds the whole update (a stage report)."""
+        return [k for k, r in self.results.items() if r.outcome is Outcome.STAGED]
 
     @property
     def refused(self) -> str | None:
@@ -114,11 +142,12 @@ class RefitReport:
 
     @property
     def failed(self) -> list[Hashable]:
-        return [k for k, r in self.results.items() if not r.ok]
+        """Participants that did not reach the goal."""
+        return [k for k, r in self.results.items() if not r.reached(self.goal)]
 
     def summary(self) -> str:
         verdict = "ok" if self.ok else ("REFUSED" if self.refused else "FAILED")
-        head = f"refit {self.refit_id} to version {self.version} (epoch {self.epoch}): " + verdict
+        head = f"{self.goal} {self.refit_id} to version {self.version} (epoch {self.epoch}): " + verdict
         lines = [head + f" in {self.timings.total_s:.2f} s, {self.bytes_sent / 2**20:.1f} MiB sent"]
         if self.sender_error:
             lines.append(f"  sender: {self.sender_error}")

@@ -21,12 +21,23 @@ Guarantees:
   sender's checksum) only if the digest of what was applied equals it, else the
   answer is ``partial`` in phase ``verify``; every wait has a deadline.
 
+Stage ahead (``staged`` mode only): ``prepare`` then ``start_receive`` starts a daemon
+thread that receives every bucket into the staging area and returns at once, so the
+engine keeps serving while bytes move; ``receive_status`` answers at once
+(``receiving`` / ``staged`` / ``not_started``); ``apply_staged`` later applies the
+staging area and stamps the version exactly as ``receive`` does. The thread writes only
+the staging buffers and its own status record (under a lock) and never applies. A new
+``prepare`` drops what was staged (and is refused while a receive thread runs);
+``leave`` and a broken group drop it too. A failed staging is ``not_started`` (live
+weights never touched) and fails the group as a failed ``receive`` does.
+
 Results are plain dicts (they cross ``collective_rpc``), never exceptions.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Iterable, Protocol
 
@@ -42,6 +53,7 @@ AHEAD = IN_FLIGHT  # receives posted ahead in staged mode (the staging area hold
 
 APPLY_MODES = ("staged", "streaming")
 NOT_STARTED, PARTIAL, COMPLETE = "not_started", "partial", "complete"
+RECEIVING, STAGED = "receiving", "staged"  # states of a staging receive (``start_receive`` / ``receive_status``)
 
 
 class ModelAdapter(Protocol):
@@ -80,6 +92,28 @@ class _Fault:
             time.sleep(self.freeze_s)
 
 
+class _StageRecord:
+    """The status of one staging receive. The receive thread writes only ``state``/``error``/``bytes``/``recv_s``,
+    always under ``lock``; everything else is fixed at creation (or written by the caller's thread)."""
+
+    def __init__(self, refit_id: int, manifest: Manifest, version: int, want_digest: bool, group: RefitGroup, lock: threading.Lock) -> None:
+        self.refit_id, self.manifest, self.version, self.want_digest, self.group = refit_id, manifest, version, want_digest, group
+        self.lock = lock
+        self.thread: threading.Thread | None = None
+        self.t0 = time.monotonic()
+        self.state, self.error, self.bytes, self.recv_s = RECEIVING, None, 0, None
+        self.settled = False  # a failure was turned into a group failure (caller's thread)
+
+    def finish(self, state: str, error: str | None, nbytes: int) -> None:
+        with self.lock:
+            self.state, self.error, self.bytes, self.recv_s = state, error, nbytes, time.monotonic() - self.t0
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            recv_s = self.recv_s if self.recv_s is not None else time.monotonic() - self.t0
+            return {"state": self.state, "error": self.error, "bytes": self.bytes, "recv_s": recv_s}
+
+
 class WeightReceiver:
     def __init__(self, model: ModelAdapter, device=None) -> None:
         self.model = model
@@ -97,6 +131,8 @@ class WeightReceiver:
         self._fault: _Fault | None = None
         self._spec_cache: tuple[ExpectedSpec | None] | None = None
         self._budget = 0.0
+        self._stage: _StageRecord | None = None  # the last staging receive (start_receive), until applied or dropped
+        self._stage_lock = threading.Lock()  # guards every _StageRecord's mutable fields
 
     # -- group ------------------------------------------------------------------------------
     def join(self, address: dict, rank: int, timeout_s: float) -> dict:
@@ -111,6 +147,10 @@ class WeightReceiver:
         return {"ok": True, "error": None, "build_s": self.group.build_s, "rank": int(rank), "epoch": addr.epoch}
 
     def leave(self) -> bool:
+        running = self._stage_running() is not None
+        self._stage = None  # a running receive thread fails on the closed group and writes only its detached record
+        if running:
+            self._drop_buffers()  # its pending receives may still write into them: the next update gets fresh ones
         if self.group is not None:
             if self.group.broken:
                 self._drop_buffers()  # a pending op of the dead group may still write into them
@@ -120,6 +160,9 @@ class WeightReceiver:
         return True
 
     def _drop_buffers(self) -> None:
+        rec = self._stage
+        if rec is not None and rec.snapshot()["state"] == STAGED:
+            self._stage = None  # what was staged lived in these buffers
         self._staging.clear()
         self._ring.clear()
         self._raw = None
@@ -135,7 +178,17 @@ class WeightReceiver:
         return self._spec_cache[0]
 
     def prepare(self, refit_id: int, manifest: dict, version: int, mode: str = "staged", checksum: bool = False) -> dict:
-        """Validate the update against the model. Nothing moves and nothing changes here."""
+        """Validate the update against the model. Nothing moves and nothing changes here.
+
+        Drops whatever was staged; refused while a staging receive thread still runs.
+        """
+        running = self._stage_running()
+        if running is not None:
+            return {"ok": False, "state": NOT_STARTED,
+                    "error": f"prepare({refit_id}) refused: the staging receive of refit {running} is still running on this rank "
+                             "(wait for receive_status to leave 'receiving', or leave the group)"}
+        self._settle_stage()
+        self._stage = None
         self._prepared = None
         try:
             if mode not in APPLY_MODES:
@@ -190,6 +243,10 @@ class WeightReceiver:
             res["state"], res["phase"] = PARTIAL, "apply"
             res["error"] = str(exc)
         res["recv_s"] = time.monotonic() - t0 - res["apply_s"]
+        return self._finish(res, version, want_digest, expect_digest)
+
+    def _finish(self, res: dict, version: int, want_digest: bool, expect_digest: str | None) -> dict:
+        """Verify (when asked) and stamp: the version moves only on a COMPLETE apply whose digest matched."""
         if res["state"] == COMPLETE and (want_digest or expect_digest is not None):
             self._verify(res, expect_digest)
         if res["state"] == PARTIAL:
@@ -200,6 +257,106 @@ class WeightReceiver:
             res["ok"] = True
         res["version"] = self.weight_version
         return res
+
+    # -- stage ahead: receive into staging on a thread, apply later -----------------------------
+    def start_receive(self, refit_id: int, timeout_s: float) -> dict:
+        """Start receiving the prepared (``staged``) update into the staging area on a daemon thread; returns at once.
+
+        Answers ``{"ok", "state": "receiving" | "not_started", "error"}``; poll ``receive_status``.
+        """
+        self._settle_stage()
+        prepared, self._prepared = self._prepared, None
+        if prepared is None or prepared[0] != int(refit_id):
+            return {"ok": False, "state": NOT_STARTED, "error": f"start_receive({refit_id}) without a matching prepare on this rank"}
+        _, manifest, version, mode, want_digest, digest = prepared
+        if mode != "staged":
+            return {"ok": False, "state": NOT_STARTED, "error": f"start_receive({refit_id}) needs a prepare in mode 'staged', got {mode!r}"}
+        group = self.group
+        if group is None or group.broken:
+            return {"ok": False, "state": NOT_STARTED, "error": "no live refit group on this rank: rebuild the epoch"}
+        self._budget = float(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        self._alloc_staging(group, manifest)  # allocated here: the thread only writes into the buffers
+        expect = [HEADER_MAGIC, group.address.epoch, int(refit_id), len(manifest.buckets), digest]
+        rec = _StageRecord(int(refit_id), manifest, version, want_digest, group, self._stage_lock)
+        self._stage = rec
+        rec.thread = threading.Thread(target=self._stage_run, args=(rec, group, manifest, deadline, expect, dict(self._staging)),
+                                      name=f"rlfleet-stage-{refit_id}", daemon=True)
+        rec.thread.start()
+        return {"ok": True, "state": RECEIVING, "error": None}
+
+    def _stage_run(self, rec: "_StageRecord", group: RefitGroup, manifest: Manifest, deadline: float, expect: list[int], staging: dict) -> None:
+        """The receive thread: fill the staging area, record the outcome. Never applies, never touches the group state."""
+        res = {"bytes": 0}
+
+        def progress(_i: int) -> None:
+            with self._stage_lock:
+                rec.bytes = res["bytes"]
+
+        try:
+            self._fill_staging(group, manifest, deadline, res, expect, progress, staging)
+        except TransferError as exc:
+            rec.finish(NOT_STARTED, str(exc), res["bytes"])
+        except Exception as exc:  # noqa: BLE001 - a thread must never die silently leaving "receiving" forever
+            rec.finish(NOT_STARTED, f"staging receive failed: {type(exc).__name__}: {exc}", res["bytes"])
+        else:
+            rec.finish(STAGED, None, res["bytes"])
+
+    def _stage_running(self) -> int | None:
+        """The refit id of a staging receive whose thread has not finished (still ``receiving``), else None."""
+        rec = self._stage
+        return rec.refit_id if rec is not None and rec.snapshot()["state"] == RECEIVING else None
+
+    def _settle_stage(self) -> None:
+        """A finished, failed staging receive fails its group exactly as a failed ``receive`` does (once, in the caller's thread)."""
+        rec = self._stage
+        if rec is None:
+            return
+        with self._stage_lock:
+            failed = rec.state == NOT_STARTED and not rec.settled
+            rec.settled = rec.settled or failed
+        if failed and self.group is rec.group:
+            self._on_group_failure()
+
+    def receive_status(self, refit_id: int) -> dict:
+        """Where the staging receive of ``refit_id`` stands; answers at once.
+
+        ``state``: ``receiving`` (bytes still moving), ``staged`` (every byte in the staging area;
+        live weights and version untouched) or ``not_started`` (failed, or unknown refit; see ``error``).
+        """
+        self._settle_stage()
+        rec = self._stage
+        if rec is None or rec.refit_id != int(refit_id):
+            return {"ok": False, "state": NOT_STARTED, "error": f"no staging receive of refit {refit_id} on this rank",
+                    "bytes": 0, "recv_s": 0.0, "version": self.weight_version}
+        snap = rec.snapshot()
+        return {"ok": snap["state"] != NOT_STARTED, "state": snap["state"], "error": snap["error"], "bytes": snap["bytes"],
+                "recv_s": snap["recv_s"], "version": self.weight_version}
+
+    def apply_staged(self, refit_id: int, expect_digest: str | None = None) -> dict:
+        """Apply what ``start_receive`` staged for ``refit_id`` and stamp the version, exactly as ``receive`` does.
+
+        Same answer as ``receive``. Only when the staging is ``staged``; it is consumed (a second call
+        answers ``not_started``, "nothing staged", and changes nothing).
+        """
+        self._settle_stage()
+        res = {"ok": False, "state": NOT_STARTED, "error": None, "phase": None, "bytes": 0, "recv_s": 0.0, "apply_s": 0.0,
+               "version": self.weight_version, "digest": None}
+        rec = self._stage
+        snap = rec.snapshot() if rec is not None and rec.refit_id == int(refit_id) else None
+        if snap is None or snap["state"] != STAGED:
+            why = ("no staging receive of this refit on this rank" if snap is None
+                   else "it is still receiving" if snap["state"] == RECEIVING else f"its staging failed: {snap['error']}")
+            res["error"] = f"apply_staged({refit_id}): nothing staged ({why})"
+            return res
+        self._stage = None  # consumed: applied at most once
+        res["bytes"], res["recv_s"] = snap["bytes"], snap["recv_s"]
+        try:
+            self._apply_staging(rec.manifest, res, rec.want_digest)
+        except ApplyError as exc:
+            res["state"], res["phase"] = PARTIAL, "apply"
+            res["error"] = str(exc)
+        return self._finish(res, rec.version, rec.want_digest, expect_digest)
 
     def _verify(self, res: dict, expect_digest: str | None) -> None:
         """Record the digest of what was applied; a mismatch with the sender's leaves the engine PARTIAL."""
@@ -253,18 +410,33 @@ class WeightReceiver:
                 works[i + ahead] = post(i + ahead)
 
     def _receive_staged(self, group: RefitGroup, manifest: Manifest, deadline: float, res: dict, want_digest: bool, expect: list[int]) -> None:
+        self._alloc_staging(group, manifest)
+        self._fill_staging(group, manifest, deadline, res, expect)
+        self._apply_staging(manifest, res, want_digest)
+
+    def _alloc_staging(self, group: RefitGroup, manifest: Manifest) -> None:
         for dt, numel in manifest.staging_numel().items():
             self._buffer(self._staging, dt, numel, dt, group.device)
+
+    def _fill_staging(self, group: RefitGroup, manifest: Manifest, deadline: float, res: dict, expect: list[int], on_bucket=None,
+                      staging: dict | None = None) -> None:
+        """Header check, then every bucket into the (allocated) staging area. Writes nothing else. Raises ``TransferError``.
+
+        ``staging``: the buffers of this receive (held even if ``self._staging`` is dropped meanwhile)."""
+        staging = dict(self._staging) if staging is None else staging
         buckets = manifest.buckets
 
         def target(i: int) -> torch.Tensor:
             b = buckets[i]
-            return self._staging[b.dtype][b.staging_offset : b.staging_offset + b.numel]
+            return staging[b.dtype][b.staging_offset : b.staging_offset + b.numel]
 
-        self._post_all(group, manifest, target, deadline, res, lambda i: None, expect, AHEAD)
+        self._post_all(group, manifest, target, deadline, res, on_bucket or (lambda i: None), expect, AHEAD)
+
+    def _apply_staging(self, manifest: Manifest, res: dict, want_digest: bool) -> None:
+        """The single apply of a filled staging area; COMPLETE unless it raises ``ApplyError``."""
         views = [
             (e.name, self._staging[b.dtype][b.staging_offset + e.offset : b.staging_offset + e.offset + e.numel].view(e.shape))
-            for b in buckets for e in b.entries
+            for b in manifest.buckets for e in b.entries
         ]
         self._apply(views, res, want_digest, first=True)
         res["state"] = COMPLETE
@@ -333,6 +505,9 @@ class WeightReceiver:
     # -- benchmark baseline ------------------------------------------------------------------
     def receive_raw(self, refit_id: int, numel: int, timeout_s: float) -> dict:
         """Receive one flat float32 buffer of ``numel`` elements into a reused buffer (benchmark baseline)."""
+        self._settle_stage()
+        if self._stage_running() is not None:
+            return {"ok": False, "error": f"a staging receive of refit {self._stage_running()} is still running on this rank", "bytes": 0}
         group = self.group
         if group is None or group.broken:
             return {"ok": False, "error": "no live refit group on this rank", "bytes": 0}

@@ -18,10 +18,28 @@ calls that all settle (``asyncio.gather``) before anything acts on one result:
    receiver is COMPLETE only if the digest of what it applied equals the sender's;
    a mismatch is PARTIAL in phase "verify" (an engine failure, not a refusal).
 
-Failure guarantees: ``refit`` raises only ``RefitUsageError`` (sender-side misuse:
-bad rank layout, empty participant set). Every participant failure is reported as a
-typed outcome in the ``RefitReport``. No call waits past its bound; after any failed
-transfer the group is considered dead and the next ``refit`` rebuilds it.
+Stage ahead (``apply_mode="staged"`` only) splits phase 3 so engines keep serving
+while bytes move:
+
+3a. ``stage(participants, version, epoch)`` (report goal ``"stage"``): phases 1-2 as
+   above, then the sender's broadcast runs while every engine receives into its staging
+   area on a thread of its own (``rlfleet_stage`` returns at once; short
+   ``rlfleet_stage_status`` polls follow until ``staged``, ``not_started`` or the bound
+   ``timeout_s + grace_s``), so no call holds an engine's loop. A participant is STAGED
+   (live weights and version untouched) or NOT_STARTED: a failure while staging never
+   touched live weights, even if the sender finished. Under ``verify="checksum"`` the
+   sender's digest is kept in ``RefitReport.sender_digest``;
+3b. ``apply_staged(stage_report, participants)`` (goal ``"refit"``): one short bounded
+   ``rlfleet_apply_staged`` call per STAGED engine (``apply_timeout_s + grace_s``);
+   COMPLETE, PARTIAL (an apply or verify failure, or an unanswered call that may have
+   been applying) or NOT_STARTED (nothing was staged there any more).
+
+Failure guarantees: ``refit``, ``stage`` and ``apply_staged`` raise only
+``RefitUsageError`` (sender-side misuse: bad rank layout, empty participant set, a
+stage without ``apply_mode="staged"``, applying a report that is not a stage report or
+an engine that did not stage). Every participant failure is reported as a typed outcome
+in the ``RefitReport``. No call waits past its bound; after any failed transfer, stage
+or apply the group is considered dead and the next ``refit``/``stage`` rebuilds it.
 """
 
 from __future__ import annotations
@@ -38,9 +56,10 @@ from refit.group import BACKENDS
 from refit.manifest import TRANSFERS, Manifest
 from refit.outcome import Outcome, ParticipantResult, PhaseTimings, RefitReport, describe
 from refit.ports import ReceiverPort, SenderPort
-from refit.receiver import APPLY_MODES, COMPLETE, PARTIAL
+from refit.receiver import APPLY_MODES, COMPLETE, PARTIAL, RECEIVING, STAGED
 
 SENDER = "sender"
+POLL_FIRST_S, POLL_GROWTH, POLL_MAX_S = 0.05, 1.5, 0.25  # rlfleet_stage_status polling: 0.05 s growing to 0.25 s
 VERIFY_MODES = ("none", "checksum")
 
 
@@ -168,20 +187,9 @@ class WeightSynchronizer:
     async def _refit(self, parts: dict, version: int, epoch: int, world: int) -> RefitReport:
         t0 = time.monotonic()
         refit_id = next(self._ids)
-        ctx = dict(version=version, epoch=epoch, refit_id=refit_id)
-        group_s, rebuilt = 0.0, False
-        if not self._group_ok or epoch != self._epoch or set(parts) != set(self._members):
-            rebuilt = True
-            failure = await self._build_group(parts, epoch, world)
-            group_s = time.monotonic() - t0
-            if failure is not None:
-                return self._aborted(parts, "group", failure, ctx, PhaseTimings(group_s=group_s, total_s=time.monotonic() - t0), rebuilt)
-        t1 = time.monotonic()
-        sender_digest, failure = await self._prepare(parts, refit_id, version)
-        prepare_s = time.monotonic() - t1
-        if failure is not None:
-            timings = PhaseTimings(group_s=group_s, prepare_s=prepare_s, total_s=time.monotonic() - t0)
-            return self._aborted(parts, "prepare", failure, ctx, timings, rebuilt)
+        aborted, group_s, prepare_s, rebuilt, sender_digest = await self._group_and_prepare(parts, version, epoch, world, refit_id, t0, "refit")
+        if aborted is not None:
+            return aborted
         t2 = time.monotonic()
         results, sender = await self._transfer(parts, refit_id, sender_digest)
         transfer_s = time.monotonic() - t2
@@ -192,6 +200,150 @@ class WeightSynchronizer:
         if not report.ok:
             self._group_ok = False  # a failed transfer leaves the group dead: rebuild next time
         return report
+
+    async def _group_and_prepare(self, parts: dict, version: int, epoch: int, world: int, refit_id: int, t0: float, goal: str):
+        """Phases 1 and 2. Returns (aborted report or None, group_s, prepare_s, rebuilt, sender digest or None)."""
+        ctx = dict(version=version, epoch=epoch, refit_id=refit_id)
+        group_s, rebuilt = 0.0, False
+        if not self._group_ok or epoch != self._epoch or set(parts) != set(self._members):
+            rebuilt = True
+            failure = await self._build_group(parts, epoch, world)
+            group_s = time.monotonic() - t0
+            if failure is not None:
+                timings = PhaseTimings(group_s=group_s, total_s=time.monotonic() - t0)
+                return self._aborted(parts, "group", failure, ctx, timings, rebuilt, goal), group_s, 0.0, rebuilt, None
+        t1 = time.monotonic()
+        sender_digest, failure = await self._prepare(parts, refit_id, version)
+        prepare_s = time.monotonic() - t1
+        if failure is not None:
+            timings = PhaseTimings(group_s=group_s, prepare_s=prepare_s, total_s=time.monotonic() - t0)
+            return self._aborted(parts, "prepare", failure, ctx, timings, rebuilt, goal), group_s, prepare_s, rebuilt, None
+        return None, group_s, prepare_s, rebuilt, sender_digest
+
+    # -- stage ahead ------------------------------------------------------------------------
+    async def stage(self, participants: Mapping[Hashable, ReceiverPort], version: int, epoch: int) -> RefitReport:
+        """Move the sender's current weights into every participant's staging area while the engines keep serving.
+
+        Goal "stage": a participant is STAGED (every byte staged; live weights and version untouched)
+        or NOT_STARTED. Apply later with ``apply_staged(report, {key: port, ...})``.
+        """
+        if self.config.apply_mode != "staged":
+            raise RefitUsageError(f"stage needs RefitConfig(apply_mode='staged'), got apply_mode={self.config.apply_mode!r}")
+        world = check_layout(participants)
+        async with self._lock:
+            return await self._stage(dict(participants), int(version), int(epoch), world)
+
+    async def _stage(self, parts: dict, version: int, epoch: int, world: int) -> RefitReport:
+        t0 = time.monotonic()
+        refit_id = next(self._ids)
+        aborted, group_s, prepare_s, rebuilt, sender_digest = await self._group_and_prepare(parts, version, epoch, world, refit_id, t0, "stage")
+        if aborted is not None:
+            return aborted
+        cfg = self.config
+        t2 = time.monotonic()
+        bound = cfg.timeout_s + cfg.grace_s
+        calls: dict[Hashable, Awaitable] = {SENDER: self.sender.send(refit_id, cfg.timeout_s)}
+        for key, port in parts.items():
+            calls[key] = self._stage_one(key, port, refit_id, t2 + bound)
+        settled = await _settle_all(calls, bound + cfg.grace_s)  # _stage_one bounds itself; this is a backstop
+        s = settled.pop(SENDER)
+        sender = s.value if isinstance(s.value, dict) else {"ok": False, "error": s.error("sender send", bound) or f"sender answered {s.value!r}"}
+        results = {}
+        for key, st in settled.items():
+            err = st.error(f"staging on {describe(key)}", bound + cfg.grace_s)
+            results[key] = st.value if err is None else ParticipantResult(Outcome.NOT_STARTED, err, "transfer", 0, st.exc)
+        timings = PhaseTimings(group_s, prepare_s, time.monotonic() - t2, float(sender.get("send_s", 0.0)), 0.0, time.monotonic() - t0)
+        sender_error = None if sender.get("ok") else sender.get("error") or "sender failed"
+        report = RefitReport(version, epoch, refit_id, results, timings, rebuilt, int(sender.get("bytes_sent", 0)), sender_error,
+                             goal="stage", sender_digest=sender_digest)
+        if not report.ok:
+            self._group_ok = False  # a failed stage leaves the group dead: rebuild next time
+        return report
+
+    async def _stage_one(self, key: Hashable, port: ReceiverPort, refit_id: int, deadline: float) -> ParticipantResult:
+        """Start the staging receive on every worker of one engine, then poll it. Never holds the engine's loop.
+
+        STAGED when every worker staged; otherwise NOT_STARTED (live weights were never touched).
+        """
+        cfg = self.config
+        what = f"staging on {describe(key)}"
+
+        def failed(error: str, exc: BaseException | None = None, workers: list[dict] | None = None) -> ParticipantResult:
+            detail = {} if not workers else {"recv_s": max(float(w.get("recv_s", 0.0)) for w in workers), "states": [w.get("state") for w in workers]}
+            moved = sum(int(w.get("bytes", 0)) for w in workers or [])
+            return ParticipantResult(Outcome.NOT_STARTED, error, "transfer", moved, exc, detail)
+
+        def call_bound() -> float:
+            return max(0.01, min(cfg.rpc_timeout_s, deadline - time.monotonic()))
+
+        b = call_bound()
+        started = await _bounded(port.worker_rpc("rlfleet_stage", (), {"refit_id": refit_id, "timeout_s": cfg.timeout_s}, b), b)
+        err = started.error(f"start of {what}", b)
+        if err is not None:
+            return failed(err, started.exc)
+        workers = _per_worker(started.value)
+        if _worker_error(workers):
+            return failed(f"{describe(key)}: {_worker_error(workers)}")
+        interval, polls = POLL_FIRST_S, 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                states = [w.get("state") for w in workers]
+                return failed(f"{what} did not finish within {cfg.timeout_s + cfg.grace_s:.1f} s ({polls} polls; worker states {states})", None, workers)
+            await asyncio.sleep(min(interval, left))
+            interval = min(interval * POLL_GROWTH, POLL_MAX_S)
+            b = call_bound()
+            polled = await _bounded(port.worker_rpc("rlfleet_stage_status", (), {"refit_id": refit_id}, b), b)
+            polls += 1
+            err = polled.error(f"status of {what}", b)
+            if err is not None:
+                return failed(err, polled.exc, workers)
+            workers = _per_worker(polled.value)
+            states = [w.get("state") for w in workers]
+            if any(st not in (STAGED, RECEIVING) for st in states) or _worker_error(workers):
+                return failed(f"{describe(key)}: {_worker_error(workers) or f'worker states {states}'}", None, workers)
+            if all(st == STAGED for st in states):
+                detail = {"recv_s": max(float(w.get("recv_s", 0.0)) for w in workers), "versions": [w.get("version") for w in workers],
+                          "states": states, "polls": polls}
+                return ParticipantResult(Outcome.STAGED, None, None, sum(int(w.get("bytes", 0)) for w in workers), None, detail)
+
+    async def apply_staged(self, report: RefitReport, participants: Mapping[Hashable, ReceiverPort]) -> RefitReport:
+        """Apply what ``stage`` staged on ``participants`` (a subset of the report's STAGED ones); stamp its version.
+
+        Goal "refit", with the stage report's version, epoch and refit id. One bounded call per engine.
+        """
+        if getattr(report, "goal", None) != "stage":
+            raise RefitUsageError(f"apply_staged needs a stage report (goal 'stage'), got a report of goal {getattr(report, 'goal', None)!r}")
+        if not participants:
+            raise RefitUsageError("apply_staged needs at least one participant")
+        for key in participants:
+            res = report.results.get(key)
+            if res is None or res.outcome is not Outcome.STAGED:
+                got = "not in that report" if res is None else f"{res.outcome.value}"
+                raise RefitUsageError(f"apply_staged: {describe(key)} is not STAGED in stage report {report.refit_id} ({got})")
+        async with self._lock:
+            return await self._apply_staged(report, dict(participants))
+
+    async def _apply_staged(self, report: RefitReport, parts: dict) -> RefitReport:
+        cfg = self.config
+        t0 = time.monotonic()
+        bound = cfg.apply_timeout_s + cfg.grace_s
+        kw = {"refit_id": report.refit_id, "expect_digest": report.sender_digest}
+        settled = await _settle_all({k: p.worker_rpc("rlfleet_apply_staged", (), kw, bound) for k, p in parts.items()}, bound)
+        results = {}
+        for key, s in settled.items():
+            err = s.error(f"apply on {describe(key)}", bound)
+            if err is not None:  # it may have been applying: its live weights are unknown
+                results[key] = ParticipantResult(Outcome.PARTIAL, err, "apply", 0, s.exc)
+            else:
+                results[key] = self._worker_outcome(key, _per_worker(s.value), idle_phase="apply")
+        apply_s = max((float(r.detail.get("apply_s", 0.0)) for r in results.values()), default=0.0)
+        timings = PhaseTimings(apply_s=apply_s, total_s=time.monotonic() - t0)
+        out = RefitReport(report.version, report.epoch, report.refit_id, results, timings, False, 0, None,
+                          goal="refit", sender_digest=report.sender_digest)
+        if not out.ok:
+            self._group_ok = False  # as after a failed refit: rebuild next time
+        return out
 
     # -- phase 1: group ---------------------------------------------------------------------
     async def _build_group(self, parts: dict, epoch: int, world: int) -> tuple[str | None, dict] | None:
@@ -292,7 +444,10 @@ class WeightSynchronizer:
                 partial = moved is None or moved > 0
             outcome = Outcome.PARTIAL if partial else Outcome.NOT_STARTED
             return ParticipantResult(outcome, err, "transfer", moved or 0, s.exc)
-        workers = _per_worker(s.value)
+        return self._worker_outcome(key, _per_worker(s.value), idle_phase="transfer")
+
+    def _worker_outcome(self, key: Hashable, workers: list[dict], idle_phase: str) -> ParticipantResult:
+        """One engine's outcome from its workers' ``receive``/``apply_staged`` answers."""
         states = [w.get("state") for w in workers]
         if all(st == COMPLETE for st in states) and all(w.get("ok") for w in workers):
             outcome = Outcome.COMPLETE
@@ -302,7 +457,7 @@ class WeightSynchronizer:
             outcome = Outcome.NOT_STARTED
         error = _worker_error(workers)
         phases = [w.get("phase") for w in workers if w.get("phase")]
-        phase = None if error is None else (phases[0] if phases else "apply" if any(st == PARTIAL for st in states) else "transfer")
+        phase = None if error is None else (phases[0] if phases else "apply" if any(st == PARTIAL for st in states) else idle_phase)
         if phase == "verify":
             error = f"{describe(key)}: {error}"
         detail = {
@@ -313,7 +468,7 @@ class WeightSynchronizer:
         }
         return ParticipantResult(outcome, error, phase, sum(int(w.get("bytes", 0)) for w in workers), None, detail)
 
-    def _aborted(self, parts: dict, phase: str, failure: tuple, ctx: dict, timings: PhaseTimings, rebuilt: bool) -> RefitReport:
+    def _aborted(self, parts: dict, phase: str, failure: tuple, ctx: dict, timings: PhaseTimings, rebuilt: bool, goal: str = "refit") -> RefitReport:
         sender_err, failures = failure
         first = sender_err or (f"{describe(next(iter(failures)))}: {next(iter(failures.values()))[0]}" if failures else "unknown")
         results = {}
@@ -322,8 +477,8 @@ class WeightSynchronizer:
                 err, exc, refused = failures[key]
                 results[key] = ParticipantResult(Outcome.NOT_STARTED, err, phase, 0, exc, refused=refused)
             else:
-                results[key] = ParticipantResult(Outcome.NOT_STARTED, f"refit aborted in {phase} before any weight moved: {first}", phase)
-        return RefitReport(ctx["version"], ctx["epoch"], ctx["refit_id"], results, timings, rebuilt, 0, sender_err)
+                results[key] = ParticipantResult(Outcome.NOT_STARTED, f"{goal} aborted in {phase} before any weight moved: {first}", phase)
+        return RefitReport(ctx["version"], ctx["epoch"], ctx["refit_id"], results, timings, rebuilt, 0, sender_err, goal=goal)
 
     # -- teardown ------------------------------------------------------------------------------
     async def close(self) -> None:

@@ -13,6 +13,10 @@ worker to its ``ModelAdapter``:
 - live tensors: ``model.named_parameters()`` (on CPU only embeddings, norms and
   lm_head have readable data; packed linears read as empty).
 
+Stage ahead: ``rlfleet_stage`` starts the receive on a thread and returns at once (the
+engine keeps serving), ``rlfleet_stage_status`` polls it, ``rlfleet_apply_staged`` applies
+the staging area in a short call.
+
 All methods return plain data and never raise for transfer or validation failures.
 """
 
@@ -111,6 +115,21 @@ class RefitWorkerExtension:
 
     def rlfleet_receive(self, refit_id: int, timeout_s: float, expect_digest: str | None = None) -> dict:
         res = self._rlfleet_receiver().receive(refit_id, timeout_s, expect_digest)
+        self._rlfleet_weight_version = self._rlfleet_receiver().weight_version
+        return res
+
+    def rlfleet_stage(self, refit_id: int, timeout_s: float) -> dict:
+        """Start receiving the prepared (staged) update into the staging area on a thread; returns at once.
+        The engine keeps serving; poll ``rlfleet_stage_status``, then ``rlfleet_apply_staged``."""
+        return self._rlfleet_receiver().start_receive(refit_id, timeout_s)
+
+    def rlfleet_stage_status(self, refit_id: int) -> dict:
+        """``receiving`` / ``staged`` / ``not_started`` of the staging receive of ``refit_id``; answers at once."""
+        return self._rlfleet_receiver().receive_status(refit_id)
+
+    def rlfleet_apply_staged(self, refit_id: int, expect_digest: str | None = None) -> dict:
+        """Apply what was staged for ``refit_id`` and stamp the version (same answer as ``rlfleet_receive``)."""
+        res = self._rlfleet_receiver().apply_staged(refit_id, expect_digest)
         self._rlfleet_weight_version = self._rlfleet_receiver().weight_version
         return res
 
