@@ -8,24 +8,33 @@ simulated shards with the latencies of a 70B-class model (``sim.shard.Timings``,
 engines per node) and the Llama 3 report's interruption rate scaled to the fleet
 (``sim.faults``), plus one controller death per run.
 
+Every run but one per size uses the configuration recommended at this scale,
+``stage_ahead``: the refit moves the update into each engine's staging area while the
+fleet serves, then closes the gate only to pause, apply (``--apply-gbps``: 1,000 GB/s,
+a device-to-device copy; 50 models a host-memory staging area), stamp and resume.
+
 Runs, all measured here and now:
 
 1. each size at the default failure rate (the table's rows);
 2. each size without any fault, same hours: the gate's duty cycle, what the refits
    alone cost (``availability_fault_free``), the baseline the faulty run is compared
    against (``availability_lost_to_faults_N`` is the difference);
-3. the largest size under ``--stress`` times the rate, without and with warm spares
+3. each size at the default rate with ``stage_ahead`` off, the gate closed for the whole
+   transfer (``availability_transfer_closed_N``): what staging ahead buys;
+4. the largest size under ``--stress`` times the rate, without and with warm spares
    (``spare_engines`` = one node's worth), on the same fault schedule: how long capacity
    takes to come back after a failure, and what spares change.
 
 Writes ``--plot`` (availability and serving capacity over simulated time, 1,024 engines)
 and prints a markdown table; the last line is one JSON object with, for each size N,
-``availability_N``, ``availability_fault_free_N``, ``capacity_mean_share_N``,
-``capacity_min_share_N``, ``refit_s_N``, ``controller_cpu_s_per_refit_N`` (real CPU seconds
+``availability_N``, ``availability_fault_free_N``, ``availability_transfer_closed_N``,
+``gate_closed_s_per_refit_N`` (seconds the gate was closed per refit, mean),
+``capacity_mean_share_N``, ``capacity_min_share_N``, ``refit_s_N`` (the whole
+``sync_weights``, staging included), ``controller_cpu_s_per_refit_N`` (real CPU seconds
 of this process while a refit ran), ``refits_stopped_N``, and the stress run's figures.
 
 Usage: ``python scripts/simulate_fleet.py [--sizes 64,256,1024] [--hours 6] [--step-s 600]
-[--stress 100] [--stress-hours 3] [--seed 0] [--plot docs/scale.png]``
+[--stress 100] [--stress-hours 3] [--seed 0] [--apply-gbps 1000] [--plot docs/scale.png]``
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from sim.faults import FaultSpec, schedule  # noqa: E402  (the path line above makes the repo importable)
 from sim.run import Scenario, simulate  # noqa: E402
+from sim.transfer import TransferModel  # noqa: E402
 
 KEYS = ("availability", "capacity_mean_share", "capacity_min_share", "refits_stopped", "controller_cpu_s_per_refit")
 
@@ -88,16 +98,17 @@ def row(name: str, r: dict) -> str:
     return (f"| {name} | {r['engines']} | {r['spare_engines']} | {r['horizon_h']:g} | {r['refits']} "
             f"| {faults['die']}/{faults['hang']}/{faults['node']}/{faults['controller']} "
             f"| {r['availability']:.4f} | {r['capacity_mean_share']:.4f} | {r['capacity_min_share']:.4f} "
-            f"| {r['refit_s_mean']} | {r['refit_s_max']} | {median(ttfc) if ttfc else '-'} "
+            f"| {r['refit_s_mean']} | {r['refit_s_max']} | {r['gate_closed_s_per_refit']} "
+            f"| {median(ttfc) if ttfc else '-'} "
             f"| {r['refits_stopped']} | {r['controller_cpu_s_per_refit'] * 1e3:.0f} "
             f"| {r['controller_cpu_s_per_hour_between_refits']:.1f} | {r['calls_per_refit']:.0f} "
             f"| {r['kv_puts_per_refit']:g} | {r['real_s']} |")
 
 
 HEADER = ("| run | engines | spares | hours | refits | faults die/hang/node/ctl | availability | capacity mean "
-          "| capacity min | refit s | refit s max | time to full capacity s (median) | refits that stopped "
-          "| controller CPU ms / refit | controller CPU s / h between refits | door calls / refit "
-          "| KV writes / refit | real s |\n" + "|---" * 18 + "|")
+          "| capacity min | refit s | refit s max | gate closed s / refit | time to full capacity s (median) "
+          "| refits that stopped | controller CPU ms / refit | controller CPU s / h between refits "
+          "| door calls / refit | KV writes / refit | real s |\n" + "|---" * 19 + "|")
 
 
 def plot(path: pathlib.Path, runs: list[tuple[str, object]], engines: int) -> None:
@@ -137,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stress", type=float, default=100.0, help="failure-rate multiplier of the stress runs (0: none)")
     ap.add_argument("--stress-hours", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--apply-gbps", type=float, default=1000.0,
+                    help="GB/s of the staged apply (1000: device-to-device copy; 50: from host memory)")
     ap.add_argument("--plot", type=pathlib.Path, default=None, help="write the plot here (PNG)")
     args = ap.parse_args(argv)
     try:
@@ -145,21 +158,33 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sizes must be integers separated by commas, got {args.sizes!r}")
     if not sizes or min(sizes) < 8 or args.hours <= 0 or args.step_s <= 0 or args.stress < 0:
         ap.error("--sizes must be >= 8 engines, --hours and --step-s > 0, --stress >= 0")
+    if args.apply_gbps <= 0:
+        ap.error(f"--apply-gbps must be > 0, got {args.apply_gbps:g}")
 
     t0 = time.perf_counter()
-    out: dict = {"step_s": args.step_s, "hours": args.hours, "seed": args.seed}
+    transfer = TransferModel(apply_Bps=args.apply_gbps * 1e9)
+    ahead = {"stage_ahead": True, "transfer": transfer}  # the configuration recommended at this scale
+    out: dict = {"step_s": args.step_s, "hours": args.hours, "seed": args.seed, "stage_ahead": True,
+                 "apply_gbps": args.apply_gbps}
     lines = [HEADER]
     plotted = []
     for n in sizes:
-        base = Scenario(engines=n, step_s=args.step_s, horizon_s=args.hours * 3600, faults=FaultSpec(seed=args.seed))
+        base = Scenario(engines=n, step_s=args.step_s, horizon_s=args.hours * 3600, faults=FaultSpec(seed=args.seed),
+                        **ahead)
         run, r = simulate(base)
         _, ff = simulate(Scenario(engines=n, step_s=args.step_s, horizon_s=args.hours * 3600,
-                                  faults=FaultSpec(rate_multiplier=0, controller_deaths=0)))
-        lines += [row("default rate", r), row("no faults", ff)]
+                                  faults=FaultSpec(rate_multiplier=0, controller_deaths=0), **ahead))
+        closed_run, closed = simulate(Scenario(engines=n, step_s=args.step_s, horizon_s=args.hours * 3600,
+                                               faults=FaultSpec(seed=args.seed), stage_ahead=False, transfer=transfer))
+        lines += [row("default rate", r), row("no faults", ff), row("gate closed for the transfer", closed)]
         for k in KEYS:
             out[f"{k}_{n}"] = r[k]
         out[f"availability_fault_free_{n}"] = ff["availability"]
         out[f"availability_lost_to_faults_{n}"] = round(ff["availability"] - r["availability"], 5)
+        out[f"availability_transfer_closed_{n}"] = closed["availability"]
+        out[f"gate_closed_s_per_refit_{n}"] = r["gate_closed_s_per_refit"]
+        out[f"gate_closed_s_per_refit_transfer_closed_{n}"] = closed["gate_closed_s_per_refit"]
+        out[f"refits_not_staged_{n}"] = r["refits_not_staged"]
         out[f"refit_s_{n}"] = r["refit_s_mean"]
         out[f"refit_s_fault_free_{n}"] = ff["refit_s_mean"]
         out[f"faults_{n}"] = r["faults"]
@@ -172,17 +197,19 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("kv_bytes_per_put", "routing_publications_per_refit", "routing_state_bytes_without_handles",
                   "event_records_per_refit", "calls_by_method_per_refit"):
             out[f"{k}_{n}"] = ff[k]
-        print(f"{n} engines: availability {r['availability']:.4f} (fault-free {ff['availability']:.4f}), "
-              f"{r['refits']} refits of {r['refit_s_mean']} s, faults {r['faults']}, {r['real_s']} s real", flush=True)
+        print(f"{n} engines: availability {r['availability']:.4f} (fault-free {ff['availability']:.4f}, gate closed "
+              f"for the transfer {closed['availability']:.4f}), {r['refits']} refits of {r['refit_s_mean']} s with the "
+              f"gate closed {r['gate_closed_s_per_refit']} s, faults {r['faults']}, {r['real_s']} s real", flush=True)
         if n == max(sizes):
             plotted.append((f"default rate ({sum(r['faults'].values())} faults)", run))
+            plotted.append(("default rate, gate closed for the transfer", closed_run))
     if args.stress > 0:
         n = max(sizes)
         spec = FaultSpec(seed=args.seed, rate_multiplier=args.stress)
         faults = tuple(schedule(spec, n, args.stress_hours * 3600))
         for spares in (0, 8):
             sc = Scenario(engines=n, spare_engines=spares, step_s=args.step_s, horizon_s=args.stress_hours * 3600,
-                          faults=spec, fault_list=faults)
+                          faults=spec, fault_list=faults, **ahead)
             run, r = simulate(sc)
             lines.append(row(f"x{args.stress:g} rate", r))
             tag = "spares" if spares else "no_spares"
@@ -191,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             out[f"stress_capacity_min_share_{tag}_{n}"] = r["capacity_min_share"]
             out[f"stress_time_to_full_capacity_s_{tag}_{n}"] = median(r["time_to_full_capacity_s"])
             out[f"stress_refits_stopped_{tag}_{n}"] = r["refits_stopped"]
+            out[f"stress_gate_closed_s_per_refit_{tag}_{n}"] = r["gate_closed_s_per_refit"]
             print(f"x{args.stress:g} rate, {spares} spares: availability {r['availability']:.4f}, capacity mean "
                   f"{r['capacity_mean_share']:.4f}, time to full capacity {r['time_to_full_capacity_s']}", flush=True)
             plotted.append((f"x{args.stress:g} rate, {spares} warm spares ({sum(r['faults'].values())} faults)", run))

@@ -8,13 +8,18 @@ again, for ``horizon_s`` of simulated time, while ``sim.faults`` kills engines, 
 them, takes nodes away (the cluster declares a lost node dead ``node_death_detect_s``
 later; a replacement node joins ``node_repair_s`` after the loss) and kills the
 controller (its successor is built ``controller_restart_s`` later, as Ray restarts the
-actor, and re-adopts the shards; the trainer re-sends its refit).
+actor, and re-adopts the shards; the trainer re-sends its refit). With ``stage_ahead`` a
+refit refused because too few engines staged it (``RefitNotStaged``: the gate never
+closed) is re-sent at once as well.
 
 What it measures, every ``sample_s`` of simulated time, from what clients see (the
 routing state the controller last published) and what is true (which of those engines
 are alive and answering):
 
 - availability: the share of time the published gate is open;
+- for each refit, the seconds its controller's gate was closed from its step 1 on (the
+  gate's and the lifecycle's records in the event log): the whole refit without
+  ``stage_ahead``; with it, only pause, apply, stamp and resume;
 - capacity: published members that are alive and answering, as a share of ``engines``;
 - each refit's simulated seconds, and the real CPU seconds the process spent while it ran
   (``time.process_time``: the controller's own work, plus the simulated door's, which is
@@ -40,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fleet.controller import SingleController
-from fleet.errors import FleetStopped
+from fleet.errors import FleetStopped, RefitNotStaged
 from sim.clock import LoopClock, run_virtual
 from sim.door import SimDoor, SimTrainer
 from sim.faults import Fault, FaultSpec, schedule
@@ -69,6 +74,9 @@ class Scenario:
     transfer: TransferModel = TransferModel()
     faults: FaultSpec = FaultSpec()
     fault_list: tuple[Fault, ...] | None = None  # these faults instead of ``faults``' random ones (tests)
+    # the refit stages the update while the fleet serves and closes the gate for the apply only
+    # (FleetConfig.stage_ahead); the apply's speed is ``transfer.apply_Bps``
+    stage_ahead: bool = False
     fleet: dict = field(default_factory=dict)  # FleetConfig fields over the defaults below
 
     def fleet_config(self) -> dict:
@@ -84,6 +92,7 @@ class Scenario:
             "admission": {"poll_interval_s": 10.0},
             "restart_budget": 3,
             "restart_backoff_s": 10.0,
+            "stage_ahead": self.stage_ahead,
         }
         cfg.update(self.fleet)
         return cfg
@@ -116,6 +125,7 @@ class _Run:
         self.samples: list[tuple[float, bool, int]] = []  # (t, gate open, capacity)
         self.refits: list[dict] = []
         self.fired: list[dict] = []
+        self.not_staged: list[dict] = []  # refits refused because too few engines staged (re-sent at once)
         self.stopped: str | None = None
         self.t0 = 0.0
         self.controller_down = asyncio.Event()
@@ -190,6 +200,7 @@ class _Run:
                 await self.controller_up.wait()
                 ctl = self.ctl
                 t_start, cpu0, calls0, kv0 = loop.time(), time.process_time(), self.door.calls, self.door.kv_puts
+                log0, open0 = len(ctl.log), ctl.gate.is_open
                 methods0 = dict(self.door.by_method)
                 refit = asyncio.ensure_future(ctl.sync_weights(version, self.trainer))
                 died = asyncio.ensure_future(self.controller_down.wait())
@@ -205,13 +216,38 @@ class _Run:
                     return
                 except asyncio.CancelledError:
                     continue
+                except RefitNotStaged as exc:  # the gate never closed: the trainer sends the same update again
+                    self.not_staged.append({"version": version, "t": t_start - self.t0, "error": str(exc)[:300]})
+                    if loop.time() - self.t0 >= self.sc.horizon_s:
+                        return
+                    continue
                 self.refits.append({
                     "version": version, "t": t_start - self.t0, "s": loop.time() - t_start,
                     "cpu_s": time.process_time() - cpu0, "calls": self.door.calls - calls0,
                     "kv_puts": self.door.kv_puts - kv0,
                     "methods": {m: k - methods0.get(m, 0) for m, k in self.door.by_method.items() if k > methods0.get(m, 0)},
                 })
+                self.refits[-1]["gate_closed_s"] = self.gate_closed_s(ctl, log0, open0, loop.time())
                 break
+
+    @staticmethod
+    def gate_closed_s(ctl: SingleController, since: int, was_open: bool, t1: float) -> float:
+        """Seconds ``ctl``'s gate was closed from the refit's step 1 (``close``) until ``t1`` (it returned),
+        from the ``phase`` and ``gate`` records after record ``since`` (the gate was ``was_open`` then).
+        Under ``stage_ahead`` the staging before step 1 does not count even if the gate was closed for
+        another reason meanwhile (below quorum): that closure is not the refit's."""
+        is_open, changed_at, t_close, closed = was_open, -math.inf, None, 0.0
+        for rec in ctl.log.records(since=since, kinds=["gate", "phase"]):
+            if rec["kind"] == "phase":
+                if t_close is None and rec["phase"] == "close" and rec["edge"] == "begin":
+                    t_close = rec["t"]
+                continue
+            if t_close is not None and not is_open:
+                closed += rec["t"] - max(changed_at, t_close)
+            is_open, changed_at = rec["open"], rec["t"]
+        if t_close is None:
+            return 0.0
+        return closed + (0.0 if is_open else t1 - max(changed_at, t_close))
 
     # -- the faults ---------------------------------------------------------------------------
     async def injector(self, faults: list[Fault]) -> None:
@@ -254,6 +290,7 @@ class _Run:
         availability = sum(1 for _, g, _ in samples if g) / n
         shares = [c / sc.engines for _, _, c in samples]
         refit_s = [r["s"] for r in self.refits]
+        closed_s = [r["gate_closed_s"] for r in self.refits]
         cpu = [r["cpu_s"] for r in self.refits]
         hours = sc.horizon_s / 3600.0
 
@@ -268,7 +305,11 @@ class _Run:
             "capacity_min_share": round(min(shares), 5) if shares else 0.0,
             "refit_s_mean": round(sum(refit_s) / len(refit_s), 3) if refit_s else None,
             "refit_s_max": round(max(refit_s), 3) if refit_s else None,
+            "stage_ahead": sc.stage_ahead,
+            "gate_closed_s_per_refit": round(sum(closed_s) / len(closed_s), 3) if closed_s else None,
+            "gate_closed_s_max": round(max(closed_s), 3) if closed_s else None,
             "refits_stopped": 1 if self.stopped else 0, "stopped": self.stopped,
+            "refits_not_staged": len(self.not_staged),
             "controller_cpu_s_per_refit": round(sum(cpu) / len(cpu), 5) if cpu else None,
             "calls_per_refit": round(sum(r["calls"] for r in self.refits) / max(1, len(self.refits)), 1),
             "calls_by_method_per_refit": {m: round(sum(r["methods"].get(m, 0) for r in self.refits) / max(1, len(self.refits)), 1)

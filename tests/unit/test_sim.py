@@ -23,10 +23,13 @@ import fleet.lifecycle
 from fleet.door import CONTROL_METHODS, FAULT_METHODS, Door
 from fleet.ray_io import RayDoor
 from fleet.shard import EngineShard
-from sim.door import SimDoor
+from health import Participant, RefitResult
+from sim.clock import run_virtual
+from sim.door import SimDoor, SimTrainer
 from sim.faults import Fault, FaultSpec, schedule
 from sim.run import Scenario, simulate
 from sim.shard import SimShard, Timings
+from sim.transfer import SimTransfer, TransferModel
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTROL_PLANE = ["fleet/controller.py", "fleet/lifecycle.py", "fleet/publisher.py", "fleet/recovery.py",
@@ -98,6 +101,136 @@ def test_the_simulator_runs_the_production_classes():
     assert len(run.refits) >= 3 and ctl.ledger.current_version == len(run.refits)
 
 
+# -- the simulated transport: stage while serving, apply while paused -------------------------------
+MODEL = TransferModel()  # 140 GB at 8 GB/s (17.5 s), group set-up 3 s, apply 0.14 s at 1 TB/s
+
+
+def engines(n: int = 4, incarnation: int = 1) -> list[tuple[Participant, SimShard]]:
+    return [(Participant(s, incarnation, s + 1), SimShard(s, incarnation, "node0", Timings())) for s in range(n)]
+
+
+def in_virtual_time(body):
+    """Run ``body(loop)`` (a coroutine function) on the virtual-time loop; returns what it returns."""
+    import asyncio
+
+    async def go():
+        return await body(asyncio.get_running_loop())
+
+    return run_virtual(go())
+
+
+def test_stage_moves_every_byte_without_touching_live_weights():
+    port, parts = SimTransfer(MODEL), engines()
+
+    async def body(loop):
+        t0 = loop.time()
+        first = await port.stage(parts, 1, 1, SimTrainer(), timeout=600)
+        t1 = loop.time()
+        again = await port.stage(parts, 2, 1, SimTrainer(), timeout=600)  # same epoch: no group set-up
+        return first, t1 - t0, again, loop.time() - t1
+
+    first, s_first, again, s_again = in_virtual_time(body)
+    assert s_first == pytest.approx(3.0 + 17.5) and s_again == pytest.approx(17.5)
+    for results in (first, again):
+        assert set(results) == {0, 1, 2, 3}
+        assert all(r.result is RefitResult.NOT_STARTED and r.staged and r.bytes_moved == 140e9
+                   for r in results.values())
+    assert not any(shard.dirty for _, shard in parts)
+    assert port.staged == {(s, 1): 2 for s in range(4)}  # the newer update replaced the older one
+
+
+def test_apply_staged_applies_only_what_each_incarnation_staged():
+    port, parts = SimTransfer(MODEL), engines()
+    restarted = (Participant(3, 2, 4), SimShard(3, 2, "node0", Timings()))  # slot 3's next incarnation
+
+    async def body(loop):
+        await port.stage(parts[:3], 5, 1, SimTrainer(), timeout=600)
+        t0 = loop.time()
+        wrong = await port.apply_staged(parts[:1], 4, timeout=600)  # another version than the staged one
+        out = await port.apply_staged(parts[:3] + [restarted], 5, timeout=600)
+        return wrong, out, loop.time() - t0
+
+    wrong, out, seconds = in_virtual_time(body)
+    assert wrong[0].result is RefitResult.NOT_STARTED and "not staged" in wrong[0].detail
+    assert seconds == pytest.approx(0.14)  # the apply alone
+    assert [out[s].result for s in range(3)] == [RefitResult.COMPLETE] * 3
+    assert out[3].result is RefitResult.NOT_STARTED and "not staged" in out[3].detail
+    assert all(shard.dirty for _, shard in parts[:3]) and not restarted[1].dirty
+    assert port.staged == {}  # applied: nothing left to apply twice
+
+
+def test_a_peer_dying_while_staging_fails_everyone_and_stages_nothing():
+    port, parts = SimTransfer(MODEL), engines()
+
+    async def body(loop):
+        t0 = loop.time()
+        loop.call_later(8.2, parts[2][1].die)
+        failed = await port.stage(parts, 1, 1, SimTrainer(), timeout=600)
+        t1 = loop.time()
+        applied = await port.apply_staged(parts[:2], 1, timeout=600)
+        t2 = loop.time()
+        await port.stage(parts[:2], 1, 1, SimTrainer(), timeout=600)  # same epoch: the failed group is rebuilt
+        return failed, t1 - t0, applied, loop.time() - t2
+
+    failed, seconds, applied, restage_s = in_virtual_time(body)
+    assert seconds == pytest.approx(9.0 + MODEL.peer_failure_detect_s)  # noticed at the next poll, then detected
+    assert all(r.result is RefitResult.NOT_STARTED and not r.staged for r in failed.values())
+    assert "peer died" in failed[0].detail
+    assert all(r.result is RefitResult.NOT_STARTED for r in applied.values())
+    assert not any(shard.dirty for _, shard in parts)
+    assert restage_s == pytest.approx(3.0 + 17.5)
+
+
+def test_a_hung_peer_stalls_staging_until_the_timeout():
+    port, parts = SimTransfer(MODEL), engines()
+
+    async def body(loop):
+        t0 = loop.time()
+        loop.call_later(2.5, parts[0][1].hang)
+        out = await port.stage(parts, 1, 1, SimTrainer(), timeout=90)
+        return out, loop.time() - t0
+
+    out, seconds = in_virtual_time(body)
+    assert seconds == pytest.approx(90)
+    assert all(r.result is RefitResult.NOT_STARTED and not r.staged for r in out.values())
+    assert "timed out" in out[1].detail and port.staged == {}
+
+
+def test_an_engine_that_dies_or_hangs_during_its_apply_is_partial_and_the_others_complete():
+    port, parts = SimTransfer(MODEL), engines()
+
+    async def body(loop):
+        await port.stage(parts, 1, 1, SimTrainer(), timeout=600)
+        t0 = loop.time()
+        loop.call_later(0.05, parts[1][1].die)
+        died = await port.apply_staged(parts[:2], 1, timeout=30)
+        t1 = loop.time()
+        loop.call_later(0.05, parts[2][1].hang)
+        hung = await port.apply_staged(parts[2:], 1, timeout=30)
+        return died, t1 - t0, hung, loop.time() - t1
+
+    died, died_s, hung, hung_s = in_virtual_time(body)
+    assert died[0].result is RefitResult.COMPLETE and died[1].result is RefitResult.PARTIAL
+    assert died_s == pytest.approx(0.14)
+    assert hung[3].result is RefitResult.COMPLETE and hung[2].result is RefitResult.PARTIAL
+    assert hung_s == pytest.approx(30)  # the call waits for the hung engine's answer until its timeout
+    assert all(shard.dirty for _, shard in parts)  # each began its copy over the live weights
+
+
+def test_transfer_is_still_broadcast_and_apply_in_one_call():
+    port, parts = SimTransfer(MODEL), engines()
+
+    async def body(loop):
+        t0 = loop.time()
+        out = await port.transfer(parts, 1, 1, SimTrainer(), rebuild=False, timeout=600)
+        return out, loop.time() - t0
+
+    out, seconds = in_virtual_time(body)
+    assert seconds == pytest.approx(3.0 + 17.5 + 0.14)
+    assert all(r.result is RefitResult.COMPLETE and not r.staged for r in out.values())
+    assert all(shard.dirty for _, shard in parts) and port.staged == {}
+
+
 # -- faults fire and the real controller handles them ----------------------------------------------
 def records(run, kind: str) -> list[dict]:
     return [r for c in run.controllers for r in c.log.records(kinds=[kind])]
@@ -135,6 +268,47 @@ def test_the_fleet_trains_through_them_and_capacity_comes_back(scripted):
     back = report["time_to_full_capacity_s"]
     assert len(back) == 3 and all(b is not None and 0 < b < 1800 for b in back), back
     assert 0.85 < report["availability"] < 0.97  # ~20 s refits every 600 s close the gate ~3 %
+
+
+@pytest.fixture(scope="module")
+def staged_vs_closed():
+    """The scripted faults on 16 engines with quorum 8, so that the node loss (8 engines) leaves the
+    gate open: what is left closing it is the refits. With and without ``stage_ahead``."""
+    faults = (Fault(1000, "die", 0.1), Fault(2500, "hang", 0.5), Fault(4000, "node", 0.0), Fault(5500, "controller", 0))
+    runs = {}
+    for ahead in (True, False):
+        runs[ahead] = simulate(Scenario(engines=16, quorum_share=0.5, spare_nodes=1, horizon_s=2.5 * 3600, step_s=600,
+                                        fault_list=faults, node_repair_s=1800, stage_ahead=ahead))
+    return runs
+
+
+def test_staging_ahead_survives_the_faults_and_closes_the_gate_for_the_apply_only(staged_vs_closed):
+    run, report = staged_vs_closed[True]
+    assert run.controllers[0].cfg.stage_ahead and report["stage_ahead"]
+    # every fault fired and was handled, as without staging
+    assert report["faults"] == {"die": 1, "hang": 1, "node": 1, "controller": 1}
+    killed = {(r["slot"], r["incarnation"]) for r in records(run, "kill")}
+    assert set().union(*(set(f["shards"]) for f in run.fired[:3])) <= killed
+    assert report["refits_stopped"] == 0 and report["refits_not_staged"] == 0
+    versions = [r["version"] for r in run.refits]
+    assert versions == list(range(1, len(versions) + 1)) and len(versions) >= 12
+    assert report["controller_generations"] == 2 and run.controllers[1].recovered is not None
+    back = report["time_to_full_capacity_s"]
+    assert len(back) == 3 and all(b is not None and 0 < b < 1800 for b in back), back
+    # every refit staged while the fleet served, then closed the gate for pause, apply, stamp, resume
+    staged = records(run, "staged")
+    assert {r["version"] for r in staged} >= set(versions)
+    assert all(r["gate_closed_s"] < 2.0 for r in run.refits), [r["gate_closed_s"] for r in run.refits]
+    assert report["gate_closed_s_per_refit"] < 2.0 < report["refit_s_mean"]
+    assert not any(shard.dirty for shard in run.door.shards.values() if not shard.dead)  # every apply was stamped
+
+
+def test_staging_ahead_reaches_the_availability_goal_that_a_closed_transfer_misses(staged_vs_closed):
+    (_, ahead), (_, closed) = staged_vs_closed[True], staged_vs_closed[False]
+    assert ahead["faults"] == closed["faults"] and ahead["refits"] == closed["refits"]
+    assert ahead["availability"] > 0.995, ahead["availability"]
+    assert closed["availability"] < 0.98, closed["availability"]
+    assert closed["gate_closed_s_per_refit"] == closed["refit_s_mean"] > 17.5  # closed for the whole refit
 
 
 def test_the_same_scenario_gives_the_same_run():
@@ -181,18 +355,23 @@ def test_the_script_prints_its_figures_as_the_last_line(tmp_path):
                           "--stress", "3000", "--stress-hours", "1", "--plot", str(plot)],
                          capture_output=True, text=True, timeout=300, check=True)
     last = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("availability_16", "availability_fault_free_16", "capacity_min_share_16", "refit_s_16",
+    for key in ("availability_16", "availability_fault_free_16", "availability_transfer_closed_16",
+                "gate_closed_s_per_refit_16", "capacity_min_share_16", "refit_s_16",
                 "controller_cpu_s_per_refit_16", "refits_stopped_16", "stress_availability_spares_16"):
         assert key in last, key
-    assert 0.9 < last["availability_fault_free_16"] < 1.0
+    assert last["stage_ahead"] is True and last["apply_gbps"] == 1000
+    assert 0.99 < last["availability_fault_free_16"] < 1.0  # the gate closes ~1 s per refit
+    assert last["gate_closed_s_per_refit_16"] < 2.0 < last["refit_s_16"]
+    assert last["availability_transfer_closed_16"] < 0.98  # the comparison: closed for the whole transfer
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| default rate | 16 |" in out.stdout
+    assert "| default rate | 16 |" in out.stdout and "| gate closed for the transfer | 16 |" in out.stdout
 
 
 def test_the_script_refuses_bad_arguments_naming_them():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate_fleet.py"), "--sizes", "many"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--sizes" in out.stderr
+    for bad, name in ((["--sizes", "many"], "--sizes"), (["--apply-gbps", "0"], "--apply-gbps")):
+        out = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate_fleet.py"), *bad],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and name in out.stderr, (bad, out.stderr)
