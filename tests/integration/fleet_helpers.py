@@ -50,3 +50,25 @@ def logprob_gap(source, results) -> float:
         ref = ray_io.ask(source, "logprobs", list(r.result.prompt_token_ids), list(c.token_ids), timeout=60)
         worst = max(worst, max(abs(a - b) for a, b in zip(ref, c.logprobs)))
     return worst
+
+
+class Run:
+    """The module's fleet, its weight source, and the next weight version."""
+
+    def __init__(self, fleet, source) -> None:
+        self.fleet, self.source, self.version = fleet, source, 0
+
+    def next_weights(self) -> int:
+        self.version += 1
+        ray_io.ask(self.source, "perturb", self.version, 0.02, timeout=60)
+        return self.version
+
+    def refit(self) -> dict:
+        return self.fleet.sync_weights(self.next_weights(), self.source)
+
+    def heal(self) -> None:
+        """Wait until every slot is back (restarted engines are stale), then refit so all serve."""
+        wait_for(lambda: all(s in ("healthy", "stale") for s in slot_states(self.fleet).values()), 180, what="restarts")
+        if any(s == "stale" for s in slot_states(self.fleet).values()):
+            self.refit()
+        assert set(slot_states(self.fleet).values()) == {"healthy"}

@@ -14,31 +14,9 @@ from faults.source import WeightSource
 from fleet import ray_io
 from fleet.api import Fleet
 from fleet.errors import FleetExhausted, RefitArgumentError, RefitRefused
-from tests.integration.fleet_helpers import assert_invariants, collect, logprob_gap, slot_states, submit_load, wait_for
+from tests.integration.fleet_helpers import Run, assert_invariants, collect, logprob_gap, slot_states, submit_load, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-class Run:
-    """The module's fleet, its weight source, and the next weight version."""
-
-    def __init__(self, fleet: Fleet, source) -> None:
-        self.fleet, self.source, self.version = fleet, source, 0
-
-    def next_weights(self) -> int:
-        self.version += 1
-        ray_io.ask(self.source, "perturb", self.version, 0.02, timeout=60)
-        return self.version
-
-    def refit(self) -> dict:
-        return self.fleet.sync_weights(self.next_weights(), self.source)
-
-    def heal(self) -> None:
-        """Wait until every slot is back (restarted engines are stale), then refit so all serve."""
-        wait_for(lambda: all(s in ("healthy", "stale") for s in slot_states(self.fleet).values()), 180, what="restarts")
-        if any(s == "stale" for s in slot_states(self.fleet).values()):
-            self.refit()
-        assert set(slot_states(self.fleet).values()) == {"healthy"}
 
 
 @pytest.fixture(scope="module")

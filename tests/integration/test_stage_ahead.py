@@ -14,23 +14,13 @@ from faults.load import ClientLoad
 from faults.source import WeightSource
 from fleet import naming, ray_io
 from fleet.api import Fleet
-from tests.integration.fleet_helpers import assert_invariants, logprob_gap, slot_states, wait_for
+from tests.integration.fleet_helpers import Run, assert_invariants, logprob_gap, slot_states, wait_for
 
 pytestmark = pytest.mark.integration
 
 PROMPT = [1, 20, 30, 40, 50]
 SHORT = {"max_tokens": 4, "ignore_eos": True, "temperature": 1.0}
 FREEZE_S = 2.0  # slot 0's receive thread stops this long mid-stream: the staging window the engines serve through
-
-
-class Run:
-    def __init__(self, fleet: Fleet, source) -> None:
-        self.fleet, self.source, self.version = fleet, source, 0
-
-    def refit(self) -> dict:
-        self.version += 1
-        ray_io.ask(self.source, "perturb", self.version, 0.02, timeout=60)
-        return self.fleet.sync_weights(self.version, self.source)
 
 
 @pytest.fixture(scope="module")
