@@ -244,8 +244,11 @@ class Fleet:
 
         A version that does not increase or a source that is not a sender is refused
         (``RefitRefused``/``RefitArgumentError``) with nothing changed; ``FleetStopped`` on failure.
+        Under ``stage_ahead``, too few engines staging the update is ``RefitNotStaged``: the gate never
+        closed and the fleet serves what it had (send the update again).
         """
-        summary = self._ask("sync_weights", version, source, timeout=self.config.lifecycle_deadline_s * 4 + 60)
+        phases = 5 if self.config.stage_ahead else 4  # each bounded by lifecycle_deadline_s; staging is one more
+        summary = self._ask("sync_weights", version, source, timeout=self.config.lifecycle_deadline_s * phases + 60)
         if self.client is not None:  # from here on this process routes on the refit's state (or a later one)
             self.client.wait_routing(summary.get("routing_epoch", 0) - 1, 30)
         return summary
