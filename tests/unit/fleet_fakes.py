@@ -231,6 +231,11 @@ class FakeTransfer:
         self.door = door
         self.attempts: list[tuple[int, int, tuple[int, ...], bool]] = []
         self.fail: dict[int, dict[int, str]] = {}
+        # stage ahead: the same script for the staging attempts, and apply failures by slot
+        self.stage_attempts: list[tuple[int, int, tuple[int, ...]]] = []
+        self.stage_fail: dict[int, dict[int, str]] = {}
+        self.apply_fail: dict[int, str] = {}
+        self.staged_on: dict[tuple[int, int], int] = {}  # (slot, incarnation) -> version in its staging area
 
     def check_source(self, source) -> None:
         if source == "not a sender":
@@ -267,10 +272,9 @@ class FakeTransfer:
 
     # -- stage ahead: ``stage_fail[attempt] = {slot: "die"|"hang"|"error"|"refuse"}``, ``apply_fail = {slot: "partial"}``
     async def stage(self, participants, version, epoch, source, timeout):
-        self.stage_attempts = getattr(self, "stage_attempts", [])
         self.stage_attempts.append((version, epoch, tuple(p.slot for p, _ in participants)))
         self.door.calls.append(("stage", -1, len(self.stage_attempts)))
-        plan = getattr(self, "stage_fail", {}).get(len(self.stage_attempts), {})
+        plan = self.stage_fail.get(len(self.stage_attempts), {})
         broken = any(v in ("die", "hang", "refuse") for v in plan.values())  # a refusal aborts everyone's prepare
         out = {}
         for p, shard in participants:
@@ -285,7 +289,6 @@ class FakeTransfer:
             elif what or broken:
                 out[p.slot] = TransferResult(RefitResult.NOT_STARTED, f"[transfer] staging failed ({what or 'a peer is gone'})")
             else:  # the staging area holds it: live weights untouched, the shard stays clean
-                self.staged_on = getattr(self, "staged_on", {})
                 self.staged_on[(p.slot, p.incarnation)] = version
                 out[p.slot] = TransferResult(RefitResult.NOT_STARTED, "[done] staged", 100, staged=True)
         return out
@@ -294,10 +297,10 @@ class FakeTransfer:
         self.door.calls.append(("apply_staged", -1, tuple(p.slot for p, _ in participants)))
         out = {}
         for p, shard in participants:
-            if getattr(self, "apply_fail", {}).get(p.slot) == "partial":
+            if self.apply_fail.get(p.slot) == "partial":
                 shard.dirty = True
                 out[p.slot] = TransferResult(RefitResult.PARTIAL, "[apply] injected apply failure", 100)
-            elif getattr(self, "staged_on", {}).get((p.slot, p.incarnation)) == version:
+            elif self.staged_on.get((p.slot, p.incarnation)) == version:
                 shard.dirty = True
                 out[p.slot] = TransferResult(RefitResult.COMPLETE, "ok", 100)
             else:
