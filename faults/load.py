@@ -111,7 +111,7 @@ class ClientLoad:
     ``end``; every result is kept (``results``)."""
 
     def __init__(self, fleet: Any, threads: int, prompt: Any, sampling: dict, name: str = "client-load") -> None:
-        self.fleet, self.results, self.stop = fleet, [], threading.Event()
+        self.fleet, self.stop = fleet, threading.Event()
         self.finished: list[tuple[float, Any]] = []  # (time.monotonic() when it came back, result): one clock per machine
         self._prompt, self._sampling = prompt, sampling
         self._lock = threading.Lock()
@@ -124,13 +124,17 @@ class ClientLoad:
             group = self.fleet.collect(self.fleet.submit(self._prompt, 1, self._sampling))
             now = time.monotonic()
             with self._lock:
-                self.results.extend(group)
                 self.finished.extend((now, r) for r in group)
+
+    @property
+    def results(self) -> list:
+        """Every result so far, in the order they came back."""
+        with self._lock:
+            return [r for _, r in self.finished]
 
     def completed_on(self, slot: int, incarnation: int | None = None, version: int | None = None) -> int:
         """Requests that completed on ``slot`` (and that incarnation, tagged with that version, if given)."""
-        with self._lock:
-            return sum(1 for r in self.results if r.ok and r.result.slot == slot
+        return sum(1 for r in self.results if r.ok and r.result.slot == slot
                        and incarnation in (None, r.result.incarnation) and version in (None, r.result.weight_version))
 
     def end(self, timeout_s: float) -> list:

@@ -146,8 +146,9 @@ class RefitTransferPort:
         keys = {} if report is None or report.version != version else \
             {k: members[(k.slot, k.incarnation)] for k, r in report.results.items()
              if (k.slot, k.incarnation) in members and r.outcome is Outcome.STAGED}
+        staged = {(k.slot, k.incarnation) for k in keys}
         out = {p.slot: TransferResult(RefitResult.NOT_STARTED, f"[stage] version {version} is not staged on this engine")
-               for p, _ in participants if (p.slot, p.incarnation) not in {(k.slot, k.incarnation) for k in keys}}
+               for p, _ in participants if (p.slot, p.incarnation) not in staged}
         if keys:
             out.update(self._results(await self._sync.apply_staged(
                 report, {k: self._door.receiver_port(h) for k, h in keys.items()})))

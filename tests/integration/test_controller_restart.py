@@ -39,6 +39,7 @@ from fleet import ray_io
 from fleet.api import Fleet
 from fleet.errors import RlfleetError
 from fleet.naming import NAMESPACE
+from tests.integration import fleet_helpers as helpers
 from tests.integration.fleet_helpers import PROMPTS, wait_for
 
 pytestmark = pytest.mark.integration
@@ -48,20 +49,12 @@ REPO = Path(__file__).resolve().parents[2]
 SAMPLING = {"max_tokens": 64, "ignore_eos": True, "temperature": 1.0}
 
 
-class Run:
+class Run(helpers.Run):
     """The module's fleet, its named weight source, its event-log file and the next weight version."""
 
     def __init__(self, fleet: Fleet, source, source_name: str, log_path: Path) -> None:
-        self.fleet, self.source, self.source_name, self.log_path = fleet, source, source_name, log_path
-        self.version = 0
-
-    def next_weights(self) -> int:
-        self.version += 1
-        ray_io.ask(self.source, "perturb", self.version, 0.02, timeout=60)
-        return self.version
-
-    def refit(self) -> dict:
-        return self.fleet.sync_weights(self.next_weights(), self.source)
+        super().__init__(fleet, source)
+        self.source_name, self.log_path = source_name, log_path
 
     def log(self) -> list[dict]:
         return read_log(self.log_path)
