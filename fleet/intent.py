@@ -39,6 +39,20 @@ class RefitIntent:
     complete: tuple[tuple[int, int], ...] = ()
 
 
+_ENCODED: dict[str, tuple[Any, str]] = {}  # field -> (the object last encoded, its JSON)
+
+
+def _encoded(field_name: str, value: Any, encode) -> str:
+    """``encode(value)``, kept for as long as the field holds the same object (never changed in place:
+    an update stores a new one)."""
+    last = _ENCODED.get(field_name)
+    if last is not None and last[0] is value:
+        return last[1]
+    text = encode(value)
+    _ENCODED[field_name] = (value, text)
+    return text
+
+
 @dataclass(frozen=True)
 class Intent:
     fleet: str
@@ -54,20 +68,27 @@ class Intent:
     serving_roles: tuple[int, ...] | None = None  # slots with the serving role (``health.roles``); None: the first ones
 
     def to_json(self) -> str:
-        # Built by hand, not with ``dataclasses.asdict``: that deep-copies the config and every slot's
-        # entry on each write, and a refit writes twice (the cost grew with the fleet's size).
+        """The JSON document (keys sorted), built by hand, not with ``dataclasses.asdict``: that
+        deep-copies the config and every slot's entry on each write, and a refit writes twice. The
+        config and the slots are encoded once per object (``_encoded``): an update replaces the
+        fields it changes and keeps the others, so a refit's writes encode only what it changed."""
         r = self.refit
-        doc = {
-            "fleet": self.fleet, "config": self.config, "committed": self.committed,
-            "membership_epoch": self.membership_epoch,
-            "slots": {str(s): [inc, spent] for s, (inc, spent) in self.slots.items()},
-            "refit": None if r is None else {"version": r.version, "phase": r.phase,
-                                             "complete": [[s, inc] for s, inc in r.complete]},
-            "generation": self.generation, "shutdown": self.shutdown, "stopped": self.stopped,
-            "removed": {str(s): inc for s, inc in self.removed.items()},
-            "serving_roles": None if self.serving_roles is None else list(self.serving_roles),
+        fields = {
+            "committed": json.dumps(self.committed),
+            "config": _encoded("config", self.config, lambda c: json.dumps(c, sort_keys=True)),
+            "fleet": json.dumps(self.fleet),
+            "generation": json.dumps(self.generation),
+            "membership_epoch": json.dumps(self.membership_epoch),
+            "refit": "null" if r is None else json.dumps(
+                {"complete": [[s, inc] for s, inc in r.complete], "phase": r.phase, "version": r.version}),
+            "removed": json.dumps({str(s): inc for s, inc in self.removed.items()}, sort_keys=True),
+            "serving_roles": "null" if self.serving_roles is None else json.dumps(list(self.serving_roles)),
+            "shutdown": json.dumps(self.shutdown),
+            "slots": _encoded("slots", self.slots, lambda slots: json.dumps(
+                {str(s): [inc, spent] for s, (inc, spent) in slots.items()}, sort_keys=True)),
+            "stopped": json.dumps(self.stopped),
         }
-        return json.dumps(doc, sort_keys=True)
+        return "{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}"
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Intent":

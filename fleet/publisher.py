@@ -91,11 +91,13 @@ class RoutingPublisher:
 
     def _members_and_caps(self) -> tuple[tuple[Member, ...], tuple[tuple[int, int], ...]]:
         """The serving set and its caps, rebuilt only when the ledger's serving set, the roles, a handle or
-        a cap changed (a refit publishes twice: at 32 shards rebuilding them was a third of its own cost)."""
+        a cap changed (a refit publishes twice: at 32 shards rebuilding them was a third of its own cost).
+        The serving set is compared by its slots: a refit takes every slot out of it and puts them back,
+        and the same members then stay the same tuple (nobody joined or left: nothing to tell the shards)."""
         ctl = self.ctl
         serving, handles_rev, caps_rev = ctl.ledger.serving_slots(), ctl.handles_revision, ctl.admission.revision
         key = self._key
-        if key is None or key[0] is not serving or key[3] is not ctl.roles or key[1:3] != (handles_rev, caps_rev):
+        if key is None or key[0] != serving or key[3] is not ctl.roles or key[1:3] != (handles_rev, caps_rev):
             members = tuple(Member(s, inc, h) for s, inc, h in ctl.serving())
             caps = tuple(sorted(ctl.admission.caps([m.slot for m in members]).items()))
             self._key, self._cached = (serving, handles_rev, caps_rev, ctl.roles), (members, caps)

@@ -31,7 +31,7 @@ serving engine ``--capacity-kills`` times (the spare fleet refits between kills 
 its new spare holds the weights again); the medians are compared:
 ``capacity_restore_spare_vs_none`` = spare / none (goal <= 0.2).
 
-    python scripts/bench_lifecycle.py [--refits 30] [--skip-real] [--skip-overhead] [--capacity-kills 3]
+    python scripts/bench_lifecycle.py [--refits 30] [--rounds 3] [--skip-real] [--skip-overhead] [--capacity-kills 3]
 
 The last line of output is one JSON object (``overhead_32_vs_1``, ``overhead_8_vs_1``, ``overhead_s_1``,
 ``overhead_s_32``, ..., ``capacity_restore_s_spare``, ``capacity_restore_s_none``,
@@ -88,7 +88,8 @@ class FanOutTransfer:
                 for s, o in outs.items()}
 
 
-async def overhead_for(n: int, model: str, refits: int) -> dict:
+async def overhead_rows(n: int, model: str, refits: int) -> list[dict]:
+    """``refits`` refits on a fresh fleet of ``n`` light shards (after 3 that warm up Ray's call path)."""
     door = LightDoor()
     cfg = {"engine": {"model": model}, "num_engines": n, "min_healthy_engines": 1, "metrics": False,
            "refit_timeout_s": 30.0}
@@ -97,9 +98,12 @@ async def overhead_for(n: int, model: str, refits: int) -> dict:
     try:
         for v in range(1, 4):  # warm up the Ray call path
             await ctl.sync_weights(v)
-        rows = [await ctl.sync_weights(v) for v in range(4, 4 + refits)]
+        return [await ctl.sync_weights(v) for v in range(4, 4 + refits)]
     finally:
         await ctl.shutdown()
+
+
+def summary(n: int, rows: list[dict]) -> dict:
     over = [r["overhead_s"] for r in rows]
     return {
         "shards": n,
@@ -213,14 +217,15 @@ def capacity_spare_vs_none(model: str, kills: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--refits", type=int, default=30)
+    ap.add_argument("--refits", type=int, default=30, help="refits per size, over all rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="times every size is measured in turn")
     ap.add_argument("--skip-real", action="store_true", help="skip the real-engine measurements")
     ap.add_argument("--skip-overhead", action="store_true", help="skip the controller overhead with 1-32 shards")
     ap.add_argument("--capacity-kills", type=int, default=3, help="kills per arm of the spare vs none measurement")
     args = ap.parse_args()
     model = str(build_model(default_model_dir("tiny")))
     ray_io.init_local(num_cpus=8, log_to_driver=False)
-    result = {} if args.skip_overhead else overheads(model, args.refits)
+    result = {} if args.skip_overhead else overheads(model, args.refits, args.rounds)
     if not args.skip_real:
         real = death_to_reopen(model)
         print(f"real engines: shard death -> gate reopened in {real['death_to_reopen_s']} s", flush=True)
@@ -233,20 +238,29 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def overheads(model: str, refits: int) -> dict:
-    rows = []
+def overheads(model: str, refits: int, rounds: int) -> dict:
+    """Every size in turn, ``rounds`` times, ``refits`` refits per size in all: the machine drifts while the
+    bench runs (Ray keeps the workers of fleets that ended, its tables grow), and alternating the sizes lets
+    the drift fall on every size alike instead of on the last one measured."""
+    per_round = max(1, refits // rounds)
+    runs: dict[int, list[list[dict]]] = {n: [] for n in SIZES}
+    for _ in range(rounds):
+        for n in SIZES:
+            runs[n].append(asyncio.run(overhead_rows(n, model, per_round)))
+    by = {n: summary(n, [r for run in runs[n] for r in run]) for n in SIZES}
     for n in SIZES:
-        row = asyncio.run(overhead_for(n, model, refits))
-        rows.append(row)
+        row = by[n]
         print(f"{n} shard(s): overhead {row['overhead_s'] * 1e3:7.2f} ms (p90 {row['overhead_p90_s'] * 1e3:.2f}), "
               f"cycle {row['cycle_s'] * 1e3:7.2f} ms, inside shards {row['inside_shards_s'] * 1e3:.2f} ms", flush=True)
-    by = {row["shards"]: row for row in rows}
     result = {f"overhead_s_{n}": round(by[n]["overhead_s"], 5) for n in SIZES}
     result.update({f"overhead_p90_s_{n}": round(by[n]["overhead_p90_s"], 5) for n in SIZES})
     for n in SIZES[1:]:
         result[f"overhead_{n}_vs_1"] = round(by[n]["overhead_s"] / by[1]["overhead_s"], 3)
+        result[f"overhead_{n}_vs_1_per_round"] = [  # the spread of the ratio: each round's medians
+            round(summary(n, runs[n][i])["overhead_s"] / summary(1, runs[1][i])["overhead_s"], 3) for i in range(rounds)]
     result.update({f"cycle_s_{n}": round(by[n]["cycle_s"], 5) for n in SIZES})
-    result["refits_per_size"] = refits
+    result["refits_per_size"] = per_round * rounds
+    result["rounds"] = rounds
     return result
 
 

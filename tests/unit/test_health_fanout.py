@@ -262,6 +262,27 @@ def test_emit_rows_writes_what_emit_writes_one_by_one(tmp_path):
     assert lines == single.records() and lines[1]["before"] == "healthy"
 
 
+def test_rows_kept_in_memory_read_as_the_records_emit_writes():
+    rows = (Transition(0, 1, ShardState.HEALTHY, ShardState.STALE, "refit of version 2 landed"),
+            Transition(3, 2, ShardState.STALE, ShardState.HEALTHY, "holds committed version 2"))
+    lazy, single = EventLog(clock=lambda: 5.0), EventLog(clock=lambda: 5.0)
+    for log in (lazy, single):
+        log.emit("gate", open=False)
+    lazy.emit_rows("health", rows)
+    for t in rows:
+        single.emit("health", slot=t.slot, incarnation=t.incarnation, before=t.before, after=t.after, reason=t.reason)
+    assert len(lazy) == 3
+    assert lazy.records(2) == single.records(2)  # read from past the first row: every row is made anyway
+    for log in (lazy, single):
+        log.emit("gate", open=True)
+    lazy.emit_rows("health", rows[:1])
+    single.emit("health", slot=0, incarnation=1, before=ShardState.HEALTHY, after=ShardState.STALE,
+                reason="refit of version 2 landed")
+    assert lazy.records() == single.records() and [r["seq"] for r in lazy.records()] == list(range(5))
+    assert lazy.records(kinds=["health"]) == single.records(kinds=["health"])
+    assert lazy.records()[1] is lazy.records()[1]  # made once
+
+
 def test_the_fast_paths_write_what_the_general_rule_writes():
     log = EventLog(clock=lambda: 1.0)
     for _ in range(2):  # the second time through the enum cache

@@ -358,3 +358,28 @@ def test_the_intent_document_round_trips_every_field():
                   shutdown=True, stopped="why", removed={3: 2}, serving_roles=(0, 5))
     for intent in (full, Intent("g", {})):
         assert Intent.from_json(intent.to_json()) == intent
+
+
+def test_the_intent_document_is_what_json_writes_and_follows_every_update():
+    """The document is built from fields encoded once per object: it must read exactly as ``json.dumps``
+    of the whole document (keys sorted) would write it, before and after updates that replace a field."""
+    import json
+
+    from fleet.intent import CLOSING, Intent, RefitIntent
+
+    def plain(i: Intent) -> str:
+        r = i.refit
+        return json.dumps({
+            "fleet": i.fleet, "config": i.config, "committed": i.committed, "membership_epoch": i.membership_epoch,
+            "slots": {str(s): [a, b] for s, (a, b) in i.slots.items()},
+            "refit": None if r is None else {"version": r.version, "phase": r.phase, "complete": [list(c) for c in r.complete]},
+            "generation": i.generation, "shutdown": i.shutdown, "stopped": i.stopped,
+            "removed": {str(s): v for s, v in i.removed.items()},
+            "serving_roles": None if i.serving_roles is None else list(i.serving_roles)}, sort_keys=True)
+
+    a = Intent("f", {"z": 1, "engine": {"model": "/m", "b": [1, 2]}}, slots={10: (1, 0), 2: (3, 1)})
+    b = a.replace(refit=RefitIntent(4, CLOSING), committed=3)
+    c = b.replace(slots={**b.slots, 2: (4, 2)}, config={"other": True}, serving_roles=(2,), stopped='say "no"')
+    for intent in (a, b, c, b, a):  # back to objects encoded before: the cache follows the object, not the order
+        assert intent.to_json() == plain(intent)
+        assert json.loads(intent.to_json()) == json.loads(plain(intent))
