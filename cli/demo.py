@@ -1,18 +1,24 @@
 """``rlfleet demo``: train the GRPO recipe on a local fleet through a shard kill and a controller kill; write a report directory.
 
 Exit status: 0 when the run finished every step with no prompt lost, the fleet never
-stopped and every event-log invariant held; 1 otherwise; 2 for a bad flag or plan.
-The last line on stdout is a one-line JSON digest of ``summary.json``.
+stopped and every event-log invariant held; 1 otherwise; 2 for a bad flag or plan;
+128 + the signal's number when SIGINT (130) or SIGTERM (143) ended the run early (the
+report is written all the same). The last line on stdout is a one-line JSON digest of
+``summary.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import sys
 
 DIGEST = (
     "ok", "steps", "reward_first", "reward_last", "reward_final_eval", "max_logprob_mismatch", "prompts_lost",
     "faults_injected", "recoveries", "stale_samples_dropped", "stopped", "wall_s", "refit_s_p50", "refit_s_max",
+    "interrupted",
 )
 
 
@@ -53,5 +59,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     files = ", ".join(f for f in summary["files"].values() if (Path(cfg.out) / f).exists())
     print(f"report: {cfg.out} ({files})")
-    print(json.dumps(_nan_to_none({k: summary.get(k) for k in DIGEST}), default=str))
+    print(json.dumps(_nan_to_none({k: summary.get(k) for k in DIGEST}), default=str), flush=True)
+    if summary.get("interrupted"):
+        code = 128 + signal.Signals[summary["interrupted"]].value
+        if summary.get("ray_gone"):  # nothing is left to stop; Ray's own exit would wait for its dead daemons
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     return 0 if summary["ok"] else 1

@@ -71,6 +71,8 @@ def summarize(run, events: Sequence[dict], wall_s: float) -> dict:
         "results_returned": sum(int(r.get("returned", 0)) for r in rows) + int(final.get("returned", 0) or 0),
         "stopped": stopped,
         "error": run.error,
+        "interrupted": run.interrupted,  # the signal that ended the run early (SIGINT, SIGTERM), or None
+        "ray_gone": run.ray_gone,  # the local Ray's daemons that stopped with that signal
         "invariant_violations": violations,
         "wall_s": round(wall_s, 2),
         "fleet_start_s": round(run.fleet_start_s, 2) if run.fleet_start_s is not None else None,

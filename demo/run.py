@@ -26,7 +26,12 @@ waits the same way, pushes the final weights, and evaluates one fresh batch on t
 ``summary.json``, ``events.jsonl`` (the controller's event log, written as it
 happens) and two plots (``learning.png``, ``timeline.png``).
 
-Guarantees: every actor it started is shut down (also on Ctrl-C or an error);
+Guarantees: every actor it started is shut down (also on Ctrl-C or an error); a
+SIGINT or SIGTERM ends the run early like Ctrl-C: the report is written, naming the
+signal (``interrupted``), and the same signal a second time, later, exits at once. A signal sent to the
+whole process group (Ctrl-C on a terminal, ``timeout``, a batch system) also stops
+the local Ray the run started, and its engines with it: then nothing is left to shut
+down, and the run does not wait for Ray's dead daemons (``ray_gone``);
 the summary's fleet numbers (faults, recoveries, prompts lost, ...) are computed
 from the event log (``faults.timeline.log_numbers``), so they agree with
 ``events.jsonl``; ``summary["ok"]`` is False if a prompt was lost, the fleet
@@ -37,6 +42,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,6 +234,50 @@ class EventWatcher:
 
 
 # ---------------------------------------------------------------------------------- the run
+class Interrupted(KeyboardInterrupt):
+    """A signal (SIGINT, SIGTERM) asked the run to end: raised in the main thread, like Ctrl-C's
+    ``KeyboardInterrupt`` (so no ``except Exception`` on the way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, _frame) -> None:
+    now = time.monotonic()
+    first = _SIGNALS[0] if _SIGNALS else None
+    _SIGNALS.append((signum, now))
+    if first is None:
+        raise Interrupted(signum)
+    if signum == first[0] and now - first[1] > 1.0:  # the same signal again, later: a second Ctrl-C, stop now
+        os._exit(128 + signum)
+    # Another signal at once: the run is already stopping. (When the signal also stopped the local Ray, Ray
+    # interrupts the main thread as if by SIGINT: it arrives with the SIGTERM, and must not end the report.)
+
+
+_SIGNALS: list[tuple[int, float]] = []  # (signal, monotonic time) of each signal the run got
+
+
+def interrupted_by() -> str | None:
+    """The signal that ended the run (SIGTERM if one came: Ray's own interruption is a SIGINT), or None."""
+    if not _SIGNALS:
+        return None
+    got = {s for s, _ in _SIGNALS}
+    return "SIGTERM" if signal.SIGTERM in got else signal.Signals(_SIGNALS[0][0]).name
+
+
+def catch_signals() -> dict:
+    """SIGINT and SIGTERM raise ``Interrupted`` from now on (Ray's start-up installs a SIGTERM handler of its
+    own, so this runs again after it); returns the handlers it replaced. Only the main thread can do it."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # a caller that ignores a signal keeps ignoring it
+            old[sig] = signal.signal(sig, _raise_interrupted)
+    return old
+
+
 def run_demo(cfg: DemoConfig, view=None) -> dict:
     """Run the demo and write its report into ``cfg.out``; returns the summary (also in ``summary.json``)."""
     return DemoRun(cfg, view).run()
@@ -269,6 +321,8 @@ class DemoRun:
         self.fleet_start_s: float | None = None
         self.status_end: dict | None = None
         self.version = self.engines_at = 0  # the trainer's weight version, and the one the engines hold
+        self.interrupted: str | None = None  # the signal that ended the run early
+        self.ray_gone: list[str] = []  # the local Ray's daemons that stopped with that signal
 
     def run(self) -> dict:
         self.prepare()
@@ -276,20 +330,29 @@ class DemoRun:
         self.t_start = time.monotonic()
         self.view.start({"engines": self.cfg.engines, "plan": self.plan.name if self.plan else "none",
                          "kv_policy": self.cfg.kv_policy, "seed": self.cfg.seed, "out": str(self.out)})
+        _SIGNALS.clear()
+        handlers = catch_signals()
         try:
-            self.start()
-            self.train()
-            if self.stopped is None:
-                self.finish()
-        except KeyboardInterrupt:
-            self.error = "interrupted (Ctrl-C)"
-            self.say(self.error)
-        except Exception as exc:  # noqa: BLE001 - the report is written whatever happened
-            self.error = f"{type(exc).__name__}: {exc}"
-            self.say(f"error: {self.error[:300]}")
+            try:
+                self.start()
+                self.train()
+                if self.stopped is None:
+                    self.finish()
+            except KeyboardInterrupt:
+                self.interrupted = interrupted_by() or "SIGINT"
+                self.say(f"interrupted by {self.interrupted}")
+            except Exception as exc:  # noqa: BLE001 - the report is written whatever happened
+                self.error = f"{type(exc).__name__}: {exc}"
+                self.say(f"error: {self.error[:300]}")
+            finally:
+                self.shut_down(owns_ray)
+            if self.interrupted:  # by now every signal that came with the first one has been handled
+                self.interrupted = interrupted_by() or self.interrupted
+                self.error = f"interrupted by {self.interrupted}" + (" (Ctrl-C)" if self.interrupted == "SIGINT" else "")
+            return self.write_report()
         finally:
-            self.shut_down(owns_ray)
-        return self.write_report()
+            for sig, old in handlers.items():
+                signal.signal(sig, old)
 
     # ------------------------------------------------------------------ set-up and tear-down
     def prepare(self) -> None:
@@ -311,6 +374,7 @@ class DemoRun:
 
         engines = self.cfg.engines
         ray_io.init_local(num_cpus=engines + 3, log_to_driver=False)
+        catch_signals()  # Ray's start-up replaced the SIGTERM handler
         self.view.phase(f"starting the trainer and {engines} engines")
         self.trainer = ray_io.spawn_actor(AuditedTrainerActor, self.model, self.tcfg, 1, num_cpus=1)
         self.fleet = Fleet.start(self.fcfg)
@@ -325,10 +389,19 @@ class DemoRun:
         self.say(f"fleet up in {self.fleet_start_s:.1f}s: {engines} engines serving v0")
 
     def shut_down(self, owns_ray: bool) -> None:
-        """Stop the view's polling, shut the fleet down (keeping its last status), kill the trainer, stop our Ray."""
+        """Stop the view's polling, shut the fleet down (keeping its last status), kill the trainer, stop our Ray.
+        After a signal that also stopped our local Ray, there is nothing left to stop (module docstring)."""
         self.view.phase("shutting down")
         if hasattr(self.view, "stop_polling"):
             self.view.stop_polling()
+        self.ray_gone = ray_io.local_ray_down() if owns_ray and self.interrupted else []
+        if self.ray_gone:
+            self.say(f"the local Ray stopped with the signal ({', '.join(self.ray_gone)} exited): "
+                     "its engines, controller and trainer stopped with it")
+            if self.fleet is not None:
+                self.fleet.abandon(f"interrupted by {self.interrupted}")  # what was in flight: returned, logged
+            self.view.close()
+            return
         if self.fleet is not None:
             try:
                 self.status_end = self.fleet.status()

@@ -322,6 +322,19 @@ class Fleet:
         summary = out.value if out.ok else {"error": out.describe()}
         return {**summary, **counters}
 
+    def abandon(self, why: str) -> dict:
+        """The cluster under the fleet is gone (its local Ray stopped with a signal sent to the whole process
+        group): end this process's requests at once, each returned and logged with the reason "cancelled by
+        the caller", and close the client, asking nothing of the controller or the shards (they went down with
+        the cluster). Returns the client's counters. A second call, or one after ``shutdown``, is a no-op."""
+        if self._shut_down is not None:
+            return {"already_shut_down": True}
+        self._shut_down = f"Fleet.abandon(): {why}"
+        if self.client is None:
+            return {}
+        self.client.close()
+        return self.client.counters()
+
     def _close_client(self, bound_s: float = 30.0) -> dict:
         """Let the client return what it still holds (it saw the stop), then close it."""
         if self.client is None:

@@ -1,0 +1,87 @@
+"""``rlfleet demo`` ended by a signal, as a batch system or an operator ends it: it writes its report.
+
+Each case runs the demo as a process in its own session (one real vLLM-CPU engine, no
+fault plan), waits until training steps are done, then sends SIGTERM:
+
+- to the whole process group (what ``timeout``, Slurm's ``scancel`` or Ctrl-C on a terminal
+  do): the local Ray the demo started stops with it. The demo exits 143 within seconds, its
+  report names the signal, the requests it had in flight are returned and logged (no prompt
+  lost, every invariant holds), and no process of its session is left;
+- to the demo's process only (``kill PID``): Ray is still up, so the demo shuts the fleet
+  down in order, writes the same report and exits 143, leaving nothing behind.
+
+Before this, a SIGTERM ended the demo through Ray's own handler (``sys.exit``) past the code
+that writes the report: the run left no ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.fleet_helpers import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def env() -> dict:
+    return dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"), HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1")
+
+
+def session(pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-s", str(pid)], capture_output=True, text=True).stdout.split()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("target", ["process-group", "process"])
+def test_sigterm_ends_the_demo_with_its_report_and_nothing_left_behind(tiny_model, tmp_path, target):
+    out = tmp_path / "report"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "demo", "--engines", "1", "--fault-plan", "none", "--steps", "200",
+         "--model", tiny_model, "--out", str(out), "--progress", "plain"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), start_new_session=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    errors: list[str] = []
+    threading.Thread(target=lambda: errors.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+    try:
+        wait_for(lambda: any("step   3/200" in line for line in lines) or proc.poll() is not None, 240,
+                 what="the demo's third training step")
+        assert proc.poll() is None, f"the demo ended on its own: {''.join(lines[-20:])}{''.join(errors[-40:])}"
+        assert len(session(proc.pid)) > 3  # the local Ray's daemons run in the session the signal may reach
+        t0 = time.monotonic()
+        if target == "process-group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=180)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(10)
+    detail = "".join(lines[-30:]) + "".join(errors[-40:])
+    assert code == 128 + signal.SIGTERM, detail
+    assert took < (30 if target == "process-group" else 120), detail
+    digest = json.loads(lines[-1])
+    assert digest["interrupted"] == "SIGTERM" and digest["ok"] is False, detail
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["error"] == "interrupted by SIGTERM" and summary["steps"] >= 3, detail
+    assert summary["prompts_lost"] == 0 and summary["invariant_violations"] == [], detail
+    assert bool(summary["ray_gone"]) is (target == "process-group"), detail  # the signal reached Ray, or did not
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.startswith("{")]
+    if target == "process":  # Ray was up: the fleet was shut down in order, by its controller
+        assert any(e["kind"] == "phase" and e.get("phase") == "shutdown" and e.get("edge") == "end" for e in events), detail
+    wait_for(lambda: not session(proc.pid), 60, what="every process of the demo's session to exit")
