@@ -28,7 +28,9 @@ BASE_FLEET = {
     "unhealthy_threshold": 2,
     "restart_backoff_s": 0.5,
     "restart_backoff_cap_s": 2.0,
-    "restart_budget": 3,
+    # Every recovering variant with this fleet shares one fleet, so its slots spend restarts variant after
+    # variant (at most 5 on one slot): each keeps enough to come back.
+    "restart_budget": 8,
     "controller_max_restarts": 10,  # the controller variants kill it 5 times, 4 on one fleet
 }
 # The controller crashes this long into the transfer, while one shard's transfer is held back longer (``slow``):
@@ -83,6 +85,25 @@ MATRIX: tuple[Variant, ...] = (
        description="client threads submit without pause while the fleet grows by one engine, a refit lands (the "
                    "new engine serves after it), and it shrinks by one (the removed engine finishes what it held, "
                    "admits nothing more, is retired): 0 lost"),
+    _v("below-quorum-between-refits", "recovers",
+       [{"where": "between_refits", "what": "kill", "shard": 0, "step": 1},
+        {"where": "between_refits", "what": "kill", "shard": 1, "step": 1}],
+       checks=("below_quorum", "readmitted:0", "readmitted:1"), steps=1,
+       description="two of three shards die between refits: requests wait at the closed gate until the "
+                   "restarted shards come back and the next refit brings quorum back"),
+    # on_hang=evict (the default): a hung engine is killed and the refit goes on
+    _v("hang-at-pause-evicted", "recovers", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}],
+       checks=("evicted:1", "readmitted:1"),
+       description="a pause that never returns: that engine is killed at the pause deadline, the refit commits "
+                   "on the other two, the slot restarts and serves again after the next refit"),
+    _v("hang-at-resume-evicted", "recovers", [{"where": "resume", "what": "hang", "shard": 0, "step": 1}],
+       checks=("evicted:0", "readmitted:0"),
+       description="a resume that never returns: that engine is killed at the resume deadline, the gate reopens "
+                   "on the other two, the slot restarts and serves again after the next refit"),
+    _v("freeze-between-refits", "recovers", [{"where": "between_refits", "what": "freeze", "shard": 2, "step": 1}],
+       checks=("evicted:2", "resent:2"), steps=1,
+       description="a shard frozen with a request in flight and no refit coming: evicted within "
+                   "hang_detection_bound_s, its requests re-sent at the eviction and completed elsewhere"),
     _v("controller-kill-between-refits", "recovers", [{"where": "between_refits", "what": "kill_controller", "step": 1}],
        checks=("controller_back",),
        description="the controller's process SIGKILLed from outside with requests in flight: they complete on "
@@ -104,26 +125,6 @@ MATRIX: tuple[Variant, ...] = (
     _v("controller-kill-during-shutdown", "recovers", [{"where": "shutdown", "what": "kill_controller", "step": 1}],
        steps=1, description="the controller dies half way through the fleet's shutdown: the restarted one finishes "
                             "it; no shard actor of any incarnation is left, nor the controller"),
-    _v("below-quorum-between-refits", "recovers",
-       [{"where": "between_refits", "what": "kill", "shard": 0, "step": 1},
-        {"where": "between_refits", "what": "kill", "shard": 1, "step": 1}],
-       checks=("below_quorum", "readmitted:0", "readmitted:1"), steps=1,
-       fleet={"restart_budget": 5},  # its own fleet: earlier variants may have spent these slots' restart budgets
-       description="two of three shards die between refits: requests wait at the closed gate until the "
-                   "restarted shards come back and the next refit brings quorum back"),
-    # on_hang=evict (the default): a hung engine is killed and the refit goes on; these share the fleet above
-    _v("hang-at-pause-evicted", "recovers", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}],
-       checks=("evicted:1", "readmitted:1"), fleet={"restart_budget": 5},
-       description="a pause that never returns: that engine is killed at the pause deadline, the refit commits "
-                   "on the other two, the slot restarts and serves again after the next refit"),
-    _v("hang-at-resume-evicted", "recovers", [{"where": "resume", "what": "hang", "shard": 0, "step": 1}],
-       checks=("evicted:0", "readmitted:0"), fleet={"restart_budget": 5},
-       description="a resume that never returns: that engine is killed at the resume deadline, the gate reopens "
-                   "on the other two, the slot restarts and serves again after the next refit"),
-    _v("freeze-between-refits", "recovers", [{"where": "between_refits", "what": "freeze", "shard": 2, "step": 1}],
-       checks=("evicted:2", "resent:2"), steps=1, fleet={"restart_budget": 5},
-       description="a shard frozen with a request in flight and no refit coming: evicted within "
-                   "hang_detection_bound_s, its requests re-sent at the eviction and completed elsewhere"),
     _v("spare-promotion", "recovers", [{"where": "between_refits", "what": "kill", "shard": 0, "step": 1}],
        checks=("promoted:0",), steps=1,
        fleet={"num_engines": 2, "min_healthy_engines": 2, "spare_engines": 1},  # 2 serve, 1 warm spare
