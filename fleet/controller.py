@@ -618,13 +618,14 @@ class SingleController:
 
     def arm_crash(self, point: str, delay_s: float = 0.0) -> bool:
         """Fault injection: kill this controller's process (SIGKILL) ``delay_s`` after it reaches ``point``:
-        the beginning of a refit phase (``close``, ``staleness``, ``reconcile``, ``pause``, ``transfer``,
-        ``stamp``, ``resume``, ``reopen``) or the middle of ``shutdown``. With a delay the process dies
-        while that phase's calls are in flight. Not stored: the restarted controller is not armed."""
+        the beginning of a refit phase (``stage`` under ``stage_ahead``, ``close``, ``staleness``, ``reconcile``,
+        ``pause``, ``transfer``, ``stamp``, ``resume``, ``reopen``) or the middle of ``shutdown``. With a delay
+        the process dies while that phase's calls are in flight. Not stored: the restarted controller is not armed."""
         from fleet.lifecycle import PHASES
 
-        if point not in PHASES + ("shutdown",):
-            raise ValueError(f"arm_crash: point must be one of {PHASES + ('shutdown',)}, got {point!r}")
+        points = ("stage",) + PHASES + ("shutdown",)
+        if point not in points:
+            raise ValueError(f"arm_crash: point must be one of {points}, got {point!r}")
         if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not 0 <= delay_s < 600:
             raise ValueError(f"arm_crash: delay_s must be a number of seconds in [0, 600), got {delay_s!r}")
         self._crash_at = (point, float(delay_s))

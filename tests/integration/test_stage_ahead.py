@@ -14,6 +14,7 @@ from faults.load import ClientLoad
 from faults.source import WeightSource
 from fleet import naming, ray_io
 from fleet.api import Fleet
+from fleet.errors import RlfleetError
 from tests.integration.fleet_helpers import Run, assert_invariants, logprob_gap, slot_states, wait_for
 
 pytestmark = pytest.mark.integration
@@ -24,8 +25,11 @@ FREEZE_S = 2.0  # slot 0's receive thread stops this long mid-stream: the stagin
 
 
 @pytest.fixture(scope="module")
-def run(ray_local, tiny_model):
+def run(ray_local, tiny_model, tmp_path_factory):
     fleet = Fleet.start({
+        # on disk: a controller Ray restarts keeps its predecessor's records (stamps included), which the
+        # invariants read
+        "event_log_path": str(tmp_path_factory.mktemp("stage-ahead") / "events.jsonl"),
         "engine": {"model": tiny_model, "kv_cache_memory_bytes": 32 << 20},
         "num_engines": 2,
         "min_healthy_engines": 1,
@@ -43,6 +47,14 @@ def run(ray_local, tiny_model):
     ray_io.kill(source)
 
 
+def freeze_next_staging(fleet, slot: int = 0) -> None:
+    """``slot``'s worker freezes its receive thread at bucket 2 for FREEZE_S in the next staging: the broadcast
+    waits for it, its engine does not."""
+    incarnation = {s["slot"]: s["incarnation"] for s in fleet.status()["ledger"]["slots"]}[slot]
+    handle = ray_io.find_actor(naming.shard_name(fleet.name, slot, incarnation))
+    assert ray_io.ask(handle, "worker_rpc", "rlfleet_inject_fault", ["freeze", 2, FREEZE_S], {}, 30, timeout=60) == [True]
+
+
 def window(events, version: int, phase: str) -> tuple[float, float]:
     begin = next(e["t"] for e in events if e["kind"] == "phase" and e["phase"] == phase and e["edge"] == "begin" and e["version"] == version)
     end = next(e["t"] for e in events if e["kind"] == "phase" and e["phase"] == phase and e["edge"] == "end" and e["version"] == version)
@@ -50,10 +62,7 @@ def window(events, version: int, phase: str) -> tuple[float, float]:
 
 
 def test_engines_generate_while_the_update_moves_and_the_gate_closes_only_for_the_apply(run):
-    # slot 0's worker freezes its receive thread at bucket 2 for FREEZE_S: the broadcast waits for it, its engine does not
-    incarnation = {s["slot"]: s["incarnation"] for s in run.fleet.status()["ledger"]["slots"]}[0]
-    handle = ray_io.find_actor(naming.shard_name(run.fleet.name, 0, incarnation))
-    assert ray_io.ask(handle, "worker_rpc", "rlfleet_inject_fault", ["freeze", 2, FREEZE_S], {}, 30, timeout=60) == [True]
+    freeze_next_staging(run.fleet)
     load = ClientLoad(run.fleet, 1, PROMPT, SHORT, name="stage-ahead-client")
     wait_for(lambda: len(load.results) >= 3, 60, 0.1, "the client's first answers")
     summary = run.refit()
@@ -106,3 +115,34 @@ def test_a_shard_killed_as_it_stages_is_replaced_and_the_refit_lands_on_the_othe
     assert summary["complete"] == [0, 1]
     assert set(slot_states(run.fleet).values()) == {"healthy"}
     assert_invariants(run.fleet)
+
+
+def test_a_controller_killed_while_the_update_stages_is_restarted_and_the_refit_lands(run):
+    """The controller dies 0.5 s into the staging, held open by slot 0's frozen receive (FREEZE_S), its calls in
+    flight and the gate never closed: Ray restarts it, it re-adopts both engines serving the committed
+    version, and the refit (re-sent, or run once more) stages and applies on both."""
+    fleet = run.fleet
+    committed = fleet.status()["version"]
+    generation = fleet.controller_info()["generation"]
+    load = ClientLoad(fleet, 1, PROMPT, SHORT, name="stage-controller-kill-client")
+    freeze_next_staging(fleet)
+    assert fleet.arm_controller_crash("stage", 0.5)
+    version = run.next_weights()
+    try:
+        summary, error = fleet.sync_weights(version, run.source), None
+    except RlfleetError as exc:  # one typed error is an allowed end; the next refit must land
+        summary, error = None, exc
+    assert fleet.controller_info()["generation"] == generation + 1  # it died (its own log died with it)
+    restarted = [e for e in fleet.events() if e["kind"] == "controller_restarted" and e["generation"] == generation + 1]
+    assert restarted and restarted[0]["refit"] == [version - 1, "committed"], restarted  # before this refit's close
+    if error is not None:
+        summary = run.refit()
+    results = load.end(60)
+    status = fleet.status()
+    assert status["gate_open"] and status["stopped"] is None and status["version"] == run.version > committed
+    assert summary["complete"] == [0, 1], summary
+    assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
+    later = [r for g in fleet.generate([PROMPT] * 4, 1, SHORT) for r in g]
+    assert all(r.ok and r.result.weight_version == run.version for r in later)
+    assert logprob_gap(run.source, later) < 1e-4
+    assert_invariants(fleet)
