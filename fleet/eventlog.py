@@ -56,12 +56,17 @@ class _Row(tuple):
     __slots__ = ()
 
 
-def _record(t: float, seq: int, kind: str, row: tuple) -> dict[str, Any]:
+def _record(t: float, seq: int, kind: str, fields: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """The record of ``kind`` with ``fields`` (name, value) made JSON-friendly: common values take a type lookup."""
     rec = {"t": t, "seq": seq, "kind": kind}
-    for k, v in zip(row._fields, row):
+    for k, v in fields:
         tv = type(v)
         rec[k] = v if tv in _AS_IS else v._value_ if tv in _enum_types else _plain(v)
     return rec
+
+
+def _row_record(t: float, seq: int, kind: str, row: tuple) -> dict[str, Any]:
+    return _record(t, seq, kind, zip(row._fields, row))
 
 
 class EventLog:
@@ -75,10 +80,7 @@ class EventLog:
     def emit(self, kind: str, _at: float | None = None, **fields: Any) -> dict[str, Any]:
         """Append one record; ``_at`` stamps it with a time other than now (when the thing it
         records happened elsewhere, e.g. a result finished on a shard)."""
-        rec = {"t": round(self._clock() if _at is None else _at, 6), "seq": len(self._records), "kind": kind}
-        for k, v in fields.items():
-            t = type(v)
-            rec[k] = v if t in _AS_IS else v._value_ if t in _enum_types else _plain(v)
+        rec = _record(round(self._clock() if _at is None else _at, 6), len(self._records), kind, fields.items())
         self._records.append(rec)
         if self._file is not None:
             self._file.write(json.dumps(rec) + "\n")
@@ -100,7 +102,7 @@ class EventLog:
             records.extend(_Row((at, seq, kind, row)) for seq, row in enumerate(rows, len(records)))
             return
         for row in rows:
-            rec = _record(at, len(records), kind, row)
+            rec = _row_record(at, len(records), kind, row)
             records.append(rec)
             self._file.write(json.dumps(rec) + "\n")
 
@@ -133,7 +135,7 @@ class EventLog:
             for i in range(self._rows_from, len(records)):
                 r = records[i]
                 if type(r) is _Row:
-                    records[i] = _record(*r)
+                    records[i] = _row_record(*r)
             self._rows_from = None
         return [r for r in records[since:] if wanted is None or r["kind"] in wanted]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 
 from faults import invariants
@@ -9,6 +11,17 @@ from fleet import ray_io
 
 PROMPTS = [[1, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(8)]
 SAMPLING = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0}
+
+
+def cli_env() -> dict:
+    """The environment for an ``rlfleet`` command run as a process: offline, Ray's token auth off."""
+    return dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"), HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1")
+
+
+def session(pid: int) -> list[str]:
+    """The processes of the session ``pid`` leads (a command started with ``start_new_session``)."""
+    return subprocess.run(["pgrep", "-s", str(pid)], capture_output=True, text=True).stdout.split()
 
 
 def submit_load(fleet, groups: int = 6, n: int = 2, sampling: dict | None = None):

@@ -27,18 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.fleet_helpers import wait_for
+from tests.integration.fleet_helpers import cli_env, session, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def env() -> dict:
-    return dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"), HF_HUB_OFFLINE="1",
-                TRANSFORMERS_OFFLINE="1")
-
-
-def session(pid: int) -> list[str]:
-    return subprocess.run(["pgrep", "-s", str(pid)], capture_output=True, text=True).stdout.split()
 
 
 @pytest.mark.timeout(300)
@@ -48,7 +39,7 @@ def test_sigterm_ends_the_demo_with_its_report_and_nothing_left_behind(tiny_mode
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "demo", "--engines", "1", "--fault-plan", "none", "--steps", "200",
          "--model", tiny_model, "--out", str(out), "--progress", "plain"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), start_new_session=True,
         cwd=Path(__file__).resolve().parents[2],
     )
     lines: list[str] = []

@@ -30,7 +30,7 @@ import pytest
 from fleet import ray_io
 from fleet.api import Fleet
 from serve.server import HttpServer
-from tests.integration.fleet_helpers import wait_for
+from tests.integration.fleet_helpers import cli_env, session, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -40,15 +40,10 @@ def null_fleet(model: str, name: str, **over) -> Fleet:
     return Fleet.start({"engine": engine, "num_engines": 1, "min_healthy_engines": 1, "name": name, **over})
 
 
-def env() -> dict:
-    return dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"), HF_HUB_OFFLINE="1",
-                TRANSFORMERS_OFFLINE="1")
-
-
 def serve_process(*args: str, **popen) -> tuple[subprocess.Popen, dict]:
     """Start ``rlfleet serve ARGS``; return it and its first line (where it serves), or fail with its stderr."""
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env(), **popen)
+                            stderr=subprocess.PIPE, text=True, env=cli_env(), **popen)
     first: dict = {}
     reader = threading.Thread(target=lambda: first.update(json.loads(proc.stdout.readline() or "{}")), daemon=True)
     reader.start()
@@ -120,14 +115,13 @@ def test_serve_config_then_sigterm_to_its_process_group_exits_cleanly(tiny_model
     proc, first = serve_process("--config", str(cfg), "--port", "0", start_new_session=True)
     assert first["started_fleet"] is True
     assert complete(first["serving"])[0] == 200
-    session = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert len(session) > 3  # the local Ray's daemons run in the process group the signal reaches
+    assert len(session(proc.pid)) > 3  # the local Ray's daemons run in the process group the signal reaches
     t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGTERM)
     code, lines = finish(proc, 120)
     assert code == 0 and lines[-1]["stopped"] and lines[-1]["fleet_shut_down"] is True
     assert time.monotonic() - t0 < 60
-    wait_for(lambda: not subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).stdout, 30,
+    wait_for(lambda: not session(proc.pid), 30,
              what="every process of the session to exit")
 
 
@@ -135,7 +129,7 @@ def test_a_bad_config_is_refused_before_anything_starts(tmp_path, tiny_model):
     cfg = tmp_path / "fleet.yaml"
     cfg.write_text(json.dumps({"engine": {"model": tiny_model}, "num_engines": 0}))
     out = subprocess.run([sys.executable, "-m", "cli.main", "serve", "--config", str(cfg)], capture_output=True,
-                         text=True, env=env(), timeout=120)
+                         text=True, env=cli_env(), timeout=120)
     assert out.returncode == 2 and "num_engines" in out.stderr and "Traceback" not in out.stderr
 
 
