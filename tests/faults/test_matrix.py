@@ -41,7 +41,7 @@ def test_variant_gets_expected_outcome_and_keeps_invariants(runner, variant):
     assert rep.lost == 0 and rep.wrong_version_tags == 0, detail
     assert rep.accepted > 0 and rep.accepted == rep.completed + rep.returned, detail
     assert not rep.violations, detail
-    planned = resolve(load_plan(variant.plan), BASE_FLEET["num_engines"])
+    planned = resolve(load_plan(variant.plan), {**BASE_FLEET, **variant.plan.get("fleet", {})}["num_engines"])
     assert len(rep.faults) == len(planned), detail  # every planned fault went off (rep.passed: and did its harm)
     ends_fleet = any(f.where == "shutdown" for f in planned)  # the gate never reopens: the fleet was shut down
     if rep.expected == "recovers":
