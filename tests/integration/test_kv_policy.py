@@ -33,6 +33,7 @@ version and finished on the new one), so a too-fast request fails instead of pas
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -145,19 +146,38 @@ def _start(tiny_model, source, policy: str) -> Run:
     return Run(fleet, source, policy)
 
 
-@pytest.fixture(scope="class")
-def keep(ray_local, tiny_model, source):
-    """One keep fleet for both keep checks (class scope: shut down before the next fleet starts)."""
-    run = _start(tiny_model, source, "keep")
-    yield run
-    run.fleet.shutdown()
+POLICIES = ("keep", "recompute", "salt")
+
+
+@pytest.fixture(scope="module")
+def runs(ray_local, tiny_model, source):
+    """The three 1-engine fleets, one per policy, started side by side (an engine's start is mostly one
+    process importing vLLM: three at once on 2 cores take half the time of three in a row) and shut
+    down together at the end. Each test refits its own fleet; they share only the trainer."""
+    with ThreadPoolExecutor(len(POLICIES)) as pool:
+        starting = {p: pool.submit(_start, tiny_model, source, p) for p in POLICIES}
+        started = {}
+        try:
+            for policy, fut in starting.items():
+                started[policy] = fut.result()
+        finally:
+            if len(started) < len(POLICIES):  # one failed to start: stop the others before failing
+                for fut in starting.values():
+                    if fut.exception() is None:
+                        fut.result().fleet.shutdown()
+    yield started
+    with ThreadPoolExecutor(len(POLICIES)) as pool:
+        list(pool.map(lambda run: run.fleet.shutdown(), started.values()))
+
+
+@pytest.fixture
+def keep(runs):
+    return runs["keep"]
 
 
 @pytest.fixture(params=["recompute", "salt"])
-def protected(request, ray_local, tiny_model, source):
-    run = _start(tiny_model, source, request.param)
-    yield run
-    run.fleet.shutdown()
+def protected(request, runs):
+    return runs[request.param]
 
 
 def _refit_and_measure(run: Run, in_flight: bool, label: str) -> float:
