@@ -64,17 +64,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from health.faultplan import load_plan
 
-    if args.plan:
-        text = args.plan.read_text()
-        try:
+    try:
+        if args.plan:
+            try:
+                text = args.plan.read_text()
+            except OSError as exc:
+                raise ValueError(f"cannot read the plan: {exc.strerror or exc}") from None
             plan = load_plan(text)  # validates, naming the field at fault
-        except ValueError as exc:
-            print(f"rlfleet: error: {args.plan}: {exc}", file=sys.stderr)
-            return 2
-        variants = [Variant(dict(yaml.safe_load(text)))]
-        print(f"[faults] plan {plan.name}: {len(plan.faults)} fault(s), expect {plan.expect}")
-    else:
-        variants = by_name(args.only)
+            variants = [Variant(dict(yaml.safe_load(text)))]
+            print(f"[faults] plan {plan.name}: {len(plan.faults)} fault(s), expect {plan.expect}")
+        else:
+            variants = by_name(args.only)
+    except ValueError as exc:  # a plan or variant name the user got wrong: one line, nothing started
+        print(f"rlfleet: error: {args.plan or '--only'}: {exc}", file=sys.stderr)
+        return 2
     model = args.model or str(build_model(default_model_dir("tiny")))
     ray_io.init_local(log_to_driver=False)
     try:

@@ -19,7 +19,12 @@ from recipe.tinymodel import PRESETS
 def _cmd_model_build(args: argparse.Namespace) -> int:
     from recipe.tinymodel import build_model, default_model_dir, digest
 
-    path = build_model(args.dir or default_model_dir(args.preset), preset=args.preset, seed=args.seed, force=args.force)
+    try:
+        path = build_model(args.dir or default_model_dir(args.preset), preset=args.preset, seed=args.seed, force=args.force)
+    except OSError as exc:
+        from fleet.errors import ConfigError
+
+        raise ConfigError("dir", f"cannot build the model there: {exc.strerror or exc}", args.dir) from None
     print(json.dumps({"model_dir": str(path), "preset": args.preset, "seed": args.seed, "sha256": digest(path)}))
     return 0
 

@@ -283,6 +283,18 @@ def run_demo(cfg: DemoConfig, view=None) -> dict:
     return DemoRun(cfg, view).run()
 
 
+def _check_out(out: Path) -> None:
+    """The report directory must be one this run can create and write: found out before anything starts (a run
+    that trained for minutes and then cannot write its report has lost it). It is created here."""
+    probe = out / ".rlfleet-write-check"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError("out", f"cannot write the report there: {exc.strerror or exc}", str(out)) from None
+
+
 class DemoRun:
     """One demo run: the fleet, trainer and fault firing it drives, the rows its steps measured, its notes.
 
@@ -304,6 +316,9 @@ class DemoRun:
         self.firings = resolve(self.plan, cfg.engines) if self.plan is not None else []
         self.rejoin: dict = {"step": cfg.rejoin_at(self.firings), "wait_s": None, "unsettled": None}
         self.out = Path(cfg.out).resolve()
+        _check_out(self.out)
+        if cfg.model is not None and not Path(cfg.model).is_dir():
+            raise ConfigError("model", "no model directory there (build one with `rlfleet model build DIR`)", cfg.model)
         self.rc = RecipeConfig(prompts_per_step=cfg.prompts_per_step, samples_per_prompt=cfg.samples_per_prompt,
                                max_tokens=cfg.max_tokens, seed=cfg.seed)
         self.tcfg = TrainerConfig(lr=cfg.lr, max_staleness=cfg.max_staleness, seed=cfg.seed)

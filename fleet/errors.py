@@ -23,6 +23,10 @@ class ConfigError(RlfleetError, ValueError):
         super().__init__(f"invalid config {field}: {problem} (got {value!r})")
 
 
+class ClusterNotFound(RlfleetError, ConnectionError):
+    """No running Ray cluster where the caller looked (``address``, ``RAY_ADDRESS``, or this machine)."""
+
+
 class ShardUnusableError(RlfleetError):
     """The shard cannot serve this call (shut down, not started, engine dead): remove or restart it."""
 

@@ -27,7 +27,7 @@ from ray import exceptions as rex
 from ray.actor import ActorHandle
 
 from fleet.config import EngineConfig
-from fleet.errors import ConfigError, DeadlineExceeded, ShardUnavailableError
+from fleet.errors import ClusterNotFound, ConfigError, DeadlineExceeded, ShardUnavailableError
 from fleet.naming import NAMESPACE
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome  # noqa: F401 - re-exported
 
@@ -285,7 +285,14 @@ def join_cluster(address: str | None = None) -> None:
     process is already in one; a driver attaching to a fleet another driver started."""
     if ray.is_initialized():
         return
-    ray.init(address=address or "auto", log_to_driver=False)
+    try:
+        ray.init(address=address or "auto", log_to_driver=False)
+    except ConnectionError as exc:  # Ray's own words name its flag and variable; say what the user runs here
+        where = f"at {address}" if address else "on this machine (no --address given, RAY_ADDRESS unset)"
+        if not address and os.environ.get("RAY_ADDRESS"):
+            where = f"at RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
+        raise ClusterNotFound(f"no running Ray cluster {where}: start the fleet first, or pass --address "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
 
 
 def check_capacity(num_engines: int, cpus_per_engine: float, gpus_per_engine: float) -> None:

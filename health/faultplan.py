@@ -179,7 +179,13 @@ def load_plan(data: Mapping[str, Any] | str) -> FaultPlan:
     if isinstance(data, str):
         import yaml
 
-        data = yaml.safe_load(data)
+        try:
+            data = yaml.safe_load(data)
+        except yaml.YAMLError as exc:  # a typo in a plan file is the user's to fix: say where, as a ValueError
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ValueError(f"fault plan: not valid YAML{at}: {problem}") from None
     _need(isinstance(data, Mapping), "<root>", "must be a mapping", data)
     unknown = set(data) - {"name", "expect", "faults", "steps", "seed", "fleet", "description"}
     _need(not unknown, "<root>", f"unknown keys {sorted(unknown)}", sorted(unknown))

@@ -59,3 +59,29 @@ def test_smoke_with_no_engines_is_refused_naming_the_field(capsys):
 
     assert main(["smoke", "--engines", "0"]) == 2  # refused before Ray or any engine starts
     assert "invalid config engines" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["fleet", "list"], ["fleet", "status", "f"], ["serve", "--connect", "f"]])
+def test_a_command_that_finds_no_ray_cluster_says_so_in_one_line(monkeypatch, capsys, argv):
+    """Run where no Ray runs (a new user's first try, a typo in RAY_ADDRESS), these ended in Ray's
+    ConnectionError traceback; now one line says no cluster was found where, and how to point at one."""
+    import ray
+
+    def no_cluster(*args, **kwargs):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    assert cli_main.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlfleet: error: no running Ray cluster on this machine") and "--address" in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_model_directory_that_cannot_be_made_is_refused_naming_it(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli_main.main(["model", "build", str(blocker / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "invalid config dir: cannot build the model there" in err and "a-file" in err, err

@@ -53,6 +53,23 @@ def test_default_plan_and_plan_errors(tmp_path):
                  "faults: [{where: transfer, what: kill, shard: 0, step: 2, delay_s: 0.02}]\n")
     plan = load_demo_plan(DemoConfig(fault_plan=str(p)))
     assert plan.fleet == {"restart_budget": 1} and plan.faults[0].delay_s == 0.02
+    p.write_text("name: t\nfaults: [\n  - {where: pause\n")  # a YAML typo: named, with its line
+    with pytest.raises(ConfigError, match=r"fault_plan: fault plan: not valid YAML at line 3"):
+        load_demo_plan(DemoConfig(fault_plan=str(p)))
+
+
+@pytest.mark.parametrize("field", ["out", "model"])
+def test_a_report_directory_or_model_that_cannot_be_used_is_refused_before_anything_starts(tmp_path, field):
+    """Both ended a run late before: an unwritable ``--out`` in a traceback from ``mkdir``, a missing
+    ``--model`` after Ray had started. ``DemoRun`` refuses them as it is built, naming the field."""
+    from demo.run import DemoRun
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = {"out": {"out": str(blocker / "report")}, "model": {"model": str(tmp_path / "no-model"), "out": str(tmp_path)}}
+    with pytest.raises(ConfigError) as err:
+        DemoRun(DemoConfig(fault_plan="none", **bad[field]))
+    assert err.value.field == field, err.value
 
 
 def test_rejoin_step():

@@ -66,3 +66,20 @@ def test_a_trainer_s_fault_is_listed_without_a_slot():
     row = {"fault_to_reopen_s": 0.6, "faults": [{"slot": None, "incarnation": None, "point": "update",
                                                  "action": "corrupt_shape", "fault_to_reopen_s": 0.6}]}
     assert _fault_cells(row) == {"fired": "update:corrupt_shape", "fault_to_reopen_s": "0.6"}
+
+
+@pytest.mark.parametrize("case", ["not-yaml", "missing-file", "unknown-variant"])
+def test_a_plan_or_variant_the_user_got_wrong_is_one_line_and_exit_2(stub_runner, tmp_path, capsys, case):
+    """Each of these was a traceback (exit 1) before: a YAML typo, a plan path that is not there, a misspelt
+    variant name. Now one line names the file or flag and what is wrong with it, and nothing starts."""
+    plan = tmp_path / "p.yaml"
+    plan.write_text("name: x\nfaults: [\n  - {where: pause\n")
+    argv = {"not-yaml": ["--plan", str(plan)], "missing-file": ["--plan", str(tmp_path / "gone.yaml")],
+            "unknown-variant": ["--matrix", "--only", "kill-during-pauze"]}[case]
+    rc = cli.main(["faults", "run", *argv, "--model", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "names" not in stub_runner and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and err.startswith("rlfleet: error: ")
+    expect = {"not-yaml": ("p.yaml", "not valid YAML at line 3"), "missing-file": ("gone.yaml", "No such file"),
+              "unknown-variant": ("--only", "kill-during-pauze")}[case]
+    assert all(part in err for part in expect), err
