@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.utils.api_utils import with_cancellation
+from vllm.exceptions import VLLMValidationError
 
 from serve import protocol
 from serve.front import Front
@@ -47,6 +48,13 @@ def build_app(front: Front) -> FastAPI:
     async def _invalid(request: Request, exc: RequestValidationError):
         front.count(request.url.path, 400)
         return _error(400, _validation_message(exc), "BadRequestError")
+
+    @app.exception_handler(VLLMValidationError)
+    async def _refused_by_vllm(request: Request, exc: VLLMValidationError):
+        """vLLM's request models raise their own error from a validator pydantic does not wrap (a missing or
+        empty prompt): it is the caller's mistake, a 400 in vLLM's words, not a 500."""
+        front.count(request.url.path, 400)
+        return _error(400, str(exc), "BadRequestError", getattr(exc, "parameter", None))
 
     @app.get("/v1/models")
     async def models():

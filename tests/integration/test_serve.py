@@ -116,6 +116,11 @@ def test_a_bad_request_is_refused_with_vllms_message_and_another_model_is_not_fo
     code, body = curl(f"{served.url}/v1/chat/completions", "-H", "content-type: application/json",
                       "-d", json.dumps({"messages": [], "max_tokens": 2}))
     assert code == 400 and "messages" in json.loads(body)["error"]["message"]
+    for prompt in ({}, {"prompt": ""}, {"prompt": None}):  # vLLM's own validator raised these past pydantic: a 500
+        code, body = curl(f"{served.url}/v1/completions", "-H", "content-type: application/json",
+                          "-d", json.dumps({"model": served.model, "max_tokens": 2, **prompt}))
+        error = json.loads(body)["error"]
+        assert (code, error["type"], error["param"]) == (400, "BadRequestError", "prompt"), (prompt, code, body)
     assert served.fleet.status()["gate_open"]  # the caller's mistakes changed nothing
 
 
