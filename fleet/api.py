@@ -234,6 +234,8 @@ class Fleet:
     def collect(self, pending) -> list[FleetResult]:
         """The results of a ``submit``ted group (every request ends completed or returned within its bound)."""
         self._check_open("collect")
+        if not callable(getattr(pending, "result", None)):
+            raise TypeError(f"fleet.collect takes what fleet.submit returned, got {type(pending).__name__}")
         try:
             return pending.result(self._request_bound_s)
         except TimeoutError:

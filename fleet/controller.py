@@ -568,6 +568,8 @@ class SingleController:
 
     async def kill_shard(self, slot: int) -> bool:
         """Kill the current incarnation's actor process now (a fault at a step boundary)."""
+        if isinstance(slot, bool) or slot not in self.handles:
+            raise ValueError(f"kill_shard: no engine runs in slot {slot!r}; slots with one: {sorted(self.handles)}")
         inc, handle = self.handles[slot]
         self.log.emit("fault", slot=slot, incarnation=inc, point="step_boundary", action="kill", armed=True)
         self.door.kill(handle)

@@ -114,6 +114,12 @@ def test_refit_misuse_changes_nothing(run):
     assert status["gate_open"] and status["version"] == version and status["stopped"] is None
     with pytest.raises(TypeError, match="flat list of 3 integers"):
         run.fleet.generate([1, 2, 3])
+    with pytest.raises(TypeError, match="fleet.collect takes what fleet.submit returned, got list"):
+        run.fleet.collect(["not a pending group"])  # was an AttributeError from inside collect
+    with pytest.raises(ValueError, match=r"no engine runs in slot 9; slots with one: \[0, 1, 2\]"):
+        run.fleet.kill_shard(9)  # was a KeyError raised in the controller actor
+    after = run.fleet.status()
+    assert after["gate_open"] and after["serving"] == status["serving"] and after["stopped"] is None
 
 
 def test_killed_shard_restarts_joins_next_refit_and_serves(run):

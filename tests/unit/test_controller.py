@@ -378,3 +378,17 @@ def test_lifecycle_deadline_falls_back_to_360_s(model_dir):
     assert cfg.lifecycle_deadline_s == REFIT_TIMEOUT_FALLBACK_S + 5
     cfg = load_fleet_config({"engine": {"model": model_dir}, "refit_timeout_s": 30, "lifecycle_grace_s": 5})
     assert cfg.lifecycle_deadline_s == 35
+
+
+@pytest.mark.parametrize("slot", [7, -1, "1", True])
+def test_kill_shard_of_a_slot_without_an_engine_is_refused_naming_the_slots_that_have_one(model_dir, slot):
+    """It was a bare ``KeyError: 7``; nothing is killed and the fleet serves on."""
+    async def go():
+        ctl, door, _ = make(model_dir)
+        await ctl.start()
+        with pytest.raises(ValueError, match=r"no engine runs in slot .*; slots with one: \[0, 1, 2\]"):
+            await ctl.kill_shard(slot)
+        assert not any(h.dead for _, h in ctl.handles.values()) and ctl.gate.is_open
+        await ctl.shutdown()
+
+    run(go())
