@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 
 DIGEST = (
@@ -46,6 +45,7 @@ def register(sub) -> None:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from demo.run import DemoConfig, _nan_to_none, run_demo
+    from fleet.interrupt import exit_status
 
     cfg = DemoConfig(steps=args.steps, engines=args.engines, fault_plan=args.fault_plan, kv_policy=args.kv_policy,
                      out=args.out, seed=args.seed, model=args.model, progress=args.progress,
@@ -61,7 +61,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"report: {cfg.out} ({files})")
     print(json.dumps(_nan_to_none({k: summary.get(k) for k in DIGEST}), default=str), flush=True)
     if summary.get("interrupted"):
-        code = 128 + signal.Signals[summary["interrupted"]].value
+        code = exit_status(summary["interrupted"])
         if summary.get("ray_gone"):  # nothing is left to stop; Ray's own exit would wait for its dead daemons
             sys.stderr.flush()
             os._exit(code)

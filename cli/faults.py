@@ -5,13 +5,16 @@ as slot/incarnation point:action (point:action for a trainer's fault), seconds f
 prompts accepted/completed/returned/lost, wrong version tags) and, last, one JSON
 object with ``variants``, ``passed``, ``prompts_lost``, ``wrong_version_tags``,
 ``failed`` and ``per_variant`` (each variant's verdict, fault -> reopen seconds and
-the faults it fired). Exits non-zero if any variant failed.
+the faults it fired). Exits non-zero if any variant failed; 130 or 143 when Ctrl-C or a SIGTERM
+ended the run early (the variants that finished are reported, ``interrupted`` names the signal,
+the fleet is shut down and nothing is left running).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,7 +53,7 @@ def _table(rows: list[dict]) -> str:
             "completed", "returned", "lost", "wrong tags", "result"]
     cells = [[("PASS" if r[c] else "FAIL") if c == "passed" else ("-" if r[c] is None else str(r[c])) for c in cols]
              for r in ({**r, **_fault_cells(r)} for r in rows)]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(head)]
     line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(c) for c in cells])
 
@@ -62,6 +65,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from recipe.tinymodel import build_model, default_model_dir
     import yaml
 
+    from fleet.interrupt import catch_signals, exit_status, interrupted_by, restore
     from health.faultplan import load_plan
 
     try:
@@ -79,17 +83,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"rlfleet: error: {args.plan or '--only'}: {exc}", file=sys.stderr)
         return 2
     model = args.model or str(build_model(default_model_dir("tiny")))
-    ray_io.init_local(log_to_driver=False)
+    reports: list = []
+    interrupted, ray_gone = None, False
+    handlers = catch_signals(fresh=True)
     try:
-        reports = run_variants(model, variants, log=lambda m: print(m, flush=True))
+        try:
+            ray_io.init_local(log_to_driver=False)
+            catch_signals()  # Ray's start-up replaced the SIGTERM handler
+            reports = run_variants(model, variants, log=lambda m: print(m, flush=True), done=reports)
+        except KeyboardInterrupt:
+            interrupted = interrupted_by() or "SIGINT"
+            print(f"[faults] interrupted by {interrupted}: {len(reports)} of {len(variants)} variant(s) finished; "
+                  "the variant running was not judged, its fleet is shut down", flush=True)
+        finally:
+            ray_gone = bool(interrupted and ray_io.local_ray_down())
+            if not ray_gone:  # else nothing is left to stop: Ray went down with the signal
+                ray_io.shutdown()
     finally:
-        ray_io.shutdown()
+        restore(handlers)
+    if interrupted:
+        interrupted = interrupted_by() or interrupted  # every signal that came with the first one is in by now
     rows = [r.row() for r in reports]
     print(_table(rows))
     for r in rows:
         for problem in r["violations"] + r["notes"]:
             print(f"  {r['variant']}: {problem}")
     summary = {
+        "interrupted": interrupted,
         "variants": len(rows),
         "passed": sum(r["passed"] for r in rows),
         "prompts_lost": sum(r["lost"] for r in rows),
@@ -103,7 +123,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     }
     if args.json_out:
         args.json_out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=2))
-    print(json.dumps(summary))
+    print(json.dumps(summary), flush=True)
+    if interrupted:
+        if ray_gone:  # Ray's own exit would wait for its dead daemons
+            sys.stderr.flush()
+            os._exit(exit_status(interrupted))
+        return exit_status(interrupted)
     return 0 if summary["passed"] == summary["variants"] else 1
 
 

