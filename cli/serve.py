@@ -74,21 +74,38 @@ def _join_ray(args: argparse.Namespace):
 def _cmd_serve(args: argparse.Namespace) -> int:
     from fleet import ray_io
     from fleet.api import Fleet
+    from fleet.interrupt import Interrupted
     from serve.server import HttpServer
 
     config = _join_ray(args)
     # After Ray's start-up (which installs a handler of its own), so that a signal, even one that arrives
     # while the fleet starts, ends in an orderly stop: nothing started is left behind.
     stop = threading.Event()
+    starting = [True]
 
     def on_signal(signum, _frame):
         if stop.is_set():  # a second signal while stopping: stop now (what was started may be left behind)
             os._exit(128 + signum)
         stop.set()
+        if starting[0]:  # interrupt the start: it shuts the half-started fleet down (abandons it if Ray went too)
+            raise Interrupted(signum)
 
     signals = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    fleet, owned = (Fleet.connect(args.connect, address=args.address), False) if config is None else \
-        (Fleet.start(config), True)
+    try:
+        fleet, owned = (Fleet.connect(args.connect, address=args.address), False) if config is None else \
+            (Fleet.start(config), True)
+    except KeyboardInterrupt:
+        gone = ray_io.local_ray_down() if config is not None else []
+        why = f"; the local Ray stopped with the signal ({', '.join(gone)} exited)" if gone else ""
+        print(json.dumps({"stopped": True, "fleet_shut_down": config is not None, "front": {},
+                          "end": f"interrupted while the fleet started{why}"}), flush=True)
+        if gone:
+            os._exit(0)  # Ray's own exit would wait for its dead GCS
+        for sig, old in signals.items():
+            signal.signal(sig, old)
+        return 0
+    finally:
+        starting[0] = False
     server = None
     try:
         if stop.is_set():

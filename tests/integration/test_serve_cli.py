@@ -8,7 +8,8 @@ model's. Each test shows its fault happened:
   to keeps serving; a port already taken is refused naming the address;
 - the fleet stopped under the front (by another handle): ``/health`` and completions answer 503 naming why;
 - ``--config`` with its own local Ray, then SIGTERM to the whole process group (what Ctrl-C,
-  ``timeout`` or a batch system do): it exits 0 at once with its last line, leaving no process;
+  ``timeout`` or a batch system do): it exits 0 at once with its last line, leaving no process; the
+  same while its engine still starts;
 - a bad config is refused before anything starts, naming the field;
 - an HTTP client that disconnects: its request is aborted on the engine (the shard holds nothing
   long before the generation would have ended) and counted ``cancelled``.
@@ -123,6 +124,35 @@ def test_serve_config_then_sigterm_to_its_process_group_exits_cleanly(tiny_model
     assert time.monotonic() - t0 < 60
     wait_for(lambda: not session(proc.pid), 30,
              what="every process of the session to exit")
+
+
+@pytest.mark.timeout(180)
+def test_serve_config_sigterm_to_its_process_group_while_the_engine_starts_exits_at_once(tiny_model, tmp_path):
+    """The signal lands while ``Fleet.start`` waits for a real vLLM engine: the start used to go on through
+    the dead local Ray, wait 60 s on its GCS and die with exit 1. Now it is interrupted, the fleet abandoned."""
+    cfg = tmp_path / "fleet.json"
+    cfg.write_text(json.dumps({"engine": {"model": tiny_model, "kv_cache_memory_bytes": 32 << 20}, "num_engines": 1}))
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(cfg), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+                            start_new_session=True)
+    errors: list[str] = []
+    threading.Thread(target=lambda: errors.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+    try:
+        wait_for(lambda: any("Started a local Ray" in e for e in errors) or proc.poll() is not None, 120, 0.1,
+                 what="the local Ray's start")
+        time.sleep(3.0)  # the engine is importing vLLM now: its start takes over 10 s on this machine
+        assert proc.poll() is None and len(session(proc.pid)) > 3
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        code, lines = finish(proc, 120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "serving" not in lines[0], lines  # it never served: the signal came during the start
+    assert code == 0 and took < 20, (code, took, "".join(errors[-20:]))
+    assert lines[-1]["stopped"] and lines[-1]["end"].startswith("interrupted while the fleet started"), lines
+    wait_for(lambda: not session(proc.pid), 30, what="every process of the session to exit")
 
 
 def test_a_bad_config_is_refused_before_anything_starts(tmp_path, tiny_model):
