@@ -19,6 +19,12 @@ def cli_env() -> dict:
                 TRANSFORMERS_OFFLINE="1")
 
 
+def start_shards(handles, timeout: float = 300.0) -> None:
+    """Start every shard's engine at once, then wait for all (starting them one after another took the sum)."""
+    for ref in [ray_io.submit(h, "start") for h in handles]:
+        ray_io.get_or_raise(ref, timeout)
+
+
 def session(pid: int) -> list[str]:
     """The processes of the session ``pid`` leads (a command started with ``start_new_session``)."""
     return subprocess.run(["pgrep", "-s", str(pid)], capture_output=True, text=True).stdout.split()

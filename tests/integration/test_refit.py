@@ -19,6 +19,7 @@ from fleet import ray_io
 from fleet.config import EngineConfig
 from recipe.logprobs import token_logprobs
 from refit import LocalSenderPort, Outcome, Participant, RefitConfig, WeightSender, WeightSynchronizer
+from tests.integration.fleet_helpers import start_shards
 
 pytestmark = pytest.mark.integration
 
@@ -34,8 +35,7 @@ def fleet(ray_local, tiny_model):
     cfg = EngineConfig(model=tiny_model, kv_cache_memory_bytes=16 << 20)
     shards = [ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(2)]
     trainer = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
-    for h in shards:
-        ray_io.ask(h, "start", timeout=300)
+    start_shards(shards)
     yield shards, trainer
     for h in shards:
         ray_io.try_ask(h, "shutdown", timeout=60)

@@ -18,6 +18,7 @@ from faults.source import WeightSource
 from fleet import ray_io
 from fleet.config import EngineConfig
 from refit import Outcome, Participant, RefitConfig, WeightSynchronizer
+from tests.integration.fleet_helpers import start_shards
 
 pytestmark = pytest.mark.integration
 
@@ -33,8 +34,7 @@ def cluster(ray_local, tiny_model):
     cfg = EngineConfig(model=tiny_model, kv_cache_memory_bytes=16 << 20)
     shards = {i: ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(2)}
     trainer = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
-    for h in shards.values():
-        ray_io.ask(h, "start", timeout=300)
+    start_shards(shards.values())
     state = {"shards": shards, "trainer": trainer, "cfg": cfg}
     yield state
     for h in state["shards"].values():

@@ -15,6 +15,7 @@ from faults.source import WeightSource
 from fleet import ray_io
 from fleet.config import EngineConfig
 from refit import Outcome, RefitConfig, WeightSynchronizer, assign_ranks
+from tests.integration.fleet_helpers import start_shards
 
 pytestmark = pytest.mark.integration
 
@@ -34,8 +35,7 @@ def engines(ray_local, tiny_model):
         1: ray_io.spawn_shard(tp2, slot=1, incarnation=1, runtime_env={"env_vars": env}),
     }
     trainer = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
-    for h in shards.values():
-        ray_io.ask(h, "start", timeout=300)
+    start_shards(shards.values())
     yield shards, trainer
     for h in shards.values():
         ray_io.try_ask(h, "shutdown", timeout=60)
