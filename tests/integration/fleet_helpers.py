@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 
@@ -23,6 +24,19 @@ def start_shards(handles, timeout: float = 300.0) -> None:
     """Start every shard's engine at once, then wait for all (starting them one after another took the sum)."""
     for ref in [ray_io.submit(h, "start") for h in handles]:
         ray_io.get_or_raise(ref, timeout)
+
+
+def signal_and_wait(proc: subprocess.Popen, group: bool = True, timeout: float = 180.0) -> tuple[int, float]:
+    """SIGTERM to ``proc``'s whole process group (or the process alone), then wait for it to exit; returns its
+    exit status and the seconds that took. Still running after ``timeout``: killed with its group."""
+    t0 = time.monotonic()
+    try:
+        (os.killpg if group else os.kill)(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return code, time.monotonic() - t0
 
 
 def session(pid: int) -> list[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.fleet_helpers import cli_env, session, wait_for
+from tests.integration.fleet_helpers import cli_env, session, signal_and_wait, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -52,13 +52,7 @@ def test_sigterm_ends_the_demo_with_its_report_and_nothing_left_behind(tiny_mode
                  what="the demo's third training step")
         assert proc.poll() is None, f"the demo ended on its own: {''.join(lines[-20:])}{''.join(errors[-40:])}"
         assert len(session(proc.pid)) > 3  # the local Ray's daemons run in the session the signal may reach
-        t0 = time.monotonic()
-        if target == "process-group":
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            os.kill(proc.pid, signal.SIGTERM)
-        code = proc.wait(timeout=180)
-        took = time.monotonic() - t0
+        code, took = signal_and_wait(proc, group=target == "process-group")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -96,10 +90,7 @@ def test_sigterm_while_the_fleet_starts_ends_faults_run_at_once_with_nothing_lef
                  what="the fleet's start")
         time.sleep(3.0)  # well inside the start: three engines take tens of seconds to come up
         assert proc.poll() is None and not any("PASS in" in line or "FAIL in" in line for line in lines), lines
-        t0 = time.monotonic()
-        os.killpg(proc.pid, signal.SIGTERM)
-        code = proc.wait(timeout=120)
-        took = time.monotonic() - t0
+        code, took = signal_and_wait(proc, timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
