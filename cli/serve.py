@@ -96,7 +96,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             (Fleet.start(config), True)
     except KeyboardInterrupt:
         gone = ray_io.local_ray_down() if config is not None else []
-        why = f"; the local Ray stopped with the signal ({', '.join(gone)} exited)" if gone else ""
+        why = f"; {ray_io.ray_down_reason(gone)}" if gone else ""
         print(json.dumps({"stopped": True, "fleet_shut_down": config is not None, "front": {},
                           "end": f"interrupted while the fleet started{why}"}), flush=True)
         if gone:
@@ -130,7 +130,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         gone = ray_io.local_ray_down() if owned and stop.is_set() else []
         if gone:  # the signal reached this process group's local Ray too: the fleet went down with it
             print(json.dumps({"stopped": True, "fleet_shut_down": True, "front": counters,
-                              "end": f"the local Ray stopped with the signal ({', '.join(gone)} exited): "
+                              "end": f"{ray_io.ray_down_reason(gone)}: "
                                      f"its engines and controller stopped with it"}), flush=True)
             os._exit(0)  # nothing is left to shut down; Ray's own exit would wait for its dead GCS
         # Bounded: a signal sent to the whole process group (Ctrl-C, timeout(1), a batch system) also stops

@@ -363,7 +363,7 @@ class DemoRun:
             self.view.stop_polling()
         self.ray_gone = ray_io.local_ray_down() if owns_ray and self.interrupted else []
         if self.ray_gone:
-            self.say(f"the local Ray stopped with the signal ({', '.join(self.ray_gone)} exited): "
+            self.say(f"{ray_io.ray_down_reason(self.ray_gone)}: "
                      "its engines, controller and trainer stopped with it")
             if self.fleet is not None:
                 self.fleet.abandon(f"interrupted by {self.interrupted}")  # what was in flight: returned, logged

@@ -358,7 +358,7 @@ def run_variants(model_dir: str, variants: list[Variant], log: Callable = print,
         return reports
     except KeyboardInterrupt:
         dead = ray_io.local_ray_down()
-        gone = f"the local Ray stopped with the signal ({', '.join(dead)} exited)" if dead else None
+        gone = ray_io.ray_down_reason(dead) if dead else None
         raise
     finally:
         runner.close(ray_gone=gone)

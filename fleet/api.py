@@ -161,7 +161,7 @@ class Fleet:
         except BaseException as exc:
             gone = ray_io.local_ray_down() if isinstance(exc, KeyboardInterrupt) else []
             if gone:  # a signal to the whole process group stopped our Ray too: nothing is left to ask or stop
-                fleet.abandon(f"interrupted while starting; the local Ray stopped ({', '.join(gone)} exited)")
+                fleet.abandon(f"interrupted while starting; {ray_io.ray_down_reason(gone)}")
             else:
                 fleet.shutdown()
             raise

@@ -275,6 +275,11 @@ def local_ray_down(wait_s: float = 2.0) -> list[str]:
         time.sleep(0.1)
 
 
+def ray_down_reason(dead: list[str]) -> str:
+    """What to tell the user (and log) when ``local_ray_down`` found ``dead`` daemons."""
+    return f"the local Ray stopped with the signal ({', '.join(dead)} exited)"
+
+
 def cluster_address() -> str:
     """The address of the Ray cluster this process is in (what another process passes to ``join_cluster``)."""
     return ray.get_runtime_context().gcs_address
