@@ -32,6 +32,7 @@ from typing import Any
 
 from fleet.intent import CLOSING, COMMITTED, RefitIntent
 from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed, RefitNotStaged, RefitRefused
+from fleet.outcome import OK
 from fleet.weights import TransferResult
 from health import (
     AbortRefit,
@@ -219,10 +220,15 @@ class RefitLifecycle:
         """Step 2: every live shard refuses work routed before ``epoch`` from now on, and aborts the
         in-flight requests whose version policy ``version`` would break (``max_staleness``, ``latest``);
         their clients re-send them. Returns how many were aborted."""
-        live = self.ctl.live_handles()
-        outs = await self._fan_out({s: (h, "begin_refit", (epoch, version), {}) for s, (_, h) in live.items()})
-        self._busy = {s: int(o.value.get("in_flight", 0)) for s, o in outs.items() if o.ok}
-        aborted = sum(int(o.value.get("aborted", 0)) for o in outs.values() if o.ok)
+        args, kw = (epoch, version), {}
+        outs = await self._fan_out({s: (h, "begin_refit", args, kw) for s, (_, h) in self.ctl.live_handles().items()})
+        aborted, busy = 0, {}
+        for s, o in outs.items():
+            if o.kind == OK:  # ``o.ok``, without a property call per shard
+                aborted += int(o.value.get("aborted", 0))
+                if o.value.get("in_flight"):
+                    busy[s] = int(o.value["in_flight"])
+        self._busy = busy  # only the shards with requests in flight: an idle fleet's refit looks at none
         if aborted:
             self.ctl.log.emit("staleness_abort", version=version, requests=aborted)
         return aborted
@@ -244,19 +250,20 @@ class RefitLifecycle:
     async def pause(self, plan: MembershipPlan) -> set[int]:
         """Step 4: pause every participant (keep in-flight requests); all pause calls settle first."""
         targets = {p.slot: p for p in plan.participants}
-        clear = {s: self._clear_cache(s) for s in targets}
+        clear = self._clear_cache(targets)
         await self._invalidate_without_native_pause({s: p for s, p in targets.items() if clear[s]})
+        handles = self.ctl.handles
+        args, kw = (), {True: {"mode": "keep", "clear_cache": True}, False: {"mode": "keep", "clear_cache": False}}
         outs = await self._fan_out(
-            {s: (self._handle(p), "pause", (), {"mode": "keep", "clear_cache": clear[s]}) for s, p in targets.items()},
-            expect_ack=True,
+            {s: (handles[s][1], "pause", args, kw[clear[s]]) for s in targets}, expect_ack=True,
         )
-        acts = self.ctl.observe_all(CallKind.PAUSE, {s: (targets[s].incarnation, out) for s, out in outs.items()})
+        failed = {s: (targets[s].incarnation, out) for s, out in outs.items() if out.kind != OK}
+        acts = self.ctl.observe_all(CallKind.PAUSE, failed)  # an ok pause is not fed (``observe_all``)
         aborts = [a for a in acts if isinstance(a, AbortRefit)]
-        paused: set[int] = set()
-        for slot, out in outs.items():
-            if out.ok:
-                paused.add(slot)
-                self._held[(slot, targets[slot].incarnation)] = self._handle(targets[slot])
+        paused = {s for s in outs if s not in failed}
+        held = self._held
+        for slot in paused:
+            held[(slot, targets[slot].incarnation)] = handles[slot][1]
         if aborts:
             raise _EndRefit(RefitFailed, aborts[0].message)
         return paused
@@ -324,18 +331,21 @@ class RefitLifecycle:
         if not complete:
             return
         parts = [p for p in plan.participants if p.slot in complete]
+        members = tuple((p.slot, p.incarnation) for p in parts)
         # stored before the commit acts: a successor stamps exactly these engines and serves the version
         self.ctl.intent.update(committed=version, membership_epoch=plan.epoch, refit=RefitIntent(
-            version, COMMITTED, tuple((p.slot, p.incarnation) for p in parts)))
+            version, COMMITTED, members))
         self.ctl.decide(VersionCommitted(version))
+        handles, args, kw = self.ctl.handles, (version,), {}
         outs = await self._fan_out(
-            {p.slot: (self._handle(p), "set_weight_version", (version,), {}) for p in parts}, expect_ack=True
+            {p.slot: (handles[p.slot][1], "set_weight_version", args, kw) for p in parts}, expect_ack=True
         )
-        for p in parts:
-            if not outs[p.slot].ok:
-                self.ctl.observe(p.slot, p.incarnation, CallKind.REFIT, outs[p.slot])
-        stamped = [p for p in parts if outs[p.slot].ok]
-        self.ctl.log.emit("stamp", version=version, members=[[p.slot, p.incarnation] for p in stamped])
+        failed = [p for p in parts if outs[p.slot].kind != OK]
+        for p in failed:
+            self.ctl.observe(p.slot, p.incarnation, CallKind.REFIT, outs[p.slot])
+        if failed:
+            members = tuple((p.slot, p.incarnation) for p in parts if outs[p.slot].kind == OK)
+        self.ctl.log.emit("stamp", version=version, members=members)
 
     async def resume(self, plan: MembershipPlan, paused: set[int], complete: set[int]) -> None:
         """Step 7: resume every paused participant under one shared deadline; never retries the transfer.
@@ -344,11 +354,13 @@ class RefitLifecycle:
         aborted first (the dispatcher re-sends them to a serving engine).
         """
         parts = [p for p in plan.participants if p.slot in paused]
-        stale = {p.slot: p for p in parts if p.slot not in complete and self._busy.get(p.slot)}
+        handles, args, kw = self.ctl.handles, (), {}
+        stale = [p for p in parts if p.slot in self._busy and p.slot not in complete]
         if stale:
-            await self._fan_out({s: (self._handle(p), "abort_in_flight", (), {}) for s, p in stale.items()})
-        outs = await self._fan_out({p.slot: (self._handle(p), "resume", (), {}) for p in parts}, expect_ack=True)
-        acts = self.ctl.observe_all(CallKind.RESUME, {p.slot: (p.incarnation, outs[p.slot]) for p in parts})
+            await self._fan_out({p.slot: (handles[p.slot][1], "abort_in_flight", args, kw) for p in stale})
+        outs = await self._fan_out({p.slot: (handles[p.slot][1], "resume", args, kw) for p in parts}, expect_ack=True)
+        acts = self.ctl.observe_all(  # an ok resume is not fed (``observe_all``)
+            CallKind.RESUME, {p.slot: (p.incarnation, outs[p.slot]) for p in parts if outs[p.slot].kind != OK})
         aborts = [a for a in acts if isinstance(a, AbortRefit)]
         if aborts:
             raise _EndRefit(RefitFailed, aborts[0].message)
@@ -365,26 +377,31 @@ class RefitLifecycle:
         raise _EndRefit(FleetExhausted if isinstance(stop, StopExhausted) else RefitFailed, message)
 
     # ------------------------------------------------------------------ helpers
-    def _clear_cache(self, slot: int) -> bool:
-        """Whether pausing ``slot`` clears its KV cache; under ``keep``, decided per shard (an idle
+    def _clear_cache(self, slots) -> dict[int, bool]:
+        """slot -> whether pausing it clears its KV cache; under ``keep``, decided per shard (an idle
         shard invalidates its prefix cache even while another one is busy)."""
         policy = self.ctl.cfg.kv_policy
         if policy == "recompute":
-            return True
-        drained = not self._busy.get(slot)
-        if policy == "keep":
-            if drained:
-                return True  # free: nothing in flight, so invalidate the prefix cache anyway
-            if self.ctl.cfg.engine.enable_prefix_caching:
-                self.ctl.warn_keep_once(
-                    "kv_policy='keep' with requests in flight during a refit: later requests may reuse "
-                    "prefix-cache blocks computed by the old weights (use 'recompute' or 'salt' to avoid this)"
-                )
-        return False
+            return dict.fromkeys(slots, True)
+        if policy != "keep":
+            return dict.fromkeys(slots, False)
+        clear = dict.fromkeys(slots, True)  # free: nothing in flight, so invalidate the prefix cache anyway
+        busy = [s for s in self._busy if s in clear]
+        for s in busy:
+            clear[s] = False
+        if busy and self.ctl.cfg.engine.enable_prefix_caching:
+            self.ctl.warn_keep_once(
+                "kv_policy='keep' with requests in flight during a refit: later requests may reuse "
+                "prefix-cache blocks computed by the old weights (use 'recompute' or 'salt' to avoid this)"
+            )
+        return clear
 
     async def _invalidate_without_native_pause(self, targets: dict) -> None:
         """A backend without native pause must confirm an equivalent cache invalidation, or the refit stops."""
-        emulated = {s: p for s, p in targets.items() if not self.ctl.native_pause.get(s, True)}
+        native = self.ctl.native_pause
+        if False not in native.values():  # every engine pauses natively (the common case: no per-shard look)
+            return
+        emulated = {s: p for s, p in targets.items() if not native.get(s, True)}
         if not emulated:
             return
         outs = await self._fan_out({s: (self._handle(p), "invalidate_cache", (), {}) for s, p in emulated.items()},
@@ -424,7 +441,8 @@ class RefitLifecycle:
     async def _bounded_transfer(self, plan: MembershipPlan, deadline: float, call) -> dict:
         """``call(participants, seconds_left)`` on the port, cut off at ``deadline``: whoever had not
         finished then holds unknown weights (PARTIAL)."""
-        participants = [(p, self._handle(p)) for p in plan.participants]
+        handles = self.ctl.handles
+        participants = [(p, handles[p.slot][1]) for p in plan.participants]
         t0 = self.ctl.clock.now()
         left = max(0.0, deadline - t0)
         try:

@@ -312,6 +312,9 @@ def on_report(d: Draft, ev: RefitReport) -> None:
     if rec is None:
         return
     result = ev.result
+    if result is RefitResult.COMPLETE:
+        _landed(d, ev, rec)
+        return
     where = f"slot {rec.slot} incarnation {rec.incarnation}"
     if result is RefitResult.NOT_STARTED:
         d.reasons.append(
@@ -326,8 +329,12 @@ def on_report(d: Draft, ev: RefitReport) -> None:
         d.put(rec, rec._replace(weight_version=None, partial=True, reason=reason))
         d.reasons.append(f"{where}: {reason}")
         return
-    if result is not RefitResult.COMPLETE:
-        raise ValueError(f"RefitReport for {where} has result {result!r}, not a RefitResult")
+    raise ValueError(f"RefitReport for {where} has result {result!r}, not a RefitResult")
+
+
+def _landed(d: Draft, ev: RefitReport, rec: SlotRecord) -> None:
+    """A COMPLETE report: the slot holds ``ev.version`` (stamped) unless the refit it belongs to is not the
+    one in progress, was aborted, or the slot is not ready. Runs once per participant of every refit."""
     fleet = d.fleet_now()  # an earlier event of the same batch may have aborted the refit
     if fleet.refit_version != ev.version:
         why = f"the refit in progress is {fleet.refit_version}"
@@ -339,8 +346,8 @@ def on_report(d: Draft, ev: RefitReport) -> None:
         why = None
     if why is not None:
         d.late(
-            f"complete refit of version {ev.version} reported for {where}, but {why}: "
-            "ignored, weight stamp unchanged"
+            f"complete refit of version {ev.version} reported for slot {rec.slot} incarnation "
+            f"{rec.incarnation}, but {why}: ignored, weight stamp unchanged"
         )
         return
     # Built field by field (not ``_replace``): this runs once per participant of every refit.
@@ -350,7 +357,7 @@ def on_report(d: Draft, ev: RefitReport) -> None:
     )
     d.put(rec, new)
     serves = "serves" if fleet.current_version == ev.version else "serves once it is committed"
-    d.reasons.append(f"version {ev.version} landed on {where}; it {serves}")
+    d.reasons.append(f"version {ev.version} landed on slot {rec.slot} incarnation {rec.incarnation}; it {serves}")
 
 
 def _state(d: Draft, rec: SlotRecord) -> ShardState:
