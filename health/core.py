@@ -137,6 +137,8 @@ def _decide_batch(draft: Draft, batch: Batch) -> None:
         raise TypeError(f"Batch.events must be a tuple of slot events, got {type(events).__name__}")
     failures: list[FailureClass] = []
     draft.begin_batch()
+    if events and slot_rules.land_all(draft, events):
+        return  # every event OK, nothing retired, no quorum check during a refit
     # One pass per event of a fan-out (32 reports of a refit, 1,024 at scale): the names it uses
     # are looked up once, and the quorum check, which only acts between refits, is skipped during one.
     handlers, failed, ledger_fleet = _SLOT_HANDLERS, failures.append, draft.ledger._fleet

@@ -10,13 +10,13 @@ incarnation and value before anything is recorded; nothing here touches the ledg
 
 from __future__ import annotations
 
-from health.decision import AbortRefit, Evict, Probe, Restart, Retire
+from health.decision import AbortRefit, Evict, Probe, Restart, Retire, Transition
 from health.draft import Draft
 from health.events import EngineReady, Observed, RefitReport
 from health.ledger import SlotRecord, view_state
 from health.states import CallKind, FailureClass, RefitResult, ShardState, SlotPhase
 
-__all__ = ["condemn", "on_observed", "on_ready", "on_report", "restart"]
+__all__ = ["condemn", "land_all", "on_observed", "on_ready", "on_report", "restart"]
 
 _LAUNCHING = SlotPhase.LAUNCHING
 _LIVE = SlotPhase.LIVE
@@ -26,6 +26,7 @@ _DEAD = SlotPhase.DEAD
 _RETIRED = SlotPhase.RETIRED
 
 _OK = FailureClass.OK
+_COMPLETE = RefitResult.COMPLETE
 _F_DEAD = FailureClass.DEAD
 _F_SUSPECT = FailureClass.SUSPECT
 _F_HUNG = FailureClass.HUNG
@@ -358,6 +359,53 @@ def _landed(d: Draft, ev: RefitReport, rec: SlotRecord) -> None:
     d.put(rec, new)
     serves = "serves" if fleet.current_version == ev.version else "serves once it is committed"
     d.reasons.append(f"version {ev.version} landed on slot {rec.slot} incarnation {rec.incarnation}; it {serves}")
+
+
+def land_all(d: Draft, events: tuple) -> bool:
+    """A batch of COMPLETE reports of the refit in progress, one per slot, each about a slot's live
+    incarnation (the transfer step of every refit that went well): decided in one pass, with exactly
+    the records, transitions, reasons and stored order that ``on_report`` event by event gives (see
+    ``health.core._decide_batch``). Returns False, having changed nothing, when the batch is any other
+    kind: the general rule decides it then."""
+    fleet = d.fleet_now()
+    if fleet.halted is not None or fleet.refit_version is None or d.changed:
+        return False
+    version = fleet.refit_version
+    records = d.ledger._records
+    count = len(records)
+    olds = []
+    for ev in events:
+        if type(ev) is not RefitReport or ev.result is not _COMPLETE or ev.version != version:
+            return False
+        slot = ev.slot
+        if type(slot) is not int or not 0 <= slot < count:
+            return False  # the general rule names the bad slot
+        rec = records[slot]
+        if rec.incarnation != ev.incarnation or rec.phase is not _LIVE:
+            return False
+        olds.append(rec)
+    if len({rec.slot for rec in olds}) != len(olds):
+        return False  # a slot reported twice: the general rule keeps the per-event order
+    cv = fleet.current_version
+    landed = f"refit of version {version} landed"
+    serves = "serves" if cv == version else "serves once it is committed"
+    changed, stored, transitions, reasons = d.changed, d.stored, d.transitions, d.reasons
+    healthy, stale = ShardState.HEALTHY, ShardState.STALE
+    for rec in olds:
+        new = SlotRecord(
+            rec.slot, rec.incarnation, _LIVE, version, False, rec.since, rec.failed_probes,
+            rec.restarts, rec.restart_at, landed,
+        )
+        changed[rec.slot] = new
+        stored.append(new)
+        wv = rec.weight_version
+        before = healthy if wv is not None and wv == cv else stale  # ``view_state`` of a LIVE record
+        after = healthy if version == cv else stale
+        if before is not after:
+            transitions.append(Transition(rec.slot, rec.incarnation, before, after, landed))
+        reasons.append(f"version {version} landed on slot {rec.slot} incarnation {rec.incarnation}; it {serves}")
+    d.puts += len(olds)
+    return True
 
 
 def _state(d: Draft, rec: SlotRecord) -> ShardState:

@@ -165,6 +165,58 @@ def test_a_batch_of_reports_stamps_every_slot_and_the_commit_makes_them_serve():
     assert all(ledger.raw(s).weight_version == 1 for s in range(8))
 
 
+def _reports(version: int = 1, slots=range(6), incarnation: int = 1, result=RefitResult.COMPLETE) -> list:
+    return [RefitReport(s, incarnation, version, result) for s in slots]
+
+
+def _quarantine_slot_2(ledger: Ledger) -> None:
+    step(ledger, Observed(2, 1, CallKind.PROBE, FailureClass.SUSPECT, "slow"), 1.5)
+
+
+def _halt(ledger: Ledger) -> None:
+    step(ledger, Observed(1, 1, CallKind.PAUSE, FailureClass.HUNG, "hung"), 1.5)
+
+
+# (name, how the ledger is prepared after RefitStarted(1), the reports, whether the one-pass rule takes it)
+REPORT_BATCHES = [
+    ("every live slot complete", None, _reports(), True),
+    ("some of the slots", None, _reports(slots=(5, 0, 3)), True),
+    ("a slot reported twice", None, _reports(slots=(0, 1, 0)), False),
+    ("a late incarnation", None, _reports()[:3] + [RefitReport(4, 0, 1, RefitResult.COMPLETE)], False),
+    ("another version", None, _reports(version=2), False),
+    ("one partial", None, _reports()[:5] + [RefitReport(5, 1, 1, RefitResult.PARTIAL)], False),
+    ("one not started", None, [RefitReport(0, 1, 1, RefitResult.NOT_STARTED)] + _reports()[1:], False),
+    ("a suspect slot", _quarantine_slot_2, _reports(), False),
+    ("a halted refit", _halt, _reports(), False),
+]
+
+
+@pytest.mark.parametrize("name, prepare, reports, one_pass", REPORT_BATCHES, ids=[b[0] for b in REPORT_BATCHES])
+def test_the_one_pass_rule_for_a_refits_reports_decides_what_they_decide_one_by_one(name, prepare, reports, one_pass,
+                                                                                    monkeypatch):
+    """The transfer step's batch (every participant COMPLETE) takes one pass (``slot_rules.land_all``);
+    any other batch is left to the general rule. Both decide what the reports decide one by one."""
+    from health import slot_rules
+
+    single, batched = _refitting(6, on_hang="stop"), _refitting(6, on_hang="stop")
+    if prepare is not None:
+        prepare(single)
+        prepare(batched)
+    singles = [step(single, e, 2.0) for e in reports]
+    taken = []
+    land_all = slot_rules.land_all
+    monkeypatch.setattr(slot_rules, "land_all", lambda d, events: taken.append(land_all(d, events)) or taken[-1])
+    d = step(batched, Batch(tuple(reports)), 2.0)
+    assert taken == [one_pass]
+    assert d.transitions == tuple(t for s in singles for t in s.transitions)
+    assert d.actions == tuple(a for s in singles for a in s.actions)
+    assert d.reason == "; ".join(s.reason for s in singles if s.reason != "nothing to do")
+    assert d.failure is _batch_failure([s.failure for s in singles])
+    assert d.records == tuple(r for s in singles for r in s.records)
+    assert batched.to_dict() == single.to_dict() and batched._timers == single._timers
+    _check_views(batched)
+
+
 @pytest.mark.parametrize("on_hang", ["stop", "evict"])
 def test_a_hung_pause_in_a_batch_acts_like_a_single_event(on_hang):
     single, batched = _refitting(on_hang=on_hang), _refitting(on_hang=on_hang)
