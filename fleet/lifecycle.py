@@ -448,18 +448,15 @@ class RefitLifecycle:
         finished then holds unknown weights (PARTIAL)."""
         handles = self.ctl.handles
         participants = [(p, handles[p.slot][1]) for p in plan.participants]
-        t0, cpu0 = self.ctl.clock.now(), time.thread_time()
-        left = max(0.0, deadline - t0)
-        try:
-            results = await asyncio.wait_for(call(participants, left), left)
-        except asyncio.TimeoutError:
-            bound = self.ctl.cfg.lifecycle_deadline_s
-            results = {p.slot: TransferResult(
-                RefitResult.PARTIAL, f"{self.phase} cut off at the phase deadline ({bound:.1f} s); weights unknown"
-            ) for p in plan.participants}
-        self._inside_s += self.ctl.clock.now() - t0
-        self._inside_cpu_s += time.thread_time() - cpu0
-        return results
+        with self._inside_shards():
+            left = max(0.0, deadline - self.ctl.clock.now())
+            try:
+                return await asyncio.wait_for(call(participants, left), left)
+            except asyncio.TimeoutError:
+                bound = self.ctl.cfg.lifecycle_deadline_s
+                return {p.slot: TransferResult(
+                    RefitResult.PARTIAL, f"{self.phase} cut off at the phase deadline ({bound:.1f} s); weights unknown"
+                ) for p in plan.participants}
 
     def _report(self, participants, version: int, results: dict) -> None:
         """What each participant holds after the transfer step, as one health decision."""
@@ -507,13 +504,21 @@ class RefitLifecycle:
     async def _fan_out(self, calls: dict, expect_ack: bool = False, timeout: float | None = None) -> dict:
         if not calls:
             return {}
+        with self._inside_shards():
+            return await self.ctl.door.fan_out(
+                calls, timeout=timeout or self.ctl.cfg.lifecycle_deadline_s, expect_ack=expect_ack
+            )
+
+    @contextmanager
+    def _inside_shards(self):
+        """Time spent on the shards' calls (RPC round trips included), wall and this thread's CPU: what
+        ``overhead_s`` and ``controller_cpu_s`` leave out."""
         t0, cpu0 = self.ctl.clock.now(), time.thread_time()
-        outs = await self.ctl.door.fan_out(
-            calls, timeout=timeout or self.ctl.cfg.lifecycle_deadline_s, expect_ack=expect_ack
-        )
-        self._inside_s += self.ctl.clock.now() - t0  # the shards' calls, RPC round trips included
-        self._inside_cpu_s += time.thread_time() - cpu0
-        return outs
+        try:
+            yield
+        finally:
+            self._inside_s += self.ctl.clock.now() - t0
+            self._inside_cpu_s += time.thread_time() - cpu0
 
     def _handle(self, p):
         return self.ctl.handles[p.slot][1]

@@ -135,16 +135,12 @@ def _decide_batch(draft: Draft, batch: Batch) -> None:
     events = batch.events
     if type(events) is not tuple:
         raise TypeError(f"Batch.events must be a tuple of slot events, got {type(events).__name__}")
-    failures: list[FailureClass] = []
+    failures = []
     draft.begin_batch()
     if events and slot_rules.land_all(draft, events):
         return  # every event OK, nothing retired, no quorum check during a refit
-    # One pass per event of a fan-out (32 reports of a refit, 1,024 at scale): the names it uses
-    # are looked up once, and the quorum check, which only acts between refits, is skipped during one.
-    handlers, failed, ledger_fleet = _SLOT_HANDLERS, failures.append, draft.ledger._fleet
-    check_quorum = fleet_rules.check_quorum_between_refits
     for ev in events:
-        handler = handlers.get(type(ev))
+        handler = _SLOT_HANDLERS.get(type(ev))
         if handler is None:
             raise TypeError(
                 "a Batch holds slot events (EngineReady, Observed, RefitReport, SlotRemoved, CheckpointLoaded), "
@@ -156,11 +152,9 @@ def _decide_batch(draft: Draft, batch: Batch) -> None:
         if draft.retired:
             fleet_rules.check_permanent_exhaustion(draft)
         if draft.puts != puts:
-            fleet = draft.fleet if draft.fleet is not None else ledger_fleet
-            if fleet.refit_version is None:
-                check_quorum(draft)
+            fleet_rules.check_quorum_between_refits(draft)
         draft.end_event()
-        failed(draft.failure)
+        failures.append(draft.failure)
     draft.failure = _batch_failure(failures)
 
 

@@ -351,14 +351,22 @@ def _landed(d: Draft, ev: RefitReport, rec: SlotRecord) -> None:
             f"{rec.incarnation}, but {why}: ignored, weight stamp unchanged"
         )
         return
-    # Built field by field (not ``_replace``): this runs once per participant of every refit.
-    new = SlotRecord(
-        rec.slot, rec.incarnation, rec.phase, ev.version, False, rec.since, rec.failed_probes,
-        rec.restarts, rec.restart_at, f"refit of version {ev.version} landed",
+    d.put(rec, _stamped(rec, ev.version, f"refit of version {ev.version} landed"))
+    d.reasons.append(_landed_reason(rec, ev.version, fleet.current_version))
+
+
+def _stamped(rec: SlotRecord, version: int, reason: str) -> SlotRecord:
+    """``rec`` holding ``version`` completely. Built field by field (not ``_replace``): this runs once per
+    participant of every refit."""
+    return SlotRecord(
+        rec.slot, rec.incarnation, rec.phase, version, False, rec.since, rec.failed_probes,
+        rec.restarts, rec.restart_at, reason,
     )
-    d.put(rec, new)
-    serves = "serves" if fleet.current_version == ev.version else "serves once it is committed"
-    d.reasons.append(f"version {ev.version} landed on slot {rec.slot} incarnation {rec.incarnation}; it {serves}")
+
+
+def _landed_reason(rec: SlotRecord, version: int, committed: int | None) -> str:
+    serves = "serves" if committed == version else "serves once it is committed"
+    return f"version {version} landed on slot {rec.slot} incarnation {rec.incarnation}; it {serves}"
 
 
 def land_all(d: Draft, events: tuple) -> bool:
@@ -386,24 +394,17 @@ def land_all(d: Draft, events: tuple) -> bool:
         olds.append(rec)
     if len({rec.slot for rec in olds}) != len(olds):
         return False  # a slot reported twice: the general rule keeps the per-event order
-    cv = fleet.current_version
+    cv = d.ledger._fleet.current_version  # what ``Draft.put`` compares views against
     landed = f"refit of version {version} landed"
-    serves = "serves" if cv == version else "serves once it is committed"
     changed, stored, transitions, reasons = d.changed, d.stored, d.transitions, d.reasons
-    healthy, stale = ShardState.HEALTHY, ShardState.STALE
     for rec in olds:
-        new = SlotRecord(
-            rec.slot, rec.incarnation, _LIVE, version, False, rec.since, rec.failed_probes,
-            rec.restarts, rec.restart_at, landed,
-        )
+        new = _stamped(rec, version, landed)
         changed[rec.slot] = new
         stored.append(new)
-        wv = rec.weight_version
-        before = healthy if wv is not None and wv == cv else stale  # ``view_state`` of a LIVE record
-        after = healthy if version == cv else stale
+        before, after = view_state(rec, cv), view_state(new, cv)
         if before is not after:
             transitions.append(Transition(rec.slot, rec.incarnation, before, after, landed))
-        reasons.append(f"version {version} landed on slot {rec.slot} incarnation {rec.incarnation}; it {serves}")
+        reasons.append(_landed_reason(rec, version, cv))
     d.puts += len(olds)
     return True
 
