@@ -261,17 +261,45 @@ class SingleController:
 
     def _with_lost_nodes(self, failed: dict[int, tuple[int, Outcome]]) -> dict[int, tuple[int, Outcome]]:
         """``failed`` probes, plus every shard on a node the cluster declared dead (``fleet.nodes``): a lost
-        node's shards all die in the decision that found the first of them."""
+        node's shards all die in the decision that found the first of them. The nodes of failures the
+        cluster has not judged yet are watched (``_node_verdicts``)."""
         if not failed or not self.nodes:
             return failed
-        current = {s: inc for s, (inc, _) in self.handles.items() if inc == self.ledger.raw(s).incarnation}
-        out = dict(failed)
-        for node, slots in self.nodes.lost(self.door.dead_nodes(), current).items():
+        out = {**failed, **self._lost_nodes(self.door.dead_nodes())}
+        self.nodes.watch({s: inc for s, (inc, _) in failed.items()})
+        return out
+
+    def _node_verdicts(self) -> None:
+        """The cluster's verdict on a watched node (one whose shard failed while the node still counted
+        alive), once it comes: the node's shards still counted alive die with it in one decision."""
+        ledger = self.ledger
+        self.nodes.settle(lambda s: s >= ledger.num_slots or ledger.raw(s).phase in (SlotPhase.LIVE, SlotPhase.RETIRED))
+        if self.nodes.watching:
+            dead = self.nodes.watched_among(self.door.dead_nodes())
+            condemned = self._lost_nodes(dead) if dead else {}
+            if condemned:
+                self.observe_all(CallKind.PROBE, condemned)
+
+    def _lost_nodes(self, dead_nodes: set[str]) -> dict[int, tuple[int, Outcome]]:
+        """Every shard still counted alive on a node in ``dead_nodes``, with a ``died`` outcome naming the
+        node. Each such node's loss is recorded once, with every slot it took: those whose own probes
+        condemned them before the verdict (the node's watch) too."""
+        ledger = self.ledger
+        alive = {s: inc for s, inc in self._current_incarnations().items() if ledger.raw(s).phase is not SlotPhase.DEAD}
+        lost = self.nodes.lost(dead_nodes, alive)
+        out: dict[int, tuple[int, Outcome]] = {}
+        for node in sorted(set(lost) | self.nodes.watched_among(dead_nodes)):
+            slots = lost.get(node, {})
             out.update(slots)
+            before = [s for s in self.nodes.unwatch(node) if s not in slots]
             if node not in self.nodes.reported:
                 self.nodes.reported.add(node)
-                self.log.emit("node_lost", node=node, slots=sorted(slots))
+                self.log.emit("node_lost", node=node, slots=sorted({*slots, *before}), died_before=before)
         return out
+
+    def _current_incarnations(self) -> dict[int, int]:
+        """slot -> incarnation of every handle that is its slot's current incarnation."""
+        return {s: inc for s, (inc, _) in self.handles.items() if inc == self.ledger.raw(s).incarnation}
 
     def _spawn(self, slot: int, incarnation: int):
         if self.intent.current is not None:  # stored before the actor exists: a successor finds it by name
@@ -344,6 +372,7 @@ class SingleController:
             await asyncio.sleep(self.cfg.monitor_interval_s)
             if self.lifecycle.holding:
                 continue  # paused engines are not probed; while a refit stages, the fleet serves and is watched
+            self._node_verdicts()
             live = self.live_handles()
             outs = await self.door.fan_out(
                 {s: (h, "ping", (), {}) for s, (_, h) in live.items()}, timeout=self.cfg.probe_timeout_s

@@ -10,9 +10,12 @@ They would otherwise wait out their probes.
 
 The cluster's verdict can come later than a shard's own: a killed shard process refuses
 connections at once, so its probes can reach ``unhealthy_threshold`` before Ray's health
-checks declare the node dead. That shard then dies on its own, and the rest of its node
-with the node's verdict (within one detection bound). Membership still changes once: the
-next refit reconciles both deaths together.
+checks declare the node dead (every shard of the node at once, when they were killed
+together). So a node whose shard failed while the cluster still counted it alive is
+*watched*: until the cluster judges it, or the slot serves again. When the verdict comes,
+the node's shards still counted alive die with it, and the loss is recorded naming every
+slot it took, those that died before the verdict too. Membership still changes once: the
+next refit reconciles all these deaths together.
 
 Guarantee on failure: nothing here raises on missing facts. A shard that never named
 its node is simply not on any node: it is found dead by its own probes, as before.
@@ -20,7 +23,7 @@ its node is simply not on any node: it is found dead by its own probes, as befor
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from fleet.outcome import DIED, Outcome
 
@@ -37,6 +40,7 @@ class NodeMap:
     def __init__(self) -> None:
         self._where: dict[int, tuple[int, str]] = {}
         self.reported: set[str] = set()  # nodes whose loss was already logged
+        self._watched: dict[str, dict[int, int]] = {}  # node -> {slot: incarnation that failed there}
 
     def place(self, slot: int, incarnation: int, node: Any) -> None:
         """Record that ``incarnation`` of ``slot`` runs on ``node`` (ignored when ``node`` is empty)."""
@@ -60,6 +64,36 @@ class NodeMap:
 
     def __bool__(self) -> bool:
         return bool(self._where)
+
+    def watch(self, failed: Mapping[int, int]) -> None:
+        """``failed`` (slot -> incarnation) failed a call while the cluster still counted their nodes
+        alive: watch those nodes until the cluster judges them (``unwatch``) or the slots need no
+        verdict any more (``settle``). Slots with no node, or on a node already judged, are skipped."""
+        for slot, inc in failed.items():
+            node = self.node_of(slot, inc)
+            if node is not None and node not in self.reported:
+                self._watched.setdefault(node, {})[slot] = inc
+
+    @property
+    def watching(self) -> bool:
+        return bool(self._watched)
+
+    def settle(self, done: Callable[[int], bool]) -> None:
+        """Stop watching for the slots ``done`` clears (they serve again, or left the fleet)."""
+        for node in list(self._watched):
+            slots = {s: inc for s, inc in self._watched[node].items() if not done(s)}
+            if slots:
+                self._watched[node] = slots
+            else:
+                del self._watched[node]
+
+    def watched_among(self, nodes: Iterable[str]) -> set[str]:
+        """Those of ``nodes`` that are watched."""
+        return set(nodes).intersection(self._watched)
+
+    def unwatch(self, node: str) -> list[int]:
+        """End the watch on ``node`` (the cluster judged it): the slots watched there, ascending."""
+        return sorted(self._watched.pop(node, ()))
 
     def lost(self, dead_nodes: Iterable[str], current: Mapping[int, int]) -> dict[str, dict[int, tuple[int, Outcome]]]:
         """For every node in ``dead_nodes``: the slots whose current incarnation (``current``: slot ->

@@ -202,6 +202,16 @@ def wait_for_restarts(fleet: Fleet, lost: list[int], timeout_s: float) -> dict:
         time.sleep(0.2)
 
 
+def wait_for_verdict(fleet: Fleet, timeout_s: float) -> dict:
+    """Wait until the fleet recorded the cluster's verdict on the lost node (a ``node_lost`` record), or
+    ``timeout_s``. The shards' own probes may have found them dead first: the verdict, which Ray's
+    health checks give a few seconds after the node went, still names them. Returns the seconds waited."""
+    t0 = time.monotonic()
+    while not any(e["kind"] == "node_lost" for e in fleet.events()) and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.5)
+    return {"seconds": round(time.monotonic() - t0, 2)}
+
+
 def write_ready(scratch: Path, report: dict) -> None:
     """Tell the watcher it may take the worker node down now (written whole, then renamed)."""
     tmp = scratch / "ready.json.tmp"
@@ -236,6 +246,9 @@ def judge(report: dict) -> list[str]:
     missing = sorted(set(report["placement"]["lost_slots"]) - dead)
     if missing:
         failures.append(f"the event log shows no death of the lost node's shard(s) {missing}")
+    verdicts = report["records"]["node_lost"]
+    if [e["slots"] for e in verdicts] != [report["placement"]["lost_slots"]]:
+        failures.append(f"the event log does not record the worker node's loss once, naming its shards: {verdicts}")
     return failures
 
 
@@ -274,6 +287,7 @@ def run(args, report: dict) -> None:
                 print(f"the worker node is gone, the fleet noticed {report['while_losing']['noticed_s']} s "
                       "after; training on", flush=True)  # fmt: skip
         report["restarts"] = wait_for_restarts(fleet, report["placement"]["lost_slots"], timeout_s=60)
+        report["verdict"] = wait_for_verdict(fleet, timeout_s=60)
         status = fleet.status()
         events = fleet.events()
         report["requests"] = status["requests"]

@@ -151,3 +151,89 @@ def test_status_reports_the_hang_detection_bound_and_the_nodes(model_dir):
         await ctl.shutdown()
 
     run_virtual(go())
+
+
+def test_the_node_map_watches_a_failed_slots_node_until_the_cluster_judges_it_or_the_slot_recovers():
+    nodes = NodeMap()
+    for slot, node in NODE.items():
+        nodes.place(slot, 1, node)
+    nodes.watch({0: 1, 2: 1, 3: 1})
+    nodes.watch({1: 2})  # an incarnation that never named its node: nothing to watch
+    assert nodes.watching
+    nodes.settle(lambda s: s == 0)  # slot 0 serves again: node-a needs no verdict
+    assert nodes.watched_among({"node-a", "node-b"}) == {"node-b"} and nodes.watching
+    assert nodes.unwatch("node-b") == [2, 3] and not nodes.watching
+    assert nodes.unwatch("node-b") == []
+
+
+def _dead_by_probes(ctl, slots):
+    return all(ctl.ledger.state(s).value in ("dead", "restarting") for s in slots)
+
+
+def test_shards_their_own_probes_condemned_before_the_verdict_are_named_when_the_node_is_declared_dead(model_dir):
+    """Every shard of node-b refuses connections (its processes were killed) and reaches its probe
+    threshold before the cluster's health checks declare the node dead; the verdict, when it comes,
+    is still recorded, naming both slots as having died before it."""
+
+    async def go():
+        ctl, door = make(model_dir)
+        await ctl.start()
+        mark = len(ctl.log.records())
+        for slot in (2, 3):
+            door.shards[(slot, 1)].sticky["ping"] = "unavailable"
+        for _ in range(40):
+            await asyncio.sleep(0.5)
+            if _dead_by_probes(ctl, (2, 3)):
+                break
+        deaths = [e for e in ctl.log.records(mark, kinds=["health"]) if e["after"] == "dead"]
+        assert sorted(e["slot"] for e in deaths) == [2, 3] and all("failed probe" in e["reason"] for e in deaths), deaths
+        assert ctl.log.records(kinds=["node_lost"]) == [] and ctl.nodes.watching  # no verdict yet
+        door.dead.add("node-b")
+        await asyncio.sleep(2.0)  # one monitor round
+        lost = ctl.log.records(mark, kinds=["node_lost"])
+        assert [(e["node"], e["slots"], e["died_before"]) for e in lost] == [("node-b", [2, 3], [2, 3])]
+        assert not ctl.nodes.watching and ctl.gate.is_open
+        await ctl.shutdown()
+
+    run_virtual(go())
+
+
+def test_the_verdict_takes_the_nodes_shards_still_counted_alive_in_one_decision(model_dir):
+    """Slot 2 dies by its own probes; slot 3, on the same node, still answered when the verdict came:
+    it dies with the node, and the loss names both."""
+
+    async def go():
+        ctl, door = make(model_dir)
+        await ctl.start()
+        mark = len(ctl.log.records())
+        door.shards[(2, 1)].sticky["ping"] = "unavailable"
+        for _ in range(40):
+            await asyncio.sleep(0.5)
+            if _dead_by_probes(ctl, (2,)):
+                break
+        assert ctl.ledger.state(3).value == "healthy"
+        door.dead.add("node-b")
+        await asyncio.sleep(2.0)
+        lost = ctl.log.records(mark, kinds=["node_lost"])
+        assert [(e["node"], e["slots"], e["died_before"]) for e in lost] == [("node-b", [2, 3], [2])]
+        slot3 = [e for e in ctl.log.records(mark, kinds=["health"]) if e["slot"] == 3 and e["after"] == "dead"]
+        assert len(slot3) == 1 and "NodeLost" in slot3[0]["reason"], slot3
+        assert sorted(ctl.ledger.serving_slots()) == [0, 1] and ctl.gate.is_open
+        await ctl.shutdown()
+
+    run_virtual(go())
+
+
+def test_a_failed_shard_that_serves_again_ends_the_watch_on_its_node(model_dir):
+    async def go():
+        ctl, door = make(model_dir)
+        await ctl.start()
+        door.shards[(2, 1)].script["ping"] = "unavailable"  # one refused ping, then it answers
+        await asyncio.sleep(1.5)
+        assert ctl.nodes.watching
+        await asyncio.sleep(4.0)
+        assert ctl.ledger.state(2).value == "healthy" and not ctl.nodes.watching
+        assert ctl.log.records(kinds=["node_lost"]) == []
+        await ctl.shutdown()
+
+    run_virtual(go())
