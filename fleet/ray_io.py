@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from typing import Any, Awaitable, Hashable, Mapping
 
@@ -285,19 +286,42 @@ def cluster_address() -> str:
     return ray.get_runtime_context().gcs_address
 
 
+REACH_TIMEOUT_S = 5.0  # how long a TCP connect to a named cluster address may take before it counts as nothing there
+
+
 def join_cluster(address: str | None = None) -> None:
     """Join a running Ray cluster (``address``; default ``auto``: the one this machine runs) unless this
-    process is already in one; a driver attaching to a fleet another driver started."""
+    process is already in one; a driver attaching to a fleet another driver started.
+
+    A ``host:port`` (given, or in ``RAY_ADDRESS``) where nothing accepts a connection is refused at once:
+    Ray's own client would retry it for a minute and more before it gives up."""
     if ray.is_initialized():
         return
+    env = os.environ.get("RAY_ADDRESS")
+    where = f"at {address}" if address else (f"at RAY_ADDRESS={env}" if env else
+                                             "on this machine (no --address given, RAY_ADDRESS unset)")
+    why = unreachable(address or env or "")
+    if why is not None:
+        raise ClusterNotFound(f"no running Ray cluster {where}: nothing accepts connections there ({why}); "
+                              "start the fleet first, or pass the head's --address")
     try:
         ray.init(address=address or "auto", log_to_driver=False)
     except ConnectionError as exc:  # Ray's own words name its flag and variable; say what the user runs here
-        where = f"at {address}" if address else "on this machine (no --address given, RAY_ADDRESS unset)"
-        if not address and os.environ.get("RAY_ADDRESS"):
-            where = f"at RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
         raise ClusterNotFound(f"no running Ray cluster {where}: start the fleet first, or pass --address "
                               f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+
+
+def unreachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
+    """Why a TCP connection to ``address`` (``host:port``) fails, or None when one is accepted, or when
+    ``address`` is not a plain ``host:port`` (``auto``, ``local``, ``ray://...``: Ray resolves those)."""
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host or "://" in address or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"[:200]
 
 
 def check_capacity(num_engines: int, cpus_per_engine: float, gpus_per_engine: float) -> None:

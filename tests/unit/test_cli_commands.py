@@ -85,3 +85,43 @@ def test_a_model_directory_that_cannot_be_made_is_refused_naming_it(tmp_path, ca
     assert cli_main.main(["model", "build", str(blocker / "m")]) == 2
     err = capsys.readouterr().err
     assert "invalid config dir: cannot build the model there" in err and "a-file" in err, err
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: bound, then released
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv", [["fleet", "stop", "f"], ["fleet", "list"]])
+def test_an_address_where_nothing_listens_is_refused_at_once_without_asking_ray(monkeypatch, capsys, argv):
+    """``--address HOST:PORT`` with a typo in the port: Ray's client retried it for over a minute;
+    now one TCP connect finds nothing there and one line says so, naming the address."""
+    import ray
+
+    def never(*args, **kwargs):
+        raise AssertionError("ray.init was called for an address nothing listens on")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", never)
+    address = f"127.0.0.1:{_closed_port()}"
+    assert cli_main.main([*argv, "--address", address]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rlfleet: error: no running Ray cluster at {address}: nothing accepts connections there"), err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_only_a_plain_host_and_port_is_checked_before_ray_is_asked():
+    import socket
+
+    from fleet.ray_io import unreachable
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        assert unreachable(f"127.0.0.1:{server.getsockname()[1]}") is None
+    assert "Refused" in unreachable(f"127.0.0.1:{_closed_port()}")
+    for resolved_by_ray in ("auto", "local", "ray://127.0.0.1:1", "", "127.0.0.1"):
+        assert unreachable(resolved_by_ray) is None, resolved_by_ray
