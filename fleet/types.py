@@ -3,8 +3,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 FINISH_ABORTED = "abort"
+
+
+def field_with_invalid_text(fields: Mapping[str, Any]) -> str | None:
+    """The first field of ``fields`` whose text (at any depth of lists and dicts) cannot be encoded
+    as UTF-8, or None. JSON can carry a lone surrogate (``"\\ud800"``); the tokenizer and the engine
+    fail on it far from the caller (vLLM wraps the failure as an engine error), so a request
+    holding one is refused naming its field before it is dispatched."""
+    for name, value in fields.items():
+        if _invalid_text(value):
+            return str(name)
+    return None
+
+
+def _invalid_text(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_invalid_text(k) or _invalid_text(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_invalid_text(v) for v in value)
+    return False
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from fleet.backend import BackendCapabilities, PauseMode, confirmed
 from fleet.errors import BadRequestError, EngineCrashedError
+from fleet.types import field_with_invalid_text
 from fleet.types import Completion, EngineStats
 
 
@@ -125,6 +126,10 @@ class VllmBackend:
         params.setdefault("logprobs", 0)
         # One final output holding every completion (with n > 1 a streamed output holds only some).
         params["output_kind"] = RequestOutputKind.FINAL_ONLY
+        bad = field_with_invalid_text(sampling)
+        if bad is not None:
+            raise BadRequestError(f"sampling params rejected: {bad} holds text that is not valid Unicode "
+                                  "(a lone surrogate such as \\ud800)")
         try:
             sp = SamplingParams(**params)
         except (TypeError, ValueError, VLLMClientError) as exc:

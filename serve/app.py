@@ -98,6 +98,7 @@ async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond:
         front.count(endpoint, 404)
         return _error(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
     try:
+        protocol.refuse_invalid_text(req)
         prompt, sampling = call(req, front.tokenizer, front.max_model_len)
     except protocol.BadRequest as exc:
         front.count(endpoint, 400)

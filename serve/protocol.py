@@ -42,7 +42,7 @@ from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, Mod
 from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import SamplingParams
 
-from fleet.types import Completion, GenerationResult
+from fleet.types import Completion, GenerationResult, field_with_invalid_text
 
 VERSION_HEADER = "x-rlfleet-weight-version"
 # SamplingParams fields a shard never takes from a caller: how outputs are delivered is the backend's business.
@@ -97,6 +97,13 @@ def _sampling(req: Any, prompt_len: int, max_model_len: int, requested_max: int 
     # always wants them); an HTTP client that did not ask gets none, and the engine spends nothing on them
     out["logprobs"] = params.logprobs
     return out
+
+
+def refuse_invalid_text(req: Any) -> None:
+    """A request whose text holds a lone surrogate is refused naming the field (``param``)."""
+    bad = field_with_invalid_text(vars(req))
+    if bad is not None:
+        raise BadRequest(f"{bad} holds text that is not valid Unicode (a lone surrogate such as \\ud800)", bad)
 
 
 # ---------------------------------------------------------------------------------------------- prompts

@@ -121,7 +121,19 @@ def test_a_bad_request_is_refused_with_vllms_message_and_another_model_is_not_fo
                           "-d", json.dumps({"model": served.model, "max_tokens": 2, **prompt}))
         error = json.loads(body)["error"]
         assert (code, error["type"], error["param"]) == (400, "BadRequestError", "prompt"), (prompt, code, body)
-    assert served.fleet.status()["gate_open"]  # the caller's mistakes changed nothing
+    epoch = served.fleet.status()["epoch"]
+    for field, value in (("prompt", "\ud800"), ("stop", ["\ud800"]), ("bad_words", ["\ud800"])):
+        # a lone surrogate: a 500 with a traceback (prompt), or an engine error re-sent to every engine (stop)
+        body = json.dumps({"model": served.model, "max_tokens": 2, "prompt": "hi", field: value})
+        code, out = curl(f"{served.url}/v1/completions", "-H", "content-type: application/json", "-d", body)
+        error = json.loads(out)["error"]
+        assert (code, error["type"], error["param"]) == (400, "BadRequestError", field), (field, code, out)
+    (results,) = served.fleet.generate([[1, 2, 3]], n=1, sampling={"max_tokens": 2, "stop": ["\ud800"]})
+    assert [(r.status, r.attempts) for r in results] == [("returned", 1)], results  # not re-sent elsewhere
+    assert results[0].reason.startswith("bad request") and "stop holds text that is not valid Unicode" in results[0].reason
+    status = served.fleet.status()
+    assert status["gate_open"] and status["epoch"] == epoch  # the caller's mistakes changed nothing
+    assert {row["state"] for row in status["ledger"]["slots"]} == {"healthy"}, status["ledger"]["slots"]
 
 
 def test_curl_sees_health_models_metrics_and_status(served):

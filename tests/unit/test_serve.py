@@ -75,6 +75,31 @@ def test_a_bad_completion_request_is_refused_with_vllms_words_naming_the_field(t
     assert err.value.param == param
 
 
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "\ud800", "max_tokens": 2}, "prompt"),
+    ({"prompt": ["ok", "\udfff"], "max_tokens": 2}, "prompt"),
+    ({"prompt": [1, 2], "stop": ["\ud800"]}, "stop"),
+    ({"prompt": [1, 2], "bad_words": ["fine", "\ud800x"]}, "bad_words"),
+    ({"prompt": [1, 2], "logit_bias": {"\ud800": 1.0}}, "logit_bias"),
+])
+def test_text_with_a_lone_surrogate_is_refused_naming_its_field_before_the_tokenizer_or_an_engine(body, param):
+    """JSON carries "\\ud800"; UTF-8 cannot. In a prompt it was a 500 with a traceback (the tokenizer's
+    TypeError); in ``stop`` or ``bad_words`` vLLM failed inside the engine, the failure counted against
+    every engine the request was re-sent to, and normal traffic stalled behind the exclusions."""
+    with pytest.raises(protocol.BadRequest, match="not valid Unicode") as err:
+        protocol.refuse_invalid_text(CompletionRequest(**body))
+    assert err.value.param == param
+    protocol.refuse_invalid_text(CompletionRequest(prompt="caf\u00e9 \U0001f600", stop=["\n"]))  # valid text passes
+
+
+def test_the_engine_side_refuses_a_sampling_dict_with_invalid_text_naming_the_field():
+    from fleet.types import field_with_invalid_text
+
+    assert field_with_invalid_text({"stop": ["a", "\ud800"], "n": 2}) == "stop"
+    assert field_with_invalid_text({"structured_outputs": {"regex": "\udc00+"}}) == "structured_outputs"
+    assert field_with_invalid_text({"stop": ["\u00e9"], "seed": 1, "logit_bias": {3: 1.0}}) is None
+
+
 def test_a_chat_request_is_rendered_with_the_models_chat_template(tok):
     assert tok.chat_template == CHAT_TEMPLATE
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"},
