@@ -58,8 +58,14 @@ def _join_ray(args: argparse.Namespace):
     """Ray first (it installs its own SIGTERM handler in a driver), then the fleet's config, checked before
     any actor exists; returns the config to start, or None for --connect."""
     from fleet import ray_io
+    from fleet.errors import ConfigError
     from fleet.fleet_config import load_fleet_config
+    from serve.server import listening_socket
 
+    try:  # the address to listen on, before a fleet starts (or a cluster is joined) only to be let down
+        listening_socket(args.host, args.port).close()
+    except OSError as exc:
+        raise ConfigError("--host/--port", str(exc), f"{args.host}:{args.port}") from None
     if args.connect:
         ray_io.join_cluster(args.address)
         return None

@@ -63,18 +63,7 @@ class HttpServer:
         tokenizer = self._tokenizer or load_tokenizer(self.fleet.config.engine.model)
         self.front = Front(client, tokenizer, self.model_name, self.fleet.config.engine.max_model_len,
                            controller=self.fleet.controller)
-        # IPPROTO_TCP named, not left 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are
-        # TCP, and accepted sockets inherit it. Left on, every answer on a kept-alive connection stalls ~40 ms
-        # (Nagle against the client's delayed ACK).
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM,
-                             socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            sock.bind((self.host, self.port))
-        except OSError as exc:
-            sock.close()
-            raise OSError(f"cannot listen on {self.host}:{self.port} ({exc.strerror or exc}); pick another --port") from None
+        sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(build_app(self.front), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=10)
@@ -104,3 +93,28 @@ class HttpServer:
             pass
         if self._own_client is not None:
             self._own_client.close()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening). Raises ``OSError`` naming the flag to change:
+    ``--port`` when the port is taken, not allowed or out of range, ``--host`` when the name does not
+    resolve or is not an address of this machine. ``rlfleet serve`` calls it once before the fleet starts,
+    so a mistake costs a second, not the fleet's start."""
+    import errno
+
+    # IPPROTO_TCP named, not left 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are
+    # TCP, and accepted sockets inherit it. Left on, every answer on a kept-alive connection stalls ~40 ms
+    # (Nagle against the client's delayed ACK).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OverflowError:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} (a port is 0-65535); pick another --port") from None
+    except OSError as exc:
+        sock.close()
+        flag = "--host" if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL else "--port"
+        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another {flag}") from None
+    return sock

@@ -125,3 +125,27 @@ def test_only_a_plain_host_and_port_is_checked_before_ray_is_asked():
     assert "Refused" in unreachable(f"127.0.0.1:{_closed_port()}")
     for resolved_by_ray in ("auto", "local", "ray://127.0.0.1:1", "", "127.0.0.1"):
         assert unreachable(resolved_by_ray) is None, resolved_by_ray
+
+
+@pytest.mark.parametrize("where,flag", [("taken", "--port"), ("99999", "--port"), ("192.0.2.77", "--host")])
+def test_serve_refuses_an_address_it_cannot_listen_on_before_any_fleet_or_cluster(monkeypatch, capsys, where, flag):
+    """A taken or impossible port, or a host that is not this machine's, was found only once the fleet had
+    started (38 s with two engines here), and a port over 65535 ended in a traceback."""
+    import socket
+
+    import ray
+
+    def never(*args, **kwargs):
+        raise AssertionError("Ray was started for a front that cannot listen")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", never)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        host, port = ("127.0.0.1", str(taken.getsockname()[1])) if where == "taken" else \
+            ("127.0.0.1", where) if where.isdigit() else (where, "8000")
+        assert cli_main.main(["serve", "--connect", "f", "--host", host, "--port", port]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"cannot listen on {host}:{port}" in err and err.endswith(f"pick another {flag} (got '{host}:{port}')"), err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
