@@ -130,9 +130,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 return 1
         return 0
     finally:
-        counters = server.front.counters() if server is not None and server.front is not None else {}
         if server is not None:
-            server.stop()
+            server.stop()  # the requests in flight end first (finished, or cut off with a 503): then count them
+        counters = server.front.counters() if server is not None and server.front is not None else {}
         gone = ray_io.local_ray_down() if owned and stop.is_set() else []
         if gone:  # the signal reached this process group's local Ray too: the fleet went down with it
             print(json.dumps({"stopped": True, "fleet_shut_down": True, "front": counters,

@@ -10,7 +10,9 @@ An accepted request ends in one of these, and nothing else:
 - refused by vLLM's validation (the front's or the engine's): 400 with vLLM's message;
 - returned by the fleet (stopped; no serving engine within the request timeout, which names
   why the gate is closed; the re-send budget spent): 503 with the reason;
-- abandoned by its HTTP client: aborted on the engine and counted ``cancelled``.
+- abandoned by its HTTP client: aborted on the engine and counted ``cancelled``;
+- still running when the server stops past its grace (``cut_off_after``): aborted on the engine
+  and answered 503, saying the server is shutting down (never the server's bare 500).
 """
 
 from __future__ import annotations
@@ -49,25 +51,56 @@ class Front:
         self.in_flight = 0
         self.tokens_out = 0
         self.latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+        self.cut_off = 0  # requests returned because the server stopped before they finished
+        self._running: set[asyncio.Task] = set()
+        self._cut: set[asyncio.Task] = set()
+        self._closing = False
 
     # ------------------------------------------------------------------ requests
     async def run(self, prompt: list[int], sampling: dict) -> Outcome:
         """One request on the fleet; returns how it ended. Cancelled (the HTTP client left): aborted on the
-        engine by the dispatcher and counted here, then the cancellation goes on."""
+        engine by the dispatcher and counted here, then the cancellation goes on. Cut off by the server's
+        stop (``cut_off_after``): aborted the same way, and answered 503."""
+        if self._closing:
+            return self._shutting_down()
+        task = asyncio.current_task()
+        self._running.add(task)
         self.in_flight += 1
         t0 = time.monotonic()
         try:
             result = await self.client.generate_async(prompt, sampling)
         except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
+            if task not in self._cut:
+                self.cancelled += 1
+                raise
+            task.uncancel()  # this front's own cut-off, not the caller's: answer it
+            self.cut_off += 1
+            return self._shutting_down()
         finally:
             self.in_flight -= 1
+            self._running.discard(task)
+            self._cut.discard(task)
         if result.ok:
             self.latencies.append(time.monotonic() - t0)
             self.tokens_out += sum(len(c.token_ids) for c in result.result.completions)
             return Outcome(200, result)
         return self.returned(result)
+
+    def cut_off_after(self, grace_s: float) -> None:
+        """The server is stopping (call on the client's loop): refuse new requests, and return every request
+        still running ``grace_s`` from now (aborted on its engine, answered 503 naming the shutdown)."""
+        self._closing = True
+        asyncio.get_running_loop().call_later(grace_s, self._cut_all)
+
+    def _cut_all(self) -> None:
+        for task in list(self._running):
+            self._cut.add(task)
+            task.cancel()
+
+    @staticmethod
+    def _shutting_down() -> Outcome:
+        return Outcome(503, None, "the server is shutting down: the request was returned before it finished "
+                                  "(aborted on its engine); send it again", "ServiceUnavailableError")
 
     def returned(self, result: FleetResult) -> Outcome:
         """A request the fleet returned: the caller's mistake is a 400, everything else a 503 with the reason."""
@@ -106,6 +139,7 @@ class Front:
             "responses": {f"{e} {c}": n for (e, c), n in sorted(self.responses.items())},
             "in_flight": self.in_flight,
             "cancelled": self.cancelled,
+            "cut_off": self.cut_off,
             "tokens_out": self.tokens_out,
             "latency_p50_s": _quantile(lat, 0.5),
             "latency_p99_s": _quantile(lat, 0.99),

@@ -17,6 +17,9 @@ import time
 from typing import Any
 
 DEFAULT_HOST = "127.0.0.1"
+# At a stop, requests in flight get this long to finish; those still running are then answered 503 (and
+# aborted on their engines) before uvicorn's own cut-off (GRACEFUL_S) would end them with a bare 500.
+CUT_OFF_S, GRACEFUL_S = 8.0, 10
 
 
 def load_tokenizer(model_dir: str) -> Any:
@@ -66,7 +69,7 @@ class HttpServer:
         sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(build_app(self.front), log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=10)
+                                timeout_graceful_shutdown=GRACEFUL_S)
         self._server = uvicorn.Server(config)
         self._done = client.spawn(self._server.serve(sockets=[sock]))
         deadline = time.monotonic() + timeout_s
@@ -83,9 +86,14 @@ class HttpServer:
         return self._done is not None and not self._done.done()
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Stop accepting, let requests in flight finish (up to 10 s), close."""
+        """Stop accepting, let requests in flight finish for ``CUT_OFF_S``, answer those still running 503
+        (aborted on their engines: ``Front.cut_off_after``), close."""
         if self._server is None:
             return
+        try:
+            self.front.client.spawn(_cut_off(self.front, CUT_OFF_S)).result(5.0)
+        except Exception:  # noqa: BLE001 - stopping must not raise; uvicorn's own cut-off still applies
+            pass
         self._server.should_exit = True
         try:
             self._done.result(timeout_s)
@@ -93,6 +101,10 @@ class HttpServer:
             pass
         if self._own_client is not None:
             self._own_client.close()
+
+
+async def _cut_off(front: Any, grace_s: float) -> None:
+    front.cut_off_after(grace_s)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -177,3 +177,39 @@ def test_a_client_that_disconnects_has_its_request_aborted_on_the_engine(ray_loc
     finally:
         server.stop()
         fleet.shutdown()
+
+
+def test_requests_still_running_when_the_front_stops_are_aborted_and_answered_503(ray_local, tiny_model):
+    """What a SIGTERM to ``rlfleet serve`` does to requests that need longer than the stop's grace: they
+    were uvicorn's bare 500s at its graceful-shutdown limit; now each is aborted on its engine and
+    answered 503 in the OpenAI error shape, saying the server is shutting down."""
+    from serve.server import CUT_OFF_S
+
+    fleet = null_fleet(tiny_model, "serve-cli-cut", engine={"null_generate_s": 60.0})
+    server = HttpServer(fleet, port=0).start()
+    answers: list = []
+
+    def ask():
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=90.0)
+        answers.append((r.status_code, r.json()))
+
+    try:
+        clients = [threading.Thread(target=ask) for _ in range(2)]
+        for c in clients:
+            c.start()
+        wait_for(lambda: fleet.shard_counters()[0]["in_flight"] == 2, 30, every_s=0.1, what="both requests to run")
+        t0 = time.monotonic()
+        server.stop()
+        for c in clients:
+            c.join(30)
+        assert time.monotonic() - t0 < CUT_OFF_S + 5  # not the 60 s the generations would take
+        assert [a[0] for a in answers] == [503, 503], answers
+        for _, body in answers:
+            assert body["error"]["type"] == "ServiceUnavailableError" and "shutting down" in body["error"]["message"]
+        assert server.front.counters()["cut_off"] == 2 and server.front.in_flight == 0
+        wait_for(lambda: fleet.shard_counters()[0]["in_flight"] == 0, 10, every_s=0.1,
+                 what="the cut-off requests to be aborted on their shard")
+        assert server.front.client.counters()["in_progress"] == 0
+    finally:
+        server.stop()
+        fleet.shutdown()
