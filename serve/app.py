@@ -99,7 +99,9 @@ async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond:
         return _error(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
     try:
         protocol.refuse_invalid_text(req)
-        prompt, sampling = call(req, front.tokenizer, front.max_model_len)
+        protocol.refuse_text_beyond_the_context(req, front.max_model_len)
+        prompt, sampling = await front.prepare(call, req) if protocol.needs_tokenizer(req) else \
+            call(req, front.tokenizer, front.max_model_len)
     except protocol.BadRequest as exc:
         front.count(endpoint, 400)
         return _error(400, str(exc), "BadRequestError", exc.param)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,11 +53,21 @@ class Front:
         self.tokens_out = 0
         self.latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self.cut_off = 0  # requests returned because the server stopped before they finished
+        # Prompts are tokenized (and chat templates rendered) here, one at a time, off the event loop that
+        # routes every request: a multi-megabyte prompt held /health and every other request for seconds.
+        # One thread, because a fast tokenizer used from two threads at once can fail ("Already borrowed").
+        self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlfleet-tokenize")
         self._running: set[asyncio.Task] = set()
         self._cut: set[asyncio.Task] = set()
         self._closing = False
 
     # ------------------------------------------------------------------ requests
+    async def prepare(self, call: Any, req: Any) -> tuple[list[int], dict]:
+        """``call(req, tokenizer, max_model_len)`` (the prompt's token ids and the sampling dict) on the
+        tokenizer's own thread; its ``BadRequest`` reaches the caller as raised."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prepare_pool, call, req, self.tokenizer, self.max_model_len)
+
     async def run(self, prompt: list[int], sampling: dict) -> Outcome:
         """One request on the fleet; returns how it ended. Cancelled (the HTTP client left): aborted on the
         engine by the dispatcher and counted here, then the cancellation goes on. Cut off by the server's

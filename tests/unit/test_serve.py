@@ -269,3 +269,53 @@ def test_a_request_that_finishes_within_the_grace_is_answered_normally(model_dir
         await ctl.shutdown()
 
     run(go())
+
+
+def test_a_prompt_is_prepared_off_the_event_loop_that_routes_requests(tok):
+    """A 5 MB text prompt took 6 s to tokenize on the routing loop: /health and every other request
+    waited behind it. ``Front.prepare`` runs the tokenizer on its own thread; the loop keeps turning."""
+    import time
+
+    def slow_call(req, tokenizer, max_model_len):
+        time.sleep(0.6)  # a tokenizer busy with a huge prompt (blocking, as the real one is)
+        return [1, 2], {"max_tokens": 2}
+
+    def refused(req, tokenizer, max_model_len):
+        raise protocol.BadRequest("prompt is required and must not be empty", "prompt")
+
+    async def go():
+        front = Front(None, tok, "m", MAX_LEN)
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.ensure_future(ticker())
+        assert await front.prepare(slow_call, None) == ([1, 2], {"max_tokens": 2})
+        t.cancel()
+        assert ticks >= 20, ticks  # the loop ran all along (on the loop itself: 0 ticks)
+        with pytest.raises(protocol.BadRequest) as err:
+            await front.prepare(refused, None)
+        assert err.value.param == "prompt"
+
+    asyncio.run(go())
+
+
+def test_a_text_longer_than_any_tokenization_of_the_context_is_refused_without_tokenizing():
+    limit = MAX_LEN * protocol.MAX_CHARS_PER_TOKEN
+    for body, field in (({"prompt": "a" * (limit + 1)}, "prompt"), ({"prompt": ["b" * (limit + 1)]}, "prompt")):
+        with pytest.raises(protocol.BadRequest, match="maximum context length is 512 tokens") as err:
+            protocol.refuse_text_beyond_the_context(CompletionRequest(**body), MAX_LEN)
+        assert err.value.param == field
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "c" * (limit + 1)}])
+    with pytest.raises(protocol.BadRequest) as err:
+        protocol.refuse_text_beyond_the_context(chat, MAX_LEN)
+    assert err.value.param == "messages"
+    protocol.refuse_text_beyond_the_context(CompletionRequest(prompt="a" * (limit // 2)), MAX_LEN)  # may fit: tokenized
+    protocol.refuse_text_beyond_the_context(CompletionRequest(prompt=list(range(10))), MAX_LEN)
+    assert not protocol.needs_tokenizer(CompletionRequest(prompt=[1, 2, 3]))
+    assert not protocol.needs_tokenizer(CompletionRequest(prompt=[[1, 2, 3]]))
+    assert protocol.needs_tokenizer(CompletionRequest(prompt="hi")) and protocol.needs_tokenizer(chat)
