@@ -31,8 +31,9 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this host only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
-                   help="how long a request may wait for the gate and an engine before a 503 "
-                        "(default: the fleet's request_timeout_s)")
+                   help="how long a request may take, waiting for the gate and an engine and generating, "
+                        "before a 503 that says which (it is aborted on its engine; default: the fleet's "
+                        "request_timeout_s)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model path)")
     p.set_defaults(func=_cmd_serve)
 

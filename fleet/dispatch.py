@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog
-from fleet.outcome import Outcome
+from fleet.outcome import TIMED_OUT, Outcome
 from fleet.router import pick_two
 from fleet.routing import Member, RoutingState, VersionPolicy
 from fleet.types import GenerationResult
@@ -187,10 +187,14 @@ class Dispatcher:
         """The caller gave up on ``p`` (its task was cancelled: an HTTP client that disconnected): abort it
         on the shard running it, so the engine stops spending on it, and account it as returned."""
         if p.on is not None:
-            abort = asyncio.ensure_future(self._view.door.call(p.on.handle, "abort", [p.request_id], timeout=10.0))
-            self._aborts.add(abort)
-            abort.add_done_callback(self._aborts.discard)
+            self._abort_on(p.on, p)
         self._return(p, "cancelled by the caller")
+
+    def _abort_on(self, m: Member, p: _Pending) -> None:
+        """Ask ``m``'s shard to stop generating ``p`` (in the background: the caller has its answer)."""
+        abort = asyncio.ensure_future(self._view.door.call(m.handle, "abort", [p.request_id], timeout=10.0))
+        self._aborts.add(abort)
+        abort.add_done_callback(self._aborts.discard)
 
     async def _attempt(self, p: _Pending, deadline: float) -> FleetResult | str | None:
         """One dispatch: the final result, a reason to re-send (counts against ``max_redispatch``),
@@ -228,6 +232,13 @@ class Dispatcher:
             return None
         if isinstance(outcome.error, BadRequestError):
             return self._return(p, f"bad request: {outcome.error}")
+        if outcome.kind == TIMED_OUT:
+            # the call's deadline is the request's (or past it): the request's own time ran out while its shard
+            # generated. No sign that the shard failed (a hung one is the monitor's to find), so no blame and no
+            # re-send; the shard stops spending on it
+            self._abort_on(m, p)
+            return self._return(p, f"request timeout ({self._timeout:g} s) passed while slot {m.slot} "
+                                   f"(incarnation {m.incarnation}) generated it; aborted there")
         self._exclude(m, state.epoch)
         self._view.report(m.slot, m.incarnation, outcome, state.epoch)
         return f"slot {m.slot} (incarnation {m.incarnation}) failed: {outcome.describe()}"

@@ -316,3 +316,35 @@ def test_the_client_reroutes_a_refusal_for_free_and_resends_after_a_death(model_
         assert all(r.attempts <= 2 for r in res)  # refusals do not spend the redispatch budget
 
     run(go())
+
+
+def test_a_request_whose_own_timeout_passes_while_it_generates_is_aborted_without_blaming_its_shard(model_dir):
+    """``request_timeout_s`` shorter than a generation: the request came back after a re-send as "no serving
+    shard within the request timeout", its healthy shard excluded and reported failed (then probed). The
+    time ran out, nothing failed: it is returned saying so and aborted on the shard, which stays healthy."""
+
+    async def go():
+        ctl, door, _ = make(model_dir, request_timeout_s=2.0)
+        door.gen_delay = 10.0
+        untimed = door.call
+
+        async def call(handle, method, *args, timeout, **kw):  # a call's deadline, as Ray's door keeps it
+            try:
+                return await asyncio.wait_for(untimed(handle, method, *args, timeout=timeout, **kw), timeout)
+            except asyncio.TimeoutError:
+                return Outcome(TIMED_OUT, error=TimeoutError(f"{method} timed out"))
+
+        door.call = call
+        await ctl.start()
+        c = client(ctl)
+        res = await c.generate_async([1, 2, 3], {"max_tokens": 4})
+        assert not res.ok and res.attempts == 1, res
+        assert res.reason.startswith("request timeout (2 s) passed while slot") and "aborted there" in res.reason
+        await asyncio.sleep(0.1)
+        assert [m for m, _, _ in door.calls].count("abort") == 1
+        assert not any(s.in_flight for s in door.shards.values())  # the engine stopped spending on it
+        assert {ctl.ledger.state(s).value for s in range(3)} == {"healthy"}
+        assert c.counters()["requeued"] == 0 and c.dispatcher.returned_reasons[res.reason] == 1
+        await ctl.shutdown()
+
+    run(go())
