@@ -153,6 +153,28 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
     return [int(t) for t in ids]
 
 
+# Fields vLLM's request models accept that this front does not carry out: a request that sets one is
+# refused naming it, rather than answered as if the field had been honoured (field, "is it set?").
+UNSUPPORTED: tuple[tuple[str, Any], ...] = (
+    ("echo", bool),
+    ("suffix", lambda v: v is not None),
+    ("prompt_logprobs", lambda v: v is not None),
+    ("truncate_prompt_tokens", lambda v: v is not None),
+    ("return_tokens_as_token_ids", bool),
+    ("prompt_embeds", lambda v: v is not None),
+    ("tools", bool),
+    ("tool_choice", lambda v: v not in (None, "none", "auto")),
+    ("documents", lambda v: v is not None),
+    ("mm_processor_kwargs", lambda v: v is not None),
+)
+
+
+def refuse_unsupported(req: Any) -> None:
+    for field, is_set in UNSUPPORTED:
+        if is_set(getattr(req, field, None)):
+            raise BadRequest(f"{field} is not supported by rlfleet serve", field)
+
+
 # No tokenizer in use packs more characters than this into one token on average: a text longer than this
 # many characters per token of the context cannot fit, and is refused before the tokenizer spends
 # seconds on it (a 5 MB prompt took 6 s on the tiny model's).
@@ -184,13 +206,13 @@ def refuse_text_beyond_the_context(req: Any, max_model_len: int) -> None:
 
 def completion_call(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> tuple[list[int], dict]:
     prompt = completion_prompt(req, tokenizer)
-    if req.echo:
-        raise BadRequest("echo is not supported by rlfleet serve", "echo")
+    refuse_unsupported(req)
     return prompt, _sampling(req, len(prompt), max_model_len, req.max_tokens)
 
 
 def chat_call(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -> tuple[list[int], dict]:
     prompt = chat_prompt(req, tokenizer)
+    refuse_unsupported(req)
     # ``max_tokens`` is deprecated for chat (read from the fields, so that reading it warns no one)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.__dict__.get("max_tokens")
     return prompt, _sampling(req, len(prompt), max_model_len, requested)

@@ -100,6 +100,26 @@ def test_the_engine_side_refuses_a_sampling_dict_with_invalid_text_naming_the_fi
     assert field_with_invalid_text({"stop": ["\u00e9"], "seed": 1, "logit_bias": {3: 1.0}}) is None
 
 
+@pytest.mark.parametrize("field,value", [
+    ("prompt_logprobs", 1), ("truncate_prompt_tokens", 2), ("return_tokens_as_token_ids", True), ("suffix", "end"),
+])
+def test_a_field_the_front_does_not_carry_out_is_refused_naming_it_not_ignored(tok, field, value):
+    with pytest.raises(protocol.BadRequest, match=f"{field} is not supported") as err:
+        protocol.completion_call(CompletionRequest(prompt=[1, 2], **{field: value}), tok, MAX_LEN)
+    assert err.value.param == field
+
+
+def test_tools_in_a_chat_request_are_refused_naming_them_not_answered_as_plain_text(tok):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for body, field in (({"tools": [tool], "tool_choice": "required"}, "tools"), ({"tool_choice": "required"}, "tool_choice")):
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body) if field == "tools" else \
+            ChatCompletionRequest.model_construct(messages=[{"role": "user", "content": "hi"}], **body)
+        with pytest.raises(protocol.BadRequest, match=f"{field} is not supported") as err:
+            protocol.refuse_unsupported(req)
+        assert err.value.param == field
+    protocol.chat_call(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice="none"), tok, MAX_LEN)
+
+
 def test_a_chat_request_is_rendered_with_the_models_chat_template(tok):
     assert tok.chat_template == CHAT_TEMPLATE
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"},
