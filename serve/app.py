@@ -108,7 +108,7 @@ async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond:
     outcome = await front.run(prompt, sampling)
     front.count(endpoint, outcome.code)
     if outcome.code != 200:
-        return _error(outcome.code, outcome.message, outcome.kind)
+        return _error(outcome.code, outcome.message, outcome.kind, outcome.param)
     fr = outcome.result
     res = fr.result
     headers = {protocol.VERSION_HEADER: str(res.weight_version)}

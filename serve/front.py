@@ -18,6 +18,7 @@ An accepted request ends in one of these, and nothing else:
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from typing import Any
 
 from fleet.dispatch import FleetResult
 
+_PARAMETER = re.compile(r"\(parameter=(\w+)")
 # Latencies kept for the /metrics quantiles (the most recent ones).
 _LATENCY_WINDOW = 4096
 
@@ -38,6 +40,7 @@ class Outcome:
     result: FleetResult | None = None
     message: str = ""
     kind: str = ""
+    param: str | None = None  # the request field a 400 is about, when known
 
 
 class Front:
@@ -117,7 +120,9 @@ class Front:
         """A request the fleet returned: the caller's mistake is a 400, everything else a 503 with the reason."""
         reason = result.reason
         if reason.startswith("bad request: "):
-            return Outcome(400, result, _vllm_message(reason[len("bad request: "):]), "BadRequestError")
+            message = _vllm_message(reason[len("bad request: "):])
+            named = _PARAMETER.search(message)  # vLLM's validation error says "(parameter=NAME, ...)"
+            return Outcome(400, result, message, "BadRequestError", named.group(1) if named else None)
         state = self.client.routing()
         if reason.startswith("no serving shard") and not state.gate_open and not state.stopped:
             reason = f"{reason}; the gate is closed: {state.reason or 'a refit is running'}"

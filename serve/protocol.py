@@ -117,6 +117,8 @@ def completion_prompt(req: CompletionRequest, tokenizer: Any) -> list[int]:
         if len(p) != 1:
             raise BadRequest(f"one prompt per request (got a batch of {len(p)}): send one request per prompt", "prompt")
         p = p[0]
+        if p == "" or p == []:
+            raise BadRequest("prompt is required and must not be empty", "prompt")
     if isinstance(p, str):
         return list(tokenizer.encode(p, add_special_tokens=req.add_special_tokens))
     return [int(t) for t in p]

@@ -121,6 +121,10 @@ def test_a_bad_request_is_refused_with_vllms_message_and_another_model_is_not_fo
                           "-d", json.dumps({"model": served.model, "max_tokens": 2, **prompt}))
         error = json.loads(body)["error"]
         assert (code, error["type"], error["param"]) == (400, "BadRequestError", "prompt"), (prompt, code, body)
+    for field, value in (("logprobs", 100), ("prompt", [""])):  # refused on the engine (logprobs) and the front
+        body = json.dumps({"model": served.model, "max_tokens": 2, "prompt": [1, 2], field: value})
+        code, out = curl(f"{served.url}/v1/completions", "-H", "content-type: application/json", "-d", body)
+        assert (code, json.loads(out)["error"]["param"]) == (400, field), (field, code, out)
     epoch = served.fleet.status()["epoch"]
     for field, value in (("prompt", "\ud800"), ("stop", ["\ud800"]), ("bad_words", ["\ud800"])):
         # a lone surrogate: a 500 with a traceback (prompt), or an engine error re-sent to every engine (stop)

@@ -68,6 +68,8 @@ def test_token_id_prompts_pass_through_and_max_tokens_is_clamped_to_the_context(
     ({"prompt": [[1], [2]]}, "prompt", "one prompt per request"),
     ({"prompt": list(range(MAX_LEN))}, "prompt", "maximum context length"),
     ({"prompt": [1], "echo": True}, "echo", "echo is not supported"),
+    ({"prompt": [""]}, "prompt", "must not be empty"),
+    ({"prompt": [[]]}, "prompt", "must not be empty"),
 ])
 def test_a_bad_completion_request_is_refused_with_vllms_words_naming_the_field(tok, body, param, words):
     with pytest.raises(protocol.BadRequest, match=words.replace("(", r"\(").replace(")", r"\)")) as err:
@@ -188,7 +190,10 @@ def returned(reason: str) -> FleetResult:
 def test_returned_requests_become_400_for_the_caller_and_503_naming_why_for_the_fleet(tok):
     closed = Front(_Client(RoutingState(5, False, 2, reason="refit of version 3")), tok, "m", MAX_LEN)
     out = closed.returned(returned("bad request: request r-9 rejected by vLLM: Token id 999 is out of vocabulary"))
-    assert (out.code, out.message) == (400, "Token id 999 is out of vocabulary")
+    assert (out.code, out.message, out.param) == (400, "Token id 999 is out of vocabulary", None)
+    out = closed.returned(returned("bad request: request r-9 rejected by vLLM: Requested sample logprobs of 100, "
+                                   "which is greater than max allowed: 20 (parameter=logprobs, value=100)"))
+    assert (out.code, out.param) == (400, "logprobs") and out.message.startswith("Requested sample logprobs")
     out = closed.returned(returned("no serving shard within the request timeout (60 s)"))
     assert out.code == 503 and "the gate is closed: refit of version 3" in out.message
     stopped = Front(_Client(RoutingState(6, False, 2, stopped="FleetExhausted: slots 0, 1 dead")), tok, "m", MAX_LEN)
