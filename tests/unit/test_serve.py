@@ -250,18 +250,25 @@ def test_a_cancelled_request_is_aborted_on_its_shard_and_counted_returned(model_
     run(go())
 
 
+async def _one_running(model_dir, tok, gen_delay: float):
+    """A started fleet of fakes whose generations take ``gen_delay``, its front, and one request running."""
+    ctl, door, _ = make(model_dir)
+    door.gen_delay = gen_delay
+    await ctl.start()
+    front = Front(client(ctl), tok, "m", MAX_LEN)
+    task = asyncio.ensure_future(front.run([1, 2, 3], {"max_tokens": 4}))
+    await asyncio.sleep(0.1)
+    return ctl, door, front, task
+
+
 def test_a_request_still_running_when_the_server_stops_is_aborted_and_answered_503_not_dropped(model_dir, tok):
     """uvicorn ends requests still running at its graceful-shutdown limit with a bare 500 (28 of 60 long
     requests when tried from outside). The front cuts them off first: aborted on the engine, answered 503
     saying why; one that finishes within the grace is answered normally; a new one is refused at once."""
 
     async def go():
-        ctl, door, _ = make(model_dir)
-        door.gen_delay = 5.0
-        await ctl.start()
-        front = Front(client(ctl), tok, "m", MAX_LEN)
-        slow = asyncio.ensure_future(front.run([1, 2, 3], {"max_tokens": 4}))
-        await asyncio.sleep(0.5)
+        ctl, door, front, slow = await _one_running(model_dir, tok, gen_delay=5.0)
+        await asyncio.sleep(0.4)
         running = [(s.slot, rid) for s in door.shards.values() for rid in s.in_flight]
         assert len(running) == 1 and front.in_flight == 1
         front.cut_off_after(1.0)
@@ -281,12 +288,7 @@ def test_a_request_still_running_when_the_server_stops_is_aborted_and_answered_5
 
 def test_a_request_that_finishes_within_the_grace_is_answered_normally(model_dir, tok):
     async def go():
-        ctl, door, _ = make(model_dir)
-        door.gen_delay = 0.5
-        await ctl.start()
-        front = Front(client(ctl), tok, "m", MAX_LEN)
-        task = asyncio.ensure_future(front.run([1, 2, 3], {"max_tokens": 4}))
-        await asyncio.sleep(0.1)
+        ctl, _, front, task = await _one_running(model_dir, tok, gen_delay=0.5)
         front.cut_off_after(2.0)
         assert (await task).code == 200 and front.counters()["cut_off"] == 0
         await asyncio.sleep(2.5)  # the cut-off comes and finds nothing running
