@@ -18,6 +18,7 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.utils.api_utils import with_cancellation
@@ -33,10 +34,21 @@ def _error(code: int, message: str, kind: str, param: str | None = None) -> JSON
 
 
 def _validation_message(exc: RequestValidationError) -> str:
-    """One line per problem, as pydantic words it (the messages of vLLM's own validators among them)."""
+    """One line per problem, as pydantic words it (the messages of vLLM's own validators among them); a body
+    that is not JSON, or none at all, said as much (pydantic: "31: JSON decode error", "Field required")."""
     parts = []
     for e in exc.errors():
-        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        loc = tuple(e.get("loc", ()))
+        if e.get("type") == "json_invalid":
+            at = next((x for x in loc if isinstance(x, int)), None)
+            why = (e.get("ctx") or {}).get("error", "")
+            parts.append(f"the request body is not valid JSON{f' at character {at}' if at is not None else ''}"
+                         f"{f' ({why})' if why else ''}")
+            continue
+        if loc == ("body",) and e.get("type") == "missing":
+            parts.append("the request body is missing: send a JSON object")
+            continue
+        where = ".".join(str(x) for x in loc if x != "body")
         parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
     return "; ".join(parts) or str(exc)
 
@@ -60,7 +72,17 @@ def build_app(front: Front) -> FastAPI:
     async def models():
         return protocol.models_body(front.model, front.max_model_len)
 
-    @app.get("/health")
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """FastAPI's own answers (no such path, a method the path does not take) in the OpenAI error shape."""
+        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "HTTPError")
+        message = {404: f"no route {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        response = _error(exc.status_code, message, kind)
+        response.headers.update(getattr(exc, "headers", None) or {})  # Allow: on a 405
+        return response
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         code, body = front.health()
         return JSONResponse(body, status_code=code)

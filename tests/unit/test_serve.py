@@ -346,3 +346,25 @@ def test_a_text_longer_than_any_tokenization_of_the_context_is_refused_without_t
     assert not protocol.needs_tokenizer(CompletionRequest(prompt=[1, 2, 3]))
     assert not protocol.needs_tokenizer(CompletionRequest(prompt=[[1, 2, 3]]))
     assert protocol.needs_tokenizer(CompletionRequest(prompt="hi")) and protocol.needs_tokenizer(chat)
+
+
+def test_fastapis_own_answers_come_in_the_openai_error_shape_and_head_health_answers(tok):
+    """404, 405 and a body that is not JSON (or none) were FastAPI's ``{"detail": ...}`` ("31: JSON decode
+    error", "Field required"); HEAD /health was a 405. An OpenAI client reads ``error.message``."""
+    from fastapi.testclient import TestClient
+
+    from serve.app import build_app
+
+    http = TestClient(build_app(Front(_Client(RoutingState(5, True, 2)), tok, "m", MAX_LEN)))
+    r = http.get("/v1/nope")
+    assert r.status_code == 404 and r.json()["error"] == {"message": "no route /v1/nope", "type": "NotFoundError",
+                                                          "param": None, "code": 404}
+    r = http.delete("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"] == "DELETE is not allowed on /v1/completions"
+    assert "POST" in r.headers["allow"]
+    r = http.post("/v1/completions", content=b'{"prompt": [1], oops}', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("the request body is not valid JSON at character")
+    r = http.post("/v1/completions", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is missing: send a JSON object"
+    r = http.head("/health")
+    assert r.status_code == 200 and r.content == b""
