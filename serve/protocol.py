@@ -207,14 +207,14 @@ def refuse_text_beyond_the_context(req: Any, max_model_len: int) -> None:
 
 
 def completion_call(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> tuple[list[int], dict]:
+    refuse_unsupported(req)  # before the tokenizer spends anything on a request it would refuse
     prompt = completion_prompt(req, tokenizer)
-    refuse_unsupported(req)
     return prompt, _sampling(req, len(prompt), max_model_len, req.max_tokens)
 
 
 def chat_call(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -> tuple[list[int], dict]:
-    prompt = chat_prompt(req, tokenizer)
     refuse_unsupported(req)
+    prompt = chat_prompt(req, tokenizer)
     # ``max_tokens`` is deprecated for chat (read from the fields, so that reading it warns no one)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.__dict__.get("max_tokens")
     return prompt, _sampling(req, len(prompt), max_model_len, requested)
