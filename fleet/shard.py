@@ -27,6 +27,7 @@ from fleet.fault_hooks import ArmedFault, FaultHooks
 from fleet.errors import BadRequestError, DeadlineExceeded, RouteRefused, ShardShutDownError, ShardUnusableError
 from fleet.routing import Ticket, VersionPolicy
 from fleet.shard_gate import EPOCH, NOT_MEMBER, PAUSED, RecentResults, ShardGate
+from fleet.start_records import record_start
 from fleet.types import FINISH_ABORTED, Completion, EngineStats, GenerationResult
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
@@ -107,8 +108,10 @@ class EngineShard:
             await self._bounded("start", self._backend.start(), self.config.start_timeout_s)
         except BaseException:
             self._state = "failed"
+            record_start(self.slot, self.incarnation, self.config.backend, time.monotonic() - t0, ok=False)
             raise
         self._state = "ready"
+        record_start(self.slot, self.incarnation, self.config.backend, time.monotonic() - t0, ok=True)
         caps = self._backend.capabilities
         return {"start_s": time.monotonic() - t0, "native_pause": caps.native_pause, "node": _node_id(),
                 **self.ping_info()}

@@ -9,6 +9,29 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# Every engine a shard builds during the run appends a record here (``fleet.start_records``): Ray's
+# workers and the CLI processes the tests start inherit the variable. The count is printed at the end.
+if not os.environ.get("RLFLEET_START_RECORDS"):
+    import tempfile
+
+    os.environ["RLFLEET_START_RECORDS"] = os.path.join(tempfile.mkdtemp(prefix="rlfleet-starts-"), "starts.jsonl")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Unit tests are all in the quick lane (``scripts/test.sh --quick``); integration modules join it with
+    ``pytestmark = pytest.mark.quick`` when they cost seconds (no vLLM engine, or one shared fast fixture)."""
+    quick = pytest.mark.quick
+    for item in items:
+        if "/tests/unit/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(quick)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The engine starts this run cost, from the shards' own start records (``fleet.start_records``)."""
+    from fleet.start_records import read_starts, summarize
+
+    records = read_starts(os.environ["RLFLEET_START_RECORDS"])
+    terminalreporter.write_sep("=", summarize(records))
 
 
 @pytest.fixture(scope="session")

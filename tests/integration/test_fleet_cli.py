@@ -16,6 +16,8 @@ from fleet.api import Fleet
 from fleet.errors import ConfigError
 from fleet.naming import shard_name
 
+pytestmark = pytest.mark.quick  # no vLLM engine: seconds, in the quick lane
+
 NAME = "cli-test-fleet"
 
 

@@ -21,6 +21,8 @@ import pytest
 
 from cli import slurm as slurm_cli
 
+pytestmark = pytest.mark.quick  # no vLLM engine: seconds, in the quick lane
+
 REPO = Path(__file__).resolve().parents[2]
 SUBMIT_ARGS = ["--nodes", "3", "--cpus-per-node", "4", "--", "python", "-m", "my_recipe"]
 

@@ -20,7 +20,7 @@ from fleet.errors import ConfigError
 from fleet.naming import shard_name
 from tests.integration.fleet_helpers import assert_invariants, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]  # null engines: seconds, in the quick lane
 
 GENERATE_S = 1.0  # every request is in flight this long on its null engine
 PROMPT, SAMPLING = [1, 2, 3], {"max_tokens": 1}

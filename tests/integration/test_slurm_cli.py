@@ -15,6 +15,8 @@ import pytest
 from cli import slurm as slurm_cli
 from cli.slurm import JobSpec, SubmitError, render, render_default
 
+pytestmark = pytest.mark.quick  # no vLLM engine: seconds, in the quick lane
+
 REPO = Path(__file__).resolve().parents[2]
 
 
