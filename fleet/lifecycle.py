@@ -332,7 +332,9 @@ class RefitLifecycle:
         return await self.pause_settled(self.reconcile())
 
     async def stamp(self, plan: MembershipPlan, version: int, complete: set[int]) -> None:
-        """Step 6: commit the version in the ledger and stamp it on every engine that holds it."""
+        """Step 6: commit the version in the ledger and stamp it on every engine that holds it. An engine whose
+        stamp is not acknowledged (unavailable, timed out, raised, lied) holds an unknown version from then on:
+        out of routing (a probe that finds it alive brings it back stale) until a refit lands on it again."""
         if not complete:
             return
         parts = [p for p in plan.participants if p.slot in complete]
@@ -346,11 +348,14 @@ class RefitLifecycle:
             {p.slot: (handles[p.slot][1], "set_weight_version", args, kw) for p in parts}, expect_ack=True
         )
         failed = [p for p in parts if outs[p.slot].kind != OK]
-        for p in failed:
-            self.ctl.observe(p.slot, p.incarnation, CallKind.REFIT, outs[p.slot])
+        for p in failed:  # its tag is unknown: it serves nothing until a refit lands on it again (``CallKind.STAMP``)
+            self.ctl.observe(p.slot, p.incarnation, CallKind.STAMP, outs[p.slot])
         if failed:
             members = tuple((p.slot, p.incarnation) for p in parts if outs[p.slot].kind == OK)
-        self.ctl.log.emit("stamp", version=version, members=members)
+            # a successor re-adopting the fleet serves an unacknowledged engine only if its own tag says so
+            self.ctl.intent.update(refit=RefitIntent(version, COMMITTED, members))
+        self.ctl.log.emit("stamp", version=version, members=members,
+                          failed=[[p.slot, p.incarnation, outs[p.slot].describe()[:200]] for p in failed])
 
     async def resume(self, plan: MembershipPlan, paused: set[int], complete: set[int]) -> None:
         """Step 7: resume every paused participant under one shared deadline; never retries the transfer.

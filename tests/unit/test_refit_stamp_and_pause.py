@@ -1,0 +1,61 @@
+"""The refit's stamp, pause, resume and refusal paths off the happy path (issue 29: hole 1 and the
+small items of hole 10), driven through the real controller and lifecycle with fakes in virtual time.
+
+The witness is always the shard's own state (the fake shard's ``version`` tag, ``paused`` flag, gate),
+never the ledger alone: the ledger is what is being checked."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.unit.fleet_fakes import client
+from tests.unit.test_controller import make, run
+
+
+async def _serve_while_checking(ctl, door, n: int = 30) -> list:
+    """``n`` requests, one at a time; every result served while the gate is open carries the gate's version
+    and the shard's own tag agrees (the gate is never open on a version a serving shard lacks)."""
+    results = []
+    for _ in range(n):
+        res = await client(ctl).generate([1, 2])
+        assert res.ok, res
+        if ctl.gate.is_open:
+            assert res.result.weight_version == ctl.gate.version, (
+                f"slot {res.result.slot} served version {res.result.weight_version} with the gate open on "
+                f"{ctl.gate.version}")
+        results.append(res.result)
+        await asyncio.sleep(0.05)
+    for slot in ctl.ledger.serving_slots():
+        inc = ctl.handles[slot][0]
+        assert door.shards[(slot, inc)].version == ctl.gate.version, f"serving slot {slot} is tagged otherwise"
+    return results
+
+
+@pytest.mark.parametrize("failure", ["unavailable", "hang"])
+def test_a_stamp_that_fails_leaves_the_version_unknown_until_a_refit_lands_again(model_dir, failure):
+    async def go():
+        ctl, door, _ = make(model_dir, unhealthy_threshold=3)
+        await ctl.start()
+        door.shards[(1, 1)].script["set_weight_version"] = failure  # once: its probes answer
+        await ctl.sync_weights(1)
+        assert ctl.gate.is_open and ctl.gate.version == 1
+        assert door.shards[(1, 1)].version == 0  # the witness: its own tag is still the old version
+        assert ctl.ledger.raw(1).weight_version is None  # unknown, not the new version
+        for _ in range(60):  # probes find it alive again (virtual time)
+            await asyncio.sleep(0.2)
+            if ctl.ledger.state(1).value not in ("suspect", "hung"):
+                break
+        assert ctl.ledger.state(1).value == "stale" and 1 not in ctl.ledger.serving_slots()
+        served = await _serve_while_checking(ctl, door)
+        assert {r.slot for r in served} <= {0, 2}
+        await ctl.sync_weights(2)  # the next refit re-transfers and re-stamps it: it serves again
+        assert sorted(ctl.ledger.serving_slots()) == [0, 1, 2] and door.shards[(1, 1)].version == 2
+        served = await _serve_while_checking(ctl, door)
+        assert 1 in {r.slot for r in served}
+        stamp = ctl.events(kinds=["stamp"])
+        assert [m[0] for m in stamp[-2]["members"]] == [0, 2] and stamp[-2]["failed"][0][0] == 1
+        await ctl.shutdown()
+
+    run(go())
