@@ -208,7 +208,7 @@ class RefitLifecycle:
             raise _RollBack(RefitNotStaged(
                 f"refit of version {version}: {len(staged)} engine(s) staged the update after {attempt} attempt(s), "
                 f"fewer than min_healthy_engines ({self.ctl.cfg.min_healthy_engines}); failed: {why or 'no live engine'}. "
-                f"The gate never closed; the fleet keeps serving version {self.ctl.ledger.current_version}"))
+                f"The gate never closed; the fleet keeps serving {self.ctl.serves()}"))
         return staged
 
     async def close_gate(self, version: int) -> int:
@@ -319,7 +319,7 @@ class RefitLifecycle:
             self._moving = False
             raise _RollBack(RefitRefused(
                 f"weight update for version {self._version} refused: {'; '.join(refused)[:1500]}; "
-                f"the fleet keeps serving version {self.ctl.ledger.current_version}"
+                f"the fleet keeps serving {self.ctl.serves()}"
             ))
 
     async def _prepare_retry(self, plan: MembershipPlan, version: int, results: dict, complete: set[int]):
