@@ -88,7 +88,7 @@ class RefitLifecycle:
         self._version = 0
         self._finished = False
         self._moving = False  # the transfer began: engines may hold bytes of the new version
-        self._held: dict[tuple[int, int], Any] = {}  # (slot, incarnation) -> handle paused by this refit
+        self._held: dict[tuple[int, int], Any] = {}  # (slot, incarnation) -> handle a pause was sent to by this refit
         self._busy: dict[int, int] = {}  # slot -> requests in flight when the refit fenced it
 
     @property
@@ -267,7 +267,7 @@ class RefitLifecycle:
         aborts = [a for a in acts if isinstance(a, AbortRefit)]
         paused = {s for s in outs if s not in failed}
         held = self._held
-        for slot in paused:
+        for slot in outs:  # every engine a pause was sent to: one whose ack was lost may have paused all the same
             held[(slot, targets[slot].incarnation)] = handles[slot][1]
         if aborts:
             raise _EndRefit(RefitFailed, aborts[0].message)
@@ -358,7 +358,9 @@ class RefitLifecycle:
                           failed=[[p.slot, p.incarnation, outs[p.slot].describe()[:200]] for p in failed])
 
     async def resume(self, plan: MembershipPlan, paused: set[int], complete: set[int]) -> None:
-        """Step 7: resume every paused participant under one shared deadline; never retries the transfer.
+        """Step 7: resume every paused participant, and every other engine this refit sent a pause to (its ack
+        lost, or it left the plan since) that is still the same incarnation, under one shared deadline; never
+        retries the transfer.
 
         Requests held on an engine that did not get the new weights completely are
         aborted first (the dispatcher re-sends them to a serving engine).
@@ -366,9 +368,15 @@ class RefitLifecycle:
         parts = [p for p in plan.participants if p.slot in paused]
         handles, args, kw = self.ctl.handles, (), {}
         stale = [p for p in parts if p.slot in self._busy and p.slot not in complete]
-        if stale:
-            await self._fan_out({p.slot: (handles[p.slot][1], "abort_in_flight", args, kw) for p in stale})
-        outs = await self._fan_out({p.slot: (handles[p.slot][1], "resume", args, kw) for p in parts}, expect_ack=True)
+        others = self._paused_outside({p.slot for p in parts})
+        aborts = {p.slot: (handles[p.slot][1], "abort_in_flight", args, kw) for p in stale}
+        aborts.update({key: (h, "abort_in_flight", args, kw) for key, h in others.items()})
+        if aborts:
+            await self._fan_out(aborts)
+        calls = {p.slot: (handles[p.slot][1], "resume", args, kw) for p in parts}
+        calls.update({key: (h, "resume", args, kw) for key, h in others.items()})
+        outs = await self._fan_out(calls, expect_ack=True)
+        self._note_resumed_outside({key: outs[key] for key in others})
         acts = self.ctl.observe_all(  # an ok resume is not fed (``observe_all``)
             CallKind.RESUME, {p.slot: (p.incarnation, outs[p.slot]) for p in parts if outs[p.slot].kind != OK})
         aborts = [a for a in acts if isinstance(a, AbortRefit)]
@@ -387,6 +395,23 @@ class RefitLifecycle:
         raise _EndRefit(FleetExhausted if isinstance(stop, StopExhausted) else RefitFailed, message)
 
     # ------------------------------------------------------------------ helpers
+    def _paused_outside(self, resuming: set[int]) -> dict[tuple[int, int], Any]:
+        """(slot, incarnation) -> handle of each engine this refit sent a pause to that is not resumed with the
+        participants (its pause ack was lost, or it left the plan later) and is still the slot's incarnation:
+        it may be paused, holding requests; resume must reach it too."""
+        return {key: h for key, h in self._held.items() if key[0] not in resuming and self.ctl.handle_of(*key) is h}
+
+    def _note_resumed_outside(self, outs: dict) -> None:
+        """Log the resumes of engines outside the refit; one that does not answer counts as a failed probe
+        (it is quarantined already, or found so): still paused, it serves nothing, and the next refit resumes it."""
+        if not outs:
+            return
+        self.ctl.log.emit("resume_outside_refit", version=self._version,
+                          engines=[[s, i, o.kind] for (s, i), o in sorted(outs.items())])
+        failed = {s: (i, o) for (s, i), o in outs.items() if not o.ok}
+        if failed:
+            self.ctl.observe_all(CallKind.PROBE, failed)
+
     def _clear_cache(self, slots) -> dict[int, bool]:
         """slot -> whether pausing it clears its KV cache; under ``keep``, decided per shard (an idle
         shard invalidates its prefix cache even while another one is busy)."""

@@ -2,7 +2,7 @@
 
 ``FakeDoor`` stands in for ``fleet.ray_io.RayDoor``: shards are ``FakeShard``
 objects whose behaviour per method is scripted ("die", "hang", "lie",
-"unavailable", "error"), and every call is recorded in ``door.calls`` as
+"unavailable", "error", "lost": ran but its reply was lost), and every call is recorded in ``door.calls`` as
 (method, slot, incarnation) in the order calls were made.
 
 ``run_virtual(coro)`` runs a test in virtual time and ``LoopClock`` is the controller's
@@ -112,6 +112,9 @@ class FakeDoor:
             return Outcome(TIMED_OUT, error=TimeoutError(f"{method} hung"))
         if b == "unavailable":
             return Outcome(UNAVAILABLE, error=ConnectionError("unavailable"))
+        if b == "lost":  # the call ran on the shard; its reply never came back
+            await getattr(self, f"_{method}")(handle, *args, **kw)
+            return Outcome(UNAVAILABLE, error=ConnectionError(f"{method}: reply lost"))
         if b == "error":
             return Outcome(ERROR, error=RuntimeError(f"{method} failed"))
         if b == "lie":

@@ -88,3 +88,31 @@ def test_every_refusal_names_the_version_the_fleet_serves(model_dir, monkeypatch
         await ctl.shutdown()
 
     run(go())
+
+
+@pytest.mark.parametrize("ending", ["commit", "roll_back"])
+def test_a_pause_whose_reply_was_lost_is_resumed_and_its_held_request_finishes(model_dir, ending):
+    """Issue 29 hole 10: the engine paused but its ack never came back (unavailable). Resume, and the roll
+    back, cover every engine a pause was sent to that is still the same incarnation, not only the acked."""
+    async def go():
+        ctl, door, transfer = make(model_dir, unhealthy_threshold=3)
+        await ctl.start()
+        door.gen_delay = 0.05
+        lost = door.shards[(2, 1)]
+        held = [asyncio.ensure_future(client(ctl).generate([1])) for _ in range(9)]
+        await asyncio.sleep(0.01)
+        lost.script["pause"] = "lost"
+        lost.script["ping"] = "unavailable"  # its first probe fails too: it stays out of this refit
+        if ending == "roll_back":
+            transfer.fail[1] = {s: "refuse" for s in range(3)}
+            with pytest.raises(Exception, match="refused"):
+                await ctl.sync_weights(1)
+        else:
+            await ctl.sync_weights(1)
+        assert ("pause", 2, 1) in door.calls and not lost.paused, "the engine that paused without an ack stays paused"
+        done, pending = await asyncio.wait(held, timeout=5.0)
+        assert not pending, f"{len(pending)} request(s) held on a paused engine forever"
+        assert all(r.result().ok for r in done)
+        await ctl.shutdown()
+
+    run(go())
