@@ -258,7 +258,9 @@ class RefitLifecycle:
         clear = self._clear_cache(targets)
         await self._invalidate_without_native_pause({s: p for s, p in targets.items() if clear[s]})
         handles = self.ctl.handles
-        args, kw = (), {True: {"mode": "keep", "clear_cache": True}, False: {"mode": "keep", "clear_cache": False}}
+        idle = self.ctl.cfg.kv_policy == "keep"  # under keep a shard idle at its pause clears anyway (free)
+        args, kw = (), {True: {"mode": "keep", "clear_cache": True},
+                        False: {"mode": "keep", "clear_cache": False, **({"clear_if_idle": True} if idle else {})}}
         outs = await self._fan_out(
             {s: (handles[s][1], "pause", args, kw[clear[s]]) for s in targets}, expect_ack=True,
         )
@@ -414,7 +416,8 @@ class RefitLifecycle:
 
     def _clear_cache(self, slots) -> dict[int, bool]:
         """slot -> whether pausing it clears its KV cache; under ``keep``, decided per shard (an idle
-        shard invalidates its prefix cache even while another one is busy)."""
+        shard invalidates its prefix cache even while another one is busy). A shard busy at refit start is
+        paused with ``clear_if_idle``: it clears all the same if it holds nothing by the time it pauses."""
         policy = self.ctl.cfg.kv_policy
         if policy == "recompute":
             return dict.fromkeys(slots, True)

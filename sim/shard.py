@@ -160,7 +160,8 @@ class SimShard:
         await self._take(self.t.rpc_s)
         return True
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = True, timeout: float | None = None) -> bool:
+    async def pause(self, mode: str = "keep", clear_cache: bool = True, timeout: float | None = None,
+                    clear_if_idle: bool = False) -> bool:
         await self._take(self.t.pause_s)
         self.gate.paused = True
         return True

@@ -152,7 +152,7 @@ class FakeDoor:
     async def _ping(self, s):
         return {"slot": s.slot}
 
-    async def _pause(self, s, mode="keep", clear_cache=True):
+    async def _pause(self, s, mode="keep", clear_cache=True, clear_if_idle=False):
         s.paused = s.gate.paused = True
         return True
 

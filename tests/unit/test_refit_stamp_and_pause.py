@@ -10,6 +10,8 @@ import asyncio
 
 import pytest
 
+from fleet.null_backend import NullBackend
+from fleet.shard import EngineShard
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
 
@@ -113,6 +115,64 @@ def test_a_pause_whose_reply_was_lost_is_resumed_and_its_held_request_finishes(m
         done, pending = await asyncio.wait(held, timeout=5.0)
         assert not pending, f"{len(pending)} request(s) held on a paused engine forever"
         assert all(r.result().ok for r in done)
+        await ctl.shutdown()
+
+    run(go())
+
+
+class PauseRecorder(NullBackend):
+    """A backend that records each pause's ``clear_cache`` and holds requests until released."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.pauses: list[bool] = []
+        self.release = asyncio.Event()
+
+    async def generate(self, prompt_token_ids, sampling, request_id, cache_salt=None):
+        await self.release.wait()
+        return await super().generate(prompt_token_ids, sampling, request_id, cache_salt)
+
+    async def pause(self, mode, clear_cache):
+        self.pauses.append(clear_cache)
+        await super().pause(mode, clear_cache)
+
+
+def test_under_keep_a_shard_idle_at_pause_invalidates_its_prefix_cache_even_if_busy_at_refit_start(tmp_path):
+    """Issue 29 hole 10: the keep decision was taken at refit start (``begin_refit``'s in_flight); a shard
+    busy then but idle at its pause kept its prefix cache. The shard decides from what it holds at pause."""
+    async def go():
+        (tmp_path / "config.json").write_text("{}")
+        backend = PauseRecorder()
+        shard = EngineShard({"model": str(tmp_path), "backend": "null"}, 0, 1, backend_factory=lambda cfg: backend)
+        await shard.start()
+        request = asyncio.ensure_future(shard.generate([1, 2], {}, "r1"))
+        await asyncio.sleep(0.01)
+        assert (await shard.begin_refit(1, 1))["in_flight"] == 1  # busy at refit start
+        assert await shard.pause(mode="keep", clear_cache=False, clear_if_idle=True) is True
+        await shard.resume()
+        backend.release.set()
+        await request  # idle from here on
+        assert await shard.pause(mode="keep", clear_cache=False, clear_if_idle=True) is True
+        await shard.resume()
+        assert await shard.pause(mode="keep", clear_cache=False) is True  # salt: never clears
+        assert backend.pauses == [False, True, False]
+
+    asyncio.run(go())
+
+
+def test_under_keep_every_pause_lets_an_idle_shard_clear_its_cache(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir, kv_policy="keep")
+        await ctl.start()
+        door.gen_delay = 0.2
+        reqs = [asyncio.ensure_future(client(ctl).generate([1])) for _ in range(6)]
+        await asyncio.sleep(0.05)
+        door.kwargs.clear()
+        await ctl.sync_weights(1)
+        await asyncio.gather(*reqs)
+        pauses = [kw for m, _, kw in door.kwargs if m == "pause"]
+        busy = [kw for kw in pauses if not kw["clear_cache"]]  # busy at refit start
+        assert busy and all(kw.get("clear_if_idle") is True for kw in busy), pauses  # the shard decides at pause
         await ctl.shutdown()
 
     run(go())
