@@ -222,11 +222,21 @@ class RefitLifecycle:
         return await self.ctl.publisher.fence_for_refit()
 
     async def fence_and_abort_too_old(self, version: int, epoch: int) -> int:
-        """Step 2: every live shard refuses work routed before ``epoch`` from now on, and aborts the
+        """Step 2: every shard (live or not) refuses work routed before ``epoch`` from now on; the live ones abort the
         in-flight requests whose version policy ``version`` would break (``max_staleness``, ``latest``);
         their clients re-send them. Returns how many were aborted."""
         args, kw = (epoch, version), {}
-        outs = await self._fan_out({s: (h, "begin_refit", args, kw) for s, (_, h) in self.ctl.live_handles().items()})
+        live = self.ctl.live_handles()
+        # every other engine (quarantined, starting) is fenced too, bounded like a probe: one that never heard
+        # it left the serving set must not admit work routed before this refit
+        others = {(s, i): h for s, (i, h) in self.ctl.handles.items() if s not in live}
+        outs, fenced = await asyncio.gather(
+            self._fan_out({s: (h, "begin_refit", args, kw) for s, (_, h) in live.items()}),
+            self._fan_out({key: (h, "fence", (epoch,), kw) for key, h in others.items()},
+                          timeout=self.ctl.cfg.probe_timeout_s))
+        unfenced = sorted([s, i, o.kind] for (s, i), o in fenced.items() if not o.ok)
+        if unfenced:  # it answers nothing, so it admits nothing either; its leave notice is still being retried
+            self.ctl.log.emit("fence_failed", version=version, epoch=epoch, engines=unfenced)
         aborted, busy = 0, {}
         for s, o in outs.items():
             if o.kind == OK:  # ``o.ok``, without a property call per shard

@@ -273,7 +273,7 @@ class EngineShard:
         Leaving the serving set, the shard notes what it held at that instant (``left`` in ``counters``:
         requests in flight, requests admitted so far, the epoch), so a drain (``fleet.resize``) knows
         what it had to finish and can tell whether anything was admitted after."""
-        if self.gate.member and not member:
+        if self.gate.member and not member and int(epoch) >= self.gate.routed_at:  # an older word is ignored
             self._left = {"in_flight": len(self._inflight), "admitted": self.gate.admitted, "epoch": int(epoch)}
         self.gate.route(int(epoch), bool(member), int(committed))
         return True

@@ -137,7 +137,7 @@ class SimShard:
 
     async def set_route(self, epoch: int, member: bool, committed: int) -> bool:
         await self._take(self.t.rpc_s)
-        if self.gate.member and not member:
+        if self.gate.member and not member and int(epoch) >= self.gate.routed_at:
             self._left = {"in_flight": 0, "admitted": self.gate.admitted, "epoch": int(epoch)}
         self.gate.route(int(epoch), bool(member), int(committed))
         return True

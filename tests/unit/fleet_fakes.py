@@ -177,7 +177,7 @@ class FakeDoor:
                 "slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version, "left": s.left}
 
     async def _set_route(self, s, epoch, member, committed):
-        if s.gate.member and not member:  # as EngineShard.set_route: what it held as it left the serving set
+        if s.gate.member and not member and epoch >= s.gate.routed_at:  # as EngineShard.set_route: what it held as it left the serving set
             s.left = {"in_flight": sum(1 for v in s.in_flight.values() if v is not None),
                       "admitted": s.gate.admitted, "epoch": epoch}
         s.gate.route(epoch, member, committed)

@@ -176,3 +176,62 @@ def test_under_keep_every_pause_lets_an_idle_shard_clear_its_cache(model_dir):
         await ctl.shutdown()
 
     run(go())
+
+
+def _quarantine(ctl, door, slot: int) -> None:
+    from fleet.outcome import UNAVAILABLE, Outcome
+    from health import CallKind
+
+    ctl.observe(slot, 1, CallKind.GENERATE, Outcome(UNAVAILABLE, error=ConnectionError("unavailable")))
+    assert ctl.ledger.state(slot).value == "suspect"
+
+
+def test_a_suspect_shard_is_fenced_at_refit_start(model_dir):
+    """Issue 29 hole 10: begin_refit went to live shards only; a suspect one that never heard it left the
+    serving set kept admitting work routed before the refit. Every handle is fenced at the refit's epoch."""
+    async def go():
+        ctl, door, _ = make(model_dir, unhealthy_threshold=50, suspect_timeout_s=60.0)
+        await ctl.start()
+        shard = door.shards[(2, 1)]
+        shard.sticky.update(ping="unavailable", set_route="unavailable")  # it never hears it left
+        _quarantine(ctl, door, 2)
+        await asyncio.sleep(0.5)
+        assert shard.gate.member  # the witness: it still believes it serves
+        await ctl.sync_weights(1)
+        assert ("fence", 2, 1) in door.calls or ("begin_refit", 2, 1) in door.calls
+        assert shard.gate.floor >= ctl.publisher.refit_epoch, "work routed before the refit is still admitted"
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_a_leave_notice_is_retried_until_acknowledged(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir, unhealthy_threshold=50, suspect_timeout_s=60.0)
+        await ctl.start()
+        shard = door.shards[(2, 1)]
+        shard.sticky["ping"] = "unavailable"
+        shard.script["set_route"] = "unavailable"  # the first leave notice is lost
+        _quarantine(ctl, door, 2)
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            if not shard.gate.member:
+                break
+        assert not shard.gate.member, "a lost leave notice was never sent again"
+        assert sum(1 for c in door.calls if c[:2] == ("set_route", 2)) >= 2
+        notes = [e for e in ctl.events(kinds=["leave_notice"]) if e["slot"] == 2]
+        assert notes and notes[-1]["acknowledged"] and notes[-1]["attempts"] >= 2
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_a_leave_notice_sent_again_never_undoes_a_later_join():
+    from fleet.shard_gate import ShardGate
+
+    gate = ShardGate()
+    gate.route(5, True, 1)
+    gate.route(7, False, 1)  # left
+    gate.route(9, True, 2)  # rejoined
+    gate.route(7, False, 1)  # the first leave notice, sent again, arrives late
+    assert gate.member and gate.floor == 9 and gate.committed == 2
