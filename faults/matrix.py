@@ -45,8 +45,8 @@ PAIR = {"num_engines": 2}
 @dataclass(frozen=True)
 class Variant:
     plan: dict
-    # "evicted:<slot>", "readmitted:<slot>", "retired:<slot>", "stop_names:<slot>", "below_quorum",
-    # "controller_back", "promoted:<slot>", "resent:<slot>" (faults.runner)
+    # "evicted:<slot>", "readmitted:<slot>", "restamped:<slot>", "retired:<slot>", "stop_names:<slot>",
+    # "below_quorum", "controller_back", "promoted:<slot>", "resent:<slot>" (faults.runner)
     checks: tuple[str, ...] = ()
 
     @property
@@ -134,6 +134,10 @@ MATRIX: tuple[Variant, ...] = (
        description="a serving engine killed between refits under load: the warm spare is promoted before the "
                    "killed slot's restart ends, the gate stays open (2 of 2 needed), the restarted slot is the "
                    "new spare"),
+    _v("stamp-unavailable", "recovers", [{"where": "stamp", "what": "unavailable", "shard": 1, "step": 1}],
+       checks=("restamped:1",), fleet={**PAIR, "min_healthy_engines": 1},
+       description="set_weight_version answers 'unavailable' on one engine: its version is unknown, so it serves "
+                   "nothing (a probe finds it alive: stale, never healthy) until the next refit re-stamps it"),
     _v("restart-budget-exhausted", "recovers",
        [{"where": "step_boundary", "what": "kill", "shard": 1, "step": 1, "every": 1, "times": 2}],
        checks=("retired:1",), fleet={**PAIR, "min_healthy_engines": 1, "restart_budget": 1},

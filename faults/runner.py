@@ -272,6 +272,9 @@ class FaultRunner:
                 ok = self._wait(lambda: slot_states(fleet.status())[slot] == "retired", 240, f"slot {slot} retired")
             elif kind == "readmitted":
                 ok = self._readmitted(fleet, slot)
+            elif kind == "restamped":
+                rep.violations += [f"check {check}: {p}" for p in self._restamped(fleet, slot, t0)]
+                continue
             else:
                 raise ValueError(f"unknown check {check!r}")
             if not ok:
@@ -325,6 +328,31 @@ class FaultRunner:
             if inc > 1 and any(r.ok and (r.result.slot, r.result.incarnation) == (slot, inc) for g in groups for r in g):
                 return True
         return False
+
+    def _restamped(self, fleet: Fleet, slot: int, t0: float) -> list[str]:
+        """A stamp that failed on ``slot``: the ledger dropped its version (it never served the refit's version
+        unstamped), and a later refit re-stamped the same incarnation, which then serves the committed version."""
+        out = []
+        stamps = self.events(t0, kinds=("stamp",))
+        failed = [e for e in stamps if any(f[0] == slot for f in e.get("failed", ()))]
+        if not failed:
+            return [f"no stamp of slot {slot} failed after the fault: {[e.get('failed') for e in stamps]}"]
+        inc = next(f[1] for f in failed[0]["failed"] if f[0] == slot)
+        unknown = [e for e in self.events(t0, kinds=("health",)) if e["slot"] == slot and e["incarnation"] == inc
+                   and "version unknown" in e.get("reason", "")]
+        if not unknown:
+            out.append(f"slot {slot} (incarnation {inc}): no transition says its version became unknown")
+        self.heal(fleet)
+        row = next(s for s in fleet.status()["ledger"]["slots"] if s["slot"] == slot)
+        version = fleet.status()["version"]
+        if (row["incarnation"], row["state"], row["weight_version"]) != (inc, "healthy", version):
+            out.append(f"slot {slot} is {row} after the next refit, not incarnation {inc} healthy on {version}")
+        for _ in range(4):  # routing is a random choice of two: a few batches before "never served" counts
+            rs = [r for g in fleet.generate([PROMPT] * 6, n=1, sampling={"max_tokens": 4}) for r in g]
+            mine = [r.result.weight_version for r in rs if r.ok and (r.result.slot, r.result.incarnation) == (slot, inc)]
+            if mine:
+                return out + ([] if set(mine) == {version} else [f"slot {slot} served versions {mine}, not {version}"])
+        return out + [f"slot {slot} (incarnation {inc}) never served after it was re-stamped"]
 
     def _account(self, fleet: Fleet, before: dict, t0: float, results: list, rep: VariantReport) -> list[dict]:
         """Requests, version tags and invariants since monotonic time ``t0``; returns the whole event log."""

@@ -520,18 +520,25 @@ class SingleController:
 
         return await resize(self, n, drain_timeout_s)
 
+    def serves(self) -> str:
+        """What the fleet serves, for a refusal's message: always a version (or why there is none)."""
+        committed = self.ledger.current_version
+        if committed is None:
+            return f"no committed version yet (its gate is on version {self.gate.version})"
+        return f"version {committed}"
+
     def check_refit(self, version: Any, source: Any) -> None:
         """Refuse a refit the caller got wrong, before anything changes; the error names the argument."""
         if isinstance(version, bool) or not isinstance(version, int):
             raise RefitArgumentError(
                 f"sync_weights: version must be an integer weight version, got {version!r} "
-                f"({type(version).__name__}); nothing changed, the fleet serves version {self.gate.version}"
+                f"({type(version).__name__}); nothing changed, the fleet serves {self.serves()}"
             )
         committed = self.ledger.current_version
         if committed is not None and version <= committed:
             raise RefitRefused(
                 f"sync_weights: version {version} is not greater than the committed version {committed}; "
-                f"refused, nothing changed, the fleet serves version {committed}"
+                f"refused, nothing changed, the fleet serves {self.serves()}"
             )
         self.transfer_port().check_source(source)
 

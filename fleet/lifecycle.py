@@ -88,7 +88,7 @@ class RefitLifecycle:
         self._version = 0
         self._finished = False
         self._moving = False  # the transfer began: engines may hold bytes of the new version
-        self._held: dict[tuple[int, int], Any] = {}  # (slot, incarnation) -> handle paused by this refit
+        self._held: dict[tuple[int, int], Any] = {}  # (slot, incarnation) -> handle a pause was sent to by this refit
         self._busy: dict[int, int] = {}  # slot -> requests in flight when the refit fenced it
 
     @property
@@ -208,7 +208,7 @@ class RefitLifecycle:
             raise _RollBack(RefitNotStaged(
                 f"refit of version {version}: {len(staged)} engine(s) staged the update after {attempt} attempt(s), "
                 f"fewer than min_healthy_engines ({self.ctl.cfg.min_healthy_engines}); failed: {why or 'no live engine'}. "
-                f"The gate never closed; the fleet keeps serving version {self.ctl.ledger.current_version}"))
+                f"The gate never closed; the fleet keeps serving {self.ctl.serves()}"))
         return staged
 
     async def close_gate(self, version: int) -> int:
@@ -222,11 +222,21 @@ class RefitLifecycle:
         return await self.ctl.publisher.fence_for_refit()
 
     async def fence_and_abort_too_old(self, version: int, epoch: int) -> int:
-        """Step 2: every live shard refuses work routed before ``epoch`` from now on, and aborts the
+        """Step 2: every shard (live or not) refuses work routed before ``epoch`` from now on; the live ones abort the
         in-flight requests whose version policy ``version`` would break (``max_staleness``, ``latest``);
         their clients re-send them. Returns how many were aborted."""
         args, kw = (epoch, version), {}
-        outs = await self._fan_out({s: (h, "begin_refit", args, kw) for s, (_, h) in self.ctl.live_handles().items()})
+        live = self.ctl.live_handles()
+        # every other engine (quarantined, starting) is fenced too, bounded like a probe: one that never heard
+        # it left the serving set must not admit work routed before this refit
+        others = {(s, i): h for s, (i, h) in self.ctl.handles.items() if s not in live}
+        outs, fenced = await asyncio.gather(
+            self._fan_out({s: (h, "begin_refit", args, kw) for s, (_, h) in live.items()}),
+            self._fan_out({key: (h, "fence", (epoch,), kw) for key, h in others.items()},
+                          timeout=self.ctl.cfg.probe_timeout_s))
+        unfenced = sorted([s, i, o.kind] for (s, i), o in fenced.items() if not o.ok)
+        if unfenced:  # it answers nothing, so it admits nothing either; its leave notice is still being retried
+            self.ctl.log.emit("fence_failed", version=version, epoch=epoch, engines=unfenced)
         aborted, busy = 0, {}
         for s, o in outs.items():
             if o.kind == OK:  # ``o.ok``, without a property call per shard
@@ -258,7 +268,9 @@ class RefitLifecycle:
         clear = self._clear_cache(targets)
         await self._invalidate_without_native_pause({s: p for s, p in targets.items() if clear[s]})
         handles = self.ctl.handles
-        args, kw = (), {True: {"mode": "keep", "clear_cache": True}, False: {"mode": "keep", "clear_cache": False}}
+        idle = self.ctl.cfg.kv_policy == "keep"  # under keep a shard idle at its pause clears anyway (free)
+        args, kw = (), {True: {"mode": "keep", "clear_cache": True},
+                        False: {"mode": "keep", "clear_cache": False, **({"clear_if_idle": True} if idle else {})}}
         outs = await self._fan_out(
             {s: (handles[s][1], "pause", args, kw[clear[s]]) for s in targets}, expect_ack=True,
         )
@@ -267,7 +279,7 @@ class RefitLifecycle:
         aborts = [a for a in acts if isinstance(a, AbortRefit)]
         paused = {s for s in outs if s not in failed}
         held = self._held
-        for slot in paused:
+        for slot in outs:  # every engine a pause was sent to: one whose ack was lost may have paused all the same
             held[(slot, targets[slot].incarnation)] = handles[slot][1]
         if aborts:
             raise _EndRefit(RefitFailed, aborts[0].message)
@@ -319,7 +331,7 @@ class RefitLifecycle:
             self._moving = False
             raise _RollBack(RefitRefused(
                 f"weight update for version {self._version} refused: {'; '.join(refused)[:1500]}; "
-                f"the fleet keeps serving version {self.ctl.ledger.current_version}"
+                f"the fleet keeps serving {self.ctl.serves()}"
             ))
 
     async def _prepare_retry(self, plan: MembershipPlan, version: int, results: dict, complete: set[int]):
@@ -332,7 +344,9 @@ class RefitLifecycle:
         return await self.pause_settled(self.reconcile())
 
     async def stamp(self, plan: MembershipPlan, version: int, complete: set[int]) -> None:
-        """Step 6: commit the version in the ledger and stamp it on every engine that holds it."""
+        """Step 6: commit the version in the ledger and stamp it on every engine that holds it. An engine whose
+        stamp is not acknowledged (unavailable, timed out, raised, lied) holds an unknown version from then on:
+        out of routing (a probe that finds it alive brings it back stale) until a refit lands on it again."""
         if not complete:
             return
         parts = [p for p in plan.participants if p.slot in complete]
@@ -346,14 +360,19 @@ class RefitLifecycle:
             {p.slot: (handles[p.slot][1], "set_weight_version", args, kw) for p in parts}, expect_ack=True
         )
         failed = [p for p in parts if outs[p.slot].kind != OK]
-        for p in failed:
-            self.ctl.observe(p.slot, p.incarnation, CallKind.REFIT, outs[p.slot])
+        for p in failed:  # its tag is unknown: it serves nothing until a refit lands on it again (``CallKind.STAMP``)
+            self.ctl.observe(p.slot, p.incarnation, CallKind.STAMP, outs[p.slot])
         if failed:
             members = tuple((p.slot, p.incarnation) for p in parts if outs[p.slot].kind == OK)
-        self.ctl.log.emit("stamp", version=version, members=members)
+            # a successor re-adopting the fleet serves an unacknowledged engine only if its own tag says so
+            self.ctl.intent.update(refit=RefitIntent(version, COMMITTED, members))
+        self.ctl.log.emit("stamp", version=version, members=members,
+                          failed=[[p.slot, p.incarnation, outs[p.slot].describe()[:200]] for p in failed])
 
     async def resume(self, plan: MembershipPlan, paused: set[int], complete: set[int]) -> None:
-        """Step 7: resume every paused participant under one shared deadline; never retries the transfer.
+        """Step 7: resume every paused participant, and every other engine this refit sent a pause to (its ack
+        lost, or it left the plan since) that is still the same incarnation, under one shared deadline; never
+        retries the transfer.
 
         Requests held on an engine that did not get the new weights completely are
         aborted first (the dispatcher re-sends them to a serving engine).
@@ -361,9 +380,15 @@ class RefitLifecycle:
         parts = [p for p in plan.participants if p.slot in paused]
         handles, args, kw = self.ctl.handles, (), {}
         stale = [p for p in parts if p.slot in self._busy and p.slot not in complete]
-        if stale:
-            await self._fan_out({p.slot: (handles[p.slot][1], "abort_in_flight", args, kw) for p in stale})
-        outs = await self._fan_out({p.slot: (handles[p.slot][1], "resume", args, kw) for p in parts}, expect_ack=True)
+        others = self._paused_outside({p.slot for p in parts})
+        aborts = {p.slot: (handles[p.slot][1], "abort_in_flight", args, kw) for p in stale}
+        aborts.update({key: (h, "abort_in_flight", args, kw) for key, h in others.items()})
+        if aborts:
+            await self._fan_out(aborts)
+        calls = {p.slot: (handles[p.slot][1], "resume", args, kw) for p in parts}
+        calls.update({key: (h, "resume", args, kw) for key, h in others.items()})
+        outs = await self._fan_out(calls, expect_ack=True)
+        self._note_resumed_outside({key: outs[key] for key in others})
         acts = self.ctl.observe_all(  # an ok resume is not fed (``observe_all``)
             CallKind.RESUME, {p.slot: (p.incarnation, outs[p.slot]) for p in parts if outs[p.slot].kind != OK})
         aborts = [a for a in acts if isinstance(a, AbortRefit)]
@@ -382,9 +407,27 @@ class RefitLifecycle:
         raise _EndRefit(FleetExhausted if isinstance(stop, StopExhausted) else RefitFailed, message)
 
     # ------------------------------------------------------------------ helpers
+    def _paused_outside(self, resuming: set[int]) -> dict[tuple[int, int], Any]:
+        """(slot, incarnation) -> handle of each engine this refit sent a pause to that is not resumed with the
+        participants (its pause ack was lost, or it left the plan later) and is still the slot's incarnation:
+        it may be paused, holding requests; resume must reach it too."""
+        return {key: h for key, h in self._held.items() if key[0] not in resuming and self.ctl.handle_of(*key) is h}
+
+    def _note_resumed_outside(self, outs: dict) -> None:
+        """Log the resumes of engines outside the refit; one that does not answer counts as a failed probe
+        (it is quarantined already, or found so): still paused, it serves nothing, and the next refit resumes it."""
+        if not outs:
+            return
+        self.ctl.log.emit("resume_outside_refit", version=self._version,
+                          engines=[[s, i, o.kind] for (s, i), o in sorted(outs.items())])
+        failed = {s: (i, o) for (s, i), o in outs.items() if not o.ok}
+        if failed:
+            self.ctl.observe_all(CallKind.PROBE, failed)
+
     def _clear_cache(self, slots) -> dict[int, bool]:
         """slot -> whether pausing it clears its KV cache; under ``keep``, decided per shard (an idle
-        shard invalidates its prefix cache even while another one is busy)."""
+        shard invalidates its prefix cache even while another one is busy). A shard busy at refit start is
+        paused with ``clear_if_idle``: it clears all the same if it holds nothing by the time it pauses."""
         policy = self.ctl.cfg.kv_policy
         if policy == "recompute":
             return dict.fromkeys(slots, True)

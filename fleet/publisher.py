@@ -5,7 +5,8 @@ marks the state dirty; one publication then computes the new ``RoutingState`` an
 only if a client would see a difference, gives it the next epoch. Order matters and
 is fixed here: a shard joining the serving set is told so (``set_route``, awaited)
 before any client can route to it; a shard leaving it is told without waiting (its
-requests are refused from then on; clients stop routing to it with the new state).
+requests are refused from then on; clients stop routing to it with the new state), and
+told again until it acknowledges (bounded, logged as ``leave_notice``).
 Clients follow with a long poll (``wait_newer``); nothing here sees a request. Each
 publication is one ``routing`` record in the event log (its ``members`` only when they
 changed).
@@ -19,6 +20,10 @@ from typing import Any
 
 from fleet.routing import Member, RoutingState
 from health import CallKind
+
+
+# A leave notice not acknowledged is sent again, this many times in all (``probe_interval_s`` apart).
+LEAVE_NOTICE_ATTEMPTS = 10
 
 
 class RoutingPublisher:
@@ -144,12 +149,10 @@ class RoutingPublisher:
         joining = {(m.slot, m.incarnation): m for m in view.members if not self._told.get((m.slot, m.incarnation))}
         keys = {(m.slot, m.incarnation) for m in view.members}
         leaving = [k for k, told in self._told.items() if told and k not in keys]
-        for slot, inc in leaving:
-            self._told[(slot, inc)] = False
-            handle = ctl.handle_of(slot, inc)
-            if handle is not None:
-                ctl._background(ctl.door.call(handle, "set_route", epoch, False, view.version,
-                                              timeout=ctl.cfg.probe_timeout_s))
+        for key in leaving:
+            self._told[key] = False
+            if ctl.handle_of(*key) is not None:
+                ctl._background(self._tell_leaving(key, epoch, view.version))
         for key in [k for k in self._told if ctl.handle_of(*k) is None]:
             del self._told[key]  # replaced or gone: nothing more to tell it
         if not joining:
@@ -166,6 +169,28 @@ class RoutingPublisher:
                 refused.add(key)
                 ctl.observe(key[0], key[1], CallKind.PROBE, out)
         return tuple(m for m in view.members if (m.slot, m.incarnation) not in refused)
+
+    async def _tell_leaving(self, key: tuple[int, int], epoch: int, version: int) -> None:
+        """Tell ``key`` (slot, incarnation) it left the serving set at ``epoch``, again until it acknowledges
+        (up to ``LEAVE_NOTICE_ATTEMPTS``, ``probe_interval_s`` apart, each bounded by ``probe_timeout_s``);
+        stops once it is replaced, gone or told it rejoined. One ``leave_notice`` record says how it ended.
+        Not waited for: clients stop routing to it with the new state, and a refit fences it anyway."""
+        ctl = self.ctl
+        attempts, out = 0, None
+        while attempts < LEAVE_NOTICE_ATTEMPTS:
+            handle = ctl.handle_of(*key)
+            if handle is None or self._told.get(key) is not False:
+                break
+            if attempts:
+                await asyncio.sleep(ctl.cfg.probe_interval_s)
+            attempts += 1
+            out = await ctl.door.call(handle, "set_route", epoch, False, version,
+                                      timeout=ctl.cfg.probe_timeout_s, expect_ack=True)
+            if out.ok:
+                break
+        ctl.log.emit("leave_notice", slot=key[0], incarnation=key[1], epoch=epoch, attempts=attempts,
+                     acknowledged=out is not None and out.ok,
+                     outcome=None if out is None or out.ok else out.describe()[:200])
 
     async def fence_for_refit(self) -> int:
         """Publish the closed gate of a refit that begins; returns its epoch (shards fence below it)."""

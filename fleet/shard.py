@@ -276,7 +276,7 @@ class EngineShard:
         Leaving the serving set, the shard notes what it held at that instant (``left`` in ``counters``:
         requests in flight, requests admitted so far, the epoch), so a drain (``fleet.resize``) knows
         what it had to finish and can tell whether anything was admitted after."""
-        if self.gate.member and not member:
+        if self.gate.member and not member and int(epoch) >= self.gate.routed_at:  # an older word is ignored
             self._left = {"in_flight": len(self._inflight), "admitted": self.gate.admitted, "epoch": int(epoch)}
         self.gate.route(int(epoch), bool(member), int(committed))
         return True
@@ -325,14 +325,20 @@ class EngineShard:
         return list(self._inflight)
 
     # -- pause / resume / cache ------------------------------------------------
-    async def pause(self, mode: str = "keep", clear_cache: bool = True, timeout: float | None = None) -> bool:
-        """Pause generation. ``keep`` holds in-flight requests, ``abort`` ends them, ``wait`` drains them."""
+    async def pause(self, mode: str = "keep", clear_cache: bool = True, timeout: float | None = None,
+                    clear_if_idle: bool = False) -> bool:
+        """Pause generation. ``keep`` holds in-flight requests, ``abort`` ends them, ``wait`` drains them.
+
+        ``clear_if_idle`` (``kv_policy: keep``): clear the KV cache anyway when nothing is in flight at this
+        moment (free, and it drops prefix blocks the old weights computed), whatever the shard held when the
+        refit began; the refit has fenced the shard, so nothing new arrives between this look and the pause."""
         if mode not in PAUSE_MODES:
             raise BadRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         if self._hooks.armed and await self._hooks.at("pause"):
             return False
         backend = self._require_ready("pause")
-        await self._bounded(f"pause(mode={mode})", backend.pause(mode, bool(clear_cache)), timeout)
+        clear = bool(clear_cache) or (bool(clear_if_idle) and not self._inflight)
+        await self._bounded(f"pause(mode={mode})", backend.pause(mode, clear), timeout)
         self.gate.paused = True  # from now on new work is refused (what was in flight is held or aborted)
         return True
 

@@ -30,6 +30,7 @@ class ShardGate:
         self.paused = False
         self.member = False
         self.floor = 0  # lowest routing epoch admitted
+        self.routed_at = 0  # the epoch of the last membership word heard
         self.committed = 0  # the fleet's committed version, as last told
         self.refused: Counter[str] = Counter()
         self.admitted = 0
@@ -60,8 +61,12 @@ class ShardGate:
     def route(self, epoch: int, member: bool, committed: int) -> None:
         """The controller's word: membership and committed version as of routing ``epoch``.
 
-        Joining (or leaving) raises the floor to ``epoch``: requests routed before it refresh.
+        Joining (or leaving) raises the floor to ``epoch``: requests routed before it refresh. A word about
+        an epoch older than the last one heard (a leave notice sent again, overtaken by a join) is ignored.
         """
+        if epoch < self.routed_at:
+            return
+        self.routed_at = epoch
         if member != self.member:
             self.floor = max(self.floor, epoch)
         self.member, self.committed = member, max(self.committed, committed)

@@ -12,7 +12,7 @@ code::
       - {where: transfer, what: kill, shard: 1, step: 2}
 
 ``where``: ``step_boundary`` (before the step's refit), ``pause``, ``transfer``,
-``resume``, ``generate``. ``what``: ``kill`` (the actor process), ``freeze`` (stops
+``stamp`` (the version stamp, ``set_weight_version``; ``unavailable`` only), ``resume``, ``generate``. ``what``: ``kill`` (the actor process), ``freeze`` (stops
 answering), ``hang`` (one lifecycle call past its deadline), ``false_ack``,
 ``unavailable`` (one lifecycle call answers "unavailable"), ``slow`` (every call by
 ``delay_s``), ``crash_engine`` (the engine core inside a live actor). ``shard``: a slot
@@ -82,7 +82,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "freeze": _ANYWHERE + ("between_refits",),
     "hang": ("pause", "transfer", "resume"),
     "false_ack": ("pause", "resume"),
-    "unavailable": ("pause", "resume"),
+    "unavailable": ("pause", "stamp", "resume"),
     "slow": _ANYWHERE,
     "crash_engine": _ANYWHERE,
     **{f"corrupt_{kind}": ("update",) for kind in CORRUPTIONS},

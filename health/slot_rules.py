@@ -35,6 +35,7 @@ _F_LATE = FailureClass.LATE
 _START = CallKind.START
 _PROBE = CallKind.PROBE
 _GENERATE = CallKind.GENERATE
+_STAMP = CallKind.STAMP
 _PAUSE_OR_RESUME = frozenset({CallKind.PAUSE, CallKind.RESUME})
 
 # Enum ``.value`` is a Python-level property; reasons are built on every event.
@@ -175,15 +176,23 @@ def _quarantine(d: Draft, rec: SlotRecord, ev: Observed) -> None:
         # its in-flight requests the moment the kill fails their calls.
         condemn(d, rec, f"{cause}; evicted (on_hang=evict)", evict=True)
         return
+    unstamped = ev.call is _STAMP and rec.weight_version is not None
+    if unstamped:
+        # nobody knows which tag the engine carries now: it must not serve until a refit lands on it again
+        # (a probe that finds it alive brings it back stale, never healthy)
+        cause = f"{cause}; version unknown until a refit lands"
     if rec.phase is _LIVE:
         phase = _SUSPECT if ev.failure is _F_SUSPECT else _HUNG
-        new = rec._replace(phase=phase, since=d.now, failed_probes=0, reason=cause)
+        new = rec._replace(phase=phase, since=d.now, failed_probes=0, reason=cause,
+                           weight_version=None if unstamped else rec.weight_version)
         d.put(rec, new)
         d.actions.append(Probe(rec.slot, rec.incarnation, d.now, cause))
         d.reasons.append(
             f"slot {rec.slot} incarnation {rec.incarnation} {cause}: quarantined, probing"
         )
     else:
+        if unstamped:
+            d.put(rec, rec._replace(weight_version=None, reason=cause))
         d.reasons.append(
             f"slot {rec.slot} incarnation {rec.incarnation} {cause} while "
             f"{_NAME[_state(d, rec)]}: state unchanged"

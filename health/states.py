@@ -109,6 +109,9 @@ class CallKind(enum.Enum):
     """Pausing generation before a weight transfer."""
     REFIT = "refit"
     """The weight transfer itself."""
+    STAMP = "stamp"
+    """Tagging an engine with the version it received (``set_weight_version``). A stamp nobody
+    acknowledged leaves that engine's version unknown: it serves nothing until a refit lands on it again."""
     RESUME = "resume"
     """Resuming generation after a weight transfer."""
     GENERATE = "generate"

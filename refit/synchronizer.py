@@ -138,6 +138,16 @@ def _per_worker(value: Any) -> list[dict]:
     return [v if isinstance(v, dict) else {"ok": False, "error": f"unexpected worker answer {v!r}"} for v in items]
 
 
+def _join_error(who: str, value: Any) -> str | None:
+    """None when every worker of ``who`` acknowledged its join with ``ok`` exactly True; else what was wrong.
+    An answer that is not an acknowledgement (``None``, a truthy non-True ``ok``) is a lie, never a join."""
+    if value is None:
+        return f"join of {who} answered None, not an acknowledgement (lied): counted as failed"
+    bad = [f"worker {i}: {r.get('error') or 'ok is ' + repr(r.get('ok'))}" for i, r in enumerate(_per_worker(value))
+           if r.get("ok") is not True]
+    return f"join of {who} is not an acknowledgement (lied): {'; '.join(bad)}" if bad else None
+
+
 def _worker_error(results: list[dict]) -> str | None:
     errs = [f"worker {i}: {r.get('error')}" for i, r in enumerate(results) if not r.get("ok")]
     return "; ".join(errs) if errs else None
@@ -367,7 +377,7 @@ class WeightSynchronizer:
         sender_err = settled.pop(SENDER).error("sender connect", bound)
         failures = {}
         for key, s in settled.items():
-            err = s.error(f"join of {describe(key)}", bound) or (_worker_error(_per_worker(s.value)) if s.value is not None else None)
+            err = s.error(f"join of {describe(key)}", bound) or _join_error(describe(key), s.value)
             if err:
                 failures[key] = (err, s.exc, None)
         if sender_err or failures:

@@ -137,7 +137,7 @@ class SimShard:
 
     async def set_route(self, epoch: int, member: bool, committed: int) -> bool:
         await self._take(self.t.rpc_s)
-        if self.gate.member and not member:
+        if self.gate.member and not member and int(epoch) >= self.gate.routed_at:
             self._left = {"in_flight": 0, "admitted": self.gate.admitted, "epoch": int(epoch)}
         self.gate.route(int(epoch), bool(member), int(committed))
         return True
@@ -160,7 +160,8 @@ class SimShard:
         await self._take(self.t.rpc_s)
         return True
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = True, timeout: float | None = None) -> bool:
+    async def pause(self, mode: str = "keep", clear_cache: bool = True, timeout: float | None = None,
+                    clear_if_idle: bool = False) -> bool:
         await self._take(self.t.pause_s)
         self.gate.paused = True
         return True

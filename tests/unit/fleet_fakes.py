@@ -2,7 +2,7 @@
 
 ``FakeDoor`` stands in for ``fleet.ray_io.RayDoor``: shards are ``FakeShard``
 objects whose behaviour per method is scripted ("die", "hang", "lie",
-"unavailable", "error"), and every call is recorded in ``door.calls`` as
+"unavailable", "error", "lost": ran but its reply was lost), and every call is recorded in ``door.calls`` as
 (method, slot, incarnation) in the order calls were made.
 
 ``run_virtual(coro)`` runs a test in virtual time and ``LoopClock`` is the controller's
@@ -112,6 +112,9 @@ class FakeDoor:
             return Outcome(TIMED_OUT, error=TimeoutError(f"{method} hung"))
         if b == "unavailable":
             return Outcome(UNAVAILABLE, error=ConnectionError("unavailable"))
+        if b == "lost":  # the call ran on the shard; its reply never came back
+            await getattr(self, f"_{method}")(handle, *args, **kw)
+            return Outcome(UNAVAILABLE, error=ConnectionError(f"{method}: reply lost"))
         if b == "error":
             return Outcome(ERROR, error=RuntimeError(f"{method} failed"))
         if b == "lie":
@@ -149,7 +152,7 @@ class FakeDoor:
     async def _ping(self, s):
         return {"slot": s.slot}
 
-    async def _pause(self, s, mode="keep", clear_cache=True):
+    async def _pause(self, s, mode="keep", clear_cache=True, clear_if_idle=False):
         s.paused = s.gate.paused = True
         return True
 
@@ -174,7 +177,7 @@ class FakeDoor:
                 "slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version, "left": s.left}
 
     async def _set_route(self, s, epoch, member, committed):
-        if s.gate.member and not member:  # as EngineShard.set_route: what it held as it left the serving set
+        if s.gate.member and not member and epoch >= s.gate.routed_at:  # as EngineShard.set_route: what it held as it left the serving set
             s.left = {"in_flight": sum(1 for v in s.in_flight.values() if v is not None),
                       "admitted": s.gate.admitted, "epoch": epoch}
         s.gate.route(epoch, member, committed)

@@ -32,6 +32,7 @@ TABLE = """
 healthy     generate  healthy    dead  suspect   hung      healthy   healthy
 healthy     pause     healthy    dead  suspect   dead      stale     stale
 healthy     refit     healthy    dead  suspect   hung      stale     stale
+healthy     stamp     healthy    dead  suspect   hung      stale     stale
 healthy     resume    healthy    dead  dead      dead      stale     stale
 healthy     probe     healthy    dead  suspect   hung      suspect   suspect
 healthy     start     healthy    dead  healthy   healthy   healthy   healthy
@@ -124,6 +125,15 @@ def test_table_covers_every_state_and_call():
     assert {c[0] for c in CASES} == {
         "healthy", "stale", "suspect", "hung", "starting", "restarting", "dead", "retired"}
     assert {c[1] for c in CASES} == {c.value for c in CallKind}
+
+
+@pytest.mark.parametrize("failure", ["suspect", "hung"])
+def test_an_unacknowledged_stamp_leaves_the_version_unknown_and_a_probe_brings_it_back_stale(failure):
+    ledger = _in_state("healthy")
+    step(ledger, Observed(0, 1, CallKind.STAMP, FailureClass(failure), "set_weight_version unavailable"), 2.0)
+    assert ledger.record(0).weight_version is None and "version unknown" in ledger.record(0).reason
+    step(ledger, Observed(0, 1, CallKind.PROBE, FailureClass.OK), 3.0)
+    assert ledger.state(0).value == "stale"  # alive, but its tag is unknown: not healthy, not routed
 
 
 def test_ready_is_the_start_ok_column():

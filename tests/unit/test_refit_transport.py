@@ -443,3 +443,28 @@ def test_float32_trainer_refits_bfloat16_engines_casting_while_packing():
     assert_holds(engine, {n: t.to(torch.bfloat16) for n, t in new.items()})
     assert engine.workers[0].rlfleet_checksum()["applied"] == sender.checksum()
     run(sync.close())
+
+
+class LyingJoinEngine(ThreadEngine):
+    """An engine whose join answers ``answer`` without joining (a wrapper that swallowed the result)."""
+
+    def __init__(self, tensors, answer) -> None:
+        super().__init__(tensors)
+        self.answer = answer
+
+    async def worker_rpc(self, method, args=(), kwargs=None, timeout=None):
+        if method == "rlfleet_join":
+            return self.answer
+        return await super().worker_rpc(method, args, kwargs, timeout)
+
+
+@pytest.mark.parametrize("answer", [None, [{"ok": 1, "error": None}]], ids=["none", "truthy-not-true"])
+def test_a_join_that_is_not_exactly_acknowledged_fails_naming_the_engine(answer):
+    a, liar = ThreadEngine(model_tensors(0)), LyingJoinEngine(model_tensors(0), answer)
+    _, sync = sync_for(model_tensors(1), group_timeout_s=2, timeout_s=2)
+    good, bad = Participant(0, 1, (1,)), Participant(1, 1, (2,))
+    report = run(sync.refit({good: a, bad: liar}, 1, epoch=1))
+    assert not report.ok
+    assert report.results[bad].phase == "group", report.results[bad]
+    assert "not an acknowledgement" in report.results[bad].error and "slot 1" in report.results[bad].error
+    run(sync.close())
