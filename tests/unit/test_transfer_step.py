@@ -205,3 +205,34 @@ def test_nothing_delivered_by_the_engines_rolls_back_without_stopping(model_dir)
         await ctl.shutdown()
 
     run(go())
+
+
+# --- the fault matrix's proof of "sender-killed-mid-transfer" (faults.evidence) ----------------------
+
+def _killed_sender_firing(**over):
+    call = {"version": 5, "outcome": "rolled_back", "began": 10.0, "ended": 12.0,
+            "error": "RefitSourceFailed: refit of version 5: the weight sender Actor(WeightSource, ab12) is dead: it failed"}
+    serving = {"gate_open": True, "version": 4, "states": {0: "healthy", 1: "healthy", 2: "healthy"}, "in_flight": 0}
+    return {"step": 1, "where": "update", "what": "kill_sender", "slot": None, "delay_s": 0.0, "t": 1.0,
+            "calls": [call], "before": serving, "after": serving, "sender": "Actor(WeightSource, ab12)",
+            "sender_state": "DEAD", **over}
+
+
+KILLED_SENDER_LOG = [
+    {"kind": "phase", "phase": "transfer", "edge": "begin", "version": 5, "t": 11.0},
+    {"kind": "refit_rolled_back", "version": 5, "reason": "RefitSourceFailed: ...", "t": 11.5},
+    {"kind": "gate", "open": True, "version": 4, "t": 11.6},
+    {"kind": "gate", "open": True, "version": 6, "t": 20.0},
+]
+
+
+def test_the_proof_of_a_killed_sender_needs_its_death_the_roll_back_and_a_later_commit():
+    from faults.evidence import prove
+
+    rows, problems = prove([_killed_sender_firing()], KILLED_SENDER_LOG, [])
+    assert problems == [] and rows[0]["action"] == "kill_sender" and rows[0]["left_for"] == "rolled_back"
+    alive = _killed_sender_firing(sender_state="ALIVE", calls=[{**_killed_sender_firing()["calls"][0], "outcome": "committed"}])
+    rows, problems = prove([alive], KILLED_SENDER_LOG[:1] + KILLED_SENDER_LOG[2:3], [])
+    said = " ".join(problems)
+    assert "the sender was not killed" in said and "did not roll back with RefitSourceFailed" in said
+    assert "no refit_rolled_back record of version 5" in said and "no later refit" in said
