@@ -313,15 +313,13 @@ class RefitLifecycle:
         of attempts that ran (1 or 2; ``retry_skipped`` in the summary says why a retry did not run).
         Raises ``_RollBack`` when no byte reached any engine (``_roll_back_if_nothing_moved``).
         """
-        t0 = self.ctl.clock.now()
-        deadline = t0 + self.ctl.cfg.lifecycle_deadline_s  # one bound for the phase, retry included
+        deadline = self.ctl.clock.now() + self.ctl.cfg.lifecycle_deadline_s  # one bound for the phase, retry included
         results = await self._transfer_once(plan, version, source, rebuild=False, deadline=deadline)
         self._refuse_if_the_update_does_not_fit(results)
         tried, done = [results], _completed(plan, results)
         self._moving = _moved(tried)  # an error before the retry rolls back if nothing moved yet
         if len(done) < len(plan.participants):
-            plan, paused, retry = await self._prepare_retry(plan, version, source, results, done, paused, deadline,
-                                                            first_s=self.ctl.clock.now() - t0)
+            plan, paused, retry = await self._prepare_retry(plan, version, source, results, done, paused, deadline)
             if retry is not None:
                 self._moving = True
                 results = await self._transfer_once(retry, version, source, rebuild=True, deadline=deadline)
@@ -343,7 +341,7 @@ class RefitLifecycle:
             ))
 
     async def _prepare_retry(self, plan: MembershipPlan, version: int, source: Any, results: dict, done: set,
-                             paused: set[int], deadline: float, first_s: float):
+                             paused: set[int], deadline: float):
         """Before the one retry: classify the failed participants, rebuild membership, re-pause the retry's
         participants (those that failed and are alive, and engines restarted meanwhile; not those that
         completed: they stay paused and are sent nothing more). Every call here ends by ``deadline``.
@@ -356,10 +354,10 @@ class RefitLifecycle:
         with self._within(deadline):
             if deadline - self.ctl.clock.now() >= self.ctl.cfg.probe_timeout_s:  # a ping cut shorter proves no hang
                 await self._classify_failed(failed)
-            skip = self._no_retry(source, results, deadline, first_s)
+            skip = self._no_retry(source, results, deadline)
             repaused: set[tuple[int, int]] = set()
             if skip is None:
-                repaused, skip = await self._re_pause(done, deadline, _needed_s(self.ctl.cfg, first_s))
+                repaused, skip = await self._re_pause(done, deadline)
         fresh = self.reconcile()  # without what died or hung in the re-pause
         kept = {(p.slot, p.incarnation) for p in plan.participants if p.slot in paused} | repaused
         paused = {p.slot for p in fresh.participants if (p.slot, p.incarnation) in kept}
@@ -372,7 +370,7 @@ class RefitLifecycle:
             return fresh, paused, None
         return fresh, paused, MembershipPlan(fresh.epoch, tuple(retry))
 
-    async def _re_pause(self, done: set, deadline: float, needed: float) -> tuple[set[tuple[int, int]], str | None]:
+    async def _re_pause(self, done: set, deadline: float) -> tuple[set[tuple[int, int]], str | None]:
         """Pause the retry's participants: every live one that did not complete the first attempt, engines
         that became ready meanwhile (even during this re-pause) included, as ``pause_settled`` does for the
         first. Returns the (slot, incarnation) paused, and why the retry cannot run after all (or None)."""
@@ -389,20 +387,19 @@ class RefitLifecycle:
             except _PhaseOver:  # a fan-out of the re-pause found the phase over: nothing more was sent
                 slots = set()
             repaused |= {(p.slot, p.incarnation) for p in todo if p.slot in slots}
-            if deadline - self.ctl.clock.now() < needed:
+            if deadline - self.ctl.clock.now() < _needed_s(self.ctl.cfg):
                 return repaused, "the transfer phase's deadline passed during the re-pause"
         return repaused, None
 
-    def _no_retry(self, source: Any, results: dict, deadline: float, first_s: float) -> str | None:
+    def _no_retry(self, source: Any, results: dict, deadline: float) -> str | None:
         """Why the retry must not run, or None. It cannot help when the sender is dead; it cannot finish
         when less of the phase is left than an attempt needs (``_needed_s``)."""
         if any(r.sender_error for r in results.values()) and self.ctl.door.actor_state(source) == "DEAD":
             return f"the weight sender {source!r} is dead: a retry from it cannot move anything"
-        left, needed = deadline - self.ctl.clock.now(), _needed_s(self.ctl.cfg, first_s)
+        left, needed = deadline - self.ctl.clock.now(), _needed_s(self.ctl.cfg)
         if left < needed:
             return (f"{max(0.0, left):.3f} s left of the transfer phase's {self.ctl.cfg.lifecycle_deadline_s:.1f} s, "
-                    f"less than a retry needs ({needed:.3f} s: what the first attempt took, at least a quarter of "
-                    f"refit_timeout_s)")
+                    f"less than a retry needs ({needed:.3f} s: a quarter of refit_timeout_s, what one attempt is sized for)")
         return None
 
     def _roll_back_if_nothing_moved(self, tried: list[dict], source: Any) -> None:
@@ -660,7 +657,8 @@ def _moved(tried: list[dict]) -> bool:
     return any(r.result is not RefitResult.NOT_STARTED for res in tried for r in res.values())
 
 
-def _needed_s(cfg: Any, first_s: float) -> float:
-    """What a retry needs of the transfer phase: what the first attempt took, and at least the time one
-    healthy attempt is sized for (``fleet.weights.healthy_attempt_s``: a quarter of ``refit_timeout_s``)."""
-    return max(first_s, healthy_attempt_s(cfg))
+def _needed_s(cfg: Any) -> float:
+    """What a retry needs of the transfer phase: the time one healthy attempt is sized for
+    (``fleet.weights.healthy_attempt_s``: a quarter of ``refit_timeout_s``). Not what the first attempt took:
+    one that failed on a frozen engine ran into the receivers' bound, far longer than a retry without it needs."""
+    return healthy_attempt_s(cfg)

@@ -148,16 +148,35 @@ def test_a_retry_goes_to_the_failed_engines_only_and_completes_the_fleet(model_d
 
 # --- hole 7: one deadline for the whole phase -------------------------------------------------------
 
-def test_the_retry_is_skipped_when_less_is_left_than_the_first_attempt_took(model_dir):
+def test_a_first_attempt_that_ran_into_a_frozen_engine_still_leaves_the_retry_its_time(model_dir):
+    """Seen on real engines (freeze-during-transfer): the first attempt waits out the receivers' bound on the
+    frozen engine (here 0.2 s of 0.4 s), and classifying it costs a probe (0.1 s): less is left than the first
+    attempt took, yet a retry without the frozen engine needs far less (a quarter of refit_timeout_s)."""
+    async def go():
+        ctl, door, transfer = make(model_dir, restart_backoff_s=30.0, restart_backoff_cap_s=30.0)
+        await ctl.start()
+        transfer.fail[1] = {0: "hang"}  # frozen: the collective fails for everyone, its ping never answers
+        _slow(transfer, {1: 0.2})
+        summary = await ctl.sync_weights(1)
+        assert summary["attempts"] == 2 and summary["retry_skipped"] is None and summary["complete"] == [1, 2]
+        assert transfer.attempts[1][2] == (1, 2)
+        _serving(ctl, 1, slots=(1, 2))
+        assert _phase_s(ctl, "transfer") <= ctl.cfg.lifecycle_deadline_s + 1e-6
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_the_retry_is_skipped_when_less_is_left_than_an_attempt_is_sized_for(model_dir):
     async def go():
         ctl, door, transfer = make(model_dir)
         await ctl.start()
         transfer.fail[1] = {1: "error"}
-        _slow(transfer, {1: 0.3})  # 0.3 s of the 0.4 s bound: a retry would not fit in what is left
+        _slow(transfer, {1: 0.35})  # 0.35 s of the 0.4 s bound: less than refit_timeout_s / 4 (0.075 s) is left
         door.calls.clear()
         summary = await ctl.sync_weights(1)
         assert len(transfer.attempts) == 1 and summary["attempts"] == 1
-        assert "left of the transfer phase" in summary["retry_skipped"]
+        assert "left of the transfer phase" in summary["retry_skipped"] and "0.075 s" in summary["retry_skipped"]
         assert ("pause", 0, 1) not in door.calls[door.calls.index(("transfer", -1, 1)):]  # no re-pause either
         assert summary["complete"] == [0, 2]
         _serving(ctl, 1, slots=(0, 2))
