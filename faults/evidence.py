@@ -22,6 +22,11 @@ it ended; its proof is the call's outcome and the event log around it:
   (``REFUSAL_NAMES``), the log has its ``refit_rolled_back`` record naming it too, the
   fleet kept serving (gate open on the same version, every slot healthy), and a later
   refit reopened the gate on a newer version: ``rolled_back``;
+- ``kill_sender``: the sender's actor was dead after the call (Ray's word), the refit
+  reached its transfer and rolled back (``RefitSourceFailed`` naming the sender, its
+  ``refit_rolled_back`` record), no refit of that version committed, the fleet kept
+  serving (gate open on the same version, every slot healthy), and a later refit (from
+  a new sender) reopened the gate on a newer version: ``rolled_back``;
 - ``stale_version``: refused as not greater than the committed version, with no gate
   record and no phase of that version in the log while the call ran: ``refused``;
 - ``concurrent_refit``: both calls ended, one committed, the other committed too or
@@ -82,6 +87,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "false_ack": ("stale",) + QUARANTINE_OR_DEAD,
     "slow": (),
     **{f"corrupt_{kind}": ("rolled_back",) for kind in CORRUPTIONS},
+    "kill_sender": ("rolled_back",),
     "stale_version": ("refused",),
     "concurrent_refit": ("serialized",),
     "refit_under_load": ("held",),
@@ -270,6 +276,31 @@ def _corrupt_update(f: Mapping, calls: list[dict], events: list[dict]) -> list[s
     return wrong
 
 
+def _killed_sender(f: Mapping, calls: list[dict], events: list[dict]) -> list[str]:
+    call, before, after, v = calls[0], f["before"], f["after"], calls[0]["version"]
+    wrong = []
+    if f.get("sender_state") != "DEAD":
+        wrong.append(f"the sender was not killed: Ray says its actor is {f.get('sender_state')!r}")
+    if not any(e["kind"] == "phase" and e["phase"] == "transfer" and e["edge"] == "begin" and e["version"] == v
+               for e in events):
+        wrong.append("the refit never reached its transfer: the sender was not killed mid-refit")
+    if call["outcome"] != "rolled_back" or "RefitSourceFailed" not in (call["error"] or "") \
+            or f["sender"] not in (call["error"] or ""):
+        wrong.append(f"the refit did not roll back with RefitSourceFailed naming {f['sender']}: "
+                     f"{call['outcome']}: {call['error']}")
+    if not any(e["kind"] == "refit_rolled_back" and e["version"] == v for e in events):
+        wrong.append(f"no refit_rolled_back record of version {v}")
+    if any(e["kind"] == "gate" and e["open"] and e.get("version") == v for e in events):
+        wrong.append(f"the gate opened on version {v}, which the killed sender never delivered")
+    kept = after["gate_open"] and after["version"] == before["version"] and set(after["states"].values()) == {"healthy"}
+    if not kept:
+        wrong.append(f"the fleet did not keep serving version {before['version']} with every slot healthy: {after}")
+    if not any(e["kind"] == "gate" and e["open"] and e["version"] > before["version"] and e["t"] > call["ended"]
+               for e in events):
+        wrong.append(f"no later refit (from a new sender) reopened the gate on a version above {before['version']}")
+    return wrong
+
+
 def _stale_version(f: Mapping, calls: list[dict], events: list[dict]) -> list[str]:
     call = calls[0]
     wrong = []
@@ -323,5 +354,5 @@ def _refit_under_load(f: Mapping, calls: list[dict], events: list[dict]) -> list
     return wrong
 
 
-_TRAINER_PROOFS = {"stale_version": _stale_version, "concurrent_refit": _concurrent_refits,
+_TRAINER_PROOFS = {"kill_sender": _killed_sender, "stale_version": _stale_version, "concurrent_refit": _concurrent_refits,
                    "refit_under_load": _refit_under_load, "resize_under_load": prove_resize_under_load}

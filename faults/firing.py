@@ -29,11 +29,12 @@ is proven):
 - a trainer's fault (``where: update`` or ``call``) is a ``sync_weights`` call the
   firing makes itself, with the ``trainer``'s weight source, and records as it ends:
   ``corrupt_<kind>``: the source's next update corrupted (``TENSOR``), one refit,
-  the source restored; ``stale_version``: a refit of the committed version;
+  the source restored; ``kill_sender``: the source dies as its next send begins, one
+  refit, a new source in its place (Ray's word on the old one recorded); ``stale_version``: a refit of the committed version;
   ``concurrent_refit``: two refits of the next two versions from two threads at once.
 
 On failure: a fleet call that fails raises to the caller (nothing is recorded as
-fired), except a refit the fault makes, whose ``RefitRefused`` or ``FleetStopped`` is
+fired), except a refit the fault makes, whose ``RefitRefused``, ``RefitNotDelivered`` or ``FleetStopped`` is
 recorded (``calls``) for the proof to judge; a slot that is not up in time is killed
 anyway, and every wait that gives up is logged.
 """
@@ -51,7 +52,7 @@ from typing import Any, Callable, Iterable, Protocol
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from faults.load import refit_under_load
-from fleet.errors import FleetStopped, RefitRefused
+from fleet.errors import FleetStopped, RefitNotDelivered, RefitRefused
 from health.faultplan import CONTROLLER_WHAT, TRAINER_WHERE, Firing
 
 # A plan's ``where`` -> the shard's fault hook point (a step-boundary fault other than a kill goes off at the next probe).
@@ -75,6 +76,12 @@ class Trainer(Protocol):
 
     def corrupt_next_update(self, kind: str | None, tensor: str) -> None:
         """From now on every update of ``source`` is corrupted (``faults.source.CORRUPTIONS``); None restores it."""
+
+    def kill_source_at_next_send(self) -> None:
+        """The ``source``'s process dies as its next send begins (``WeightSource.die_at_next_send``)."""
+
+    def replace_source(self) -> str:
+        """A new ``source`` in place of the current one (killed); returns what Ray says of the old one."""
 
 
 def hook_point(where: str, what: str) -> str:
@@ -245,6 +252,8 @@ class FaultFiring:
             return self._corrupt_update(f.what.removeprefix("corrupt_"))
         if f.what == "stale_version":
             return self._stale_version()
+        if f.what == "kill_sender":
+            return self._kill_sender()
         if f.what == "refit_under_load":
             return refit_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
         if f.what == "resize_under_load":
@@ -263,8 +272,10 @@ class FaultFiring:
         outcome, error = "committed", None
         try:
             self.fleet.sync_weights(version, self.trainer.source)
-        except (RefitRefused, FleetStopped) as exc:
-            outcome, error = ("refused" if isinstance(exc, RefitRefused) else "stopped"), f"{type(exc).__name__}: {exc}"
+        except (RefitRefused, RefitNotDelivered, FleetStopped) as exc:
+            outcome = "refused" if isinstance(exc, RefitRefused) else "rolled_back" if isinstance(exc, RefitNotDelivered) \
+                else "stopped"
+            error = f"{type(exc).__name__}: {exc}"
         return {"version": version, "outcome": outcome, "error": error, "began": round(began, 6),
                 "ended": round(time.monotonic(), 6)}
 
@@ -282,6 +293,17 @@ class FaultFiring:
         finally:
             self.trainer.corrupt_next_update(None, TENSOR)
         return {"tensor": TENSOR, "calls": [call], "before": before, "after": self._serving()}
+
+    def _kill_sender(self) -> dict:
+        before = self._serving()
+        version = self.trainer.new_version()
+        sender = repr(self.trainer.source)
+        self.trainer.kill_source_at_next_send()
+        try:
+            call = self._sync(version)
+        finally:
+            state = self.trainer.replace_source()  # the next step's refit comes from a new sender
+        return {"calls": [call], "before": before, "after": self._serving(), "sender": sender, "sender_state": state}
 
     def _stale_version(self) -> dict:
         before = self._serving()

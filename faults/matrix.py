@@ -6,8 +6,8 @@ merely skipped), a killed shard must come back and serve, a slot killed past its
 restart budget must be retired, a stop must name the slot that caused it, requests
 must wait while the fleet is below quorum between refits, a warm spare must take a
 killed serving engine's place before its restart ends. The trainer's own faults
-(a bad update, a stale version, two refits at once) must change nothing but their
-refit. The controller's death (killed from outside between refits, or crashing itself
+(a bad update, a stale version, two refits at once, its weight sender killed mid-refit)
+must change nothing but their refit. The controller's death (killed from outside between refits, or crashing itself
 in a refit phase or half way through the shutdown) must cost nothing: Ray restarts it,
 it re-adopts the shards, the step's refit (re-sent) lands, the fleet serves one
 committed version, and a shutdown it died in is finished with no shard left behind.
@@ -77,6 +77,10 @@ MATRIX: tuple[Variant, ...] = (
        description="an update with a tensor of the wrong shape is refused naming it; the next update commits"),
     _v("bad-update-missing-layer", "recovers", [{"where": "update", "what": "corrupt_missing_layer", "step": 1}],
        steps=1, description="an update without one decoder layer is refused naming it; the next update commits"),
+    _v("sender-killed-mid-transfer", "recovers", [{"where": "update", "what": "kill_sender", "step": 1}], steps=1,
+       description="the trainer's weight sender dies as it begins to send, the engines paused for the transfer: "
+                   "the refit rolls back (RefitSourceFailed naming it), the fleet keeps serving; the next update, "
+                   "from a new sender, commits"),
     _v("misuse-stale-version", "recovers", [{"where": "call", "what": "stale_version", "step": 1}], steps=1,
        description="a refit of a version not above the committed one, requests in flight: refused, nothing changes"),
     _v("two-concurrent-refits", "recovers", [{"where": "call", "what": "concurrent_refit", "step": 1}], steps=1,

@@ -188,6 +188,16 @@ class FaultRunner:
     def corrupt_next_update(self, kind: str | None, tensor: str) -> None:
         ray_io.ask(self._source, "corrupt_next_update", kind, tensor, timeout=60)
 
+    def kill_source_at_next_send(self) -> None:
+        ray_io.ask(self._source, "die_at_next_send", timeout=60)
+
+    def replace_source(self) -> str:
+        """A fresh ``WeightSource`` from the checkpoint (later steps perturb it); Ray's word on the old one."""
+        old, state = self._source, ray_io.actor_state(self._source)
+        ray_io.kill(old)
+        self._source = ray_io.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
+        return state
+
     # ------------------------------------------------------------------ one variant
     def run(self, variant: Variant) -> VariantReport:
         plan = load_plan(variant.plan)

@@ -12,6 +12,7 @@ runner and campaigns use it to:
   scoring the GRPO trainer uses), the reference every logprob-agreement check
   compares the engines against;
 - hold its next update (``hold_next_update``: a slow trainer, the gate held closed);
+- die as its next send begins (``die_at_next_send``: the trainer's process lost mid-refit);
 - break its next update on purpose (``corrupt_next_update``: a wrong name, shape or
   dtype for one tensor, one tensor or one whole decoder layer left out), and report
   its checksum and resident memory.
@@ -61,6 +62,17 @@ class WeightSource(LocalSenderPort):
         and the gate it closed, are held that long (the engines are paused by then)."""
         self._hold_s = float(seconds)
         return True
+
+    async def die_at_next_send(self) -> bool:
+        """Fault injection: the next ``send`` ends this process (``os._exit``) before it sends a byte, with the
+        engines paused and waiting in the transfer; Ray reports the actor dead to every caller."""
+        self._die_at_send = True
+        return True
+
+    async def send(self, refit_id: int, timeout_s: float) -> dict:
+        if getattr(self, "_die_at_send", False):
+            os._exit(1)
+        return await super().send(refit_id, timeout_s)
 
     async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None) -> dict:
         hold, self._hold_s = self._hold_s, 0.0

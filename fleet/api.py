@@ -251,7 +251,10 @@ class Fleet:
         A version that does not increase or a source that is not a sender is refused
         (``RefitRefused``/``RefitArgumentError``) with nothing changed; ``FleetStopped`` on failure.
         Under ``stage_ahead``, too few engines staging the update is ``RefitNotStaged``: the gate never
-        closed and the fleet serves what it had (send the update again).
+        closed and the fleet serves what it had (send the update again). A dead ``source`` is
+        ``RefitSourceFailed`` before the gate closes; a sender that fails before the update reached any
+        engine's weights is ``RefitSourceFailed`` after a roll back (``RefitNotDelivered`` when the engines
+        got nothing for another reason): nothing changed, the fleet serves the committed version; send again.
         """
         phases = 5 if self.config.stage_ahead else 4  # each bounded by lifecycle_deadline_s; staging is one more
         summary = self._ask("sync_weights", version, source, timeout=self.config.lifecycle_deadline_s * phases + 60)

@@ -22,7 +22,7 @@ import warnings
 from typing import Any, Sequence
 
 from fleet.admission import AdmissionController
-from fleet.errors import RefitArgumentError, RefitRefused
+from fleet.errors import RefitArgumentError, RefitRefused, RefitSourceFailed
 from fleet.eventlog import EventLog
 from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.gate import DispatchGate
@@ -501,7 +501,9 @@ class SingleController:
         """Run the refit lifecycle for ``version`` (see ``fleet.lifecycle``).
 
         Raises ``TypeError``/``RefitRefused`` (nothing changed) for a bad ``version`` or
-        ``source``; ``RefitFailed`` or ``FleetExhausted`` when the fleet had to stop.
+        ``source``; ``RefitSourceFailed`` for a dead source (nothing changed) or one that failed before
+        any byte reached an engine (rolled back), ``RefitNotDelivered`` when no engine got a byte (rolled
+        back): send again; ``RefitFailed`` or ``FleetExhausted`` when the fleet had to stop.
         """
         await self.adopt_if_restarted()
         again = self.recovered.get("finished_refit") if self.recovered else None
@@ -541,6 +543,12 @@ class SingleController:
                 f"refused, nothing changed, the fleet serves {self.serves()}"
             )
         self.transfer_port().check_source(source)
+        if source is not None and self.door.actor_state(source) == "DEAD":  # Ray's GCS: the sender is gone for good
+            raise RefitSourceFailed(
+                f"sync_weights({version}): the weight sender {source!r} is dead (Ray reports its actor DEAD); "
+                f"refused before the gate closed, nothing changed, the fleet serves version {self.gate.version}; "
+                f"send version {version} again from a live sender"
+            )
 
     def roll_back_refit(self, version: int, reason: str) -> Decision:
         """Close a refit that changed no engine; reopen the gate on the committed version if quorum serves it."""

@@ -54,7 +54,8 @@ class Door(Protocol):
         """True when the cluster restarted the controller's process (re-adopt the shards)."""
 
     def actor_state(self, handle: Any) -> str:
-        """The cluster's word on a shard actor: ``PENDING_CREATION``, ``ALIVE``, ``DEAD``, ..."""
+        """The cluster's word on an actor (a shard, or the weight sender a refit is given): ``PENDING_CREATION``,
+        ``ALIVE``, ``DEAD``, ...; ``UNKNOWN`` when it cannot tell."""
 
     def dead_nodes(self) -> set[str]:
         """Node ids the cluster has declared dead."""

@@ -103,3 +103,17 @@ class FleetExhausted(FleetStopped):
 class CacheInvalidationUnsupported(RefitFailed, NotImplementedError):
     """``kv_policy='recompute'`` on a backend without native pause that could not confirm an equivalent
     cache invalidation: the refit stops rather than serve requests over KV computed by old weights."""
+
+
+class RefitNotDelivered(RlfleetError):
+    """No engine received a byte of the update, after the one retry (or the retry could not help): the
+    refit rolled back like a refusal. The engines resumed on the committed version, the gate reopened on
+    it (if quorum serves it) and nothing stopped. What the caller must do: send the same version again.
+    The message names what failed (each engine and why)."""
+
+
+class RefitSourceFailed(RefitNotDelivered):
+    """The weight sender (the trainer's ``source`` actor) failed: it is dead before the refit (refused
+    before the gate closed), or it died, hung or raised before any byte reached an engine (rolled back).
+    Nothing changed on the fleet. What the trainer must do: send the same version again, from a live
+    sender (a new one if this one is dead). The message names the sender and its error."""

@@ -8,7 +8,8 @@ fleet serves what it had.
 
 ``RefitLifecycle.run`` reads like the design: close the gate, abort requests that
 are too old, reconcile membership, pause the participants, transfer (classify,
-rebuild, re-pause, retry exactly once), stamp the version, resume under one
+rebuild, re-pause, retry exactly once, only the engines that failed, all within the
+phase's one deadline), stamp the version, resume under one
 shared deadline, reopen only with quorum. Every fan-out settles every call
 before any result is acted on, and every call is bounded by
 ``refit_timeout_s + grace``.
@@ -16,8 +17,10 @@ before any result is acted on, and every call is bounded by
 Guarantee on failure: arguments are checked before anything changes (a version
 that does not increase, a source that is not a sender: refused, nothing touched).
 After that, a refit ends in exactly one of three ways: committed and reopened;
-rolled back (nothing reached any engine: paused engines resumed on the committed
-version, gate reopened on it, the caller's error raised); or stopped (``_end``:
+rolled back (nothing reached any engine's live weights, e.g. the update was refused
+or the weight sender failed: paused engines resumed on the committed version, gate
+reopened on it, the caller's error raised: ``RefitRefused``, ``RefitSourceFailed``,
+``RefitNotDelivered``); or stopped (``_end``:
 gate closed, held requests returned, ``RefitFailed``/``FleetExhausted`` naming the
 shards and the phase). Never engines paused with the gate closed and the fleet
 "not stopped". Engines that did not receive the complete new weights keep their
@@ -32,9 +35,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from fleet.intent import CLOSING, COMMITTED, RefitIntent
-from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed, RefitNotStaged, RefitRefused
+from fleet.errors import (
+    CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed, RefitNotDelivered, RefitNotStaged,
+    RefitRefused, RefitSourceFailed,
+)
 from fleet.outcome import OK
-from fleet.weights import TransferResult
+from fleet.weights import TransferResult, healthy_attempt_s
 from health import (
     AbortRefit,
     Batch,
@@ -59,6 +65,10 @@ class _RollBack(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+class _PhaseOver(Exception):
+    """Raised by a fan-out asked to start after its phase's deadline (``RefitLifecycle._within``)."""
 
 
 class _EndRefit(Exception):
@@ -90,6 +100,8 @@ class RefitLifecycle:
         self._moving = False  # the transfer began: engines may hold bytes of the new version
         self._held: dict[tuple[int, int], Any] = {}  # (slot, incarnation) -> handle a pause was sent to by this refit
         self._busy: dict[int, int] = {}  # slot -> requests in flight when the refit fenced it
+        self._deadline: float | None = None  # inside ``_within``: the deadline every fan-out ends by
+        self._retry_skipped: str | None = None  # why the transfer's retry did not run (None: it ran or was not needed)
 
     @property
     def lock(self) -> asyncio.Lock:
@@ -106,6 +118,7 @@ class RefitLifecycle:
             self.running = True
             self._phases, self._inside_s, self._inside_cpu_s, self._version = {}, 0.0, 0.0, version
             self._finished, self._moving, self._held, self._busy = False, False, {}, {}
+            self._retry_skipped = None
             t0, cpu0 = self.ctl.clock.now(), time.thread_time()
             try:
                 return await self._steps(version, source, t0, cpu0)
@@ -163,7 +176,8 @@ class RefitLifecycle:
             "epoch": plan.epoch,
             "participants": [p.slot for p in plan.participants],
             "complete": sorted(complete),
-            "attempts": attempts,
+            "attempts": attempts,  # transfer attempts that ran (1 when the retry was skipped or not needed)
+            "retry_skipped": self._retry_skipped,
             "aborted_for_staleness": aborted,
             "phases_s": dict(self._phases),
             "total_s": total,
@@ -302,26 +316,30 @@ class RefitLifecycle:
         return plan, paused
 
     async def transfer(self, plan: MembershipPlan, version: int, source: Any, paused: set[int]):
-        """Step 5: transfer; on failure classify, rebuild without the dead, re-pause, retry exactly once.
+        """Step 5: transfer; on failure classify, rebuild without the dead, re-pause and retry exactly once,
+        only to the engines that did not complete the first attempt. One deadline bounds the whole phase,
+        classification and re-pause included; the retry runs only if enough of it is left (``_no_retry``).
 
-        Returns the plan of the last attempt, the engines paused for it, the slots that
-        hold the complete new weights, and the number of attempts (1 or 2).
+        Returns the plan of the last attempt (every participant, those that completed the first attempt
+        included), the engines paused for it, the slots that hold the complete new weights, and the number
+        of attempts that ran (1 or 2; ``retry_skipped`` in the summary says why a retry did not run).
+        Raises ``_RollBack`` when no byte reached any engine (``_roll_back_if_nothing_moved``).
         """
-        results: dict = {}
-        complete: set[int] = set()
         deadline = self.ctl.clock.now() + self.ctl.cfg.lifecycle_deadline_s  # one bound for the phase, retry included
-        for attempt in (1, 2):
-            if attempt == 2:
-                plan, paused = await self._prepare_retry(plan, version, results, complete)
-                if self.ctl.clock.now() >= deadline:
-                    self.ctl.log.emit("refit_retry_skipped", version=version, reason="the transfer phase's deadline passed")
-                    break
-            results = await self._transfer_once(plan, version, source, rebuild=attempt > 1, deadline=deadline)
-            self._refuse_if_the_update_does_not_fit(results)
-            complete = {s for s, r in results.items() if r.result is RefitResult.COMPLETE}
-            if plan.participants and len(complete) == len(plan.participants):
-                break
-        return plan, paused, complete, attempt
+        results = await self._transfer_once(plan, version, source, rebuild=False, deadline=deadline)
+        self._refuse_if_the_update_does_not_fit(results)
+        tried, done = [results], _completed(plan, results)
+        self._moving = _moved(tried)  # an error before the retry rolls back if nothing moved yet
+        if len(done) < len(plan.participants):
+            plan, paused, retry = await self._prepare_retry(plan, version, source, results, done, paused, deadline)
+            if retry is not None:
+                self._moving = True
+                results = await self._transfer_once(retry, version, source, rebuild=True, deadline=deadline)
+                self._refuse_if_the_update_does_not_fit(results)
+                tried.append(results)
+                done |= _completed(retry, results)
+        self._roll_back_if_nothing_moved(tried, source)
+        return plan, paused, {p.slot for p in plan.participants if (p.slot, p.incarnation) in done}, len(tried)
 
     def _refuse_if_the_update_does_not_fit(self, results: dict) -> None:
         """An update that does not fit the model is the trainer's fault, not the engines': no retry,
@@ -334,14 +352,88 @@ class RefitLifecycle:
                 f"the fleet keeps serving {self.ctl.serves()}"
             ))
 
-    async def _prepare_retry(self, plan: MembershipPlan, version: int, results: dict, complete: set[int]):
-        """Before the one retry: classify the failed participants, rebuild membership, re-pause every
-        retry participant (engines restarted meanwhile included)."""
-        failed = [p for p in plan.participants if p.slot not in complete]
+    async def _prepare_retry(self, plan: MembershipPlan, version: int, source: Any, results: dict, done: set,
+                             paused: set[int], deadline: float):
+        """Before the one retry: classify the failed participants, rebuild membership, re-pause the retry's
+        participants (those that failed and are alive, and engines restarted meanwhile; not those that
+        completed: they stay paused and are sent nothing more). Every call here ends by ``deadline``.
+
+        Returns the plan (the retry's participants and those that completed), the paused slots, and the
+        retry's plan, or None when the retry does not run (``_retry_skipped`` then says why)."""
+        failed = [p for p in plan.participants if (p.slot, p.incarnation) not in done]
         self.ctl.log.emit("refit_failed_attempt", version=version, attempt=1,
                           failed={p.slot: results[p.slot].detail[:200] for p in failed})
-        await self._classify_failed(failed)
-        return await self.pause_settled(self.reconcile())
+        with self._within(deadline):
+            if deadline - self.ctl.clock.now() >= self.ctl.cfg.probe_timeout_s:  # a ping cut shorter proves no hang
+                await self._classify_failed(failed)
+            skip = self._no_retry(source, results, deadline)
+            repaused: set[tuple[int, int]] = set()
+            if skip is None:
+                repaused, skip = await self._re_pause(done, deadline)
+        fresh = self.reconcile()  # without what died or hung in the re-pause
+        kept = {(p.slot, p.incarnation) for p in plan.participants if p.slot in paused} | repaused
+        paused = {p.slot for p in fresh.participants if (p.slot, p.incarnation) in kept}
+        retry = [p for p in fresh.participants if (p.slot, p.incarnation) in repaused]
+        if skip is None and not retry:
+            skip = "no engine that failed the first attempt is alive and paused to retry"
+        if skip is not None:
+            self._retry_skipped = skip
+            self.ctl.log.emit("refit_retry_skipped", version=version, reason=skip)
+            return fresh, paused, None
+        return fresh, paused, MembershipPlan(fresh.epoch, tuple(retry))
+
+    async def _re_pause(self, done: set, deadline: float) -> tuple[set[tuple[int, int]], str | None]:
+        """Pause the retry's participants: every live one that did not complete the first attempt, engines
+        that became ready meanwhile (even during this re-pause) included, as ``pause_settled`` does for the
+        first. Returns the (slot, incarnation) paused, and why the retry cannot run after all (or None)."""
+        repaused: set[tuple[int, int]] = set()
+        asked = set(done)  # each engine is asked once; one whose pause failed was observed by ``pause``
+        for _ in range(3):
+            fresh = self.reconcile()
+            todo = [p for p in fresh.participants if (p.slot, p.incarnation) not in asked]
+            if not todo:
+                break
+            asked |= {(p.slot, p.incarnation) for p in todo}
+            try:
+                slots = await self.pause(MembershipPlan(fresh.epoch, tuple(todo)))
+            except _PhaseOver:  # a fan-out of the re-pause found the phase over: nothing more was sent
+                slots = set()
+            repaused |= {(p.slot, p.incarnation) for p in todo if p.slot in slots}
+            if deadline - self.ctl.clock.now() < _needed_s(self.ctl.cfg):
+                return repaused, "the transfer phase's deadline passed during the re-pause"
+        return repaused, None
+
+    def _no_retry(self, source: Any, results: dict, deadline: float) -> str | None:
+        """Why the retry must not run, or None. It cannot help when the sender is dead; it cannot finish
+        when less of the phase is left than an attempt needs (``_needed_s``)."""
+        if any(r.sender_error for r in results.values()) and self.ctl.door.actor_state(source) == "DEAD":
+            return f"the weight sender {source!r} is dead: a retry from it cannot move anything"
+        left, needed = deadline - self.ctl.clock.now(), _needed_s(self.ctl.cfg)
+        if left < needed:
+            return (f"{max(0.0, left):.3f} s left of the transfer phase's {self.ctl.cfg.lifecycle_deadline_s:.1f} s, "
+                    f"less than a retry needs ({needed:.3f} s: a quarter of refit_timeout_s, what one attempt is sized for)")
+        return None
+
+    def _roll_back_if_nothing_moved(self, tried: list[dict], source: Any) -> None:
+        """No engine's live weights changed in any attempt (every result ``NOT_STARTED``: no byte reached an
+        engine, or only its staging area): nothing changed, so the refit rolls back like a refusal
+        (``_RollBack``), with ``RefitSourceFailed`` naming the sender when it failed, else ``RefitNotDelivered``
+        naming each engine. Returns when anything moved (the refit goes on to stamp what completed)."""
+        if _moved(tried):
+            return
+        self._moving = False
+        v, committed, n = self._version, self.ctl.ledger.current_version, len(tried)
+        after = (f"the refit rolled back: no engine changed, they resume on version {committed} and the gate "
+                 f"reopens on it if quorum serves it; send version {v} again")
+        sender = next((r.sender_error for res in reversed(tried) for r in res.values() if r.sender_error), None)
+        if sender is not None:
+            dead = " is dead: it" if self.ctl.door.actor_state(source) == "DEAD" else ""
+            raise _RollBack(RefitSourceFailed(
+                f"refit of version {v}: the weight sender {source!r}{dead} failed before the update reached any engine's weights "
+                f"({n} attempt(s); sender: {sender[:400]}); {after}, from a live sender"))
+        why = "; ".join(f"slot {s}: {r.detail[:200]}" for s, r in sorted(tried[-1].items()))
+        raise _RollBack(RefitNotDelivered(
+            f"refit of version {v}: no engine received any byte of the update after {n} attempt(s) ({why}); {after}"))
 
     async def stamp(self, plan: MembershipPlan, version: int, complete: set[int]) -> None:
         """Step 6: commit the version in the ledger and stamp it on every engine that holds it. An engine whose
@@ -547,10 +639,24 @@ class RefitLifecycle:
     async def _fan_out(self, calls: dict, expect_ack: bool = False, timeout: float | None = None) -> dict:
         if not calls:
             return {}
+        timeout = timeout or self.ctl.cfg.lifecycle_deadline_s
+        if self._deadline is not None:  # inside ``_within``: no call waits past the phase's deadline
+            left = self._deadline - self.ctl.clock.now()
+            if left <= 0:
+                raise _PhaseOver(f"{self.phase} phase's deadline passed; no call started")
+            timeout = min(timeout, left)
         with self._inside_shards():
-            return await self.ctl.door.fan_out(
-                calls, timeout=timeout or self.ctl.cfg.lifecycle_deadline_s, expect_ack=expect_ack
-            )
+            return await self.ctl.door.fan_out(calls, timeout=timeout, expect_ack=expect_ack)
+
+    @contextmanager
+    def _within(self, deadline: float):
+        """Every fan-out inside ends by ``deadline`` (its timeout is cut to what is left); none starts after
+        it (``_PhaseOver``). One deadline for a phase's several fan-outs."""
+        self._deadline = deadline
+        try:
+            yield
+        finally:
+            self._deadline = None
 
     @contextmanager
     def _inside_shards(self):
@@ -581,3 +687,21 @@ class RefitLifecycle:
             self._phases[name] = dt
             self.ctl.metrics.phase(name, dt)
             self.ctl.log.emit("phase", phase=name, edge="end", version=self._version, seconds=round(dt, 6))
+
+
+def _completed(plan: MembershipPlan, results: dict) -> set[tuple[int, int]]:
+    """(slot, incarnation) of the participants that hold the complete new weights after one attempt."""
+    return {(p.slot, p.incarnation) for p in plan.participants if results[p.slot].result is RefitResult.COMPLETE}
+
+
+def _moved(tried: list[dict]) -> bool:
+    """Whether any engine's live weights may have changed in these attempts: any result but ``NOT_STARTED``
+    (which may count bytes received into a staging area, never applied: nothing changed there)."""
+    return any(r.result is not RefitResult.NOT_STARTED for res in tried for r in res.values())
+
+
+def _needed_s(cfg: Any) -> float:
+    """What a retry needs of the transfer phase: the time one healthy attempt is sized for
+    (``fleet.weights.healthy_attempt_s``: a quarter of ``refit_timeout_s``). Not what the first attempt took:
+    one that failed on a frozen engine ran into the receivers' bound, far longer than a retry without it needs."""
+    return healthy_attempt_s(cfg)

@@ -27,6 +27,7 @@ class TransferResult:
     bytes_moved: int = 0
     refused: str | None = None  # the update itself does not fit the model (names the tensor); nothing moved
     staged: bool = False  # (``stage`` only) the whole update is in the engine's staging area; live weights untouched
+    sender_error: str | None = None  # the weight sender failed in this attempt (died, timed out, raised): its error
 
 
 SENDER_METHODS = ("open_group", "connect", "close_group", "prepare", "send")
@@ -75,6 +76,11 @@ class TransferPort(Protocol):
         ...
 
 
+def healthy_attempt_s(cfg) -> float:
+    """The time one transfer attempt is sized for: a quarter of ``refit_timeout_s`` (``_refit_config``)."""
+    return (cfg.refit_timeout_s if cfg.refit_timeout_s is not None else REFIT_TIMEOUT_FALLBACK_S) / 4
+
+
 def _refit_config(cfg) -> RefitConfig:
     """Timeouts of one transfer attempt, sized so two attempts fit the phase's one bound.
 
@@ -86,7 +92,7 @@ def _refit_config(cfg) -> RefitConfig:
     bound and the retry gets the rest: set ``refit_timeout_s`` to about four times
     a healthy transfer of your model.
     """
-    t = (cfg.refit_timeout_s if cfg.refit_timeout_s is not None else REFIT_TIMEOUT_FALLBACK_S) / 4
+    t = healthy_attempt_s(cfg)
     return RefitConfig(
         backend=cfg.transport_backend,
         bucket_mb=cfg.bucket_mb,
@@ -185,7 +191,7 @@ class RefitTransferPort:
                 detail += f"; sender: {report.sender_error}"
             out[key.slot] = TransferResult(
                 RefitResult.NOT_STARTED if staged else RefitResult(r.outcome.value), f"[{r.phase or 'done'}] {detail}",
-                r.bytes_moved, refused=r.refused, staged=staged,
+                r.bytes_moved, refused=r.refused, staged=staged, sender_error=report.sender_error,
             )
         return out
 

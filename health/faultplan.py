@@ -43,6 +43,10 @@ Faults of the trainer's refit call itself name no ``shard``:
   corrupt_missing_layer``: the step's update carries a tensor of the wrong shape or
   dtype, or leaves out one tensor or its whole decoder layer; that refit must be
   refused naming the tensor, the fleet serving on; the next (correct) one commits;
+- ``where: update``, ``what: kill_sender``: the trainer's weight-sender process dies as
+  its send of the step's update begins (the engines paused and waiting for the bytes);
+  that refit must roll back (``RefitSourceFailed`` naming the sender), the fleet serving
+  on; the next refit, from a new sender, commits;
 - ``where: call``, ``what: stale_version`` (a refit whose version is not greater than
   the committed one, while requests are in flight: refused, nothing changes),
   ``concurrent_refit`` (two refits at once from two threads: they must not overlap) or
@@ -86,6 +90,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "slow": _ANYWHERE,
     "crash_engine": _ANYWHERE,
     **{f"corrupt_{kind}": ("update",) for kind in CORRUPTIONS},
+    "kill_sender": ("update",),
     "stale_version": ("call",),
     "concurrent_refit": ("call",),
     "refit_under_load": ("call",),

@@ -52,6 +52,15 @@ class FakeShard:
         return self.sticky.get(method) or self.script.pop(method, None)
 
 
+@dataclass
+class FakeSender:
+    """The trainer's weight-sender actor as the door sees it: ``dead`` is what Ray's GCS says of it
+    (``FakeDoor.actor_state``); ``FakeTransfer``'s ``"sender"`` script entries kill or hang it."""
+
+    name: str = "trainer"
+    dead: bool = False
+
+
 class FakeDoor:
     def __init__(self, gen_delay: float = 0.01) -> None:
         self.shards: dict[tuple[int, int], FakeShard] = {}
@@ -86,8 +95,8 @@ class FakeDoor:
     def dead_nodes(self) -> set[str]:  # Ray's GCS: no node has died
         return set()
 
-    def actor_state(self, handle) -> str:  # Ray's GCS: a shard is placed at once; of anything else it cannot tell
-        if not isinstance(handle, FakeShard):
+    def actor_state(self, handle) -> str:  # Ray's GCS: a shard or sender is placed at once; of anything else it cannot tell
+        if not isinstance(handle, (FakeShard, FakeSender)):
             return "UNKNOWN"
         return "DEAD" if handle.dead else "ALIVE"
 
@@ -228,7 +237,13 @@ class FakeDoor:
 
 
 class FakeTransfer:
-    """Scripted transport: ``fail[attempt] = {slot: "die"|"hang"|"partial"|"error"}``."""
+    """Scripted transport: ``fail[attempt] = {slot: "die"|"hang"|"partial"|"error"|"refuse"}``.
+
+    The key ``"sender"`` scripts the weight sender itself, before any byte reaches an engine (as
+    ``refit.WeightSynchronizer`` reports it: every participant ``NOT_STARTED`` with the sender's error):
+    ``"die"`` (its actor dies; a ``FakeSender`` source is marked dead and fails every later attempt),
+    ``"die_midway"`` (the same, after some bytes reached the engines' staging areas, never applied),
+    ``"hang"`` (the attempt runs into the receivers' own bound, a third of the time it is given, then fails) or ``"error"`` (it raises)."""
 
     def __init__(self, door: FakeDoor) -> None:
         self.door = door
@@ -248,6 +263,8 @@ class FakeTransfer:
         self.attempts.append((version, epoch, tuple(p.slot for p, _ in participants), rebuild))
         self.door.calls.append(("transfer", -1, len(self.attempts)))
         plan = self.fail.get(len(self.attempts), {})
+        if "sender" in plan or (isinstance(source, FakeSender) and source.dead):
+            return await self._sender_fails(plan.get("sender", "die"), participants, source, timeout)
         out = {}
         broken = any(v in ("die", "hang") for v in plan.values())
         for p, shard in participants:
@@ -272,6 +289,25 @@ class FakeTransfer:
                 shard.dirty = True
                 out[p.slot] = TransferResult(RefitResult.COMPLETE, "ok", 100)
         return out
+
+    async def _sender_fails(self, what, participants, source, timeout):
+        if what == "die":
+            if isinstance(source, FakeSender):
+                source.dead = True
+            error = "sender prepare raised ActorDiedError: the actor died unexpectedly before finishing this task"
+        elif what == "hang":
+            await asyncio.sleep(timeout / 3)  # the receivers' own bound ends it first (``_refit_config``)
+            error = f"sender send timed out after {timeout / 3:.1f} s"
+        elif what == "die_midway":  # after some buckets: under apply_mode "staged" they sit unapplied in staging
+            if isinstance(source, FakeSender):
+                source.dead = True
+            error = "sender send raised ActorDiedError: the actor died unexpectedly before finishing this task"
+            return {p.slot: TransferResult(RefitResult.NOT_STARTED, f"[transfer] receive aborted; sender: {error}", 50,
+                                           sender_error=error) for p, _ in participants}
+        else:
+            error = "sender send raised RuntimeError: CUDA error: an illegal memory access was encountered"
+        return {p.slot: TransferResult(RefitResult.NOT_STARTED, f"[prepare] refit aborted before any weight moved; sender: {error}",
+                                       sender_error=error) for p, _ in participants}
 
     # -- stage ahead: ``stage_fail[attempt] = {slot: "die"|"hang"|"error"|"refuse"}``, ``apply_fail = {slot: "partial"}``
     async def stage(self, participants, version, epoch, source, timeout):

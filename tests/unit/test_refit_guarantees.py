@@ -243,12 +243,12 @@ def test_the_transfer_phase_ends_within_its_deadline_retry_included(model_dir):
             return await real(*args, **kwargs)
 
         transfer.transfer = slow
-        transfer.fail[1] = {1: "error"}  # the first attempt fails: the retry gets only what is left
-        with pytest.raises(RefitFailed):
-            await ctl.sync_weights(1)
+        transfer.fail[1] = {1: "error"}  # the first attempt fails on slot 1: the retry gets only what is left
+        summary = await ctl.sync_weights(1)
         [end] = [e for e in ctl.events(kinds=["phase"]) if e["phase"] == "transfer" and e["edge"] == "end"]
         assert end["seconds"] <= ctl.cfg.lifecycle_deadline_s + 1e-6, end
-        assert not ctl.gate.is_open and ctl.stopped  # nothing complete: stopped loudly, not serving unknown weights
+        assert summary["attempts"] == 2  # the retry (slot 1 only) ran in what was left and was cut off
+        assert summary["complete"] == [0, 2] and ctl.gate.is_open  # quorum completed the first attempt: kept
         await ctl.shutdown()
 
     run(go())
