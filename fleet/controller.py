@@ -26,7 +26,7 @@ from fleet.errors import RefitArgumentError, RefitRefused
 from fleet.eventlog import EventLog
 from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.gate import DispatchGate
-from fleet.intent import Intent, IntentStore
+from fleet.intent import COMMITTED, Intent, IntentStore
 from fleet.metrics import FleetMetrics
 from fleet.naming import new_fleet_name, shard_name
 from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed
@@ -61,6 +61,7 @@ from health import (
 )
 
 TIMER_INTERVAL_S = 0.2
+KEEP_REFIT_SUMMARIES = 16  # summaries of recent refits kept by id: a re-sent refit returns its own
 PLACEMENT_POLL_S = 1.0  # how often a restart that Ray cannot place yet asks again
 PLACEMENT_NOTE_AFTER_S = 5.0  # Ray takes a moment to start any actor's process: pending longer is worth a record
 
@@ -95,6 +96,9 @@ class SingleController:
         self.native_pause: dict[int, bool] = {}
         self.nodes = NodeMap()  # which Ray node each shard runs on (``fleet.nodes``)
         self.refits: list[dict] = []
+        # refit id -> (version, summary or the error it raised), of the last KEEP_REFIT_SUMMARIES refits
+        self._refit_summaries: dict[str, tuple[int, dict | Exception]] = {}
+        self._running_refits: dict[str, asyncio.Future] = {}  # refit id -> the refit running under it
         from fleet.lifecycle import RefitLifecycle
 
         self.lifecycle = RefitLifecycle(self)
@@ -497,20 +501,71 @@ class SingleController:
         self.observe(slot, incarnation, CallKind.GENERATE, Outcome(DIED if kind == DIED else kind, error=error))
         return True
 
-    async def sync_weights(self, version: int, source: Any = None) -> dict:
+    async def sync_weights(self, version: int, source: Any = None, refit_id: str | None = None) -> dict:
         """Run the refit lifecycle for ``version`` (see ``fleet.lifecycle``).
+
+        ``refit_id``: the caller's id of this refit (``Fleet`` sends one and re-sends the call under it
+        after a lost answer or a controller restart). A re-sent refit is recognised by it: one still
+        running is awaited, one that committed (here, or under the controller this one replaced) returns
+        its summary, marked ``resent`` or ``recovered``, with ``gate_open`` and ``gate_reason`` as they are
+        now. Without an id, a refit the dead predecessor committed is recognised by its version alone.
 
         Raises ``TypeError``/``RefitRefused`` (nothing changed) for a bad ``version`` or
         ``source``; ``RefitFailed`` or ``FleetExhausted`` when the fleet had to stop.
         """
         await self.adopt_if_restarted()
+        again = self._resent_refit(version, refit_id)
+        if again is not None:
+            return again if isinstance(again, dict) else await asyncio.shield(again)
+        if refit_id is not None:
+            self.intent.stage(refit_id=refit_id)  # stored with the refit's first write
+            self._running_refits[refit_id] = asyncio.ensure_future(self._run_refit(version, source, refit_id))
+            try:
+                return await asyncio.shield(self._running_refits[refit_id])
+            finally:
+                self._running_refits.pop(refit_id, None)
+        return await self._run_refit(version, source, None)
+
+    async def _run_refit(self, version: int, source: Any, refit_id: str | None) -> dict:
+        try:
+            summary = await self.lifecycle.run(version, source)
+        except Exception as exc:
+            self._keep_refit(refit_id, version, exc)  # a re-send gets the same error, not a different one
+            raise
+        self.refits.append(summary)
+        self._keep_refit(refit_id, version, summary)
+        return summary
+
+    def _keep_refit(self, refit_id: str | None, version: int, end: dict | Exception) -> None:
+        if refit_id is None:
+            return
+        self._refit_summaries[refit_id] = (version, end)
+        while len(self._refit_summaries) > KEEP_REFIT_SUMMARIES:
+            self._refit_summaries.pop(next(iter(self._refit_summaries)))
+
+    def _resent_refit(self, version: int, refit_id: str | None):
+        """The answer to a re-sent refit: its summary (dict), the running refit's future, or None (not a re-send)."""
+        if refit_id is not None:
+            if refit_id in self._running_refits:
+                return self._running_refits[refit_id]
+            done = self._refit_summaries.get(refit_id)
+            if done is not None and done[0] == version:
+                if isinstance(done[1], Exception):
+                    raise done[1]
+                return {**done[1], "resent": True, **self._gate_now()}
+            intent = self.intent.current
+            if intent is not None and intent.refit_id == refit_id and intent.refit is not None \
+                    and intent.refit.phase == COMMITTED and intent.refit.version == version == self.ledger.current_version:
+                return self.recovery_summary(version)  # the refit this call re-sends committed under the predecessor
+            return None
         again = self.recovered.get("finished_refit") if self.recovered else None
         if again is not None and version == again and version == self.ledger.current_version:
-            # the refit this call re-sends committed before the controller died; re-adoption finished it
-            return self.recovery_summary(version)
-        summary = await self.lifecycle.run(version, source)
-        self.refits.append(summary)
-        return summary
+            return self.recovery_summary(version)  # re-adoption finished the refit this call re-sends
+        return None
+
+    def _gate_now(self) -> dict:
+        """Whether the gate is open now, and why not (a re-sent refit's summary says so)."""
+        return {"gate_open": self.gate.is_open, "gate_reason": None if self.gate.is_open else self.gate.reason}
 
     async def resize(self, n: int, drain_timeout_s: float | None = None) -> dict:
         """Grow or shrink the fleet to ``n`` serving engines (``fleet.resize``); waits for a refit running now.
@@ -643,9 +698,12 @@ class SingleController:
                 self._must_adopt = False
 
     def recovery_summary(self, version: int) -> dict:
+        """The summary of a refit the predecessor committed and re-adoption finished: ``recovered`` says only
+        that; ``gate_open``/``gate_reason`` say whether the fleet serves it (below quorum it does not: the
+        next ``sync_weights`` brings the stale and restarted engines back)."""
         return {"version": version, "recovered": True, "complete": sorted(self.ledger.serving_slots()),
                 "serving": self.serving_slots(), "routing_epoch": self.publisher.current.epoch,
-                "epoch": self.plan.epoch, "generation": self.generation}
+                "epoch": self.plan.epoch, "generation": self.generation, **self._gate_now()}
 
     def arm_crash(self, point: str, delay_s: float = 0.0) -> bool:
         """Fault injection: kill this controller's process (SIGKILL) ``delay_s`` after it reaches ``point``:
