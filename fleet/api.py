@@ -73,6 +73,18 @@ def check_prompt(prompt: Any, name: str = "prompt") -> None:
         raise TypeError(f"{name} must be a non-empty string or a non-empty list of token ids (ints >= 0), got {prompt!r:.80}")
 
 
+def check_node_id(node: Any) -> None:
+    """``Fleet.start``'s ``controller_node``: None, or a Ray node id (hex digits, as ``ray.nodes()`` lists
+    them); refused naming the argument before anything starts."""
+    if node is None:
+        return
+    if not isinstance(node, str) or not node or any(c not in "0123456789abcdefABCDEF" for c in node):
+        from fleet.errors import ConfigError
+
+        raise ConfigError("controller_node", "must be None or a Ray node id (hex digits, as ray.nodes() lists "
+                          "them under NodeID)", node)
+
+
 def check_n(n: Any) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n (samples per prompt) must be an integer >= 1, got {n!r}")
@@ -151,10 +163,16 @@ class Fleet:
         The controller runs on ``controller_node`` (a Ray node id: pinned there, restarted there), else
         preferably on the node this driver is attached to (Ray may place it elsewhere)."""
         cfg = load_fleet_config(config)
+        check_node_id(controller_node)
         if cfg.name is None:
             cfg = cfg.model_copy(update={"name": new_fleet_name()})
         ray_io.init_local(num_cpus=num_cpus, log_to_driver=False)
         ray_io.check_capacity(cfg.total_engines, cfg.engine.num_cpus, cfg.engine.num_gpus)  # spares included
+        if controller_node is not None and controller_node not in (alive := ray_io.alive_nodes()):
+            from fleet.errors import ConfigError
+
+            raise ConfigError("controller_node", f"no live node of this Ray cluster has that id; live nodes: "
+                              f"{sorted(alive)}", controller_node)
         if ray_io.find_actor(controller_name(cfg.name)) is not None:
             from fleet.errors import ConfigError
 

@@ -102,7 +102,7 @@ class SingleController:
         from fleet.lifecycle import RefitLifecycle
 
         self.lifecycle = RefitLifecycle(self)
-        self.intent = IntentStore(door, self.name)
+        self.intent = IntentStore(door, self.name, report=self._intent_failed)
         self.generation = 0  # times this fleet's controller was restarted
         # Ray restarted this actor after its process died: the first call re-adopts the live shards.
         self._must_adopt = bool(getattr(door, "restarted", lambda: False)())
@@ -188,7 +188,10 @@ class SingleController:
         await self.publisher.publish()  # clients learn the fleet stopped and return what they hold
         kinds = {s: outs[s].kind if s in outs else "killed_while_starting" for s in slots}
         self.log.emit("phase", phase="shutdown", edge="end", shards=kinds)
-        self.intent.clear()
+        try:
+            self.intent.clear()
+        except Exception as exc:  # noqa: BLE001 - every shard is down: a stale intent only makes a successor finish the shutdown
+            self._intent_failed(exc, None)
         self.log.close()
         return {"shards": kinds}
 
@@ -197,9 +200,15 @@ class SingleController:
         if self.stopped is None:
             self.stopped = reason
             self.log.emit("stopped", reason=reason)
-            if self.intent.current is not None:
+            if self.intent.current is not None:  # a store that fails now is reported: it must not hide the stop
                 self.intent.update(stopped=reason)
         self.gate.close(reason)
+
+    def _intent_failed(self, exc: Exception, intent: Intent | None) -> None:
+        """The intent store failed a write made while the fleet stops: recorded, and the stop goes on."""
+        self.log.emit("error", where="intent store", error=f"{type(exc).__name__}: {exc}"[:500],
+                      stopped=None if intent is None else intent.stopped, shutdown=intent is not None and intent.shutdown,
+                      reason="written while the fleet stops: the stop goes on; a successor may not see it")
 
     # ------------------------------------------------------------------ health
     def decide(self, event) -> Decision:

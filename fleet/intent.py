@@ -121,9 +121,11 @@ class IntentStore:
     """Read and write one fleet's intent through ``door`` (``kv_get(key) -> bytes | None``,
     ``kv_put(key, bytes)``, ``kv_del(key)``). ``save`` returns only once the store has it."""
 
-    def __init__(self, door: Any, fleet: str) -> None:
+    def __init__(self, door: Any, fleet: str, report: Any = None) -> None:
         self.door = door
         self.key = intent_key(fleet)
+        # ``report(error, intent)``: where a failed write of a stopping fleet's intent goes (see ``save``)
+        self.report = report
         self.current: Intent | None = None
         self.writes = 0
 
@@ -133,10 +135,19 @@ class IntentStore:
         return self.current
 
     def save(self, intent: Intent) -> Intent:
+        """Store ``intent``; returns only once the store has it, or raises its error, except for the intent of
+        a fleet that stops (``stopped`` or ``shutdown`` set): nothing acts on that intent but the stop itself,
+        and a store that fails must not replace the error being raised or the stop being carried out. That
+        failure goes to ``report`` (the event log); the intent in memory holds the change all the same."""
         if intent != self.current:
-            self.door.kv_put(self.key, intent.to_json().encode())
+            try:
+                self.door.kv_put(self.key, intent.to_json().encode())
+                self.writes += 1
+            except Exception as exc:
+                if self.report is None or not (intent.stopped or intent.shutdown):
+                    raise
+                self.report(exc, intent)
             self.current = intent
-            self.writes += 1
         return intent
 
     def update(self, **changes: Any) -> Intent | None:
