@@ -34,7 +34,9 @@ class FleetConfig(BaseModel):
     # intent is stored under it, and ``Fleet.connect(name)`` attaches to it. None: a unique name at start.
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     # A controller whose process dies is restarted by Ray up to this many times; the restarted one
-    # re-adopts the live shards. Clients and ``Fleet`` wait this long for it before giving up.
+    # re-adopts the live shards within ``adoption_bound_s``. Clients and ``Fleet`` wait this long for it
+    # (at least the adoption bound plus the process restart: checked at start), then give up on it until
+    # it answers again.
     controller_max_restarts: int = Field(3, ge=0)
     controller_restart_wait_s: float = Field(60.0, gt=0)
     num_engines: int = Field(2, ge=1)

@@ -244,7 +244,8 @@ def _commit(ctl: Any, version: int, serving: set[int]) -> None:
 async def _finish_shutdown(ctl: Any, found: dict[int, Any], fenced: list, t0: float) -> dict:
     """The controller died inside ``shutdown``: shut down and kill every shard it can find, then stay stopped."""
     ctl.halt("controller shut down (finished by the restarted controller)")
-    outs = await ctl.door.fan_out({s: (h, "shutdown", (), {}) for s, h in found.items()}, timeout=60)
+    # bounded like re-adoption (clients wait for it): a shard that does not finish in time is killed below
+    outs = await ctl.door.fan_out({s: (h, "shutdown", (), {}) for s, h in found.items()}, timeout=ctl.cfg.adoption_bound_s)
     for handle in found.values():
         ctl.door.kill(handle)
     ctl.handles = {}
