@@ -32,6 +32,7 @@ from fleet.naming import new_fleet_name, shard_name
 from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed
 from fleet.nodes import NodeMap
 from fleet.publisher import RoutingPublisher
+from fleet.resend import RefitResends
 from fleet.routing import RoutingState
 from fleet.spares import apply_roles, initial_roles, role_rows
 from health import (
@@ -61,7 +62,6 @@ from health import (
 )
 
 TIMER_INTERVAL_S = 0.2
-KEEP_REFIT_SUMMARIES = 16  # summaries of recent refits kept by id: a re-sent refit returns its own
 PLACEMENT_POLL_S = 1.0  # how often a restart that Ray cannot place yet asks again
 PLACEMENT_NOTE_AFTER_S = 5.0  # Ray takes a moment to start any actor's process: pending longer is worth a record
 
@@ -96,9 +96,7 @@ class SingleController:
         self.native_pause: dict[int, bool] = {}
         self.nodes = NodeMap()  # which Ray node each shard runs on (``fleet.nodes``)
         self.refits: list[dict] = []
-        # refit id -> (version, summary or the error it raised), of the last KEEP_REFIT_SUMMARIES refits
-        self._refit_summaries: dict[str, tuple[int, dict | Exception]] = {}
-        self._running_refits: dict[str, asyncio.Future] = {}  # refit id -> the refit running under it
+        self.resends = RefitResends()  # recent refits by the caller's id: a re-sent refit gets its own end
         from fleet.lifecycle import RefitLifecycle
 
         self.lifecycle = RefitLifecycle(self)
@@ -525,43 +523,30 @@ class SingleController:
         await self.adopt_if_restarted()
         again = self._resent_refit(version, refit_id)
         if again is not None:
-            return again if isinstance(again, dict) else await asyncio.shield(again)
-        if refit_id is not None:
-            self.intent.stage(refit_id=refit_id)  # stored with the refit's first write
-            self._running_refits[refit_id] = asyncio.ensure_future(self._run_refit(version, source, refit_id))
-            try:
-                return await asyncio.shield(self._running_refits[refit_id])
-            finally:
-                self._running_refits.pop(refit_id, None)
-        return await self._run_refit(version, source, None)
-
-    async def _run_refit(self, version: int, source: Any, refit_id: str | None) -> dict:
-        try:
-            summary = await self.lifecycle.run(version, source)
-        except Exception as exc:
-            self._keep_refit(refit_id, version, exc)  # a re-send gets the same error, not a different one
-            raise
-        self.refits.append(summary)
-        self._keep_refit(refit_id, version, summary)
-        return summary
-
-    def _keep_refit(self, refit_id: str | None, version: int, end: dict | Exception) -> None:
+            return {**again, **self._gate_now()} if isinstance(again, dict) else await asyncio.shield(again)
         if refit_id is None:
-            return
-        self._refit_summaries[refit_id] = (version, end)
-        while len(self._refit_summaries) > KEEP_REFIT_SUMMARIES:
-            self._refit_summaries.pop(next(iter(self._refit_summaries)))
+            return await self._run_refit(version, source)
+        before = self.intent.current
+        self.intent.stage(refit_id=refit_id)  # stored with the refit's first write
+        try:
+            return await self.resends.run(version, refit_id, self._run_refit(version, source))
+        except Exception:
+            now = self.intent.current
+            if before is not None and now is not None and now.refit is before.refit:  # it wrote no record of its own
+                self.intent.stage(refit_id=before.refit_id)  # its id must not ride on another refit's record
+            raise
+
+    async def _run_refit(self, version: int, source: Any) -> dict:
+        summary = await self.lifecycle.run(version, source)
+        self.refits.append(summary)
+        return summary
 
     def _resent_refit(self, version: int, refit_id: str | None):
         """The answer to a re-sent refit: its summary (dict), the running refit's future, or None (not a re-send)."""
         if refit_id is not None:
-            if refit_id in self._running_refits:
-                return self._running_refits[refit_id]
-            done = self._refit_summaries.get(refit_id)
-            if done is not None and done[0] == version:
-                if isinstance(done[1], Exception):
-                    raise done[1]
-                return {**done[1], "resent": True, **self._gate_now()}
+            again = self.resends.answer(version, refit_id)
+            if again is not None:
+                return again
             intent = self.intent.current
             if intent is not None and intent.refit_id == refit_id and intent.refit is not None \
                     and intent.refit.phase == COMMITTED and intent.refit.version == version == self.ledger.current_version:

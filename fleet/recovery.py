@@ -91,17 +91,7 @@ async def adopt(ctl: Any) -> dict:
     # out of routing until the state below is published: nothing routed under the old controller runs
     await _round(ctl, "set_route", {s: (h, "set_route", (ctl.publisher.current.epoch, False, intent.committed), {})
                                     for s, h in found.items()}, failed)
-    alive: dict[int, dict] = {}
-    starting: dict[int, Any] = {}
-    for slot, (inc, _) in sorted(intent.slots.items()):
-        out = described.get(slot)
-        info = out.value if out is not None and out.ok and slot not in failed else None
-        if info is not None and info.get("incarnation") == inc and info.get("state") == "ready":
-            alive[slot] = info
-            ctl.note_started(slot, inc, info)
-            ctl.decide(EngineReady(slot, inc))
-        elif info is not None and info.get("incarnation") == inc and info.get("state") in ("new", "starting"):
-            starting[slot] = found[slot]  # a restart the predecessor began: wait for its engine, then it is ready
+    alive, starting = _sort_found(ctl, intent, found, described, failed)
     if intent.stopped:
         ctl.halt(intent.stopped)
     stamped = await _finish_commit(ctl, intent, alive, failed)
@@ -143,6 +133,23 @@ async def adopt(ctl: Any) -> dict:
     ctl.log.emit("adopted", **ctl.recovered)
     ctl.start_loops()
     return ctl.recovered
+
+
+def _sort_found(ctl: Any, intent, found: dict[int, Any], described: dict, failed: dict[int, str]):
+    """(alive: slot -> what it said of itself, starting: slot -> handle) among the slots' recorded incarnations;
+    an alive one is ready in the ledger from here on."""
+    alive: dict[int, dict] = {}
+    starting: dict[int, Any] = {}
+    for slot, (inc, _) in sorted(intent.slots.items()):
+        out = described.get(slot)
+        info = out.value if out is not None and out.ok and slot not in failed else None
+        if info is not None and info.get("incarnation") == inc and info.get("state") == "ready":
+            alive[slot] = info
+            ctl.note_started(slot, inc, info)
+            ctl.decide(EngineReady(slot, inc))
+        elif info is not None and info.get("incarnation") == inc and info.get("state") in ("new", "starting"):
+            starting[slot] = found[slot]  # a restart the predecessor began: wait for its engine, then it is ready
+    return alive, starting
 
 
 async def _round(ctl: Any, phase: str, calls: dict, failed: dict[int, str], expect_ack: bool = False) -> dict:

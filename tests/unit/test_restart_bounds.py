@@ -243,3 +243,21 @@ def test_fleet_that_gave_up_on_its_controller_asks_it_again_on_the_next_call(mod
     fake.calls.clear()
     assert fleet.shard_counters() is not None
     assert [m for m, _ in fake.calls][:1] == ["ping"]  # it pinged first (a restarted controller re-adopts on it)
+
+
+def test_a_refused_refit_id_is_not_stored_with_another_refit_and_a_successor_refuses_it_again(model_dir):
+    async def go():
+        ctl, door = await started(model_dir)
+        await ctl.sync_weights(1, None, refit_id="r1")
+        with pytest.raises(RefitRefused):
+            await ctl.sync_weights(1, None, refit_id="x")  # a user's non-increasing version
+        await ctl.kill_shard(2)  # its restart writes the intent (the slot's new incarnation)
+        await _until(lambda: (2, 2) in door.shards and door.shards[(2, 2)].state == "ready")
+        bury(ctl, door, dict(door.kv))
+        new = successor(ctl, door)
+        with pytest.raises(RefitRefused, match="version 1 is not greater"):
+            await new.sync_weights(1, None, refit_id="x")  # re-sent after the restart: still refused
+        assert (await new.sync_weights(1, None, refit_id="r1"))["recovered"]  # the committed one is recognised
+        await new.shutdown()
+
+    run_virtual(go())
