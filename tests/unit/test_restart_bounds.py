@@ -17,7 +17,7 @@ import pytest
 from fleet.errors import ConfigError, RefitRefused
 from fleet.fleet_config import load_fleet_config
 from tests.unit.fleet_fakes import run_virtual
-from tests.unit.test_recovery import Crash, arm, bury, config, started, successor
+from tests.unit.test_recovery import Crash, arm, bury, started, successor
 
 
 # ------------------------------------------------------------------ config checks at start
