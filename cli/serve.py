@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -63,6 +64,9 @@ def _join_ray(args: argparse.Namespace):
     from fleet.fleet_config import load_fleet_config
     from serve.server import listening_socket
 
+    timeout = args.request_timeout
+    if timeout is not None and not (0 < timeout < math.inf):  # argparse's float takes "nan", "inf", "-3"
+        raise ConfigError("--request-timeout", "must be a finite number of seconds > 0", timeout)
     try:  # the address to listen on, before a fleet starts (or a cluster is joined) only to be let down
         listening_socket(args.host, args.port).close()
     except OSError as exc:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import time
+import uuid
 
 from fleet import ray_io
 from fleet.client import FleetClient
@@ -72,6 +73,18 @@ def check_prompt(prompt: Any, name: str = "prompt") -> None:
         raise TypeError(f"{name} must be a non-empty string or a non-empty list of token ids (ints >= 0), got {prompt!r:.80}")
 
 
+def check_node_id(node: Any) -> None:
+    """``Fleet.start``'s ``controller_node``: None, or a Ray node id (hex digits, as ``ray.nodes()`` lists
+    them); refused naming the argument before anything starts."""
+    if node is None:
+        return
+    if not isinstance(node, str) or not node or any(c not in "0123456789abcdefABCDEF" for c in node):
+        from fleet.errors import ConfigError
+
+        raise ConfigError("controller_node", "must be None or a Ray node id (hex digits, as ray.nodes() lists "
+                          "them under NodeID)", node)
+
+
 def check_n(n: Any) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n (samples per prompt) must be an integer >= 1, got {n!r}")
@@ -85,6 +98,7 @@ class Fleet:
         self._shut_down: str | None = None
         self.client: FleetClient | None = None
         self.controller_restarts_seen = 0
+        self._silent_since: float | None = None  # when a call last gave up waiting for the controller
 
     def _open_client(self) -> FleetClient:
         """The data plane: a client in this process that follows the controller's routing state."""
@@ -94,11 +108,16 @@ class Fleet:
 
     def _ask(self, method: str, *args, timeout: float) -> Any:
         """Call the controller. If its process died (Ray restarts it), wait for the restarted one within
-        ``controller_restart_wait_s`` and send the call again once when that is safe; a controller that
-        stays gone raises ``FleetStopped``."""
+        ``controller_restart_wait_s`` and send the call again once when that is safe (a refit is re-sent
+        under its refit id, so the controller recognises it). One that does not answer within the wait
+        raises ``FleetStopped``, but not for good: the next call pings it first and goes on if it answers."""
         self._check_open(method)
+        if self._silent_since is not None and not self._wait_for_controller():
+            raise self._not_answering(method)
         out = ray_io.try_ask(self._ctl, method, *args, timeout=timeout)
-        if out.kind in (DIED, UNAVAILABLE) and method in _RESENDABLE and self._wait_for_controller():
+        if out.kind in (DIED, UNAVAILABLE) and method in _RESENDABLE:
+            if not self._wait_for_controller():
+                raise self._not_answering(method)
             out = ray_io.try_ask(self._ctl, method, *args, timeout=timeout)
         return self._value(out, method, timeout)
 
@@ -110,9 +129,18 @@ class Fleet:
             out = ray_io.try_ask(self._ctl, "ping", timeout=max(1.0, deadline - time.monotonic()))
             if out.ok:
                 self.controller_restarts_seen = max(self.controller_restarts_seen, int(out.value.get("generation", 0)))
+                self._silent_since = None
                 return True
             time.sleep(0.2)
+        if self._silent_since is None:
+            self._silent_since = time.monotonic()
         return False
+
+    def _not_answering(self, method: str) -> FleetStopped:
+        state = ray_io.actor_state(self._ctl)
+        then = "it is gone for good" if state == "DEAD" else "the next call asks it again"
+        return FleetStopped(f"fleet.{method}: the fleet's controller did not answer within controller_restart_wait_s "
+                            f"({self.config.controller_restart_wait_s:g} s); Ray reports it {state}: {then}")
 
     def _value(self, out, method: str, timeout: float) -> Any:
         if out.ok:
@@ -135,10 +163,16 @@ class Fleet:
         The controller runs on ``controller_node`` (a Ray node id: pinned there, restarted there), else
         preferably on the node this driver is attached to (Ray may place it elsewhere)."""
         cfg = load_fleet_config(config)
+        check_node_id(controller_node)
         if cfg.name is None:
             cfg = cfg.model_copy(update={"name": new_fleet_name()})
         ray_io.init_local(num_cpus=num_cpus, log_to_driver=False)
         ray_io.check_capacity(cfg.total_engines, cfg.engine.num_cpus, cfg.engine.num_gpus)  # spares included
+        if controller_node is not None and controller_node not in (alive := ray_io.alive_nodes()):
+            from fleet.errors import ConfigError
+
+            raise ConfigError("controller_node", f"no live node of this Ray cluster has that id; live nodes: "
+                              f"{sorted(alive)}", controller_node)
         if ray_io.find_actor(controller_name(cfg.name)) is not None:
             from fleet.errors import ConfigError
 
@@ -255,9 +289,14 @@ class Fleet:
         ``RefitSourceFailed`` before the gate closes; a sender that fails before the update reached any
         engine's weights is ``RefitSourceFailed`` after a roll back (``RefitNotDelivered`` when the engines
         got nothing for another reason): nothing changed, the fleet serves the committed version; send again.
+        A call re-sent after a lost answer or a controller restart returns the summary of the refit it
+        re-sends (``resent`` or ``recovered`` set), with ``gate_open`` and ``gate_reason`` as they are now:
+        below quorum the gate stays closed until the next ``sync_weights`` brings the engines back.
         """
         phases = 5 if self.config.stage_ahead else 4  # each bounded by lifecycle_deadline_s; staging is one more
-        summary = self._ask("sync_weights", version, source, timeout=self.config.lifecycle_deadline_s * phases + 60)
+        refit_id = uuid.uuid4().hex  # a re-send of this call (lost answer, controller restart) carries it too
+        summary = self._ask("sync_weights", version, source, refit_id,
+                            timeout=self.config.lifecycle_deadline_s * phases + 60)
         if self.client is not None:  # from here on this process routes on the refit's state (or a later one)
             self.client.wait_routing(summary.get("routing_epoch", 0) - 1, 30)
         return summary

@@ -15,8 +15,9 @@ publishes higher epochs). While it cannot be reached the client rides through: i
 keeps routing on the last state it holds, straight to that state's shards, and
 polls again with a short backoff. Only a controller that has not answered for
 ``controller_restart_wait_s`` is taken as gone: the client then adopts a ``stopped``
-state, which returns every held request. ``controller_outage()`` counts outages and
-the requests that completed during them.
+state, which returns every held request, and keeps asking at a slow rate
+(``RETRY_GAVE_UP_S``): a controller that answers after all is followed again.
+``controller_outage()`` counts outages and the requests that completed during them.
 
 The client runs its own event loop on a daemon thread, so synchronous callers
 (a trainer, ``Fleet``) and asynchronous ones (``await client.generate_async``)
@@ -42,6 +43,7 @@ WATCH_S = 10.0  # one long poll waits at most this long for a change
 # While the controller cannot be reached: poll again after this long, doubling up to the cap.
 RETRY_FIRST_S, RETRY_MAX_S = 0.2, 2.0
 RESTART_WAIT_S = 60.0  # the default ``controller_restart_wait_s``: how long an outage may last
+RETRY_GAVE_UP_S = 5.0  # after giving up on the controller: ask again this often (it may answer yet)
 
 
 # What clients append to the fleet's event log file (the controller's log holds the rest).
@@ -161,6 +163,7 @@ class FleetClient(_Client):
         self._closed = False
         # The controller's outages as this client saw them (written on the client's loop only).
         self.outage: dict[str, Any] = {"unreachable_since": None, "outages": 0, "down_s_total": 0.0}
+        self._gave_up_from: int | None = None  # the epoch it followed when it gave up on the controller
         self.completed_while_down = 0  # requests that completed while the controller could not be reached
         self._reports: set[asyncio.Future] = set()  # failure reports in flight (referenced until done)
         self._loop = _new_loop()
@@ -181,13 +184,16 @@ class FleetClient(_Client):
         return self._state
 
     async def _follow(self) -> None:
-        """Fetch the routing state, then long-poll for each change until closed or the controller is gone.
+        """Fetch the routing state, then long-poll for each change until closed.
 
         A failed poll (the controller restarting, or gone) starts an outage: the client keeps routing on
         the state it holds and polls again (0.2 s, doubling up to 2 s), asking for the state as it is
         rather than waiting for a change. A controller that answers again ends the outage (a restarted
         one publishes higher epochs, adopted as usual). One that has not answered for
-        ``controller_restart_wait_s`` is gone: the client adopts a ``stopped`` state and stops following.
+        ``controller_restart_wait_s`` is given up on: the client adopts a ``stopped`` state, which returns
+        every held request, but keeps asking every ``RETRY_GAVE_UP_S``: a controller that answers later
+        (it was slow, or its restart took longer) is followed again from its own state. Only one Ray
+        reports dead for good (shut down, restarts spent) ends the following.
         """
         wait_s = float(getattr(self.config, "controller_restart_wait_s", RESTART_WAIT_S))
         retry = RETRY_FIRST_S
@@ -196,7 +202,7 @@ class FleetClient(_Client):
             if since is None:
                 out = await self.door.call(self._ctl, "watch_routing", self._state.epoch, WATCH_S, timeout=WATCH_S + 30)
             else:  # no long poll while it is down: the current state, within the time left to wait for it
-                left = since + wait_s - time.monotonic()
+                left = since + wait_s - time.monotonic() if self._gave_up_from is None else RETRY_GAVE_UP_S
                 out = await self.door.call(self._ctl, "watch_routing", self._state.epoch, 0.0,
                                            timeout=max(1.0, min(WATCH_S + 30, left)))
             if out.ok:
@@ -213,13 +219,27 @@ class FleetClient(_Client):
                 since = self.outage["unreachable_since"] = now
                 self.outage["outages"] += 1
                 self.log.emit("controller_unreachable", outcome=out.kind, detail=out.describe()[:300])
-            if now - since >= wait_s or self._gone_for_good():
-                self.outage["down_s_total"] += now - since
-                self.log.emit("controller_gone", outcome=out.kind, detail=out.describe()[:300], down_s=round(now - since, 3))
-                await self._stop(out)
+            if self._gone_for_good():
+                await self._give_up(out, since, now, final=True)
                 return
+            if self._gave_up_from is None and now - since >= wait_s:
+                await self._give_up(out, since, now, final=False)
+            if self._gave_up_from is not None:
+                await asyncio.sleep(RETRY_GAVE_UP_S)
+                continue
             await asyncio.sleep(min(retry, since + wait_s - now))  # the last try lands on the deadline
             retry = min(retry * 2, RETRY_MAX_S)
+
+    async def _give_up(self, out: Outcome, since: float, now: float, final: bool) -> None:
+        """The controller did not answer within ``controller_restart_wait_s`` (or Ray says it is dead for
+        good): adopt a ``stopped`` state (every held request is returned). The outage's time so far counts."""
+        if self._gave_up_from is None:
+            self.outage["down_s_total"] += now - self.outage.get("counted_until", since)
+            self.outage["counted_until"] = now
+            self.log.emit("controller_gone", outcome=out.kind, detail=out.describe()[:300], down_s=round(now - since, 3),
+                          final=final)
+            self._gave_up_from = self._state.epoch
+            await self._stop(out)
 
     def _gone_for_good(self) -> bool:
         """Ray says the controller is dead and will not restart (shut down, killed on purpose, restarts
@@ -228,10 +248,11 @@ class FleetClient(_Client):
         return state is not None and state(self._ctl) == "DEAD"
 
     def _controller_back(self, since: float) -> None:
-        down = time.monotonic() - since
+        now = time.monotonic()
+        down = now - since
+        self.outage["down_s_total"] += now - self.outage.pop("counted_until", since)
         self.outage["unreachable_since"] = None
-        self.outage["down_s_total"] += down
-        self.log.emit("controller_back", down_s=round(down, 6))
+        self.log.emit("controller_back", down_s=round(down, 6), after_giving_up=self._gave_up_from is not None)
 
     async def _stop(self, out: Outcome) -> None:
         """Adopt the client's own ``stopped`` state: every held request is returned, none is lost."""
@@ -250,7 +271,11 @@ class FleetClient(_Client):
             self.completed_while_down += sum(1 for r in results if r.ok)
 
     async def _adopt(self, state: RoutingState) -> None:
-        if state.epoch < self._state.epoch:
+        if self._gave_up_from is not None and state.stopped is None:
+            if state.epoch < self._gave_up_from:
+                return
+            self._gave_up_from = None  # the controller answered after the client gave up: follow it again
+        elif state.epoch < self._state.epoch:
             return
         self._state = state
         async with self._changed:

@@ -26,12 +26,13 @@ from fleet.errors import RefitArgumentError, RefitRefused, RefitSourceFailed
 from fleet.eventlog import EventLog
 from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.gate import DispatchGate
-from fleet.intent import Intent, IntentStore
+from fleet.intent import COMMITTED, Intent, IntentStore
 from fleet.metrics import FleetMetrics
 from fleet.naming import new_fleet_name, shard_name
 from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed
 from fleet.nodes import NodeMap
 from fleet.publisher import RoutingPublisher
+from fleet.resend import RefitResends
 from fleet.routing import RoutingState
 from fleet.spares import apply_roles, initial_roles, role_rows
 from health import (
@@ -95,10 +96,11 @@ class SingleController:
         self.native_pause: dict[int, bool] = {}
         self.nodes = NodeMap()  # which Ray node each shard runs on (``fleet.nodes``)
         self.refits: list[dict] = []
+        self.resends = RefitResends()  # recent refits by the caller's id: a re-sent refit gets its own end
         from fleet.lifecycle import RefitLifecycle
 
         self.lifecycle = RefitLifecycle(self)
-        self.intent = IntentStore(door, self.name)
+        self.intent = IntentStore(door, self.name, report=self._intent_failed)
         self.generation = 0  # times this fleet's controller was restarted
         # Ray restarted this actor after its process died: the first call re-adopts the live shards.
         self._must_adopt = bool(getattr(door, "restarted", lambda: False)())
@@ -184,7 +186,10 @@ class SingleController:
         await self.publisher.publish()  # clients learn the fleet stopped and return what they hold
         kinds = {s: outs[s].kind if s in outs else "killed_while_starting" for s in slots}
         self.log.emit("phase", phase="shutdown", edge="end", shards=kinds)
-        self.intent.clear()
+        try:
+            self.intent.clear()
+        except Exception as exc:  # noqa: BLE001 - every shard is down: a stale intent only makes a successor finish the shutdown
+            self._intent_failed(exc, None)
         self.log.close()
         return {"shards": kinds}
 
@@ -193,9 +198,15 @@ class SingleController:
         if self.stopped is None:
             self.stopped = reason
             self.log.emit("stopped", reason=reason)
-            if self.intent.current is not None:
+            if self.intent.current is not None:  # a store that fails now is reported: it must not hide the stop
                 self.intent.update(stopped=reason)
         self.gate.close(reason)
+
+    def _intent_failed(self, exc: Exception, intent: Intent | None) -> None:
+        """The intent store failed a write made while the fleet stops: recorded, and the stop goes on."""
+        self.log.emit("error", where="intent store", error=f"{type(exc).__name__}: {exc}"[:500],
+                      stopped=None if intent is None else intent.stopped, shutdown=intent is not None and intent.shutdown,
+                      reason="written while the fleet stops: the stop goes on; a successor may not see it")
 
     # ------------------------------------------------------------------ health
     def decide(self, event) -> Decision:
@@ -497,8 +508,14 @@ class SingleController:
         self.observe(slot, incarnation, CallKind.GENERATE, Outcome(DIED if kind == DIED else kind, error=error))
         return True
 
-    async def sync_weights(self, version: int, source: Any = None) -> dict:
+    async def sync_weights(self, version: int, source: Any = None, refit_id: str | None = None) -> dict:
         """Run the refit lifecycle for ``version`` (see ``fleet.lifecycle``).
+
+        ``refit_id``: the caller's id of this refit (``Fleet`` sends one and re-sends the call under it
+        after a lost answer or a controller restart). A re-sent refit is recognised by it: one still
+        running is awaited, one that committed (here, or under the controller this one replaced) returns
+        its summary, marked ``resent`` or ``recovered``, with ``gate_open`` and ``gate_reason`` as they are
+        now. Without an id, a refit the dead predecessor committed is recognised by its version alone.
 
         Raises ``TypeError``/``RefitRefused`` (nothing changed) for a bad ``version`` or
         ``source``; ``RefitSourceFailed`` for a dead source (nothing changed) or one that failed before
@@ -506,13 +523,45 @@ class SingleController:
         back): send again; ``RefitFailed`` or ``FleetExhausted`` when the fleet had to stop.
         """
         await self.adopt_if_restarted()
-        again = self.recovered.get("finished_refit") if self.recovered else None
-        if again is not None and version == again and version == self.ledger.current_version:
-            # the refit this call re-sends committed before the controller died; re-adoption finished it
-            return self.recovery_summary(version)
+        again = self._resent_refit(version, refit_id)
+        if again is not None:
+            return {**again, **self._gate_now()} if isinstance(again, dict) else await asyncio.shield(again)
+        if refit_id is None:
+            return await self._run_refit(version, source)
+        before = self.intent.current
+        self.intent.stage(refit_id=refit_id)  # stored with the refit's first write
+        try:
+            return await self.resends.run(version, refit_id, self._run_refit(version, source))
+        except Exception:
+            now = self.intent.current
+            if before is not None and now is not None and now.refit is before.refit:  # it wrote no record of its own
+                self.intent.stage(refit_id=before.refit_id)  # its id must not ride on another refit's record
+            raise
+
+    async def _run_refit(self, version: int, source: Any) -> dict:
         summary = await self.lifecycle.run(version, source)
         self.refits.append(summary)
         return summary
+
+    def _resent_refit(self, version: int, refit_id: str | None):
+        """The answer to a re-sent refit: its summary (dict), the running refit's future, or None (not a re-send)."""
+        if refit_id is not None:
+            again = self.resends.answer(version, refit_id)
+            if again is not None:
+                return again
+            intent = self.intent.current
+            if intent is not None and intent.refit_id == refit_id and intent.refit is not None \
+                    and intent.refit.phase == COMMITTED and intent.refit.version == version == self.ledger.current_version:
+                return self.recovery_summary(version)  # the refit this call re-sends committed under the predecessor
+            return None
+        again = self.recovered.get("finished_refit") if self.recovered else None
+        if again is not None and version == again and version == self.ledger.current_version:
+            return self.recovery_summary(version)  # re-adoption finished the refit this call re-sends
+        return None
+
+    def _gate_now(self) -> dict:
+        """Whether the gate is open now, and why not (a re-sent refit's summary says so)."""
+        return {"gate_open": self.gate.is_open, "gate_reason": None if self.gate.is_open else self.gate.reason}
 
     async def resize(self, n: int, drain_timeout_s: float | None = None) -> dict:
         """Grow or shrink the fleet to ``n`` serving engines (``fleet.resize``); waits for a refit running now.
@@ -658,9 +707,12 @@ class SingleController:
                 self._must_adopt = False
 
     def recovery_summary(self, version: int) -> dict:
+        """The summary of a refit the predecessor committed and re-adoption finished: ``recovered`` says only
+        that; ``gate_open``/``gate_reason`` say whether the fleet serves it (below quorum it does not: the
+        next ``sync_weights`` brings the stale and restarted engines back)."""
         return {"version": version, "recovered": True, "complete": sorted(self.ledger.serving_slots()),
                 "serving": self.serving_slots(), "routing_epoch": self.publisher.current.epoch,
-                "epoch": self.plan.epoch, "generation": self.generation}
+                "epoch": self.plan.epoch, "generation": self.generation, **self._gate_now()}
 
     def arm_crash(self, point: str, delay_s: float = 0.0) -> bool:
         """Fault injection: kill this controller's process (SIGKILL) ``delay_s`` after it reaches ``point``:

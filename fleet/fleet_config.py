@@ -17,6 +17,11 @@ from fleet.errors import ConfigError
 
 KV_POLICIES = ("recompute", "keep", "salt")
 REFIT_TIMEOUT_FALLBACK_S = 360.0
+# Re-adoption (``fleet.recovery``) is this many rounds of calls to the shards, each bounded by
+# ``probe_timeout_s``: describe, leave routing, stamp a committed refit, abort held requests, resume, stats.
+ADOPTION_ROUNDS = 6
+# What Ray takes to start the controller's new process (and import rlfleet) before re-adoption begins.
+CONTROLLER_RESTART_ALLOWANCE_S = 10.0
 
 
 class FleetConfig(BaseModel):
@@ -29,7 +34,9 @@ class FleetConfig(BaseModel):
     # intent is stored under it, and ``Fleet.connect(name)`` attaches to it. None: a unique name at start.
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
     # A controller whose process dies is restarted by Ray up to this many times; the restarted one
-    # re-adopts the live shards. Clients and ``Fleet`` wait this long for it before giving up.
+    # re-adopts the live shards within ``adoption_bound_s``. Clients and ``Fleet`` wait this long for it
+    # (at least the adoption bound plus the process restart: checked at start), then give up on it until
+    # it answers again.
     controller_max_restarts: int = Field(3, ge=0)
     controller_restart_wait_s: float = Field(60.0, gt=0)
     num_engines: int = Field(2, ge=1)
@@ -94,6 +101,13 @@ class FleetConfig(BaseModel):
         return self.monitor_interval_s + n * self.probe_timeout_s + (n - 1) * self.probe_interval_s
 
     @property
+    def adoption_bound_s(self) -> float:
+        """Longest re-adoption by a restarted controller: ``ADOPTION_ROUNDS`` rounds of calls to the shards,
+        each bounded by ``probe_timeout_s``. A shard whose call fails or times out in any round is evicted
+        (killed, counted dead, restarted within its budget), never waited on again."""
+        return ADOPTION_ROUNDS * self.probe_timeout_s
+
+    @property
     def total_engines(self) -> int:
         """Engines the fleet runs: ``num_engines`` serving plus ``spare_engines`` spares."""
         return self.num_engines + self.spare_engines
@@ -130,6 +144,36 @@ def _check_consistency(cfg: FleetConfig) -> None:
         )
     if cfg.transport_backend == "nccl" and cfg.engine.num_gpus <= 0:
         raise ConfigError("transport_backend", "nccl needs GPU engines (engine.num_gpus > 0); use gloo on CPU", "nccl")
+    _check_waits(cfg)
+
+
+def _check_waits(cfg: FleetConfig) -> None:
+    """The waits of the fleet's parts fit one another (issue 29):
+
+    - clients and ``Fleet`` wait ``controller_restart_wait_s`` for a restarted controller; it must cover
+      the process restart (``CONTROLLER_RESTART_ALLOWANCE_S``) plus the adoption bound
+      (``ADOPTION_ROUNDS`` x ``probe_timeout_s``), or a live fleet is given up on while it re-adopts;
+    - a request is held while the gate is closed for a refit: ``request_timeout_s`` (the client's bound on
+      a request) and ``engine.generate_timeout_s`` (the engine shard's own bound on a generate, paused
+      engines included) must each be at least the refit budget ``lifecycle_deadline_s``
+      (``refit_timeout_s`` or the 360 s fallback, plus ``lifecycle_grace_s``), or requests held across one
+      refit are cut although the refit is within its deadline.
+    """
+    need = cfg.adoption_bound_s + CONTROLLER_RESTART_ALLOWANCE_S
+    if cfg.controller_restart_wait_s < need:
+        raise ConfigError(
+            "controller_restart_wait_s",
+            f"must be >= {need:g} s: the restart allowance ({CONTROLLER_RESTART_ALLOWANCE_S:g} s) plus the adoption "
+            f"bound, {ADOPTION_ROUNDS} rounds x probe_timeout_s ({cfg.probe_timeout_s:g} s); raise "
+            f"controller_restart_wait_s or lower probe_timeout_s", cfg.controller_restart_wait_s)
+    budget = cfg.lifecycle_deadline_s
+    why = (f"must be >= the refit budget, refit_timeout_s ({cfg.refit_timeout_s if cfg.refit_timeout_s is not None else f'unset: {REFIT_TIMEOUT_FALLBACK_S:g} s fallback'}) "
+           f"+ lifecycle_grace_s ({cfg.lifecycle_grace_s:g} s) = {budget:g} s: a request held across a refit's pause "
+           f"would be cut while the refit is within its deadline; raise it or lower refit_timeout_s")
+    if cfg.request_timeout_s < budget:
+        raise ConfigError("request_timeout_s", why, cfg.request_timeout_s)
+    if cfg.engine.generate_timeout_s < budget:
+        raise ConfigError("engine.generate_timeout_s", why, cfg.engine.generate_timeout_s)
 
 
 def load_fleet_config(data: dict[str, Any] | FleetConfig) -> FleetConfig:

@@ -66,6 +66,7 @@ class Intent:
     stopped: str | None = None  # the fleet stopped (loudly) for this reason: a successor stays stopped
     removed: dict[int, int] = field(default_factory=dict)  # slot -> last incarnation, of slots a resize removed
     serving_roles: tuple[int, ...] | None = None  # slots with the serving role (``health.roles``); None: the first ones
+    refit_id: str | None = None  # the caller's id of the last refit (``Fleet`` re-sends a refit under the same id)
 
     def to_json(self) -> str:
         """The JSON document (keys sorted), built by hand, not with ``dataclasses.asdict``: that
@@ -81,6 +82,7 @@ class Intent:
             "membership_epoch": json.dumps(self.membership_epoch),
             "refit": "null" if r is None else json.dumps(
                 {"complete": [[s, inc] for s, inc in r.complete], "phase": r.phase, "version": r.version}),
+            "refit_id": json.dumps(self.refit_id),
             "removed": json.dumps({str(s): inc for s, inc in self.removed.items()}, sort_keys=True),
             "serving_roles": "null" if self.serving_roles is None else json.dumps(list(self.serving_roles)),
             "shutdown": json.dumps(self.shutdown),
@@ -108,6 +110,7 @@ class Intent:
             stopped=doc.get("stopped"),
             removed={int(s): int(inc) for s, inc in doc.get("removed", {}).items()},
             serving_roles=None if doc.get("serving_roles") is None else tuple(int(s) for s in doc["serving_roles"]),
+            refit_id=doc.get("refit_id"),
         )
 
     def replace(self, **changes: Any) -> "Intent":
@@ -118,9 +121,11 @@ class IntentStore:
     """Read and write one fleet's intent through ``door`` (``kv_get(key) -> bytes | None``,
     ``kv_put(key, bytes)``, ``kv_del(key)``). ``save`` returns only once the store has it."""
 
-    def __init__(self, door: Any, fleet: str) -> None:
+    def __init__(self, door: Any, fleet: str, report: Any = None) -> None:
         self.door = door
         self.key = intent_key(fleet)
+        # ``report(error, intent)``: where a failed write of a stopping fleet's intent goes (see ``save``)
+        self.report = report
         self.current: Intent | None = None
         self.writes = 0
 
@@ -130,10 +135,19 @@ class IntentStore:
         return self.current
 
     def save(self, intent: Intent) -> Intent:
+        """Store ``intent``; returns only once the store has it, or raises its error, except for the intent of
+        a fleet that stops (``stopped`` or ``shutdown`` set): nothing acts on that intent but the stop itself,
+        and a store that fails must not replace the error being raised or the stop being carried out. That
+        failure goes to ``report`` (the event log); the intent in memory holds the change all the same."""
         if intent != self.current:
-            self.door.kv_put(self.key, intent.to_json().encode())
+            try:
+                self.door.kv_put(self.key, intent.to_json().encode())
+                self.writes += 1
+            except Exception as exc:
+                if self.report is None or not (intent.stopped or intent.shutdown):
+                    raise
+                self.report(exc, intent)
             self.current = intent
-            self.writes += 1
         return intent
 
     def update(self, **changes: Any) -> Intent | None:
@@ -142,6 +156,12 @@ class IntentStore:
         if self.current is None:
             return None
         return self.save(self.current.replace(**changes))
+
+    def stage(self, **changes: Any) -> None:
+        """Change the current intent in memory only: the next write stores it (a refit's id rides on the
+        refit's own first write, costing no extra round trip to the store)."""
+        if self.current is not None:
+            self.current = self.current.replace(**changes)
 
     def clear(self) -> None:
         self.door.kv_del(self.key)

@@ -202,6 +202,11 @@ def on_node(node_id: str | None, soft: bool = True) -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)} if node_id else {}
 
 
+def alive_nodes() -> set[str]:
+    """Ids of the cluster's nodes that are alive."""
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive", False)}
+
+
 def dead_nodes() -> set[str]:
     """Ids of the nodes the cluster has declared dead (GCS health checks failed)."""
     return {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}

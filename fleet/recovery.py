@@ -26,6 +26,11 @@ shards running as named, detached actors (``fleet.naming``). The new one:
 7. commits the version in the ledger and reopens the gate only with quorum (mixed or
    too few: it stays closed until the next ``sync_weights``), then publishes.
 
+Every call to a shard in steps 4 to 7 is bounded by ``probe_timeout_s``, one round at a time
+(``FleetConfig.adoption_bound_s`` bounds the whole; the config refuses one that clients would not
+wait for): a shard that fails or hangs in a round is evicted at the end (killed, counted dead, its
+slot restarted within its budget), never waited on. Clients wait ``controller_restart_wait_s``.
+
 Every step is one record in the event log (``controller_restarted``, ``adopt_fence``,
 ``adopt``, ``adopted``).
 """
@@ -81,51 +86,37 @@ async def adopt(ctl: Any) -> dict:
     ctl.plan = MembershipPlan(intent.membership_epoch, ())  # the next refit forms a new epoch (fresh group)
     ctl.handles = {slot: (intent.slots[slot][0], h) for slot, h in found.items()}
     ctl.handles_revision += 1
-    described = await ctl.door.fan_out({s: (h, "describe", (), {}) for s, h in found.items()},
-                                       timeout=ctl.cfg.probe_timeout_s)
+    failed: dict[int, str] = {}  # slot -> the adoption call it failed: evicted below, never waited on again
+    described = await _round(ctl, "describe", {s: (h, "describe", (), {}) for s, h in found.items()}, failed)
     # out of routing until the state below is published: nothing routed under the old controller runs
-    await ctl.door.fan_out({s: (h, "set_route", (ctl.publisher.current.epoch, False, intent.committed), {})
-                            for s, h in found.items()}, timeout=ctl.cfg.probe_timeout_s)
-    alive: dict[int, dict] = {}
-    starting: dict[int, Any] = {}
-    for slot, (inc, _) in sorted(intent.slots.items()):
-        out = described.get(slot)
-        info = out.value if out is not None and out.ok else None
-        if info is not None and info.get("incarnation") == inc and info.get("state") == "ready":
-            alive[slot] = info
-            ctl.note_started(slot, inc, info)
-            ctl.decide(EngineReady(slot, inc))
-        elif info is not None and info.get("incarnation") == inc and info.get("state") in ("new", "starting"):
-            starting[slot] = found[slot]  # a restart the predecessor began: wait for its engine, then it is ready
+    await _round(ctl, "set_route", {s: (h, "set_route", (ctl.publisher.current.epoch, False, intent.committed), {})
+                                    for s, h in found.items()}, failed)
+    alive, starting = _sort_found(ctl, intent, found, described, failed)
     if intent.stopped:
         ctl.halt(intent.stopped)
-    stamped = await _finish_commit(ctl, intent, alive)
+    stamped = await _finish_commit(ctl, intent, alive, failed)
     serving = {s for s, info in alive.items()
-               if s in stamped or (info.get("weight_version") == intent.committed and not info.get("dirty"))}
+               if (s in stamped or (info.get("weight_version") == intent.committed and not info.get("dirty")))}
     paused = {s for s, info in alive.items() if info.get("paused")}
     held = {s for s in paused if s not in serving and alive[s].get("in_flight")}
-    aborts = await ctl.door.fan_out({s: (found[s], "abort_in_flight", (), {}) for s in held},
-                                    timeout=ctl.cfg.probe_timeout_s)
-    resumed = await ctl.door.fan_out({s: (found[s], "resume", (), {}) for s in paused},
-                                     timeout=ctl.cfg.lifecycle_deadline_s, expect_ack=True)
+    aborts = await _round(ctl, "abort_in_flight", {s: (found[s], "abort_in_flight", (), {}) for s in held}, failed)
+    resumed = await _round(ctl, "resume", {s: (found[s], "resume", (), {}) for s in paused}, failed, expect_ack=True)
+    serving -= set(failed)
     for slot in sorted(alive):
         info = alive[slot]
         ctl.log.emit("adopt", slot=slot, incarnation=info["incarnation"], weight_version=info.get("weight_version"),
                      dirty=bool(info.get("dirty")), paused=bool(info.get("paused")), serves=slot in serving,
                      stamped=slot in stamped, aborted=aborts[slot].value if slot in aborts and aborts[slot].ok else 0,
-                     resumed=resumed[slot].ok if slot in resumed else None)
+                     resumed=resumed[slot].ok if slot in resumed else None, failed=failed.get(slot))
     _commit(ctl, intent.committed, serving)
     for slot, handle in starting.items():
         ctl.log.emit("adopt", slot=slot, incarnation=intent.slots[slot][0], starting=True)
         ctl._background(_await_start(ctl, slot, intent.slots[slot][0], handle, restart=intent.slots[slot][1] > 0))
+    alive = {s: info for s, info in alive.items() if s not in failed}
     for slot, (inc, _) in sorted(intent.slots.items()):
-        if slot not in alive and slot not in starting:  # gone, or not the recorded incarnation: dead (restarted within the budget)
-            why = described[slot].describe() if slot in described else "no actor of that name"
-            ctl.observe(slot, inc, CallKind.START, Outcome(DIED, error=RuntimeError(
-                f"not found alive when the restarted controller re-adopted the fleet: {why[:200]}")))
-    for slot, out in resumed.items():
-        if not out.ok:
-            ctl.observe(slot, intent.slots[slot][0], CallKind.RESUME, out)
+        if slot not in alive and slot not in starting:  # gone, hung, or not the recorded incarnation: dead
+            why = failed.get(slot) or (described[slot].describe() if slot in described else "no actor of that name")
+            _evict(ctl, slot, inc, why, hung=slot in failed)
     await ctl.poll_admission()  # caps sized from the engines before clients route on the new state
     await ctl.publisher.publish()
     finished = intent.refit.version if intent.refit is not None and intent.refit.phase == COMMITTED else None
@@ -135,12 +126,51 @@ async def adopt(ctl: Any) -> dict:
         "finished_refit": finished, "alive": sorted(alive), "serving": sorted(serving),
         "stale": sorted(set(alive) - serving), "starting": sorted(starting), "roles": ctl.roles.to_list(),
         "missing": sorted(set(intent.slots) - set(alive) - set(starting)),
-        "fenced": fenced, "stamped": sorted(stamped), "gate_open": ctl.gate.is_open,
-        "seconds": round(ctl.clock.now() - t0, 3),
+        "fenced": fenced, "stamped": sorted(stamped), "evicted": dict(sorted(failed.items())),
+        "gate_open": ctl.gate.is_open, "gate_reason": None if ctl.gate.is_open else ctl.gate.reason,
+        "seconds": round(ctl.clock.now() - t0, 3), "bound_s": ctl.cfg.adoption_bound_s,
     }
     ctl.log.emit("adopted", **ctl.recovered)
     ctl.start_loops()
     return ctl.recovered
+
+
+def _sort_found(ctl: Any, intent, found: dict[int, Any], described: dict, failed: dict[int, str]):
+    """(alive: slot -> what it said of itself, starting: slot -> handle) among the slots' recorded incarnations;
+    an alive one is ready in the ledger from here on."""
+    alive: dict[int, dict] = {}
+    starting: dict[int, Any] = {}
+    for slot, (inc, _) in sorted(intent.slots.items()):
+        out = described.get(slot)
+        info = out.value if out is not None and out.ok and slot not in failed else None
+        if info is not None and info.get("incarnation") == inc and info.get("state") == "ready":
+            alive[slot] = info
+            ctl.note_started(slot, inc, info)
+            ctl.decide(EngineReady(slot, inc))
+        elif info is not None and info.get("incarnation") == inc and info.get("state") in ("new", "starting"):
+            starting[slot] = found[slot]  # a restart the predecessor began: wait for its engine, then it is ready
+    return alive, starting
+
+
+async def _round(ctl: Any, phase: str, calls: dict, failed: dict[int, str], expect_ack: bool = False) -> dict:
+    """One round of re-adoption calls, each bounded by ``probe_timeout_s`` (``FleetConfig.adoption_bound_s``
+    counts the rounds). A slot whose call fails (hangs, dies, lies) is put in ``failed`` with what it failed,
+    and no later round calls it: it is evicted at the end of re-adoption."""
+    calls = {s: c for s, c in calls.items() if s not in failed}
+    bound = ctl.cfg.probe_timeout_s
+    outs = await ctl.door.fan_out(calls, timeout=bound, expect_ack=expect_ack)
+    for slot, out in outs.items():
+        if not out.ok:
+            failed[slot] = f"{phase} failed within the adoption round's bound ({bound:g} s): {out.describe()[:200]}"
+    return outs
+
+
+def _evict(ctl: Any, slot: int, incarnation: int, why: str, hung: bool) -> None:
+    """The slot's recorded shard is gone, or failed a re-adoption call: it is dead (killed first if it is
+    still there; ``observe`` fences it) and its slot restarts within its budget."""
+    what = "failed a re-adoption call: evicted" if hung else "not found alive when the restarted controller re-adopted the fleet"
+    ctl.observe(slot, incarnation, CallKind.START, Outcome(DIED, error=RuntimeError(
+        f"slot {slot} (incarnation {incarnation}) {what}: {why[:300]}")))
 
 
 async def _await_start(ctl: Any, slot: int, incarnation: int, handle: Any, restart: bool) -> None:
@@ -193,16 +223,17 @@ def _find_shards(ctl: Any, intent) -> tuple[dict[int, Any], list]:
     return found, fenced
 
 
-async def _finish_commit(ctl: Any, intent, alive: dict[int, dict]) -> set[int]:
+async def _finish_commit(ctl: Any, intent, alive: dict[int, dict], failed: dict[int, str]) -> set[int]:
     """A refit that committed before the controller died: stamp the engines it lists (still there,
-    same incarnation). Returns the slots stamped now."""
+    same incarnation). Returns the slots stamped now; one whose stamp fails is in ``failed``."""
     refit = intent.refit
     if refit is None or refit.phase != COMMITTED or refit.version != intent.committed:
         return set()
     todo = {slot: ctl.handles[slot][1] for slot, inc in refit.complete
-            if slot in alive and alive[slot]["incarnation"] == inc and alive[slot].get("weight_version") != refit.version}
-    outs = await ctl.door.fan_out({s: (h, "set_weight_version", (refit.version,), {}) for s, h in todo.items()},
-                                  timeout=ctl.cfg.probe_timeout_s, expect_ack=True)
+            if slot in alive and slot not in failed and alive[slot]["incarnation"] == inc
+            and alive[slot].get("weight_version") != refit.version}
+    outs = await _round(ctl, "stamp", {s: (h, "set_weight_version", (refit.version,), {}) for s, h in todo.items()},
+                        failed, expect_ack=True)
     return {s for s, o in outs.items() if o.ok}
 
 
@@ -220,7 +251,8 @@ def _commit(ctl: Any, version: int, serving: set[int]) -> None:
 async def _finish_shutdown(ctl: Any, found: dict[int, Any], fenced: list, t0: float) -> dict:
     """The controller died inside ``shutdown``: shut down and kill every shard it can find, then stay stopped."""
     ctl.halt("controller shut down (finished by the restarted controller)")
-    outs = await ctl.door.fan_out({s: (h, "shutdown", (), {}) for s, h in found.items()}, timeout=60)
+    # bounded like re-adoption (clients wait for it): a shard that does not finish in time is killed below
+    outs = await ctl.door.fan_out({s: (h, "shutdown", (), {}) for s, h in found.items()}, timeout=ctl.cfg.adoption_bound_s)
     for handle in found.values():
         ctl.door.kill(handle)
     ctl.handles = {}

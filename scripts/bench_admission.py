@@ -132,6 +132,7 @@ def fleet_config(args, model_dir: str, adaptive: bool) -> dict:
         "lifecycle_grace_s": 10,
         "suspect_timeout_s": 60,
         "probe_timeout_s": 20,
+        "controller_restart_wait_s": 150,  # covers re-adoption: 6 rounds x probe_timeout_s + 10 s (FleetConfig)
         "request_timeout_s": 900,
         "metrics": False,
         "kv_policy": args.kv_policy,

@@ -82,11 +82,14 @@ class Scenario:
     def fleet_config(self) -> dict:
         cfg = {
             "name": f"sim-{self.engines}",
-            "engine": {"model": model_card(), "start_timeout_s": 3 * self.timings.engine_start_s},
+            # a request held across a refit fits its budget (FleetConfig refuses timeouts below the 610 s)
+            "engine": {"model": model_card(), "start_timeout_s": 3 * self.timings.engine_start_s,
+                       "generate_timeout_s": 900.0},
             "num_engines": self.engines,
             "spare_engines": self.spare_engines,
             "min_healthy_engines": max(1, math.ceil(self.quorum_share * self.engines)),
             "refit_timeout_s": 600.0,
+            "request_timeout_s": 900.0,
             # a large fleet's liveness and load polls: every 10 s, not every 1 s / 0.5 s as a small one
             "monitor_interval_s": 10.0,
             "admission": {"poll_interval_s": 10.0},

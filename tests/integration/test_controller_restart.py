@@ -291,3 +291,40 @@ def test_controller_killed_between_pause_and_resume(run, point):
     assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
     assert all(r.result.weight_version in (committed, version) for r in results)
     run.assert_invariants()
+
+
+def test_controller_killed_while_a_shard_hangs_in_adoption_clients_ride_through(run):
+    """Issue 29, hole 2: the controller dies with the engines paused, and slot 1 hangs on the resume the
+    restarted controller sends while it re-adopts. The hung shard is evicted within the adoption bound
+    (``adoption_bound_s``), not waited on for a lifecycle deadline; the trainer's ``sync_weights`` rides
+    through (re-sent under its refit id, it lands on slot 0) and the client never gives up. Last in the
+    module: slot 1 restarts in the background and the module's teardown ends it."""
+    fleet = run.fleet
+    committed = fleet.status()["version"]
+    generation = fleet.controller_info()["generation"]
+    counters0 = fleet.client.counters()
+    pending = [fleet.submit(PROMPTS[i], 1, SAMPLING) for i in range(4)]  # held across the pause
+    assert fleet.arm_fault(1, "resume", "hang")  # fires at the next resume: the re-adoption's
+    fleet.arm_controller_crash("transfer")  # dies as the transfer begins: engines paused, nothing moved
+    version = run.next_weights()
+    t0 = time.monotonic()
+    summary = fleet.sync_weights(version, run.source)
+    took = time.monotonic() - t0
+    results = [r for p in pending for r in fleet.collect(p)]
+    assert fleet.controller_info()["generation"] == generation + 1, "the controller did not die at transfer"
+    adopted = [e for e in run.log() if e["kind"] == "adopted" and e.get("generation") == generation + 1]
+    assert adopted, "no re-adoption recorded"
+    evicted = adopted[0]["evicted"]
+    assert list(evicted) in (["1"], [1]) and "resume" in next(iter(evicted.values())), adopted[0]
+    assert adopted[0]["seconds"] <= fleet.config.adoption_bound_s, adopted[0]
+    print(f"sync_weights across the controller's death and a hung adoption: {took:.1f} s; "
+          f"re-adoption {adopted[0]['seconds']:.2f} s (bound {fleet.config.adoption_bound_s:g} s); summary {summary}")
+    assert summary["version"] == version and 0 in summary["complete"]
+    assert fleet.client.routing().stopped is None and fleet.client.routing().version == version
+    assert not [e for e in fleet.client.events() if e["kind"] == "controller_gone"]
+    moved = _delta(fleet.client.counters(), counters0)
+    assert moved["accepted"] == moved["completed"] + moved["returned"] and fleet.client.counters()["in_progress"] == 0
+    assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
+    assert all(r.result.weight_version in (committed, version) for r in results)
+    later = [r for g in fleet.generate([[5, 6, 7]] * 4, 1, {"max_tokens": 8, "ignore_eos": True}) for r in g]
+    assert all(r.ok and r.result.weight_version == version for r in later), later

@@ -41,7 +41,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def served(ray_local, tiny_model):
     fleet = Fleet.start({"engine": {"model": tiny_model}, "num_engines": 2, "min_healthy_engines": 1,
-                         "name": "serve-test", "request_timeout_s": 120})
+                         "name": "serve-test", "request_timeout_s": 120,
+                         "refit_timeout_s": 60})  # requests held across a refit fit its budget
     server = HttpServer(fleet, port=0).start()
     source = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
     try:

@@ -172,7 +172,33 @@ def test_a_controller_gone_longer_than_the_restart_wait_stops_the_client_and_ret
     assert c["accepted"] == 6 == c["completed"] + c["returned"] and c["in_progress"] == 0
     polls = door.polls
     time.sleep(0.3)
-    assert door.polls == polls  # it stopped following
+    assert door.polls <= polls + 1  # after giving up it asks only at the slow rate (5 s), not a spin
+
+
+@pytest.mark.parametrize("epoch_back", [1, 9])
+def test_a_client_that_gave_up_follows_the_controller_again_when_it_answers(door, make_client, monkeypatch,
+                                                                               epoch_back):
+    """Giving up is not for good: it keeps asking at a slow rate and adopts the controller's state when it
+    answers, a restarted one's higher epoch (9) or the same controller's own epoch (1: it was only slow)."""
+    import fleet.client as client_mod
+
+    monkeypatch.setattr(client_mod, "RETRY_GAVE_UP_S", 0.1)
+    door.state = fleet_of(door, 1)
+    client = make_client(config(controller_restart_wait_s=0.5))
+    assert client.wait_routing(-1, 5).epoch == 1
+    door.mode = UNAVAILABLE
+    wait_until(lambda: client.routing().stopped is not None)
+    (gone,) = events(client, "controller_gone")
+    assert not client.submit([1], n=1).result(5)[0].ok  # given up: requests come back at once, none lost
+    door.state = fleet_of(door, epoch_back)
+    door.mode = ANSWER
+    wait_until(lambda: client.routing().stopped is None)
+    assert client.routing().epoch == epoch_back and client.routing().gate_open
+    back = events(client, "controller_back")
+    assert len(back) == 1 and back[0]["t"] >= gone["t"] and back[0]["after_giving_up"]
+    assert all(r.ok for r in client.submit([1, 2], n=3).result(5))
+    door.state = fleet_of(door, epoch_back + 1, slots=(1,))  # and it follows the long poll as before
+    assert client.wait_routing(epoch_back, 5).epoch == epoch_back + 1
 
 
 def test_a_failure_report_the_controller_cannot_take_changes_nothing_and_leaves_no_task_exception(door, make_client):

@@ -355,7 +355,7 @@ def test_the_intent_document_round_trips_every_field():
 
     full = Intent("f", {"engine": {"model": "/m"}, "num_engines": 3}, committed=7, membership_epoch=4,
                   slots={0: (2, 1), 5: (1, 0)}, refit=RefitIntent(7, COMMITTED, ((0, 2), (5, 1))), generation=2,
-                  shutdown=True, stopped="why", removed={3: 2}, serving_roles=(0, 5))
+                  shutdown=True, stopped="why", removed={3: 2}, serving_roles=(0, 5), refit_id="r7")
     for intent in (full, Intent("g", {})):
         assert Intent.from_json(intent.to_json()) == intent
 
@@ -375,11 +375,13 @@ def test_the_intent_document_is_what_json_writes_and_follows_every_update():
             "refit": None if r is None else {"version": r.version, "phase": r.phase, "complete": [list(c) for c in r.complete]},
             "generation": i.generation, "shutdown": i.shutdown, "stopped": i.stopped,
             "removed": {str(s): v for s, v in i.removed.items()},
-            "serving_roles": None if i.serving_roles is None else list(i.serving_roles)}, sort_keys=True)
+            "serving_roles": None if i.serving_roles is None else list(i.serving_roles),
+            "refit_id": i.refit_id}, sort_keys=True)
 
     a = Intent("f", {"z": 1, "engine": {"model": "/m", "b": [1, 2]}}, slots={10: (1, 0), 2: (3, 1)})
     b = a.replace(refit=RefitIntent(4, CLOSING), committed=3)
-    c = b.replace(slots={**b.slots, 2: (4, 2)}, config={"other": True}, serving_roles=(2,), stopped='say "no"')
+    c = b.replace(slots={**b.slots, 2: (4, 2)}, config={"other": True}, serving_roles=(2,), stopped='say "no"',
+                  refit_id="a1")
     for intent in (a, b, c, b, a):  # back to objects encoded before: the cache follows the object, not the order
         assert intent.to_json() == plain(intent)
         assert json.loads(intent.to_json()) == json.loads(plain(intent))
