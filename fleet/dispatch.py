@@ -5,7 +5,10 @@ follows it and calls the shards itself, each call carrying a ``Ticket`` (routing
 epoch, version policy) the shard checks. A shard that refuses (``RouteRefused``:
 paused, not a member, an old epoch, weights that miss the policy) ran nothing: the
 dispatcher waits for a newer routing state and routes again, free of charge. A
-shard that failed the call (died, hung) is reported to the controller, left out of
+shard at its admission cap refuses with ``full`` (other clients fill it too): the
+dispatcher leaves it out for ``FULL_HOLD_S`` (or until one of its own requests there
+ends) and routes elsewhere at once, waiting that long only when every shard is full;
+never an error, never a health report. A shard that failed the call (died, hung) is reported to the controller, left out of
 routing until the state changes, and the request is re-sent elsewhere.
 
 Guarantee: every accepted request ends exactly once, either ``completed`` (with a
@@ -30,6 +33,7 @@ from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog
 from fleet.outcome import TIMED_OUT, Outcome
 from fleet.router import pick_two
+from fleet.shard_gate import FULL
 from fleet.routing import Member, RoutingState, VersionPolicy
 from fleet.types import GenerationResult
 from health import Clock, MonotonicClock
@@ -91,6 +95,9 @@ class _Pending:
 EXCLUDE_S = 5.0
 # After a refusal, wait at most this long for a newer routing state before routing again.
 REFRESH_WAIT_S = 1.0
+# A shard that answered ``full`` is left out of this client's routing this long, doubling with each ``full`` in a
+# row up to FULL_HOLD_MAX_S (a short backoff when all are); then one request of this client probes it again.
+FULL_HOLD_S, FULL_HOLD_MAX_S = 0.02, 0.2
 
 
 class Dispatcher:
@@ -123,6 +130,8 @@ class Dispatcher:
         self._load: dict[int, int] = {}
         self._waiting = 0  # requests waiting for room
         self._excluded: dict[tuple[int, int], tuple[int, float]] = {}  # (slot, inc) -> (epoch, until)
+        self._full: dict[tuple[int, int], float] = {}  # (slot, inc) -> until: it answered ``full``
+        self._full_streak: dict[tuple[int, int], int] = {}  # (slot, inc) -> ``full`` answers in a row
         self._aborts: set[asyncio.Future] = set()  # aborts of cancelled requests in flight (referenced until done)
 
     # -- accounting ----------------------------------------------------------------
@@ -210,7 +219,7 @@ class Dispatcher:
         self._load[m.slot] = self._load.get(m.slot, 0) + 1
         try:
             request = (p.prompt, p.sampling, p.request_id, self._view.cache_salt(state.version),
-                       state.epoch, p.policy.kind, p.policy.k)  # EngineShard.serve: one argument, one ticket
+                       state.epoch, p.policy.kind, p.policy.k, state.cap_map.get(m.slot))  # EngineShard.serve
             outcome = await self._view.door.call(m.handle, "serve", request, timeout=max(1.0, deadline - self._clock.now()))
             p.on = None  # (left set when the call is cancelled: ``_cancelled`` aborts it there)
         finally:
@@ -222,6 +231,15 @@ class Dispatcher:
             if result.aborted:
                 return f"aborted on slot {m.slot} (incarnation {m.incarnation})"
             return self._complete(p, result)
+        if isinstance(outcome.error, RouteRefused) and outcome.error.reason == FULL:
+            p.attempts -= 1  # at its cap (other clients' requests fill it too): route elsewhere, free
+            self.refused[FULL] += 1
+            key = (m.slot, m.incarnation)
+            self._full_streak[key] = self._full_streak.get(key, 0) + 1
+            self._full[key] = self._clock.now() + self._full_hold(key)
+            return None
+        self._full.pop((m.slot, m.incarnation), None)  # one of ours ended there: it has room again
+        self._full_streak.pop((m.slot, m.incarnation), None)
         if isinstance(outcome.error, RouteRefused):
             p.attempts -= 1
             p.refusals += 1
@@ -243,6 +261,9 @@ class Dispatcher:
         self._view.report(m.slot, m.incarnation, outcome, state.epoch)
         return f"slot {m.slot} (incarnation {m.incarnation}) failed: {outcome.describe()}"
 
+    def _full_hold(self, key: tuple[int, int]) -> float:
+        return min(FULL_HOLD_S * 2 ** (self._full_streak.get(key, 1) - 1), FULL_HOLD_MAX_S)
+
     def _exclude(self, m: Member, epoch: int) -> None:
         self._excluded[(m.slot, m.incarnation)] = (epoch, self._clock.now() + EXCLUDE_S)
 
@@ -251,7 +272,11 @@ class Dispatcher:
         for key, (epoch, until) in list(self._excluded.items()):
             if epoch != state.epoch or now >= until:
                 del self._excluded[key]
-        return [m for m in state.members if (m.slot, m.incarnation) not in self._excluded]
+        for key, until in list(self._full.items()):
+            if now >= until:
+                del self._full[key]
+        return [m for m in state.members
+                if (m.slot, m.incarnation) not in self._excluded and (m.slot, m.incarnation) not in self._full]
 
     async def _acquire(self, p: _Pending, deadline: float):
         """Wait for an open gate and a serving shard with room; or the explicit return of ``p``."""
@@ -268,11 +293,16 @@ class Dispatcher:
             members = self._candidates(state)
             m = pick_two(members, self.load(), state.cap_map, self._rng)
             if m is not None:
+                if (m.slot, m.incarnation) in self._full_streak:  # it was full: one probe at a time
+                    self._full[(m.slot, m.incarnation)] = self._clock.now() + self._full_hold((m.slot, m.incarnation))
                 return state, m
+            wait = min(left, 0.5)
+            if self._full:  # every shard with room by our count answered ``full``: a short backoff
+                wait = min(wait, max(0.001, min(self._full.values()) - self._clock.now()))
             self._waiting += 1
             try:
                 async with self._room:
-                    await asyncio.wait_for(self._room.wait(), min(left, 0.5))
+                    await asyncio.wait_for(self._room.wait(), wait)
             except asyncio.TimeoutError:
                 pass
             finally:

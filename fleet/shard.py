@@ -26,7 +26,7 @@ from fleet.config import EngineConfig
 from fleet.fault_hooks import ArmedFault, FaultHooks
 from fleet.errors import BadRequestError, DeadlineExceeded, RouteRefused, ShardShutDownError, ShardUnusableError
 from fleet.routing import Ticket, VersionPolicy
-from fleet.shard_gate import EPOCH, NOT_MEMBER, PAUSED, RecentResults, ShardGate
+from fleet.shard_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, RecentResults, ShardGate
 from fleet.types import FINISH_ABORTED, Completion, EngineStats, GenerationResult
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
@@ -191,7 +191,7 @@ class EngineShard:
             if running is not None:
                 self.deduplicated += 1
                 return await asyncio.shield(running)
-        refused = self.gate.admit(ticket, self._version)
+        refused = self.gate.admit(ticket, self._version, len(self._inflight))
         if refused is not None:
             raise RouteRefused(
                 f"{self._who()} refused request {request_id!r} ({refused}): "
@@ -251,10 +251,11 @@ class EngineShard:
 
     async def serve(self, request: tuple) -> GenerationResult:
         """``generate`` for the data plane, its arguments packed in one tuple: (prompt, sampling, request id,
-        cache salt, routing epoch, policy kind, policy k). Ray serializes each argument of a call on its
-        own; one argument instead of five is a fifth less per request on the client."""
-        prompt, sampling, request_id, cache_salt, epoch, kind, k = request
-        return await self.generate(prompt, sampling, request_id, cache_salt, None, Ticket(epoch, VersionPolicy(kind, k)))
+        cache salt, routing epoch, policy kind, policy k, admission cap). Ray serializes each argument of a
+        call on its own; one argument instead of five is a fifth less per request on the client."""
+        prompt, sampling, request_id, cache_salt, epoch, kind, k, cap = request
+        return await self.generate(prompt, sampling, request_id, cache_salt, None,
+                                   Ticket(epoch, VersionPolicy(kind, k), cap))
 
     def _refusal_detail(self, reason: str, ticket: Ticket | None) -> str:
         g = self.gate
@@ -264,6 +265,8 @@ class EngineShard:
             return "not in the serving set"
         if reason == EPOCH:
             return f"routed under epoch {ticket.epoch}, this shard admits epoch {g.floor} or later"
+        if reason == FULL:
+            return f"{len(self._inflight)} requests in flight, at its admission cap {g.cap}"
         return (f"weights version {self._version} do not meet policy {ticket.policy.describe()} "
                 f"(committed version {g.committed})")
 

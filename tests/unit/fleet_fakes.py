@@ -96,9 +96,9 @@ class FakeDoor:
 
     async def call(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
         if method == "serve":  # the data plane's packed generate: recorded and scripted as "generate"
-            prompt, sampling, request_id, cache_salt, epoch, kind, k = args[0]
+            prompt, sampling, request_id, cache_salt, epoch, kind, k, cap = args[0]
             method, args = "generate", (prompt, sampling)
-            kw = dict(kw, request_id=request_id, cache_salt=cache_salt, ticket=Ticket(epoch, VersionPolicy(kind, k)))
+            kw = dict(kw, request_id=request_id, cache_salt=cache_salt, ticket=Ticket(epoch, VersionPolicy(kind, k), cap))
         self.calls.append((method, handle.slot, handle.incarnation))
         self.kwargs.append((method, handle.slot, kw))
         if handle.dead:
@@ -208,7 +208,7 @@ class FakeDoor:
         return True
 
     async def _generate(self, s, prompt, sampling, request_id=None, cache_salt=None, timeout=None, ticket=None):
-        reason = s.gate.admit(ticket, s.version)
+        reason = s.gate.admit(ticket, s.version, len(s.in_flight))
         if reason is not None:
             raise RouteRefused(f"slot {s.slot} refused {request_id} ({reason})", reason)
         start = s.version
