@@ -16,7 +16,8 @@ result tagged by the weight version, slot and incarnation that produced it) or
 ``returned`` with an explicit reason (bad request, redispatch budget spent, fleet
 stopped, timed out waiting). A request whose shard died, hung, or aborted it
 (pause with abort, staleness abort, shutdown) is re-queued and sent again, up to
-``max_redispatch`` times. The counters make "lost" computable at any moment:
+``max_redispatch`` times, except a request whose attempts took down two engines: it
+is returned as ``poison`` and refused at once for ``poison_window_s`` (``fleet.poison``). The counters make "lost" computable at any moment:
 ``lost = accepted - completed - returned - in_progress`` and must stay 0.
 """
 
@@ -32,6 +33,7 @@ from typing import Any, Protocol
 from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog
 from fleet.outcome import TIMED_OUT, Outcome
+from fleet.poison import POISON, POISON_DEATHS, PoisonMemory, fingerprint, took_down
 from fleet.router import pick_two
 from fleet.shard_gate import FULL
 from fleet.routing import Member, RoutingState, VersionPolicy
@@ -86,6 +88,7 @@ class _Pending:
     attempts: int = 0
     refusals: int = 0
     reasons: list[str] = field(default_factory=list)
+    deaths: list[str] = field(default_factory=list)  # the engines that died while it ran on them
     dispatched_at: float | None = None
     on: Member | None = None  # the shard running it now, if any
 
@@ -109,6 +112,7 @@ class Dispatcher:
     def __init__(
         self, view: FleetView, log: EventLog, request_timeout_s: float, max_redispatch: int,
         clock: Clock | None = None, rng: random.Random | None = None, id_prefix: str = "req",
+        poison_window_s: float = 600.0,
     ) -> None:
         self._view = view
         self._clock = clock or MonotonicClock()
@@ -132,6 +136,7 @@ class Dispatcher:
         self._excluded: dict[tuple[int, int], tuple[int, float]] = {}  # (slot, inc) -> (epoch, until)
         self._full: dict[tuple[int, int], float] = {}  # (slot, inc) -> until: it answered ``full``
         self._full_streak: dict[tuple[int, int], int] = {}  # (slot, inc) -> ``full`` answers in a row
+        self._poison = PoisonMemory(poison_window_s)
         self._aborts: set[asyncio.Future] = set()  # aborts of cancelled requests in flight (referenced until done)
 
     # -- accounting ----------------------------------------------------------------
@@ -176,6 +181,12 @@ class Dispatcher:
         self.accepted += 1
         self._log.emit("request", event="accepted", request_id=p.request_id)
         deadline = p.accepted_at + self._timeout
+        if self._poison:
+            fp = fingerprint(p.prompt, p.sampling)
+            engines = self._poison.known(fp, p.accepted_at)
+            if engines:
+                return self._return(p, f"{POISON}: fingerprint {fp} took down {engines} within the last "
+                                       f"{self._poison.window_s:g} s (poison_window_s); refused without sending it")
         try:
             while True:
                 verdict = await self._attempt(p, deadline)
@@ -184,6 +195,8 @@ class Dispatcher:
                 if verdict is None:  # refused without running: routing changed, route again
                     continue
                 p.reasons.append(verdict)
+                if len(p.deaths) >= POISON_DEATHS:
+                    return self._poisoned(p)
                 if p.attempts > self._max_redispatch:
                     return self._return(p, f"redispatch budget ({self._max_redispatch}) spent: {'; '.join(p.reasons)}")
                 self.requeued += 1
@@ -257,9 +270,22 @@ class Dispatcher:
             self._abort_on(m, p)
             return self._return(p, f"request timeout ({self._timeout:g} s) passed while slot {m.slot} "
                                    f"(incarnation {m.incarnation}) generated it; aborted there")
+        if took_down(outcome, p.request_id):
+            p.deaths.append(f"slot {m.slot} (incarnation {m.incarnation})")
         self._exclude(m, state.epoch)
         self._view.report(m.slot, m.incarnation, outcome, state.epoch)
         return f"slot {m.slot} (incarnation {m.incarnation}) failed: {outcome.describe()}"
+
+    def _poisoned(self, p: _Pending) -> FleetResult:
+        """``p`` took down ``POISON_DEATHS`` engines: return it, never send it again, remember its fingerprint."""
+        fp = fingerprint(p.prompt, p.sampling)
+        engines = ", ".join(p.deaths)
+        self._poison.remember(fp, engines, self._clock.now())
+        self._log.emit("request", event=POISON, request_id=p.request_id, fingerprint=fp, engines=p.deaths,
+                       window_s=self._poison.window_s)
+        return self._return(p, f"{POISON}: its attempts took down {len(p.deaths)} engines ({engines}); "
+                               f"fingerprint {fp}; not sent again, and refused for {self._poison.window_s:g} s "
+                               f"(poison_window_s)")
 
     def _full_hold(self, key: tuple[int, int]) -> float:
         return min(FULL_HOLD_S * 2 ** (self._full_streak.get(key, 1) - 1), FULL_HOLD_MAX_S)

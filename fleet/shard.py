@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 from fleet.backend import PAUSE_MODES, EngineBackend
 from fleet.config import EngineConfig
 from fleet.fault_hooks import ArmedFault, FaultHooks
-from fleet.errors import BadRequestError, DeadlineExceeded, RouteRefused, ShardShutDownError, ShardUnusableError
+from fleet.errors import (BadRequestError, DeadlineExceeded, EngineCrashedError, RouteRefused, ShardShutDownError,
+                          ShardUnusableError)
 from fleet.routing import Ticket, VersionPolicy
 from fleet.shard_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, RecentResults, ShardGate
 from fleet.types import FINISH_ABORTED, Completion, EngineStats, GenerationResult
@@ -155,9 +156,10 @@ class EngineShard:
         return self.ping_info()
 
     # -- fault injection (hook points; free when nothing is armed) ---------------
-    def arm_fault(self, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0) -> bool:
+    def arm_fault(self, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0,
+                  match: Sequence[int] | None = None) -> bool:
         """Arm one fault at a hook point (see ``fleet.fault_hooks``). Raises ValueError for an unknown one."""
-        self._hooks.arm(ArmedFault(point, action, float(delay_s), int(after_calls)))
+        self._hooks.arm(ArmedFault(point, action, float(delay_s), int(after_calls), tuple(int(t) for t in match or ())))
         return True
 
     def faults_fired(self) -> list[dict]:
@@ -206,6 +208,8 @@ class EngineShard:
         self._load["peak"] = max(self._load["peak"], len(self._inflight))
         start = self._version
         try:
+            if self._hooks.armed:
+                await self._hooks.poisoned(tokens, rid, self._backend.check_alive)
             completions = await self._bounded(
                 f"generate {rid}",
                 backend.generate(tokens, sampling or {}, rid, cache_salt),
@@ -222,6 +226,8 @@ class EngineShard:
                 finished_at=time.monotonic(),
             )
         except BaseException as exc:
+            if isinstance(exc, EngineCrashedError) and exc.request_id is None:
+                exc.request_id = rid  # its engine died while it ran there (``fleet.poison`` counts it)
             if isinstance(exc, DeadlineExceeded):
                 await self._abort_quietly([rid])
             if isinstance(exc, asyncio.CancelledError):

@@ -1,0 +1,128 @@
+"""Poison requests (issue 29, hole 4), over the unit fakes in virtual time.
+
+A request whose attempts took down two engines is returned with the reason ``poison``
+and never sent a third time; its fingerprint (prompt and sampling, not the seed) is
+logged and refused at once, by that client, for ``poison_window_s``. An engine death
+counts against a request only when the request was running on it: the actor died under
+the call, or the shard says its engine crashed during that request (``EngineCrashedError``
+with its ``request_id``), not when the engine was already dead when it arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+
+from fleet.poison import fingerprint, took_down
+from fleet.errors import ConfigError, EngineCrashedError
+from fleet.fleet_config import load_fleet_config
+from fleet.outcome import DIED, ERROR, Outcome
+from tests.unit.fleet_fakes import client
+from tests.unit.test_controller import make, run
+
+POISON = [6, 6, 6]
+
+
+def poisoned_door(door):
+    """Every fake engine dies under a request for ``POISON`` (as a prompt that crashes the model would)."""
+    untouched = door._generate
+    received: list[tuple[int, int]] = []
+
+    async def generate(s, prompt, *args, **kw):
+        if list(prompt) == POISON:
+            received.append((s.slot, s.incarnation))
+            s.dead = True  # the door answers ``died`` for a shard dead when its call ends
+        return await untouched(s, prompt, *args, **kw)
+
+    door._generate = generate
+    return received
+
+
+def test_a_request_that_took_down_two_engines_is_returned_as_poison_and_never_sent_a_third_time(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
+        received = poisoned_door(door)
+        await ctl.start()
+        c = client(ctl)
+        try:  # (before the fix it was re-sent until every engine had died, then waited at the closed gate)
+            res = await asyncio.wait_for(c.generate_async(POISON, {"max_tokens": 4, "seed": 1}), 30)
+        except asyncio.TimeoutError:
+            pytest.fail(f"the poison request did not end; engines it reached: {received}")
+        assert not res.ok and res.reason.startswith("poison: "), res
+        assert res.attempts == 2 and len(received) == 2 and len({s for s, _ in received}) == 2
+        assert sum(s.dead for s in door.shards.values()) == 2  # the third engine never saw it
+        fp = fingerprint(POISON, {"max_tokens": 4, "seed": 1})
+        assert fp in res.reason
+        logged = [e for e in ctl.log.records(kinds=["request"]) if e.get("event") == "poison"]
+        assert len(logged) == 1 and logged[0]["fingerprint"] == fp and len(logged[0]["engines"]) == 2
+        # again, with another seed: refused at once, nothing sent anywhere
+        again = await c.generate_async(POISON, {"max_tokens": 4, "seed": 2})
+        assert not again.ok and again.reason.startswith("poison: ") and again.attempts == 0, again
+        assert len(received) == 2
+        # the fleet keeps serving other prompts (the dead slots restart meanwhile)
+        others = [await c.generate_async([1, 2]) for _ in range(6)]
+        assert all(r.ok for r in others)
+        assert c.dispatcher.returned_reasons["poison"] == 2 and c.counters()["in_progress"] == 0
+        # past the window it is a new request again (and is sent); a refit first brings the restarted slots back
+        await asyncio.sleep(61)
+        await ctl.sync_weights(1)
+        late = await c.generate_async(POISON, {"max_tokens": 4, "seed": 3})
+        assert late.reason.startswith("poison: ") and late.attempts == 2 and len(received) == 4
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_only_a_death_under_the_request_counts_against_it():
+    died = Outcome(DIED, error=RuntimeError("actor died"))
+    during = Outcome(ERROR, error=EngineCrashedError("engine core died during request r1", request_id="r1"))
+    before = Outcome(ERROR, error=EngineCrashedError("engine core died: EngineDeadError()"))
+    assert took_down(died, "r1") and took_down(during, "r1")
+    assert not took_down(before, "r1")  # it was dead when the request arrived: the request did nothing
+    assert not took_down(during, "r2")
+    again = pickle.loads(pickle.dumps(during.error))  # it crosses the Ray boundary with its request id
+    assert isinstance(again, EngineCrashedError) and again.request_id == "r1"
+
+
+def test_the_fingerprint_is_the_prompt_and_sampling_but_not_the_seed():
+    assert fingerprint([1, 2], {"max_tokens": 4, "seed": 1}) == fingerprint([1, 2], {"seed": 9, "max_tokens": 4})
+    assert fingerprint([1, 2], {"max_tokens": 4}) != fingerprint([1, 2], {"max_tokens": 5})
+    assert fingerprint([1, 2], {}) != fingerprint([2, 1], {}) and fingerprint("ab", {}) != fingerprint("ba", {})
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "soon"])
+def test_a_bad_poison_window_is_refused_naming_it(model_dir, bad):
+    with pytest.raises(ConfigError, match="poison_window_s"):
+        load_fleet_config({"engine": {"model": model_dir}, "poison_window_s": bad})
+
+
+# ------------------------------------------------------------------ the fault action: a prompt that crashes its engine
+def test_a_poison_fault_crashes_the_engine_under_a_matching_request_only(tmp_path, monkeypatch):
+    from fleet import fault_hooks
+    from fleet.fault_hooks import ArmedFault
+    from fleet.null_backend import NullBackend
+    from fleet.shard import EngineShard
+
+    monkeypatch.setattr(fault_hooks, "ENGINE_DEATH_WAIT_S", 0.05)  # the null engine has no core to see die
+    for bad in (dict(point="generate", action="poison"), dict(point="generate", action="kill", match=(1,)),
+                dict(point="pause", action="poison", match=(1,))):
+        with pytest.raises(ValueError, match="match"):
+            ArmedFault(**bad)
+
+    async def go():
+        (tmp_path / "config.json").write_text("{}")
+        shard = EngineShard({"model": str(tmp_path), "backend": "null"}, 0, 1,
+                            backend_factory=lambda cfg: NullBackend(cfg))
+        await shard.start()
+        shard.arm_fault("generate", "poison", match=POISON)
+        assert (await shard.generate([1, 2], {}, "fine")).completions
+        for rid in ("p1", "p2"):  # every matching request, not once
+            with pytest.raises(EngineCrashedError) as err:
+                await shard.generate([9, *POISON, 9], {}, rid)
+            assert err.value.request_id == rid and "poison" in str(err.value)
+        assert [f["action"] for f in shard.faults_fired()] == ["poison", "poison"]
+        assert shard.in_flight() == []
+
+    asyncio.run(go())
