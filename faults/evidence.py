@@ -62,6 +62,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from faults.firing import hook_point
+from faults.poison import prove_poison_request
 from faults.resize_evidence import prove_resize_under_load
 from faults.timeline import departure, fault_to_reopen, recover_s, refit_spans
 from health.faultplan import CONTROLLER_WHAT, CORRUPTIONS, TRAINER_WHERE
@@ -86,6 +87,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "concurrent_refit": ("serialized",),
     "refit_under_load": ("held",),
     "resize_under_load": ("resized",),
+    "poison_request": ("contained",),
     "kill_controller": ("restarted",),
 }
 # What a refused corrupt update's message must say, for the corrupted tensor ``t`` (refit.manifest's words).
@@ -247,7 +249,8 @@ def _prove_trainer_fault(f: Mapping, events: list[dict]) -> tuple[dict | None, l
     began = min(c["began"] for c in calls)
     row = {"slot": None, "incarnation": None, "point": f["where"], "action": what, "t": began,
            "left_for": None if wrong else LEADS_TO[what][0],
-           "fault_to_reopen_s": fault_to_reopen(events, {"t": began}), "recover_s": None}
+           "fault_to_reopen_s": fault_to_reopen(events, {"t": began}), "recover_s": None,
+           "returned": f.get("returned", 0)}  # requests the fault had returned on purpose (a poison)
     return row, wrong
 
 
@@ -324,4 +327,5 @@ def _refit_under_load(f: Mapping, calls: list[dict], events: list[dict]) -> list
 
 
 _TRAINER_PROOFS = {"stale_version": _stale_version, "concurrent_refit": _concurrent_refits,
-                   "refit_under_load": _refit_under_load, "resize_under_load": prove_resize_under_load}
+                   "refit_under_load": _refit_under_load, "resize_under_load": prove_resize_under_load,
+                   "poison_request": prove_poison_request}

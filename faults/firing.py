@@ -30,7 +30,8 @@ is proven):
   firing makes itself, with the ``trainer``'s weight source, and records as it ends:
   ``corrupt_<kind>``: the source's next update corrupted (``TENSOR``), one refit,
   the source restored; ``stale_version``: a refit of the committed version;
-  ``concurrent_refit``: two refits of the next two versions from two threads at once.
+  ``concurrent_refit``: two refits of the next two versions from two threads at once;
+  ``poison_request``: a prompt armed to crash every engine, sent twice (``faults.poison``).
 
 On failure: a fleet call that fails raises to the caller (nothing is recorded as
 fired), except a refit the fault makes, whose ``RefitRefused`` or ``FleetStopped`` is
@@ -247,6 +248,10 @@ class FaultFiring:
             return self._stale_version()
         if f.what == "refit_under_load":
             return refit_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
+        if f.what == "poison_request":
+            from faults.poison import poison_request  # imports this module: import when fired
+
+            return poison_request(self.fleet, self.log or print)
         if f.what == "resize_under_load":
             from faults.resize_load import resize_under_load  # imports this module: import when fired
 

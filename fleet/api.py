@@ -299,7 +299,8 @@ class Fleet:
         return [{**r, "seq": i} for i, r in enumerate(merged) if i >= since and (wanted is None or r["kind"] in wanted)]
 
     def shard_counters(self) -> dict[int, dict]:
-        """Per live slot: requests its shard admitted and refused, by reason (the data plane's own count)."""
+        """Per live slot: requests its shard admitted and refused, by reason (the data plane's own count), its
+        admission ``cap`` (the one it enforces) and ``peak_in_flight`` (the most it held at once since it started)."""
         return self._ask("shard_counters", timeout=60)
 
     def admission_metrics(self) -> dict[int, dict]:

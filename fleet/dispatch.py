@@ -8,8 +8,9 @@ dispatcher waits for a newer routing state and routes again, free of charge. A
 shard at its admission cap refuses with ``full`` (other clients fill it too): the
 dispatcher leaves it out for ``FULL_HOLD_S`` (or until one of its own requests there
 ends) and routes elsewhere at once, waiting that long only when every shard is full;
-never an error, never a health report. A shard that failed the call (died, hung) is reported to the controller, left out of
-routing until the state changes, and the request is re-sent elsewhere.
+never an error, never a health report. A shard that failed the call (died, hung) is
+reported to the controller, left out of routing until the state changes, and the
+request is re-sent elsewhere.
 
 Guarantee: every accepted request ends exactly once, either ``completed`` (with a
 result tagged by the weight version, slot and incarnation that produced it) or

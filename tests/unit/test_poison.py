@@ -126,3 +126,23 @@ def test_a_poison_fault_crashes_the_engine_under_a_matching_request_only(tmp_pat
         assert shard.in_flight() == []
 
     asyncio.run(go())
+
+
+def test_the_poison_variant_proof_fails_when_a_third_engine_dies_or_the_repeat_is_sent():
+    from faults.poison import prove_poison_request
+
+    first = {"version": 1, "outcome": "poison", "attempts": 2, "began": 10.0, "ended": 12.0,
+             "reason": "poison: its attempts took down 2 engines"}
+    again = {"version": 1, "outcome": "poison", "attempts": 0, "began": 12.0, "ended": 12.0,
+             "reason": "poison: fingerprint f took down ... (poison_window_s); refused without sending it"}
+    record = {"others": {"n": 6, "ok": 6}, "after": {"gate_open": True}}
+
+    def died(slot, t):
+        return {"kind": "health", "t": t, "slot": slot, "incarnation": 1, "before": "healthy", "after": "dead"}
+
+    events = [died(0, 10.5), died(1, 11.5),
+              {"kind": "request", "event": "poison", "t": 12.0, "fingerprint": "f", "engines": ["slot 0", "slot 1"]}]
+    assert prove_poison_request(record, [first, again], events) == []
+    assert any("exactly two" in p for p in prove_poison_request(record, [first, again], events + [died(2, 13.0)]))
+    sent = {**again, "outcome": "poison", "attempts": 1, "reason": "poison: its attempts took down 2 engines"}
+    assert any("not refused at once" in p for p in prove_poison_request(record, [first, sent], events))
