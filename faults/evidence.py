@@ -249,8 +249,9 @@ def _prove_trainer_fault(f: Mapping, events: list[dict]) -> tuple[dict | None, l
     began = min(c["began"] for c in calls)
     row = {"slot": None, "incarnation": None, "point": f["where"], "action": what, "t": began,
            "left_for": None if wrong else LEADS_TO[what][0],
-           "fault_to_reopen_s": fault_to_reopen(events, {"t": began}), "recover_s": None,
-           "returned": f.get("returned", 0)}  # requests the fault had returned on purpose (a poison)
+           "fault_to_reopen_s": fault_to_reopen(events, {"t": began}), "recover_s": None}
+    if f.get("returned"):
+        row["returned"] = f["returned"]  # requests the fault had returned on purpose (a poison)
     return row, wrong
 
 

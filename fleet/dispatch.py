@@ -36,7 +36,7 @@ from fleet.eventlog import EventLog
 from fleet.outcome import TIMED_OUT, Outcome
 from fleet.poison import POISON, POISON_DEATHS, PoisonMemory, fingerprint, took_down
 from fleet.router import pick_two
-from fleet.shard_gate import FULL
+from fleet.shard_gate import FULL, POISON as POISON_REFUSAL
 from fleet.routing import Member, RoutingState, VersionPolicy
 from fleet.types import GenerationResult
 from health import Clock, MonotonicClock
@@ -138,7 +138,7 @@ class Dispatcher:
         self._full: dict[tuple[int, int], float] = {}  # (slot, inc) -> until: it answered ``full``
         self._full_streak: dict[tuple[int, int], int] = {}  # (slot, inc) -> ``full`` answers in a row
         self._poison = PoisonMemory(poison_window_s)
-        self._aborts: set[asyncio.Future] = set()  # aborts of cancelled requests in flight (referenced until done)
+        self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
 
     # -- accounting ----------------------------------------------------------------
     @property
@@ -245,6 +245,9 @@ class Dispatcher:
             if result.aborted:
                 return f"aborted on slot {m.slot} (incarnation {m.incarnation})"
             return self._complete(p, result)
+        if isinstance(outcome.error, RouteRefused) and outcome.error.reason == POISON_REFUSAL:
+            p.attempts -= 1  # another client found it poison and told the shards: never run it
+            return self._return(p, f"{POISON}: refused by slot {m.slot} (incarnation {m.incarnation}): {outcome.error}")
         if isinstance(outcome.error, RouteRefused) and outcome.error.reason == FULL:
             p.attempts -= 1  # at its cap (other clients' requests fill it too): route elsewhere, free
             self.refused[FULL] += 1
@@ -284,6 +287,12 @@ class Dispatcher:
         self._poison.remember(fp, engines, self._clock.now())
         self._log.emit("request", event=POISON, request_id=p.request_id, fingerprint=fp, engines=p.deaths,
                        window_s=self._poison.window_s)
+        if self._poison.window_s > 0:  # every serving shard refuses it too, to every client (in the background)
+            for m in self._view.routing().members:
+                tell = asyncio.ensure_future(self._view.door.call(m.handle, "refuse_poison", fp, self._poison.window_s,
+                                                                  timeout=10.0))
+                self._aborts.add(tell)
+                tell.add_done_callback(self._aborts.discard)
         return self._return(p, f"{POISON}: its attempts took down {len(p.deaths)} engines ({engines}); "
                                f"fingerprint {fp}; not sent again, and refused for {self._poison.window_s:g} s "
                                f"(poison_window_s)")

@@ -11,10 +11,14 @@ arrived does not count. At ``POISON_DEATHS`` the request is returned with the re
 differ only in their seeds) is remembered for ``poison_window_s``; a request with that
 fingerprint is refused at once meanwhile, before it reaches any engine.
 
-The memory is each client's own (``fleet.dispatch.Dispatcher``): the controller sees no
-request and keeps no per-request state, and the clients that face untrusted prompts
-(an HTTP front: one client for all its callers) see every copy of them. Across N clients
-one poison costs at most two engines per client per window.
+Who remembers: the client that found it (``fleet.dispatch.Dispatcher``), and every shard
+serving when it did: the client tells them (``EngineShard.refuse_poison``, in the
+background) and their gates refuse that fingerprint to any client for the window
+(``fleet.shard_gate.POISON``). The controller is left out on purpose: it sees no request
+and keeps no per-request state, and a poison found by one client is known to the shards
+every other client routes to. Not covered: an engine that started after the notice (a
+restart, a resize) does not know it, so another client's copy can take that one down
+once before a told shard refuses it.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from fleet.fault_hooks import ArmedFault, FaultHooks
 from fleet.errors import (BadRequestError, DeadlineExceeded, EngineCrashedError, RouteRefused, ShardShutDownError,
                           ShardUnusableError)
 from fleet.routing import Ticket, VersionPolicy
-from fleet.shard_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, RecentResults, ShardGate
+from fleet.poison import fingerprint
+from fleet.shard_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, POISON, RecentResults, ShardGate
 from fleet.types import FINISH_ABORTED, Completion, EngineStats, GenerationResult
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
@@ -193,7 +194,8 @@ class EngineShard:
             if running is not None:
                 self.deduplicated += 1
                 return await asyncio.shield(running)
-        refused = self.gate.admit(ticket, self._version, len(self._inflight))
+        refused = (self.gate.poison_refusal(lambda: fingerprint(prompt, sampling or {}), time.monotonic())
+                   or self.gate.admit(ticket, self._version, len(self._inflight)))
         if refused is not None:
             raise RouteRefused(
                 f"{self._who()} refused request {request_id!r} ({refused}): "
@@ -273,6 +275,8 @@ class EngineShard:
             return f"routed under epoch {ticket.epoch}, this shard admits epoch {g.floor} or later"
         if reason == FULL:
             return f"{len(self._inflight)} requests in flight, at its admission cap {g.cap}"
+        if reason == POISON:
+            return "a client found requests like it take down two engines (poison_window_s)"
         return (f"weights version {self._version} do not meet policy {ticket.policy.describe()} "
                 f"(committed version {g.committed})")
 
@@ -285,6 +289,11 @@ class EngineShard:
         if self.gate.member and not member:
             self._left = {"in_flight": len(self._inflight), "admitted": self.gate.admitted, "epoch": int(epoch)}
         self.gate.route(int(epoch), bool(member), int(committed))
+        return True
+
+    def refuse_poison(self, fp: str, window_s: float) -> bool:
+        """Refuse requests with fingerprint ``fp`` (``fleet.poison``) for ``window_s`` seconds, whoever sends them."""
+        self.gate.remember_poison(str(fp), time.monotonic() + float(window_s))
         return True
 
     def fence(self, epoch: int) -> bool:

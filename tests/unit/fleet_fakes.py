@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from fleet.client import InProcessClient
 from sim.clock import LoopClock, VirtualTimeLoop, run_virtual  # noqa: F401 - the unit tests' virtual time
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
+from fleet.poison import fingerprint
 from fleet.routing import Ticket, VersionPolicy
 from fleet.shard_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
@@ -207,8 +208,13 @@ class FakeDoor:
         s.dead = True
         return True
 
+    async def _refuse_poison(self, s, fp, window_s):
+        s.gate.remember_poison(fp, asyncio.get_running_loop().time() + window_s)
+        return True
+
     async def _generate(self, s, prompt, sampling, request_id=None, cache_salt=None, timeout=None, ticket=None):
-        reason = s.gate.admit(ticket, s.version, len(s.in_flight))
+        reason = (s.gate.poison_refusal(lambda: fingerprint(prompt, sampling or {}), asyncio.get_running_loop().time())
+                  or s.gate.admit(ticket, s.version, len(s.in_flight)))
         if reason is not None:
             raise RouteRefused(f"slot {s.slot} refused {request_id} ({reason})", reason)
         start = s.version

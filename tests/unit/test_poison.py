@@ -31,10 +31,11 @@ def poisoned_door(door):
     received: list[tuple[int, int]] = []
 
     async def generate(s, prompt, *args, **kw):
-        if list(prompt) == POISON:
+        result = await untouched(s, prompt, *args, **kw)  # (raises ``RouteRefused`` if the shard refused it)
+        if list(prompt) == POISON:  # admitted and run: its engine dies under it
             received.append((s.slot, s.incarnation))
             s.dead = True  # the door answers ``died`` for a shard dead when its call ends
-        return await untouched(s, prompt, *args, **kw)
+        return result
 
     door._generate = generate
     return received
@@ -70,6 +71,34 @@ def test_a_request_that_took_down_two_engines_is_returned_as_poison_and_never_se
         await ctl.sync_weights(1)
         late = await c.generate_async(POISON, {"max_tokens": 4, "seed": 3})
         assert late.reason.startswith("poison: ") and late.attempts == 2 and len(received) == 4
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_a_poison_one_client_found_is_refused_by_the_shards_to_another_client(model_dir):
+    from fleet.client import InProcessClient
+    from fleet.poison import POISON as REASON
+
+    async def go():
+        ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
+        received = poisoned_door(door)
+        await ctl.start()
+        a, b = InProcessClient(ctl), InProcessClient(ctl)
+        first = await a.dispatcher.submit(POISON, {"max_tokens": 4}, request_id="a-1")
+        assert first.reason.startswith("poison: ") and len(received) == 2
+        await asyncio.sleep(0.1)  # the serving shards were told (in the background)
+        other = await b.dispatcher.submit(POISON, {"max_tokens": 4, "seed": 5}, request_id="b-1")
+        assert other.reason.startswith("poison: ") and "refused by slot" in other.reason, other
+        assert other.attempts == 0 and len(received) == 2  # no third engine died
+        assert sum(s.gate.refused.get(REASON, 0) for s in door.shards.values()) == 1
+        assert b.dispatcher.returned_reasons["poison"] == 1 and b.dispatcher.requeued == 0
+        assert (await b.dispatcher.submit([1, 2], request_id="b-2")).ok  # and nothing else is refused
+        fp = fingerprint(POISON, {"max_tokens": 4})
+        now = asyncio.get_running_loop().time
+        assert sum(s.gate.poison_refusal(lambda: fp, now()) is not None for s in door.shards.values() if not s.dead)
+        await asyncio.sleep(61)  # the shards forget it with the window
+        assert not any(s.gate.poison_refusal(lambda: fp, now()) for s in door.shards.values())
         await ctl.shutdown()
 
     run(go())
@@ -146,3 +175,23 @@ def test_the_poison_variant_proof_fails_when_a_third_engine_dies_or_the_repeat_i
     assert any("exactly two" in p for p in prove_poison_request(record, [first, again], events + [died(2, 13.0)]))
     sent = {**again, "outcome": "poison", "attempts": 1, "reason": "poison: its attempts took down 2 engines"}
     assert any("not refused at once" in p for p in prove_poison_request(record, [first, sent], events))
+
+
+def test_a_shard_told_of_a_poison_refuses_it_from_anyone_and_runs_everything_else(tmp_path):
+    from fleet.errors import RouteRefused
+    from fleet.null_backend import NullBackend
+    from fleet.shard import EngineShard
+
+    async def go():
+        (tmp_path / "config.json").write_text("{}")
+        shard = EngineShard({"model": str(tmp_path), "backend": "null"}, 0, 1,
+                            backend_factory=lambda cfg: NullBackend(cfg))
+        await shard.start()
+        assert shard.refuse_poison(fingerprint(POISON, {"max_tokens": 4}), 60.0) is True
+        with pytest.raises(RouteRefused) as err:
+            await shard.generate(POISON, {"max_tokens": 4, "seed": 7}, "p")
+        assert err.value.reason == "poison" and "two engines" in str(err.value)
+        assert (await shard.generate(POISON, {"max_tokens": 5}, "q")).completions  # other sampling: another request
+        assert shard.counters()["refused"] == {"poison": 1} and shard.counters()["admitted"] == 1
+
+    asyncio.run(go())
