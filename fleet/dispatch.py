@@ -245,26 +245,10 @@ class Dispatcher:
             if result.aborted:
                 return f"aborted on slot {m.slot} (incarnation {m.incarnation})"
             return self._complete(p, result)
-        if isinstance(outcome.error, RouteRefused) and outcome.error.reason == POISON_REFUSAL:
-            p.attempts -= 1  # another client found it poison and told the shards: never run it
-            return self._return(p, f"{POISON}: refused by slot {m.slot} (incarnation {m.incarnation}): {outcome.error}")
-        if isinstance(outcome.error, RouteRefused) and outcome.error.reason == FULL:
-            p.attempts -= 1  # at its cap (other clients' requests fill it too): route elsewhere, free
-            self.refused[FULL] += 1
-            key = (m.slot, m.incarnation)
-            self._full_streak[key] = self._full_streak.get(key, 0) + 1
-            self._full[key] = self._clock.now() + self._full_hold(key)
-            return None
+        if isinstance(outcome.error, RouteRefused):
+            return await self._refused(p, m, state, deadline, outcome.error)
         self._full.pop((m.slot, m.incarnation), None)  # one of ours ended there: it has room again
         self._full_streak.pop((m.slot, m.incarnation), None)
-        if isinstance(outcome.error, RouteRefused):
-            p.attempts -= 1
-            p.refusals += 1
-            self.refused[outcome.error.reason] += 1
-            await self._view.newer_routing(state.epoch, min(REFRESH_WAIT_S, max(0.0, deadline - self._clock.now())))
-            if p.refusals > 3:
-                await asyncio.sleep(min(0.05 * p.refusals, 0.5))  # a shard that keeps refusing: do not spin
-            return None
         if isinstance(outcome.error, BadRequestError):
             return self._return(p, f"bad request: {outcome.error}")
         if outcome.kind == TIMED_OUT:
@@ -279,6 +263,26 @@ class Dispatcher:
         self._exclude(m, state.epoch)
         self._view.report(m.slot, m.incarnation, outcome, state.epoch)
         return f"slot {m.slot} (incarnation {m.incarnation}) failed: {outcome.describe()}"
+
+    async def _refused(self, p: _Pending, m: Member, state: RoutingState, deadline: float,
+                       error: RouteRefused) -> FleetResult | None:
+        """``m`` refused ``p`` without running it: route again for free (None), or return it (poison)."""
+        p.attempts -= 1
+        key = (m.slot, m.incarnation)
+        if error.reason == POISON_REFUSAL:  # another client found it poison and told the shards: never run it
+            return self._return(p, f"{POISON}: refused by slot {m.slot} (incarnation {m.incarnation}): {error}")
+        self.refused[error.reason] += 1
+        if error.reason == FULL:  # at its cap (other clients' requests fill it too): elsewhere, at once
+            self._full_streak[key] = self._full_streak.get(key, 0) + 1
+            self._full[key] = self._clock.now() + self._full_hold(key)
+            return None
+        self._full.pop(key, None)
+        self._full_streak.pop(key, None)
+        p.refusals += 1
+        await self._view.newer_routing(state.epoch, min(REFRESH_WAIT_S, max(0.0, deadline - self._clock.now())))
+        if p.refusals > 3:
+            await asyncio.sleep(min(0.05 * p.refusals, 0.5))  # a shard that keeps refusing: do not spin
+        return None
 
     def _poisoned(self, p: _Pending) -> FleetResult:
         """``p`` took down ``POISON_DEATHS`` engines: return it, never send it again, remember its fingerprint."""
