@@ -67,6 +67,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from faults.firing import hook_point
+from faults.poison import prove_poison_request
 from faults.resize_evidence import prove_resize_under_load
 from faults.timeline import departure, fault_to_reopen, recover_s, refit_spans
 from health.faultplan import CONTROLLER_WHAT, CORRUPTIONS, TRAINER_WHERE
@@ -92,6 +93,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "concurrent_refit": ("serialized",),
     "refit_under_load": ("held",),
     "resize_under_load": ("resized",),
+    "poison_request": ("contained",),
     "kill_controller": ("restarted",),
 }
 # What a refused corrupt update's message must say, for the corrupted tensor ``t`` (refit.manifest's words).
@@ -254,6 +256,8 @@ def _prove_trainer_fault(f: Mapping, events: list[dict]) -> tuple[dict | None, l
     row = {"slot": None, "incarnation": None, "point": f["where"], "action": what, "t": began,
            "left_for": None if wrong else LEADS_TO[what][0],
            "fault_to_reopen_s": fault_to_reopen(events, {"t": began}), "recover_s": None}
+    if f.get("returned"):
+        row["returned"] = f["returned"]  # requests the fault had returned on purpose (a poison)
     return row, wrong
 
 
@@ -355,4 +359,5 @@ def _refit_under_load(f: Mapping, calls: list[dict], events: list[dict]) -> list
 
 
 _TRAINER_PROOFS = {"kill_sender": _killed_sender, "stale_version": _stale_version, "concurrent_refit": _concurrent_refits,
-                   "refit_under_load": _refit_under_load, "resize_under_load": prove_resize_under_load}
+                   "refit_under_load": _refit_under_load, "resize_under_load": prove_resize_under_load,
+                   "poison_request": prove_poison_request}

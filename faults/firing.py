@@ -31,7 +31,8 @@ is proven):
   ``corrupt_<kind>``: the source's next update corrupted (``TENSOR``), one refit,
   the source restored; ``kill_sender``: the source dies as its next send begins, one
   refit, a new source in its place (Ray's word on the old one recorded); ``stale_version``: a refit of the committed version;
-  ``concurrent_refit``: two refits of the next two versions from two threads at once.
+  ``concurrent_refit``: two refits of the next two versions from two threads at once;
+  ``poison_request``: a prompt armed to crash every engine, sent twice (``faults.poison``).
 
 On failure: a fleet call that fails raises to the caller (nothing is recorded as
 fired), except a refit the fault makes, whose ``RefitRefused``, ``RefitNotDelivered`` or ``FleetStopped`` is
@@ -256,6 +257,10 @@ class FaultFiring:
             return self._kill_sender()
         if f.what == "refit_under_load":
             return refit_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
+        if f.what == "poison_request":
+            from faults.poison import poison_request  # imports this module: import when fired
+
+            return poison_request(self.fleet, self.log or print)
         if f.what == "resize_under_load":
             from faults.resize_load import resize_under_load  # imports this module: import when fired
 

@@ -92,6 +92,11 @@ MATRIX: tuple[Variant, ...] = (
        description="client threads submit without pause while the fleet grows by one engine, a refit lands (the "
                    "new engine serves after it), and it shrinks by one (the removed engine finishes what it held, "
                    "admits nothing more, is retired): 0 lost"),
+    _v("poison-request", "recovers", [{"where": "call", "what": "poison_request", "step": 1}], steps=1,
+       fleet={"min_healthy_engines": 1},
+       description="a prompt that crashes every engine it reaches: it takes down two engines, comes back as "
+                   "poison (never sent a third time), is refused at once when sent again; the third engine "
+                   "serves on"),
     _v("below-quorum-between-refits", "recovers",
        [{"where": "between_refits", "what": "kill", "shard": 0, "step": 1},
         {"where": "between_refits", "what": "kill", "shard": 1, "step": 1}],

@@ -341,15 +341,18 @@ class Fleet:
         return [{**r, "seq": i} for i, r in enumerate(merged) if i >= since and (wanted is None or r["kind"] in wanted)]
 
     def shard_counters(self) -> dict[int, dict]:
-        """Per live slot: requests its shard admitted and refused, by reason (the data plane's own count)."""
+        """Per live slot: requests its shard admitted and refused, by reason (the data plane's own count), its
+        admission ``cap`` (the one it enforces) and ``peak_in_flight`` (the most it held at once since it started)."""
         return self._ask("shard_counters", timeout=60)
 
     def admission_metrics(self) -> dict[int, dict]:
         """Per slot: admission cap, the law's counters, and the engine's last polled stats (preemptions, KV usage)."""
         return self._ask("admission_metrics", timeout=60)
 
-    def arm_fault(self, slot: int, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0) -> bool:
-        return self._ask("arm_fault", slot, point, action, delay_s, after_calls, timeout=60)
+    def arm_fault(self, slot: int, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0,
+                  match: list[int] | None = None) -> bool:
+        """Arm a fault on ``slot`` (``fleet.fault_hooks``); ``match``: the token ids of a ``poison`` prompt."""
+        return self._ask("arm_fault", slot, point, action, delay_s, after_calls, match, timeout=60)
 
     def kill_shard(self, slot: int) -> bool:
         return self._ask("kill_shard", slot, timeout=60)

@@ -126,7 +126,7 @@ class InProcessClient(_Client):
         self.policy = VersionPolicy.for_fleet(ctl.cfg.max_staleness)
         self.log = ctl.log
         self.dispatcher = Dispatcher(self, ctl.log, ctl.cfg.request_timeout_s, ctl.cfg.max_redispatch, ctl.clock,
-                                     rng=rng, id_prefix="local")
+                                     rng=rng, id_prefix="local", poison_window_s=ctl.cfg.poison_window_s)
 
     def routing(self) -> RoutingState:
         return self._ctl.publisher.current
@@ -174,7 +174,8 @@ class FleetClient(_Client):
 
     async def _make_dispatcher(self) -> Dispatcher:
         self._changed = asyncio.Condition()
-        return Dispatcher(self, self.log, self.config.request_timeout_s, self.config.max_redispatch, id_prefix=self.name)
+        return Dispatcher(self, self.log, self.config.request_timeout_s, self.config.max_redispatch, id_prefix=self.name,
+                          poison_window_s=self.config.poison_window_s)
 
     def _run(self, coro, timeout: float):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)

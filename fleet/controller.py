@@ -649,11 +649,13 @@ class SingleController:
         return self.admission.metrics()
 
     # ------------------------------------------------------------------ fault injection
-    async def arm_fault(self, slot: int, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0) -> bool:
+    async def arm_fault(self, slot: int, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0,
+                        match: list[int] | None = None) -> bool:
         """Arm a fault in the current incarnation of ``slot`` (see ``fleet.fault_hooks``)."""
         await self.adopt_if_restarted()
         inc, handle = self.handles[slot]
-        out = await self.door.call(handle, "arm_fault", point, action, delay_s, after_calls, timeout=self.cfg.probe_timeout_s)
+        out = await self.door.call(handle, "arm_fault", point, action, delay_s, after_calls, match,
+                                   timeout=self.cfg.probe_timeout_s)
         self.log.emit("fault", slot=slot, incarnation=inc, point=point, action=action, armed=out.ok)
         if not out.ok:
             raise out.error or RuntimeError(f"arming a fault on slot {slot} failed: {out.describe()}")

@@ -5,15 +5,20 @@ follows it and calls the shards itself, each call carrying a ``Ticket`` (routing
 epoch, version policy) the shard checks. A shard that refuses (``RouteRefused``:
 paused, not a member, an old epoch, weights that miss the policy) ran nothing: the
 dispatcher waits for a newer routing state and routes again, free of charge. A
-shard that failed the call (died, hung) is reported to the controller, left out of
-routing until the state changes, and the request is re-sent elsewhere.
+shard at its admission cap refuses with ``full`` (other clients fill it too): the
+dispatcher leaves it out for ``FULL_HOLD_S`` (or until one of its own requests there
+ends) and routes elsewhere at once, waiting that long only when every shard is full;
+never an error, never a health report. A shard that failed the call (died, hung) is
+reported to the controller, left out of routing until the state changes, and the
+request is re-sent elsewhere.
 
 Guarantee: every accepted request ends exactly once, either ``completed`` (with a
 result tagged by the weight version, slot and incarnation that produced it) or
 ``returned`` with an explicit reason (bad request, redispatch budget spent, fleet
 stopped, timed out waiting). A request whose shard died, hung, or aborted it
 (pause with abort, staleness abort, shutdown) is re-queued and sent again, up to
-``max_redispatch`` times. The counters make "lost" computable at any moment:
+``max_redispatch`` times, except a request whose attempts took down two engines: it
+is returned as ``poison`` and refused at once for ``poison_window_s`` (``fleet.poison``). The counters make "lost" computable at any moment:
 ``lost = accepted - completed - returned - in_progress`` and must stay 0.
 """
 
@@ -29,7 +34,9 @@ from typing import Any, Protocol
 from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog
 from fleet.outcome import TIMED_OUT, Outcome
+from fleet.poison import POISON, POISON_DEATHS, PoisonMemory, fingerprint, took_down
 from fleet.router import pick_two
+from fleet.shard_gate import FULL, POISON as POISON_REFUSAL
 from fleet.routing import Member, RoutingState, VersionPolicy
 from fleet.types import GenerationResult
 from health import Clock, MonotonicClock
@@ -82,6 +89,7 @@ class _Pending:
     attempts: int = 0
     refusals: int = 0
     reasons: list[str] = field(default_factory=list)
+    deaths: list[str] = field(default_factory=list)  # the engines that died while it ran on them
     dispatched_at: float | None = None
     on: Member | None = None  # the shard running it now, if any
 
@@ -91,6 +99,9 @@ class _Pending:
 EXCLUDE_S = 5.0
 # After a refusal, wait at most this long for a newer routing state before routing again.
 REFRESH_WAIT_S = 1.0
+# A shard that answered ``full`` is left out of this client's routing this long, doubling with each ``full`` in a
+# row up to FULL_HOLD_MAX_S (a short backoff when all are); then one request of this client probes it again.
+FULL_HOLD_S, FULL_HOLD_MAX_S = 0.02, 0.2
 
 
 class Dispatcher:
@@ -102,6 +113,7 @@ class Dispatcher:
     def __init__(
         self, view: FleetView, log: EventLog, request_timeout_s: float, max_redispatch: int,
         clock: Clock | None = None, rng: random.Random | None = None, id_prefix: str = "req",
+        poison_window_s: float = 600.0,
     ) -> None:
         self._view = view
         self._clock = clock or MonotonicClock()
@@ -123,7 +135,10 @@ class Dispatcher:
         self._load: dict[int, int] = {}
         self._waiting = 0  # requests waiting for room
         self._excluded: dict[tuple[int, int], tuple[int, float]] = {}  # (slot, inc) -> (epoch, until)
-        self._aborts: set[asyncio.Future] = set()  # aborts of cancelled requests in flight (referenced until done)
+        self._full: dict[tuple[int, int], float] = {}  # (slot, inc) -> until: it answered ``full``
+        self._full_streak: dict[tuple[int, int], int] = {}  # (slot, inc) -> ``full`` answers in a row
+        self._poison = PoisonMemory(poison_window_s)
+        self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
 
     # -- accounting ----------------------------------------------------------------
     @property
@@ -167,6 +182,12 @@ class Dispatcher:
         self.accepted += 1
         self._log.emit("request", event="accepted", request_id=p.request_id)
         deadline = p.accepted_at + self._timeout
+        if self._poison:
+            fp = fingerprint(p.prompt, p.sampling)
+            engines = self._poison.known(fp, p.accepted_at)
+            if engines:
+                return self._return(p, f"{POISON}: fingerprint {fp} took down {engines} within the last "
+                                       f"{self._poison.window_s:g} s (poison_window_s); refused without sending it")
         try:
             while True:
                 verdict = await self._attempt(p, deadline)
@@ -175,6 +196,8 @@ class Dispatcher:
                 if verdict is None:  # refused without running: routing changed, route again
                     continue
                 p.reasons.append(verdict)
+                if len(p.deaths) >= POISON_DEATHS:
+                    return self._poisoned(p)
                 if p.attempts > self._max_redispatch:
                     return self._return(p, f"redispatch budget ({self._max_redispatch}) spent: {'; '.join(p.reasons)}")
                 self.requeued += 1
@@ -210,7 +233,7 @@ class Dispatcher:
         self._load[m.slot] = self._load.get(m.slot, 0) + 1
         try:
             request = (p.prompt, p.sampling, p.request_id, self._view.cache_salt(state.version),
-                       state.epoch, p.policy.kind, p.policy.k)  # EngineShard.serve: one argument, one ticket
+                       state.epoch, p.policy.kind, p.policy.k, state.cap_map.get(m.slot))  # EngineShard.serve
             outcome = await self._view.door.call(m.handle, "serve", request, timeout=max(1.0, deadline - self._clock.now()))
             p.on = None  # (left set when the call is cancelled: ``_cancelled`` aborts it there)
         finally:
@@ -223,13 +246,9 @@ class Dispatcher:
                 return f"aborted on slot {m.slot} (incarnation {m.incarnation})"
             return self._complete(p, result)
         if isinstance(outcome.error, RouteRefused):
-            p.attempts -= 1
-            p.refusals += 1
-            self.refused[outcome.error.reason] += 1
-            await self._view.newer_routing(state.epoch, min(REFRESH_WAIT_S, max(0.0, deadline - self._clock.now())))
-            if p.refusals > 3:
-                await asyncio.sleep(min(0.05 * p.refusals, 0.5))  # a shard that keeps refusing: do not spin
-            return None
+            return await self._refused(p, m, state, deadline, outcome.error)
+        self._full.pop((m.slot, m.incarnation), None)  # one of ours ended there: it has room again
+        self._full_streak.pop((m.slot, m.incarnation), None)
         if isinstance(outcome.error, BadRequestError):
             return self._return(p, f"bad request: {outcome.error}")
         if outcome.kind == TIMED_OUT:
@@ -239,9 +258,51 @@ class Dispatcher:
             self._abort_on(m, p)
             return self._return(p, f"request timeout ({self._timeout:g} s) passed while slot {m.slot} "
                                    f"(incarnation {m.incarnation}) generated it; aborted there")
+        if took_down(outcome, p.request_id):
+            p.deaths.append(f"slot {m.slot} (incarnation {m.incarnation})")
         self._exclude(m, state.epoch)
         self._view.report(m.slot, m.incarnation, outcome, state.epoch)
         return f"slot {m.slot} (incarnation {m.incarnation}) failed: {outcome.describe()}"
+
+    async def _refused(self, p: _Pending, m: Member, state: RoutingState, deadline: float,
+                       error: RouteRefused) -> FleetResult | None:
+        """``m`` refused ``p`` without running it: route again for free (None), or return it (poison)."""
+        p.attempts -= 1
+        key = (m.slot, m.incarnation)
+        if error.reason == POISON_REFUSAL:  # another client found it poison and told the shards: never run it
+            return self._return(p, f"{POISON}: refused by slot {m.slot} (incarnation {m.incarnation}): {error}")
+        self.refused[error.reason] += 1
+        if error.reason == FULL:  # at its cap (other clients' requests fill it too): elsewhere, at once
+            self._full_streak[key] = self._full_streak.get(key, 0) + 1
+            self._full[key] = self._clock.now() + self._full_hold(key)
+            return None
+        self._full.pop(key, None)
+        self._full_streak.pop(key, None)
+        p.refusals += 1
+        await self._view.newer_routing(state.epoch, min(REFRESH_WAIT_S, max(0.0, deadline - self._clock.now())))
+        if p.refusals > 3:
+            await asyncio.sleep(min(0.05 * p.refusals, 0.5))  # a shard that keeps refusing: do not spin
+        return None
+
+    def _poisoned(self, p: _Pending) -> FleetResult:
+        """``p`` took down ``POISON_DEATHS`` engines: return it, never send it again, remember its fingerprint."""
+        fp = fingerprint(p.prompt, p.sampling)
+        engines = ", ".join(p.deaths)
+        self._poison.remember(fp, engines, self._clock.now())
+        self._log.emit("request", event=POISON, request_id=p.request_id, fingerprint=fp, engines=p.deaths,
+                       window_s=self._poison.window_s)
+        if self._poison.window_s > 0:  # every serving shard refuses it too, to every client (in the background)
+            for m in self._view.routing().members:
+                tell = asyncio.ensure_future(self._view.door.call(m.handle, "refuse_poison", fp, self._poison.window_s,
+                                                                  timeout=10.0))
+                self._aborts.add(tell)
+                tell.add_done_callback(self._aborts.discard)
+        return self._return(p, f"{POISON}: its attempts took down {len(p.deaths)} engines ({engines}); "
+                               f"fingerprint {fp}; not sent again, and refused for {self._poison.window_s:g} s "
+                               f"(poison_window_s)")
+
+    def _full_hold(self, key: tuple[int, int]) -> float:
+        return min(FULL_HOLD_S * 2 ** (self._full_streak.get(key, 1) - 1), FULL_HOLD_MAX_S)
 
     def _exclude(self, m: Member, epoch: int) -> None:
         self._excluded[(m.slot, m.incarnation)] = (epoch, self._clock.now() + EXCLUDE_S)
@@ -251,7 +312,11 @@ class Dispatcher:
         for key, (epoch, until) in list(self._excluded.items()):
             if epoch != state.epoch or now >= until:
                 del self._excluded[key]
-        return [m for m in state.members if (m.slot, m.incarnation) not in self._excluded]
+        for key, until in list(self._full.items()):
+            if now >= until:
+                del self._full[key]
+        return [m for m in state.members
+                if (m.slot, m.incarnation) not in self._excluded and (m.slot, m.incarnation) not in self._full]
 
     async def _acquire(self, p: _Pending, deadline: float):
         """Wait for an open gate and a serving shard with room; or the explicit return of ``p``."""
@@ -268,11 +333,16 @@ class Dispatcher:
             members = self._candidates(state)
             m = pick_two(members, self.load(), state.cap_map, self._rng)
             if m is not None:
+                if (m.slot, m.incarnation) in self._full_streak:  # it was full: one probe at a time
+                    self._full[(m.slot, m.incarnation)] = self._clock.now() + self._full_hold((m.slot, m.incarnation))
                 return state, m
+            wait = min(left, 0.5)
+            if self._full:  # every shard with room by our count answered ``full``: a short backoff
+                wait = min(wait, max(0.001, min(self._full.values()) - self._clock.now()))
             self._waiting += 1
             try:
                 async with self._room:
-                    await asyncio.wait_for(self._room.wait(), min(left, 0.5))
+                    await asyncio.wait_for(self._room.wait(), wait)
             except asyncio.TimeoutError:
                 pass
             finally:

@@ -36,7 +36,15 @@ class ShardShutDownError(ShardUnusableError):
 
 
 class EngineCrashedError(ShardUnusableError):
-    """The engine core process behind a live shard actor died; the shard must be replaced."""
+    """The engine core process behind a live shard actor died; the shard must be replaced.
+    ``request_id``: the request that was running on it when it died (None: it was dead before)."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.request_id))
 
 
 class ShardUnavailableError(RlfleetError):

@@ -19,6 +19,11 @@ applies to every hooked call from the moment it is armed):
   reports ``EngineCrashedError`` from then on.
 - ``unavailable``: this one call raises ``ShardUnavailableError`` (the door reads it as
   ``unavailable``, like Ray's ``ActorUnavailableError``); other calls still answer.
+- ``poison`` (point ``generate``, with ``match``: token ids): a poison prompt. Every request
+  whose prompt contains ``match`` crashes the engine while it runs there: once admitted, the
+  engine-core processes are killed (SIGKILL) and the request fails with
+  ``EngineCrashedError`` naming it (``request_id``), as a prompt that breaks the model's
+  kernels would. It stays armed (every such request, not once); other prompts are untouched.
 
 The fault journal: when the shard's config names one (``EngineConfig.fault_journal``),
 every fault that goes off is first appended to it as one JSON line (``t`` from
@@ -38,12 +43,13 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
-from fleet.errors import ShardUnavailableError
+from fleet.errors import EngineCrashedError, ShardUnavailableError
 
 POINTS = ("pause", "resume", "set_weight_version", "generate", "ping", "transfer")
-ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine", "unavailable")
+ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine", "unavailable", "poison")
+ENGINE_DEATH_WAIT_S = 10.0  # a poisoned engine: how long to wait for the backend to see its core gone
 
 
 @dataclass
@@ -52,6 +58,7 @@ class ArmedFault:
     action: str
     delay_s: float = 0.0
     after_calls: int = 0
+    match: tuple[int, ...] = ()  # ``poison``: the token ids whose presence in a prompt crashes the engine
 
     def __post_init__(self) -> None:
         if self.point not in POINTS:
@@ -60,6 +67,9 @@ class ArmedFault:
             raise ValueError(f"fault action must be one of {ACTIONS}, got {self.action!r}")
         if self.delay_s < 0 or self.after_calls < 0:
             raise ValueError("fault delay_s and after_calls must be >= 0")
+        if (self.action == "poison") != bool(self.match) or (self.match and self.point != "generate"):
+            raise ValueError(f"fault match (token ids) goes with action 'poison' at point 'generate' and only "
+                             f"there; got action {self.action!r} at {self.point!r} with match {list(self.match)}")
 
 
 class FaultHooks:
@@ -94,7 +104,7 @@ class FaultHooks:
                 self._record(point, self._slow)
             await asyncio.sleep(self._slow.delay_s)
         for fault in list(self._armed):
-            if fault.point != point:
+            if fault.point != point or fault.action == "poison":  # a poison acts in ``poisoned``, once admitted
                 continue
             if fault.after_calls > 0:
                 fault.after_calls -= 1
@@ -103,6 +113,24 @@ class FaultHooks:
             self._record(point, fault)
             return await self._fire(fault)
         return False
+
+    async def poisoned(self, tokens: Sequence[int], request_id: str, check_alive: Callable[[], None]) -> None:
+        """If an armed ``poison`` matches ``tokens``: kill the engine cores under ``request_id``, wait (bounded)
+        until ``check_alive`` raises, and raise ``EngineCrashedError`` naming the request. Else nothing."""
+        fault = next((f for f in self._armed if f.action == "poison" and _contains(tokens, f.match)), None)
+        if fault is None:
+            return
+        self._record("generate", fault)
+        self._signal_engines(signal.SIGKILL)
+        deadline = time.monotonic() + ENGINE_DEATH_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                check_alive()
+            except EngineCrashedError:
+                break
+            await asyncio.sleep(0.05)
+        raise EngineCrashedError(f"engine core died during request {request_id}: poison fault (its prompt "
+                                 f"contains {list(fault.match)})", request_id=request_id)
 
     def _record(self, point: str, fault: ArmedFault) -> None:
         """Keep the firing, and make it durable in the journal before the fault acts."""
@@ -144,9 +172,15 @@ class FaultHooks:
             time.sleep(10**6)  # blocks the actor's event loop: nothing answers any more
         return False
 
-    def _signal_engines(self, sig: int) -> None:
+    def _signal_engines(self, sig: int) -> None:  # (also for ``poisoned``)
         for pid in self._engine_pids():
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def _contains(tokens: Sequence[int], match: Sequence[int]) -> bool:
+    """``match`` occurs in ``tokens`` as a contiguous run."""
+    n, m = len(tokens), len(match)
+    return any(list(tokens[i:i + m]) == list(match) for i in range(n - m + 1)) if m else False

@@ -82,6 +82,10 @@ class FleetConfig(BaseModel):
     max_staleness: int | None = Field(None, ge=0)
     max_redispatch: int = Field(3, ge=0, description="times a request is re-sent after its shard failed, then returned")
     request_timeout_s: float = Field(600.0, gt=0)
+    poison_window_s: float = Field(600.0, ge=0, allow_inf_nan=False,
+                                   description="how long a client refuses at once a request like one that took "
+                                               "down two engines (0: not remembered; it is still never sent a "
+                                               "third time)")
     # Observability.
     event_log_path: str | None = None
     metrics: bool = True

@@ -68,10 +68,12 @@ class VersionPolicy:
 
 @dataclass(frozen=True)
 class Ticket:
-    """What a request carries to the shard: the routing epoch it was routed under and its policy."""
+    """What a request carries to the shard: the routing epoch it was routed under, its policy, and the
+    shard's admission cap in that routing state (None: no cap), which the shard enforces."""
 
     epoch: int
     policy: VersionPolicy = VersionPolicy()
+    cap: int | None = None
 
 
 @dataclass(frozen=True)

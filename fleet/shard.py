@@ -24,9 +24,11 @@ from typing import Any, Callable, Sequence
 from fleet.backend import PAUSE_MODES, EngineBackend
 from fleet.config import EngineConfig
 from fleet.fault_hooks import ArmedFault, FaultHooks
-from fleet.errors import BadRequestError, DeadlineExceeded, RouteRefused, ShardShutDownError, ShardUnusableError
+from fleet.errors import (BadRequestError, DeadlineExceeded, EngineCrashedError, RouteRefused, ShardShutDownError,
+                          ShardUnusableError)
 from fleet.routing import Ticket, VersionPolicy
-from fleet.shard_gate import EPOCH, NOT_MEMBER, PAUSED, RecentResults, ShardGate
+from fleet.poison import fingerprint
+from fleet.shard_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, POISON, RecentResults, ShardGate
 from fleet.start_records import record_start
 from fleet.types import FINISH_ABORTED, Completion, EngineStats, GenerationResult
 
@@ -158,9 +160,10 @@ class EngineShard:
         return self.ping_info()
 
     # -- fault injection (hook points; free when nothing is armed) ---------------
-    def arm_fault(self, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0) -> bool:
+    def arm_fault(self, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0,
+                  match: Sequence[int] | None = None) -> bool:
         """Arm one fault at a hook point (see ``fleet.fault_hooks``). Raises ValueError for an unknown one."""
-        self._hooks.arm(ArmedFault(point, action, float(delay_s), int(after_calls)))
+        self._hooks.arm(ArmedFault(point, action, float(delay_s), int(after_calls), tuple(int(t) for t in match or ())))
         return True
 
     def faults_fired(self) -> list[dict]:
@@ -194,7 +197,8 @@ class EngineShard:
             if running is not None:
                 self.deduplicated += 1
                 return await asyncio.shield(running)
-        refused = self.gate.admit(ticket, self._version)
+        refused = (self.gate.poison_refusal(lambda: fingerprint(prompt, sampling or {}), time.monotonic())
+                   or self.gate.admit(ticket, self._version, len(self._inflight)))
         if refused is not None:
             raise RouteRefused(
                 f"{self._who()} refused request {request_id!r} ({refused}): "
@@ -209,6 +213,8 @@ class EngineShard:
         self._load["peak"] = max(self._load["peak"], len(self._inflight))
         start = self._version
         try:
+            if self._hooks.armed:
+                await self._hooks.poisoned(tokens, rid, self._backend.check_alive)
             completions = await self._bounded(
                 f"generate {rid}",
                 backend.generate(tokens, sampling or {}, rid, cache_salt),
@@ -225,6 +231,8 @@ class EngineShard:
                 finished_at=time.monotonic(),
             )
         except BaseException as exc:
+            if isinstance(exc, EngineCrashedError) and exc.request_id is None:
+                exc.request_id = rid  # its engine died while it ran there (``fleet.poison`` counts it)
             if isinstance(exc, DeadlineExceeded):
                 await self._abort_quietly([rid])
             if isinstance(exc, asyncio.CancelledError):
@@ -254,10 +262,11 @@ class EngineShard:
 
     async def serve(self, request: tuple) -> GenerationResult:
         """``generate`` for the data plane, its arguments packed in one tuple: (prompt, sampling, request id,
-        cache salt, routing epoch, policy kind, policy k). Ray serializes each argument of a call on its
-        own; one argument instead of five is a fifth less per request on the client."""
-        prompt, sampling, request_id, cache_salt, epoch, kind, k = request
-        return await self.generate(prompt, sampling, request_id, cache_salt, None, Ticket(epoch, VersionPolicy(kind, k)))
+        cache salt, routing epoch, policy kind, policy k, admission cap). Ray serializes each argument of a
+        call on its own; one argument instead of five is a fifth less per request on the client."""
+        prompt, sampling, request_id, cache_salt, epoch, kind, k, cap = request
+        return await self.generate(prompt, sampling, request_id, cache_salt, None,
+                                   Ticket(epoch, VersionPolicy(kind, k), cap))
 
     def _refusal_detail(self, reason: str, ticket: Ticket | None) -> str:
         g = self.gate
@@ -267,6 +276,10 @@ class EngineShard:
             return "not in the serving set"
         if reason == EPOCH:
             return f"routed under epoch {ticket.epoch}, this shard admits epoch {g.floor} or later"
+        if reason == FULL:
+            return f"{len(self._inflight)} requests in flight, at its admission cap {g.cap}"
+        if reason == POISON:
+            return "a client found requests like it take down two engines (poison_window_s)"
         return (f"weights version {self._version} do not meet policy {ticket.policy.describe()} "
                 f"(committed version {g.committed})")
 
@@ -279,6 +292,11 @@ class EngineShard:
         if self.gate.member and not member and int(epoch) >= self.gate.routed_at:  # an older word is ignored
             self._left = {"in_flight": len(self._inflight), "admitted": self.gate.admitted, "epoch": int(epoch)}
         self.gate.route(int(epoch), bool(member), int(committed))
+        return True
+
+    def refuse_poison(self, fp: str, window_s: float) -> bool:
+        """Refuse requests with fingerprint ``fp`` (``fleet.poison``) for ``window_s`` seconds, whoever sends them."""
+        self.gate.remember_poison(str(fp), time.monotonic() + float(window_s))
         return True
 
     def fence(self, epoch: int) -> bool:

@@ -7,7 +7,13 @@ agrees with what the controller last told the shard:
 - ``not_member``: the controller took it out of the serving set (fenced, stale, evicted);
 - ``epoch``: the request was routed under an epoch older than the shard's floor (the
   routing state changed for this shard since: a refit began, or it rejoined);
-- ``version``: the shard's weights do not meet the request's version policy.
+- ``version``: the shard's weights do not meet the request's version policy;
+- ``full``: the shard holds as many requests as its admission cap allows. The cap is the
+  one the controller published, carried by the tickets; the newest routing epoch's cap
+  wins, so however many clients route here, the shard never holds more than that;
+- ``poison``: the request's fingerprint (``fleet.poison``) is one a client found took down
+  two engines and told this shard about (``remember_poison``), within its window. Not
+  retryable: the client returns the request as poison.
 
 A refused request never runs; the client refreshes its routing state and re-routes.
 A request without a ticket (an operator's or a test's direct call) is refused only
@@ -18,11 +24,12 @@ completed returns the same result, and one still running joins the running call.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 from fleet.routing import Ticket
 
-PAUSED, NOT_MEMBER, EPOCH, VERSION = "paused", "not_member", "epoch", "version"
+PAUSED, NOT_MEMBER, EPOCH, VERSION, FULL = "paused", "not_member", "epoch", "version", "full"
+POISON = "poison"  # (``fleet.poison.POISON``)
 
 
 class ShardGate:
@@ -34,9 +41,14 @@ class ShardGate:
         self.committed = 0  # the fleet's committed version, as last told
         self.refused: Counter[str] = Counter()
         self.admitted = 0
+        self.cap: int | None = None  # the admission cap of the newest routing state seen on a ticket
+        self._cap_epoch = -1
+        self.peak_in_flight = 0  # the most requests held at once since the shard started
+        self._poison: dict[str, float] = {}  # fingerprint -> until (the caller's clock)
 
-    def refusal(self, ticket: Ticket | None, version: int) -> str | None:
-        """Why a request with ``ticket`` must not run on weights ``version`` now, or None to admit it."""
+    def refusal(self, ticket: Ticket | None, version: int, in_flight: int = 0) -> str | None:
+        """Why a request with ``ticket`` must not run on weights ``version`` now, with ``in_flight``
+        requests held, or None to admit it."""
         if self.paused:
             return PAUSED
         if ticket is None:
@@ -47,16 +59,40 @@ class ShardGate:
             return EPOCH
         if not ticket.policy.allows(version, self.committed):
             return VERSION
+        if self.cap is not None and in_flight >= self.cap:
+            return FULL
         return None
 
-    def admit(self, ticket: Ticket | None, version: int) -> str | None:
-        """Count the verdict of ``refusal``; returns the reason when refused."""
-        reason = self.refusal(ticket, version)
+    def admit(self, ticket: Ticket | None, version: int, in_flight: int = 0) -> str | None:
+        """Learn the cap ``ticket`` carries (if its routing state is the newest seen), then count the verdict
+        of ``refusal``; returns the reason when refused. The caller holds ``in_flight`` requests and adds
+        this one on admission, with no await in between (the check and the count are one step)."""
+        if ticket is not None and ticket.cap is not None and ticket.epoch >= self._cap_epoch:
+            self.cap, self._cap_epoch = int(ticket.cap), ticket.epoch
+        reason = self.refusal(ticket, version, in_flight)
         if reason is None:
             self.admitted += 1
+            self.peak_in_flight = max(self.peak_in_flight, in_flight + 1)
         else:
             self.refused[reason] += 1
         return reason
+
+    def remember_poison(self, fingerprint: str, until: float) -> None:
+        """A client found requests with ``fingerprint`` take down two engines: refuse them until ``until``."""
+        self._poison[fingerprint] = max(until, self._poison.get(fingerprint, until))
+
+    def poison_refusal(self, fingerprint: Callable[[], str], now: float) -> str | None:
+        """``POISON`` (counted) if the request's ``fingerprint()`` is remembered at ``now``; computed only when
+        some fingerprint is. Forgets the expired ones."""
+        if not self._poison:
+            return None
+        for key, until in list(self._poison.items()):
+            if now >= until:
+                del self._poison[key]
+        if self._poison and fingerprint() in self._poison:
+            self.refused[POISON] += 1
+            return POISON
+        return None
 
     def route(self, epoch: int, member: bool, committed: int) -> None:
         """The controller's word: membership and committed version as of routing ``epoch``.
@@ -77,7 +113,8 @@ class ShardGate:
 
     def counters(self) -> dict[str, Any]:
         return {"admitted": self.admitted, "refused": dict(self.refused), "paused": self.paused,
-                "member": self.member, "floor": self.floor, "committed": self.committed}
+                "member": self.member, "floor": self.floor, "committed": self.committed,
+                "cap": self.cap, "peak_in_flight": self.peak_in_flight}
 
 
 class RecentResults:

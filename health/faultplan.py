@@ -55,7 +55,10 @@ Faults of the trainer's refit call itself name no ``shard``:
   the wrong weights, and every lagging request refused by the shards), or
   ``resize_under_load`` (client threads submit without pause while the fleet grows by
   one engine, a refit lands, and it shrinks by one: the new engine serves after the
-  refit, the removed one is drained and retired, nothing lost).
+  refit, the removed one is drained and retired, nothing lost), or ``poison_request``
+  (every engine armed to crash under one prompt, which is then sent twice: at most two
+  engines die, it comes back as ``poison`` and is refused at once the second time; the
+  fleet keeps serving).
 
 Pure: no Ray, no vLLM. ``load_plan`` raises ``ValueError`` naming the field
 (``faults[0].where``) and the allowed values; ``resolve`` turns a plan into
@@ -95,6 +98,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "concurrent_refit": ("call",),
     "refit_under_load": ("call",),
     "resize_under_load": ("call",),
+    "poison_request": ("call",),
     "kill_controller": CONTROLLER_WHERE,
 }
 WHAT = tuple(ALLOWED)

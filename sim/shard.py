@@ -186,7 +186,8 @@ class SimShard:
         self.gate.committed = max(self.gate.committed, self.version)
         return True
 
-    async def arm_fault(self, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0) -> bool:
+    async def arm_fault(self, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0,
+                        match: Sequence[int] | None = None) -> bool:
         raise NotImplementedError("a simulated shard has no fault hooks: the simulator injects faults itself (sim.faults)")
 
     async def shutdown(self) -> bool:

@@ -13,6 +13,9 @@ can find it by name.
   the fleet had committed when it finished;
 - a second driver process attaches by name (``Fleet.connect``), generates, refits and
   detaches; this driver then serves the new version;
+- two client processes attach by name and flood the fleet at once, each within the admission
+  cap by its own count: every shard refuses past its cap (``full``), the clients re-route,
+  no shard ever held more than its cap, nothing is lost;
 - a controller killed between pause and resume (as the resume phase begins: the refit
   had committed; as the transfer phase begins: it had not): the trainer's
   ``sync_weights`` succeeds or raises one typed rlfleet error (never a raw Ray error),
@@ -47,6 +50,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 # long enough that requests are still running when the controller dies and while it is down
 SAMPLING = {"max_tokens": 64, "ignore_eos": True, "temperature": 1.0}
+CAP = 4  # each shard's admission cap (this module's other loads hold at most 4 requests at once)
 
 
 class Run(helpers.Run):
@@ -79,6 +83,8 @@ def run(ray_local, tiny_model, tmp_path_factory):
             "controller_max_restarts": 6,  # this module kills it twice
             "controller_restart_wait_s": 90,
             "event_log_path": str(log_path),
+            # a small fixed cap per shard (the law off: pinned at the ceiling), so two flooding clients overrun it
+            "admission": {"ceiling": CAP, "enabled": False},
         }
     )
     source_name = f"{fleet.name}-source"
@@ -246,6 +252,54 @@ def test_second_driver_connects_by_name_refits_and_detaches(run):
     assert all(r.ok and r.result.weight_version == new for r in results), results
     info = fleet.controller_info()
     assert info["generation"] == generation and info["stopped"] is None
+    run.assert_invariants()
+
+
+FLOOD_CLIENT = r"""
+import json, pathlib, sys, time
+from fleet import ray_io
+from fleet.api import Fleet
+name, address, ready, me = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3]), sys.argv[4]
+fleet = Fleet.connect(name, address=address)
+(ready / me).touch()
+deadline = time.monotonic() + 60
+while len(list(ready.iterdir())) < 2 and time.monotonic() < deadline:  # both clients flood at once
+    time.sleep(0.05)
+groups = fleet.generate([[7, 6, 5, k] for k in range(8)], 2, {"max_tokens": 16, "ignore_eos": True})
+results = [r for g in groups for r in g]
+counters = fleet.detach()
+print(json.dumps({"ok": sum(r.ok for r in results), "n": len(results), "counters": counters}), flush=True)
+ray_io.shutdown()
+"""
+
+
+def test_two_client_processes_flooding_never_push_a_shard_past_its_cap(run, tmp_path):
+    fleet = run.fleet
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", FLOOD_CLIENT, fleet.name, address, str(tmp_path), f"c{i}"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr[-4000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    print(f"two flooding clients: {time.monotonic() - t0:.1f} s; {outs}")
+    for out in outs:  # each alone held up to 2 x CAP at once by its own count; nothing lost, nothing failed
+        c = out["counters"]
+        assert out["ok"] == out["n"] == 16 and c["accepted"] == c["completed"] == 16 and c["in_progress"] == 0, out
+        assert c["requeued"] == 0, out  # a ``full`` is a re-route, never a failure
+    counters = fleet.shard_counters()
+    print("shard counters:", counters)
+    assert sorted(counters) == [0, 1]
+    for slot, c in counters.items():
+        assert c["cap"] == CAP and 0 < c["peak_in_flight"] <= CAP, (slot, c)
+    assert sum(out["counters"]["refused"].get("full", 0) for out in outs) > 0  # the shards did turn work away
+    assert {s: c["refused"].get("full", 0) for s, c in counters.items()} != {0: 0, 1: 0}
     run.assert_invariants()
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from fleet.client import InProcessClient
 from sim.clock import LoopClock, VirtualTimeLoop, run_virtual  # noqa: F401 - the unit tests' virtual time
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
+from fleet.poison import fingerprint
 from fleet.routing import Ticket, VersionPolicy
 from fleet.shard_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
@@ -105,9 +106,9 @@ class FakeDoor:
 
     async def call(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
         if method == "serve":  # the data plane's packed generate: recorded and scripted as "generate"
-            prompt, sampling, request_id, cache_salt, epoch, kind, k = args[0]
+            prompt, sampling, request_id, cache_salt, epoch, kind, k, cap = args[0]
             method, args = "generate", (prompt, sampling)
-            kw = dict(kw, request_id=request_id, cache_salt=cache_salt, ticket=Ticket(epoch, VersionPolicy(kind, k)))
+            kw = dict(kw, request_id=request_id, cache_salt=cache_salt, ticket=Ticket(epoch, VersionPolicy(kind, k), cap))
         self.calls.append((method, handle.slot, handle.incarnation))
         self.kwargs.append((method, handle.slot, kw))
         if handle.dead:
@@ -219,8 +220,13 @@ class FakeDoor:
         s.dead = True
         return True
 
+    async def _refuse_poison(self, s, fp, window_s):
+        s.gate.remember_poison(fp, asyncio.get_running_loop().time() + window_s)
+        return True
+
     async def _generate(self, s, prompt, sampling, request_id=None, cache_salt=None, timeout=None, ticket=None):
-        reason = s.gate.admit(ticket, s.version)
+        reason = (s.gate.poison_refusal(lambda: fingerprint(prompt, sampling or {}), asyncio.get_running_loop().time())
+                  or s.gate.admit(ticket, s.version, len(s.in_flight)))
         if reason is not None:
             raise RouteRefused(f"slot {s.slot} refused {request_id} ({reason})", reason)
         start = s.version

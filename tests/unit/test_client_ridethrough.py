@@ -75,7 +75,7 @@ class ControllerDoor(FakeDoor):
 
 def config(**kw) -> SimpleNamespace:
     return SimpleNamespace(max_staleness=None, kv_policy="none", request_timeout_s=30.0, max_redispatch=3,
-                           event_log_path=None, **kw)
+                           poison_window_s=600.0, event_log_path=None, **kw)
 
 
 def fleet_of(door: ControllerDoor, epoch: int, slots=(0, 1), gate_open: bool = True) -> RoutingState:

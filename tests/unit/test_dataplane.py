@@ -348,3 +348,55 @@ def test_a_request_whose_own_timeout_passes_while_it_generates_is_aborted_withou
         await ctl.shutdown()
 
     run(go())
+
+
+# ------------------------------------------------------------------ the cap is the shard's (hole 5)
+def test_the_gate_refuses_full_at_the_newest_published_cap():
+    from fleet.shard_gate import FULL
+
+    g = member_gate(epoch=3)
+    assert g.admit(Ticket(3, cap=2), 2, in_flight=0) is None
+    assert g.admit(Ticket(3, cap=2), 2, in_flight=1) is None
+    assert g.admit(Ticket(3, cap=2), 2, in_flight=2) == FULL  # at its cap: whoever routed it
+    assert g.admit(Ticket(4, cap=3), 2, in_flight=2) is None  # a newer state grew the cap
+    assert g.admit(Ticket(3, cap=9), 2, in_flight=3) == FULL  # an older state's cap does not win
+    assert g.admit(None, 2, in_flight=50) is None  # an operator's direct call carries no cap
+    c = g.counters()
+    assert c["cap"] == 3 and c["peak_in_flight"] == 51 and c["refused"] == {FULL: 2}
+
+
+def test_two_clients_never_push_a_shard_past_its_cap_and_full_is_a_free_reroute(model_dir):
+    """Two clients, each within the published cap by its own count, flood one fleet: each shard refuses
+    past its cap (``full``), the clients re-route with no error and no health report, nothing is lost."""
+    from fleet.client import InProcessClient
+
+    async def go():
+        ctl, door, _ = make(model_dir, admission={"ceiling": 2, "enabled": False}, request_timeout_s=600)
+        door.gen_delay = 0.5
+        await ctl.start()
+        assert ctl.publisher.current.cap_map == {0: 2, 1: 2, 2: 2}
+        peak: Counter = Counter()
+        untimed = door._generate
+
+        async def generate(s, *args, **kw):
+            task = asyncio.ensure_future(untimed(s, *args, **kw))
+            await asyncio.sleep(0)  # admitted (or refused) by now
+            peak[s.slot] = max(peak[s.slot], len(s.in_flight))
+            return await task
+
+        door._generate = generate
+        clients = [InProcessClient(ctl, rng=random.Random(i)) for i in range(2)]
+        res = await asyncio.gather(*(c.dispatcher.submit([1, 2], request_id=f"c{i}-{j}")
+                                     for i, c in enumerate(clients) for j in range(20)))
+        assert all(r.ok for r in res) and len(res) == 40
+        assert max(peak.values()) == 2, peak  # never more than the cap on any shard
+        full = sum(c.dispatcher.refused.get("full", 0) for c in clients)
+        assert full > 0  # each client alone would have sent 6 at once: the shards turned the excess away
+        assert [c.dispatcher.requeued for c in clients] == [0, 0]  # a refusal is no failure
+        assert {ctl.ledger.state(s).value for s in range(3)} == {"healthy"}
+        assert all(r.attempts == 1 for r in res)
+        counters = await ctl.shard_counters()
+        assert all(c["cap"] == 2 and c["peak_in_flight"] == 2 for c in counters.values()), counters
+        await ctl.shutdown()
+
+    run(go())

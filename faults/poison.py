@@ -1,0 +1,74 @@
+"""The ``poison_request`` fault: a prompt that crashes every engine it reaches, sent twice.
+
+Firing (``poison_request``): once the fleet is idle (requests in flight when an engine
+dies are re-sent too, and one that happened to be on both dying engines would be
+returned as poison with the culprit: see ``fleet.poison``), every healthy slot is armed
+with the shard's ``poison`` action for ``POISON_TOKENS`` (the engine core is killed
+under any request whose prompt contains them); the prompt is sent, then sent again;
+then a batch of ordinary requests. Recorded: both calls (reason, attempts, times), the
+batch's outcome and the fleet's state after.
+
+Proof (``prove_poison_request``): the first call came back ``poison`` after exactly two
+attempts; the event log has its ``poison`` record naming two engines on distinct slots,
+and no more than those two engines died from the firing on; the second call was
+refused at once (no attempt); the batch completed; the gate is open.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+POISON_TOKENS = [7, 77, 7, 77]  # in no other prompt the fault runs send
+POISON_PROMPT = [1, *POISON_TOKENS, 2]
+PROMPT, SAMPLING = [1, 21, 31, 41, 51], {"max_tokens": 4}
+IDLE_WAIT_S = 120.0
+
+
+def poison_request(fleet, say: Callable[[str], Any] = print) -> dict:
+    t_idle = time.monotonic() + IDLE_WAIT_S
+    while fleet.status()["requests"]["in_progress"] and time.monotonic() < t_idle:
+        time.sleep(0.2)
+    status = fleet.status()
+    armed = [s["slot"] for s in status["ledger"]["slots"] if s["state"] == "healthy"]
+    for slot in armed:
+        fleet.arm_fault(slot, "generate", "poison", 0.0, 0, POISON_TOKENS)
+    calls = [_send(fleet, status["version"]) for _ in range(2)]
+    others = [r for g in fleet.generate([PROMPT] * 6, 1, SAMPLING) for r in g]
+    after = fleet.status()
+    say(f"poison request: armed slots {armed}; calls {[(c['outcome'], c['attempts']) for c in calls]}; "
+        f"{sum(r.ok for r in others)} of {len(others)} ordinary requests completed after it")
+    return {"armed": armed, "calls": calls, "returned": sum(c["outcome"] != "completed" for c in calls),
+            "others": {"n": len(others), "ok": sum(r.ok for r in others)},
+            "after": {"gate_open": after["gate_open"], "version": after["version"]}}
+
+
+def _send(fleet, version: int) -> dict:
+    began = time.monotonic()
+    [r] = fleet.collect(fleet.submit(POISON_PROMPT, 1, SAMPLING))
+    outcome = "completed" if r.ok else ("poison" if r.reason.startswith("poison: ") else "returned")
+    return {"version": version, "outcome": outcome, "reason": r.reason, "attempts": r.attempts,
+            "began": round(began, 6), "ended": round(time.monotonic(), 6)}
+
+
+def prove_poison_request(f: Mapping, calls: list[dict], events: list[dict]) -> list[str]:
+    first, again = calls[0], calls[1]
+    wrong = []
+    if first["outcome"] != "poison" or first["attempts"] != 2:
+        wrong.append(f"the poison prompt came back {first['outcome']} after {first['attempts']} attempt(s), not as "
+                     f"poison after 2: {first['reason'][:200]}")
+    marks = [e for e in events if e["kind"] == "request" and e.get("event") == "poison" and e["t"] >= first["began"]]
+    if len(marks) != 1 or len(marks[0]["engines"]) != 2 or not marks[0].get("fingerprint"):
+        wrong.append(f"expected one 'poison' record naming two engines and a fingerprint, got {marks}")
+    dead = sorted({(e["slot"], e["incarnation"]) for e in events if e["kind"] == "health" and e["t"] >= first["began"]
+                   and e["after"] in ("dead", "retired") and e["before"] != e["after"]})
+    if len(dead) != 2 or len({s for s, _ in dead}) != 2:
+        wrong.append(f"engines that died from the firing on: {dead}; expected exactly two, on two slots")
+    if again["outcome"] != "poison" or again["attempts"] != 0 or "refused without sending it" not in again["reason"]:
+        wrong.append(f"sent again, it was not refused at once: {again['outcome']} after {again['attempts']} "
+                     f"attempt(s): {again['reason'][:200]}")
+    if f["others"]["ok"] != f["others"]["n"]:
+        wrong.append(f"only {f['others']['ok']} of {f['others']['n']} ordinary requests completed after it")
+    if not f["after"]["gate_open"]:
+        wrong.append("the gate is closed after it: the fleet stopped serving")
+    return wrong

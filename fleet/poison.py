@@ -1,0 +1,72 @@
+"""Poison requests: a request whose attempts took down two engines is never sent a third time (pure, no Ray).
+
+A request that crashes the engine running it (a prompt or sampling setting that breaks
+the model's kernels, a tokenizer edge case) would, re-sent after each death, take down
+every engine in turn and spend every restart budget. The dispatcher counts, per request,
+the engines that died *under* it (``took_down``): the shard actor died during the call,
+or the shard says its engine core crashed while that very request ran
+(``EngineCrashedError.request_id``). An engine that was already dead when the request
+arrived does not count. At ``POISON_DEATHS`` the request is returned with the reason
+``poison`` and its fingerprint (prompt and sampling, seed left out: a group's samples
+differ only in their seeds) is remembered for ``poison_window_s``; a request with that
+fingerprint is refused at once meanwhile, before it reaches any engine.
+
+Who remembers: the client that found it (``fleet.dispatch.Dispatcher``), and every shard
+serving when it did: the client tells them (``EngineShard.refuse_poison``, in the
+background) and their gates refuse that fingerprint to any client for the window
+(``fleet.shard_gate.POISON``). The controller is left out on purpose: it sees no request
+and keeps no per-request state, and a poison found by one client is known to the shards
+every other client routes to. Not covered: an engine that started after the notice (a
+restart, a resize) does not know it, so another client's copy can take that one down
+once before a told shard refuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from fleet.errors import EngineCrashedError
+from fleet.outcome import DIED, ERROR, Outcome
+
+POISON = "poison"
+POISON_DEATHS = 2  # engines a request may take down; it is never sent to another one
+
+
+def took_down(outcome: Outcome, request_id: str) -> bool:
+    """True if the attempt of ``request_id`` ended with its engine's death while it ran there."""
+    if outcome.kind == DIED:
+        return True
+    return (outcome.kind == ERROR and isinstance(outcome.error, EngineCrashedError)
+            and outcome.error.request_id == request_id)
+
+
+def fingerprint(prompt: Any, sampling: dict) -> str:
+    """A short hash of the prompt (text or token ids) and the sampling settings other than ``seed``."""
+    body = json.dumps([prompt if isinstance(prompt, str) else [int(t) for t in prompt],
+                       {k: v for k, v in sorted(sampling.items()) if k != "seed"}], sort_keys=True, default=repr)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+class PoisonMemory:
+    """Fingerprints of poison requests, each until its window ends (``window_s`` 0: none remembered)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = float(window_s)
+        self._until: dict[str, tuple[float, str]] = {}  # fingerprint -> (until, what it took down)
+
+    def __bool__(self) -> bool:
+        return bool(self._until)
+
+    def remember(self, fp: str, engines: str, now: float) -> None:
+        if self.window_s > 0:
+            self._until[fp] = (now + self.window_s, engines)
+
+    def known(self, fp: str, now: float) -> str | None:
+        """What ``fp`` took down, if it is remembered at ``now``; forgets the expired ones."""
+        for key, (until, _) in list(self._until.items()):
+            if now >= until:
+                del self._until[key]
+        hit = self._until.get(fp)
+        return hit[1] if hit else None

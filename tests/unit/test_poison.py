@@ -1,0 +1,197 @@
+"""Poison requests (issue 29, hole 4), over the unit fakes in virtual time.
+
+A request whose attempts took down two engines is returned with the reason ``poison``
+and never sent a third time; its fingerprint (prompt and sampling, not the seed) is
+logged and refused at once, by that client, for ``poison_window_s``. An engine death
+counts against a request only when the request was running on it: the actor died under
+the call, or the shard says its engine crashed during that request (``EngineCrashedError``
+with its ``request_id``), not when the engine was already dead when it arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+
+from fleet.poison import fingerprint, took_down
+from fleet.errors import ConfigError, EngineCrashedError
+from fleet.fleet_config import load_fleet_config
+from fleet.outcome import DIED, ERROR, Outcome
+from tests.unit.fleet_fakes import client
+from tests.unit.test_controller import make, run
+
+POISON = [6, 6, 6]
+
+
+def poisoned_door(door):
+    """Every fake engine dies under a request for ``POISON`` (as a prompt that crashes the model would)."""
+    untouched = door._generate
+    received: list[tuple[int, int]] = []
+
+    async def generate(s, prompt, *args, **kw):
+        result = await untouched(s, prompt, *args, **kw)  # (raises ``RouteRefused`` if the shard refused it)
+        if list(prompt) == POISON:  # admitted and run: its engine dies under it
+            received.append((s.slot, s.incarnation))
+            s.dead = True  # the door answers ``died`` for a shard dead when its call ends
+        return result
+
+    door._generate = generate
+    return received
+
+
+def test_a_request_that_took_down_two_engines_is_returned_as_poison_and_never_sent_a_third_time(model_dir):
+    async def go():
+        ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
+        received = poisoned_door(door)
+        await ctl.start()
+        c = client(ctl)
+        try:  # (before the fix it was re-sent until every engine had died, then waited at the closed gate)
+            res = await asyncio.wait_for(c.generate_async(POISON, {"max_tokens": 4, "seed": 1}), 30)
+        except asyncio.TimeoutError:
+            pytest.fail(f"the poison request did not end; engines it reached: {received}")
+        assert not res.ok and res.reason.startswith("poison: "), res
+        assert res.attempts == 2 and len(received) == 2 and len({s for s, _ in received}) == 2
+        assert sum(s.dead for s in door.shards.values()) == 2  # the third engine never saw it
+        fp = fingerprint(POISON, {"max_tokens": 4, "seed": 1})
+        assert fp in res.reason
+        logged = [e for e in ctl.log.records(kinds=["request"]) if e.get("event") == "poison"]
+        assert len(logged) == 1 and logged[0]["fingerprint"] == fp and len(logged[0]["engines"]) == 2
+        # again, with another seed: refused at once, nothing sent anywhere
+        again = await c.generate_async(POISON, {"max_tokens": 4, "seed": 2})
+        assert not again.ok and again.reason.startswith("poison: ") and again.attempts == 0, again
+        assert len(received) == 2
+        # the fleet keeps serving other prompts (the dead slots restart meanwhile)
+        others = [await c.generate_async([1, 2]) for _ in range(6)]
+        assert all(r.ok for r in others)
+        assert c.dispatcher.returned_reasons["poison"] == 2 and c.counters()["in_progress"] == 0
+        # past the window it is a new request again (and is sent); a refit first brings the restarted slots back
+        await asyncio.sleep(61)
+        await ctl.sync_weights(1)
+        late = await c.generate_async(POISON, {"max_tokens": 4, "seed": 3})
+        assert late.reason.startswith("poison: ") and late.attempts == 2 and len(received) == 4
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_a_poison_one_client_found_is_refused_by_the_shards_to_another_client(model_dir):
+    from fleet.client import InProcessClient
+    from fleet.poison import POISON as REASON
+
+    async def go():
+        ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
+        received = poisoned_door(door)
+        await ctl.start()
+        a, b = InProcessClient(ctl), InProcessClient(ctl)
+        first = await a.dispatcher.submit(POISON, {"max_tokens": 4}, request_id="a-1")
+        assert first.reason.startswith("poison: ") and len(received) == 2
+        await asyncio.sleep(0.1)  # the serving shards were told (in the background)
+        other = await b.dispatcher.submit(POISON, {"max_tokens": 4, "seed": 5}, request_id="b-1")
+        assert other.reason.startswith("poison: ") and "refused by slot" in other.reason, other
+        assert other.attempts == 0 and len(received) == 2  # no third engine died
+        assert sum(s.gate.refused.get(REASON, 0) for s in door.shards.values()) == 1
+        assert b.dispatcher.returned_reasons["poison"] == 1 and b.dispatcher.requeued == 0
+        assert (await b.dispatcher.submit([1, 2], request_id="b-2")).ok  # and nothing else is refused
+        fp = fingerprint(POISON, {"max_tokens": 4})
+        now = asyncio.get_running_loop().time
+        assert sum(s.gate.poison_refusal(lambda: fp, now()) is not None for s in door.shards.values() if not s.dead)
+        await asyncio.sleep(61)  # the shards forget it with the window
+        assert not any(s.gate.poison_refusal(lambda: fp, now()) for s in door.shards.values())
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_only_a_death_under_the_request_counts_against_it():
+    died = Outcome(DIED, error=RuntimeError("actor died"))
+    during = Outcome(ERROR, error=EngineCrashedError("engine core died during request r1", request_id="r1"))
+    before = Outcome(ERROR, error=EngineCrashedError("engine core died: EngineDeadError()"))
+    assert took_down(died, "r1") and took_down(during, "r1")
+    assert not took_down(before, "r1")  # it was dead when the request arrived: the request did nothing
+    assert not took_down(during, "r2")
+    again = pickle.loads(pickle.dumps(during.error))  # it crosses the Ray boundary with its request id
+    assert isinstance(again, EngineCrashedError) and again.request_id == "r1"
+
+
+def test_the_fingerprint_is_the_prompt_and_sampling_but_not_the_seed():
+    assert fingerprint([1, 2], {"max_tokens": 4, "seed": 1}) == fingerprint([1, 2], {"seed": 9, "max_tokens": 4})
+    assert fingerprint([1, 2], {"max_tokens": 4}) != fingerprint([1, 2], {"max_tokens": 5})
+    assert fingerprint([1, 2], {}) != fingerprint([2, 1], {}) and fingerprint("ab", {}) != fingerprint("ba", {})
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "soon"])
+def test_a_bad_poison_window_is_refused_naming_it(model_dir, bad):
+    with pytest.raises(ConfigError, match="poison_window_s"):
+        load_fleet_config({"engine": {"model": model_dir}, "poison_window_s": bad})
+
+
+# ------------------------------------------------------------------ the fault action: a prompt that crashes its engine
+def test_a_poison_fault_crashes_the_engine_under_a_matching_request_only(tmp_path, monkeypatch):
+    from fleet import fault_hooks
+    from fleet.fault_hooks import ArmedFault
+    from fleet.null_backend import NullBackend
+    from fleet.shard import EngineShard
+
+    monkeypatch.setattr(fault_hooks, "ENGINE_DEATH_WAIT_S", 0.05)  # the null engine has no core to see die
+    for bad in (dict(point="generate", action="poison"), dict(point="generate", action="kill", match=(1,)),
+                dict(point="pause", action="poison", match=(1,))):
+        with pytest.raises(ValueError, match="match"):
+            ArmedFault(**bad)
+
+    async def go():
+        (tmp_path / "config.json").write_text("{}")
+        shard = EngineShard({"model": str(tmp_path), "backend": "null"}, 0, 1,
+                            backend_factory=lambda cfg: NullBackend(cfg))
+        await shard.start()
+        shard.arm_fault("generate", "poison", match=POISON)
+        assert (await shard.generate([1, 2], {}, "fine")).completions
+        for rid in ("p1", "p2"):  # every matching request, not once
+            with pytest.raises(EngineCrashedError) as err:
+                await shard.generate([9, *POISON, 9], {}, rid)
+            assert err.value.request_id == rid and "poison" in str(err.value)
+        assert [f["action"] for f in shard.faults_fired()] == ["poison", "poison"]
+        assert shard.in_flight() == []
+
+    asyncio.run(go())
+
+
+def test_the_poison_variant_proof_fails_when_a_third_engine_dies_or_the_repeat_is_sent():
+    from faults.poison import prove_poison_request
+
+    first = {"version": 1, "outcome": "poison", "attempts": 2, "began": 10.0, "ended": 12.0,
+             "reason": "poison: its attempts took down 2 engines"}
+    again = {"version": 1, "outcome": "poison", "attempts": 0, "began": 12.0, "ended": 12.0,
+             "reason": "poison: fingerprint f took down ... (poison_window_s); refused without sending it"}
+    record = {"others": {"n": 6, "ok": 6}, "after": {"gate_open": True}}
+
+    def died(slot, t):
+        return {"kind": "health", "t": t, "slot": slot, "incarnation": 1, "before": "healthy", "after": "dead"}
+
+    events = [died(0, 10.5), died(1, 11.5),
+              {"kind": "request", "event": "poison", "t": 12.0, "fingerprint": "f", "engines": ["slot 0", "slot 1"]}]
+    assert prove_poison_request(record, [first, again], events) == []
+    assert any("exactly two" in p for p in prove_poison_request(record, [first, again], events + [died(2, 13.0)]))
+    sent = {**again, "outcome": "poison", "attempts": 1, "reason": "poison: its attempts took down 2 engines"}
+    assert any("not refused at once" in p for p in prove_poison_request(record, [first, sent], events))
+
+
+def test_a_shard_told_of_a_poison_refuses_it_from_anyone_and_runs_everything_else(tmp_path):
+    from fleet.errors import RouteRefused
+    from fleet.null_backend import NullBackend
+    from fleet.shard import EngineShard
+
+    async def go():
+        (tmp_path / "config.json").write_text("{}")
+        shard = EngineShard({"model": str(tmp_path), "backend": "null"}, 0, 1,
+                            backend_factory=lambda cfg: NullBackend(cfg))
+        await shard.start()
+        assert shard.refuse_poison(fingerprint(POISON, {"max_tokens": 4}), 60.0) is True
+        with pytest.raises(RouteRefused) as err:
+            await shard.generate(POISON, {"max_tokens": 4, "seed": 7}, "p")
+        assert err.value.reason == "poison" and "two engines" in str(err.value)
+        assert (await shard.generate(POISON, {"max_tokens": 5}, "q")).completions  # other sampling: another request
+        assert shard.counters()["refused"] == {"poison": 1} and shard.counters()["admitted"] == 1
+
+    asyncio.run(go())
