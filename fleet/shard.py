@@ -28,6 +28,7 @@ from fleet.errors import BadRequestError, DeadlineExceeded, RouteRefused, ShardS
 from fleet.routing import Ticket, VersionPolicy
 from fleet.shard_gate import EPOCH, NOT_MEMBER, PAUSED, RecentResults, ShardGate
 from fleet.types import FINISH_ABORTED, Completion, EngineStats, GenerationResult
+from health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
 # Worker-extension methods that move weights: the "transfer" fault point.
@@ -77,6 +78,19 @@ class EngineShard:
         self._left: dict[str, int] | None = None  # what it held when it last left the serving set
         self._load = {"finished": 0, "peak": 0, "trough": 0}  # for the admission law, since the last stats()
         self._ids = itertools.count()
+        self._now: Callable[[], float] = time.monotonic  # the progress clock's time (tests: a virtual loop's)
+        self._progress = self._watch_progress()
+
+    def _watch_progress(self) -> ProgressWatch:
+        """Progress facts for the ping (``health.progress``): a backend with a ``step_listener`` (vLLM's
+        per-step stat record) tells each engine step and the tokens it made; others give no step marks."""
+        marks = hasattr(self._backend, "step_listener")
+        if marks:
+            self._backend.step_listener = lambda tokens: self._progress.stepped(self._now(), tokens)
+        return ProgressWatch(self._now(), steps=marks)
+
+    def _busy(self) -> None:
+        self._progress.busy(len(self._inflight), self._now())
 
     # -- identity and lifecycle -------------------------------------------------
     def _who(self) -> str:
@@ -121,6 +135,7 @@ class EngineShard:
             "state": self._state,
             "in_flight": len(self._inflight),
             "pid": os.getpid(),
+            "progress": self._progress.facts(len(self._inflight), self._now()).as_dict(),
         }
 
     def memory_mb(self) -> dict[str, float]:
@@ -151,7 +166,10 @@ class EngineShard:
         """Liveness: raises if the shard or its engine cannot serve."""
         if self._hooks.armed:
             await self._hooks.at("ping")
-        self._require_ready("ping")
+        backend = self._require_ready("ping")
+        if not self._progress.holding("worker_rpc"):  # else its core runs that bounded call: no answer expected
+            # the actor answering is not the engine living: a call its core must answer, bounded
+            await self._bounded("core check (is_paused)", backend.is_paused(), self.config.core_check_timeout_s)
         return self.ping_info()
 
     # -- fault injection (hook points; free when nothing is armed) ---------------
@@ -204,6 +222,7 @@ class EngineShard:
         done = self._running[rid] = asyncio.get_running_loop().create_future()
         self._inflight[rid] = (self._version, ticket.policy if ticket is not None else None)
         self._load["peak"] = max(self._load["peak"], len(self._inflight))
+        self._busy()
         start = self._version
         try:
             completions = await self._bounded(
@@ -233,6 +252,7 @@ class EngineShard:
         finally:
             self._inflight.pop(rid, None)
             self._running.pop(rid, None)
+            self._busy()
             self._load["finished"] += 1
             self._load["trough"] = min(self._load["trough"], len(self._inflight))
         policy = ticket.policy if ticket is not None else None
@@ -330,6 +350,8 @@ class EngineShard:
             return False
         backend = self._require_ready("pause")
         await self._bounded(f"pause(mode={mode})", backend.pause(mode, bool(clear_cache)), timeout)
+        if not self.gate.paused:
+            self._progress.hold("paused", self._now())  # a paused engine makes no step: not a stall
         self.gate.paused = True  # from now on new work is refused (what was in flight is held or aborted)
         return True
 
@@ -338,6 +360,8 @@ class EngineShard:
             return False
         backend = self._require_ready("resume")
         await self._bounded("resume", backend.resume(), timeout)
+        if self.gate.paused:
+            self._progress.release("paused", self._now())
         self.gate.paused = False
         return True
 
@@ -381,7 +405,11 @@ class EngineShard:
             await self._hooks.at("transfer")  # a fault armed at the transfer fires where the bytes start moving
         backend = self._require_ready(f"worker_rpc({method})")
         deadline = self.config.call_timeout_s if timeout is None else timeout
-        return await self._bounded(f"worker_rpc({method})", backend.worker_rpc(method, tuple(args), kwargs or {}, deadline), deadline + 1.0)
+        self._progress.hold("worker_rpc", self._now())  # the core runs this bounded call, not engine steps
+        try:
+            return await self._bounded(f"worker_rpc({method})", backend.worker_rpc(method, tuple(args), kwargs or {}, deadline), deadline + 1.0)
+        finally:
+            self._progress.release("worker_rpc", self._now())
 
     async def shutdown(self) -> bool:
         """Abort in-flight requests (explicitly returned to their callers), then stop the engine."""
