@@ -254,7 +254,10 @@ class SingleController:
         if handle is None:
             return
         out = with_progress(await self.door.call(handle, "ping", timeout=self.cfg.probe_timeout_s), self.cfg.stall_timeout_s)
-        if out.ok:
+        if out.ok and isinstance(out.value, dict) and out.value.get("core_checked") is False:
+            # its core runs a bounded worker call, so the ping did not ask it: no verdict; ask again after that
+            self._background(self._probe(slot, incarnation, self.clock.now() + max(self.cfg.probe_interval_s, 0.1)))
+        elif out.ok:
             self.observe(slot, incarnation, CallKind.PROBE, out)
         else:
             self.observe_all(CallKind.PROBE, self._with_lost_nodes({slot: (incarnation, out)}))

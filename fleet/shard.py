@@ -166,11 +166,17 @@ class EngineShard:
         """Liveness: raises if the shard or its engine cannot serve."""
         if self._hooks.armed:
             await self._hooks.at("ping")
-        backend = self._require_ready("ping")
-        if not self._progress.holding("worker_rpc"):  # else its core runs that bounded call: no answer expected
-            # the actor answering is not the engine living: a call its core must answer, bounded
-            await self._bounded("core check (is_paused)", backend.is_paused(), self.config.core_check_timeout_s)
-        return self.ping_info()
+        checked = await self._core_check(self._require_ready("ping"))
+        return {**self.ping_info(), "core_checked": checked}
+
+    async def _core_check(self, backend: EngineBackend) -> bool:
+        """The actor answering is not its engine living: one call the engine core must answer (``is_paused``)
+        within ``core_check_timeout_s``, else ``DeadlineExceeded`` (hung). Skipped (False) while the core runs
+        a bounded worker call (a weight transfer): it cannot answer before that call ends."""
+        if self._progress.holding("worker_rpc"):
+            return False
+        await self._bounded("core check (is_paused)", backend.is_paused(), self.config.core_check_timeout_s)
+        return True
 
     # -- fault injection (hook points; free when nothing is armed) ---------------
     def arm_fault(self, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0) -> bool:
@@ -349,6 +355,7 @@ class EngineShard:
         if self._hooks.armed and await self._hooks.at("pause"):
             return False
         backend = self._require_ready("pause")
+        await self._core_check(backend)  # a stopped core is named in seconds, not at the refit's pause deadline
         await self._bounded(f"pause(mode={mode})", backend.pause(mode, bool(clear_cache)), timeout)
         if not self.gate.paused:
             self._progress.hold("paused", self._now())  # a paused engine makes no step: not a stall

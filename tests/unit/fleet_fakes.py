@@ -49,6 +49,7 @@ class FakeShard:
     left: dict | None = None  # what it held when it last left the serving set (``EngineShard.set_route``)
     progress: dict | None = None  # what its ping says of its engine's progress (``health.progress``)
     ping_raises: Exception | None = None  # its ping answers this (the shard's own exception, e.g. DeadlineExceeded)
+    core_checked: bool = True  # its ping asked its engine core (False: a bounded worker call holds the core)
 
     def behaviour(self, method: str) -> str | None:
         return self.sticky.get(method) or self.script.pop(method, None)
@@ -153,7 +154,7 @@ class FakeDoor:
     async def _ping(self, s):
         if s.ping_raises is not None:
             raise s.ping_raises
-        return {"slot": s.slot, "progress": s.progress}
+        return {"slot": s.slot, "progress": s.progress, "core_checked": s.core_checked}
 
     async def _pause(self, s, mode="keep", clear_cache=True):
         s.paused = s.gate.paused = True

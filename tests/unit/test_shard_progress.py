@@ -120,12 +120,28 @@ def test_a_paused_engine_or_one_running_a_worker_call_is_not_stalled_and_the_pin
             60.05, abs=0.1), "held": "paused"}
         rpc = asyncio.ensure_future(shard.worker_rpc("rlfleet_receive", timeout=100.0))  # the core is in it
         await asyncio.sleep(1.0)
-        assert (await shard.ping())["progress"]["held"] == "paused"  # answered: the busy core was not asked
+        answer = await shard.ping()  # answered: the busy core was not asked, and the answer says so
+        assert answer["progress"]["held"] == "paused" and answer["core_checked"] is False
         b.thawed = True
         await rpc
         assert await shard.resume()
         await asyncio.sleep(0.05)
         assert shard.ping_info()["progress"]["stalled_s"] < 0.1  # the clock restarts at the resume
         await req
+
+    run_virtual(go())
+
+
+def test_a_pause_into_a_frozen_core_fails_within_the_core_check_not_the_refits_deadline(model_dir):
+    async def go():
+        b = SteppingBackend()
+        shard = shard_on(b, model_dir)
+        await shard.start()
+        b.thawed = False
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(DeadlineExceeded, match=r"core check \(is_paused\) on shard slot 1 \(incarnation 3\)"):
+            await shard.pause("keep", clear_cache=True, timeout=300.0)
+        assert asyncio.get_running_loop().time() - t0 == pytest.approx(0.5, abs=0.01)  # virtual time: the bound
+        assert not shard.gate.paused
 
     run_virtual(go())

@@ -99,3 +99,27 @@ def test_the_stall_bound_is_validated_and_its_detection_bound_reported(model_dir
             load_fleet_config({**base, "stall_timeout_s": bad})
     with pytest.raises(ConfigError, match="core_check_timeout_s"):
         load_fleet_config({**base, "engine": {"model": model_dir, "core_check_timeout_s": 0}})
+
+
+def test_a_probe_answered_without_a_core_check_neither_clears_nor_condemns_and_is_asked_again(model_dir):
+    """A shard whose core runs a bounded worker call (a transfer's ``rlfleet_leave`` into a frozen core) answers
+    its ping without asking the core (``core_checked: False``): that says nothing of the core. Seen on a real
+    engine: such an answer returned a frozen-core shard to healthy, and the next refit's pause hung on it."""
+    async def go():
+        ctl, door, _ = make(model_dir, monitor_interval_s=0.5, probe_interval_s=0.5, unhealthy_threshold=2)
+        await ctl.start()
+        shard = door.shards[(0, 1)]
+        shard.ping_raises = DeadlineExceeded("core check (is_paused) on shard slot 0 (incarnation 1) did not finish "
+                                             "within 1.0 s")
+        await wait_for(lambda: ctl.ledger.state(0).value == "hung", 10.0)
+        assert ctl.ledger.state(0).value == "hung"
+        shard.ping_raises, shard.core_checked = None, False  # a worker call holds its core: the ping skips the check
+        await asyncio.sleep(3.0)
+        assert ctl.ledger.state(0).value == "hung" and not kills(ctl, 0)  # not cleared, not condemned on it
+        shard.ping_raises = DeadlineExceeded("core check (is_paused) on shard slot 0 (incarnation 1) did not finish "
+                                             "within 1.0 s")  # the worker call ended: the core is asked, and fails
+        await wait_for(lambda: kills(ctl, 0), 10.0)
+        assert kills(ctl, 0) and "core check" in kills(ctl, 0)[0]["reason"]
+        await ctl.shutdown()
+
+    run_virtual(go())
