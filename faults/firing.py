@@ -165,8 +165,9 @@ class FaultFiring:
             self.fleet.kill_shard(f.slot)
         else:
             self.fleet.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
-        if f.where == "between_refits" and f.what in FREEZES:
-            done["bound_s"] = self.fleet.status()["hang_detection_bound_s"]
+        if f.where == "between_refits" and f.what in FREEZES:  # freeze_core: with a request in flight, by its stall
+            done["bound_s"] = self.fleet.status()["stall_detection_bound_s" if f.what == "freeze_core"
+                                                  else "hang_detection_bound_s"]
         self.fired.append({**asdict(f), "t": round(time.monotonic() - self.t0, 3), **done})
 
     def settle(self, step: int) -> list[Firing]:

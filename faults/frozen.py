@@ -17,7 +17,8 @@ from the records, for the freeze of one slot:
   each such request then ``completed``.
 
 The same holds for a shard whose engine core alone froze (``freeze_core``: the actor
-still answers): its ping's core check fails. ``prove_core_reaped`` checks the rest of
+still answers), within ``stall_detection_bound_s``: with a request in flight, its
+engine makes no progress (``health.progress``); idle, its ping's core check fails. ``prove_core_reaped`` checks the rest of
 that promise: the stopped engine-core processes the journal names died with the
 eviction (a stopped process ignores everything but SIGKILL; one left behind would
 hold its memory, on a GPU its device, for good).

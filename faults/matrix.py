@@ -112,8 +112,8 @@ MATRIX: tuple[Variant, ...] = (
     _v("freeze-core-between-refits", "recovers",
        [{"where": "between_refits", "what": "freeze_core", "shard": 2, "step": 1}],
        checks=("evicted:2", "resent:2", "reaped:2"), steps=1,
-       description="an engine core SIGSTOPped with a request in flight, its shard actor answering: the ping's "
-                   "core check finds it within hang_detection_bound_s, the shard is evicted with its stopped "
+       description="an engine core SIGSTOPped with a request in flight, its shard actor answering: its missing "
+                   "progress finds it within stall_detection_bound_s, the shard is evicted with its stopped "
                    "core, its requests re-sent and completed on the other two"),
     _v("freeze-core-during-transfer", "recovers",
        [{"where": "transfer", "what": "freeze_core", "shard": 0, "step": 1}],

@@ -252,7 +252,7 @@ class FaultRunner:
                 continue
             if kind == "resent":  # a frozen shard: evicted within the detection bound, its requests re-sent then
                 self._wait(lambda: self._evicted(slot, t0), 60, f"eviction of slot {slot}")
-                bound = fleet.status()["hang_detection_bound_s"]
+                bound = fleet.status()[_detection_bound(variant, slot)]
                 measured: dict = {}
                 problems = prove_resent(self.events(t0), self.journal_since(t0), slot, bound, measured=measured)
                 rep.violations += [f"check {check}: {p}" for p in problems]
@@ -263,7 +263,7 @@ class FaultRunner:
                 self._wait(lambda: not prove_core_reaped(self.journal_since(t0), slot, _pid_alive), 30,
                            f"slot {slot}'s stopped engine core to go")
                 rep.violations += [f"check {check}: {p}" for p in prove_core_reaped(self.journal_since(t0), slot, _pid_alive)]
-                rep.notes.append(f"check {check}: {self._found_after(slot, t0, fleet.status()['hang_detection_bound_s'])}")
+                rep.notes.append(f"check {check}: {self._found_after(slot, t0, fleet.status()[_detection_bound(variant, slot)])}")
                 continue
             if kind == "controller_back":
                 rep.violations += [f"check {check}: {p}" for p in self._controller_back(fleet, generation)]
@@ -377,6 +377,14 @@ def run_variants(model_dir: str, variants: list[Variant], log: Callable = print,
         raise
     finally:
         runner.close(ray_gone=gone)
+
+
+def _detection_bound(variant: Variant, slot: int) -> str:
+    """The status field bounding how long finding the freeze of ``slot`` may take: a frozen shard answers
+    no ping (``hang_detection_bound_s``); an engine core frozen with work in flight under a live actor is
+    found by its missing progress (``stall_detection_bound_s``)."""
+    whats = {f["what"] for f in variant.plan["faults"] if f.get("shard") == slot}
+    return "stall_detection_bound_s" if "freeze_core" in whats else "hang_detection_bound_s"
 
 
 def _pid_alive(pid: int) -> bool:

@@ -170,11 +170,17 @@ class EngineShard:
         return {**self.ping_info(), "core_checked": checked}
 
     async def _core_check(self, backend: EngineBackend) -> bool:
-        """The actor answering is not its engine living: one call the engine core must answer (``is_paused``)
-        within ``core_check_timeout_s``, else ``DeadlineExceeded`` (hung). Skipped (False) while the core runs
-        a bounded worker call (a weight transfer): it cannot answer before that call ends."""
+        """The actor answering is not its engine living. Returns whether this answer speaks for the engine core:
+
+        - it runs a bounded worker call (a weight transfer): it cannot answer before that ends (False);
+        - it holds work and is not paused: its steps speak for it (the progress facts: a stopped core makes
+          none; a busy one may take a long step before it could answer a call, so none is made);
+        - else one call the core must answer (``is_paused``) within ``core_check_timeout_s``, or
+          ``DeadlineExceeded`` (hung)."""
         if self._progress.holding("worker_rpc"):
             return False
+        if self._inflight and not self.gate.paused:
+            return True
         await self._bounded("core check (is_paused)", backend.is_paused(), self.config.core_check_timeout_s)
         return True
 
@@ -355,7 +361,6 @@ class EngineShard:
         if self._hooks.armed and await self._hooks.at("pause"):
             return False
         backend = self._require_ready("pause")
-        await self._core_check(backend)  # a stopped core is named in seconds, not at the refit's pause deadline
         await self._bounded(f"pause(mode={mode})", backend.pause(mode, bool(clear_cache)), timeout)
         if not self.gate.paused:
             self._progress.hold("paused", self._now())  # a paused engine makes no step: not a stall

@@ -132,16 +132,23 @@ def test_a_paused_engine_or_one_running_a_worker_call_is_not_stalled_and_the_pin
     run_virtual(go())
 
 
-def test_a_pause_into_a_frozen_core_fails_within_the_core_check_not_the_refits_deadline(model_dir):
+
+def test_a_busy_engine_is_judged_by_its_steps_not_by_a_call_its_core_may_answer_late(model_dir):
+    """A busy core answers a call only between steps; on a crowded host a step took over 2 s and a healthy
+    engine was condemned by its core check. With work in flight the steps are the witness instead."""
     async def go():
         b = SteppingBackend()
         shard = shard_on(b, model_dir)
         await shard.start()
-        b.thawed = False
-        t0 = asyncio.get_running_loop().time()
-        with pytest.raises(DeadlineExceeded, match=r"core check \(is_paused\) on shard slot 1 \(incarnation 3\)"):
-            await shard.pause("keep", clear_cache=True, timeout=300.0)
-        assert asyncio.get_running_loop().time() - t0 == pytest.approx(0.5, abs=0.01)  # virtual time: the bound
-        assert not shard.gate.paused
+        req = asyncio.ensure_future(shard.generate([1], {}, "r1"))
+        await asyncio.sleep(0.15)
+        b.thawed = False  # its core is stopped (or in a long step): no call is made, the answer says so
+        answer = await shard.ping()
+        assert answer["core_checked"] is True and answer["progress"]["stalled_s"] < 0.2
+        await asyncio.sleep(11.0)
+        answer = await shard.ping()
+        assert with_progress(Outcome(OK, value=answer), stall_timeout_s=10.0).kind == TIMED_OUT
+        b.thawed = True
+        await req
 
     run_virtual(go())
