@@ -83,6 +83,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "kill": ("dead", "retired"),
     "crash_engine": ("dead", "retired"),
     "freeze": QUARANTINE_OR_DEAD,
+    "freeze_core": QUARANTINE_OR_DEAD,
     "hang": QUARANTINE_OR_DEAD,
     "unavailable": QUARANTINE_OR_DEAD,
     "false_ack": ("stale",) + QUARANTINE_OR_DEAD,

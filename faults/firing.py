@@ -63,6 +63,7 @@ POINT_OF = {"pause": "pause", "transfer": "transfer", "stamp": "set_weight_versi
 UP = ("healthy", "stale")
 KILLED_BY_THE_CONTROLLER = ("step_boundary", "between_refits")
 PROVOKE_EVERY_S = 2.0
+FREEZES = ("freeze", "freeze_core")  # the whole shard, or only its engine core under a live actor
 TENSOR = "model.layers.1.mlp.up_proj.weight"  # the tensor an ``update`` fault corrupts (or leaves out with its layer)
 
 
@@ -157,7 +158,7 @@ class FaultFiring:
         for f in due:
             self.fire(f)
         self._between_refits({f.slot: before[f.slot] for f in shard_kills},
-                             frozen={f.slot for f in shard_kills if f.what == "freeze"})
+                             frozen={f.slot for f in shard_kills if f.what in FREEZES})
         return due
 
     def fire(self, f: Firing) -> None:
@@ -172,8 +173,9 @@ class FaultFiring:
             self.fleet.kill_shard(f.slot)
         else:
             self.fleet.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
-        if f.where == "between_refits" and f.what == "freeze":
-            done["bound_s"] = self.fleet.status()["hang_detection_bound_s"]
+        if f.where == "between_refits" and f.what in FREEZES:  # freeze_core: with a request in flight, by its stall
+            done["bound_s"] = self.fleet.status()["stall_detection_bound_s" if f.what == "freeze_core"
+                                                  else "hang_detection_bound_s"]
         self.fired.append({**asdict(f), "t": round(time.monotonic() - self.t0, 3), **done})
 
     def settle(self, step: int) -> list[Firing]:

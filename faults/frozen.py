@@ -16,15 +16,24 @@ from the records, for the freeze of one slot:
   ``slack_s`` after the kill (re-sent at the kill, not at its own deadline), and
   each such request then ``completed``.
 
+The same holds for a shard whose engine core alone froze (``freeze_core``: the actor
+still answers), within ``stall_detection_bound_s``: with a request in flight, its
+engine makes no progress (``health.progress``); idle, its ping's core check fails. ``prove_core_reaped`` checks the rest of
+that promise: the stopped engine-core processes the journal names died with the
+eviction (a stopped process ignores everything but SIGKILL; one left behind would
+hold its memory, on a GPU its device, for good).
+
 Pure: records in, one sentence per broken promise out (an empty list: proven).
 Records carry ``time.monotonic()`` of their process, one clock on one host.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
-__all__ = ["prove_resent"]
+__all__ = ["FREEZES", "prove_core_reaped", "prove_resent"]
+
+FREEZES = ("freeze", "freeze_core")
 
 
 def _names(reason: str, slot: int, incarnation: int) -> bool:
@@ -36,7 +45,7 @@ def prove_resent(events: list[Mapping], journal: Iterable[Mapping], slot: int, b
     """Sentences naming what did not happen (module docstring); empty when the freeze of ``slot`` was
     found within ``bound_s`` and the requests it held were re-sent at its eviction and completed.
     ``measured`` (when given) receives ``evicted_after_s``, ``bound_s`` and ``resent``."""
-    shot = next((r for r in journal if r.get("slot") == slot and r.get("action") == "freeze"), None)
+    shot = next((r for r in journal if r.get("slot") == slot and r.get("action") in FREEZES), None)
     if shot is None:
         return [f"slot {slot} never froze: the fault journal has no freeze of it"]
     inc, t_freeze = shot["incarnation"], shot["t"]
@@ -65,3 +74,19 @@ def prove_resent(events: list[Mapping], journal: Iterable[Mapping], slot: int, b
     if lost:
         problems.append(f"request(s) {lost[:5]} re-sent from frozen slot {slot} never completed")
     return problems
+
+
+def prove_core_reaped(journal: Iterable[Mapping], slot: int, alive: Callable[[int], bool]) -> list[str]:
+    """Sentences naming what did not happen; empty when every engine-core process that ``freeze_core``
+    stopped on ``slot`` (the journal's ``engine_pids``) is gone: ``alive(pid)`` is False for each."""
+    shot = next((r for r in journal if r.get("slot") == slot and r.get("action") == "freeze_core"), None)
+    if shot is None:
+        return [f"slot {slot}'s engine core never froze: the fault journal has no freeze_core of it"]
+    pids = list(shot.get("engine_pids") or ())
+    if not pids:
+        return [f"the freeze_core of slot {slot} (incarnation {shot['incarnation']}) stopped no engine-core process"]
+    left = [pid for pid in pids if alive(pid)]
+    if left:
+        return [f"engine-core process(es) {left} of slot {slot} (incarnation {shot['incarnation']}) outlived its "
+                "eviction (stopped, holding their memory)"]
+    return []

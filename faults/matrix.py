@@ -25,6 +25,7 @@ BASE_FLEET = {
     "lifecycle_grace_s": 5.0,
     "probe_timeout_s": 3.0,
     "suspect_timeout_s": 8.0,
+    "stall_timeout_s": 10.0,  # an engine holding work with no token for this long is hung (the default is 30 s)
     "unhealthy_threshold": 2,
     "restart_backoff_s": 0.5,
     "restart_backoff_cap_s": 2.0,
@@ -116,6 +117,19 @@ MATRIX: tuple[Variant, ...] = (
        checks=("evicted:2", "resent:2"), steps=1,
        description="a shard frozen with a request in flight and no refit coming: evicted within "
                    "hang_detection_bound_s, its requests re-sent at the eviction and completed elsewhere"),
+    # a stuck engine core under a live actor (issue 29, hole 0): the actor answers, its engine does not
+    _v("freeze-core-between-refits", "recovers",
+       [{"where": "between_refits", "what": "freeze_core", "shard": 2, "step": 1}],
+       checks=("evicted:2", "resent:2", "reaped:2"), steps=1,
+       description="an engine core SIGSTOPped with a request in flight, its shard actor answering: its missing "
+                   "progress finds it within stall_detection_bound_s, the shard is evicted with its stopped "
+                   "core, its requests re-sent and completed on the other two"),
+    _v("freeze-core-during-transfer", "recovers",
+       [{"where": "transfer", "what": "freeze_core", "shard": 0, "step": 1}],
+       checks=("evicted:0", "reaped:0"),
+       description="an engine core SIGSTOPped as a refit's bytes start moving into it: that transfer is cut at "
+                   "its deadline, the refit commits on the other two within the phase's bound, and the shard "
+                   "(answering, its core not) is evicted with its stopped core"),
     _v("controller-kill-between-refits", "recovers", [{"where": "between_refits", "what": "kill_controller", "step": 1}],
        checks=("controller_back",),
        description="the controller's process SIGKILLed from outside with requests in flight: they complete on "

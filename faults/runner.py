@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 from faults import invariants
 from faults.evidence import prove
-from faults.frozen import prove_resent
+from faults.frozen import prove_core_reaped, prove_resent
 from faults.promotion import prove_promotion
 from faults.firing import FaultFiring, slot_states, wait_until
 from faults.timeline import read_log
@@ -262,11 +262,18 @@ class FaultRunner:
                 continue
             if kind == "resent":  # a frozen shard: evicted within the detection bound, its requests re-sent then
                 self._wait(lambda: self._evicted(slot, t0), 60, f"eviction of slot {slot}")
-                bound = fleet.status()["hang_detection_bound_s"]
+                bound = fleet.status()[_detection_bound(variant, slot)]
                 measured: dict = {}
                 problems = prove_resent(self.events(t0), self.journal_since(t0), slot, bound, measured=measured)
                 rep.violations += [f"check {check}: {p}" for p in problems]
                 rep.notes.append(f"check {check}: {measured}")
+                continue
+            if kind == "reaped":  # the engine core that froze under a live actor died with its eviction
+                self._wait(lambda: self._evicted(slot, t0), 60, f"eviction of slot {slot}")
+                self._wait(lambda: not prove_core_reaped(self.journal_since(t0), slot, _pid_alive), 30,
+                           f"slot {slot}'s stopped engine core to go")
+                rep.violations += [f"check {check}: {p}" for p in prove_core_reaped(self.journal_since(t0), slot, _pid_alive)]
+                rep.notes.append(f"check {check}: {self._found_after(slot, t0, fleet.status()[_detection_bound(variant, slot)])}")
                 continue
             if kind == "controller_back":
                 rep.violations += [f"check {check}: {p}" for p in self._controller_back(fleet, generation)]
@@ -289,6 +296,14 @@ class FaultRunner:
                 raise ValueError(f"unknown check {check!r}")
             if not ok:
                 rep.violations.append(f"check {check} failed")
+
+    def _found_after(self, slot: int, t0: float, bound_s: float) -> dict:
+        """Seconds from the fault on ``slot`` going off (its journal line) to its eviction (the ``kill``)."""
+        shot = next((r for r in self.journal_since(t0) if r.get("slot") == slot), None)
+        kill = next((e for e in self.events(t0, kinds=("kill",)) if e["slot"] == slot and "evicted" in e["reason"]), None)
+        if shot is None or kill is None:
+            return {"evicted_after_s": None, "bound_s": bound_s}
+        return {"evicted_after_s": round(kill["t"] - shot["t"], 3), "bound_s": bound_s, "reason": kill["reason"][:160]}
 
     def _evicted(self, slot: int, since_t: float = float("-inf")) -> bool:
         """The controller killed an incarnation of ``slot`` as evicted (at or after ``since_t``)."""
@@ -400,3 +415,21 @@ def run_variants(model_dir: str, variants: list[Variant], log: Callable = print,
         raise
     finally:
         runner.close(ray_gone=gone)
+
+
+def _detection_bound(variant: Variant, slot: int) -> str:
+    """The status field bounding how long finding the freeze of ``slot`` may take: a frozen shard answers
+    no ping (``hang_detection_bound_s``); an engine core frozen with work in flight under a live actor is
+    found by its missing progress (``stall_detection_bound_s``)."""
+    whats = {f["what"] for f in variant.plan["faults"] if f.get("shard") == slot}
+    return "stall_detection_bound_s" if "freeze_core" in whats else "hang_detection_bound_s"
+
+
+def _pid_alive(pid: int) -> bool:
+    """A process of this host that has not exited (a zombie has)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

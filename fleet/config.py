@@ -48,6 +48,9 @@ class EngineConfig(BaseModel):
     # Deadlines (seconds) of the shard's own bounded calls.
     start_timeout_s: float = Field(300.0, gt=0)
     call_timeout_s: float = Field(60.0, gt=0)
+    # Every ping makes one cheap call that needs the engine core (``is_paused``) within this bound: a
+    # frozen core under a live actor answers nothing, so the ping fails (hung) though the actor answers.
+    core_check_timeout_s: float = Field(2.0, gt=0)
     generate_timeout_s: float = Field(600.0, gt=0)
     # Fault injection: each fault that goes off is appended here before it acts (fleet.fault_hooks).
     fault_journal: str | None = Field(None, description="JSON-lines file of the faults that fired (one host)")

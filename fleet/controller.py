@@ -29,7 +29,7 @@ from fleet.gate import DispatchGate
 from fleet.intent import COMMITTED, Intent, IntentStore
 from fleet.metrics import FleetMetrics
 from fleet.naming import new_fleet_name, shard_name
-from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed
+from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed, with_progress
 from fleet.nodes import NodeMap
 from fleet.publisher import RoutingPublisher
 from fleet.resend import RefitResends
@@ -264,8 +264,11 @@ class SingleController:
         handle = self.handle_of(slot, incarnation)
         if handle is None:
             return
-        out = await self.door.call(handle, "ping", timeout=self.cfg.probe_timeout_s)
-        if out.ok:
+        out = with_progress(await self.door.call(handle, "ping", timeout=self.cfg.probe_timeout_s), self.cfg.stall_timeout_s)
+        if out.ok and isinstance(out.value, dict) and out.value.get("core_checked") is False:
+            # its core runs a bounded worker call, so the ping did not ask it: no verdict; ask again after that
+            self._background(self._probe(slot, incarnation, self.clock.now() + max(self.cfg.probe_interval_s, 0.1)))
+        elif out.ok:
             self.observe(slot, incarnation, CallKind.PROBE, out)
         else:
             self.observe_all(CallKind.PROBE, self._with_lost_nodes({slot: (incarnation, out)}))
@@ -388,6 +391,7 @@ class SingleController:
             outs = await self.door.fan_out(
                 {s: (h, "ping", (), {}) for s, (_, h) in live.items()}, timeout=self.cfg.probe_timeout_s
             )
+            outs = {slot: with_progress(out, self.cfg.stall_timeout_s) for slot, out in outs.items()}  # answering != alive
             failed = {slot: (live[slot][0], out) for slot, out in outs.items()
                       if not out.ok and self.handles.get(slot, (None,))[0] == live[slot][0]}
             if failed:
@@ -627,6 +631,7 @@ class SingleController:
             "routing_epoch": self.publisher.current.epoch,
             "target_size": self.cfg.num_engines,  # serving engines the fleet is sized to (``resize``)
             "hang_detection_bound_s": self.cfg.hang_detection_bound_s,
+            "stall_detection_bound_s": self.cfg.stall_detection_bound_s,
             "nodes": self.nodes.by_node(),
             "ledger": {**ledger, "slots": role_rows(self, ledger["slots"])},  # each slot's role: serving or spare
             "serving": self.serving_slots(),

@@ -56,6 +56,11 @@ class DeadlineExceeded(RlfleetError, TimeoutError):
     """A bounded call did not finish within its deadline. The shard is hung, not proven dead."""
 
 
+class EngineStalledError(DeadlineExceeded):
+    """A shard answered, but its engine held work and made no progress (no token) for longer than
+    ``stall_timeout_s`` (``health.progress``): hung, like a call past its deadline."""
+
+
 class RouteRefused(RlfleetError):
     """The shard refused a request without running it: it is paused for a refit, out of the serving
     set, the request was routed under an older epoch, or its weights miss the request's version

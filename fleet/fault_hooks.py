@@ -17,6 +17,9 @@ applies to every hooked call from the moment it is armed):
 - ``slow``: every hooked call is delayed by ``delay_s``.
 - ``crash_engine``: the engine-core process is killed (SIGKILL); the actor lives on and
   reports ``EngineCrashedError`` from then on.
+- ``freeze_core``: the engine-core processes are stopped (SIGSTOP) and nothing else: the actor
+  lives on and answers, its engine answers nothing (a wedged kernel, a stuck collective). The
+  call that fired it goes on into the stopped engine. Its record names the ``engine_pids``.
 - ``unavailable``: this one call raises ``ShardUnavailableError`` (the door reads it as
   ``unavailable``, like Ray's ``ActorUnavailableError``); other calls still answer.
 - ``poison`` (point ``generate``, with ``match``: token ids): a poison prompt. Every request
@@ -48,7 +51,7 @@ from typing import Callable, Sequence
 from fleet.errors import EngineCrashedError, ShardUnavailableError
 
 POINTS = ("pause", "resume", "set_weight_version", "generate", "ping", "transfer")
-ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine", "unavailable", "poison")
+ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine", "unavailable", "poison", "freeze_core")
 ENGINE_DEATH_WAIT_S = 10.0  # a poisoned engine: how long to wait for the backend to see its core gone
 
 
@@ -136,6 +139,8 @@ class FaultHooks:
         """Keep the firing, and make it durable in the journal before the fault acts."""
         rec = {"t": round(time.monotonic(), 6), "wall": round(time.time(), 6), **self._who, "point": point,
                "action": fault.action, "delay_s": fault.delay_s, "pid": os.getpid()}
+        if fault.action == "freeze_core":
+            rec["engine_pids"] = list(self._engine_pids())
         self.fired.append(rec)
         if self._journal:
             fd = os.open(self._journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -165,6 +170,10 @@ class FaultHooks:
             if fault.delay_s:
                 await asyncio.sleep(fault.delay_s)
             self._signal_engines(signal.SIGKILL)
+        elif action == "freeze_core":
+            if fault.delay_s:
+                await asyncio.sleep(fault.delay_s)
+            self._signal_engines(signal.SIGSTOP)
         elif action == "freeze":
             if fault.delay_s:
                 await asyncio.sleep(fault.delay_s)

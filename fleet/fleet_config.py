@@ -66,6 +66,11 @@ class FleetConfig(BaseModel):
     # rest when quorum holds (its slot restarts, its requests are re-sent at once); "stop" stops the refit
     # with the gate closed. Between refits a shard that stops answering probes is always evicted.
     on_hang: Literal["evict", "stop"] = "evict"
+    # Liveness is progress: a shard whose engine holds requests and produces no token for longer than this
+    # answers its pings as hung (``health.progress``) and is evicted like a frozen one, within
+    # ``stall_detection_bound_s``; its clients re-send its requests. Paused engines and engines running a
+    # bounded worker call (a weight transfer) are not on this clock.
+    stall_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
     # Weight transport.
     transport_backend: Literal["gloo", "nccl"] = "gloo"
     bucket_mb: float = Field(64.0, gt=0)
@@ -110,6 +115,12 @@ class FleetConfig(BaseModel):
         each bounded by ``probe_timeout_s``. A shard whose call fails or times out in any round is evicted
         (killed, counted dead, restarted within its budget), never waited on again."""
         return ADOPTION_ROUNDS * self.probe_timeout_s
+
+    @property
+    def stall_detection_bound_s(self) -> float:
+        """Longest time from an engine core that stops making progress with work in flight to the
+        eviction of its shard: ``stall_timeout_s``, then as for a frozen shard (``hang_detection_bound_s``)."""
+        return self.stall_timeout_s + self.hang_detection_bound_s
 
     @property
     def total_engines(self) -> int:

@@ -22,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.errors import ShardUnusableError
+from fleet.errors import EngineStalledError, ShardUnusableError
 from health import CallKind, FailureClass, Observed
 from health.classify import classify_kind
+from health.progress import stall_verdict
 
 OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR = "ok", "died", "unavailable", "timed_out", "bad_ack", "error"
 KINDS = (OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR)
@@ -58,3 +59,14 @@ def observed(slot: int, incarnation: int, call: CallKind, outcome: Outcome) -> O
     """The health observation for one settled call of ``incarnation`` of ``slot``."""
     failure = FailureClass.DEAD if is_unusable(outcome) else classify_kind(outcome.kind)
     return Observed(slot, incarnation, call, failure, outcome.describe()[:300])
+
+
+def with_progress(outcome: Outcome, stall_timeout_s: float) -> Outcome:
+    """A ping answered ``ok`` whose progress facts (``health.progress``) say its engine held work and made
+    no progress past ``stall_timeout_s`` is a hang: ``timed_out``, naming the numbers. Others unchanged."""
+    if not outcome.ok or not isinstance(outcome.value, dict):
+        return outcome
+    why = stall_verdict(outcome.value.get("progress"), stall_timeout_s)
+    if why is None:
+        return outcome
+    return Outcome(TIMED_OUT, value=outcome.value, error=EngineStalledError(why), elapsed_s=outcome.elapsed_s)

@@ -31,6 +31,7 @@ from fleet.poison import fingerprint
 from fleet.shard_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, POISON, RecentResults, ShardGate
 from fleet.start_records import record_start
 from fleet.types import FINISH_ABORTED, Completion, EngineStats, GenerationResult
+from health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
 # Worker-extension methods that move weights: the "transfer" fault point.
@@ -80,6 +81,19 @@ class EngineShard:
         self._left: dict[str, int] | None = None  # what it held when it last left the serving set
         self._load = {"finished": 0, "peak": 0, "trough": 0}  # for the admission law, since the last stats()
         self._ids = itertools.count()
+        self._now: Callable[[], float] = time.monotonic  # the progress clock's time (tests: a virtual loop's)
+        self._progress = self._watch_progress()
+
+    def _watch_progress(self) -> ProgressWatch:
+        """Progress facts for the ping (``health.progress``): a backend with a ``step_listener`` (vLLM's
+        per-step stat record) tells each engine step and the tokens it made; others give no step marks."""
+        marks = hasattr(self._backend, "step_listener")
+        if marks:
+            self._backend.step_listener = lambda tokens: self._progress.stepped(self._now(), tokens)
+        return ProgressWatch(self._now(), steps=marks)
+
+    def _busy(self) -> None:
+        self._progress.busy(len(self._inflight), self._now())
 
     # -- identity and lifecycle -------------------------------------------------
     def _who(self) -> str:
@@ -126,6 +140,7 @@ class EngineShard:
             "state": self._state,
             "in_flight": len(self._inflight),
             "pid": os.getpid(),
+            "progress": self._progress.facts(len(self._inflight), self._now()).as_dict(),
         }
 
     def memory_mb(self) -> dict[str, float]:
@@ -156,8 +171,23 @@ class EngineShard:
         """Liveness: raises if the shard or its engine cannot serve."""
         if self._hooks.armed:
             await self._hooks.at("ping")
-        self._require_ready("ping")
-        return self.ping_info()
+        checked = await self._core_check(self._require_ready("ping"))
+        return {**self.ping_info(), "core_checked": checked}
+
+    async def _core_check(self, backend: EngineBackend) -> bool:
+        """The actor answering is not its engine living. Returns whether this answer speaks for the engine core:
+
+        - it runs a bounded worker call (a weight transfer): it cannot answer before that ends (False);
+        - it holds work and is not paused: its steps speak for it (the progress facts: a stopped core makes
+          none; a busy one may take a long step before it could answer a call, so none is made);
+        - else one call the core must answer (``is_paused``) within ``core_check_timeout_s``, or
+          ``DeadlineExceeded`` (hung)."""
+        if self._progress.holding("worker_rpc"):
+            return False
+        if self._inflight and not self.gate.paused:
+            return True
+        await self._bounded("core check (is_paused)", backend.is_paused(), self.config.core_check_timeout_s)
+        return True
 
     # -- fault injection (hook points; free when nothing is armed) ---------------
     def arm_fault(self, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0,
@@ -211,6 +241,7 @@ class EngineShard:
         done = self._running[rid] = asyncio.get_running_loop().create_future()
         self._inflight[rid] = (self._version, ticket.policy if ticket is not None else None)
         self._load["peak"] = max(self._load["peak"], len(self._inflight))
+        self._busy()
         start = self._version
         try:
             if self._hooks.armed:
@@ -244,6 +275,7 @@ class EngineShard:
         finally:
             self._inflight.pop(rid, None)
             self._running.pop(rid, None)
+            self._busy()
             self._load["finished"] += 1
             self._load["trough"] = min(self._load["trough"], len(self._inflight))
         policy = ticket.policy if ticket is not None else None
@@ -357,6 +389,8 @@ class EngineShard:
         backend = self._require_ready("pause")
         clear = bool(clear_cache) or (bool(clear_if_idle) and not self._inflight)
         await self._bounded(f"pause(mode={mode})", backend.pause(mode, clear), timeout)
+        if not self.gate.paused:
+            self._progress.hold("paused", self._now())  # a paused engine makes no step: not a stall
         self.gate.paused = True  # from now on new work is refused (what was in flight is held or aborted)
         return True
 
@@ -365,6 +399,8 @@ class EngineShard:
             return False
         backend = self._require_ready("resume")
         await self._bounded("resume", backend.resume(), timeout)
+        if self.gate.paused:
+            self._progress.release("paused", self._now())
         self.gate.paused = False
         return True
 
@@ -408,7 +444,11 @@ class EngineShard:
             await self._hooks.at("transfer")  # a fault armed at the transfer fires where the bytes start moving
         backend = self._require_ready(f"worker_rpc({method})")
         deadline = self.config.call_timeout_s if timeout is None else timeout
-        return await self._bounded(f"worker_rpc({method})", backend.worker_rpc(method, tuple(args), kwargs or {}, deadline), deadline + 1.0)
+        self._progress.hold("worker_rpc", self._now())  # the core runs this bounded call, not engine steps
+        try:
+            return await self._bounded(f"worker_rpc({method})", backend.worker_rpc(method, tuple(args), kwargs or {}, deadline), deadline + 1.0)
+        finally:
+            self._progress.release("worker_rpc", self._now())
 
     async def shutdown(self) -> bool:
         """Abort in-flight requests (explicitly returned to their callers), then stop the engine."""

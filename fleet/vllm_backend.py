@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from fleet.backend import BackendCapabilities, PauseMode, confirmed
 from fleet.errors import BadRequestError, EngineCrashedError
@@ -17,8 +17,9 @@ from fleet.types import field_with_invalid_text
 from fleet.types import Completion, EngineStats
 
 
-def _make_stats_logger(sink: EngineStats):
-    """A vLLM per-engine stat-logger factory that writes into ``sink`` (runs in the front-end process)."""
+def _make_stats_logger(sink: EngineStats, on_step: Callable[[int], None]):
+    """A vLLM per-engine stat-logger factory that writes into ``sink`` (runs in the front-end process) and
+    tells ``on_step`` the tokens (prompt and generated) of each engine step it records."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class _SinkLogger(StatLoggerBase):
@@ -33,6 +34,10 @@ def _make_stats_logger(sink: EngineStats):
                 sink.updated_at = time.monotonic()
             if iteration_stats is not None:
                 sink.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+            if scheduler_stats is not None or iteration_stats is not None:
+                tokens = 0 if iteration_stats is None else (int(getattr(iteration_stats, "num_generation_tokens", 0))
+                                                            + int(getattr(iteration_stats, "num_prompt_tokens", 0)))
+                on_step(tokens)
 
         def log_engine_initialized(self):
             pass
@@ -67,6 +72,8 @@ class VllmBackend:
         self._engine = None
         self._stats = EngineStats(max_model_len=int(engine_args.get("max_model_len") or 0))
         self._tokenizer = None
+        # Told the tokens of every engine step (the shard's progress clock sets it: ``health.progress``).
+        self.step_listener: Callable[[int], None] | None = None
 
     async def start(self) -> None:
         """Build the engine on a thread, off the shard's event loop: importing vLLM and starting its engine
@@ -93,7 +100,11 @@ class VllmBackend:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(**self._engine_args)
-        return AsyncLLM.from_engine_args(args, stat_loggers=[_make_stats_logger(self._stats)])
+        return AsyncLLM.from_engine_args(args, stat_loggers=[_make_stats_logger(self._stats, self._stepped)])
+
+    def _stepped(self, tokens: int) -> None:
+        if self.step_listener is not None:
+            self.step_listener(tokens)
 
     def _live(self):
         if self._engine is None:

@@ -46,7 +46,8 @@ naming slot/incarnation/version/time) before anything changes.
 Modules: ``states`` (enums), ``config`` (``HealthConfig``), ``clock``, ``events``,
 ``decision`` (actions, ``Decision``), ``classify``, ``ledger``, ``core``
 (``decide``, ``step``) with ``draft``, ``slot_rules`` and ``fleet_rules``,
-``quorum``, ``membership``, ``restart``, ``resize`` (elastic size), ``testing`` (builders for tests).
+``quorum``, ``membership``, ``restart``, ``resize`` (elastic size), ``progress`` (liveness as progress:
+a shard's engine holding work and making none is stalled), ``testing`` (builders for tests).
 """
 
 from __future__ import annotations

@@ -15,12 +15,13 @@ code::
 ``stamp`` (the version stamp, ``set_weight_version``; ``unavailable`` only), ``resume``, ``generate``. ``what``: ``kill`` (the actor process), ``freeze`` (stops
 answering), ``hang`` (one lifecycle call past its deadline), ``false_ack``,
 ``unavailable`` (one lifecycle call answers "unavailable"), ``slow`` (every call by
-``delay_s``), ``crash_engine`` (the engine core inside a live actor). ``shard``: a slot
+``delay_s``), ``crash_engine`` (the engine core inside a live actor), ``freeze_core`` (the
+engine core stopped, SIGSTOP, under a live actor that keeps answering). ``shard``: a slot
 number or ``random`` (drawn with the plan's seed). ``step``: the step it fires at;
 ``every``: fire again every that many steps, ``times`` times in all (repeated kills of
 one slot).
 
-``between_refits`` (``kill`` or ``freeze``): killed at the step boundary, or frozen at
+``between_refits`` (``kill``, ``freeze`` or ``freeze_core``): killed at the step boundary, or frozen at
 its next request (so one is in flight on it), and the step's refit waits until the
 controller found it on its own (dead, or frozen and evicted) and the slot is back up
 (kill two to take the fleet below quorum between refits, with requests waiting).
@@ -87,6 +88,7 @@ _ANYWHERE = ("step_boundary",) + HOOKED
 ALLOWED: dict[str, tuple[str, ...]] = {
     "kill": ("step_boundary", "between_refits") + HOOKED,
     "freeze": _ANYWHERE + ("between_refits",),
+    "freeze_core": _ANYWHERE + ("between_refits",),
     "hang": ("pause", "transfer", "resume"),
     "false_ack": ("pause", "resume"),
     "unavailable": ("pause", "stamp", "resume"),

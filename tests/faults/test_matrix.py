@@ -36,7 +36,7 @@ def runner(ray_local, tiny_model):
 def test_variant_gets_expected_outcome_and_keeps_invariants(runner, variant):
     rep = runner.run(variant)
     detail = f"{rep.row()}"
-    print(f"{variant.name}: faults fired {rep.faults}")
+    print(f"{variant.name}: faults fired {rep.faults}; notes {rep.notes}")
     assert rep.observed == rep.expected, detail
     assert rep.lost == 0 and rep.wrong_version_tags == 0, detail
     assert rep.accepted > 0 and rep.accepted == rep.completed + rep.returned, detail

@@ -22,7 +22,7 @@ from fleet.poison import fingerprint
 from fleet.routing import Ticket, VersionPolicy
 from fleet.shard_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
-from fleet.errors import BadRequestError, RefitArgumentError, RouteRefused
+from fleet.errors import BadRequestError, DeadlineExceeded, RefitArgumentError, RouteRefused
 from fleet.weights import TransferResult
 from health import RefitResult
 
@@ -48,6 +48,9 @@ class FakeShard:
     state: str = "ready"  # what describe() says of its engine ("starting" while a restart is under way)
     name: str | None = None
     left: dict | None = None  # what it held when it last left the serving set (``EngineShard.set_route``)
+    progress: dict | None = None  # what its ping says of its engine's progress (``health.progress``)
+    ping_raises: Exception | None = None  # its ping answers this (the shard's own exception, e.g. DeadlineExceeded)
+    core_checked: bool = True  # its ping asked its engine core (False: a bounded worker call holds the core)
 
     def behaviour(self, method: str) -> str | None:
         return self.sticky.get(method) or self.script.pop(method, None)
@@ -133,6 +136,8 @@ class FakeDoor:
             value = await getattr(self, f"_{method}")(handle, *args, **kw)
         except (RouteRefused, BadRequestError) as exc:  # the shard's own answers, as Ray delivers them
             return Outcome(ERROR, error=exc)
+        except DeadlineExceeded as exc:  # the shard's own deadline: ``ray_io`` reads it as timed out
+            return Outcome(TIMED_OUT, error=exc)
         if handle.dead:
             return Outcome(DIED, error=ActorDiedError(f"slot {handle.slot} died during {method}"))
         if expect_ack and value is not True:
@@ -160,7 +165,9 @@ class FakeDoor:
         return EngineStats(kv_cache_tokens=32768, max_model_len=512, updated_at=1.0)
 
     async def _ping(self, s):
-        return {"slot": s.slot}
+        if s.ping_raises is not None:
+            raise s.ping_raises
+        return {"slot": s.slot, "progress": s.progress, "core_checked": s.core_checked}
 
     async def _pause(self, s, mode="keep", clear_cache=True, clear_if_idle=False):
         s.paused = s.gate.paused = True

@@ -39,3 +39,21 @@ def test_each_broken_promise_is_named():
     assert "re-sent only" in resent_late
     [never_done] = prove_resent(records(completed=False), [SHOT], 2, 8.0)
     assert "never completed" in never_done
+
+
+CORE_SHOT = {**SHOT, "action": "freeze_core", "engine_pids": [4242, 4343]}
+
+
+def test_a_frozen_engine_core_under_a_live_actor_is_proven_like_a_frozen_shard():
+    assert prove_resent(records(), [CORE_SHOT], slot=2, bound_s=8.0) == []
+
+
+def test_the_stopped_engine_core_must_die_with_the_eviction_and_each_broken_promise_is_named():
+    from faults.frozen import prove_core_reaped
+
+    assert prove_core_reaped([CORE_SHOT], 2, alive=lambda pid: False) == []
+    [left] = prove_core_reaped([CORE_SHOT], 2, alive=lambda pid: pid == 4343)
+    assert "[4343]" in left and "slot 2 (incarnation 1)" in left and "outlived its eviction" in left
+    assert "never froze" in prove_core_reaped([SHOT], 2, alive=lambda pid: False)[0]
+    assert "stopped no engine-core process" in prove_core_reaped([{**CORE_SHOT, "engine_pids": []}], 2,
+                                                                 alive=lambda pid: False)[0]
