@@ -26,6 +26,7 @@ from fleet.errors import RefitArgumentError, RefitRefused
 from fleet.eventlog import EventLog
 from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.gate import DispatchGate
+from fleet.launch import failed as launch_failed, launch, launch_all
 from fleet.intent import Intent, IntentStore
 from fleet.metrics import FleetMetrics
 from fleet.naming import new_fleet_name, shard_name
@@ -37,6 +38,7 @@ from fleet.spares import apply_roles, initial_roles, role_rows
 from health import (
     Batch,
     CallKind,
+    CheckpointLoaded,
     CloseGate,
     Decision,
     EngineReady,
@@ -122,19 +124,14 @@ class SingleController:
         self.intent.save(Intent(self.name, self.cfg.model_dump(), slots={
             s: (self.ledger.raw(s).incarnation, 0) for s in range(self.ledger.num_slots)},
             serving_roles=tuple(self.roles.to_list())))
-        for slot in range(self.ledger.num_slots):
-            self._spawn(slot, self.ledger.raw(slot).incarnation)
-        outs = await self.door.fan_out(
-            {slot: (h, "start", (), {}) for slot, (_, h) in self.handles.items()},
-            timeout=self.cfg.engine.start_timeout_s + 30,
-        )
+        incs = {slot: self.ledger.raw(slot).incarnation for slot in range(self.ledger.num_slots)}
+        outs = await launch_all(self, incs)  # bounded; a spawn that raises is a failed start, restarted
         for slot, out in outs.items():
-            inc = self.handles[slot][0]
             if out.ok:
-                self.note_started(slot, inc, out.value)
-                self.decide(EngineReady(slot, inc))
+                self.note_started(slot, incs[slot], out.value)
+                self.decide(EngineReady(slot, incs[slot]))
             else:
-                self.observe(slot, inc, CallKind.START, out)
+                launch_failed(self, slot, incs[slot], out, "start")
         await self._commit_checkpoint()
         await self.poll_admission()  # size every cap from the engines' KV capacity before the first request
         await self.publisher.publish()  # clients may route from here on
@@ -311,22 +308,26 @@ class SingleController:
         return handle
 
     async def _restart(self, action: Restart) -> None:
-        old = self.handles.get(action.slot)
+        """Launch the incarnation a ``Restart`` asked for (``fleet.launch``: bounded by its watchdog). A launch
+        that raises, fails or overruns is a failed restart attempt: its budget is spent as for a death."""
+        slot, inc = action.slot, action.incarnation
+        old = self.handles.get(slot)
         if old is not None:
             self.door.kill(old[1])
-        self.log.emit("restart", slot=action.slot, incarnation=action.incarnation, edge="begin", attempt=action.attempt)
-        handle = self._spawn(action.slot, action.incarnation)
-        self.admission.forget(action.slot)
-        await self._placed(action.slot, action.incarnation, handle)
-        out = await self.door.call(handle, "start", timeout=self.cfg.engine.start_timeout_s + 30)
-        self.log.emit("restart", slot=action.slot, incarnation=action.incarnation, edge="end", outcome=out.kind)
+        self.log.emit("restart", slot=slot, incarnation=inc, edge="begin", attempt=action.attempt)
+        self.admission.forget(slot)
+        try:
+            out = await launch(self, slot, inc, wait_placement=True)
+        finally:
+            if self._restarting.get(slot) is asyncio.current_task():
+                del self._restarting[slot]
+        self.log.emit("restart", slot=slot, incarnation=inc, edge="end", outcome=out.kind)
         if out.ok:
-            self.note_started(action.slot, action.incarnation, out.value)
-            self.decide(EngineReady(action.slot, action.incarnation))
+            self.note_started(slot, inc, out.value)
+            self.decide(EngineReady(slot, inc))
+            self.decide(CheckpointLoaded(slot, inc))  # at version 0 it serves at once, as a grown engine does
         else:
-            self._kill(action.slot, action.incarnation, f"restart failed: {out.describe()[:200]}")
-            self.decide(observed(action.slot, action.incarnation, CallKind.START, out))
-        self._restarting.pop(action.slot, None)
+            launch_failed(self, slot, inc, out, f"restart {action.attempt}")
 
     def fence_by_name(self, slot: int, incarnation: int, recorded: int, reason: str) -> bool:
         """Kill the shard actor named for ``incarnation`` of ``slot`` if one is alive (a restarted controller

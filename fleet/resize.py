@@ -40,9 +40,9 @@ import dataclasses
 from typing import Any
 
 from fleet.errors import ConfigError, FleetStopped
+from fleet.launch import failed as launch_failed, launch_all
 from health import (
     Batch,
-    CallKind,
     CheckpointLoaded,
     Drain,
     EngineReady,
@@ -114,19 +114,15 @@ async def _grow(ctl: Any, count: int, n: int) -> list[int]:
     first = ctl.ledger.num_slots
     ctl.decide(SlotsAdded(count, f"resize to {n} engines"))
     new = list(range(first, first + count))
-    incs = {}
-    for slot in new:  # each is stored in the intent before its actor exists
-        incs[slot] = ctl.ledger.raw(slot).incarnation
-        ctl._spawn(slot, incs[slot])
-    outs = await ctl.door.fan_out({s: (ctl.handles[s][1], "start", (), {}) for s in new},
-                                  timeout=ctl.cfg.engine.start_timeout_s + 30)
+    incs = {slot: ctl.ledger.raw(slot).incarnation for slot in new}
+    outs = await launch_all(ctl, incs)  # each stored in the intent before its actor exists; bounded
     ready = []
     for slot, out in outs.items():
         if out.ok:
             ctl.note_started(slot, incs[slot], out.value)  # native pause, node
             ready.append(slot)
-        else:  # a failed start is a dead engine: evicted, restarted within its budget
-            ctl.observe(slot, incs[slot], CallKind.START, out)
+        else:  # a failed launch is a dead engine: evicted, restarted within its budget
+            launch_failed(ctl, slot, incs[slot], out, "grow")
     if ready:
         ctl.decide(Batch(tuple(EngineReady(s, incs[s]) for s in ready)))
         ctl.decide(Batch(tuple(CheckpointLoaded(s, incs[s]) for s in ready)))  # serves at once only at version 0
