@@ -224,7 +224,8 @@ class SingleController:
                 self._restarting[action.slot] = self._background(self._restart(action))
         elif isinstance(action, Retire):
             self._kill(action.slot, action.incarnation, f"retired: {action.reason}")
-            self.log.emit("retire", slot=action.slot, incarnation=action.incarnation, reason=action.reason)
+            self.log.emit("retire", slot=action.slot, incarnation=action.incarnation, reason=action.reason,
+                          note="not relaunched on its own: resize(n) replaces slots retired by failures")
         elif isinstance(action, StopExhausted):
             self.halt(action.message)
         elif isinstance(action, CloseGate):
