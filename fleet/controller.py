@@ -28,7 +28,7 @@ from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.gate import DispatchGate
 from fleet.launch import failed as launch_failed, launch, launch_all
 from fleet.intent import Intent, IntentStore
-from fleet.metrics import FleetMetrics
+from fleet.metrics import FleetMetrics, RunMeter, shard_load, shard_rows
 from fleet.naming import new_fleet_name, shard_name
 from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed
 from fleet.nodes import NodeMap
@@ -87,6 +87,7 @@ class SingleController:
         self.plan = MembershipPlan.initial()
         self.stopped: str | None = None
         self.metrics = FleetMetrics(enabled=self.cfg.metrics)
+        self.meter = RunMeter(self.clock.now())  # one run step: from one committed refit to the next
         self.gate = DispatchGate(self.log, on_change=self._gate_changed)
         self.publisher = RoutingPublisher(self)
         self.admission = AdmissionController(self.cfg.admission)
@@ -404,6 +405,10 @@ class SingleController:
                 self.log.emit("admission", slot=slot, incarnation=inc, cap=self.admission.cap(slot), reason=reason)
             grew = grew or self.admission.cap(slot) > before
         self.metrics.in_flight(sum(int(o.value.in_flight) for o in outs.values() if o.ok))
+        rows = shard_rows(outs, live, self.admission.cap)
+        self.metrics.shards(rows, self.clock.now())
+        for slot, row in rows.items():
+            self.meter.observe(slot, row["incarnation"], row["generation_tokens"])
         if grew or any(self.admission.cap(s) != c for s, c in self.publisher.current.cap_map.items()):
             self.publisher.mark_dirty()
 
@@ -511,8 +516,23 @@ class SingleController:
             # the refit this call re-sends committed before the controller died; re-adoption finished it
             return self.recovery_summary(version)
         summary = await self.lifecycle.run(version, source)
+        self._note_refit(summary)
         self.refits.append(summary)
         return summary
+
+    def _note_refit(self, summary: dict) -> None:
+        """A committed refit: the requests it held across its pause (in flight on the engines as it fenced
+        them, kept and resumed on the new weights), and the run step it closes (time since the last commit,
+        generation tokens/s as of the last admission poll); each in the summary, the event log and a metric."""
+        version = summary["version"]
+        busy = dict(getattr(self.lifecycle, "_busy", {}))  # slot -> in flight at the fence (``fence_and_abort_too_old``)
+        summary["held_across_pause"] = sum(busy.values())
+        self.log.emit("refit_held", version=version, requests=summary["held_across_pause"],
+                      by_slot={str(s): n for s, n in sorted(busy.items())})
+        self.metrics.refit_held(summary["held_across_pause"])
+        step = summary["run_step"] = self.meter.step(version, self.clock.now())
+        self.log.emit("run_step", **step)
+        self.metrics.run_step(step)
 
     async def resize(self, n: int, drain_timeout_s: float | None = None) -> dict:
         """Grow or shrink the fleet to ``n`` serving engines (``fleet.resize``); waits for a refit running now.
@@ -569,6 +589,7 @@ class SingleController:
             "ledger": {**ledger, "slots": role_rows(self, ledger["slots"])},  # each slot's role: serving or spare
             "serving": self.serving_slots(),
             "refits": len(self.refits),
+            "shard_load": shard_load(self.admission.metrics()),  # per slot, as of the last admission poll
         }
 
     def events(self, since: int = 0, kinds: list[str] | None = None) -> list[dict]:

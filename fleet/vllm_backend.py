@@ -33,6 +33,7 @@ def _make_stats_logger(sink: EngineStats):
                 sink.updated_at = time.monotonic()
             if iteration_stats is not None:
                 sink.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+                sink.generation_tokens += int(getattr(iteration_stats, "num_generation_tokens", 0))
 
         def log_engine_initialized(self):
             pass
