@@ -7,7 +7,9 @@ admission poll: its in-flight cap, KV-cache usage, running and queued requests, 
 requests, generation tokens/s over the poll window, and two counters (exported as
 ``<name>_total``): preemptions and generation tokens, counted by increments, so a
 restarted engine (whose own counts start from 0 again) never makes them go down. A slot
-that is no longer polled (dead, removed) reads 0, not its last load.
+that is no longer polled (dead, removed) reads 0, not its last load. Ray's metrics agent exports
+each under ``ray_<name>`` (``ray_rlfleet_shard_in_flight_cap``; a counter as ``ray_<name>_total``);
+the HTTP front's ``GET /metrics`` (``serve.metrics``) exports the per-shard load under the bare names.
 
 The metrics are made through one factory, ``make(kind, name, description, tag_keys,
 boundaries)`` (``fleet.ray_io.make_metric`` unless given, the one place Ray is touched;
