@@ -26,8 +26,9 @@ from fleet.errors import RefitArgumentError, RefitRefused, RefitSourceFailed
 from fleet.eventlog import EventLog
 from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.gate import DispatchGate
+from fleet.launch import failed as launch_failed, launch, launch_all
 from fleet.intent import COMMITTED, Intent, IntentStore
-from fleet.metrics import FleetMetrics
+from fleet.metrics import FleetMetrics, RunMeter, shard_load, shard_rows
 from fleet.naming import new_fleet_name, shard_name
 from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed, with_progress
 from fleet.nodes import NodeMap
@@ -38,6 +39,7 @@ from fleet.spares import apply_roles, initial_roles, role_rows
 from health import (
     Batch,
     CallKind,
+    CheckpointLoaded,
     CloseGate,
     Decision,
     EngineReady,
@@ -86,6 +88,7 @@ class SingleController:
         self.plan = MembershipPlan.initial()
         self.stopped: str | None = None
         self.metrics = FleetMetrics(enabled=self.cfg.metrics)
+        self.meter = RunMeter(self.clock.now())  # one run step: from one committed refit to the next
         self.gate = DispatchGate(self.log, on_change=self._gate_changed)
         self.publisher = RoutingPublisher(self)
         self.admission = AdmissionController(self.cfg.admission)
@@ -124,19 +127,14 @@ class SingleController:
         self.intent.save(Intent(self.name, self.cfg.model_dump(), slots={
             s: (self.ledger.raw(s).incarnation, 0) for s in range(self.ledger.num_slots)},
             serving_roles=tuple(self.roles.to_list())))
-        for slot in range(self.ledger.num_slots):
-            self._spawn(slot, self.ledger.raw(slot).incarnation)
-        outs = await self.door.fan_out(
-            {slot: (h, "start", (), {}) for slot, (_, h) in self.handles.items()},
-            timeout=self.cfg.engine.start_timeout_s + 30,
-        )
+        incs = {slot: self.ledger.raw(slot).incarnation for slot in range(self.ledger.num_slots)}
+        outs = await launch_all(self, incs)  # bounded; a spawn that raises is a failed start, restarted
         for slot, out in outs.items():
-            inc = self.handles[slot][0]
             if out.ok:
-                self.note_started(slot, inc, out.value)
-                self.decide(EngineReady(slot, inc))
+                self.note_started(slot, incs[slot], out.value)
+                self.decide(EngineReady(slot, incs[slot]))
             else:
-                self.observe(slot, inc, CallKind.START, out)
+                launch_failed(self, slot, incs[slot], out, "start")
         await self._commit_checkpoint()
         await self.poll_admission()  # size every cap from the engines' KV capacity before the first request
         await self.publisher.publish()  # clients may route from here on
@@ -238,7 +236,8 @@ class SingleController:
                 self._restarting[action.slot] = self._background(self._restart(action))
         elif isinstance(action, Retire):
             self._kill(action.slot, action.incarnation, f"retired: {action.reason}")
-            self.log.emit("retire", slot=action.slot, incarnation=action.incarnation, reason=action.reason)
+            self.log.emit("retire", slot=action.slot, incarnation=action.incarnation, reason=action.reason,
+                          note="not relaunched on its own: resize(n) replaces slots retired by failures")
         elif isinstance(action, StopExhausted):
             self.halt(action.message)
         elif isinstance(action, CloseGate):
@@ -325,22 +324,26 @@ class SingleController:
         return handle
 
     async def _restart(self, action: Restart) -> None:
-        old = self.handles.get(action.slot)
+        """Launch the incarnation a ``Restart`` asked for (``fleet.launch``: bounded by its watchdog). A launch
+        that raises, fails or overruns is a failed restart attempt: its budget is spent as for a death."""
+        slot, inc = action.slot, action.incarnation
+        old = self.handles.get(slot)
         if old is not None:
             self.door.kill(old[1])
-        self.log.emit("restart", slot=action.slot, incarnation=action.incarnation, edge="begin", attempt=action.attempt)
-        handle = self._spawn(action.slot, action.incarnation)
-        self.admission.forget(action.slot)
-        await self._placed(action.slot, action.incarnation, handle)
-        out = await self.door.call(handle, "start", timeout=self.cfg.engine.start_timeout_s + 30)
-        self.log.emit("restart", slot=action.slot, incarnation=action.incarnation, edge="end", outcome=out.kind)
+        self.log.emit("restart", slot=slot, incarnation=inc, edge="begin", attempt=action.attempt)
+        self.admission.forget(slot)
+        try:
+            out = await launch(self, slot, inc, wait_placement=True)
+        finally:
+            if self._restarting.get(slot) is asyncio.current_task():
+                del self._restarting[slot]
+        self.log.emit("restart", slot=slot, incarnation=inc, edge="end", outcome=out.kind)
         if out.ok:
-            self.note_started(action.slot, action.incarnation, out.value)
-            self.decide(EngineReady(action.slot, action.incarnation))
+            self.note_started(slot, inc, out.value)
+            self.decide(EngineReady(slot, inc))
+            self.decide(CheckpointLoaded(slot, inc))  # at version 0 it serves at once, as a grown engine does
         else:
-            self._kill(action.slot, action.incarnation, f"restart failed: {out.describe()[:200]}")
-            self.decide(observed(action.slot, action.incarnation, CallKind.START, out))
-        self._restarting.pop(action.slot, None)
+            launch_failed(self, slot, inc, out, f"restart {action.attempt}")
 
     def fence_by_name(self, slot: int, incarnation: int, recorded: int, reason: str) -> bool:
         """Kill the shard actor named for ``incarnation`` of ``slot`` if one is alive (a restarted controller
@@ -417,6 +420,10 @@ class SingleController:
                 self.log.emit("admission", slot=slot, incarnation=inc, cap=self.admission.cap(slot), reason=reason)
             grew = grew or self.admission.cap(slot) > before
         self.metrics.in_flight(sum(int(o.value.in_flight) for o in outs.values() if o.ok))
+        rows = shard_rows(outs, live, self.admission.cap)
+        self.metrics.shards(rows, self.clock.now())
+        for slot, row in rows.items():
+            self.meter.observe(slot, row["incarnation"], row["generation_tokens"])
         if grew or any(self.admission.cap(s) != c for s, c in self.publisher.current.cap_map.items()):
             self.publisher.mark_dirty()
 
@@ -544,6 +551,7 @@ class SingleController:
 
     async def _run_refit(self, version: int, source: Any) -> dict:
         summary = await self.lifecycle.run(version, source)
+        self._note_refit(summary)
         self.refits.append(summary)
         return summary
 
@@ -566,6 +574,20 @@ class SingleController:
     def _gate_now(self) -> dict:
         """Whether the gate is open now, and why not (a re-sent refit's summary says so)."""
         return {"gate_open": self.gate.is_open, "gate_reason": None if self.gate.is_open else self.gate.reason}
+
+    def _note_refit(self, summary: dict) -> None:
+        """A committed refit: the requests it held across its pause (in flight on the engines as it fenced
+        them, kept and resumed on the new weights), and the run step it closes (time since the last commit,
+        generation tokens/s as of the last admission poll); each in the summary, the event log and a metric."""
+        version = summary["version"]
+        busy = dict(getattr(self.lifecycle, "_busy", {}))  # slot -> in flight at the fence (``fence_and_abort_too_old``)
+        summary["held_across_pause"] = sum(busy.values())
+        self.log.emit("refit_held", version=version, requests=summary["held_across_pause"],
+                      by_slot={str(s): n for s, n in sorted(busy.items())})
+        self.metrics.refit_held(summary["held_across_pause"])
+        step = summary["run_step"] = self.meter.step(version, self.clock.now())
+        self.log.emit("run_step", **step)
+        self.metrics.run_step(step)
 
     async def resize(self, n: int, drain_timeout_s: float | None = None) -> dict:
         """Grow or shrink the fleet to ``n`` serving engines (``fleet.resize``); waits for a refit running now.
@@ -636,6 +658,7 @@ class SingleController:
             "ledger": {**ledger, "slots": role_rows(self, ledger["slots"])},  # each slot's role: serving or spare
             "serving": self.serving_slots(),
             "refits": len(self.refits),
+            "shard_load": shard_load(self.admission.metrics()),  # per slot, as of the last admission poll
         }
 
     def events(self, since: int = 0, kinds: list[str] | None = None) -> list[dict]:

@@ -41,6 +41,7 @@ class NullBackend:
                 pass
             finally:
                 self._aborts.pop(request_id, None)
+        self._stats.generation_tokens += 1
         return [Completion((0,), (0.0,), "length")]
 
     async def abort(self, request_ids: Sequence[str]) -> None:

@@ -356,6 +356,27 @@ def shutdown() -> None:
         ray.shutdown()
 
 
+# ------------------------------------------------------------------ metrics (Ray exports them to Prometheus)
+_METRIC_KINDS = ("gauge", "counter", "histogram")
+
+
+def make_metric(kind: str, name: str, description: str, tag_keys: tuple[str, ...] = (), boundaries=None):
+    """A Ray metric (``ray.util.metrics``: ``gauge`` -> ``Gauge.set``, ``counter`` -> ``Counter.inc``,
+    exported as ``<name>_total``; ``histogram`` -> ``Histogram.observe``) that Ray's metrics agent exports
+    in the Prometheus format; None outside a Ray worker or driver (nothing to export to). Tag values must
+    be strings; a counter takes only increments > 0 (Ray raises otherwise)."""
+    if kind not in _METRIC_KINDS:
+        raise ValueError(f"make_metric: kind must be one of {_METRIC_KINDS}, got {kind!r}")
+    if not ray.is_initialized():
+        return None
+    from ray.util import metrics as rm
+
+    if kind == "histogram":
+        return rm.Histogram(name, description=description, boundaries=list(boundaries), tag_keys=tuple(tag_keys))
+    cls = rm.Gauge if kind == "gauge" else rm.Counter
+    return cls(name, description=description, tag_keys=tuple(tag_keys))
+
+
 # ------------------------------------------------------------------ calls from drivers, tests, apps
 # A "handle" is an actor handle from ``spawn_*``; a "pending" call is what ``submit`` returns.
 # Nothing outside this module holds a Ray object ref by its type or calls ``.remote``.

@@ -6,7 +6,14 @@ What changes is decided by the health core (``health.resize``: ``plan_resize``, 
 lifecycle's lock for the whole resize, so a resize and a refit never interleave (each waits for
 the other).
 
-Grow (``n`` above the target size): the new slots are stored in the intent before their
+Slots retired by failures (restart budget spent) count as missing: a resize to ``n`` at or above the
+slots not retired first removes them for good (``retired`` in the summary; they hold no engine), then
+grows by as many fresh slots as ``n`` needs, so ``resize(n)`` to the size the fleet has brings a fleet
+whose slots were retired back to ``n`` engines. The monitor never does this on its own: a retirement is
+the restart budget's verdict (an engine that keeps dying, for whatever reason, is not relaunched
+forever); the operator's resize is the request for new engines.
+
+Grow (``n`` above the slots not retired): the new slots are stored in the intent before their
 actors exist (a restarted controller finds them by name), spawned and started under the
 start bound (a start that fails is a dead engine: restarted within its budget). A started
 engine is stale: it serves once a refit lands on it, i.e. after the trainer's next
@@ -40,13 +47,14 @@ import dataclasses
 from typing import Any
 
 from fleet.errors import ConfigError, FleetStopped
+from fleet.launch import failed as launch_failed, launch_all
 from health import (
     Batch,
-    CallKind,
     CheckpointLoaded,
     Drain,
     EngineReady,
     Ledger,
+    ShardState,
     SlotRemoved,
     SlotsAdded,
     check_size,
@@ -91,19 +99,20 @@ async def resize(ctl: Any, n: Any, drain_timeout_s: Any = None) -> dict:
         ctl.log.emit("resize", edge="begin", size_from=size_from, size_to=n, add=plan.add,
                      remove=[s for s, _ in plan.remove])
         ctl.cfg = ctl.cfg.model_copy(update={"num_engines": n})  # the serving size follows at once
+        retired = [s for s, _ in plan.remove if ctl.ledger.state(s) is ShardState.RETIRED]
         added, drained = [], {}
+        if plan.remove:  # a grow removes only slots retired by failures (no engine to drain): first
+            drained = await _shrink(ctl, plan.remove, n, bound)
         if plan.add:
             added = await _grow(ctl, plan.add, n)
-        else:
-            drained = await _shrink(ctl, plan.remove, n, bound)
         await ctl.publisher.publish()
-        summary = _summary(ctl, size_from, n, added, drained, t0)
+        summary = _summary(ctl, size_from, n, added, drained, t0, retired)
         ctl.log.emit("resize", edge="end", **{k: v for k, v in summary.items() if k != "routing_epoch"})
         return summary
 
 
-def _summary(ctl: Any, size_from: int, n: int, added: list, drained: dict, t0: float) -> dict:
-    return {"size_from": size_from, "size_to": n, "added": added, "removed": sorted(drained),
+def _summary(ctl: Any, size_from: int, n: int, added: list, drained: dict, t0: float, retired: list = ()) -> dict:
+    return {"size_from": size_from, "size_to": n, "added": added, "removed": sorted(drained), "retired": sorted(retired),
             "drained": {str(s): row for s, row in sorted(drained.items())}, "serving": sorted(m.slot for m in ctl.publisher.current.members),
             "seconds": round(ctl.clock.now() - t0, 3), "routing_epoch": ctl.publisher.current.epoch}
 
@@ -114,19 +123,15 @@ async def _grow(ctl: Any, count: int, n: int) -> list[int]:
     first = ctl.ledger.num_slots
     ctl.decide(SlotsAdded(count, f"resize to {n} engines"))
     new = list(range(first, first + count))
-    incs = {}
-    for slot in new:  # each is stored in the intent before its actor exists
-        incs[slot] = ctl.ledger.raw(slot).incarnation
-        ctl._spawn(slot, incs[slot])
-    outs = await ctl.door.fan_out({s: (ctl.handles[s][1], "start", (), {}) for s in new},
-                                  timeout=ctl.cfg.engine.start_timeout_s + 30)
+    incs = {slot: ctl.ledger.raw(slot).incarnation for slot in new}
+    outs = await launch_all(ctl, incs)  # each stored in the intent before its actor exists; bounded
     ready = []
     for slot, out in outs.items():
         if out.ok:
             ctl.note_started(slot, incs[slot], out.value)  # native pause, node
             ready.append(slot)
-        else:  # a failed start is a dead engine: evicted, restarted within its budget
-            ctl.observe(slot, incs[slot], CallKind.START, out)
+        else:  # a failed launch is a dead engine: evicted, restarted within its budget
+            launch_failed(ctl, slot, incs[slot], out, "grow")
     if ready:
         ctl.decide(Batch(tuple(EngineReady(s, incs[s]) for s in ready)))
         ctl.decide(Batch(tuple(CheckpointLoaded(s, incs[s]) for s in ready)))  # serves at once only at version 0

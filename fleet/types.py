@@ -92,6 +92,7 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     preemptions: int = 0
+    generation_tokens: int = 0  # tokens the engine generated since it started (a counter)
     in_flight: int = 0
     updated_at: float | None = None
     extra: dict = field(default_factory=dict)

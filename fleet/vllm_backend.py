@@ -34,6 +34,7 @@ def _make_stats_logger(sink: EngineStats, on_step: Callable[[int], None]):
                 sink.updated_at = time.monotonic()
             if iteration_stats is not None:
                 sink.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+                sink.generation_tokens += int(getattr(iteration_stats, "num_generation_tokens", 0))
             if scheduler_stats is not None or iteration_stats is not None:
                 tokens = 0 if iteration_stats is None else (int(getattr(iteration_stats, "num_generation_tokens", 0))
                                                             + int(getattr(iteration_stats, "num_prompt_tokens", 0)))

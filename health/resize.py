@@ -2,7 +2,10 @@
 
 A fleet's *target size* is its slots minus those a resize removed (``Ledger.target_size``;
 slots that failed for good still count: they are the fleet's, lost). ``plan_resize(ledger, n)``
-says what ``resize(n)`` must do; three events carry it out through ``decide`` like any other:
+says what ``resize(n)`` must do; it counts the slots retired by failures as missing, so a resize
+to ``n`` removes them and adds fresh slots until ``n`` are not retired (a retired slot is never
+relaunched under its own number: its restart budget said no; the operator's resize is what asks
+for new engines). Three events carry it out through ``decide`` like any other:
 
 - ``SlotsAdded(count)`` (fleet event): ``count`` new slots are appended, ``STARTING`` at the
   ledger's first incarnation. Launch each, then ``EngineReady``: ``STALE`` until a refit of
@@ -113,15 +116,20 @@ def check_size(n: object, min_healthy_engines: int) -> int:
 
 
 def plan_resize(ledger: Ledger, n: object) -> ResizePlan:
-    """What ``resize(n)`` does to ``ledger``'s fleet (``check_size`` first). A shrink removes the slots
-    that serve least (``_REMOVE_FIRST``), highest slot numbers first among equals, so it takes serving
-    engines away only when it must and never drops the serving count below ``n``."""
+    """What ``resize(n)`` does to ``ledger``'s fleet (``check_size`` first). Slots retired by failures
+    (restart budget spent) count as missing: when ``n`` is at least the slots not retired, every retired
+    slot is removed and enough new slots are added to have ``n`` (so ``resize`` to the size the fleet has
+    replaces them; with none retired and ``n`` equal to the target size, the plan is ``unchanged``). A
+    shrink below that removes the slots that serve least (``_REMOVE_FIRST``: the retired first), highest
+    slot numbers first among equals, so it takes serving engines away only when it must and never drops
+    the serving count below ``n``."""
     n = check_size(n, ledger.config.min_healthy_engines)
     current = ledger.target_size
-    if n >= current:
-        return ResizePlan(current, n, add=n - current)
-    cv = ledger.current_version
     kept = [ledger.raw(s) for s in range(ledger.num_slots) if not ledger.raw(s).removed]
+    failed = tuple((r.slot, r.incarnation) for r in kept if r.phase is _RETIRED)  # retired by failures: missing
+    if n >= current - len(failed):  # grow to n live slots: the failed ones go for good, fresh ones take their place
+        return ResizePlan(current, n, add=n - (current - len(failed)), remove=failed)
+    cv = ledger.current_version
     order = sorted(kept, key=lambda r: (_REMOVE_FIRST[view_state(r, cv)], -r.slot))
     return ResizePlan(current, n, remove=tuple((r.slot, r.incarnation) for r in order[: current - n]))
 

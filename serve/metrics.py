@@ -16,6 +16,24 @@ def _escape(s: str) -> str:
     return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+# seed 004's per-shard figures: (status field, metric name, kind, help)
+_SHARD_METRICS = (
+    ("cap", "rlfleet_shard_in_flight_cap", "gauge", "The shard's in-flight cap (admission law)"),
+    ("kv_cache_usage", "rlfleet_shard_kv_cache_usage", "gauge", "The engine's KV-cache usage (0..1)"),
+    ("running", "rlfleet_shard_running_requests", "gauge", "Requests the engine is running"),
+    ("waiting", "rlfleet_shard_queued_requests", "gauge", "Requests waiting in the engine's queue"),
+    ("preemptions", "rlfleet_shard_preemptions_total", "counter", "Requests the engine preempted since it started"),
+)
+
+
+def _shard_lines(out: list[str], load: dict) -> None:
+    """Per shard (label ``slot``), as of the controller's last admission poll; a figure not read yet is left out."""
+    for field, name, kind, help_ in _SHARD_METRICS:
+        samples = [({"slot": slot}, row[field]) for slot, row in sorted(load.items(), key=lambda kv: int(kv[0]))
+                   if isinstance(row.get(field), (int, float))]
+        _line(out, name, kind, help_, samples)
+
+
 def prometheus_text(health: dict, front: dict, status: dict | None) -> str:
     """``health``: ``Front.health()``'s body; ``front``: ``Front.counters()``; ``status``: the controller's
     ``status()`` (None while it does not answer: its gauges are left out and ``rlfleet_controller_up`` is 0)."""
@@ -52,4 +70,5 @@ def prometheus_text(health: dict, front: dict, status: dict | None) -> str:
         _line(out, "rlfleet_controller_generation", "gauge", "Controller restarts adopted (0: never restarted)",
               [({}, status["generation"])])
         _line(out, "rlfleet_target_engines", "gauge", "Serving engines the fleet is sized to", [({}, status["target_size"])])
+        _shard_lines(out, status.get("shard_load") or {})
     return "\n".join(out) + "\n"

@@ -249,7 +249,8 @@ def test_routing_state_is_published_with_a_new_epoch_per_change(model_dir):
 
 def test_a_closed_gate_is_seen_at_once_and_requests_wait(model_dir):
     async def go():
-        ctl, door, _ = make(model_dir, request_timeout_s=3600)
+        # restarts held back: at version 0 a restarted engine would serve (and reopen the gate) at once
+        ctl, door, _ = make(model_dir, request_timeout_s=3600, restart_backoff_s=60.0, restart_backoff_cap_s=60.0)
         await ctl.start()
         for slot in (1, 2):
             ctl.observe(slot, 1, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("killed")))
@@ -285,17 +286,18 @@ def test_a_restarted_shard_rejoins_routing_as_soon_as_it_serves_the_committed_ve
     async def go():
         ctl, door, _ = make(model_dir)
         await ctl.start()
+        await ctl.sync_weights(1)  # past the checkpoint: a restarted engine (on version 0) is stale
         ctl.observe(2, 1, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("killed")))
         await asyncio.sleep(0.001)  # the next loop turn publishes it
         assert (2, 1) not in {(m.slot, m.incarnation) for m in ctl.publisher.current.members}
         await asyncio.sleep(1)  # virtual: incarnation 2 is up, stale until a refit lands on it
         assert ctl.ledger.state(2).value == "stale" and not door.shards[(2, 2)].gate.member
-        await ctl.sync_weights(1)
+        await ctl.sync_weights(2)
         # the moment sync_weights returns, the published state routes to it, and it was told first
         assert (2, 2) in {(m.slot, m.incarnation) for m in ctl.publisher.current.members}
         assert door.shards[(2, 2)].gate.member
         res = [await client(ctl).generate([1]) for _ in range(12)]
-        assert any(r.result.slot == 2 and r.result.incarnation == 2 and r.result.weight_version == 1 for r in res)
+        assert any(r.result.slot == 2 and r.result.incarnation == 2 and r.result.weight_version == 2 for r in res)
 
     run(go())
 
@@ -312,7 +314,8 @@ def test_the_client_reroutes_a_refusal_for_free_and_resends_after_a_death(model_
         d = client(ctl).dispatcher
         assert d.refused.get("paused", 0) >= 1 and d.requeued >= 1
         assert door.shards[(0, 1)].gate.refused["paused"] == d.refused["paused"]  # nothing ran on the paused shard
-        assert ctl.ledger.state(1).value != "healthy"  # the client's report of the death reached the controller
+        # the client's report of the death reached the controller (its replacement may serve already)
+        assert any(e["slot"] == 1 and e["incarnation"] == 1 and e["after"] == "dead" for e in ctl.log.records(kinds=["health"]))
         assert all(r.attempts <= 2 for r in res)  # refusals do not spend the redispatch budget
 
     run(go())

@@ -162,13 +162,13 @@ def test_a_late_death_of_a_replaced_incarnation_never_kills_the_replacement(mode
         ctl.observe(1, 1, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("died")))
         for _ in range(50):
             await asyncio.sleep(0.02)
-            if ctl.handles[1][0] == 2 and ctl.ledger.state(1).value == "stale":
+            if ctl.handles[1][0] == 2 and ctl.ledger.state(1).value == "healthy":
                 break
         replacement = door.shards[(1, 2)]
         for call in (CallKind.PAUSE, CallKind.RESUME, CallKind.REFIT, CallKind.PROBE):  # every path reports this way
             ctl.observe(1, 1, call, Outcome(DIED, error=RuntimeError("late report")))
         assert not replacement.dead and ctl.handles[1] == (2, replacement)
-        assert ctl.ledger.state(1).value == "stale"
+        assert ctl.ledger.state(1).value == "healthy"
         assert (await ctl.sync_weights(1))["complete"] == [0, 1, 2]
         await ctl.shutdown()
 

@@ -12,6 +12,8 @@ from fleet.controller import SingleController
 from fleet.errors import ConfigError, FleetStopped
 from fleet.intent import Intent
 from fleet.naming import intent_key, shard_name
+from fleet.outcome import DIED, Outcome
+from health import CallKind
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
 
 
@@ -363,5 +365,76 @@ def test_with_warm_spares_a_resize_sizes_the_serving_set_and_the_spares_stay(mod
         spares = [s for s in range(ctl.ledger.num_slots) if not ctl.ledger.raw(s).removed and s not in members(ctl)]
         assert len(spares) == 1 and ctl.ledger.state(spares[0]).value == "healthy"
         await ctl.shutdown()
+
+    run_virtual(go())
+
+
+# ------------------------------------------------------------------------------ slots retired by failures
+async def retire(ctl, door, slot):
+    """Kill ``slot``'s engine in a fleet with no restart budget: the slot is retired by the failure."""
+    door.kill(door.shards[(slot, ctl.handles[slot][0])])
+    ctl.observe(slot, ctl.handles[slot][0], CallKind.GENERATE, Outcome(DIED, error=RuntimeError("killed")))
+    assert ctl.ledger.state(slot).value == "retired" and not ctl.ledger.raw(slot).removed
+    await ctl.publisher.publish()
+
+
+def test_a_resize_to_the_target_size_replaces_a_slot_retired_by_a_failure(model_dir):
+    async def go():
+        ctl, door = make(model_dir, restart_budget=0)
+        await ctl.start()
+        await retire(ctl, door, 1)
+        assert members(ctl) == [0, 2] and ctl.status()["target_size"] == 3  # below its size, and it stays there
+        await asyncio.sleep(30)  # the monitor does not replace it on its own (the budget's verdict holds)
+        assert ctl.ledger.num_slots == 3 and members(ctl) == [0, 2]
+        summary = await ctl.resize(3)
+        assert summary["added"] == [3] and summary["removed"] == [1] and summary["retired"] == [1]
+        assert members(ctl) == [0, 2, 3] and ctl.ledger.target_size == 3 and ctl.ledger.raw(1).removed
+        assert stored(door).removed == {1: 1} and 3 in stored(door).slots and 1 not in stored(door).slots
+        assert (await ctl.resize(3))["added"] == []  # now the fleet has its size: a re-sent resize is a no-op
+        await ctl.shutdown()
+
+    run_virtual(go())
+
+
+def test_a_grow_counts_retired_slots_as_missing(model_dir):
+    async def go():
+        ctl, door = make(model_dir, restart_budget=0)
+        await ctl.start()
+        await ctl.sync_weights(1)
+        await retire(ctl, door, 0)
+        summary = await ctl.resize(4)
+        assert summary["added"] == [3, 4] and summary["retired"] == [0] and summary["size_from"] == 3
+        assert ctl.ledger.target_size == 4 and [ctl.ledger.state(s).value for s in (3, 4)] == ["stale", "stale"]
+        await ctl.sync_weights(2)
+        assert members(ctl) == [1, 2, 3, 4] and len(ctl.serving_slots()) == 4
+        await ctl.shutdown()
+
+    run_virtual(go())
+
+
+def test_a_shrink_takes_the_retired_slot_first_and_adds_nothing(model_dir):
+    async def go():
+        ctl, door = make(model_dir, num_engines=4, restart_budget=0)
+        await ctl.start()
+        await retire(ctl, door, 1)
+        summary = await ctl.resize(3)  # three engines serve already: the retired slot is dropped, none added
+        assert summary["added"] == [] and summary["removed"] == summary["retired"] == [1] and members(ctl) == [0, 2, 3]
+        assert ctl.ledger.target_size == 3
+        await ctl.shutdown()
+
+    run_virtual(go())
+
+
+def test_a_replaced_slot_stays_removed_for_a_restarted_controller(model_dir):
+    async def go():
+        ctl, door = make(model_dir, restart_budget=0)
+        await ctl.start()
+        await retire(ctl, door, 2)
+        await ctl.resize(3)
+        new = successor(ctl, door)
+        await new.ping()
+        assert new.ledger.target_size == 3 and new.ledger.raw(2).removed and new.cfg.num_engines == 3
+        assert members(new) == [0, 1, 3] and (await new.resize(3))["added"] == []
+        await new.shutdown()
 
     run_virtual(go())
