@@ -41,6 +41,9 @@ SLOW_TRANSFER_S, CRASH_IN_TRANSFER_S = 2.0, 0.75
 # A variant that stops, or spends a slot's whole restart budget, gets a fleet of its own: two engines are
 # enough to show it (one faulted, one that must not be blamed), and each engine fewer is ~12 s less to start.
 PAIR = {"num_engines": 2}
+# Quorum of one on three engines: a poison prompt takes two down and the third serves on; the stamp variant that
+# follows shares the fleet (consecutive variants with one config share one: a fleet start saved).
+ONE_OF_THREE = {"min_healthy_engines": 1}
 
 
 @dataclass(frozen=True)
@@ -93,17 +96,13 @@ MATRIX: tuple[Variant, ...] = (
        description="client threads submit without pause while the fleet grows by one engine, a refit lands (the "
                    "new engine serves after it), and it shrinks by one (the removed engine finishes what it held, "
                    "admits nothing more, is retired): 0 lost"),
-    _v("poison-request", "recovers", [{"where": "call", "what": "poison_request", "step": 1}], steps=1,
-       fleet={"min_healthy_engines": 1},
-       description="a prompt that crashes every engine it reaches: it takes down two engines, comes back as "
-                   "poison (never sent a third time), is refused at once when sent again; the third engine "
-                   "serves on"),
     _v("below-quorum-between-refits", "recovers",
-       [{"where": "between_refits", "what": "kill", "shard": 0, "step": 1},
-        {"where": "between_refits", "what": "kill", "shard": 1, "step": 1}],
-       checks=("below_quorum", "readmitted:0", "readmitted:1"), steps=1,
-       description="two of three shards die between refits: requests wait at the closed gate until the "
-                   "restarted shards come back and the next refit brings quorum back"),
+       [{"where": "between_refits", "what": "kill", "shard": 0, "step": 2},
+        {"where": "between_refits", "what": "kill", "shard": 1, "step": 2}],
+       checks=("below_quorum", "readmitted:0", "readmitted:1"), steps=2,
+       description="two of three shards die between refits, past the checkpoint's version (a restart at "
+                   "version 0 would serve at once): requests wait at the closed gate until the restarted "
+                   "shards come back and the next refit brings quorum back"),
     # on_hang=evict (the default): a hung engine is killed and the refit goes on
     _v("hang-at-pause-evicted", "recovers", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}],
        checks=("evicted:1", "readmitted:1"),
@@ -157,8 +156,13 @@ MATRIX: tuple[Variant, ...] = (
        description="a serving engine killed between refits under load: the warm spare is promoted before the "
                    "killed slot's restart ends, the gate stays open (2 of 2 needed), the restarted slot is the "
                    "new spare"),
+    _v("poison-request", "recovers", [{"where": "call", "what": "poison_request", "step": 1}], steps=1,
+       fleet=ONE_OF_THREE,
+       description="a prompt that crashes every engine it reaches: it takes down two engines, comes back as "
+                   "poison (never sent a third time), is refused at once when sent again; the third engine "
+                   "serves on"),
     _v("stamp-unavailable", "recovers", [{"where": "stamp", "what": "unavailable", "shard": 1, "step": 1}],
-       checks=("restamped:1",), fleet={**PAIR, "min_healthy_engines": 1},
+       checks=("restamped:1",), fleet=ONE_OF_THREE,
        description="set_weight_version answers 'unavailable' on one engine: its version is unknown, so it serves "
                    "nothing (a probe finds it alive: stale, never healthy) until the next refit re-stamps it"),
     _v("restart-budget-exhausted", "recovers",

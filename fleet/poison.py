@@ -3,10 +3,11 @@
 A request that crashes the engine running it (a prompt or sampling setting that breaks
 the model's kernels, a tokenizer edge case) would, re-sent after each death, take down
 every engine in turn and spend every restart budget. The dispatcher counts, per request,
-the engines that died *under* it (``took_down``): the shard actor died during the call,
-or the shard says its engine core crashed while that very request ran
-(``EngineCrashedError.request_id``). An engine that was already dead when the request
-arrived does not count. At ``POISON_DEATHS`` the request is returned with the reason
+the engines that died *under* it (``took_down``): the shard says its engine core crashed
+while that very request ran (``EngineCrashedError.request_id``). An engine that was already
+dead when the request arrived does not count, nor does a shard actor that died (see
+``took_down``: an in-process engine core that segfaults takes its actor with it and is not
+caught here). At ``POISON_DEATHS`` the request is returned with the reason
 ``poison`` and its fingerprint (prompt and sampling, seed left out: a group's samples
 differ only in their seeds) is remembered for ``poison_window_s``; a request with that
 fingerprint is refused at once meanwhile, before it reaches any engine.
@@ -28,16 +29,19 @@ import json
 from typing import Any
 
 from fleet.errors import EngineCrashedError
-from fleet.outcome import DIED, ERROR, Outcome
+from fleet.outcome import ERROR, Outcome
 
 POISON = "poison"
 POISON_DEATHS = 2  # engines a request may take down; it is never sent to another one
 
 
 def took_down(outcome: Outcome, request_id: str) -> bool:
-    """True if the attempt of ``request_id`` ended with its engine's death while it ran there."""
-    if outcome.kind == DIED:
-        return True
+    """True if the attempt of ``request_id`` ended with its engine's death while it ran there: the shard,
+    alive, says its engine core crashed during that very request. A shard *actor* that died (``DIED``) is
+    no evidence: kills, OOM killers and lost nodes take actors down in groups, and a request re-sent from
+    one killed engine to another killed a moment later would be blamed for both (the matrix's
+    ``below-quorum-between-refits`` did exactly that). vLLM's engine core is its own process (the default
+    on GPUs), so a prompt that breaks the model crashes the core under a live actor, which says so."""
     return (outcome.kind == ERROR and isinstance(outcome.error, EngineCrashedError)
             and outcome.error.request_id == request_id)
 

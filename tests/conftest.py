@@ -17,12 +17,23 @@ if not os.environ.get("RLFLEET_START_RECORDS"):
     os.environ["RLFLEET_START_RECORDS"] = os.path.join(tempfile.mkdtemp(prefix="rlfleet-starts-"), "starts.jsonl")
 
 
+_ORDER = ("/tests/unit/", "/tests/integration/", "/tests/faults/")  # what runs first: cheap failures first
+
+
+def _rank(item) -> int:
+    path = str(item.fspath).replace(os.sep, "/")
+    return next((i for i, part in enumerate(_ORDER) if part in path), len(_ORDER))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Unit tests are all in the quick lane (``scripts/test.sh --quick``); integration modules join it with
-    ``pytestmark = pytest.mark.quick`` when they cost seconds (no vLLM engine, or one shared fast fixture)."""
+    """The run's order: unit tests (seconds, no Ray), then integration tests, then the fault matrix and the
+    soak (pytest alone would collect ``tests/faults`` first, alphabetically). Unit tests are all in the quick
+    lane (``scripts/test.sh --quick``); integration modules join it with ``pytestmark = pytest.mark.quick``
+    when they cost seconds (no vLLM engine)."""
+    items.sort(key=_rank)  # stable: each folder keeps pytest's own order
     quick = pytest.mark.quick
     for item in items:
-        if "/tests/unit/" in str(item.fspath).replace(os.sep, "/"):
+        if _rank(item) == 0:
             item.add_marker(quick)
 
 

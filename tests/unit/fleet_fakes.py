@@ -22,7 +22,7 @@ from fleet.poison import fingerprint
 from fleet.routing import Ticket, VersionPolicy
 from fleet.shard_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
-from fleet.errors import BadRequestError, DeadlineExceeded, RefitArgumentError, RouteRefused
+from fleet.errors import BadRequestError, DeadlineExceeded, RefitArgumentError, RouteRefused, ShardUnusableError
 from fleet.weights import TransferResult
 from health import RefitResult
 
@@ -134,7 +134,7 @@ class FakeDoor:
             return Outcome(BAD_ACK, value=None)
         try:
             value = await getattr(self, f"_{method}")(handle, *args, **kw)
-        except (RouteRefused, BadRequestError) as exc:  # the shard's own answers, as Ray delivers them
+        except (RouteRefused, BadRequestError, ShardUnusableError) as exc:  # the shard's own answers, as Ray delivers them
             return Outcome(ERROR, error=exc)
         except DeadlineExceeded as exc:  # the shard's own deadline: ``ray_io`` reads it as timed out
             return Outcome(TIMED_OUT, error=exc)

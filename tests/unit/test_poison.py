@@ -3,9 +3,9 @@
 A request whose attempts took down two engines is returned with the reason ``poison``
 and never sent a third time; its fingerprint (prompt and sampling, not the seed) is
 logged and refused at once, by that client, for ``poison_window_s``. An engine death
-counts against a request only when the request was running on it: the actor died under
-the call, or the shard says its engine crashed during that request (``EngineCrashedError``
-with its ``request_id``), not when the engine was already dead when it arrived.
+counts against a request only when the shard says its engine crashed during that request
+(``EngineCrashedError`` with its ``request_id``): not when the engine was already dead when
+it arrived, nor when the shard's actor died (operators and lost nodes kill actors in groups).
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ def poisoned_door(door):
     untouched = door._generate
     received: list[tuple[int, int]] = []
 
-    async def generate(s, prompt, *args, **kw):
-        result = await untouched(s, prompt, *args, **kw)  # (raises ``RouteRefused`` if the shard refused it)
-        if list(prompt) == POISON:  # admitted and run: its engine dies under it
+    async def generate(s, prompt, sampling=None, request_id=None, *args, **kw):
+        result = await untouched(s, prompt, sampling, request_id, *args, **kw)  # (raises ``RouteRefused`` if the shard refused it)
+        if list(prompt) == POISON:  # admitted and run: its engine core dies under it, and the shard says so
             received.append((s.slot, s.incarnation))
-            s.dead = True  # the door answers ``died`` for a shard dead when its call ends
+            s.dead = True  # from now on the door answers ``died`` for this shard
+            raise EngineCrashedError(f"engine core died during request {request_id}", request_id=request_id)
         return result
 
     door._generate = generate
@@ -108,11 +109,37 @@ def test_only_a_death_under_the_request_counts_against_it():
     died = Outcome(DIED, error=RuntimeError("actor died"))
     during = Outcome(ERROR, error=EngineCrashedError("engine core died during request r1", request_id="r1"))
     before = Outcome(ERROR, error=EngineCrashedError("engine core died: EngineDeadError()"))
-    assert took_down(died, "r1") and took_down(during, "r1")
+    assert took_down(during, "r1")
+    assert not took_down(died, "r1")  # an actor that died: killed, OOM, node lost, often with others
     assert not took_down(before, "r1")  # it was dead when the request arrived: the request did nothing
     assert not took_down(during, "r2")
     again = pickle.loads(pickle.dumps(during.error))  # it crosses the Ray boundary with its request id
     assert isinstance(again, EngineCrashedError) and again.request_id == "r1"
+
+
+def test_a_request_re_sent_across_two_engines_killed_one_after_the_other_is_not_poison(model_dir):
+    """Two actors killed a moment apart (an operator, a lost node) with a request on the first and its re-send on
+    the second: the request is not to blame; it waits for the fleet and completes."""
+    async def go():
+        ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
+        untouched = door._generate
+        killed: list[int] = []
+
+        async def generate(s, prompt, *args, **kw):
+            if list(prompt) == POISON and len(killed) < 2:  # the actor is killed under it (not its engine core)
+                killed.append(s.slot)
+                s.dead = True
+            return await untouched(s, prompt, *args, **kw)
+
+        door._generate = generate
+        await ctl.start()
+        c = client(ctl)
+        res = await asyncio.wait_for(c.generate_async(POISON, {"max_tokens": 4}), 30)
+        assert len(killed) == 2 and res.ok, (killed, res)
+        assert c.dispatcher.returned_reasons.get("poison", 0) == 0
+        await ctl.shutdown()
+
+    run(go())
 
 
 def test_the_fingerprint_is_the_prompt_and_sampling_but_not_the_seed():
