@@ -272,12 +272,19 @@ def _corrupt_update(f: Mapping, calls: list[dict], events: list[dict]) -> list[s
     if back is None or names not in back["reason"]:
         wrong.append(f"no refit_rolled_back record of version {call['version']} names {names!r}"
                      + (f" (it says {back['reason'][:200]!r})" if back else ""))
+    return wrong + _kept_then_refit(before, after, call, events, "refit")
+
+
+def _kept_then_refit(before: Mapping, after: Mapping, call: Mapping, events: list[dict], later: str) -> list[str]:
+    """A refit that changed nothing: the fleet still serves ``before``'s version with every slot healthy, and a
+    ``later`` refit, after the call ended, reopened the gate on a newer version."""
+    wrong = []
     kept = after["gate_open"] and after["version"] == before["version"] and set(after["states"].values()) == {"healthy"}
     if not kept:
         wrong.append(f"the fleet did not keep serving version {before['version']} with every slot healthy: {after}")
     if not any(e["kind"] == "gate" and e["open"] and e["version"] > before["version"] and e["t"] > call["ended"]
                for e in events):
-        wrong.append(f"no later refit reopened the gate on a version above {before['version']}")
+        wrong.append(f"no later {later} reopened the gate on a version above {before['version']}")
     return wrong
 
 
@@ -297,13 +304,7 @@ def _killed_sender(f: Mapping, calls: list[dict], events: list[dict]) -> list[st
         wrong.append(f"no refit_rolled_back record of version {v}")
     if any(e["kind"] == "gate" and e["open"] and e.get("version") == v for e in events):
         wrong.append(f"the gate opened on version {v}, which the killed sender never delivered")
-    kept = after["gate_open"] and after["version"] == before["version"] and set(after["states"].values()) == {"healthy"}
-    if not kept:
-        wrong.append(f"the fleet did not keep serving version {before['version']} with every slot healthy: {after}")
-    if not any(e["kind"] == "gate" and e["open"] and e["version"] > before["version"] and e["t"] > call["ended"]
-               for e in events):
-        wrong.append(f"no later refit (from a new sender) reopened the gate on a version above {before['version']}")
-    return wrong
+    return wrong + _kept_then_refit(before, after, call, events, "refit (from a new sender)")
 
 
 def _stale_version(f: Mapping, calls: list[dict], events: list[dict]) -> list[str]:
