@@ -281,6 +281,7 @@ class FleetClient(_Client):
         self._state = state
         async with self._changed:
             self._changed.notify_all()
+        self.dispatcher.tell_poison(state)
         await self.dispatcher.notify_room()
 
     async def newer_routing(self, epoch: int, timeout: float) -> RoutingState:

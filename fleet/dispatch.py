@@ -138,6 +138,7 @@ class Dispatcher:
         self._full: dict[tuple[int, int], float] = {}  # (slot, inc) -> until: it answered ``full``
         self._full_streak: dict[tuple[int, int], int] = {}  # (slot, inc) -> ``full`` answers in a row
         self._poison = PoisonMemory(poison_window_s)
+        self._poison_told: dict[str, set[tuple[int, int]]] = {}  # fingerprint -> (slot, incarnation) told of it
         self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
 
     # -- accounting ----------------------------------------------------------------
@@ -291,15 +292,25 @@ class Dispatcher:
         self._poison.remember(fp, engines, self._clock.now())
         self._log.emit("request", event=POISON, request_id=p.request_id, fingerprint=fp, engines=p.deaths,
                        window_s=self._poison.window_s)
-        if self._poison.window_s > 0:  # every serving shard refuses it too, to every client (in the background)
-            for m in self._view.routing().members:
-                tell = asyncio.ensure_future(self._view.door.call(m.handle, "refuse_poison", fp, self._poison.window_s,
-                                                                  timeout=10.0))
-                self._aborts.add(tell)
-                tell.add_done_callback(self._aborts.discard)
+        self.tell_poison(self._view.routing())  # every serving shard refuses it too, to every client
         return self._return(p, f"{POISON}: its attempts took down {len(p.deaths)} engines ({engines}); "
                                f"fingerprint {fp}; not sent again, and refused for {self._poison.window_s:g} s "
                                f"(poison_window_s)")
+
+    def tell_poison(self, state: RoutingState) -> None:
+        """Tell every member of ``state`` not yet told each poison this client remembers, with the window it has
+        left (in the background): a shard that joined later (a restart, a resize) refuses it too."""
+        if not self._poison:
+            return
+        for fp, left in self._poison.live(self._clock.now()):
+            told = self._poison_told.setdefault(fp, set())
+            for m in state.members:
+                if (m.slot, m.incarnation) in told:
+                    continue
+                told.add((m.slot, m.incarnation))
+                tell = asyncio.ensure_future(self._view.door.call(m.handle, "refuse_poison", fp, left, timeout=10.0))
+                self._aborts.add(tell)
+                tell.add_done_callback(self._aborts.discard)
 
     def _full_hold(self, key: tuple[int, int]) -> float:
         return min(FULL_HOLD_S * 2 ** (self._full_streak.get(key, 1) - 1), FULL_HOLD_MAX_S)
@@ -330,6 +341,7 @@ class Dispatcher:
             if not state.gate_open:
                 await self._view.newer_routing(state.epoch, min(left, 1.0))
                 continue
+            self.tell_poison(state)
             members = self._candidates(state)
             m = pick_two(members, self.load(), state.cap_map, self._rng)
             if m is not None:

@@ -15,11 +15,11 @@ fingerprint is refused at once meanwhile, before it reaches any engine.
 Who remembers: the client that found it (``fleet.dispatch.Dispatcher``), and every shard
 serving when it did: the client tells them (``EngineShard.refuse_poison``, in the
 background) and their gates refuse that fingerprint to any client for the window
-(``fleet.shard_gate.POISON``). The controller is left out on purpose: it sees no request
+(``fleet.shard_gate.POISON``); an engine that joins the serving set later (a restart, a
+resize) is told by that client when it next reads a routing state that lists it. The controller is left out on purpose: it sees no request
 and keeps no per-request state, and a poison found by one client is known to the shards
-every other client routes to. Not covered: an engine that started after the notice (a
-restart, a resize) does not know it, so another client's copy can take that one down
-once before a told shard refuses it.
+every other client routes to. Not covered: a new engine that another client reaches before
+the finding client has read the routing state that lists it can be taken down once.
 """
 
 from __future__ import annotations
@@ -66,6 +66,10 @@ class PoisonMemory:
     def remember(self, fp: str, engines: str, now: float) -> None:
         if self.window_s > 0:
             self._until[fp] = (now + self.window_s, engines)
+
+    def live(self, now: float) -> list[tuple[str, float]]:
+        """Each remembered fingerprint with the seconds of its window left at ``now``."""
+        return [(fp, until - now) for fp, (until, _) in self._until.items() if until > now]
 
     def known(self, fp: str, now: float) -> str | None:
         """What ``fp`` took down, if it is remembered at ``now``; forgets the expired ones."""

@@ -77,6 +77,14 @@ def test_a_request_that_took_down_two_engines_is_returned_as_poison_and_never_se
     run(go())
 
 
+async def wait_serving(ctl, n: int, within_s: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within_s
+    while len(ctl.publisher.current.members) < n:
+        assert loop.time() < end, f"{n} serving engines not reached: {ctl.publisher.current}"
+        await asyncio.sleep(0.5)
+
+
 def test_a_poison_one_client_found_is_refused_by_the_shards_to_another_client(model_dir):
     from fleet.client import InProcessClient
     from fleet.poison import POISON as REASON
@@ -89,10 +97,16 @@ def test_a_poison_one_client_found_is_refused_by_the_shards_to_another_client(mo
         first = await a.dispatcher.submit(POISON, {"max_tokens": 4}, request_id="a-1")
         assert first.reason.startswith("poison: ") and len(received) == 2
         await asyncio.sleep(0.1)  # the serving shards were told (in the background)
+        await wait_serving(ctl, 3)  # the two it killed restarted: a tells them as it next reads the routing state
+        assert (await a.dispatcher.submit([1, 2], request_id="a-2")).ok
+        await asyncio.sleep(0.1)
         other = await b.dispatcher.submit(POISON, {"max_tokens": 4, "seed": 5}, request_id="b-1")
         assert other.reason.startswith("poison: ") and "refused by slot" in other.reason, other
-        assert other.attempts == 0 and len(received) == 2  # no third engine died
+        assert other.attempts == 0 and len(received) == 2  # no third engine died, not even a restarted one
         assert sum(s.gate.refused.get(REASON, 0) for s in door.shards.values()) == 1
+        restarted = [s for s in door.shards.values() if not s.dead and s.incarnation > 1]
+        assert len(restarted) == 2 and all(s.gate.poison_refusal(lambda: fingerprint(POISON, {"max_tokens": 4}),
+                                                                 asyncio.get_running_loop().time()) for s in restarted)
         assert b.dispatcher.returned_reasons["poison"] == 1 and b.dispatcher.requeued == 0
         assert (await b.dispatcher.submit([1, 2], request_id="b-2")).ok  # and nothing else is refused
         fp = fingerprint(POISON, {"max_tokens": 4})
