@@ -8,6 +8,8 @@ costs no hop between threads and none through the controller.
 An accepted request ends in one of these, and nothing else:
 - completed: 200, tagged with the weight versions, slot and incarnation;
 - refused by vLLM's validation (the front's or the engine's): 400 with vLLM's message;
+- returned as a poison (its attempts crashed two engines, or a shard knows its fingerprint):
+  400 naming the fingerprint and the window it is refused for (retrying it is refused);
 - returned by the fleet (stopped; no serving engine within the request timeout, which names
   why the gate is closed; the re-send budget spent): 503 with the reason;
 - abandoned by its HTTP client: aborted on the engine and counted ``cancelled``;
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleet.dispatch import FleetResult
+from fleet.poison import POISON
 
 _PARAMETER = re.compile(r"\(parameter=(\w+)")
 # Latencies kept for the /metrics quantiles (the most recent ones).
@@ -117,12 +120,15 @@ class Front:
                                   "(aborted on its engine); send it again", "ServiceUnavailableError")
 
     def returned(self, result: FleetResult) -> Outcome:
-        """A request the fleet returned: the caller's mistake is a 400, everything else a 503 with the reason."""
+        """A request the fleet returned: the caller's mistake (refused by validation, or a poison: its attempts took
+        down engines, ``fleet.poison``) is a 400, everything else a 503 with the reason."""
         reason = result.reason
         if reason.startswith("bad request: "):
             message = _vllm_message(reason[len("bad request: "):])
             named = _PARAMETER.search(message)  # vLLM's validation error says "(parameter=NAME, ...)"
             return Outcome(400, result, message, "BadRequestError", named.group(1) if named else None)
+        if reason.startswith(f"{POISON}: "):  # the request itself takes engines down: the caller's to change, not retry
+            return Outcome(400, result, reason, "BadRequestError")
         state = self.client.routing()
         if reason.startswith("no serving shard") and not state.gate_open and not state.stopped:
             reason = f"{reason}; the gate is closed: {state.reason or 'a refit is running'}"

@@ -194,6 +194,9 @@ def test_returned_requests_become_400_for_the_caller_and_503_naming_why_for_the_
     out = closed.returned(returned("bad request: request r-9 rejected by vLLM: Requested sample logprobs of 100, "
                                    "which is greater than max allowed: 20 (parameter=logprobs, value=100)"))
     assert (out.code, out.param) == (400, "logprobs") and out.message.startswith("Requested sample logprobs")
+    out = closed.returned(returned("poison: its attempts took down 2 engines (slot 0 (incarnation 1), slot 1 "
+                                   "(incarnation 1)); fingerprint 0123abcd; not sent again, and refused for 600 s"))
+    assert out.code == 400 and "fingerprint 0123abcd" in out.message  # the request's own fault: not a 503 to retry
     out = closed.returned(returned("no serving shard within the request timeout (60 s)"))
     assert out.code == 503 and "the gate is closed: refit of version 3" in out.message
     stopped = Front(_Client(RoutingState(6, False, 2, stopped="FleetExhausted: slots 0, 1 dead")), tok, "m", MAX_LEN)
