@@ -73,7 +73,11 @@ def test_digest_changes_with_layout():
 
 
 def test_validate_accepts_full_update():
-    validate(plan_buckets(_specs(), 1024), SPEC, "float32")
+    full = plan_buckets(_specs(), 1024)
+    assert validate(Manifest.from_wire(full.to_wire()), SPEC, "float32") is None  # accepted: nothing to name
+    # and it is this spec that accepted it: the same update less any one tensor is refused, naming that tensor
+    for name in SPEC:
+        assert name in refused([s for s in _specs() if s[0] != name])
 
 
 def refused(specs, spec=SPEC, **declared) -> str:
@@ -130,7 +134,8 @@ def test_validate_refuses_half_a_layer():
 def test_validate_accepts_a_declared_partial_update_of_whole_layers():
     specs = [s for s in _specs() if s[0].startswith("model.layers.1.") or s[0] == "model.norm.weight"]
     m = dataclasses.replace(plan_buckets(specs, 1024), partial=True)
-    validate(Manifest.from_wire(m.to_wire()), SPEC, "float32")
+    assert validate(Manifest.from_wire(m.to_wire()), SPEC, "float32") is None
+    assert refused(specs).startswith("missing tensors: ")  # the declaration is what makes it acceptable
 
 
 def test_validate_accepts_frozen_names_and_patterns_only():
