@@ -44,6 +44,18 @@ def session(pid: int) -> list[str]:
     return subprocess.run(["pgrep", "-s", str(pid)], capture_output=True, text=True).stdout.split()
 
 
+def session_gone(pid: int, within_s: float = 60.0) -> None:
+    """Wait until no process of the session ``pid`` leads is left; else fail naming each one that is (a Ray
+    worker that got the signal while importing vLLM on a loaded machine can take tens of seconds to end)."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        if not session(pid):
+            return
+        time.sleep(0.5)
+    left = subprocess.run(["ps", "-o", "pid,stat,etime,args", "-s", str(pid)], capture_output=True, text=True).stdout
+    raise AssertionError(f"processes of session {pid} still running {within_s:.0f} s after the signal:\n{left}")
+
+
 def submit_load(fleet, groups: int = 6, n: int = 2, sampling: dict | None = None):
     """Start ``groups`` generation groups without waiting (they run across the refit under test)."""
     return [fleet.submit(PROMPTS[i % len(PROMPTS)], n, sampling or SAMPLING) for i in range(groups)]

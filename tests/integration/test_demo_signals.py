@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.fleet_helpers import cli_env, session, signal_and_wait, wait_for
+from tests.integration.fleet_helpers import cli_env, session, session_gone, signal_and_wait, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +69,7 @@ def test_sigterm_ends_the_demo_with_its_report_and_nothing_left_behind(tiny_mode
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.startswith("{")]
     if target == "process":  # Ray was up: the fleet was shut down in order, by its controller
         assert any(e["kind"] == "phase" and e.get("phase") == "shutdown" and e.get("edge") == "end" for e in events), detail
-    wait_for(lambda: not session(proc.pid), 60, what="every process of the demo's session to exit")
+    session_gone(proc.pid)
 
 
 @pytest.mark.timeout(180)
@@ -100,4 +100,4 @@ def test_sigterm_while_the_fleet_starts_ends_faults_run_at_once_with_nothing_lef
     assert any("interrupted by SIGTERM: 0 of 1 variant(s) finished" in line for line in lines), detail
     summary = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
     assert summary["interrupted"] == "SIGTERM" and summary["variants"] == 0, detail
-    wait_for(lambda: not session(proc.pid), 60, what="every process of the run's session to exit")
+    session_gone(proc.pid)

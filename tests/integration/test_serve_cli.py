@@ -31,7 +31,7 @@ import pytest
 from fleet import ray_io
 from fleet.api import Fleet
 from serve.server import HttpServer
-from tests.integration.fleet_helpers import cli_env, session, signal_and_wait, wait_for
+from tests.integration.fleet_helpers import cli_env, session, session_gone, signal_and_wait, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -122,8 +122,7 @@ def test_serve_config_then_sigterm_to_its_process_group_exits_cleanly(tiny_model
     code, lines = finish(proc, 120)
     assert code == 0 and lines[-1]["stopped"] and lines[-1]["fleet_shut_down"] is True
     assert time.monotonic() - t0 < 60
-    wait_for(lambda: not session(proc.pid), 30,
-             what="every process of the session to exit")
+    session_gone(proc.pid)
 
 
 @pytest.mark.timeout(180)
@@ -150,7 +149,7 @@ def test_serve_config_sigterm_to_its_process_group_while_the_engine_starts_exits
     assert lines and "serving" not in lines[0], lines  # it never served: the signal came during the start
     assert code == 0 and took < 20, (code, took, "".join(errors[-20:]))
     assert lines[-1]["stopped"] and lines[-1]["end"].startswith("interrupted while the fleet started"), lines
-    wait_for(lambda: not session(proc.pid), 30, what="every process of the session to exit")
+    session_gone(proc.pid)
 
 
 def test_a_bad_config_is_refused_before_anything_starts(tmp_path, tiny_model):
