@@ -580,7 +580,7 @@ class SingleController:
         them, kept and resumed on the new weights), and the run step it closes (time since the last commit,
         generation tokens/s as of the last admission poll); each in the summary, the event log and a metric."""
         version = summary["version"]
-        busy = dict(getattr(self.lifecycle, "_busy", {}))  # slot -> in flight at the fence (``fence_and_abort_too_old``)
+        busy = self.lifecycle.held_at_fence
         summary["held_across_pause"] = sum(busy.values())
         self.log.emit("refit_held", version=version, requests=summary["held_across_pause"],
                       by_slot={str(s): n for s, n in sorted(busy.items())})

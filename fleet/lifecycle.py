@@ -108,6 +108,12 @@ class RefitLifecycle:
         """Held for the whole of a refit; a resize (``fleet.resize``) holds it too, so the two never interleave."""
         return self._lock
 
+    @property
+    def held_at_fence(self) -> dict[int, int]:
+        """The last refit's shards that held requests when it fenced them: slot -> requests in flight (kept across
+        its pause and resumed on the new weights)."""
+        return dict(self._busy)
+
     async def run(self, version: int, source: Any) -> dict:
         """The eight steps. One refit at a time: a second call waits, then is checked against
         the version the first committed. Ends committed, rolled back or stopped (module docstring)."""
