@@ -391,6 +391,8 @@ class FaultRunner:
         rep.wrong_version_tags = len(invariants.version_tags_match_stamps(events)) - len(
             invariants.version_tags_match_stamps([e for e in events if e["t"] < t0])
         ) + len(invariants.open_gate_serves_current_version(new))
+        rep.notes += [f"returned {e.get('request_id')}: {str(e.get('reason'))[:300]}" for e in new
+                      if e["kind"] == "request" and e.get("event") == "returned"]
         rep.violations += invariants.requests_accounted(new) + invariants.phases_within_deadline(
             new, fleet.config.lifecycle_deadline_s, slack_s=fleet.config.probe_timeout_s + 2.0
         ) + invariants.gate_closed_after_stop(new)

@@ -56,3 +56,18 @@ def summarize(records: list[dict]) -> str:
     seconds = sum(float(r.get("start_s", 0.0)) for r in records if r.get("backend") == "vllm")
     parts = ", ".join(f"{n} {b}" for b, n in sorted(ok.items())) or "none"
     return f"engine starts: {parts}; {failed} failed; vllm engine start time {seconds:.0f} s in all"
+
+
+def by_window(records: list[dict], windows: list[tuple[float, str]]) -> list[tuple[str, str]]:
+    """``summarize`` per owner: each record is charged to the owner of the last window that began before
+    its engine started (``windows``: (wall time, owner) in time order). Owners in first-seen order, those
+    with no record left out."""
+    import bisect
+
+    starts = [t for t, _ in windows]
+    mine: dict[str, list[dict]] = {}
+    for r in records:
+        began = float(r.get("t", 0.0)) - float(r.get("start_s", 0.0))
+        i = bisect.bisect_right(starts, began) - 1
+        mine.setdefault(windows[i][1] if i >= 0 else "(before the first test)", []).append(r)
+    return [(owner, summarize(rs)) for owner, rs in mine.items()]

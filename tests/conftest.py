@@ -37,12 +37,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(quick)
 
 
+_WINDOWS: list[tuple[float, str]] = []  # (wall time a test began, its module): starts are charged to modules
+
+
+def pytest_runtest_logstart(nodeid, location):
+    import time
+
+    _WINDOWS.append((time.time(), nodeid.split("::", 1)[0]))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """The engine starts this run cost, from the shards' own start records (``fleet.start_records``)."""
-    from fleet.start_records import read_starts, summarize
+    """The engine starts this run cost, from the shards' own start records (``fleet.start_records``), in
+    all and by the test module running when each began (a module's fixtures' starts are its own)."""
+    from fleet.start_records import by_window, read_starts, summarize
 
     records = read_starts(os.environ["RLFLEET_START_RECORDS"])
     terminalreporter.write_sep("=", summarize(records))
+    for module, line in by_window(records, _WINDOWS):
+        terminalreporter.write_line(f"  {module}: {line}")
 
 
 @pytest.fixture(scope="session")

@@ -34,3 +34,17 @@ def test_a_torn_line_is_skipped_and_a_missing_file_reads_as_none(tmp_path):
 def test_an_unwritable_file_never_fails_the_start(tmp_path, monkeypatch):
     monkeypatch.setenv(start_records.ENV, str(tmp_path / "no-such-dir" / "starts.jsonl"))
     record_start(0, 1, "vllm", 1.0, ok=True)  # raises nothing
+
+
+def test_each_start_is_charged_to_the_module_running_when_its_engine_began():
+    windows = [(100.0, "tests/a.py"), (200.0, "tests/b.py"), (300.0, "tests/c.py")]
+    records = [
+        {"t": 150.0, "start_s": 10.0, "backend": "vllm", "ok": True},  # began 140: a
+        {"t": 215.0, "start_s": 20.0, "backend": "vllm", "ok": True},  # began 195: still a (fixture of a's test)
+        {"t": 260.0, "start_s": 20.0, "backend": "vllm", "ok": False},  # began 240: b
+        {"t": 50.0, "start_s": 1.0, "backend": "null", "ok": True},  # before any test
+    ]
+    out = dict(start_records.by_window(records, windows))
+    assert out["tests/a.py"] == "engine starts: 2 vllm; 0 failed; vllm engine start time 30 s in all"
+    assert out["tests/b.py"] == "engine starts: none; 1 failed; vllm engine start time 20 s in all"
+    assert "tests/c.py" not in out and "(before the first test)" in out
