@@ -41,6 +41,15 @@ SLOW_TRANSFER_S, CRASH_IN_TRANSFER_S = 2.0, 0.75
 # A variant that stops, or spends a slot's whole restart budget, gets a fleet of its own: two engines are
 # enough to show it (one faulted, one that must not be blamed), and each engine fewer is ~12 s less to start.
 PAIR = {"num_engines": 2}
+# Variants that test the controller's decisions only (a refit that must stop, requests held below quorum) run
+# on shards with no vLLM engine: real Ray actors, the real controller, clients, transport and weight bytes
+# (``null_receives_weights``), each request in flight for ``null_generate_s``; an engine starts in about a
+# second instead of 15-25 s. Their deadlines are sized for the test: a hang is waited out for 3 + 1.5 s, not
+# 10 + 5. Kills of real engine processes, freezes, engine-core crashes and the weights inside vLLM stay on
+# real engines (every variant without ``NULL``).
+NULL_ENGINE = {"backend": "null", "null_receives_weights": True, "null_generate_s": 0.3, "num_cpus": 0}
+NULL = {"engine": NULL_ENGINE, "refit_timeout_s": 3.0, "lifecycle_grace_s": 1.5, "probe_timeout_s": 1.5,
+        "suspect_timeout_s": 4.0}
 # Quorum of one on three engines: a poison prompt takes two down and the third serves on; the stamp variant that
 # follows shares the fleet (consecutive variants with one config share one: a fleet start saved).
 ONE_OF_THREE = {"min_healthy_engines": 1}
@@ -96,13 +105,6 @@ MATRIX: tuple[Variant, ...] = (
        description="client threads submit without pause while the fleet grows by one engine, a refit lands (the "
                    "new engine serves after it), and it shrinks by one (the removed engine finishes what it held, "
                    "admits nothing more, is retired): 0 lost"),
-    _v("below-quorum-between-refits", "recovers",
-       [{"where": "between_refits", "what": "kill", "shard": 0, "step": 2},
-        {"where": "between_refits", "what": "kill", "shard": 1, "step": 2}],
-       checks=("below_quorum", "readmitted:0", "readmitted:1"), steps=2,
-       description="two of three shards die between refits, past the checkpoint's version (a restart at "
-                   "version 0 would serve at once): requests wait at the closed gate until the restarted "
-                   "shards come back and the next refit brings quorum back"),
     # on_hang=evict (the default): a hung engine is killed and the refit goes on
     _v("hang-at-pause-evicted", "recovers", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}],
        checks=("evicted:1", "readmitted:1"),
@@ -169,22 +171,30 @@ MATRIX: tuple[Variant, ...] = (
        [{"where": "step_boundary", "what": "kill", "shard": 1, "step": 1, "every": 1, "times": 2}],
        checks=("retired:1",), fleet={**PAIR, "min_healthy_engines": 1, "restart_budget": 1},
        description="the same slot killed past its restart budget is retired; quorum still holds"),
+    # the controller's decisions alone, on shards with no engine (``NULL``)
+    _v("below-quorum-between-refits", "recovers",
+       [{"where": "between_refits", "what": "kill", "shard": 0, "step": 2},
+        {"where": "between_refits", "what": "kill", "shard": 1, "step": 2}],
+       checks=("below_quorum", "readmitted:0", "readmitted:1"), steps=2, fleet=NULL,
+       description="two of three shards die between refits, past the checkpoint's version (a restart at "
+                   "version 0 would serve at once): requests wait at the closed gate until the restarted "
+                   "shards come back and the next refit brings quorum back"),
     _v("kill-two-below-quorum", "stops",
        [{"where": "step_boundary", "what": "kill", "shard": 0, "step": 1},
         {"where": "pause", "what": "kill", "shard": 1, "step": 1}],
-       fleet={"restart_dead_engines": False}, steps=1),
+       fleet={**NULL, "restart_dead_engines": False}, steps=1),
     _v("hang-past-deadline", "stops", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}], steps=1,
-       fleet={**PAIR, "on_hang": "stop"},
+       fleet={**NULL, **PAIR, "on_hang": "stop"},
        description="on_hang=stop: a pause that never returns: the refit stops with the gate closed within its "
                    "deadline"),
     _v("false-ack-on-resume", "stops", [{"where": "resume", "what": "false_ack", "shard": 1, "step": 1}], steps=1,
-       fleet=PAIR),
+       fleet={**NULL, **PAIR}),
     _v("unavailable-at-resume", "stops", [{"where": "resume", "what": "unavailable", "shard": 1, "step": 1}], steps=1,
-       checks=("stop_names:1",), fleet={**PAIR, "on_hang": "stop"},
+       checks=("stop_names:1",), fleet={**NULL, **PAIR, "on_hang": "stop"},
        description="on_hang=stop: a resume answers 'unavailable': nobody can tell whether that engine resumed; "
                    "the refit stops"),
     _v("hang-at-resume", "stops", [{"where": "resume", "what": "hang", "shard": 0, "step": 1}], steps=1,
-       checks=("stop_names:0",), fleet={**PAIR, "on_hang": "stop"},
+       checks=("stop_names:0",), fleet={**NULL, **PAIR, "on_hang": "stop"},
        description="on_hang=stop: a resume that never returns: the refit stops within its deadline"),
 )
 

@@ -34,6 +34,7 @@ serving); a variant that stops gets its own fleet.
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 import tempfile
 import time
@@ -106,10 +107,12 @@ class FaultRunner:
 
     # ------------------------------------------------------------------ fleets
     def _config(self, plan: FaultPlan) -> dict:
-        return {**BASE_FLEET, **plan.fleet, "engine": self.engine}
+        """The plan's fleet: ``BASE_FLEET`` under its overrides; an ``engine`` override is laid over the
+        runner's engine (``faults.matrix.NULL_ENGINE``: shards with no vLLM engine)."""
+        return {**BASE_FLEET, **plan.fleet, "engine": {**self.engine, **plan.fleet.get("engine", {})}}
 
     def fleet_for(self, plan: FaultPlan) -> Fleet:
-        key = tuple(sorted(plan.fleet.items()))
+        key = json.dumps(plan.fleet, sort_keys=True)
         if self._fleet is not None and (self._fleet_key != key or self._fleet.status()["stopped"]):
             self.close_fleet()
         if self._fleet is None:
@@ -391,8 +394,9 @@ class FaultRunner:
         rep.wrong_version_tags = len(invariants.version_tags_match_stamps(events)) - len(
             invariants.version_tags_match_stamps([e for e in events if e["t"] < t0])
         ) + len(invariants.open_gate_serves_current_version(new))
-        rep.notes += [f"returned {e.get('request_id')}: {str(e.get('reason'))[:300]}" for e in new
-                      if e["kind"] == "request" and e.get("event") == "returned"]
+        returned = [e for e in new if e["kind"] == "request" and e.get("event") == "returned"]
+        rep.notes += [f"returned {e.get('request_id')}: {str(e.get('reason'))[:200]}" for e in returned[:3]]
+        rep.notes += [f"and {len(returned) - 3} more returned"] if len(returned) > 3 else []
         rep.violations += invariants.requests_accounted(new) + invariants.phases_within_deadline(
             new, fleet.config.lifecycle_deadline_s, slack_s=fleet.config.probe_timeout_s + 2.0
         ) + invariants.gate_closed_after_stop(new)

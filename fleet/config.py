@@ -40,6 +40,11 @@ class EngineConfig(BaseModel):
     null_generate_s: float = Field(
         0.0, ge=0, description="'null' backend only: each generate takes this long (requests stay in flight; abortable)"
     )
+    null_receives_weights: bool = Field(
+        False, description="'null' backend only: receive each refit's weights for real (the transport's group, "
+                           "manifest checks against the model directory, bytes into host memory) instead of "
+                           "answering every weight call at once"
+    )
     # Placement and process environment of the actor hosting the engine.
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
