@@ -182,7 +182,9 @@ MATRIX: tuple[Variant, ...] = (
     _v("kill-two-below-quorum", "stops",
        [{"where": "step_boundary", "what": "kill", "shard": 0, "step": 1},
         {"where": "pause", "what": "kill", "shard": 1, "step": 1}],
-       fleet={**NULL, "restart_dead_engines": False}, steps=1),
+       checks=("stop_names:0", "stop_names:1"), fleet={**NULL, "restart_dead_engines": False}, steps=1,
+       description="one shard killed at the step boundary, another as its pause arrives, no restarts: the refit "
+                   "stops with the gate closed, naming both"),
     _v("hang-past-deadline", "stops", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}], steps=1,
        fleet={**NULL, **PAIR, "on_hang": "stop"},
        description="on_hang=stop: a pause that never returns: the refit stops with the gate closed within its "

@@ -27,9 +27,7 @@ from types import SimpleNamespace
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from faults.source import WeightSource
 from fleet import ray_io
-from fleet.api import Fleet
 from serve.loadtest import run_load
 from serve.protocol import VERSION_HEADER
 from serve.server import HttpServer
@@ -39,18 +37,13 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def served(ray_local, tiny_model):
-    fleet = Fleet.start({"engine": {"model": tiny_model}, "num_engines": 2, "min_healthy_engines": 1,
-                         "name": "serve-test", "request_timeout_s": 120,
-                         "refit_timeout_s": 60})  # requests held across a refit fit its budget
+def served(shared_fleet):
+    fleet, source = shared_fleet.fleet, shared_fleet.source  # the session's fleet (tests/integration/conftest.py)
     server = HttpServer(fleet, port=0).start()
-    source = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
     try:
         yield SimpleNamespace(fleet=fleet, server=server, source=source, url=server.url, model=server.model_name)
     finally:
         server.stop()
-        fleet.shutdown()
-        ray_io.kill(source)
 
 
 def openai_client(s) -> OpenAI:
@@ -157,7 +150,7 @@ def test_curl_sees_health_models_metrics_and_status(served):
     assert 'rlfleet_engines{state="healthy"} 2' in lines
     code, body = curl(f"{served.url}/v1/fleet/status")
     status = json.loads(body)
-    assert code == 200 and status["controller"]["fleet"] == "serve-test" and status["routing"]["serving"] == 2
+    assert code == 200 and status["controller"]["fleet"] == served.fleet.name and status["routing"]["serving"] == 2
 
 
 def _load_in_thread(url: str, clients: int, seconds: float, max_tokens: int) -> tuple[threading.Thread, dict]:
