@@ -17,6 +17,8 @@ What it does:
    alone hold quorum. It checks where the controller and every shard landed;
 3. runs ``--steps`` training steps: generate a batch (``--samples`` per prompt), a
    training step of the trainer (``perturb``), then ``fleet.sync_weights(step, trainer)``;
+   after the first, samples from every shard (both nodes) are checked against the trainer's
+   own logprobs of the same tokens (``weights``: the update crossed the nodes intact);
 4. after step ``--lose-after`` writes ``SCRATCH/ready.json`` (the nodes, where each shard
    runs) and keeps requests flowing until ``SCRATCH/go`` appears (whoever watches kills
    the worker node meanwhile) and the fleet has taken the lost node's shards out of
@@ -151,6 +153,24 @@ def train_step(fleet: Fleet, trainer, step: int, prompts: list, samples: int) ->
     return {"step": step, **batch, "refit": {k: refit.get(k) for k in keep}, "wall_s": round(time.monotonic() - t0, 2)}
 
 
+def weights_on_every_slot(fleet: Fleet, trainer, slots: list[int], prompts: list) -> dict:
+    """After a refit: samples from every slot in ``slots`` (both nodes) checked against the trainer's own
+    logprobs of the same tokens. The largest gap and the slots it covered (routing picks two at random per
+    request: a few batches until each slot served one)."""
+    gap, seen, version = 0.0, set(), fleet.status()["version"]
+    for _ in range(6):
+        for r in (r for g in fleet.generate(prompts, n=1, sampling=SAMPLING) for r in g if r.ok):
+            if r.result.weight_version != version:
+                raise RuntimeError(f"slot {r.result.slot} served version {r.result.weight_version}, not {version}")
+            c = r.result.completions[0]
+            ref = ray_io.ask(trainer, "logprobs", list(r.result.prompt_token_ids), list(c.token_ids), timeout=60)
+            gap = max(gap, max(abs(x - y) for x, y in zip(ref, c.logprobs)))
+            seen.add(r.result.slot)
+        if seen >= set(slots):
+            break
+    return {"version": version, "slots": sorted(seen), "logprob_gap": gap}
+
+
 def slot_states(fleet: Fleet) -> dict[int, str]:
     return {row["slot"]: row["state"] for row in slot_rows(fleet)}
 
@@ -280,6 +300,8 @@ def run(args, report: dict) -> None:
         prompts = [[1, 20 + i, 30, 40, 50] for i in range(args.prompts)]
         for step in range(1, args.steps + 1):
             report["steps"].append(train_step(fleet, trainer, step, prompts, args.samples))
+            if step == 1:  # the update reached the engines on both nodes intact
+                report["weights"] = weights_on_every_slot(fleet, trainer, sorted(s["slot"] for s in slot_rows(fleet)), prompts)
             if step == args.lose_after:
                 write_ready(args.scratch, report)
                 lost = report["placement"]["lost_slots"]

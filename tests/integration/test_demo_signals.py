@@ -52,14 +52,14 @@ def test_sigterm_ends_the_demo_with_its_report_and_nothing_left_behind(tiny_mode
                  what="the demo's third training step")
         assert proc.poll() is None, f"the demo ended on its own: {''.join(lines[-20:])}{''.join(errors[-40:])}"
         assert len(session(proc.pid)) > 3  # the local Ray's daemons run in the session the signal may reach
-        code, took = signal_and_wait(proc, group=target == "process-group")
+        # bounded: past it the demo is SIGKILLed and its exit status is not 143 (the group's case stops Ray too)
+        code, took = signal_and_wait(proc, group=target == "process-group", timeout=30 if target == "process-group" else 120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     reader.join(10)
     detail = "".join(lines[-30:]) + "".join(errors[-40:])
-    assert code == 128 + signal.SIGTERM, detail
-    assert took < (30 if target == "process-group" else 120), detail
+    assert code == 128 + signal.SIGTERM, (code, f"{took:.1f} s", detail)
     digest = json.loads(lines[-1])
     assert digest["interrupted"] == "SIGTERM" and digest["ok"] is False, detail
     summary = json.loads((out / "summary.json").read_text())
@@ -90,13 +90,13 @@ def test_sigterm_while_the_fleet_starts_ends_faults_run_at_once_with_nothing_lef
                  what="the fleet's start")
         time.sleep(3.0)  # well inside the start: three engines take tens of seconds to come up
         assert proc.poll() is None and not any("PASS in" in line or "FAIL in" in line for line in lines), lines
-        code, took = signal_and_wait(proc, timeout=120)
+        code, took = signal_and_wait(proc, timeout=20)  # bounded: past it, SIGKILL (exit status not 143)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     time.sleep(0.5)
     detail = "".join(lines[-30:])
-    assert code == 128 + signal.SIGTERM and took < 20, (code, took, detail)
+    assert code == 128 + signal.SIGTERM, (code, took, detail)
     assert any("interrupted by SIGTERM: 0 of 1 variant(s) finished" in line for line in lines), detail
     summary = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
     assert summary["interrupted"] == "SIGTERM" and summary["variants"] == 0, detail

@@ -76,12 +76,12 @@ def test_kill_during_transfer_fails_survivors_fast_and_rebuilt_epochs_recover(cl
         os.kill(doomed_pid, signal.SIGKILL)
         ray_io.kill(doomed)
         killed_at = time.monotonic()
-        report = await task
+        report = await asyncio.wait_for(task, TIMEOUT_S)  # bounded: the survivor fails fast, not at the timeout
         return report, time.monotonic() - killed_at
 
     report, after_kill_s = asyncio.run(refit_and_kill())
     print(report.summary(), f"\nsurvivor error {after_kill_s:.2f} s after the kill (timeout {TIMEOUT_S} s)")
-    assert not report.ok and after_kill_s < TIMEOUT_S, after_kill_s
+    assert not report.ok
     res_s = report.results[Participant(0, 1, (1,))]
     res_d = report.results[Participant(1, 1, (2,))]
     assert res_s.outcome is Outcome.NOT_STARTED and "bucket" in res_s.error and res_s.phase == "transfer", res_s
@@ -122,10 +122,10 @@ def test_unreachable_participant_aborts_before_any_weight_moves(cluster):
     ray_io.kill(ghost)  # never started, now dead
     live = shards[0]
     before = worker_info(live)["weight_version"]
-    t0 = time.monotonic()
-    report = asyncio.run(sync.refit({Participant(0, 1, (1,)): ray_io.ShardReceiverPort(live), Participant(9, 1, (2,)): ray_io.ShardReceiverPort(ghost)}, 50, epoch=10))
-    took = time.monotonic() - t0
-    assert not report.ok and took < 5 + 5 + 5
+    ports = {Participant(0, 1, (1,)): ray_io.ShardReceiverPort(live), Participant(9, 1, (2,)): ray_io.ShardReceiverPort(ghost)}
+    # bounded by the group phase (5 s) with room, not the refit's 10 s per attempt and its retry
+    report = asyncio.run(asyncio.wait_for(sync.refit(ports, 50, epoch=10), 5 + 5 + 5))
+    assert not report.ok
     assert all(r.outcome is Outcome.NOT_STARTED and r.phase == "group" for r in report.results.values()), report.summary()
     ghost_res = report.results[Participant(9, 1, (2,))]
     assert ghost_res.exception is not None and "Actor" in type(ghost_res.exception).__name__

@@ -117,11 +117,9 @@ def test_serve_config_then_sigterm_to_its_process_group_exits_cleanly(tiny_model
     assert first["started_fleet"] is True
     assert complete(first["serving"])[0] == 200
     assert len(session(proc.pid)) > 3  # the local Ray's daemons run in the process group the signal reaches
-    t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGTERM)
-    code, lines = finish(proc, 120)
+    code, lines = finish(proc, 60)  # bounded: still running after it is a TimeoutExpired
     assert code == 0 and lines[-1]["stopped"] and lines[-1]["fleet_shut_down"] is True
-    assert time.monotonic() - t0 < 60
     session_gone(proc.pid)
 
 
@@ -141,13 +139,13 @@ def test_serve_config_sigterm_to_its_process_group_while_the_engine_starts_exits
                  what="the local Ray's start")
         time.sleep(3.0)  # the engine is importing vLLM now: its start takes over 10 s on this machine
         assert proc.poll() is None and len(session(proc.pid)) > 3
-        code, took = signal_and_wait(proc, timeout=120)
+        code, took = signal_and_wait(proc, timeout=20)  # bounded: past it, SIGKILL (exit status not 0)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     lines = [json.loads(line) for line in proc.stdout.read().splitlines() if line.startswith("{")]
     assert lines and "serving" not in lines[0], lines  # it never served: the signal came during the start
-    assert code == 0 and took < 20, (code, took, "".join(errors[-20:]))
+    assert code == 0, (code, took, "".join(errors[-20:]))
     assert lines[-1]["stopped"] and lines[-1]["end"].startswith("interrupted while the fleet started"), lines
     session_gone(proc.pid)
 
@@ -166,10 +164,8 @@ def test_a_client_that_disconnects_has_its_request_aborted_on_the_engine(ray_loc
     try:
         with pytest.raises(httpx.TimeoutException):
             httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=1.0)
-        t0 = time.monotonic()
         wait_for(lambda: server.front.cancelled == 1 and fleet.shard_counters()[0]["in_flight"] == 0, 10,
-                 every_s=0.1, what="the abandoned request to be aborted on its shard")
-        assert time.monotonic() - t0 < 10  # far sooner than the 20 s the generation would have taken
+                 every_s=0.1, what="the abandoned request to be aborted on its shard")  # not the generation's 20 s
         counters = server.front.client.counters()
         assert counters["in_progress"] == 0 and counters["returned"] == 1
         assert server.front.client.dispatcher.returned_reasons["cancelled by the caller"] == 1
@@ -197,11 +193,10 @@ def test_requests_still_running_when_the_front_stops_are_aborted_and_answered_50
         for c in clients:
             c.start()
         wait_for(lambda: fleet.shard_counters()[0]["in_flight"] == 2, 30, every_s=0.1, what="both requests to run")
-        t0 = time.monotonic()
         server.stop()
         for c in clients:
-            c.join(30)
-        assert time.monotonic() - t0 < CUT_OFF_S + 5  # not the 60 s the generations would take
+            c.join(CUT_OFF_S + 5)  # bounded: not the 60 s the generations would take
+        assert not any(c.is_alive() for c in clients), "a client still waits past the stop's cut-off"
         assert [a[0] for a in answers] == [503, 503], answers
         for _, body in answers:
             assert body["error"]["type"] == "ServiceUnavailableError" and "shutting down" in body["error"]["message"]

@@ -5,8 +5,6 @@ installs Debian's packages when missing) and down at the end, even on failure. J
 go through the real CLI (``python -m cli.slurm submit``) and ``sbatch``.
 
 What each test proves:
-- a two-node fleet job: both Ray nodes alive, one engine shard pinned on each, one
-  refit, exit 0, one log file per step, nothing left running;
 - a failing driver: the job's exit code is the driver's code;
 - a worker whose Ray dies, under ``--on-node-loss fail``: the job ends early with that
   step's non-zero code;
@@ -14,7 +12,10 @@ What each test proves:
 - a worker node lost mid-training (every process of it SIGKILLed, Slurm marks it DOWN),
   under the default ``continue``: the fleet finds the lost shards dead in one decision,
   drops them in one membership epoch step, keeps serving and refitting on the head's
-  shard, loses no request, and the job exits 0;
+  shard, loses no request, and the job exits 0; before the loss its first refit reached the
+  engines on both nodes intact (their samples' logprobs match the trainer's), and the launcher
+  left its environment, one log file per step and its exit line (this job is also the two-node
+  fleet job: a separate one cost a minute of engine starts);
 - scancel mid-run: no process of the job remains, including daemonized children that
   escaped their parents (which a plain process-tree cleanup leaks);
 - two jobs at once on the same nodes: disjoint ports, both succeed;
@@ -370,28 +371,11 @@ def _assert_fleet_summary(logs: JobLogs, distinct_ips: bool) -> dict:
     return summary
 
 
-def test_two_node_fleet_job_places_a_shard_on_each_node_and_exits_zero(slurm_cluster, tiny_model, tmp_path):
-    rc = slurm_cluster.run_job(tmp_path, [str(FLEET_CHECK), "--nodes", "2", "--model-dir", tiny_model])
-    logs = JobLogs.only_one(tmp_path)
-    assert rc == 0, logs.tail()
-    summary = _assert_fleet_summary(logs, distinct_ips=False)
-    env = logs.env()
-    assert env["RLFLEET_NODES"] == "n1 n2"
-    gcs_port = int(env["RAY_ADDRESS"].rsplit(":", 1)[1])
-    assert summary["ray_address"] == env["RAY_ADDRESS"] and 1024 < gcs_port < 10002
-    for name in ("launcher.log", "head-n1.log", "worker-n2.log", "driver.log", "launcher.env", "job.sbatch"):
-        assert (logs.folder / name).is_file(), f"{name} missing from {logs.folder}"
-    assert "RLFLEET_READY" in logs.text("head-n1.log")
-    assert f"job {logs.job_id} exits with code 0" in logs.text("launcher.log")
-    assert env["RAY_AUTH_MODE"] == "disabled"
-    assert_nothing_left(logs)
-
-
 def test_worker_whose_ray_dies_ends_the_job_with_that_steps_code(slurm_cluster, tmp_path):
     """Under ``--on-node-loss fail`` (the default ``continue`` leaves a lost worker to the driver)."""
-    t0 = time.monotonic()
     driver = [str(RAY_PROBE), "--nodes", "2", "--kill-worker-raylet"]
-    rc = slurm_cluster.run_job(tmp_path, driver, launcher=("--on-node-loss", "fail"))
+    # bounded: a job that ran on after its worker died would pass 110 s (TimeoutExpired)
+    rc = slurm_cluster.run_job(tmp_path, driver, timeout=110, launcher=("--on-node-loss", "fail"))
     logs = JobLogs.only_one(tmp_path)
     launcher = logs.text("launcher.log")
     m = re.search(r"step worker-n2 ended early \(code (\d+)\)", launcher)
@@ -400,7 +384,6 @@ def test_worker_whose_ray_dies_ends_the_job_with_that_steps_code(slurm_cluster, 
     assert logs.env()["RLFLEET_ON_NODE_LOSS"] == "fail"
     assert "#SBATCH --no-kill" not in logs.text("job.sbatch").splitlines()
     assert "did not stop the job" not in logs.text("driver.log")
-    assert time.monotonic() - t0 < 110, "the job ran on after its worker died"
     assert_nothing_left(logs)
 
 
@@ -550,6 +533,19 @@ def test_job_that_loses_a_worker_node_trains_on_and_exits_zero(slurm_cluster, ti
     assert rc == 0, logs.tail()
     report = logs.marker("RLFLEET_NODE_LOSS")
     assert report["failures"] == [], report["failures"]
+
+    # the launcher's two-node job: its environment, one log per step, the head's readiness, the exit line
+    env = logs.env()
+    assert env["RLFLEET_NODES"] == "n1 n2" and env["RAY_AUTH_MODE"] == "disabled", env
+    assert 1024 < int(env["RAY_ADDRESS"].rsplit(":", 1)[1]) < 10002, env["RAY_ADDRESS"]
+    for name in ("launcher.log", "head-n1.log", "worker-n2.log", "driver.log", "launcher.env", "job.sbatch"):
+        assert (logs.folder / name).is_file(), f"{name} missing from {logs.folder}"
+    assert "RLFLEET_READY" in logs.text("head-n1.log")
+
+    # before the loss, the first update reached the engines on both nodes intact (logprobs against the trainer's)
+    assert report["nodes"]["head"]["node_id"] != report["nodes"]["worker"]["node_id"], report["nodes"]
+    assert report["weights"]["slots"] == sorted(report["placement"]["head_slots"] + report["placement"]["lost_slots"])
+    assert report["weights"]["version"] == 1 and report["weights"]["logprob_gap"] < 1e-4, report["weights"]
 
     # what died: every process of n2, the two shards and their engine cores among them
     what = "\n".join(killed)
