@@ -38,20 +38,21 @@ BASE_FLEET = {
 # the transfer's calls are in flight when it dies. ``slow`` delays every call of that shard until the runner
 # undoes it after the step's refit: below ``probe_timeout_s`` (3 s), so its health probes still answer.
 SLOW_TRANSFER_S, CRASH_IN_TRANSFER_S = 2.0, 0.75
-# A variant that stops, or spends a slot's whole restart budget, gets a fleet of its own: two engines are
-# enough to show it (one faulted, one that must not be blamed), and each engine fewer is ~12 s less to start.
+# A variant that stops, or spends a slot's whole restart budget, gets a fleet of its own: two engines are enough
+# to show it (one faulted, one that must not be blamed).
 PAIR = {"num_engines": 2}
-# Variants that test the controller's decisions only (a refit that must stop, requests held below quorum) run
-# on shards with no vLLM engine: real Ray actors, the real controller, clients, transport and weight bytes
+# Variants that test the controller's decisions only (a refit that must stop, requests held below quorum, a
+# failed stamp, a slot retired past its budget, a spare promoted) run on shards with no vLLM engine: real Ray
+# actors (a kill ends a real process), the real controller, clients, transport and weight bytes
 # (``null_receives_weights``), each request in flight for ``null_generate_s``; an engine starts in about a
-# second instead of 15-25 s. Their deadlines are sized for the test: a hang is waited out for 3 + 1.5 s, not
+# second instead of 15-25 s (``null_start_s`` where the point is what happens while one starts). Their deadlines are sized for the test: a hang is waited out for 3 + 1.5 s, not
 # 10 + 5. Kills of real engine processes, freezes, engine-core crashes and the weights inside vLLM stay on
 # real engines (every variant without ``NULL``).
 NULL_ENGINE = {"backend": "null", "null_receives_weights": True, "null_generate_s": 0.3, "num_cpus": 0}
 NULL = {"engine": NULL_ENGINE, "refit_timeout_s": 3.0, "lifecycle_grace_s": 1.5, "probe_timeout_s": 1.5,
         "suspect_timeout_s": 4.0}
-# Quorum of one on three engines: a poison prompt takes two down and the third serves on; the stamp variant that
-# follows shares the fleet (consecutive variants with one config share one: a fleet start saved).
+# Quorum of one on three engines: a poison prompt takes two down and the third serves on; a stamp that fails
+# on one engine leaves the other two serving.
 ONE_OF_THREE = {"min_healthy_engines": 1}
 
 
@@ -152,26 +153,27 @@ MATRIX: tuple[Variant, ...] = (
     _v("controller-kill-during-shutdown", "recovers", [{"where": "shutdown", "what": "kill_controller", "step": 1}],
        steps=1, description="the controller dies half way through the fleet's shutdown: the restarted one finishes "
                             "it; no shard actor of any incarnation is left, nor the controller"),
-    _v("spare-promotion", "recovers", [{"where": "between_refits", "what": "kill", "shard": 0, "step": 1}],
-       checks=("promoted:0",), steps=1,
-       fleet={"num_engines": 2, "min_healthy_engines": 2, "spare_engines": 1},  # 2 serve, 1 warm spare
-       description="a serving engine killed between refits under load: the warm spare is promoted before the "
-                   "killed slot's restart ends, the gate stays open (2 of 2 needed), the restarted slot is the "
-                   "new spare"),
     _v("poison-request", "recovers", [{"where": "call", "what": "poison_request", "step": 1}], steps=1,
        fleet=ONE_OF_THREE,
        description="a prompt that crashes every engine it reaches: it takes down two engines, comes back as "
                    "poison (never sent a third time), is refused at once when sent again; the third engine "
                    "serves on"),
+    # the controller's decisions alone, on shards with no engine (``NULL``)
     _v("stamp-unavailable", "recovers", [{"where": "stamp", "what": "unavailable", "shard": 1, "step": 1}],
-       checks=("restamped:1",), fleet=ONE_OF_THREE,
+       checks=("restamped:1",), fleet={**NULL, **ONE_OF_THREE},
        description="set_weight_version answers 'unavailable' on one engine: its version is unknown, so it serves "
                    "nothing (a probe finds it alive: stale, never healthy) until the next refit re-stamps it"),
     _v("restart-budget-exhausted", "recovers",
        [{"where": "step_boundary", "what": "kill", "shard": 1, "step": 1, "every": 1, "times": 2}],
-       checks=("retired:1",), fleet={**PAIR, "min_healthy_engines": 1, "restart_budget": 1},
+       checks=("retired:1",), fleet={**NULL, **PAIR, "min_healthy_engines": 1, "restart_budget": 1},
        description="the same slot killed past its restart budget is retired; quorum still holds"),
-    # the controller's decisions alone, on shards with no engine (``NULL``)
+    _v("spare-promotion", "recovers", [{"where": "between_refits", "what": "kill", "shard": 0, "step": 1}],
+       checks=("promoted:0",), steps=1,
+       fleet={**NULL, "num_engines": 2, "min_healthy_engines": 2, "spare_engines": 1,  # 2 serve, 1 warm spare
+              "engine": {**NULL_ENGINE, "null_start_s": 5.0}},  # a restart takes an engine's start
+       description="a serving engine killed between refits under load: the warm spare is promoted before the "
+                   "killed slot's restart ends, the gate stays open (2 of 2 needed), the restarted slot is the "
+                   "new spare"),
     _v("below-quorum-between-refits", "recovers",
        [{"where": "between_refits", "what": "kill", "shard": 0, "step": 2},
         {"where": "between_refits", "what": "kill", "shard": 1, "step": 2}],

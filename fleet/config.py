@@ -40,6 +40,10 @@ class EngineConfig(BaseModel):
     null_generate_s: float = Field(
         0.0, ge=0, description="'null' backend only: each generate takes this long (requests stay in flight; abortable)"
     )
+    null_start_s: float = Field(
+        0.0, ge=0, description="'null' backend only: its start takes this long (an engine's load time, for tests "
+                               "whose point is what happens while engines start)"
+    )
     null_receives_weights: bool = Field(
         False, description="'null' backend only: receive each refit's weights for real (the transport's group, "
                            "manifest checks against the model directory, bytes into host memory) instead of "

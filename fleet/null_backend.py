@@ -31,12 +31,14 @@ class NullBackend:
         self._paused = False
         self._stats = EngineStats(kv_cache_tokens=32768, max_model_len=512)
         self._generate_s = float(getattr(config, "null_generate_s", 0.0) or 0.0)
+        self._start_s = float(getattr(config, "null_start_s", 0.0) or 0.0)
         self._aborts: dict[str, asyncio.Event] = {}
         self._worker = host_worker(config) if getattr(config, "null_receives_weights", False) else None
         self._pool: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
-        return None
+        if self._start_s:
+            await asyncio.sleep(self._start_s)
 
     def tokenize(self, text: str) -> list[int]:
         return [ord(c) % 256 for c in text] or [0]
