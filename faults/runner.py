@@ -395,7 +395,7 @@ class FaultRunner:
             invariants.version_tags_match_stamps([e for e in events if e["t"] < t0])
         ) + len(invariants.open_gate_serves_current_version(new))
         returned = [e for e in new if e["kind"] == "request" and e.get("event") == "returned"]
-        rep.notes += [f"returned {e.get('request_id')}: {str(e.get('reason'))[:200]}" for e in returned[:3]]
+        rep.notes += [f"returned {e.get('request_id')}: {str(e.get('reason'))[:1200]}" for e in returned[:3]]
         rep.notes += [f"and {len(returned) - 3} more returned"] if len(returned) > 3 else []
         rep.violations += invariants.requests_accounted(new) + invariants.phases_within_deadline(
             new, fleet.config.lifecycle_deadline_s, slack_s=fleet.config.probe_timeout_s + 2.0

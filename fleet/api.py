@@ -279,8 +279,12 @@ class Fleet:
         except TimeoutError:
             raise TimeoutError(f"fleet.collect did not finish within {self._request_bound_s:.0f} s") from None
 
-    def sync_weights(self, version: int, source: Any) -> dict:
+    def sync_weights(self, version: int, source: Any, stage_ahead: bool | None = None) -> dict:
         """Push ``source``'s weights as ``version``; returns the refit summary.
+
+        ``stage_ahead``: True moves this update into every engine's staging area while the fleet serves
+        and closes the gate for the apply only; False runs it with the gate closed throughout; None (the
+        default) follows the fleet's ``stage_ahead``. Anything else is ``RefitArgumentError``, nothing changed.
 
         A version that does not increase or a source that is not a sender is refused
         (``RefitRefused``/``RefitArgumentError``) with nothing changed; ``FleetStopped`` on failure.
@@ -293,9 +297,10 @@ class Fleet:
         re-sends (``resent`` or ``recovered`` set), with ``gate_open`` and ``gate_reason`` as they are now:
         below quorum the gate stays closed until the next ``sync_weights`` brings the engines back.
         """
-        phases = 5 if self.config.stage_ahead else 4  # each bounded by lifecycle_deadline_s; staging is one more
+        staging = self.config.stage_ahead if stage_ahead is None else stage_ahead is True
+        phases = 5 if staging else 4  # each bounded by lifecycle_deadline_s; staging is one more
         refit_id = uuid.uuid4().hex  # a re-send of this call (lost answer, controller restart) carries it too
-        summary = self._ask("sync_weights", version, source, refit_id,
+        summary = self._ask("sync_weights", version, source, refit_id, stage_ahead,
                             timeout=self.config.lifecycle_deadline_s * phases + 60)
         if self.client is not None:  # from here on this process routes on the refit's state (or a later one)
             self.client.wait_routing(summary.get("routing_epoch", 0) - 1, 30)

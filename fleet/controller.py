@@ -519,8 +519,10 @@ class SingleController:
         self.observe(slot, incarnation, CallKind.GENERATE, Outcome(DIED if kind == DIED else kind, error=error))
         return True
 
-    async def sync_weights(self, version: int, source: Any = None, refit_id: str | None = None) -> dict:
-        """Run the refit lifecycle for ``version`` (see ``fleet.lifecycle``).
+    async def sync_weights(self, version: int, source: Any = None, refit_id: str | None = None,
+                           stage_ahead: bool | None = None) -> dict:
+        """Run the refit lifecycle for ``version`` (see ``fleet.lifecycle``); ``stage_ahead`` chooses for this
+        refit whether the update is staged while the fleet serves (None: the fleet's ``stage_ahead``).
 
         ``refit_id``: the caller's id of this refit (``Fleet`` sends one and re-sends the call under it
         after a lost answer or a controller restart). A re-sent refit is recognised by it: one still
@@ -538,19 +540,19 @@ class SingleController:
         if again is not None:
             return {**again, **self._gate_now()} if isinstance(again, dict) else await asyncio.shield(again)
         if refit_id is None:
-            return await self._run_refit(version, source)
+            return await self._run_refit(version, source, stage_ahead)
         before = self.intent.current
         self.intent.stage(refit_id=refit_id)  # stored with the refit's first write
         try:
-            return await self.resends.run(version, refit_id, self._run_refit(version, source))
+            return await self.resends.run(version, refit_id, self._run_refit(version, source, stage_ahead))
         except Exception:
             now = self.intent.current
             if before is not None and now is not None and now.refit is before.refit:  # it wrote no record of its own
                 self.intent.stage(refit_id=before.refit_id)  # its id must not ride on another refit's record
             raise
 
-    async def _run_refit(self, version: int, source: Any) -> dict:
-        summary = await self.lifecycle.run(version, source)
+    async def _run_refit(self, version: int, source: Any, stage_ahead: bool | None = None) -> dict:
+        summary = await self.lifecycle.run(version, source, stage_ahead)
         self._note_refit(summary)
         self.refits.append(summary)
         return summary
@@ -604,8 +606,13 @@ class SingleController:
             return f"no committed version yet (its gate is on version {self.gate.version})"
         return f"version {committed}"
 
-    def check_refit(self, version: Any, source: Any) -> None:
+    def check_refit(self, version: Any, source: Any, stage_ahead: Any = None) -> None:
         """Refuse a refit the caller got wrong, before anything changes; the error names the argument."""
+        if stage_ahead is not None and not isinstance(stage_ahead, bool):
+            raise RefitArgumentError(
+                f"sync_weights: stage_ahead must be True, False or None (the fleet's setting), got {stage_ahead!r} "
+                f"({type(stage_ahead).__name__}); nothing changed, the fleet serves {self.serves()}"
+            )
         if isinstance(version, bool) or not isinstance(version, int):
             raise RefitArgumentError(
                 f"sync_weights: version must be an integer weight version, got {version!r} "

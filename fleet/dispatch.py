@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog
-from fleet.outcome import TIMED_OUT, Outcome
+from fleet.outcome import DIED, TIMED_OUT, Outcome
 from fleet.poison import POISON, POISON_DEATHS, PoisonMemory, fingerprint, took_down
 from fleet.router import pick_two
 from fleet.shard_gate import FULL, POISON as POISON_REFUSAL
@@ -135,6 +135,9 @@ class Dispatcher:
         self._load: dict[int, int] = {}
         self._waiting = 0  # requests waiting for room
         self._excluded: dict[tuple[int, int], tuple[int, float]] = {}  # (slot, inc) -> (epoch, until)
+        # (slot, inc) whose actor died: never again, whatever epoch still lists it (an incarnation is not revived;
+        # a routing state published before the controller saw the death would otherwise get it re-sent work)
+        self._dead: set[tuple[int, int]] = set()
         self._full: dict[tuple[int, int], float] = {}  # (slot, inc) -> until: it answered ``full``
         self._full_streak: dict[tuple[int, int], int] = {}  # (slot, inc) -> ``full`` answers in a row
         self._poison = PoisonMemory(poison_window_s)
@@ -262,6 +265,8 @@ class Dispatcher:
         if took_down(outcome, p.request_id):
             p.deaths.append(f"slot {m.slot} (incarnation {m.incarnation})")
         self._exclude(m, state.epoch)
+        if outcome.kind == DIED:
+            self._dead.add((m.slot, m.incarnation))
         self._view.report(m.slot, m.incarnation, outcome, state.epoch)
         return f"slot {m.slot} (incarnation {m.incarnation}) failed: {outcome.describe()}"
 
@@ -326,8 +331,10 @@ class Dispatcher:
         for key, until in list(self._full.items()):
             if now >= until:
                 del self._full[key]
-        return [m for m in state.members
-                if (m.slot, m.incarnation) not in self._excluded and (m.slot, m.incarnation) not in self._full]
+        listed = {(m.slot, m.incarnation) for m in state.members}
+        self._dead &= listed  # forgotten once no routing state lists it (bounded by the fleet's size)
+        return [m for m in state.members if (m.slot, m.incarnation) not in self._excluded
+                and (m.slot, m.incarnation) not in self._full and (m.slot, m.incarnation) not in self._dead]
 
     async def _acquire(self, p: _Pending, deadline: float):
         """Wait for an open gate and a serving shard with room; or the explicit return of ``p``."""

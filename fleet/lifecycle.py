@@ -114,20 +114,22 @@ class RefitLifecycle:
         its pause and resumed on the new weights)."""
         return dict(self._busy)
 
-    async def run(self, version: int, source: Any) -> dict:
+    async def run(self, version: int, source: Any, stage_ahead: bool | None = None) -> dict:
         """The eight steps. One refit at a time: a second call waits, then is checked against
-        the version the first committed. Ends committed, rolled back or stopped (module docstring)."""
+        the version the first committed. Ends committed, rolled back or stopped (module docstring).
+        ``stage_ahead``: this refit stages its update first (step 0) or not; None: the fleet's setting."""
         async with self._lock:
             if self.ctl.stopped:
                 raise FleetStopped(f"sync_weights({version!r}) refused: fleet stopped: {self.ctl.stopped}")
-            self.ctl.check_refit(version, source)  # raises before any state changes
+            self.ctl.check_refit(version, source, stage_ahead)  # raises before any state changes
             self.running = True
             self._phases, self._inside_s, self._inside_cpu_s, self._version = {}, 0.0, 0.0, version
             self._finished, self._moving, self._held, self._busy = False, False, {}, {}
             self._retry_skipped = None
             t0, cpu0 = self.ctl.clock.now(), time.thread_time()
             try:
-                return await self._steps(version, source, t0, cpu0)
+                staging = self.ctl.cfg.stage_ahead if stage_ahead is None else stage_ahead
+                return await self._steps(version, source, t0, cpu0, staging)
             except _EndRefit as end:
                 await self._end(end.error, end.message)
             except _RollBack as back:
@@ -150,10 +152,10 @@ class RefitLifecycle:
                     self.ctl.intent.update(refit=None, membership_epoch=self.ctl.plan.epoch)
             raise AssertionError("unreachable: every failure path raises")
 
-    async def _steps(self, version: int, source: Any, t0: float, cpu0: float) -> dict:
+    async def _steps(self, version: int, source: Any, t0: float, cpu0: float, staging: bool) -> dict:
         ctl = self.ctl
         staged = None
-        if ctl.cfg.stage_ahead:
+        if staging:
             with self._phase("stage"):
                 staged = await self.stage_ahead(version, source)  # 0: the bytes move while the fleet serves
         with self._phase("close"):
@@ -171,9 +173,9 @@ class RefitLifecycle:
             else:
                 complete, attempts = await self.apply_staged(plan, version, paused, staged), 1  # 5: the apply only
         with self._phase("stamp"):
-            await self.stamp(plan, version, complete)  # 6
+            stamped = await self.stamp(plan, version, complete)  # 6
         with self._phase("resume"):
-            await self.resume(plan, paused, complete)  # 7
+            await self.resume(plan, paused, stamped)  # 7
         with self._phase("reopen"):
             await self.reopen(version)  # 8
         total = self.ctl.clock.now() - t0
@@ -441,12 +443,14 @@ class RefitLifecycle:
         raise _RollBack(RefitNotDelivered(
             f"refit of version {v}: no engine received any byte of the update after {n} attempt(s) ({why}); {after}"))
 
-    async def stamp(self, plan: MembershipPlan, version: int, complete: set[int]) -> None:
-        """Step 6: commit the version in the ledger and stamp it on every engine that holds it. An engine whose
-        stamp is not acknowledged (unavailable, timed out, raised, lied) holds an unknown version from then on:
-        out of routing (a probe that finds it alive brings it back stale) until a refit lands on it again."""
+    async def stamp(self, plan: MembershipPlan, version: int, complete: set[int]) -> set[int]:
+        """Step 6: commit the version in the ledger and stamp it on every engine that holds it; returns the
+        slots stamped. An engine whose stamp is not acknowledged (unavailable, timed out, raised, lied) holds an
+        unknown version from then on: out of routing (a probe that finds it alive brings it back stale) until a
+        refit lands on it again, and what it held across the pause is aborted before the resume (its results
+        would carry the tag the failed stamp left, on the new weights)."""
         if not complete:
-            return
+            return set()
         parts = [p for p in plan.participants if p.slot in complete]
         members = tuple((p.slot, p.incarnation) for p in parts)
         # stored before the commit acts: a successor stamps exactly these engines and serves the version
@@ -466,18 +470,19 @@ class RefitLifecycle:
             self.ctl.intent.update(refit=RefitIntent(version, COMMITTED, members))
         self.ctl.log.emit("stamp", version=version, members=members,
                           failed=[[p.slot, p.incarnation, outs[p.slot].describe()[:200]] for p in failed])
+        return {p.slot for p in parts if outs[p.slot].kind == OK}
 
-    async def resume(self, plan: MembershipPlan, paused: set[int], complete: set[int]) -> None:
+    async def resume(self, plan: MembershipPlan, paused: set[int], stamped: set[int]) -> None:
         """Step 7: resume every paused participant, and every other engine this refit sent a pause to (its ack
         lost, or it left the plan since) that is still the same incarnation, under one shared deadline; never
         retries the transfer.
 
-        Requests held on an engine that did not get the new weights completely are
-        aborted first (the dispatcher re-sends them to a serving engine).
+        Requests held on an engine that is not stamped with the new version (it did not get the weights
+        completely, or its stamp failed) are aborted first (the dispatcher re-sends them to a serving engine).
         """
         parts = [p for p in plan.participants if p.slot in paused]
         handles, args, kw = self.ctl.handles, (), {}
-        stale = [p for p in parts if p.slot in self._busy and p.slot not in complete]
+        stale = [p for p in parts if p.slot in self._busy and p.slot not in stamped]
         others = self._paused_outside({p.slot for p in parts})
         aborts = {p.slot: (handles[p.slot][1], "abort_in_flight", args, kw) for p in stale}
         aborts.update({key: (h, "abort_in_flight", args, kw) for key, h in others.items()})

@@ -7,7 +7,7 @@ the engines that died *under* it (``took_down``): the shard says its engine core
 while that very request ran (``EngineCrashedError.request_id``). An engine that was already
 dead when the request arrived does not count, nor does a shard actor that died (see
 ``took_down``: an in-process engine core that segfaults takes its actor with it and is not
-caught here), nor an actor being killed that saw its engine die first (``DEATH_SETTLE_S``). At ``POISON_DEATHS`` the request is returned with the reason
+caught here). At ``POISON_DEATHS`` the request is returned with the reason
 ``poison`` and its fingerprint (prompt and sampling, seed left out: a group's samples
 differ only in their seeds) is remembered for ``poison_window_s``; a request with that
 fingerprint is refused at once meanwhile, before it reaches any engine.
@@ -33,12 +33,6 @@ from fleet.outcome import ERROR, Outcome
 
 POISON = "poison"
 POISON_DEATHS = 2  # engines a request may take down; it is never sent to another one
-# A shard whose engine died under a request waits this long before it says so (``EngineShard.generate``). Ray
-# kills a worker's child processes first, then the worker (``ray.kill``, a lost node's teardown): a shard actor
-# being killed sees its engine core die under the request it runs a moment before it dies itself, and without
-# the wait could still answer "my engine crashed during request r" and blame r for an operator's kill. Within
-# the wait the actor is gone and its caller sees ``DIED`` (no blame); a live shard answers once it has passed.
-DEATH_SETTLE_S = 1.0
 
 
 def took_down(outcome: Outcome, request_id: str) -> bool:

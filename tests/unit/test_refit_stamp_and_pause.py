@@ -235,3 +235,27 @@ def test_a_leave_notice_sent_again_never_undoes_a_later_join():
     gate.route(9, True, 2)  # rejoined
     gate.route(7, False, 1)  # the first leave notice, sent again, arrives late
     assert gate.member and gate.floor == 9 and gate.committed == 2
+
+
+def test_requests_held_on_an_engine_whose_stamp_failed_are_aborted_and_re_sent_not_tagged_with_the_old_version(model_dir):
+    """Found by the fault matrix on engine-less shards: requests held across the pause on the engine whose
+    stamp failed finished after the resume on the new weights, tagged with its old version (its tag is what
+    the failed stamp left), while the gate was open on the new one. They are aborted before the resume, as on
+    an engine the transfer missed, and re-sent to an engine that holds (and says) the new version."""
+    async def go():
+        ctl, door, _ = make(model_dir, unhealthy_threshold=3)
+        await ctl.start()
+        door.gen_delay = 0.5  # every request is in flight when the refit pauses
+        door.shards[(1, 1)].script["set_weight_version"] = "unavailable"
+        c = client(ctl)
+        pending = [asyncio.ensure_future(c.generate([1, 2])) for _ in range(9)]
+        await asyncio.sleep(0.1)
+        assert door.shards[(1, 1)].in_flight, "no request was held on the engine whose stamp fails"
+        await ctl.sync_weights(1)
+        results = await asyncio.gather(*pending)
+        assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
+        assert [(r.result.slot, r.result.weight_version) for r in results if r.result.weight_version != 1] == []
+        assert door.shards[(1, 1)].version == 0 and 1 not in ctl.ledger.serving_slots()
+        await ctl.shutdown()
+
+    run(go())

@@ -224,7 +224,7 @@ def test_fleet_resends_a_refit_under_the_same_refit_id(model_dir, fake_ray):
     fleet = Fleet(object(), load_fleet_config({"engine": {"model": model_dir}}))
     assert fleet.sync_weights(5, "source")["version"] == 5
     sent = [args for m, args in fake.calls if m == "sync_weights"]
-    assert len(sent) == 2 and sent[0] == sent[1] and len(sent[0]) == 3 and sent[0][2]  # same id both times
+    assert len(sent) == 2 and sent[0] == sent[1] and len(sent[0]) == 4 and sent[0][2]  # same id (and stage_ahead) both times
     fleet.sync_weights(6, "source")
     assert [args for m, args in fake.calls if m == "sync_weights"][-1][2] != sent[0][2]  # a new refit: a new id
 

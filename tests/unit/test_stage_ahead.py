@@ -152,3 +152,32 @@ def test_stage_ahead_needs_the_staged_apply_mode(model_dir):
     with pytest.raises(ConfigError, match="stage_ahead.*needs apply_mode 'staged'.*'streaming'"):
         load_fleet_config({"engine": {"model": model_dir}, "stage_ahead": True, "apply_mode": "streaming"})
     assert load_fleet_config({"engine": {"model": model_dir}, "stage_ahead": True}).stage_ahead is True
+
+
+def test_each_refit_may_choose_whether_it_stages_and_a_wrong_choice_changes_nothing(model_dir):
+    """``sync_weights(..., stage_ahead=...)`` overrides the fleet's setting for that refit only."""
+    from fleet.errors import RefitArgumentError
+
+    async def go():
+        ctl, door, transfer, seen = staged_fleet(model_dir)  # the fleet stages by default
+        await ctl.start()
+        await ctl.sync_weights(1, stage_ahead=False)
+        assert "stage" not in phases_of(ctl, 1) and seen == []  # the bytes moved with the gate closed
+        assert [c for c in door.calls if c[0] == "stage"] == []
+        await ctl.sync_weights(2)  # the fleet's setting again
+        assert phases_of(ctl, 2)[0] == "stage" and len(seen) == 1
+        for wrong in ("yes", 1, 0.0):
+            with pytest.raises(RefitArgumentError, match="stage_ahead must be True, False or None"):
+                await ctl.sync_weights(3, stage_ahead=wrong)
+        assert ctl.gate.is_open and ctl.gate.version == 2 and not phases_of(ctl, 3)
+        await ctl.shutdown()
+
+        plain, door2, _ = make(model_dir)  # a fleet that does not stage, asked to for one refit
+        await plain.start()
+        await plain.sync_weights(1, stage_ahead=True)
+        assert phases_of(plain, 1)[0] == "stage" and [c for c in door2.calls if c[0] == "apply_staged"]
+        await plain.sync_weights(2)
+        assert "stage" not in phases_of(plain, 2)
+        await plain.shutdown()
+
+    run(go())

@@ -1,0 +1,69 @@
+"""A shard whose actor died is never sent another request by that client, even while routing states published
+before the controller saw the death still list it (found by the fault matrix: two shards killed together, a
+request re-sent to the same dead incarnations after each new epoch until its redispatch budget was spent)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from fleet.dispatch import Dispatcher
+from fleet.eventlog import EventLog
+from fleet.outcome import DIED, OK, Outcome
+from fleet.routing import LATEST, Member, RoutingState, VersionPolicy
+from fleet.types import Completion, GenerationResult
+
+DEAD = {0, 1}
+
+
+class Door:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int]] = []
+
+    async def call(self, handle, method, *args, timeout=None):
+        rid, slot = args[0][2], handle
+        self.sent.append((rid, slot))
+        if slot in DEAD:
+            return Outcome(DIED, error=RuntimeError(f"actor of slot {slot} died"))
+        return Outcome(OK, value=GenerationResult(request_id=rid, prompt_token_ids=(1,), completions=(Completion((2,), (0.0,), "length"),),
+                                                  version_start=1, weight_version=1, slot=slot, incarnation=1, finished_at=0.0))
+
+
+class StaleView:
+    """Every failure reported makes the 'controller' publish a new epoch that still lists every member: it has
+    not seen the deaths yet (its probes are slower than the clients)."""
+
+    policy = VersionPolicy(LATEST)
+
+    def __init__(self) -> None:
+        self.door = Door()
+        self.state = self._state(1)
+
+    @staticmethod
+    def _state(epoch: int) -> RoutingState:
+        return RoutingState(epoch, True, 1, tuple(Member(s, 1, s) for s in range(3)))
+
+    def routing(self) -> RoutingState:
+        return self.state
+
+    async def newer_routing(self, epoch, timeout):
+        return self.state
+
+    def cache_salt(self, version):
+        return None
+
+    def report(self, slot, incarnation, outcome, epoch):
+        self.state = self._state(self.state.epoch + 1)
+
+
+def test_a_dead_incarnation_gets_no_more_requests_under_later_epochs_that_still_list_it():
+    async def go():
+        view = StaleView()
+        d = Dispatcher(view, EventLog(), request_timeout_s=30, max_redispatch=2, rng=random.Random(0))
+        results = [await d.submit([1], {"max_tokens": 1}, request_id=f"r{i}") for i in range(30)]
+        assert all(r.ok and r.result.slot == 2 for r in results), [r.reason for r in results if not r.ok]
+        tried = [(rid, slot) for rid, slot in view.door.sent if slot in DEAD]
+        assert len(tried) == len(set(tried)) and len(tried) <= 2, tried  # each dead one at most once, by anyone
+        assert view.state.epoch > 1  # new epochs listing the dead ones were published meanwhile
+
+    asyncio.run(go())
