@@ -42,12 +42,13 @@ SLOW_TRANSFER_S, CRASH_IN_TRANSFER_S = 2.0, 0.75
 # to show it (one faulted, one that must not be blamed).
 PAIR = {"num_engines": 2}
 # Variants that test the controller's decisions only (a refit that must stop, requests held below quorum, a
-# failed stamp, a slot retired past its budget, a spare promoted) run on shards with no vLLM engine: real Ray
-# actors (a kill ends a real process), the real controller, clients, transport and weight bytes
-# (``null_receives_weights``), each request in flight for ``null_generate_s``; an engine starts in about a
-# second instead of 15-25 s (``null_start_s`` where the point is what happens while one starts). Their deadlines are sized for the test: a hang is waited out for 3 + 1.5 s, not
-# 10 + 5. Kills of real engine processes, freezes, engine-core crashes and the weights inside vLLM stay on
-# real engines (every variant without ``NULL``).
+# failed stamp, a slot retired past its budget, a spare promoted, a resize under load) run on shards with no
+# vLLM engine: real Ray actors (a kill ends a real process), the real controller, clients, transport and
+# weight bytes (``null_receives_weights``), each request in flight for ``null_generate_s``; an engine starts
+# in about a second instead of 15-25 s (``null_start_s`` where the point is what happens while one starts).
+# Their deadlines are sized for the test: a hang is waited out for 3 + 1.5 s, not 10 + 5. Kills of real
+# engine processes, freezes, engine-core crashes and the weights inside vLLM stay on real engines (every
+# variant without ``NULL``).
 NULL_ENGINE = {"backend": "null", "null_receives_weights": True, "null_generate_s": 0.3, "num_cpus": 0}
 NULL = {"engine": NULL_ENGINE, "refit_timeout_s": 3.0, "lifecycle_grace_s": 1.5, "probe_timeout_s": 1.5,
         "suspect_timeout_s": 4.0}
@@ -102,10 +103,6 @@ MATRIX: tuple[Variant, ...] = (
     _v("refit-under-load", "recovers", [{"where": "call", "what": "refit_under_load", "step": 1}], steps=1,
        description="a refit while 4 client threads submit without pause and a lagging client sends work routed "
                    "under the pre-refit state: 0 lost, 0 wrong version tags, every lagging request refused"),
-    _v("resize-under-load", "recovers", [{"where": "call", "what": "resize_under_load", "step": 1}], steps=1,
-       description="client threads submit without pause while the fleet grows by one engine, a refit lands (the "
-                   "new engine serves after it), and it shrinks by one (the removed engine finishes what it held, "
-                   "admits nothing more, is retired): 0 lost"),
     # on_hang=evict (the default): a hung engine is killed and the refit goes on
     _v("hang-at-pause-evicted", "recovers", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}],
        checks=("evicted:1", "readmitted:1"),
@@ -159,6 +156,11 @@ MATRIX: tuple[Variant, ...] = (
                    "poison (never sent a third time), is refused at once when sent again; the third engine "
                    "serves on"),
     # the controller's decisions alone, on shards with no engine (``NULL``)
+    _v("resize-under-load", "recovers", [{"where": "call", "what": "resize_under_load", "step": 1}], steps=1,
+       fleet=NULL,
+       description="client threads submit without pause while the fleet grows by one engine, a refit lands (the "
+                   "new engine serves after it), and it shrinks by one (the removed engine finishes what it held, "
+                   "admits nothing more, is retired): 0 lost"),
     _v("stamp-unavailable", "recovers", [{"where": "stamp", "what": "unavailable", "shard": 1, "step": 1}],
        checks=("restamped:1",), fleet={**NULL, **ONE_OF_THREE},
        description="set_weight_version answers 'unavailable' on one engine: its version is unknown, so it serves "
