@@ -30,7 +30,9 @@ def pytest_collection_modifyitems(config, items):
     soak (pytest alone would collect ``tests/faults`` first, alphabetically). Unit tests are all in the quick
     lane (``scripts/test.sh --quick``); integration modules join it with ``pytestmark = pytest.mark.quick``
     when they cost seconds (no vLLM engine)."""
-    items.sort(key=_rank)  # stable: each folder keeps pytest's own order
+    # stable: each folder keeps pytest's own order, but the integration tests that use the session's shared
+    # fleet run together, so it is shut down after the last of them (tests/integration/conftest.py)
+    items.sort(key=lambda item: (_rank(item), "shared_fleet" not in getattr(item, "fixturenames", ())))
     quick = pytest.mark.quick
     for item in items:
         if _rank(item) == 0:
