@@ -331,8 +331,8 @@ class Dispatcher:
         for key, until in list(self._full.items()):
             if now >= until:
                 del self._full[key]
-        listed = {(m.slot, m.incarnation) for m in state.members}
-        self._dead &= listed  # forgotten once no routing state lists it (bounded by the fleet's size)
+        if self._dead:  # forgotten once no routing state lists it (bounded by the fleet's size)
+            self._dead &= {(m.slot, m.incarnation) for m in state.members}
         return [m for m in state.members if (m.slot, m.incarnation) not in self._excluded
                 and (m.slot, m.incarnation) not in self._full and (m.slot, m.incarnation) not in self._dead]
 
