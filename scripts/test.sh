@@ -4,8 +4,14 @@
 #   bash scripts/test.sh            # everything (what CI runs): unit, integration, fault matrix, soak
 #   bash scripts/test.sh --quick    # the edit loop: unit tests and the integration modules that cost
 #                                   # seconds (marked ``quick``), in at most 5 minutes
+#   bash scripts/test.sh ARGS...    # one pytest over tests/ with ARGS (a path, -k, -x, ...)
 #
-# Extra args go to pytest.
+# The full run is two lanes at once, each its own pytest and its own local Ray: the suite is mostly one
+# process waiting on another (an engine starting, a deadline, a subprocess CLI), and run as one lane it
+# kept one of the machine's two cores idle about half the time. Lane "fleets": the integration tests
+# (real fleets, the shared one among them). Lane "matrix": the unit tests, the demo's signal tests and
+# the fault matrix and soak. Each lane's lines are prefixed with its name; the script fails when either
+# lane fails, and ends with both lanes' results and the engine starts of the whole run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
@@ -15,4 +21,44 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   exec python -m pytest tests -p no:cacheprovider -m quick "$@"
 fi
-exec python -m pytest tests -p no:cacheprovider "$@"
+if [ "$#" -gt 0 ]; then
+  exec python -m pytest tests -p no:cacheprovider "$@"
+fi
+
+work=$(mktemp -d -t rlfleet-test-XXXXXX)
+SIGNALS=tests/integration/test_demo_signals.py
+declare -A LANES=(
+  [fleets]="tests/integration --ignore=$SIGNALS"
+  [matrix]="tests/unit $SIGNALS tests/faults"
+)
+t0=$(date +%s)
+trap 'trap - INT TERM; kill 0 2>/dev/null; exit 143' INT TERM
+for lane in fleets matrix; do
+  mkdir -p "$work/$lane"
+  : >"$work/$lane/log"
+  # shellcheck disable=SC2086  # the lane's paths and options are words
+  (
+    set +e
+    RLFLEET_START_RECORDS="$work/$lane/starts.jsonl" PYTHONUNBUFFERED=1 \
+      python -m pytest ${LANES[$lane]} -p no:cacheprovider --basetemp="$work/$lane/tmp" >"$work/$lane/log" 2>&1
+    echo $? >"$work/$lane/rc"
+  ) &
+  tail -n +1 -F --pid=$! "$work/$lane/log" 2>/dev/null | sed -u "s/^/[$lane] /" &
+done
+wait
+
+echo
+echo "================ both lanes, $(( $(date +%s) - t0 )) s wall ================"
+status=0
+for lane in fleets matrix; do
+  rc=$(cat "$work/$lane/rc")
+  echo "[$lane] exit $rc: $(grep -E '^=+ .*(passed|failed|error).* in ' "$work/$lane/log" | tail -1 | tr -d '=')"
+  [ "$rc" = 0 ] || status=1
+done
+python - "$work/fleets/starts.jsonl" "$work/matrix/starts.jsonl" <<'EOF'
+import sys
+from fleet.start_records import read_starts, summarize
+print("whole run:", summarize([r for path in sys.argv[1:] for r in read_starts(path)]))
+EOF
+echo "lane logs: $work/fleets/log $work/matrix/log"
+exit $status
