@@ -42,7 +42,8 @@ SLOW_TRANSFER_S, CRASH_IN_TRANSFER_S = 2.0, 0.75
 # to show it (one faulted, one that must not be blamed).
 PAIR = {"num_engines": 2}
 # Variants that test the controller's decisions only (a refit that must stop, requests held below quorum, a
-# failed stamp, a slot retired past its budget, a spare promoted, a resize under load) run on shards with no
+# failed stamp, a slot retired past its budget, a spare promoted, a resize under load, a pause or resume that
+# never returns and the eviction that ends it) run on shards with no
 # vLLM engine: real Ray actors (a kill ends a real process), the real controller, clients, transport and
 # weight bytes (``null_receives_weights``), each request in flight for ``null_generate_s``; an engine starts
 # in about a second instead of 15-25 s (``null_start_s`` where the point is what happens while one starts).
@@ -103,15 +104,6 @@ MATRIX: tuple[Variant, ...] = (
     _v("refit-under-load", "recovers", [{"where": "call", "what": "refit_under_load", "step": 1}], steps=1,
        description="a refit while 4 client threads submit without pause and a lagging client sends work routed "
                    "under the pre-refit state: 0 lost, 0 wrong version tags, every lagging request refused"),
-    # on_hang=evict (the default): a hung engine is killed and the refit goes on
-    _v("hang-at-pause-evicted", "recovers", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}],
-       checks=("evicted:1", "readmitted:1"),
-       description="a pause that never returns: that engine is killed at the pause deadline, the refit commits "
-                   "on the other two, the slot restarts and serves again after the next refit"),
-    _v("hang-at-resume-evicted", "recovers", [{"where": "resume", "what": "hang", "shard": 0, "step": 1}],
-       checks=("evicted:0", "readmitted:0"),
-       description="a resume that never returns: that engine is killed at the resume deadline, the gate reopens "
-                   "on the other two, the slot restarts and serves again after the next refit"),
     _v("freeze-between-refits", "recovers", [{"where": "between_refits", "what": "freeze", "shard": 2, "step": 1}],
        checks=("evicted:2", "resent:2"), steps=1,
        description="a shard frozen with a request in flight and no refit coming: evicted within "
@@ -161,6 +153,15 @@ MATRIX: tuple[Variant, ...] = (
        description="client threads submit without pause while the fleet grows by one engine, a refit lands (the "
                    "new engine serves after it), and it shrinks by one (the removed engine finishes what it held, "
                    "admits nothing more, is retired): 0 lost"),
+    # on_hang=evict (the default): a hung engine is killed and the refit goes on
+    _v("hang-at-pause-evicted", "recovers", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}],
+       checks=("evicted:1", "readmitted:1"), fleet=NULL,
+       description="a pause that never returns: that engine is killed at the pause deadline, the refit commits "
+                   "on the other two, the slot restarts and serves again after the next refit"),
+    _v("hang-at-resume-evicted", "recovers", [{"where": "resume", "what": "hang", "shard": 0, "step": 1}],
+       checks=("evicted:0", "readmitted:0"), fleet=NULL,
+       description="a resume that never returns: that engine is killed at the resume deadline, the gate reopens "
+                   "on the other two, the slot restarts and serves again after the next refit"),
     _v("stamp-unavailable", "recovers", [{"where": "stamp", "what": "unavailable", "shard": 1, "step": 1}],
        checks=("restamped:1",), fleet={**NULL, **ONE_OF_THREE},
        description="set_weight_version answers 'unavailable' on one engine: its version is unknown, so it serves "
