@@ -31,8 +31,13 @@ def pytest_collection_modifyitems(config, items):
     lane (``scripts/test.sh --quick``); integration modules join it with ``pytestmark = pytest.mark.quick``
     when they cost seconds (no vLLM engine)."""
     # stable: each folder keeps pytest's own order, but the integration tests that use the session's shared
-    # fleet run together, so it is shut down after the last of them (tests/integration/conftest.py)
-    items.sort(key=lambda item: (_rank(item), "shared_fleet" not in getattr(item, "fixturenames", ())))
+    # fleet run together, then those that use its raw pair of shards, so each is shut down after the last
+    # of its users (tests/integration/conftest.py)
+    def shared(item) -> int:
+        names = getattr(item, "fixturenames", ())
+        return 0 if "shared_fleet" in names else 1 if "raw_pair" in names else 2
+
+    items.sort(key=lambda item: (_rank(item), shared(item)))
     quick = pytest.mark.quick
     for item in items:
         if _rank(item) == 0:

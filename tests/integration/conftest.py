@@ -10,6 +10,13 @@ whatever version the fleet serves and leaves it serving or restarting (``Run.hea
 serve again). Its event log is on disk, so a controller Ray restarts keeps its predecessor's records (the
 invariants read them); updates move in 0.1 MB buckets (the tiny model in ~18: a fault at bucket 2 lands
 mid-stream).
+
+``raw_pair``: two bare engine shards (``fleet.ray_io.spawn_shard``, no controller) for the modules that drive
+shards and the weight transfer by hand: test_recipe_learning, test_refit, test_refit_faults and test_shard,
+run in that order (the order puts them together too). Each module's fixture asks ``RawPair.fresh()``: both
+slots alive and ready (a slot a module killed or shut down is replaced by its next incarnation, or adopted
+from the module that restarted it), serving the checkpoint's weights stamped version 0, as a newly started
+engine does. That is three engine starts where the four modules started eight.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import pytest
 
 SHARED = "shared_fleet"
+RAW = "raw_pair"
 
 
 class SharedFleet:
@@ -60,22 +68,141 @@ class SharedFleet:
             self._fleet = self._source = None
 
 
-_HOLDER: list[SharedFleet] = []
+class RawPair:
+    """Two bare shards on the tiny model, started on first use; ``fresh`` hands them to a module as new."""
+
+    def __init__(self, tiny_model: str) -> None:
+        from fleet.config import EngineConfig
+
+        self.cfg = EngineConfig(model=tiny_model, kv_cache_memory_bytes=16 << 20, max_model_len=512)
+        self.shards: list = []
+        self.incarnations: list[int] = []
+        self.start_states: list[str] = []  # every state ``describe`` answered while the pair started
+        self._model = tiny_model
+        self._resets = 0
+        self._source = None
+
+    def _start(self) -> None:
+        import time
+
+        from fleet import ray_io
+
+        self.shards = [ray_io.spawn_shard(self.cfg, slot=i, incarnation=1) for i in range(2)]
+        self.incarnations = [1, 1]
+        starts = [ray_io.submit(h, "start") for h in self.shards]
+        # While its engine starts, a shard still answers: a controller re-adopting it meanwhile asks
+        # ``describe`` with a short deadline, and a shard that cannot answer would be counted missing.
+        end = time.monotonic() + 300
+        while time.monotonic() < end:
+            states = [ray_io.ask(h, "describe", timeout=5.0)["state"] for h in self.shards]
+            self.start_states += states
+            if all(s == "ready" for s in states):
+                break
+            time.sleep(0.2)
+        for h, info in zip(self.shards, ray_io.results(starts, 60)):
+            print(f"\nraw pair: shard {info['slot']} started in {info['start_s']:.1f} s, "
+                  f"resident {ray_io.ask(h, 'memory_mb', timeout=30)}")
+
+    def adopt(self, slot: int, handle, incarnation: int) -> None:
+        """A module restarted ``slot`` itself: the pair goes on with that shard."""
+        self.shards[slot], self.incarnations[slot] = handle, incarnation
+
+    def fresh(self) -> list:
+        """Both shards alive, ready, unpaused, on the checkpoint's weights stamped version 0."""
+        from fleet import ray_io
+
+        if not self.shards:
+            self._start()
+        for slot, h in enumerate(self.shards):
+            seen = ray_io.try_ask(h, "describe", timeout=10)
+            if not seen.ok or seen.value["state"] != "ready":  # killed or shut down by the last module
+                ray_io.kill(h)
+                self.incarnations[slot] += 1
+                self.shards[slot] = ray_io.spawn_shard(self.cfg, slot=slot, incarnation=self.incarnations[slot])
+                ray_io.ask(self.shards[slot], "start", timeout=300)
+            elif seen.value["paused"]:
+                ray_io.ask(h, "resume", timeout=30)
+        if any(self._weights(h) != (0, "initial") for h in self.shards):
+            self._reset_weights()
+        return list(self.shards)
+
+    @staticmethod
+    def _weights(h) -> tuple[int, str]:
+        from fleet import ray_io
+
+        (info,) = ray_io.ask(h, "worker_rpc", "rlfleet_worker_info", [], {}, 30, timeout=60)
+        return info["weight_version"], info["weights_state"]
+
+    def _reset_weights(self) -> None:
+        """The checkpoint's weights back into both engines, stamped 0 (a module left its own there)."""
+        import asyncio
+
+        from faults.source import WeightSource
+        from fleet import ray_io
+        from refit import Participant, RefitConfig, WeightSynchronizer
+
+        if self._source is None:  # the checkpoint's weights, kept for the pair's later resets
+            self._source = ray_io.spawn_actor(WeightSource, self._model, num_cpus=0)
+        source = self._source
+        sync = WeightSynchronizer(ray_io.ActorSenderPort(source), RefitConfig(timeout_s=60, checksum=True))
+        self._resets += 1
+
+        async def refit():
+            await asyncio.gather(*(ray_io.call_async(h, "pause", mode="keep", clear_cache=True) for h in self.shards))
+            try:
+                parts = {Participant(s, self.incarnations[s], (s + 1,)): ray_io.ShardReceiverPort(h)
+                         for s, h in enumerate(self.shards)}
+                report = await sync.refit(parts, 0, epoch=1000 + self._resets)
+                assert report.ok, f"the raw pair's reset to the checkpoint failed: {report.summary()}"
+                for h in self.shards:
+                    assert await ray_io.call_async(h, "set_weight_version", 0) is True
+            finally:
+                await asyncio.gather(*(ray_io.call_async(h, "resume") for h in self.shards))
+                await sync.close()
+
+        asyncio.run(refit())
+        want = ray_io.ask(source, "checksum", timeout=120)
+        for h in self.shards:
+            (cs,) = ray_io.ask(h, "worker_rpc", "rlfleet_checksum", [], {}, 60, timeout=90)
+            assert cs["applied"] == want and cs["weight_version"] == 0, "the raw pair's reset did not land"
+
+    def close(self) -> None:
+        from fleet import ray_io
+
+        for h in self.shards:
+            ray_io.try_ask(h, "shutdown", timeout=60)
+            ray_io.kill(h)
+        if self._source is not None:
+            ray_io.kill(self._source)
+        self.shards, self.incarnations, self._source = [], [], None
+
+
+_HOLDERS: dict[str, object] = {}
 
 
 @pytest.fixture(scope="session")
 def shared_fleet(ray_local, tiny_model, tmp_path_factory):
-    holder = SharedFleet(tiny_model, tmp_path_factory.mktemp("shared-fleet"))
-    _HOLDER.append(holder)
+    holder = _HOLDERS[SHARED] = SharedFleet(tiny_model, tmp_path_factory.mktemp("shared-fleet"))
     try:
         yield holder
     finally:
         holder.close()
-        _HOLDER.remove(holder)
+        _HOLDERS.pop(SHARED, None)
+
+
+@pytest.fixture(scope="session")
+def raw_pair(ray_local, tiny_model):
+    holder = _HOLDERS[RAW] = RawPair(tiny_model)
+    try:
+        yield holder
+    finally:
+        holder.close()
+        _HOLDERS.pop(RAW, None)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After the last of a run of tests that use the shared fleet (their module fixtures torn down first)."""
-    if _HOLDER and SHARED in item.fixturenames and (nextitem is None or SHARED not in nextitem.fixturenames):
-        _HOLDER[0].close()
+    """After the last of a run of tests that use a shared holder (their module fixtures torn down first)."""
+    for name, holder in list(_HOLDERS.items()):
+        if name in item.fixturenames and (nextitem is None or name not in nextitem.fixturenames):
+            holder.close()

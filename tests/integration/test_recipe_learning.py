@@ -1,6 +1,6 @@
 """The GRPO recipe learns on a real vLLM-CPU engine, with weights moved by ``refit`` after every step.
 
-One engine (``fleet.ray_io.spawn_shard``) generates; ``GRPOTrainerActor`` (the
+One engine (slot 0 of the session's raw pair of shards) generates; ``GRPOTrainerActor`` (the
 trainer and its weight sender in one Ray actor, as the demo runs it) trains;
 ``refit.WeightSynchronizer`` (gloo, the trainer actor as rank 0) pushes each new
 version into the engine between batches, wrapped in the controller's steps: pause
@@ -25,7 +25,6 @@ import time
 import pytest
 
 from fleet import ray_io
-from fleet.config import EngineConfig
 from recipe import AllowedTokensTask, PromptGenerator, RecipeConfig, TrainerConfig, build_group
 from recipe.actor import GRPOTrainerActor
 from refit import Outcome, Participant, RefitConfig, WeightSynchronizer
@@ -38,16 +37,10 @@ RECIPE = RecipeConfig(prompts_per_step=8, samples_per_prompt=8, max_tokens=6, se
 
 
 @pytest.fixture(scope="module")
-def engine(ray_local, tiny_model):
-    cfg = EngineConfig(model=tiny_model, max_model_len=128, kv_cache_memory_bytes=16 << 20)
-    shard = ray_io.spawn_shard(cfg, slot=0, incarnation=1)
-    try:
-        info = ray_io.ask(shard, "start", timeout=300)
-        print(f"\nengine started in {info['start_s']:.1f} s")
-        yield shard
-    finally:
-        ray_io.try_ask(shard, "shutdown", timeout=60)
-        ray_io.kill(shard)
+def engine(raw_pair):
+    """Slot 0 of the session's raw pair (tests/integration/conftest.py), new to this module: the checkpoint's
+    weights, version 0, as the trainer starts."""
+    return raw_pair.fresh()[0]
 
 
 def submit(shard, prompts: PromptGenerator, step: int):
@@ -73,7 +66,8 @@ def push(sync: WeightSynchronizer, shard, version: int) -> float:
     async def steps():
         assert await ray_io.call_async(shard, "pause", mode="keep", clear_cache=True) is True
         try:
-            report = await sync.refit({Participant(0, 1, (1,)): ray_io.ShardReceiverPort(shard)}, version, epoch=1)
+            me = Participant(0, (await ray_io.call_async(shard, "describe"))["incarnation"], (1,))
+            report = await sync.refit({me: ray_io.ShardReceiverPort(shard)}, version, epoch=1)
             assert report.ok, report.summary()
             assert all(r.outcome is Outcome.COMPLETE for r in report.results.values())
             assert await ray_io.call_async(shard, "set_weight_version", version) is True

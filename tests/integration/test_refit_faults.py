@@ -2,7 +2,8 @@
 
 Deterministic: the doomed engine's worker is frozen at bucket 2 of the transfer
 (fault injection), then its process is SIGKILLed and its actor killed while the
-others are mid-transfer. Two engines at most are alive at any time.
+others are mid-transfer. Two engines at most are alive at any time: the session's raw pair
+(tests/integration/conftest.py), whose killed slot is restarted here and handed back to it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ import pytest
 
 from faults.source import WeightSource
 from fleet import ray_io
-from fleet.config import EngineConfig
 from refit import Outcome, Participant, RefitConfig, WeightSynchronizer
-from tests.integration.fleet_helpers import start_shards
 
 pytestmark = pytest.mark.integration
 
@@ -30,16 +29,12 @@ STEP = {"scale": 0.05, "relative": True}  # a "training step": every weight += 0
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_local, tiny_model):
-    cfg = EngineConfig(model=tiny_model, kv_cache_memory_bytes=16 << 20)
-    shards = {i: ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(2)}
+def cluster(raw_pair, tiny_model):
+    """The session's raw pair (new to this module: checkpoint weights, version 0) and a trainer of its own;
+    the slot this module restarts is handed back to the pair (``adopt``)."""
+    shards = dict(enumerate(raw_pair.fresh()))
     trainer = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
-    start_shards(shards.values())
-    state = {"shards": shards, "trainer": trainer, "cfg": cfg}
-    yield state
-    for h in state["shards"].values():
-        ray_io.try_ask(h, "shutdown", timeout=60)
-        ray_io.kill(h)
+    yield {"shards": shards, "trainer": trainer, "cfg": raw_pair.cfg, "pair": raw_pair}
     ray_io.kill(trainer)
 
 
@@ -58,7 +53,9 @@ def test_kill_during_transfer_fails_survivors_fast_and_rebuilt_epochs_recover(cl
     shards, trainer = cluster["shards"], cluster["trainer"]
     sync = WeightSynchronizer(ray_io.ActorSenderPort(trainer), RefitConfig(timeout_s=TIMEOUT_S, bucket_mb=0.1, checksum=True))
     survivor, doomed = shards[0], shards[1]
-    incarnation = {0: 1, 1: 1}
+    incarnation = dict(enumerate(cluster["pair"].incarnations))
+    survivor_weights = (worker_info(survivor)["weight_version"], worker_info(survivor)["weights_state"])
+    assert survivor_weights[0] == 0
 
     def plan(slots):
         return {Participant(s, incarnation[s], (i + 1,)): ray_io.ShardReceiverPort(shards[s]) for i, s in enumerate(slots)}
@@ -82,11 +79,12 @@ def test_kill_during_transfer_fails_survivors_fast_and_rebuilt_epochs_recover(cl
     report, after_kill_s = asyncio.run(refit_and_kill())
     print(report.summary(), f"\nsurvivor error {after_kill_s:.2f} s after the kill (timeout {TIMEOUT_S} s)")
     assert not report.ok
-    res_s = report.results[Participant(0, 1, (1,))]
-    res_d = report.results[Participant(1, 1, (2,))]
+    res_s = report.results[Participant(0, incarnation[0], (1,))]
+    res_d = report.results[Participant(1, incarnation[1], (2,))]
     assert res_s.outcome is Outcome.NOT_STARTED and "bucket" in res_s.error and res_s.phase == "transfer", res_s
     assert res_d.outcome is not Outcome.COMPLETE and res_d.error
-    assert (worker_info(survivor)["weight_version"], worker_info(survivor)["weights_state"]) == (0, "initial")
+    # the failed epoch left the survivor's weights as they were (still version 0: nothing was applied)
+    assert (worker_info(survivor)["weight_version"], worker_info(survivor)["weights_state"]) == survivor_weights
 
     # epoch 2: membership rebuilt without the dead engine; the survivor refits without a restart
     report = asyncio.run(sync.refit(plan([0]), 1, epoch=2))
@@ -96,14 +94,15 @@ def test_kill_during_transfer_fails_survivors_fast_and_rebuilt_epochs_recover(cl
     assert logprob_gap(survivor, trainer) < 1e-4
 
     # epoch 3: a restarted engine takes slot 1 (incarnation 2) and receives the full weights
-    restarted = ray_io.spawn_shard(cluster["cfg"], slot=1, incarnation=2)
+    incarnation[1] += 1
+    restarted = ray_io.spawn_shard(cluster["cfg"], slot=1, incarnation=incarnation[1])
     shards[1] = restarted
+    cluster["pair"].adopt(1, restarted, incarnation[1])
     ray_io.ask(restarted, "start", timeout=300)
-    incarnation[1] = 2
     ray_io.ask(trainer, "perturb", seed=2, **STEP, timeout=T)
     report = asyncio.run(sync.refit(plan([0, 1]), 2, epoch=3))
     assert report.ok, report.summary()
-    new = report.results[Participant(1, 2, (2,))]
+    new = report.results[Participant(1, incarnation[1], (2,))]
     assert new.bytes_moved == report.bytes_sent > 0
     want = ray_io.ask(trainer, "checksum", timeout=T)
     for h in (survivor, restarted):
@@ -120,9 +119,9 @@ def test_unreachable_participant_aborts_before_any_weight_moves(cluster):
     sync = WeightSynchronizer(ray_io.ActorSenderPort(trainer), RefitConfig(timeout_s=10, group_timeout_s=5))
     ghost = ray_io.spawn_shard(cluster["cfg"], slot=9, incarnation=1)
     ray_io.kill(ghost)  # never started, now dead
-    live = shards[0]
+    live, mine = shards[0], Participant(0, cluster["pair"].incarnations[0], (1,))
     before = worker_info(live)["weight_version"]
-    ports = {Participant(0, 1, (1,)): ray_io.ShardReceiverPort(live), Participant(9, 1, (2,)): ray_io.ShardReceiverPort(ghost)}
+    ports = {mine: ray_io.ShardReceiverPort(live), Participant(9, 1, (2,)): ray_io.ShardReceiverPort(ghost)}
     # bounded by the group phase (5 s) with room, not the refit's 10 s per attempt and its retry
     report = asyncio.run(asyncio.wait_for(sync.refit(ports, 50, epoch=10), 5 + 5 + 5))
     assert not report.ok
@@ -131,5 +130,5 @@ def test_unreachable_participant_aborts_before_any_weight_moves(cluster):
     assert ghost_res.exception is not None and "Actor" in type(ghost_res.exception).__name__
     assert worker_info(live)["weight_version"] == before
     # the next epoch without the ghost works
-    assert asyncio.run(sync.refit({Participant(0, 1, (1,)): ray_io.ShardReceiverPort(live)}, before + 1, epoch=11)).ok
+    assert asyncio.run(sync.refit({mine: ray_io.ShardReceiverPort(live)}, before + 1, epoch=11)).ok
     asyncio.run(sync.close())

