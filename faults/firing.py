@@ -50,9 +50,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any, Callable, Iterable, Protocol
 
-from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from faults.load import refit_under_load
+from faults.poison import poison_request
+from faults.polling import wait_until
+from faults.resize_load import resize_under_load
 from fleet.errors import FleetStopped, RefitNotDelivered, RefitRefused
 from health.faultplan import CONTROLLER_WHAT, TRAINER_WHERE, Firing
 
@@ -103,17 +105,6 @@ def slot_states(status: dict) -> dict[int, str]:
 def incarnations(status: dict) -> dict[int, int]:
     """Each slot's current incarnation in a ``Fleet.status()``."""
     return {s["slot"]: s["incarnation"] for s in status["ledger"]["slots"]}
-
-
-def wait_until(predicate: Callable[[], object], timeout_s: float, poll_s: float = 0.5) -> bool:
-    """Poll ``predicate`` every ``poll_s`` until it is true (True) or ``timeout_s`` has passed (False)."""
-    polling = Retrying(
-        stop=stop_after_delay(timeout_s),
-        wait=wait_fixed(poll_s),
-        retry=retry_if_result(lambda ok: not ok),
-        retry_error_callback=lambda state: False,
-    )
-    return bool(polling(lambda: bool(predicate())))
 
 
 class FaultFiring:
@@ -260,12 +251,8 @@ class FaultFiring:
         if f.what == "refit_under_load":
             return refit_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
         if f.what == "poison_request":
-            from faults.poison import poison_request  # imports this module: import when fired
-
             return poison_request(self.fleet, self.log or print)
         if f.what == "resize_under_load":
-            from faults.resize_load import resize_under_load  # imports this module: import when fired
-
             rec = resize_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
             self._say_if(True, f"resize under load: added {rec['added']}, removed {rec['removed']}, new engine "
                                f"{rec['new_engine']}, drained {rec['resizes'][1]['summary'].get('drained')}, "

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from faults.firing import wait_until
+from faults.polling import wait_until
 from faults.load import ClientLoad
 
 PROMPT = [1, 21, 31, 41, 51]

@@ -45,7 +45,8 @@ from faults import invariants
 from faults.evidence import prove
 from faults.frozen import prove_core_reaped, prove_resent
 from faults.promotion import prove_promotion
-from faults.firing import FaultFiring, slot_states, wait_until
+from faults.firing import FaultFiring, slot_states
+from faults.polling import wait_until
 from faults.timeline import read_log
 from fleet import ray_io
 from fleet.api import Fleet
@@ -87,7 +88,26 @@ def judge(rep: VariantReport, done: list[dict], events: list[dict], journal: lis
     rep.violations += problems
     rep.fault_to_reopen_s = rep.faults[0]["fault_to_reopen_s"] if rep.faults else None
     rep.passed = rep.observed == rep.expected and rep.lost == 0 and rep.wrong_version_tags == 0 and not rep.violations
+    if not rep.passed:  # what else happened to the slots: a failed variant's report says who the fleet lost, and why
+        rep.notes += slot_losses(events)
     return rep
+
+
+def _state(value) -> str:
+    return str(getattr(value, "value", value))
+
+
+def slot_losses(events: list[dict], most: int = 8) -> list[str]:
+    """One line per shard the controller killed and per slot that left the serving states, with the reason the
+    event log gives (the first ``most``)."""
+    lines = []
+    for e in events:
+        if e["kind"] == "kill":
+            lines.append(f"killed slot {e.get('slot')} (incarnation {e.get('incarnation')}): {str(e.get('reason'))[:300]}")
+        elif e["kind"] == "health" and _state(e.get("after")) in ("suspect", "hung", "dead"):
+            lines.append(f"slot {e.get('slot')} (incarnation {e.get('incarnation')}) {_state(e.get('before'))} -> "
+                         f"{_state(e.get('after'))}: {str(e.get('reason'))[:300]}")
+    return lines[:most] + ([f"and {len(lines) - most} more slot losses"] if len(lines) > most else [])
 
 
 class FaultRunner:

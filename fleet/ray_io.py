@@ -122,7 +122,8 @@ def spawn_shard(config: EngineConfig, slot: int, incarnation: int, weight_versio
     if name:  # a named shard outlives its controller's process (a restarted controller re-adopts it)
         opts.update(name=name, namespace=NAMESPACE, lifetime="detached")
     opts.update(options)
-    return _shard_actor_class().options(**opts).remote(config.model_dump(), slot, incarnation, weight_version)
+    return _shard_actor_class().options(**opts).remote(config.model_dump(), slot, incarnation, weight_version,
+                                                       node_id=current_node_id)
 
 
 _SHARD_CLS = None

@@ -62,8 +62,11 @@ class EngineShard:
         incarnation: int,
         weight_version: int = 0,
         backend_factory: BackendFactory | None = None,
+        node_id: Callable[[], str | None] | None = None,
     ) -> None:
         self.config = config if isinstance(config, EngineConfig) else EngineConfig.model_validate(config)
+        # where this shard runs, asked of its door (``fleet.ray_io`` passes Ray's node id; none outside Ray)
+        self._where = node_id or (lambda: None)
         os.environ.update(self.config.process_env())
         self.slot = slot
         self.incarnation = incarnation
@@ -129,7 +132,7 @@ class EngineShard:
         self._state = "ready"
         record_start(self.slot, self.incarnation, self.config.backend, time.monotonic() - t0, ok=True)
         caps = self._backend.capabilities
-        return {"start_s": time.monotonic() - t0, "native_pause": caps.native_pause, "node": _node_id(),
+        return {"start_s": time.monotonic() - t0, "native_pause": caps.native_pause, "node": self._where(),
                 **self.ping_info()}
 
     def ping_info(self) -> dict[str, Any]:
@@ -163,7 +166,7 @@ class EngineShard:
         """What a restarted controller re-adopts this shard from: who it is, its stamped weight version,
         whether a transfer touched the weights since that stamp (``dirty``: unknown weights), whether it
         is paused, and its gate (member, epoch floor, committed version as last told)."""
-        return {**self.ping_info(), "node": _node_id(), "dirty": self._dirty, "paused": self.gate.paused,
+        return {**self.ping_info(), "node": self._where(), "dirty": self._dirty, "paused": self.gate.paused,
                 "native_pause": self._backend.capabilities.native_pause,
                 "gate": self.gate.counters()}
 
@@ -464,10 +467,3 @@ class EngineShard:
         except Exception:
             pass
         return True
-
-
-def _node_id() -> str | None:
-    """The Ray node this shard runs on (the controller groups shards by node: ``fleet.nodes``)."""
-    from fleet import ray_io
-
-    return ray_io.current_node_id()

@@ -35,13 +35,10 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Protocol
 
 from health.config import HealthConfig
 from health.states import ShardState, SlotPhase
-
-if TYPE_CHECKING:
-    from health.decision import Decision
 
 __all__ = ["FleetState", "Ledger", "SlotRecord", "SlotStatus", "view_state"]
 
@@ -153,6 +150,24 @@ class SlotStatus:
             "reason": self.reason,
             "removed": self.removed,
         }
+
+
+class Changes(Protocol):
+    """What ``Ledger.apply`` reads of a decision (``health.decision.Decision``, which imports this module's
+    records): the ledger state it was made against, its clock, and the records it changes."""
+
+    @property
+    def basis(self) -> int: ...
+    @property
+    def event(self) -> object: ...
+    @property
+    def fires_timers(self) -> bool: ...
+    @property
+    def now(self) -> float: ...
+    @property
+    def records(self) -> tuple[SlotRecord, ...]: ...
+    @property
+    def fleet(self) -> FleetState | None: ...
 
 
 class Ledger:
@@ -380,7 +395,7 @@ class Ledger:
 
     # ------------------------------------------------------------------ change
 
-    def apply(self, decision: Decision) -> None:
+    def apply(self, decision: Changes) -> None:
         """Store the changes of ``decision`` (made by ``decide`` on this ledger).
 
         Raises ``ValueError`` (and changes nothing) when the decision was made

@@ -54,7 +54,8 @@ import json
 import random
 import time
 
-from faults.firing import incarnations, slot_states, wait_until
+from faults.firing import incarnations, slot_states
+from faults.polling import wait_until
 from faults.promotion import capacity_restored_s
 from faults.timeline import percentile, reopen_s
 from fleet import ray_io

@@ -274,3 +274,21 @@ def test_an_engine_the_successor_stamped_serves_the_committed_version_and_no_oth
 def test_a_phase_the_dead_controller_began_is_not_timed_but_ended_ones_still_are(seconds, bad):
     log = restart_log() + [ev(9.0, "phase", phase="pause", edge="end", version=2, seconds=seconds, seq=9)]
     assert bool(inv.phases_within_deadline(log, 15.0)) is bad
+
+
+def test_a_failed_variant_names_every_slot_the_fleet_lost_and_why_a_passing_one_adds_nothing():
+    """A variant that stops where it should recover says, in its notes, which shards the controller killed
+    and which slots left the serving states, with the event log's reasons: a kill the plan did not make
+    (a probe lost under load, say) is visible in the CI log, not only in a deleted event log."""
+    losses = [ev(3.0, "health", slot=2, incarnation=1, before="healthy", after="suspect", reason="probe timed out"),
+              ev(3.5, "health", slot=2, incarnation=1, before="suspect", after="dead", reason="2 probes failed"),
+              ev(3.6, "kill", slot=2, incarnation=1, reason="dead: 2 probes failed"),
+              ev(3.7, "health", slot=0, incarnation=1, before="stale", after="healthy", reason="stamped")]
+    rep = judge(recovers(), [crash()], restart_log() + losses, journal=[])
+    assert rep.passed and not any("slot 2" in n for n in rep.notes)
+    stopped = VariantReport("controller-kill-during-pause", "recovers", "stops", accepted=4, completed=4)
+    rep = judge(stopped, [crash()], restart_log() + losses, journal=[])
+    assert not rep.passed
+    assert rep.notes == ["slot 2 (incarnation 1) healthy -> suspect: probe timed out",
+                         "slot 2 (incarnation 1) suspect -> dead: 2 probes failed",
+                         "killed slot 2 (incarnation 1): dead: 2 probes failed"]
