@@ -9,9 +9,10 @@
 # The full run is two lanes at once, each its own pytest and its own local Ray: the suite is mostly one
 # process waiting on another (an engine starting, a deadline, a subprocess CLI), and run as one lane it
 # kept one of the machine's two cores idle about half the time. Lane "fleets": the integration tests
-# (real fleets, the shared one among them). Lane "matrix": the unit tests, the demo's signal tests and
-# the fault matrix and soak (its deadlines are the tighter: the other lane runs at a lower priority). Each lane's lines are prefixed with its name; the script fails when either
-# lane fails, and ends with both lanes' results and the engine starts of the whole run.
+# (real fleets, the shared ones among them), at a lower CPU priority. Lane "matrix": the unit tests, the
+# demo's signal tests, the fault matrix and the soak (whose health deadlines are the tighter). Each lane's
+# lines are prefixed with its name; the script fails when either lane fails, and ends with both lanes'
+# results and the engine starts of the whole run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
