@@ -114,7 +114,10 @@ def requests_waited_below_quorum(events: list[dict]) -> list[str]:
     """A variant's expectation, not an invariant of every run: the gate closed between refits because
     fewer than ``min_healthy_engines`` served ("below quorum"); requests accepted while it was closed
     waited (none returned, none completed before the gate reopened), and a refit reopened it (on a newer
-    version: restarted engines serve only once a refit lands on them)."""
+    version: restarted engines serve only once a refit lands on them). "Accepted while it was closed" is
+    as the accepting client saw it (the ``gate_open`` of its ``accepted`` record; a record without it
+    counts as closed): the close reaches a client with the next routing state, and a request it accepted
+    before that may still be served meanwhile by a surviving shard on the committed version."""
     closes = [i for i, e in enumerate(events) if e["kind"] == "gate" and not e["open"] and "below quorum" in e["reason"]]
     if not closes:
         return ["the gate never closed below quorum between refits"]
@@ -126,7 +129,8 @@ def requests_waited_below_quorum(events: list[dict]) -> list[str]:
         if not reopened or events[end]["version"] <= closed["version"]:
             out.append(f"the gate closed below quorum at t={closed['t']:.3f} and no refit reopened it")
         window = events[i + 1:end]
-        waiting = {e["request_id"] for e in window if e["kind"] == "request" and e["event"] == "accepted"}
+        waiting = {e["request_id"] for e in window
+                   if e["kind"] == "request" and e["event"] == "accepted" and not e.get("gate_open", False)}
         ended = [e for e in window if e["kind"] == "request" and (e["event"] == "returned" or (
             e["event"] == "completed" and e["request_id"] in waiting))]
         if not waiting:

@@ -175,16 +175,19 @@ class Dispatcher:
         self, prompt: Any, sampling: dict | None = None, request_id: str | None = None, policy: VersionPolicy | None = None
     ) -> FleetResult:
         """Accept one request and see it to its end. Never raises for fleet failures."""
+        seen = self._view.routing()
         p = _Pending(
             request_id=request_id or f"{self._prefix}-{next(self._ids)}",
             prompt=prompt,
             sampling=dict(sampling or {}),
             policy=policy or self._view.policy,
             accepted_at=self._clock.now(),
-            accepted_version=self._view.routing().version,
+            accepted_version=seen.version,
         )
         self.accepted += 1
-        self._log.emit("request", event="accepted", request_id=p.request_id)
+        # the gate as this client saw it: a close reaches clients with the next routing state, and a request
+        # accepted before that may still be served by a shard that serves the committed version
+        self._log.emit("request", event="accepted", request_id=p.request_id, gate_open=seen.gate_open)
         deadline = p.accepted_at + self._timeout
         if self._poison:
             fp = fingerprint(p.prompt, p.sampling)

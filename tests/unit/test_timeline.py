@@ -424,3 +424,19 @@ def test_requests_wait_while_the_fleet_is_below_quorum_until_a_refit_reopens_the
     assert requests_waited_below_quorum(_refit(5.0, 4)) == ["the gate never closed below quorum between refits"]
     stopped = _below_quorum_log()[:2] + [{"kind": "stopped", "reason": "x", "t": 3.0}]
     assert "no refit reopened it" in requests_waited_below_quorum(stopped)[0]
+
+
+def test_a_request_its_client_accepted_before_it_saw_the_gate_close_may_finish_on_a_survivor():
+    """The close reaches a client with its next routing state: a request accepted under the client's
+    still-open view (``gate_open`` True in its record) may be served meanwhile by a shard that survived on
+    the committed version; one accepted under a closed view must wait for the refit that reopens the gate."""
+    log = _below_quorum_log()
+    log.insert(1, {"kind": "request", "event": "accepted", "request_id": "r2", "gate_open": True, "t": 1.1})
+    log.insert(2, {"kind": "request", "event": "completed", "request_id": "r2", "t": 1.4})
+    assert requests_waited_below_quorum(log) == []
+    log[1] = {**log[1], "gate_open": False}
+    assert requests_waited_below_quorum(log) == ["request r2 completed while the gate was closed below quorum"]
+    only_before = [e for e in log if e.get("request_id") != "r1"]
+    only_before[1] = {**only_before[1], "gate_open": True}
+    assert requests_waited_below_quorum(only_before) == [
+        "no request was accepted while the gate was closed below quorum (t=1.000)"]
