@@ -50,7 +50,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any, Callable, Iterable, Protocol
 
-
 from faults.load import refit_under_load
 from faults.poison import poison_request
 from faults.polling import wait_until

@@ -101,10 +101,13 @@ def slot_losses(events: list[dict], most: int = 8) -> list[str]:
     """One line per shard the controller killed and per slot that left the serving states, with the reason the
     event log gives (the first ``most``)."""
     lines: list[str] = []
+    killed: set[tuple] = set()
     for e in events:
         if e["kind"] == "kill":
-            if any(line.startswith(f"killed slot {e.get('slot')} (incarnation {e.get('incarnation')})") for line in lines):
+            who = (e.get("slot"), e.get("incarnation"))
+            if who in killed:
                 continue  # every client that found it unusable asks for the same kill
+            killed.add(who)
             lines.append(f"killed slot {e.get('slot')} (incarnation {e.get('incarnation')}): {str(e.get('reason'))[:300]}")
         elif e["kind"] == "health" and _state(e.get("after")) in ("suspect", "hung", "dead"):
             lines.append(f"slot {e.get('slot')} (incarnation {e.get('incarnation')}) {_state(e.get('before'))} -> "

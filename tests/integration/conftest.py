@@ -139,7 +139,8 @@ class RawPair:
 
         from faults.source import WeightSource
         from fleet import ray_io
-        from refit import Participant, RefitConfig, WeightSynchronizer
+        from refit import RefitConfig, WeightSynchronizer
+        from tests.integration.fleet_helpers import paused_refit
 
         if self._source is None:  # the checkpoint's weights, kept for the pair's later resets
             self._source = ray_io.spawn_actor(WeightSource, self._model, num_cpus=0)
@@ -148,16 +149,10 @@ class RawPair:
         self._resets += 1
 
         async def refit():
-            await asyncio.gather(*(ray_io.call_async(h, "pause", mode="keep", clear_cache=True) for h in self.shards))
             try:
-                parts = {Participant(s, self.incarnations[s], (s + 1,)): ray_io.ShardReceiverPort(h)
-                         for s, h in enumerate(self.shards)}
-                report = await sync.refit(parts, 0, epoch=1000 + self._resets)
+                report = await paused_refit(sync, self.shards, 0, epoch=1000 + self._resets)
                 assert report.ok, f"the raw pair's reset to the checkpoint failed: {report.summary()}"
-                for h in self.shards:
-                    assert await ray_io.call_async(h, "set_weight_version", 0) is True
             finally:
-                await asyncio.gather(*(ray_io.call_async(h, "resume") for h in self.shards))
                 await sync.close()
 
         asyncio.run(refit())
@@ -165,6 +160,7 @@ class RawPair:
         for h in self.shards:
             (cs,) = ray_io.ask(h, "worker_rpc", "rlfleet_checksum", [], {}, 60, timeout=90)
             assert cs["applied"] == want and cs["weight_version"] == 0, "the raw pair's reset did not land"
+            assert ray_io.ask(h, "get_weight_version", timeout=30) == 0, "the raw pair's reset was not stamped"
 
     def close(self) -> None:
         from fleet import ray_io

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import time
 
 from faults import invariants
 from fleet import ray_io
+from refit import Outcome, Participant
 
 PROMPTS = [[1, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(8)]
 SAMPLING = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0}
@@ -117,3 +119,22 @@ class Run:
         if any(s == "stale" for s in slot_states(self.fleet).values()):
             self.refit()
         assert set(slot_states(self.fleet).values()) == {"healthy"}
+
+
+def participants(shards) -> dict:
+    """The refit plan for bare shards: slot ``i`` at its current incarnation, rank ``i + 1``."""
+    return {Participant(i, ray_io.ask(h, "describe", timeout=30)["incarnation"], (i + 1,)): ray_io.ShardReceiverPort(h)
+            for i, h in enumerate(shards)}
+
+
+async def paused_refit(sync, shards, version, epoch):
+    """Pause, refit, stamp the shard version on complete engines, resume: the controller's steps 4-7."""
+    await asyncio.gather(*(ray_io.call_async(h, "pause", mode="keep", clear_cache=True) for h in shards))
+    try:
+        report = await sync.refit(participants(shards), version, epoch)
+        for key, res in report.results.items():
+            if res.outcome is Outcome.COMPLETE:
+                await ray_io.call_async(shards[key.slot], "set_weight_version", version)
+    finally:
+        await asyncio.gather(*(ray_io.call_async(h, "resume") for h in shards))
+    return report

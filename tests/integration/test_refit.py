@@ -17,7 +17,8 @@ import torch
 from faults.source import WeightSource
 from fleet import ray_io
 from recipe.logprobs import token_logprobs
-from refit import LocalSenderPort, Outcome, Participant, RefitConfig, WeightSender, WeightSynchronizer
+from refit import LocalSenderPort, Outcome, RefitConfig, WeightSender, WeightSynchronizer
+from tests.integration.fleet_helpers import participants, paused_refit
 
 pytestmark = pytest.mark.integration
 
@@ -41,24 +42,6 @@ def fleet(raw_pair, tiny_model):
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def participants(shards) -> dict:
-    return {Participant(i, ray_io.ask(h, "describe", timeout=30)["incarnation"], (i + 1,)): ray_io.ShardReceiverPort(h)
-            for i, h in enumerate(shards)}
-
-
-async def paused_refit(sync, shards, version, epoch):
-    """Pause, refit, stamp the shard version on complete engines, resume: the controller's steps 4-7."""
-    await asyncio.gather(*(ray_io.call_async(h, "pause", mode="keep", clear_cache=True) for h in shards))
-    try:
-        report = await sync.refit(participants(shards), version, epoch)
-        for key, res in report.results.items():
-            if res.outcome is Outcome.COMPLETE:
-                await ray_io.call_async(shards[key.slot], "set_weight_version", version)
-    finally:
-        await asyncio.gather(*(ray_io.call_async(h, "resume") for h in shards))
-    return report
 
 
 def logprob_gap(shards, trainer, label: str) -> float:
