@@ -201,6 +201,7 @@ class FaultFiring:
             wait_until(gone, PROVOKE_EVERY_S)
         self._say_if(not wait_until(gone, max(0.0, deadline - time.monotonic())),
                      f"gave up waiting for the controller to find slots {sorted(killed)} gone")
+        self._client_caught_up()
         waiting = self.load() if self.load else 0
         back = lambda: {s: st for s, st in slot_states(self.fleet.status()).items() if s in killed}  # noqa: E731
         self._say_if(not wait_until(lambda: set(back().values()) <= {*UP, "retired"}, self.up_timeout_s),
@@ -209,6 +210,14 @@ class FaultFiring:
         for rec in self.fired:
             if rec["where"] == "between_refits" and rec["slot"] in killed and "submitted_while_gone" not in rec:
                 rec["submitted_while_gone"] = waiting
+
+    def _client_caught_up(self, timeout_s: float = 30.0) -> None:
+        """Wait until the fleet's client holds the routing state the controller publishes now: the requests
+        submitted next are accepted under the controller's view (below quorum: a closed gate), not under the
+        state the client held before the close reached it."""
+        epoch = self.fleet.status()["routing_epoch"]
+        self._say_if(not wait_until(lambda: self.fleet.client.routing().epoch >= epoch, timeout_s),
+                     f"gave up waiting for the client to reach routing epoch {epoch} after {timeout_s:.0f} s")
 
     # ------------------------------------------------------------------ the controller's faults
     def _controller_fault(self, f: Firing) -> dict:

@@ -265,9 +265,11 @@ class _Fleet:
     def __init__(self, trainer=None):
         self.trainer, self.committed, self.synced = trainer, 3, []
         self.slots = {s: ["healthy", 1] for s in range(3)}
+        self.epoch = 5
+        self.client = _LaggingClient(self)
 
     def status(self):
-        return {"gate_open": True, "version": self.committed, "requests": {"in_progress": 2},
+        return {"gate_open": True, "version": self.committed, "requests": {"in_progress": 2}, "routing_epoch": self.epoch,
                 "ledger": {"slots": [{"slot": s, "state": st, "incarnation": i} for s, (st, i) in self.slots.items()]}}
 
     def sync_weights(self, version, source):
@@ -282,6 +284,20 @@ class _Fleet:
 
     def kill_shard(self, slot):
         self.slots[slot] = ["restarting", self.slots[slot][1] + 1]
+        self.epoch += 1  # the controller publishes the change; the client hears of it a few reads later
+
+
+class _LaggingClient:
+    """The client's routing state reaches the controller's epoch only on its third read after a change."""
+
+    def __init__(self, fleet):
+        self.fleet, self.epoch, self.reads = fleet, fleet.epoch, 0
+
+    def routing(self):
+        self.reads += 1
+        if self.reads % 3 == 0:
+            self.epoch = self.fleet.epoch
+        return type("Routing", (), {"epoch": self.epoch})()
 
 
 def test_trainer_faults_are_refit_calls_the_firing_makes_and_records():
@@ -307,6 +323,7 @@ def test_between_refits_kills_wait_for_the_controller_then_load_then_the_restart
 
     def load():
         seen.append({s: st for s, (st, _) in fleet.slots.items()})
+        assert fleet.client.epoch == fleet.epoch, "requests submitted under the client's view of the close"
         for s in (0, 1):
             fleet.slots[s][0] = "stale"  # the restarts come back
         return 8
