@@ -31,7 +31,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-REFIT_PHASES = ("close", "staleness", "reconcile", "pause", "transfer", "stamp", "resume", "reopen")
+from health.faultplan import REFIT_PHASES
+
 # The controller's own ``stopped`` record when it is shut down on purpose (not a failure).
 SHUTDOWN_REASON = "controller shut down"
 

@@ -21,7 +21,7 @@ __all__ = ["CONTROL_METHODS", "Door", "FAULT_METHODS"]
 
 CONTROL_METHODS = (
     "start", "ping", "stats", "describe", "counters",
-    "set_route", "fence", "begin_refit", "abort_in_flight", "abort",
+    "set_route", "fence", "begin_refit", "end_refit", "abort_in_flight", "abort",
     "pause", "resume", "invalidate_cache", "reset_prefix_cache", "set_weight_version", "shutdown",
 )  # fmt: skip
 # Fault injection (``Fleet.arm_fault``, for the fault matrix): real shards only. A simulated cluster

@@ -1,18 +1,20 @@
-"""The refit lifecycle: ``sync_weights(version)`` as the eight steps of DESIGN.md.
+"""The refit lifecycle: ``sync_weights(version)`` as the steps of DESIGN.md, in seven phases.
 
 Under ``stage_ahead`` a step 0 comes first, with the gate open: the update moves into
-every live engine's staging area while the fleet serves (``stage_ahead``); step 5 is
-then only the apply of what each paused engine staged. A failure while staging never
+every live engine's staging area while the fleet serves (``stage_ahead``); the transfer
+is then only the apply of what each paused engine staged. A failure while staging never
 closes the gate: the refit is refused (``RefitRefused``, ``RefitNotStaged``) and the
 fleet serves what it had.
 
-``RefitLifecycle.run`` reads like the design: close the gate, abort requests that
-are too old, reconcile membership, pause the participants, transfer (classify,
-rebuild, re-pause, retry exactly once, only the engines that failed, all within the
-phase's one deadline), stamp the version, resume under one
-shared deadline, reopen only with quorum. Every fan-out settles every call
-before any result is acted on, and every call is bounded by
-``refit_timeout_s + grace``.
+``RefitLifecycle.run`` reads like the design: close the gate, reconcile membership,
+pause the participants (in the same call each aborts its requests too old for the new
+version), transfer (classify, rebuild, re-pause, retry exactly once, only the engines
+that failed, all within the phase's one deadline), commit the version, resume (in the
+same call each engine is stamped first) under one shared deadline, reopen only with
+quorum. An engine costs three control calls a refit: ``begin_refit`` with its pause,
+its transfer, ``end_refit``; the order inside each call never varies, so fusing them
+loses no decision point. Every fan-out settles every call before any result is acted
+on, and every call is bounded by ``refit_timeout_s + grace``.
 
 Guarantee on failure: arguments are checked before anything changes (a version
 that does not increase, a source that is not a sender: refused, nothing touched).
@@ -39,7 +41,7 @@ from fleet.errors import (
     CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed, RefitNotDelivered, RefitNotStaged,
     RefitRefused, RefitSourceFailed,
 )
-from fleet.outcome import OK
+from fleet.outcome import BAD_ACK, OK, Outcome
 from fleet.weights import TransferResult, healthy_attempt_s
 from health import (
     AbortRefit,
@@ -54,8 +56,9 @@ from health import (
     VersionCommitted,
     plan_membership,
 )
+from health.faultplan import REFIT_PHASES
 
-PHASES = ("close", "staleness", "reconcile", "pause", "transfer", "stamp", "resume", "reopen")
+PHASES = REFIT_PHASES  # close, reconcile, pause, transfer, commit, resume, reopen (``health.faultplan``)
 
 
 class _RollBack(Exception):
@@ -100,6 +103,8 @@ class RefitLifecycle:
         self._moving = False  # the transfer began: engines may hold bytes of the new version
         self._held: dict[tuple[int, int], Any] = {}  # (slot, incarnation) -> handle a pause was sent to by this refit
         self._busy: dict[int, int] = {}  # slot -> requests in flight when the refit fenced it
+        self._aborted = 0  # requests the refit aborted as too old for their version policy
+        self._fence_epoch = -1  # the routing epoch the refit closed the gate at: shards refuse work routed before it
         self._deadline: float | None = None  # inside ``_within``: the deadline every fan-out ends by
         self._retry_skipped: str | None = None  # why the transfer's retry did not run (None: it ran or was not needed)
 
@@ -115,7 +120,7 @@ class RefitLifecycle:
         return dict(self._busy)
 
     async def run(self, version: int, source: Any, stage_ahead: bool | None = None) -> dict:
-        """The eight steps. One refit at a time: a second call waits, then is checked against
+        """The steps. One refit at a time: a second call waits, then is checked against
         the version the first committed. Ends committed, rolled back or stopped (module docstring).
         ``stage_ahead``: this refit stages its update first (step 0) or not; None: the fleet's setting."""
         async with self._lock:
@@ -124,7 +129,7 @@ class RefitLifecycle:
             self.ctl.check_refit(version, source, stage_ahead)  # raises before any state changes
             self.running = True
             self._phases, self._inside_s, self._inside_cpu_s, self._version = {}, 0.0, 0.0, version
-            self._finished, self._moving, self._held, self._busy = False, False, {}, {}
+            self._finished, self._moving, self._held, self._busy, self._aborted = False, False, {}, {}, 0
             self._retry_skipped = None
             t0, cpu0 = self.ctl.clock.now(), time.thread_time()
             try:
@@ -160,24 +165,26 @@ class RefitLifecycle:
                 staged = await self.stage_ahead(version, source)  # 0: the bytes move while the fleet serves
         with self._phase("close"):
             epoch = await self.close_gate(version)  # 1
-        with self._phase("staleness"):
-            aborted = await self.fence_and_abort_too_old(version, epoch)  # 2
         with self._phase("reconcile"):
-            plan = self.reconcile()  # 3
+            plan = self.reconcile()  # 2
         with self._phase("pause"):
-            plan, paused = await self.pause_settled(plan)  # 4
+            self._fence_epoch = epoch
+            plan, paused = await self.pause_settled(plan)  # 3: fence, abort the too old, pause
+        aborted = self._aborted
+        if aborted:
+            self.ctl.log.emit("staleness_abort", version=version, requests=aborted)
         with self._phase("transfer"):
             self._moving = True
             if staged is None:
-                plan, paused, complete, attempts = await self.transfer(plan, version, source, paused)  # 5
+                plan, paused, complete, attempts = await self.transfer(plan, version, source, paused)  # 4
             else:
-                complete, attempts = await self.apply_staged(plan, version, paused, staged), 1  # 5: the apply only
-        with self._phase("stamp"):
-            stamped = await self.stamp(plan, version, complete)  # 6
+                complete, attempts = await self.apply_staged(plan, version, paused, staged), 1  # 4: the apply only
+        with self._phase("commit"):
+            self.commit(plan, version, complete)  # 5
         with self._phase("resume"):
-            await self.resume(plan, paused, stamped)  # 7
+            await self.resume(plan, version, paused, complete)  # 6: stamp, abort the unstamped, resume
         with self._phase("reopen"):
-            await self.reopen(version)  # 8
+            await self.reopen(version)  # 7
         total = self.ctl.clock.now() - t0
         return {
             "version": version,
@@ -243,33 +250,6 @@ class RefitLifecycle:
         self.ctl.decide(RefitStarted(version))
         return await self.ctl.publisher.fence_for_refit()
 
-    async def fence_and_abort_too_old(self, version: int, epoch: int) -> int:
-        """Step 2: every shard (live or not) refuses work routed before ``epoch`` from now on; the live ones abort the
-        in-flight requests whose version policy ``version`` would break (``max_staleness``, ``latest``);
-        their clients re-send them. Returns how many were aborted."""
-        args, kw = (epoch, version), {}
-        live = self.ctl.live_handles()
-        # every other engine (quarantined, starting) is fenced too, bounded like a probe: one that never heard
-        # it left the serving set must not admit work routed before this refit
-        others = {(s, i): h for s, (i, h) in self.ctl.handles.items() if s not in live}
-        outs, fenced = await asyncio.gather(
-            self._fan_out({s: (h, "begin_refit", args, kw) for s, (_, h) in live.items()}),
-            self._fan_out({key: (h, "fence", (epoch,), kw) for key, h in others.items()},
-                          timeout=self.ctl.cfg.probe_timeout_s))
-        unfenced = sorted([s, i, o.kind] for (s, i), o in fenced.items() if not o.ok)
-        if unfenced:  # it answers nothing, so it admits nothing either; its leave notice is still being retried
-            self.ctl.log.emit("fence_failed", version=version, epoch=epoch, engines=unfenced)
-        aborted, busy = 0, {}
-        for s, o in outs.items():
-            if o.kind == OK:  # ``o.ok``, without a property call per shard
-                aborted += int(o.value.get("aborted", 0))
-                if o.value.get("in_flight"):
-                    busy[s] = int(o.value["in_flight"])
-        self._busy = busy  # only the shards with requests in flight: an idle fleet's refit looks at none
-        if aborted:
-            self.ctl.log.emit("staleness_abort", version=version, requests=aborted)
-        return aborted
-
     def reconcile(self) -> MembershipPlan:
         """Step 3: settle membership from the ledger; a changed participant set is a new epoch."""
         old = self.ctl.plan
@@ -284,18 +264,33 @@ class RefitLifecycle:
             raise _EndRefit(FleetExhausted, f"refit of version {self._version}: no live engine to take part")
         return plan
 
-    async def pause(self, plan: MembershipPlan) -> set[int]:
-        """Step 4: pause every participant (keep in-flight requests); all pause calls settle first."""
-        targets = {p.slot: p for p in plan.participants}
-        clear = self._clear_cache(targets)
-        await self._invalidate_without_native_pause({s: p for s, p in targets.items() if clear[s]})
+    async def pause(self, plan: MembershipPlan, skip: set[int] = frozenset()) -> set[int]:
+        """Step 3, one call per participant (``begin_refit`` with its pause): refuse work routed before the
+        gate closed (``_fence_epoch``), abort the in-flight requests whose version policy the refit's version would break
+        (their clients re-send them), then pause, keeping the rest in flight. Every other engine (quarantined,
+        starting) is fenced too, bounded like a probe: one that never heard it left the serving set must not
+        admit work routed before this refit. All calls settle first. Returns the slots paused (``skip``: the
+        participants paused already, left alone)."""
+        version, epoch = self._version, self._fence_epoch
+        targets = {p.slot: p for p in plan.participants if p.slot not in skip}
         handles = self.ctl.handles
-        idle = self.ctl.cfg.kv_policy == "keep"  # under keep a shard idle at its pause clears anyway (free)
-        args, kw = (), {True: {"mode": "keep", "clear_cache": True},
-                        False: {"mode": "keep", "clear_cache": False, **({"clear_if_idle": True} if idle else {})}}
-        outs = await self._fan_out(
-            {s: (handles[s][1], "pause", args, kw[clear[s]]) for s in targets}, expect_ack=True,
-        )
+        native = self.ctl.native_pause
+        emulated = {s: p for s, p in targets.items() if native.get(s, True) is False}
+        members = {p.slot for p in plan.participants}
+        others = {(s, i): h for s, (i, h) in handles.items() if s not in members}
+        fused = {s: (handles[s][1], "begin_refit", (epoch, version), {"pause": self._pause_kw()})
+                 for s in targets if s not in emulated}
+        outs, fenced, emulated_outs = await asyncio.gather(
+            self._fan_out(fused),
+            self._fan_out({key: (h, "fence", (epoch,), {}) for key, h in others.items()},
+                          timeout=self.ctl.cfg.probe_timeout_s),
+            self._pause_emulated(emulated, version, epoch))
+        unfenced = sorted([s, i, o.kind] for (s, i), o in fenced.items() if not o.ok)
+        if unfenced:  # it answers nothing, so it admits nothing either; its leave notice is still being retried
+            self.ctl.log.emit("fence_failed", version=version, epoch=epoch, engines=unfenced)
+        outs = {s: self._paused_outcome(s, o) for s, o in outs.items()}
+        outs.update(emulated_outs)
+        self._warn_keep_if_busy()
         failed = {s: (targets[s].incarnation, out) for s, out in outs.items() if out.kind != OK}
         acts = self.ctl.observe_all(CallKind.PAUSE, failed)  # an ok pause is not fed (``observe_all``)
         aborts = [a for a in acts if isinstance(a, AbortRefit)]
@@ -306,6 +301,43 @@ class RefitLifecycle:
         if aborts:
             raise _EndRefit(RefitFailed, aborts[0].message)
         return paused
+
+    def _pause_kw(self) -> dict:
+        """How a participant pauses under the fleet's ``kv_policy``: ``recompute`` clears the KV cache; ``keep``
+        clears it only on a shard idle once the too-old requests are aborted (free, and it drops prefix blocks
+        the old weights computed); ``salt`` keeps it (new requests get a new salt)."""
+        policy = self.ctl.cfg.kv_policy
+        return {"mode": "keep", "clear_cache": policy == "recompute", "clear_if_idle": policy == "keep"}
+
+    def _paused_outcome(self, slot: int, out: Outcome) -> Outcome:
+        """A ``begin_refit`` answer as the pause's outcome: its staleness aborts and what it holds recorded
+        (``_aborted``, ``_busy``), ``paused`` as the acknowledgement (anything but True is a lie)."""
+        if out.kind != OK:
+            return out
+        self._began(slot, out.value)
+        paused = out.value.get("paused")
+        return out if paused is True else Outcome(BAD_ACK, value=paused, elapsed_s=out.elapsed_s)
+
+    def _began(self, slot: int, value: dict) -> None:
+        self._aborted += int(value.get("aborted", 0))
+        if value.get("in_flight"):
+            self._busy[slot] = int(value["in_flight"])
+
+    async def _pause_emulated(self, targets: dict, version: int, epoch: int) -> dict:
+        """The participants whose backend has no native pause (none of vLLM's): fence and abort the too old,
+        then confirm a cache invalidation where the policy clears it (or the refit stops), then pause: three
+        calls, in order."""
+        if not targets:
+            return {}
+        handles = self.ctl.handles
+        began = await self._fan_out({s: (handles[s][1], "begin_refit", (epoch, version), {}) for s in targets})
+        for s, o in began.items():
+            if o.kind == OK:
+                self._began(s, o.value)
+        clear = self._clear_cache(targets)
+        await self._invalidate_without_native_pause({s: p for s, p in targets.items() if clear[s]})
+        return await self._fan_out({s: (handles[s][1], "pause", (), {"mode": "keep", "clear_cache": clear[s]})
+                                    for s in targets}, expect_ack=True)
 
     async def pause_settled(self, plan: MembershipPlan) -> tuple[MembershipPlan, set[int]]:
         """Pause until the plan's participants are exactly the paused, live engines.
@@ -319,7 +351,7 @@ class RefitLifecycle:
             members = {p.slot for p in fresh.participants}
             if members <= paused:
                 return fresh, paused & members
-            paused = (paused & members) | await self.pause(fresh)
+            paused = (paused & members) | await self.pause(fresh, skip=paused & members)
             plan = fresh
         return plan, paused
 
@@ -403,7 +435,7 @@ class RefitLifecycle:
                 break
             asked |= {(p.slot, p.incarnation) for p in todo}
             try:
-                slots = await self.pause(MembershipPlan(fresh.epoch, tuple(todo)))
+                slots = await self.pause(fresh, skip={p.slot for p in fresh.participants} - {p.slot for p in todo})
             except _PhaseOver:  # a fan-out of the re-pause found the phase over: nothing more was sent
                 slots = set()
             repaused |= {(p.slot, p.incarnation) for p in todo if p.slot in slots}
@@ -443,60 +475,74 @@ class RefitLifecycle:
         raise _RollBack(RefitNotDelivered(
             f"refit of version {v}: no engine received any byte of the update after {n} attempt(s) ({why}); {after}"))
 
-    async def stamp(self, plan: MembershipPlan, version: int, complete: set[int]) -> set[int]:
-        """Step 6: commit the version in the ledger and stamp it on every engine that holds it; returns the
-        slots stamped. An engine whose stamp is not acknowledged (unavailable, timed out, raised, lied) holds an
-        unknown version from then on: out of routing (a probe that finds it alive brings it back stale) until a
-        refit lands on it again, and what it held across the pause is aborted before the resume (its results
-        would carry the tag the failed stamp left, on the new weights)."""
+    def commit(self, plan: MembershipPlan, version: int, complete: set[int]) -> None:
+        """Step 5: commit ``version`` in the ledger, stored first in the intent with the engines that hold it
+        (a successor stamps exactly these engines and serves the version). Nothing to commit when no engine
+        holds it whole."""
         if not complete:
-            return set()
-        parts = [p for p in plan.participants if p.slot in complete]
-        members = tuple((p.slot, p.incarnation) for p in parts)
-        # stored before the commit acts: a successor stamps exactly these engines and serves the version
+            return
+        members = tuple((p.slot, p.incarnation) for p in plan.participants if p.slot in complete)
         self.ctl.intent.update(committed=version, membership_epoch=plan.epoch, refit=RefitIntent(
             version, COMMITTED, members))
         self.ctl.decide(VersionCommitted(version))
-        handles, args, kw = self.ctl.handles, (version,), {}
-        outs = await self._fan_out(
-            {p.slot: (handles[p.slot][1], "set_weight_version", args, kw) for p in parts}, expect_ack=True
-        )
-        failed = [p for p in parts if outs[p.slot].kind != OK]
-        for p in failed:  # its tag is unknown: it serves nothing until a refit lands on it again (``CallKind.STAMP``)
-            self.ctl.observe(p.slot, p.incarnation, CallKind.STAMP, outs[p.slot])
-        if failed:
-            members = tuple((p.slot, p.incarnation) for p in parts if outs[p.slot].kind == OK)
-            # a successor re-adopting the fleet serves an unacknowledged engine only if its own tag says so
-            self.ctl.intent.update(refit=RefitIntent(version, COMMITTED, members))
-        self.ctl.log.emit("stamp", version=version, members=members,
-                          failed=[[p.slot, p.incarnation, outs[p.slot].describe()[:200]] for p in failed])
-        return {p.slot for p in parts if outs[p.slot].kind == OK}
 
-    async def resume(self, plan: MembershipPlan, paused: set[int], stamped: set[int]) -> None:
-        """Step 7: resume every paused participant, and every other engine this refit sent a pause to (its ack
-        lost, or it left the plan since) that is still the same incarnation, under one shared deadline; never
-        retries the transfer.
+    async def resume(self, plan: MembershipPlan, version: int, paused: set[int], complete: set[int]) -> None:
+        """Step 6, one call per engine (``end_refit``), under one shared deadline; never retries the transfer.
+        Every paused participant is resumed, and every other engine this refit sent a pause to (its ack lost, or
+        it left the plan since) that is still the same incarnation. Each that holds the whole update is
+        stamped with ``version`` first; one that does not (or whose stamp fails) has what it held across the
+        pause aborted before it resumes (the dispatcher re-sends it to a serving engine): its results would
+        carry the old tag on the new weights.
 
-        Requests held on an engine that is not stamped with the new version (it did not get the weights
-        completely, or its stamp failed) are aborted first (the dispatcher re-sends them to a serving engine).
-        """
-        parts = [p for p in plan.participants if p.slot in paused]
-        handles, args, kw = self.ctl.handles, (), {}
-        stale = [p for p in parts if p.slot in self._busy and p.slot not in stamped]
+        An engine whose stamp is not acknowledged (unavailable, raised, lied) holds an unknown version from
+        then on: out of routing (a probe that finds it alive brings it back stale) until a refit lands on it
+        again (``CallKind.STAMP``); one whose call failed as a whole is a failed resume (``CallKind.RESUME``)
+        and counts as not stamped."""
+        parts = [p for p in plan.participants if p.slot in paused or p.slot in complete]
+        handles = self.ctl.handles
         others = self._paused_outside({p.slot for p in parts})
-        aborts = {p.slot: (handles[p.slot][1], "abort_in_flight", args, kw) for p in stale}
-        aborts.update({key: (h, "abort_in_flight", args, kw) for key, h in others.items()})
-        if aborts:
-            await self._fan_out(aborts)
-        calls = {p.slot: (handles[p.slot][1], "resume", args, kw) for p in parts}
-        calls.update({key: (h, "resume", args, kw) for key, h in others.items()})
-        outs = await self._fan_out(calls, expect_ack=True)
-        self._note_resumed_outside({key: outs[key] for key in others})
+        calls = {p.slot: (handles[p.slot][1], "end_refit", (),
+                          {"version": version, "abort_held": False} if p.slot in complete else {"abort_held": True})
+                 for p in parts}
+        calls.update({key: (h, "end_refit", (), {"abort_held": True}) for key, h in others.items()})
+        outs = await self._fan_out(calls)
+        self._note_resumed_outside({key: self._resumed_outcome(outs[key]) for key in others})
+        self._stamped(version, [p for p in parts if p.slot in complete], outs)
         acts = self.ctl.observe_all(  # an ok resume is not fed (``observe_all``)
-            CallKind.RESUME, {p.slot: (p.incarnation, outs[p.slot]) for p in parts if outs[p.slot].kind != OK})
+            CallKind.RESUME, {p.slot: (p.incarnation, r) for p in parts
+                              if (r := self._resumed_outcome(outs[p.slot])).kind != OK})
         aborts = [a for a in acts if isinstance(a, AbortRefit)]
         if aborts:
             raise _EndRefit(RefitFailed, aborts[0].message)
+
+    @staticmethod
+    def _resumed_outcome(out: Outcome) -> Outcome:
+        """An ``end_refit`` answer as the resume's outcome: ``resumed`` is its acknowledgement."""
+        if out.kind != OK or out.value.get("resumed") is True:
+            return out
+        return Outcome(BAD_ACK, value=out.value.get("resumed"), elapsed_s=out.elapsed_s)
+
+    def _stamped(self, version: int, parts: list, outs: dict) -> None:
+        """Record the stamps of ``end_refit``: the ``stamp`` event with the engines stamped and those not (and
+        why); a stamp that failed on an answering engine is a ``CallKind.STAMP`` failure; the intent names only
+        the stamped (a successor re-adopting the fleet serves an unacknowledged engine only if its own tag
+        says so)."""
+        if not parts:
+            return
+        failed: dict[int, Outcome] = {}
+        for p in parts:
+            out = outs[p.slot]
+            if out.kind != OK:
+                failed[p.slot] = out
+            elif out.value.get("stamp") != OK:
+                kind, error = out.value.get("stamp"), out.value.get("stamp_error")
+                failed[p.slot] = Outcome(kind, value=False if kind == BAD_ACK else None, error=error)
+                self.ctl.observe(p.slot, p.incarnation, CallKind.STAMP, failed[p.slot])
+        members = tuple((p.slot, p.incarnation) for p in parts if p.slot not in failed)
+        if failed:
+            self.ctl.intent.update(refit=RefitIntent(version, COMMITTED, members))
+        self.ctl.log.emit("stamp", version=version, members=members,
+                          failed=[[p.slot, p.incarnation, failed[p.slot].describe()[:200]] for p in parts if p.slot in failed])
 
     async def reopen(self, version: int) -> None:
         """Step 8: reopen the gate only if quorum serves ``version``; else stop with it closed."""
@@ -528,24 +574,20 @@ class RefitLifecycle:
             self.ctl.observe_all(CallKind.PROBE, failed)
 
     def _clear_cache(self, slots) -> dict[int, bool]:
-        """slot -> whether pausing it clears its KV cache; under ``keep``, decided per shard (an idle
-        shard invalidates its prefix cache even while another one is busy). A shard busy at refit start is
-        paused with ``clear_if_idle``: it clears all the same if it holds nothing by the time it pauses."""
+        """slot -> whether pausing it clears its KV cache (the emulated pause, decided here from what each held
+        at ``begin_refit``; a native pause decides it on the shard, ``_pause_kw``): under ``keep``, only an idle
+        shard clears."""
         policy = self.ctl.cfg.kv_policy
-        if policy == "recompute":
-            return dict.fromkeys(slots, True)
         if policy != "keep":
-            return dict.fromkeys(slots, False)
-        clear = dict.fromkeys(slots, True)  # free: nothing in flight, so invalidate the prefix cache anyway
-        busy = [s for s in self._busy if s in clear]
-        for s in busy:
-            clear[s] = False
-        if busy and self.ctl.cfg.engine.enable_prefix_caching:
+            return dict.fromkeys(slots, policy == "recompute")
+        return {s: s not in self._busy for s in slots}
+
+    def _warn_keep_if_busy(self) -> None:
+        if self._busy and self.ctl.cfg.kv_policy == "keep" and self.ctl.cfg.engine.enable_prefix_caching:
             self.ctl.warn_keep_once(
                 "kv_policy='keep' with requests in flight during a refit: later requests may reuse "
                 "prefix-cache blocks computed by the old weights (use 'recompute' or 'salt' to avoid this)"
             )
-        return clear
 
     async def _invalidate_without_native_pause(self, targets: dict) -> None:
         """A backend without native pause must confirm an equivalent cache invalidation, or the refit stops."""

@@ -25,7 +25,8 @@ from fleet.backend import PAUSE_MODES, EngineBackend
 from fleet.config import EngineConfig
 from fleet.fault_hooks import ArmedFault, FaultHooks
 from fleet.errors import (BadRequestError, DeadlineExceeded, EngineCrashedError, RouteRefused, ShardShutDownError,
-                          ShardUnusableError)
+                          ShardUnavailableError, ShardUnusableError)
+from fleet.outcome import BAD_ACK, ERROR, OK, UNAVAILABLE
 from fleet.routing import Ticket, VersionPolicy
 from fleet.poison import fingerprint
 from fleet.shard_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, POISON, RecentResults, ShardGate
@@ -339,15 +340,50 @@ class EngineShard:
         self.gate.fence(int(epoch))
         return True
 
-    async def begin_refit(self, epoch: int, version: int) -> dict[str, int]:
+    async def begin_refit(self, epoch: int, version: int, pause: dict | None = None) -> dict[str, Any]:
         """A refit of ``version`` begins at routing ``epoch``: refuse work routed before it, and abort
-        (explicitly: the client re-sends) in-flight requests whose version policy ``version`` breaks."""
+        (explicitly: the client re-sends) in-flight requests whose version policy ``version`` breaks.
+
+        With ``pause`` (``mode``, ``clear_cache``, ``clear_if_idle``: as ``pause`` takes them) the shard then
+        pauses in the same call, its ``pause`` fault hook included: a refit's first control call to an engine.
+        ``clear_if_idle`` looks at what is left in flight once the too-old requests are aborted. The answer
+        gains ``paused`` (``pause``'s acknowledgement)."""
         self.gate.fence(int(epoch))
         old = [rid for rid, (start, policy) in self._inflight.items()
                if policy is not None and not policy.allows(start, int(version))]
         if old:
             await self._bounded("abort", self._require_ready("abort").abort(old), None)
-        return {"aborted": len(old), "in_flight": len(self._inflight) - len(old)}
+        out: dict[str, Any] = {"aborted": len(old), "in_flight": len(self._inflight) - len(old)}
+        if pause is not None:
+            kw = dict(pause)
+            clear = bool(kw.pop("clear_cache", True)) or (bool(kw.pop("clear_if_idle", False)) and not out["in_flight"])
+            out["paused"] = await self.pause(kw.pop("mode", "keep"), clear, **kw)
+        return out
+
+    async def end_refit(self, version: int | None = None, abort_held: bool = False) -> dict[str, Any]:
+        """A refit's last control call to an engine: stamp ``version`` (None: it did not get the update whole),
+        abort what it holds if it is not stamped with it (``abort_held``, or a stamp that failed: those results
+        would carry the old tag on the new weights; the clients re-send them), then resume.
+
+        A stamp that fails does not fail the call: the engine still resumes, and the answer says why
+        (``stamp``: ``ok``, ``bad_ack``, ``unavailable`` or ``error`` as ``fleet.outcome`` names them, None
+        when there was nothing to stamp; ``stamp_error``: the exception). A failed resume (its hook, the engine)
+        fails the whole call. Answers ``stamp``, ``stamp_error``, ``aborted`` and ``resumed``."""
+        self._require_ready("end_refit")
+        stamp, error = None, None
+        if version is not None:
+            try:
+                stamp = OK if await self.set_weight_version(version) is True else BAD_ACK
+            except ShardUnusableError:
+                raise
+            except ShardUnavailableError as exc:
+                stamp, error = UNAVAILABLE, exc
+            except Exception as exc:  # noqa: BLE001 - the stamp's own failure is the answer's, not the call's
+                stamp, error = ERROR, exc
+        aborted = 0
+        if (abort_held and version is None) or stamp not in (None, OK):
+            aborted = await self.abort_in_flight()
+        return {"stamp": stamp, "stamp_error": error, "aborted": aborted, "resumed": await self.resume()}
 
     async def abort_in_flight(self) -> int:
         """Abort every request in flight (their callers get explicit aborted results); returns how many."""

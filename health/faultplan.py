@@ -73,10 +73,14 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 HOOKED = ("pause", "transfer", "resume", "generate")  # the shard's hook points a plan can name
-SHARD_WHERE = ("step_boundary", "between_refits") + HOOKED
+# ``stamp``: inside the refit's last call to an engine (``end_refit``), before its resume: a stamp that fails there
+# is reported by the engine, which still resumes (an ``unavailable`` only)
+SHARD_WHERE = ("step_boundary", "between_refits") + HOOKED + ("stamp",)
 TRAINER_WHERE = ("update", "call")  # faults of the trainer's refit call, not of a shard
-# The refit's phases (``fleet.lifecycle.PHASES``) and the shutdown: where the controller can crash itself.
-REFIT_PHASES = ("close", "staleness", "reconcile", "pause", "transfer", "stamp", "resume", "reopen")
+# The refit's phases (``fleet.lifecycle``) and the shutdown: where the controller can crash itself. An engine
+# costs three control calls a refit: ``pause`` (fence, abort the too old, pause), ``transfer``, ``resume``
+# (stamp, abort what an unstamped engine held, resume); ``commit`` is the controller's own (intent and ledger).
+REFIT_PHASES = ("close", "reconcile", "pause", "transfer", "commit", "resume", "reopen")
 CONTROLLER_WHERE = ("between_refits",) + REFIT_PHASES + ("shutdown",)
 CONTROLLER_WHAT = ("kill_controller",)  # faults of the fleet's controller, not of a shard
 WHERE = SHARD_WHERE + TRAINER_WHERE + tuple(w for w in CONTROLLER_WHERE if w not in SHARD_WHERE)

@@ -48,6 +48,7 @@ class Timings:
     @functools.cached_property
     def _slow(self) -> dict[str, float]:
         return {"start": self.engine_start_s, "pause": self.pause_s, "resume": self.resume_s,
+                "begin_refit": self.pause_s, "end_refit": self.resume_s,  # a refit's first call pauses, its last resumes
                 "invalidate_cache": self.invalidate_s, "reset_prefix_cache": self.invalidate_s,
                 "shutdown": self.shutdown_s}
 
@@ -147,10 +148,22 @@ class SimShard:
         self.gate.fence(int(epoch))
         return True
 
-    async def begin_refit(self, epoch: int, version: int) -> dict[str, int]:
-        await self._take(self.t.rpc_s)
+    async def begin_refit(self, epoch: int, version: int, pause: dict | None = None) -> dict[str, Any]:
+        await self._take(self.t.rpc_s if pause is None else self.t.pause_s)  # one call: the pause is its cost
         self.gate.fence(int(epoch))
-        return {"aborted": 0, "in_flight": 0}
+        out: dict[str, Any] = {"aborted": 0, "in_flight": 0}
+        if pause is not None:
+            self.gate.paused = out["paused"] = True
+        return out
+
+    async def end_refit(self, version: int | None = None, abort_held: bool = False) -> dict[str, Any]:
+        await self._take(self.t.resume_s)
+        if version is not None:
+            self.version = int(version)
+            self.dirty = False
+            self.gate.committed = max(self.gate.committed, self.version)
+        self.gate.paused = False
+        return {"stamp": None if version is None else "ok", "stamp_error": None, "aborted": 0, "resumed": True}
 
     async def abort_in_flight(self) -> int:
         await self._take(self.t.rpc_s)

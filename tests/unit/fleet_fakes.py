@@ -5,6 +5,12 @@ objects whose behaviour per method is scripted ("die", "hang", "lie",
 "unavailable", "error", "lost": ran but its reply was lost), and every call is recorded in ``door.calls`` as
 (method, slot, incarnation) in the order calls were made.
 
+A refit's fused calls run as ``EngineShard`` runs them: ``begin_refit`` with ``pause`` is the begin, then the
+pause; ``end_refit`` is the stamp (when it has a version; its failure is reported in the answer unless the
+shard died or hung there), the abort of what an unstamped engine held, then the resume. Each part is recorded
+and scripted under its own name ("pause", "set_weight_version", "abort_in_flight", "resume"); ``door.rpcs``
+records the calls themselves (what crossed to the shard: a refit's control calls).
+
 ``run_virtual(coro)`` runs a test in virtual time and ``LoopClock`` is the controller's
 clock on that loop (both from ``sim.clock``, which the fleet simulator uses too).
 """
@@ -69,6 +75,7 @@ class FakeDoor:
     def __init__(self, gen_delay: float = 0.01) -> None:
         self.shards: dict[tuple[int, int], FakeShard] = {}
         self.calls: list[tuple[str, int, int]] = []
+        self.rpcs: list[tuple[str, int, int]] = []  # the calls as sent (a fused call once, under its own name)
         self.kwargs: list[tuple[str, int, dict]] = []
         self.gen_delay = gen_delay
         self.on_spawn: dict[tuple[int, int], dict] = {}  # (slot, inc) -> sticky script for new shards
@@ -108,6 +115,44 @@ class FakeDoor:
         handle.dead = True
 
     async def call(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
+        self.rpcs.append((method, handle.slot, handle.incarnation))
+        if method == "begin_refit" and kw.get("pause") is not None:
+            return await self._begin_and_pause(handle, args, kw["pause"], timeout)
+        if method == "end_refit":
+            return await self._end_refit(handle, timeout, **kw)
+        return await self._one(handle, method, *args, timeout=timeout, expect_ack=expect_ack, **kw)
+
+    async def _begin_and_pause(self, handle: FakeShard, args, pause: dict, timeout: float) -> Outcome:
+        began = await self._one(handle, "begin_refit", *args, timeout=timeout, pause=pause)
+        if not began.ok:
+            return began
+        kw = {"mode": pause.get("mode", "keep"),  # as the shard decides: an idle engine clears under clear_if_idle
+              "clear_cache": bool(pause.get("clear_cache")) or (bool(pause.get("clear_if_idle")) and not began.value["in_flight"])}
+        paused = await self._one(handle, "pause", timeout=timeout, expect_ack=True, **kw)
+        if paused.kind not in (OK, BAD_ACK):
+            return paused
+        return Outcome(OK, value={**began.value, "paused": True if paused.ok else paused.value})
+
+    async def _end_refit(self, handle: FakeShard, timeout: float, version=None, abort_held=False) -> Outcome:
+        stamp, error = None, None
+        if version is not None:
+            stamped = await self._one(handle, "set_weight_version", version, timeout=timeout, expect_ack=True)
+            if stamped.kind in (DIED, TIMED_OUT):  # the engine died or hung in the stamp: the whole call did
+                return stamped
+            stamp, error = stamped.kind, stamped.error
+        aborted = 0
+        if (abort_held and version is None) or stamp not in (None, OK):
+            out = await self._one(handle, "abort_in_flight", timeout=timeout)
+            if not out.ok:
+                return out
+            aborted = out.value
+        resumed = await self._one(handle, "resume", timeout=timeout, expect_ack=True)
+        if resumed.kind not in (OK, BAD_ACK):
+            return resumed
+        return Outcome(OK, value={"stamp": stamp, "stamp_error": error, "aborted": aborted,
+                                  "resumed": True if resumed.ok else resumed.value})
+
+    async def _one(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
         if method == "serve":  # the data plane's packed generate: recorded and scripted as "generate"
             prompt, sampling, request_id, cache_salt, epoch, kind, k, cap = args[0]
             method, args = "generate", (prompt, sampling)
@@ -204,7 +249,7 @@ class FakeDoor:
         s.gate.fence(epoch)
         return True
 
-    async def _begin_refit(self, s, epoch, version):
+    async def _begin_refit(self, s, epoch, version, pause=None):  # the pause itself: ``_begin_and_pause``
         s.gate.fence(epoch)
         old = [rid for rid, (start, policy) in s.in_flight.items() if policy is not None and not policy.allows(start, version)]
         for rid in old:
@@ -275,6 +320,7 @@ class FakeTransfer:
     async def transfer(self, participants, version, epoch, source, rebuild, timeout):
         self.attempts.append((version, epoch, tuple(p.slot for p, _ in participants), rebuild))
         self.door.calls.append(("transfer", -1, len(self.attempts)))
+        self.door.rpcs.extend(("transfer", p.slot, p.incarnation) for p, _ in participants)  # the receive, one per engine
         plan = self.fail.get(len(self.attempts), {})
         if "sender" in plan or (isinstance(source, FakeSender) and source.dead):
             return await self._sender_fails(plan.get("sender", "die"), participants, source, timeout)

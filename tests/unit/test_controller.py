@@ -65,14 +65,18 @@ def test_refit_order_is_pause_transfer_stamp_resume_then_gate_opens(model_dir):
         ctl, door, transfer = make(model_dir)
         await ctl.start()
         door.calls.clear()
+        door.rpcs.clear()
         summary = await ctl.sync_weights(1)
         for slot in range(3):
             assert order_for(door, slot) == ["pause", "transfer", "set_weight_version", "resume"]
+            # three control calls per engine: begin_refit (with its pause), its transfer, end_refit (stamp, resume)
+            sent = [m for m, s, _ in door.rpcs if s == slot and m != "ping"]  # ping: the monitor's, not the refit's
+            assert sent == ["begin_refit", "transfer", "end_refit"], sent
         assert summary["attempts"] == 1 and summary["complete"] == [0, 1, 2]
         gates = ctl.events(kinds=["gate"])
         assert [g["open"] for g in gates[-2:]] == [False, True] and gates[-1]["version"] == 1
         phases = [e["phase"] for e in ctl.events(kinds=["phase"]) if e["edge"] == "begin" and e.get("version") == 1]
-        assert phases == ["close", "staleness", "reconcile", "pause", "transfer", "stamp", "resume", "reopen"]
+        assert phases == ["close", "reconcile", "pause", "transfer", "commit", "resume", "reopen"]
         assert all(door.shards[(s, 1)].version == 1 for s in range(3))
         await ctl.shutdown()
 

@@ -86,8 +86,11 @@ def test_controller_faults_name_no_shard_and_resolve_to_no_slot():
     got = [(f.step, f.where, f.what, f.slot, f.delay_s) for f in resolve(p, 3)]
     assert got == [(1, "transfer", "kill_controller", None, 0.75), (1, "transfer", "slow", 0, 2.0),
                    (2, "between_refits", "kill_controller", None, 0.0), (2, "shutdown", "kill_controller", None, 0.0)]
-    for phase in ("close", "staleness", "reconcile", "pause", "stamp", "resume", "reopen"):
+    for phase in ("close", "reconcile", "pause", "commit", "resume", "reopen"):
         load_plan(plan(faults=[{"where": phase, "what": "kill_controller", "delay_s": 0.1}]))
+    for gone in ("staleness", "stamp"):  # phases that merged into pause and resume: refused, naming the field
+        with pytest.raises(ValueError, match=r"faults\[0\]\.(where|delay_s)"):
+            load_plan(plan(faults=[{"where": gone, "what": "kill_controller", "delay_s": 0.1}]))
 
 
 def test_the_plans_refit_phases_are_the_lifecycles():

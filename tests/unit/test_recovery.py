@@ -143,7 +143,7 @@ def test_killed_before_the_transfer_moved_anything_resumes_on_the_committed_vers
 
 def test_killed_after_the_transfer_before_the_commit_keeps_the_gate_closed_until_the_next_refit(model_dir):
     async def go():
-        new, door = await crash_in_refit(model_dir, "stamp")  # weights moved (dirty), commit not stored
+        new, door = await crash_in_refit(model_dir, "commit")  # weights moved (dirty), commit not stored
         assert new.recovered["serving"] == [] and new.recovered["stale"] == [0, 1, 2]
         assert not new.gate.is_open and new.stopped is None
         assert all(not s.paused for s in door.shards.values())  # resumed, but not members: nothing served
@@ -169,19 +169,7 @@ def test_killed_after_the_commit_finishes_it_and_the_resent_refit_returns_its_su
 def test_a_committed_refit_is_stamped_by_the_successor_on_the_engines_it_listed(model_dir):
     async def go():
         ctl, door = await started(model_dir)
-        frozen = arm(ctl, door, "stamp")
-
-        async def stamp_then_die(plan, version, complete):
-            # the commit is stored, then the process dies before stamping any engine
-            from fleet.intent import RefitIntent
-
-            ctl.intent.update(committed=version, refit=RefitIntent(
-                version, COMMITTED, tuple((p.slot, p.incarnation) for p in plan.participants if p.slot in complete)))
-            frozen.update(door.kv)
-            raise Crash("stamp")
-
-        ctl.crash_point = lambda where: None
-        ctl.lifecycle.stamp = stamp_then_die
+        frozen = arm(ctl, door, "resume")  # the commit is stored, then the process dies before stamping any engine
         with pytest.raises(Crash):
             await ctl.sync_weights(1)
         bury(ctl, door, frozen)

@@ -35,8 +35,10 @@ async def _serve_while_checking(ctl, door, n: int = 30) -> list:
     return results
 
 
-@pytest.mark.parametrize("failure", ["unavailable", "hang"])
+@pytest.mark.parametrize("failure", ["unavailable"])  # an error or a lie at the stamp stops the refit (health)
 def test_a_stamp_that_fails_leaves_the_version_unknown_until_a_refit_lands_again(model_dir, failure):
+    """The stamp fails on the engine (``end_refit`` reports it and still resumes); a stamp that hangs hangs the
+    refit's last call to that engine: a hung resume (``test_controller``'s hang at resume)."""
     async def go():
         ctl, door, _ = make(model_dir, unhealthy_threshold=3)
         await ctl.start()
@@ -170,9 +172,11 @@ def test_under_keep_every_pause_lets_an_idle_shard_clear_its_cache(model_dir):
         door.kwargs.clear()
         await ctl.sync_weights(1)
         await asyncio.gather(*reqs)
-        pauses = [kw for m, _, kw in door.kwargs if m == "pause"]
-        busy = [kw for kw in pauses if not kw["clear_cache"]]  # busy at refit start
-        assert busy and all(kw.get("clear_if_idle") is True for kw in busy), pauses  # the shard decides at pause
+        asked = [kw["pause"] for m, _, kw in door.kwargs if m == "begin_refit"]
+        assert len(asked) == 3 and all(p == {"mode": "keep", "clear_cache": False, "clear_if_idle": True}
+                                       for p in asked), asked  # the shard decides at its pause
+        pauses = [kw for m, _, kw in door.kwargs if m == "pause"]  # what each did: a busy one keeps its cache
+        assert len(pauses) == 3 and any(not kw["clear_cache"] for kw in pauses), pauses
         await ctl.shutdown()
 
     run(go())

@@ -45,7 +45,7 @@ def test_the_update_is_staged_with_the_gate_open_then_applied_on_paused_engines(
         order = [c[0] for c in door.calls if c[0] in ("stage", "pause", "apply_staged", "set_weight_version", "resume")]
         assert order.index("stage") < order.index("pause") < order.index("apply_staged") < order.index("set_weight_version")
         assert "transfer" not in [c[0] for c in door.calls]  # no blocking transfer: the apply only
-        assert phases_of(ctl, 1) == ["stage", "close", "staleness", "reconcile", "pause", "transfer", "stamp", "resume", "reopen"]
+        assert phases_of(ctl, 1) == ["stage", "close", "reconcile", "pause", "transfer", "commit", "resume", "reopen"]
         assert summary["complete"] == [0, 1, 2] and ctl.gate.is_open and ctl.gate.version == 1
         assert all(door.shards[(s, 1)].version == 1 for s in range(3))
         res = await client(ctl).generate([1, 2])
