@@ -45,20 +45,34 @@ def version_tags_match_stamps(events: Iterable[dict]) -> list[str]:
     record, or a restarted controller's ``adopt`` record of that engine (the version it reported, or
     the committed version of its ``controller_restarted`` record when it stamped the engine itself).
     """
+    events = list(events)
+    # The refit's last call to an engine stamps it and then resumes it (``end_refit``); the ``stamp`` record
+    # comes once every such call settled, so a resumed engine may finish requests on the new version before
+    # it: from its refit's ``resume`` phase on, an engine the record lists may carry that version.
+    # An engine whose call failed as a whole (``unknown``: no answer, so no word on its stamp) holds the new
+    # weights whole and may carry either tag until a later stamp says which.
+    members_of = {e["version"]: {tuple(m) for m in e["members"]} | {tuple(u[:2]) for u in e.get("unknown", ())}
+                  for e in events if e["kind"] == "stamp"}
+    resuming: dict[tuple[int, int], int] = {}  # engine -> the version it may carry besides its last stamp's
     stamped: dict[tuple[int, int], int] = {}
     committed: int | None = None  # the restarted controller's committed version
     out = []
     for e in events:
-        if e["kind"] == "stamp":
+        if e["kind"] == "phase" and e.get("phase") == "resume" and e.get("edge") == "begin":
+            resuming.update(dict.fromkeys(members_of.get(e.get("version"), ()), e.get("version")))
+        elif e["kind"] == "stamp":
             for slot, inc in e["members"]:
                 stamped[(slot, inc)] = e["version"]
+                resuming.pop((slot, inc), None)
         elif e["kind"] == "controller_restarted":
             committed = e.get("committed")
         elif e["kind"] == "adopt" and e.get("weight_version") is not None:
             stamped[(e["slot"], e["incarnation"])] = committed if e.get("stamped") else e["weight_version"]
+            resuming.pop((e["slot"], e["incarnation"]), None)
         elif e["kind"] == "request" and e["event"] == "completed":
-            want = stamped.get((e["slot"], e["incarnation"]), 0)
-            if e["version"] != want:
+            key = (e["slot"], e["incarnation"])
+            want = stamped.get(key, 0)
+            if e["version"] != want and e["version"] != resuming.get(key):
                 out.append(
                     f"request {e['request_id']} from slot {e['slot']} (incarnation {e['incarnation']}) tagged "
                     f"version {e['version']}, but that engine held version {want}"

@@ -523,26 +523,32 @@ class RefitLifecycle:
         return Outcome(BAD_ACK, value=out.value.get("resumed"), elapsed_s=out.elapsed_s)
 
     def _stamped(self, version: int, parts: list, outs: dict) -> None:
-        """Record the stamps of ``end_refit``: the ``stamp`` event with the engines stamped and those not (and
-        why); a stamp that failed on an answering engine is a ``CallKind.STAMP`` failure; the intent names only
-        the stamped (a successor re-adopting the fleet serves an unacknowledged engine only if its own tag
-        says so)."""
+        """Record the stamps of ``end_refit``: the ``stamp`` event names the engines stamped (``members``), those
+        whose stamp failed and why (``failed``: they said so, kept their old tag and aborted what they held), and
+        those whose call failed as a whole (``unknown``: stamped or not, nobody can tell; the resume's failure
+        decides their fate). A stamp that failed on an answering engine is a ``CallKind.STAMP`` failure. The
+        intent names only the stamped (a successor re-adopting the fleet serves an unacknowledged engine only if
+        its own tag says so)."""
         if not parts:
             return
         failed: dict[int, Outcome] = {}
+        unknown: dict[int, Outcome] = {}
         for p in parts:
             out = outs[p.slot]
             if out.kind != OK:
-                failed[p.slot] = out
+                unknown[p.slot] = out
             elif out.value.get("stamp") != OK:
                 kind, error = out.value.get("stamp"), out.value.get("stamp_error")
                 failed[p.slot] = Outcome(kind, value=False if kind == BAD_ACK else None, error=error)
                 self.ctl.observe(p.slot, p.incarnation, CallKind.STAMP, failed[p.slot])
-        members = tuple((p.slot, p.incarnation) for p in parts if p.slot not in failed)
-        if failed:
+        members = tuple((p.slot, p.incarnation) for p in parts if p.slot not in failed and p.slot not in unknown)
+        if failed or unknown:
             self.ctl.intent.update(refit=RefitIntent(version, COMMITTED, members))
-        self.ctl.log.emit("stamp", version=version, members=members,
-                          failed=[[p.slot, p.incarnation, failed[p.slot].describe()[:200]] for p in parts if p.slot in failed])
+
+        def named(which: dict) -> list:
+            return [[p.slot, p.incarnation, which[p.slot].describe()[:200]] for p in parts if p.slot in which]
+
+        self.ctl.log.emit("stamp", version=version, members=members, failed=named(failed), unknown=named(unknown))
 
     async def reopen(self, version: int) -> None:
         """Step 8: reopen the gate only if quorum serves ``version``; else stop with it closed."""

@@ -27,6 +27,20 @@ def test_version_tag_must_match_the_last_stamp_of_that_incarnation():
     assert len(inv.version_tags_match_stamps(bad)) == 1
 
 
+def test_an_engine_resumed_by_its_stamping_call_may_finish_on_the_new_version_before_the_stamp_record():
+    """``end_refit`` stamps and resumes in one call; the ``stamp`` record comes once all such calls settled."""
+    resume = ev("phase", phase="resume", edge="begin", version=2)
+    early = req("completed", "a", slot=0, incarnation=1, version=2)
+    stamp = ev("stamp", version=2, members=[[0, 1]], failed=[[1, 1, "unavailable"]])
+    assert inv.version_tags_match_stamps([resume, early, stamp]) == []
+    assert len(inv.version_tags_match_stamps([early, resume, stamp])) == 1, "before its refit's resume: wrong"
+    other = req("completed", "b", slot=1, incarnation=1, version=2)  # its stamp failed: it must not carry 2
+    assert len(inv.version_tags_match_stamps([resume, other, stamp])) == 1
+    lost = ev("stamp", version=2, members=[[0, 1]], failed=[], unknown=[[1, 1, "unavailable"]])  # no answer at all
+    old = req("completed", "c", slot=1, incarnation=1, version=0)
+    assert inv.version_tags_match_stamps([resume, other, lost, other, old]) == [], "either tag, until a stamp says"
+
+
 def test_open_gate_only_sees_current_version():
     events = [ev("gate", open=True, version=2), req("completed", "a", slot=0, incarnation=1, version=1)]
     assert len(inv.open_gate_serves_current_version(events)) == 1
