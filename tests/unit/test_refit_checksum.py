@@ -53,3 +53,6 @@ def test_digest_ignores_order_and_memory_layout():
     assert checksum.tensor_digest("m", transposed) == checksum.tensor_digest("m", m)
     assert checksum.digest([]) == checksum.digest(())
     assert len(checksum.digest(items)) == 2 * checksum.DIGEST_BYTES
+    # the trainer hashes on every core, an engine on one: the same digest
+    big = [("big", torch.randn(3 << 20, generator=g))]
+    assert checksum.digest(big, threads=checksum.ALL_CORES) == checksum.digest(big)
