@@ -1,36 +1,46 @@
 """Order-independent digests of named tensors, computed the same way on the trainer and in the engine.
 
-``digest`` = BLAKE2b over the sorted per-tensor digests, where a per-tensor digest
-covers the name, dtype, shape and raw bytes. Equal digests mean bit-identical
+``digest`` = BLAKE3 over the sorted per-tensor digests, where a per-tensor digest is
+BLAKE3 over the name, dtype, shape and raw bytes. Equal digests mean bit-identical
 tensors under the same names; a digest says nothing about tensors it did not cover.
+
+BLAKE3 (a dependency of vLLM, declared by rlfleet too) hashes about 6x faster than
+BLAKE2b on one core (3.8 against 0.6 GB/s measured here) and hashes the tensor's
+memory in place, with no copy (a tensor off the CPU is copied to host memory first).
+The sender and every engine must use this same function: any other digest of the
+same bytes never matches. The trainer hashes on every core (engines are idle while it
+does); an engine hashes on one thread, as it computes on one.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Iterable
 
+import blake3
 import torch
 
+DIGEST_BYTES = 16
+ALL_CORES = blake3.blake3.AUTO
 
-def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
+
+def tensor_digest(name: str, tensor: torch.Tensor, threads: int = 1) -> bytes:
+    """``threads``: how many threads BLAKE3 may use (``ALL_CORES``: as many as it likes); the digest is the same."""
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
+    h = blake3.blake3(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode(), max_threads=threads)
     if t.numel():
         h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return h.digest()
+    return h.digest(length=DIGEST_BYTES)
 
 
 def combine(per_tensor: dict[str, bytes]) -> str:
-    h = hashlib.blake2b(digest_size=16)
+    h = blake3.blake3()
     for name in sorted(per_tensor):
         h.update(per_tensor[name])
-    return h.hexdigest()
+    return h.hexdigest(length=DIGEST_BYTES)
 
 
-def digest(items: Iterable[tuple[str, torch.Tensor]]) -> str:
-    return combine({name: tensor_digest(name, t) for name, t in items})
+def digest(items: Iterable[tuple[str, torch.Tensor]], threads: int = 1) -> str:
+    return combine({name: tensor_digest(name, t, threads) for name, t in items})

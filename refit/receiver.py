@@ -19,7 +19,9 @@ Guarantees:
   ``partial`` and the version stamp is not moved;
 - the version is stamped only after a complete apply; with ``expect_digest`` (the
   sender's checksum) only if the digest of what was applied equals it, else the
-  answer is ``partial`` in phase ``verify``; every wait has a deadline.
+  answer is ``partial`` in phase ``verify``; every wait has a deadline;
+- memory stays flat from refit to refit: receive buffers are reused, and after each
+  apply the heap pages its temporaries freed go back to the system (``refit.heap``).
 
 Stage ahead (``staged`` mode only): ``prepare`` then ``start_receive`` starts a daemon
 thread that receives every bucket into the staging area and returns at once, so the
@@ -44,6 +46,7 @@ from typing import Iterable, Protocol
 import torch
 
 from refit import checksum as _checksum
+from refit import heap
 from refit.errors import ApplyError, ManifestError, RefitUsageError, TransferError
 from refit.group import GroupAddress, RefitGroup
 from refit.manifest import ExpectedSpec, Manifest, layer_group, validate
@@ -256,6 +259,7 @@ class WeightReceiver:
             self.weight_version = version
             res["ok"] = True
         res["version"] = self.weight_version
+        heap.trim()  # the apply's freed temporaries go back to the system, not into the heaps' free lists
         return res
 
     # -- stage ahead: receive into staging on a thread, apply later -----------------------------

@@ -138,7 +138,8 @@ class WeightSender:
         """Digest of the weights as they would be sent (after the dtype cast), over ``names`` or all."""
         wanted = set(names) if names is not None else None
         return _checksum.digest(
-            (n, t.to(self._wire_dtype(t))) for n, t in self.named_tensors() if wanted is None or n in wanted
+            ((n, t.to(self._wire_dtype(t))) for n, t in self.named_tensors() if wanted is None or n in wanted),
+            threads=_checksum.ALL_CORES,
         )
 
     # -- group --------------------------------------------------------------------------

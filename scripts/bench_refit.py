@@ -15,11 +15,14 @@ round so that machine noise hits every mode alike (medians reported):
 Reported per mode: the sender's broadcast time and payload MB/s (model bytes / send
 time; with 2 engines the wire carries twice that), the transfer call (receive +
 apply), and end to end (pause to resume). Before the timed rounds, the engine worker's
-resident memory after refit 1 and after refit 20 (receive buffers are reused, so it
-must not grow; measured before the raw baseline allocates its own buffer).
+resident memory after every refit of ``--rss-refits`` (default 100) bucketed refits,
+measured before the raw baseline allocates its own buffer: ``worker_rss_growth_mb_2_to_100``
+is the growth from refit 2 (one warm-up refit done) to refit 100 (receive buffers are
+reused and freed memory goes back to the system, so it must stay flat);
+``worker_rss_growth_mb_1_to_20`` is the older figure (refit 1 to refit 20).
 The last line of output is one JSON object.
 
-Run: python scripts/bench_refit.py [--repeats 7] [--bucket-mb 16] [--presets 100m,many-small]
+Run: python scripts/bench_refit.py [--repeats 7] [--bucket-mb 16] [--presets 100m,many-small] [--engines 1,2] [--rss-refits 100]
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--bucket-mb", type=float, default=16.0)
     p.add_argument("--direct-mb", type=float, default=4.0)
-    p.add_argument("--rss-refits", type=int, default=20)
+    p.add_argument("--rss-refits", type=int, default=100, help="refits of the memory measurement (at least 2)")
     p.add_argument("--timeout-s", type=float, default=300.0)
     return p.parse_args()
 
@@ -69,6 +72,11 @@ async def refit_e2e(sync, shards, parts, version: int, epoch: int) -> tuple[obje
     if not report.ok:
         raise RuntimeError(report.summary())
     return report, time.monotonic() - t0
+
+
+def growth(trace: list[list[float]], first: int, last: int) -> float:
+    """Largest RSS growth (MB) of any worker from refit ``first + 1`` to refit ``last`` (1-based)."""
+    return max(b - a for a, b in zip(trace[first], trace[last - 1]))
 
 
 async def raw_round(trainer, shards, rid: int, nbytes: int, timeout: float) -> float:
@@ -108,13 +116,11 @@ async def bench_preset(preset: str, args, counter) -> dict:
             parts = {Participant(i, 1, (i + 1,)): ray_io.ShardReceiverPort(h) for i, h in enumerate(members)}
             epoch = next(counter)
             sync.config = base
-            # Memory first, before the baselines allocate their own buffers: refit 1, then up to refit 20.
-            report, _ = await refit_e2e(sync, members, parts, next(counter), epoch)  # builds the group
-            rss_first = await worker_rss(members)
-            for _ in range(args.rss_refits - 1):
-                await refit_e2e(sync, members, parts, next(counter), epoch)
-            rss_last = await worker_rss(members)
-            refits = args.rss_refits
+            # Memory first, before the baselines allocate their own buffers: RSS after every refit (refit 1 builds the group).
+            trace: list[list[float]] = []  # per refit, the RSS of every worker
+            for _ in range(args.rss_refits):
+                report, _ = await refit_e2e(sync, members, parts, next(counter), epoch)
+                trace.append(await worker_rss(members))
             nbytes = report.bytes_sent
             samples: dict[str, dict[str, list[float]]] = {m: {"send_s": [], "transfer_s": [], "apply_s": [], "e2e_s": []} for m in configs}
             samples["raw"] = {"send_s": []}
@@ -135,12 +141,16 @@ async def bench_preset(preset: str, args, counter) -> dict:
             out["engines"][n] = {
                 "bytes": nbytes,
                 "modes": med,
-                "rss_after_1_mb": rss_first,
-                "rss_after_last_mb": rss_last,
-                "rss_refits": refits,
-                "rss_growth_mb": max(b - a for a, b in zip(rss_first, rss_last)),
+                "rss_after_1_mb": trace[0],
+                "rss_after_last_mb": trace[-1],
+                "rss_refits": len(trace),
+                "rss_growth_mb": growth(trace, 1, len(trace)),  # refit 2 (warm) to the last
+                "rss_growth_1_to_20_mb": growth(trace, 0, 20) if len(trace) >= 20 else None,
+                "rss_trace_mb": [round(max(r), 1) for r in trace],
             }
             print(f"[{preset}, {n} engine(s)] done: " + ", ".join(f"{m} {v['send_s'] * 1000:.0f} ms" for m, v in med.items()), flush=True)
+            print(f"[{preset}, {n} engine(s)] worker RSS MB after refit 1, 2, 10, 20, ...: "
+                  + " ".join(f"{max(trace[i]):.0f}" for i in sorted({0, 1, *range(9, len(trace), 10)})), flush=True)
         await sync.close()
     finally:
         await asyncio.gather(*(ray_io.call_async(h, "shutdown") for h in shards), return_exceptions=True)
@@ -163,7 +173,7 @@ def table(results: list[dict]) -> str:
                 lines.append(f"{r['preset']:<11}{n:>4}{e['bytes'] / 1e6:>8.1f} | {mode:<11}{m['send_s'] * 1000:>9.1f}{m['mb_per_s']:>8.0f}{xfer:>15}{app:>10}{e2e:>18}")
             b, p, w = e["modes"]["bucketed"], e["modes"]["per_tensor"], e["modes"]["raw"]
             lines.append(f"{'':<23} | bucketed/raw speed {w['send_s'] / b['send_s']:.2f}x, bucketed/per-tensor speed {p['send_s'] / b['send_s']:.2f}x; "
-                         f"worker RSS {max(e['rss_after_1_mb']):.0f} MB after 1 refit, growth after {e['rss_refits']} refits {e['rss_growth_mb']:+.1f} MB")
+                         f"worker RSS {max(e['rss_after_1_mb']):.0f} MB after 1 refit, growth refit 2 -> {e['rss_refits']} {e['rss_growth_mb']:+.1f} MB")
     return "\n".join(lines)
 
 
@@ -203,8 +213,11 @@ async def main_async(args) -> dict:
     summary["verify_checksum_overhead"] = round(e["bucketed_verify"]["e2e_s"] / e["bucketed"]["e2e_s"], 3)
     summary["verify_checksum_added_s"] = round(e["bucketed_verify"]["e2e_s"] - e["bucketed"]["e2e_s"], 3)
     summary["verify_checksum_preset"] = f"{verify_preset}, {n2} engine(s)"
-    growth = [e["rss_growth_mb"] for p in by.values() for e in p.values()]
-    summary["worker_rss_growth_mb_1_to_20"] = round(max(growth), 1) if growth else None
+    grown = [e["rss_growth_mb"] for p in by.values() for e in p.values()]
+    summary[f"worker_rss_growth_mb_2_to_{args.rss_refits}"] = round(max(grown), 1) if grown else None
+    old = [e["rss_growth_1_to_20_mb"] for p in by.values() for e in p.values() if e["rss_growth_1_to_20_mb"] is not None]
+    summary["worker_rss_growth_mb_1_to_20"] = round(max(old), 1) if old else None
+    summary["rss_refits"] = args.rss_refits
     summary["bucket_mb"] = args.bucket_mb
     summary["repeats"] = args.repeats
     return summary
@@ -214,6 +227,8 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     args = parse()
+    if args.rss_refits < 2 or args.repeats < 1:
+        raise SystemExit("--rss-refits must be at least 2 and --repeats at least 1")
     summary = asyncio.run(main_async(args))
     print(json.dumps(summary, sort_keys=True))
     return 0
