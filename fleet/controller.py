@@ -94,7 +94,7 @@ class SingleController:
         self.admission = AdmissionController(self.cfg.admission)
         self._transfer = transfer
         self._tasks: set[asyncio.Task] = set()
-        self._restarting: dict[int, asyncio.Task] = {}
+        self.restarting: dict[int, asyncio.Task] = {}
         self._keep_warned = False
         self.native_pause: dict[int, bool] = {}
         self.nodes = NodeMap()  # which Ray node each shard runs on (``fleet.nodes``)
@@ -112,7 +112,7 @@ class SingleController:
 
             self.log.load_previous(skip_kinds=CLIENT_RECORD_KINDS)
             try:  # a Ray async actor is built on its loop: re-adopt now, not at the first call
-                asyncio.get_running_loop().call_soon(lambda: self._background(self.adopt_if_restarted()))
+                asyncio.get_running_loop().call_soon(lambda: self.in_background(self.adopt_if_restarted()))
             except RuntimeError:
                 pass  # built outside a loop: the first call re-adopts
         self._adopting: asyncio.Lock | None = None
@@ -146,9 +146,9 @@ class SingleController:
 
     def start_loops(self) -> None:
         """The background loops: health timers, the liveness monitor, the admission poll."""
-        self._background(self._timer_loop())
-        self._background(self._monitor_loop())
-        self._background(self._admission_loop())
+        self.in_background(self._timer_loop())
+        self.in_background(self._monitor_loop())
+        self.in_background(self._admission_loop())
 
     async def _commit_checkpoint(self) -> None:
         """Every engine loaded the checkpoint from disk: that load is the complete refit of version 0."""
@@ -228,14 +228,14 @@ class SingleController:
 
     def _carry_out(self, action) -> None:
         if isinstance(action, Probe):
-            self._background(self._probe(action.slot, action.incarnation, action.not_before))
+            self.in_background(self._probe(action.slot, action.incarnation, action.not_before))
         elif isinstance(action, Evict):
-            self._kill(action.slot, action.incarnation, f"evicted: {action.reason}")
+            self.kill_incarnation(action.slot, action.incarnation, f"evicted: {action.reason}")
         elif isinstance(action, Restart):
             if self.cfg.restart_dead_engines and not self.stopped:
-                self._restarting[action.slot] = self._background(self._restart(action))
+                self.restarting[action.slot] = self.in_background(self._restart(action))
         elif isinstance(action, Retire):
-            self._kill(action.slot, action.incarnation, f"retired: {action.reason}")
+            self.kill_incarnation(action.slot, action.incarnation, f"retired: {action.reason}")
             self.log.emit("retire", slot=action.slot, incarnation=action.incarnation, reason=action.reason,
                           note="not relaunched on its own: resize(n) replaces slots retired by failures")
         elif isinstance(action, StopExhausted):
@@ -246,7 +246,7 @@ class SingleController:
             self.gate.open(action.version, f"{action.serving} engine(s) serve version {action.version}")
         # AbortRefit and KeepGateClosed are read by the lifecycle from the decision.
 
-    def _kill(self, slot: int, incarnation: int, reason: str) -> None:
+    def kill_incarnation(self, slot: int, incarnation: int, reason: str) -> None:
         """Kill ``incarnation`` of ``slot`` if it is still the slot's current actor; never its replacement."""
         current = self.handles.get(slot)
         if current is not None and current[0] == incarnation:
@@ -266,7 +266,7 @@ class SingleController:
         out = with_progress(await self.door.call(handle, "ping", timeout=self.cfg.probe_timeout_s), self.cfg.stall_timeout_s)
         if out.ok and isinstance(out.value, dict) and out.value.get("core_checked") is False:
             # its core runs a bounded worker call, so the ping did not ask it: no verdict; ask again after that
-            self._background(self._probe(slot, incarnation, self.clock.now() + max(self.cfg.probe_interval_s, 0.1)))
+            self.in_background(self._probe(slot, incarnation, self.clock.now() + max(self.cfg.probe_interval_s, 0.1)))
         elif out.ok:
             self.observe(slot, incarnation, CallKind.PROBE, out)
         else:
@@ -314,7 +314,7 @@ class SingleController:
         """slot -> incarnation of every handle that is its slot's current incarnation."""
         return {s: inc for s, (inc, _) in self.handles.items() if inc == self.ledger.raw(s).incarnation}
 
-    def _spawn(self, slot: int, incarnation: int):
+    def spawn_incarnation(self, slot: int, incarnation: int):
         if self.intent.current is not None:  # stored before the actor exists: a successor finds it by name
             slots = {**self.intent.current.slots, slot: (incarnation, self.ledger.raw(slot).restarts)}
             self.intent.update(slots=slots)
@@ -335,8 +335,8 @@ class SingleController:
         try:
             out = await launch(self, slot, inc, wait_placement=True)
         finally:
-            if self._restarting.get(slot) is asyncio.current_task():
-                del self._restarting[slot]
+            if self.restarting.get(slot) is asyncio.current_task():
+                del self.restarting[slot]
         self.log.emit("restart", slot=slot, incarnation=inc, edge="end", outcome=out.kind)
         if out.ok:
             self.note_started(slot, inc, out.value)
@@ -360,7 +360,7 @@ class SingleController:
         self.native_pause[slot] = bool(info.get("native_pause", True))
         self.nodes.place(slot, incarnation, info.get("node"))
 
-    async def _placed(self, slot: int, incarnation: int, handle) -> None:
+    async def wait_placed(self, slot: int, incarnation: int, handle) -> None:
         """Wait, without bound, while Ray cannot place a restarted shard (no node has room: a node was lost).
         The slot stays restarting and the fleet serves on quorum; the start's own deadline begins once
         the actor exists. Ends when the slot moved on (killed, replaced) or the fleet stopped."""
@@ -427,7 +427,7 @@ class SingleController:
         if grew or any(self.admission.cap(s) != c for s, c in self.publisher.current.cap_map.items()):
             self.publisher.mark_dirty()
 
-    def _background(self, coro) -> asyncio.Task:
+    def in_background(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
@@ -469,7 +469,7 @@ class SingleController:
 
     def _fenced(self, slot: int, incarnation: int, call: CallKind, outcome: Outcome):
         if is_unusable(outcome):
-            self._kill(slot, incarnation, f"{call.value} found it unusable: {outcome.describe()[:200]}")
+            self.kill_incarnation(slot, incarnation, f"{call.value} found it unusable: {outcome.describe()[:200]}")
         return observed(slot, incarnation, call, outcome)
 
     def observe_all(self, call: CallKind, settled: dict[int, tuple[int, Outcome]]) -> tuple:

@@ -6,7 +6,7 @@ Every launch goes through here: the fleet's ``start``, a restart, a slot a resiz
 within the watchdog (``watchdog_s``: the start's own bound, ``engine.start_timeout_s`` +
 ``START_MARGIN_S``, plus ``WATCHDOG_GRACE_S`` in case the door's bound itself breaks) all come
 back as an ``Outcome`` naming what happened. Waiting for Ray to *place* a restarted actor
-(no node has room: a node was lost) is not bounded (``SingleController._placed``): the
+(no node has room: a node was lost) is not bounded (``SingleController.wait_placed``): the
 slot stays restarting and the fleet serves on quorum; the watchdog starts once the actor exists.
 
 ``failed`` turns a launch that did not end ready into a failed start: a ``launch`` record
@@ -48,12 +48,12 @@ async def launch(ctl: Any, slot: int, incarnation: int, *, wait_placement: bool 
     """Spawn ``incarnation`` of ``slot`` and start it. Returns the start's outcome (``value``: what the shard
     said of itself), or an ``error``/``timed_out`` outcome for a spawn that raised or a start the watchdog cut."""
     try:
-        handle = ctl._spawn(slot, incarnation)
+        handle = ctl.spawn_incarnation(slot, incarnation)
     except Exception as exc:  # noqa: BLE001 - a spawn that raises is a failed launch, never a stuck slot
         return Outcome(ERROR, error=LaunchError(
             f"spawn of slot {slot} incarnation {incarnation} raised {type(exc).__name__}: {exc}"))
     if wait_placement:
-        await ctl._placed(slot, incarnation, handle)
+        await ctl.wait_placed(slot, incarnation, handle)
     bound = watchdog_s(ctl.cfg)
     t0 = ctl.clock.now()
     try:
@@ -90,4 +90,4 @@ def failed(ctl: Any, slot: int, incarnation: int, out: Outcome, what: str) -> No
     detail = f"{what} failed: {out.describe()[:300]}"
     d = ctl.decide(Observed(slot, incarnation, CallKind.START, FailureClass.DEAD, detail))
     if not any(isinstance(a, Evict) for a in d.actions):  # the slot moved on meanwhile: still kill only this one
-        ctl._kill(slot, incarnation, detail[:200])
+        ctl.kill_incarnation(slot, incarnation, detail[:200])

@@ -79,7 +79,7 @@ class RoutingPublisher:
             asyncio.get_running_loop()
         except RuntimeError:
             return
-        self.ctl._background(self._closed(self.current.epoch, fence=not self.ctl.lifecycle.holding))
+        self.ctl.in_background(self._closed(self.current.epoch, fence=not self.ctl.lifecycle.holding))
 
     async def _closed(self, epoch: int, fence: bool) -> None:
         _, changed = self._sync()
@@ -92,7 +92,7 @@ class RoutingPublisher:
 
     def _publish_soon(self) -> None:
         self._scheduled = False
-        self.ctl._background(self.publish())
+        self.ctl.in_background(self.publish())
 
     def _members_and_caps(self) -> tuple[tuple[Member, ...], tuple[tuple[int, int], ...]]:
         """The serving set and its caps, rebuilt only when the ledger's serving set, the roles, a handle or
@@ -152,7 +152,7 @@ class RoutingPublisher:
         for key in leaving:
             self._told[key] = False
             if ctl.handle_of(*key) is not None:
-                ctl._background(self._tell_leaving(key, epoch, view.version))
+                ctl.in_background(self._tell_leaving(key, epoch, view.version))
         for key in [k for k in self._told if ctl.handle_of(*k) is None]:
             del self._told[key]  # replaced or gone: nothing more to tell it
         if not joining:

@@ -111,7 +111,7 @@ async def adopt(ctl: Any) -> dict:
     _commit(ctl, intent.committed, serving)
     for slot, handle in starting.items():
         ctl.log.emit("adopt", slot=slot, incarnation=intent.slots[slot][0], starting=True)
-        ctl._background(_await_start(ctl, slot, intent.slots[slot][0], handle, restart=intent.slots[slot][1] > 0))
+        ctl.in_background(_await_start(ctl, slot, intent.slots[slot][0], handle, restart=intent.slots[slot][1] > 0))
     alive = {s: info for s, info in alive.items() if s not in failed}
     for slot, (inc, _) in sorted(intent.slots.items()):
         if slot not in alive and slot not in starting:  # gone, hung, or not the recorded incarnation: dead
@@ -203,7 +203,7 @@ async def _await_start(ctl: Any, slot: int, incarnation: int, handle: Any, resta
             why = out.describe() if not out.ok else f"its engine is {state!r} after the start bound"
             if restart:
                 ctl.log.emit("restart", slot=slot, incarnation=incarnation, edge="end", outcome="failed", adopted=True)
-            ctl._kill(slot, incarnation, f"re-adopted while starting: {why[:200]}")
+            ctl.kill_incarnation(slot, incarnation, f"re-adopted while starting: {why[:200]}")
             ctl.observe(slot, incarnation, CallKind.START, Outcome(DIED, error=RuntimeError(why[:300])))
             return
         await asyncio.sleep(0.5)

@@ -148,7 +148,7 @@ async def _shrink(ctl: Any, remove: tuple[tuple[int, int], ...], n: int, bound: 
         ctl.intent.update(slots={s: v for s, v in intent.slots.items() if s not in removed},
                           removed={**intent.removed, **removed})
     for slot in removed:  # a restart under way would bring back an engine nobody wants
-        task = ctl._restarting.pop(slot, None)
+        task = ctl.restarting.pop(slot, None)
         if task is not None:
             task.cancel()
     before = ctl.publisher.current.epoch
@@ -203,7 +203,7 @@ async def _drain(ctl: Any, action: Drain, before: int, epoch: int, bound: float)
 
 def _forget(ctl: Any, slot: int, incarnation: int) -> None:
     """The removed engine's actor is killed (if still the slot's) and the controller lets go of the slot."""
-    ctl._kill(slot, incarnation, "removed by a resize")
+    ctl.kill_incarnation(slot, incarnation, "removed by a resize")
     if slot in ctl.handles:
         del ctl.handles[slot]
         ctl.handles_revision += 1

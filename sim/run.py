@@ -153,7 +153,7 @@ class _Run:
     @staticmethod
     def halt_tasks(ctl: SingleController) -> None:
         """Stop every task ``ctl`` runs where it is (its process died, or the run ended)."""
-        for task in list(ctl._tasks) + list(ctl._restarting.values()):
+        for task in list(ctl._tasks) + list(ctl.restarting.values()):
             task.cancel()
 
     async def kill_controller(self) -> None:

@@ -68,7 +68,7 @@ def test_a_restart_whose_spawn_raises_spends_an_attempt_and_the_next_one_serves(
         assert rec.incarnation == 3 and rec.restarts == 2  # the raising launch cost one attempt, as a death does
         [failed] = [e for e in launches(ctl, 2) if e["outcome"] != "ok"]
         assert failed["incarnation"] == 2 and "could not be created" in failed["error"]
-        assert 2 not in ctl._restarting and 2 in ctl.serving_slots()
+        assert 2 not in ctl.restarting and 2 in ctl.serving_slots()
         await ctl.shutdown()
 
     run_virtual(go())
@@ -84,7 +84,7 @@ def test_a_slot_whose_every_launch_raises_is_retired_when_its_budget_is_spent(mo
         assert [(e["incarnation"], e["outcome"]) for e in launches(ctl, 2)] == [(2, "error"), (3, "error")]
         [retire] = ctl.events(kinds=["retire"])
         assert retire["slot"] == 2 and retire["incarnation"] == 3 and "budget spent" in retire["reason"]
-        assert ctl.gate.is_open and sorted(ctl.serving_slots()) == [0, 1] and 2 not in ctl._restarting
+        assert ctl.gate.is_open and sorted(ctl.serving_slots()) == [0, 1] and 2 not in ctl.restarting
         await ctl.shutdown()
 
     run_virtual(go())
