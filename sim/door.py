@@ -48,6 +48,7 @@ CALL_CPU_US = 1023.2
 CALL_CPU_SOURCE = ("scripts/bench_lifecycle.py --skip-real, 2026-12-03, 2-core dev machine: "
                    "controller_cpu_us_per_call at 128 real Ray shard actors")
 
+
 class NodeUnreachable(ConnectionError):
     """The shard's node is gone and the cluster has not said so yet: connections are refused."""
 
