@@ -44,6 +44,8 @@ __all__ = ["CALL_CPU_US", "CALL_CPU_SOURCE", "Node", "SimDoor", "SimTrainer"]
 # rounds), run 2026-12-03 on the 2-core, 24 GB development machine: the controller process's CPU over a
 # refit of 128 NullBackend shard actors on real Ray (every thread, so Ray's client side), divided by the
 # Ray calls the refit made. Fixed costs are in it too (the intent's writes to Ray's GCS): an upper bound.
+# Two full runs that day read 1023.2 (the machine loaded: load average ~49) and 624.7 (quieter; 246 us of it
+# on the event loop's thread); the higher one is kept, so the simulation errs on the slow side.
 CALL_CPU_US = 1023.2
 CALL_CPU_SOURCE = ("scripts/bench_lifecycle.py --skip-real, 2026-12-03, 2-core dev machine: "
                    "controller_cpu_us_per_call at 128 real Ray shard actors")
