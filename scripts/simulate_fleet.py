@@ -25,16 +25,26 @@ Runs, all measured here and now:
    (``spare_engines`` = one node's worth), on the same fault schedule: how long capacity
    takes to come back after a failure, and what spares change.
 
+Every run charges the controller CPU per control call that Ray's client side costs
+(``--call-cpu-us``; default ``sim.door.CALL_CPU_US``, measured on real Ray by
+``scripts/bench_lifecycle.py``: the output names the source): the controller sends its
+calls one after another, so a refit's gate-closed time grows with the fleet. Each size
+also runs once more at the default rate with calls free (``availability_calls_free_N``,
+``gate_closed_s_per_refit_calls_free_N``): what that cost takes away.
+
 Writes ``--plot`` (availability and serving capacity over simulated time, 1,024 engines)
 and prints a markdown table; the last line is one JSON object with, for each size N,
 ``availability_N``, ``availability_fault_free_N``, ``availability_transfer_closed_N``,
 ``gate_closed_s_per_refit_N`` (seconds the gate was closed per refit, mean),
 ``capacity_mean_share_N``, ``capacity_min_share_N``, ``refit_s_N`` (the whole
 ``sync_weights``, staging included), ``controller_cpu_s_per_refit_N`` (real CPU seconds
-of this process while a refit ran), ``refits_stopped_N``, and the stress run's figures.
+of this process while a refit ran), ``refits_stopped_N``, ``call_cpu_s_per_refit_N`` (controller CPU
+charged for calls while a refit ran), ``phases_s_per_refit_N`` and ``gate_phase_dominant_N`` (the
+refit phase with the gate closed that took longest, mean), the stress run's figures, and
+``call_cpu_us`` with its ``call_cpu_source``.
 
 Usage: ``python scripts/simulate_fleet.py [--sizes 64,256,1024] [--hours 6] [--step-s 600]
-[--stress 100] [--stress-hours 3] [--seed 0] [--apply-gbps 1000] [--plot docs/scale.png]``
+[--stress 100] [--stress-hours 3] [--seed 0] [--apply-gbps 1000] [--call-cpu-us 1023.2] [--plot docs/scale.png]``
 """
 
 from __future__ import annotations
@@ -48,7 +58,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from sim.faults import FaultSpec, schedule  # noqa: E402  (the path line above makes the repo importable)
+from sim.door import CALL_CPU_SOURCE, CALL_CPU_US  # noqa: E402  (the path line above makes the repo importable)
+from sim.faults import FaultSpec, schedule  # noqa: E402
 from sim.run import Scenario, simulate  # noqa: E402
 from sim.transfer import TransferModel  # noqa: E402
 
@@ -69,7 +80,7 @@ def door_cpu_s_per_refit(n: int, mix: dict[str, float], rounds: int = 5) -> floa
             "abort": ([],)}
 
     async def go() -> float:
-        door = SimDoor(n, Timings())
+        door = SimDoor(n, Timings(), call_cpu_us=0.0)  # the simulator's own CPU, not the charged one
         handles = [door.spawn_shard(None, s, 1) for s in range(n)]
         for h in handles:
             h.state = "ready"
@@ -85,6 +96,22 @@ def door_cpu_s_per_refit(n: int, mix: dict[str, float], rounds: int = 5) -> floa
         return (time.process_time() - t0) / rounds
 
     return round(run_virtual(go()), 4)
+
+
+GATE_CLOSED_PHASES = ("close", "staleness", "reconcile", "pause", "transfer", "stamp", "resume", "reopen")
+
+
+def call_cost_figures(n: int, charged: dict, free: dict) -> dict:
+    """What charging the controller's CPU per call changed at ``n`` engines, and the refit phase with the gate
+    closed that took longest (``stage`` runs with the gate open under ``stage_ahead``)."""
+    phases = charged["phases_s_per_refit"]
+    closed = {p: s for p, s in phases.items() if p in GATE_CLOSED_PHASES}
+    dominant = max(closed, key=closed.get) if closed else None
+    return {f"availability_calls_free_{n}": free["availability"],
+            f"gate_closed_s_per_refit_calls_free_{n}": free["gate_closed_s_per_refit"],
+            f"call_cpu_s_per_refit_{n}": charged["call_cpu_s_per_refit"],
+            f"phases_s_per_refit_{n}": phases,
+            f"gate_phase_dominant_{n}": f"{dominant} ({closed[dominant]} s)" if dominant else None}
 
 
 def median(xs: list) -> float | None:
@@ -150,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--apply-gbps", type=float, default=1000.0,
                     help="GB/s of the staged apply (1000: device-to-device copy; 50: from host memory)")
+    ap.add_argument("--call-cpu-us", type=float, default=CALL_CPU_US,
+                    help=f"controller CPU per control call, microseconds (default: {CALL_CPU_SOURCE})")
     ap.add_argument("--plot", type=pathlib.Path, default=None, help="write the plot here (PNG)")
     args = ap.parse_args(argv)
     try:
@@ -160,12 +189,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--sizes must be >= 8 engines, --hours and --step-s > 0, --stress >= 0")
     if args.apply_gbps <= 0:
         ap.error(f"--apply-gbps must be > 0, got {args.apply_gbps:g}")
+    if not args.call_cpu_us >= 0:
+        ap.error(f"--call-cpu-us must be >= 0 microseconds, got {args.call_cpu_us:g}")
+    source = CALL_CPU_SOURCE if args.call_cpu_us == CALL_CPU_US else "--call-cpu-us"
+    print(f"controller CPU per control call: {args.call_cpu_us:g} us ({source})", flush=True)
 
     t0 = time.perf_counter()
     transfer = TransferModel(apply_Bps=args.apply_gbps * 1e9)
-    ahead = {"stage_ahead": True, "transfer": transfer}  # the configuration recommended at this scale
+    # the configuration recommended at this scale
+    ahead = {"stage_ahead": True, "transfer": transfer, "call_cpu_us": args.call_cpu_us}
     out: dict = {"step_s": args.step_s, "hours": args.hours, "seed": args.seed, "stage_ahead": True,
-                 "apply_gbps": args.apply_gbps}
+                 "apply_gbps": args.apply_gbps, "call_cpu_us": args.call_cpu_us, "call_cpu_source": source}
     lines = [HEADER]
     plotted = []
     for n in sizes:
@@ -175,8 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         _, ff = simulate(Scenario(engines=n, step_s=args.step_s, horizon_s=args.hours * 3600,
                                   faults=FaultSpec(rate_multiplier=0, controller_deaths=0), **ahead))
         closed_run, closed = simulate(Scenario(engines=n, step_s=args.step_s, horizon_s=args.hours * 3600,
-                                               faults=FaultSpec(seed=args.seed), stage_ahead=False, transfer=transfer))
-        lines += [row("default rate", r), row("no faults", ff), row("gate closed for the transfer", closed)]
+                                               faults=FaultSpec(seed=args.seed), stage_ahead=False, transfer=transfer,
+                                               call_cpu_us=args.call_cpu_us))
+        _, free = simulate(Scenario(engines=n, step_s=args.step_s, horizon_s=args.hours * 3600,
+                                    faults=FaultSpec(seed=args.seed), **{**ahead, "call_cpu_us": 0.0}))
+        lines += [row("default rate", r), row("no faults", ff), row("gate closed for the transfer", closed),
+                  row("default rate, calls free", free)]
+        out.update(call_cost_figures(n, r, free))
         for k in KEYS:
             out[f"{k}_{n}"] = r[k]
         out[f"availability_fault_free_{n}"] = ff["availability"]
@@ -198,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                   "event_records_per_refit", "calls_by_method_per_refit"):
             out[f"{k}_{n}"] = ff[k]
         print(f"{n} engines: availability {r['availability']:.4f} (fault-free {ff['availability']:.4f}, gate closed "
-              f"for the transfer {closed['availability']:.4f}), {r['refits']} refits of {r['refit_s_mean']} s with the "
-              f"gate closed {r['gate_closed_s_per_refit']} s, faults {r['faults']}, {r['real_s']} s real", flush=True)
+              f"for the transfer {closed['availability']:.4f}, calls free {free['availability']:.4f}), {r['refits']} "
+              f"refits of {r['refit_s_mean']} s with the gate closed {r['gate_closed_s_per_refit']} s (calls free "
+              f"{free['gate_closed_s_per_refit']} s; longest phase with the gate closed: "
+              f"{out[f'gate_phase_dominant_{n}']}), faults {r['faults']}, {r['real_s']} s real", flush=True)
         if n == max(sizes):
             plotted.append((f"default rate ({sum(r['faults'].values())} faults)", run))
             plotted.append(("default rate, gate closed for the transfer", closed_run))

@@ -12,7 +12,16 @@ The production controller runs against it unchanged. What it models of Ray:
 - **kill**: the process ends at once (also a hung one) and frees its node slot;
 - **the GCS**: actor states, dead nodes, and a key-value store that counts its writes;
 - **controller restarts**: ``restarted()`` is what the simulator sets before it builds
-  the successor of a controller it killed.
+  the successor of a controller it killed;
+- **the controller's CPU per call** (``call_cpu_us``): Ray's client side costs the
+  controller's process CPU for every call it sends (serializing, submitting, receiving
+  the reply). The controller is one process, so its calls queue for that CPU: the k-th
+  call of a fan-out to N shards is sent k x ``call_cpu_us`` after the fan-out began
+  (later still if calls of another fan-out, a ping round say, queued first), and the
+  fan-out returns no sooner than its last call was sent. A call that takes no simulated
+  time on a healthy shard (ping, set_route, ...) is answered as of its fan-out's start
+  (what keeps 1,024-shard fan-outs cheap to simulate); the others run from their own send
+  time. The default, ``CALL_CPU_US``, is what real Ray measured (below).
 
 Counters (``calls``, ``kv_puts``, ``kv_bytes``) are what ``docs/scale.md`` reads for the
 control plane's load on the cluster.
@@ -21,13 +30,26 @@ control plane's load on the cluster.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping
 
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
 from sim.shard import CALL_DEADLINE, CallTimedOut, ShardDied, SimShard, Timings
 
-__all__ = ["Node", "SimDoor", "SimTrainer"]
+__all__ = ["CALL_CPU_US", "CALL_CPU_SOURCE", "Node", "SimDoor", "SimTrainer"]
+
+# Controller CPU per Ray call, microseconds: ``controller_cpu_us_per_call`` of
+# ``PYTHONPATH=. python scripts/bench_lifecycle.py --skip-real`` (default sizes 1,32,128, 30 refits over 3
+# rounds), run 2026-12-03 on the 2-core, 24 GB development machine: the controller process's CPU over a
+# refit of 128 NullBackend shard actors on real Ray (every thread, so Ray's client side), divided by the
+# Ray calls the refit made. Fixed costs are in it too (the intent's writes to Ray's GCS): an upper bound.
+# Two full runs that day read 1023.2 (the machine loaded: load average ~49) and 624.7 (quieter; 246 us of it
+# on the event loop's thread); the higher one is kept, so the simulation errs on the slow side.
+CALL_CPU_US = 1023.2
+CALL_CPU_SOURCE = ("scripts/bench_lifecycle.py --skip-real, 2026-12-03, 2-core dev machine: "
+                   "controller_cpu_us_per_call at 128 real Ray shard actors")
+
 
 class NodeUnreachable(ConnectionError):
     """The shard's node is gone and the cluster has not said so yet: connections are refused."""
@@ -49,8 +71,14 @@ class SimTrainer:
 class SimDoor:
     """See the module docstring. ``engines``: how many shard actors the fleet needs (sizes the cluster)."""
 
-    def __init__(self, engines: int, timings: Timings, engines_per_node: int = 8, spare_nodes: int = 0) -> None:
+    def __init__(self, engines: int, timings: Timings, engines_per_node: int = 8, spare_nodes: int = 0,
+                 call_cpu_us: float = CALL_CPU_US) -> None:
+        if not call_cpu_us >= 0:
+            raise ValueError(f"SimDoor: call_cpu_us must be >= 0 microseconds, got {call_cpu_us!r}")
         self.timings = timings
+        self.call_cpu_s = call_cpu_us / 1e6
+        self._cpu_free_at = -math.inf  # when the controller's CPU has sent every call queued so far
+        self.cpu_charged_s = 0.0  # controller CPU seconds charged for calls, all in all
         self.engines_per_node = engines_per_node
         self.nodes: dict[str, Node] = {}
         self._node_seq = 0
@@ -153,8 +181,29 @@ class SimDoor:
         return {n.node_id for n in self.nodes.values() if n.declared_dead}
 
     # -- Door: calls -------------------------------------------------------------------------------
+    def _send_at(self, calls: int = 1) -> float:
+        """Queue ``calls`` calls on the controller's CPU; the virtual time the last of them is sent."""
+        now = asyncio.get_running_loop().time()
+        if self.call_cpu_s <= 0:
+            return now
+        self._cpu_free_at = max(now, self._cpu_free_at) + calls * self.call_cpu_s
+        self.cpu_charged_s += calls * self.call_cpu_s
+        return self._cpu_free_at
+
     async def call(self, handle: SimShard, method: str, *args: Any, timeout: float, expect_ack: bool = False,
                    **kwargs: Any) -> Outcome:
+        return await self._sent_at(self._send_at(), handle, method, args, timeout, expect_ack, kwargs)
+
+    async def _sent_at(self, at: float, handle: SimShard, method: str, args: tuple, timeout: float,
+                       expect_ack: bool, kwargs: dict) -> Outcome:
+        """The call, once the controller's CPU sent it (virtual time ``at``); its deadline counts from there."""
+        wait = at - asyncio.get_running_loop().time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return await self._call(handle, method, *args, timeout=timeout, expect_ack=expect_ack, **kwargs)
+
+    async def _call(self, handle: SimShard, method: str, *args: Any, timeout: float, expect_ack: bool = False,
+                    **kwargs: Any) -> Outcome:
         self.calls += 1
         self.by_method[method] = self.by_method.get(method, 0) + 1
         loop = asyncio.get_running_loop()
@@ -191,15 +240,17 @@ class SimDoor:
 
     async def fan_out(self, calls: Mapping[Hashable, tuple], timeout: float,
                       expect_ack: bool = False) -> dict[Hashable, Outcome]:
-        """Every call settles before it returns. A call that takes no simulated time (a healthy, placed
-        shard's ``rpc_s == 0`` methods: ping, stats, set_route, ...) runs inline instead of as a task:
-        the same outcome, without the event loop's per-task cost, which at 1,024 shards was most of the
-        simulator's own time."""
+        """Every call settles before it returns. The calls queue on the controller's CPU in order
+        (``call_cpu_us`` each: module docstring), and the fan-out returns no sooner than the last is sent.
+        A call that takes no simulated time (a healthy, placed shard's ``rpc_s == 0`` methods: ping, stats,
+        set_route, ...) runs inline instead of as a task, answered as of now: the same outcome, without
+        the event loop's per-task cost, which at 1,024 shards was most of the simulator's own time."""
         out: dict[Hashable, Outcome] = {}
         slow: dict[Hashable, Any] = {}
-        for key, (h, m, a, kw) in calls.items():
-            coro = self.call(h, m, *a, timeout=timeout, expect_ack=expect_ack, **kw)
+        last = self._send_at(len(calls))
+        for k, (key, (h, m, a, kw)) in enumerate(calls.items()):
             if h.node and not h.dead and not h.hung and self.timings.of(m) == 0:
+                coro = self._call(h, m, *a, timeout=timeout, expect_ack=expect_ack, **kw)
                 try:
                     coro.send(None)
                 except StopIteration as done:
@@ -207,10 +258,13 @@ class SimDoor:
                     continue
                 coro.close()
                 raise RuntimeError(f"sim: {m} on slot {h.slot} suspended although it takes no simulated time")
-            slow[key] = coro
+            slow[key] = self._sent_at(last - (len(calls) - 1 - k) * self.call_cpu_s, h, m, a, timeout, expect_ack, kw)
         if slow:
             outs = await asyncio.gather(*slow.values())
             out.update(zip(slow, outs))
+        wait = last - asyncio.get_running_loop().time()
+        if wait > 0:  # the inline calls' last one is sent only now
+            await asyncio.sleep(wait)
         return {k: out[k] for k in calls}
 
     # -- Door: the key-value store -----------------------------------------------------------------

@@ -23,7 +23,9 @@ are alive and answering):
 - capacity: published members that are alive and answering, as a share of ``engines``;
 - each refit's simulated seconds, and the real CPU seconds the process spent while it ran
   (``time.process_time``: the controller's own work, plus the simulated door's, which is
-  a few microseconds per call);
+  a few microseconds per call); the simulated CPU the door charged the controller for the
+  calls made while it ran (``call_cpu_s_per_refit``, at ``Scenario.call_cpu_us`` per call: what real
+  Ray's client side costs, ``sim.door.CALL_CPU_US``), and the refit's phases' seconds;
 - for every fault, the time until capacity was whole again;
 - the control plane's load: door calls and key-value writes per refit and per hour.
 
@@ -47,7 +49,7 @@ from typing import Any
 from fleet.controller import SingleController
 from fleet.errors import FleetStopped, RefitNotStaged
 from sim.clock import LoopClock, run_virtual
-from sim.door import SimDoor, SimTrainer
+from sim.door import CALL_CPU_US, SimDoor, SimTrainer
 from sim.faults import Fault, FaultSpec, schedule
 from sim.shard import Timings
 from sim.transfer import SimTransfer, TransferModel
@@ -77,6 +79,8 @@ class Scenario:
     # the refit stages the update while the fleet serves and closes the gate for the apply only
     # (FleetConfig.stage_ahead); the apply's speed is ``transfer.apply_Bps``
     stage_ahead: bool = False
+    # the controller's CPU per control call (``sim.door``): by default what real Ray cost (``CALL_CPU_US``)
+    call_cpu_us: float = CALL_CPU_US
     fleet: dict = field(default_factory=dict)  # FleetConfig fields over the defaults below
 
     def fleet_config(self) -> dict:
@@ -120,7 +124,8 @@ class _Run:
 
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
-        self.door = SimDoor(sc.engines + sc.spare_engines, sc.timings, sc.engines_per_node, sc.spare_nodes)
+        self.door = SimDoor(sc.engines + sc.spare_engines, sc.timings, sc.engines_per_node, sc.spare_nodes,
+                            sc.call_cpu_us)
         self.clock = LoopClock()
         self.trainer = SimTrainer()
         self.controllers: list[SingleController] = []  # the last one is the live one
@@ -203,6 +208,7 @@ class _Run:
                 await self.controller_up.wait()
                 ctl = self.ctl
                 t_start, cpu0, calls0, kv0 = loop.time(), time.process_time(), self.door.calls, self.door.kv_puts
+                charged0 = self.door.cpu_charged_s
                 log0, open0 = len(ctl.log), ctl.gate.is_open
                 methods0 = dict(self.door.by_method)
                 refit = asyncio.ensure_future(ctl.sync_weights(version, self.trainer))
@@ -213,7 +219,7 @@ class _Run:
                     refit.cancel()
                     continue
                 try:
-                    refit.result()
+                    summary = refit.result()
                 except FleetStopped as exc:
                     self.stopped = f"refit of version {version}: {exc}"
                     return
@@ -227,7 +233,8 @@ class _Run:
                 self.refits.append({
                     "version": version, "t": t_start - self.t0, "s": loop.time() - t_start,
                     "cpu_s": time.process_time() - cpu0, "calls": self.door.calls - calls0,
-                    "kv_puts": self.door.kv_puts - kv0,
+                    "kv_puts": self.door.kv_puts - kv0, "call_cpu_s": self.door.cpu_charged_s - charged0,
+                    "phases_s": dict(summary.get("phases_s", {})),
                     "methods": {m: k - methods0.get(m, 0) for m, k in self.door.by_method.items() if k > methods0.get(m, 0)},
                 })
                 self.refits[-1]["gate_closed_s"] = self.gate_closed_s(ctl, log0, open0, loop.time())
@@ -314,6 +321,11 @@ class _Run:
             "refits_stopped": 1 if self.stopped else 0, "stopped": self.stopped,
             "refits_not_staged": len(self.not_staged),
             "controller_cpu_s_per_refit": round(sum(cpu) / len(cpu), 5) if cpu else None,
+            "call_cpu_us": sc.call_cpu_us,
+            "call_cpu_s_per_refit": round(sum(r["call_cpu_s"] for r in self.refits) / len(self.refits), 3)
+            if self.refits else None,
+            "phases_s_per_refit": {p: round(sum(r["phases_s"].get(p, 0.0) for r in self.refits) / len(self.refits), 3)
+                                   for p in dict.fromkeys(p for r in self.refits for p in r["phases_s"])},
             "calls_per_refit": round(sum(r["calls"] for r in self.refits) / max(1, len(self.refits)), 1),
             "calls_by_method_per_refit": {m: round(sum(r["methods"].get(m, 0) for r in self.refits) / max(1, len(self.refits)), 1)
                                           for m in sorted({m for r in self.refits for m in r["methods"]})},
