@@ -58,6 +58,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from health.faultplan import REFIT_PHASES  # noqa: E402
 from sim.door import CALL_CPU_SOURCE, CALL_CPU_US  # noqa: E402  (the path line above makes the repo importable)
 from sim.faults import FaultSpec, schedule  # noqa: E402
 from sim.run import Scenario, simulate  # noqa: E402
@@ -98,7 +99,7 @@ def door_cpu_s_per_refit(n: int, mix: dict[str, float], rounds: int = 5) -> floa
     return round(run_virtual(go()), 4)
 
 
-GATE_CLOSED_PHASES = ("close", "staleness", "reconcile", "pause", "transfer", "stamp", "resume", "reopen")
+GATE_CLOSED_PHASES = REFIT_PHASES  # every refit phase runs with the gate closed (``stage`` does not)
 
 
 def call_cost_figures(n: int, charged: dict, free: dict) -> dict:

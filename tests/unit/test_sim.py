@@ -465,7 +465,8 @@ def test_a_refits_gate_closed_time_grows_by_its_calls_times_their_cost(charged_v
 
     for a, b in zip(free_run.refits, run.refits):
         calls = sum(own(b).values())
-        assert own(a) == own(b) and calls >= 3 * 64, own(b)  # the same calls, at a price
+        # the same calls, at a price: begin_refit and end_refit per engine (the simulated transfer is not a door call)
+        assert own(a) == own(b) and calls >= 2 * 64, own(b)
         assert b["call_cpu_s"] >= calls * 0.01 - 1e-9
         # every call of the refit is made with the gate closed, one after another; a round of background
         # polls (64 calls) may queue ahead of some of them
@@ -477,7 +478,7 @@ def test_a_refits_gate_closed_time_grows_by_its_calls_times_their_cost(charged_v
 def test_the_run_reports_the_cost_it_charged_and_each_refit_phase(charged_vs_free):
     _, charged = charged_vs_free[10_000.0]
     phases = charged["phases_s_per_refit"]
-    assert {"stage", "close", "pause", "transfer", "stamp", "resume", "reopen"} <= set(phases), phases
+    assert {"stage", "close", "pause", "transfer", "commit", "resume", "reopen"} <= set(phases), phases
     assert phases["pause"] >= 64 * 0.01  # 64 pauses sent 10 ms apart
 
 
