@@ -40,15 +40,17 @@ from sim.shard import CALL_DEADLINE, CallTimedOut, ShardDied, SimShard, Timings
 __all__ = ["CALL_CPU_US", "CALL_CPU_SOURCE", "Node", "SimDoor", "SimTrainer"]
 
 # Controller CPU per Ray call, microseconds: ``controller_cpu_us_per_call`` of
-# ``PYTHONPATH=. python scripts/bench_lifecycle.py --skip-real`` (default sizes 1,32,128, 30 refits over 3
-# rounds), run 2026-12-03 on the 2-core, 24 GB development machine: the controller process's CPU over a
-# refit of 128 NullBackend shard actors on real Ray (every thread, so Ray's client side), divided by the
-# Ray calls the refit made. Fixed costs are in it too (the intent's writes to Ray's GCS): an upper bound.
-# Two full runs that day read 1023.2 (the machine loaded: load average ~49) and 624.7 (quieter; 246 us of it
-# on the event loop's thread); the higher one is kept, so the simulation errs on the slow side.
-CALL_CPU_US = 1023.2
-CALL_CPU_SOURCE = ("scripts/bench_lifecycle.py --skip-real, 2026-12-03, 2-core dev machine: "
-                   "controller_cpu_us_per_call at 128 real Ray shard actors")
+# ``python scripts/bench_lifecycle.py --skip-real`` (default sizes 1,32,128, 30 refits over 3 rounds), run
+# 2026-12-03 13:23 UTC on the 2-core, 24 GB development machine with the refit at three calls per engine
+# (begin_refit, the transfer's receive, end_refit): the controller process's CPU over a refit of 128
+# NullBackend shard actors on real Ray (every thread, so Ray's client side), divided by the Ray calls the
+# refit made. Fixed costs are in it too (the intent's writes to Ray's GCS), so it is an upper bound of one
+# call's cost, and fewer calls a refit spread them thinner: two runs of the same bench at four calls per
+# engine read 1023.2 (machine loaded) and 624.7 us that day. The simulator charges it for every call its
+# door sends and for the transport's call per engine (``SimTransfer(send_calls=...)``).
+CALL_CPU_US = 1384.7
+CALL_CPU_SOURCE = ("scripts/bench_lifecycle.py --skip-real, 2026-12-03 13:23 UTC, 2-core dev machine: "
+                   "controller_cpu_us_per_call at 128 real Ray shard actors, 3 calls per engine per refit")
 
 
 class NodeUnreachable(ConnectionError):
@@ -189,6 +191,13 @@ class SimDoor:
         self._cpu_free_at = max(now, self._cpu_free_at) + calls * self.call_cpu_s
         self.cpu_charged_s += calls * self.call_cpu_s
         return self._cpu_free_at
+
+    async def send_calls(self, calls: int) -> None:
+        """Charge ``calls`` calls the controller makes outside this door (the weight transport's one receive
+        call per engine) on its CPU, as a fan-out's; returns once the last of them is sent."""
+        wait = self._send_at(calls) - asyncio.get_running_loop().time()
+        if wait > 0:
+            await asyncio.sleep(wait)
 
     async def call(self, handle: SimShard, method: str, *args: Any, timeout: float, expect_ack: bool = False,
                    **kwargs: Any) -> Outcome:

@@ -145,7 +145,7 @@ class _Run:
     # -- the controller, as Ray runs it ------------------------------------------------------
     def build_controller(self) -> SingleController:
         ctl = SingleController(self.sc.fleet_config(), door=self.door, clock=self.clock,
-                               transfer=SimTransfer(self.sc.transfer))
+                               transfer=SimTransfer(self.sc.transfer, send_calls=self.door.send_calls))
         self.controllers.append(ctl)
         if self.visible is None:
             self.visible = ctl

@@ -7,7 +7,8 @@ group is rebuilt (a new membership epoch, a retry, or after a failed collective)
 ``apply_Bps``, the device's copy speed). Staged semantics, as ``refit``'s default: an
 engine's weights change only in the apply, after every byte arrived.
 
-Three calls, as the port has them:
+Three calls, as the port has them (each is one call from the controller to every participant: with
+``send_calls``, the simulator's door charges their controller CPU before the bytes start):
 
 - ``transfer``: broadcast and apply in one call (engines paused for all of it);
 - ``stage``: the broadcast alone, into each engine's staging area, while the engines
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from fleet.errors import RefitArgumentError
 from fleet.weights import TransferResult
@@ -67,8 +68,10 @@ class TransferModel:
 class SimTransfer:
     """See the module docstring."""
 
-    def __init__(self, model: TransferModel) -> None:
+    def __init__(self, model: TransferModel, send_calls: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.model = model
+        # the controller's CPU for the port's one call per participant (``SimDoor.send_calls``); None: free
+        self.send_calls = send_calls
         self._epoch: int | None = None
         self.staged: dict[tuple[int, int], int] = {}  # (slot, incarnation) -> version in its staging area
 
@@ -77,8 +80,13 @@ class SimTransfer:
             raise RefitArgumentError(f"sync_weights: source must be the simulator's trainer, got {source!r}; nothing changed")
 
     # -- the port --------------------------------------------------------------------------------
+    async def _sent(self, participants) -> None:
+        if self.send_calls is not None:
+            await self.send_calls(len(participants))
+
     async def transfer(self, participants, version, epoch, source, rebuild, timeout) -> dict[int, TransferResult]:
         self.check_source(source)
+        await self._sent(participants)
         failed = await self._broadcast(participants, epoch, rebuild, timeout, extra_s=self.model.apply_seconds())
         if failed:
             return failed
@@ -89,6 +97,7 @@ class SimTransfer:
     async def stage(self, participants, version, epoch, source, timeout) -> dict[int, TransferResult]:
         """The broadcast into each participant's staging area; live weights untouched (never ``dirty``)."""
         self.check_source(source)
+        await self._sent(participants)
         for key in [k for k, v in self.staged.items() if v < version]:
             del self.staged[key]  # a staging area holds one update: an older one is overwritten
         failed = await self._broadcast(participants, epoch, False, timeout)
@@ -105,6 +114,7 @@ class SimTransfer:
         """The apply alone, on each participant that staged ``version`` (same incarnation)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        await self._sent(participants)
         out: dict[int, TransferResult] = {}
         applying: dict[int, Any] = {}
         for p, shard in participants:

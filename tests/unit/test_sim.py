@@ -140,6 +140,22 @@ def test_stage_moves_every_byte_without_touching_live_weights():
     assert port.staged == {(s, 1): 2 for s in range(4)}  # the newer update replaced the older one
 
 
+def test_the_transports_call_per_engine_is_charged_on_the_controllers_cpu_before_the_bytes_move():
+    door = SimDoor(8, Timings(), call_cpu_us=10_000.0)
+    charged, free, parts = SimTransfer(MODEL, send_calls=door.send_calls), SimTransfer(MODEL), engines()
+
+    async def body(loop):
+        took = []
+        for port in (free, charged):
+            t0 = loop.time()
+            await port.stage(parts, 1, 1, SimTrainer(), timeout=600)
+            took.append(loop.time() - t0)
+        return took
+
+    s_free, s_charged = in_virtual_time(body)
+    assert s_charged == pytest.approx(s_free + 4 * 0.010) and door.cpu_charged_s == pytest.approx(0.040)
+
+
 def test_apply_staged_applies_only_what_each_incarnation_staged():
     port, parts = SimTransfer(MODEL), engines()
     restarted = (Participant(3, 2, 4), SimShard(3, 2, "node0", Timings()))  # slot 3's next incarnation
@@ -465,13 +481,15 @@ def test_a_refits_gate_closed_time_grows_by_its_calls_times_their_cost(charged_v
 
     for a, b in zip(free_run.refits, run.refits):
         calls = sum(own(b).values())
-        # the same calls, at a price: begin_refit and end_refit per engine (the simulated transfer is not a door call)
+        # the same calls, at a price: begin_refit and end_refit per engine through the door, and the transport's
+        # call per engine to stage (gate open) and to apply (gate closed), charged by ``SimTransfer``
         assert own(a) == own(b) and calls >= 2 * 64, own(b)
-        assert b["call_cpu_s"] >= calls * 0.01 - 1e-9
-        # every call of the refit is made with the gate closed, one after another; a round of background
-        # polls (64 calls) may queue ahead of some of them
+        assert b["call_cpu_s"] >= (calls + 2 * 64) * 0.01 - 1e-9
+        # every call made with the gate closed is made one after another; a round of background polls (64 calls)
+        # may queue ahead of some of them
+        closed = calls + 64
         grew = b["gate_closed_s"] - a["gate_closed_s"]
-        assert calls * 0.01 - 1e-6 <= grew <= (calls + 64) * 0.01 + 1e-6, (grew, calls, b["methods"])
+        assert closed * 0.01 - 1e-6 <= grew <= (closed + 64) * 0.01 + 1e-6, (grew, closed, b["methods"])
     assert charged["availability"] < free["availability"]
 
 
