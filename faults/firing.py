@@ -5,7 +5,7 @@ only, so a firing means the same everywhere, and this is the one place that know
 how each kind of fault is fired (``faults.evidence`` is the one that knows how each
 is proven):
 
-- a ``kill`` at the ``step_boundary`` is ``Fleet.kill_shard`` once the slot is up
+- a ``kill`` at the ``step_boundary`` is ``kill_shard`` (``fleet.operator.FaultInjector``) once the slot is up
   (healthy or stale; waited for up to ``up_timeout_s``, since killing a slot that is
   still restarting would hit nothing);
 - a ``kill`` ``between_refits`` is the same kill; once the step's firings are done,
@@ -17,7 +17,7 @@ is proven):
   batches are submitted (``load``, every ``PROVOKE_EVERY_S``) until the controller found
   the slot gone; then as for a kill. The controller must evict it within its
   ``hang_detection_bound_s`` (recorded as ``bound_s``), and its requests are re-sent then;
-- every other shard fault is armed with ``Fleet.arm_fault`` at the shard's hook point
+- every other shard fault is armed with ``arm_fault`` at the shard's hook point
   for its ``where`` and goes off when the shard reaches that point;
 - a ``kill_controller`` kills the fleet's controller (Ray restarts it; the new one
   re-adopts the shards). ``between_refits``: its process is SIGKILLed from here
@@ -25,7 +25,7 @@ is proven):
   step's requests are in flight; a batch is submitted while it is down (``load``), and
   the firing waits until the controller answers again (its generation grew) and
   records the client's view of the outage. At a refit phase or ``shutdown``:
-  ``Fleet.arm_controller_crash`` (the controller kills itself when it gets there);
+  ``arm_controller_crash`` (the controller kills itself when it gets there);
 - a trainer's fault (``where: update`` or ``call``) is a ``sync_weights`` call the
   firing makes itself, with the ``trainer``'s weight source, and records as it ends:
   ``corrupt_<kind>``: the source's next update corrupted (``TENSOR``), one refit,
@@ -124,6 +124,7 @@ class FaultFiring:
                  t0: float | None = None, up_timeout_s: float = 240.0, trainer: Trainer | None = None,
                  load: Callable[[], int] | None = None) -> None:
         self.fleet = fleet
+        self.faults = fleet.fault_injector()  # ``fleet.operator.FaultInjector``: what arms and kills
         self.firings = list(firings)
         self.log = log
         self.t0 = time.monotonic() if t0 is None else t0
@@ -160,9 +161,9 @@ class FaultFiring:
         elif hook_point(f.where, f.what) == "step_boundary":
             self._say_if(not wait_until(lambda: slot_states(self.fleet.status()).get(f.slot) in UP, self.up_timeout_s),
                          f"gave up waiting for slot {f.slot} up before the kill after {self.up_timeout_s:.0f} s")
-            self.fleet.kill_shard(f.slot)
+            self.faults.kill_shard(f.slot)
         else:
-            self.fleet.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
+            self.faults.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
         if f.where == "between_refits" and f.what in FREEZES:  # freeze_core: with a request in flight, by its stall
             done["bound_s"] = self.fleet.status()["stall_detection_bound_s" if f.what == "freeze_core"
                                                   else "hang_detection_bound_s"]
@@ -174,7 +175,7 @@ class FaultFiring:
         fleet run at full speed and health probes of that shard do not time out. Returns them."""
         slowed = [f for f in self.due(step) if f.what == "slow" and f.slot is not None]
         for f in slowed:
-            self.fleet.arm_fault(f.slot, "ping", "slow", 0.0)
+            self.faults.arm_fault(f.slot, "ping", "slow", 0.0)
         return slowed
 
     def _say_if(self, cond: bool, message: str) -> None:
@@ -225,7 +226,7 @@ class FaultFiring:
         info = self.fleet.controller_info()
         done: dict[str, Any] = {"controller": {"pid": info["pid"], "generation": info["generation"]}}
         if f.where != "between_refits":
-            self.fleet.arm_controller_crash(f.where, f.delay_s)
+            self.faults.arm_controller_crash(f.where, f.delay_s)
             return done
         outage0 = self.fleet.client.controller_outage()
         try:

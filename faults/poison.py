@@ -31,8 +31,9 @@ def poison_request(fleet, say: Callable[[str], Any] = print) -> dict:
         time.sleep(0.2)
     status = fleet.status()
     armed = [s["slot"] for s in status["ledger"]["slots"] if s["state"] == "healthy"]
+    faults = fleet.fault_injector()
     for slot in armed:
-        fleet.arm_fault(slot, "generate", "poison", 0.0, 0, POISON_TOKENS)
+        faults.arm_fault(slot, "generate", "poison", 0.0, 0, POISON_TOKENS)
     calls = [_send(fleet, status["version"]) for _ in range(2)]
     others = [r for g in fleet.generate([PROMPT] * 6, 1, SAMPLING) for r in g]
     after = fleet.status()

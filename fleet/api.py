@@ -31,6 +31,7 @@ from fleet.dispatch import FleetResult
 from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.naming import NAMESPACE, controller_name, new_fleet_name
 from fleet.outcome import DIED, UNAVAILABLE
+from fleet.operator import FaultInjector
 from fleet.routing import VersionPolicy
 
 # The controller only waits: no CPU reserved; its calls are control calls and one long poll per client.
@@ -238,9 +239,9 @@ class Fleet:
         """The controller's name, generation (times it was restarted) and process id."""
         return self._ask("ping", timeout=60)
 
-    def arm_controller_crash(self, point: str, delay_s: float = 0.0) -> bool:
-        """Fault injection: the controller's process kills itself at ``point`` (``SingleController.arm_crash``)."""
-        return self._ask("arm_crash", point, delay_s, timeout=60)
+    def fault_injector(self) -> FaultInjector:
+        """The fault-injection handle on this fleet (``fleet.operator``): for the fault matrix and drills."""
+        return FaultInjector(self._ask)
 
     @property
     def _request_bound_s(self) -> float:
@@ -353,14 +354,6 @@ class Fleet:
     def admission_metrics(self) -> dict[int, dict]:
         """Per slot: admission cap, the law's counters, and the engine's last polled stats (preemptions, KV usage)."""
         return self._ask("admission_metrics", timeout=60)
-
-    def arm_fault(self, slot: int, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0,
-                  match: list[int] | None = None) -> bool:
-        """Arm a fault on ``slot`` (``fleet.fault_hooks``); ``match``: the token ids of a ``poison`` prompt."""
-        return self._ask("arm_fault", slot, point, action, delay_s, after_calls, match, timeout=60)
-
-    def kill_shard(self, slot: int) -> bool:
-        return self._ask("kill_shard", slot, timeout=60)
 
     def shutdown(self, timeout_s: float = 180.0) -> dict:
         """Return pending requests explicitly, stop every engine and the controller. A second call is a no-op.

@@ -265,7 +265,7 @@ def death_to_reopen(model: str) -> dict:
     try:
         fleet.sync_weights(1, source)
         mark = len(fleet.events())
-        fleet.kill_shard(1)
+        fleet.fault_injector().kill_shard(1)
         t0 = time.monotonic()
         summary = fleet.sync_weights(2, source)
         wall = time.monotonic() - t0
@@ -300,7 +300,7 @@ def capacity_restore(model: str, spares: int, kills: int) -> list[float]:
             slot = status["serving"][0]
             inc = incarnations(status)[slot]
             mark = len(fleet.events())
-            fleet.kill_shard(slot)
+            fleet.fault_injector().kill_shard(slot)
             if not spares:
                 _back_up(fleet, slot, inc, poll_s=0.05)
                 version += 1

@@ -52,6 +52,6 @@ def test_refit_misuse_changes_nothing(run):
     with pytest.raises(TypeError, match="fleet.collect takes what fleet.submit returned, got list"):
         run.fleet.collect(["not a pending group"])  # was an AttributeError from inside collect
     with pytest.raises(ValueError, match=r"no engine runs in slot 9; slots with one: \[0, 1\]"):
-        run.fleet.kill_shard(9)  # was a KeyError raised in the controller actor
+        run.fleet.fault_injector().kill_shard(9)  # was a KeyError raised in the controller actor
     after = run.fleet.status()
     assert after["gate_open"] and after["serving"] == status["serving"] and after["stopped"] is None

@@ -312,7 +312,7 @@ def test_controller_killed_between_pause_and_resume(run, point):
     generation = fleet.controller_info()["generation"]
     counters0 = fleet.client.counters()
     pending = [fleet.submit(PROMPTS[i], 1, SAMPLING) for i in range(4)]  # held across the pause
-    fleet.arm_controller_crash(point)  # SIGKILLs its own process as that phase begins (shards paused)
+    fleet.fault_injector().arm_controller_crash(point)  # SIGKILLs its own process as that phase begins (shards paused)
     version = run.next_weights()
     summary = fleet.sync_weights(version, run.source)  # re-sent under its refit id to the restarted controller
     print("sync_weights across the controller's death:", summary)
@@ -355,8 +355,8 @@ def test_controller_killed_while_a_shard_hangs_in_adoption_clients_ride_through(
     generation = fleet.controller_info()["generation"]
     counters0 = fleet.client.counters()
     pending = [fleet.submit(PROMPTS[i], 1, SAMPLING) for i in range(4)]  # held across the pause
-    assert fleet.arm_fault(1, "resume", "hang")  # fires at the next resume: the re-adoption's
-    fleet.arm_controller_crash("transfer")  # dies as the transfer begins: engines paused, nothing moved
+    assert fleet.fault_injector().arm_fault(1, "resume", "hang")  # fires at the next resume: the re-adoption's
+    fleet.fault_injector().arm_controller_crash("transfer")  # dies as the transfer begins: engines paused, nothing moved
     version = run.next_weights()
     t0 = time.monotonic()
     summary = fleet.sync_weights(version, run.source)

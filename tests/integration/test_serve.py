@@ -228,7 +228,7 @@ def test_a_shard_killed_under_load_costs_the_clients_nothing_but_latency(served)
     before = served.server.front.client.counters()["requeued"]
     t, out = _load_in_thread(served.url, clients=6, seconds=8.0, max_tokens=32)
     time.sleep(2.5)
-    fleet.kill_shard(0)
+    fleet.fault_injector().kill_shard(0)
     t.join(timeout=180)
     assert not t.is_alive(), "the load test did not end: a request hung"
     assert out["lost"] == 0, out["errors"]

@@ -82,7 +82,7 @@ def test_a_shard_killed_as_it_stages_is_replaced_and_the_refit_lands_on_the_othe
     slot = 1
     incarnations = {s["slot"]: s["incarnation"] for s in run.fleet.status()["ledger"]["slots"]}
     incarnation = incarnations[slot]
-    assert run.fleet.arm_fault(slot, "transfer", "kill")  # fires at rlfleet_stage, the call that starts the staging
+    assert run.fleet.fault_injector().arm_fault(slot, "transfer", "kill")  # fires at rlfleet_stage, the call that starts the staging
     load = ClientLoad(run.fleet, 2, PROMPT, SHORT, name="stage-kill-client")
     summary = run.refit()
     results = load.end(60)
@@ -117,7 +117,7 @@ def test_a_controller_killed_while_the_update_stages_is_restarted_and_the_refit_
     generation = fleet.controller_info()["generation"]
     load = ClientLoad(fleet, 1, PROMPT, SHORT, name="stage-controller-kill-client")
     freeze_next_staging(fleet)
-    assert fleet.arm_controller_crash("stage", 0.5)
+    assert fleet.fault_injector().arm_controller_crash("stage", 0.5)
     version = run.next_weights()
     summary = fleet.sync_weights(version, run.source, stage_ahead=True)  # re-sent under its refit id to the restarted controller
     assert fleet.controller_info()["generation"] == generation + 1  # it died (its own log died with it)

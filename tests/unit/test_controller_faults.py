@@ -180,6 +180,9 @@ class _Fleet:
         except subprocess.TimeoutExpired:
             return False
 
+    def fault_injector(self):  # the fake fleet is its own injector
+        return self
+
     def arm_controller_crash(self, point, delay_s=0.0):
         self.armed.append((point, delay_s))
         return True

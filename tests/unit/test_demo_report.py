@@ -113,6 +113,9 @@ class _FakeFleet:
     def status(self):
         return {"ledger": {"slots": [{"slot": s, "state": st} for s, st in self.states.items()]}}
 
+    def fault_injector(self):  # the fake fleet is its own injector
+        return self
+
     def kill_shard(self, slot):
         self.calls.append(("kill_shard", slot))
         return True

@@ -282,6 +282,9 @@ class _Fleet:
         self.committed = version
         return {"version": version}
 
+    def fault_injector(self):  # the fake fleet is its own injector
+        return self
+
     def kill_shard(self, slot):
         self.slots[slot] = ["restarting", self.slots[slot][1] + 1]
         self.epoch += 1  # the controller publishes the change; the client hears of it a few reads later
