@@ -264,20 +264,21 @@ class RefitLifecycle:
             raise _EndRefit(FleetExhausted, f"refit of version {self._version}: no live engine to take part")
         return plan
 
-    async def pause(self, plan: MembershipPlan, skip: set[int] = frozenset()) -> set[int]:
+    async def pause(self, plan: MembershipPlan, skip: set[int] = frozenset(), fence_others: bool = False) -> set[int]:
         """Step 3, one call per participant (``begin_refit`` with its pause): refuse work routed before the
         gate closed (``_fence_epoch``), abort the in-flight requests whose version policy the refit's version would break
-        (their clients re-send them), then pause, keeping the rest in flight. Every other engine (quarantined,
-        starting) is fenced too, bounded like a probe: one that never heard it left the serving set must not
-        admit work routed before this refit. All calls settle first. Returns the slots paused (``skip``: the
-        participants paused already, left alone)."""
+        (their clients re-send them), then pause, keeping the rest in flight. With ``fence_others`` (the refit's
+        first pause) every other engine (quarantined, starting) is fenced too, bounded like a probe: one that
+        never heard it left the serving set must not admit work routed before this refit; a later pause (an
+        engine that joined, the transfer's re-pause) does not wait on them again. All calls settle first.
+        Returns the slots paused (``skip``: the participants paused already, left alone)."""
         version, epoch = self._version, self._fence_epoch
         targets = {p.slot: p for p in plan.participants if p.slot not in skip}
         handles = self.ctl.handles
         native = self.ctl.native_pause
         emulated = {s: p for s, p in targets.items() if native.get(s, True) is False}
         members = {p.slot for p in plan.participants}
-        others = {(s, i): h for s, (i, h) in handles.items() if s not in members}
+        others = {(s, i): h for s, (i, h) in handles.items() if s not in members} if fence_others else {}
         fused = {s: (handles[s][1], "begin_refit", (epoch, version), {"pause": self._pause_kw()})
                  for s in targets if s not in emulated}
         outs, fenced, emulated_outs = await asyncio.gather(
@@ -345,7 +346,7 @@ class RefitLifecycle:
         A participant that died while pausing leaves the plan (a new epoch without
         it); an engine that became ready meanwhile joins it and is paused too.
         """
-        paused = await self.pause(plan)
+        paused = await self.pause(plan, fence_others=True)
         for _ in range(3):
             fresh = self.reconcile()
             members = {p.slot for p in fresh.participants}

@@ -167,6 +167,26 @@ def test_a_first_attempt_that_ran_into_a_frozen_engine_still_leaves_the_retry_it
     run(go())
 
 
+def test_the_re_pause_does_not_wait_on_the_frozen_engine_it_left_behind(model_dir):
+    """Seen on real engines (freeze-during-transfer, after the refit's calls were fused): the re-pause fenced
+    every engine outside the retry's plan, the frozen one included, and waited out its probe bound inside the
+    transfer phase; the retry then ran out of the phase and the fleet stopped below quorum. The refit's first
+    pause fences the others; a later pause does not wait on them again."""
+    async def go():
+        ctl, door, transfer = make(model_dir, restart_backoff_s=30.0, restart_backoff_cap_s=30.0)
+        await ctl.start()
+        transfer.fail[1] = {0: "hang"}  # frozen: the collective fails for everyone, its ping never answers
+        door.shards[(0, 1)].sticky["fence"] = "hang"  # nor does a fence
+        door.calls.clear()
+        summary = await ctl.sync_weights(1)
+        after = door.calls[door.calls.index(("transfer", -1, 1)):]
+        assert ("fence", 0, 1) not in after, "the re-pause waited on the frozen engine"
+        assert summary["attempts"] == 2 and summary["retry_skipped"] is None and summary["complete"] == [1, 2]
+        await ctl.shutdown()
+
+    run(go())
+
+
 def test_the_retry_is_skipped_when_less_is_left_than_an_attempt_is_sized_for(model_dir):
     async def go():
         ctl, door, transfer = make(model_dir)
