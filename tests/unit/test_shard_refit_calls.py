@@ -15,8 +15,8 @@ import pytest
 from fleet.errors import ShardUnavailableError
 from fleet.null_backend import NullBackend
 from fleet.routing import Ticket, VersionPolicy
-from fleet.shard import EngineShard
 from tests.unit.fleet_fakes import run_virtual
+from tests.unit.test_shard_progress import shard_on  # the real shard in-process, on the virtual loop's clock
 
 
 class RecordingBackend(NullBackend):
@@ -30,13 +30,6 @@ class RecordingBackend(NullBackend):
     async def pause(self, mode, clear_cache):
         self.pauses.append((mode, clear_cache))
         await super().pause(mode, clear_cache)
-
-
-def shard_on(backend, model_dir) -> EngineShard:
-    shard = EngineShard({"model": model_dir, "backend": "null"}, 1, 1, backend_factory=lambda cfg: backend)
-    shard._now = lambda: asyncio.get_running_loop().time()
-    shard._progress = shard._watch_progress()
-    return shard
 
 
 KEEP = {"mode": "keep", "clear_cache": False, "clear_if_idle": True}
