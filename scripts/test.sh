@@ -59,6 +59,10 @@ for lane in fleets matrix; do
   echo "[$lane] exit $rc: $(grep -E '^=+ .*(passed|failed|error).* in ' "$work/$lane/log" | tail -1 | tr -d '=')"
   [ "$rc" = 0 ] || status=1
 done
+# What failed, at the end where a log's tail shows it (each lane's own summary is above its durations).
+for lane in fleets matrix; do
+  grep -E '^(FAILED|ERROR) ' "$work/$lane/log" | cut -c1-600 | head -20 | sed "s/^/[$lane] /" || true
+done
 python - "$work/fleets/starts.jsonl" "$work/matrix/starts.jsonl" <<'EOF'
 import sys
 from fleet.start_records import read_starts, summarize
