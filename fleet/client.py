@@ -32,12 +32,15 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleet.dispatch import Dispatcher, FleetResult
 from fleet.eventlog import EventLog
 from fleet.outcome import DIED, Outcome, is_unusable
 from fleet.routing import RoutingState, VersionPolicy
+
+if TYPE_CHECKING:  # the controller imports this module (``CLIENT_RECORD_KINDS``)
+    from fleet.controller import SingleController
 
 WATCH_S = 10.0  # one long poll waits at most this long for a change
 # While the controller cannot be reached: poll again after this long, doubling up to the cap.
@@ -119,7 +122,7 @@ class InProcessClient(_Client):
     """A client on the controller's own event loop, in its process (unit tests; an app that embeds the
     controller). Reads the publisher directly and writes request records into the controller's log."""
 
-    def __init__(self, ctl: Any, rng: Any = None) -> None:
+    def __init__(self, ctl: SingleController, rng: Any = None) -> None:
         self._ctl = ctl
         self.door = ctl.door
         self.config = ctl.cfg

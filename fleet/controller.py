@@ -18,24 +18,25 @@ failure the gate stays closed and the error names the shards.
 from __future__ import annotations
 
 import asyncio
-import warnings
-from typing import Any, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from fleet.admission import AdmissionController
-from fleet.errors import RefitArgumentError, RefitRefused, RefitSourceFailed
 from fleet.eventlog import EventLog
 from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.gate import DispatchGate
 from fleet.launch import failed as launch_failed, launch, launch_all
 from fleet.intent import COMMITTED, Intent, IntentStore
 from fleet.metrics import FleetMetrics, RunMeter, shard_load, shard_rows
-from fleet.naming import new_fleet_name, shard_name
-from fleet.outcome import DIED, TIMED_OUT, Outcome, is_unusable, observed, with_progress
+from fleet.lifecycle import RefitLifecycle
+from fleet.naming import new_fleet_name
+from fleet.outcome import DIED, TIMED_OUT, Outcome, with_progress
 from fleet.nodes import NodeMap
+from fleet.parts import Parts
 from fleet.publisher import RoutingPublisher
 from fleet.resend import RefitResends
 from fleet.routing import RoutingState
-from fleet.spares import apply_roles, initial_roles, role_rows
+from fleet.slots import Slots
 from health import (
     Batch,
     CallKind,
@@ -52,7 +53,6 @@ from health import (
     RefitFinished,
     RefitReport,
     RefitResult,
-    RefitRolledBack,
     RefitStarted,
     Restart,
     Retire,
@@ -60,12 +60,9 @@ from health import (
     StopExhausted,
     Tick,
     VersionCommitted,
-    step,
 )
 
 TIMER_INTERVAL_S = 0.2
-PLACEMENT_POLL_S = 1.0  # how often a restart that Ray cannot place yet asks again
-PLACEMENT_NOTE_AFTER_S = 5.0  # Ray takes a moment to start any actor's process: pending longer is worth a record
 
 
 class SingleController:
@@ -81,29 +78,24 @@ class SingleController:
 
             door = RayDoor()
         self.door = door
-        self.ledger = Ledger(self.cfg.health_config(), now=self.clock.now())
-        self.roles = initial_roles(self)  # which slots serve and which are warm spares (``fleet.spares``)
-        self.handles: dict[int, tuple[int, Any]] = {}
-        self.handles_revision = 0  # grows with every spawn (the publisher caches members by it)
-        self.plan = MembershipPlan.initial()
+        self.intent = IntentStore(door, self.name, report=self._intent_failed)
+        # the slots' one owner: handles, ledger, roles, the membership plan, and the intent writes about them
+        self.slots = Slots(Ledger(self.cfg.health_config(), now=self.clock.now()), self.cfg.num_engines,
+                           name=self.name, door=door, log=self.log, intent=self.intent, now=self.clock.now,
+                           engine=self.cfg.engine)
         self.stopped: str | None = None
         self.metrics = FleetMetrics(enabled=self.cfg.metrics)
         self.meter = RunMeter(self.clock.now())  # one run step: from one committed refit to the next
-        self.gate = DispatchGate(self.log, on_change=self._gate_changed)
-        self.publisher = RoutingPublisher(self)
+        self.gate = DispatchGate(self.log, committed=lambda: self.slots.ledger.current_version,
+                                 on_change=self._gate_changed)
         self.admission = AdmissionController(self.cfg.admission)
-        self._transfer = transfer
+        self.parts = Parts(self.cfg, self.name, self.clock, self.log, door, self.slots, self.intent, self.gate,
+                           self.admission, self.metrics, act=self)
+        self.publisher = RoutingPublisher(self.parts, holding=lambda: self.lifecycle.holding)
+        self.lifecycle = RefitLifecycle(self.parts, self.publisher, transfer, crash_point=lambda p: self.crash_point(p))
         self._tasks: set[asyncio.Task] = set()
-        self.restarting: dict[int, asyncio.Task] = {}
-        self._keep_warned = False
-        self.native_pause: dict[int, bool] = {}
-        self.nodes = NodeMap()  # which Ray node each shard runs on (``fleet.nodes``)
         self.refits: list[dict] = []
         self.resends = RefitResends()  # recent refits by the caller's id: a re-sent refit gets its own end
-        from fleet.lifecycle import RefitLifecycle
-
-        self.lifecycle = RefitLifecycle(self)
-        self.intent = IntentStore(door, self.name, report=self._intent_failed)
         self.generation = 0  # times this fleet's controller was restarted
         # Ray restarted this actor after its process died: the first call re-adopts the live shards.
         self._must_adopt = bool(getattr(door, "restarted", lambda: False)())
@@ -119,22 +111,48 @@ class SingleController:
         self.recovered: dict | None = None  # what re-adoption found and did (``fleet.recovery``)
         self._crash_at: tuple[str, float] | None = None  # fault injection: where this process kills itself
 
+    # ------------------------------------------------------------------ the slots, read-only (status, tests)
+    @property
+    def ledger(self) -> Ledger:
+        return self.slots.ledger
+
+    @property
+    def handles(self) -> Mapping[int, tuple[int, Any]]:
+        return MappingProxyType(self.slots.handles)
+
+    @property
+    def plan(self) -> MembershipPlan:
+        return self.slots.plan
+
+    @property
+    def nodes(self) -> NodeMap:
+        return self.slots.nodes
+
+    @property
+    def restarting(self) -> Mapping[int, asyncio.Task]:
+        return MappingProxyType(self.slots.restarting)
+
+    def serving_slots(self) -> list[int]:
+        """The slots that get traffic: HEALTHY (on the committed version) and in the serving role."""
+        return self.slots.serving_slots()
+
     # ------------------------------------------------------------------ start / stop
     async def start(self) -> dict:
         """Launch every slot, wait for them (bounded), commit the checkpoint as version 0, open the gate."""
         self.log.emit("phase", phase="start", edge="begin", engines=self.cfg.num_engines,
                       spares=self.cfg.spare_engines, fleet=self.name)
+        ledger = self.ledger
         self.intent.save(Intent(self.name, self.cfg.model_dump(), slots={
-            s: (self.ledger.raw(s).incarnation, 0) for s in range(self.ledger.num_slots)},
-            serving_roles=tuple(self.roles.to_list())))
-        incs = {slot: self.ledger.raw(slot).incarnation for slot in range(self.ledger.num_slots)}
-        outs = await launch_all(self, incs)  # bounded; a spawn that raises is a failed start, restarted
+            s: (ledger.raw(s).incarnation, 0) for s in range(ledger.num_slots)},
+            serving_roles=tuple(self.slots.roles.to_list())))
+        incs = {slot: ledger.raw(slot).incarnation for slot in range(ledger.num_slots)}
+        outs = await launch_all(self.parts, incs)  # bounded; a spawn that raises is a failed start, restarted
         for slot, out in outs.items():
             if out.ok:
-                self.note_started(slot, incs[slot], out.value)
+                self.slots.note_started(slot, incs[slot], out.value)
                 self.decide(EngineReady(slot, incs[slot]))
             else:
-                launch_failed(self, slot, incs[slot], out, "start")
+                launch_failed(self.parts, slot, incs[slot], out, "start")
         await self._commit_checkpoint()
         await self.poll_admission()  # size every cap from the engines' KV capacity before the first request
         await self.publisher.publish()  # clients may route from here on
@@ -153,10 +171,10 @@ class SingleController:
     async def _commit_checkpoint(self) -> None:
         """Every engine loaded the checkpoint from disk: that load is the complete refit of version 0."""
         self.decide(RefitStarted(0))
-        for slot, (inc, _) in self.handles.items():
+        for slot, (inc, _) in self.slots.handles.items():
             self.decide(RefitReport(slot, inc, 0, RefitResult.COMPLETE, "loaded from the checkpoint"))
         self.decide(VersionCommitted(0))
-        self.finish_refit(0)
+        self.decide(RefitFinished(0))  # an OpenGate in it opens the gate
 
     async def shutdown(self) -> dict:
         """Stop dispatch, return every pending request explicitly, shut every shard down.
@@ -170,16 +188,17 @@ class SingleController:
         for task in list(self._tasks):
             task.cancel()
         outs = {}
-        slots = sorted(self.handles)
+        handles = self.slots.handles
+        slots = sorted(handles)
         # An engine still starting (or waiting for Ray to place it) holds no request and may not answer
         # for a long while: it is killed, not asked to shut down (a lost node's restart waited 60 s here).
         starting = {s for s in slots if self.ledger.raw(s).phase is SlotPhase.LAUNCHING}
         for part in (slots[: (len(slots) + 1) // 2], slots[(len(slots) + 1) // 2:]):
             outs.update(await self.door.fan_out(
-                {slot: (self.handles[slot][1], "shutdown", (), {}) for slot in part if slot not in starting}, timeout=60
+                {slot: (handles[slot][1], "shutdown", (), {}) for slot in part if slot not in starting}, timeout=60
             ))
             for slot in part:
-                self.door.kill(self.handles[slot][1])
+                self.door.kill(handles[slot][1])
             self.crash_point("shutdown")  # fault injection: die with half the shards shut down
         await self.publisher.publish()  # clients learn the fleet stopped and return what they hold
         kinds = {s: outs[s].kind if s in outs else "killed_while_starting" for s in slots}
@@ -208,16 +227,14 @@ class SingleController:
 
     # ------------------------------------------------------------------ health
     def decide(self, event) -> Decision:
-        """Apply one event to the ledger, log the decision, carry out its non-lifecycle actions."""
-        d = step(self.ledger, event, self.clock.now())
-        self.log.emit("decision", event=type(event).__name__, failure=d.failure, reason=d.reason)
-        self.log.emit_rows("health", d.transitions)  # per transition: slot, incarnation, before, after, reason
+        """Apply one event (``Slots.decide``: the ledger, the log, the roles) and carry out its non-lifecycle
+        actions: the one place the controller's actions are carried out."""
+        d, _ = self.slots.decide(event)
         for action in d.actions:
             self._carry_out(action)
-        self.metrics.health(self.ledger)
+        self.metrics.health(self.slots.ledger)
         if d.transitions or d.actions:
             self.publisher.mark_dirty()
-            apply_roles(self)  # a healthy spare takes the place of a serving slot that is not healthy
         return d
 
     def _gate_changed(self, is_open: bool, version: int) -> None:
@@ -230,12 +247,12 @@ class SingleController:
         if isinstance(action, Probe):
             self.in_background(self._probe(action.slot, action.incarnation, action.not_before))
         elif isinstance(action, Evict):
-            self.kill_incarnation(action.slot, action.incarnation, f"evicted: {action.reason}")
+            self.slots.kill(action.slot, action.incarnation, f"evicted: {action.reason}")
         elif isinstance(action, Restart):
             if self.cfg.restart_dead_engines and not self.stopped:
-                self.restarting[action.slot] = self.in_background(self._restart(action))
+                self.slots.restarting[action.slot] = self.in_background(self._restart(action))
         elif isinstance(action, Retire):
-            self.kill_incarnation(action.slot, action.incarnation, f"retired: {action.reason}")
+            self.slots.kill(action.slot, action.incarnation, f"retired: {action.reason}")
             self.log.emit("retire", slot=action.slot, incarnation=action.incarnation, reason=action.reason,
                           note="not relaunched on its own: resize(n) replaces slots retired by failures")
         elif isinstance(action, StopExhausted):
@@ -246,13 +263,6 @@ class SingleController:
             self.gate.open(action.version, f"{action.serving} engine(s) serve version {action.version}")
         # AbortRefit and KeepGateClosed are read by the lifecycle from the decision.
 
-    def kill_incarnation(self, slot: int, incarnation: int, reason: str) -> None:
-        """Kill ``incarnation`` of ``slot`` if it is still the slot's current actor; never its replacement."""
-        current = self.handles.get(slot)
-        if current is not None and current[0] == incarnation:
-            self.door.kill(current[1])
-            self.log.emit("kill", slot=slot, incarnation=incarnation, reason=reason)
-
     async def _probe(self, slot: int, incarnation: int, not_before: float | None = None) -> None:
         """Probe ``incarnation`` of ``slot`` once, not before ``not_before`` (the health core spaces the
         probes of a quarantine by ``probe_interval_s``: a killed process fails every probe at once, and
@@ -260,7 +270,7 @@ class SingleController:
         wait = (not_before - self.clock.now()) if not_before is not None else 0.0
         if wait > 0:
             await asyncio.sleep(wait)
-        handle = self.handle_of(slot, incarnation)
+        handle = self.slots.handle_of(slot, incarnation)
         if handle is None:
             return
         out = with_progress(await self.door.call(handle, "ping", timeout=self.cfg.probe_timeout_s), self.cfg.stall_timeout_s)
@@ -276,19 +286,19 @@ class SingleController:
         """``failed`` probes, plus every shard on a node the cluster declared dead (``fleet.nodes``): a lost
         node's shards all die in the decision that found the first of them. The nodes of failures the
         cluster has not judged yet are watched (``_node_verdicts``)."""
-        if not failed or not self.nodes:
+        if not failed or not self.slots.nodes:
             return failed
         out = {**failed, **self._lost_nodes(self.door.dead_nodes())}
-        self.nodes.watch({s: inc for s, (inc, _) in failed.items()})
+        self.slots.nodes.watch({s: inc for s, (inc, _) in failed.items()})
         return out
 
     def _node_verdicts(self) -> None:
         """The cluster's verdict on a watched node (one whose shard failed while the node still counted
         alive), once it comes: the node's shards still counted alive die with it in one decision."""
         ledger = self.ledger
-        self.nodes.settle(lambda s: s >= ledger.num_slots or ledger.raw(s).phase in (SlotPhase.LIVE, SlotPhase.RETIRED))
-        if self.nodes.watching:
-            dead = self.nodes.watched_among(self.door.dead_nodes())
+        self.slots.nodes.settle(lambda s: s >= ledger.num_slots or ledger.raw(s).phase in (SlotPhase.LIVE, SlotPhase.RETIRED))
+        if self.slots.nodes.watching:
+            dead = self.slots.nodes.watched_among(self.door.dead_nodes())
             condemned = self._lost_nodes(dead) if dead else {}
             if condemned:
                 self.observe_all(CallKind.PROBE, condemned)
@@ -298,82 +308,40 @@ class SingleController:
         node. Each such node's loss is recorded once, with every slot it took: those whose own probes
         condemned them before the verdict (the node's watch) too."""
         ledger = self.ledger
-        alive = {s: inc for s, inc in self._current_incarnations().items() if ledger.raw(s).phase is not SlotPhase.DEAD}
-        lost = self.nodes.lost(dead_nodes, alive)
+        alive = {s: inc for s, inc in self.slots.current_incarnations().items() if ledger.raw(s).phase is not SlotPhase.DEAD}
+        lost = self.slots.nodes.lost(dead_nodes, alive)
         out: dict[int, tuple[int, Outcome]] = {}
-        for node in sorted(set(lost) | self.nodes.watched_among(dead_nodes)):
+        for node in sorted(set(lost) | self.slots.nodes.watched_among(dead_nodes)):
             slots = lost.get(node, {})
             out.update(slots)
-            before = [s for s in self.nodes.unwatch(node) if s not in slots]
-            if node not in self.nodes.reported:
-                self.nodes.reported.add(node)
+            before = [s for s in self.slots.nodes.unwatch(node) if s not in slots]
+            if node not in self.slots.nodes.reported:
+                self.slots.nodes.reported.add(node)
                 self.log.emit("node_lost", node=node, slots=sorted({*slots, *before}), died_before=before)
         return out
-
-    def _current_incarnations(self) -> dict[int, int]:
-        """slot -> incarnation of every handle that is its slot's current incarnation."""
-        return {s: inc for s, (inc, _) in self.handles.items() if inc == self.ledger.raw(s).incarnation}
-
-    def spawn_incarnation(self, slot: int, incarnation: int):
-        if self.intent.current is not None:  # stored before the actor exists: a successor finds it by name
-            slots = {**self.intent.current.slots, slot: (incarnation, self.ledger.raw(slot).restarts)}
-            self.intent.update(slots=slots)
-        handle = self.door.spawn_shard(self.cfg.engine, slot, incarnation, 0, name=shard_name(self.name, slot, incarnation))
-        self.handles[slot] = (incarnation, handle)
-        self.handles_revision += 1
-        return handle
 
     async def _restart(self, action: Restart) -> None:
         """Launch the incarnation a ``Restart`` asked for (``fleet.launch``: bounded by its watchdog). A launch
         that raises, fails or overruns is a failed restart attempt: its budget is spent as for a death."""
         slot, inc = action.slot, action.incarnation
-        old = self.handles.get(slot)
+        old = self.slots.handles.get(slot)
         if old is not None:
             self.door.kill(old[1])
         self.log.emit("restart", slot=slot, incarnation=inc, edge="begin", attempt=action.attempt)
         self.admission.forget(slot)
+        restarting = self.slots.restarting
         try:
-            out = await launch(self, slot, inc, wait_placement=True)
+            out = await launch(self.parts, slot, inc, wait_placement=True)
         finally:
-            if self.restarting.get(slot) is asyncio.current_task():
-                del self.restarting[slot]
+            if restarting.get(slot) is asyncio.current_task():
+                del restarting[slot]
         self.log.emit("restart", slot=slot, incarnation=inc, edge="end", outcome=out.kind)
         if out.ok:
-            self.note_started(slot, inc, out.value)
+            self.slots.note_started(slot, inc, out.value)
             self.decide(EngineReady(slot, inc))
             self.decide(CheckpointLoaded(slot, inc))  # at version 0 it serves at once, as a grown engine does
         else:
-            launch_failed(self, slot, inc, out, f"restart {action.attempt}")
-
-    def fence_by_name(self, slot: int, incarnation: int, recorded: int, reason: str) -> bool:
-        """Kill the shard actor named for ``incarnation`` of ``slot`` if one is alive (a restarted controller
-        fencing what its intent does not want serving: ``recorded`` is the incarnation it did record)."""
-        handle = self.door.find(shard_name(self.name, slot, incarnation)) if incarnation >= 1 else None
-        if handle is None:
-            return False
-        self.door.kill(handle)
-        self.log.emit("adopt_fence", slot=slot, incarnation=incarnation, recorded=recorded, reason=reason)
-        return True
-
-    def note_started(self, slot: int, incarnation: int, info: dict) -> None:
-        """What a shard said of itself when it started (or was re-adopted): native pause, its node."""
-        self.native_pause[slot] = bool(info.get("native_pause", True))
-        self.nodes.place(slot, incarnation, info.get("node"))
-
-    async def wait_placed(self, slot: int, incarnation: int, handle) -> None:
-        """Wait, without bound, while Ray cannot place a restarted shard (no node has room: a node was lost).
-        The slot stays restarting and the fleet serves on quorum; the start's own deadline begins once
-        the actor exists. Ends when the slot moved on (killed, replaced) or the fleet stopped."""
-        waited, t0 = False, self.clock.now()
-        while self.door.actor_state(handle) in ("PENDING_CREATION", "DEPENDENCIES_UNREADY") and not self.stopped \
-                and self.handles.get(slot, (None,))[0] == incarnation:
-            if not waited and self.clock.now() - t0 >= PLACEMENT_NOTE_AFTER_S:
-                waited = True
-                self.log.emit("placement", slot=slot, incarnation=incarnation, edge="waiting",
-                              reason="no node has room for it yet: the slot stays restarting")
-            await asyncio.sleep(PLACEMENT_POLL_S)
-        if waited:
-            self.log.emit("placement", slot=slot, incarnation=incarnation, edge="placed")
+            launch_failed(self.parts, slot, inc, out, f"restart {action.attempt}")
 
     async def _timer_loop(self) -> None:
         while True:
@@ -390,13 +358,14 @@ class SingleController:
             if self.lifecycle.holding:
                 continue  # paused engines are not probed; while a refit stages, the fleet serves and is watched
             self._node_verdicts()
-            live = self.live_handles()
+            live = self.slots.live_handles()
             outs = await self.door.fan_out(
                 {s: (h, "ping", (), {}) for s, (_, h) in live.items()}, timeout=self.cfg.probe_timeout_s
             )
             outs = {slot: with_progress(out, self.cfg.stall_timeout_s) for slot, out in outs.items()}  # answering != alive
+            handles = self.slots.handles
             failed = {slot: (live[slot][0], out) for slot, out in outs.items()
-                      if not out.ok and self.handles.get(slot, (None,))[0] == live[slot][0]}
+                      if not out.ok and handles.get(slot, (None,))[0] == live[slot][0]}
             if failed:
                 self.observe_all(CallKind.PROBE, self._with_lost_nodes(failed))
 
@@ -407,7 +376,7 @@ class SingleController:
 
     async def poll_admission(self) -> None:
         """Poll every live shard's engine stats once and let the admission law set its cap."""
-        live = self.live_handles()
+        live = self.slots.live_handles()
         outs = await self.door.fan_out(
             {s: (h, "stats", (), {}) for s, (_, h) in live.items()}, timeout=self.cfg.probe_timeout_s
         )
@@ -438,39 +407,14 @@ class SingleController:
         if not task.cancelled() and task.exception() is not None:
             self.log.emit("error", where="background task", error=repr(task.exception()))
 
-    # ------------------------------------------------------------------ routing (what clients follow)
-    def serving_size(self) -> int:
-        """How many slots serve when all is well: ``num_engines`` (a resize updates it); the fleet's other
-        slots, ``spare_engines`` of them, are warm spares."""
-        return self.cfg.num_engines
-
-    def serving_slots(self) -> list[int]:
-        """The slots that get traffic: HEALTHY (on the committed version) and in the serving role."""
-        return [s for s in self.ledger.serving_slots() if s in self.roles.serving]
-
-    def serving(self) -> Sequence[tuple[int, int, Any]]:
-        out = []
-        for slot in self.serving_slots():
-            inc, handle = self.handles[slot]
-            if inc == self.ledger.raw(slot).incarnation:
-                out.append((slot, inc, handle))
-        return out
-
-    def caps(self) -> dict[int, int]:
-        return self.admission.caps(self.handles)
-
+    # ------------------------------------------------------------------ observations (Actions)
     def observe(self, slot: int, incarnation: int, call: CallKind, outcome: Outcome) -> Decision:
         """Turn one settled call into a health decision: the one place a failure is classified and fenced.
 
         A dead or unusable incarnation is killed first, and only that incarnation:
-        a late report about a replaced one never touches its replacement.
+        a late report about a replaced one never touches its replacement (``Slots.observed``).
         """
-        return self.decide(self._fenced(slot, incarnation, call, outcome))
-
-    def _fenced(self, slot: int, incarnation: int, call: CallKind, outcome: Outcome):
-        if is_unusable(outcome):
-            self.kill_incarnation(slot, incarnation, f"{call.value} found it unusable: {outcome.describe()[:200]}")
-        return observed(slot, incarnation, call, outcome)
+        return self.decide(self.slots.observed(slot, incarnation, call, outcome))
 
     def observe_all(self, call: CallKind, settled: dict[int, tuple[int, Outcome]]) -> tuple:
         """``observe`` for every settled call of one fan-out (slot -> (incarnation, outcome)): the
@@ -478,18 +422,10 @@ class SingleController:
         actions. An ``ok`` answer to a pause or resume is not fed: the health core only notes it (no
         state, timer or action depends on it), and at 32 shards that note was most of a refit's cost."""
         quiet = call in (CallKind.PAUSE, CallKind.RESUME)
-        events = tuple(self._fenced(slot, inc, call, out) for slot, (inc, out) in settled.items()
+        observed = self.slots.observed
+        events = tuple(observed(slot, inc, call, out) for slot, (inc, out) in settled.items()
                        if not (quiet and out.ok))
         return self.decide(Batch(events)).actions if events else ()
-
-    def live_handles(self) -> dict[int, tuple[int, Any]]:
-        """slot -> (incarnation, handle) of every engine that is up (serving or stale)."""
-        handles = self.handles
-        return {s: handles[s] for s in self.ledger.live_slots() if s in handles}  # live == healthy or stale
-
-    def handle_of(self, slot: int, incarnation: int):
-        current = self.handles.get(slot)
-        return current[1] if current is not None and current[0] == incarnation else None
 
     # ------------------------------------------------------------------ client API (control only)
     async def watch_routing(self, after_epoch: int = -1, timeout: float = 10.0) -> RoutingState:
@@ -513,7 +449,7 @@ class SingleController:
             self.log.emit("report_ignored", slot=slot, incarnation=incarnation, outcome=kind, epoch=epoch,
                           reason="the request was held by a refit")
             return False
-        if self.handle_of(slot, incarnation) is None:
+        if self.slots.handle_of(slot, incarnation) is None:
             return False  # about an incarnation already replaced
         error = RuntimeError(f"client report: {detail}") if kind != "ok" else None
         self.observe(slot, incarnation, CallKind.GENERATE, Outcome(DIED if kind == DIED else kind, error=error))
@@ -597,52 +533,7 @@ class SingleController:
         await self.adopt_if_restarted()
         from fleet.resize import resize
 
-        return await resize(self, n, drain_timeout_s)
-
-    def serves(self) -> str:
-        """What the fleet serves, for a refusal's message: always a version (or why there is none)."""
-        committed = self.ledger.current_version
-        if committed is None:
-            return f"no committed version yet (its gate is on version {self.gate.version})"
-        return f"version {committed}"
-
-    def check_refit(self, version: Any, source: Any, stage_ahead: Any = None) -> None:
-        """Refuse a refit the caller got wrong, before anything changes; the error names the argument."""
-        if stage_ahead is not None and not isinstance(stage_ahead, bool):
-            raise RefitArgumentError(
-                f"sync_weights: stage_ahead must be True, False or None (the fleet's setting), got {stage_ahead!r} "
-                f"({type(stage_ahead).__name__}); nothing changed, the fleet serves {self.serves()}"
-            )
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise RefitArgumentError(
-                f"sync_weights: version must be an integer weight version, got {version!r} "
-                f"({type(version).__name__}); nothing changed, the fleet serves {self.serves()}"
-            )
-        committed = self.ledger.current_version
-        if committed is not None and version <= committed:
-            raise RefitRefused(
-                f"sync_weights: version {version} is not greater than the committed version {committed}; "
-                f"refused, nothing changed, the fleet serves {self.serves()}"
-            )
-        self.transfer_port().check_source(source)
-        if source is not None and self.door.actor_state(source) == "DEAD":  # Ray's GCS: the sender is gone for good
-            raise RefitSourceFailed(
-                f"sync_weights({version}): the weight sender {source!r} is dead (Ray reports its actor DEAD); "
-                f"refused before the gate closed, nothing changed, the fleet serves version {self.gate.version}; "
-                f"send version {version} again from a live sender"
-            )
-
-    def roll_back_refit(self, version: int, reason: str) -> Decision:
-        """Close a refit that changed no engine; reopen the gate on the committed version if quorum serves it."""
-        return self.decide(RefitRolledBack(version, reason))  # an OpenGate in it reopens the gate
-
-    def transfer_port(self):
-        """The weight transport; built from ``refit`` on first use unless one was injected."""
-        if self._transfer is None:
-            from fleet.weights import RefitTransferPort
-
-            self._transfer = RefitTransferPort(self.cfg, self.door)
-        return self._transfer
+        return await resize(self.parts, self.publisher, self.lifecycle.lock, n, drain_timeout_s)
 
     def routing_state(self) -> RoutingState:
         return self.publisher.current
@@ -655,14 +546,14 @@ class SingleController:
             "recovered": self.recovered,
             "gate_open": self.gate.is_open,
             "version": self.gate.version,
-            "epoch": self.plan.epoch,
+            "epoch": self.slots.plan.epoch,
             "stopped": self.stopped,
             "routing_epoch": self.publisher.current.epoch,
-            "target_size": self.cfg.num_engines,  # serving engines the fleet is sized to (``resize``)
+            "target_size": self.slots.size,  # serving engines the fleet is sized to (``resize``)
             "hang_detection_bound_s": self.cfg.hang_detection_bound_s,
             "stall_detection_bound_s": self.cfg.stall_detection_bound_s,
-            "nodes": self.nodes.by_node(),
-            "ledger": {**ledger, "slots": role_rows(self, ledger["slots"])},  # each slot's role: serving or spare
+            "nodes": self.slots.nodes.by_node(),
+            "ledger": {**ledger, "slots": self.slots.role_rows(ledger["slots"])},  # each slot's role: serving or spare
             "serving": self.serving_slots(),
             "refits": len(self.refits),
             "shard_load": shard_load(self.admission.metrics()),  # per slot, as of the last admission poll
@@ -674,7 +565,7 @@ class SingleController:
     async def shard_counters(self) -> dict[int, dict]:
         """Per live slot: what its shard admitted and refused, and why (``EngineShard.counters``)."""
         await self.adopt_if_restarted()
-        live = self.live_handles()
+        live = self.slots.live_handles()
         outs = await self.door.fan_out({s: (h, "counters", (), {}) for s, (_, h) in live.items()},
                                        timeout=self.cfg.probe_timeout_s)
         return {s: o.value for s, o in outs.items() if o.ok}
@@ -688,7 +579,7 @@ class SingleController:
                         match: list[int] | None = None) -> bool:
         """Arm a fault in the current incarnation of ``slot`` (see ``fleet.fault_hooks``)."""
         await self.adopt_if_restarted()
-        inc, handle = self.handles[slot]
+        inc, handle = self.slots.handles[slot]
         out = await self.door.call(handle, "arm_fault", point, action, delay_s, after_calls, match,
                                    timeout=self.cfg.probe_timeout_s)
         self.log.emit("fault", slot=slot, incarnation=inc, point=point, action=action, armed=out.ok)
@@ -698,18 +589,13 @@ class SingleController:
 
     async def kill_shard(self, slot: int) -> bool:
         """Kill the current incarnation's actor process now (a fault at a step boundary)."""
-        if isinstance(slot, bool) or slot not in self.handles:
-            raise ValueError(f"kill_shard: no engine runs in slot {slot!r}; slots with one: {sorted(self.handles)}")
-        inc, handle = self.handles[slot]
+        handles = self.slots.handles
+        if isinstance(slot, bool) or slot not in handles:
+            raise ValueError(f"kill_shard: no engine runs in slot {slot!r}; slots with one: {sorted(handles)}")
+        inc, handle = handles[slot]
         self.log.emit("fault", slot=slot, incarnation=inc, point="step_boundary", action="kill", armed=True)
         self.door.kill(handle)
         return True
-
-    def warn_keep_once(self, message: str) -> None:
-        if not self._keep_warned:
-            self._keep_warned = True
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            self.log.emit("warning", message=message)
 
     # ------------------------------------------------------------------ restarts of the controller itself
     async def ping(self) -> dict:
@@ -720,8 +606,8 @@ class SingleController:
         return {"fleet": self.name, "generation": self.generation, "pid": os.getpid(), "stopped": self.stopped}
 
     def config(self) -> dict:
-        """The fleet's config (what ``Fleet.connect`` builds its client from)."""
-        return self.cfg.model_dump()
+        """The fleet's config (what ``Fleet.connect`` builds its client from), sized as the fleet is now."""
+        return {**self.cfg.model_dump(), "num_engines": self.slots.size}
 
     async def adopt_if_restarted(self) -> None:
         """After Ray restarted this controller: re-adopt the shards once (``fleet.recovery``), before any call."""
@@ -735,7 +621,10 @@ class SingleController:
             from fleet.recovery import adopt
 
             try:
-                await adopt(self)
+                self.recovered = await adopt(self.parts, self.publisher)
+                self.generation = self.recovered.get("generation", self.generation)
+                if self.recovered.get("alive") is not None:  # re-adopted a serving fleet: watch it from here on
+                    self.start_loops()
             except Exception as exc:  # noqa: BLE001 - a half-adopted fleet must not serve: stop, loudly
                 self.log.emit("error", where="re-adoption", error=repr(exc)[:500])
                 self.halt(f"the restarted controller could not re-adopt its shards: {type(exc).__name__}: {exc}")
@@ -749,7 +638,7 @@ class SingleController:
         next ``sync_weights`` brings the stale and restarted engines back)."""
         return {"version": version, "recovered": True, "complete": sorted(self.ledger.serving_slots()),
                 "serving": self.serving_slots(), "routing_epoch": self.publisher.current.epoch,
-                "epoch": self.plan.epoch, "generation": self.generation, **self._gate_now()}
+                "epoch": self.slots.plan.epoch, "generation": self.generation, **self._gate_now()}
 
     def arm_crash(self, point: str, delay_s: float = 0.0) -> bool:
         """Fault injection: kill this controller's process (SIGKILL) ``delay_s`` after it reaches ``point``:
@@ -787,11 +676,6 @@ class SingleController:
             return
         self.log.emit("fault", target="controller", point=point, action="crash", fired=True, pid=os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
-
-    def finish_refit(self, version: int) -> Decision:
-        """Step 8: ask the ledger whether the gate may reopen, and open it if so."""
-        return self.decide(RefitFinished(version))  # an OpenGate in it opens the gate (_carry_out)
-
 
 def raise_stopped(message: str) -> None:
     from fleet.errors import FleetStopped

@@ -6,7 +6,7 @@ Every launch goes through here: the fleet's ``start``, a restart, a slot a resiz
 within the watchdog (``watchdog_s``: the start's own bound, ``engine.start_timeout_s`` +
 ``START_MARGIN_S``, plus ``WATCHDOG_GRACE_S`` in case the door's bound itself breaks) all come
 back as an ``Outcome`` naming what happened. Waiting for Ray to *place* a restarted actor
-(no node has room: a node was lost) is not bounded (``SingleController.wait_placed``): the
+(no node has room: a node was lost) is not bounded (``wait_placed``): the
 slot stays restarting and the fleet serves on quorum; the watchdog starts once the actor exists.
 
 ``failed`` turns a launch that did not end ready into a failed start: a ``launch`` record
@@ -24,8 +24,11 @@ import asyncio
 from typing import Any
 
 from fleet.outcome import ERROR, TIMED_OUT, Outcome
+from fleet.parts import Parts
 from health import CallKind, Evict, FailureClass, Observed
 
+PLACEMENT_POLL_S = 1.0  # how often a restart that Ray cannot place yet asks again
+PLACEMENT_NOTE_AFTER_S = 5.0  # Ray takes a moment to start any actor's process: pending longer is worth a record
 START_MARGIN_S = 30.0  # the start call's bound past engine.start_timeout_s (the shard's own start has that bound)
 WATCHDOG_GRACE_S = 15.0  # the watchdog cuts a launch this long after the start call's own bound
 
@@ -44,50 +47,66 @@ def watchdog_s(cfg: Any) -> float:
     return start_bound_s(cfg) + WATCHDOG_GRACE_S
 
 
-async def launch(ctl: Any, slot: int, incarnation: int, *, wait_placement: bool = False) -> Outcome:
+async def launch(p: Parts, slot: int, incarnation: int, *, wait_placement: bool = False) -> Outcome:
     """Spawn ``incarnation`` of ``slot`` and start it. Returns the start's outcome (``value``: what the shard
     said of itself), or an ``error``/``timed_out`` outcome for a spawn that raised or a start the watchdog cut."""
     try:
-        handle = ctl.spawn_incarnation(slot, incarnation)
+        handle = p.slots.spawn(slot, incarnation)
     except Exception as exc:  # noqa: BLE001 - a spawn that raises is a failed launch, never a stuck slot
         return Outcome(ERROR, error=LaunchError(
             f"spawn of slot {slot} incarnation {incarnation} raised {type(exc).__name__}: {exc}"))
     if wait_placement:
-        await ctl.wait_placed(slot, incarnation, handle)
-    bound = watchdog_s(ctl.cfg)
-    t0 = ctl.clock.now()
+        await wait_placed(p, slot, incarnation, handle)
+    bound = watchdog_s(p.cfg)
+    t0 = p.clock.now()
     try:
         async with asyncio.timeout(bound):  # on this task: no extra task, no extra loop turn for a prompt answer
-            return await ctl.door.call(handle, "start", timeout=start_bound_s(ctl.cfg))
+            return await p.door.call(handle, "start", timeout=start_bound_s(p.cfg))
     except TimeoutError:
         return Outcome(TIMED_OUT, error=TimeoutError(
             f"launch of slot {slot} incarnation {incarnation}: start did not answer within the watchdog's "
-            f"{bound:g} s (engine.start_timeout_s={ctl.cfg.engine.start_timeout_s:g} + {bound - ctl.cfg.engine.start_timeout_s:g})"),
-            elapsed_s=ctl.clock.now() - t0)
+            f"{bound:g} s (engine.start_timeout_s={p.cfg.engine.start_timeout_s:g} + {bound - p.cfg.engine.start_timeout_s:g})"),
+            elapsed_s=p.clock.now() - t0)
     except Exception as exc:  # noqa: BLE001 - the door never raises for a shard's failure; if it does, it is one
-        return Outcome(ERROR, error=exc, elapsed_s=ctl.clock.now() - t0)
+        return Outcome(ERROR, error=exc, elapsed_s=p.clock.now() - t0)
 
 
-async def launch_all(ctl: Any, slots: dict[int, int]) -> dict[int, Outcome]:
+async def wait_placed(p: Parts, slot: int, incarnation: int, handle: Any) -> None:
+    """Wait, without bound, while Ray cannot place a restarted shard (no node has room: a node was lost).
+    The slot stays restarting and the fleet serves on quorum; the start's own deadline begins once
+    the actor exists. Ends when the slot moved on (killed, replaced) or the fleet stopped."""
+    waited, t0 = False, p.clock.now()
+    while p.door.actor_state(handle) in ("PENDING_CREATION", "DEPENDENCIES_UNREADY") and not p.act.stopped \
+            and p.slots.handle_of(slot, incarnation) is handle:
+        if not waited and p.clock.now() - t0 >= PLACEMENT_NOTE_AFTER_S:
+            waited = True
+            p.log.emit("placement", slot=slot, incarnation=incarnation, edge="waiting",
+                       reason="no node has room for it yet: the slot stays restarting")
+        await asyncio.sleep(PLACEMENT_POLL_S)
+    if waited:
+        p.log.emit("placement", slot=slot, incarnation=incarnation, edge="placed")
+
+
+async def launch_all(p: Parts, slots: dict[int, int]) -> dict[int, Outcome]:
     """``launch`` every (slot -> incarnation) at once; slot -> outcome."""
     keys = list(slots)
-    outs = await asyncio.gather(*(launch(ctl, s, slots[s]) for s in keys))
+    outs = await asyncio.gather(*(launch(p, s, slots[s]) for s in keys))
     return dict(zip(keys, outs))
 
 
-def record(ctl: Any, slot: int, incarnation: int, out: Outcome, what: str) -> None:
+def record(p: Parts, slot: int, incarnation: int, out: Outcome, what: str) -> None:
     """One ``launch`` record: the slot, incarnation, what launched it, outcome, and the error if any."""
     row: dict[str, Any] = {"slot": slot, "incarnation": incarnation, "what": what, "outcome": out.kind}
     if not out.ok:
-        row.update(error=out.describe()[:500], bound_s=watchdog_s(ctl.cfg))
-    ctl.log.emit("launch", **row)
+        row.update(error=out.describe()[:500], bound_s=watchdog_s(p.cfg))
+    p.log.emit("launch", **row)
 
 
-def failed(ctl: Any, slot: int, incarnation: int, out: Outcome, what: str) -> None:
+def failed(p: Parts, slot: int, incarnation: int, out: Outcome, what: str) -> None:
     """A launch of ``incarnation`` of ``slot`` that did not end ready: recorded, killed, condemned as dead (its
     restart budget is spent as for a death: restarted after its backoff, or retired)."""
-    record(ctl, slot, incarnation, out, what)
+    record(p, slot, incarnation, out, what)
     detail = f"{what} failed: {out.describe()[:300]}"
-    d = ctl.decide(Observed(slot, incarnation, CallKind.START, FailureClass.DEAD, detail))
+    d = p.act.decide(Observed(slot, incarnation, CallKind.START, FailureClass.DEAD, detail))
     if not any(isinstance(a, Evict) for a in d.actions):  # the slot moved on meanwhile: still kill only this one
-        ctl.kill_incarnation(slot, incarnation, detail[:200])
+        p.slots.kill(slot, incarnation, detail[:200])

@@ -33,24 +33,30 @@ from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 from fleet.intent import CLOSING, COMMITTED, RefitIntent
 from fleet.errors import (
-    CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitFailed, RefitNotDelivered, RefitNotStaged,
-    RefitRefused, RefitSourceFailed,
+    CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitArgumentError, RefitFailed, RefitNotDelivered,
+    RefitNotStaged, RefitRefused, RefitSourceFailed,
 )
 from fleet.outcome import BAD_ACK, OK, Outcome
+from fleet.parts import Parts
+from fleet.publisher import RoutingPublisher
 from fleet.weights import TransferResult, healthy_attempt_s
 from health import (
     AbortRefit,
     Batch,
     CallKind,
+    Decision,
     KeepGateClosed,
     MembershipPlan,
+    RefitFinished,
     RefitReport,
     RefitResult,
+    RefitRolledBack,
     RefitStarted,
     StopExhausted,
     VersionCommitted,
@@ -83,14 +89,20 @@ class _EndRefit(Exception):
 
 
 class RefitLifecycle:
-    """The refit of one version at a time, for the controller ``ctl`` (a ``SingleController``).
-
-    Reads from the controller its door, ledger, handles, dispatcher, gate, log and
-    clock; decides nothing about health itself (``ctl.observe``/``ctl.decide`` do).
+    """The refit of one version at a time, built from the controller's parts (``fleet.parts``): the slots, the
+    door, the gate, the intent store, the clock and the log; the routing publisher; the weight transport
+    (``transfer``: built from ``refit`` on first use unless one is injected); and ``crash_point`` (fault
+    injection: the controller's process may kill itself as a phase begins). Decides nothing about health
+    itself: every outcome goes to ``parts.act`` (observe/decide), which carries out the health core's actions.
     """
 
-    def __init__(self, ctl: Any) -> None:
-        self.ctl = ctl
+    def __init__(self, parts: Parts, publisher: RoutingPublisher, transfer: Any = None,
+                 crash_point: Callable[[str], None] = lambda point: None) -> None:
+        self.p = parts
+        self.publisher = publisher
+        self._transfer = transfer
+        self._crash_point = crash_point
+        self._keep_warned = False
         self.running = False
         self.holding = False  # the refit holds the gate closed (from ``close`` on); while it stages, the fleet serves
         self.phase: str | None = None  # the step running now (``stage`` or one of ``PHASES``)
@@ -119,21 +131,70 @@ class RefitLifecycle:
         its pause and resumed on the new weights)."""
         return dict(self._busy)
 
+    def check(self, version: Any, source: Any, stage_ahead: Any = None) -> None:
+        """Refuse a refit the caller got wrong, before anything changes; the error names the argument."""
+        if stage_ahead is not None and not isinstance(stage_ahead, bool):
+            raise RefitArgumentError(
+                f"sync_weights: stage_ahead must be True, False or None (the fleet's setting), got {stage_ahead!r} "
+                f"({type(stage_ahead).__name__}); nothing changed, the fleet serves {self.p.slots.serves()}"
+            )
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise RefitArgumentError(
+                f"sync_weights: version must be an integer weight version, got {version!r} "
+                f"({type(version).__name__}); nothing changed, the fleet serves {self.p.slots.serves()}"
+            )
+        committed = self.p.slots.ledger.current_version
+        if committed is not None and version <= committed:
+            raise RefitRefused(
+                f"sync_weights: version {version} is not greater than the committed version {committed}; "
+                f"refused, nothing changed, the fleet serves {self.p.slots.serves()}"
+            )
+        self.transfer_port().check_source(source)
+        if source is not None and self.p.door.actor_state(source) == "DEAD":  # Ray's GCS: the sender is gone for good
+            raise RefitSourceFailed(
+                f"sync_weights({version}): the weight sender {source!r} is dead (Ray reports its actor DEAD); "
+                f"refused before the gate closed, nothing changed, the fleet serves version {self.p.gate.version}; "
+                f"send version {version} again from a live sender"
+            )
+
+
+    def transfer_port(self):
+        """The weight transport; built from ``refit`` on first use unless one was injected."""
+        if self._transfer is None:
+            from fleet.weights import RefitTransferPort
+
+            self._transfer = RefitTransferPort(self.p.cfg, self.p.door)
+        return self._transfer
+
+    def _finish(self, version: int) -> Decision:
+        """Step 7: ask the ledger whether the gate may reopen; the controller opens it if so (an ``OpenGate``)."""
+        return self.p.act.decide(RefitFinished(version))
+
+    def _rolled_back(self, version: int, reason: str) -> Decision:
+        """Close a refit that changed no engine; the gate reopens on the committed version if quorum serves it."""
+        return self.p.act.decide(RefitRolledBack(version, reason))
+
+    def _warn_once(self, message: str) -> None:
+        if not self._keep_warned:
+            self._keep_warned = True
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            self.p.log.emit("warning", message=message)
+
     async def run(self, version: int, source: Any, stage_ahead: bool | None = None) -> dict:
         """The steps. One refit at a time: a second call waits, then is checked against
         the version the first committed. Ends committed, rolled back or stopped (module docstring).
         ``stage_ahead``: this refit stages its update first (step 0) or not; None: the fleet's setting."""
         async with self._lock:
-            if self.ctl.stopped:
-                raise FleetStopped(f"sync_weights({version!r}) refused: fleet stopped: {self.ctl.stopped}")
-            self.ctl.check_refit(version, source, stage_ahead)  # raises before any state changes
+            if self.p.act.stopped:
+                raise FleetStopped(f"sync_weights({version!r}) refused: fleet stopped: {self.p.act.stopped}")
+            self.check(version, source, stage_ahead)  # raises before any state changes
             self.running = True
             self._phases, self._inside_s, self._inside_cpu_s, self._version = {}, 0.0, 0.0, version
             self._finished, self._moving, self._held, self._busy, self._aborted = False, False, {}, {}, 0
             self._retry_skipped = None
-            t0, cpu0 = self.ctl.clock.now(), time.thread_time()
+            t0, cpu0 = self.p.clock.now(), time.thread_time()
             try:
-                staging = self.ctl.cfg.stage_ahead if stage_ahead is None else stage_ahead
+                staging = self.p.cfg.stage_ahead if stage_ahead is None else stage_ahead
                 return await self._steps(version, source, t0, cpu0, staging)
             except _EndRefit as end:
                 await self._end(end.error, end.message)
@@ -148,17 +209,16 @@ class RefitLifecycle:
                 raise
             finally:
                 if self.holding:
-                    self.ctl.admission.refit_finished(self.ctl.clock.now())
+                    self.p.admission.refit_finished(self.p.clock.now())
                 self.running = self.holding = False
-                if self.ctl.intent.current is not None and self.ctl.intent.current.refit is not None \
-                        and self.ctl.intent.current.refit.phase != COMMITTED:
+                if self.p.intent.current is not None and self.p.intent.current.refit is not None \
+                        and self.p.intent.current.refit.phase != COMMITTED:
                     # ended without a commit; a committed refit's record stays until the next one begins (a
                     # successor re-stamps its engines, and a re-sent call for it returns its summary)
-                    self.ctl.intent.update(refit=None, membership_epoch=self.ctl.plan.epoch)
+                    self.p.intent.update(refit=None, membership_epoch=self.p.slots.plan.epoch)
             raise AssertionError("unreachable: every failure path raises")
 
     async def _steps(self, version: int, source: Any, t0: float, cpu0: float, staging: bool) -> dict:
-        ctl = self.ctl
         staged = None
         if staging:
             with self._phase("stage"):
@@ -172,7 +232,7 @@ class RefitLifecycle:
             plan, paused = await self.pause_settled(plan)  # 3: fence, abort the too old, pause
         aborted = self._aborted
         if aborted:
-            self.ctl.log.emit("staleness_abort", version=version, requests=aborted)
+            self.p.log.emit("staleness_abort", version=version, requests=aborted)
         with self._phase("transfer"):
             self._moving = True
             if staged is None:
@@ -185,7 +245,7 @@ class RefitLifecycle:
             await self.resume(plan, version, paused, complete)  # 6: stamp, abort the unstamped, resume
         with self._phase("reopen"):
             await self.reopen(version)  # 7
-        total = self.ctl.clock.now() - t0
+        total = self.p.clock.now() - t0
         return {
             "version": version,
             "epoch": plan.epoch,
@@ -201,8 +261,8 @@ class RefitLifecycle:
             # the controller's own CPU outside the shards' calls: what ``overhead_s`` is made of, less the waits
             # (the intent's store, the OS scheduling this process), which depend on the machine more than on rlfleet
             "controller_cpu_s": max(0.0, time.thread_time() - cpu0 - self._inside_cpu_s),
-            "serving": ctl.serving_slots(),  # spares hold the version too, but serve nothing
-            "routing_epoch": ctl.publisher.current.epoch,  # clients routing on it (or later) see this refit
+            "serving": self.p.slots.serving_slots(),  # spares hold the version too, but serve nothing
+            "routing_epoch": self.publisher.current.epoch,  # clients routing on it (or later) see this refit
         }
 
     # ------------------------------------------------------------------ the steps
@@ -213,53 +273,53 @@ class RefitLifecycle:
         hold the whole update. Nothing live changed, so every way out of here rolls back with the gate
         never closed: an update that does not fit (``RefitRefused``), fewer than ``min_healthy_engines``
         staged (``RefitNotStaged``, naming each engine and why)."""
-        deadline = self.ctl.clock.now() + self.ctl.cfg.lifecycle_deadline_s
+        deadline = self.p.clock.now() + self.p.cfg.lifecycle_deadline_s
         results: dict = {}
         for attempt in (1, 2):
             plan = self.reconcile()
             results = await self._bounded_transfer(
-                plan, deadline, lambda parts, left: self.ctl.transfer_port().stage(parts, version, plan.epoch, source, timeout=left))
+                plan, deadline, lambda parts, left: self.transfer_port().stage(parts, version, plan.epoch, source, timeout=left))
             self._refuse_if_the_update_does_not_fit(results)
             staged = {(p.slot, p.incarnation) for p in plan.participants if results[p.slot].staged}
             if len(staged) == len(plan.participants):
                 break
             failed = [p for p in plan.participants if (p.slot, p.incarnation) not in staged]
-            self.ctl.log.emit("refit_failed_attempt", version=version, attempt=attempt, phase="stage",
+            self.p.log.emit("refit_failed_attempt", version=version, attempt=attempt, phase="stage",
                               failed={p.slot: results[p.slot].detail[:200] for p in failed})
             await self._classify_failed(failed)
-            if self.ctl.clock.now() >= deadline:
+            if self.p.clock.now() >= deadline:
                 break
-        self.ctl.log.emit("staged", version=version, epoch=plan.epoch, attempts=attempt,
+        self.p.log.emit("staged", version=version, epoch=plan.epoch, attempts=attempt,
                           members=sorted([s, i] for s, i in staged))
-        if len(staged) < self.ctl.cfg.min_healthy_engines:
+        if len(staged) < self.p.cfg.min_healthy_engines:
             why = "; ".join(f"slot {p.slot} (incarnation {p.incarnation}): {results[p.slot].detail[:200]}"
                             for p in plan.participants if (p.slot, p.incarnation) not in staged)
             raise _RollBack(RefitNotStaged(
                 f"refit of version {version}: {len(staged)} engine(s) staged the update after {attempt} attempt(s), "
-                f"fewer than min_healthy_engines ({self.ctl.cfg.min_healthy_engines}); failed: {why or 'no live engine'}. "
-                f"The gate never closed; the fleet keeps serving {self.ctl.serves()}"))
+                f"fewer than min_healthy_engines ({self.p.cfg.min_healthy_engines}); failed: {why or 'no live engine'}. "
+                f"The gate never closed; the fleet keeps serving {self.p.slots.serves()}"))
         return staged
 
     async def close_gate(self, version: int) -> int:
         """Step 1: close dispatch and publish it; clients hold new requests, nothing is dropped.
         Returns the routing epoch of the closed gate."""
         self.holding = True
-        self.ctl.admission.refit_started()  # the engines pause (and may reset their cache): not load signals
-        self.ctl.intent.update(refit=RefitIntent(version, CLOSING))  # stored before anything changes
-        self.ctl.gate.close(f"refit of version {version}")
-        self.ctl.decide(RefitStarted(version))
-        return await self.ctl.publisher.fence_for_refit()
+        self.p.admission.refit_started()  # the engines pause (and may reset their cache): not load signals
+        self.p.intent.update(refit=RefitIntent(version, CLOSING))  # stored before anything changes
+        self.p.gate.close(f"refit of version {version}")
+        self.p.act.decide(RefitStarted(version))
+        return await self.publisher.fence_for_refit()
 
     def reconcile(self) -> MembershipPlan:
         """Step 3: settle membership from the ledger; a changed participant set is a new epoch."""
-        old = self.ctl.plan
-        plan = plan_membership(self.ctl.ledger, old)
+        old = self.p.slots.plan
+        plan = plan_membership(self.p.slots.ledger, old)
         if plan.epoch != old.epoch:
-            self.ctl.log.emit(
+            self.p.log.emit(
                 "epoch", epoch=plan.epoch, previous=old.epoch,
                 participants=[(p.slot, p.incarnation, p.rank) for p in plan.participants],
             )
-        self.ctl.plan = plan
+        self.p.slots.plan = plan
         if not plan.participants:
             raise _EndRefit(FleetExhausted, f"refit of version {self._version}: no live engine to take part")
         return plan
@@ -274,8 +334,8 @@ class RefitLifecycle:
         Returns the slots paused (``skip``: the participants paused already, left alone)."""
         version, epoch = self._version, self._fence_epoch
         targets = {p.slot: p for p in plan.participants if p.slot not in skip}
-        handles = self.ctl.handles
-        native = self.ctl.native_pause
+        handles = self.p.slots.handles
+        native = self.p.slots.native_pause
         emulated = {s: p for s, p in targets.items() if native.get(s, True) is False}
         members = {p.slot for p in plan.participants}
         others = {(s, i): h for s, (i, h) in handles.items() if s not in members} if fence_others else {}
@@ -284,16 +344,16 @@ class RefitLifecycle:
         outs, fenced, emulated_outs = await asyncio.gather(
             self._fan_out(fused),
             self._fan_out({key: (h, "fence", (epoch,), {}) for key, h in others.items()},
-                          timeout=self.ctl.cfg.probe_timeout_s),
+                          timeout=self.p.cfg.probe_timeout_s),
             self._pause_emulated(emulated, version, epoch))
         unfenced = sorted([s, i, o.kind] for (s, i), o in fenced.items() if not o.ok)
         if unfenced:  # it answers nothing, so it admits nothing either; its leave notice is still being retried
-            self.ctl.log.emit("fence_failed", version=version, epoch=epoch, engines=unfenced)
+            self.p.log.emit("fence_failed", version=version, epoch=epoch, engines=unfenced)
         outs = {s: self._paused_outcome(s, o) for s, o in outs.items()}
         outs.update(emulated_outs)
         self._warn_keep_if_busy()
         failed = {s: (targets[s].incarnation, out) for s, out in outs.items() if out.kind != OK}
-        acts = self.ctl.observe_all(CallKind.PAUSE, failed)  # an ok pause is not fed (``observe_all``)
+        acts = self.p.act.observe_all(CallKind.PAUSE, failed)  # an ok pause is not fed (``observe_all``)
         aborts = [a for a in acts if isinstance(a, AbortRefit)]
         paused = {s for s in outs if s not in failed}
         held = self._held
@@ -307,7 +367,7 @@ class RefitLifecycle:
         """How a participant pauses under the fleet's ``kv_policy``: ``recompute`` clears the KV cache; ``keep``
         clears it only on a shard idle once the too-old requests are aborted (free, and it drops prefix blocks
         the old weights computed); ``salt`` keeps it (new requests get a new salt)."""
-        policy = self.ctl.cfg.kv_policy
+        policy = self.p.cfg.kv_policy
         return {"mode": "keep", "clear_cache": policy == "recompute", "clear_if_idle": policy == "keep"}
 
     def _paused_outcome(self, slot: int, out: Outcome) -> Outcome:
@@ -330,7 +390,7 @@ class RefitLifecycle:
         calls, in order."""
         if not targets:
             return {}
-        handles = self.ctl.handles
+        handles = self.p.slots.handles
         began = await self._fan_out({s: (handles[s][1], "begin_refit", (epoch, version), {}) for s in targets})
         for s, o in began.items():
             if o.kind == OK:
@@ -366,7 +426,7 @@ class RefitLifecycle:
         of attempts that ran (1 or 2; ``retry_skipped`` in the summary says why a retry did not run).
         Raises ``_RollBack`` when no byte reached any engine (``_roll_back_if_nothing_moved``).
         """
-        deadline = self.ctl.clock.now() + self.ctl.cfg.lifecycle_deadline_s  # one bound for the phase, retry included
+        deadline = self.p.clock.now() + self.p.cfg.lifecycle_deadline_s  # one bound for the phase, retry included
         results = await self._transfer_once(plan, version, source, rebuild=False, deadline=deadline)
         self._refuse_if_the_update_does_not_fit(results)
         tried, done = [results], _completed(plan, results)
@@ -390,7 +450,7 @@ class RefitLifecycle:
             self._moving = False
             raise _RollBack(RefitRefused(
                 f"weight update for version {self._version} refused: {'; '.join(refused)[:1500]}; "
-                f"the fleet keeps serving {self.ctl.serves()}"
+                f"the fleet keeps serving {self.p.slots.serves()}"
             ))
 
     async def _prepare_retry(self, plan: MembershipPlan, version: int, source: Any, results: dict, done: set,
@@ -402,10 +462,10 @@ class RefitLifecycle:
         Returns the plan (the retry's participants and those that completed), the paused slots, and the
         retry's plan, or None when the retry does not run (``_retry_skipped`` then says why)."""
         failed = [p for p in plan.participants if (p.slot, p.incarnation) not in done]
-        self.ctl.log.emit("refit_failed_attempt", version=version, attempt=1,
+        self.p.log.emit("refit_failed_attempt", version=version, attempt=1,
                           failed={p.slot: results[p.slot].detail[:200] for p in failed})
         with self._within(deadline):
-            if deadline - self.ctl.clock.now() >= self.ctl.cfg.probe_timeout_s:  # a ping cut shorter proves no hang
+            if deadline - self.p.clock.now() >= self.p.cfg.probe_timeout_s:  # a ping cut shorter proves no hang
                 await self._classify_failed(failed)
             skip = self._no_retry(source, results, deadline)
             repaused: set[tuple[int, int]] = set()
@@ -419,7 +479,7 @@ class RefitLifecycle:
             skip = "no engine that failed the first attempt is alive and paused to retry"
         if skip is not None:
             self._retry_skipped = skip
-            self.ctl.log.emit("refit_retry_skipped", version=version, reason=skip)
+            self.p.log.emit("refit_retry_skipped", version=version, reason=skip)
             return fresh, paused, None
         return fresh, paused, MembershipPlan(fresh.epoch, tuple(retry))
 
@@ -440,18 +500,18 @@ class RefitLifecycle:
             except _PhaseOver:  # a fan-out of the re-pause found the phase over: nothing more was sent
                 slots = set()
             repaused |= {(p.slot, p.incarnation) for p in todo if p.slot in slots}
-            if deadline - self.ctl.clock.now() < _needed_s(self.ctl.cfg):
+            if deadline - self.p.clock.now() < _needed_s(self.p.cfg):
                 return repaused, "the transfer phase's deadline passed during the re-pause"
         return repaused, None
 
     def _no_retry(self, source: Any, results: dict, deadline: float) -> str | None:
         """Why the retry must not run, or None. It cannot help when the sender is dead; it cannot finish
         when less of the phase is left than an attempt needs (``_needed_s``)."""
-        if any(r.sender_error for r in results.values()) and self.ctl.door.actor_state(source) == "DEAD":
+        if any(r.sender_error for r in results.values()) and self.p.door.actor_state(source) == "DEAD":
             return f"the weight sender {source!r} is dead: a retry from it cannot move anything"
-        left, needed = deadline - self.ctl.clock.now(), _needed_s(self.ctl.cfg)
+        left, needed = deadline - self.p.clock.now(), _needed_s(self.p.cfg)
         if left < needed:
-            return (f"{max(0.0, left):.3f} s left of the transfer phase's {self.ctl.cfg.lifecycle_deadline_s:.1f} s, "
+            return (f"{max(0.0, left):.3f} s left of the transfer phase's {self.p.cfg.lifecycle_deadline_s:.1f} s, "
                     f"less than a retry needs ({needed:.3f} s: a quarter of refit_timeout_s, what one attempt is sized for)")
         return None
 
@@ -463,12 +523,12 @@ class RefitLifecycle:
         if _moved(tried):
             return
         self._moving = False
-        v, committed, n = self._version, self.ctl.ledger.current_version, len(tried)
+        v, committed, n = self._version, self.p.slots.ledger.current_version, len(tried)
         after = (f"the refit rolled back: no engine changed, they resume on version {committed} and the gate "
                  f"reopens on it if quorum serves it; send version {v} again")
         sender = next((r.sender_error for res in reversed(tried) for r in res.values() if r.sender_error), None)
         if sender is not None:
-            dead = " is dead: it" if self.ctl.door.actor_state(source) == "DEAD" else ""
+            dead = " is dead: it" if self.p.door.actor_state(source) == "DEAD" else ""
             raise _RollBack(RefitSourceFailed(
                 f"refit of version {v}: the weight sender {source!r}{dead} failed before the update reached any engine's weights "
                 f"({n} attempt(s); sender: {sender[:400]}); {after}, from a live sender"))
@@ -483,9 +543,9 @@ class RefitLifecycle:
         if not complete:
             return
         members = tuple((p.slot, p.incarnation) for p in plan.participants if p.slot in complete)
-        self.ctl.intent.update(committed=version, membership_epoch=plan.epoch, refit=RefitIntent(
+        self.p.intent.update(committed=version, membership_epoch=plan.epoch, refit=RefitIntent(
             version, COMMITTED, members))
-        self.ctl.decide(VersionCommitted(version))
+        self.p.act.decide(VersionCommitted(version))
 
     async def resume(self, plan: MembershipPlan, version: int, paused: set[int], complete: set[int]) -> None:
         """Step 6, one call per engine (``end_refit``), under one shared deadline; never retries the transfer.
@@ -500,7 +560,7 @@ class RefitLifecycle:
         again (``CallKind.STAMP``); one whose call failed as a whole is a failed resume (``CallKind.RESUME``)
         and counts as not stamped."""
         parts = [p for p in plan.participants if p.slot in paused or p.slot in complete]
-        handles = self.ctl.handles
+        handles = self.p.slots.handles
         others = self._paused_outside({p.slot for p in parts})
         calls = {p.slot: (handles[p.slot][1], "end_refit", (),
                           {"version": version, "abort_held": False} if p.slot in complete else {"abort_held": True})
@@ -509,7 +569,7 @@ class RefitLifecycle:
         outs = await self._fan_out(calls)
         self._note_resumed_outside({key: self._resumed_outcome(outs[key]) for key in others})
         self._stamped(version, [p for p in parts if p.slot in complete], outs)
-        acts = self.ctl.observe_all(  # an ok resume is not fed (``observe_all``)
+        acts = self.p.act.observe_all(  # an ok resume is not fed (``observe_all``)
             CallKind.RESUME, {p.slot: (p.incarnation, r) for p in parts
                               if (r := self._resumed_outcome(outs[p.slot])).kind != OK})
         aborts = [a for a in acts if isinstance(a, AbortRefit)]
@@ -541,22 +601,22 @@ class RefitLifecycle:
             elif out.value.get("stamp") != OK:
                 kind, error = out.value.get("stamp"), out.value.get("stamp_error")
                 failed[p.slot] = Outcome(kind, value=False if kind == BAD_ACK else None, error=error)
-                self.ctl.observe(p.slot, p.incarnation, CallKind.STAMP, failed[p.slot])
+                self.p.act.observe(p.slot, p.incarnation, CallKind.STAMP, failed[p.slot])
         members = tuple((p.slot, p.incarnation) for p in parts if p.slot not in failed and p.slot not in unknown)
         if failed or unknown:
-            self.ctl.intent.update(refit=RefitIntent(version, COMMITTED, members))
+            self.p.intent.update(refit=RefitIntent(version, COMMITTED, members))
 
         def named(which: dict) -> list:
             return [[p.slot, p.incarnation, which[p.slot].describe()[:200]] for p in parts if p.slot in which]
 
-        self.ctl.log.emit("stamp", version=version, members=members, failed=named(failed), unknown=named(unknown))
+        self.p.log.emit("stamp", version=version, members=members, failed=named(failed), unknown=named(unknown))
 
     async def reopen(self, version: int) -> None:
         """Step 8: reopen the gate only if quorum serves ``version``; else stop with it closed."""
-        d = self.ctl.finish_refit(version)
+        d = self._finish(version)
         self._finished = True
-        if self.ctl.gate.is_open:
-            await self.ctl.publisher.publish()  # out to clients before sync_weights returns
+        if self.p.gate.is_open:
+            await self.publisher.publish()  # out to clients before sync_weights returns
             return
         stop = next((a for a in d.actions if isinstance(a, (StopExhausted, KeepGateClosed))), None)
         message = stop.message if stop is not None else d.reason
@@ -567,38 +627,38 @@ class RefitLifecycle:
         """(slot, incarnation) -> handle of each engine this refit sent a pause to that is not resumed with the
         participants (its pause ack was lost, or it left the plan later) and is still the slot's incarnation:
         it may be paused, holding requests; resume must reach it too."""
-        return {key: h for key, h in self._held.items() if key[0] not in resuming and self.ctl.handle_of(*key) is h}
+        return {key: h for key, h in self._held.items() if key[0] not in resuming and self.p.slots.handle_of(*key) is h}
 
     def _note_resumed_outside(self, outs: dict) -> None:
         """Log the resumes of engines outside the refit; one that does not answer counts as a failed probe
         (it is quarantined already, or found so): still paused, it serves nothing, and the next refit resumes it."""
         if not outs:
             return
-        self.ctl.log.emit("resume_outside_refit", version=self._version,
+        self.p.log.emit("resume_outside_refit", version=self._version,
                           engines=[[s, i, o.kind] for (s, i), o in sorted(outs.items())])
         failed = {s: (i, o) for (s, i), o in outs.items() if not o.ok}
         if failed:
-            self.ctl.observe_all(CallKind.PROBE, failed)
+            self.p.act.observe_all(CallKind.PROBE, failed)
 
     def _clear_cache(self, slots) -> dict[int, bool]:
         """slot -> whether pausing it clears its KV cache (the emulated pause, decided here from what each held
         at ``begin_refit``; a native pause decides it on the shard, ``_pause_kw``): under ``keep``, only an idle
         shard clears."""
-        policy = self.ctl.cfg.kv_policy
+        policy = self.p.cfg.kv_policy
         if policy != "keep":
             return dict.fromkeys(slots, policy == "recompute")
         return {s: s not in self._busy for s in slots}
 
     def _warn_keep_if_busy(self) -> None:
-        if self._busy and self.ctl.cfg.kv_policy == "keep" and self.ctl.cfg.engine.enable_prefix_caching:
-            self.ctl.warn_keep_once(
+        if self._busy and self.p.cfg.kv_policy == "keep" and self.p.cfg.engine.enable_prefix_caching:
+            self._warn_once(
                 "kv_policy='keep' with requests in flight during a refit: later requests may reuse "
                 "prefix-cache blocks computed by the old weights (use 'recompute' or 'salt' to avoid this)"
             )
 
     async def _invalidate_without_native_pause(self, targets: dict) -> None:
         """A backend without native pause must confirm an equivalent cache invalidation, or the refit stops."""
-        native = self.ctl.native_pause
+        native = self.p.slots.native_pause
         if False not in native.values():  # every engine pauses natively (the common case: no per-shard look)
             return
         emulated = {s: p for s, p in targets.items() if not native.get(s, True)}
@@ -609,7 +669,7 @@ class RefitLifecycle:
         failed = sorted(s for s, o in outs.items() if not o.ok)
         if failed:
             message = (
-                f"kv_policy={self.ctl.cfg.kv_policy!r} needs the KV cache cleared at pause, but slot(s) {failed} "
+                f"kv_policy={self.p.cfg.kv_policy!r} needs the KV cache cleared at pause, but slot(s) {failed} "
                 f"have no native pause and did not confirm a cache invalidation "
                 f"({'; '.join(outs[s].describe() for s in failed)})"
             )
@@ -618,7 +678,7 @@ class RefitLifecycle:
     async def _transfer_once(self, plan: MembershipPlan, version: int, source: Any, rebuild: bool, deadline: float) -> dict:
         """One transfer attempt, cut off at the phase's ``deadline``: whoever had not finished
         then holds unknown weights (PARTIAL: never serves them, rejoins the next refit)."""
-        results = await self._bounded_transfer(plan, deadline, lambda parts, left: self.ctl.transfer_port().transfer(
+        results = await self._bounded_transfer(plan, deadline, lambda parts, left: self.transfer_port().transfer(
             parts, version, plan.epoch, source, rebuild=rebuild, timeout=left))
         self._report(plan.participants, version, results)
         return results
@@ -628,10 +688,10 @@ class RefitLifecycle:
         (the same incarnation); the others did not get it (``NOT_STARTED``: stale until the next refit).
         Returns the slots that hold the complete new weights. No retry: an apply that failed left its
         engine's weights unknown."""
-        deadline = self.ctl.clock.now() + self.ctl.cfg.lifecycle_deadline_s
+        deadline = self.p.clock.now() + self.p.cfg.lifecycle_deadline_s
         ready = MembershipPlan(plan.epoch, tuple(p for p in plan.participants
                                                  if p.slot in paused and (p.slot, p.incarnation) in staged))
-        results = await self._bounded_transfer(ready, deadline, lambda parts, left: self.ctl.transfer_port().apply_staged(
+        results = await self._bounded_transfer(ready, deadline, lambda parts, left: self.transfer_port().apply_staged(
             parts, version, timeout=left)) if ready.participants else {}
         for p in plan.participants:
             results.setdefault(p.slot, TransferResult(RefitResult.NOT_STARTED, "[stage] did not stage this update"))
@@ -641,21 +701,21 @@ class RefitLifecycle:
     async def _bounded_transfer(self, plan: MembershipPlan, deadline: float, call) -> dict:
         """``call(participants, seconds_left)`` on the port, cut off at ``deadline``: whoever had not
         finished then holds unknown weights (PARTIAL)."""
-        handles = self.ctl.handles
+        handles = self.p.slots.handles
         participants = [(p, handles[p.slot][1]) for p in plan.participants]
         with self._inside_shards():
-            left = max(0.0, deadline - self.ctl.clock.now())
+            left = max(0.0, deadline - self.p.clock.now())
             try:
                 return await asyncio.wait_for(call(participants, left), left)
             except asyncio.TimeoutError:
-                bound = self.ctl.cfg.lifecycle_deadline_s
+                bound = self.p.cfg.lifecycle_deadline_s
                 return {p.slot: TransferResult(
                     RefitResult.PARTIAL, f"{self.phase} cut off at the phase deadline ({bound:.1f} s); weights unknown"
                 ) for p in plan.participants}
 
     def _report(self, participants, version: int, results: dict) -> None:
         """What each participant holds after the transfer step, as one health decision."""
-        self.ctl.decide(Batch(tuple(
+        self.p.act.decide(Batch(tuple(
             RefitReport(p.slot, p.incarnation, version, results[p.slot].result, results[p.slot].detail[:300])
             for p in participants
         )))
@@ -663,50 +723,50 @@ class RefitLifecycle:
     async def _classify_failed(self, failed) -> None:
         """Find out why participants failed: dead, hung, or alive (a survivor of someone else's failure)."""
         outs = await self._fan_out(
-            {p.slot: (self._handle(p), "ping", (), {}) for p in failed}, timeout=self.ctl.cfg.probe_timeout_s
+            {p.slot: (self._handle(p), "ping", (), {}) for p in failed}, timeout=self.p.cfg.probe_timeout_s
         )
         for p in failed:
             out = outs[p.slot]
             if not out.ok:
-                self.ctl.observe(p.slot, p.incarnation, CallKind.REFIT, out)
+                self.p.act.observe(p.slot, p.incarnation, CallKind.REFIT, out)
 
     async def _end(self, error: type[FleetStopped], message: str, cause: BaseException | None = None) -> None:
         """The one way a refit ends without reopening: halt with the gate closed (it never opens on
         the way), close the refit in the ledger, return held requests at once, raise ``error``."""
-        self.ctl.halt(message)
+        self.p.act.halt(message)
         if not self._finished and self.holding:  # a refit that never closed the gate never began in the ledger
-            self.ctl.finish_refit(self._version)
+            self._finish(self._version)
             self._finished = True
-        live = {s: (h, "pause", (), {"mode": "abort"}) for s, (_, h) in self.ctl.handles.items()}
-        await self.ctl.door.fan_out(live, timeout=self.ctl.cfg.probe_timeout_s, expect_ack=True)
-        await self.ctl.publisher.publish()  # clients learn the fleet stopped and return what they hold
+        live = {s: (h, "pause", (), {"mode": "abort"}) for s, (_, h) in self.p.slots.handles.items()}
+        await self.p.door.fan_out(live, timeout=self.p.cfg.probe_timeout_s, expect_ack=True)
+        await self.publisher.publish()  # clients learn the fleet stopped and return what they hold
         raise error(message) from cause
 
     async def _roll_back(self, reason: str) -> None:
         """The refit ends before any engine's weights changed: resume what it paused (on the committed
         version), close the refit without a commit, reopen the gate on the committed version if quorum serves it."""
-        held = {key: h for key, h in self._held.items() if self.ctl.handle_of(*key) is h}
+        held = {key: h for key, h in self._held.items() if self.p.slots.handle_of(*key) is h}
         outs = await self._fan_out({key: (h, "resume", (), {}) for key, h in held.items()}, expect_ack=True)
         for (slot, inc), out in outs.items():
-            self.ctl.observe(slot, inc, CallKind.RESUME, out)
-        self.ctl.log.emit("refit_rolled_back", version=self._version, reason=reason[:300],
+            self.p.act.observe(slot, inc, CallKind.RESUME, out)
+        self.p.log.emit("refit_rolled_back", version=self._version, reason=reason[:300],
                           resumed=sorted(slot for (slot, _), o in outs.items() if o.ok), gate_closed=self.holding)
         if self.holding:  # a refit refused while it staged never closed the gate nor began in the ledger
-            self.ctl.roll_back_refit(self._version, reason)
+            self._rolled_back(self._version, reason)
         self._finished = True
-        await self.ctl.publisher.publish()
+        await self.publisher.publish()
 
     async def _fan_out(self, calls: dict, expect_ack: bool = False, timeout: float | None = None) -> dict:
         if not calls:
             return {}
-        timeout = timeout or self.ctl.cfg.lifecycle_deadline_s
+        timeout = timeout or self.p.cfg.lifecycle_deadline_s
         if self._deadline is not None:  # inside ``_within``: no call waits past the phase's deadline
-            left = self._deadline - self.ctl.clock.now()
+            left = self._deadline - self.p.clock.now()
             if left <= 0:
                 raise _PhaseOver(f"{self.phase} phase's deadline passed; no call started")
             timeout = min(timeout, left)
         with self._inside_shards():
-            return await self.ctl.door.fan_out(calls, timeout=timeout, expect_ack=expect_ack)
+            return await self.p.door.fan_out(calls, timeout=timeout, expect_ack=expect_ack)
 
     @contextmanager
     def _within(self, deadline: float):
@@ -722,31 +782,31 @@ class RefitLifecycle:
     def _inside_shards(self):
         """Time spent on the shards' calls (RPC round trips included), wall and this thread's CPU: what
         ``overhead_s`` and ``controller_cpu_s`` leave out."""
-        t0, cpu0 = self.ctl.clock.now(), time.thread_time()
+        t0, cpu0 = self.p.clock.now(), time.thread_time()
         try:
             yield
         finally:
-            self._inside_s += self.ctl.clock.now() - t0
+            self._inside_s += self.p.clock.now() - t0
             self._inside_cpu_s += time.thread_time() - cpu0
 
     def _handle(self, p):
-        return self.ctl.handles[p.slot][1]
+        return self.p.slots.handles[p.slot][1]
 
 
     @contextmanager
     def _phase(self, name: str):
-        t0 = self.ctl.clock.now()
-        self.ctl.log.emit("phase", phase=name, edge="begin", version=self._version)
+        t0 = self.p.clock.now()
+        self.p.log.emit("phase", phase=name, edge="begin", version=self._version)
         self.phase = name
-        self.ctl.crash_point(name)
+        self._crash_point(name)
         try:
             yield
         finally:
             self.phase = None
-            dt = self.ctl.clock.now() - t0
+            dt = self.p.clock.now() - t0
             self._phases[name] = dt
-            self.ctl.metrics.phase(name, dt)
-            self.ctl.log.emit("phase", phase=name, edge="end", version=self._version, seconds=round(dt, 6))
+            self.p.metrics.phase(name, dt)
+            self.p.log.emit("phase", phase=name, edge="end", version=self._version, seconds=round(dt, 6))
 
 
 def _completed(plan: MembershipPlan, results: dict) -> set[tuple[int, int]]:

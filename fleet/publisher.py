@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+from typing import Callable
 
+from fleet.parts import Parts
 from fleet.routing import Member, RoutingState
 from health import CallKind
 
@@ -27,8 +28,10 @@ LEAVE_NOTICE_ATTEMPTS = 10
 
 
 class RoutingPublisher:
-    def __init__(self, ctl: Any) -> None:
-        self.ctl = ctl
+    def __init__(self, parts: Parts, holding: Callable[[], bool]) -> None:
+        """``holding()``: a refit holds the gate closed now (``RefitLifecycle.holding``)."""
+        self.p = parts
+        self._holding = holding
         self.current = RoutingState(epoch=0, gate_open=False, version=0, reason="not started")
         self.refit_epoch = 0  # the epoch at which the last refit closed the gate
         self._told: dict[tuple[int, int], bool] = {}  # (slot, incarnation) -> told it is a member
@@ -57,7 +60,7 @@ class RoutingPublisher:
         lifecycle publishes when it ends, so slots passing through ``stale`` mid-refit are never
         published as leaving and told so, only to rejoin a moment later."""
         self._dirty = True
-        if self._scheduled or self.ctl.lifecycle.holding:
+        if self._scheduled or self._holding():
             return
         try:
             loop = asyncio.get_running_loop()
@@ -73,52 +76,50 @@ class RoutingPublisher:
         if not self.current.gate_open:
             return
         self.current = dataclasses.replace(self.current, epoch=self.current.epoch + 1, gate_open=False, reason=reason)
-        self.ctl.log.emit("routing", epoch=self.current.epoch, gate_open=False, version=self.current.version,
-                          stopped=bool(self.ctl.stopped))
+        self.p.log.emit("routing", epoch=self.current.epoch, gate_open=False, version=self.current.version,
+                          stopped=bool(self.p.act.stopped))
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             return
-        self.ctl.in_background(self._closed(self.current.epoch, fence=not self.ctl.lifecycle.holding))
+        self.p.act.in_background(self._closed(self.current.epoch, fence=not self._holding()))
 
     async def _closed(self, epoch: int, fence: bool) -> None:
         _, changed = self._sync()
         async with changed:
             changed.notify_all()
         if fence:
-            live = self.ctl.live_handles()
-            await self.ctl.door.fan_out({s: (h, "fence", (epoch,), {}) for s, (_, h) in live.items()},
-                                        timeout=self.ctl.cfg.probe_timeout_s)
+            live = self.p.slots.live_handles()
+            await self.p.door.fan_out({s: (h, "fence", (epoch,), {}) for s, (_, h) in live.items()},
+                                        timeout=self.p.cfg.probe_timeout_s)
 
     def _publish_soon(self) -> None:
         self._scheduled = False
-        self.ctl.in_background(self.publish())
+        self.p.act.in_background(self.publish())
 
     def _members_and_caps(self) -> tuple[tuple[Member, ...], tuple[tuple[int, int], ...]]:
         """The serving set and its caps, rebuilt only when the ledger's serving set, the roles, a handle or
         a cap changed (a refit publishes twice: at 32 shards rebuilding them was a third of its own cost).
         The serving set is compared by its slots: a refit takes every slot out of it and puts them back,
         and the same members then stay the same tuple (nobody joined or left: nothing to tell the shards)."""
-        ctl = self.ctl
-        serving, handles_rev, caps_rev = ctl.ledger.serving_slots(), ctl.handles_revision, ctl.admission.revision
+        serving, handles_rev, caps_rev = self.p.slots.ledger.serving_slots(), self.p.slots.revision, self.p.admission.revision
         key = self._key
-        if key is None or key[0] != serving or key[3] is not ctl.roles or key[1:3] != (handles_rev, caps_rev):
-            members = tuple(Member(s, inc, h) for s, inc, h in ctl.serving())
-            caps = tuple(sorted(ctl.admission.caps([m.slot for m in members]).items()))
-            self._key, self._cached = (serving, handles_rev, caps_rev, ctl.roles), (members, caps)
+        if key is None or key[0] != serving or key[3] is not self.p.slots.roles or key[1:3] != (handles_rev, caps_rev):
+            members = tuple(Member(s, inc, h) for s, inc, h in self.p.slots.serving())
+            caps = tuple(sorted(self.p.admission.caps([m.slot for m in members]).items()))
+            self._key, self._cached = (serving, handles_rev, caps_rev, self.p.slots.roles), (members, caps)
         return self._cached
 
     def _view(self) -> RoutingState:
-        ctl = self.ctl
         members, caps = self._members_and_caps()
         return RoutingState(
             epoch=self.current.epoch,
-            gate_open=ctl.gate.is_open and not ctl.stopped,
-            version=ctl.gate.version,
-            members=() if ctl.stopped else members,  # while closed: who will serve when it reopens
+            gate_open=self.p.gate.is_open and not self.p.act.stopped,
+            version=self.p.gate.version,
+            members=() if self.p.act.stopped else members,  # while closed: who will serve when it reopens
             caps=caps,
-            stopped=ctl.stopped,
-            reason=ctl.gate.reason,
+            stopped=self.p.act.stopped,
+            reason=self.p.gate.reason,
         )
 
     async def publish(self) -> RoutingState:
@@ -137,7 +138,7 @@ class RoutingPublisher:
             self.current = RoutingState(epoch, view.gate_open, view.version, members, view.caps, view.stopped,
                                         view.reason)
             changed_members = {} if same else {"members": [[m.slot, m.incarnation] for m in members]}
-            self.ctl.log.emit("routing", epoch=epoch, gate_open=view.gate_open, version=view.version,
+            self.p.log.emit("routing", epoch=epoch, gate_open=view.gate_open, version=view.version,
                               stopped=bool(view.stopped), **changed_members)
         async with changed:
             changed.notify_all()
@@ -145,21 +146,20 @@ class RoutingPublisher:
 
     async def _tell_shards(self, view: RoutingState, epoch: int) -> tuple[Member, ...]:
         """Tell joiners (awaited) and leavers (not awaited); a joiner that does not confirm is left out."""
-        ctl = self.ctl
         joining = {(m.slot, m.incarnation): m for m in view.members if not self._told.get((m.slot, m.incarnation))}
         keys = {(m.slot, m.incarnation) for m in view.members}
         leaving = [k for k, told in self._told.items() if told and k not in keys]
         for key in leaving:
             self._told[key] = False
-            if ctl.handle_of(*key) is not None:
-                ctl.in_background(self._tell_leaving(key, epoch, view.version))
-        for key in [k for k in self._told if ctl.handle_of(*k) is None]:
+            if self.p.slots.handle_of(*key) is not None:
+                self.p.act.in_background(self._tell_leaving(key, epoch, view.version))
+        for key in [k for k in self._told if self.p.slots.handle_of(*k) is None]:
             del self._told[key]  # replaced or gone: nothing more to tell it
         if not joining:
             return view.members
-        outs = await ctl.door.fan_out(
+        outs = await self.p.door.fan_out(
             {k: (m.handle, "set_route", (epoch, True, view.version), {}) for k, m in joining.items()},
-            timeout=ctl.cfg.probe_timeout_s, expect_ack=True,
+            timeout=self.p.cfg.probe_timeout_s, expect_ack=True,
         )
         refused = set()
         for key, out in outs.items():
@@ -167,7 +167,7 @@ class RoutingPublisher:
                 self._told[key] = True
             else:
                 refused.add(key)
-                ctl.observe(key[0], key[1], CallKind.PROBE, out)
+                self.p.act.observe(key[0], key[1], CallKind.PROBE, out)
         return tuple(m for m in view.members if (m.slot, m.incarnation) not in refused)
 
     async def _tell_leaving(self, key: tuple[int, int], epoch: int, version: int) -> None:
@@ -175,20 +175,19 @@ class RoutingPublisher:
         (up to ``LEAVE_NOTICE_ATTEMPTS``, ``probe_interval_s`` apart, each bounded by ``probe_timeout_s``);
         stops once it is replaced, gone or told it rejoined. One ``leave_notice`` record says how it ended.
         Not waited for: clients stop routing to it with the new state, and a refit fences it anyway."""
-        ctl = self.ctl
         attempts, out = 0, None
         while attempts < LEAVE_NOTICE_ATTEMPTS:
-            handle = ctl.handle_of(*key)
+            handle = self.p.slots.handle_of(*key)
             if handle is None or self._told.get(key) is not False:
                 break
             if attempts:
-                await asyncio.sleep(ctl.cfg.probe_interval_s)
+                await asyncio.sleep(self.p.cfg.probe_interval_s)
             attempts += 1
-            out = await ctl.door.call(handle, "set_route", epoch, False, version,
-                                      timeout=ctl.cfg.probe_timeout_s, expect_ack=True)
+            out = await self.p.door.call(handle, "set_route", epoch, False, version,
+                                      timeout=self.p.cfg.probe_timeout_s, expect_ack=True)
             if out.ok:
                 break
-        ctl.log.emit("leave_notice", slot=key[0], incarnation=key[1], epoch=epoch, attempts=attempts,
+        self.p.log.emit("leave_notice", slot=key[0], incarnation=key[1], epoch=epoch, attempts=attempts,
                      acknowledged=out is not None and out.ok,
                      outcome=None if out is None or out.ok else out.describe()[:200])
 

@@ -48,6 +48,8 @@ from typing import Any
 
 from fleet.errors import ConfigError, FleetStopped
 from fleet.launch import failed as launch_failed, launch_all
+from fleet.parts import Parts
+from fleet.publisher import RoutingPublisher
 from health import (
     Batch,
     CheckpointLoaded,
@@ -83,108 +85,102 @@ def drain_bound(drain_timeout_s: Any, request_timeout_s: float) -> float:
     return float(drain_timeout_s)
 
 
-async def resize(ctl: Any, n: Any, drain_timeout_s: Any = None) -> dict:
-    """Grow or shrink ``ctl``'s fleet to ``n`` serving engines (module docstring); returns a summary."""
-    n = check_target(n, ctl.cfg.min_healthy_engines)
-    bound = drain_bound(drain_timeout_s, ctl.cfg.request_timeout_s)
-    async with ctl.lifecycle.lock:  # a refit running now ends first; the next one waits for this resize
-        if ctl.stopped:
-            raise FleetStopped(f"resize({n}) refused: fleet stopped: {ctl.stopped}")
-        spares = ctl.cfg.spare_engines
-        plan = plan_resize(ctl.ledger, n + spares)
+async def resize(p: Parts, publisher: RoutingPublisher, refits: asyncio.Lock, n: Any, drain_timeout_s: Any = None) -> dict:
+    """Grow or shrink the fleet to ``n`` serving engines (module docstring); returns a summary. ``refits``:
+    the lock every refit holds (``RefitLifecycle.lock``): a refit and a resize never interleave."""
+    n = check_target(n, p.cfg.min_healthy_engines)
+    bound = drain_bound(drain_timeout_s, p.cfg.request_timeout_s)
+    async with refits:  # a refit running now ends first; the next one waits for this resize
+        if p.act.stopped:
+            raise FleetStopped(f"resize({n}) refused: fleet stopped: {p.act.stopped}")
+        spares = p.cfg.spare_engines
+        plan = plan_resize(p.slots.ledger, n + spares)
         size_from = plan.current - spares
-        t0 = ctl.clock.now()
+        t0 = p.clock.now()
         if plan.unchanged:
-            return _summary(ctl, size_from, n, [], {}, t0)
-        ctl.log.emit("resize", edge="begin", size_from=size_from, size_to=n, add=plan.add,
+            return _summary(p, publisher, size_from, n, [], {}, t0)
+        p.log.emit("resize", edge="begin", size_from=size_from, size_to=n, add=plan.add,
                      remove=[s for s, _ in plan.remove])
-        ctl.cfg = ctl.cfg.model_copy(update={"num_engines": n})  # the serving size follows at once
-        retired = [s for s, _ in plan.remove if ctl.ledger.state(s) is ShardState.RETIRED]
+        p.slots.size = n  # the serving size follows at once
+        retired = [s for s, _ in plan.remove if p.slots.ledger.state(s) is ShardState.RETIRED]
         added, drained = [], {}
         if plan.remove:  # a grow removes only slots retired by failures (no engine to drain): first
-            drained = await _shrink(ctl, plan.remove, n, bound)
+            drained = await _shrink(p, publisher, plan.remove, n, bound)
         if plan.add:
-            added = await _grow(ctl, plan.add, n)
-        await ctl.publisher.publish()
-        summary = _summary(ctl, size_from, n, added, drained, t0, retired)
-        ctl.log.emit("resize", edge="end", **{k: v for k, v in summary.items() if k != "routing_epoch"})
+            added = await _grow(p, plan.add, n)
+        await publisher.publish()
+        summary = _summary(p, publisher, size_from, n, added, drained, t0, retired)
+        p.log.emit("resize", edge="end", **{k: v for k, v in summary.items() if k != "routing_epoch"})
         return summary
 
 
-def _summary(ctl: Any, size_from: int, n: int, added: list, drained: dict, t0: float, retired: list = ()) -> dict:
+def _summary(p: Parts, publisher: RoutingPublisher, size_from: int, n: int, added: list, drained: dict, t0: float, retired: list = ()) -> dict:
     return {"size_from": size_from, "size_to": n, "added": added, "removed": sorted(drained), "retired": sorted(retired),
-            "drained": {str(s): row for s, row in sorted(drained.items())}, "serving": sorted(m.slot for m in ctl.publisher.current.members),
-            "seconds": round(ctl.clock.now() - t0, 3), "routing_epoch": ctl.publisher.current.epoch}
+            "drained": {str(s): row for s, row in sorted(drained.items())}, "serving": sorted(m.slot for m in publisher.current.members),
+            "seconds": round(p.clock.now() - t0, 3), "routing_epoch": publisher.current.epoch}
 
 
 # ------------------------------------------------------------------------------ grow
-async def _grow(ctl: Any, count: int, n: int) -> list[int]:
+async def _grow(p: Parts, count: int, n: int) -> list[int]:
     """Add ``count`` slots, spawn and start their engines; returns the new slots."""
-    first = ctl.ledger.num_slots
-    ctl.decide(SlotsAdded(count, f"resize to {n} engines"))
+    first = p.slots.ledger.num_slots
+    p.act.decide(SlotsAdded(count, f"resize to {n} engines"))
     new = list(range(first, first + count))
-    incs = {slot: ctl.ledger.raw(slot).incarnation for slot in new}
-    outs = await launch_all(ctl, incs)  # each stored in the intent before its actor exists; bounded
+    incs = {slot: p.slots.ledger.raw(slot).incarnation for slot in new}
+    outs = await launch_all(p, incs)  # each stored in the intent before its actor exists; bounded
     ready = []
     for slot, out in outs.items():
         if out.ok:
-            ctl.note_started(slot, incs[slot], out.value)  # native pause, node
+            p.slots.note_started(slot, incs[slot], out.value)  # native pause, node
             ready.append(slot)
         else:  # a failed launch is a dead engine: evicted, restarted within its budget
-            launch_failed(ctl, slot, incs[slot], out, "grow")
+            launch_failed(p, slot, incs[slot], out, "grow")
     if ready:
-        ctl.decide(Batch(tuple(EngineReady(s, incs[s]) for s in ready)))
-        ctl.decide(Batch(tuple(CheckpointLoaded(s, incs[s]) for s in ready)))  # serves at once only at version 0
-    await ctl.poll_admission()  # caps sized from the new engines before clients route to them
+        p.act.decide(Batch(tuple(EngineReady(s, incs[s]) for s in ready)))
+        p.act.decide(Batch(tuple(CheckpointLoaded(s, incs[s]) for s in ready)))  # serves at once only at version 0
+    await p.act.poll_admission()  # caps sized from the new engines before clients route to them
     return new
 
 
 # ------------------------------------------------------------------------------ shrink
-async def _shrink(ctl: Any, remove: tuple[tuple[int, int], ...], n: int, bound: float) -> dict[int, dict]:
+async def _shrink(p: Parts, publisher: RoutingPublisher, remove: tuple[tuple[int, int], ...], n: int, bound: float) -> dict[int, dict]:
     """Retire ``remove`` (slot, incarnation) for good, drain what still runs there, shut it down."""
     removed = dict(remove)
-    intent = ctl.intent.current
-    if intent is not None:  # stored first: a successor never serves them again, it fences them
-        ctl.intent.update(slots={s: v for s, v in intent.slots.items() if s not in removed},
-                          removed={**intent.removed, **removed})
-    for slot in removed:  # a restart under way would bring back an engine nobody wants
-        task = ctl.restarting.pop(slot, None)
-        if task is not None:
-            task.cancel()
-    before = ctl.publisher.current.epoch
-    d = ctl.decide(Batch(tuple(SlotRemoved(s, inc, f"resize to {n} engines") for s, inc in remove)))
+    p.slots.remove(removed)  # stored first: a successor fences them, never serves them
+    before = publisher.current.epoch
+    d = p.act.decide(Batch(tuple(SlotRemoved(s, inc, f"resize to {n} engines") for s, inc in remove)))
     drains = [a for a in d.actions if isinstance(a, Drain)]
-    await ctl.publisher.publish()  # out of the serving set (each leaver is told) before the drain begins
-    epoch = ctl.publisher.current.epoch
-    rows = await asyncio.gather(*(_drain(ctl, a, before, epoch, bound) for a in drains))
+    await publisher.publish()  # out of the serving set (each leaver is told) before the drain begins
+    epoch = publisher.current.epoch
+    rows = await asyncio.gather(*(_drain(p, a, before, epoch, bound) for a in drains))
     out = {a.slot: row for a, row in zip(drains, rows)}
     for slot, inc in remove:
         out.setdefault(slot, {"incarnation": inc, "drained": False, "note": "no engine left to drain"})
-        _forget(ctl, slot, inc)
+        _forget(p, slot, inc)
     return out
 
 
-async def _drain(ctl: Any, action: Drain, before: int, epoch: int, bound: float) -> dict:
+async def _drain(p: Parts, action: Drain, before: int, epoch: int, bound: float) -> dict:
     """Tell the shard it left the serving set (the publisher told it already if it was a member), wait
     (bounded) until its in-flight requests finished, abort what is left (the clients re-send it), shut it
     down. Returns what the drain saw: what the shard held and had admitted as it left the serving set (its
     own note, taken at that instant, at an epoch after ``before``; else at the first read), and after."""
     slot, inc = action.slot, action.incarnation
-    handle = ctl.handle_of(slot, inc)
+    handle = p.slots.handle_of(slot, inc)
     row: dict[str, Any] = {"incarnation": inc, "drained": False}
     if handle is None:
         return {**row, "note": "no engine left to drain"}
-    probe = ctl.cfg.probe_timeout_s
-    told = await ctl.door.call(handle, "set_route", epoch, False, ctl.gate.version, timeout=probe, expect_ack=True)
-    first = await ctl.door.call(handle, "counters", timeout=probe)
-    t0, last, aborted = ctl.clock.now(), first, 0
-    while last.ok and last.value["in_flight"] and ctl.clock.now() - t0 < bound:
+    probe = p.cfg.probe_timeout_s
+    told = await p.door.call(handle, "set_route", epoch, False, p.gate.version, timeout=probe, expect_ack=True)
+    first = await p.door.call(handle, "counters", timeout=probe)
+    t0, last, aborted = p.clock.now(), first, 0
+    while last.ok and last.value["in_flight"] and p.clock.now() - t0 < bound:
         await asyncio.sleep(DRAIN_POLL_S)
-        last = await ctl.door.call(handle, "counters", timeout=probe)
+        last = await p.door.call(handle, "counters", timeout=probe)
     if last.ok and last.value["in_flight"]:  # the bound passed: what still runs is aborted and re-sent
-        out = await ctl.door.call(handle, "abort_in_flight", timeout=probe)
+        out = await p.door.call(handle, "abort_in_flight", timeout=probe)
         aborted = out.value if out.ok else last.value["in_flight"]
-        last = await ctl.door.call(handle, "counters", timeout=probe)
+        last = await p.door.call(handle, "counters", timeout=probe)
     if first.ok and last.ok:
         c0, c1 = first.value, last.value
         left = c0.get("left")
@@ -195,43 +191,36 @@ async def _drain(ctl: Any, action: Drain, before: int, epoch: int, bound: float)
     else:
         row["note"] = f"its counters could not be read: {(first if not first.ok else last).describe()[:200]}"
     row["told"] = told.kind
-    row["drain_s"] = round(ctl.clock.now() - t0, 3)
-    shut = await ctl.door.call(handle, "shutdown", timeout=ctl.cfg.engine.call_timeout_s + 5)
+    row["drain_s"] = round(p.clock.now() - t0, 3)
+    shut = await p.door.call(handle, "shutdown", timeout=p.cfg.engine.call_timeout_s + 5)
     row["shutdown"] = shut.kind
     return row
 
 
-def _forget(ctl: Any, slot: int, incarnation: int) -> None:
+def _forget(p: Parts, slot: int, incarnation: int) -> None:
     """The removed engine's actor is killed (if still the slot's) and the controller lets go of the slot."""
-    ctl.kill_incarnation(slot, incarnation, "removed by a resize")
-    if slot in ctl.handles:
-        del ctl.handles[slot]
-        ctl.handles_revision += 1
-    ctl.native_pause.pop(slot, None)
-    ctl.nodes.forget(slot)
-    ctl.admission.forget(slot)
+    p.slots.forget(slot, incarnation, "removed by a resize")
+    p.admission.forget(slot)
 
 
 # ------------------------------------------------------------------------------ re-adoption (fleet.recovery)
-def adopted_ledger(ctl: Any, intent: Any) -> Ledger:
-    """The ledger a restarted controller rebuilds from ``intent``: every slot the fleet ever had (grown
-    ones too), the removed ones retired for good; ``ctl.cfg.num_engines`` follows the target size."""
+def adopted_ledger(p: Parts, intent: Any) -> tuple[Ledger, int]:
+    """The ledger a restarted controller rebuilds from ``intent`` (every slot the fleet ever had, grown ones
+    too, the removed ones retired for good) and the serving size it had (the target size less the spares)."""
     slots = set(intent.slots) | set(intent.removed)
-    total = max(slots) + 1 if slots else ctl.cfg.total_engines
-    config = dataclasses.replace(ctl.cfg.health_config(), num_engines=total)
-    ledger = Ledger(config, now=ctl.clock.now(), adopted=intent.slots, removed=intent.removed)
-    serving = ledger.target_size - ctl.cfg.spare_engines
-    if serving != ctl.cfg.num_engines and serving >= ctl.cfg.min_healthy_engines:
-        ctl.cfg = ctl.cfg.model_copy(update={"num_engines": serving})
-    return ledger
+    total = max(slots) + 1 if slots else p.cfg.total_engines
+    config = dataclasses.replace(p.cfg.health_config(), num_engines=total)
+    ledger = Ledger(config, now=p.clock.now(), adopted=intent.slots, removed=intent.removed)
+    serving = ledger.target_size - p.cfg.spare_engines
+    return ledger, serving if serving >= p.cfg.min_healthy_engines else p.slots.size
 
 
-def fence_removed(ctl: Any, intent: Any) -> list[list[int]]:
+def fence_removed(p: Parts, intent: Any) -> list[list[int]]:
     """Kill any actor left of a slot a resize removed (the predecessor died before it was shut down:
     its clients re-send what it ran). Returns [slot, incarnation] of each one killed."""
     fenced = []
     for slot, inc in sorted(intent.removed.items()):
         for other in (inc - 1, inc, inc + 1):
-            if ctl.fence_by_name(slot, other, inc, "a slot a resize removed: killed"):
+            if p.slots.fence_by_name(slot, other, inc, "a slot a resize removed: killed"):
                 fenced.append([slot, other])
     return fenced

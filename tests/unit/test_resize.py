@@ -277,7 +277,7 @@ def test_a_restarted_controller_re_adopts_the_resized_fleet(model_dir):
         await ctl.resize(4)  # slot 4 removed
         new = successor(ctl, door)  # built from the config it started with (3 engines), as Ray rebuilds it
         await new.ping()
-        assert new.ledger.num_slots == 5 and new.ledger.target_size == 4 and new.cfg.num_engines == 4
+        assert new.ledger.num_slots == 5 and new.ledger.target_size == 4 and new.config()["num_engines"] == 4 == new.status()["target_size"]
         assert new.ledger.record(4).removed and new.ledger.state(4).value == "retired"
         assert new.recovered["serving"] == [0, 1, 2, 3] and members(new) == [0, 1, 2, 3]
         assert (await new.resize(4))["added"] == []  # a re-sent resize is a no-op
@@ -433,7 +433,7 @@ def test_a_replaced_slot_stays_removed_for_a_restarted_controller(model_dir):
         await ctl.resize(3)
         new = successor(ctl, door)
         await new.ping()
-        assert new.ledger.target_size == 3 and new.ledger.raw(2).removed and new.cfg.num_engines == 3
+        assert new.ledger.target_size == 3 and new.ledger.raw(2).removed and new.config()["num_engines"] == 3 == new.status()["target_size"]
         assert members(new) == [0, 1, 3] and (await new.resize(3))["added"] == []
         await new.shutdown()
 

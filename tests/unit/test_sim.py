@@ -34,7 +34,7 @@ from sim.transfer import SimTransfer, TransferModel
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTROL_PLANE = ["fleet/controller.py", "fleet/lifecycle.py", "fleet/publisher.py", "fleet/recovery.py",
-                 "fleet/resize.py", "fleet/spares.py", "fleet/nodes.py", "fleet/weights.py"]
+                 "fleet/resize.py", "fleet/slots.py", "fleet/launch.py", "fleet/nodes.py", "fleet/weights.py"]
 
 
 def params(fn) -> list[tuple[str, object, object]]:

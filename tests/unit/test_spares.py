@@ -1,4 +1,4 @@
-"""Warm spares on the controller (``spare_engines``; ``fleet.spares`` over ``health.roles``), driven by fakes.
+"""Warm spares on the controller (``spare_engines``; ``fleet.slots`` rebalances over ``health.roles``), driven by fakes.
 
 A spare starts with the fleet, takes part in every refit and serves nothing; when a
 serving engine fails, a healthy spare is promoted at once (one ``promote`` record, the
