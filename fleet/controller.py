@@ -25,12 +25,13 @@ from fleet.admission import AdmissionController
 from fleet.eventlog import EventLog
 from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.gate import DispatchGate
-from fleet.launch import failed as launch_failed, launch, launch_all
+from fleet.launch import failed as launch_failed, launch_all, restart
 from fleet.intent import COMMITTED, Intent, IntentStore
+from fleet.monitor import LivenessMonitor
 from fleet.metrics import FleetMetrics, RunMeter, shard_load, shard_rows
 from fleet.lifecycle import RefitLifecycle
 from fleet.naming import new_fleet_name
-from fleet.outcome import DIED, TIMED_OUT, Outcome, with_progress
+from fleet.outcome import DIED, TIMED_OUT, Outcome
 from fleet.nodes import NodeMap
 from fleet.parts import Parts
 from fleet.publisher import RoutingPublisher
@@ -40,7 +41,6 @@ from fleet.slots import Slots
 from health import (
     Batch,
     CallKind,
-    CheckpointLoaded,
     CloseGate,
     Decision,
     EngineReady,
@@ -92,6 +92,7 @@ class SingleController:
         self.parts = Parts(self.cfg, self.name, self.clock, self.log, door, self.slots, self.intent, self.gate,
                            self.admission, self.metrics, act=self)
         self.publisher = RoutingPublisher(self.parts, holding=lambda: self.lifecycle.holding)
+        self.monitor = LivenessMonitor(self.parts, holding=lambda: self.lifecycle.holding)
         self.lifecycle = RefitLifecycle(self.parts, self.publisher, transfer, crash_point=lambda p: self.crash_point(p))
         self._tasks: set[asyncio.Task] = set()
         self.refits: list[dict] = []
@@ -165,7 +166,7 @@ class SingleController:
     def start_loops(self) -> None:
         """The background loops: health timers, the liveness monitor, the admission poll."""
         self.in_background(self._timer_loop())
-        self.in_background(self._monitor_loop())
+        self.in_background(self.monitor.loop())
         self.in_background(self._admission_loop())
 
     async def _commit_checkpoint(self) -> None:
@@ -245,12 +246,12 @@ class SingleController:
 
     def _carry_out(self, action) -> None:
         if isinstance(action, Probe):
-            self.in_background(self._probe(action.slot, action.incarnation, action.not_before))
+            self.in_background(self.monitor.probe(action.slot, action.incarnation, action.not_before))
         elif isinstance(action, Evict):
             self.slots.kill(action.slot, action.incarnation, f"evicted: {action.reason}")
         elif isinstance(action, Restart):
             if self.cfg.restart_dead_engines and not self.stopped:
-                self.slots.restarting[action.slot] = self.in_background(self._restart(action))
+                self.slots.restarting[action.slot] = self.in_background(restart(self.parts, action))
         elif isinstance(action, Retire):
             self.slots.kill(action.slot, action.incarnation, f"retired: {action.reason}")
             self.log.emit("retire", slot=action.slot, incarnation=action.incarnation, reason=action.reason,
@@ -263,111 +264,12 @@ class SingleController:
             self.gate.open(action.version, f"{action.serving} engine(s) serve version {action.version}")
         # AbortRefit and KeepGateClosed are read by the lifecycle from the decision.
 
-    async def _probe(self, slot: int, incarnation: int, not_before: float | None = None) -> None:
-        """Probe ``incarnation`` of ``slot`` once, not before ``not_before`` (the health core spaces the
-        probes of a quarantine by ``probe_interval_s``: a killed process fails every probe at once, and
-        probing it back to back would find it dead before the cluster can say its node was lost)."""
-        wait = (not_before - self.clock.now()) if not_before is not None else 0.0
-        if wait > 0:
-            await asyncio.sleep(wait)
-        handle = self.slots.handle_of(slot, incarnation)
-        if handle is None:
-            return
-        out = with_progress(await self.door.call(handle, "ping", timeout=self.cfg.probe_timeout_s), self.cfg.stall_timeout_s)
-        if out.ok and isinstance(out.value, dict) and out.value.get("core_checked") is False:
-            # its core runs a bounded worker call, so the ping did not ask it: no verdict; ask again after that
-            self.in_background(self._probe(slot, incarnation, self.clock.now() + max(self.cfg.probe_interval_s, 0.1)))
-        elif out.ok:
-            self.observe(slot, incarnation, CallKind.PROBE, out)
-        else:
-            self.observe_all(CallKind.PROBE, self._with_lost_nodes({slot: (incarnation, out)}))
-
-    def _with_lost_nodes(self, failed: dict[int, tuple[int, Outcome]]) -> dict[int, tuple[int, Outcome]]:
-        """``failed`` probes, plus every shard on a node the cluster declared dead (``fleet.nodes``): a lost
-        node's shards all die in the decision that found the first of them. The nodes of failures the
-        cluster has not judged yet are watched (``_node_verdicts``)."""
-        if not failed or not self.slots.nodes:
-            return failed
-        out = {**failed, **self._lost_nodes(self.door.dead_nodes())}
-        self.slots.nodes.watch({s: inc for s, (inc, _) in failed.items()})
-        return out
-
-    def _node_verdicts(self) -> None:
-        """The cluster's verdict on a watched node (one whose shard failed while the node still counted
-        alive), once it comes: the node's shards still counted alive die with it in one decision."""
-        ledger = self.ledger
-        self.slots.nodes.settle(lambda s: s >= ledger.num_slots or ledger.raw(s).phase in (SlotPhase.LIVE, SlotPhase.RETIRED))
-        if self.slots.nodes.watching:
-            dead = self.slots.nodes.watched_among(self.door.dead_nodes())
-            condemned = self._lost_nodes(dead) if dead else {}
-            if condemned:
-                self.observe_all(CallKind.PROBE, condemned)
-
-    def _lost_nodes(self, dead_nodes: set[str]) -> dict[int, tuple[int, Outcome]]:
-        """Every shard still counted alive on a node in ``dead_nodes``, with a ``died`` outcome naming the
-        node. Each such node's loss is recorded once, with every slot it took: those whose own probes
-        condemned them before the verdict (the node's watch) too."""
-        ledger = self.ledger
-        alive = {s: inc for s, inc in self.slots.current_incarnations().items() if ledger.raw(s).phase is not SlotPhase.DEAD}
-        lost = self.slots.nodes.lost(dead_nodes, alive)
-        out: dict[int, tuple[int, Outcome]] = {}
-        for node in sorted(set(lost) | self.slots.nodes.watched_among(dead_nodes)):
-            slots = lost.get(node, {})
-            out.update(slots)
-            before = [s for s in self.slots.nodes.unwatch(node) if s not in slots]
-            if node not in self.slots.nodes.reported:
-                self.slots.nodes.reported.add(node)
-                self.log.emit("node_lost", node=node, slots=sorted({*slots, *before}), died_before=before)
-        return out
-
-    async def _restart(self, action: Restart) -> None:
-        """Launch the incarnation a ``Restart`` asked for (``fleet.launch``: bounded by its watchdog). A launch
-        that raises, fails or overruns is a failed restart attempt: its budget is spent as for a death."""
-        slot, inc = action.slot, action.incarnation
-        old = self.slots.handles.get(slot)
-        if old is not None:
-            self.door.kill(old[1])
-        self.log.emit("restart", slot=slot, incarnation=inc, edge="begin", attempt=action.attempt)
-        self.admission.forget(slot)
-        restarting = self.slots.restarting
-        try:
-            out = await launch(self.parts, slot, inc, wait_placement=True)
-        finally:
-            if restarting.get(slot) is asyncio.current_task():
-                del restarting[slot]
-        self.log.emit("restart", slot=slot, incarnation=inc, edge="end", outcome=out.kind)
-        if out.ok:
-            self.slots.note_started(slot, inc, out.value)
-            self.decide(EngineReady(slot, inc))
-            self.decide(CheckpointLoaded(slot, inc))  # at version 0 it serves at once, as a grown engine does
-        else:
-            launch_failed(self.parts, slot, inc, out, f"restart {action.attempt}")
-
     async def _timer_loop(self) -> None:
         while True:
             wake = self.ledger.next_wake_at()
             if wake is not None and self.clock.now() >= wake:
                 self.decide(Tick())
             await asyncio.sleep(TIMER_INTERVAL_S)
-
-    async def _monitor_loop(self) -> None:
-        """Ping every live shard between refits so deaths and freezes are found without traffic; the
-        failures of one round (and the shards of a lost node) are one health decision."""
-        while True:
-            await asyncio.sleep(self.cfg.monitor_interval_s)
-            if self.lifecycle.holding:
-                continue  # paused engines are not probed; while a refit stages, the fleet serves and is watched
-            self._node_verdicts()
-            live = self.slots.live_handles()
-            outs = await self.door.fan_out(
-                {s: (h, "ping", (), {}) for s, (_, h) in live.items()}, timeout=self.cfg.probe_timeout_s
-            )
-            outs = {slot: with_progress(out, self.cfg.stall_timeout_s) for slot, out in outs.items()}  # answering != alive
-            handles = self.slots.handles
-            failed = {slot: (live[slot][0], out) for slot, out in outs.items()
-                      if not out.ok and handles.get(slot, (None,))[0] == live[slot][0]}
-            if failed:
-                self.observe_all(CallKind.PROBE, self._with_lost_nodes(failed))
 
     async def _admission_loop(self) -> None:
         while True:

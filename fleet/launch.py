@@ -25,7 +25,7 @@ from typing import Any
 
 from fleet.outcome import ERROR, TIMED_OUT, Outcome
 from fleet.parts import Parts
-from health import CallKind, Evict, FailureClass, Observed
+from health import CallKind, CheckpointLoaded, EngineReady, Evict, FailureClass, Observed, Restart
 
 PLACEMENT_POLL_S = 1.0  # how often a restart that Ray cannot place yet asks again
 PLACEMENT_NOTE_AFTER_S = 5.0  # Ray takes a moment to start any actor's process: pending longer is worth a record
@@ -92,6 +92,30 @@ async def launch_all(p: Parts, slots: dict[int, int]) -> dict[int, Outcome]:
     keys = list(slots)
     outs = await asyncio.gather(*(launch(p, s, slots[s]) for s in keys))
     return dict(zip(keys, outs))
+
+
+async def restart(p: Parts, action: Restart) -> None:
+    """Launch the incarnation a ``Restart`` asked for (``launch``: bounded by its watchdog). A launch
+    that raises, fails or overruns is a failed restart attempt: its budget is spent as for a death."""
+    slot, inc = action.slot, action.incarnation
+    old = p.slots.handles.get(slot)
+    if old is not None:
+        p.door.kill(old[1])
+    p.log.emit("restart", slot=slot, incarnation=inc, edge="begin", attempt=action.attempt)
+    p.admission.forget(slot)
+    restarting = p.slots.restarting
+    try:
+        out = await launch(p, slot, inc, wait_placement=True)
+    finally:
+        if restarting.get(slot) is asyncio.current_task():
+            del restarting[slot]
+    p.log.emit("restart", slot=slot, incarnation=inc, edge="end", outcome=out.kind)
+    if out.ok:
+        p.slots.note_started(slot, inc, out.value)
+        p.act.decide(EngineReady(slot, inc))
+        p.act.decide(CheckpointLoaded(slot, inc))  # at version 0 it serves at once, as a grown engine does
+    else:
+        failed(p, slot, inc, out, f"restart {action.attempt}")
 
 
 def record(p: Parts, slot: int, incarnation: int, out: Outcome, what: str) -> None:
