@@ -143,9 +143,8 @@ class SingleController:
         self.log.emit("phase", phase="start", edge="begin", engines=self.cfg.num_engines,
                       spares=self.cfg.spare_engines, fleet=self.name)
         ledger = self.ledger
-        self.intent.save(Intent(self.name, self.cfg.model_dump(), slots={
-            s: (ledger.raw(s).incarnation, 0) for s in range(ledger.num_slots)},
-            serving_roles=tuple(self.slots.roles.to_list())))
+        self.intent.begin(self.name, self.cfg.model_dump(), {s: (ledger.raw(s).incarnation, 0) for s in range(ledger.num_slots)},
+                          tuple(self.slots.roles.to_list()))
         incs = {slot: ledger.raw(slot).incarnation for slot in range(ledger.num_slots)}
         outs = await launch_all(self.parts, incs)  # bounded; a spawn that raises is a failed start, restarted
         for slot, out in outs.items():
@@ -184,7 +183,7 @@ class SingleController:
         finishes the shutdown (``fleet.recovery``) instead of leaving engines orphaned."""
         await self.adopt_if_restarted()
         if self.intent.current is not None:
-            self.intent.update(shutdown=True)
+            self.intent.shutting_down()
         self.halt("controller shut down")
         for task in list(self._tasks):
             task.cancel()
@@ -217,7 +216,7 @@ class SingleController:
             self.stopped = reason
             self.log.emit("stopped", reason=reason)
             if self.intent.current is not None:  # a store that fails now is reported: it must not hide the stop
-                self.intent.update(stopped=reason)
+                self.intent.stopped(reason)
         self.gate.close(reason)
 
     def _intent_failed(self, exc: Exception, intent: Intent | None) -> None:
@@ -380,13 +379,13 @@ class SingleController:
         if refit_id is None:
             return await self._run_refit(version, source, stage_ahead)
         before = self.intent.current
-        self.intent.stage(refit_id=refit_id)  # stored with the refit's first write
+        self.intent.refit_id(refit_id)  # stored with the refit's first write
         try:
             return await self.resends.run(version, refit_id, self._run_refit(version, source, stage_ahead))
         except Exception:
             now = self.intent.current
             if before is not None and now is not None and now.refit is before.refit:  # it wrote no record of its own
-                self.intent.stage(refit_id=before.refit_id)  # its id must not ride on another refit's record
+                self.intent.refit_id(before.refit_id)  # its id must not ride on another refit's record
             raise
 
     async def _run_refit(self, version: int, source: Any, stage_ahead: bool | None = None) -> dict:

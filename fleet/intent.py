@@ -10,7 +10,11 @@ Everything else (health, load, the routing state) is rebuilt from the shards
 themselves (``fleet.recovery``).
 
 Stored as one JSON document per fleet; ``IntentStore`` reads and writes it through
-the door (``kv_get``/``kv_put``/``kv_del``), so unit tests use an in-memory door.
+the door (``kv_get``/``kv_put``/``kv_del``), so unit tests use an in-memory door. Every
+write the controller makes is one named method of ``IntentStore`` (``begin``, ``spawned``,
+``roles``, ``removed``, ``refit_begun``, ``refit_committed``, ``refit_stamped``,
+``refit_ended_uncommitted``, ``stopped``, ``shutting_down``, ``adopted``): what a successor
+finds is decided in this module alone.
 """
 
 from __future__ import annotations
@@ -166,3 +170,59 @@ class IntentStore:
     def clear(self) -> None:
         self.door.kv_del(self.key)
         self.current = None
+
+    # ------------------------------------------------------------------ what the controller records, one write each
+    # Every write of the fleet's intent is one of these: what a successor must find is decided here, not by callers.
+    def begin(self, fleet: str, config: dict[str, Any], slots: dict[int, tuple[int, int]], serving: tuple[int, ...]) -> Intent:
+        """A fleet starts: its config, each slot's first incarnation, its roles."""
+        return self.save(Intent(fleet, config, slots=slots, serving_roles=serving))
+
+    def spawned(self, slot: int, incarnation: int, restarts: int) -> None:
+        """An incarnation is about to be spawned (stored before its actor exists: a successor finds it by name)."""
+        if self.current is not None:
+            self.update(slots={**self.current.slots, slot: (incarnation, restarts)})
+
+    def roles(self, serving: tuple[int, ...]) -> None:
+        """The slots that serve changed (stored before routing follows it)."""
+        self.update(serving_roles=serving)
+
+    def removed(self, removed: dict[int, int]) -> None:
+        """A resize removes these slots (slot -> incarnation): a successor fences them and never serves them."""
+        intent = self.current
+        if intent is not None:
+            self.update(slots={s: v for s, v in intent.slots.items() if s not in removed},
+                        removed={**intent.removed, **removed})
+
+    def refit_begun(self, version: int) -> None:
+        """A refit closes the gate (stored before anything changes)."""
+        self.update(refit=RefitIntent(version, CLOSING))
+
+    def refit_committed(self, version: int, epoch: int, members: tuple[tuple[int, int], ...]) -> None:
+        """``version`` is committed on ``members`` (slot, incarnation): a successor stamps exactly these."""
+        self.update(committed=version, membership_epoch=epoch, refit=RefitIntent(version, COMMITTED, members))
+
+    def refit_stamped(self, version: int, members: tuple[tuple[int, int], ...]) -> None:
+        """Only ``members`` acknowledged the stamp of the committed ``version``."""
+        self.update(refit=RefitIntent(version, COMMITTED, members))
+
+    def refit_ended_uncommitted(self, epoch: int) -> None:
+        """A refit ended without a commit (a committed refit's record stays until the next one begins)."""
+        refit = self.current.refit if self.current is not None else None
+        if refit is not None and refit.phase != COMMITTED:
+            self.update(refit=None, membership_epoch=epoch)
+
+    def stopped(self, reason: str) -> None:
+        """The fleet stopped (a failed write is reported, never hides the stop: ``save``)."""
+        self.update(stopped=reason)
+
+    def shutting_down(self) -> None:
+        """A shutdown begins: a successor finishes it instead of leaving engines orphaned."""
+        self.update(shutdown=True)
+
+    def adopted(self, intent: Intent, generation: int) -> None:
+        """A restarted controller took over ``intent`` as its ``generation``."""
+        self.save(intent.replace(generation=generation))
+
+    def refit_id(self, refit_id: str | None) -> None:
+        """The caller's id of the refit about to run: rides on that refit's first write (no extra round trip)."""
+        self.stage(refit_id=refit_id)

@@ -37,7 +37,6 @@ import warnings
 from contextlib import contextmanager
 from typing import Any, Callable
 
-from fleet.intent import CLOSING, COMMITTED, RefitIntent
 from fleet.errors import (
     CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitArgumentError, RefitFailed, RefitNotDelivered,
     RefitNotStaged, RefitRefused, RefitSourceFailed,
@@ -211,11 +210,9 @@ class RefitLifecycle:
                 if self.holding:
                     self.p.admission.refit_finished(self.p.clock.now())
                 self.running = self.holding = False
-                if self.p.intent.current is not None and self.p.intent.current.refit is not None \
-                        and self.p.intent.current.refit.phase != COMMITTED:
-                    # ended without a commit; a committed refit's record stays until the next one begins (a
-                    # successor re-stamps its engines, and a re-sent call for it returns its summary)
-                    self.p.intent.update(refit=None, membership_epoch=self.p.slots.plan.epoch)
+                # ended without a commit? a committed refit's record stays until the next one begins (a
+                # successor re-stamps its engines, and a re-sent call for it returns its summary)
+                self.p.intent.refit_ended_uncommitted(self.p.slots.plan.epoch)
             raise AssertionError("unreachable: every failure path raises")
 
     async def _steps(self, version: int, source: Any, t0: float, cpu0: float, staging: bool) -> dict:
@@ -305,7 +302,7 @@ class RefitLifecycle:
         Returns the routing epoch of the closed gate."""
         self.holding = True
         self.p.admission.refit_started()  # the engines pause (and may reset their cache): not load signals
-        self.p.intent.update(refit=RefitIntent(version, CLOSING))  # stored before anything changes
+        self.p.intent.refit_begun(version)  # stored before anything changes
         self.p.gate.close(f"refit of version {version}")
         self.p.act.decide(RefitStarted(version))
         return await self.publisher.fence_for_refit()
@@ -543,8 +540,7 @@ class RefitLifecycle:
         if not complete:
             return
         members = tuple((p.slot, p.incarnation) for p in plan.participants if p.slot in complete)
-        self.p.intent.update(committed=version, membership_epoch=plan.epoch, refit=RefitIntent(
-            version, COMMITTED, members))
+        self.p.intent.refit_committed(version, plan.epoch, members)
         self.p.act.decide(VersionCommitted(version))
 
     async def resume(self, plan: MembershipPlan, version: int, paused: set[int], complete: set[int]) -> None:
@@ -604,7 +600,7 @@ class RefitLifecycle:
                 self.p.act.observe(p.slot, p.incarnation, CallKind.STAMP, failed[p.slot])
         members = tuple((p.slot, p.incarnation) for p in parts if p.slot not in failed and p.slot not in unknown)
         if failed or unknown:
-            self.p.intent.update(refit=RefitIntent(version, COMMITTED, members))
+            self.p.intent.refit_stamped(version, members)
 
         def named(which: dict) -> list:
             return [[p.slot, p.incarnation, which[p.slot].describe()[:200]] for p in parts if p.slot in which]

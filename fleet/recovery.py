@@ -71,7 +71,7 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
                    f"{p.name!r}: its shards cannot be re-adopted")
         return {"intent": False}
     generation = intent.generation + 1
-    p.intent.save(intent.replace(generation=generation))
+    p.intent.adopted(intent, generation)
     p.log.emit("controller_restarted", fleet=p.name, generation=generation, committed=intent.committed,
                refit=None if intent.refit is None else [intent.refit.version, intent.refit.phase],
                shutdown=intent.shutdown, stopped=intent.stopped)

@@ -122,7 +122,7 @@ class Slots:
         out = rebalance(roles, {s: ledger.state(s) for s in range(ledger.num_slots)}, size)
         if out.roles is roles:
             return out
-        self._intent.update(serving_roles=tuple(out.roles.to_list()))  # stored before routing follows it
+        self._intent.roles(tuple(out.roles.to_list()))  # stored before routing follows it
         self.roles = out.roles
         for p in out.promotions:
             replaced = {} if p.replaced is None else {
@@ -137,9 +137,7 @@ class Slots:
     # ------------------------------------------------------------------ actors
     def spawn(self, slot: int, incarnation: int):
         """Spawn ``incarnation`` of ``slot`` (stored in the intent first: a successor finds it by name)."""
-        if self._intent.current is not None:
-            slots = {**self._intent.current.slots, slot: (incarnation, self.ledger.raw(slot).restarts)}
-            self._intent.update(slots=slots)
+        self._intent.spawned(slot, incarnation, self.ledger.raw(slot).restarts)
         handle = self._door.spawn_shard(self._engine, slot, incarnation, 0,
                                         name=shard_name(self._name, slot, incarnation))
         self.handles[slot] = (incarnation, handle)
@@ -171,10 +169,7 @@ class Slots:
     def remove(self, removed: dict[int, int]) -> None:
         """Slots a resize removes (slot -> incarnation): stored in the intent first (a successor fences them
         and never serves them again), and any restart under way is cancelled (it would bring one back)."""
-        intent = self._intent.current
-        if intent is not None:
-            self._intent.update(slots={s: v for s, v in intent.slots.items() if s not in removed},
-                                removed={**intent.removed, **removed})
+        self._intent.removed(removed)
         for slot in removed:
             task = self.restarting.pop(slot, None)
             if task is not None:
