@@ -43,8 +43,10 @@ class Record:
         return (e.kind if isinstance(e, Record) else e["kind"]) == cls.kind
 
     @classmethod
-    def among(cls: type[R], events: Iterable[Mapping[str, Any] | Record], /, **where: Any) -> list[R]:
-        """The records of this kind in ``events``, typed, in order; ``where``: fields that must equal these values."""
+    def among(cls: type[R], events: Iterable[Mapping[str, Any] | Record], pred: Callable[[R], bool] | None = None, /,
+              **where: Any) -> list[R]:
+        """The records of this kind in ``events``, typed, in order; ``where``: fields that must equal these
+        values; ``pred``: a test each must pass."""
         if where:
             check(cls, where.keys(), partial=True)
         kind = cls.kind
@@ -52,21 +54,23 @@ class Record:
         for e in events:
             if (e.kind if isinstance(e, Record) else e["kind"]) == kind:
                 r = of(e)
-                if all(getattr(r, k) == v for k, v in where.items()):
+                if all(getattr(r, k) == v for k, v in where.items()) and (pred is None or pred(r)):
                     out.append(r)
         return out
 
     @classmethod
     def first(cls: type[R], events: Iterable[Mapping[str, Any] | Record], pred: Callable[[R], bool] | None = None, /,
-              **fields: Any) -> R | None:
-        """The first record of this kind (matching ``fields`` and ``pred``), or None."""
-        return next((r for r in cls.among(events, **fields) if pred is None or pred(r)), None)
+              **where: Any) -> R | None:
+        """The first record of this kind (as ``among`` selects them), or None."""
+        found = cls.among(events, pred, **where)
+        return found[0] if found else None
 
     @classmethod
     def last(cls: type[R], events: Iterable[Mapping[str, Any] | Record], pred: Callable[[R], bool] | None = None, /,
-             **fields: Any) -> R | None:
-        """The last record of this kind (matching ``fields`` and ``pred``), or None."""
-        return next((r for r in reversed(cls.among(events, **fields)) if pred is None or pred(r)), None)
+             **where: Any) -> R | None:
+        """The last record of this kind (as ``among`` selects them), or None."""
+        found = cls.among(events, pred, **where)
+        return found[-1] if found else None
 
     # ------------------------------------------------------------------ writing
     def fields(self) -> Iterable[tuple[str, Any]]:
@@ -148,6 +152,15 @@ def of(e: Mapping[str, Any] | Record) -> Record:
 def all_of(events: Iterable[Mapping[str, Any] | Record]) -> list[Record]:
     """Every record of ``events`` typed, in order (for readers that walk several kinds: ``match``/``isinstance``)."""
     return [of(e) for e in events]
+
+
+def of_kinds(events: Iterable[Mapping[str, Any] | Record], kinds: Iterable[str | type[Record]] | None) -> list:
+    """The records of ``events`` (wire dicts or records, kept as they are) of ``kinds`` (classes or kind
+    strings; None: all of them), in order."""
+    wanted = kinds_of(kinds)
+    if wanted is None:
+        return list(events)
+    return [e for e in events if (e.kind if isinstance(e, Record) else e["kind"]) in wanted]
 
 
 def kinds_of(kinds: Iterable[str | type[Record]] | None) -> set[str] | None:
