@@ -8,6 +8,7 @@ import asyncio
 
 from fleet.controller import SingleController
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
+from fleet.records import Launch, Retire
 
 START_TIMEOUT_S = 5.0
 
@@ -53,7 +54,7 @@ async def until(pred, seconds=600.0, step=0.5):
 
 
 def launches(ctl, slot):
-    return [e for e in ctl.events(kinds=["launch"]) if e["slot"] == slot]
+    return [e for e in ctl.events(kinds=[Launch]) if e["slot"] == slot]
 
 
 def test_a_restart_whose_spawn_raises_spends_an_attempt_and_the_next_one_serves(model_dir):
@@ -82,7 +83,7 @@ def test_a_slot_whose_every_launch_raises_is_retired_when_its_budget_is_spent(mo
         door.kill(door.shards[(2, 1)])
         assert await until(lambda: ctl.ledger.state(2).value == "retired"), ctl.ledger.raw(2)
         assert [(e["incarnation"], e["outcome"]) for e in launches(ctl, 2)] == [(2, "error"), (3, "error")]
-        [retire] = ctl.events(kinds=["retire"])
+        [retire] = ctl.events(kinds=[Retire])
         assert retire["slot"] == 2 and retire["incarnation"] == 3 and "budget spent" in retire["reason"]
         assert ctl.gate.is_open and sorted(ctl.serving_slots()) == [0, 1] and 2 not in ctl.restarting
         await ctl.shutdown()

@@ -17,6 +17,7 @@ from fleet.fleet_config import load_fleet_config
 from fleet.intent import Intent
 from fleet.naming import intent_key
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
+from fleet.records import Promote
 
 RESTART_S = 5.0  # how long the killed slot's replacement takes to start (virtual seconds)
 
@@ -187,7 +188,7 @@ def test_roles_survive_a_controller_restart(model_dir):
         assert new.recovered["roles"] == [1, 2] and roles(new) == {0: "spare", 1: "serving", 2: "serving"}
         assert sorted(m.slot for m in st.members) == [1, 2] and st.gate_open
         assert not door.shards[(0, 2)].gate.member  # the spare stays out of routing
-        assert new.events(kinds=["promote"]) == []  # restored, not promoted anew
+        assert new.events(kinds=[Promote]) == []  # restored, not promoted anew
         assert await served_slots(new) == {1, 2}
         assert (await new.sync_weights(3))["serving"] == [1, 2]
         await new.shutdown()
@@ -205,7 +206,7 @@ def test_a_successor_keeps_the_promoted_spare_serving_while_the_replaced_slot_re
         new = successor(ctl, door)  # dies with slot 1's restart under way
         st = await new.watch_routing(-1, 0.1)
         assert sorted(m.slot for m in st.members) == [0, 2] and st.gate_open and roles(new)[1] == "spare"
-        assert new.events(kinds=["promote"]) == []  # the stored roles already had the spare serving
+        assert new.events(kinds=[Promote]) == []  # the stored roles already had the spare serving
         await asyncio.sleep(RESTART_S + 1)
         assert new.ledger.state(1).value == "stale" and roles(new)[1] == "spare"
         await new.shutdown()

@@ -18,6 +18,7 @@ from fleet.errors import ConfigError, DeadlineExceeded
 from fleet.fleet_config import load_fleet_config
 from tests.unit.fleet_fakes import run_virtual
 from tests.unit.test_controller import make
+from fleet.records import Kill
 
 
 def stalled(seconds: float, in_flight: int = 2) -> dict:
@@ -33,7 +34,7 @@ async def wait_for(cond, seconds: float, step: float = 0.1) -> float:
 
 
 def kills(ctl, slot):
-    return [e for e in ctl.log.records(kinds=["kill"]) if e["slot"] == slot]
+    return [e for e in ctl.log.records(kinds=[Kill]) if e["slot"] == slot]
 
 
 def test_a_shard_whose_engine_makes_no_progress_is_evicted_within_the_bound_and_restarted(model_dir):
