@@ -58,8 +58,8 @@ def test_a_request_that_took_down_two_engines_is_returned_as_poison_and_never_se
         assert sum(s.dead for s in door.shards.values()) == 2  # the third engine never saw it
         fp = fingerprint(POISON, {"max_tokens": 4, "seed": 1})
         assert fp in res.reason
-        logged = [e for e in ctl.log.records(kinds=[Request]) if e.get("event") == "poison"]
-        assert len(logged) == 1 and logged[0]["fingerprint"] == fp and len(logged[0]["engines"]) == 2
+        logged = [e for e in Request.among(ctl.log.records()) if e.event == "poison"]
+        assert len(logged) == 1 and logged[0].fingerprint == fp and len(logged[0].engines) == 2
         # again, with another seed: refused at once, nothing sent anywhere
         again = await c.generate_async(POISON, {"max_tokens": 4, "seed": 2})
         assert not again.ok and again.reason.startswith("poison: ") and again.attempts == 0, again

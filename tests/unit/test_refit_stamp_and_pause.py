@@ -59,8 +59,8 @@ def test_a_stamp_that_fails_leaves_the_version_unknown_until_a_refit_lands_again
         assert sorted(ctl.ledger.serving_slots()) == [0, 1, 2] and door.shards[(1, 1)].version == 2
         served = await _serve_while_checking(ctl, door)
         assert 1 in {r.slot for r in served}
-        stamp = ctl.events(kinds=[Stamp])
-        assert [m[0] for m in stamp[-2]["members"]] == [0, 2] and stamp[-2]["failed"][0][0] == 1
+        stamp = Stamp.among(ctl.events())
+        assert [m[0] for m in stamp[-2].members] == [0, 2] and stamp[-2].failed[0][0] == 1
         await ctl.shutdown()
 
     run(go())
@@ -224,8 +224,8 @@ def test_a_leave_notice_is_retried_until_acknowledged(model_dir):
                 break
         assert not shard.gate.member, "a lost leave notice was never sent again"
         assert sum(1 for c in door.calls if c[:2] == ("set_route", 2)) >= 2
-        notes = [e for e in ctl.events(kinds=[LeaveNotice]) if e["slot"] == 2]
-        assert notes and notes[-1]["acknowledged"] and notes[-1]["attempts"] >= 2
+        notes = [e for e in LeaveNotice.among(ctl.events()) if e.slot == 2]
+        assert notes and notes[-1].acknowledged and notes[-1].attempts >= 2
         await ctl.shutdown()
 
     run(go())
