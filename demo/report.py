@@ -20,10 +20,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from faults import invariants
 from faults.timeline import log_numbers, percentile, readmissions, refit_spans
+from fleet.records import Fault, Gate, Health, Kill, Record, Restart, all_of
 
 STATE_COLORS = {
     "starting": "#c7c7c7",
@@ -247,32 +248,30 @@ def _save(fig, ax, title: str | None, path) -> Path:
     return out
 
 
-def state_segments(events: Sequence[dict], t_end: float) -> dict[int, list[tuple[float, float, str, int]]]:
+def state_segments(events: Sequence[Mapping | Record], t_end: float) -> dict[int, list[tuple[float, float, str, int]]]:
     """Per slot: (t0, t1, state, incarnation) segments from the health events (a slot starts 'starting')."""
-    t_first = events[0]["t"] if events else 0.0
+    events = all_of(events)
+    t_first = events[0].t if events else 0.0
     current: dict[int, tuple[float, str, int]] = {}
     segs: dict[int, list[tuple[float, float, str, int]]] = {}
-    for e in events:
-        if e["kind"] != "health":
-            continue
-        slot = e["slot"]
-        t0, state, inc = current.get(slot, (t_first, "starting", e["incarnation"]))
-        if e["t"] > t0:
-            segs.setdefault(slot, []).append((t0, e["t"], state, inc))
-        current[slot] = (e["t"], e["after"], e["incarnation"])
+    for e in Health.among(events):
+        t0, state, inc = current.get(e.slot, (t_first, "starting", e.incarnation))
+        if e.t > t0:
+            segs.setdefault(e.slot, []).append((t0, e.t, state, inc))
+        current[e.slot] = (e.t, e.after, e.incarnation)
     for slot, (t0, state, inc) in current.items():
         segs.setdefault(slot, []).append((t0, max(t_end, t0), state, inc))
     return segs
 
 
-def gate_segments(events: Sequence[dict], t_end: float) -> list[tuple[float, float, bool]]:
-    t_first = events[0]["t"] if events else 0.0
+def gate_segments(events: Sequence[Mapping | Record], t_end: float) -> list[tuple[float, float, bool]]:
+    events = all_of(events)
+    t_first = events[0].t if events else 0.0
     out, t0, is_open = [], t_first, False
-    for e in events:
-        if e["kind"] == "gate":
-            if e["t"] > t0:
-                out.append((t0, e["t"], is_open))
-            t0, is_open = e["t"], bool(e["open"])
+    for g in Gate.among(events):
+        if g.t > t0:
+            out.append((t0, g.t, is_open))
+        t0, is_open = g.t, bool(g.open)
     out.append((t0, max(t_end, t0), is_open))
     return out
 
@@ -300,14 +299,16 @@ def plot_timeline(
     plt = _pyplot()
     if not events:
         raise ValueError("no events to plot")
-    t_end = events[-1]["t"]
-    t_open = next((e["t"] for e in events if e["kind"] == "gate" and e["open"]), None)
+    events = all_of(events)
+    t_end = events[-1].t
+    opened = Gate.first(events, open=True)
+    t_open = None if opened is None else opened.t
     startup_s = None
     if t0 is None:
-        t0 = events[0]["t"]
+        t0 = events[0].t
         if crop_startup and t_open is not None:
             startup_s, t0 = t_open - t0, t_open
-    slots = sorted({e["slot"] for e in events if e["kind"] == "health"})
+    slots = sorted({h.slot for h in Health.among(events)})
     rows = {slot: i for i, slot in enumerate(slots)}
     fig, ax = plt.subplots(figsize=size, dpi=100)
     _draw_bars(ax, events, rows, t0, t_end)
@@ -359,27 +360,27 @@ def _draw_bars(ax, events: Sequence[dict], rows: dict[int, int], t0: float, t_en
 def _draw_marks(ax, events: Sequence[dict], rows: dict[int, int], t0: float, t_end: float) -> None:
     """On the slot rows: faults, kills, restarts (begin to end) and re-admissions."""
     gate_y = len(rows)
-    for e in events:
-        if e["kind"] == "fault" and e.get("target") == "controller" and e.get("fired"):
-            ax.plot(e["t"] - t0, gate_y, "X", color="#a50f15", ms=11, mec="white", zorder=6)
-            ax.text(e["t"] - t0, gate_y + 0.18, "controller killed", fontsize=7, color="#a50f15", ha="center",
-                    va="bottom", zorder=6)
-        elif e["kind"] == "fault" and e.get("slot") in rows:
-            ax.plot(e["t"] - t0, rows[e["slot"]], "x", color="#a50f15", ms=10, mew=2.5, zorder=5)
-        elif e["kind"] == "kill" and e.get("slot") in rows:
-            ax.plot(e["t"] - t0, rows[e["slot"]] - 0.05, "v", color="black", ms=6, zorder=5)
+    for e in all_of(events):
+        match e:
+            case Fault(target="controller") if e.fired:
+                ax.plot(e.t - t0, gate_y, "X", color="#a50f15", ms=11, mec="white", zorder=6)
+                ax.text(e.t - t0, gate_y + 0.18, "controller killed", fontsize=7, color="#a50f15", ha="center",
+                        va="bottom", zorder=6)
+            case Fault() if e.slot in rows:
+                ax.plot(e.t - t0, rows[e.slot], "x", color="#a50f15", ms=10, mew=2.5, zorder=5)
+            case Kill() if e.slot in rows:
+                ax.plot(e.t - t0, rows[e.slot] - 0.05, "v", color="black", ms=6, zorder=5)
     begins = {}
-    for e in events:
-        if e["kind"] == "restart" and e["slot"] in rows:
-            key = (e["slot"], e["incarnation"])
-            if e.get("edge") == "begin":
-                begins[key] = e["t"]
-            elif key in begins:
-                y = rows[e["slot"]] - BAR_H / 2 - 0.08
-                ax.annotate("", xy=(e["t"] - t0, y), xytext=(begins[key] - t0, y),
-                            arrowprops=dict(arrowstyle="|-|", color="#08519c", lw=1.2, mutation_scale=3))
-                ax.text((begins[key] + e["t"]) / 2 - t0, y - 0.05, "restart", fontsize=7, color="#08519c",
-                        ha="center", va="top")
+    for e in Restart.among(events, lambda r: r.slot in rows):
+        key = (e.slot, e.incarnation)
+        if e.edge == "begin":
+            begins[key] = e.t
+        elif key in begins:
+            y = rows[e.slot] - BAR_H / 2 - 0.08
+            ax.annotate("", xy=(e.t - t0, y), xytext=(begins[key] - t0, y),
+                        arrowprops=dict(arrowstyle="|-|", color="#08519c", lw=1.2, mutation_scale=3))
+            ax.text((begins[key] + e.t) / 2 - t0, y - 0.05, "restart", fontsize=7, color="#08519c",
+                    ha="center", va="top")
     for r in readmissions(events):
         if r["slot"] in rows:
             ax.plot(r["t"] - t0, rows[r["slot"]], "*", color="#00441b", ms=14, mec="white", zorder=6)

@@ -52,6 +52,7 @@ from faults.timeline import read_log
 from fleet import ray_io
 from fleet.errors import ConfigError, FleetStopped
 from fleet.interrupt import catch_signals, interrupted_by, restore
+from fleet.records import Adopted, ControllerRestarted, Fault, Health, Record, Restart, Retire, Stamp, Stopped, all_of
 
 # How the demo's fleet differs from the defaults: short deadlines and fast restarts, sized
 # for tiny CPU engines on a busy machine (refits move ~2 MB; engines start in 15-60 s).
@@ -188,7 +189,7 @@ def wait_for_restarts(fleet, timeout_s: float, on_poll=None) -> tuple[float, lis
 class EventWatcher:
     """Turns new event-log records into one-line notes for the view (deaths, restarts, re-admissions, stops)."""
 
-    KINDS = ["fault", "health", "restart", "stamp", "stopped", "retire", "controller_restarted", "adopted"]
+    KINDS = [Fault, Health, Restart, Stamp, Stopped, Retire, ControllerRestarted, Adopted]
 
     def __init__(self, fleet) -> None:
         self.fleet = fleet
@@ -203,32 +204,35 @@ class EventWatcher:
             return []
         if new:
             self.since = new[-1]["seq"] + 1
-        notes = []
-        for e in new:
-            k = e["kind"]
-            if k == "health" and e["after"] in ("dead", "suspect", "hung", "retired"):
-                notes.append(f"slot {e['slot']} (inc {e['incarnation']}) {e['before']} -> {e['after']}: {e['reason'][:90]}")
-            elif k == "restart" and e.get("edge") == "begin":
-                notes.append(f"slot {e['slot']} restarting as incarnation {e['incarnation']} (attempt {e.get('attempt')})")
-            elif k == "restart" and e.get("edge") == "end":
-                if e.get("outcome") == "ok":
-                    self.restarted.add((e["slot"], e["incarnation"]))
-                notes.append(f"slot {e['slot']} incarnation {e['incarnation']} started ({e.get('outcome')}); joins the next refit")
-            elif k == "stamp":
-                for slot, inc in e["members"]:
+        return [n for e in all_of(new) for n in self._notes(e)]
+
+    def _notes(self, e: Record) -> list[str]:
+        match e:
+            case Health() if e.after in ("dead", "suspect", "hung", "retired"):
+                return [f"slot {e.slot} (inc {e.incarnation}) {e.before} -> {e.after}: {e.reason[:90]}"]
+            case Restart(edge="begin"):
+                return [f"slot {e.slot} restarting as incarnation {e.incarnation} (attempt {e.attempt})"]
+            case Restart(edge="end"):
+                if e.outcome == "ok":
+                    self.restarted.add((e.slot, e.incarnation))
+                return [f"slot {e.slot} incarnation {e.incarnation} started ({e.outcome}); joins the next refit"]
+            case Stamp():
+                notes = []
+                for slot, inc in e.members:
                     if (slot, inc) in self.restarted and (slot, inc) not in self.readmitted:
                         self.readmitted.add((slot, inc))
-                        notes.append(f"slot {slot} incarnation {inc} re-admitted: stamped v{e['version']}, serving again")
-            elif k == "stopped":
-                notes.append(f"fleet STOPPED: {e['reason'][:160]}")
-            elif k == "fault" and e.get("target") == "controller" and e.get("fired"):
-                notes.append(f"controller process killed at {e.get('point')} (pid {e.get('pid')})")
-            elif k == "controller_restarted":
-                notes.append(f"controller restarted by Ray (generation {e.get('generation')}): re-adopting the shards")
-            elif k == "adopted" and not e.get("shutdown_finished"):
-                notes.append(f"controller re-adopted slots {e.get('alive')} in {e.get('seconds')} s; serving "
-                             f"{e.get('serving')} on v{e.get('committed')}, gate {'open' if e.get('gate_open') else 'closed'}")
-        return notes
+                        notes.append(f"slot {slot} incarnation {inc} re-admitted: stamped v{e.version}, serving again")
+                return notes
+            case Stopped():
+                return [f"fleet STOPPED: {e.reason[:160]}"]
+            case Fault(target="controller") if e.fired:
+                return [f"controller process killed at {e.point} (pid {e.pid})"]
+            case ControllerRestarted():
+                return [f"controller restarted by Ray (generation {e.generation}): re-adopting the shards"]
+            case Adopted() if not e.shutdown_finished:
+                return [f"controller re-adopted slots {e.alive} in {e.seconds} s; serving "
+                        f"{e.serving} on v{e.committed}, gate {'open' if e.gate_open else 'closed'}"]
+        return []
 
 
 # ---------------------------------------------------------------------------------- the run

@@ -70,6 +70,7 @@ from faults.firing import hook_point
 from faults.poison import prove_poison_request
 from faults.resize_evidence import prove_resize_under_load
 from faults.timeline import departure, fault_to_reopen, recover_s, refit_spans
+from fleet.records import Adopted, ControllerRestarted, Fault, Gate, Phase, RefitRolledBack, Request, all_of
 from health.faultplan import CONTROLLER_WHAT, CORRUPTIONS, TRAINER_WHERE
 from refit.manifest import layer_group
 
@@ -133,8 +134,8 @@ def evidence(events: list[dict], fired: Mapping) -> dict:
     return {
         **{k: fired[k] for k in FIELDS},
         "t": fired["t"],
-        "left_for": left["after"] if left else None,
-        "fault_to_reopen_s": fault_to_reopen(events, fired),
+        "left_for": left.after if left else None,
+        "fault_to_reopen_s": fault_to_reopen(events, fired["t"]),
         "recover_s": recover_s(events, left) if left else None,
     }
 
@@ -146,7 +147,7 @@ def had_effect(row: Mapping) -> bool:
 
 def prove(done: Iterable[Mapping], events: list[dict], journal: Iterable[dict]) -> tuple[list[dict], list[str]]:
     """Evidence rows of the firings in ``done`` that went off, and a sentence for each that failed (see above)."""
-    arms = [e for e in events if e["kind"] == "fault" and e.get("armed")]
+    arms = [a.as_dict() for a in Fault.among(events, lambda a: bool(a.armed))]  # matched like the journal's lines
     shots = [dict(r) for r in journal]
     rows: list[dict] = []
     problems: list[str] = []
@@ -204,40 +205,37 @@ def _prove_controller_fault(f: Mapping, arms: list[dict], events: list[dict]) ->
         if arm is None:
             return None, [f"fault {describe(f)} did not fire: the event log has no 'fault' record of the "
                           f"controller's crash armed at {where}"]
-        shot = next((e for e in events if e["kind"] == "fault" and e.get("target") == "controller"
-                     and e.get("point") == where and "fired" in e and e["t"] >= arm["t"]), None)
+        shot = Fault.first(events, lambda s: s.fired is not None and s.t >= arm["t"], target="controller", point=where)
         if shot is None:
             return None, [f"fault {describe(f)} did not fire: armed at t={arm['t']:.3f}, but the controller "
                           f"never recorded it going off (it did not reach {where})"]
-        if not shot["fired"]:
-            return None, [f"fault {describe(f)} did not fire: {shot.get('reason', 'the controller says it did not')}"]
-        if shot.get("pid") != aimed.get("pid"):
-            wrong.append(f"it fired in pid {shot.get('pid')}, not in the controller's process the driver "
+        if not shot.fired:
+            return None, [f"fault {describe(f)} did not fire: {shot.reason or 'the controller says it did not'}"]
+        if shot.pid != aimed.get("pid"):
+            wrong.append(f"it fired in pid {shot.pid}, not in the controller's process the driver "
                          f"armed (pid {aimed.get('pid')})")
-        t = shot["t"]
+        t = shot.t
     generation = aimed.get("generation", -1)
-    restarted = next((e for e in events if e["kind"] == "controller_restarted" and e["t"] >= t
-                      and e.get("generation", -1) > generation), None)
-    adopted = None if restarted is None else next(
-        (e for e in events if e["kind"] == "adopted" and e["t"] >= restarted["t"]
-         and e.get("generation") == restarted["generation"]), None)
+    restarted = ControllerRestarted.first(events, lambda r: r.t >= t and r.generation > generation)
+    adopted = None if restarted is None else Adopted.first(events, lambda a: a.t >= restarted.t,
+                                                           generation=restarted.generation)
     if restarted is None:
         wrong.append(f"no controller_restarted record of a generation above {generation} follows the kill at "
                      f"t={t:.3f}: the controller did not come back")
     elif adopted is None:
-        wrong.append(f"the controller restarted (generation {restarted['generation']}) but no adopted record "
+        wrong.append(f"the controller restarted (generation {restarted.generation}) but no adopted record "
                      "follows: it never re-adopted the fleet")
-    elif bool(adopted.get("shutdown_finished")) != (where == "shutdown"):
+    elif bool(adopted.shutdown_finished) != (where == "shutdown"):
         wrong.append(f"the restarted controller's adopted record {'lacks' if where == 'shutdown' else 'has'} "
                      f"shutdown_finished: {adopted}")
     row = {"slot": None, "incarnation": None, "point": where, "action": f["what"], "t": t,
            "left_for": None if wrong else LEADS_TO[f["what"]][0],
-           "fault_to_reopen_s": fault_to_reopen(events, {"t": t}),
-           "recover_s": None if adopted is None else round(adopted["t"] - t, 3),
-           "generation": None if restarted is None else restarted["generation"],
-           "adopt_s": None if adopted is None else adopted.get("seconds"),
-           "completed_while_down": sum(1 for e in events if e["kind"] == "request" and e["event"] == "completed"
-                                       and t <= e["t"] <= (adopted["t"] if adopted else float("inf"))),
+           "fault_to_reopen_s": fault_to_reopen(events, t),
+           "recover_s": None if adopted is None else round(adopted.t - t, 3),
+           "generation": None if restarted is None else restarted.generation,
+           "adopt_s": None if adopted is None else adopted.seconds,
+           "completed_while_down": len(Request.among(
+               events, lambda r: t <= r.t <= (adopted.t if adopted else float("inf")), event=Request.COMPLETED)),
            **({"outage": f["outage"]} if "outage" in f else {})}
     return row, [f"fault {describe(f)}: {w}" for w in wrong]
 
@@ -256,7 +254,7 @@ def _prove_trainer_fault(f: Mapping, events: list[dict]) -> tuple[dict | None, l
     began = min(c["began"] for c in calls)
     row = {"slot": None, "incarnation": None, "point": f["where"], "action": what, "t": began,
            "left_for": None if wrong else LEADS_TO[what][0],
-           "fault_to_reopen_s": fault_to_reopen(events, {"t": began}), "recover_s": None}
+           "fault_to_reopen_s": fault_to_reopen(events, began), "recover_s": None}
     if f.get("returned"):
         row["returned"] = f["returned"]  # requests the fault had returned on purpose (a poison)
     return row, wrong
@@ -268,10 +266,10 @@ def _corrupt_update(f: Mapping, calls: list[dict], events: list[dict]) -> list[s
     wrong = []
     if call["outcome"] != "refused" or names not in (call["error"] or ""):
         wrong.append(f"the refit was not refused naming {names!r}: {call['outcome']}: {call['error']}")
-    back = next((e for e in events if e["kind"] == "refit_rolled_back" and e["version"] == call["version"]), None)
-    if back is None or names not in back["reason"]:
+    back = RefitRolledBack.first(events, version=call["version"])
+    if back is None or names not in back.reason:
         wrong.append(f"no refit_rolled_back record of version {call['version']} names {names!r}"
-                     + (f" (it says {back['reason'][:200]!r})" if back else ""))
+                     + (f" (it says {back.reason[:200]!r})" if back else ""))
     return wrong + _kept_then_refit(before, after, call, events, "refit")
 
 
@@ -282,8 +280,7 @@ def _kept_then_refit(before: Mapping, after: Mapping, call: Mapping, events: lis
     kept = after["gate_open"] and after["version"] == before["version"] and set(after["states"].values()) == {"healthy"}
     if not kept:
         wrong.append(f"the fleet did not keep serving version {before['version']} with every slot healthy: {after}")
-    if not any(e["kind"] == "gate" and e["open"] and e["version"] > before["version"] and e["t"] > call["ended"]
-               for e in events):
+    if not Gate.among(events, lambda g: g.version > before["version"] and g.t > call["ended"], open=True):
         wrong.append(f"no later {later} reopened the gate on a version above {before['version']}")
     return wrong
 
@@ -293,16 +290,15 @@ def _killed_sender(f: Mapping, calls: list[dict], events: list[dict]) -> list[st
     wrong = []
     if f.get("sender_state") != "DEAD":
         wrong.append(f"the sender was not killed: Ray says its actor is {f.get('sender_state')!r}")
-    if not any(e["kind"] == "phase" and e["phase"] == "transfer" and e["edge"] == "begin" and e["version"] == v
-               for e in events):
+    if Phase.first(events, phase="transfer", edge="begin", version=v) is None:
         wrong.append("the refit never reached its transfer: the sender was not killed mid-refit")
     if call["outcome"] != "rolled_back" or "RefitSourceFailed" not in (call["error"] or "") \
             or f["sender"] not in (call["error"] or ""):
         wrong.append(f"the refit did not roll back with RefitSourceFailed naming {f['sender']}: "
                      f"{call['outcome']}: {call['error']}")
-    if not any(e["kind"] == "refit_rolled_back" and e["version"] == v for e in events):
+    if RefitRolledBack.first(events, version=v) is None:
         wrong.append(f"no refit_rolled_back record of version {v}")
-    if any(e["kind"] == "gate" and e["open"] and e.get("version") == v for e in events):
+    if Gate.first(events, open=True, version=v) is not None:
         wrong.append(f"the gate opened on version {v}, which the killed sender never delivered")
     return wrong + _kept_then_refit(before, after, call, events, "refit (from a new sender)")
 
@@ -313,10 +309,11 @@ def _stale_version(f: Mapping, calls: list[dict], events: list[dict]) -> list[st
     if call["outcome"] != "refused" or NOT_GREATER not in (call["error"] or ""):
         wrong.append(f"the refit was not refused as not greater than the committed version: "
                      f"{call['outcome']}: {call['error']}")
-    during = [e for e in events if call["began"] <= e["t"] <= call["ended"]
-              and (e["kind"] == "gate" or (e["kind"] == "phase" and e.get("version") == call["version"]))]
+    during = [e for e in all_of(events) if call["began"] <= e.t <= call["ended"]
+              and (isinstance(e, Gate) or (isinstance(e, Phase) and e.version == call["version"]))]
     if during:
-        wrong.append(f"the refused call changed something: {[(e['kind'], e.get('phase', e.get('open'))) for e in during]}")
+        changed = [(e.kind, e.phase if isinstance(e, Phase) else e.open) for e in during]
+        wrong.append(f"the refused call changed something: {changed}")
     return wrong
 
 

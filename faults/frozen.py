@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping
 
+from fleet.records import Kill, Record, Request
+
 __all__ = ["FREEZES", "prove_core_reaped", "prove_resent"]
 
 FREEZES = ("freeze", "freeze_core")
@@ -40,7 +42,7 @@ def _names(reason: str, slot: int, incarnation: int) -> bool:
     return f"slot {slot} (incarnation {incarnation})" in reason
 
 
-def prove_resent(events: list[Mapping], journal: Iterable[Mapping], slot: int, bound_s: float,
+def prove_resent(events: Iterable[Mapping | Record], journal: Iterable[Mapping], slot: int, bound_s: float,
                  slack_s: float = 1.5, measured: dict | None = None) -> list[str]:
     """Sentences naming what did not happen (module docstring); empty when the freeze of ``slot`` was
     found within ``bound_s`` and the requests it held were re-sent at its eviction and completed.
@@ -49,28 +51,27 @@ def prove_resent(events: list[Mapping], journal: Iterable[Mapping], slot: int, b
     if shot is None:
         return [f"slot {slot} never froze: the fault journal has no freeze of it"]
     inc, t_freeze = shot["incarnation"], shot["t"]
-    kill = next((e for e in events if e["kind"] == "kill" and e.get("slot") == slot
-                 and e.get("incarnation") == inc and "evicted" in str(e.get("reason", "")) and e["t"] >= t_freeze), None)
+    kill = Kill.first(events, lambda k: "evicted" in k.reason and k.t >= t_freeze, slot=slot, incarnation=inc)
     if kill is None:
         return [f"slot {slot} (incarnation {inc}) froze at t={t_freeze:.3f} but was never evicted"]
     problems = []
-    found = kill["t"] - t_freeze
+    found = kill.t - t_freeze
     if found > bound_s + slack_s:
         problems.append(f"slot {slot} (incarnation {inc}) was evicted {found:.2f} s after it froze, past the "
                         f"detection bound of {bound_s:.2f} s (+{slack_s:g} s slack)")
-    resent = [e for e in events if e["kind"] == "request" and e.get("event") == "requeued"
-              and e["t"] >= t_freeze and _names(str(e.get("reason", "")), slot, inc)]
+    resent = Request.among(events, lambda r: r.t >= t_freeze and _names(str(r.reason), slot, inc),
+                           event=Request.REQUEUED)
     if measured is not None:
         measured.update(evicted_after_s=round(found, 3), bound_s=bound_s, resent=len(resent))
     if not resent:
         problems.append(f"no request was re-sent from slot {slot} (incarnation {inc}): none was in flight on it "
                         "when it froze, so the variant proves nothing about its requests")
-    late = [e for e in resent if e["t"] > kill["t"] + slack_s]
+    late = [r for r in resent if r.t > kill.t + slack_s]
     if late:
         problems.append(f"{len(late)} request(s) held by frozen slot {slot} were re-sent only "
-                        f"{max(e['t'] for e in late) - kill['t']:.2f} s after its eviction, not at it")
-    completed = {e["request_id"] for e in events if e["kind"] == "request" and e.get("event") == "completed"}
-    lost = sorted({e["request_id"] for e in resent} - completed)
+                        f"{max(r.t for r in late) - kill.t:.2f} s after its eviction, not at it")
+    completed = {r.request_id for r in Request.among(events, event=Request.COMPLETED)}
+    lost = sorted({r.request_id for r in resent} - completed)
     if lost:
         problems.append(f"request(s) {lost[:5]} re-sent from frozen slot {slot} never completed")
     return problems

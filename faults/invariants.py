@@ -19,112 +19,112 @@ stamped with, or the committed one the successor stamped on it (``stamped``).
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
+
+from fleet.records import Adopt, ControllerRestarted, Gate, Phase, Record, Request, Stamp, Stopped, all_of
+
+Events = Iterable[Mapping | Record]  # wire dicts or typed records (``fleet.records``)
 
 
-def requests_accounted(events: Iterable[dict]) -> list[str]:
+def requests_accounted(events: Events) -> list[str]:
     """Every accepted request ended exactly once (completed or returned)."""
     ends: dict[str, int] = {}
     accepted: set[str] = set()
-    for e in events:
-        if e["kind"] != "request":
-            continue
-        if e["event"] == "accepted":
-            accepted.add(e["request_id"])
-        elif e["event"] in ("completed", "returned"):
-            ends[e["request_id"]] = ends.get(e["request_id"], 0) + 1
+    for r in Request.among(events):
+        if r.event == Request.ACCEPTED:
+            accepted.add(r.request_id)
+        elif r.event in (Request.COMPLETED, Request.RETURNED):
+            ends[r.request_id] = ends.get(r.request_id, 0) + 1
     out = [f"request {r} accepted but never completed nor returned (lost)" for r in sorted(accepted - set(ends))]
     out += [f"request {r} ended {n} times" for r, n in sorted(ends.items()) if n > 1]
     return out
 
 
-def version_tags_match_stamps(events: Iterable[dict]) -> list[str]:
+def version_tags_match_stamps(events: Events) -> list[str]:
     """Each completed sample's version tag is the version last stamped on that (slot, incarnation).
 
     Every incarnation starts on the checkpoint (version 0) until a stamp says otherwise: a ``stamp``
     record, or a restarted controller's ``adopt`` record of that engine (the version it reported, or
     the committed version of its ``controller_restarted`` record when it stamped the engine itself).
     """
-    events = list(events)
+    events = all_of(events)
     # The refit's last call to an engine stamps it and then resumes it (``end_refit``); the ``stamp`` record
     # comes once every such call settled, so a resumed engine may finish requests on the new version before
     # it: from its refit's ``resume`` phase on, an engine the record lists may carry that version.
     # An engine whose call failed as a whole (``unknown``: no answer, so no word on its stamp) holds the new
     # weights whole and may carry either tag until a later stamp says which.
-    members_of = {e["version"]: {tuple(m) for m in e["members"]} | {tuple(u[:2]) for u in e.get("unknown", ())}
-                  for e in events if e["kind"] == "stamp"}
+    members_of = {s.version: {tuple(m) for m in s.members} | {tuple(u[:2]) for u in s.unknown}
+                  for s in Stamp.among(events)}
     resuming: dict[tuple[int, int], int] = {}  # engine -> the version it may carry besides its last stamp's
     stamped: dict[tuple[int, int], int] = {}
     committed: int | None = None  # the restarted controller's committed version
     out = []
     for e in events:
-        if e["kind"] == "phase" and e.get("phase") == "resume" and e.get("edge") == "begin":
-            resuming.update(dict.fromkeys(members_of.get(e.get("version"), ()), e.get("version")))
-        elif e["kind"] == "stamp":
-            for slot, inc in e["members"]:
-                stamped[(slot, inc)] = e["version"]
-                resuming.pop((slot, inc), None)
-        elif e["kind"] == "controller_restarted":
-            committed = e.get("committed")
-        elif e["kind"] == "adopt" and e.get("weight_version") is not None:
-            stamped[(e["slot"], e["incarnation"])] = committed if e.get("stamped") else e["weight_version"]
-            resuming.pop((e["slot"], e["incarnation"]), None)
-        elif e["kind"] == "request" and e["event"] == "completed":
-            key = (e["slot"], e["incarnation"])
-            want = stamped.get(key, 0)
-            if e["version"] != want and e["version"] != resuming.get(key):
-                out.append(
-                    f"request {e['request_id']} from slot {e['slot']} (incarnation {e['incarnation']}) tagged "
-                    f"version {e['version']}, but that engine held version {want}"
-                )
+        match e:
+            case Phase(phase="resume", edge="begin"):
+                resuming.update(dict.fromkeys(members_of.get(e.version, ()), e.version))
+            case Stamp():
+                for slot, inc in e.members:
+                    stamped[(slot, inc)] = e.version
+                    resuming.pop((slot, inc), None)
+            case ControllerRestarted():
+                committed = e.committed
+            case Adopt() if e.weight_version is not None:
+                stamped[(e.slot, e.incarnation)] = committed if e.stamped else e.weight_version
+                resuming.pop((e.slot, e.incarnation), None)
+            case Request(event=Request.COMPLETED):
+                key = (e.slot, e.incarnation)
+                want = stamped.get(key, 0)
+                if e.version != want and e.version != resuming.get(key):
+                    out.append(
+                        f"request {e.request_id} from slot {e.slot} (incarnation {e.incarnation}) tagged "
+                        f"version {e.version}, but that engine held version {want}"
+                    )
     return out
 
 
-def open_gate_serves_current_version(events: Iterable[dict]) -> list[str]:
+def open_gate_serves_current_version(events: Events) -> list[str]:
     """While the gate is open on version v, every completed sample carries v."""
     open_version: int | None = None
     out = []
-    for e in events:
-        if e["kind"] == "gate":
-            open_version = e["version"] if e["open"] else None
-        elif e["kind"] == "request" and e["event"] == "completed" and open_version is not None:
-            if e["version"] != open_version:
+    for e in all_of(events):
+        match e:
+            case Gate():
+                open_version = e.version if e.open else None
+            case Request(event=Request.COMPLETED) if open_version is not None and e.version != open_version:
                 out.append(
-                    f"request {e['request_id']} completed with version {e['version']} while the gate was open on "
+                    f"request {e.request_id} completed with version {e.version} while the gate was open on "
                     f"version {open_version}"
                 )
     return out
 
 
-def phases_within_deadline(events: Iterable[dict], deadline_s: float, slack_s: float = 2.0) -> list[str]:
+def phases_within_deadline(events: Events, deadline_s: float, slack_s: float = 2.0) -> list[str]:
     """No lifecycle phase outlived its deadline, ``refit_timeout_s + lifecycle_grace_s``; the transfer
     phase too, its one retry included (the lifecycle gives the phase one deadline).
 
     ``slack_s`` covers the bookkeeping around a call that ran to its deadline (and,
     on a stop, the short bounded call that returns held requests).
     """
-    out = []
-    for e in events:
-        if e["kind"] == "phase" and e.get("edge") == "end" and "seconds" in e:
-            bound = deadline_s + slack_s
-            if e["seconds"] > bound:
-                out.append(f"phase {e['phase']} of version {e.get('version')} took {e['seconds']:.1f} s > {bound:.1f} s")
-    return out
+    bound = deadline_s + slack_s
+    return [f"phase {p.phase} of version {p.version} took {p.seconds:.1f} s > {bound:.1f} s"
+            for p in Phase.among(events, edge="end") if p.seconds is not None and p.seconds > bound]
 
 
-def gate_closed_after_stop(events: Iterable[dict]) -> list[str]:
+def gate_closed_after_stop(events: Events) -> list[str]:
     """After the fleet stopped, the gate never opened again."""
     stopped = None
     out = []
-    for e in events:
-        if e["kind"] == "stopped":
-            stopped = e["reason"]
-        elif e["kind"] == "gate" and e["open"] and stopped is not None:
-            out.append(f"gate reopened on version {e['version']} after the fleet stopped ({stopped})")
+    for e in all_of(events):
+        match e:
+            case Stopped():
+                stopped = e.reason
+            case Gate(open=True) if stopped is not None:
+                out.append(f"gate reopened on version {e.version} after the fleet stopped ({stopped})")
     return out
 
 
-def requests_waited_below_quorum(events: list[dict]) -> list[str]:
+def requests_waited_below_quorum(events: Events) -> list[str]:
     """A variant's expectation, not an invariant of every run: the gate closed between refits because
     fewer than ``min_healthy_engines`` served ("below quorum"); requests accepted while it was closed
     waited (none returned, none completed before the gate reopened), and a refit reopened it (on a newer
@@ -132,28 +132,29 @@ def requests_waited_below_quorum(events: list[dict]) -> list[str]:
     as the accepting client saw it (the ``gate_open`` of its ``accepted`` record; a record without it
     counts as closed): the close reaches a client with the next routing state, and a request it accepted
     before that may still be served meanwhile by a surviving shard on the committed version."""
-    closes = [i for i, e in enumerate(events) if e["kind"] == "gate" and not e["open"] and "below quorum" in e["reason"]]
+    events = all_of(events)
+    closes = [i for i, e in enumerate(events) if isinstance(e, Gate) and not e.open and "below quorum" in e.reason]
     if not closes:
         return ["the gate never closed below quorum between refits"]
     out = []
     for i in closes:
         closed = events[i]
-        end = next((j for j in range(i + 1, len(events)) if events[j]["kind"] in ("stopped", "gate")), None)
-        reopened = end is not None and events[end]["kind"] == "gate" and events[end]["open"]
-        if not reopened or events[end]["version"] <= closed["version"]:
-            out.append(f"the gate closed below quorum at t={closed['t']:.3f} and no refit reopened it")
-        window = events[i + 1:end]
-        waiting = {e["request_id"] for e in window
-                   if e["kind"] == "request" and e["event"] == "accepted" and not e.get("gate_open", False)}
-        ended = [e for e in window if e["kind"] == "request" and (e["event"] == "returned" or (
-            e["event"] == "completed" and e["request_id"] in waiting))]
+        end = next((j for j in range(i + 1, len(events)) if isinstance(events[j], (Stopped, Gate))), None)
+        reopened = end is not None and isinstance(events[end], Gate) and events[end].open
+        if not reopened or events[end].version <= closed.version:
+            out.append(f"the gate closed below quorum at t={closed.t:.3f} and no refit reopened it")
+        window = Request.among(events[i + 1:end])
+        waiting = {r.request_id for r in window if r.event == Request.ACCEPTED and not r.gate_open}
+        ended = [r for r in window if r.event == Request.RETURNED or (
+            r.event == Request.COMPLETED and r.request_id in waiting)]
         if not waiting:
-            out.append(f"no request was accepted while the gate was closed below quorum (t={closed['t']:.3f})")
-        out += [f"request {e['request_id']} {e['event']} while the gate was closed below quorum" for e in ended]
+            out.append(f"no request was accepted while the gate was closed below quorum (t={closed.t:.3f})")
+        out += [f"request {r.request_id} {r.event} while the gate was closed below quorum" for r in ended]
     return out
 
 
-def check_all(events: list[dict], deadline_s: float, slack_s: float = 2.0) -> list[str]:
+def check_all(events: Events, deadline_s: float, slack_s: float = 2.0) -> list[str]:
+    events = all_of(events)  # typed once for every check
     return (
         requests_accounted(events)
         + version_tags_match_stamps(events)

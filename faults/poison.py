@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Mapping
 
+from fleet.records import Health, Record, Request
+
 POISON_TOKENS = [7, 77, 7, 77]  # in no other prompt the fault runs send
 POISON_PROMPT = [1, *POISON_TOKENS, 2]
 PROMPT, SAMPLING = [1, 21, 31, 41, 51], {"max_tokens": 4}
@@ -52,17 +54,17 @@ def _send(fleet, version: int) -> dict:
             "began": round(began, 6), "ended": round(time.monotonic(), 6)}
 
 
-def prove_poison_request(f: Mapping, calls: list[dict], events: list[dict]) -> list[str]:
+def prove_poison_request(f: Mapping, calls: list[dict], events: list[Mapping | Record]) -> list[str]:
     first, again = calls[0], calls[1]
     wrong = []
     if first["outcome"] != "poison" or first["attempts"] != 2:
         wrong.append(f"the poison prompt came back {first['outcome']} after {first['attempts']} attempt(s), not as "
                      f"poison after 2: {first['reason'][:200]}")
-    marks = [e for e in events if e["kind"] == "request" and e.get("event") == "poison" and e["t"] >= first["began"]]
-    if len(marks) != 1 or len(marks[0]["engines"]) != 2 or not marks[0].get("fingerprint"):
+    marks = Request.among(events, lambda r: r.t >= first["began"], event=Request.POISON)
+    if len(marks) != 1 or len(marks[0].engines or ()) != 2 or not marks[0].fingerprint:
         wrong.append(f"expected one 'poison' record naming two engines and a fingerprint, got {marks}")
-    dead = sorted({(e["slot"], e["incarnation"]) for e in events if e["kind"] == "health" and e["t"] >= first["began"]
-                   and e["after"] in ("dead", "retired") and e["before"] != e["after"]})
+    dead = sorted({(h.slot, h.incarnation) for h in Health.among(
+        events, lambda h: h.t >= first["began"] and h.after in ("dead", "retired") and h.before != h.after)})
     if len(dead) != 2 or len({s for s, _ in dead}) != 2:
         wrong.append(f"engines that died from the firing on: {dead}; expected exactly two, on two slots")
     if again["outcome"] != "poison" or again["attempts"] != 0 or "refused without sending it" not in again["reason"]:

@@ -29,91 +29,98 @@ missing record proves nothing and is reported.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
-def _kill(events: Sequence[dict], slot: int) -> int | None:
+from fleet.records import Fault, Gate, Health, Promote, Record, Restart, Routing, Stamp, all_of
+
+Events = Iterable[Mapping | Record]  # wire dicts or typed records (``fleet.records``)
+
+
+def _kill(events: Sequence[Record], slot: int) -> int | None:
     """The position of the step-boundary kill of ``slot`` in ``events`` (None: there is none)."""
-    return next((i for i, e in enumerate(events) if e["kind"] == "fault" and e.get("slot") == slot
-                 and e.get("point") == "step_boundary" and e.get("action") == "kill" and e.get("armed")), None)
+    return next((i for i, e in enumerate(events) if isinstance(e, Fault) and e.slot == slot
+                 and e.point == "step_boundary" and e.action == "kill" and e.armed), None)
 
 
-def routing_members(events: Iterable[dict]) -> list[tuple[int, dict, set[tuple[int, int]]]]:
+def routing_members(events: Events) -> list[tuple[int, Routing, set[tuple[int, int]]]]:
     """(position, record, members) of each ``routing`` record (one without ``members`` kept the last ones)."""
     out, current = [], set()
-    for i, e in enumerate(events):
-        if e["kind"] != "routing":
+    for i, e in enumerate(all_of(events)):
+        if not isinstance(e, Routing):
             continue
-        if "members" in e:
-            current = {tuple(m) for m in e["members"]}
+        if e.members is not None:
+            current = {tuple(m) for m in e.members}
         out.append((i, e, current))
     return out
 
 
-def _after(events: Sequence[dict], start: int, pred) -> tuple[int, dict] | tuple[None, None]:
-    """The first record at a position >= ``start`` that ``pred`` accepts, with its position."""
-    return next(((i, e) for i, e in enumerate(events) if i >= start and pred(e)), (None, None))
+def _after(events: Sequence[Record], start: int, cls: type, pred: Callable[[Record], bool]) -> tuple:
+    """The first record of ``cls`` at a position >= ``start`` that ``pred`` accepts, with its position
+    ((None, None): there is none)."""
+    return next(((i, e) for i, e in enumerate(events) if i >= start and isinstance(e, cls) and pred(e)), (None, None))
 
 
-def prove_promotion(events: Sequence[dict], slot: int) -> list[str]:
+def prove_promotion(events: Events, slot: int) -> list[str]:
     """What the log (records in log order) does not show of a spare replacing killed serving slot ``slot``
     (module docstring); [] if it shows everything."""
+    events = all_of(events)
     k = _kill(events, slot)
     if k is None:
         return [f"no kill of slot {slot} fired: the event log has no step-boundary 'fault' record of it"]
-    inc, t0 = events[k]["incarnation"], events[k]["t"]
+    inc, t0 = events[k].incarnation, events[k].t
     wrong = []
-    if _after(events, k, lambda e: e["kind"] == "health" and e["slot"] == slot and e["incarnation"] == inc
-              and e["after"] == "dead")[0] is None:
+    if _after(events, k, Health, lambda e: e.slot == slot and e.incarnation == inc and e.after == "dead")[0] is None:
         wrong.append(f"slot {slot} incarnation {inc} was killed at t={t0:.3f} but never recorded dead")
-    p, promo = _after(events, k, lambda e: e["kind"] == "promote" and e.get("replaced") == slot)
+    p, promo = _after(events, k, Promote, lambda e: e.replaced == slot)
     if promo is None:
         return wrong + [f"no spare was promoted in place of slot {slot} after its kill at t={t0:.3f}"]
-    spare = (promo["slot"], promo["incarnation"])
+    spare = (promo.slot, promo.incarnation)
     r, routed = next(((i, e) for i, e, members in routing_members(events) if i > p and spare in members
                       and (slot, inc) not in members), (None, None))
-    e_, restarted = _after(events, k, lambda e: e["kind"] == "restart" and e.get("edge") == "end"
-                           and e["slot"] == slot and e["incarnation"] > inc and e.get("outcome") == "ok")
+    e_, restarted = _after(events, k, Restart, lambda e: e.edge == "end" and e.slot == slot and e.incarnation > inc
+                           and e.outcome == "ok")
     if routed is None:
-        wrong.append(f"slot {spare[0]} incarnation {spare[1]} was promoted at t={promo['t']:.3f} but no routing "
+        wrong.append(f"slot {spare[0]} incarnation {spare[1]} was promoted at t={promo.t:.3f} but no routing "
                      f"state after it sends traffic to it without the killed slot {slot}")
     if restarted is None:
         return wrong + [f"slot {slot} never finished a restart after its kill: it cannot have become the spare"]
     if routed is not None and r > e_:
-        wrong.append(f"routing changed to the spare at t={routed['t']:.3f}, not before slot {slot}'s restart "
-                     f"finished at t={restarted['t']:.3f}: the spare did not save the restart's wait")
+        wrong.append(f"routing changed to the spare at t={routed.t:.3f}, not before slot {slot}'s restart "
+                     f"finished at t={restarted.t:.3f}: the spare did not save the restart's wait")
     until = r if routed is not None else e_
-    closed = [e for e in events[k:until + 1] if e["kind"] == "gate" and not e["open"]]
+    closed = Gate.among(events[k:until + 1], open=False)
     if closed:
-        wrong.append(f"the gate closed at t={closed[0]['t']:.3f} between the kill and the promotion's routing "
-                     f"({closed[0].get('reason', '')[:120]})")
-    wrong += _became_spare(events, slot, e_, restarted["incarnation"])
+        wrong.append(f"the gate closed at t={closed[0].t:.3f} between the kill and the promotion's routing "
+                     f"({(closed[0].reason or '')[:120]})")
+    wrong += _became_spare(events, slot, e_, restarted.incarnation)
     return wrong
 
 
-def _became_spare(events: Sequence[dict], slot: int, start: int, incarnation: int) -> list[str]:
+def _became_spare(events: Sequence[Record], slot: int, start: int, incarnation: int) -> list[str]:
     new = [slot, incarnation]
-    s, stamp = _after(events, start, lambda e: e["kind"] == "stamp" and new in [list(m) for m in e["members"]])
+    s, stamp = _after(events, start, Stamp, lambda e: new in [list(m) for m in e.members])
     if stamp is None:
         return [f"slot {slot} incarnation {incarnation} restarted but no refit landed on it: not a warm spare"]
     wrong = []
-    _, back = _after(events, start, lambda e: e["kind"] == "promote" and e["slot"] == slot)
+    _, back = _after(events, start, Promote, lambda e: e.slot == slot)
     if back is not None:
-        wrong.append(f"slot {slot} was promoted again at t={back['t']:.3f}: it did not stay the spare")
+        wrong.append(f"slot {slot} was promoted again at t={back.t:.3f}: it did not stay the spare")
     served = [e for i, e, members in routing_members(events) if i > s and tuple(new) in members]
     if served:
-        wrong.append(f"slot {slot} incarnation {incarnation} is in the routing state at t={served[0]['t']:.3f}: "
+        wrong.append(f"slot {slot} incarnation {incarnation} is in the routing state at t={served[0].t:.3f}: "
                      "a spare must serve nothing")
     return wrong
 
 
-def capacity_restored_s(events: Sequence[dict], slot: int, size: int) -> float | None:
+def capacity_restored_s(events: Events, slot: int, size: int) -> float | None:
     """Seconds from the kill of ``slot`` to the first routing state after it with ``size`` members, the killed
     incarnation not among them, and the gate open (None: never, or no kill in the log). Rounded to ms."""
+    events = all_of(events)
     k = _kill(events, slot)
     if k is None:
         return None
-    killed = (slot, events[k]["incarnation"])
+    killed = (slot, events[k].incarnation)
     for i, e, members in routing_members(events):
-        if i > k and e["gate_open"] and len(members) >= size and killed not in members:
-            return round(e["t"] - events[k]["t"], 3)
+        if i > k and e.gate_open and len(members) >= size and killed not in members:
+            return round(e.t - events[k].t, 3)
     return None

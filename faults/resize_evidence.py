@@ -27,14 +27,15 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from fleet.records import Health, Record, Resize, Stamp
 
-def _end_record(events: list[dict], call: Mapping) -> dict | None:
+
+def _end_record(events: list[Mapping | Record], call: Mapping) -> Resize | None:
     """The controller's ``resize`` end record of the resize ``call`` made (within its begin and end)."""
-    return next((e for e in events if e["kind"] == "resize" and e.get("edge") == "end"
-                 and call["began"] <= e["t"] <= call["ended"]), None)
+    return Resize.first(events, lambda r: call["began"] <= r.t <= call["ended"], edge="end")
 
 
-def prove_resize_under_load(f: Mapping, calls: list[dict], events: list[dict]) -> list[str]:
+def prove_resize_under_load(f: Mapping, calls: list[dict], events: list[Mapping | Record]) -> list[str]:
     call, wrong = calls[0], []
     if call.get("outcome") != "committed":
         wrong.append(f"the refit between the resizes did not commit: {call.get('outcome')}: {call.get('error')}")
@@ -50,7 +51,7 @@ def prove_resize_under_load(f: Mapping, calls: list[dict], events: list[dict]) -
 
 
 def _resizes_happened(f: Mapping, grow: Mapping | None, shrink: Mapping | None, call: Mapping,
-                      events: list[dict]) -> list[str]:
+                      events: list[Mapping | Record]) -> list[str]:
     wrong, size = [], f.get("size")
     for name, rec, want in (("grow", grow, (size, None if size is None else size + 1)),
                             ("shrink", shrink, (None if size is None else size + 1, size))):
@@ -60,27 +61,27 @@ def _resizes_happened(f: Mapping, grow: Mapping | None, shrink: Mapping | None, 
         end = _end_record(events, rec)
         if end is None:
             wrong.append(f"no resize end record of the {name} (to {rec['n']} engines) in the event log")
-        elif (end.get("size_from"), end.get("size_to")) != want:
-            wrong.append(f"the {name}'s resize record goes from {end.get('size_from')} to {end.get('size_to')} "
+        elif (end.size_from, end.size_to) != want:
+            wrong.append(f"the {name}'s resize record goes from {end.size_from} to {end.size_to} "
                          f"engines, not {want[0]} to {want[1]}")
-        elif name == "grow" and (not end.get("added") or end.get("added") != f.get("added")):
-            wrong.append(f"the grow's resize record added {end.get('added')}, the driver saw {f.get('added')}")
-        elif name == "shrink" and (not end.get("removed") or end.get("removed") != f.get("removed")):
-            wrong.append(f"the shrink's resize record removed {end.get('removed')}, the driver saw {f.get('removed')}")
+        elif name == "grow" and (not end.added or end.added != f.get("added")):
+            wrong.append(f"the grow's resize record added {end.added}, the driver saw {f.get('added')}")
+        elif name == "shrink" and (not end.removed or end.removed != f.get("removed")):
+            wrong.append(f"the shrink's resize record removed {end.removed}, the driver saw {f.get('removed')}")
     if grow and shrink and not grow.get("ended", 0) <= call.get("began", 0) <= call.get("ended", 0) <= shrink.get("began", 0):
         wrong.append("the refit did not run between the grow and the shrink")
     return wrong
 
 
-def _new_engine_served(f: Mapping, call: Mapping, events: list[dict]) -> list[str]:
+def _new_engine_served(f: Mapping, call: Mapping, events: list[Mapping | Record]) -> list[str]:
     new, wrong = f.get("new_engine") or {}, []
     slot, inc = new.get("slot"), new.get("incarnation")
     if slot is None:
         return ["the grow added no engine"]
-    stamp = next((e for e in events if e["kind"] == "stamp" and e.get("version") == call.get("version")), None)
-    if stamp is None or [slot, inc] not in [list(m) for m in stamp.get("members", [])]:
+    stamp = Stamp.first(events, version=call.get("version"))
+    if stamp is None or [slot, inc] not in [list(m) for m in stamp.members]:
         wrong.append(f"the refit of version {call.get('version')} did not land on the new engine (slot {slot}, "
-                     f"incarnation {inc}): its stamp record names {None if stamp is None else stamp.get('members')}")
+                     f"incarnation {inc}): its stamp record names {None if stamp is None else stamp.members}")
     if not new.get("admitted_after_refit"):
         wrong.append(f"the new engine (slot {slot}) admitted no request after the refit (its shard's counters)")
     if not new.get("completed_on_version"):
@@ -88,13 +89,13 @@ def _new_engine_served(f: Mapping, call: Mapping, events: list[dict]) -> list[st
     return wrong
 
 
-def _removed_engine_drained(f: Mapping, shrink: Mapping | None, events: list[dict]) -> list[str]:
+def _removed_engine_drained(f: Mapping, shrink: Mapping | None, events: list[Mapping | Record]) -> list[str]:
     removed = f.get("removed") or []
     if len(removed) != 1:
         return [f"the shrink removed {removed}, not one engine"]
     slot = removed[0]
     end = _end_record(events, shrink) if shrink else None
-    row = ((end or {}).get("drained") or {}).get(str(slot))
+    row = ((end.drained if end else None) or {}).get(str(slot))
     if row is None:
         return [f"no drain record of the removed slot {slot} in the shrink's resize record"]
     wrong, held = [], row.get("in_flight_at_removal") or 0
@@ -107,9 +108,8 @@ def _removed_engine_drained(f: Mapping, shrink: Mapping | None, events: list[dic
         wrong.append(f"slot {slot} admitted requests after its removal: {row.get('admitted_at_removal')} at "
                      f"removal, {row.get('admitted_at_end')} at the end")
     inc = row.get("incarnation")
-    retired = next((e for e in events if e["kind"] == "health" and e.get("slot") == slot
-                    and e.get("incarnation") == inc and e.get("after") == "retired"
-                    and "removed by a resize" in e.get("reason", "") and e["t"] >= shrink["began"]), None)
+    retired = Health.first(events, lambda h: "removed by a resize" in h.reason and h.t >= shrink["began"],
+                           slot=slot, incarnation=inc, after="retired")
     state = (f.get("removed_state") or {}).get(str(slot)) or {}
     if retired is None or state.get("state") != "retired" or not state.get("removed"):
         wrong.append(f"slot {slot} (incarnation {inc}) was not retired as removed by the resize: health record "

@@ -39,7 +39,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from faults import invariants
 from faults.evidence import prove
@@ -52,6 +52,7 @@ from fleet import ray_io
 from fleet.api import Fleet
 from fleet.errors import FleetStopped
 from fleet.naming import controller_name, shard_name
+from fleet.records import Health, Kill, Record, Request, Stamp, Stopped, all_of, of_kinds
 from faults.matrix import BASE_FLEET, Variant
 from faults.source import WeightSource
 from health.faultplan import CONTROLLER_WHAT, FaultPlan, load_plan, resolve
@@ -102,16 +103,16 @@ def slot_losses(events: list[dict], most: int = 8) -> list[str]:
     event log gives (the first ``most``)."""
     lines: list[str] = []
     killed: set[tuple] = set()
-    for e in events:
-        if e["kind"] == "kill":
-            who = (e.get("slot"), e.get("incarnation"))
+    for e in all_of(events):
+        if isinstance(e, Kill):
+            who = (e.slot, e.incarnation)
             if who in killed:
                 continue  # every client that found it unusable asks for the same kill
             killed.add(who)
-            lines.append(f"killed slot {e.get('slot')} (incarnation {e.get('incarnation')}): {str(e.get('reason'))[:300]}")
-        elif e["kind"] == "health" and _state(e.get("after")) in ("suspect", "hung", "dead"):
-            lines.append(f"slot {e.get('slot')} (incarnation {e.get('incarnation')}) {_state(e.get('before'))} -> "
-                         f"{_state(e.get('after'))}: {str(e.get('reason'))[:300]}")
+            lines.append(f"killed slot {e.slot} (incarnation {e.incarnation}): {str(e.reason)[:300]}")
+        elif isinstance(e, Health) and _state(e.after) in ("suspect", "hung", "dead"):
+            lines.append(f"slot {e.slot} (incarnation {e.incarnation}) {_state(e.before)} -> "
+                         f"{_state(e.after)}: {str(e.reason)[:300]}")
     return lines[:most] + ([f"and {len(lines) - most} more slot losses"] if len(lines) > most else [])
 
 
@@ -176,11 +177,12 @@ class FaultRunner:
         """The fault journal's lines written at or after monotonic time ``t``."""
         return [r for r in read_log(self.journal) if r["t"] >= t]
 
-    def events(self, since_t: float = float("-inf"), kinds: tuple[str, ...] | None = None) -> list[dict]:
+    def events(self, since_t: float = float("-inf"), kinds: Iterable[str | type[Record]] | None = None) -> list[dict]:
         """The current fleet's event log from its file (every controller generation's records and the
-        client's), in time order, from monotonic time ``since_t`` on; ``seq`` numbers the whole file."""
+        client's), in time order, from monotonic time ``since_t`` on, of ``kinds`` (record classes or kind
+        strings) when given; ``seq`` numbers the whole file."""
         records = [{**r, "seq": i} for i, r in enumerate(read_log(self.event_log))] if self.event_log else []
-        return [r for r in records if r["t"] >= since_t and (kinds is None or r["kind"] in kinds)]
+        return of_kinds([r for r in records if r["t"] >= since_t], kinds)
 
     def say(self, message: str) -> None:
         """One line of the run's log, marked as the fault runner's."""
@@ -310,7 +312,7 @@ class FaultRunner:
                 rep.violations += [f"check {check}: {p}" for p in prove_promotion(self.events(t0), slot)]
                 continue
             if kind == "stop_names":
-                ok = any(f"slot {slot}" in e["reason"] for e in self.events(t0, kinds=("stopped",)))
+                ok = any(f"slot {slot}" in e.reason for e in Stopped.among(self.events(t0)))
             elif kind == "evicted":
                 ok = self._wait(lambda: self._evicted(slot), 60, f"eviction of slot {slot}")
             elif kind == "retired":
@@ -328,14 +330,14 @@ class FaultRunner:
     def _found_after(self, slot: int, t0: float, bound_s: float) -> dict:
         """Seconds from the fault on ``slot`` going off (its journal line) to its eviction (the ``kill``)."""
         shot = next((r for r in self.journal_since(t0) if r.get("slot") == slot), None)
-        kill = next((e for e in self.events(t0, kinds=("kill",)) if e["slot"] == slot and "evicted" in e["reason"]), None)
+        kill = Kill.first(self.events(t0, kinds=[Kill]), lambda k: "evicted" in k.reason, slot=slot)
         if shot is None or kill is None:
             return {"evicted_after_s": None, "bound_s": bound_s}
-        return {"evicted_after_s": round(kill["t"] - shot["t"], 3), "bound_s": bound_s, "reason": kill["reason"][:160]}
+        return {"evicted_after_s": round(kill.t - shot["t"], 3), "bound_s": bound_s, "reason": kill.reason[:160]}
 
     def _evicted(self, slot: int, since_t: float = float("-inf")) -> bool:
         """The controller killed an incarnation of ``slot`` as evicted (at or after ``since_t``)."""
-        return any(e["slot"] == slot and "evicted" in e["reason"] for e in self.events(since_t, kinds=("kill",)))
+        return Kill.first(self.events(since_t, kinds=[Kill]), lambda k: "evicted" in k.reason, slot=slot) is not None
 
     def _controller_back(self, fleet: Fleet, generation: int) -> list[str]:
         """The controller answers at ``generation`` (one restart per kill), the gate is open, and the fleet
@@ -386,13 +388,13 @@ class FaultRunner:
         """A stamp that failed on ``slot``: the ledger dropped its version (it never served the refit's version
         unstamped), and a later refit re-stamped the same incarnation, which then serves the committed version."""
         out = []
-        stamps = self.events(t0, kinds=("stamp",))
-        failed = [e for e in stamps if any(f[0] == slot for f in e.get("failed", ()))]
+        stamps = Stamp.among(self.events(t0, kinds=[Stamp]))
+        failed = [s for s in stamps if any(f[0] == slot for f in s.failed)]
         if not failed:
-            return [f"no stamp of slot {slot} failed after the fault: {[e.get('failed') for e in stamps]}"]
-        inc = next(f[1] for f in failed[0]["failed"] if f[0] == slot)
-        unknown = [e for e in self.events(t0, kinds=("health",)) if e["slot"] == slot and e["incarnation"] == inc
-                   and "version unknown" in e.get("reason", "")]
+            return [f"no stamp of slot {slot} failed after the fault: {[s.failed for s in stamps]}"]
+        inc = next(f[1] for f in failed[0].failed if f[0] == slot)
+        unknown = Health.among(self.events(t0, kinds=[Health]), lambda h: "version unknown" in h.reason,
+                               slot=slot, incarnation=inc)
         if not unknown:
             out.append(f"slot {slot} (incarnation {inc}): no transition says its version became unknown")
         self.heal(fleet)
@@ -419,8 +421,8 @@ class FaultRunner:
         rep.wrong_version_tags = len(invariants.version_tags_match_stamps(events)) - len(
             invariants.version_tags_match_stamps([e for e in events if e["t"] < t0])
         ) + len(invariants.open_gate_serves_current_version(new))
-        returned = [e for e in new if e["kind"] == "request" and e.get("event") == "returned"]
-        rep.notes += [f"returned {e.get('request_id')}: {str(e.get('reason'))[:1200]}" for e in returned[:3]]
+        returned = Request.among(new, event=Request.RETURNED)
+        rep.notes += [f"returned {r.request_id}: {str(r.reason)[:1200]}" for r in returned[:3]]
         rep.notes += [f"and {len(returned) - 3} more returned"] if len(returned) > 3 else []
         rep.violations += invariants.requests_accounted(new) + invariants.phases_within_deadline(
             new, fleet.config.lifecycle_deadline_s, slack_s=fleet.config.probe_timeout_s + 2.0

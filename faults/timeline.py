@@ -2,8 +2,8 @@
 
 The demo's report, the fault runner, the chaos soak and the benchmarks all take
 their fleet numbers from here, so one number has one definition. Every function
-reads a list of event records (the dicts of ``events.jsonl``, in log order) and
-returns numbers; ``percentile`` is the one percentile helper of the project.
+reads a list of event records (the dicts of ``events.jsonl``, in log order, or their
+typed ``fleet.records``) and returns numbers; ``percentile`` is the one percentile helper of the project.
 
 Definitions:
 
@@ -29,9 +29,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
+from fleet.records import (ControllerRestarted, Fault, Gate, Health, Kill, Phase, Record, Request, Restart, Stamp,
+                           StalenessAbort, Stopped, all_of)
 from health.faultplan import REFIT_PHASES
+
+Events = Iterable[Mapping | Record]  # wire dicts (``read_log``, ``Fleet.events``) or typed records
 
 # The controller's own ``stopped`` record when it is shut down on purpose (not a failure).
 SHUTDOWN_REASON = "controller shut down"
@@ -73,150 +77,155 @@ def read_log(path: str | Path) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------- faults and recovery
-def reopen_s(events: Sequence[dict], i: int) -> float | None:
+def reopen_s(events: Sequence[Mapping | Record], i: int) -> float | None:
     """Seconds from ``events[i]`` to the next gate opening after it (None if the gate never opened again)."""
-    t_open = next((x["t"] for x in events[i + 1:] if x["kind"] == "gate" and x["open"]), None)
-    return None if t_open is None else t_open - events[i]["t"]
+    opened = Gate.first(events[i + 1:], open=True)
+    return None if opened is None else opened.t - all_of(events[i:i + 1])[0].t
 
 
-def fault_to_reopen(events: Sequence[dict], fired: dict) -> float | None:
-    """Seconds from a firing (a record with ``t``) to the next gate opening after it, rounded to ms.
+def fault_to_reopen(events: Events, since_t: float) -> float | None:
+    """Seconds from a firing at ``since_t`` to the next gate opening after it, rounded to ms.
 
     None when the gate never opened again, and when the fleet stopped first (the gate stays closed after a stop).
     """
-    for e in events:
-        if e["t"] < fired["t"]:
+    for e in all_of(events):
+        if e.t < since_t:
             continue
-        if e["kind"] == "stopped":
+        if isinstance(e, Stopped):
             return None
-        if e["kind"] == "gate" and e["open"]:
-            return round(e["t"] - fired["t"], 3)
+        if isinstance(e, Gate) and e.open:
+            return round(e.t - since_t, 3)
     return None
 
 
-def departure(events: Iterable[dict], slot: int, incarnation: int, since_t: float, states: Sequence[str]) -> dict | None:
+def departure(events: Events, slot: int, incarnation: int, since_t: float, states: Sequence[str]) -> Health | None:
     """The first ``health`` record at or after ``since_t`` in which (slot, incarnation) entered one of ``states``."""
-    return next(
-        (e for e in events if e["kind"] == "health" and e["t"] >= since_t and e["slot"] == slot
-         and e["incarnation"] == incarnation and e["after"] in states and e["before"] != e["after"]),
-        None,
-    )
+    return Health.first(events, lambda h: h.t >= since_t and h.after in states and h.before != h.after,
+                        slot=slot, incarnation=incarnation)
 
 
-def _serves_again(x: dict, slot: int, incarnation: int) -> bool:
+def _serves_again(x: Record, slot: int, incarnation: int) -> bool:
     """A replacement incarnation was stamped with weights, or the same one became healthy again."""
-    if x["kind"] == "stamp":
-        return any(s == slot and inc > incarnation for s, inc in x["members"])
-    return x["kind"] == "health" and x["slot"] == slot and x["incarnation"] == incarnation and x["after"] == "healthy"
+    if isinstance(x, Stamp):
+        return any(s == slot and inc > incarnation for s, inc in x.members)
+    return isinstance(x, Health) and x.slot == slot and x.incarnation == incarnation and x.after == "healthy"
 
 
-def recover_s(events: Iterable[dict], left: dict) -> float | None:
+def recover_s(events: Events, left: Health) -> float | None:
     """Seconds from a departure record until its slot served again, rounded to ms (None if it never did)."""
-    back = next((x["t"] for x in events if x["t"] >= left["t"] and _serves_again(x, left["slot"], left["incarnation"])),
-                None)
-    return None if back is None else round(back - left["t"], 3)
+    back = next((x.t for x in all_of(events) if x.t >= left.t and _serves_again(x, left.slot, left.incarnation)), None)
+    return None if back is None else round(back - left.t, 3)
 
 
-def restarted_incarnations(events: Iterable[dict]) -> list[tuple[int, int]]:
+def restarted_incarnations(events: Events) -> list[tuple[int, int]]:
     """(slot, incarnation) of every replacement engine that started (restart end with outcome ok)."""
-    return [
-        (e["slot"], e["incarnation"])
-        for e in events
-        if e["kind"] == "restart" and e.get("edge") == "end" and e.get("outcome") == "ok"
-    ]
+    return [(r.slot, r.incarnation) for r in Restart.among(events, edge="end", outcome="ok")]
 
 
-def readmissions(events: Sequence[dict]) -> list[dict]:
+def readmissions(events: Events) -> list[dict]:
     """Each restarted incarnation's first stamp (it received the weights and rejoined serving), in log order."""
     started: dict[tuple[int, int], float] = {}
     out: list[dict] = []
     seen: set[tuple[int, int]] = set()
-    for e in events:
-        if e["kind"] == "restart" and e.get("edge") == "end" and e.get("outcome") == "ok":
-            started[(e["slot"], e["incarnation"])] = e["t"]
-        elif e["kind"] == "stamp":
-            for slot, inc in e["members"]:
-                key = (slot, inc)
-                if key in started and key not in seen:
-                    seen.add(key)
-                    out.append({"slot": slot, "incarnation": inc, "version": e["version"], "t": e["t"],
-                                "restart_end_t": started[key]})
+    for e in all_of(events):
+        match e:
+            case Restart(edge="end", outcome="ok"):
+                started[(e.slot, e.incarnation)] = e.t
+            case Stamp():
+                for slot, inc in e.members:
+                    key = (slot, inc)
+                    if key in started and key not in seen:
+                        seen.add(key)
+                        out.append({"slot": slot, "incarnation": inc, "version": e.version, "t": e.t,
+                                    "restart_end_t": started[key]})
     return out
 
 
-def served_by(events: Iterable[dict], pairs: Iterable[tuple[int, int]]) -> dict[tuple[int, int], int]:
+def served_by(events: Events, pairs: Iterable[tuple[int, int]]) -> dict[tuple[int, int], int]:
     """Completed requests per (slot, incarnation) among ``pairs``."""
     want = {tuple(p): 0 for p in pairs}
-    for e in events:
-        if e["kind"] == "request" and e["event"] == "completed":
-            key = (e["slot"], e["incarnation"])
-            if key in want:
-                want[key] += 1
+    for r in Request.among(events, event=Request.COMPLETED):
+        key = (r.slot, r.incarnation)
+        if key in want:
+            want[key] += 1
     return want
 
 
 # ---------------------------------------------------------------------------------- refits and requests
-def refit_spans(events: Iterable[dict]) -> list[dict]:
+def refit_spans(events: Events) -> list[dict]:
     """One record per refit: version, begin/end time (close begin .. reopen end) and its phases' spans."""
     spans: dict[int, dict] = {}
     open_phase: dict[tuple[int, str], float] = {}
-    for e in events:
-        if e["kind"] != "phase" or e.get("phase") not in REFIT_PHASES:
+    for e in Phase.among(events):
+        if e.phase not in REFIT_PHASES:
             continue
-        v = e.get("version")
-        rec = spans.setdefault(v, {"version": v, "begin": e["t"], "end": None, "phases": []})
-        if e["edge"] == "begin":
-            open_phase[(v, e["phase"])] = e["t"]
+        v = e.version
+        rec = spans.setdefault(v, {"version": v, "begin": e.t, "end": None, "phases": []})
+        if e.edge == "begin":
+            open_phase[(v, e.phase)] = e.t
         else:
-            t0 = open_phase.pop((v, e["phase"]), e["t"] - float(e.get("seconds", 0.0)))
-            rec["phases"].append((e["phase"], t0, e["t"]))
-            rec["end"] = e["t"]
+            t0 = open_phase.pop((v, e.phase), e.t - float(e.seconds or 0.0))
+            rec["phases"].append((e.phase, t0, e.t))
+            rec["end"] = e.t
     return [s for s in spans.values() if s["end"] is not None]
 
 
-def request_counts(events: Iterable[dict]) -> dict[str, int]:
+def gate_closed_s(events: Events, end: float | None = None) -> float:
+    """Seconds the gate was closed among the ``gate`` records of ``events`` (from each close to the next open);
+    one still closed at the last record counts until ``end`` when given."""
+    closed_at, total = None, 0.0
+    for g in Gate.among(events):
+        if not g.open and closed_at is None:
+            closed_at = g.t
+        elif g.open and closed_at is not None:
+            total, closed_at = total + g.t - closed_at, None
+    return total + (end - closed_at if closed_at is not None and end is not None else 0.0)
+
+
+def request_counts(events: Events) -> dict[str, int]:
     """Request records by event: accepted, completed, returned, requeued."""
-    req = {"accepted": 0, "completed": 0, "returned": 0, "requeued": 0}
-    for e in events:
-        if e["kind"] == "request" and e["event"] in req:
-            req[e["event"]] += 1
+    req = dict.fromkeys((Request.ACCEPTED, Request.COMPLETED, Request.RETURNED, Request.REQUEUED), 0)
+    for r in Request.among(events):
+        if r.event in req:
+            req[r.event] += 1
     return req
 
 
-def stop_reason(events: Iterable[dict]) -> str | None:
+def stop_reason(events: Events) -> str | None:
     """Why the fleet stopped, or None (the controller's own shutdown is not a stop)."""
-    return next((e["reason"] for e in events if e["kind"] == "stopped" and e["reason"] != SHUTDOWN_REASON), None)
+    stop = Stopped.first(events, lambda s: s.reason != SHUTDOWN_REASON)
+    return None if stop is None else stop.reason
 
 
-def log_numbers(events: Sequence[dict]) -> dict[str, Any]:
+def log_numbers(events: Events) -> dict[str, Any]:
     """Every fleet-side number of the demo's summary, from the event log alone."""
+    events = all_of(events)
     req = request_counts(events)
     # one record per fault: a shard's fault is recorded once; the controller's crash once armed and once
     # fired (only the firing counts)
-    faults = [e for e in events if e["kind"] == "fault" and (e.get("target") != "controller" or e.get("fired"))]
+    faults = Fault.among(events, lambda f: f.target != "controller" or bool(f.fired))
     readm = readmissions(events)
     served = served_by(events, [(r["slot"], r["incarnation"]) for r in readm])
-    first_fault_t = min((e["t"] for e in faults), default=None)
+    first_fault_t = min((f.t for f in faults), default=None)
     refit_s = [s["end"] - s["begin"] for s in refit_spans(events) if s["version"] is not None]
     return {
         "requests": req,
         "prompts_lost": req["accepted"] - req["completed"] - req["returned"],
         "faults_injected": len(faults),
-        "faults": [{k: e.get(k) for k in ("t", "target", "slot", "incarnation", "point", "action", "armed")}
-                   for e in faults],
-        "controller_restarts": sum(1 for e in events if e["kind"] == "controller_restarted"),
-        "kills": sum(1 for e in events if e["kind"] == "kill"),
-        "deaths": sum(1 for e in events if e["kind"] == "health" and e["after"] == "dead"),
-        "restarts_started": sum(1 for e in events if e["kind"] == "restart" and e.get("edge") == "begin"),
+        "faults": [{"t": f.t, "target": f.target, "slot": f.slot, "incarnation": f.incarnation, "point": f.point,
+                    "action": f.action, "armed": f.armed} for f in faults],
+        "controller_restarts": len(ControllerRestarted.among(events)),
+        "kills": len(Kill.among(events)),
+        "deaths": len(Health.among(events, after="dead")),
+        "restarts_started": len(Restart.among(events, edge="begin")),
         "restarts_ok": len(restarted_incarnations(events)),
         "recoveries": len(readm),
         "readmissions": [{**r, "served_after": served[(r["slot"], r["incarnation"])]} for r in readm],
-        "gate_reopenings_after_fault": sum(
-            1 for e in events if e["kind"] == "gate" and e["open"] and first_fault_t is not None and e["t"] > first_fault_t
-        ),
+        "gate_reopenings_after_fault": 0 if first_fault_t is None else len(
+            Gate.among(events, lambda g: g.t > first_fault_t, open=True)),
         "stopped": stop_reason(events),
         "refits": len(refit_s),
         "refit_s_p50": percentile(refit_s, 0.5, 3),
         "refit_s_max": round(max(refit_s), 3) if refit_s else None,
-        "staleness_aborts": sum(e.get("requests", 0) for e in events if e["kind"] == "staleness_abort"),
+        "staleness_aborts": sum(a.requests for a in StalenessAbort.among(events)),
     }

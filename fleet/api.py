@@ -18,7 +18,7 @@ the shards itself. The controller only decides (gate, version, membership).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import time
 import uuid
@@ -31,6 +31,7 @@ from fleet.dispatch import FleetResult
 from fleet.fleet_config import FleetConfig, load_fleet_config
 from fleet.naming import NAMESPACE, controller_name, new_fleet_name
 from fleet.outcome import DIED, UNAVAILABLE
+from fleet.records import Record, of_kinds
 from fleet.operator import FaultInjector
 from fleet.routing import VersionPolicy
 
@@ -338,13 +339,13 @@ class Fleet:
         out["requests"] = self.client.counters()
         return out
 
-    def events(self, since: int = 0, kinds: list[str] | None = None) -> list[dict]:
-        """The controller's event log and this client's request records, in time order. ``since``: skip the
-        first records of that merged list (each record's ``seq`` is its index in it)."""
+    def events(self, since: int = 0, kinds: Iterable[str | type[Record]] | None = None) -> list[dict]:
+        """The controller's event log and this client's request records, in time order, as wire dicts (read
+        them typed with ``fleet.records``: ``Kill.among(fleet.events())``). ``since``: skip the first records
+        of that merged list (each record's ``seq`` is its index in it); ``kinds``: record classes or kind strings."""
         merged = sorted(self._ask("events", 0, None, timeout=60) + self.client.events(), key=lambda r: r["t"])
-        wanted = set(kinds) if kinds is not None else None
         # ``seq`` is the record's index in this merged list (what ``since`` counts)
-        return [{**r, "seq": i} for i, r in enumerate(merged) if i >= since and (wanted is None or r["kind"] in wanted)]
+        return of_kinds([{**r, "seq": i} for i, r in enumerate(merged) if i >= since], kinds)
 
     def shard_counters(self) -> dict[int, dict]:
         """Per live slot: requests its shard admitted and refused, by reason (the data plane's own count), its

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from fleet.dispatch import Dispatcher, FleetResult
 from fleet.eventlog import EventLog
 from fleet.outcome import DIED, Outcome, is_unusable
+from fleet.records import CLIENT_RECORDS, ControllerBack, ControllerGone, ControllerUnreachable
 from fleet.routing import RoutingState, VersionPolicy
 
 if TYPE_CHECKING:  # the controller imports this module (``CLIENT_RECORD_KINDS``)
@@ -50,7 +51,7 @@ RETRY_GAVE_UP_S = 5.0  # after giving up on the controller: ask again this often
 
 
 # What clients append to the fleet's event log file (the controller's log holds the rest).
-CLIENT_RECORD_KINDS = ("request", "controller_unreachable", "controller_back", "controller_gone")
+CLIENT_RECORD_KINDS = tuple(cls.kind for cls in CLIENT_RECORDS)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -222,7 +223,7 @@ class FleetClient(_Client):
             if since is None:
                 since = self.outage["unreachable_since"] = now
                 self.outage["outages"] += 1
-                self.log.emit("controller_unreachable", outcome=out.kind, detail=out.describe()[:300])
+                self.log.emit(ControllerUnreachable(outcome=out.kind, detail=out.describe()[:300]))
             if self._gone_for_good():
                 await self._give_up(out, since, now, final=True)
                 return
@@ -240,8 +241,8 @@ class FleetClient(_Client):
         if self._gave_up_from is None:
             self.outage["down_s_total"] += now - self.outage.get("counted_until", since)
             self.outage["counted_until"] = now
-            self.log.emit("controller_gone", outcome=out.kind, detail=out.describe()[:300], down_s=round(now - since, 3),
-                          final=final)
+            self.log.emit(ControllerGone(outcome=out.kind, detail=out.describe()[:300], down_s=round(now - since, 3),
+                                         final=final))
             self._gave_up_from = self._state.epoch
             await self._stop(out)
 
@@ -256,7 +257,7 @@ class FleetClient(_Client):
         down = now - since
         self.outage["down_s_total"] += now - self.outage.pop("counted_until", since)
         self.outage["unreachable_since"] = None
-        self.log.emit("controller_back", down_s=round(down, 6), after_giving_up=self._gave_up_from is not None)
+        self.log.emit(ControllerBack(down_s=round(down, 6), after_giving_up=self._gave_up_from is not None))
 
     async def _stop(self, out: Outcome) -> None:
         """Adopt the client's own ``stopped`` state: every held request is returned, none is lost."""

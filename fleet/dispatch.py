@@ -35,6 +35,7 @@ from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog
 from fleet.outcome import DIED, TIMED_OUT, Outcome
 from fleet.poison import POISON, POISON_DEATHS, PoisonMemory, fingerprint, took_down
+from fleet.records import Request
 from fleet.router import pick_two
 from fleet.shard_gate import FULL, POISON as POISON_REFUSAL
 from fleet.routing import Member, RoutingState, VersionPolicy
@@ -187,7 +188,7 @@ class Dispatcher:
         self.accepted += 1
         # the gate as this client saw it: a close reaches clients with the next routing state, and a request
         # accepted before that may still be served by a shard that serves the committed version
-        self._log.emit("request", event="accepted", request_id=p.request_id, gate_open=seen.gate_open)
+        self._log.emit(Request(event=Request.ACCEPTED, request_id=p.request_id, gate_open=seen.gate_open))
         deadline = p.accepted_at + self._timeout
         if self._poison:
             fp = fingerprint(p.prompt, p.sampling)
@@ -208,7 +209,7 @@ class Dispatcher:
                 if p.attempts > self._max_redispatch:
                     return self._return(p, f"redispatch budget ({self._max_redispatch}) spent: {'; '.join(p.reasons)}")
                 self.requeued += 1
-                self._log.emit("request", event="requeued", request_id=p.request_id, reason=verdict)
+                self._log.emit(Request(event=Request.REQUEUED, request_id=p.request_id, reason=verdict))
         except asyncio.CancelledError:
             self._cancelled(p)
             raise
@@ -298,8 +299,8 @@ class Dispatcher:
         fp = fingerprint(p.prompt, p.sampling)
         engines = ", ".join(p.deaths)
         self._poison.remember(fp, engines, self._clock.now())
-        self._log.emit("request", event=POISON, request_id=p.request_id, fingerprint=fp, engines=p.deaths,
-                       window_s=self._poison.window_s)
+        self._log.emit(Request(event=Request.POISON, request_id=p.request_id, fingerprint=fp, engines=p.deaths,
+                               window_s=self._poison.window_s))
         self.tell_poison(self._view.routing())  # every serving shard refuses it too, to every client
         return self._return(p, f"{POISON}: its attempts took down {len(p.deaths)} engines ({engines}); "
                                f"fingerprint {fp}; not sent again, and refused for {self._poison.window_s:g} s "
@@ -373,13 +374,8 @@ class Dispatcher:
     def _complete(self, p: _Pending, result: GenerationResult) -> FleetResult:
         self.completed += 1
         self._log.emit(
-            "request",
-            event="completed",
-            request_id=p.request_id,
-            slot=result.slot,
-            incarnation=result.incarnation,
-            version=result.weight_version,
-            version_start=result.version_start,
+            Request(event=Request.COMPLETED, request_id=p.request_id, slot=result.slot, incarnation=result.incarnation,
+                    version=result.weight_version, version_start=result.version_start),
             _at=result.finished_at or None,  # when the shard made it (same host clock), not when it arrived
         )
         now = self._clock.now()
@@ -391,7 +387,7 @@ class Dispatcher:
     def _return(self, p: _Pending, reason: str) -> FleetResult:
         self.returned += 1
         self.returned_reasons[reason.split(":")[0]] += 1
-        self._log.emit("request", event="returned", request_id=p.request_id, reason=reason)
+        self._log.emit(Request(event=Request.RETURNED, request_id=p.request_id, reason=reason))
         return FleetResult(
             p.request_id, RETURNED, None, reason, p.attempts, p.accepted_version, self._clock.now() - p.accepted_at,
             accepted_at=p.accepted_at,

@@ -11,6 +11,11 @@ kept as they came, a small tuple each, and made into their records when first re
 a refit of 32 shards writes 64 of them, and building each record on the refit's path
 was a fifth of the controller's own per-shard cost. A reader sees the same records
 (``records()``), in the same order, with the same fields.
+
+Kinds and their fields are defined once, in ``fleet.records``: ``emit`` takes a record there
+(``emit(Kill(slot=1, incarnation=2, reason=...))``) or a kind string with its fields, which must
+name a defined kind and its fields (``TypeError`` naming the kind and field otherwise), as must
+``emit_rows``' rows; ``kinds=`` filters take record classes or kind strings.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ import json
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+from fleet.records import REGISTRY, Record, check, class_of, kind_of, kinds_of
+
 # Values stored as they are. The log is written on every health transition and decision,
 # so the common fields (numbers, strings, enums, lists of them) take a type lookup, not a
 # chain of checks; anything else takes the general rule.
 _AS_IS = frozenset({str, int, float, bool, type(None)})
 _SEQUENCES = (list, tuple, set, frozenset)
 _STOCK_VALUE = inspect.getattr_static(enum.Enum, "value")
+_ROWS_CHECKED: set[tuple[str, type]] = set()  # (kind, row type) pairs ``emit_rows`` checked against the kind
 _enum_types: set[type] = set()  # enum classes with the stock ``value``: written as ``member._value_``
 
 
@@ -77,16 +85,29 @@ class EventLog:
         self._file = open(path, "a", buffering=1) if path else None
         self.path = path
 
-    def emit(self, kind: str, _at: float | None = None, **fields: Any) -> dict[str, Any]:
-        """Append one record; ``_at`` stamps it with a time other than now (when the thing it
-        records happened elsewhere, e.g. a result finished on a shard)."""
-        rec = _record(round(self._clock() if _at is None else _at, 6), len(self._records), kind, fields.items())
+    def emit(self, kind: str | Record, _at: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Append one record: a ``fleet.records`` instance, or a kind string and its fields (checked against
+        the kind's record: ``TypeError`` naming an unknown kind or field, or a missing one). ``_at`` stamps it
+        with a time other than now (when the thing it records happened elsewhere, e.g. a result finished on a
+        shard). Returns the wire dict."""
+        if type(kind) is str:
+            cls = REGISTRY.get(kind) or class_of(kind)
+            if not (cls.required <= fields.keys() <= cls.names):
+                check(cls, fields)
+            items = fields.items()
+        elif isinstance(kind, Record):
+            if fields:
+                raise TypeError(f"emit({type(kind).__name__}(...)) takes no other fields: got {sorted(fields)}")
+            items, kind = kind.fields(), kind.kind
+        else:
+            raise TypeError(f"emit takes a fleet.records record or a kind string, not {kind!r}")
+        rec = _record(round(self._clock() if _at is None else _at, 6), len(self._records), kind, items)
         self._records.append(rec)
         if self._file is not None:
             self._file.write(json.dumps(rec) + "\n")
         return rec
 
-    def emit_rows(self, kind: str, rows: Sequence[tuple]) -> None:
+    def emit_rows(self, kind: str | type[Record], rows: Sequence[tuple]) -> None:
         """One record of ``kind`` per named tuple in ``rows`` (its fields are the record's fields),
         all stamped now: the same records as ``emit(kind, **row._asdict())`` for each row, without
         the per-call cost (a decision about a whole fan-out carries one transition per shard).
@@ -94,6 +115,10 @@ class EventLog:
         as a tuple until it is read (module docstring)."""
         if not rows:
             return
+        kind = kind if type(kind) is str else kind_of(kind)
+        if (kind, type(rows[0])) not in _ROWS_CHECKED:  # rows of one fan-out share their type: checked once
+            check(class_of(kind), rows[0]._fields)
+            _ROWS_CHECKED.add((kind, type(rows[0])))
         at = round(self._clock(), 6)
         records = self._records
         if self._file is None:
@@ -106,13 +131,13 @@ class EventLog:
             records.append(rec)
             self._file.write(json.dumps(rec) + "\n")
 
-    def load_previous(self, skip_kinds: Iterable[str] = ()) -> int:
+    def load_previous(self, skip_kinds: Iterable[str | type[Record]] = ()) -> int:
         """A restarted writer (a controller Ray restarted) takes back what its predecessor wrote to the
         file, minus ``skip_kinds`` (records other writers append to the same file), so ``records()`` stays
         the whole history and ``seq`` goes on from it. Returns how many records it loaded."""
         if not self.path or self._records:
             return 0
-        skip = set(skip_kinds)
+        skip = kinds_of(skip_kinds)
         loaded = []
         try:
             with open(self.path) as f:
@@ -128,8 +153,10 @@ class EventLog:
         self._records = loaded
         return len(loaded)
 
-    def records(self, since: int = 0, kinds: Iterable[str] | None = None) -> list[dict[str, Any]]:
-        wanted = set(kinds) if kinds is not None else None
+    def records(self, since: int = 0, kinds: Iterable[str | type[Record]] | None = None) -> list[dict[str, Any]]:
+        """The wire dicts from ``since`` on, of ``kinds`` (record classes or kind strings) when given; read
+        them typed with ``fleet.records`` (``Kill.among(log.records())``)."""
+        wanted = kinds_of(kinds)
         records = self._records
         if self._rows_from is not None:  # made once, all of them: later reads get the same dicts
             for i in range(self._rows_from, len(records)):

@@ -16,6 +16,7 @@ import asyncio
 from typing import Callable
 
 from fleet.eventlog import EventLog
+from fleet.records import Gate
 
 
 class DispatchGate:
@@ -44,12 +45,12 @@ class DispatchGate:
         self.reason = reason
         if not self._open.is_set():
             self._open.set()
-            self._log.emit("gate", open=True, version=version, reason=reason)
+            self._log.emit(Gate(open=True, version=version, reason=reason))
             self._on_change(True, version)
 
     def close(self, reason: str) -> None:
         self.reason = reason
         if self._open.is_set():
             self._open.clear()
-            self._log.emit("gate", open=False, version=self.version, reason=reason)
+            self._log.emit(Gate(open=False, version=self.version, reason=reason))
             self._on_change(False, self.version)

@@ -221,6 +221,7 @@ class Arm:
     def _loop(self) -> dict:
         from faults.timeline import percentile
         from fleet import ray_io
+        from fleet.records import Admission
         from fleet.staleness import StalenessFilter, staleness_of
 
         args, fleet = self.args, self.fleet
@@ -286,8 +287,8 @@ class Arm:
         after = law_counters(fleet)
         status = fleet.status()
         if args.show_law:
-            for ev in fleet.events(kinds=["admission"]):
-                print(f"  [{self.name} t={ev['t'] - t0 - args.warmup_s:7.2f}s] cap {ev['cap']}: {ev['reason']}")
+            for ev in Admission.among(fleet.events(kinds=[Admission])):
+                print(f"  [{self.name} t={ev.t - t0 - args.warmup_s:7.2f}s] cap {ev.cap}: {ev.reason}")
         judged = flt.kept + flt.dropped
         nan = float("nan")
         caps = [c for c, _, _ in load if c is not None]

@@ -48,6 +48,7 @@ from faults.source import WeightSource
 from faults.timeline import read_log
 from fleet import ray_io
 from fleet.api import Fleet
+from fleet.records import Adopted, ControllerBack, ControllerRestarted, ControllerUnreachable
 from recipe.tinymodel import build_model, default_model_dir
 
 PROMPTS = [[1, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(8)]
@@ -170,27 +171,26 @@ def main() -> None:
             outage = fleet.client.controller_outage()
             after = fleet.controller_info()
             client_log = fleet.client.events()
-            down = next(e for e in client_log if e["kind"] == "controller_unreachable" and e["t"] >= t_kill)
-            back = next(e for e in client_log if e["kind"] == "controller_back" and e["t"] > down["t"])
-            mine = [e for e in fleet.events(kinds=["adopted", "controller_restarted"])
-                    if e.get("generation") == after["generation"]]
-            adopted = [e for e in mine if e["kind"] == "adopted"]
+            down = ControllerUnreachable.first(client_log, lambda e: e.t >= t_kill)
+            back = ControllerBack.first(client_log, lambda e: e.t > down.t)
+            mine = fleet.events(kinds=[Adopted, ControllerRestarted])
+            adopted = Adopted.among(mine, generation=after["generation"])
             # the restarted controller's first record: Ray has started its new process (host-wide monotonic clock)
-            restarted = [e for e in mine if e["kind"] == "controller_restarted"]
+            restarted = ControllerRestarted.among(mine, generation=after["generation"])
             # requests that finished inside the window, by the results' own completion times
             time.sleep(0.5)  # results that completed in the window but were still being collected
             with load._lock:
-                by_time = sum(1 for r in load.results if r.ok and down["t"] <= r.accepted_at + r.latency_s <= back["t"])
+                by_time = sum(1 for r in load.results if r.ok and down.t <= r.accepted_at + r.latency_s <= back.t)
             row = {
                 "kill": k + 1,
                 "version": v,
                 "complete": summary.get("complete"),
                 "generation": after["generation"],
                 "death_to_refit_s": round(death_to_refit, 3),
-                "controller_down_s": round(back["down_s"], 3),
-                "noticed_after_s": round(down["t"] - t_kill, 3),
-                "restarted_after_s": round(restarted[0]["t"] - t_kill, 3) if restarted else None,
-                "readopt_s": adopted[-1]["seconds"] if adopted else None,
+                "controller_down_s": round(back.down_s, 3),
+                "noticed_after_s": round(down.t - t_kill, 3),
+                "restarted_after_s": round(restarted[0].t - t_kill, 3) if restarted else None,
+                "readopt_s": adopted[-1].seconds if adopted else None,
                 "completed_while_down": outage["completed_while_down"] - outage0["completed_while_down"],
                 "completed_while_down_by_time": by_time,
             }

@@ -95,10 +95,11 @@ from collections import Counter
 from faults.firing import incarnations, slot_states
 from faults.polling import wait_until
 from faults.promotion import capacity_restored_s
-from faults.timeline import percentile, reopen_s
+from faults.timeline import gate_closed_s, percentile, reopen_s
 from fleet import ray_io
 from fleet.controller import SingleController
 from fleet.null_backend import null_backend
+from fleet.records import Fault, Gate, Phase
 from fleet.ray_io import RayDoor
 from fleet.shard import EngineShard
 from recipe.tinymodel import build_model, default_model_dir
@@ -157,20 +158,8 @@ async def counted_refit(ctl: SingleController, version: int) -> dict:
     row["refit_cpu_s"] = time.process_time() - cpu0
     row["refit_thread_cpu_s"] = time.thread_time() - thread0  # the event loop's thread alone
     row["calls"] = dict(counts)
-    row["gate_closed_s"] = gate_closed_s(ctl.log.records(since=mark, kinds=["gate"]), ctl.clock.now())
+    row["gate_closed_s"] = gate_closed_s(ctl.log.records(since=mark, kinds=[Gate]), ctl.clock.now())
     return row
-
-
-def gate_closed_s(records: list[dict], end: float) -> float:
-    """Seconds the gate was closed in these ``gate`` records (from each close to the next open; one still
-    closed counts until ``end``)."""
-    closed_at, total = None, 0.0
-    for rec in records:
-        if not rec["open"] and closed_at is None:
-            closed_at = rec["t"]
-        elif rec["open"] and closed_at is not None:
-            total, closed_at = total + rec["t"] - closed_at, None
-    return total + (end - closed_at if closed_at is not None else 0.0)
 
 
 def shard_rss_mb() -> list[float]:
@@ -270,7 +259,7 @@ def death_to_reopen(model: str) -> dict:
         summary = fleet.sync_weights(2, source)
         wall = time.monotonic() - t0
         events = fleet.events(mark)
-        kill = next(i for i, e in enumerate(events) if e["kind"] == "fault")
+        kill = next(i for i, e in enumerate(events) if Fault.matches(e))
         return {"death_to_reopen_s": round(reopen_s(events, kill), 3), "next_refit_wall_s": round(wall, 3),
                 "refit_participants": summary["complete"]}
     finally:
@@ -333,9 +322,8 @@ def _back_up(fleet, slot: int, incarnation: int, poll_s: float) -> None:
 
 def _refits_within(events: list[dict], seconds: float) -> int:
     """Refits that began within ``seconds`` after the kill in ``events``."""
-    t0 = next(e["t"] for e in events if e["kind"] == "fault" and e.get("action") == "kill")
-    return sum(1 for e in events if e["kind"] == "phase" and e.get("phase") == "close" and e.get("edge") == "begin"
-               and e["t"] <= t0 + seconds)
+    t0 = Fault.first(events, action="kill").t
+    return len(Phase.among(events, lambda p: p.t <= t0 + seconds, phase="close", edge="begin"))
 
 
 def capacity_spare_vs_none(model: str, kills: int) -> dict:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from faults.load import ClientLoad
 from faults.source import WeightSource
+from faults.timeline import gate_closed_s
 from fleet import ray_io
 from fleet.api import Fleet
 from recipe.tinymodel import build_model
@@ -35,19 +36,6 @@ from recipe.tinymodel import build_model
 MODEL_CACHE = Path(os.environ.get("RLFLEET_MODEL_CACHE", Path.home() / ".cache" / "rlfleet" / "models"))
 PROMPT = [1, 20, 30, 40, 50, 60, 70, 80]
 SHORT = {"max_tokens": 8, "ignore_eos": True, "temperature": 1.0}
-
-
-def gate_closed_s(events: list[dict], since: int) -> float:
-    """Seconds the gate was closed among the records after ``since`` (closed-open pairs)."""
-    closed_at, total = None, 0.0
-    for e in events[since:]:
-        if e["kind"] != "gate":
-            continue
-        if not e["open"] and closed_at is None:
-            closed_at = e["t"]
-        elif e["open"] and closed_at is not None:
-            total, closed_at = total + e["t"] - closed_at, None
-    return total
 
 
 def arm(model: str, stage_ahead: bool, args) -> dict:
@@ -71,7 +59,7 @@ def arm(model: str, stage_ahead: bool, args) -> dict:
             summary = fleet.sync_weights(v, source)
             wall = time.monotonic() - t_begin
             served = sum(1 for t, _ in load.finished[done0:] if t <= t_begin + wall)
-            rows.append({"gate_closed_s": gate_closed_s(fleet.events(), mark), "refit_s": wall,
+            rows.append({"gate_closed_s": gate_closed_s(fleet.events(mark)), "refit_s": wall,
                          "served_share": served / wall / steady_rate if steady_rate else 0.0,
                          "phases_s": summary["phases_s"]})
             print(f"[stage_ahead={stage_ahead}] refit {v}: gate closed {rows[-1]['gate_closed_s']:.3f} s of "

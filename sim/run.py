@@ -48,6 +48,7 @@ from typing import Any
 
 from fleet.controller import SingleController
 from fleet.errors import FleetStopped, RefitNotStaged
+from fleet.records import Gate, Phase, Record, Routing, all_of
 from sim.clock import LoopClock, run_virtual
 from sim.door import CALL_CPU_US, SimDoor, SimTrainer
 from sim.faults import Fault, FaultSpec, schedule
@@ -247,14 +248,14 @@ class _Run:
         Under ``stage_ahead`` the staging before step 1 does not count even if the gate was closed for
         another reason meanwhile (below quorum): that closure is not the refit's."""
         is_open, changed_at, t_close, closed = was_open, -math.inf, None, 0.0
-        for rec in ctl.log.records(since=since, kinds=["gate", "phase"]):
-            if rec["kind"] == "phase":
-                if t_close is None and rec["phase"] == "close" and rec["edge"] == "begin":
-                    t_close = rec["t"]
+        for rec in all_of(ctl.log.records(since=since, kinds=[Gate, Phase])):
+            if isinstance(rec, Phase):
+                if t_close is None and rec.phase == "close" and rec.edge == "begin":
+                    t_close = rec.t
                 continue
             if t_close is not None and not is_open:
-                closed += rec["t"] - max(changed_at, t_close)
-            is_open, changed_at = rec["open"], rec["t"]
+                closed += rec.t - max(changed_at, t_close)
+            is_open, changed_at = rec.open, rec.t
         if t_close is None:
             return 0.0
         return closed + (0.0 if is_open else t1 - max(changed_at, t_close))
@@ -304,7 +305,7 @@ class _Run:
         cpu = [r["cpu_s"] for r in self.refits]
         hours = sc.horizon_s / 3600.0
 
-        def records(kind: str | None) -> list:
+        def records(kind: type[Record] | None) -> list:
             return [r for c in self.controllers for r in c.log.records(kinds=None if kind is None else [kind])]
 
         return {
@@ -333,7 +334,7 @@ class _Run:
             "controller_cpu_s_per_hour_between_refits": round((loop_cpu_s - sum(cpu)) / hours, 3),
             "calls_per_hour": round(self.door.calls / hours, 1), "kv_puts_per_hour": round(self.door.kv_puts / hours, 1),
             "kv_bytes_per_put": round(self.door.kv_bytes / max(1, self.door.kv_puts)),
-            "routing_publications_per_refit": round(len(records("routing")) / max(1, len(self.refits)), 2),
+            "routing_publications_per_refit": round(len(records(Routing)) / max(1, len(self.refits)), 2),
             "routing_state_bytes_without_handles": self.routing_bytes(),
             "event_records_per_refit": round(len(records(None)) / max(1, len(self.refits)), 1),
             "faults": {k: sum(1 for f in self.fired if f["kind"] == k) for k in ("die", "hang", "node", "controller")},

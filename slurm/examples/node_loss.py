@@ -59,6 +59,7 @@ from faults.source import WeightSource
 from fleet import ray_io
 from fleet.api import Fleet
 from fleet.naming import controller_name, shard_name
+from fleet.records import Epoch, Health, Kill, NodeLost, Restart, Retire, of_kinds
 from recipe.tinymodel import build_model
 
 MARKER = "RLFLEET_NODE_LOSS"
@@ -227,7 +228,7 @@ def wait_for_verdict(fleet: Fleet, timeout_s: float) -> dict:
     ``timeout_s``. The shards' own probes may have found them dead first: the verdict, which Ray's
     health checks give a few seconds after the node went, still names them. Returns the seconds waited."""
     t0 = time.monotonic()
-    while not any(e["kind"] == "node_lost" for e in fleet.events()) and time.monotonic() - t0 < timeout_s:
+    while not fleet.events(kinds=[NodeLost]) and time.monotonic() - t0 < timeout_s:
         time.sleep(0.5)
     return {"seconds": round(time.monotonic() - t0, 2)}
 
@@ -244,11 +245,10 @@ def write_ready(scratch: Path, report: dict) -> None:
 def loss_records(events: list[dict], lost: list[int]) -> dict:
     """The lost shards' records (their first incarnation's health transitions, kills, restarts) and
     every membership epoch record, in time order."""
-    slot_kinds = ("health", "kill", "restart", "retire")
-    return {
-        "lost_shards": [e for e in events if e["kind"] in slot_kinds and e.get("slot") in lost],
-        "epochs": [e for e in events if e["kind"] == "epoch"],
-        "node_lost": [e for e in events if e["kind"] == "node_lost"],
+    return {  # the wire dicts, for the report's JSON
+        "lost_shards": [e for e in of_kinds(events, (Health, Kill, Restart, Retire)) if e.get("slot") in lost],
+        "epochs": of_kinds(events, [Epoch]),
+        "node_lost": of_kinds(events, [NodeLost]),
     }
 
 
@@ -262,12 +262,12 @@ def judge(report: dict) -> list[str]:
     if req["in_progress"] or req["accepted"] != req["completed"] + req["returned"]:
         failures.append(f"requests not all accounted for: {req}")
     failures += report["unaccounted"]
-    dead = {e["slot"] for e in report["records"]["lost_shards"] if e["kind"] == "health" and e.get("after") == "dead"}
+    dead = {h.slot for h in Health.among(report["records"]["lost_shards"], after="dead")}
     missing = sorted(set(report["placement"]["lost_slots"]) - dead)
     if missing:
         failures.append(f"the event log shows no death of the lost node's shard(s) {missing}")
     verdicts = report["records"]["node_lost"]
-    if [e["slots"] for e in verdicts] != [report["placement"]["lost_slots"]]:
+    if [v.slots for v in NodeLost.among(verdicts)] != [report["placement"]["lost_slots"]]:
         failures.append(f"the event log does not record the worker node's loss once, naming its shards: {verdicts}")
     return failures
 

@@ -43,6 +43,9 @@ from fleet.api import Fleet
 from fleet.naming import NAMESPACE
 from tests.integration import fleet_helpers as helpers
 from tests.integration.fleet_helpers import PROMPTS, wait_for
+from fleet.records import (
+    Adopted, ControllerBack, ControllerGone, ControllerRestarted, ControllerUnreachable, Fault, Stamp,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -181,19 +184,19 @@ def test_sigkilled_controller_clients_keep_serving_and_next_refit_lands(run):
     assert outage["outages"] == outage0["outages"] + 1
     counted = outage["completed_while_down"] - outage0["completed_while_down"]
     client_log = fleet.client.events()
-    down = next(e for e in client_log if e["kind"] == "controller_unreachable" and e["t"] >= t_kill)
-    back = next(e for e in client_log if e["kind"] == "controller_back" and e["t"] > down["t"])
-    in_window = [r for r in results if down["t"] <= r.accepted_at + r.latency_s <= back["t"]]
-    print(f"controller down {back['down_s']:.2f} s (noticed {down['t'] - t_kill:.2f} s after the kill); "
+    down = ControllerUnreachable.first(client_log, lambda e: e.t >= t_kill)
+    back = ControllerBack.first(client_log, lambda e: e.t > down.t)
+    in_window = [r for r in results if down.t <= r.accepted_at + r.latency_s <= back.t]
+    print(f"controller down {back.down_s:.2f} s (noticed {down.t - t_kill:.2f} s after the kill); "
           f"completed while down: counter {counted}, by completion time {len(in_window)}; "
           f"{len(results)} requests in all")
-    assert down["t"] - t_kill < 10, "the client took too long to notice the controller's death"
+    assert down.t - t_kill < 10, "the client took too long to notice the controller's death"
     assert len(in_window) > 0, "no request completed while the controller was down: the client stopped routing"
     assert counted > 0, f"controller_outage() counted no completions while down; the results show {len(in_window)}"
     assert abs(counted - len(in_window)) <= 2, (counted, len(in_window))
 
     # every sample carries a version the fleet had committed when it finished
-    stamped_new = min(e["t"] for e in run.log() if e["kind"] == "stamp" and e["version"] == new)
+    stamped_new = min(s.t for s in Stamp.among(run.log(), version=new))
     for r in results:
         assert r.result.weight_version in (old, new), r.result
         if r.result.weight_version == new:
@@ -319,10 +322,10 @@ def test_controller_killed_between_pause_and_resume(run, point):
     results = [r for p in pending for r in fleet.collect(p)]
     info = fleet.controller_info()
     assert info["generation"] == generation + 1, f"the controller did not die at {point}"
-    fired = [e for e in run.log() if e["kind"] == "fault" and e.get("target") == "controller" and e.get("fired")]
-    assert fired and fired[-1]["point"] == point
-    restarted = [e for e in run.log() if e["kind"] == "controller_restarted" and e["generation"] == generation + 1]
-    assert restarted and restarted[0]["refit"] == [version, "committed" if point == "resume" else "closing"], restarted
+    fired = Fault.among(run.log(), lambda e: bool(e.fired), target="controller")
+    assert fired and fired[-1].point == point
+    restarted = ControllerRestarted.among(run.log(), generation=generation + 1)
+    assert restarted and restarted[0].refit == [version, "committed" if point == "resume" else "closing"], restarted
     # committed before the death: the re-sent call gets the recovered refit's summary; not committed: it runs again
     assert bool(summary.get("recovered")) == (point == "resume"), summary
     assert summary["version"] == version
@@ -363,16 +366,16 @@ def test_controller_killed_while_a_shard_hangs_in_adoption_clients_ride_through(
     took = time.monotonic() - t0
     results = [r for p in pending for r in fleet.collect(p)]
     assert fleet.controller_info()["generation"] == generation + 1, "the controller did not die at transfer"
-    adopted = [e for e in run.log() if e["kind"] == "adopted" and e.get("generation") == generation + 1]
+    adopted = Adopted.among(run.log(), generation=generation + 1)
     assert adopted, "no re-adoption recorded"
-    evicted = adopted[0]["evicted"]
+    evicted = adopted[0].evicted
     assert list(evicted) in (["1"], [1]) and "resume" in next(iter(evicted.values())), adopted[0]
-    assert adopted[0]["seconds"] <= fleet.config.adoption_bound_s, adopted[0]
+    assert adopted[0].seconds <= fleet.config.adoption_bound_s, adopted[0]
     print(f"sync_weights across the controller's death and a hung adoption: {took:.1f} s; "
-          f"re-adoption {adopted[0]['seconds']:.2f} s (bound {fleet.config.adoption_bound_s:g} s); summary {summary}")
+          f"re-adoption {adopted[0].seconds:.2f} s (bound {fleet.config.adoption_bound_s:g} s); summary {summary}")
     assert summary["version"] == version and 0 in summary["complete"]
     assert fleet.client.routing().stopped is None and fleet.client.routing().version == version
-    assert not [e for e in fleet.client.events() if e["kind"] == "controller_gone"]
+    assert not ControllerGone.among(fleet.client.events())
     moved = _delta(fleet.client.counters(), counters0)
     assert moved["accepted"] == moved["completed"] + moved["returned"] and fleet.client.counters()["in_progress"] == 0
     assert all(r.ok for r in results), [r.reason for r in results if not r.ok]

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from demo.run import DemoConfig, run_demo
+from fleet.records import Adopted, ControllerRestarted, Fault, Gate, Health, Request, Restart, Stamp, of
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +80,7 @@ def test_demo_learns_through_a_shard_kill(demo):
 
 def test_summary_agrees_with_the_event_log(demo):
     _, summary, events = demo
-    faults = [e for e in events if e["kind"] == "fault" and (e.get("target") != "controller" or e.get("fired"))]
+    faults = [e for e in events if Fault.matches(e) and (e.get("target") != "controller" or e.get("fired"))]
     assert summary["faults_injected"] == len(faults)
     assert [(f.get("slot"), f["action"]) for f in faults] == [(KILLED_SLOT, "kill"), (None, "crash")]
 
@@ -87,8 +88,8 @@ def test_summary_agrees_with_the_event_log(demo):
     # later) re-adopted every shard, and that refit then landed: one version, served on.
     crash = next(f for f in faults if f.get("target") == "controller")
     assert crash["point"] == "transfer"
-    restarted = next(e for e in events if e["kind"] == "controller_restarted" and e["t"] > crash["t"])
-    adopted = next(e for e in events if e["kind"] == "adopted" and e["t"] >= restarted["t"])
+    restarted = next(e for e in events if ControllerRestarted.matches(e) and e["t"] > crash["t"])
+    adopted = next(e for e in events if Adopted.matches(e) and e["t"] >= restarted["t"])
     assert restarted["generation"] == 1
     assert sorted(adopted["alive"] + adopted["starting"] + adopted["missing"]) == [0, 1, 2]
     # One miss is legitimate: the killed slot, when the controller died after deciding its restart and before
@@ -98,9 +99,9 @@ def test_summary_agrees_with_the_event_log(demo):
         assert slot == KILLED_SLOT, adopted
         why = [e for e in events if e.get("slot") == slot and e["t"] >= adopted["t"] and "not found alive" in json.dumps(e)]
         assert why and all("no actor of that name" in json.dumps(e) for e in why), why
-    assert any(e["kind"] == "gate" and e["open"] and e["t"] > adopted["t"] for e in events)
+    assert any(Gate.matches(e) and e["open"] and e["t"] > adopted["t"] for e in events)
 
-    counts = {k: sum(1 for e in events if e["kind"] == "request" and e["event"] == k)
+    counts = {k: sum(1 for e in events if Request.matches(e) and e["event"] == k)
               for k in ("accepted", "completed", "returned")}
     assert summary["prompts_lost"] == counts["accepted"] - counts["completed"] - counts["returned"] == 0
     assert counts["accepted"] == (STEPS + 1) * 8 * 8  # every batch plus the final evaluation batch
@@ -108,22 +109,22 @@ def test_summary_agrees_with_the_event_log(demo):
     # Recoveries, recomputed here: restarted incarnations later stamped with a weight version.
     restarted, stamped = set(), set()
     for e in events:
-        if e["kind"] == "restart" and e["edge"] == "end" and e["outcome"] == "ok":
+        if Restart.matches(e) and e["edge"] == "end" and e["outcome"] == "ok":
             restarted.add((e["slot"], e["incarnation"]))
-        elif e["kind"] == "stamp":
+        elif Stamp.matches(e):
             stamped |= {tuple(m) for m in e["members"] if tuple(m) in restarted}
     assert summary["recoveries"] == len(stamped) >= 1
 
     # The kill, the restart and the re-admission are in the log, in that order, and the new incarnation served.
-    slot_events = [e for e in events if e.get("slot") == KILLED_SLOT and e["kind"] in ("fault", "health", "restart")]
-    t_fault = next(e["t"] for e in slot_events if e["kind"] == "fault")
-    t_dead = next(e["t"] for e in slot_events if e["kind"] == "health" and e["after"] == "dead")
-    t_restart = next(e["t"] for e in slot_events if e["kind"] == "restart" and e["edge"] == "begin")
-    back = next(e for e in slot_events if e["kind"] == "health" and e["after"] == "healthy" and e["incarnation"] > 1)
+    slot_events = [e for e in events if e.get("slot") == KILLED_SLOT and isinstance(of(e), (Fault, Health, Restart))]
+    t_fault = next(e["t"] for e in slot_events if Fault.matches(e))
+    t_dead = next(e["t"] for e in slot_events if Health.matches(e) and e["after"] == "dead")
+    t_restart = next(e["t"] for e in slot_events if Restart.matches(e) and e["edge"] == "begin")
+    back = next(e for e in slot_events if Health.matches(e) and e["after"] == "healthy" and e["incarnation"] > 1)
     assert t_fault <= t_dead <= t_restart <= back["t"]
-    assert any(e["kind"] == "request" and e["event"] == "completed" and e["slot"] == KILLED_SLOT
+    assert any(Request.matches(e) and e["event"] == "completed" and e["slot"] == KILLED_SLOT
                and e["incarnation"] == back["incarnation"] for e in events)
-    assert any(e["kind"] == "gate" and e["open"] and e["t"] > t_fault for e in events)
+    assert any(Gate.matches(e) and e["open"] and e["t"] > t_fault for e in events)
 
 
 def test_plots_are_valid_images(demo):

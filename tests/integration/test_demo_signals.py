@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.fleet_helpers import cli_env, session, session_gone, signal_and_wait, wait_for
+from fleet.records import Phase
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +69,7 @@ def test_sigterm_ends_the_demo_with_its_report_and_nothing_left_behind(tiny_mode
     assert bool(summary["ray_gone"]) is (target == "process-group"), detail  # the signal reached Ray, or did not
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines() if x.startswith("{")]
     if target == "process":  # Ray was up: the fleet was shut down in order, by its controller
-        assert any(e["kind"] == "phase" and e.get("phase") == "shutdown" and e.get("edge") == "end" for e in events), detail
+        assert any(Phase.matches(e) and e.get("phase") == "shutdown" and e.get("edge") == "end" for e in events), detail
     session_gone(proc.pid)
 
 

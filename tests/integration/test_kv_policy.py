@@ -41,6 +41,7 @@ from faults.source import WeightSource
 from fleet import ray_io
 from fleet.api import Fleet
 from tests.integration.fleet_helpers import assert_invariants, wait_for
+from fleet.records import FleetWarning
 
 pytestmark = pytest.mark.integration
 
@@ -122,7 +123,7 @@ class Run:
         return summary, long_result
 
     def warnings(self, since: int = 0) -> list[dict]:
-        return self.fleet.events(since, kinds=["warning"])
+        return self.fleet.events(since, kinds=[FleetWarning])
 
 
 def _start(tiny_model, source, policy: str) -> Run:

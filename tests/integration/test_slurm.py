@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fleet.records import Health
 
 import psutil  # noqa: E402 - installed with ray[default]
 
@@ -565,7 +566,7 @@ def test_job_that_loses_a_worker_node_trains_on_and_exits_zero(slurm_cluster, ti
     # once), within one detection bound of each other; the cluster's verdict on the node, seconds later,
     # is recorded once, naming both slots as having died before it.
     deaths = [e for e in report["records"]["lost_shards"]
-              if e["kind"] == "health" and e["after"] == "dead" and e["incarnation"] == 1]  # fmt: skip
+              if Health.matches(e) and e["after"] == "dead" and e["incarnation"] == 1]  # fmt: skip
     assert sorted(e["slot"] for e in deaths) == lost, report["records"]["lost_shards"]
     assert all("failed probe" in e["reason"] for e in deaths), deaths
     assert max(e["t"] for e in deaths) - min(e["t"] for e in deaths) <= report["hang_detection_bound_s"], deaths

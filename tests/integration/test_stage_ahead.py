@@ -14,6 +14,7 @@ import pytest
 from faults.load import ClientLoad
 from fleet import naming, ray_io
 from tests.integration.fleet_helpers import Run, assert_invariants, logprob_gap, slot_states, wait_for
+from fleet.records import ControllerRestarted, Fault, Gate, Health, Phase, RefitFailedAttempt, Staged, of
 
 pytestmark = pytest.mark.integration
 
@@ -46,8 +47,8 @@ def freeze_next_staging(fleet, slot: int = 0) -> None:
 
 
 def window(events, version: int, phase: str) -> tuple[float, float]:
-    begin = next(e["t"] for e in events if e["kind"] == "phase" and e["phase"] == phase and e["edge"] == "begin" and e["version"] == version)
-    end = next(e["t"] for e in events if e["kind"] == "phase" and e["phase"] == phase and e["edge"] == "end" and e["version"] == version)
+    begin = next(e["t"] for e in events if Phase.matches(e) and e["phase"] == phase and e["edge"] == "begin" and e["version"] == version)
+    end = next(e["t"] for e in events if Phase.matches(e) and e["phase"] == phase and e["edge"] == "end" and e["version"] == version)
     return begin, end
 
 
@@ -62,13 +63,13 @@ def test_engines_generate_while_the_update_moves_and_the_gate_closes_only_for_th
     results = load.end(60)
     events = run.fleet.events()
     t0, t1 = window(events, run.version, "stage")
-    diag = [e for e in events if e["kind"] in ("staged", "refit_failed_attempt", "phase") and e.get("version") == run.version]
+    diag = [e for e in events if isinstance(of(e), (Staged, RefitFailedAttempt, Phase)) and e.get("version") == run.version]
     assert t1 - t0 >= FREEZE_S * 0.9, (t0, t1, diag)  # the freeze held the staging, so it is real
     inside = [r for t, r in load.finished if t0 < t <= t1]
     print(f"staging {t1 - t0:.2f} s, {len(inside)} requests completed inside it; refit {summary['total_s']:.2f} s, "
           f"phases {summary['phases_s']}")
     assert len(inside) >= 3 and all(r.ok and r.result.weight_version == run.version - 1 for r in inside)
-    closes = [e for e in events if e["kind"] == "gate" and t0 <= e["t"] <= t1]
+    closes = [e for e in events if Gate.matches(e) and t0 <= e["t"] <= t1]
     assert closes == [], closes  # the gate stayed open while the bytes moved
     c0, _ = window(events, run.version, "close")
     assert c0 >= t1
@@ -87,14 +88,14 @@ def test_a_shard_killed_as_it_stages_is_replaced_and_the_refit_lands_on_the_othe
     summary = run.refit()
     results = load.end(60)
     events = run.fleet.events()
-    armed = [e for e in events if e["kind"] == "fault" and e.get("armed") and e.get("point") == "transfer"]
+    armed = [e for e in events if Fault.matches(e) and e.get("armed") and e.get("point") == "transfer"]
     assert [(e["slot"], e["incarnation"]) for e in armed[-1:]] == [(slot, incarnation)]
     t0, t1 = window(events, run.version, "stage")
-    deaths = [e for e in events if e["kind"] == "health" and e.get("slot") == slot and e.get("incarnation") == incarnation
+    deaths = [e for e in events if Health.matches(e) and e.get("slot") == slot and e.get("incarnation") == incarnation
               and e.get("after") == "dead"]
     assert deaths and t0 <= deaths[0]["t"] <= t1, (deaths, t0, t1)  # it died while staging, and was found then
     assert summary["attempts"] == 1 and summary["complete"] == [0]  # apply attempts: one; the stage retried
-    staged = [e for e in events if e["kind"] == "staged" and e["version"] == run.version]
+    staged = [e for e in events if Staged.matches(e) and e["version"] == run.version]
     assert staged and staged[-1]["attempts"] == 2 and staged[-1]["members"] == [[0, incarnations[0]]]
     status = run.fleet.status()
     assert status["gate_open"] and status["version"] == run.version
@@ -121,7 +122,7 @@ def test_a_controller_killed_while_the_update_stages_is_restarted_and_the_refit_
     version = run.next_weights()
     summary = fleet.sync_weights(version, run.source, stage_ahead=True)  # re-sent under its refit id to the restarted controller
     assert fleet.controller_info()["generation"] == generation + 1  # it died (its own log died with it)
-    restarted = [e for e in fleet.events() if e["kind"] == "controller_restarted" and e["generation"] == generation + 1]
+    restarted = [e for e in fleet.events() if ControllerRestarted.matches(e) and e["generation"] == generation + 1]
     assert restarted and restarted[0]["refit"] == [version - 1, "committed"], restarted  # before this refit's close
     assert summary["version"] == version and not summary.get("recovered"), summary  # it had not committed: run again
     results = load.end(60)

@@ -8,6 +8,8 @@ import importlib.util
 import pathlib
 from collections import Counter
 
+from fleet.records import Gate, Phase
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_lifecycle.py"
 
 
@@ -64,6 +66,8 @@ def test_the_door_counts_each_call_of_the_refit_once_and_not_the_background_loop
 
 def test_gate_closed_seconds_come_from_the_gate_records():
     b = bench()
-    recs = [{"open": False, "t": 10.0}, {"open": True, "t": 12.5}, {"open": False, "t": 13.0}]
+    recs = [Gate(open=False, version=1, reason="refit", t=10.0), Phase(phase="close", edge="end", t=11.0),
+            Gate(open=True, version=2, reason="ok", t=12.5), Gate(open=False, version=2, reason="refit", t=13.0)]
     assert b.gate_closed_s(recs, end=14.0) == 3.5  # 2.5 s, then closed until the end
+    assert b.gate_closed_s(recs) == 2.5  # without an end: only closes that reopened
     assert b.gate_closed_s([], end=14.0) == 0.0

@@ -25,6 +25,7 @@ import pytest
 
 from fleet.client import FleetClient
 from fleet.outcome import DIED, OK, UNAVAILABLE, Outcome
+from fleet.records import ControllerBack, ControllerGone, ControllerUnreachable, Record
 from fleet.routing import Member, RoutingState
 from tests.unit.fleet_fakes import ActorDiedError, FakeDoor
 
@@ -95,8 +96,8 @@ def wait_until(what, timeout: float = 3.0) -> None:
         time.sleep(0.005)
 
 
-def events(client: FleetClient, kind: str) -> list[dict]:
-    return [e for e in client.events() if e["kind"] == kind]
+def events(client: FleetClient, kind: type[Record]) -> list:
+    return kind.among(client.events())
 
 
 @pytest.fixture
@@ -139,10 +140,10 @@ def test_requests_keep_completing_on_the_last_state_while_the_controller_restart
     door.state = fleet_of(door, 7, slots=(1,))
     door.mode = ANSWER
     assert client.wait_routing(1, 5).epoch == 7
-    back = events(client, "controller_back")
-    assert len(back) == 1 and back[0]["down_s"] >= 1.4
-    (gone,) = events(client, "controller_unreachable")
-    assert gone["outcome"] == down_as and gone["t"] <= back[0]["t"]
+    back = events(client, ControllerBack)
+    assert len(back) == 1 and back[0].down_s >= 1.4
+    (gone,) = events(client, ControllerUnreachable)
+    assert gone.outcome == down_as and gone.t <= back[0].t
     assert 4 <= polls_while_down <= 40  # it kept asking, with a backoff (0.2 s doubling), not a spin
     later = client.submit([1], n=3).result(5)
     assert all(r.ok and r.result.slot == 1 for r in later)
@@ -166,8 +167,8 @@ def test_a_controller_gone_longer_than_the_restart_wait_stops_the_client_and_ret
     assert all(not r.ok and "the fleet's controller is gone" in r.reason for r in results)
     state = client.routing()
     assert state.stopped and "died" in state.stopped and state.epoch == 2
-    (gone,) = events(client, "controller_gone")
-    assert 1.0 <= gone["down_s"] < 3.0
+    (gone,) = events(client, ControllerGone)
+    assert 1.0 <= gone.down_s < 3.0
     c = client.counters()
     assert c["accepted"] == 6 == c["completed"] + c["returned"] and c["in_progress"] == 0
     polls = door.polls
@@ -188,14 +189,14 @@ def test_a_client_that_gave_up_follows_the_controller_again_when_it_answers(door
     assert client.wait_routing(-1, 5).epoch == 1
     door.mode = UNAVAILABLE
     wait_until(lambda: client.routing().stopped is not None)
-    (gone,) = events(client, "controller_gone")
+    (gone,) = events(client, ControllerGone)
     assert not client.submit([1], n=1).result(5)[0].ok  # given up: requests come back at once, none lost
     door.state = fleet_of(door, epoch_back)
     door.mode = ANSWER
     wait_until(lambda: client.routing().stopped is None)
     assert client.routing().epoch == epoch_back and client.routing().gate_open
-    back = events(client, "controller_back")
-    assert len(back) == 1 and back[0]["t"] >= gone["t"] and back[0]["after_giving_up"]
+    back = events(client, ControllerBack)
+    assert len(back) == 1 and back[0].t >= gone.t and back[0].after_giving_up
     assert all(r.ok for r in client.submit([1, 2], n=3).result(5))
     door.state = fleet_of(door, epoch_back + 1, slots=(1,))  # and it follows the long poll as before
     assert client.wait_routing(epoch_back, 5).epoch == epoch_back + 1

@@ -18,6 +18,7 @@ from fleet.fleet_config import REFIT_TIMEOUT_FALLBACK_S, load_fleet_config
 from fleet.outcome import DIED, UNAVAILABLE, Outcome, observed
 from health import CallKind
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
+from fleet.records import Gate, Kill, Phase
 
 
 def make(model_dir, **over):
@@ -73,9 +74,9 @@ def test_refit_order_is_pause_transfer_stamp_resume_then_gate_opens(model_dir):
             sent = [m for m, s, _ in door.rpcs if s == slot and m != "ping"]  # ping: the monitor's, not the refit's
             assert sent == ["begin_refit", "transfer", "end_refit"], sent
         assert summary["attempts"] == 1 and summary["complete"] == [0, 1, 2]
-        gates = ctl.events(kinds=["gate"])
-        assert [g["open"] for g in gates[-2:]] == [False, True] and gates[-1]["version"] == 1
-        phases = [e["phase"] for e in ctl.events(kinds=["phase"]) if e["edge"] == "begin" and e.get("version") == 1]
+        gates = Gate.among(ctl.events())
+        assert [g.open for g in gates[-2:]] == [False, True] and gates[-1].version == 1
+        phases = [e.phase for e in Phase.among(ctl.events()) if e.edge == "begin" and e.version == 1]
         assert phases == ["close", "reconcile", "pause", "transfer", "commit", "resume", "reopen"]
         assert all(door.shards[(s, 1)].version == 1 for s in range(3))
         await ctl.shutdown()
@@ -134,8 +135,8 @@ def test_under_on_hang_evict_a_hung_engine_is_killed_and_the_refit_commits_on_th
         assert hung.dead and ctl.gate.is_open and ctl.stopped is None
         assert set(ctl.ledger.serving_slots()) == {0, 2}
         assert (1 in summary["complete"]) == (point == "resume")  # a hung resume had its weights already
-        kill = [e for e in ctl.log.records(kinds=["kill"]) if e["slot"] == 1]
-        assert kill and "on_hang=evict" in kill[0]["reason"]
+        kill = [e for e in Kill.among(ctl.log.records()) if e.slot == 1]
+        assert kill and "on_hang=evict" in kill[0].reason
         assert ctl.ledger.state(1).value == "dead"  # its restart waits out the backoff
         await ctl.shutdown()
 

@@ -13,37 +13,38 @@ from faults.evidence import prove
 from faults.firing import FaultFiring
 from faults.runner import VariantReport, judge
 from health.faultplan import Firing
+from fleet.records import Adopt, Adopted, ControllerRestarted, Fault, Gate, Health, Kill, Phase, Record, Request, Stamp
 
 PID, NEW_PID = 4242, 5151
 
 
-def ev(t, kind, **f):
-    return {"t": t, "kind": kind, **f}
+def ev(t, kind: type[Record], **f):
+    return kind(t=t, **f).as_dict()
 
 
 def restart_log(point="pause", fired=True, restarted=True, adopted=True, pid=PID, shutdown=False):
     """The controller (generation 0, pid ``PID``) armed to crash at ``point`` in the refit of version 2; it dies
     there; Ray restarts it (generation 1, its ``seq`` from 0 again), it re-adopts 3 shards and reopens the gate."""
-    recs = [ev(1.0, "gate", open=True, version=1, reason="3 serve", seq=10),
-            ev(2.0, "fault", target="controller", point=point, action="crash", delay_s=0.0, armed=True, seq=11),
-            ev(2.1, "phase", phase="close", edge="begin", version=2, seq=12),
-            ev(2.1, "gate", open=False, version=1, reason="refit of version 2", seq=13),
-            ev(2.2, "phase", phase="close", edge="end", version=2, seconds=0.1, seq=14),
-            ev(2.3, "phase", phase=point, edge="begin", version=2, seq=15)]  # never ends: it died in it
+    recs = [ev(1.0, Gate, open=True, version=1, reason="3 serve", seq=10),
+            ev(2.0, Fault, target="controller", point=point, action="crash", delay_s=0.0, armed=True, seq=11),
+            ev(2.1, Phase, phase="close", edge="begin", version=2, seq=12),
+            ev(2.1, Gate, open=False, version=1, reason="refit of version 2", seq=13),
+            ev(2.2, Phase, phase="close", edge="end", version=2, seconds=0.1, seq=14),
+            ev(2.3, Phase, phase=point, edge="begin", version=2, seq=15)]  # never ends: it died in it
     if fired is not None:
-        recs.append(ev(2.31, "fault", target="controller", point=point, action="crash", fired=fired, seq=16,
+        recs.append(ev(2.31, Fault, target="controller", point=point, action="crash", fired=fired, seq=16,
                        **({"pid": pid} if fired else {"reason": f"the {point} phase had ended when the delay ran out"})))
     if restarted:
-        recs.append(ev(5.0, "controller_restarted", fleet="f", generation=1, committed=1, refit=[2, "closing"],
+        recs.append(ev(5.0, ControllerRestarted, fleet="f", generation=1, committed=1, refit=[2, "closing"],
                        shutdown=shutdown, stopped=None, seq=0))
     if adopted and not shutdown:
-        recs += [ev(5.1, "adopt", slot=s, incarnation=1, weight_version=1, dirty=False, paused=True, serves=True,
+        recs += [ev(5.1, Adopt, slot=s, incarnation=1, weight_version=1, dirty=False, paused=True, serves=True,
                     stamped=False, aborted=0, resumed=True, seq=1 + s) for s in range(3)]
-        recs.append(ev(5.2, "gate", open=True, version=1, reason="3 engine(s) serve version 1", seq=4))
-        recs.append(ev(5.3, "adopted", intent=True, generation=1, committed=1, serving=[0, 1, 2], stale=[],
-                       missing=[], gate_open=True, seconds=0.3, seq=5))
+        recs.append(ev(5.2, Gate, open=True, version=1, reason="3 engine(s) serve version 1", seq=4))
+        recs.append(ev(5.3, Adopted, intent=True, generation=1, committed=1, serving=[0, 1, 2], stale=[],
+                       missing=[], gate_open=True, fenced=[], seconds=0.3, seq=5))
     elif adopted:
-        recs.append(ev(8.0, "adopted", intent=True, generation=1, shutdown_finished=True, shards={}, seconds=3.0, seq=2))
+        recs.append(ev(8.0, Adopted, intent=True, generation=1, shutdown_finished=True, shards={}, fenced=[], seconds=3.0, seq=2))
     return recs
 
 
@@ -107,7 +108,7 @@ def test_a_crash_fired_by_another_process_than_the_one_armed_fails():
 
 def test_a_restart_from_before_the_crash_proves_nothing():
     log = restart_log(restarted=False, adopted=False)
-    log.insert(1, ev(1.5, "controller_restarted", fleet="f", generation=1, committed=1, refit=None, shutdown=False,
+    log.insert(1, ev(1.5, ControllerRestarted, fleet="f", generation=1, committed=1, refit=None, shutdown=False,
                      stopped=None, seq=0))
     rep = judge(recovers(), [crash()], log, journal=[])
     assert not rep.passed and "no controller_restarted record" in rep.violations[0]
@@ -133,9 +134,9 @@ def between_log(restarted=True):
     """Killed from outside at t=2.31, between refits; requests completed on the shards meanwhile (3.0, 3.1) and
     after the successor re-adopted the fleet (5.6)."""
     recs = [e for e in restart_log(restarted=restarted, adopted=restarted)
-            if e["kind"] != "fault" and e.get("phase") != "pause"]
-    recs += [ev(1.2, "request", event="accepted", request_id=r) for r in "abc"]
-    recs += [ev(t, "request", event="completed", request_id=r, slot=0, incarnation=1, version=1)
+            if not Fault.matches(e) and e.get("phase") != "pause"]
+    recs += [ev(1.2, Request, event="accepted", request_id=r) for r in "abc"]
+    recs += [ev(t, Request, event="completed", request_id=r, slot=0, incarnation=1, version=1)
              for t, r in ((3.0, "a"), (3.1, "b"), (5.6, "c"))]
     return sorted(recs, key=lambda e: e["t"])
 
@@ -230,7 +231,7 @@ def test_a_slow_shard_is_made_fast_again_after_its_step():
 
 def test_a_slow_fault_is_proven_by_its_first_delayed_call_whatever_the_point():
     done = [{"step": 1, "where": "transfer", "what": "slow", "slot": 0, "delay_s": 2.0, "t": 0.5}]
-    log = [ev(2.0, "fault", slot=0, incarnation=1, point="transfer", action="slow", armed=True)]
+    log = [ev(2.0, Fault, slot=0, incarnation=1, point="transfer", action="slow", armed=True)]
     shot = {"t": 2.2, "slot": 0, "incarnation": 1, "point": "ping", "action": "slow", "delay_s": 2.0}
     rows, problems = prove(done, log, [shot])
     assert problems == [] and rows[0]["point"] == "transfer" and rows[0]["t"] == 2.2
@@ -241,41 +242,41 @@ def test_a_slow_fault_is_proven_by_its_first_delayed_call_whatever_the_point():
 # ---------------------------------------------------------------------------------- invariants across a restart
 def requests_around_the_restart():
     """Requests completed on the shards while the controller was down (gate last open on 1) and after."""
-    return [ev(1.5, "request", event="accepted", request_id="a"),
-            ev(3.0, "request", event="completed", request_id="a", slot=0, incarnation=1, version=1),
-            ev(5.5, "request", event="accepted", request_id="b"),
-            ev(5.6, "request", event="completed", request_id="b", slot=2, incarnation=1, version=1)]
+    return [ev(1.5, Request, event="accepted", request_id="a"),
+            ev(3.0, Request, event="completed", request_id="a", slot=0, incarnation=1, version=1),
+            ev(5.5, Request, event="accepted", request_id="b"),
+            ev(5.6, Request, event="completed", request_id="b", slot=2, incarnation=1, version=1)]
 
 
 def test_the_invariants_hold_on_a_log_that_spans_a_controller_restart():
-    log = sorted(restart_log() + [ev(0.5, "stamp", version=1, members=[[0, 1], [1, 1], [2, 1]])]
+    log = sorted(restart_log() + [ev(0.5, Stamp, version=1, members=[[0, 1], [1, 1], [2, 1]], failed=[], unknown=[])]
                  + requests_around_the_restart(), key=lambda e: e["t"])
     assert inv.check_all(log, deadline_s=15.0) == []
-    wrong = log + [ev(6.0, "request", event="completed", request_id="c", slot=1, incarnation=1, version=2),
-                   ev(5.9, "request", event="accepted", request_id="c")]
+    wrong = log + [ev(6.0, Request, event="completed", request_id="c", slot=1, incarnation=1, version=2),
+                   ev(5.9, Request, event="accepted", request_id="c")]
     out = inv.check_all(sorted(wrong, key=lambda e: e["t"]), deadline_s=15.0)
     assert len(out) == 2 and all("request c" in o for o in out), "a wrong tag after the restart still counts"
 
 
 def test_an_engine_the_successor_stamped_serves_the_committed_version_and_no_other():
-    log = [ev(0.5, "stamp", version=1, members=[[0, 1]]),
-           ev(5.0, "controller_restarted", fleet="f", generation=1, committed=2, refit=[2, "committed"], shutdown=False,
+    log = [ev(0.5, Stamp, version=1, members=[[0, 1]], failed=[], unknown=[]),
+           ev(5.0, ControllerRestarted, fleet="f", generation=1, committed=2, refit=[2, "committed"], shutdown=False,
               stopped=None),
-           ev(5.1, "adopt", slot=0, incarnation=1, weight_version=1, dirty=False, paused=True, serves=True, stamped=True),
-           ev(5.1, "adopt", slot=1, incarnation=1, weight_version=2, dirty=False, paused=True, serves=True,
+           ev(5.1, Adopt, slot=0, incarnation=1, weight_version=1, dirty=False, paused=True, serves=True, stamped=True),
+           ev(5.1, Adopt, slot=1, incarnation=1, weight_version=2, dirty=False, paused=True, serves=True,
               stamped=False),
-           ev(5.5, "request", event="completed", request_id="a", slot=0, incarnation=1, version=2),
-           ev(5.6, "request", event="completed", request_id="b", slot=1, incarnation=1, version=2)]
+           ev(5.5, Request, event="completed", request_id="a", slot=0, incarnation=1, version=2),
+           ev(5.6, Request, event="completed", request_id="b", slot=1, incarnation=1, version=2)]
     assert inv.version_tags_match_stamps(log) == []
-    stale = log + [ev(5.7, "request", event="completed", request_id="c", slot=0, incarnation=1, version=1)]
+    stale = log + [ev(5.7, Request, event="completed", request_id="c", slot=0, incarnation=1, version=1)]
     assert len(inv.version_tags_match_stamps(stale)) == 1
-    unstamped = [dict(e, stamped=False) if e["kind"] == "adopt" else e for e in log]
+    unstamped = [dict(e, stamped=False) if Adopt.matches(e) else e for e in log]
     assert len(inv.version_tags_match_stamps(unstamped)) == 1, "slot 0 reported version 1: tag 2 is wrong"
 
 
 @pytest.mark.parametrize("seconds, bad", [(1.0, False), (30.0, True)])
 def test_a_phase_the_dead_controller_began_is_not_timed_but_ended_ones_still_are(seconds, bad):
-    log = restart_log() + [ev(9.0, "phase", phase="pause", edge="end", version=2, seconds=seconds, seq=9)]
+    log = restart_log() + [ev(9.0, Phase, phase="pause", edge="end", version=2, seconds=seconds, seq=9)]
     assert bool(inv.phases_within_deadline(log, 15.0)) is bad
 
 
@@ -283,10 +284,10 @@ def test_a_failed_variant_names_every_slot_the_fleet_lost_and_why_a_passing_one_
     """A variant that stops where it should recover says, in its notes, which shards the controller killed
     and which slots left the serving states, with the event log's reasons: a kill the plan did not make
     (a probe lost under load, say) is visible in the CI log, not only in a deleted event log."""
-    losses = [ev(3.0, "health", slot=2, incarnation=1, before="healthy", after="suspect", reason="probe timed out"),
-              ev(3.5, "health", slot=2, incarnation=1, before="suspect", after="dead", reason="2 probes failed"),
-              ev(3.6, "kill", slot=2, incarnation=1, reason="dead: 2 probes failed"),
-              ev(3.7, "health", slot=0, incarnation=1, before="stale", after="healthy", reason="stamped")]
+    losses = [ev(3.0, Health, slot=2, incarnation=1, before="healthy", after="suspect", reason="probe timed out"),
+              ev(3.5, Health, slot=2, incarnation=1, before="suspect", after="dead", reason="2 probes failed"),
+              ev(3.6, Kill, slot=2, incarnation=1, reason="dead: 2 probes failed"),
+              ev(3.7, Health, slot=0, incarnation=1, before="stale", after="healthy", reason="stamped")]
     rep = judge(recovers(), [crash()], restart_log() + losses, journal=[])
     assert rep.passed and not any("slot 2" in n for n in rep.notes)
     stopped = VariantReport("controller-kill-during-pause", "recovers", "stops", accepted=4, completed=4)

@@ -27,6 +27,7 @@ from fleet.shard_gate import EPOCH, NOT_MEMBER, PAUSED, VERSION, RecentResults, 
 from health import CallKind
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
+from fleet.records import Health, ReportIgnored, Routing
 
 
 # ------------------------------------------------------------------ version policy
@@ -241,8 +242,8 @@ def test_routing_state_is_published_with_a_new_epoch_per_change(model_dir):
         assert s1.epoch > s0.epoch  # the long poll answered on the first change (the gate closing)
         s2 = ctl.publisher.current
         assert s2.gate_open and s2.version == 1 and s2.epoch > s1.epoch
-        closes = [e for e in ctl.log.records(kinds=["routing"]) if not e["gate_open"]]
-        assert closes and all(door.shards[(s, 1)].gate.floor >= closes[-1]["epoch"] for s in range(3))
+        closes = [e for e in Routing.among(ctl.log.records()) if not e.gate_open]
+        assert closes and all(door.shards[(s, 1)].gate.floor >= closes[-1].epoch for s in range(3))
 
     run(go())
 
@@ -258,7 +259,7 @@ def test_a_closed_gate_is_seen_at_once_and_requests_wait(model_dir):
         waiting = asyncio.ensure_future(client(ctl).generate([1]))
         await asyncio.sleep(5)
         assert not waiting.done()
-        closed = next(e["epoch"] for e in ctl.log.records(kinds=["routing"]) if not e["gate_open"])
+        closed = next(e.epoch for e in Routing.among(ctl.log.records()) if not e.gate_open)
         assert door.shards[(0, 1)].gate.floor == closed  # the survivor was fenced at the close
         waiting.cancel()
 
@@ -274,7 +275,7 @@ def test_a_client_timeout_during_a_refit_is_not_a_sick_shard(model_dir):
         # a request routed before the refit timed out while the shard was paused: ignored
         assert ctl.report_failure(0, 1, TIMED_OUT, "timed out", epoch) is False
         assert ctl.ledger.state(0).value == "healthy"
-        assert any(e["slot"] == 0 for e in ctl.log.records(kinds=["report_ignored"]))
+        assert any(e.slot == 0 for e in ReportIgnored.among(ctl.log.records()))
         # the same timeout on a request routed after the refit is a health observation
         assert ctl.report_failure(0, 1, TIMED_OUT, "timed out", ctl.publisher.current.epoch) is True
         assert ctl.ledger.state(0).value != "healthy"
@@ -315,7 +316,7 @@ def test_the_client_reroutes_a_refusal_for_free_and_resends_after_a_death(model_
         assert d.refused.get("paused", 0) >= 1 and d.requeued >= 1
         assert door.shards[(0, 1)].gate.refused["paused"] == d.refused["paused"]  # nothing ran on the paused shard
         # the client's report of the death reached the controller (its replacement may serve already)
-        assert any(e["slot"] == 1 and e["incarnation"] == 1 and e["after"] == "dead" for e in ctl.log.records(kinds=["health"]))
+        assert any(e.slot == 1 and e.incarnation == 1 and e.after == "dead" for e in Health.among(ctl.log.records()))
         assert all(r.attempts <= 2 for r in res)  # refusals do not spend the redispatch budget
 
     run(go())

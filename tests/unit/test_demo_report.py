@@ -14,6 +14,7 @@ from demo.run import DemoConfig, EventWatcher, _nan_to_none, default_plan, load_
 from demo.view import PlainView, make_view
 from faults.firing import FaultFiring
 from fleet.errors import ConfigError
+from fleet.records import of_kinds
 from health.faultplan import Firing
 from tests.unit.test_timeline import demo_log as _log
 
@@ -108,7 +109,7 @@ class _FakeFleet:
         self.calls: list[tuple] = []
 
     def events(self, since=0, kinds=None):
-        return [e for e in self.log[since:] if kinds is None or e["kind"] in kinds]
+        return of_kinds(self.log[since:], kinds)
 
     def status(self):
         return {"ledger": {"slots": [{"slot": s, "state": st} for s, st in self.states.items()]}}

@@ -5,6 +5,7 @@ request re-sent late, a re-sent request that never completed."""
 from __future__ import annotations
 
 from faults.frozen import prove_resent
+from fleet.records import Kill, Request
 
 SHOT = {"slot": 2, "incarnation": 1, "point": "generate", "action": "freeze", "t": 10.0}
 REASON = "slot 2 (incarnation 1) failed: died: ActorDiedError: the actor died"
@@ -12,12 +13,12 @@ REASON = "slot 2 (incarnation 1) failed: died: ActorDiedError: the actor died"
 
 def records(kill_t=16.0, resent_t=16.2, completed=True, reason=REASON):
     events = [
-        {"kind": "request", "event": "accepted", "request_id": "r1", "t": 9.9},
-        {"kind": "kill", "slot": 2, "incarnation": 1, "reason": "evicted: dead after 2 failed probe(s)", "t": kill_t},
-        {"kind": "request", "event": "requeued", "request_id": "r1", "reason": reason, "t": resent_t},
+        Request(event="accepted", request_id="r1", t=9.9).as_dict(),
+        Kill(slot=2, incarnation=1, reason="evicted: dead after 2 failed probe(s)", t=kill_t).as_dict(),
+        Request(event="requeued", request_id="r1", reason=reason, t=resent_t).as_dict(),
     ]
     if completed:
-        events.append({"kind": "request", "event": "completed", "request_id": "r1", "slot": 0, "t": resent_t + 0.5})
+        events.append(Request(event="completed", request_id="r1", slot=0, t=resent_t + 0.5).as_dict())
     return events
 
 
@@ -29,7 +30,7 @@ def test_a_freeze_evicted_within_the_bound_with_its_request_resent_and_completed
 
 def test_each_broken_promise_is_named():
     assert "never froze" in prove_resent(records(), [], 2, 8.0)[0]
-    no_kill = [e for e in records() if e["kind"] != "kill"]
+    no_kill = [e for e in records() if not Kill.matches(e)]
     assert "never evicted" in prove_resent(no_kill, [SHOT], 2, 8.0)[0]
     [late_kill] = prove_resent(records(kill_t=30.0, resent_t=30.1), [SHOT], 2, 8.0)
     assert "past the detection bound" in late_kill

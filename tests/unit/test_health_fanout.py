@@ -18,7 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fleet import eventlog
 from fleet.eventlog import EventLog
+from fleet.records import Gate, Health
 from fleet.metrics import FleetMetrics
 from health import (
     Batch,
@@ -301,9 +303,9 @@ def test_emit_rows_writes_what_emit_writes_one_by_one(tmp_path):
     rows = (Transition(0, 1, ShardState.HEALTHY, ShardState.STALE, "refit of version 2 landed"),
             Transition(3, 2, ShardState.STALE, ShardState.HEALTHY, "holds committed version 2"))
     bulk, single = EventLog(str(tmp_path / "bulk.jsonl"), clock=lambda: 5.0), EventLog(clock=lambda: 5.0)
-    bulk.emit("gate", open=False)
-    single.emit("gate", open=False)
-    bulk.emit_rows("health", rows)
+    bulk.emit("gate", open=False, version=1, reason="refit of version 2")
+    single.emit(Gate(open=False, version=1, reason="refit of version 2"))
+    bulk.emit_rows(Health, rows)
     bulk.emit_rows("health", ())
     for t in rows:
         single.emit("health", slot=t.slot, incarnation=t.incarnation, before=t.before, after=t.after, reason=t.reason)
@@ -319,27 +321,27 @@ def test_rows_kept_in_memory_read_as_the_records_emit_writes():
             Transition(3, 2, ShardState.STALE, ShardState.HEALTHY, "holds committed version 2"))
     lazy, single = EventLog(clock=lambda: 5.0), EventLog(clock=lambda: 5.0)
     for log in (lazy, single):
-        log.emit("gate", open=False)
+        log.emit("gate", open=False, version=1, reason="refit of version 2")
     lazy.emit_rows("health", rows)
     for t in rows:
         single.emit("health", slot=t.slot, incarnation=t.incarnation, before=t.before, after=t.after, reason=t.reason)
     assert len(lazy) == 3
     assert lazy.records(2) == single.records(2)  # read from past the first row: every row is made anyway
     for log in (lazy, single):
-        log.emit("gate", open=True)
+        log.emit("gate", open=True, version=2, reason="refit of version 2")
     lazy.emit_rows("health", rows[:1])
     single.emit("health", slot=0, incarnation=1, before=ShardState.HEALTHY, after=ShardState.STALE,
                 reason="refit of version 2 landed")
     assert lazy.records() == single.records() and [r["seq"] for r in lazy.records()] == list(range(5))
-    assert lazy.records(kinds=["health"]) == single.records(kinds=["health"])
+    assert lazy.records(kinds=[Health]) == single.records(kinds=["health"])
     assert lazy.records()[1] is lazy.records()[1]  # made once
 
 
 def test_the_fast_paths_write_what_the_general_rule_writes():
-    log = EventLog(clock=lambda: 1.0)
     for _ in range(2):  # the second time through the enum cache
-        rec = log.emit("x", a=Colour.RED, b=Loud.A, c=Level.HIGH, d=[[1, Colour.RED]], e=(1, "s"), f={2: Colour.RED},
-                       g=frozenset({Colour.RED}), h=None, i=True, j=1.5)
+        fields = dict(a=Colour.RED, b=Loud.A, c=Level.HIGH, d=[[1, Colour.RED]], e=(1, "s"), f={2: Colour.RED},
+                      g=frozenset({Colour.RED}), h=None, i=True, j=1.5)
+        rec = eventlog._record(1.0, 0, "x", fields.items())
         assert rec["a"] == "red" and rec["b"] == "LOUD" and rec["c"] is Level.HIGH
         assert (rec["d"], rec["e"], rec["f"], rec["g"]) == ([[1, "red"]], [1, "s"], {"2": "red"}, ["red"])
         assert (rec["h"], rec["i"], rec["j"]) == (None, True, 1.5)

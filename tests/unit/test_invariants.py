@@ -1,14 +1,23 @@
 """The event-log invariant checks catch each violation they exist for."""
 
 from faults import invariants as inv
-
-
-def ev(kind, **kw):
-    return {"kind": kind, **kw}
+from fleet.records import Gate, Phase, Request, Stamp, Stopped
 
 
 def req(event, rid, **kw):
-    return ev("request", event=event, request_id=rid, **kw)
+    return Request(event=event, request_id=rid, **kw).as_dict()
+
+
+def stamp(version, members, failed=(), unknown=()):
+    return Stamp(version=version, members=members, failed=list(failed), unknown=list(unknown)).as_dict()
+
+
+def gate(open, version, reason="refit"):
+    return Gate(open=open, version=version, reason=reason).as_dict()
+
+
+def phase(name, edge, **kw):
+    return Phase(phase=name, edge=edge, **kw).as_dict()
 
 
 def test_lost_and_double_ended_requests_are_reported():
@@ -20,7 +29,7 @@ def test_lost_and_double_ended_requests_are_reported():
 
 
 def test_version_tag_must_match_the_last_stamp_of_that_incarnation():
-    good = [ev("stamp", version=1, members=[[0, 1]]), req("completed", "a", slot=0, incarnation=1, version=1),
+    good = [stamp(1, [[0, 1]]), req("completed", "a", slot=0, incarnation=1, version=1),
             req("completed", "b", slot=0, incarnation=2, version=0)]
     assert inv.version_tags_match_stamps(good) == []
     bad = good + [req("completed", "c", slot=0, incarnation=2, version=1)]
@@ -29,30 +38,30 @@ def test_version_tag_must_match_the_last_stamp_of_that_incarnation():
 
 def test_an_engine_resumed_by_its_stamping_call_may_finish_on_the_new_version_before_the_stamp_record():
     """``end_refit`` stamps and resumes in one call; the ``stamp`` record comes once all such calls settled."""
-    resume = ev("phase", phase="resume", edge="begin", version=2)
+    resume = phase("resume", "begin", version=2)
     early = req("completed", "a", slot=0, incarnation=1, version=2)
-    stamp = ev("stamp", version=2, members=[[0, 1]], failed=[[1, 1, "unavailable"]])
-    assert inv.version_tags_match_stamps([resume, early, stamp]) == []
-    assert len(inv.version_tags_match_stamps([early, resume, stamp])) == 1, "before its refit's resume: wrong"
+    stamped = stamp(2, [[0, 1]], failed=[[1, 1, "unavailable"]])
+    assert inv.version_tags_match_stamps([resume, early, stamped]) == []
+    assert len(inv.version_tags_match_stamps([early, resume, stamped])) == 1, "before its refit's resume: wrong"
     other = req("completed", "b", slot=1, incarnation=1, version=2)  # its stamp failed: it must not carry 2
-    assert len(inv.version_tags_match_stamps([resume, other, stamp])) == 1
-    lost = ev("stamp", version=2, members=[[0, 1]], failed=[], unknown=[[1, 1, "unavailable"]])  # no answer at all
+    assert len(inv.version_tags_match_stamps([resume, other, stamped])) == 1
+    lost = stamp(2, [[0, 1]], unknown=[[1, 1, "unavailable"]])  # no answer at all
     old = req("completed", "c", slot=1, incarnation=1, version=0)
     assert inv.version_tags_match_stamps([resume, other, lost, other, old]) == [], "either tag, until a stamp says"
 
 
 def test_open_gate_only_sees_current_version():
-    events = [ev("gate", open=True, version=2), req("completed", "a", slot=0, incarnation=1, version=1)]
+    events = [gate(True, 2), req("completed", "a", slot=0, incarnation=1, version=1)]
     assert len(inv.open_gate_serves_current_version(events)) == 1
-    events = [ev("gate", open=False, version=2), req("completed", "a", slot=0, incarnation=1, version=1)]
+    events = [gate(False, 2), req("completed", "a", slot=0, incarnation=1, version=1)]
     assert inv.open_gate_serves_current_version(events) == []
 
 
 def test_phase_deadline_and_gate_after_stop():
-    assert inv.phases_within_deadline([ev("phase", phase="pause", edge="end", seconds=12.5)], 10.0)
-    assert not inv.phases_within_deadline([ev("phase", phase="pause", edge="end", seconds=11.0)], 10.0)
+    assert inv.phases_within_deadline([phase("pause", "end", seconds=12.5)], 10.0)
+    assert not inv.phases_within_deadline([phase("pause", "end", seconds=11.0)], 10.0)
     # the transfer phase holds its retry within the same bound (no allowance for a second attempt)
-    assert inv.phases_within_deadline([ev("phase", phase="transfer", edge="end", seconds=25.0)], 10.0)
-    assert not inv.phases_within_deadline([ev("phase", phase="transfer", edge="end", seconds=11.5)], 10.0)
-    assert inv.gate_closed_after_stop([ev("stopped", reason="x"), ev("gate", open=True, version=3)])
-    assert not inv.gate_closed_after_stop([ev("gate", open=True, version=3), ev("stopped", reason="x")])
+    assert inv.phases_within_deadline([phase("transfer", "end", seconds=25.0)], 10.0)
+    assert not inv.phases_within_deadline([phase("transfer", "end", seconds=11.5)], 10.0)
+    assert inv.gate_closed_after_stop([Stopped(reason="x").as_dict(), gate(True, 3)])
+    assert not inv.gate_closed_after_stop([gate(True, 3), Stopped(reason="x").as_dict()])

@@ -8,6 +8,7 @@ import asyncio
 
 from fleet.controller import SingleController
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
+from fleet.records import Launch, Retire
 
 START_TIMEOUT_S = 5.0
 
@@ -53,7 +54,7 @@ async def until(pred, seconds=600.0, step=0.5):
 
 
 def launches(ctl, slot):
-    return [e for e in ctl.events(kinds=["launch"]) if e["slot"] == slot]
+    return [e for e in Launch.among(ctl.events()) if e.slot == slot]
 
 
 def test_a_restart_whose_spawn_raises_spends_an_attempt_and_the_next_one_serves(model_dir):
@@ -66,8 +67,8 @@ def test_a_restart_whose_spawn_raises_spends_an_attempt_and_the_next_one_serves(
             ctl.ledger.raw(2)
         rec = ctl.ledger.raw(2)
         assert rec.incarnation == 3 and rec.restarts == 2  # the raising launch cost one attempt, as a death does
-        [failed] = [e for e in launches(ctl, 2) if e["outcome"] != "ok"]
-        assert failed["incarnation"] == 2 and "could not be created" in failed["error"]
+        [failed] = [e for e in launches(ctl, 2) if e.outcome != "ok"]
+        assert failed.incarnation == 2 and "could not be created" in failed.error
         assert 2 not in ctl.restarting and 2 in ctl.serving_slots()
         await ctl.shutdown()
 
@@ -81,9 +82,9 @@ def test_a_slot_whose_every_launch_raises_is_retired_when_its_budget_is_spent(mo
         door.spawn_raises |= {(2, 2), (2, 3)}
         door.kill(door.shards[(2, 1)])
         assert await until(lambda: ctl.ledger.state(2).value == "retired"), ctl.ledger.raw(2)
-        assert [(e["incarnation"], e["outcome"]) for e in launches(ctl, 2)] == [(2, "error"), (3, "error")]
-        [retire] = ctl.events(kinds=["retire"])
-        assert retire["slot"] == 2 and retire["incarnation"] == 3 and "budget spent" in retire["reason"]
+        assert [(e.incarnation, e.outcome) for e in launches(ctl, 2)] == [(2, "error"), (3, "error")]
+        [retire] = Retire.among(ctl.events())
+        assert retire.slot == 2 and retire.incarnation == 3 and "budget spent" in retire.reason
         assert ctl.gate.is_open and sorted(ctl.serving_slots()) == [0, 1] and 2 not in ctl.restarting
         await ctl.shutdown()
 
@@ -101,9 +102,9 @@ def test_a_restart_whose_start_never_answers_is_cut_by_the_watchdog_and_retried(
         t0 = ctl.clock.now()
         assert await until(lambda: ctl.ledger.raw(2).incarnation == 3 and ctl.ledger.state(2).value == "healthy"), \
             ctl.ledger.raw(2)
-        [cut] = [e for e in launches(ctl, 2) if e["outcome"] != "ok"]
-        assert cut["incarnation"] == 2 and cut["outcome"] == "timed_out" and cut["bound_s"] == watchdog_s(ctl.cfg)
-        assert f"{watchdog_s(ctl.cfg):g} s" in cut["error"]
+        [cut] = [e for e in launches(ctl, 2) if e.outcome != "ok"]
+        assert cut.incarnation == 2 and cut.outcome == "timed_out" and cut.bound_s == watchdog_s(ctl.cfg)
+        assert f"{watchdog_s(ctl.cfg):g} s" in cut.error
         assert ctl.clock.now() - t0 < watchdog_s(ctl.cfg) + 5  # bounded by the watchdog, not hanging forever
         assert door.shards[(2, 2)].dead and ctl.ledger.raw(2).incarnation == 3
         await ctl.shutdown()

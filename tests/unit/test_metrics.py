@@ -12,6 +12,7 @@ from fleet.controller import SingleController
 from fleet.metrics import FleetMetrics, RunMeter
 from fleet.types import EngineStats
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
+from fleet.records import RefitHeld, RunStep
 
 
 class FakeMetric:
@@ -166,11 +167,11 @@ def test_a_refit_reports_the_requests_held_across_its_pause(model_dir):
         results = await asyncio.gather(*reqs)
         assert all(r.ok and r.result.weight_version == 1 for r in results)  # held across the pause, not aborted
         assert summary["held_across_pause"] == 6
-        [held] = ctl.events(kinds=["refit_held"])
-        assert held["version"] == 1 and held["requests"] == 6 and sum(held["by_slot"].values()) == 6
+        [held] = RefitHeld.among(ctl.events())
+        assert held.version == 1 and held.requests == 6 and sum(held.by_slot.values()) == 6
         assert sink.metrics["rlfleet_refit_held_requests"].values[()] == 6
         quiet = await ctl.sync_weights(2)
-        assert quiet["held_across_pause"] == 0 and ctl.events(kinds=["refit_held"])[-1]["requests"] == 0
+        assert quiet["held_across_pause"] == 0 and RefitHeld.among(ctl.events())[-1].requests == 0
         await ctl.shutdown()
 
     run_virtual(go())
@@ -190,8 +191,8 @@ def test_each_refit_closes_a_run_step_with_its_time_and_generation_tokens_per_se
         step = summary["run_step"]
         assert step["generation_tokens"] == 400 and step["step_s"] == pytest.approx(ctl.clock.now() - t0, abs=0.5)
         assert step["generation_tokens_per_s"] == pytest.approx(400 / step["step_s"])
-        [rec] = ctl.events(kinds=["run_step"])
-        assert rec["version"] == 1 and rec["generation_tokens"] == 400 and rec["step_s"] == step["step_s"]
+        [rec] = RunStep.among(ctl.events())
+        assert rec.version == 1 and rec.generation_tokens == 400 and rec.step_s == step["step_s"]
         assert sink.metrics["rlfleet_step_seconds"].values[()] == step["step_s"]
         assert sink.metrics["rlfleet_generation_tokens_per_second"].values[()] == step["generation_tokens_per_s"]
         await ctl.shutdown()

@@ -10,6 +10,7 @@ from fleet.controller import SingleController
 from fleet.nodes import NodeMap
 from fleet.outcome import TIMED_OUT, Outcome
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, run_virtual
+from fleet.records import Health, NodeLost, Placement
 
 NODE = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
 
@@ -79,11 +80,11 @@ def test_a_lost_node_takes_all_its_shards_in_one_decision_and_one_epoch(model_di
         mark = len(ctl.log.records())
         door.lose("node-b")
         await asyncio.sleep(2.0)  # one monitor round: pings time out, the GCS says node-b is dead
-        lost = ctl.log.records(mark, kinds=["node_lost"])
-        assert [(e["node"], e["slots"]) for e in lost] == [("node-b", [2, 3])]
-        deaths = [e for e in ctl.log.records(mark, kinds=["health"]) if e["after"] == "dead"]
-        assert sorted(e["slot"] for e in deaths) == [2, 3]
-        assert len({e["seq"] - i for i, e in enumerate(deaths)}) == 1  # consecutive rows of one decision
+        lost = NodeLost.among(ctl.log.records(mark))
+        assert [(e.node, e.slots) for e in lost] == [("node-b", [2, 3])]
+        deaths = [e for e in Health.among(ctl.log.records(mark)) if e.after == "dead"]
+        assert sorted(e.slot for e in deaths) == [2, 3]
+        assert len({e.seq - i for i, e in enumerate(deaths)}) == 1  # consecutive rows of one decision
         assert ctl.gate.is_open and sorted(ctl.ledger.serving_slots()) == [0, 1]  # quorum (2) holds on node-a
         summary = await ctl.sync_weights(2)
         assert summary["epoch"] == epoch + 1 and summary["participants"] == [0, 1]
@@ -99,7 +100,7 @@ def test_without_a_dead_node_a_timed_out_probe_only_quarantines(model_dir):
         door.shards[(2, 1)].sticky["ping"] = "hang"  # frozen, but its node is alive
         await asyncio.sleep(1.5)
         assert ctl.ledger.state(2).value == "hung" and ctl.ledger.state(3).value == "healthy"
-        assert ctl.log.records(kinds=["node_lost"]) == []
+        assert NodeLost.among(ctl.log.records()) == []
         await ctl.shutdown()
 
     run_virtual(go())
@@ -114,12 +115,12 @@ def test_a_restart_ray_cannot_place_waits_restarting_then_starts_when_placed(mod
         door.shards[(1, 1)].dead = True
         await asyncio.sleep(60.0)  # far past the start bound (5 + 30 s)
         assert ctl.ledger.state(1).value == "restarting" and ctl.ledger.record(1).restarts == 1
-        waits = ctl.log.records(kinds=["placement"])
+        waits = Placement.among(ctl.log.records())
         assert [(e["slot"], e["incarnation"], e["edge"]) for e in waits] == [(1, 2, "waiting")]
         assert not any(m == "start" and s == 1 and i == 2 for m, s, i in door.calls)  # never started, never failed
         door.pending.clear()
         await asyncio.sleep(2.0)
-        assert ctl.ledger.state(1).value == "stale" and ctl.log.records(kinds=["placement"])[-1]["edge"] == "placed"
+        assert ctl.ledger.state(1).value == "stale" and Placement.among(ctl.log.records())[-1].edge == "placed"
         await ctl.shutdown()
 
 
@@ -185,13 +186,13 @@ def test_shards_their_own_probes_condemned_before_the_verdict_are_named_when_the
             await asyncio.sleep(0.5)
             if _dead_by_probes(ctl, (2, 3)):
                 break
-        deaths = [e for e in ctl.log.records(mark, kinds=["health"]) if e["after"] == "dead"]
-        assert sorted(e["slot"] for e in deaths) == [2, 3] and all("failed probe" in e["reason"] for e in deaths), deaths
-        assert ctl.log.records(kinds=["node_lost"]) == [] and ctl.nodes.watching  # no verdict yet
+        deaths = [e for e in Health.among(ctl.log.records(mark)) if e.after == "dead"]
+        assert sorted(e.slot for e in deaths) == [2, 3] and all("failed probe" in e.reason for e in deaths), deaths
+        assert NodeLost.among(ctl.log.records()) == [] and ctl.nodes.watching  # no verdict yet
         door.dead.add("node-b")
         await asyncio.sleep(2.0)  # one monitor round
-        lost = ctl.log.records(mark, kinds=["node_lost"])
-        assert [(e["node"], e["slots"], e["died_before"]) for e in lost] == [("node-b", [2, 3], [2, 3])]
+        lost = NodeLost.among(ctl.log.records(mark))
+        assert [(e.node, e.slots, e.died_before) for e in lost] == [("node-b", [2, 3], [2, 3])]
         assert not ctl.nodes.watching and ctl.gate.is_open
         await ctl.shutdown()
 
@@ -214,10 +215,10 @@ def test_the_verdict_takes_the_nodes_shards_still_counted_alive_in_one_decision(
         assert ctl.ledger.state(3).value == "healthy"
         door.dead.add("node-b")
         await asyncio.sleep(2.0)
-        lost = ctl.log.records(mark, kinds=["node_lost"])
-        assert [(e["node"], e["slots"], e["died_before"]) for e in lost] == [("node-b", [2, 3], [2])]
-        slot3 = [e for e in ctl.log.records(mark, kinds=["health"]) if e["slot"] == 3 and e["after"] == "dead"]
-        assert len(slot3) == 1 and "NodeLost" in slot3[0]["reason"], slot3
+        lost = NodeLost.among(ctl.log.records(mark))
+        assert [(e.node, e.slots, e.died_before) for e in lost] == [("node-b", [2, 3], [2])]
+        slot3 = [e for e in Health.among(ctl.log.records(mark)) if e.slot == 3 and e.after == "dead"]
+        assert len(slot3) == 1 and "NodeLost" in slot3[0].reason, slot3
         assert sorted(ctl.ledger.serving_slots()) == [0, 1] and ctl.gate.is_open
         await ctl.shutdown()
 
@@ -233,7 +234,7 @@ def test_a_failed_shard_that_serves_again_ends_the_watch_on_its_node(model_dir):
         assert ctl.nodes.watching
         await asyncio.sleep(4.0)
         assert ctl.ledger.state(2).value == "healthy" and not ctl.nodes.watching
-        assert ctl.log.records(kinds=["node_lost"]) == []
+        assert NodeLost.among(ctl.log.records()) == []
         await ctl.shutdown()
 
     run_virtual(go())

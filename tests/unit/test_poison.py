@@ -21,6 +21,7 @@ from fleet.fleet_config import load_fleet_config
 from fleet.outcome import DIED, ERROR, Outcome
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
+from fleet.records import Health, Request
 
 POISON = [6, 6, 6]
 
@@ -57,8 +58,8 @@ def test_a_request_that_took_down_two_engines_is_returned_as_poison_and_never_se
         assert sum(s.dead for s in door.shards.values()) == 2  # the third engine never saw it
         fp = fingerprint(POISON, {"max_tokens": 4, "seed": 1})
         assert fp in res.reason
-        logged = [e for e in ctl.log.records(kinds=["request"]) if e.get("event") == "poison"]
-        assert len(logged) == 1 and logged[0]["fingerprint"] == fp and len(logged[0]["engines"]) == 2
+        logged = [e for e in Request.among(ctl.log.records()) if e.event == "poison"]
+        assert len(logged) == 1 and logged[0].fingerprint == fp and len(logged[0].engines) == 2
         # again, with another seed: refused at once, nothing sent anywhere
         again = await c.generate_async(POISON, {"max_tokens": 4, "seed": 2})
         assert not again.ok and again.reason.startswith("poison: ") and again.attempts == 0, again
@@ -208,10 +209,10 @@ def test_the_poison_variant_proof_fails_when_a_third_engine_dies_or_the_repeat_i
     record = {"others": {"n": 6, "ok": 6}, "after": {"gate_open": True}}
 
     def died(slot, t):
-        return {"kind": "health", "t": t, "slot": slot, "incarnation": 1, "before": "healthy", "after": "dead"}
+        return Health(t=t, slot=slot, incarnation=1, before="healthy", after="dead", reason="").as_dict()
 
     events = [died(0, 10.5), died(1, 11.5),
-              {"kind": "request", "event": "poison", "t": 12.0, "fingerprint": "f", "engines": ["slot 0", "slot 1"]}]
+              Request(event="poison", request_id="p", t=12.0, fingerprint="f", engines=["slot 0", "slot 1"]).as_dict()]
     assert prove_poison_request(record, [first, again], events) == []
     assert any("exactly two" in p for p in prove_poison_request(record, [first, again], events + [died(2, 13.0)]))
     sent = {**again, "outcome": "poison", "attempts": 1, "reason": "poison: its attempts took down 2 engines"}

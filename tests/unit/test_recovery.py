@@ -20,6 +20,7 @@ from fleet.intent import CLOSING, COMMITTED, Intent
 from fleet.naming import intent_key, shard_name
 from fleet.recovery import EPOCHS_PER_GENERATION
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
+from fleet.records import Adopted, ControllerRestarted, Error, Request, all_of
 
 
 class Crash(BaseException):
@@ -123,8 +124,8 @@ def test_killed_between_refits_the_successor_serves_on_and_refits(model_dir):
         summary = await new.sync_weights(2)
         assert summary["complete"] == [0, 1, 2] and new.gate.is_open and new.gate.version == 2
         assert stored(door).generation == 1
-        kinds = [e["kind"] for e in new.events()]
-        assert kinds.index("controller_restarted") < kinds.index("adopted")
+        kinds = [type(r) for r in all_of(new.events())]
+        assert kinds.index(ControllerRestarted) < kinds.index(Adopted)
         await new.shutdown()
 
     run_virtual(go())
@@ -251,15 +252,15 @@ def test_the_successor_keeps_the_event_history_without_the_clients_records(model
         assert res.ok
         client(ctl).log.close()
         with open(path, "a") as f:  # a client in another process appends its request ends to the same file
-            f.write(json.dumps({"t": 1.0, "seq": 0, "kind": "request", "event": "completed"}) + "\n")
-        own = [e["kind"] for e in ctl.events() if e["kind"] != "request"]  # (this test client logs into ctl's log)
+            f.write(json.dumps(Request(t=1.0, seq=0, event="completed", request_id="r0").as_dict()) + "\n")
+        own = [type(r) for r in all_of(ctl.events()) if not isinstance(r, Request)]  # (this test client logs into ctl's log)
         bury(ctl, door, dict(door.kv))
         ctl.log.close()
         new = successor(ctl, door)
         await new.ping()
         history = new.events()
-        assert [e["kind"] for e in history[:len(own)]] == own and history[len(own)]["kind"] == "controller_restarted"
-        assert not any(e["kind"] == "request" for e in history)
+        assert [type(r) for r in all_of(history[:len(own)])] == own and ControllerRestarted.matches(history[len(own)])
+        assert not any(Request.matches(e) for e in history)
         assert [e["seq"] for e in history] == list(range(len(history)))  # seq goes on from the predecessor's
         await new.shutdown()
 
@@ -333,7 +334,7 @@ def test_a_re_adoption_that_fails_stops_the_fleet_loudly(model_dir):
         await new.ping()
         assert new.stopped and "could not re-adopt" in new.stopped and "GCS unreachable" in new.stopped
         assert new.publisher.current.stopped and not new.gate.is_open
-        assert any(e["kind"] == "error" and e["where"] == "re-adoption" for e in new.events())
+        assert any(Error.matches(e) and e["where"] == "re-adoption" for e in new.events())
 
     run_virtual(go())
 

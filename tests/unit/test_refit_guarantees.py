@@ -16,6 +16,7 @@ from fleet.outcome import DIED, Outcome
 from health import CallKind
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
+from fleet.records import Gate, Phase, RefitRolledBack
 
 REFIT_CALLS = ("pause", "transfer", "set_weight_version", "resume")
 
@@ -38,10 +39,10 @@ def test_a_version_that_does_not_increase_is_refused_and_nothing_changes(model_d
         for v in (1, 2, 3):
             await ctl.sync_weights(v)
         door.calls.clear()
-        gates = len(ctl.events(kinds=["gate"]))
+        gates = len(Gate.among(ctl.events()))
         with pytest.raises(RefitRefused, match=rf"version {bad} is not greater than the committed version 3"):
             await ctl.sync_weights(bad)
-        assert _refit_calls(door) == [] and len(ctl.events(kinds=["gate"])) == gates
+        assert _refit_calls(door) == [] and len(Gate.among(ctl.events())) == gates
         _serving_unchanged(ctl, 3)
         assert (await ctl.sync_weights(4))["version"] == 4  # the fleet still refits
         await ctl.shutdown()
@@ -89,7 +90,7 @@ def test_an_update_the_engines_refuse_rolls_back_without_the_retry(model_dir):
         _serving_unchanged(ctl, 0)
         assert not any(s.paused for s in door.shards.values())  # resumed on the old weights
         assert all(ctl.ledger.raw(s).weight_version == 0 for s in range(3))
-        assert ctl.events(kinds=["refit_rolled_back"])[-1]["resumed"] == [0, 1, 2]
+        assert RefitRolledBack.among(ctl.events())[-1].resumed == [0, 1, 2]
         res = await client(ctl).generate([1, 2])
         assert res.ok and res.result.weight_version == 0
         assert (await ctl.sync_weights(1))["complete"] == [0, 1, 2]  # the next, correct update lands
@@ -148,7 +149,7 @@ def test_two_concurrent_refits_run_one_after_the_other_and_the_stale_one_is_refu
         first, second = await asyncio.gather(ctl.sync_weights(2), ctl.sync_weights(1), return_exceptions=True)
         assert first["version"] == 2 and isinstance(second, RefitRefused)
         assert len(transfer.attempts) == 1
-        assert [g["open"] for g in ctl.events(kinds=["gate"])][-2:] == [False, True]
+        assert [g.open for g in Gate.among(ctl.events())][-2:] == [False, True]
         _serving_unchanged(ctl, 2)
         await ctl.shutdown()
 
@@ -245,8 +246,8 @@ def test_the_transfer_phase_ends_within_its_deadline_retry_included(model_dir):
         transfer.transfer = slow
         transfer.fail[1] = {1: "error"}  # the first attempt fails on slot 1: the retry gets only what is left
         summary = await ctl.sync_weights(1)
-        [end] = [e for e in ctl.events(kinds=["phase"]) if e["phase"] == "transfer" and e["edge"] == "end"]
-        assert end["seconds"] <= ctl.cfg.lifecycle_deadline_s + 1e-6, end
+        [end] = [e for e in Phase.among(ctl.events()) if e.phase == "transfer" and e.edge == "end"]
+        assert end.seconds <= ctl.cfg.lifecycle_deadline_s + 1e-6, end
         assert summary["attempts"] == 2  # the retry (slot 1 only) ran in what was left and was cut off
         assert summary["complete"] == [0, 2] and ctl.gate.is_open  # quorum completed the first attempt: kept
         await ctl.shutdown()

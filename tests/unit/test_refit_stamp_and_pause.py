@@ -14,6 +14,7 @@ from fleet.null_backend import NullBackend
 from fleet.shard import EngineShard
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
+from fleet.records import LeaveNotice, Stamp
 
 
 async def _serve_while_checking(ctl, door, n: int = 30) -> list:
@@ -58,8 +59,8 @@ def test_a_stamp_that_fails_leaves_the_version_unknown_until_a_refit_lands_again
         assert sorted(ctl.ledger.serving_slots()) == [0, 1, 2] and door.shards[(1, 1)].version == 2
         served = await _serve_while_checking(ctl, door)
         assert 1 in {r.slot for r in served}
-        stamp = ctl.events(kinds=["stamp"])
-        assert [m[0] for m in stamp[-2]["members"]] == [0, 2] and stamp[-2]["failed"][0][0] == 1
+        stamp = Stamp.among(ctl.events())
+        assert [m[0] for m in stamp[-2].members] == [0, 2] and stamp[-2].failed[0][0] == 1
         await ctl.shutdown()
 
     run(go())
@@ -220,8 +221,8 @@ def test_a_leave_notice_is_retried_until_acknowledged(model_dir):
                 break
         assert not shard.gate.member, "a lost leave notice was never sent again"
         assert sum(1 for c in door.calls if c[:2] == ("set_route", 2)) >= 2
-        notes = [e for e in ctl.events(kinds=["leave_notice"]) if e["slot"] == 2]
-        assert notes and notes[-1]["acknowledged"] and notes[-1]["attempts"] >= 2
+        notes = [e for e in LeaveNotice.among(ctl.events()) if e.slot == 2]
+        assert notes and notes[-1].acknowledged and notes[-1].attempts >= 2
         await ctl.shutdown()
 
     run(go())

@@ -15,6 +15,7 @@ from fleet.naming import intent_key, shard_name
 from fleet.outcome import DIED, Outcome
 from health import CallKind
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
+from fleet.records import Kill, Phase, Resize, Stopped, all_of
 
 
 def make(model_dir, door=None, **over):
@@ -31,7 +32,7 @@ def members(ctl):
 
 
 def resizes(ctl, edge="end"):
-    return [e for e in ctl.events() if e["kind"] == "resize" and e["edge"] == edge]
+    return [e for e in ctl.events() if Resize.matches(e) and e["edge"] == edge]
 
 
 def stored(door, name="rs") -> Intent:
@@ -178,7 +179,7 @@ def test_a_shrink_under_load_drains_the_removed_engine_and_loses_nothing(model_d
         rec = ctl.ledger.record(2)
         assert rec.state.value == "retired" and rec.removed and "removed by a resize" in rec.reason
         assert stored(door).removed == {2: 1} and 2 not in stored(door).slots and ctl.status()["target_size"] == 2
-        assert not any(e["kind"] == "stopped" for e in ctl.events()) and ctl.gate.is_open
+        assert not any(Stopped.matches(e) for e in ctl.events()) and ctl.gate.is_open
         await ctl.shutdown()
 
     run_virtual(go())
@@ -248,11 +249,11 @@ def test_a_resize_waits_for_a_running_refit_and_a_refit_for_a_resize(model_dir):
         await asyncio.sleep(0)
         refit2 = asyncio.ensure_future(ctl.sync_weights(2))
         await asyncio.gather(refit, shrink, refit2, *reqs)
-        marks = [(e["kind"], e.get("version"), e["edge"]) for e in ctl.events()
-                 if e["kind"] == "resize" or (e["kind"] == "phase" and (e["phase"], e["edge"]) in
+        marks = [(type(e), getattr(e, "version", None), e.edge) for e in all_of(ctl.events())
+                 if isinstance(e, Resize) or (isinstance(e, Phase) and (e.phase, e.edge) in
                                               (("close", "begin"), ("reopen", "end")))]
-        assert marks == [("phase", 1, "begin"), ("phase", 1, "end"), ("resize", None, "begin"),
-                         ("resize", None, "end"), ("phase", 2, "begin"), ("phase", 2, "end")]
+        assert marks == [(Phase, 1, "begin"), (Phase, 1, "end"), (Resize, None, "begin"),
+                         (Resize, None, "end"), (Phase, 2, "begin"), (Phase, 2, "end")]
         accounted(ctl, 9)
         await ctl.shutdown()
 

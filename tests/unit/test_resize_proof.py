@@ -11,6 +11,7 @@ import pytest
 from faults.evidence import prove
 from faults.runner import VariantReport, judge
 from health.faultplan import load_plan
+from fleet.records import Gate, Health, Phase, Record, Resize, Stamp
 
 GROW = {"n": 4, "outcome": "ok", "error": None, "summary": {"added": [3]}, "began": 10.0, "ended": 20.0}
 REFIT = {"version": 5, "outcome": "committed", "error": None, "began": 21.0, "ended": 23.0}
@@ -20,8 +21,8 @@ DRAINED = {"incarnation": 1, "drained": True, "in_flight_at_removal": 2, "finish
            "shutdown": "ok", "told": "ok"}
 
 
-def ev(t, kind, **f):
-    return {"t": t, "kind": kind, **f}
+def ev(t, kind: type[Record], **f):
+    return kind(t=t, **f).as_dict()
 
 
 def fired():
@@ -35,16 +36,16 @@ def fired():
 
 def events():
     return [
-        ev(10.1, "resize", edge="begin", size_from=3, size_to=4, add=1, remove=[]),
-        ev(19.0, "resize", edge="end", size_from=3, size_to=4, added=[3], removed=[], drained={}, serving=[0, 1, 2]),
-        ev(21.0, "phase", phase="close", edge="begin", version=5),
-        ev(21.1, "gate", open=False, version=4, reason="refit of version 5"),
-        ev(22.0, "stamp", version=5, members=[[0, 1], [1, 1], [2, 1], [3, 1]]),
-        ev(22.5, "gate", open=True, version=5, reason="4 engine(s) serve version 5"),
-        ev(30.1, "resize", edge="begin", size_from=4, size_to=3, add=0, remove=[3]),
-        ev(30.2, "health", slot=3, incarnation=1, before="healthy", after="retired",
+        ev(10.1, Resize, edge="begin", size_from=3, size_to=4, add=1, remove=[]),
+        ev(19.0, Resize, edge="end", size_from=3, size_to=4, added=[3], removed=[], drained={}, serving=[0, 1, 2]),
+        ev(21.0, Phase, phase="close", edge="begin", version=5),
+        ev(21.1, Gate, open=False, version=4, reason="refit of version 5"),
+        ev(22.0, Stamp, version=5, members=[[0, 1], [1, 1], [2, 1], [3, 1]], failed=[], unknown=[]),
+        ev(22.5, Gate, open=True, version=5, reason="4 engine(s) serve version 5"),
+        ev(30.1, Resize, edge="begin", size_from=4, size_to=3, add=0, remove=[3]),
+        ev(30.2, Health, slot=3, incarnation=1, before="healthy", after="retired",
            reason="removed by a resize (was healthy): resize to 3 engines"),
-        ev(31.0, "resize", edge="end", size_from=4, size_to=3, added=[], removed=[3], drained={"3": dict(DRAINED)},
+        ev(31.0, Resize, edge="end", size_from=4, size_to=3, added=[], removed=[3], drained={"3": dict(DRAINED)},
            serving=[0, 1, 2]),
     ]
 
@@ -88,10 +89,10 @@ CASES = {
         lambda f, evs: f["resizes"][0].update(outcome="failed", error="ConfigError: n"),
         "the grow did not happen: ConfigError: n"),
     "no record of the grow": (
-        lambda f, evs: _drop(evs, lambda e: e["kind"] == "resize" and e["t"] == 19.0),
+        lambda f, evs: _drop(evs, lambda e: Resize.matches(e) and e["t"] == 19.0),
         "no resize end record of the grow (to 4 engines)"),
     "no record of the shrink": (
-        lambda f, evs: _drop(evs, lambda e: e["kind"] == "resize" and e["t"] == 31.0),
+        lambda f, evs: _drop(evs, lambda e: Resize.matches(e) and e["t"] == 31.0),
         ("no resize end record of the shrink (to 3 engines)", "no drain record of the removed slot 3")),
     "the shrink went the wrong way": (
         lambda f, evs: evs[-1].update(size_from=4, size_to=5),
@@ -118,7 +119,7 @@ CASES = {
         lambda f, evs: evs[-1]["drained"]["3"].update(admitted_at_end=41),
         "slot 3 admitted requests after its removal: 40 at removal, 41 at the end"),
     "it was not retired": (
-        lambda f, evs: _drop(evs, lambda e: e["kind"] == "health"),
+        lambda f, evs: _drop(evs, lambda e: Health.matches(e)),
         "slot 3 (incarnation 1) was not retired as removed by the resize: health record missing"),
     "retired by a failure, not removed": (
         lambda f, evs: f["removed_state"]["3"].update(removed=False),

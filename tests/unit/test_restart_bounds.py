@@ -18,6 +18,7 @@ from fleet.errors import ConfigError, RefitRefused
 from fleet.fleet_config import load_fleet_config
 from tests.unit.fleet_fakes import run_virtual
 from tests.unit.test_recovery import Crash, arm, bury, started, successor
+from fleet.records import Kill
 
 
 # ------------------------------------------------------------------ config checks at start
@@ -73,7 +74,7 @@ def test_a_shard_hanging_in_adoption_is_evicted_within_the_adoption_bound(model_
         assert door.shards[(1, 1)].dead  # killed, not waited on
         assert 1 in new.recovered["evicted"] and method in new.recovered["evicted"][1]
         assert new.recovered["serving"] == [0, 2] and new.gate.is_open and new.gate.version == 1
-        kills = [e for e in new.events() if e["kind"] == "kill" and e["slot"] == 1]
+        kills = [e for e in new.events() if Kill.matches(e) and e["slot"] == 1]
         assert kills and "re-adoption" in kills[0]["reason"]
         # its slot restarts within the budget and joins the next refit
         await _until(lambda: (1, 2) in door.shards and door.shards[(1, 2)].state == "ready"

@@ -17,6 +17,7 @@ from fleet.fleet_config import load_fleet_config
 from fleet.intent import Intent
 from fleet.naming import intent_key
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
+from fleet.records import Gate, Promote, Restart
 
 RESTART_S = 5.0  # how long the killed slot's replacement takes to start (virtual seconds)
 
@@ -54,7 +55,7 @@ def roles(ctl):
 
 
 def records(ctl, kind):
-    return ctl.events(kinds=[kind])
+    return kind.among(ctl.events())
 
 
 async def served_slots(ctl, n=24):
@@ -74,7 +75,7 @@ def test_spares_start_with_the_fleet_take_part_in_refits_and_serve_nothing(model
         assert members(ctl) == [0, 1]
         assert await served_slots(ctl) == {0, 1}
         assert not door.shards[(2, 1)].gate.member  # the spare's own gate refuses traffic
-        assert records(ctl, "promote") == []
+        assert records(ctl, Promote) == []
         await ctl.shutdown()
 
     run_virtual(go())
@@ -86,20 +87,20 @@ def test_a_serving_engine_killed_between_refits_is_replaced_by_the_spare_before_
         await ctl.sync_weights(1)
         await ctl.kill_shard(0)
         await asyncio.sleep(1.5)  # the monitor finds it dead; its restart is under way
-        (promo,) = records(ctl, "promote")
+        (promo,) = records(ctl, Promote)
         # the replaced slot as the ledger has it now: its next incarnation, restarting
-        assert (promo["slot"], promo["incarnation"], promo["replaced"], promo["replaced_incarnation"]) == (2, 1, 0, 2)
-        assert promo["reason"] == "slot 0 is restarting" and promo["serving"] == [1, 2]
+        assert (promo.slot, promo.incarnation, promo.replaced, promo.replaced_incarnation) == (2, 1, 0, 2)
+        assert promo.reason == "slot 0 is restarting" and promo.serving == [1, 2]
         assert members(ctl) == [1, 2] and ctl.gate.is_open  # full capacity, the gate never closed (min 2)
-        assert not [g for g in records(ctl, "gate") if not g["open"] and g["t"] >= promo["t"]]
-        assert not [r for r in records(ctl, "restart") if r.get("edge") == "end"]  # the restart still runs
+        assert not [g for g in records(ctl, Gate) if not g.open and g.t >= promo.t]
+        assert not [r for r in records(ctl, Restart) if r.edge == "end"]  # the restart still runs
         assert await served_slots(ctl) == {1, 2}
         assert roles(ctl) == {0: "spare", 1: "serving", 2: "serving"}
         await asyncio.sleep(RESTART_S + 1)
         assert ctl.ledger.state(0).value == "stale"  # restarted: the new spare, on no weights yet
         await ctl.sync_weights(2)
         assert ctl.ledger.state(0).value == "healthy" and roles(ctl)[0] == "spare" and members(ctl) == [1, 2]
-        assert len(records(ctl, "promote")) == 1  # no flapping back
+        assert len(records(ctl, Promote)) == 1  # no flapping back
         await ctl.shutdown()
 
     run_virtual(go())
@@ -112,7 +113,7 @@ def test_a_spare_that_dies_is_restarted_and_stays_a_spare(model_dir):
         await ctl.kill_shard(2)
         await asyncio.sleep(1.5)
         assert ctl.handles[2][0] == 2 and roles(ctl)[2] == "spare"
-        assert records(ctl, "promote") == [] and members(ctl) == [0, 1] and ctl.gate.is_open
+        assert records(ctl, Promote) == [] and members(ctl) == [0, 1] and ctl.gate.is_open
         await ctl.sync_weights(2)
         assert ctl.ledger.state(2).value == "healthy" and members(ctl) == [0, 1]
         await ctl.shutdown()
@@ -129,11 +130,11 @@ def test_a_spare_not_on_the_committed_version_is_not_promoted_until_a_refit_land
         assert ctl.ledger.state(2).value == "stale"
         await ctl.kill_shard(0)  # a serving slot dies while the only spare is stale
         await asyncio.sleep(1.5)
-        assert records(ctl, "promote") == [] and members(ctl) == [1]  # never stale weights
+        assert records(ctl, Promote) == [] and members(ctl) == [1]  # never stale weights
         assert ctl.ledger.state(0).value == "restarting"
         await ctl.sync_weights(2)  # slot 0 is still restarting: the refit lands on the spare, which is promoted
-        (promo,) = records(ctl, "promote")
-        assert (promo["slot"], promo["replaced"]) == (2, 0) and "restarting" in promo["reason"]
+        (promo,) = records(ctl, Promote)
+        assert (promo.slot, promo.replaced) == (2, 0) and "restarting" in promo.reason
         assert members(ctl) == [1, 2]
         await asyncio.sleep(RESTART_S)
         assert roles(ctl)[0] == "spare"
@@ -187,7 +188,7 @@ def test_roles_survive_a_controller_restart(model_dir):
         assert new.recovered["roles"] == [1, 2] and roles(new) == {0: "spare", 1: "serving", 2: "serving"}
         assert sorted(m.slot for m in st.members) == [1, 2] and st.gate_open
         assert not door.shards[(0, 2)].gate.member  # the spare stays out of routing
-        assert new.events(kinds=["promote"]) == []  # restored, not promoted anew
+        assert Promote.among(new.events()) == []  # restored, not promoted anew
         assert await served_slots(new) == {1, 2}
         assert (await new.sync_weights(3))["serving"] == [1, 2]
         await new.shutdown()
@@ -205,7 +206,7 @@ def test_a_successor_keeps_the_promoted_spare_serving_while_the_replaced_slot_re
         new = successor(ctl, door)  # dies with slot 1's restart under way
         st = await new.watch_routing(-1, 0.1)
         assert sorted(m.slot for m in st.members) == [0, 2] and st.gate_open and roles(new)[1] == "spare"
-        assert new.events(kinds=["promote"]) == []  # the stored roles already had the spare serving
+        assert Promote.among(new.events()) == []  # the stored roles already had the spare serving
         await asyncio.sleep(RESTART_S + 1)
         assert new.ledger.state(1).value == "stale" and roles(new)[1] == "spare"
         await new.shutdown()

@@ -12,6 +12,7 @@ from fleet.errors import ConfigError, RefitNotStaged, RefitRefused
 from fleet.fleet_config import load_fleet_config
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
+from fleet.records import Gate, Phase, RefitFailedAttempt
 
 
 def staged_fleet(model_dir, **over):
@@ -28,11 +29,11 @@ def staged_fleet(model_dir, **over):
 
 
 def phases_of(ctl, version):
-    return [e["phase"] for e in ctl.events(kinds=["phase"]) if e["edge"] == "begin" and e.get("version") == version]
+    return [e.phase for e in Phase.among(ctl.events()) if e.edge == "begin" and e.version == version]
 
 
 def gate_events_since(ctl, seq):
-    return [g for g in ctl.events(kinds=["gate"]) if g["seq"] > seq]
+    return [g for g in Gate.among(ctl.events()) if g.seq > seq]
 
 
 def test_the_update_is_staged_with_the_gate_open_then_applied_on_paused_engines(model_dir):
@@ -65,11 +66,11 @@ def test_a_death_while_staging_retries_on_a_new_epoch_without_it_and_the_gate_st
         (v1, e1, p1), (v2, e2, p2) = transfer.stage_attempts
         assert p1 == (0, 1, 2) and p2 == (0, 2) and e2 > e1
         assert seen[0]["gate_open"] and seen[1]["gate_open"]  # both attempts while serving
-        assert [g["open"] for g in gate_events_since(ctl, mark)] == [False, True]  # one close, for the apply
+        assert [g.open for g in gate_events_since(ctl, mark)] == [False, True]  # one close, for the apply
         assert ctl.ledger.state(1).value in ("dead", "restarting")
         assert summary["complete"] == [0, 2] and ctl.gate.version == 1
-        failed = ctl.events(kinds=["refit_failed_attempt"])
-        assert failed[-1]["phase"] == "stage" and "die" in failed[-1]["failed"]["1"]
+        failed = RefitFailedAttempt.among(ctl.events())
+        assert failed[-1].phase == "stage" and "die" in failed[-1].failed["1"]
         await ctl.shutdown()
 
     run(go())

@@ -18,6 +18,7 @@ from fleet.errors import ConfigError, DeadlineExceeded
 from fleet.fleet_config import load_fleet_config
 from tests.unit.fleet_fakes import run_virtual
 from tests.unit.test_controller import make
+from fleet.records import Kill
 
 
 def stalled(seconds: float, in_flight: int = 2) -> dict:
@@ -33,7 +34,7 @@ async def wait_for(cond, seconds: float, step: float = 0.1) -> float:
 
 
 def kills(ctl, slot):
-    return [e for e in ctl.log.records(kinds=["kill"]) if e["slot"] == slot]
+    return [e for e in Kill.among(ctl.log.records()) if e.slot == slot]
 
 
 def test_a_shard_whose_engine_makes_no_progress_is_evicted_within_the_bound_and_restarted(model_dir):
@@ -45,8 +46,8 @@ def test_a_shard_whose_engine_makes_no_progress_is_evicted_within_the_bound_and_
         await wait_for(lambda: kills(ctl, 1), 30.0)
         found = asyncio.get_running_loop().time() - t0
         kill = kills(ctl, 1)
-        assert kill and kill[0]["incarnation"] == 1 and "evicted" in kill[0]["reason"]
-        assert "no progress" in kill[0]["reason"] and "2 request(s) in flight" in kill[0]["reason"]
+        assert kill and kill[0].incarnation == 1 and "evicted" in kill[0].reason
+        assert "no progress" in kill[0].reason and "2 request(s) in flight" in kill[0].reason
         assert found <= ctl.cfg.hang_detection_bound_s  # the stall itself was already past stall_timeout_s
         assert door.shards[(1, 1)].dead
         await wait_for(lambda: ctl.handles[1][0] == 2, 10.0)
@@ -83,7 +84,7 @@ def test_a_shard_whose_idle_engine_core_does_not_answer_its_ping_is_evicted(mode
                                                            "finish within 1.0 s")
         await wait_for(lambda: kills(ctl, 2), 30.0)
         kill = kills(ctl, 2)
-        assert kill and "core check" in kill[0]["reason"] and "evicted" in kill[0]["reason"]
+        assert kill and "core check" in kill[0].reason and "evicted" in kill[0].reason
         await ctl.shutdown()
 
     run_virtual(go())
@@ -119,7 +120,7 @@ def test_a_probe_answered_without_a_core_check_neither_clears_nor_condemns_and_i
         shard.ping_raises = DeadlineExceeded("core check (is_paused) on shard slot 0 (incarnation 1) did not finish "
                                              "within 1.0 s")  # the worker call ended: the core is asked, and fails
         await wait_for(lambda: kills(ctl, 0), 10.0)
-        assert kills(ctl, 0) and "core check" in kills(ctl, 0)[0]["reason"]
+        assert kills(ctl, 0) and "core check" in kills(ctl, 0)[0].reason
         await ctl.shutdown()
 
     run_virtual(go())

@@ -15,6 +15,7 @@ import pytest
 from cli import main as cli_main
 from fleet.errors import ConfigError, FleetExhausted
 from tests.unit.test_controller import make, run
+from fleet.records import Error
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
@@ -78,7 +79,7 @@ def test_an_intent_write_that_fails_while_stopping_does_not_hide_why_the_fleet_s
             await ctl.sync_weights(1)
         assert "slot 1" in str(err.value) and "slot 2" in str(err.value)
         assert not ctl.gate.is_open and ctl.stopped
-        store = [e for e in ctl.events() if e["kind"] == "error" and e.get("where") == "intent store"]
+        store = [e for e in ctl.events() if Error.matches(e) and e.get("where") == "intent store"]
         assert store and "GCS unreachable" in store[0]["error"] and store[0]["stopped"] == ctl.stopped
         door.kv_put = real
         await ctl.shutdown()

@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 
 from faults.evidence import prove
 from faults.runner import VariantReport, judge
+from fleet.records import (
+    Decision, Fault, Gate, Health, Phase, RefitRolledBack, Request, Restart, Routing, Stamp, Stopped,
+)
 from faults.timeline import (
     departure,
     fault_to_reopen,
@@ -30,44 +33,44 @@ def demo_log() -> list[dict]:
     recs = []
 
     def ev(t, kind, **f):
-        recs.append({"t": t, "seq": len(recs), "kind": kind, **f})
+        recs.append(kind(t=t, seq=len(recs), **f).as_dict())
 
-    ev(0.0, "phase", phase="start", edge="begin", engines=2)
+    ev(0.0, Phase, phase="start", edge="begin", engines=2)
     for s in (0, 1):
-        ev(5.0, "health", slot=s, incarnation=1, before="starting", after="stale", reason="ready")
-        ev(5.1, "health", slot=s, incarnation=1, before="stale", after="healthy", reason="v0")
-    ev(5.2, "gate", open=True, version=0, reason="2 serve")
+        ev(5.0, Health, slot=s, incarnation=1, before="starting", after="stale", reason="ready")
+        ev(5.1, Health, slot=s, incarnation=1, before="stale", after="healthy", reason="v0")
+    ev(5.2, Gate, open=True, version=0, reason="2 serve")
     for i in range(3):
-        ev(6.0 + i, "request", event="accepted", request_id=f"r{i}")
-        ev(6.5 + i, "request", event="completed", request_id=f"r{i}", slot=i % 2, incarnation=1, version=0, version_start=0)
+        ev(6.0 + i, Request, event="accepted", request_id=f"r{i}")
+        ev(6.5 + i, Request, event="completed", request_id=f"r{i}", slot=i % 2, incarnation=1, version=0, version_start=0)
 
     def refit(t, version, members):
-        ev(t, "phase", phase="close", edge="begin", version=version)
-        ev(t, "gate", open=False, version=version - 1, reason="refit")
-        ev(t + 0.01, "phase", phase="close", edge="end", version=version, seconds=0.01)
-        ev(t + 0.1, "phase", phase="transfer", edge="begin", version=version)
-        ev(t + 0.5, "phase", phase="transfer", edge="end", version=version, seconds=0.4)
-        ev(t + 0.6, "stamp", version=version, members=members)
-        ev(t + 0.7, "phase", phase="reopen", edge="begin", version=version)
-        ev(t + 0.7, "gate", open=True, version=version, reason="ok")
-        ev(t + 0.8, "phase", phase="reopen", edge="end", version=version, seconds=0.1)
+        ev(t, Phase, phase="close", edge="begin", version=version)
+        ev(t, Gate, open=False, version=version - 1, reason="refit")
+        ev(t + 0.01, Phase, phase="close", edge="end", version=version, seconds=0.01)
+        ev(t + 0.1, Phase, phase="transfer", edge="begin", version=version)
+        ev(t + 0.5, Phase, phase="transfer", edge="end", version=version, seconds=0.4)
+        ev(t + 0.6, Stamp, version=version, members=members, failed=[], unknown=[])
+        ev(t + 0.7, Phase, phase="reopen", edge="begin", version=version)
+        ev(t + 0.7, Gate, open=True, version=version, reason="ok")
+        ev(t + 0.8, Phase, phase="reopen", edge="end", version=version, seconds=0.1)
 
     refit(10.0, 1, [[0, 1], [1, 1]])
-    ev(12.0, "fault", slot=1, incarnation=1, point="step_boundary", action="kill", armed=True)
-    ev(12.5, "health", slot=1, incarnation=1, before="healthy", after="dead", reason="died")
-    ev(13.0, "restart", slot=1, incarnation=2, edge="begin", attempt=1)
-    ev(13.0, "health", slot=1, incarnation=2, before="dead", after="restarting", reason="restart")
+    ev(12.0, Fault, slot=1, incarnation=1, point="step_boundary", action="kill", armed=True)
+    ev(12.5, Health, slot=1, incarnation=1, before="healthy", after="dead", reason="died")
+    ev(13.0, Restart, slot=1, incarnation=2, edge="begin", attempt=1)
+    ev(13.0, Health, slot=1, incarnation=2, before="dead", after="restarting", reason="restart")
     refit(14.0, 2, [[0, 1]])
-    ev(20.0, "restart", slot=1, incarnation=2, edge="end", outcome="ok")
-    ev(20.0, "health", slot=1, incarnation=2, before="restarting", after="stale", reason="ready")
+    ev(20.0, Restart, slot=1, incarnation=2, edge="end", outcome="ok")
+    ev(20.0, Health, slot=1, incarnation=2, before="restarting", after="stale", reason="ready")
     refit(22.0, 3, [[0, 1], [1, 2]])
-    ev(22.6, "health", slot=1, incarnation=2, before="stale", after="healthy", reason="v3")
-    ev(23.0, "request", event="accepted", request_id="r9")
-    ev(23.5, "request", event="completed", request_id="r9", slot=1, incarnation=2, version=3, version_start=3)
-    ev(24.0, "request", event="accepted", request_id="r10")
-    ev(30.0, "stopped", reason="controller shut down")
-    ev(30.0, "request", event="returned", request_id="r10", reason="fleet stopped: controller shut down")
-    ev(30.1, "phase", phase="shutdown", edge="end", shards={})
+    ev(22.6, Health, slot=1, incarnation=2, before="stale", after="healthy", reason="v3")
+    ev(23.0, Request, event="accepted", request_id="r9")
+    ev(23.5, Request, event="completed", request_id="r9", slot=1, incarnation=2, version=3, version_start=3)
+    ev(24.0, Request, event="accepted", request_id="r10")
+    ev(30.0, Stopped, reason="controller shut down")
+    ev(30.0, Request, event="returned", request_id="r10", reason="fleet stopped: controller shut down")
+    ev(30.1, Phase, phase="shutdown", edge="end", shards={})
     return recs
 
 
@@ -107,13 +110,13 @@ def test_log_numbers_count_faults_recoveries_and_requests():
 
 
 def test_a_lost_request_and_a_real_stop_show():
-    log = demo_log()[:-3] + [{"t": 31.0, "seq": 999, "kind": "stopped", "reason": "below quorum"}]
+    log = demo_log()[:-3] + [Stopped(t=31.0, seq=999, reason="below quorum").as_dict()]
     n = log_numbers(log)
     assert n["prompts_lost"] == 1 and n["stopped"] == "below quorum"
 
 
 def test_restart_without_a_stamp_is_not_a_recovery():
-    log = [e for e in demo_log() if not (e["kind"] == "stamp" and e["version"] == 3)]
+    log = [e for e in demo_log() if not (Stamp.matches(e) and e["version"] == 3)]
     assert readmissions(log) == [] and log_numbers(log)["recoveries"] == 0
 
 
@@ -127,19 +130,19 @@ def test_refit_spans():
 # ---------------------------------------------------------------------------------- recovery and reopening
 def test_fault_to_reopen_from_the_firing():
     log = demo_log()
-    kill = next(e for e in log if e["kind"] == "fault")
-    assert fault_to_reopen(log, kill) == pytest.approx(14.7 - 12.0)
-    assert fault_to_reopen(log, {"t": 30.5}) is None, "the gate never reopened"
-    stop = {"t": 12.1, "seq": -1, "kind": "stopped", "reason": "below quorum"}
-    cut = log.index(kill) + 1
-    assert fault_to_reopen(log[:cut] + [stop] + log[cut:], kill) is None, "after a stop the gate stays closed"
+    kill = Fault.first(log)
+    assert fault_to_reopen(log, kill.t) == pytest.approx(14.7 - 12.0)
+    assert fault_to_reopen(log, 30.5) is None, "the gate never reopened"
+    stop = Stopped(t=12.1, seq=-1, reason="below quorum").as_dict()
+    cut = kill.seq + 1
+    assert fault_to_reopen(log[:cut] + [stop] + log[cut:], kill.t) is None, "after a stop the gate stays closed"
 
 
 def test_departure_is_the_first_record_of_a_state_the_fault_leads_to_after_the_firing():
     log = demo_log()
-    assert departure(log, 1, 1, 12.0, ("dead", "retired"))["t"] == 12.5
+    assert departure(log, 1, 1, 12.0, ("dead", "retired")).t == 12.5
     assert departure(log, 0, 1, 0.0, ("dead", "retired")) is None
-    assert departure(log, 1, 2, 0.0, ("stale",))["before"] == "restarting"
+    assert departure(log, 1, 2, 0.0, ("stale",)).before == "restarting"
     assert departure(log, 1, 1, 13.0, ("dead",)) is None, "only records after the firing count"
 
 
@@ -147,39 +150,38 @@ def test_recover_s_until_a_new_incarnation_is_stamped_or_the_same_one_is_healthy
     left = departure(demo_log(), 1, 1, 12.0, ("dead",))
     assert recover_s(demo_log(), left) == pytest.approx(22.6 - 12.5)
     events = [
-        {"kind": "health", "slot": 2, "incarnation": 1, "before": "healthy", "after": "hung", "t": 50.0},
-        {"kind": "health", "slot": 2, "incarnation": 1, "before": "hung", "after": "healthy", "t": 53.0},
+        Health(slot=2, incarnation=1, before="healthy", after="hung", t=50.0, reason=""),
+        Health(slot=2, incarnation=1, before="hung", after="healthy", t=53.0, reason=""),
     ]
     assert recover_s(events, events[0]) == 3.0 and recover_s(events[:1], events[0]) is None
 
 
 def test_reopen_s_counts_only_openings_after_the_record():
-    events = [{"kind": "gate", "open": True, "t": 1.0}, {"kind": "fault", "t": 2.0},
-              {"kind": "gate", "open": False, "t": 3.0}, {"kind": "gate", "open": True, "t": 5.5}]
+    events = [Gate(open=True, t=1.0, version=0, reason="").as_dict(),
+              Fault(t=2.0, slot=0, incarnation=1, point="transfer", action="kill", armed=True).as_dict(),
+              Gate(open=False, t=3.0, version=0, reason="").as_dict(), Gate(open=True, t=5.5, version=1, reason="").as_dict()]
     assert reopen_s(events, 1) == 3.5 and reopen_s(events, 3) is None
 
 
 def test_read_log_skips_a_line_cut_short(tmp_path):
     path = tmp_path / "events.jsonl"
     assert read_log(path) == []
-    path.write_text(json.dumps({"t": 1.0, "kind": "gate", "open": True}) + "\n" + '{"t": 2.0, "ki')
-    assert read_log(path) == [{"t": 1.0, "kind": "gate", "open": True}]
+    path.write_text(json.dumps(Gate(t=1.0, open=True, version=None, reason="").as_dict()) + "\n" + '{"t": 2.0, "ki')
+    assert read_log(path) == [Gate(t=1.0, open=True, version=None, reason="").as_dict()]
 
 
 # ---------------------------------------------------------------------------------- the judge: did the fault fire?
 def transfer_log() -> list[dict]:
     """3 slots; a kill armed at slot 0's transfer; refit 1 lands on slots 1 and 2 (each passes through stale)."""
-    recs = [{"kind": "gate", "open": True, "version": 0, "t": 1.0},
-            {"kind": "fault", "slot": 0, "incarnation": 1, "point": "transfer", "action": "kill", "armed": True, "t": 2.0},
-            {"kind": "gate", "open": False, "version": 0, "t": 3.0}]
+    recs = [Gate(open=True, version=0, t=1.0, reason="").as_dict(),
+            Fault(slot=0, incarnation=1, point="transfer", action="kill", armed=True, t=2.0).as_dict(),
+            Gate(open=False, version=0, t=3.0, reason="").as_dict()]
     for s in (1, 2):
-        recs.append({"kind": "health", "slot": s, "incarnation": 1, "before": "healthy", "after": "stale", "t": 3.2,
-                     "reason": "refit of version 1 landed"})
-    recs.append({"kind": "health", "slot": 0, "incarnation": 1, "before": "healthy", "after": "dead", "t": 3.3,
-                 "reason": "died during transfer"})
+        recs.append(Health(slot=s, incarnation=1, before="healthy", after="stale", t=3.2, reason="refit of version 1 landed").as_dict())
+    recs.append(Health(slot=0, incarnation=1, before="healthy", after="dead", t=3.3, reason="died during transfer").as_dict())
     for s in (1, 2):
-        recs.append({"kind": "health", "slot": s, "incarnation": 1, "before": "stale", "after": "healthy", "t": 3.5})
-    recs.append({"kind": "gate", "open": True, "version": 1, "t": 3.6})
+        recs.append(Health(slot=s, incarnation=1, before="stale", after="healthy", t=3.5, reason="").as_dict())
+    recs.append(Gate(open=True, version=1, t=3.6, reason="").as_dict())
     return recs
 
 
@@ -207,7 +209,7 @@ def test_a_fault_that_did_not_fire_fails_the_variant_though_the_log_shows_depart
 
 
 def test_a_fault_never_armed_fails_the_variant():
-    log = [e for e in transfer_log() if e["kind"] != "fault"]
+    log = [e for e in transfer_log() if not Fault.matches(e)]
     rep = judge(recovers(), DONE, log, [SHOT])
     assert not rep.passed and "did not fire: the event log has no 'fault' record" in rep.violations[0]
 
@@ -343,9 +345,9 @@ def _call(version, outcome, error=None, began=10.0, ended=11.0):
 
 
 def _refit(t, version, reopen=True):
-    out = [{"kind": "phase", "phase": p, "edge": e, "version": version, "t": t + k * 0.1}
+    out = [Phase(phase=p, edge=e, version=version, t=t + k * 0.1).as_dict()
            for k, (p, e) in enumerate([("close", "begin"), ("close", "end"), ("reopen", "begin"), ("reopen", "end")])]
-    return out + ([{"kind": "gate", "open": True, "version": version, "t": t + 0.25}] if reopen else [])
+    return out + ([Gate(open=True, version=version, t=t + 0.25, reason="").as_dict()] if reopen else [])
 
 
 def _corrupt_done(**over):
@@ -357,9 +359,9 @@ def _corrupt_done(**over):
 
 
 def _corrupt_log():
-    return [{"kind": "gate", "open": False, "version": 3, "t": 10.1, "reason": "refit of version 4"},
-            {"kind": "refit_rolled_back", "version": 4, "reason": f"RefitRefused: {SHAPE}", "t": 10.5},
-            {"kind": "gate", "open": True, "version": 3, "t": 10.6}] + _refit(12.0, 5)
+    return [Gate(open=False, version=3, t=10.1, reason="refit of version 4").as_dict(),
+            RefitRolledBack(version=4, reason=f"RefitRefused: {SHAPE}", t=10.5, resumed=[], gate_closed=True).as_dict(),
+            Gate(open=True, version=3, t=10.6, reason="").as_dict()] + _refit(12.0, 5)
 
 
 def test_a_refused_update_is_proven_by_its_rollback_naming_the_tensor_and_the_next_commit():
@@ -367,7 +369,7 @@ def test_a_refused_update_is_proven_by_its_rollback_naming_the_tensor_and_the_ne
     assert problems == [] and rows == [{"slot": None, "incarnation": None, "point": "update", "action": "corrupt_shape",
                                         "t": 10.0, "left_for": "rolled_back", "fault_to_reopen_s": 0.6,
                                         "recover_s": None}]
-    no_rollback = [e for e in _corrupt_log() if e["kind"] != "refit_rolled_back"]
+    no_rollback = [e for e in _corrupt_log() if not RefitRolledBack.matches(e)]
     rows, problems = prove([_corrupt_done()], no_rollback, journal=[])
     assert rows[0]["left_for"] is None and "no refit_rolled_back record of version 4" in problems[0]
     committed = _corrupt_done(calls=[_call(4, "committed")], after={"gate_open": True, "version": 4, "states": {0: "healthy"}})
@@ -382,10 +384,10 @@ def test_a_refused_update_is_proven_by_its_rollback_naming_the_tensor_and_the_ne
 def test_a_stale_version_is_refused_without_touching_the_gate():
     done = {"step": 1, "where": "call", "what": "stale_version", "slot": None, "t": 1.0,
             "calls": [_call(3, "refused", "RefitRefused: version 3 is not greater than the committed version 3")]}
-    quiet = [{"kind": "decision", "t": 10.5}] + _refit(12.0, 4)
+    quiet = [Decision(t=10.5, event="Tick", failure=None, reason="").as_dict()] + _refit(12.0, 4)
     rows, problems = prove([done], quiet, journal=[])
     assert problems == [] and rows[0]["left_for"] == "refused" and rows[0]["fault_to_reopen_s"] == 2.25
-    closed = [{"kind": "gate", "open": False, "version": 3, "t": 10.5, "reason": "refit of version 3"}] + quiet
+    closed = [Gate(open=False, version=3, t=10.5, reason="refit of version 3").as_dict()] + quiet
     _, problems = prove([done], closed, journal=[])
     assert "the refused call changed something" in problems[0]
 
@@ -426,13 +428,13 @@ def test_a_refit_under_load_is_proven_only_when_the_shards_refused_every_lagging
 
 
 def _below_quorum_log(returned=False, early=False):
-    log = [{"kind": "gate", "open": False, "version": 3, "t": 1.0, "reason": "below quorum between refits: 1 engine(s)"},
-           {"kind": "request", "event": "accepted", "request_id": "r1", "t": 2.0}]
+    log = [Gate(open=False, version=3, t=1.0, reason="below quorum between refits: 1 engine(s)").as_dict(),
+           Request(event="accepted", request_id="r1", t=2.0).as_dict()]
     if returned:
-        log.append({"kind": "request", "event": "returned", "request_id": "r0", "t": 2.5})
+        log.append(Request(event="returned", request_id="r0", t=2.5).as_dict())
     if early:
-        log.append({"kind": "request", "event": "completed", "request_id": "r1", "t": 2.6})
-    return log + _refit(5.0, 4) + [{"kind": "request", "event": "completed", "request_id": "r1", "t": 6.0}]
+        log.append(Request(event="completed", request_id="r1", t=2.6).as_dict())
+    return log + _refit(5.0, 4) + [Request(event="completed", request_id="r1", t=6.0).as_dict()]
 
 
 def test_requests_wait_while_the_fleet_is_below_quorum_until_a_refit_reopens_the_gate():
@@ -442,7 +444,7 @@ def test_requests_wait_while_the_fleet_is_below_quorum_until_a_refit_reopens_the
     assert requests_waited_below_quorum(_below_quorum_log(early=True)) == [
         "request r1 completed while the gate was closed below quorum"]
     assert requests_waited_below_quorum(_refit(5.0, 4)) == ["the gate never closed below quorum between refits"]
-    stopped = _below_quorum_log()[:2] + [{"kind": "stopped", "reason": "x", "t": 3.0}]
+    stopped = _below_quorum_log()[:2] + [Stopped(reason="x", t=3.0).as_dict()]
     assert "no refit reopened it" in requests_waited_below_quorum(stopped)[0]
 
 
@@ -451,8 +453,8 @@ def test_a_request_its_client_accepted_before_it_saw_the_gate_close_may_finish_o
     still-open view (``gate_open`` True in its record) may be served meanwhile by a shard that survived on
     the committed version; one accepted under a closed view must wait for the refit that reopens the gate."""
     log = _below_quorum_log()
-    log.insert(1, {"kind": "request", "event": "accepted", "request_id": "r2", "gate_open": True, "t": 1.1})
-    log.insert(2, {"kind": "request", "event": "completed", "request_id": "r2", "t": 1.4})
+    log.insert(1, Request(event="accepted", request_id="r2", gate_open=True, t=1.1).as_dict())
+    log.insert(2, Request(event="completed", request_id="r2", t=1.4).as_dict())
     assert requests_waited_below_quorum(log) == []
     log[1] = {**log[1], "gate_open": False}
     assert requests_waited_below_quorum(log) == ["request r2 completed while the gate was closed below quorum"]

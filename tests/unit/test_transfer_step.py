@@ -19,13 +19,14 @@ from fleet.errors import RefitNotDelivered, RefitSourceFailed
 from health import RefitResult
 from tests.unit.fleet_fakes import FakeSender, client
 from tests.unit.test_controller import make, run
+from fleet.records import Gate, Phase, RefitRetrySkipped, RefitRolledBack
 
 REFIT_CALLS = ("pause", "transfer", "set_weight_version", "resume")
 
 
 def _phase_s(ctl, name):
     """Seconds the last refit's ``name`` phase took."""
-    return [e for e in ctl.events(kinds=["phase"]) if e["phase"] == name and e["edge"] == "end"][-1]["seconds"]
+    return [e for e in Phase.among(ctl.events()) if e.phase == name and e.edge == "end"][-1].seconds
 
 
 def _serving(ctl, version, slots=(0, 1, 2)):
@@ -66,7 +67,7 @@ def test_a_sender_that_fails_before_the_update_is_applied_rolls_back_and_names_t
         _serving(ctl, 1)  # rolled back: the gate reopened on the committed version, nothing stopped
         assert not any(s.paused for s in door.shards.values())
         assert all(ctl.ledger.raw(s).weight_version == 1 for s in range(3))
-        assert ctl.events(kinds=["refit_rolled_back"])[-1]["resumed"] == [0, 1, 2]
+        assert RefitRolledBack.among(ctl.events())[-1].resumed == [0, 1, 2]
         assert _phase_s(ctl, "transfer") <= ctl.cfg.lifecycle_deadline_s + 1e-6
         res = await client(ctl).generate([1, 2])
         assert res.ok and res.result.weight_version == 1
@@ -88,7 +89,7 @@ def test_a_dead_sender_is_not_retried_and_a_transient_sender_error_is(model_dir)
         with pytest.raises(RefitSourceFailed, match="is dead"):
             await ctl.sync_weights(2, FakeSender("trainer-b"))
         assert len(transfer.attempts) == 3  # a retry from a dead sender cannot help: none was spent
-        assert ctl.events(kinds=["refit_retry_skipped"])[-1]["reason"].startswith("the weight sender")
+        assert RefitRetrySkipped.among(ctl.events())[-1].reason.startswith("the weight sender")
         _serving(ctl, 1)
         await ctl.shutdown()
 
@@ -100,11 +101,11 @@ def test_a_dead_sender_is_refused_before_the_gate_closes(model_dir):
         ctl, door, transfer = make(model_dir)
         await ctl.start()
         door.calls.clear()
-        gates = len(ctl.events(kinds=["gate"]))
+        gates = len(Gate.among(ctl.events()))
         with pytest.raises(RefitSourceFailed, match=r"weight sender FakeSender\(name='gone', dead=True\) is dead"):
             await ctl.sync_weights(1, FakeSender("gone", dead=True))
         assert [c for c in door.calls if c[0] in REFIT_CALLS] == [] and transfer.attempts == []
-        assert len(ctl.events(kinds=["gate"])) == gates
+        assert len(Gate.among(ctl.events())) == gates
         _serving(ctl, 0)
         await ctl.shutdown()
 
@@ -258,10 +259,10 @@ def _killed_sender_firing(**over):
 
 
 KILLED_SENDER_LOG = [
-    {"kind": "phase", "phase": "transfer", "edge": "begin", "version": 5, "t": 11.0},
-    {"kind": "refit_rolled_back", "version": 5, "reason": "RefitSourceFailed: ...", "t": 11.5},
-    {"kind": "gate", "open": True, "version": 4, "t": 11.6},
-    {"kind": "gate", "open": True, "version": 6, "t": 20.0},
+    Phase(phase="transfer", edge="begin", version=5, t=11.0).as_dict(),
+    RefitRolledBack(version=5, reason="RefitSourceFailed: ...", t=11.5, resumed=[], gate_closed=True).as_dict(),
+    Gate(open=True, version=4, t=11.6, reason="").as_dict(),
+    Gate(open=True, version=6, t=20.0, reason="").as_dict(),
 ]
 
 
