@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any
 from fleet.dispatch import Dispatcher, FleetResult
 from fleet.eventlog import EventLog
 from fleet.outcome import DIED, Outcome, is_unusable
-from fleet.records import CLIENT_RECORDS, ControllerBack, ControllerGone, ControllerUnreachable
+from fleet.records import ControllerBack, ControllerGone, ControllerUnreachable
 from fleet.routing import RoutingState, VersionPolicy
 
-if TYPE_CHECKING:  # the controller imports this module (``CLIENT_RECORD_KINDS``)
+if TYPE_CHECKING:
     from fleet.controller import SingleController
 
 WATCH_S = 10.0  # one long poll waits at most this long for a change
@@ -48,10 +48,6 @@ WATCH_S = 10.0  # one long poll waits at most this long for a change
 RETRY_FIRST_S, RETRY_MAX_S = 0.2, 2.0
 RESTART_WAIT_S = 60.0  # the default ``controller_restart_wait_s``: how long an outage may last
 RETRY_GAVE_UP_S = 5.0  # after giving up on the controller: ask again this often (it may answer yet)
-
-
-# What clients append to the fleet's event log file (the controller's log holds the rest).
-CLIENT_RECORD_KINDS = tuple(cls.kind for cls in CLIENT_RECORDS)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

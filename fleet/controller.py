@@ -61,6 +61,7 @@ from health import (
     Tick,
     VersionCommitted,
 )
+from fleet import records as ev
 
 TIMER_INTERVAL_S = 0.2
 
@@ -101,9 +102,7 @@ class SingleController:
         # Ray restarted this actor after its process died: the first call re-adopts the live shards.
         self._must_adopt = bool(getattr(door, "restarted", lambda: False)())
         if self._must_adopt:  # the history so far stays readable through events()
-            from fleet.client import CLIENT_RECORD_KINDS
-
-            self.log.load_previous(skip_kinds=CLIENT_RECORD_KINDS)
+            self.log.load_previous(skip_kinds=ev.CLIENT_RECORDS)  # the clients' own records are theirs
             try:  # a Ray async actor is built on its loop: re-adopt now, not at the first call
                 asyncio.get_running_loop().call_soon(lambda: self.in_background(self.adopt_if_restarted()))
             except RuntimeError:
@@ -140,8 +139,8 @@ class SingleController:
     # ------------------------------------------------------------------ start / stop
     async def start(self) -> dict:
         """Launch every slot, wait for them (bounded), commit the checkpoint as version 0, open the gate."""
-        self.log.emit("phase", phase="start", edge="begin", engines=self.cfg.num_engines,
-                      spares=self.cfg.spare_engines, fleet=self.name)
+        self.log.emit(ev.Phase(phase="start", edge="begin", engines=self.cfg.num_engines,
+                      spares=self.cfg.spare_engines, fleet=self.name))
         ledger = self.ledger
         self.intent.begin(self.name, self.cfg.model_dump(), {s: (ledger.raw(s).incarnation, 0) for s in range(ledger.num_slots)},
                           tuple(self.slots.roles.to_list()))
@@ -157,7 +156,7 @@ class SingleController:
         await self.poll_admission()  # size every cap from the engines' KV capacity before the first request
         await self.publisher.publish()  # clients may route from here on
         self.start_loops()
-        self.log.emit("phase", phase="start", edge="end", serving=self.ledger.serving_count())
+        self.log.emit(ev.Phase(phase="start", edge="end", serving=self.ledger.serving_count()))
         if self.stopped:
             raise_stopped(self.stopped)
         return self.status()
@@ -202,7 +201,7 @@ class SingleController:
             self.crash_point("shutdown")  # fault injection: die with half the shards shut down
         await self.publisher.publish()  # clients learn the fleet stopped and return what they hold
         kinds = {s: outs[s].kind if s in outs else "killed_while_starting" for s in slots}
-        self.log.emit("phase", phase="shutdown", edge="end", shards=kinds)
+        self.log.emit(ev.Phase(phase="shutdown", edge="end", shards=kinds))
         try:
             self.intent.clear()
         except Exception as exc:  # noqa: BLE001 - every shard is down: a stale intent only makes a successor finish the shutdown
@@ -214,16 +213,16 @@ class SingleController:
         """Stop with the gate closed: waiting requests are returned explicitly from now on."""
         if self.stopped is None:
             self.stopped = reason
-            self.log.emit("stopped", reason=reason)
+            self.log.emit(ev.Stopped(reason=reason))
             if self.intent.current is not None:  # a store that fails now is reported: it must not hide the stop
                 self.intent.stopped(reason)
         self.gate.close(reason)
 
     def _intent_failed(self, exc: Exception, intent: Intent | None) -> None:
         """The intent store failed a write made while the fleet stops: recorded, and the stop goes on."""
-        self.log.emit("error", where="intent store", error=f"{type(exc).__name__}: {exc}"[:500],
+        self.log.emit(ev.Error(where="intent store", error=f"{type(exc).__name__}: {exc}"[:500],
                       stopped=None if intent is None else intent.stopped, shutdown=intent is not None and intent.shutdown,
-                      reason="written while the fleet stops: the stop goes on; a successor may not see it")
+                      reason="written while the fleet stops: the stop goes on; a successor may not see it"))
 
     # ------------------------------------------------------------------ health
     def decide(self, event) -> Decision:
@@ -253,8 +252,8 @@ class SingleController:
                 self.slots.restarting[action.slot] = self.in_background(restart(self.parts, action))
         elif isinstance(action, Retire):
             self.slots.kill(action.slot, action.incarnation, f"retired: {action.reason}")
-            self.log.emit("retire", slot=action.slot, incarnation=action.incarnation, reason=action.reason,
-                          note="not relaunched on its own: resize(n) replaces slots retired by failures")
+            self.log.emit(ev.Retire(slot=action.slot, incarnation=action.incarnation, reason=action.reason,
+                          note="not relaunched on its own: resize(n) replaces slots retired by failures"))
         elif isinstance(action, StopExhausted):
             self.halt(action.message)
         elif isinstance(action, CloseGate):
@@ -287,7 +286,7 @@ class SingleController:
             before = self.admission.cap(slot)
             reason = self.admission.observe(slot, out.value if out.ok else None, self.clock.now(), incarnation=inc)
             if reason:
-                self.log.emit("admission", slot=slot, incarnation=inc, cap=self.admission.cap(slot), reason=reason)
+                self.log.emit(ev.Admission(slot=slot, incarnation=inc, cap=self.admission.cap(slot), reason=reason))
             grew = grew or self.admission.cap(slot) > before
         self.metrics.in_flight(sum(int(o.value.in_flight) for o in outs.values() if o.ok))
         rows = shard_rows(outs, live, self.admission.cap)
@@ -306,7 +305,7 @@ class SingleController:
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            self.log.emit("error", where="background task", error=repr(task.exception()))
+            self.log.emit(ev.Error(where="background task", error=repr(task.exception())))
 
     # ------------------------------------------------------------------ observations (Actions)
     def observe(self, slot: int, incarnation: int, call: CallKind, outcome: Outcome) -> Decision:
@@ -347,8 +346,8 @@ class SingleController:
         if self._must_adopt:
             return False  # not re-adopted yet: the client excludes the shard on its own meanwhile
         if kind == TIMED_OUT and (self.lifecycle.holding or epoch < self.publisher.refit_epoch):
-            self.log.emit("report_ignored", slot=slot, incarnation=incarnation, outcome=kind, epoch=epoch,
-                          reason="the request was held by a refit")
+            self.log.emit(ev.ReportIgnored(slot=slot, incarnation=incarnation, outcome=kind, epoch=epoch,
+                         reason="the request was held by a refit"))
             return False
         if self.slots.handle_of(slot, incarnation) is None:
             return False  # about an incarnation already replaced
@@ -421,11 +420,11 @@ class SingleController:
         version = summary["version"]
         busy = self.lifecycle.held_at_fence
         summary["held_across_pause"] = sum(busy.values())
-        self.log.emit("refit_held", version=version, requests=summary["held_across_pause"],
-                      by_slot={str(s): n for s, n in sorted(busy.items())})
+        self.log.emit(ev.RefitHeld(version=version, requests=summary["held_across_pause"],
+                     by_slot={str(s): n for s, n in sorted(busy.items())}))
         self.metrics.refit_held(summary["held_across_pause"])
         step = summary["run_step"] = self.meter.step(version, self.clock.now())
-        self.log.emit("run_step", **step)
+        self.log.emit(ev.RunStep(**step))
         self.metrics.run_step(step)
 
     async def resize(self, n: int, drain_timeout_s: float | None = None) -> dict:
@@ -483,7 +482,7 @@ class SingleController:
         inc, handle = self.slots.handles[slot]
         out = await self.door.call(handle, "arm_fault", point, action, delay_s, after_calls, match,
                                    timeout=self.cfg.probe_timeout_s)
-        self.log.emit("fault", slot=slot, incarnation=inc, point=point, action=action, armed=out.ok)
+        self.log.emit(ev.Fault(slot=slot, incarnation=inc, point=point, action=action, armed=out.ok))
         if not out.ok:
             raise out.error or RuntimeError(f"arming a fault on slot {slot} failed: {out.describe()}")
         return True
@@ -494,7 +493,7 @@ class SingleController:
         if isinstance(slot, bool) or slot not in handles:
             raise ValueError(f"kill_shard: no engine runs in slot {slot!r}; slots with one: {sorted(handles)}")
         inc, handle = handles[slot]
-        self.log.emit("fault", slot=slot, incarnation=inc, point="step_boundary", action="kill", armed=True)
+        self.log.emit(ev.Fault(slot=slot, incarnation=inc, point="step_boundary", action="kill", armed=True))
         self.door.kill(handle)
         return True
 
@@ -527,7 +526,7 @@ class SingleController:
                 if self.recovered.get("alive") is not None:  # re-adopted a serving fleet: watch it from here on
                     self.start_loops()
             except Exception as exc:  # noqa: BLE001 - a half-adopted fleet must not serve: stop, loudly
-                self.log.emit("error", where="re-adoption", error=repr(exc)[:500])
+                self.log.emit(ev.Error(where="re-adoption", error=repr(exc)[:500]))
                 self.halt(f"the restarted controller could not re-adopt its shards: {type(exc).__name__}: {exc}")
                 await self.publisher.publish()  # clients learn the fleet stopped and return what they hold
             finally:
@@ -554,7 +553,7 @@ class SingleController:
         if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not 0 <= delay_s < 600:
             raise ValueError(f"arm_crash: delay_s must be a number of seconds in [0, 600), got {delay_s!r}")
         self._crash_at = (point, float(delay_s))
-        self.log.emit("fault", target="controller", point=point, action="crash", delay_s=delay_s, armed=True)
+        self.log.emit(ev.Fault(target="controller", point=point, action="crash", delay_s=delay_s, armed=True))
         return True
 
     def crash_point(self, point: str) -> None:
@@ -572,10 +571,10 @@ class SingleController:
         import signal
 
         if point != "shutdown" and self.lifecycle.phase != point:  # a delayed crash only fires inside its phase
-            self.log.emit("fault", target="controller", point=point, action="crash", fired=False,
-                          reason=f"the {point} phase had ended when the delay ran out")
+            self.log.emit(ev.Fault(target="controller", point=point, action="crash", fired=False,
+                          reason=f"the {point} phase had ended when the delay ran out"))
             return
-        self.log.emit("fault", target="controller", point=point, action="crash", fired=True, pid=os.getpid())
+        self.log.emit(ev.Fault(target="controller", point=point, action="crash", fired=True, pid=os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
 
 def raise_stopped(message: str) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 from fleet.outcome import ERROR, TIMED_OUT, Outcome
 from fleet.parts import Parts
 from health import CallKind, CheckpointLoaded, EngineReady, Evict, FailureClass, Observed, Restart
+from fleet import records as ev
 
 PLACEMENT_POLL_S = 1.0  # how often a restart that Ray cannot place yet asks again
 PLACEMENT_NOTE_AFTER_S = 5.0  # Ray takes a moment to start any actor's process: pending longer is worth a record
@@ -80,11 +81,11 @@ async def wait_placed(p: Parts, slot: int, incarnation: int, handle: Any) -> Non
             and p.slots.handle_of(slot, incarnation) is handle:
         if not waited and p.clock.now() - t0 >= PLACEMENT_NOTE_AFTER_S:
             waited = True
-            p.log.emit("placement", slot=slot, incarnation=incarnation, edge="waiting",
-                       reason="no node has room for it yet: the slot stays restarting")
+            p.log.emit(ev.Placement(slot=slot, incarnation=incarnation, edge="waiting",
+                       reason="no node has room for it yet: the slot stays restarting"))
         await asyncio.sleep(PLACEMENT_POLL_S)
     if waited:
-        p.log.emit("placement", slot=slot, incarnation=incarnation, edge="placed")
+        p.log.emit(ev.Placement(slot=slot, incarnation=incarnation, edge="placed"))
 
 
 async def launch_all(p: Parts, slots: dict[int, int]) -> dict[int, Outcome]:
@@ -101,7 +102,7 @@ async def restart(p: Parts, action: Restart) -> None:
     old = p.slots.handles.get(slot)
     if old is not None:
         p.door.kill(old[1])
-    p.log.emit("restart", slot=slot, incarnation=inc, edge="begin", attempt=action.attempt)
+    p.log.emit(ev.Restart(slot=slot, incarnation=inc, edge="begin", attempt=action.attempt))
     p.admission.forget(slot)
     restarting = p.slots.restarting
     try:
@@ -109,7 +110,7 @@ async def restart(p: Parts, action: Restart) -> None:
     finally:
         if restarting.get(slot) is asyncio.current_task():
             del restarting[slot]
-    p.log.emit("restart", slot=slot, incarnation=inc, edge="end", outcome=out.kind)
+    p.log.emit(ev.Restart(slot=slot, incarnation=inc, edge="end", outcome=out.kind))
     if out.ok:
         p.slots.note_started(slot, inc, out.value)
         p.act.decide(EngineReady(slot, inc))
@@ -123,7 +124,7 @@ def record(p: Parts, slot: int, incarnation: int, out: Outcome, what: str) -> No
     row: dict[str, Any] = {"slot": slot, "incarnation": incarnation, "what": what, "outcome": out.kind}
     if not out.ok:
         row.update(error=out.describe()[:500], bound_s=watchdog_s(p.cfg))
-    p.log.emit("launch", **row)
+    p.log.emit(ev.Launch(**row))
 
 
 def failed(p: Parts, slot: int, incarnation: int, out: Outcome, what: str) -> None:

@@ -62,6 +62,7 @@ from health import (
     plan_membership,
 )
 from health.faultplan import REFIT_PHASES
+from fleet import records as ev
 
 PHASES = REFIT_PHASES  # close, reconcile, pause, transfer, commit, resume, reopen (``health.faultplan``)
 
@@ -177,7 +178,7 @@ class RefitLifecycle:
         if not self._keep_warned:
             self._keep_warned = True
             warnings.warn(message, RuntimeWarning, stacklevel=3)
-            self.p.log.emit("warning", message=message)
+            self.p.log.emit(ev.FleetWarning(message=message))
 
     async def run(self, version: int, source: Any, stage_ahead: bool | None = None) -> dict:
         """The steps. One refit at a time: a second call waits, then is checked against
@@ -229,7 +230,7 @@ class RefitLifecycle:
             plan, paused = await self.pause_settled(plan)  # 3: fence, abort the too old, pause
         aborted = self._aborted
         if aborted:
-            self.p.log.emit("staleness_abort", version=version, requests=aborted)
+            self.p.log.emit(ev.StalenessAbort(version=version, requests=aborted))
         with self._phase("transfer"):
             self._moving = True
             if staged is None:
@@ -281,13 +282,13 @@ class RefitLifecycle:
             if len(staged) == len(plan.participants):
                 break
             failed = [p for p in plan.participants if (p.slot, p.incarnation) not in staged]
-            self.p.log.emit("refit_failed_attempt", version=version, attempt=attempt, phase="stage",
-                              failed={p.slot: results[p.slot].detail[:200] for p in failed})
+            self.p.log.emit(ev.RefitFailedAttempt(version=version, attempt=attempt, phase="stage",
+                            failed={p.slot: results[p.slot].detail[:200] for p in failed}))
             await self._classify_failed(failed)
             if self.p.clock.now() >= deadline:
                 break
-        self.p.log.emit("staged", version=version, epoch=plan.epoch, attempts=attempt,
-                          members=sorted([s, i] for s, i in staged))
+        self.p.log.emit(ev.Staged(version=version, epoch=plan.epoch, attempts=attempt,
+                          members=sorted([s, i] for s, i in staged)))
         if len(staged) < self.p.cfg.min_healthy_engines:
             why = "; ".join(f"slot {p.slot} (incarnation {p.incarnation}): {results[p.slot].detail[:200]}"
                             for p in plan.participants if (p.slot, p.incarnation) not in staged)
@@ -312,10 +313,8 @@ class RefitLifecycle:
         old = self.p.slots.plan
         plan = plan_membership(self.p.slots.ledger, old)
         if plan.epoch != old.epoch:
-            self.p.log.emit(
-                "epoch", epoch=plan.epoch, previous=old.epoch,
-                participants=[(p.slot, p.incarnation, p.rank) for p in plan.participants],
-            )
+            self.p.log.emit(ev.Epoch(epoch=plan.epoch, previous=old.epoch,
+                                     participants=[(p.slot, p.incarnation, p.rank) for p in plan.participants]))
         self.p.slots.plan = plan
         if not plan.participants:
             raise _EndRefit(FleetExhausted, f"refit of version {self._version}: no live engine to take part")
@@ -345,7 +344,7 @@ class RefitLifecycle:
             self._pause_emulated(emulated, version, epoch))
         unfenced = sorted([s, i, o.kind] for (s, i), o in fenced.items() if not o.ok)
         if unfenced:  # it answers nothing, so it admits nothing either; its leave notice is still being retried
-            self.p.log.emit("fence_failed", version=version, epoch=epoch, engines=unfenced)
+            self.p.log.emit(ev.FenceFailed(version=version, epoch=epoch, engines=unfenced))
         outs = {s: self._paused_outcome(s, o) for s, o in outs.items()}
         outs.update(emulated_outs)
         self._warn_keep_if_busy()
@@ -459,8 +458,8 @@ class RefitLifecycle:
         Returns the plan (the retry's participants and those that completed), the paused slots, and the
         retry's plan, or None when the retry does not run (``_retry_skipped`` then says why)."""
         failed = [p for p in plan.participants if (p.slot, p.incarnation) not in done]
-        self.p.log.emit("refit_failed_attempt", version=version, attempt=1,
-                          failed={p.slot: results[p.slot].detail[:200] for p in failed})
+        self.p.log.emit(ev.RefitFailedAttempt(version=version, attempt=1,
+                        failed={p.slot: results[p.slot].detail[:200] for p in failed}))
         with self._within(deadline):
             if deadline - self.p.clock.now() >= self.p.cfg.probe_timeout_s:  # a ping cut shorter proves no hang
                 await self._classify_failed(failed)
@@ -476,7 +475,7 @@ class RefitLifecycle:
             skip = "no engine that failed the first attempt is alive and paused to retry"
         if skip is not None:
             self._retry_skipped = skip
-            self.p.log.emit("refit_retry_skipped", version=version, reason=skip)
+            self.p.log.emit(ev.RefitRetrySkipped(version=version, reason=skip))
             return fresh, paused, None
         return fresh, paused, MembershipPlan(fresh.epoch, tuple(retry))
 
@@ -605,7 +604,7 @@ class RefitLifecycle:
         def named(which: dict) -> list:
             return [[p.slot, p.incarnation, which[p.slot].describe()[:200]] for p in parts if p.slot in which]
 
-        self.p.log.emit("stamp", version=version, members=members, failed=named(failed), unknown=named(unknown))
+        self.p.log.emit(ev.Stamp(version=version, members=members, failed=named(failed), unknown=named(unknown)))
 
     async def reopen(self, version: int) -> None:
         """Step 8: reopen the gate only if quorum serves ``version``; else stop with it closed."""
@@ -630,8 +629,8 @@ class RefitLifecycle:
         (it is quarantined already, or found so): still paused, it serves nothing, and the next refit resumes it."""
         if not outs:
             return
-        self.p.log.emit("resume_outside_refit", version=self._version,
-                          engines=[[s, i, o.kind] for (s, i), o in sorted(outs.items())])
+        self.p.log.emit(ev.ResumeOutsideRefit(version=self._version,
+                        engines=[[s, i, o.kind] for (s, i), o in sorted(outs.items())]))
         failed = {s: (i, o) for (s, i), o in outs.items() if not o.ok}
         if failed:
             self.p.act.observe_all(CallKind.PROBE, failed)
@@ -745,8 +744,8 @@ class RefitLifecycle:
         outs = await self._fan_out({key: (h, "resume", (), {}) for key, h in held.items()}, expect_ack=True)
         for (slot, inc), out in outs.items():
             self.p.act.observe(slot, inc, CallKind.RESUME, out)
-        self.p.log.emit("refit_rolled_back", version=self._version, reason=reason[:300],
-                          resumed=sorted(slot for (slot, _), o in outs.items() if o.ok), gate_closed=self.holding)
+        self.p.log.emit(ev.RefitRolledBack(version=self._version, reason=reason[:300],
+                        resumed=sorted(slot for (slot, _), o in outs.items() if o.ok), gate_closed=self.holding))
         if self.holding:  # a refit refused while it staged never closed the gate nor began in the ledger
             self._rolled_back(self._version, reason)
         self._finished = True
@@ -792,7 +791,7 @@ class RefitLifecycle:
     @contextmanager
     def _phase(self, name: str):
         t0 = self.p.clock.now()
-        self.p.log.emit("phase", phase=name, edge="begin", version=self._version)
+        self.p.log.emit(ev.Phase(phase=name, edge="begin", version=self._version))
         self.phase = name
         self._crash_point(name)
         try:
@@ -802,7 +801,7 @@ class RefitLifecycle:
             dt = self.p.clock.now() - t0
             self._phases[name] = dt
             self.p.metrics.phase(name, dt)
-            self.p.log.emit("phase", phase=name, edge="end", version=self._version, seconds=round(dt, 6))
+            self.p.log.emit(ev.Phase(phase=name, edge="end", version=self._version, seconds=round(dt, 6)))
 
 
 def _completed(plan: MembershipPlan, results: dict) -> set[tuple[int, int]]:

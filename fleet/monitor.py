@@ -19,6 +19,7 @@ from typing import Callable
 from fleet.outcome import Outcome, with_progress
 from fleet.parts import Parts
 from health import CallKind, SlotPhase
+from fleet import records as ev
 
 
 class LivenessMonitor:
@@ -81,7 +82,7 @@ class LivenessMonitor:
             before = [s for s in self.p.slots.nodes.unwatch(node) if s not in slots]
             if node not in self.p.slots.nodes.reported:
                 self.p.slots.nodes.reported.add(node)
-                self.p.log.emit("node_lost", node=node, slots=sorted({*slots, *before}), died_before=before)
+                self.p.log.emit(ev.NodeLost(node=node, slots=sorted({*slots, *before}), died_before=before))
         return out
 
     async def loop(self) -> None:

@@ -21,6 +21,7 @@ from typing import Callable
 from fleet.parts import Parts
 from fleet.routing import Member, RoutingState
 from health import CallKind
+from fleet import records as ev
 
 
 # A leave notice not acknowledged is sent again, this many times in all (``probe_interval_s`` apart).
@@ -76,8 +77,8 @@ class RoutingPublisher:
         if not self.current.gate_open:
             return
         self.current = dataclasses.replace(self.current, epoch=self.current.epoch + 1, gate_open=False, reason=reason)
-        self.p.log.emit("routing", epoch=self.current.epoch, gate_open=False, version=self.current.version,
-                          stopped=bool(self.p.act.stopped))
+        self.p.log.emit(ev.Routing(epoch=self.current.epoch, gate_open=False, version=self.current.version,
+                          stopped=bool(self.p.act.stopped)))
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -138,8 +139,8 @@ class RoutingPublisher:
             self.current = RoutingState(epoch, view.gate_open, view.version, members, view.caps, view.stopped,
                                         view.reason)
             changed_members = {} if same else {"members": [[m.slot, m.incarnation] for m in members]}
-            self.p.log.emit("routing", epoch=epoch, gate_open=view.gate_open, version=view.version,
-                              stopped=bool(view.stopped), **changed_members)
+            self.p.log.emit(ev.Routing(epoch=epoch, gate_open=view.gate_open, version=view.version,
+                              stopped=bool(view.stopped), **changed_members))
         async with changed:
             changed.notify_all()
         return self.current
@@ -187,9 +188,9 @@ class RoutingPublisher:
                                       timeout=self.p.cfg.probe_timeout_s, expect_ack=True)
             if out.ok:
                 break
-        self.p.log.emit("leave_notice", slot=key[0], incarnation=key[1], epoch=epoch, attempts=attempts,
-                     acknowledged=out is not None and out.ok,
-                     outcome=None if out is None or out.ok else out.describe()[:200])
+        self.p.log.emit(ev.LeaveNotice(slot=key[0], incarnation=key[1], epoch=epoch, attempts=attempts,
+                    acknowledged=out is not None and out.ok,
+                    outcome=None if out is None or out.ok else out.describe()[:200]))
 
     async def fence_for_refit(self) -> int:
         """Publish the closed gate of a refit that begins; returns its epoch (shards fence below it)."""

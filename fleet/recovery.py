@@ -57,6 +57,7 @@ from health import (
     RefitStarted,
     VersionCommitted,
 )
+from fleet import records as ev
 
 EPOCHS_PER_GENERATION = 1 << 40
 
@@ -72,9 +73,9 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
         return {"intent": False}
     generation = intent.generation + 1
     p.intent.adopted(intent, generation)
-    p.log.emit("controller_restarted", fleet=p.name, generation=generation, committed=intent.committed,
-               refit=None if intent.refit is None else [intent.refit.version, intent.refit.phase],
-               shutdown=intent.shutdown, stopped=intent.stopped)
+    p.log.emit(ev.ControllerRestarted(fleet=p.name, generation=generation, committed=intent.committed,
+              refit=None if intent.refit is None else [intent.refit.version, intent.refit.phase],
+              shutdown=intent.shutdown, stopped=intent.stopped))
     publisher.start_above(generation * EPOCHS_PER_GENERATION)
     found, fenced = _find_shards(p, intent)
     fenced += fence_removed(p, intent)  # a resize removed them: nothing of theirs may serve again
@@ -103,13 +104,13 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
     serving -= set(failed)
     for slot in sorted(alive):
         info = alive[slot]
-        p.log.emit("adopt", slot=slot, incarnation=info["incarnation"], weight_version=info.get("weight_version"),
+        p.log.emit(ev.Adopt(slot=slot, incarnation=info["incarnation"], weight_version=info.get("weight_version"),
                      dirty=bool(info.get("dirty")), paused=bool(info.get("paused")), serves=slot in serving,
                      stamped=slot in stamped, aborted=aborts[slot].value if slot in aborts and aborts[slot].ok else 0,
-                     resumed=resumed[slot].ok if slot in resumed else None, failed=failed.get(slot))
+                     resumed=resumed[slot].ok if slot in resumed else None, failed=failed.get(slot)))
     _commit(p, intent.committed, serving)
     for slot, handle in starting.items():
-        p.log.emit("adopt", slot=slot, incarnation=intent.slots[slot][0], starting=True)
+        p.log.emit(ev.Adopt(slot=slot, incarnation=intent.slots[slot][0], starting=True))
         p.act.in_background(_await_start(p, slot, intent.slots[slot][0], handle, restart=intent.slots[slot][1] > 0))
     alive = {s: info for s, info in alive.items() if s not in failed}
     for slot, (inc, _) in sorted(intent.slots.items()):
@@ -129,7 +130,7 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
         "gate_open": p.gate.is_open, "gate_reason": None if p.gate.is_open else p.gate.reason,
         "seconds": round(p.clock.now() - t0, 3), "bound_s": p.cfg.adoption_bound_s,
     }
-    p.log.emit("adopted", **recovered)
+    p.log.emit(ev.Adopted(**recovered))
     return recovered
 
 
@@ -183,8 +184,8 @@ async def _await_start(p: Parts, slot: int, incarnation: int, handle: Any, resta
         if p.slots.handle_of(slot, incarnation) is not handle:
             return  # replaced meanwhile
         if state == "new":
-            p.log.emit("adopt", slot=slot, incarnation=incarnation, starting=True,
-                         reason="its start call died with the predecessor: started by the successor")
+            p.log.emit(ev.Adopt(slot=slot, incarnation=incarnation, starting=True,
+                         reason="its start call died with the predecessor: started by the successor"))
             started = await p.door.call(handle, "start", timeout=bound)
             if started.ok:
                 state = "ready"
@@ -193,14 +194,14 @@ async def _await_start(p: Parts, slot: int, incarnation: int, handle: Any, resta
                 continue  # someone else's start won the race: watch it
         if state == "ready":
             if restart:  # the end of the restart the predecessor began
-                p.log.emit("restart", slot=slot, incarnation=incarnation, edge="end", outcome="ok", adopted=True)
+                p.log.emit(ev.Restart(slot=slot, incarnation=incarnation, edge="end", outcome="ok", adopted=True))
             p.slots.note_started(slot, incarnation, out.value)
             p.act.decide(EngineReady(slot, incarnation))
             return
         if state not in ("new", "starting") or p.clock.now() >= deadline:
             why = out.describe() if not out.ok else f"its engine is {state!r} after the start bound"
             if restart:
-                p.log.emit("restart", slot=slot, incarnation=incarnation, edge="end", outcome="failed", adopted=True)
+                p.log.emit(ev.Restart(slot=slot, incarnation=incarnation, edge="end", outcome="failed", adopted=True))
             p.slots.kill(slot, incarnation, f"re-adopted while starting: {why[:200]}")
             p.act.observe(slot, incarnation, CallKind.START, Outcome(DIED, error=RuntimeError(why[:300])))
             return
@@ -260,6 +261,6 @@ async def _finish_shutdown(p: Parts, publisher: RoutingPublisher, generation: in
     recovered = {"intent": True, "generation": generation, "shutdown_finished": True,
                  "shards": {s: o.kind for s, o in outs.items()}, "fenced": fenced,
                  "seconds": round(p.clock.now() - t0, 3)}
-    p.log.emit("adopted", **recovered)
-    p.log.emit("phase", phase="shutdown", edge="end", shards={s: o.kind for s, o in outs.items()})
+    p.log.emit(ev.Adopted(**recovered))
+    p.log.emit(ev.Phase(phase="shutdown", edge="end", shards={s: o.kind for s, o in outs.items()}))
     return recovered

@@ -62,6 +62,7 @@ from health import (
     check_size,
     plan_resize,
 )
+from fleet import records as ev
 
 DRAIN_POLL_S = 0.05  # how often a draining shard's in-flight count is read
 
@@ -99,8 +100,8 @@ async def resize(p: Parts, publisher: RoutingPublisher, refits: asyncio.Lock, n:
         t0 = p.clock.now()
         if plan.unchanged:
             return _summary(p, publisher, size_from, n, [], {}, t0)
-        p.log.emit("resize", edge="begin", size_from=size_from, size_to=n, add=plan.add,
-                     remove=[s for s, _ in plan.remove])
+        p.log.emit(ev.Resize(edge="begin", size_from=size_from, size_to=n, add=plan.add,
+                     remove=[s for s, _ in plan.remove]))
         p.slots.size = n  # the serving size follows at once
         retired = [s for s, _ in plan.remove if p.slots.ledger.state(s) is ShardState.RETIRED]
         added, drained = [], {}
@@ -110,7 +111,7 @@ async def resize(p: Parts, publisher: RoutingPublisher, refits: asyncio.Lock, n:
             added = await _grow(p, plan.add, n)
         await publisher.publish()
         summary = _summary(p, publisher, size_from, n, added, drained, t0, retired)
-        p.log.emit("resize", edge="end", **{k: v for k, v in summary.items() if k != "routing_epoch"})
+        p.log.emit(ev.Resize(edge="end", **{k: v for k, v in summary.items() if k != "routing_epoch"}))
         return summary
 
 

@@ -41,6 +41,7 @@ from fleet.nodes import NodeMap
 from fleet.outcome import Outcome, is_unusable, observed
 from health import CallKind, Decision, Ledger, MembershipPlan, SlotPhase, step
 from health.roles import Rebalanced, Roles, rebalance
+from fleet import records as ev
 
 
 class Slots:
@@ -100,8 +101,8 @@ class Slots:
         """Apply ``event`` to the ledger and log the decision; rebalance the roles if anything changed.
         Returns the decision (its actions are the controller's to carry out) and the role change, if any."""
         d = step(self.ledger, event, self._now())
-        self._log.emit("decision", event=type(event).__name__, failure=d.failure, reason=d.reason)
-        self._log.emit_rows("health", d.transitions)  # per transition: slot, incarnation, before, after, reason
+        self._log.emit(ev.Decision(event=type(event).__name__, failure=d.failure, reason=d.reason))
+        self._log.emit_rows(ev.Health, d.transitions)  # per transition: slot, incarnation, before, after, reason
         roles = self.rebalance() if (d.transitions or d.actions) else None
         return d, roles
 
@@ -127,11 +128,11 @@ class Slots:
         for p in out.promotions:
             replaced = {} if p.replaced is None else {
                 "replaced": p.replaced, "replaced_incarnation": ledger.raw(p.replaced).incarnation}
-            self._log.emit("promote", slot=p.spare, incarnation=ledger.raw(p.spare).incarnation, **replaced,
-                           reason=p.reason, serving=out.roles.to_list())
+            self._log.emit(ev.Promote(slot=p.spare, incarnation=ledger.raw(p.spare).incarnation, **replaced,
+                           reason=p.reason, serving=out.roles.to_list()))
         for d in out.demotions:
-            self._log.emit("demote", slot=d.slot, incarnation=ledger.raw(d.slot).incarnation, reason=d.reason,
-                           serving=out.roles.to_list())
+            self._log.emit(ev.Demote(slot=d.slot, incarnation=ledger.raw(d.slot).incarnation, reason=d.reason,
+                           serving=out.roles.to_list()))
         return out
 
     # ------------------------------------------------------------------ actors
@@ -149,7 +150,7 @@ class Slots:
         current = self.handles.get(slot)
         if current is not None and current[0] == incarnation:
             self._door.kill(current[1])
-            self._log.emit("kill", slot=slot, incarnation=incarnation, reason=reason)
+            self._log.emit(ev.Kill(slot=slot, incarnation=incarnation, reason=reason))
 
     def fence_by_name(self, slot: int, incarnation: int, recorded: int, reason: str) -> bool:
         """Kill the shard actor named for ``incarnation`` of ``slot`` if one is alive (a restarted controller
@@ -158,7 +159,7 @@ class Slots:
         if handle is None:
             return False
         self._door.kill(handle)
-        self._log.emit("adopt_fence", slot=slot, incarnation=incarnation, recorded=recorded, reason=reason)
+        self._log.emit(ev.AdoptFence(slot=slot, incarnation=incarnation, recorded=recorded, reason=reason))
         return True
 
     def note_started(self, slot: int, incarnation: int, info: dict) -> None:
