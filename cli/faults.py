@@ -59,7 +59,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from fleet import ray_io
+    from fleet.cluster import ray_door
     from faults.matrix import Variant, by_name
     from faults.runner import run_variants
     from recipe.tinymodel import build_model, default_model_dir
@@ -88,7 +88,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     handlers = catch_signals(fresh=True)
     try:
         try:
-            ray_io.init_local(log_to_driver=False)
+            ray_door.init_local(log_to_driver=False)
             catch_signals()  # Ray's start-up replaced the SIGTERM handler
             reports = run_variants(model, variants, log=lambda m: print(m, flush=True), done=reports)
         except KeyboardInterrupt:
@@ -96,9 +96,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             print(f"[faults] interrupted by {interrupted}: {len(reports)} of {len(variants)} variant(s) finished; "
                   "the variant running was not judged, its fleet is shut down", flush=True)
         finally:
-            ray_gone = bool(interrupted and ray_io.local_ray_down())
+            ray_gone = bool(interrupted and ray_door.local_ray_down())
             if not ray_gone:  # else nothing is left to stop: Ray went down with the signal
-                ray_io.shutdown()
+                ray_door.shutdown()
     finally:
         restore(handlers)
     if interrupted:

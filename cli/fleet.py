@@ -27,10 +27,10 @@ def register(sub) -> None:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from fleet import ray_io
+    from fleet.cluster import ray_door
 
-    ray_io.join_cluster(args.address)
-    for name in ray_io.running_fleets():
+    ray_door.join_cluster(args.address)
+    for name in ray_door.running_fleets():
         print(json.dumps({"fleet": name}))
     return 0
 

@@ -59,9 +59,9 @@ def _load_config(path: str) -> dict:
 def _join_ray(args: argparse.Namespace):
     """Ray first (it installs its own SIGTERM handler in a driver), then the fleet's config, checked before
     any actor exists; returns the config to start, or None for --connect."""
-    from fleet import ray_io
+    from fleet.cluster import ray_door
     from fleet.errors import ConfigError
-    from fleet.fleet_config import load_fleet_config
+    from fleet.config.fleet import load_fleet_config
     from serve.server import listening_socket
 
     timeout = args.request_timeout
@@ -72,18 +72,18 @@ def _join_ray(args: argparse.Namespace):
     except OSError as exc:
         raise ConfigError("--host/--port", str(exc), f"{args.host}:{args.port}") from None
     if args.connect:
-        ray_io.join_cluster(args.address)
+        ray_door.join_cluster(args.address)
         return None
     config = load_fleet_config(_load_config(args.config))  # refused here, before Ray starts, naming the field
     if args.address:
-        ray_io.join_cluster(args.address)
+        ray_door.join_cluster(args.address)
     else:
-        ray_io.init_local(log_to_driver=False)
+        ray_door.init_local(log_to_driver=False)
     return config
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from fleet import ray_io
+    from fleet.cluster import ray_door
     from fleet.api import Fleet
     from fleet.interrupt import Interrupted
     from serve.server import HttpServer
@@ -106,8 +106,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         fleet, owned = (Fleet.connect(args.connect, address=args.address), False) if config is None else \
             (Fleet.start(config), True)
     except KeyboardInterrupt:
-        gone = ray_io.local_ray_down() if config is not None else []
-        why = f"; {ray_io.ray_down_reason(gone)}" if gone else ""
+        gone = ray_door.local_ray_down() if config is not None else []
+        why = f"; {ray_door.ray_down_reason(gone)}" if gone else ""
         print(json.dumps({"stopped": True, "fleet_shut_down": config is not None, "front": {},
                           "end": f"interrupted while the fleet started{why}"}), flush=True)
         if gone:
@@ -138,10 +138,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()  # the requests in flight end first (finished, or cut off with a 503): then count them
         counters = server.front.counters() if server is not None and server.front is not None else {}
-        gone = ray_io.local_ray_down() if owned and stop.is_set() else []
+        gone = ray_door.local_ray_down() if owned and stop.is_set() else []
         if gone:  # the signal reached this process group's local Ray too: the fleet went down with it
             print(json.dumps({"stopped": True, "fleet_shut_down": True, "front": counters,
-                              "end": f"{ray_io.ray_down_reason(gone)}: "
+                              "end": f"{ray_door.ray_down_reason(gone)}: "
                                      f"its engines and controller stopped with it"}), flush=True)
             os._exit(0)  # nothing is left to shut down; Ray's own exit would wait for its dead GCS
         # Bounded: a signal sent to the whole process group (Ctrl-C, timeout(1), a batch system) also stops

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 
-from fleet import ray_io
-from fleet.config import EngineConfig, validate
+from fleet.cluster import ray_door
+from fleet.config.engine import EngineConfig, validate
 from fleet.errors import ConfigError
 
 
@@ -21,18 +21,18 @@ def run_smoke(engines: int = 2, model: str | None = None) -> dict:
     model = model or str(build_model(default_model_dir("tiny")))
     cfg = validate(EngineConfig, {"model": model}, prefix="engine")
     t0 = time.monotonic()
-    ray_io.init_local(num_cpus=max(4, engines * 2), log_to_driver=False)
-    shards = [ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(engines)]
+    ray_door.init_local(num_cpus=max(4, engines * 2), log_to_driver=False)
+    shards = [ray_door.spawn_shard(cfg, slot=i, incarnation=1) for i in range(engines)]
     try:
-        starts = [ray_io.ask(s, "start", timeout=cfg.start_timeout_s + 30) for s in shards]
+        starts = [ray_door.ask(s, "start", timeout=cfg.start_timeout_s + 30) for s in shards]
         sampling = {"max_tokens": 64, "ignore_eos": True, "seed": 0}
-        held = [ray_io.submit(s, "generate", [1, 2, 3, 4], sampling) for s in shards]
-        paused = [ray_io.try_ask(s, "pause", mode="keep", timeout=60, expect_ack=True).ok for s in shards]
-        resumed = [ray_io.try_ask(s, "resume", timeout=60, expect_ack=True).ok for s in shards]
-        results = ray_io.results(held, 300)
-        resets = [ray_io.ask(s, "reset_prefix_cache", timeout=60) for s in shards]
-        stats = [ray_io.ask(s, "stats", timeout=30) for s in shards]
-        memory = [ray_io.ask(s, "memory_mb", timeout=30) for s in shards]
+        held = [ray_door.submit(s, "generate", [1, 2, 3, 4], sampling) for s in shards]
+        paused = [ray_door.try_ask(s, "pause", mode="keep", timeout=60, expect_ack=True).ok for s in shards]
+        resumed = [ray_door.try_ask(s, "resume", timeout=60, expect_ack=True).ok for s in shards]
+        results = ray_door.results(held, 300)
+        resets = [ray_door.ask(s, "reset_prefix_cache", timeout=60) for s in shards]
+        stats = [ray_door.ask(s, "stats", timeout=30) for s in shards]
+        memory = [ray_door.ask(s, "memory_mb", timeout=30) for s in shards]
         tokens = [len(r.completions[0].token_ids) for r in results]
         ok = all(paused) and all(resumed) and all(resets) and tokens == [64] * engines
         return {
@@ -49,6 +49,6 @@ def run_smoke(engines: int = 2, model: str | None = None) -> dict:
         }
     finally:
         for s in shards:
-            ray_io.try_ask(s, "shutdown", timeout=60)
-            ray_io.kill(s)
-        ray_io.shutdown()
+            ray_door.try_ask(s, "shutdown", timeout=60)
+            ray_door.kill(s)
+        ray_door.shutdown()

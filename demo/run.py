@@ -49,7 +49,7 @@ from typing import Any
 
 from faults.firing import FaultFiring, slot_states
 from faults.timeline import read_log
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.errors import ConfigError, FleetStopped
 from fleet.interrupt import catch_signals, interrupted_by, restore
 from fleet.records import Adopted, ControllerRestarted, Fault, Health, Record, Restart, Retire, Stamp, Stopped, all_of
@@ -299,7 +299,7 @@ class DemoRun:
 
     def run(self) -> dict:
         self.prepare()
-        owns_ray = not ray_io.is_initialized()
+        owns_ray = not ray_door.is_initialized()
         self.t_start = time.monotonic()
         self.view.start({"engines": self.cfg.engines, "plan": self.plan.name if self.plan else "none",
                          "kv_policy": self.cfg.kv_policy, "seed": self.cfg.seed, "out": str(self.out)})
@@ -344,17 +344,17 @@ class DemoRun:
         from fleet.api import Fleet
 
         engines = self.cfg.engines
-        ray_io.init_local(num_cpus=engines + 3, log_to_driver=False)
+        ray_door.init_local(num_cpus=engines + 3, log_to_driver=False)
         catch_signals()  # Ray's start-up replaced the SIGTERM handler
         self.view.phase(f"starting the trainer and {engines} engines")
-        self.trainer = ray_io.spawn_actor(AuditedTrainerActor, self.model, self.tcfg, 1, num_cpus=1)
+        self.trainer = ray_door.spawn_actor(AuditedTrainerActor, self.model, self.tcfg, 1, num_cpus=1)
         self.fleet = Fleet.start(self.fcfg)
         self.fleet_start_s = time.monotonic() - self.t_start
         if hasattr(self.view, "set_poll"):
             self.view.set_poll(self.fleet.status)
         self.watcher = EventWatcher(self.fleet)
         self.firing = FaultFiring(self.fleet, self.firings, log=self.say, t0=self.t_start)
-        if ray_io.ask(self.trainer, "get_version", timeout=300) != 0:
+        if ray_door.ask(self.trainer, "get_version", timeout=300) != 0:
             raise RuntimeError("the trainer did not start at version 0")
         self.view.phase("training")
         self.say(f"fleet up in {self.fleet_start_s:.1f}s: {engines} engines serving v0")
@@ -365,9 +365,9 @@ class DemoRun:
         self.view.phase("shutting down")
         if hasattr(self.view, "stop_polling"):
             self.view.stop_polling()
-        self.ray_gone = ray_io.local_ray_down() if owns_ray and self.interrupted else []
+        self.ray_gone = ray_door.local_ray_down() if owns_ray and self.interrupted else []
         if self.ray_gone:
-            self.say(f"{ray_io.ray_down_reason(self.ray_gone)}: "
+            self.say(f"{ray_door.ray_down_reason(self.ray_gone)}: "
                      "its engines, controller and trainer stopped with it")
             if self.fleet is not None:
                 self.fleet.abandon(f"interrupted by {self.interrupted}")  # what was in flight: returned, logged
@@ -380,9 +380,9 @@ class DemoRun:
                 pass
             self.fleet.shutdown()
         if self.trainer is not None:
-            ray_io.kill(self.trainer)
+            ray_door.kill(self.trainer)
         if owns_ray:
-            ray_io.shutdown()
+            ray_door.shutdown()
         self.view.close()
 
     @property
@@ -448,7 +448,7 @@ class DemoRun:
             return None
         pending = self.submit(step + 1) if step + 1 < self.cfg.steps else None
         self.view.phase(f"step {step + 1}: training on batch {step}", minor=True)
-        metrics = ray_io.ask(self.trainer, "step", groups, timeout=600)
+        metrics = ray_door.ask(self.trainer, "step", groups, timeout=600)
         self.version = metrics.get("new_version", self.version)
         self.record(step, {**metrics, "returned": returned}, groups, slots, refit, held, t0)
         return pending
@@ -529,7 +529,7 @@ class DemoRun:
         refit_s = time.monotonic() - t0
         self.view.phase("evaluating the final weights on every serving engine")
         groups, returned, slots = self.collect(self.submit(self.cfg.steps))
-        audit = ray_io.ask(self.trainer, "audit", groups, timeout=300)
+        audit = ray_door.ask(self.trainer, "audit", groups, timeout=300)
         rewards = [s.reward for g in groups for s in g.samples]
         self.poll_notes()
         final = {

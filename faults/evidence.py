@@ -6,7 +6,7 @@ say that a fault went off, each written before the fault acts:
 
 - the fault journal: the shard's hook appends a line (slot, incarnation, point,
   action, ``t``) and fsyncs it before it kills, freezes, crashes or lies
-  (``fleet.fault_hooks``; the runner names the file in ``EngineConfig.fault_journal``);
+  (``fleet.shard.fault_hooks``; the runner names the file in ``EngineConfig.fault_journal``);
 - the event log: the controller's ``fault`` record of a step-boundary kill, emitted
   just before it kills that incarnation. Its ``fault`` record of an armed fault
   says only which incarnation the fault was armed in.

@@ -25,9 +25,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.errors import RouteRefused
-from fleet.routing import LATEST, Ticket, VersionPolicy
+from fleet.data.routing_state import LATEST, Ticket, VersionPolicy
 
 PROMPT = [5, 6, 7, 8]
 SAMPLING = {"max_tokens": 4}
@@ -43,11 +43,11 @@ def _refused(counters: dict[int, dict]) -> dict[str, int]:
 
 def _lagging_sends(stale, timeout_s: float) -> list[dict]:
     """One request per member of ``stale`` (an open routing state), stamped with its old epoch."""
-    pending = [(m, ray_io.submit(m.handle, "generate", PROMPT, SAMPLING, request_id=f"lagging-{m.slot}-{stale.epoch}",
+    pending = [(m, ray_door.submit(m.handle, "generate", PROMPT, SAMPLING, request_id=f"lagging-{m.slot}-{stale.epoch}",
                                  ticket=Ticket(stale.epoch, VersionPolicy(LATEST)))) for m in stale.members]
     out = []
     for m, p in pending:
-        o = ray_io.settle(p, timeout_s)
+        o = ray_door.settle(p, timeout_s)
         refused = isinstance(o.error, RouteRefused)
         out.append({"slot": m.slot, "incarnation": m.incarnation, "refused": refused,
                     "reason": o.error.reason if refused else o.describe()[:200]})

@@ -48,10 +48,10 @@ from faults.promotion import prove_promotion
 from faults.firing import FaultFiring, slot_states
 from faults.polling import wait_until
 from faults.timeline import read_log
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.api import Fleet
 from fleet.errors import FleetStopped
-from fleet.naming import controller_name, shard_name
+from fleet.cluster.naming import controller_name, shard_name
 from fleet.records import Health, Kill, Record, Request, Stamp, Stopped, all_of, of_kinds
 from faults.matrix import BASE_FLEET, Variant
 from faults.source import WeightSource
@@ -151,7 +151,7 @@ class FaultRunner:
         else:
             self.heal(self._fleet)
         if self._source is None:
-            self._source = ray_io.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
+            self._source = ray_door.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
         return self._fleet
 
     def close_fleet(self) -> None:
@@ -169,7 +169,7 @@ class FaultRunner:
             self._fleet = self._source = None
         self.close_fleet()
         if self._source is not None:
-            ray_io.kill(self._source)
+            ray_door.kill(self._source)
             self._source = None
         shutil.rmtree(self._journal_dir, ignore_errors=True)
 
@@ -212,20 +212,20 @@ class FaultRunner:
     def new_version(self) -> int:
         """A deterministic training step on the weight source; its version number."""
         self._version += 1
-        ray_io.ask(self._source, "perturb", self._version, 0.01, timeout=60)
+        ray_door.ask(self._source, "perturb", self._version, 0.01, timeout=60)
         return self._version
 
     def corrupt_next_update(self, kind: str | None, tensor: str) -> None:
-        ray_io.ask(self._source, "corrupt_next_update", kind, tensor, timeout=60)
+        ray_door.ask(self._source, "corrupt_next_update", kind, tensor, timeout=60)
 
     def kill_source_at_next_send(self) -> None:
-        ray_io.ask(self._source, "die_at_next_send", timeout=60)
+        ray_door.ask(self._source, "die_at_next_send", timeout=60)
 
     def replace_source(self) -> str:
         """A fresh ``WeightSource`` from the checkpoint (later steps perturb it); Ray's word on the old one."""
-        old, state = self._source, ray_io.actor_state(self._source)
-        ray_io.kill(old)
-        self._source = ray_io.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
+        old, state = self._source, ray_door.actor_state(self._source)
+        ray_door.kill(old)
+        self._source = ray_door.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
         return state
 
     # ------------------------------------------------------------------ one variant
@@ -368,7 +368,7 @@ class FaultRunner:
         rep.notes.append(f"shutdown: {str(summary)[:300]}")
 
         def left() -> list[str]:
-            return [n for n in names + [controller_name(fleet.name)] if ray_io.find_actor(n) is not None]
+            return [n for n in names + [controller_name(fleet.name)] if ray_door.find_actor(n) is not None]
 
         if not self._wait(lambda: not left(), 30, "the fleet's actors gone after its shutdown"):
             rep.violations.append(f"check shutdown_clean: actors still alive 30 s after the shutdown: {left()}")
@@ -443,8 +443,8 @@ def run_variants(model_dir: str, variants: list[Variant], log: Callable = print,
             reports.append(runner.run(v))
         return reports
     except KeyboardInterrupt:
-        dead = ray_io.local_ray_down()
-        gone = ray_io.ray_down_reason(dead) if dead else None
+        dead = ray_door.local_ray_down()
+        gone = ray_door.ray_down_reason(dead) if dead else None
         raise
     finally:
         runner.close(ray_gone=gone)

@@ -1,8 +1,8 @@
 """``WeightSource``: a stand-in trainer that holds a float32 Hugging Face model and sends its weights.
 
 It is a ``refit.ports.LocalSenderPort`` over the model it holds, so its actor handle
-(``fleet.ray_io.spawn_actor(WeightSource, model_dir, num_cpus=0)``) is the ``source``
-argument of ``sync_weights``, and ``fleet.ray_io.ActorSenderPort(handle)`` is the
+(``fleet.cluster.ray_door.spawn_actor(WeightSource, model_dir, num_cpus=0)``) is the ``source``
+argument of ``sync_weights``, and ``fleet.cluster.ray_door.ActorSenderPort(handle)`` is the
 sender port a bare ``refit.WeightSynchronizer`` drives. Tests, benchmarks, the fault
 runner and campaigns use it to:
 

@@ -12,7 +12,7 @@ before any actor exists. Results are ``FleetResult`` objects: ``completed`` with
 ``returned`` with the reason; nothing is dropped silently.
 
 Requests never pass through the controller: ``Fleet`` embeds a ``FleetClient``
-(``fleet.client``) that follows the controller's published routing state and calls
+(``fleet.data.client``) that follows the controller's published routing state and calls
 the shards itself. The controller only decides (gate, version, membership).
 """
 
@@ -23,17 +23,17 @@ from typing import Any, Iterable, Sequence
 import time
 import uuid
 
-from fleet import ray_io
-from fleet.client import FleetClient
-from fleet.controller import SingleController
+from fleet.cluster import ray_door
+from fleet.data.client import FleetClient
+from fleet.control.controller import SingleController
 from fleet.errors import FleetStopped
-from fleet.dispatch import FleetResult
-from fleet.fleet_config import FleetConfig, load_fleet_config
-from fleet.naming import NAMESPACE, controller_name, new_fleet_name
+from fleet.data.dispatch import FleetResult
+from fleet.config.fleet import FleetConfig, load_fleet_config
+from fleet.cluster.naming import NAMESPACE, controller_name, new_fleet_name
 from fleet.outcome import DIED, UNAVAILABLE
 from fleet.records import Record, of_kinds
 from fleet.operator import FaultInjector
-from fleet.routing import VersionPolicy
+from fleet.data.routing_state import VersionPolicy
 
 # The controller only waits: no CPU reserved; its calls are control calls and one long poll per client.
 # Named and detached: Ray restarts it after its process dies (``max_restarts`` from the config), a
@@ -116,19 +116,19 @@ class Fleet:
         self._check_open(method)
         if self._silent_since is not None and not self._wait_for_controller():
             raise self._not_answering(method)
-        out = ray_io.try_ask(self._ctl, method, *args, timeout=timeout)
+        out = ray_door.try_ask(self._ctl, method, *args, timeout=timeout)
         if out.kind in (DIED, UNAVAILABLE) and method in _RESENDABLE:
             if not self._wait_for_controller():
                 raise self._not_answering(method)
-            out = ray_io.try_ask(self._ctl, method, *args, timeout=timeout)
+            out = ray_door.try_ask(self._ctl, method, *args, timeout=timeout)
         return self._value(out, method, timeout)
 
     def _wait_for_controller(self) -> bool:
         """Ping the controller until it answers (a restarted one re-adopts its shards first) or
         ``controller_restart_wait_s`` passes. True if it answered."""
         deadline = time.monotonic() + self.config.controller_restart_wait_s
-        while time.monotonic() < deadline and ray_io.actor_state(self._ctl) != "DEAD":
-            out = ray_io.try_ask(self._ctl, "ping", timeout=max(1.0, deadline - time.monotonic()))
+        while time.monotonic() < deadline and ray_door.actor_state(self._ctl) != "DEAD":
+            out = ray_door.try_ask(self._ctl, "ping", timeout=max(1.0, deadline - time.monotonic()))
             if out.ok:
                 self.controller_restarts_seen = max(self.controller_restarts_seen, int(out.value.get("generation", 0)))
                 self._silent_since = None
@@ -139,7 +139,7 @@ class Fleet:
         return False
 
     def _not_answering(self, method: str) -> FleetStopped:
-        state = ray_io.actor_state(self._ctl)
+        state = ray_door.actor_state(self._ctl)
         then = "it is gone for good" if state == "DEAD" else "the next call asks it again"
         return FleetStopped(f"fleet.{method}: the fleet's controller did not answer within controller_restart_wait_s "
                             f"({self.config.controller_restart_wait_s:g} s); Ray reports it {state}: {then}")
@@ -168,14 +168,14 @@ class Fleet:
         check_node_id(controller_node)
         if cfg.name is None:
             cfg = cfg.model_copy(update={"name": new_fleet_name()})
-        ray_io.init_local(num_cpus=num_cpus, log_to_driver=False)
-        ray_io.check_capacity(cfg.total_engines, cfg.engine.num_cpus, cfg.engine.num_gpus)  # spares included
-        if controller_node is not None and controller_node not in (alive := ray_io.alive_nodes()):
+        ray_door.init_local(num_cpus=num_cpus, log_to_driver=False)
+        ray_door.check_capacity(cfg.total_engines, cfg.engine.num_cpus, cfg.engine.num_gpus)  # spares included
+        if controller_node is not None and controller_node not in (alive := ray_door.alive_nodes()):
             from fleet.errors import ConfigError
 
             raise ConfigError("controller_node", f"no live node of this Ray cluster has that id; live nodes: "
                               f"{sorted(alive)}", controller_node)
-        if ray_io.find_actor(controller_name(cfg.name)) is not None:
+        if ray_door.find_actor(controller_name(cfg.name)) is not None:
             from fleet.errors import ConfigError
 
             raise ConfigError("name", f"a fleet named {cfg.name!r} is already running on this Ray cluster; "
@@ -184,20 +184,20 @@ class Fleet:
         # no CPU: on a Slurm job the driver's node is the head, and a worker node the job may lose is no
         # place for the control plane. A soft affinity is a preference Ray does not always keep (two
         # raylets on one IP): a caller who must have it names the node, and gets a hard one.
-        where = ray_io.on_node(controller_node, soft=False) if controller_node else \
-            ray_io.on_node(ray_io.current_node_id(), soft=True)
+        where = ray_door.on_node(controller_node, soft=False) if controller_node else \
+            ray_door.on_node(ray_door.current_node_id(), soft=True)
         options = dict(CONTROLLER_OPTIONS, **where)
-        ctl = ray_io.spawn_actor(SingleController, cfg.model_dump(), name=controller_name(cfg.name),
+        ctl = ray_door.spawn_actor(SingleController, cfg.model_dump(), name=controller_name(cfg.name),
                                  max_restarts=cfg.controller_max_restarts, **options)
         fleet = cls(ctl, cfg)
         timeout = start_timeout_s or cfg.engine.start_timeout_s + 120
         try:
-            ray_io.ask(ctl, "start", timeout=timeout)
+            ray_door.ask(ctl, "start", timeout=timeout)
             fleet._open_client()
         except BaseException as exc:
-            gone = ray_io.local_ray_down() if isinstance(exc, KeyboardInterrupt) else []
+            gone = ray_door.local_ray_down() if isinstance(exc, KeyboardInterrupt) else []
             if gone:  # a signal to the whole process group stopped our Ray too: nothing is left to ask or stop
-                fleet.abandon(f"interrupted while starting; {ray_io.ray_down_reason(gone)}")
+                fleet.abandon(f"interrupted while starting; {ray_door.ray_down_reason(gone)}")
             else:
                 fleet.shutdown()
             raise
@@ -208,13 +208,13 @@ class Fleet:
         """Attach this process to the running fleet ``name`` (on the Ray cluster at ``address``; default:
         the one this process is in, else ``RAY_ADDRESS``, else Ray's ``auto``): a resubmitted job reuses the
         live engines. Where one host runs several Ray clusters, pass ``address`` (the starting process's
-        ``ray_io.cluster_address()``): ``auto`` picks one of them.
+        ``ray_door.cluster_address()``): ``auto`` picks one of them.
         ``shutdown()`` from here stops the whole fleet; ``detach()`` only lets go of it."""
-        ray_io.join_cluster(address)
-        ctl = ray_io.find_actor(controller_name(name))
+        ray_door.join_cluster(address)
+        ctl = ray_door.find_actor(controller_name(name))
         if ctl is None:
             raise FleetStopped(f"Fleet.connect({name!r}): no running fleet of that name on this Ray cluster")
-        cfg = load_fleet_config(ray_io.ask(ctl, "config", timeout=timeout_s))
+        cfg = load_fleet_config(ray_door.ask(ctl, "config", timeout=timeout_s))
         fleet = cls(ctl, cfg)
         fleet._ask("ping", timeout=timeout_s)
         fleet._open_client()
@@ -309,7 +309,7 @@ class Fleet:
         return summary
 
     def resize(self, n: int, drain_timeout_s: float | None = None) -> dict:
-        """Grow or shrink the fleet to ``n`` serving engines (``fleet.resize``); returns the resize summary.
+        """Grow or shrink the fleet to ``n`` serving engines (``fleet.control.resize``); returns the resize summary.
 
         Growing starts the new engines and returns once they started; they serve once a refit lands on
         them (the next ``sync_weights``), or at once while the committed version is the checkpoint (0).
@@ -320,12 +320,12 @@ class Fleet:
         the Ray cluster can place, raises ``ConfigError`` before anything changes; resizing to the size
         the fleet has changes nothing (so it is re-sent safely after a controller restart).
         """
-        from fleet.resize import check_target, drain_bound
+        from fleet.control.resize import check_target, drain_bound
 
         self._check_open("resize")
         n = check_target(n, self.config.min_healthy_engines)
         drain = drain_bound(drain_timeout_s, self.config.request_timeout_s)
-        ray_io.check_capacity(n + self.config.spare_engines, self.config.engine.num_cpus, self.config.engine.num_gpus)
+        ray_door.check_capacity(n + self.config.spare_engines, self.config.engine.num_cpus, self.config.engine.num_gpus)
         bound = self.config.lifecycle_deadline_s * 4 + self.config.engine.start_timeout_s + drain + 120
         summary = self._ask("resize", n, drain_timeout_s, timeout=bound)
         self.config = self.config.model_copy(update={"num_engines": n})
@@ -362,13 +362,13 @@ class Fleet:
         if self._shut_down is not None:
             return {"already_shut_down": True}
         self._shut_down = "Fleet.shutdown() was called"
-        out = ray_io.try_ask(self._ctl, "shutdown", timeout=timeout_s)
+        out = ray_door.try_ask(self._ctl, "shutdown", timeout=timeout_s)
         if out.kind in (DIED, UNAVAILABLE) and self._wait_for_controller():
             # it died inside shutdown: the restarted controller finished it on its first call; this
             # second call returns once it has
-            out = ray_io.try_ask(self._ctl, "shutdown", timeout=timeout_s)
+            out = ray_door.try_ask(self._ctl, "shutdown", timeout=timeout_s)
         counters = self._close_client()
-        ray_io.kill(self._ctl)
+        ray_door.kill(self._ctl)
         summary = out.value if out.ok else {"error": out.describe()}
         return {**summary, **counters}
 

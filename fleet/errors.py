@@ -65,7 +65,7 @@ class RouteRefused(RlfleetError):
     """The shard refused a request without running it: it is paused for a refit, out of the serving
     set, the request was routed under an older epoch, or its weights miss the request's version
     policy. Retryable: the client refreshes its routing state and routes again. ``reason`` is one
-    of ``fleet.shard_gate``'s reasons."""
+    of ``fleet.shard.request_gate``'s reasons."""
 
     def __init__(self, message: str, reason: str = "") -> None:
         super().__init__(message)

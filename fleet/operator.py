@@ -4,7 +4,7 @@ operator's drills, kept off the trainer's ``Fleet`` API.
 ``fleet.fault_injector()`` returns one. Its calls go to the controller the way ``Fleet``'s own do (waiting
 for a restarted controller), and it fires nothing by itself: each call arms or does one thing.
 
-- ``arm_fault(slot, point, action, ...)``: arm a fault at a shard's hook point (``fleet.fault_hooks``);
+- ``arm_fault(slot, point, action, ...)``: arm a fault at a shard's hook point (``fleet.shard.fault_hooks``);
 - ``kill_shard(slot)``: kill the slot's current shard actor now (the controller finds it dead);
 - ``arm_controller_crash(point, delay_s)``: the controller's process kills itself at a refit phase or
   the shutdown (``health.faultplan.CONTROLLER_WHERE``).
@@ -24,7 +24,7 @@ class FaultInjector:
 
     def arm_fault(self, slot: int, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0,
                   match: Sequence[int] | None = None) -> bool:
-        """Arm a fault on ``slot`` (``fleet.fault_hooks``); ``match``: the token ids of a ``poison`` prompt."""
+        """Arm a fault on ``slot`` (``fleet.shard.fault_hooks``); ``match``: the token ids of a ``poison`` prompt."""
         return self._ask("arm_fault", slot, point, action, delay_s, after_calls,
                          None if match is None else list(match), timeout=60)
 

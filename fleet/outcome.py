@@ -1,10 +1,10 @@
 """What one call to a shard came to, and what that means for the health core. Ray-free.
 
-The door (``fleet.ray_io``) turns whatever a call raised or returned into an
+The door (``fleet.cluster.ray_door``) turns whatever a call raised or returned into an
 ``Outcome`` whose ``kind`` is one word; this module turns an outcome into a health
 observation. Together they are the one classification path:
 
-    exception or value --(ray_io.outcome_of)--> Outcome.kind --(observed)--> FailureClass
+    exception or value --(ray_door.outcome_of)--> Outcome.kind --(observed)--> FailureClass
 
 - ``ok``: the call returned (``value`` holds the result);
 - ``died``: the actor is confirmed dead;

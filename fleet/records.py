@@ -40,7 +40,7 @@ Slots = list  # list[int]
 # ------------------------------------------------------------------ gate, routing, health
 @record("gate")
 class Gate(Record):
-    """The gate opened or closed (``fleet.gate``); ``version``: the one it serves."""
+    """The gate opened or closed (``fleet.control.dispatch_gate``); ``version``: the one it serves."""
     open: bool
     version: int | None
     reason: str
@@ -370,7 +370,7 @@ class AdoptFence(Record):
 
 @record("adopted")
 class Adopted(Record):
-    """Re-adoption ended: what it found and did (``fleet.recovery``), or a shutdown it finished."""
+    """Re-adoption ended: what it found and did (``fleet.control.recovery``), or a shutdown it finished."""
     intent: bool
     generation: int
     fenced: list
@@ -393,7 +393,7 @@ class Adopted(Record):
     shards: dict | None = None
 
 
-# ------------------------------------------------------------------ written by clients (``fleet.client``)
+# ------------------------------------------------------------------ written by clients (``fleet.data.client``)
 @record("request")
 class Request(Record):
     """A request's step in a client (``event``: one of the names below)."""

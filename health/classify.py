@@ -2,7 +2,7 @@
 (DESIGN.md, "Failure classes"). Pure: imports no Ray.
 
 The one path is ``exception or value -> outcome kind -> failure class``. The Ray
-door (``fleet.ray_io``) does the first arrow, because only it may see Ray's
+door (``fleet.cluster.ray_door``) does the first arrow, because only it may see Ray's
 exception types; this module does the second:
 
 ==============  ==========  ===============================================

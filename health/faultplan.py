@@ -77,7 +77,7 @@ HOOKED = ("pause", "transfer", "resume", "generate")  # the shard's hook points 
 # is reported by the engine, which still resumes (an ``unavailable`` only)
 SHARD_WHERE = ("step_boundary", "between_refits") + HOOKED + ("stamp",)
 TRAINER_WHERE = ("update", "call")  # faults of the trainer's refit call, not of a shard
-# The refit's phases (``fleet.lifecycle``) and the shutdown: where the controller can crash itself. An engine
+# The refit's phases (``fleet.control.lifecycle``) and the shutdown: where the controller can crash itself. An engine
 # costs three control calls a refit: ``pause`` (fence, abort the too old, pause), ``transfer``, ``resume``
 # (stamp, abort what an unstamped engine held, resume); ``commit`` is the controller's own (intent and ledger).
 REFIT_PHASES = ("close", "reconcile", "pause", "transfer", "commit", "resume", "reopen")

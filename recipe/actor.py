@@ -1,11 +1,11 @@
 """``GRPOTrainerActor``: the GRPO trainer and the refit weight source in one Ray actor.
 
-    trainer = ray_io.spawn_actor(GRPOTrainerActor, model_dir, TrainerConfig(lr=3e-3), num_cpus=1)
-    metrics = ray_io.ask(trainer, "step", groups, timeout=300)
+    trainer = ray_door.spawn_actor(GRPOTrainerActor, model_dir, TrainerConfig(lr=3e-3), num_cpus=1)
+    metrics = ray_door.ask(trainer, "step", groups, timeout=300)
     fleet.sync_weights(version=metrics["new_version"], source=trainer)
 
 It is a ``refit.ports.LocalSenderPort`` (the ``refit.SenderPort`` surface the
-controller's synchronizer drives, through ``fleet.ray_io.ActorSenderPort``) whose
+controller's synchronizer drives, through ``fleet.cluster.ray_door.ActorSenderPort``) whose
 ``WeightSender`` reads the very model the trainer trains in place, so what a refit
 sends is exactly what the trainer holds.
 

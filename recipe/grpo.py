@@ -67,7 +67,7 @@ def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]
 
 def _generation_result(item: Any):
     """A ``GenerationResult``, or the one inside a completed ``FleetResult``; None for a returned/aborted one."""
-    if hasattr(item, "status") and hasattr(item, "result"):  # fleet.dispatch.FleetResult
+    if hasattr(item, "status") and hasattr(item, "result"):  # fleet.data.dispatch.FleetResult
         if item.status != "completed" or item.result is None:
             return None
         item = item.result

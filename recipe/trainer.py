@@ -3,7 +3,7 @@
 It holds a float32 ``LlamaForCausalLM`` and an Adam optimizer. Each ``step(groups)``:
 
 1. drops samples older than ``max_staleness`` versions (counted, never trained on), by
-   ``fleet.staleness.too_old``, the rule the fleet applies to requests in flight;
+   ``fleet.data.staleness.too_old``, the rule the fleet applies to requests in flight;
 2. computes group-normalised advantages per prompt group;
 3. runs one forward pass over every (prompt + completion), reads the trainer's
    logprobs of the sampled tokens, and compares them, before any update, with the
@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from fleet.staleness import staleness_of, too_old
+from fleet.data.staleness import staleness_of, too_old
 from recipe.grpo import Group, clipped_pg_loss, group_advantages
 from recipe.logprobs import batch_token_logprobs, token_logprobs
 
@@ -45,7 +45,7 @@ class TrainerConfig:
     adv_eps: float = 1e-6
     max_grad_norm: float | None = 1.0
     max_staleness: int | None = None
-    """Drop samples with ``version - version_start > max_staleness`` (``fleet.staleness.too_old``; None keeps all)."""
+    """Drop samples with ``version - version_start > max_staleness`` (``fleet.data.staleness.too_old``; None keeps all)."""
     seed: int = 0
     num_threads: int | None = None
     """``torch.set_num_threads`` for this process (None leaves it alone)."""

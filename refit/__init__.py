@@ -25,10 +25,10 @@ Ports (``refit.ports``)::
     SenderPort:    async open_group / connect / close_group / prepare / send               # see ports.py
 
 ``EngineShard.worker_rpc`` already is a receiver port once wrapped over its Ray
-handle (``fleet.ray_io.ShardReceiverPort(handle)``). The sender lives in the
+handle (``fleet.cluster.ray_door.ShardReceiverPort(handle)``). The sender lives in the
 trainer's process: ``LocalSenderPort(WeightSender(model))`` in-process, or an actor
 whose class is a ``LocalSenderPort`` (the recipe's ``GRPOTrainerActor``, the test and
-benchmark ``faults.source.WeightSource``) behind ``fleet.ray_io.ActorSenderPort(handle)``.
+benchmark ``faults.source.WeightSource``) behind ``fleet.cluster.ray_door.ActorSenderPort(handle)``.
 
 Driving a refit (the controller's steps 4-7)::
 
@@ -36,7 +36,7 @@ Driving a refit (the controller's steps 4-7)::
                                                        apply_mode="staged", timeout_s=60))
 
     report = await sync.refit({participant: port, ...}, version, epoch)
-    if not report.ok and not report.refused:    # the controller's one retry (fleet.lifecycle.transfer):
+    if not report.ok and not report.refused:    # the controller's one retry (fleet.control.lifecycle.transfer):
         ...                                     # rebuild without the failed, re-pause, epoch += 1
         report = await sync.refit({participant: port, ...}, version, epoch)
     if report.refused:                          # the update does not fit the model: no retry, nothing changed

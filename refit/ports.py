@@ -3,13 +3,13 @@
 ``ReceiverPort`` is one engine (one participant): an async ``worker_rpc`` that runs a
 method of the worker extension on every worker of that engine and returns one result
 per worker, exactly like ``EngineShard.worker_rpc``. Over Ray the adapter is
-``fleet.ray_io.ShardReceiverPort(handle)``.
+``fleet.cluster.ray_door.ShardReceiverPort(handle)``.
 
 ``SenderPort`` is the trainer's ``WeightSender``. ``LocalSenderPort`` is the
 in-process implementation: it runs the sender's blocking calls on one dedicated
 thread, so it can live inside an asyncio trainer or be turned into a Ray actor as is
-(a subclass of it, spawned by ``fleet.ray_io.spawn_actor``, driven through
-``fleet.ray_io.ActorSenderPort(handle)``).
+(a subclass of it, spawned by ``fleet.cluster.ray_door.spawn_actor``, driven through
+``fleet.cluster.ray_door.ActorSenderPort(handle)``).
 
 The synchronizer bounds every call on both ports itself; ports need not.
 """

@@ -23,7 +23,7 @@ what the KV cache holds), prompts from one seeded stream, each asking for
 ``--completion-tokens`` tokens (``ignore_eos``). The "trainer" consumes completed
 samples as they arrive: a sample's staleness is the trainer's version at
 consumption minus the version its request started under; samples staler than
-``--max-staleness`` are dropped (``fleet.staleness.StalenessFilter``). After
+``--max-staleness`` are dropped (``fleet.data.staleness.StalenessFilter``). After
 every ``--refit-every`` (8) completed samples it takes a step
 (``WeightSource.perturb``) and refits its fleet (``sync_weights``): a fixed
 cadence in samples, so a sample's staleness counts the samples that completed
@@ -187,25 +187,25 @@ class Arm:
     # -- set-up ------------------------------------------------------------------
     def start(self) -> None:
         """A fresh fleet and weight source; warm up with one short request per engine and one refit (v1)."""
-        from fleet import ray_io
+        from fleet.cluster import ray_door
         from fleet.api import Fleet
         from faults.source import WeightSource
 
         t = time.monotonic()
-        self.source = ray_io.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
+        self.source = ray_door.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
         self.fleet = Fleet.start(fleet_config(self.args, self.model_dir, self.name == "adaptive"))
         self.fleet.generate([prompt(self.args, -1)] * self.args.engines, n=1, sampling={"max_tokens": 4})
-        ray_io.ask(self.source, "perturb", 1, 0.02, timeout=60)
+        ray_door.ask(self.source, "perturb", 1, 0.02, timeout=60)
         self.fleet.sync_weights(1, self.source)
         self.start_s = time.monotonic() - t
 
     def stop(self) -> None:
-        from fleet import ray_io
+        from fleet.cluster import ray_door
 
         if self.fleet is not None:
             self.fleet.shutdown()
         if self.source is not None:
-            ray_io.kill(self.source)
+            ray_door.kill(self.source)
 
     # -- the trainer loop ----------------------------------------------------------
     def run(self, barrier: threading.Barrier | None = None) -> None:
@@ -220,9 +220,9 @@ class Arm:
 
     def _loop(self) -> dict:
         from faults.timeline import percentile
-        from fleet import ray_io
+        from fleet.cluster import ray_door
         from fleet.records import Admission
-        from fleet.staleness import StalenessFilter, staleness_of
+        from fleet.data.staleness import StalenessFilter, staleness_of
 
         args, fleet = self.args, self.fleet
         flt = StalenessFilter(args.max_staleness)
@@ -279,7 +279,7 @@ class Arm:
                 next_refit = max(next_refit + every_s, time.monotonic())
                 since_refit = max(0, since_refit - int(args.refit_every))
                 version += 1
-                ray_io.ask(self.source, "perturb", version, 0.02, timeout=60)
+                ray_door.ask(self.source, "perturb", version, 0.02, timeout=60)
                 fleet.sync_weights(version, self.source)
                 m["refits"] += before is not None and time.monotonic() < end
         wall = time.monotonic() - start
@@ -389,7 +389,7 @@ def summary_of(results: dict[str, dict]) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from fleet import ray_io
+    from fleet.cluster import ray_door
     from recipe.tinymodel import build_model, default_model_dir
 
     if args.prompt_tokens + args.completion_tokens > args.max_model_len:
@@ -397,7 +397,7 @@ def main(argv=None) -> int:
     model_dir = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
     t0 = time.monotonic()
     arms = [Arm(a, args, model_dir) for a in ARMS if args.only in (None, a)]
-    ray_io.init_local(num_cpus=len(arms) * args.engines + 2, log_to_driver=False)
+    ray_door.init_local(num_cpus=len(arms) * args.engines + 2, log_to_driver=False)
     try:
         if args.sequential:
             for arm in arms:
@@ -430,7 +430,7 @@ def main(argv=None) -> int:
                 arm.stop()
             except Exception as exc:  # noqa: BLE001
                 print(f"[{arm.name}] shutdown: {exc!r}", file=sys.stderr)
-        ray_io.shutdown()
+        ray_door.shutdown()
     results = {arm.name: arm.result for arm in arms}
     for name, r in results.items():
         print(f"[{name}] " + json.dumps(r), flush=True)

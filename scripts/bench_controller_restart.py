@@ -46,7 +46,7 @@ import time
 from faults import invariants
 from faults.source import WeightSource
 from faults.timeline import read_log
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.api import Fleet
 from fleet.records import Adopted, ControllerBack, ControllerRestarted, ControllerUnreachable
 from recipe.tinymodel import build_model, default_model_dir
@@ -120,8 +120,8 @@ def main() -> None:
     args = parse()
     model = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
     log_path = os.path.join(tempfile.mkdtemp(prefix="bench_controller_restart_"), "events.jsonl")
-    ray_io.init_local(log_to_driver=False)
-    source = ray_io.spawn_actor(WeightSource, model, num_cpus=0)
+    ray_door.init_local(log_to_driver=False)
+    source = ray_door.spawn_actor(WeightSource, model, num_cpus=0)
     t0 = time.monotonic()
     fleet = Fleet.start({
         "engine": {"model": model, "kv_cache_memory_bytes": 32 << 20},
@@ -138,7 +138,7 @@ def main() -> None:
     def next_weights() -> int:
         nonlocal version
         version += 1
-        ray_io.ask(source, "perturb", version, 0.02, timeout=60)
+        ray_door.ask(source, "perturb", version, 0.02, timeout=60)
         return version
 
     fleet.sync_weights(next_weights(), source)
@@ -209,7 +209,7 @@ def main() -> None:
     problems = invariants.check_all(read_log(log_path), fleet.config.lifecycle_deadline_s)
     versions = sorted({r.result.weight_version for r in results if r.ok})
     fleet.shutdown()
-    ray_io.kill(source)
+    ray_door.kill(source)
     lost = counters["accepted"] - counters["completed"] - counters["returned"]
     print(f"requests: {counters['accepted']} accepted, {counters['completed']} completed, "
           f"{counters['returned']} returned, {lost} lost; versions served {versions}; final version "

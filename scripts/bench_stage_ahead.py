@@ -29,7 +29,7 @@ from pathlib import Path
 from faults.load import ClientLoad
 from faults.source import WeightSource
 from faults.timeline import gate_closed_s
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.api import Fleet
 from recipe.tinymodel import build_model
 
@@ -44,8 +44,8 @@ def arm(model: str, stage_ahead: bool, args) -> dict:
         "num_engines": 2, "min_healthy_engines": 1, "stage_ahead": stage_ahead,
         "bucket_mb": 16.0, "refit_timeout_s": 240, "restart_dead_engines": False,
     })
-    source = ray_io.spawn_actor(WeightSource, model, num_cpus=0)
-    ray_io.ask(source, "perturb", 0, 0.0, timeout=300)  # built (its model loaded) before the first refit
+    source = ray_door.spawn_actor(WeightSource, model, num_cpus=0)
+    ray_door.ask(source, "perturb", 0, 0.0, timeout=300)  # built (its model loaded) before the first refit
     load = ClientLoad(fleet, 4, PROMPT, SHORT, name="bench-client")
     try:
         time.sleep(3.0)  # warm-up
@@ -54,7 +54,7 @@ def arm(model: str, stage_ahead: bool, args) -> dict:
         steady_rate = (len(load.finished) - n0) / (time.monotonic() - t0)
         rows = []
         for v in range(1, args.refits + 1):
-            ray_io.ask(source, "perturb", v, 0.02, timeout=120)
+            ray_door.ask(source, "perturb", v, 0.02, timeout=120)
             mark, done0, t_begin = len(fleet.events()), len(load.finished), time.monotonic()
             summary = fleet.sync_weights(v, source)
             wall = time.monotonic() - t_begin
@@ -70,7 +70,7 @@ def arm(model: str, stage_ahead: bool, args) -> dict:
     finally:
         load.stop.set()
         fleet.shutdown()
-        ray_io.kill(source)
+        ray_door.kill(source)
     med = {k: statistics.median(r[k] for r in rows) for k in ("gate_closed_s", "refit_s", "served_share")}
     return {**med, "steady_rate": steady_rate, "requests_not_ok": lost, "rows": rows}
 
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--steady-s", type=float, default=8.0)
     args = ap.parse_args()
     model = str(build_model(MODEL_CACHE / args.preset, preset=args.preset, seed=0))
-    ray_io.init_local(num_cpus=8, log_to_driver=False)
+    ray_door.init_local(num_cpus=8, log_to_driver=False)
     paused = arm(model, False, args)
     staged = arm(model, True, args)
     print(f"{'':<14}{'gate closed s':>14}{'refit s':>10}{'served share':>14}{'steady req/s':>14}")

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from fleet import ray_io
+from fleet.cluster import ray_door
 from faults.chaos import soak
 from recipe.tinymodel import build_model, default_model_dir
 
@@ -24,11 +24,11 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
     model = args.model or str(build_model(default_model_dir("tiny")))
-    ray_io.init_local(log_to_driver=False)
+    ray_door.init_local(log_to_driver=False)
     try:
         result = soak(model, args.duration_s, args.rate_per_min, args.seed, log=lambda m: print(m, flush=True))
     finally:
-        ray_io.shutdown()
+        ray_door.shutdown()
     print(json.dumps(result))
     ok = result["invariants_held"] and result["unrecovered"] == 0 and result["prompts_lost"] == 0
     return 0 if ok else 1

@@ -65,7 +65,7 @@ for lane in fleets matrix; do
 done
 python - "$work/fleets/starts.jsonl" "$work/matrix/starts.jsonl" <<'EOF'
 import sys
-from fleet.start_records import read_starts, summarize
+from fleet.shard.start_records import read_starts, summarize
 print("whole run:", summarize([r for path in sys.argv[1:] for r in read_starts(path)]))
 EOF
 echo "lane logs: $work/fleets/log $work/matrix/log"

@@ -1,6 +1,6 @@
 """What the HTTP front does with a request, apart from HTTP: run it on the fleet, say how it ended.
 
-``Front`` holds the fleet's client (``fleet.client.FleetClient``: it routes straight to the
+``Front`` holds the fleet's client (``fleet.data.client.FleetClient``: it routes straight to the
 shards, holds a request while the gate is closed, re-sends after an engine death), the
 tokenizer, and the front's own counters. It runs on the client's event loop, so a request
 costs no hop between threads and none through the controller.
@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.dispatch import FleetResult
-from fleet.poison import POISON
+from fleet.data.dispatch import FleetResult
+from fleet.data.poison import POISON
 
 _PARAMETER = re.compile(r"\(parameter=(\w+)")
 # Latencies kept for the /metrics quantiles (the most recent ones).
@@ -121,7 +121,7 @@ class Front:
 
     def returned(self, result: FleetResult) -> Outcome:
         """A request the fleet returned: the caller's mistake (refused by validation, or a poison: its attempts took
-        down engines, ``fleet.poison``) is a 400, everything else a 503 with the reason."""
+        down engines, ``fleet.data.poison``) is a 400, everything else a 503 with the reason."""
         reason = result.reason
         if reason.startswith("bad request: "):
             message = _vllm_message(reason[len("bad request: "):])

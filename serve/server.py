@@ -57,7 +57,7 @@ class HttpServer:
 
         client = self.fleet.client
         if self.request_timeout_s is not None and self.request_timeout_s != self.fleet.config.request_timeout_s:
-            from fleet.client import FleetClient
+            from fleet.data.client import FleetClient
 
             # a client of its own: the dispatcher's timeout is per client
             config = self.fleet.config.model_copy(update={"request_timeout_s": float(self.request_timeout_s)})

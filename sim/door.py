@@ -1,4 +1,4 @@
-"""``SimDoor``: a ``fleet.door.Door`` onto a simulated cluster of nodes and ``SimShard`` actors.
+"""``SimDoor``: a ``fleet.cluster.door.Door`` onto a simulated cluster of nodes and ``SimShard`` actors.
 
 The production controller runs against it unchanged. What it models of Ray:
 

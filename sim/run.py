@@ -46,7 +46,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fleet.controller import SingleController
+from fleet.control.controller import SingleController
 from fleet.errors import FleetStopped, RefitNotStaged
 from fleet.records import Gate, Phase, Record, Routing, all_of
 from sim.clock import LoopClock, run_virtual

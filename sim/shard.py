@@ -1,8 +1,8 @@
 """A simulated engine shard: ``EngineShard``'s control methods, with latencies and no engine.
 
-``SimShard`` answers every method the control plane calls (``fleet.door.CONTROL_METHODS``)
-with the signature ``fleet.shard.EngineShard`` has, and keeps the state those methods
-keep: the real shard-side gate (``fleet.shard_gate.ShardGate``), the stamped weight
+``SimShard`` answers every method the control plane calls (``fleet.cluster.door.CONTROL_METHODS``)
+with the signature ``fleet.shard.engine_shard.EngineShard`` has, and keeps the state those methods
+keep: the real shard-side gate (``fleet.shard.request_gate.ShardGate``), the stamped weight
 version, ``dirty`` after a transfer touched the weights, paused. Each call takes the
 simulated time its ``Timings`` field says (an engine start takes ``engine_start_s``).
 
@@ -23,7 +23,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from fleet.shard_gate import ShardGate
+from fleet.shard.request_gate import ShardGate
 from fleet.types import EngineStats
 
 __all__ = ["CALL_DEADLINE", "CallTimedOut", "ShardDied", "SimShard", "Timings"]

@@ -1,4 +1,4 @@
-"""``SimTransfer``: the controller's weight-transport port (``fleet.weights.TransferPort``), in simulated time.
+"""``SimTransfer``: the controller's weight-transport port (``fleet.control.transfer_port.TransferPort``), in simulated time.
 
 A refit's transfer is one broadcast from the trainer to every participant, pipelined,
 so its time does not grow with the number of receivers: ``group_setup_s`` when the
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from fleet.errors import RefitArgumentError
-from fleet.weights import TransferResult
+from fleet.control.transfer_port import TransferResult
 from health import RefitResult
 from sim.door import SimTrainer
 

@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-# Every engine a shard builds during the run appends a record here (``fleet.start_records``): Ray's
+# Every engine a shard builds during the run appends a record here (``fleet.shard.start_records``): Ray's
 # workers and the CLI processes the tests start inherit the variable. The count is printed at the end.
 if not os.environ.get("RLFLEET_START_RECORDS"):
     import tempfile
@@ -54,9 +54,9 @@ def pytest_runtest_logstart(nodeid, location):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """The engine starts this run cost, from the shards' own start records (``fleet.start_records``), in
+    """The engine starts this run cost, from the shards' own start records (``fleet.shard.start_records``), in
     all and by the test module running when each began (a module's fixtures' starts are its own)."""
-    from fleet.start_records import by_window, read_starts, summarize
+    from fleet.shard.start_records import by_window, read_starts, summarize
 
     records = read_starts(os.environ["RLFLEET_START_RECORDS"])
     terminalreporter.write_sep("=", summarize(records))
@@ -74,11 +74,11 @@ def tiny_model() -> str:
 @pytest.fixture(scope="session")
 def ray_local():
     """One Ray for the whole session (starting Ray costs seconds; engines are per module)."""
-    from fleet import ray_io
+    from fleet.cluster import ray_door
 
-    ray_io.init_local(num_cpus=8, log_to_driver=False)
+    ray_door.init_local(num_cpus=8, log_to_driver=False)
     yield
-    ray_io.shutdown()
+    ray_door.shutdown()
 
 
 _EXIT = {"status": None}

@@ -54,7 +54,7 @@ def main() -> int:
     from openai import OpenAI
 
     from faults.source import WeightSource
-    from fleet import ray_io
+    from fleet.cluster import ray_door
     from fleet.api import Fleet
     from recipe.tinymodel import build_model, default_model_dir
     from serve.server import HttpServer
@@ -62,13 +62,13 @@ def main() -> int:
     model_dir = str(build_model(default_model_dir("tiny")))
     fleet = Fleet.start({"engine": {"model": model_dir}, "num_engines": 2, "min_healthy_engines": 1})
     server = HttpServer(fleet, port=0).start()
-    trainer = ray_io.spawn_actor(WeightSource, model_dir, num_cpus=0)  # stands in for the trainer
+    trainer = ray_door.spawn_actor(WeightSource, model_dir, num_cpus=0)  # stands in for the trainer
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     version = [0]
 
     def train_step_and_refit() -> None:
         version[0] += 1
-        ray_io.ask(trainer, "perturb", version[0], timeout=60)  # a "training step"
+        ray_door.ask(trainer, "perturb", version[0], timeout=60)  # a "training step"
         fleet.sync_weights(version=version[0], source=trainer)
 
     try:
@@ -82,7 +82,7 @@ def main() -> int:
     finally:
         server.stop()
         fleet.shutdown()
-        ray_io.kill(trainer)
+        ray_door.kill(trainer)
     print(json.dumps({"episodes": [[{k: t[k] for k in ("weight_version", "version_start", "slot")}
                                     | {"tokens": len(t["token_ids"])} for t in turns] for turns in episodes]}))
     return 0

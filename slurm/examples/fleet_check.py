@@ -29,8 +29,8 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from fleet import ray_io
-from fleet.config import EngineConfig
+from fleet.cluster import ray_door
+from fleet.config.engine import EngineConfig
 from recipe.tinymodel import build_model
 
 PROMPT = [1, 20, 30, 40, 50]
@@ -52,31 +52,31 @@ def run_refit(shards: list, model_dir: str) -> dict:
     from refit.outcome import assign_ranks
     from refit.synchronizer import RefitConfig, WeightSynchronizer
 
-    source = ray_io.spawn_actor(WeightSource, model_dir, num_cpus=0)
+    source = ray_door.spawn_actor(WeightSource, model_dir, num_cpus=0)
     try:
-        ray_io.ask(source, "perturb", 1, 0.05, timeout=120)
-        paused = [ray_io.ask(s, "pause", mode="keep", clear_cache=True, timeout=60) for s in shards]
+        ray_door.ask(source, "perturb", 1, 0.05, timeout=120)
+        paused = [ray_door.ask(s, "pause", mode="keep", clear_cache=True, timeout=60) for s in shards]
         keys = assign_ranks({(i, 1): 1 for i in range(len(shards))})
-        sync = WeightSynchronizer(ray_io.ActorSenderPort(source), RefitConfig(timeout_s=120.0))
+        sync = WeightSynchronizer(ray_door.ActorSenderPort(source), RefitConfig(timeout_s=120.0))
 
         async def refit():
             try:
-                return await sync.refit({k: ray_io.ShardReceiverPort(shards[k.slot]) for k in keys}, 1, 1)
+                return await sync.refit({k: ray_door.ShardReceiverPort(shards[k.slot]) for k in keys}, 1, 1)
             finally:
                 await sync.close()
 
         report = asyncio.run(refit())
         if not report.ok:
             raise RuntimeError("refit failed:\n" + report.summary())
-        stamped = [ray_io.ask(s, "set_weight_version", 1, timeout=60) for s in shards]
-        resumed = [ray_io.ask(s, "resume", timeout=60) for s in shards]
+        stamped = [ray_door.ask(s, "set_weight_version", 1, timeout=60) for s in shards]
+        resumed = [ray_door.ask(s, "resume", timeout=60) for s in shards]
         if paused + stamped + resumed != [True] * (3 * len(shards)):
             raise RuntimeError(f"refit acks were not all True: pause {paused}, stamp {stamped}, resume {resumed}")
-        after = [ray_io.ask(s, "generate", PROMPT, SAMPLING, timeout=T) for s in shards]
+        after = [ray_door.ask(s, "generate", PROMPT, SAMPLING, timeout=T) for s in shards]
         gap = 0.0
         for res in after:
             c = res.completions[0]
-            ref = ray_io.ask(source, "logprobs", list(res.prompt_token_ids), list(c.token_ids), timeout=60)
+            ref = ray_door.ask(source, "logprobs", list(res.prompt_token_ids), list(c.token_ids), timeout=60)
             gap = max(gap, max(abs(x - y) for x, y in zip(ref, c.logprobs)))
         if gap > 1e-4 or any(r.weight_version != 1 for r in after):
             raise RuntimeError(f"engines do not serve the new weights: logprob gap {gap:.2e}, versions {[r.weight_version for r in after]}")
@@ -86,7 +86,7 @@ def run_refit(shards: list, model_dir: str) -> dict:
             "transfer_s": round(report.timings.total_s, 3), "logprob_gap": gap,
         }
     finally:
-        ray_io.kill(source)
+        ray_door.kill(source)
 
 
 def alive_nodes() -> list[dict]:
@@ -115,18 +115,18 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.monotonic()
     shards = [
-        ray_io.spawn_shard(
+        ray_door.spawn_shard(
             cfg, slot=i, incarnation=1,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False),
         )  # fmt: skip
         for i, n in enumerate(nodes)
     ]
     try:
-        starts = [ray_io.ask(s, "start", timeout=T) for s in shards]
-        located = [ray_io.ask(s, "__ray_call__", lambda self: ray.get_runtime_context().get_node_id(), timeout=30) for s in shards]
-        before = [ray_io.ask(s, "generate", PROMPT, SAMPLING, timeout=T) for s in shards]
+        starts = [ray_door.ask(s, "start", timeout=T) for s in shards]
+        located = [ray_door.ask(s, "__ray_call__", lambda self: ray.get_runtime_context().get_node_id(), timeout=30) for s in shards]
+        before = [ray_door.ask(s, "generate", PROMPT, SAMPLING, timeout=T) for s in shards]
         refit = run_refit(shards, model)
-        after = [ray_io.ask(s, "generate", PROMPT, SAMPLING, timeout=T) for s in shards]
+        after = [ray_door.ask(s, "generate", PROMPT, SAMPLING, timeout=T) for s in shards]
         for res in before + after:
             if len(res.completions[0].token_ids) != SAMPLING["max_tokens"]:
                 raise RuntimeError(f"shard slot {res.slot} returned {len(res.completions[0].token_ids)} tokens")
@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.hold)
     finally:
         for s in shards:
-            ray_io.try_ask(s, "shutdown", timeout=60)
-            ray_io.kill(s)
+            ray_door.try_ask(s, "shutdown", timeout=60)
+            ray_door.kill(s)
     return 0
 
 

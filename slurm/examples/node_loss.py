@@ -56,9 +56,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from faults.invariants import requests_accounted
 from faults.source import WeightSource
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.api import Fleet
-from fleet.naming import controller_name, shard_name
+from fleet.cluster.naming import controller_name, shard_name
 from fleet.records import Epoch, Health, Kill, NodeLost, Restart, Retire, of_kinds
 from recipe.tinymodel import build_model
 
@@ -80,7 +80,7 @@ def cluster_nodes(want: int) -> tuple[dict, list[dict]]:
 
 def node_id_of(handle) -> str:
     """The Ray node an actor runs on (asked of the actor itself)."""
-    return ray_io.ask(handle, "__ray_call__", lambda self: ray.get_runtime_context().get_node_id(), timeout=60)
+    return ray_door.ask(handle, "__ray_call__", lambda self: ray.get_runtime_context().get_node_id(), timeout=60)
 
 
 def start_trainer(model: str, head: dict, head_engines: int):
@@ -88,11 +88,11 @@ def start_trainer(model: str, head: dict, head_engines: int):
     reserve = head["Resources"].get("CPU", 0.0) - head_engines
     if reserve < 0:
         raise RuntimeError(f"the head has {head['Resources'].get('CPU', 0)} CPUs, fewer than --head-engines {head_engines}")
-    trainer = ray_io.spawn_actor(
+    trainer = ray_door.spawn_actor(
         WeightSource, model, num_cpus=reserve,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=head["NodeID"], soft=False),
     )  # fmt: skip
-    ray_io.ask(trainer, "rss_mb", timeout=300)  # placed and loaded before any engine asks for a CPU
+    ray_door.ask(trainer, "rss_mb", timeout=300)  # placed and loaded before any engine asks for a CPU
     return trainer
 
 
@@ -111,10 +111,10 @@ def placement(fleet: Fleet, head: dict, worker: dict, head_engines: int) -> dict
     """Where the controller and every shard run; raises unless the controller and ``head_engines``
     shards are on the head and every other shard is on the worker."""
     where = {head["NodeID"]: "head", worker["NodeID"]: "worker"}
-    ctl = ray_io.find_actor(controller_name(fleet.name))
+    ctl = ray_door.find_actor(controller_name(fleet.name))
     shards = []
     for row in slot_rows(fleet):
-        handle = ray_io.find_actor(shard_name(fleet.name, row["slot"], row["incarnation"]))
+        handle = ray_door.find_actor(shard_name(fleet.name, row["slot"], row["incarnation"]))
         node = node_id_of(handle) if handle is not None else None
         shards.append({"slot": row["slot"], "incarnation": row["incarnation"], "node_id": node, "node": where.get(node)})
     out = {
@@ -148,7 +148,7 @@ def train_step(fleet: Fleet, trainer, step: int, prompts: list, samples: int) ->
     """Generate a batch, take a training step, push the new weights as version ``step``."""
     t0 = time.monotonic()
     batch = tally(fleet.generate(prompts, n=samples, sampling=SAMPLING))
-    ray_io.ask(trainer, "perturb", step, 0.01, timeout=120)
+    ray_door.ask(trainer, "perturb", step, 0.01, timeout=120)
     refit = fleet.sync_weights(step, trainer)
     keep = ("version", "epoch", "participants", "complete", "serving", "attempts", "total_s")
     return {"step": step, **batch, "refit": {k: refit.get(k) for k in keep}, "wall_s": round(time.monotonic() - t0, 2)}
@@ -164,7 +164,7 @@ def weights_on_every_slot(fleet: Fleet, trainer, slots: list[int], prompts: list
             if r.result.weight_version != version:
                 raise RuntimeError(f"slot {r.result.slot} served version {r.result.weight_version}, not {version}")
             c = r.result.completions[0]
-            ref = ray_io.ask(trainer, "logprobs", list(r.result.prompt_token_ids), list(c.token_ids), timeout=60)
+            ref = ray_door.ask(trainer, "logprobs", list(r.result.prompt_token_ids), list(c.token_ids), timeout=60)
             gap = max(gap, max(abs(x - y) for x, y in zip(ref, c.logprobs)))
             seen.add(r.result.slot)
         if seen >= set(slots):
@@ -326,7 +326,7 @@ def run(args, report: dict) -> None:
             t0 = time.monotonic()
             out = fleet.shutdown()
             report["shutdown"] = {"seconds": round(time.monotonic() - t0, 2), "shards": out.get("shards", out.get("error"))}
-        ray_io.kill(trainer)
+        ray_door.kill(trainer)
 
 
 def main(argv: list[str] | None = None) -> int:

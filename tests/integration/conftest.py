@@ -11,7 +11,7 @@ serve again). Its event log is on disk, so a controller Ray restarts keeps its p
 invariants read them); updates move in 0.1 MB buckets (the tiny model in ~18: a fault at bucket 2 lands
 mid-stream).
 
-``raw_pair``: two bare engine shards (``fleet.ray_io.spawn_shard``, no controller) for the modules that drive
+``raw_pair``: two bare engine shards (``fleet.cluster.ray_door.spawn_shard``, no controller) for the modules that drive
 shards and the weight transfer by hand: test_recipe_learning, test_refit, test_refit_faults and test_shard,
 run in that order (the order puts them together too). Each module's fixture asks ``RawPair.fresh()``: both
 slots alive and ready (a slot a module killed or shut down is replaced by its next incarnation, or adopted
@@ -36,7 +36,7 @@ class SharedFleet:
 
     def _start(self) -> None:
         from faults.source import WeightSource
-        from fleet import ray_io
+        from fleet.cluster import ray_door
         from fleet.api import Fleet
 
         self._fleet = Fleet.start({"engine": {"model": self._model, "kv_cache_memory_bytes": 32 << 20},
@@ -45,7 +45,7 @@ class SharedFleet:
                                    "request_timeout_s": 120, "refit_timeout_s": 60,  # held requests fit a refit
                                    "lifecycle_grace_s": 5, "bucket_mb": 0.1, "restart_backoff_s": 0.5,
                                    "restart_budget": 5})
-        self._source = ray_io.spawn_actor(WeightSource, self._model, num_cpus=0)
+        self._source = ray_door.spawn_actor(WeightSource, self._model, num_cpus=0)
 
     @property
     def fleet(self):
@@ -60,11 +60,11 @@ class SharedFleet:
         return self._source
 
     def close(self) -> None:
-        from fleet import ray_io
+        from fleet.cluster import ray_door
 
         if self._fleet is not None:
             self._fleet.shutdown()
-            ray_io.kill(self._source)
+            ray_door.kill(self._source)
             self._fleet = self._source = None
 
 
@@ -72,7 +72,7 @@ class RawPair:
     """Two bare shards on the tiny model, started on first use; ``fresh`` hands them to a module as new."""
 
     def __init__(self, tiny_model: str) -> None:
-        from fleet.config import EngineConfig
+        from fleet.config.engine import EngineConfig
 
         self.cfg = EngineConfig(model=tiny_model, kv_cache_memory_bytes=16 << 20, max_model_len=512)
         self.shards: list = []
@@ -85,23 +85,23 @@ class RawPair:
     def _start(self) -> None:
         import time
 
-        from fleet import ray_io
+        from fleet.cluster import ray_door
 
-        self.shards = [ray_io.spawn_shard(self.cfg, slot=i, incarnation=1) for i in range(2)]
+        self.shards = [ray_door.spawn_shard(self.cfg, slot=i, incarnation=1) for i in range(2)]
         self.incarnations = [1, 1]
-        starts = [ray_io.submit(h, "start") for h in self.shards]
+        starts = [ray_door.submit(h, "start") for h in self.shards]
         # While its engine starts, a shard still answers: a controller re-adopting it meanwhile asks
         # ``describe`` with a short deadline, and a shard that cannot answer would be counted missing.
         end = time.monotonic() + 300
         while time.monotonic() < end:
-            states = [ray_io.ask(h, "describe", timeout=5.0)["state"] for h in self.shards]
+            states = [ray_door.ask(h, "describe", timeout=5.0)["state"] for h in self.shards]
             self.start_states += states
             if all(s == "ready" for s in states):
                 break
             time.sleep(0.2)
-        for h, info in zip(self.shards, ray_io.results(starts, 60)):
+        for h, info in zip(self.shards, ray_door.results(starts, 60)):
             print(f"\nraw pair: shard {info['slot']} started in {info['start_s']:.1f} s, "
-                  f"resident {ray_io.ask(h, 'memory_mb', timeout=30)}")
+                  f"resident {ray_door.ask(h, 'memory_mb', timeout=30)}")
 
     def adopt(self, slot: int, handle, incarnation: int) -> None:
         """A module restarted ``slot`` itself: the pair goes on with that shard."""
@@ -109,28 +109,28 @@ class RawPair:
 
     def fresh(self) -> list:
         """Both shards alive, ready, unpaused, on the checkpoint's weights stamped version 0."""
-        from fleet import ray_io
+        from fleet.cluster import ray_door
 
         if not self.shards:
             self._start()
         for slot, h in enumerate(self.shards):
-            seen = ray_io.try_ask(h, "describe", timeout=10)
+            seen = ray_door.try_ask(h, "describe", timeout=10)
             if not seen.ok or seen.value["state"] != "ready":  # killed or shut down by the last module
-                ray_io.kill(h)
+                ray_door.kill(h)
                 self.incarnations[slot] += 1
-                self.shards[slot] = ray_io.spawn_shard(self.cfg, slot=slot, incarnation=self.incarnations[slot])
-                ray_io.ask(self.shards[slot], "start", timeout=300)
+                self.shards[slot] = ray_door.spawn_shard(self.cfg, slot=slot, incarnation=self.incarnations[slot])
+                ray_door.ask(self.shards[slot], "start", timeout=300)
             elif seen.value["paused"]:
-                ray_io.ask(h, "resume", timeout=30)
+                ray_door.ask(h, "resume", timeout=30)
         if any(self._weights(h) != (0, "initial") for h in self.shards):
             self._reset_weights()
         return list(self.shards)
 
     @staticmethod
     def _weights(h) -> tuple[int, str]:
-        from fleet import ray_io
+        from fleet.cluster import ray_door
 
-        (info,) = ray_io.ask(h, "worker_rpc", "rlfleet_worker_info", [], {}, 30, timeout=60)
+        (info,) = ray_door.ask(h, "worker_rpc", "rlfleet_worker_info", [], {}, 30, timeout=60)
         return info["weight_version"], info["weights_state"]
 
     def _reset_weights(self) -> None:
@@ -138,14 +138,14 @@ class RawPair:
         import asyncio
 
         from faults.source import WeightSource
-        from fleet import ray_io
+        from fleet.cluster import ray_door
         from refit import RefitConfig, WeightSynchronizer
         from tests.integration.fleet_helpers import paused_refit
 
         if self._source is None:  # the checkpoint's weights, kept for the pair's later resets
-            self._source = ray_io.spawn_actor(WeightSource, self._model, num_cpus=0)
+            self._source = ray_door.spawn_actor(WeightSource, self._model, num_cpus=0)
         source = self._source
-        sync = WeightSynchronizer(ray_io.ActorSenderPort(source), RefitConfig(timeout_s=60, checksum=True))
+        sync = WeightSynchronizer(ray_door.ActorSenderPort(source), RefitConfig(timeout_s=60, checksum=True))
         self._resets += 1
 
         async def refit():
@@ -156,20 +156,20 @@ class RawPair:
                 await sync.close()
 
         asyncio.run(refit())
-        want = ray_io.ask(source, "checksum", timeout=120)
+        want = ray_door.ask(source, "checksum", timeout=120)
         for h in self.shards:
-            (cs,) = ray_io.ask(h, "worker_rpc", "rlfleet_checksum", [], {}, 60, timeout=90)
+            (cs,) = ray_door.ask(h, "worker_rpc", "rlfleet_checksum", [], {}, 60, timeout=90)
             assert cs["applied"] == want and cs["weight_version"] == 0, "the raw pair's reset did not land"
-            assert ray_io.ask(h, "get_weight_version", timeout=30) == 0, "the raw pair's reset was not stamped"
+            assert ray_door.ask(h, "get_weight_version", timeout=30) == 0, "the raw pair's reset was not stamped"
 
     def close(self) -> None:
-        from fleet import ray_io
+        from fleet.cluster import ray_door
 
         for h in self.shards:
-            ray_io.try_ask(h, "shutdown", timeout=60)
-            ray_io.kill(h)
+            ray_door.try_ask(h, "shutdown", timeout=60)
+            ray_door.kill(h)
         if self._source is not None:
-            ray_io.kill(self._source)
+            ray_door.kill(self._source)
         self.shards, self.incarnations, self._source = [], [], None
 
 

@@ -9,7 +9,7 @@ import subprocess
 import time
 
 from faults import invariants
-from fleet import ray_io
+from fleet.cluster import ray_door
 from refit import Outcome, Participant
 
 PROMPTS = [[1, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(8)]
@@ -24,8 +24,8 @@ def cli_env() -> dict:
 
 def start_shards(handles, timeout: float = 300.0) -> None:
     """Start every shard's engine at once, then wait for all (starting them one after another took the sum)."""
-    for ref in [ray_io.submit(h, "start") for h in handles]:
-        ray_io.get_or_raise(ref, timeout)
+    for ref in [ray_door.submit(h, "start") for h in handles]:
+        ray_door.get_or_raise(ref, timeout)
 
 
 def signal_and_wait(proc: subprocess.Popen, group: bool = True, timeout: float = 180.0) -> tuple[int, float]:
@@ -94,7 +94,7 @@ def logprob_gap(source, results) -> float:
     worst = 0.0
     for r in results:
         c = r.result.completions[0]
-        ref = ray_io.ask(source, "logprobs", list(r.result.prompt_token_ids), list(c.token_ids), timeout=60)
+        ref = ray_door.ask(source, "logprobs", list(r.result.prompt_token_ids), list(c.token_ids), timeout=60)
         worst = max(worst, max(abs(a - b) for a, b in zip(ref, c.logprobs)))
     return worst
 
@@ -107,7 +107,7 @@ class Run:
 
     def next_weights(self) -> int:
         self.version += 1
-        ray_io.ask(self.source, "perturb", self.version, 0.02, timeout=60)
+        ray_door.ask(self.source, "perturb", self.version, 0.02, timeout=60)
         return self.version
 
     def refit(self) -> dict:
@@ -123,18 +123,18 @@ class Run:
 
 def participants(shards) -> dict:
     """The refit plan for bare shards: slot ``i`` at its current incarnation, rank ``i + 1``."""
-    return {Participant(i, ray_io.ask(h, "describe", timeout=30)["incarnation"], (i + 1,)): ray_io.ShardReceiverPort(h)
+    return {Participant(i, ray_door.ask(h, "describe", timeout=30)["incarnation"], (i + 1,)): ray_door.ShardReceiverPort(h)
             for i, h in enumerate(shards)}
 
 
 async def paused_refit(sync, shards, version, epoch):
     """Pause, refit, stamp the shard version on complete engines, resume: the controller's steps 4-7."""
-    await asyncio.gather(*(ray_io.call_async(h, "pause", mode="keep", clear_cache=True) for h in shards))
+    await asyncio.gather(*(ray_door.call_async(h, "pause", mode="keep", clear_cache=True) for h in shards))
     try:
         report = await sync.refit(participants(shards), version, epoch)
         for key, res in report.results.items():
             if res.outcome is Outcome.COMPLETE:
-                await ray_io.call_async(shards[key.slot], "set_weight_version", version)
+                await ray_door.call_async(shards[key.slot], "set_weight_version", version)
     finally:
-        await asyncio.gather(*(ray_io.call_async(h, "resume") for h in shards))
+        await asyncio.gather(*(ray_door.call_async(h, "resume") for h in shards))
     return report

@@ -38,9 +38,9 @@ import pytest
 from faults import invariants
 from faults.source import WeightSource
 from faults.timeline import read_log
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.api import Fleet
-from fleet.naming import NAMESPACE
+from fleet.cluster.naming import NAMESPACE
 from tests.integration import fleet_helpers as helpers
 from tests.integration.fleet_helpers import PROMPTS, wait_for
 from fleet.records import (
@@ -90,14 +90,14 @@ def run(ray_local, tiny_model, tmp_path_factory):
         }
     )
     source_name = f"{fleet.name}-source"
-    source = ray_io.spawn_actor(WeightSource, tiny_model, name=source_name, namespace=NAMESPACE, num_cpus=0)
+    source = ray_door.spawn_actor(WeightSource, tiny_model, name=source_name, namespace=NAMESPACE, num_cpus=0)
     run = Run(fleet, source, source_name, log_path)
     try:
         assert run.refit()["complete"] == [0, 1]
         yield run
     finally:
         fleet.shutdown()
-        ray_io.kill(source)
+        ray_door.kill(source)
 
 
 class Load:
@@ -207,11 +207,11 @@ def test_sigkilled_controller_clients_keep_serving_and_next_refit_lands(run):
 
 SECOND_DRIVER = r"""
 import json, sys
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.api import Fleet
 name, source_name, address, version = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 fleet = Fleet.connect(name, address=address)
-source = ray_io.find_actor(source_name)
+source = ray_door.find_actor(source_name)
 assert source is not None, f"no weight source named {source_name!r}"
 sampling = {"max_tokens": 8, "ignore_eos": True}
 before = [r.result.weight_version if r.ok else r.reason for g in fleet.generate([[1, 2, 3, 4]] * 2, 2, sampling) for r in g]
@@ -221,7 +221,7 @@ info = fleet.controller_info()
 counters = fleet.detach()
 print(json.dumps({"before": before, "after": after, "complete": summary.get("complete"),
                   "generation": info["generation"], "counters": counters}), flush=True)
-ray_io.shutdown()
+ray_door.shutdown()
 """
 
 
@@ -230,7 +230,7 @@ def test_second_driver_connects_by_name_refits_and_detaches(run):
     old = fleet.status()["version"]
     generation = fleet.controller_info()["generation"]
     new = run.next_weights()
-    # The Ray this process started (ray_io.init_local): pass its address. ``address="auto"`` picks an
+    # The Ray this process started (ray_door.init_local): pass its address. ``address="auto"`` picks an
     # arbitrary cluster when several run on the host (another test session) and none was ``ray start``ed.
     import ray
 
@@ -259,7 +259,7 @@ def test_second_driver_connects_by_name_refits_and_detaches(run):
 
 FLOOD_CLIENT = r"""
 import json, pathlib, sys, time
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.api import Fleet
 name, address, ready, me = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3]), sys.argv[4]
 fleet = Fleet.connect(name, address=address)
@@ -271,7 +271,7 @@ groups = fleet.generate([[7, 6, 5, k] for k in range(8)], 2, {"max_tokens": 16, 
 results = [r for g in groups for r in g]
 counters = fleet.detach()
 print(json.dumps({"ok": sum(r.ok for r in results), "n": len(results), "counters": counters}), flush=True)
-ray_io.shutdown()
+ray_door.shutdown()
 """
 
 

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.api import Fleet
 from fleet.errors import ConfigError
-from fleet.naming import shard_name
+from fleet.cluster.naming import shard_name
 
 pytestmark = pytest.mark.quick  # no vLLM engine: seconds, in the quick lane
 
@@ -23,7 +23,7 @@ NAME = "cli-test-fleet"
 
 def rlfleet(*args: str) -> tuple[int, list[dict]]:
     env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "fleet", *args, "--address", ray_io.cluster_address()],
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "fleet", *args, "--address", ray_door.cluster_address()],
                           capture_output=True, text=True, env=env, timeout=180)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return proc.returncode, rows
@@ -41,7 +41,7 @@ def test_a_fleet_is_listed_inspected_and_stopped_by_name_from_a_shell(ray_local,
         assert code == 0 and rows[0]["fleet"] == NAME and rows[0]["gate_open"]
         code, rows = rlfleet("stop", NAME)
         assert code == 0 and rows[0]["shards"] == {"0": "ok", "1": "ok"}
-        assert all(ray_io.find_actor(shard_name(NAME, s, 1)) is None for s in range(2))
+        assert all(ray_door.find_actor(shard_name(NAME, s, 1)) is None for s in range(2))
         code, rows = rlfleet("list")
         assert code == 0 and {"fleet": NAME} not in rows
         code, _ = rlfleet("status", NAME)

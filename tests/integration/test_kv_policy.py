@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from faults.source import WeightSource
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.api import Fleet
 from tests.integration.fleet_helpers import assert_invariants, wait_for
 from fleet.records import FleetWarning
@@ -61,9 +61,9 @@ MEASURED: dict[str, float] = {}
 
 @pytest.fixture(scope="module")
 def source(ray_local, tiny_model):
-    src = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
+    src = ray_door.spawn_actor(WeightSource, tiny_model, num_cpus=0)
     yield src
-    ray_io.kill(src)
+    ray_door.kill(src)
     if MEASURED:
         print("\nmax |engine - trainer| sampled-token logprob after refit (float32, TOL=%g):" % TOL)
         for label, gap in MEASURED.items():
@@ -87,13 +87,13 @@ class Run:
         """Max |engine - trainer| over the sampled tokens' logprobs (trainer: current source weights)."""
         c = result.completions[0]
         assert len(c.token_ids) == SAMPLE["max_tokens"] and len(c.logprobs) == len(c.token_ids)
-        ref = ray_io.ask(self.source, "logprobs", list(result.prompt_token_ids), list(c.token_ids), timeout=T)
+        ref = ray_door.ask(self.source, "logprobs", list(result.prompt_token_ids), list(c.token_ids), timeout=T)
         return max(abs(a - b) for a, b in zip(ref, c.logprobs))
 
     def new_weights(self) -> int:
         self.version += 1
         self.seed += 1
-        ray_io.ask(self.source, "perturb", self.seed, PERTURB_SCALE, timeout=T)
+        ray_door.ask(self.source, "perturb", self.seed, PERTURB_SCALE, timeout=T)
         return self.version
 
     def refit(self, in_flight: bool) -> tuple[dict, object | None]:

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from faults.source import WeightSource
-from fleet import ray_io
+from fleet.cluster import ray_door
 from refit import Outcome, Participant, RefitConfig, WeightSynchronizer
 
 pytestmark = pytest.mark.integration
@@ -33,45 +33,45 @@ def cluster(raw_pair, tiny_model):
     """The session's raw pair (new to this module: checkpoint weights, version 0) and a trainer of its own;
     the slot this module restarts is handed back to the pair (``adopt``)."""
     shards = dict(enumerate(raw_pair.fresh()))
-    trainer = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
+    trainer = ray_door.spawn_actor(WeightSource, tiny_model, num_cpus=0)
     yield {"shards": shards, "trainer": trainer, "cfg": raw_pair.cfg, "pair": raw_pair}
-    ray_io.kill(trainer)
+    ray_door.kill(trainer)
 
 
 def worker_info(h) -> dict:
-    (info,) = ray_io.ask(h, "worker_rpc", "rlfleet_worker_info", [], {}, 30, timeout=60)
+    (info,) = ray_door.ask(h, "worker_rpc", "rlfleet_worker_info", [], {}, 30, timeout=60)
     return info
 
 
 def logprob_gap(h, trainer) -> float:
-    c = ray_io.ask(h, "generate", PROMPT, SAMPLING, timeout=T).completions[0]
-    ref = ray_io.ask(trainer, "logprobs", PROMPT, list(c.token_ids), timeout=T)
+    c = ray_door.ask(h, "generate", PROMPT, SAMPLING, timeout=T).completions[0]
+    ref = ray_door.ask(trainer, "logprobs", PROMPT, list(c.token_ids), timeout=T)
     return max(abs(a - b) for a, b in zip(c.logprobs, ref))
 
 
 def test_kill_during_transfer_fails_survivors_fast_and_rebuilt_epochs_recover(cluster):
     shards, trainer = cluster["shards"], cluster["trainer"]
-    sync = WeightSynchronizer(ray_io.ActorSenderPort(trainer), RefitConfig(timeout_s=TIMEOUT_S, bucket_mb=0.1, checksum=True))
+    sync = WeightSynchronizer(ray_door.ActorSenderPort(trainer), RefitConfig(timeout_s=TIMEOUT_S, bucket_mb=0.1, checksum=True))
     survivor, doomed = shards[0], shards[1]
     incarnation = dict(enumerate(cluster["pair"].incarnations))
     survivor_weights = (worker_info(survivor)["weight_version"], worker_info(survivor)["weights_state"])
     assert survivor_weights[0] == 0
 
     def plan(slots):
-        return {Participant(s, incarnation[s], (i + 1,)): ray_io.ShardReceiverPort(shards[s]) for i, s in enumerate(slots)}
+        return {Participant(s, incarnation[s], (i + 1,)): ray_door.ShardReceiverPort(shards[s]) for i, s in enumerate(slots)}
 
     survivor_pid = worker_info(survivor)["pid"]
     doomed_pid = worker_info(doomed)["pid"]
-    ray_io.ask(trainer, "perturb", seed=1, **STEP, timeout=T)
+    ray_door.ask(trainer, "perturb", seed=1, **STEP, timeout=T)
     # epoch 1: the doomed worker freezes at bucket 2; we kill it while the survivor is mid-transfer
-    assert ray_io.ask(doomed, "worker_rpc", "rlfleet_inject_fault", ["freeze", 2, 600.0], {}, 30, timeout=60) == [True]
+    assert ray_door.ask(doomed, "worker_rpc", "rlfleet_inject_fault", ["freeze", 2, 600.0], {}, 30, timeout=60) == [True]
 
     async def refit_and_kill():
         task = asyncio.ensure_future(sync.refit(plan([0, 1]), 1, epoch=1))
         await asyncio.sleep(3.0)
         assert not task.done(), "the transfer should be held by the frozen worker"
         os.kill(doomed_pid, signal.SIGKILL)
-        ray_io.kill(doomed)
+        ray_door.kill(doomed)
         killed_at = time.monotonic()
         report = await asyncio.wait_for(task, TIMEOUT_S)  # bounded: the survivor fails fast, not at the timeout
         return report, time.monotonic() - killed_at
@@ -95,18 +95,18 @@ def test_kill_during_transfer_fails_survivors_fast_and_rebuilt_epochs_recover(cl
 
     # epoch 3: a restarted engine takes slot 1 (incarnation 2) and receives the full weights
     incarnation[1] += 1
-    restarted = ray_io.spawn_shard(cluster["cfg"], slot=1, incarnation=incarnation[1])
+    restarted = ray_door.spawn_shard(cluster["cfg"], slot=1, incarnation=incarnation[1])
     shards[1] = restarted
     cluster["pair"].adopt(1, restarted, incarnation[1])
-    ray_io.ask(restarted, "start", timeout=300)
-    ray_io.ask(trainer, "perturb", seed=2, **STEP, timeout=T)
+    ray_door.ask(restarted, "start", timeout=300)
+    ray_door.ask(trainer, "perturb", seed=2, **STEP, timeout=T)
     report = asyncio.run(sync.refit(plan([0, 1]), 2, epoch=3))
     assert report.ok, report.summary()
     new = report.results[Participant(1, incarnation[1], (2,))]
     assert new.bytes_moved == report.bytes_sent > 0
-    want = ray_io.ask(trainer, "checksum", timeout=T)
+    want = ray_door.ask(trainer, "checksum", timeout=T)
     for h in (survivor, restarted):
-        (cs,) = ray_io.ask(h, "worker_rpc", "rlfleet_checksum", [], {}, 60, timeout=90)
+        (cs,) = ray_door.ask(h, "worker_rpc", "rlfleet_checksum", [], {}, 60, timeout=90)
         assert cs["applied"] == want and cs["weight_version"] == 2
         assert logprob_gap(h, trainer) < 1e-4
     assert worker_info(survivor)["pid"] == survivor_pid
@@ -116,12 +116,12 @@ def test_kill_during_transfer_fails_survivors_fast_and_rebuilt_epochs_recover(cl
 def test_unreachable_participant_aborts_before_any_weight_moves(cluster):
     """A participant that is already dead fails the group phase; the live one is told why and keeps its weights."""
     shards, trainer = cluster["shards"], cluster["trainer"]
-    sync = WeightSynchronizer(ray_io.ActorSenderPort(trainer), RefitConfig(timeout_s=10, group_timeout_s=5))
-    ghost = ray_io.spawn_shard(cluster["cfg"], slot=9, incarnation=1)
-    ray_io.kill(ghost)  # never started, now dead
+    sync = WeightSynchronizer(ray_door.ActorSenderPort(trainer), RefitConfig(timeout_s=10, group_timeout_s=5))
+    ghost = ray_door.spawn_shard(cluster["cfg"], slot=9, incarnation=1)
+    ray_door.kill(ghost)  # never started, now dead
     live, mine = shards[0], Participant(0, cluster["pair"].incarnations[0], (1,))
     before = worker_info(live)["weight_version"]
-    ports = {mine: ray_io.ShardReceiverPort(live), Participant(9, 1, (2,)): ray_io.ShardReceiverPort(ghost)}
+    ports = {mine: ray_door.ShardReceiverPort(live), Participant(9, 1, (2,)): ray_door.ShardReceiverPort(ghost)}
     # bounded by the group phase (5 s) with room, not the refit's 10 s per attempt and its retry
     report = asyncio.run(asyncio.wait_for(sync.refit(ports, 50, epoch=10), 5 + 5 + 5))
     assert not report.ok
@@ -130,5 +130,5 @@ def test_unreachable_participant_aborts_before_any_weight_moves(cluster):
     assert ghost_res.exception is not None and "Actor" in type(ghost_res.exception).__name__
     assert worker_info(live)["weight_version"] == before
     # the next epoch without the ghost works
-    assert asyncio.run(sync.refit({mine: ray_io.ShardReceiverPort(live)}, before + 1, epoch=11)).ok
+    assert asyncio.run(sync.refit({mine: ray_door.ShardReceiverPort(live)}, before + 1, epoch=11)).ok
     asyncio.run(sync.close())

@@ -12,8 +12,8 @@ import asyncio
 import pytest
 
 from faults.source import WeightSource
-from fleet import ray_io
-from fleet.config import EngineConfig
+from fleet.cluster import ray_door
+from fleet.config.engine import EngineConfig
 from refit import Outcome, RefitConfig, WeightSynchronizer, assign_ranks
 from tests.integration.fleet_helpers import start_shards
 
@@ -31,25 +31,25 @@ def engines(ray_local, tiny_model):
     # vLLM's CPU thread auto-binding needs one NUMA node per TP worker; this machine has one.
     env = {**tp2.process_env(), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     shards = {
-        0: ray_io.spawn_shard(single, slot=0, incarnation=1),
-        1: ray_io.spawn_shard(tp2, slot=1, incarnation=1, runtime_env={"env_vars": env}),
+        0: ray_door.spawn_shard(single, slot=0, incarnation=1),
+        1: ray_door.spawn_shard(tp2, slot=1, incarnation=1, runtime_env={"env_vars": env}),
     }
-    trainer = ray_io.spawn_actor(WeightSource, tiny_model, num_cpus=0)
+    trainer = ray_door.spawn_actor(WeightSource, tiny_model, num_cpus=0)
     start_shards(shards.values())
     yield shards, trainer
     for h in shards.values():
-        ray_io.try_ask(h, "shutdown", timeout=60)
-        ray_io.kill(h)
-    ray_io.kill(trainer)
+        ray_door.try_ask(h, "shutdown", timeout=60)
+        ray_door.kill(h)
+    ray_door.kill(trainer)
 
 
 def plan(shards) -> dict:
     counts = {}
     for slot, h in shards.items():
-        infos = ray_io.ask(h, "worker_rpc", "rlfleet_worker_info", [], {}, 30, timeout=60)
+        infos = ray_door.ask(h, "worker_rpc", "rlfleet_worker_info", [], {}, 30, timeout=60)
         assert sorted(i["worker_index"] for i in infos) == list(range(len(infos)))
         counts[(slot, 1)] = len(infos)
-    return {p: ray_io.ShardReceiverPort(shards[p.slot]) for p in assign_ranks(counts)}
+    return {p: ray_door.ShardReceiverPort(shards[p.slot]) for p in assign_ranks(counts)}
 
 
 @pytest.mark.parametrize("mode", ["staged", "streaming"])
@@ -57,20 +57,20 @@ def test_tensor_parallel_engine_refits_every_worker(engines, mode):
     shards, trainer = engines
     parts = plan(shards)
     assert sorted(p.ranks for p in parts) == [(1,), (2, 3)]
-    sync = WeightSynchronizer(ray_io.ActorSenderPort(trainer), RefitConfig(timeout_s=30, apply_mode=mode, bucket_mb=0.25, checksum=True))
-    ray_io.ask(trainer, "perturb", seed=11 if mode == "staged" else 12, scale=0.05, relative=True, timeout=T)
+    sync = WeightSynchronizer(ray_door.ActorSenderPort(trainer), RefitConfig(timeout_s=30, apply_mode=mode, bucket_mb=0.25, checksum=True))
+    ray_door.ask(trainer, "perturb", seed=11 if mode == "staged" else 12, scale=0.05, relative=True, timeout=T)
     report = asyncio.run(sync.refit(parts, version=1 if mode == "staged" else 2, epoch=1 if mode == "staged" else 2))
     assert report.ok, report.summary()
     assert all(r.outcome is Outcome.COMPLETE for r in report.results.values())
-    want = ray_io.ask(trainer, "checksum", timeout=T)
-    tp_workers = ray_io.ask(shards[1], "worker_rpc", "rlfleet_checksum", [], {}, 60, timeout=90)
+    want = ray_door.ask(trainer, "checksum", timeout=T)
+    tp_workers = ray_door.ask(shards[1], "worker_rpc", "rlfleet_checksum", [], {}, 60, timeout=90)
     assert len(tp_workers) == 2 and all(cs["applied"] == want for cs in tp_workers)
     # sharded tensors (embeddings, lm_head) do not read back under their full shape; replicated norms do
     assert all("model.norm.weight" in cs["live_names"] and "lm_head.weight" not in cs["live_names"] for cs in tp_workers)
     gaps = []
     for h in shards.values():
-        c = ray_io.ask(h, "generate", PROMPT, SAMPLING, timeout=T).completions[0]
-        ref = ray_io.ask(trainer, "logprobs", PROMPT, list(c.token_ids), timeout=T)
+        c = ray_door.ask(h, "generate", PROMPT, SAMPLING, timeout=T).completions[0]
+        ref = ray_door.ask(trainer, "logprobs", PROMPT, list(c.token_ids), timeout=T)
         gaps.append(max(abs(a - b) for a, b in zip(c.logprobs, ref)))
     print(f"\n{mode}: max logprob difference TP=1 {gaps[0]:.2e}, TP=2 {gaps[1]:.2e}")
     assert max(gaps) < 1e-4, gaps

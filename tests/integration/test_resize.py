@@ -14,10 +14,10 @@ import time
 import pytest
 
 from faults.load import ClientLoad
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.api import Fleet
 from fleet.errors import ConfigError
-from fleet.naming import shard_name
+from fleet.cluster.naming import shard_name
 from tests.integration.fleet_helpers import assert_invariants, wait_for
 from fleet.records import Resize, Stopped
 
@@ -73,7 +73,7 @@ def test_grow_and_shrink_under_load_lose_nothing_and_drain_the_removed_engine(fl
 
     slot2 = next(s for s in fleet.status()["ledger"]["slots"] if s["slot"] == 2)
     assert slot2["state"] == "retired" and slot2["removed"] and "removed by a resize" in slot2["reason"]
-    wait_for(lambda: ray_io.find_actor(shard_name(fleet.name, 2, 1)) is None, 30, 0.2, "slot 2's actor gone")
+    wait_for(lambda: ray_door.find_actor(shard_name(fleet.name, 2, 1)) is None, 30, 0.2, "slot 2's actor gone")
     ends = [e for e in fleet.events(kinds=[Resize]) if e["edge"] == "end"]
     assert [(e["size_from"], e["size_to"], e["added"], e["removed"]) for e in ends] == [(2, 3, [2], []), (3, 2, [], [2])]
     assert not fleet.events(kinds=[Stopped])

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from fleet import ray_io
+from fleet.cluster import ray_door
 from serve.loadtest import run_load
 from serve.protocol import VERSION_HEADER
 from serve.server import HttpServer
@@ -166,7 +166,7 @@ def test_load_with_two_refits_in_the_middle_loses_nothing_and_sends_no_5xx(serve
     t, out = _load_in_thread(served.url, clients=6, seconds=12.0, max_tokens=16)
     for i, at in enumerate((3.0, 7.0)):
         time.sleep(at - (3.0 if i else 0.0))
-        ray_io.ask(source, "perturb", 100 + i, timeout=60)
+        ray_door.ask(source, "perturb", 100 + i, timeout=60)
         fleet.sync_weights(version=v0 + 1 + i, source=source)  # raises unless it committed
     t.join(timeout=180)
     assert not t.is_alive(), "the load test did not end"
@@ -182,8 +182,8 @@ def test_a_request_waits_while_a_refit_holds_the_gate_and_past_its_timeout_gets_
     impatient = HttpServer(fleet, port=0, request_timeout_s=1.5).start()  # same fleet, a front of its own
     try:
         v = fleet.status()["version"]
-        ray_io.ask(source, "perturb", 7, timeout=60)
-        ray_io.ask(source, "hold_next_update", 5.0, timeout=30)  # a slow trainer holds the refit and the gate
+        ray_door.ask(source, "perturb", 7, timeout=60)
+        ray_door.ask(source, "hold_next_update", 5.0, timeout=30)  # a slow trainer holds the refit and the gate
         refit = threading.Thread(target=lambda: fleet.sync_weights(version=v + 1, source=source))
         refit.start()
         code, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(curl(f"{served.url}/health")), 30,
@@ -215,7 +215,7 @@ def test_the_documented_agent_rollout_tags_each_turn_with_the_weights_that_made_
     v = fleet.status()["version"]
 
     def refit() -> None:
-        ray_io.ask(source, "perturb", 11, timeout=60)
+        ray_door.ask(source, "perturb", 11, timeout=60)
         fleet.sync_weights(version=v + 1, source=source)
 
     turn1, turn2 = example.play_episode(openai_client(served), served.model, example.TASKS[0], refit)

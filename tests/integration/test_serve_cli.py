@@ -28,7 +28,7 @@ import time
 import httpx
 import pytest
 
-from fleet import ray_io
+from fleet.cluster import ray_door
 from fleet.api import Fleet
 from serve.server import HttpServer
 from tests.integration.fleet_helpers import cli_env, session, session_gone, signal_and_wait, wait_for
@@ -76,7 +76,7 @@ def complete(url: str, max_tokens: int = 2) -> tuple[int, dict]:
 def test_serve_connect_answers_curl_and_sigint_leaves_the_fleet_serving(ray_local, tiny_model):
     fleet = null_fleet(tiny_model, "serve-cli-a")
     try:
-        proc, first = serve_process("--connect", "serve-cli-a", "--address", ray_io.cluster_address(), "--port", "0")
+        proc, first = serve_process("--connect", "serve-cli-a", "--address", ray_door.cluster_address(), "--port", "0")
         url = first["serving"]
         assert first["fleet"] == "serve-cli-a" and first["started_fleet"] is False and url.startswith("http://127.0.0.1:")
         code, body = complete(url)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from fleet import ray_io
-from fleet.config import EngineConfig, validate
+from fleet.cluster import ray_door
+from fleet.config.engine import EngineConfig, validate
 from fleet.errors import BadRequestError, ConfigError, ShardShutDownError
 
 pytestmark = pytest.mark.integration
@@ -35,15 +35,15 @@ def shards(raw_pair):
 def _wait_running(shard, n: int, deadline_s: float = 30.0) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        if ray_io.ask(shard, "stats", timeout=10).running >= n:
+        if ray_door.ask(shard, "stats", timeout=10).running >= n:
             return
         time.sleep(0.05)
     raise AssertionError(f"{n} requests never became running")
 
 
 def test_two_shards_generate_tagged_results(shards, raw_pair):
-    pending = [ray_io.submit(h, "generate", PROMPT, {"max_tokens": 16, "ignore_eos": True, "seed": 1}) for h in shards]
-    results = ray_io.results(pending, T)
+    pending = [ray_door.submit(h, "generate", PROMPT, {"max_tokens": 16, "ignore_eos": True, "seed": 1}) for h in shards]
+    results = ray_door.results(pending, T)
     for slot, res in enumerate(results):
         (c,) = res.completions
         assert len(c.token_ids) == 16 and len(c.logprobs) == 16
@@ -51,66 +51,66 @@ def test_two_shards_generate_tagged_results(shards, raw_pair):
         assert c.finish_reason == "length"
         assert res.incarnation == raw_pair.incarnations[slot]
         assert (res.slot, res.weight_version, res.version_start) == (slot, 0, 0)
-    text = ray_io.ask(shards[0], "generate", "the answer is", {"max_tokens": 4}, timeout=T)
+    text = ray_door.ask(shards[0], "generate", "the answer is", {"max_tokens": 4}, timeout=T)
     assert len(text.prompt_token_ids) > 0 and len(text.completions[0].token_ids) <= 4
 
 
 def test_pause_keep_holds_in_flight_and_resume_completes_them(shards):
     shard = shards[0]
-    pending = [ray_io.submit(shard, "generate", PROMPT, LONG) for _ in range(4)]
+    pending = [ray_door.submit(shard, "generate", PROMPT, LONG) for _ in range(4)]
     _wait_running(shard, 4)
-    assert ray_io.ask(shard, "pause", mode="keep", clear_cache=True, timeout=30) is True
-    assert ray_io.ask(shard, "is_paused", timeout=10) is True
-    done, _ = ray_io.ready(pending, 1.5, num_returns=len(pending))
+    assert ray_door.ask(shard, "pause", mode="keep", clear_cache=True, timeout=30) is True
+    assert ray_door.ask(shard, "is_paused", timeout=10) is True
+    done, _ = ray_door.ready(pending, 1.5, num_returns=len(pending))
     assert not done, "a held request completed while the engine was paused"
-    assert ray_io.ask(shard, "resume", timeout=30) is True
-    results = ray_io.results(pending, T)
+    assert ray_door.ask(shard, "resume", timeout=30) is True
+    results = ray_door.results(pending, T)
     assert [len(r.completions[0].token_ids) for r in results] == [300] * 4
     assert all(r.finish_reason == "length" for r in results)
-    assert ray_io.ask(shard, "is_paused", timeout=10) is False
+    assert ray_door.ask(shard, "is_paused", timeout=10) is False
 
 
 def test_pause_abort_returns_explicit_aborts(shards):
     shard = shards[1]
-    pending = [ray_io.submit(shard, "generate", PROMPT, LONG) for _ in range(3)]
+    pending = [ray_door.submit(shard, "generate", PROMPT, LONG) for _ in range(3)]
     _wait_running(shard, 3)
-    assert ray_io.ask(shard, "pause", mode="abort", timeout=30) is True
-    results = ray_io.results(pending, T)
+    assert ray_door.ask(shard, "pause", mode="abort", timeout=30) is True
+    results = ray_door.results(pending, T)
     assert all(r.aborted and r.finish_reason == "abort" for r in results)
     assert all(len(r.completions[0].token_ids) < 300 for r in results)
-    assert ray_io.ask(shard, "resume", timeout=30) is True
-    again = ray_io.ask(shard, "generate", PROMPT, {"max_tokens": 8}, timeout=T)
+    assert ray_door.ask(shard, "resume", timeout=30) is True
+    again = ray_door.ask(shard, "generate", PROMPT, {"max_tokens": 8}, timeout=T)
     assert not again.aborted
 
 
 def test_reset_prefix_cache_is_honest(shards):
     shard = shards[0]
-    assert ray_io.ask(shard, "reset_prefix_cache", timeout=30) is True
-    pending = [ray_io.submit(shard, "generate", PROMPT * 20, LONG) for _ in range(2)]
+    assert ray_door.ask(shard, "reset_prefix_cache", timeout=30) is True
+    pending = [ray_door.submit(shard, "generate", PROMPT * 20, LONG) for _ in range(2)]
     _wait_running(shard, 2)
     # Hold them with their KV (clear_cache=False): running requests own blocks now.
-    ray_io.ask(shard, "pause", mode="keep", clear_cache=False, timeout=30)
+    ray_door.ask(shard, "pause", mode="keep", clear_cache=False, timeout=30)
     try:
-        assert ray_io.ask(shard, "reset_prefix_cache", timeout=30) is False
+        assert ray_door.ask(shard, "reset_prefix_cache", timeout=30) is False
     finally:
-        ray_io.ask(shard, "resume", timeout=30)
-    assert all(len(r.completions[0].token_ids) == 300 for r in ray_io.results(pending, T))
-    assert ray_io.ask(shard, "reset_prefix_cache", timeout=30) is True
+        ray_door.ask(shard, "resume", timeout=30)
+    assert all(len(r.completions[0].token_ids) == 300 for r in ray_door.results(pending, T))
+    assert ray_door.ask(shard, "reset_prefix_cache", timeout=30) is True
 
 
 def test_stats_move_with_load(shards):
     shard = shards[1]
-    idle = ray_io.ask(shard, "stats", timeout=10)
+    idle = ray_door.ask(shard, "stats", timeout=10)
     assert idle.kv_cache_tokens > 0 and idle.max_model_len == 512
     assert idle.in_flight == 0
-    pending = [ray_io.submit(shard, "generate", PROMPT * 10, LONG) for _ in range(6)]
+    pending = [ray_door.submit(shard, "generate", PROMPT * 10, LONG) for _ in range(6)]
     _wait_running(shard, 6)
-    busy = ray_io.ask(shard, "stats", timeout=10)
+    busy = ray_door.ask(shard, "stats", timeout=10)
     assert busy.kv_cache_usage > idle.kv_cache_usage
     assert busy.in_flight == 6 and busy.updated_at is not None
-    ray_io.results(pending, T)
+    ray_door.results(pending, T)
     time.sleep(0.3)
-    after = ray_io.ask(shard, "stats", timeout=10)
+    after = ray_door.ask(shard, "stats", timeout=10)
     assert after.running == 0 and after.in_flight == 0
 
 
@@ -128,22 +128,22 @@ def test_bad_config_value_names_field(tiny_model):
 
 def test_sampling_params_vllm_rejects_raise_bad_request(shards):
     with pytest.raises(BadRequestError, match="temperature"):
-        ray_io.ask(shards[0], "generate", PROMPT, {"temperature": -1.0}, timeout=T)
+        ray_door.ask(shards[0], "generate", PROMPT, {"temperature": -1.0}, timeout=T)
     with pytest.raises(BadRequestError, match="not_a_param"):
-        ray_io.ask(shards[0], "generate", PROMPT, {"not_a_param": 1}, timeout=T)
+        ray_door.ask(shards[0], "generate", PROMPT, {"not_a_param": 1}, timeout=T)
     # The shard still serves after rejecting bad input.
-    ok = ray_io.ask(shards[0], "generate", PROMPT, {"max_tokens": 2}, timeout=T)
+    ok = ray_door.ask(shards[0], "generate", PROMPT, {"max_tokens": 2}, timeout=T)
     assert len(ok.completions[0].token_ids) <= 2
 
 
 def test_shutdown_returns_in_flight_and_refuses_calls(shards):
     shard = shards[1]
-    pending = [ray_io.submit(shard, "generate", PROMPT, LONG) for _ in range(2)]
+    pending = [ray_door.submit(shard, "generate", PROMPT, LONG) for _ in range(2)]
     _wait_running(shard, 2)
-    assert ray_io.ask(shard, "shutdown", timeout=60) is True
+    assert ray_door.ask(shard, "shutdown", timeout=60) is True
     for p in pending:
-        res = ray_io.result(p, T)
+        res = ray_door.result(p, T)
         assert res.aborted, "a request in flight at shutdown must come back as an explicit abort"
-    for call in (ray_io.submit(shard, "generate", PROMPT, {}), ray_io.submit(shard, "pause"), ray_io.submit(shard, "stats")):
+    for call in (ray_door.submit(shard, "generate", PROMPT, {}), ray_door.submit(shard, "pause"), ray_door.submit(shard, "stats")):
         with pytest.raises(ShardShutDownError, match="slot 1 .*shut down"):
-            ray_io.result(call, 30)
+            ray_door.result(call, 30)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from faults.load import ClientLoad
-from fleet import naming, ray_io
+from fleet.cluster import naming
+from fleet.cluster import ray_door
 from tests.integration.fleet_helpers import Run, assert_invariants, logprob_gap, slot_states, wait_for
 from fleet.records import ControllerRestarted, Fault, Gate, Health, Phase, RefitFailedAttempt, Staged, of
 
@@ -42,8 +43,8 @@ def freeze_next_staging(fleet, slot: int = 0) -> None:
     """``slot``'s worker freezes its receive thread at bucket 2 for FREEZE_S in the next staging: the broadcast
     waits for it, its engine does not."""
     incarnation = {s["slot"]: s["incarnation"] for s in fleet.status()["ledger"]["slots"]}[slot]
-    handle = ray_io.find_actor(naming.shard_name(fleet.name, slot, incarnation))
-    assert ray_io.ask(handle, "worker_rpc", "rlfleet_inject_fault", ["freeze", 2, FREEZE_S], {}, 30, timeout=60) == [True]
+    handle = ray_door.find_actor(naming.shard_name(fleet.name, slot, incarnation))
+    assert ray_door.ask(handle, "worker_rpc", "rlfleet_inject_fault", ["freeze", 2, FREEZE_S], {}, 30, timeout=60) == [True]
 
 
 def window(events, version: int, phase: str) -> tuple[float, float]:

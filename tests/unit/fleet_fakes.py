@@ -1,6 +1,6 @@
 """In-process fakes for unit tests of the controller's pure logic (no Ray, no vLLM).
 
-``FakeDoor`` stands in for ``fleet.ray_io.RayDoor``: shards are ``FakeShard``
+``FakeDoor`` stands in for ``fleet.cluster.ray_door.RayDoor``: shards are ``FakeShard``
 objects whose behaviour per method is scripted ("die", "hang", "lie",
 "unavailable", "error", "lost": ran but its reply was lost), and every call is recorded in ``door.calls`` as
 (method, slot, incarnation) in the order calls were made.
@@ -21,15 +21,15 @@ import asyncio
 import random
 from dataclasses import dataclass, field
 
-from fleet.client import InProcessClient
+from fleet.data.client import InProcessClient
 from sim.clock import LoopClock, VirtualTimeLoop, run_virtual  # noqa: F401 - the unit tests' virtual time
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
-from fleet.poison import fingerprint
-from fleet.routing import Ticket, VersionPolicy
-from fleet.shard_gate import ShardGate
+from fleet.data.poison import fingerprint
+from fleet.data.routing_state import Ticket, VersionPolicy
+from fleet.shard.request_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
 from fleet.errors import BadRequestError, DeadlineExceeded, RefitArgumentError, RouteRefused, ShardUnusableError
-from fleet.weights import TransferResult
+from fleet.control.transfer_port import TransferResult
 from health import RefitResult
 
 
@@ -181,7 +181,7 @@ class FakeDoor:
             value = await getattr(self, f"_{method}")(handle, *args, **kw)
         except (RouteRefused, BadRequestError, ShardUnusableError) as exc:  # the shard's own answers, as Ray delivers them
             return Outcome(ERROR, error=exc)
-        except DeadlineExceeded as exc:  # the shard's own deadline: ``ray_io`` reads it as timed out
+        except DeadlineExceeded as exc:  # the shard's own deadline: ``ray_door`` reads it as timed out
             return Outcome(TIMED_OUT, error=exc)
         if handle.dead:
             return Outcome(DIED, error=ActorDiedError(f"slot {handle.slot} died during {method}"))

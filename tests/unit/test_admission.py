@@ -1,5 +1,5 @@
-"""The admission config, law (``fleet.admission_law``) rule by rule, and tracker
-(``fleet.admission``), with synthetic stats and a hand-moved clock."""
+"""The admission config, law (``fleet.control.admission_law``) rule by rule, and tracker
+(``fleet.control.admission``), with synthetic stats and a hand-moved clock."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from fleet.admission import AdmissionController
-from fleet.admission_config import AdmissionConfig, load_admission_config
-from fleet.admission_law import AdmissionState, initial_cap, initial_state, update
+from fleet.control.admission import AdmissionController
+from fleet.config.admission import AdmissionConfig, load_admission_config
+from fleet.control.admission_law import AdmissionState, initial_cap, initial_state, update
 from fleet.errors import ConfigError
 from fleet.types import EngineStats
 

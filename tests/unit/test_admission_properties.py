@@ -1,4 +1,4 @@
-"""Property tests of the admission law (``fleet.admission_law``): random configurations and
+"""Property tests of the admission law (``fleet.control.admission_law``): random configurations and
 random sequences of polls (fresh, repeated or absent records, failed calls, unreadable
 stats, usage, waiting, preemptions, in-flight and finished counts, clock steps). The
 expectations are computed from what the test fed in, not read back from the law's state."""
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from fleet.admission_config import AdmissionConfig
-from fleet.admission_law import AdmissionState, initial_state, update
+from fleet.config.admission import AdmissionConfig
+from fleet.control.admission_law import AdmissionState, initial_state, update
 from fleet.types import EngineStats
 
 

@@ -116,7 +116,7 @@ def test_an_address_where_nothing_listens_is_refused_at_once_without_asking_ray(
 def test_only_a_plain_host_and_port_is_checked_before_ray_is_asked():
     import socket
 
-    from fleet.ray_io import unreachable
+    from fleet.cluster.ray_door import unreachable
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

@@ -12,9 +12,9 @@ import warnings
 
 import pytest
 
-from fleet.controller import SingleController
+from fleet.control.controller import SingleController
 from fleet.errors import ConfigError, FleetExhausted, RefitFailed
-from fleet.fleet_config import REFIT_TIMEOUT_FALLBACK_S, load_fleet_config
+from fleet.config.fleet import REFIT_TIMEOUT_FALLBACK_S, load_fleet_config
 from fleet.outcome import DIED, UNAVAILABLE, Outcome, observed
 from health import CallKind
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual

@@ -18,12 +18,12 @@ from collections import Counter
 import pytest
 
 from fleet.errors import RouteRefused
-from fleet.null_backend import NullBackend
+from fleet.shard.null_backend import NullBackend
 from fleet.outcome import DIED, TIMED_OUT, Outcome
-from fleet.router import pick_two
-from fleet.routing import ANY, LATEST, MAX_STALENESS, Member, Ticket, VersionPolicy
-from fleet.shard import EngineShard
-from fleet.shard_gate import EPOCH, NOT_MEMBER, PAUSED, VERSION, RecentResults, ShardGate
+from fleet.data.shard_choice import pick_two
+from fleet.data.routing_state import ANY, LATEST, MAX_STALENESS, Member, Ticket, VersionPolicy
+from fleet.shard.engine_shard import EngineShard
+from fleet.shard.request_gate import EPOCH, NOT_MEMBER, PAUSED, VERSION, RecentResults, ShardGate
 from health import CallKind
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
@@ -356,7 +356,7 @@ def test_a_request_whose_own_timeout_passes_while_it_generates_is_aborted_withou
 
 # ------------------------------------------------------------------ the cap is the shard's (hole 5)
 def test_the_gate_refuses_full_at_the_newest_published_cap():
-    from fleet.shard_gate import FULL
+    from fleet.shard.request_gate import FULL
 
     g = member_gate(epoch=3)
     assert g.admit(Ticket(3, cap=2), 2, in_flight=0) is None
@@ -372,7 +372,7 @@ def test_the_gate_refuses_full_at_the_newest_published_cap():
 def test_two_clients_never_push_a_shard_past_its_cap_and_full_is_a_free_reroute(model_dir):
     """Two clients, each within the published cap by its own count, flood one fleet: each shard refuses
     past its cap (``full``), the clients re-route with no error and no health report, nothing is lost."""
-    from fleet.client import InProcessClient
+    from fleet.data.client import InProcessClient
 
     async def go():
         ctl, door, _ = make(model_dir, admission={"ceiling": 2, "enabled": False}, request_timeout_s=600)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import random
 
-from fleet.dispatch import Dispatcher
+from fleet.data.dispatch import Dispatcher
 from fleet.eventlog import EventLog
 from fleet.outcome import DIED, OK, Outcome
-from fleet.routing import LATEST, Member, RoutingState, VersionPolicy
+from fleet.data.routing_state import LATEST, Member, RoutingState, VersionPolicy
 from fleet.types import Completion, GenerationResult
 
 DEAD = {0, 1}

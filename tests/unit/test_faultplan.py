@@ -8,7 +8,7 @@ import pytest
 
 from faults.matrix import BASE_FLEET, MATRIX, by_name
 from faults.timeline import read_log
-from fleet.fault_hooks import ArmedFault, FaultHooks
+from fleet.shard.fault_hooks import ArmedFault, FaultHooks
 from health.faultplan import load_plan, resolve
 
 
@@ -94,7 +94,7 @@ def test_controller_faults_name_no_shard_and_resolve_to_no_slot():
 
 
 def test_the_plans_refit_phases_are_the_lifecycles():
-    from fleet.lifecycle import PHASES
+    from fleet.control.lifecycle import PHASES
     from health.faultplan import REFIT_PHASES
 
     assert REFIT_PHASES == PHASES
@@ -173,9 +173,9 @@ def test_slow_is_journaled_once_and_a_journal_that_cannot_be_written_refuses_the
 
 
 def test_a_shard_journals_its_faults_under_its_slot_and_incarnation(tmp_path, monkeypatch):
-    from fleet.config import EngineConfig
-    from fleet.null_backend import NullBackend
-    from fleet.shard import EngineShard
+    from fleet.config.engine import EngineConfig
+    from fleet.shard.null_backend import NullBackend
+    from fleet.shard.engine_shard import EngineShard
 
     (tmp_path / "config.json").write_text("{}")
     cfg = EngineConfig(model=str(tmp_path), fault_journal=str(tmp_path / "fired.jsonl"))

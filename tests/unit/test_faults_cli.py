@@ -23,8 +23,8 @@ def stub_runner(monkeypatch):
                 for i, v in enumerate(variants)]
 
     monkeypatch.setattr("faults.runner.run_variants", fake_run_variants)
-    monkeypatch.setattr("fleet.ray_io.init_local", lambda **kw: None)
-    monkeypatch.setattr("fleet.ray_io.shutdown", lambda: None)
+    monkeypatch.setattr("fleet.cluster.ray_door.init_local", lambda **kw: None)
+    monkeypatch.setattr("fleet.cluster.ray_door.shutdown", lambda: None)
     return seen
 
 
@@ -97,9 +97,9 @@ def test_a_signal_mid_run_reports_the_variants_that_finished_and_exits_128_plus_
         interrupt._raise_interrupted(signal.SIGTERM, None)
 
     monkeypatch.setattr("faults.runner.run_variants", interrupted_run)
-    monkeypatch.setattr("fleet.ray_io.init_local", lambda **kw: None)
-    monkeypatch.setattr("fleet.ray_io.shutdown", lambda: None)
-    monkeypatch.setattr("fleet.ray_io.local_ray_down", lambda wait_s=2.0: [])  # Ray still up: shut down in order
+    monkeypatch.setattr("fleet.cluster.ray_door.init_local", lambda **kw: None)
+    monkeypatch.setattr("fleet.cluster.ray_door.shutdown", lambda: None)
+    monkeypatch.setattr("fleet.cluster.ray_door.local_ray_down", lambda wait_s=2.0: [])  # Ray still up: shut down in order
     rc = cli.main(["faults", "run", "--matrix", "--only", "kill-during-pause", "hang-past-deadline", "--model", str(tmp_path)])
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])

@@ -1,6 +1,6 @@
 """Failure classification (health.classify): outcome kind -> failure class, late
 events, and refit results typed by bytes moved. The exception -> kind rows are
-tested where that mapping lives, the Ray door (tests/unit/test_ray_io.py)."""
+tested where that mapping lives, the Ray door (tests/unit/test_ray_door.py)."""
 
 from __future__ import annotations
 

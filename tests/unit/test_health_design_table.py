@@ -28,7 +28,7 @@ from health.testing import feed, ready_fleet
 from ray import exceptions as rex
 
 from fleet.outcome import observed
-from fleet.ray_io import outcome_of
+from fleet.cluster.ray_door import outcome_of
 
 
 class ActorDiedError(rex.ActorDiedError):

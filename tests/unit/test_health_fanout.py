@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from fleet import eventlog
 from fleet.eventlog import EventLog
 from fleet.records import Gate, Health
-from fleet.metrics import FleetMetrics
+from fleet.control.metrics import FleetMetrics
 from health import (
     Batch,
     CallKind,

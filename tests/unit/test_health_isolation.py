@@ -49,10 +49,11 @@ def test_importing_health_loads_neither_ray_nor_vllm():
 
 
 def test_the_control_plane_logic_and_its_unit_fakes_load_no_ray():
-    """Only the door (fleet.ray_io) may import Ray: the controller, lifecycle, dispatch, outcome,
-    weight port and the unit tests' fakes run without it."""
+    """Only the door (``fleet.cluster.ray_door``) may import Ray: the control plane, the data plane's
+    dispatch, the outcomes, the weight port and the unit tests' fakes run without it."""
     code = (
-        "import sys, fleet.controller, fleet.lifecycle, fleet.dispatch, fleet.outcome, fleet.weights\n"
+        "import sys, fleet.control.controller, fleet.control.lifecycle, fleet.control.slots, fleet.control.monitor, "
+        "fleet.data.dispatch, fleet.outcome, fleet.control.transfer_port, fleet.records\n"
         "import tests.unit.fleet_fakes\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))\n"
     )

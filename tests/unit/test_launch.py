@@ -1,12 +1,12 @@
 """Every launch of an engine (``start``, a restart, a grown slot) is bounded and never leaves a slot
-``restarting`` forever (``fleet.launch``), and a restarted engine at the checkpoint serves at once.
+``restarting`` forever (``fleet.control.launch``), and a restarted engine at the checkpoint serves at once.
 Fakes, virtual time."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fleet.controller import SingleController
+from fleet.control.controller import SingleController
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
 from fleet.records import Launch, Retire
 
@@ -93,7 +93,7 @@ def test_a_slot_whose_every_launch_raises_is_retired_when_its_budget_is_spent(mo
 
 def test_a_restart_whose_start_never_answers_is_cut_by_the_watchdog_and_retried(model_dir):
     async def go():
-        from fleet.launch import watchdog_s
+        from fleet.control.launch import watchdog_s
 
         ctl, door = make(model_dir)
         await ctl.start()

@@ -1,4 +1,4 @@
-"""What the fleet exports for dashboards (``fleet.metrics`` over a fake metrics sink) and what it writes
+"""What the fleet exports for dashboards (``fleet.control.metrics`` over a fake metrics sink) and what it writes
 per refit and per run step into the summary and the event log (requests held across the pause, step
 time, generation tokens/s). Fakes, virtual time; no Ray."""
 
@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from fleet.controller import SingleController
-from fleet.metrics import FleetMetrics, RunMeter
+from fleet.control.controller import SingleController
+from fleet.control.metrics import FleetMetrics, RunMeter
 from fleet.types import EngineStats
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
 from fleet.records import RefitHeld, RunStep

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from fleet.controller import SingleController
-from fleet.nodes import NodeMap
+from fleet.control.controller import SingleController
+from fleet.control.nodes import NodeMap
 from fleet.outcome import TIMED_OUT, Outcome
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, run_virtual
 from fleet.records import Health, NodeLost, Placement

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from fleet.config import EngineConfig
-from fleet.null_backend import NullBackend
+from fleet.config.engine import EngineConfig
+from fleet.shard.null_backend import NullBackend
 from refit.manifest import plan_buckets
 from refit.model_spec import checkpoint_spec
 

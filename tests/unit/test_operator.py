@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 from fleet.api import Fleet
-from fleet.controller import SingleController
+from fleet.control.controller import SingleController
 from fleet.operator import FaultInjector
 
 

@@ -15,9 +15,9 @@ import pickle
 
 import pytest
 
-from fleet.poison import fingerprint, took_down
+from fleet.data.poison import fingerprint, took_down
 from fleet.errors import ConfigError, EngineCrashedError
-from fleet.fleet_config import load_fleet_config
+from fleet.config.fleet import load_fleet_config
 from fleet.outcome import DIED, ERROR, Outcome
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
@@ -87,8 +87,8 @@ async def wait_serving(ctl, n: int, within_s: float = 60.0) -> None:
 
 
 def test_a_poison_one_client_found_is_refused_by_the_shards_to_another_client(model_dir):
-    from fleet.client import InProcessClient
-    from fleet.poison import POISON as REASON
+    from fleet.data.client import InProcessClient
+    from fleet.data.poison import POISON as REASON
 
     async def go():
         ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
@@ -171,10 +171,10 @@ def test_a_bad_poison_window_is_refused_naming_it(model_dir, bad):
 
 # ------------------------------------------------------------------ the fault action: a prompt that crashes its engine
 def test_a_poison_fault_crashes_the_engine_under_a_matching_request_only(tmp_path, monkeypatch):
-    from fleet import fault_hooks
-    from fleet.fault_hooks import ArmedFault
-    from fleet.null_backend import NullBackend
-    from fleet.shard import EngineShard
+    from fleet.shard import fault_hooks
+    from fleet.shard.fault_hooks import ArmedFault
+    from fleet.shard.null_backend import NullBackend
+    from fleet.shard.engine_shard import EngineShard
 
     monkeypatch.setattr(fault_hooks, "ENGINE_DEATH_WAIT_S", 0.05)  # the null engine has no core to see die
     for bad in (dict(point="generate", action="poison"), dict(point="generate", action="kill", match=(1,)),
@@ -221,8 +221,8 @@ def test_the_poison_variant_proof_fails_when_a_third_engine_dies_or_the_repeat_i
 
 def test_a_shard_told_of_a_poison_refuses_it_from_anyone_and_runs_everything_else(tmp_path):
     from fleet.errors import RouteRefused
-    from fleet.null_backend import NullBackend
-    from fleet.shard import EngineShard
+    from fleet.shard.null_backend import NullBackend
+    from fleet.shard.engine_shard import EngineShard
 
     async def go():
         (tmp_path / "config.json").write_text("{}")

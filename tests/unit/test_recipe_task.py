@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fleet.dispatch import FleetResult
+from fleet.data.dispatch import FleetResult
 from recipe.config import RecipeConfig
 from recipe.grpo import Group, Sample, build_group, group_advantages
 from recipe.task import FIRST_ORDINARY_ID, AllowedTokensTask, PromptGenerator

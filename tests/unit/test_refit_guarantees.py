@@ -199,11 +199,11 @@ def test_n_must_be_a_positive_integer():
 
 
 def test_calls_after_shutdown_raise_fleet_stopped(monkeypatch, model_dir):
-    from fleet import ray_io
-    from fleet.fleet_config import load_fleet_config
+    from fleet.cluster import ray_door
+    from fleet.config.fleet import load_fleet_config
 
-    monkeypatch.setattr(ray_io, "try_ask", lambda *a, **k: Outcome("ok", value={"accepted": 0}))
-    monkeypatch.setattr(ray_io, "kill", lambda handle: None)
+    monkeypatch.setattr(ray_door, "try_ask", lambda *a, **k: Outcome("ok", value={"accepted": 0}))
+    monkeypatch.setattr(ray_door, "kill", lambda handle: None)
     fleet = Fleet(controller=object(), config=load_fleet_config({"engine": {"model": model_dir}}))
     fleet.shutdown()
     for call in (lambda: fleet.generate([[1]]), lambda: fleet.status(), lambda: fleet.sync_weights(1, None),
@@ -257,8 +257,8 @@ def test_the_transfer_phase_ends_within_its_deadline_retry_included(model_dir):
 
 def test_an_engine_that_reports_no_workers_is_never_counted_as_refitted(model_dir):
     """Seed 002's rule: a join answering None or an empty worker list is not a success."""
-    from fleet.fleet_config import load_fleet_config
-    from fleet.weights import RefitTransferPort
+    from fleet.config.fleet import load_fleet_config
+    from fleet.control.transfer_port import RefitTransferPort
     from health import Participant, RefitResult
 
     class Door:

@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-from fleet.null_backend import NullBackend
-from fleet.shard import EngineShard
+from fleet.shard.null_backend import NullBackend
+from fleet.shard.engine_shard import EngineShard
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
 from fleet.records import LeaveNotice, Stamp
@@ -229,7 +229,7 @@ def test_a_leave_notice_is_retried_until_acknowledged(model_dir):
 
 
 def test_a_leave_notice_sent_again_never_undoes_a_later_join():
-    from fleet.shard_gate import ShardGate
+    from fleet.shard.request_gate import ShardGate
 
     gate = ShardGate()
     gate.route(5, True, 1)

@@ -1,4 +1,4 @@
-"""``SingleController.resize`` (``fleet.resize``) on fakes, in virtual time: grow, shrink under load with
+"""``SingleController.resize`` (``fleet.control.resize``) on fakes, in virtual time: grow, shrink under load with
 nothing lost, the drain bound, refits and resizes never interleaving, validation before anything
 changes, and a restarted controller re-adopting the resized fleet."""
 
@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from fleet.controller import SingleController
+from fleet.control.controller import SingleController
 from fleet.errors import ConfigError, FleetStopped
-from fleet.intent import Intent
-from fleet.naming import intent_key, shard_name
+from fleet.control.intent import Intent
+from fleet.cluster.naming import intent_key, shard_name
 from fleet.outcome import DIED, Outcome
 from health import CallKind
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
@@ -322,8 +322,8 @@ def test_the_intent_keeps_the_removed_slots_and_reads_an_older_one_without_them(
 
 def test_a_shard_notes_what_it_held_as_it_left_the_serving_set_and_admits_nothing_after(model_dir):
     from fleet.errors import RouteRefused
-    from fleet.routing import Ticket, VersionPolicy
-    from fleet.shard import EngineShard
+    from fleet.data.routing_state import Ticket, VersionPolicy
+    from fleet.shard.engine_shard import EngineShard
 
     async def go():
         shard = EngineShard({"model": model_dir, "backend": "null", "null_generate_s": 5.0}, 3, 1)

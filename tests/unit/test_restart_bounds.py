@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from fleet.errors import ConfigError, RefitRefused
-from fleet.fleet_config import load_fleet_config
+from fleet.config.fleet import load_fleet_config
 from tests.unit.fleet_fakes import run_virtual
 from tests.unit.test_recovery import Crash, arm, bury, started, successor
 from fleet.records import Kill
@@ -210,8 +210,8 @@ def fake_ray(monkeypatch):
 
     def install(**kw) -> FakeRay:
         fake = FakeRay(**kw)
-        monkeypatch.setattr(api.ray_io, "try_ask", fake.try_ask)
-        monkeypatch.setattr(api.ray_io, "actor_state", fake.actor_state)
+        monkeypatch.setattr(api.ray_door, "try_ask", fake.try_ask)
+        monkeypatch.setattr(api.ray_door, "actor_state", fake.actor_state)
         monkeypatch.setattr(api, "time", fake)
         return fake
 

@@ -19,8 +19,8 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.sampling_params import SamplingParams
 
-from fleet.dispatch import FleetResult
-from fleet.routing import RoutingState
+from fleet.data.dispatch import FleetResult
+from fleet.data.routing_state import RoutingState
 from fleet.types import Completion, GenerationResult
 from recipe.tinymodel import CHAT_TEMPLATE, build_tokenizer
 from serve import protocol

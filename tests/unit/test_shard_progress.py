@@ -12,9 +12,9 @@ import asyncio
 import pytest
 
 from fleet.errors import DeadlineExceeded
-from fleet.null_backend import NullBackend
+from fleet.shard.null_backend import NullBackend
 from fleet.outcome import OK, TIMED_OUT, Outcome, with_progress
-from fleet.shard import EngineShard
+from fleet.shard.engine_shard import EngineShard
 from tests.unit.fleet_fakes import run_virtual
 
 

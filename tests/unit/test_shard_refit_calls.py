@@ -13,8 +13,8 @@ import asyncio
 import pytest
 
 from fleet.errors import ShardUnavailableError
-from fleet.null_backend import NullBackend
-from fleet.routing import Ticket, VersionPolicy
+from fleet.shard.null_backend import NullBackend
+from fleet.data.routing_state import Ticket, VersionPolicy
 from tests.unit.fleet_fakes import run_virtual
 from tests.unit.test_shard_progress import shard_on  # the real shard in-process, on the virtual loop's clock
 

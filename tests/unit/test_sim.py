@@ -1,6 +1,6 @@
 """The fleet simulator: it drives the production controller, through the same door protocol as Ray's.
 
-Protocol: ``RayDoor`` and ``SimDoor`` both have every ``fleet.door.Door`` method with its
+Protocol: ``RayDoor`` and ``SimDoor`` both have every ``fleet.cluster.door.Door`` method with its
 parameters; every shard method the control plane calls by name is listed in
 ``CONTROL_METHODS`` (found by scanning the control plane's source), and ``EngineShard``
 and ``SimShard`` both answer each with the same parameters.
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-import fleet.controller
-import fleet.lifecycle
-from fleet.door import CONTROL_METHODS, FAULT_METHODS, Door
-from fleet.ray_io import RayDoor
-from fleet.shard import EngineShard
+import fleet.control.controller
+import fleet.control.lifecycle
+from fleet.cluster.door import CONTROL_METHODS, FAULT_METHODS, Door
+from fleet.cluster.ray_door import RayDoor
+from fleet.shard.engine_shard import EngineShard
 from health import Participant, RefitResult
 from sim.clock import run_virtual
 from sim.door import SimDoor, SimTrainer
@@ -33,8 +33,8 @@ from sim.shard import SimShard, Timings
 from sim.transfer import SimTransfer, TransferModel
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTROL_PLANE = ["fleet/controller.py", "fleet/lifecycle.py", "fleet/publisher.py", "fleet/recovery.py",
-                 "fleet/resize.py", "fleet/slots.py", "fleet/launch.py", "fleet/nodes.py", "fleet/weights.py"]
+CONTROL_PLANE = ["fleet/control/controller.py", "fleet/control/lifecycle.py", "fleet/control/publisher.py", "fleet/control/recovery.py",
+                 "fleet/control/resize.py", "fleet/control/slots.py", "fleet/control/launch.py", "fleet/control/nodes.py", "fleet/control/transfer_port.py"]
 
 
 def params(fn) -> list[tuple[str, object, object]]:
@@ -96,8 +96,8 @@ def test_sim_shard_answers_each_control_method_as_engine_shard_does(method):
 def test_the_simulator_runs_the_production_classes():
     run, _ = simulate(Scenario(engines=8, horizon_s=1200, step_s=300, fault_list=()))
     ctl = run.controllers[0]
-    assert type(ctl) is fleet.controller.SingleController
-    assert type(ctl.lifecycle) is fleet.lifecycle.RefitLifecycle
+    assert type(ctl) is fleet.control.controller.SingleController
+    assert type(ctl.lifecycle) is fleet.control.lifecycle.RefitLifecycle
     assert type(ctl.door) is SimDoor
     assert len(run.refits) >= 3 and ctl.ledger.current_version == len(run.refits)
 

@@ -1,4 +1,4 @@
-"""The slots' one owner (``fleet.slots``), the gate's one version, and the collaborators' boundary.
+"""The slots' one owner (``fleet.control.slots``), the gate's one version, and the collaborators' boundary.
 
 ``Slots`` applies health events and returns decisions without carrying out their actions; it writes
 the intent before the change it records; it never touches a slot's replacement. The gate's version
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from fleet.eventlog import EventLog
-from fleet.fleet_config import load_fleet_config
-from fleet.gate import DispatchGate
-from fleet.intent import IntentStore
+from fleet.config.fleet import load_fleet_config
+from fleet.control.dispatch_gate import DispatchGate
+from fleet.control.intent import IntentStore
 from fleet.outcome import DIED, Outcome
-from fleet.slots import Slots
+from fleet.control.slots import Slots
 from health import (
     CallKind, EngineReady, Ledger, MembershipPlan, RefitFinished, RefitReport, RefitResult, RefitStarted,
     Probe, VersionCommitted,
@@ -157,7 +157,7 @@ COLLABORATORS = ["lifecycle", "recovery", "resize", "launch", "monitor", "publis
 @pytest.mark.parametrize("name", COLLABORATORS)
 def test_no_collaborator_reaches_into_the_controller(name):
     """Issue 31: five modules took the controller as ``ctl: Any`` and read its private state. Each is now
-    built from ``fleet.parts``: none names the controller, takes a ``ctl``, or types anything ``Any`` that
+    built from ``fleet.control.parts``: none names the controller, takes a ``ctl``, or types anything ``Any`` that
     is the controller's."""
     path = next(ROOT.glob(f"fleet/**/{name}.py"))
     tree = ast.parse(path.read_text())

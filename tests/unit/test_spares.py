@@ -1,4 +1,4 @@
-"""Warm spares on the controller (``spare_engines``; ``fleet.slots`` rebalances over ``health.roles``), driven by fakes.
+"""Warm spares on the controller (``spare_engines``; ``fleet.control.slots`` rebalances over ``health.roles``), driven by fakes.
 
 A spare starts with the fleet, takes part in every refit and serves nothing; when a
 serving engine fails, a healthy spare is promoted at once (one ``promote`` record, the
@@ -11,11 +11,11 @@ import asyncio
 
 import pytest
 
-from fleet.controller import SingleController
+from fleet.control.controller import SingleController
 from fleet.errors import ConfigError
-from fleet.fleet_config import load_fleet_config
-from fleet.intent import Intent
-from fleet.naming import intent_key
+from fleet.config.fleet import load_fleet_config
+from fleet.control.intent import Intent
+from fleet.cluster.naming import intent_key
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
 from fleet.records import Gate, Promote, Restart
 

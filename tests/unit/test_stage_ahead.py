@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from fleet.errors import ConfigError, RefitNotStaged, RefitRefused
-from fleet.fleet_config import load_fleet_config
+from fleet.config.fleet import load_fleet_config
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
 from fleet.records import Gate, Phase, RefitFailedAttempt

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleet.dispatch import FleetResult
+from fleet.data.dispatch import FleetResult
 from fleet.errors import ConfigError
 from recipe.grpo import Sample
-from fleet.staleness import StalenessFilter, staleness_of, too_old
+from fleet.data.staleness import StalenessFilter, staleness_of, too_old
 from fleet.types import Completion, GenerationResult
 
 

@@ -15,7 +15,7 @@ import asyncio
 import pytest
 
 from fleet.errors import ConfigError, DeadlineExceeded
-from fleet.fleet_config import load_fleet_config
+from fleet.config.fleet import load_fleet_config
 from tests.unit.fleet_fakes import run_virtual
 from tests.unit.test_controller import make
 from fleet.records import Kill

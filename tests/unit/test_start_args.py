@@ -38,8 +38,8 @@ def _no_ray(monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("something was started for an impossible controller_node")
 
-    monkeypatch.setattr(api.ray_io, "init_local", never)
-    monkeypatch.setattr(api.ray_io, "spawn_actor", never)
+    monkeypatch.setattr(api.ray_door, "init_local", never)
+    monkeypatch.setattr(api.ray_door, "spawn_actor", never)
     return api
 
 
@@ -53,10 +53,10 @@ def test_fleet_start_refuses_a_controller_node_that_is_not_a_node_id(model_dir, 
 
 def test_fleet_start_refuses_a_controller_node_the_cluster_does_not_have(model_dir, monkeypatch):
     api = _no_ray(monkeypatch)
-    monkeypatch.setattr(api.ray_io, "init_local", lambda **kw: None)
-    monkeypatch.setattr(api.ray_io, "check_capacity", lambda *a: None)
-    monkeypatch.setattr(api.ray_io, "find_actor", lambda name: None)
-    monkeypatch.setattr(api.ray_io, "alive_nodes", lambda: {"ab" * 28})
+    monkeypatch.setattr(api.ray_door, "init_local", lambda **kw: None)
+    monkeypatch.setattr(api.ray_door, "check_capacity", lambda *a: None)
+    monkeypatch.setattr(api.ray_door, "find_actor", lambda name: None)
+    monkeypatch.setattr(api.ray_door, "alive_nodes", lambda: {"ab" * 28})
     with pytest.raises(ConfigError) as err:
         api.Fleet.start({"engine": {"model": model_dir}}, controller_node="cd" * 28)
     assert err.value.field == "controller_node" and "ab" * 28 in str(err.value)

@@ -1,0 +1,397 @@
+"""The request path, in the caller's process: accept a prompt, wait for the gate, route, send, account.
+
+The controller publishes the routing state (``fleet.data.routing_state``); the dispatcher
+follows it and calls the shards itself, each call carrying a ``Ticket`` (routing
+epoch, version policy) the shard checks. A shard that refuses (``RouteRefused``:
+paused, not a member, an old epoch, weights that miss the policy) ran nothing: the
+dispatcher waits for a newer routing state and routes again, free of charge. A
+shard at its admission cap refuses with ``full`` (other clients fill it too): the
+dispatcher leaves it out for ``FULL_HOLD_S`` (or until one of its own requests there
+ends) and routes elsewhere at once, waiting that long only when every shard is full;
+never an error, never a health report. A shard that failed the call (died, hung) is
+reported to the controller, left out of routing until the state changes, and the
+request is re-sent elsewhere.
+
+Guarantee: every accepted request ends exactly once, either ``completed`` (with a
+result tagged by the weight version, slot and incarnation that produced it) or
+``returned`` with an explicit reason (bad request, redispatch budget spent, fleet
+stopped, timed out waiting). A request whose shard died, hung, or aborted it
+(pause with abort, staleness abort, shutdown) is re-queued and sent again, up to
+``max_redispatch`` times, except a request whose attempts took down two engines: it
+is returned as ``poison`` and refused at once for ``poison_window_s`` (``fleet.data.poison``). The counters make "lost" computable at any moment:
+``lost = accepted - completed - returned - in_progress`` and must stay 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fleet.errors import BadRequestError, RouteRefused
+from fleet.eventlog import EventLog
+from fleet.outcome import DIED, TIMED_OUT, Outcome
+from fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, fingerprint, took_down
+from fleet.records import Request
+from fleet.data.shard_choice import pick_two
+from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL
+from fleet.data.routing_state import Member, RoutingState, VersionPolicy
+from fleet.types import GenerationResult
+from health import Clock, MonotonicClock
+
+COMPLETED, RETURNED = "completed", "returned"
+
+
+@dataclass(frozen=True)
+class FleetResult:
+    """The end of one accepted request: ``completed`` with ``result``, or ``returned`` with ``reason``."""
+
+    request_id: str
+    status: str
+    result: GenerationResult | None = None
+    reason: str = ""
+    attempts: int = 0
+    accepted_version: int = 0
+    latency_s: float = 0.0
+    queue_s: float = 0.0  # acceptance -> the last dispatch to a shard (latency_s - queue_s: time on the shard)
+    accepted_at: float = 0.0  # the client's clock (time.monotonic() in a FleetClient)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == COMPLETED
+
+
+class FleetView(Protocol):
+    """What the dispatcher needs: the published routing state, the door to the shards, a way to report."""
+
+    door: Any
+    policy: VersionPolicy  # the default version policy
+
+    def routing(self) -> RoutingState: ...
+
+    async def newer_routing(self, epoch: int, timeout: float) -> RoutingState: ...
+
+    def cache_salt(self, version: int) -> str | None: ...
+
+    def report(self, slot: int, incarnation: int, outcome: Outcome, epoch: int) -> None: ...
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt: Any
+    sampling: dict
+    policy: VersionPolicy
+    accepted_at: float
+    accepted_version: int
+    attempts: int = 0
+    refusals: int = 0
+    reasons: list[str] = field(default_factory=list)
+    deaths: list[str] = field(default_factory=list)  # the engines that died while it ran on them
+    dispatched_at: float | None = None
+    on: Member | None = None  # the shard running it now, if any
+
+
+
+# A shard that failed a call is left out of routing until the routing state changes, or this long.
+EXCLUDE_S = 5.0
+# After a refusal, wait at most this long for a newer routing state before routing again.
+REFRESH_WAIT_S = 1.0
+# A shard that answered ``full`` is left out of this client's routing this long, doubling with each ``full`` in a
+# row up to FULL_HOLD_MAX_S (a short backoff when all are); then one request of this client probes it again.
+FULL_HOLD_S, FULL_HOLD_MAX_S = 0.02, 0.2
+
+
+class Dispatcher:
+    """The request path of one client (``fleet.data.client.FleetClient``): route, send, re-send, account.
+
+    Runs in the caller's process on one event loop; the controller never sees a request.
+    """
+
+    def __init__(
+        self, view: FleetView, log: EventLog, request_timeout_s: float, max_redispatch: int,
+        clock: Clock | None = None, rng: random.Random | None = None, id_prefix: str = "req",
+        poison_window_s: float = 600.0,
+    ) -> None:
+        self._view = view
+        self._clock = clock or MonotonicClock()
+        self._rng = rng or random.Random()
+        self._log = log
+        self._timeout = request_timeout_s
+        self._max_redispatch = max_redispatch
+        self._prefix = id_prefix
+        self._ids = itertools.count()
+        self._room = asyncio.Condition()
+        self.accepted = 0
+        self.completed = 0
+        self.returned = 0
+        self.returned_reasons: Counter[str] = Counter()
+        self.requeued = 0
+        self.refused: Counter[str] = Counter()
+        # slot -> {request_id: (incarnation, version at dispatch)}
+        self.outstanding: dict[int, dict[str, tuple[int, int]]] = {}
+        self._load: dict[int, int] = {}
+        self._waiting = 0  # requests waiting for room
+        self._excluded: dict[tuple[int, int], tuple[int, float]] = {}  # (slot, inc) -> (epoch, until)
+        # (slot, inc) whose actor died: never again, whatever epoch still lists it (an incarnation is not revived;
+        # a routing state published before the controller saw the death would otherwise get it re-sent work)
+        self._dead: set[tuple[int, int]] = set()
+        self._full: dict[tuple[int, int], float] = {}  # (slot, inc) -> until: it answered ``full``
+        self._full_streak: dict[tuple[int, int], int] = {}  # (slot, inc) -> ``full`` answers in a row
+        self._poison = PoisonMemory(poison_window_s)
+        self._poison_told: dict[str, set[tuple[int, int]]] = {}  # fingerprint -> (slot, incarnation) told of it
+        self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
+
+    # -- accounting ----------------------------------------------------------------
+    @property
+    def in_progress(self) -> int:
+        return self.accepted - self.completed - self.returned
+
+    def counters(self) -> dict[str, Any]:
+        return {
+            "accepted": self.accepted,
+            "completed": self.completed,
+            "returned": self.returned,
+            "in_progress": self.in_progress,
+            "requeued": self.requeued,
+            "refused": dict(self.refused),
+        }
+
+    def load(self) -> dict[int, int]:
+        """slot -> requests outstanding there (kept as they start and end; do not mutate)."""
+        return self._load
+
+    async def notify_room(self) -> None:
+        """Wake requests waiting for a shard with room (call after caps or membership changed)."""
+        if not self._waiting:
+            return
+        async with self._room:
+            self._room.notify_all()
+
+    # -- the request path ----------------------------------------------------------
+    async def submit(
+        self, prompt: Any, sampling: dict | None = None, request_id: str | None = None, policy: VersionPolicy | None = None
+    ) -> FleetResult:
+        """Accept one request and see it to its end. Never raises for fleet failures."""
+        seen = self._view.routing()
+        p = _Pending(
+            request_id=request_id or f"{self._prefix}-{next(self._ids)}",
+            prompt=prompt,
+            sampling=dict(sampling or {}),
+            policy=policy or self._view.policy,
+            accepted_at=self._clock.now(),
+            accepted_version=seen.version,
+        )
+        self.accepted += 1
+        # the gate as this client saw it: a close reaches clients with the next routing state, and a request
+        # accepted before that may still be served by a shard that serves the committed version
+        self._log.emit(Request(event=Request.ACCEPTED, request_id=p.request_id, gate_open=seen.gate_open))
+        deadline = p.accepted_at + self._timeout
+        if self._poison:
+            fp = fingerprint(p.prompt, p.sampling)
+            engines = self._poison.known(fp, p.accepted_at)
+            if engines:
+                return self._return(p, f"{POISON}: fingerprint {fp} took down {engines} within the last "
+                                       f"{self._poison.window_s:g} s (poison_window_s); refused without sending it")
+        try:
+            while True:
+                verdict = await self._attempt(p, deadline)
+                if isinstance(verdict, FleetResult):
+                    return verdict
+                if verdict is None:  # refused without running: routing changed, route again
+                    continue
+                p.reasons.append(verdict)
+                if len(p.deaths) >= POISON_DEATHS:
+                    return self._poisoned(p)
+                if p.attempts > self._max_redispatch:
+                    return self._return(p, f"redispatch budget ({self._max_redispatch}) spent: {'; '.join(p.reasons)}")
+                self.requeued += 1
+                self._log.emit(Request(event=Request.REQUEUED, request_id=p.request_id, reason=verdict))
+        except asyncio.CancelledError:
+            self._cancelled(p)
+            raise
+
+    def _cancelled(self, p: _Pending) -> None:
+        """The caller gave up on ``p`` (its task was cancelled: an HTTP client that disconnected): abort it
+        on the shard running it, so the engine stops spending on it, and account it as returned."""
+        if p.on is not None:
+            self._abort_on(p.on, p)
+        self._return(p, "cancelled by the caller")
+
+    def _abort_on(self, m: Member, p: _Pending) -> None:
+        """Ask ``m``'s shard to stop generating ``p`` (in the background: the caller has its answer)."""
+        abort = asyncio.ensure_future(self._view.door.call(m.handle, "abort", [p.request_id], timeout=10.0))
+        self._aborts.add(abort)
+        abort.add_done_callback(self._aborts.discard)
+
+    async def _attempt(self, p: _Pending, deadline: float) -> FleetResult | str | None:
+        """One dispatch: the final result, a reason to re-send (counts against ``max_redispatch``),
+        or None when the shard refused it without running (re-route, free)."""
+        target = await self._acquire(p, deadline)
+        if isinstance(target, FleetResult):
+            return target
+        state, m = target
+        p.attempts += 1
+        p.dispatched_at = self._clock.now()
+        p.on = m
+        self.outstanding.setdefault(m.slot, {})[p.request_id] = (m.incarnation, state.version)
+        self._load[m.slot] = self._load.get(m.slot, 0) + 1
+        try:
+            request = (p.prompt, p.sampling, p.request_id, self._view.cache_salt(state.version),
+                       state.epoch, p.policy.kind, p.policy.k, state.cap_map.get(m.slot))  # EngineShard.serve
+            outcome = await self._view.door.call(m.handle, "serve", request, timeout=max(1.0, deadline - self._clock.now()))
+            p.on = None  # (left set when the call is cancelled: ``_cancelled`` aborts it there)
+        finally:
+            self.outstanding.get(m.slot, {}).pop(p.request_id, None)
+            self._load[m.slot] -= 1
+            await self.notify_room()
+        if outcome.ok:
+            result: GenerationResult = outcome.value
+            if result.aborted:
+                return f"aborted on slot {m.slot} (incarnation {m.incarnation})"
+            return self._complete(p, result)
+        if isinstance(outcome.error, RouteRefused):
+            return await self._refused(p, m, state, deadline, outcome.error)
+        self._full.pop((m.slot, m.incarnation), None)  # one of ours ended there: it has room again
+        self._full_streak.pop((m.slot, m.incarnation), None)
+        if isinstance(outcome.error, BadRequestError):
+            return self._return(p, f"bad request: {outcome.error}")
+        if outcome.kind == TIMED_OUT:
+            # the call's deadline is the request's (or past it): the request's own time ran out while its shard
+            # generated. No sign that the shard failed (a hung one is the monitor's to find), so no blame and no
+            # re-send; the shard stops spending on it
+            self._abort_on(m, p)
+            return self._return(p, f"request timeout ({self._timeout:g} s) passed while slot {m.slot} "
+                                   f"(incarnation {m.incarnation}) generated it; aborted there")
+        if took_down(outcome, p.request_id):
+            p.deaths.append(f"slot {m.slot} (incarnation {m.incarnation})")
+        self._exclude(m, state.epoch)
+        if outcome.kind == DIED:
+            self._dead.add((m.slot, m.incarnation))
+        self._view.report(m.slot, m.incarnation, outcome, state.epoch)
+        return f"slot {m.slot} (incarnation {m.incarnation}) failed: {outcome.describe()}"
+
+    async def _refused(self, p: _Pending, m: Member, state: RoutingState, deadline: float,
+                       error: RouteRefused) -> FleetResult | None:
+        """``m`` refused ``p`` without running it: route again for free (None), or return it (poison)."""
+        p.attempts -= 1
+        key = (m.slot, m.incarnation)
+        if error.reason == POISON_REFUSAL:  # another client found it poison and told the shards: never run it
+            return self._return(p, f"{POISON}: refused by slot {m.slot} (incarnation {m.incarnation}): {error}")
+        self.refused[error.reason] += 1
+        if error.reason == FULL:  # at its cap (other clients' requests fill it too): elsewhere, at once
+            self._full_streak[key] = self._full_streak.get(key, 0) + 1
+            self._full[key] = self._clock.now() + self._full_hold(key)
+            return None
+        self._full.pop(key, None)
+        self._full_streak.pop(key, None)
+        p.refusals += 1
+        await self._view.newer_routing(state.epoch, min(REFRESH_WAIT_S, max(0.0, deadline - self._clock.now())))
+        if p.refusals > 3:
+            await asyncio.sleep(min(0.05 * p.refusals, 0.5))  # a shard that keeps refusing: do not spin
+        return None
+
+    def _poisoned(self, p: _Pending) -> FleetResult:
+        """``p`` took down ``POISON_DEATHS`` engines: return it, never send it again, remember its fingerprint."""
+        fp = fingerprint(p.prompt, p.sampling)
+        engines = ", ".join(p.deaths)
+        self._poison.remember(fp, engines, self._clock.now())
+        self._log.emit(Request(event=Request.POISON, request_id=p.request_id, fingerprint=fp, engines=p.deaths,
+                               window_s=self._poison.window_s))
+        self.tell_poison(self._view.routing())  # every serving shard refuses it too, to every client
+        return self._return(p, f"{POISON}: its attempts took down {len(p.deaths)} engines ({engines}); "
+                               f"fingerprint {fp}; not sent again, and refused for {self._poison.window_s:g} s "
+                               f"(poison_window_s)")
+
+    def tell_poison(self, state: RoutingState) -> None:
+        """Tell every member of ``state`` not yet told each poison this client remembers, with the window it has
+        left (in the background): a shard that joined later (a restart, a resize) refuses it too."""
+        if not self._poison:
+            return
+        for fp, left in self._poison.live(self._clock.now()):
+            told = self._poison_told.setdefault(fp, set())
+            for m in state.members:
+                if (m.slot, m.incarnation) in told:
+                    continue
+                told.add((m.slot, m.incarnation))
+                tell = asyncio.ensure_future(self._view.door.call(m.handle, "refuse_poison", fp, left, timeout=10.0))
+                self._aborts.add(tell)
+                tell.add_done_callback(self._aborts.discard)
+
+    def _full_hold(self, key: tuple[int, int]) -> float:
+        return min(FULL_HOLD_S * 2 ** (self._full_streak.get(key, 1) - 1), FULL_HOLD_MAX_S)
+
+    def _exclude(self, m: Member, epoch: int) -> None:
+        self._excluded[(m.slot, m.incarnation)] = (epoch, self._clock.now() + EXCLUDE_S)
+
+    def _candidates(self, state: RoutingState) -> list[Member]:
+        now = self._clock.now()
+        for key, (epoch, until) in list(self._excluded.items()):
+            if epoch != state.epoch or now >= until:
+                del self._excluded[key]
+        for key, until in list(self._full.items()):
+            if now >= until:
+                del self._full[key]
+        if self._dead:  # forgotten once no routing state lists it (bounded by the fleet's size)
+            self._dead &= {(m.slot, m.incarnation) for m in state.members}
+        return [m for m in state.members if (m.slot, m.incarnation) not in self._excluded
+                and (m.slot, m.incarnation) not in self._full and (m.slot, m.incarnation) not in self._dead]
+
+    async def _acquire(self, p: _Pending, deadline: float):
+        """Wait for an open gate and a serving shard with room; or the explicit return of ``p``."""
+        while True:
+            state = self._view.routing()
+            if state.stopped:
+                return self._return(p, f"fleet stopped: {state.stopped}")
+            left = deadline - self._clock.now()
+            if left <= 0:
+                return self._return(p, f"no serving shard within the request timeout ({self._timeout:.0f} s)")
+            if not state.gate_open:
+                await self._view.newer_routing(state.epoch, min(left, 1.0))
+                continue
+            self.tell_poison(state)
+            members = self._candidates(state)
+            m = pick_two(members, self.load(), state.cap_map, self._rng)
+            if m is not None:
+                if (m.slot, m.incarnation) in self._full_streak:  # it was full: one probe at a time
+                    self._full[(m.slot, m.incarnation)] = self._clock.now() + self._full_hold((m.slot, m.incarnation))
+                return state, m
+            wait = min(left, 0.5)
+            if self._full:  # every shard with room by our count answered ``full``: a short backoff
+                wait = min(wait, max(0.001, min(self._full.values()) - self._clock.now()))
+            self._waiting += 1
+            try:
+                async with self._room:
+                    await asyncio.wait_for(self._room.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._waiting -= 1
+
+    def _complete(self, p: _Pending, result: GenerationResult) -> FleetResult:
+        self.completed += 1
+        self._log.emit(
+            Request(event=Request.COMPLETED, request_id=p.request_id, slot=result.slot, incarnation=result.incarnation,
+                    version=result.weight_version, version_start=result.version_start),
+            _at=result.finished_at or None,  # when the shard made it (same host clock), not when it arrived
+        )
+        now = self._clock.now()
+        return FleetResult(
+            p.request_id, COMPLETED, result, attempts=p.attempts, accepted_version=p.accepted_version,
+            latency_s=now - p.accepted_at, queue_s=(p.dispatched_at or now) - p.accepted_at, accepted_at=p.accepted_at,
+        )
+
+    def _return(self, p: _Pending, reason: str) -> FleetResult:
+        self.returned += 1
+        self.returned_reasons[reason.split(":")[0]] += 1
+        self._log.emit(Request(event=Request.RETURNED, request_id=p.request_id, reason=reason))
+        return FleetResult(
+            p.request_id, RETURNED, None, reason, p.attempts, p.accepted_version, self._clock.now() - p.accepted_at,
+            accepted_at=p.accepted_at,
+        )
+
+    def in_flight_on(self, slot: int) -> dict[str, tuple[int, int]]:
+        return dict(self.outstanding.get(slot, {}))

@@ -1,0 +1,80 @@
+"""Poison requests: a request whose attempts took down two engines is never sent a third time (pure, no Ray).
+
+A request that crashes the engine running it (a prompt or sampling setting that breaks
+the model's kernels, a tokenizer edge case) would, re-sent after each death, take down
+every engine in turn and spend every restart budget. The dispatcher counts, per request,
+the engines that died *under* it (``took_down``): the shard says its engine core crashed
+while that very request ran (``EngineCrashedError.request_id``). An engine that was already
+dead when the request arrived does not count, nor does a shard actor that died (see
+``took_down``: an in-process engine core that segfaults takes its actor with it and is not
+caught here). At ``POISON_DEATHS`` the request is returned with the reason
+``poison`` and its fingerprint (prompt and sampling, seed left out: a group's samples
+differ only in their seeds) is remembered for ``poison_window_s``; a request with that
+fingerprint is refused at once meanwhile, before it reaches any engine.
+
+Who remembers: the client that found it (``fleet.data.dispatch.Dispatcher``), and every shard
+serving when it did: the client tells them (``EngineShard.refuse_poison``, in the
+background) and their gates refuse that fingerprint to any client for the window
+(``fleet.shard.request_gate.POISON``); an engine that joins the serving set later (a restart, a
+resize) is told by that client when it next reads a routing state that lists it. The controller is left out on purpose: it sees no request
+and keeps no per-request state, and a poison found by one client is known to the shards
+every other client routes to. Not covered: a new engine that another client reaches before
+the finding client has read the routing state that lists it can be taken down once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from fleet.errors import EngineCrashedError
+from fleet.outcome import ERROR, Outcome
+
+POISON = "poison"
+POISON_DEATHS = 2  # engines a request may take down; it is never sent to another one
+
+
+def took_down(outcome: Outcome, request_id: str) -> bool:
+    """True if the attempt of ``request_id`` ended with its engine's death while it ran there: the shard,
+    alive, says its engine core crashed during that very request. A shard *actor* that died (``DIED``) is
+    no evidence: kills, OOM killers and lost nodes take actors down in groups, and a request re-sent from
+    one killed engine to another killed a moment later would be blamed for both (the matrix's
+    ``below-quorum-between-refits`` did exactly that). vLLM's engine core is its own process (the default
+    on GPUs), so a prompt that breaks the model crashes the core under a live actor, which says so."""
+    return (outcome.kind == ERROR and isinstance(outcome.error, EngineCrashedError)
+            and outcome.error.request_id == request_id)
+
+
+def fingerprint(prompt: Any, sampling: dict) -> str:
+    """A short hash of the prompt (text or token ids) and the sampling settings other than ``seed``."""
+    body = json.dumps([prompt if isinstance(prompt, str) else [int(t) for t in prompt],
+                       {k: v for k, v in sorted(sampling.items()) if k != "seed"}], sort_keys=True, default=repr)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+class PoisonMemory:
+    """Fingerprints of poison requests, each until its window ends (``window_s`` 0: none remembered)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = float(window_s)
+        self._until: dict[str, tuple[float, str]] = {}  # fingerprint -> (until, what it took down)
+
+    def __bool__(self) -> bool:
+        return bool(self._until)
+
+    def remember(self, fp: str, engines: str, now: float) -> None:
+        if self.window_s > 0:
+            self._until[fp] = (now + self.window_s, engines)
+
+    def live(self, now: float) -> list[tuple[str, float]]:
+        """Each remembered fingerprint with the seconds of its window left at ``now``."""
+        return [(fp, until - now) for fp, (until, _) in self._until.items() if until > now]
+
+    def known(self, fp: str, now: float) -> str | None:
+        """What ``fp`` took down, if it is remembered at ``now``; forgets the expired ones."""
+        for key, (until, _) in list(self._until.items()):
+            if now >= until:
+                del self._until[key]
+        hit = self._until.get(fp)
+        return hit[1] if hit else None

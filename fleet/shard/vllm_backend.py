@@ -1,0 +1,201 @@
+"""The vLLM backend: one in-process ``AsyncLLM`` behind the ``EngineBackend`` protocol.
+
+Owns the engine object and nothing else (no Ray). Import of vLLM is deferred to
+``start()`` so that importing this module stays cheap. Every call that can reach a
+dead engine core is either bounded by the caller or checks ``check_alive`` first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Sequence
+
+from fleet.shard.backend import BackendCapabilities, PauseMode, confirmed
+from fleet.errors import BadRequestError, EngineCrashedError
+from fleet.types import field_with_invalid_text
+from fleet.types import Completion, EngineStats
+
+
+def _make_stats_logger(sink: EngineStats, on_step: Callable[[int], None]):
+    """A vLLM per-engine stat-logger factory that writes into ``sink`` (runs in the front-end process) and
+    tells ``on_step`` the tokens (prompt and generated) of each engine step it records."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _SinkLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if scheduler_stats is not None:
+                sink.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+                sink.running = int(scheduler_stats.num_running_reqs)
+                sink.waiting = int(scheduler_stats.num_waiting_reqs)
+                sink.updated_at = time.monotonic()
+            if iteration_stats is not None:
+                sink.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+                sink.generation_tokens += int(getattr(iteration_stats, "num_generation_tokens", 0))
+            if scheduler_stats is not None or iteration_stats is not None:
+                tokens = 0 if iteration_stats is None else (int(getattr(iteration_stats, "num_generation_tokens", 0))
+                                                            + int(getattr(iteration_stats, "num_prompt_tokens", 0)))
+                on_step(tokens)
+
+        def log_engine_initialized(self):
+            pass
+
+    return lambda vllm_config, engine_index=0: _SinkLogger(vllm_config, engine_index)
+
+
+def _completion(out, top: bool = False) -> Completion:
+    """One vLLM ``CompletionOutput`` as plain data; ``top``: keep each position's top-k logprobs too."""
+    lps: list[float] = []
+    for tok, entry in zip(out.token_ids, out.logprobs or ()):
+        lp = entry.get(tok) if entry else None
+        lps.append(float(lp.logprob) if lp is not None else float("nan"))
+    tops = tuple({int(t): float(v.logprob) for t, v in (entry or {}).items()} for entry in out.logprobs or ()) if top else None
+    return Completion(token_ids=tuple(out.token_ids), logprobs=tuple(lps), finish_reason=out.finish_reason,
+                      text=out.text or None, top_logprobs=tops, stop_reason=out.stop_reason)
+
+
+def _shut_down_late(building) -> None:
+    """An engine whose start was given up on (deadline passed) and that came up anyway: shut it down."""
+    if not building.cancelled() and building.exception() is None:
+        building.result().shutdown()
+
+
+class VllmBackend:
+    """``EngineBackend`` over ``vllm.v1.engine.async_llm.AsyncLLM``."""
+
+    capabilities = BackendCapabilities(native_pause=True, prefix_cache=True, cache_salt=True)
+
+    def __init__(self, engine_args: dict[str, Any]) -> None:
+        self._engine_args = dict(engine_args)
+        self._engine = None
+        self._stats = EngineStats(max_model_len=int(engine_args.get("max_model_len") or 0))
+        self._tokenizer = None
+        # Told the tokens of every engine step (the shard's progress clock sets it: ``health.progress``).
+        self.step_listener: Callable[[int], None] | None = None
+
+    async def start(self) -> None:
+        """Build the engine on a thread, off the shard's event loop: importing vLLM and starting its engine
+        core take tens of seconds (minutes for a large model), and all that time the shard must still answer
+        ``describe`` and ``ping``, or a controller that re-adopts it meanwhile would count a live, starting
+        shard as missing. ``AsyncLLM`` may be built with no running loop: its output tasks start on first
+        use. If the start's deadline cancels this call, an engine that comes up later is shut down."""
+        loop = asyncio.get_running_loop()
+        building = loop.run_in_executor(None, self._build)
+        try:
+            engine = await asyncio.shield(building)
+        except asyncio.CancelledError:
+            building.add_done_callback(_shut_down_late)
+            raise
+        self._engine = engine
+        cache = engine.vllm_config.cache_config
+        # vLLM's block pool keeps one block back (its null block): usable tokens are one block fewer.
+        self._stats.kv_cache_tokens = int(max(0, (cache.num_gpu_blocks or 0) - 1) * cache.block_size)
+        self._stats.max_model_len = int(engine.model_config.max_model_len)
+        self._tokenizer = engine.get_tokenizer()
+
+    def _build(self):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**self._engine_args)
+        return AsyncLLM.from_engine_args(args, stat_loggers=[_make_stats_logger(self._stats, self._stepped)])
+
+    def _stepped(self, tokens: int) -> None:
+        if self.step_listener is not None:
+            self.step_listener(tokens)
+
+    def _live(self):
+        if self._engine is None:
+            raise EngineCrashedError("engine is not started")
+        self.check_alive()
+        return self._engine
+
+    def check_alive(self) -> None:
+        if self._engine is not None and self._engine.errored:
+            raise EngineCrashedError(f"engine core died: {self._engine.dead_error!r}")
+
+    def tokenize(self, text: str) -> list[int]:
+        self._live()
+        return list(self._tokenizer.encode(text))
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: dict[str, Any],
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        engine = self._live()
+        params = dict(sampling)
+        params.setdefault("logprobs", 0)
+        # One final output holding every completion (with n > 1 a streamed output holds only some).
+        params["output_kind"] = RequestOutputKind.FINAL_ONLY
+        bad = field_with_invalid_text(sampling)
+        if bad is not None:
+            raise BadRequestError(f"sampling params rejected: {bad} holds text that is not valid Unicode "
+                                  "(a lone surrogate such as \\ud800)")
+        try:
+            sp = SamplingParams(**params)
+        except (TypeError, ValueError, VLLMClientError) as exc:
+            raise BadRequestError(f"sampling params rejected by vLLM: {exc}") from None
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        final = None
+        try:
+            async for out in engine.generate(prompt, sp, request_id):
+                final = out
+        except EngineDeadError as exc:
+            raise EngineCrashedError(f"engine core died during request {request_id}: {exc}") from None
+        except (ValueError, VLLMClientError) as exc:
+            raise BadRequestError(f"request {request_id} rejected by vLLM: {exc}") from None
+        if final is None:
+            raise EngineCrashedError(f"request {request_id} produced no output")
+        top = bool(sp.logprobs)  # logprobs=k > 0: the caller wants each position's top k as well
+        return [_completion(o, top) for o in final.outputs]
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self._live().abort(list(request_ids))
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        await self._live().pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        await self._live().resume_generation()
+
+    async def is_paused(self) -> bool:
+        return bool(await self._live().is_paused())
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        result = await self._live().reset_prefix_cache(reset_running_requests=reset_running_requests)
+        return confirmed(result)
+
+    async def invalidate_cache(self) -> bool:
+        return await self.reset_prefix_cache(reset_running_requests=True)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def worker_rpc(self, method: str, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        return await self._live().collective_rpc(method, timeout=timeout, args=tuple(args), kwargs=dict(kwargs))
+
+    def engine_core_pids(self) -> list[int]:
+        """PIDs of the engine-core processes (for fault injection and memory reports)."""
+        try:
+            procs = self._engine.engine_core.resources.engine_manager.processes
+            return [p.pid for p in procs]
+        except AttributeError:
+            return []
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            engine.shutdown()
