@@ -17,6 +17,7 @@ from fleet.control.dispatch_gate import DispatchGate
 from fleet.control.intent import IntentStore
 from fleet.outcome import DIED, Outcome
 from fleet.control.slots import Slots
+from fleet.records import Decision, Gate, Health, Kill, Promote
 from health import (
     CallKind, EngineReady, Ledger, MembershipPlan, RefitFinished, RefitReport, RefitResult, RefitStarted,
     Probe, VersionCommitted,
@@ -74,7 +75,7 @@ def test_decide_returns_the_actions_and_carries_out_none(model_dir):
     d, _ = slots.decide(Observed(0, inc, CallKind.GENERATE, FailureClass.HUNG, "deadline passed"))
     assert any(isinstance(a, Probe) for a in d.actions)
     assert door.rpcs == [] and not handle.dead, "a Probe is the controller's to carry out, not the slots' owner's"
-    assert slots.ledger.state(0).value == "hung" and log.records()[-1]["kind"] in ("decision", "health")
+    assert slots.ledger.state(0).value == "hung" and Decision.matches(log.records()[-2]) or Health.matches(log.records()[-1])
 
 
 def test_observed_kills_only_the_incarnation_it_names(model_dir):
@@ -85,7 +86,7 @@ def test_observed_kills_only_the_incarnation_it_names(model_dir):
     slots.observed(1, 1, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("late report")))
     assert not new.dead and not old.dead, "a late report about incarnation 1 touched the replacement"
     slots.observed(1, 2, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("died")))
-    assert new.dead and [r["incarnation"] for r in log.records() if r["kind"] == "kill"] == [2]
+    assert new.dead and [k.incarnation for k in Kill.among(log.records())] == [2]
 
 
 def test_a_role_change_is_stored_before_the_roles_change(model_dir):
@@ -104,7 +105,7 @@ def test_a_role_change_is_stored_before_the_roles_change(model_dir):
 
     slots.decide(Observed(0, slots.handles[0][0], CallKind.GENERATE, FailureClass.DEAD, "died"))
     assert writes and writes[-1] == ((1, 2), [0, 1]), writes  # stored while the roles in memory were the old ones
-    assert slots.roles.to_list() == [1, 2] and [r["slot"] for r in log.records() if r["kind"] == "promote"] == [2]
+    assert slots.roles.to_list() == [1, 2] and [p.slot for p in Promote.among(log.records())] == [2]
 
 
 def test_a_removed_slot_is_stored_then_its_restart_cancelled_then_forgotten(model_dir):
@@ -148,7 +149,7 @@ def test_the_gate_opens_only_on_the_committed_version_it_reads_from_the_ledger(m
     with pytest.raises(AssertionError, match="committed version 3, not 2"):
         gate.open(2, "a stale open")
     gate.open(3, "quorum serves 3")
-    assert gate.is_open and log.records()[-1]["version"] == 3
+    assert gate.is_open and Gate.last(log.records()).version == 3
 
 
 COLLABORATORS = ["lifecycle", "recovery", "resize", "launch", "monitor", "publisher", "slots", "parts"]
