@@ -38,7 +38,9 @@ import json
 import shutil
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from faults import invariants
@@ -237,7 +239,9 @@ class FaultRunner:
             fleet = self.fleet_for(plan)
             self._run_steps(fleet, plan, variant, rep)
         except Exception as exc:  # noqa: BLE001 - a broken variant is a failed row, not a crashed matrix
-            rep.notes.append(f"runner error: {type(exc).__name__}: {exc}")
+            where = traceback.extract_tb(exc.__traceback__)[-3:]  # the call that raised, as the row's evidence
+            rep.notes.append(f"runner error: {type(exc).__name__}: {exc} (at "
+                             + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(where)) + ")")
             self.close_fleet()
         rep.wall_s = round(time.monotonic() - t0, 1)
         self.say(

@@ -31,7 +31,7 @@ from fleet.control.monitor import LivenessMonitor
 from fleet.control.metrics import FleetMetrics, RunMeter, shard_load, shard_rows
 from fleet.control.lifecycle import RefitLifecycle
 from fleet.cluster.naming import new_fleet_name
-from fleet.outcome import DIED, TIMED_OUT, Outcome
+from fleet.outcome import DIED, ERROR, TIMED_OUT, Outcome
 from fleet.control.nodes import NodeMap
 from fleet.control.parts import Parts
 from fleet.control.publisher import RoutingPublisher
@@ -64,6 +64,9 @@ from health import (
 from fleet import records as ev
 
 TIMER_INTERVAL_S = 0.2
+# Arming a fault is an operator's call, not a health probe: a shard busy starting or serving may take longer
+# than ``probe_timeout_s`` (a hang variant's is 3 s) to answer it, and that says nothing about its health.
+ARM_FAULT_TIMEOUT_S = 30.0
 
 
 class SingleController:
@@ -480,11 +483,15 @@ class SingleController:
         """Arm a fault in the current incarnation of ``slot`` (see ``fleet.shard.fault_hooks``)."""
         await self.adopt_if_restarted()
         inc, handle = self.slots.handles[slot]
-        out = await self.door.call(handle, "arm_fault", point, action, delay_s, after_calls, match,
-                                   timeout=self.cfg.probe_timeout_s)
+        bound = max(self.cfg.probe_timeout_s, ARM_FAULT_TIMEOUT_S)
+        out = await self.door.call(handle, "arm_fault", point, action, delay_s, after_calls, match, timeout=bound)
         self.log.emit(ev.Fault(slot=slot, incarnation=inc, point=point, action=action, armed=out.ok))
+        if out.kind == ERROR and out.error is not None:
+            raise out.error  # the shard refused it (an unknown point or action), naming it
         if not out.ok:
-            raise out.error or RuntimeError(f"arming a fault on slot {slot} failed: {out.describe()}")
+            what = (f"arm_fault({point!r}, {action!r}) on slot {slot} (incarnation {inc}) failed: "
+                    f"{out.describe()[:300]}; nothing was armed (bound {bound:g} s)")
+            raise TimeoutError(what) if out.kind == TIMED_OUT else RuntimeError(what)
         return True
 
     async def kill_shard(self, slot: int) -> bool:

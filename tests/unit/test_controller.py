@@ -397,3 +397,29 @@ def test_kill_shard_of_a_slot_without_an_engine_is_refused_naming_the_slots_that
         await ctl.shutdown()
 
     run(go())
+
+
+def test_arming_a_fault_on_a_busy_shard_waits_past_the_probe_bound_and_names_what_was_not_armed(model_dir):
+    """A fault matrix run failed with a bare ``TimeoutError:`` and no fault fired: arming used the health
+    probe's bound (3 s in the hang variants), which a shard busy with its first requests can miss. Arming
+    now waits up to ``ARM_FAULT_TIMEOUT_S``, and one that still gets no answer names the slot, incarnation,
+    point, action and bound; the shard's health is untouched (arming is not a probe)."""
+    from fleet.control.controller import ARM_FAULT_TIMEOUT_S
+
+    async def go():
+        ctl, door, _ = make(model_dir)
+        await ctl.start()
+        handle = ctl.handles[2][1]
+        handle.script["arm_fault"] = "hang"
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(TimeoutError) as err:
+            await ctl.arm_fault(2, "generate", "freeze")
+        waited = asyncio.get_running_loop().time() - t0
+        assert waited >= ARM_FAULT_TIMEOUT_S - 1e-6 and ARM_FAULT_TIMEOUT_S > ctl.cfg.probe_timeout_s, waited
+        message = str(err.value)
+        assert "arm_fault('generate', 'freeze') on slot 2 (incarnation 1)" in message and "nothing was armed" in message
+        assert f"bound {ARM_FAULT_TIMEOUT_S:g} s" in message
+        assert ctl.ledger.state(2).value == "healthy" and not handle.dead and ctl.gate.is_open
+        await ctl.shutdown()
+
+    run(go())
