@@ -231,7 +231,7 @@ class SingleController:
     def decide(self, event) -> Decision:
         """Apply one event (``Slots.decide``: the ledger, the log, the roles) and carry out its non-lifecycle
         actions: the one place the controller's actions are carried out."""
-        d, _ = self.slots.decide(event)
+        d = self.slots.decide(event)
         for action in d.actions:
             self._carry_out(action)
         self.metrics.health(self.slots.ledger)

@@ -97,14 +97,15 @@ class Slots:
         return "no committed version yet" if committed is None else f"version {committed}"
 
     # ------------------------------------------------------------------ health
-    def decide(self, event) -> tuple[Decision, Rebalanced | None]:
+    def decide(self, event) -> Decision:
         """Apply ``event`` to the ledger and log the decision; rebalance the roles if anything changed.
-        Returns the decision (its actions are the controller's to carry out) and the role change, if any."""
+        Returns the decision: its actions are the controller's to carry out."""
         d = step(self.ledger, event, self._now())
         self._log.emit(ev.Decision(event=type(event).__name__, failure=d.failure, reason=d.reason))
         self._log.emit_rows(ev.Health, d.transitions)  # per transition: slot, incarnation, before, after, reason
-        roles = self.rebalance() if (d.transitions or d.actions) else None
-        return d, roles
+        if d.transitions or d.actions:
+            self.rebalance()
+        return d
 
     def observed(self, slot: int, incarnation: int, call: CallKind, outcome: Outcome):
         """The health event of one settled call; a dead or unusable incarnation is killed first, and only it

@@ -48,7 +48,7 @@ def serve_version_0(slots):
     for s, (inc, _) in slots.handles.items():
         slots.decide(RefitReport(s, inc, 0, RefitResult.COMPLETE, "checkpoint"))
     slots.decide(VersionCommitted(0))
-    return slots.decide(RefitFinished(0))[0]
+    return slots.decide(RefitFinished(0))
 
 
 def test_a_spawn_is_stored_in_the_intent_before_its_actor_exists(model_dir):
@@ -72,7 +72,7 @@ def test_decide_returns_the_actions_and_carries_out_none(model_dir):
     inc, handle = slots.handles[0]
     from health import FailureClass, Observed
 
-    d, _ = slots.decide(Observed(0, inc, CallKind.GENERATE, FailureClass.HUNG, "deadline passed"))
+    d = slots.decide(Observed(0, inc, CallKind.GENERATE, FailureClass.HUNG, "deadline passed"))
     assert any(isinstance(a, Probe) for a in d.actions)
     assert door.rpcs == [] and not handle.dead, "a Probe is the controller's to carry out, not the slots' owner's"
     assert slots.ledger.state(0).value == "hung" and Decision.matches(log.records()[-2]) or Health.matches(log.records()[-1])
