@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 FINISH_ABORTED = "abort"
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
 
 
 def field_with_invalid_text(fields: Mapping[str, Any]) -> str | None:
@@ -54,6 +56,67 @@ class Completion:
         return self.finish_reason == FINISH_ABORTED
 
 
+Span = tuple[int, int, int]  # (weight version, first completion token, end): tokens [start, end) of one version
+
+
+@dataclass(frozen=True)
+class Piece:
+    """New output of one completion (``index``, when n > 1) since the shard last sent one: what a stream carries.
+
+    ``version`` is the weight version the engine was stamped with when the shard received these tokens (the
+    final ``GenerationResult`` carries vLLM's own per-token labels, which win); ``finish_reason`` is set on a
+    completion's last piece."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str = ""
+    version: int = 0
+    top_logprobs: tuple[dict[int, float], ...] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # on a completion's last piece: the engine's own labels over every token of this attempt (vLLM's
+    # ``weight_versions``), or None when it gave none
+    spans: tuple[Span, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One item of a shard's stream before its final ``GenerationResult``: the pieces since the last chunk.
+    The first chunk of a stream also carries the prompt's token ids (a text prompt is tokenized on the shard;
+    a continuation elsewhere needs them)."""
+
+    pieces: tuple[Piece, ...]
+    prompt_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What a streaming caller is told as tokens arrive (``on_tokens``): each token exactly once, in order,
+    across the engines that produced them (a continuation after a death goes on where the last one stopped)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    version: int
+    top_logprobs: tuple[dict[int, float], ...] | None = None
+
+
+def spans_of(versions: list[tuple[int, int]], total: int) -> tuple[Span, ...]:
+    """Contiguous version spans from ``(version, first token)`` starts (in token order) over ``total`` tokens;
+    adjacent starts of the same version merge, empty ranges are dropped."""
+    out: list[list[int]] = []
+    for i, (v, start) in enumerate(versions):
+        end = versions[i + 1][1] if i + 1 < len(versions) else total
+        if end <= start:
+            continue
+        if out and out[-1][0] == v and out[-1][2] == start:
+            out[-1][2] = end
+        else:
+            out.append([v, start, end])
+    return tuple((v, s, e) for v, s, e in out)
+
+
 @dataclass(frozen=True)
 class GenerationResult:
     """What a shard returns for one request.
@@ -72,10 +135,18 @@ class GenerationResult:
     slot: int
     incarnation: int
     finished_at: float = 0.0  # time.monotonic() on the shard's host when the result was made
+    # (version, start, end) over the first completion's token indexes: which weights sampled which tokens
+    # (vLLM's own labels where the engine gave them; a continued request's spans cover every engine it ran on)
+    version_spans: tuple[Span, ...] = ()
 
     @property
     def aborted(self) -> bool:
         return any(c.aborted for c in self.completions)
+
+    @property
+    def mixed_versions(self) -> bool:
+        """More than one weight version sampled the completion's tokens."""
+        return len({v for v, _, _ in self.version_spans}) > 1
 
     @property
     def finish_reason(self) -> str | None:

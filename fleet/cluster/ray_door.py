@@ -18,10 +18,11 @@ caller never acts on one result while others are still in flight.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import socket
 import time
-from typing import Any, Awaitable, Hashable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Hashable, Mapping
 
 import ray
 from ray import exceptions as rex
@@ -135,7 +136,11 @@ def _remote(cls: type):
     request) recording no task events: Ray otherwise reports each call's state changes to the GCS for
     its dashboard and state API, the largest per-request cost it adds that rlfleet does not use."""
     for name in getattr(cls, "DATA_PLANE_METHODS", ()):
-        ray.method(enable_task_events=False)(getattr(cls, name))
+        method = getattr(cls, name)
+        if inspect.isasyncgenfunction(method):  # a stream: each item is its own object as it is made
+            ray.method(enable_task_events=False, num_returns="streaming")(method)
+        else:
+            ray.method(enable_task_events=False)(method)
     return ray.remote(cls)
 
 
@@ -502,6 +507,29 @@ class RayDoor:
         except Exception as exc:  # noqa: BLE001 - submitting to a dead actor can raise at once
             return outcome_of(exc=exc)
         return await call(ref, timeout, expect_ack)
+
+    async def stream(self, handle, method: str, *args, timeout: float) -> AsyncIterator[Outcome]:
+        """A streaming method's items as ``Outcome``s, as they come: every item ``ok``, then (if it failed) one
+        failed ``Outcome`` and the end. ``timeout`` bounds the whole stream; never raises."""
+        t0 = time.monotonic()
+        try:
+            items = getattr(handle, method).remote(*args)
+        except Exception as exc:  # noqa: BLE001 - submitting to a dead actor can raise at once
+            yield outcome_of(exc=exc)
+            return
+        while True:
+            left = timeout - (time.monotonic() - t0)
+            try:
+                ref = await asyncio.wait_for(items.__anext__(), max(0.0, left))
+                value = await asyncio.wait_for(asyncio.wrap_future(ref.future()), max(0.0, timeout - (time.monotonic() - t0)))
+            except StopAsyncIteration:
+                return
+            except BaseException as exc:  # noqa: BLE001 - every failure becomes an Outcome
+                if isinstance(exc, asyncio.CancelledError) and not isinstance(exc, asyncio.TimeoutError):
+                    raise
+                yield outcome_of(exc=exc, elapsed=time.monotonic() - t0)
+                return
+            yield outcome_of(value, elapsed=time.monotonic() - t0)
 
     async def fan_out(
         self, calls: Mapping[Hashable, tuple], timeout: float, expect_ack: bool = False

@@ -87,6 +87,13 @@ class FleetConfig(BaseModel):
     max_staleness: int | None = Field(None, ge=0)
     max_redispatch: int = Field(3, ge=0, description="times a request is re-sent after its shard failed, then returned")
     request_timeout_s: float = Field(600.0, gt=0)
+    # A request whose engine dies, hangs or aborts it goes on elsewhere from the tokens it already has (the prompt
+    # followed by them, the budget left) when its version policy lets the versions mix; False: it is re-sent
+    # from scratch (``fleet.data.partial``).
+    continuation: bool = True
+    # Shards send a request's output at most once per this many seconds (a streamed HTTP answer's first token
+    # at once): what a death loses at most, against one actor message per token.
+    stream_interval_s: float = Field(0.05, gt=0, le=5.0, allow_inf_nan=False)
     poison_window_s: float = Field(600.0, ge=0, allow_inf_nan=False,
                                    description="how long a client refuses at once a request like one that took "
                                                "down two engines (0: not remembered; it is still never sent a "

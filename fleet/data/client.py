@@ -32,13 +32,14 @@ import os
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from fleet.data.dispatch import Dispatcher, FleetResult
 from fleet.eventlog import EventLog
 from fleet.outcome import DIED, Outcome, is_unusable
 from fleet.records import ControllerBack, ControllerGone, ControllerUnreachable
 from fleet.data.routing_state import RoutingState, VersionPolicy
+from fleet.types import TokenDelta
 
 if TYPE_CHECKING:
     from fleet.control.controller import SingleController
@@ -82,9 +83,11 @@ class _Client:
         """Requests that came back (each exactly once): a hook for what a client counts about them."""
 
     async def generate_async(self, prompt: Any, sampling: dict | None = None, request_id: str | None = None,
-                             policy: VersionPolicy | None = None) -> FleetResult:
-        """One prompt -> one ``FleetResult`` (on the client's loop)."""
-        result = await self.dispatcher.submit(prompt, sampling, request_id, policy)
+                             policy: VersionPolicy | None = None,
+                             on_tokens: Callable[[TokenDelta], None] | None = None) -> FleetResult:
+        """One prompt -> one ``FleetResult`` (on the client's loop). ``on_tokens`` is told the output as it is
+        generated (``fleet.data.dispatch.Dispatcher.submit``)."""
+        result = await self.dispatcher.submit(prompt, sampling, request_id, policy, on_tokens)
         self._ended([result])
         return result
 
@@ -175,7 +178,8 @@ class FleetClient(_Client):
     async def _make_dispatcher(self) -> Dispatcher:
         self._changed = asyncio.Condition()
         return Dispatcher(self, self.log, self.config.request_timeout_s, self.config.max_redispatch, id_prefix=self.name,
-                          poison_window_s=self.config.poison_window_s)
+                          poison_window_s=self.config.poison_window_s, continuation=self.config.continuation,
+                          stream_interval_s=self.config.stream_interval_s)
 
     def _run(self, coro, timeout: float):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)

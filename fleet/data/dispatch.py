@@ -29,17 +29,18 @@ import itertools
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog
-from fleet.outcome import DIED, TIMED_OUT, Outcome
+from fleet.outcome import DIED, ERROR, TIMED_OUT, Outcome
 from fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, fingerprint, took_down
 from fleet.records import Request
 from fleet.data.shard_choice import pick_two
-from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL
+from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL, VERSION
 from fleet.data.routing_state import Member, RoutingState, VersionPolicy
-from fleet.types import GenerationResult
+from fleet.data.partial import Partial
+from fleet.types import Chunk, GenerationResult, TokenDelta
 from health import Clock, MonotonicClock
 
 COMPLETED, RETURNED = "completed", "returned"
@@ -58,6 +59,10 @@ class FleetResult:
     latency_s: float = 0.0
     queue_s: float = 0.0  # acceptance -> the last dispatch to a shard (latency_s - queue_s: time on the shard)
     accepted_at: float = 0.0  # the client's clock (time.monotonic() in a FleetClient)
+    continued: int = 0  # attempts that went on from output an engine that failed had made (``fleet.data.partial``)
+    tokens_reused: int = 0  # tokens from failed attempts carried into the result (not generated again)
+    tokens_discarded: int = 0  # tokens from failed attempts thrown away: the request had to start over
+    started_over: str = ""  # why it started over (its version policy, n > 1, continuation off), "" if it never did
 
     @property
     def ok(self) -> bool:
@@ -93,6 +98,12 @@ class _Pending:
     deaths: list[str] = field(default_factory=list)  # the engines that died while it ran on them
     dispatched_at: float | None = None
     on: Member | None = None  # the shard running it now, if any
+    on_last: Member | None = None  # the shard it was last sent to
+    out: Partial = field(default_factory=Partial)  # its output so far, across attempts
+    continued: int = 0
+    tokens_reused: int = 0
+    tokens_discarded: int = 0
+    started_over: str = ""
 
 
 
@@ -114,7 +125,7 @@ class Dispatcher:
     def __init__(
         self, view: FleetView, log: EventLog, request_timeout_s: float, max_redispatch: int,
         clock: Clock | None = None, rng: random.Random | None = None, id_prefix: str = "req",
-        poison_window_s: float = 600.0,
+        poison_window_s: float = 600.0, continuation: bool = True, stream_interval_s: float = 0.05,
     ) -> None:
         self._view = view
         self._clock = clock or MonotonicClock()
@@ -123,6 +134,10 @@ class Dispatcher:
         self._timeout = request_timeout_s
         self._max_redispatch = max_redispatch
         self._prefix = id_prefix
+        self._continuation = continuation
+        self._interval = stream_interval_s
+        self.tokens_reused = 0
+        self.tokens_discarded = 0
         self._ids = itertools.count()
         self._room = asyncio.Condition()
         self.accepted = 0
@@ -158,6 +173,8 @@ class Dispatcher:
             "in_progress": self.in_progress,
             "requeued": self.requeued,
             "refused": dict(self.refused),
+            "tokens_reused": self.tokens_reused,
+            "tokens_discarded": self.tokens_discarded,
         }
 
     def load(self) -> dict[int, int]:
@@ -173,9 +190,13 @@ class Dispatcher:
 
     # -- the request path ----------------------------------------------------------
     async def submit(
-        self, prompt: Any, sampling: dict | None = None, request_id: str | None = None, policy: VersionPolicy | None = None
+        self, prompt: Any, sampling: dict | None = None, request_id: str | None = None, policy: VersionPolicy | None = None,
+        on_tokens: Callable[[TokenDelta], None] | None = None,
     ) -> FleetResult:
-        """Accept one request and see it to its end. Never raises for fleet failures."""
+        """Accept one request and see it to its end. Never raises for fleet failures.
+
+        ``on_tokens`` is told the output as it is generated (each token once, in order, across engines); it
+        also asks the shard for the first token at once."""
         seen = self._view.routing()
         p = _Pending(
             request_id=request_id or f"{self._prefix}-{next(self._ids)}",
@@ -184,6 +205,7 @@ class Dispatcher:
             policy=policy or self._view.policy,
             accepted_at=self._clock.now(),
             accepted_version=seen.version,
+            out=Partial(on_tokens),
         )
         self.accepted += 1
         # the gate as this client saw it: a close reaches clients with the next routing state, and a request
@@ -208,6 +230,9 @@ class Dispatcher:
                     return self._poisoned(p)
                 if p.attempts > self._max_redispatch:
                     return self._return(p, f"redispatch budget ({self._max_redispatch}) spent: {'; '.join(p.reasons)}")
+                ended = self._continue_or_start_over(p)
+                if ended is not None:
+                    return ended
                 self.requeued += 1
                 self._log.emit(Request(event=Request.REQUEUED, request_id=p.request_id, reason=verdict))
         except asyncio.CancelledError:
@@ -236,23 +261,39 @@ class Dispatcher:
         state, m = target
         p.attempts += 1
         p.dispatched_at = self._clock.now()
-        p.on = m
+        p.on = p.on_last = m
         self.outstanding.setdefault(m.slot, {})[p.request_id] = (m.incarnation, state.version)
         self._load[m.slot] = self._load.get(m.slot, 0) + 1
+        prompt, sampling, carried = p.out.continuation(p.prompt, p.sampling)
+        p.out.begin()
         try:
-            request = (p.prompt, p.sampling, p.request_id, self._view.cache_salt(state.version),
-                       state.epoch, p.policy.kind, p.policy.k, state.cap_map.get(m.slot))  # EngineShard.serve
-            outcome = await self._view.door.call(m.handle, "serve", request, timeout=max(1.0, deadline - self._clock.now()))
+            request = (prompt, sampling, p.request_id, self._view.cache_salt(state.version),  # EngineShard.serve_stream
+                       state.epoch, p.policy.kind, p.policy.k, state.cap_map.get(m.slot),
+                       p.out.on_tokens is not None, self._interval, carried)
+            outcome = None
+            async for out in self._view.door.stream(m.handle, "serve_stream", request,
+                                                    timeout=max(1.0, deadline - self._clock.now())):
+                if out.ok and isinstance(out.value, Chunk):
+                    p.out.take(out.value)
+                    continue
+                outcome = out
+                break
             p.on = None  # (left set when the call is cancelled: ``_cancelled`` aborts it there)
         finally:
             self.outstanding.get(m.slot, {}).pop(p.request_id, None)
             self._load[m.slot] -= 1
             await self.notify_room()
+        if outcome is None:  # the stream ended with no result: the shard's end was lost on the way
+            outcome = Outcome(ERROR, error=RuntimeError(f"the stream of request {p.request_id} ended without its result"))
         if outcome.ok:
             result: GenerationResult = outcome.value
+            p.out.settle(result)
             if result.aborted:
                 return f"aborted on slot {m.slot} (incarnation {m.incarnation})"
-            return self._complete(p, result)
+            if carried is not None:
+                p.continued += 1
+                p.tokens_reused += carried[0]
+            return self._complete(p, p.out.result(result))
         if isinstance(outcome.error, RouteRefused):
             return await self._refused(p, m, state, deadline, outcome.error)
         self._full.pop((m.slot, m.incarnation), None)  # one of ours ended there: it has room again
@@ -288,10 +329,48 @@ class Dispatcher:
             return None
         self._full.pop(key, None)
         self._full_streak.pop(key, None)
+        if error.reason == VERSION and p.out.tokens:  # the output it holds is too old for this shard's weights
+            ended = self._continue_or_start_over(p)
+            if ended is not None:
+                return ended
         p.refusals += 1
         await self._view.newer_routing(state.epoch, min(REFRESH_WAIT_S, max(0.0, deadline - self._clock.now())))
         if p.refusals > 3:
             await asyncio.sleep(min(0.05 * p.refusals, 0.5))  # a shard that keeps refusing: do not spin
+        return None
+
+    def _continue_or_start_over(self, p: _Pending) -> FleetResult | None:
+        """``p``'s attempt failed holding output: go on from it next time, or throw it away and start over when
+        it cannot be continued (a streamed caller already told those tokens gets the request returned, saying
+        why). The held output that already ended (or used the whole budget) completes here. None: send again."""
+        if not p.out.tokens:
+            return None
+        m = p.on_last
+        if p.out.finished or len(p.out.tokens) >= p.out.budget(p.sampling):
+            return self._complete(p, p.out.ended_here(m.slot, m.incarnation, self._view.routing().version, p.request_id,
+                                                      self._clock.now()))
+        why = self._cannot_continue(p)
+        if why is None:
+            return None
+        if p.out.delivered:
+            return self._return(p, f"cannot continue the streamed answer: {why}; its {p.out.delivered} tokens "
+                                   "were already sent")
+        n = p.out.discard()
+        p.tokens_discarded += n
+        self.tokens_discarded += n
+        p.started_over = why
+        return None
+
+    def _cannot_continue(self, p: _Pending) -> str | None:
+        """Why ``p`` cannot go on from the output it holds, or None when it can."""
+        if not self._continuation:
+            return "continuation is off (fleet config continuation: false)"
+        if int(p.sampling.get("n") or 1) > 1:
+            return "a request with n > 1 is not continued"
+        committed = self._view.routing().version
+        if not p.policy.allows(p.out.oldest(), committed):
+            return (f"its version policy {p.policy.describe()} does not let tokens of version {p.out.oldest()} "
+                    f"mix with version {committed}")
         return None
 
     def _poisoned(self, p: _Pending) -> FleetResult:
@@ -379,9 +458,12 @@ class Dispatcher:
             _at=result.finished_at or None,  # when the shard made it (same host clock), not when it arrived
         )
         now = self._clock.now()
+        self.tokens_reused += p.tokens_reused
         return FleetResult(
             p.request_id, COMPLETED, result, attempts=p.attempts, accepted_version=p.accepted_version,
             latency_s=now - p.accepted_at, queue_s=(p.dispatched_at or now) - p.accepted_at, accepted_at=p.accepted_at,
+            continued=p.continued, tokens_reused=p.tokens_reused, tokens_discarded=p.tokens_discarded,
+            started_over=p.started_over,
         )
 
     def _return(self, p: _Pending, reason: str) -> FleetResult:
@@ -390,7 +472,8 @@ class Dispatcher:
         self._log.emit(Request(event=Request.RETURNED, request_id=p.request_id, reason=reason))
         return FleetResult(
             p.request_id, RETURNED, None, reason, p.attempts, p.accepted_version, self._clock.now() - p.accepted_at,
-            accepted_at=p.accepted_at,
+            accepted_at=p.accepted_at, continued=p.continued, tokens_reused=p.tokens_reused,
+            tokens_discarded=p.tokens_discarded + len(p.out.tokens), started_over=p.started_over,
         )
 
     def in_flight_on(self, slot: int) -> dict[str, tuple[int, int]]:

@@ -10,9 +10,9 @@ or raises ``NotImplementedError`` before it relies on one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, AsyncIterator, Literal, Protocol, Sequence
 
-from fleet.types import Completion, EngineStats
+from fleet.types import EngineStats, Piece
 
 PauseMode = Literal["keep", "abort", "wait"]
 PAUSE_MODES: tuple[str, ...] = ("keep", "abort", "wait")
@@ -37,13 +37,23 @@ class EngineBackend(Protocol):
 
     def tokenize(self, text: str) -> list[int]: ...
 
-    async def generate(
+    def stream(
         self,
         prompt_token_ids: Sequence[int],
         sampling: dict[str, Any],
         request_id: str,
         cache_salt: str | None = None,
-    ) -> list[Completion]: ...
+    ) -> AsyncIterator[list[Piece]]:
+        """The request's output as it is generated: each item the new tokens of the completions that moved,
+        a completion's last piece with its finish reason (``abort`` when aborted) and the engine's version
+        labels (``Piece.spans``) if it keeps them."""
+        ...
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    async def set_weight_version(self, version: int) -> None:
+        """Label what the engine samples from now on with ``version``."""
+        ...
 
     async def abort(self, request_ids: Sequence[str]) -> None: ...
 

@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fleet.shard.backend import PAUSE_MODES, EngineBackend
 from fleet.config.engine import EngineConfig
@@ -31,7 +31,9 @@ from fleet.data.routing_state import Ticket, VersionPolicy
 from fleet.data.poison import fingerprint
 from fleet.shard.request_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, POISON, RecentResults, ShardGate
 from fleet.shard.start_records import record_start
-from fleet.types import FINISH_ABORTED, Completion, EngineStats, GenerationResult
+from fleet.shard.continuation import Carried
+from fleet.shard.output_stream import OutputStream, Pacer
+from fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, GenerationResult
 from health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
@@ -125,7 +127,7 @@ class EngineShard:
         self._state = "starting"
         t0 = time.monotonic()
         try:
-            await self._bounded("start", self._backend.start(), self.config.start_timeout_s)
+            await self._bounded("start", self._start_labelled(), self.config.start_timeout_s)
         except BaseException:
             self._state = "failed"
             record_start(self.slot, self.incarnation, self.config.backend, time.monotonic() - t0, ok=False)
@@ -135,6 +137,11 @@ class EngineShard:
         caps = self._backend.capabilities
         return {"start_s": time.monotonic() - t0, "native_pause": caps.native_pause, "node": self._where(),
                 **self.ping_info()}
+
+    async def _start_labelled(self) -> None:
+        """Start the engine and label what it samples with the version this shard starts on."""
+        await self._backend.start()
+        await self._backend.set_weight_version(self._version)
 
     def ping_info(self) -> dict[str, Any]:
         return {
@@ -212,13 +219,20 @@ class EngineShard:
         cache_salt: str | None = None,
         timeout: float | None = None,
         ticket: Ticket | None = None,
+        carried: Carried | None = None,
     ) -> GenerationResult:
         """Generate for one prompt (text or token ids). Aborted requests return with finish reason "abort".
 
         ``ticket`` (routing epoch and version policy) is checked first: a request this shard must
         not serve raises ``RouteRefused`` without running. A ``request_id`` seen before never runs
         twice: a completed one returns its result again, a running one joins the running call.
+        ``carried``: the prompt ends with that many completion tokens another engine generated
+        (``fleet.shard.continuation``); the result holds only the tokens generated here.
         """
+        return await self._run(prompt, sampling, request_id, cache_salt, timeout, ticket, carried, None)
+
+    async def _run(self, prompt, sampling, request_id, cache_salt, timeout, ticket, carried, emit) -> GenerationResult:
+        """``generate``, telling ``emit`` (when given) each ``Chunk`` of output as ``_Stream`` makes them."""
         if self._hooks.armed:
             await self._hooks.at("generate")
         backend = self._require_ready("generate")
@@ -231,8 +245,9 @@ class EngineShard:
             if running is not None:
                 self.deduplicated += 1
                 return await asyncio.shield(running)
+        start = self._version if carried is None else min(self._version, carried.oldest)
         refused = (self.gate.poison_refusal(lambda: fingerprint(prompt, sampling or {}), time.monotonic())
-                   or self.gate.admit(ticket, self._version, len(self._inflight)))
+                   or self.gate.admit(ticket, start, len(self._inflight)))
         if refused is not None:
             raise RouteRefused(
                 f"{self._who()} refused request {request_id!r} ({refused}): "
@@ -243,27 +258,25 @@ class EngineShard:
             raise BadRequestError(f"empty prompt sent to {self._who()}")
         rid = request_id or f"s{self.slot}-i{self.incarnation}-{next(self._ids)}"
         done = self._running[rid] = asyncio.get_running_loop().create_future()
-        self._inflight[rid] = (self._version, ticket.policy if ticket is not None else None)
+        self._inflight[rid] = (start, ticket.policy if ticket is not None else None)
         self._load["peak"] = max(self._load["peak"], len(self._inflight))
         self._busy()
-        start = self._version
+        out = OutputStream(backend, tokens, dict(sampling or {}), rid, carried, emit, lambda: self._version)
         try:
             if self._hooks.armed:
                 await self._hooks.poisoned(tokens, rid, self._backend.check_alive)
-            completions = await self._bounded(
-                f"generate {rid}",
-                backend.generate(tokens, sampling or {}, rid, cache_salt),
-                timeout if timeout is not None else self.config.generate_timeout_s,
-            )
+            await self._bounded(f"generate {rid}", out.run(cache_salt),
+                                timeout if timeout is not None else self.config.generate_timeout_s)
             result = GenerationResult(
                 request_id=rid,
                 prompt_token_ids=tuple(tokens),
-                completions=tuple(completions),
+                completions=out.completions(),
                 version_start=start,
                 weight_version=self._version,
                 slot=self.slot,
                 incarnation=self.incarnation,
                 finished_at=time.monotonic(),
+                version_spans=out.spans(),
             )
         except BaseException as exc:
             if isinstance(exc, EngineCrashedError) and exc.request_id is None:
@@ -287,22 +300,41 @@ class EngineShard:
             # held across a refit its policy forbids, and begin_refit's abort missed it (it raced the engine
             # registering the request): never hand out samples from two versions; the client re-sends it
             self.gate.refused["version_at_finish"] += 1
-            result = dataclasses.replace(result, completions=tuple(
+            result = dataclasses.replace(result, version_spans=(), completions=tuple(
                 Completion((), (), FINISH_ABORTED) for _ in result.completions) or (Completion((), (), FINISH_ABORTED),))
         if not result.aborted:  # an aborted request did not run to its end: a re-send runs it
             self._recent.put(rid, result)
         done.set_result(result)
         return result
 
-    DATA_PLANE_METHODS = ("serve",)  # called once per request: Ray records no task events for it (``ray_door``)
+    DATA_PLANE_METHODS = ("serve_stream",)  # called once per request: Ray records no task events for it (``ray_door``)
 
-    async def serve(self, request: tuple) -> GenerationResult:
-        """``generate`` for the data plane, its arguments packed in one tuple: (prompt, sampling, request id,
-        cache salt, routing epoch, policy kind, policy k, admission cap). Ray serializes each argument of a
-        call on its own; one argument instead of five is a fifth less per request on the client."""
-        prompt, sampling, request_id, cache_salt, epoch, kind, k, cap = request
-        return await self.generate(prompt, sampling, request_id, cache_salt, None,
-                                   Ticket(epoch, VersionPolicy(kind, k), cap))
+    async def serve_stream(self, request: tuple) -> AsyncIterator[Chunk | GenerationResult]:
+        """``generate`` for the data plane, as a stream (a Ray streaming generator): ``Chunk``s of output while
+        it runs, then the whole ``GenerationResult``. A failure is raised after the chunks sent before it, so the
+        client holds the partial output and can continue it elsewhere (``fleet.data.dispatch``).
+
+        ``request`` packs the arguments in one tuple (Ray serializes each argument on its own): prompt,
+        sampling, request id, cache salt, routing epoch, policy kind, policy k, admission cap, then how to
+        stream (``first_at_once``: send the first token at once, for a caller waiting on it; ``interval_s``:
+        at most one chunk per that many seconds after it) and what a continuation carries (``Carried``, packed)."""
+        prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, first_at_once, interval_s, carried = request
+        chunks: asyncio.Queue = asyncio.Queue()
+        pacer = Pacer(bool(first_at_once), float(interval_s))
+        run = asyncio.ensure_future(self._run(prompt, sampling, request_id, cache_salt, None,
+                                              Ticket(epoch, VersionPolicy(kind, k), cap), Carried.of(carried),
+                                              lambda c: pacer.offer(c, chunks)))
+        run.add_done_callback(lambda _: (pacer.flush(chunks), chunks.put_nowait(None)))
+        try:
+            while True:
+                chunk = await chunks.get()
+                if chunk is None:
+                    break
+                yield chunk
+            yield run.result()  # raises the run's failure, after every chunk it made
+        finally:
+            if not run.done():  # the caller went away: stop generating for it
+                run.cancel()
 
     def _refusal_detail(self, reason: str, ticket: Ticket | None) -> str:
         g = self.gate
@@ -469,7 +501,7 @@ class EngineShard:
     async def set_weight_version(self, version: int) -> bool:
         if self._hooks.armed and await self._hooks.at("set_weight_version"):
             return False
-        self._require_ready("set_weight_version")
+        await self._require_ready("set_weight_version").set_weight_version(int(version))
         self._version = int(version)
         self._dirty = False
         self.gate.committed = max(self.gate.committed, self._version)  # stamped = committed by the controller

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from fleet.shard.backend import BackendCapabilities, PauseMode
-from fleet.types import FINISH_ABORTED, Completion, EngineStats
+from fleet.types import FINISH_ABORTED, Completion, EngineStats, Piece
 
 
 class NullBackend:
@@ -35,6 +35,7 @@ class NullBackend:
         self._aborts: dict[str, asyncio.Event] = {}
         self._worker = host_worker(config) if getattr(config, "null_receives_weights", False) else None
         self._pool: ThreadPoolExecutor | None = None
+        self.version = 0  # the label ``set_weight_version`` gave
 
     async def start(self) -> None:
         if self._start_s:
@@ -55,6 +56,19 @@ class NullBackend:
                 self._aborts.pop(request_id, None)
         self._stats.generation_tokens += 1
         return [Completion((0,), (0.0,), "length")]
+
+    async def stream(self, prompt_token_ids: Sequence[int], sampling: dict, request_id: str, cache_salt=None):
+        """``generate``'s completions as one item: a null engine has nothing to stream."""
+        completions = await self.generate(prompt_token_ids, sampling, request_id, cache_salt)
+        yield [Piece(i, c.token_ids, c.logprobs, c.text or "", finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                     spans=((self.version, 0, len(c.token_ids)),) if c.token_ids else ())
+               for i, c in enumerate(completions)]
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+    async def set_weight_version(self, version: int) -> None:
+        self.version = int(version)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:

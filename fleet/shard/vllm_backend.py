@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fleet.shard.backend import BackendCapabilities, PauseMode, confirmed
 from fleet.errors import BadRequestError, EngineCrashedError
 from fleet.types import field_with_invalid_text
-from fleet.types import Completion, EngineStats
+from fleet.types import EngineStats, Piece
 
 
 def _make_stats_logger(sink: EngineStats, on_step: Callable[[int], None]):
@@ -46,15 +46,21 @@ def _make_stats_logger(sink: EngineStats, on_step: Callable[[int], None]):
     return lambda vllm_config, engine_index=0: _SinkLogger(vllm_config, engine_index)
 
 
-def _completion(out, top: bool = False) -> Completion:
-    """One vLLM ``CompletionOutput`` as plain data; ``top``: keep each position's top-k logprobs too."""
+def _piece(out, top: bool) -> Piece:
+    """One vLLM ``CompletionOutput`` delta as plain data; ``top``: keep each position's top-k logprobs too."""
     lps: list[float] = []
     for tok, entry in zip(out.token_ids, out.logprobs or ()):
         lp = entry.get(tok) if entry else None
         lps.append(float(lp.logprob) if lp is not None else float("nan"))
     tops = tuple({int(t): float(v.logprob) for t, v in (entry or {}).items()} for entry in out.logprobs or ()) if top else None
-    return Completion(token_ids=tuple(out.token_ids), logprobs=tuple(lps), finish_reason=out.finish_reason,
-                      text=out.text or None, top_logprobs=tops, stop_reason=out.stop_reason)
+    spans = None
+    if out.weight_versions:
+        try:  # the labels are what the shard stamped (``set_weight_version``): its integer versions
+            spans = tuple((int(s.version), int(s.start), int(s.end)) for s in out.weight_versions)
+        except ValueError:
+            spans = None  # an engine label the shard did not set ("default", before its first stamp)
+    return Piece(index=int(out.index), token_ids=tuple(out.token_ids), logprobs=tuple(lps), text=out.text or "",
+                 top_logprobs=tops, finish_reason=out.finish_reason, stop_reason=out.stop_reason, spans=spans)
 
 
 def _shut_down_late(building) -> None:
@@ -121,13 +127,15 @@ class VllmBackend:
         self._live()
         return list(self._tokenizer.encode(text))
 
-    async def generate(
+    async def stream(
         self,
         prompt_token_ids: Sequence[int],
         sampling: dict[str, Any],
         request_id: str,
         cache_salt: str | None = None,
-    ) -> list[Completion]:
+    ) -> AsyncIterator[list[Piece]]:
+        """The request's output as vLLM produces it: each item the new tokens of the completions that moved
+        (vLLM's ``DELTA`` outputs, merged by vLLM while the shard is slower than the engine)."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
@@ -136,8 +144,7 @@ class VllmBackend:
         engine = self._live()
         params = dict(sampling)
         params.setdefault("logprobs", 0)
-        # One final output holding every completion (with n > 1 a streamed output holds only some).
-        params["output_kind"] = RequestOutputKind.FINAL_ONLY
+        params["output_kind"] = RequestOutputKind.DELTA
         bad = field_with_invalid_text(sampling)
         if bad is not None:
             raise BadRequestError(f"sampling params rejected: {bad} holds text that is not valid Unicode "
@@ -149,18 +156,25 @@ class VllmBackend:
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
-        final = None
+        top = bool(sp.logprobs)  # logprobs=k > 0: the caller wants each position's top k as well
+        produced = False
         try:
             async for out in engine.generate(prompt, sp, request_id):
-                final = out
+                produced = True
+                yield [_piece(o, top) for o in out.outputs]
         except EngineDeadError as exc:
             raise EngineCrashedError(f"engine core died during request {request_id}: {exc}") from None
         except (ValueError, VLLMClientError) as exc:
             raise BadRequestError(f"request {request_id} rejected by vLLM: {exc}") from None
-        if final is None:
+        if not produced:
             raise EngineCrashedError(f"request {request_id} produced no output")
-        top = bool(sp.logprobs)  # logprobs=k > 0: the caller wants each position's top k as well
-        return [_completion(o, top) for o in final.outputs]
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    async def set_weight_version(self, version: int) -> None:
+        """Label what the engine samples from now on with ``version`` (vLLM's per-token ``weight_versions``)."""
+        await self._live().update_weight_version(str(int(version)))
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         await self._live().abort(list(request_ids))

@@ -153,8 +153,8 @@ class FakeDoor:
                                   "resumed": True if resumed.ok else resumed.value})
 
     async def _one(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
-        if method == "serve":  # the data plane's packed generate: recorded and scripted as "generate"
-            prompt, sampling, request_id, cache_salt, epoch, kind, k, cap = args[0]
+        if method == "serve_stream":  # the data plane's packed generate: recorded and scripted as "generate"
+            prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, _first, _interval, _carried = args[0]
             method, args = "generate", (prompt, sampling)
             kw = dict(kw, request_id=request_id, cache_salt=cache_salt, ticket=Ticket(epoch, VersionPolicy(kind, k), cap))
         self.calls.append((method, handle.slot, handle.incarnation))
@@ -188,6 +188,10 @@ class FakeDoor:
         if expect_ack and value is not True:
             return Outcome(BAD_ACK, value=value)
         return Outcome(OK, value=value)
+
+    async def stream(self, handle: FakeShard, method: str, *args, timeout: float):
+        """A fake shard's stream is its whole result in one item (or its failure)."""
+        yield await self.call(handle, method, *args, timeout=timeout)
 
     async def fan_out(self, calls, timeout, expect_ack=False):
         keys = list(calls)

@@ -1,0 +1,133 @@
+"""One request's output on a shard as the engine makes it: assembled for the result, paced out as chunks.
+
+``OutputStream`` runs the backend's stream for one request and keeps, per completion, every token,
+logprob and piece of text, with the weight version the engine was stamped with when each piece
+arrived. A continued request (``fleet.shard.continuation``) has its text passed through a
+``TextSeam``. What it makes is told to ``emit`` (``Pacer`` decides what leaves as a ``Chunk``), and
+becomes the attempt's ``Completion``s and version spans when the engine finished.
+
+``Pacer``: a caller that waits on the first token (a streamed HTTP answer) gets it at once; after
+that, at most one chunk per ``interval_s``, so that a long generation costs a few dozen actor
+messages, not one per token. The last chunk is not paced: the whole result follows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+from fleet.shard.continuation import Carried, TextSeam
+from fleet.types import FINISH_STOP, Chunk, Completion, Piece, Span, spans_of
+
+
+@dataclass
+class _Out:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    tops: list[dict[int, float]] | None = None
+    finish: str | None = None
+    stop_reason: int | str | None = None
+    starts: list[tuple[int, int]] = field(default_factory=list)  # (version, first token) as the pieces came
+    spans: tuple[Span, ...] | None = None  # the engine's own labels, from the last piece
+
+
+class OutputStream:
+    def __init__(self, backend: Any, tokens: Sequence[int], sampling: dict, request_id: str,
+                 carried: Carried | None, emit: Callable[[Chunk], None] | None, version: Callable[[], int]) -> None:
+        self._backend = backend
+        self._tokens = list(tokens)
+        self._sampling = sampling
+        self._rid = request_id
+        self._emit = emit
+        self._version = version
+        self._outs: dict[int, _Out] = {}
+        self._seam: TextSeam | None = None
+        if carried is not None and carried.tokens:
+            skip = bool(sampling.get("skip_special_tokens", True))
+            held = backend.detokenize(self._tokens[len(self._tokens) - carried.tokens:], skip)
+            self._seam = TextSeam(held, carried.text, sampling.get("stop"),
+                                  bool(sampling.get("include_stop_str_in_output", False)))
+        self._first = True
+
+    async def run(self, cache_salt: str | None) -> None:
+        async for pieces in self._backend.stream(self._tokens, self._sampling, self._rid, cache_salt):
+            made, cut = [], False
+            for piece in pieces:
+                piece, cut = self._seamed(piece)
+                made.append(self._keep(piece))
+                if cut:
+                    break
+            if self._emit is not None and made:
+                self._emit(Chunk(tuple(made), tuple(self._tokens) if self._first else None))
+                self._first = False
+            if cut:  # a stop string across the seam ended it: the engine stops too
+                await self._backend.abort([self._rid])
+                return
+
+    def _seamed(self, piece: Piece) -> tuple[Piece, bool]:
+        if self._seam is None or piece.index != 0:
+            return piece, False
+        text, stop = self._seam.feed(piece.text, last=piece.finish_reason is not None)
+        if stop is None:
+            return replace(piece, text=text), False
+        return replace(piece, text=text, finish_reason=FINISH_STOP, stop_reason=stop, spans=None), True
+
+    def _keep(self, piece: Piece) -> Piece:
+        version = self._version()
+        piece = replace(piece, version=version)
+        o = self._outs.setdefault(piece.index, _Out())
+        if piece.token_ids:
+            o.starts.append((version, len(o.tokens)))
+        o.tokens += piece.token_ids
+        o.logprobs += piece.logprobs
+        o.text.append(piece.text)
+        if piece.top_logprobs is not None:
+            o.tops = (o.tops or []) + list(piece.top_logprobs)
+        if piece.finish_reason is not None:
+            o.finish, o.stop_reason, o.spans = piece.finish_reason, piece.stop_reason, piece.spans
+        return piece
+
+    def completions(self) -> tuple[Completion, ...]:
+        return tuple(Completion(tuple(o.tokens), tuple(o.logprobs), o.finish, "".join(o.text) or None,
+                                None if o.tops is None else tuple(o.tops), o.stop_reason)
+                     for _, o in sorted(self._outs.items()))
+
+    def spans(self) -> tuple[Span, ...]:
+        """The first completion's version spans: the engine's labels when they cover every token, else the
+        shard's version as each piece arrived."""
+        o = self._outs.get(0)
+        if o is None:
+            return ()
+        if o.spans and o.spans[-1][2] == len(o.tokens) and o.spans[0][1] == 0:
+            return o.spans
+        return spans_of(o.starts, len(o.tokens))
+
+
+class Pacer:
+    """What leaves the shard, and when: the first chunk at once when asked, then one per ``interval_s``."""
+
+    def __init__(self, first_at_once: bool, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._interval = interval_s
+        self._next = float("-inf") if first_at_once else clock() + interval_s
+        self._held: list[Piece] = []
+        self._prompt: tuple[int, ...] | None = None
+
+    def offer(self, chunk: Chunk, out: asyncio.Queue) -> None:
+        self._held += chunk.pieces
+        if chunk.prompt_token_ids is not None:
+            self._prompt = chunk.prompt_token_ids
+        now = self._clock()
+        if now < self._next and not any(p.finish_reason is not None for p in chunk.pieces):
+            return
+        self.flush(out)
+        self._next = now + self._interval
+
+    def flush(self, out: asyncio.Queue) -> None:
+        """Send what is held (the run ended: a failure follows, and the client keeps what it got)."""
+        if self._held or self._prompt is not None:
+            out.put_nowait(Chunk(tuple(self._held), self._prompt))
+        self._held, self._prompt = [], None
