@@ -1,0 +1,234 @@
+"""Continuation (issue 32): the client holds each request's streamed output and, when its engine fails, sends
+it on from there instead of generating those tokens again; the seam, the pacing and the version spans.
+
+The dispatcher runs against scripted streaming shards (a shard here streams pieces and then dies, aborts or
+finishes as told); real engines are in ``tests/integration/test_continuation.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from fleet.data.dispatch import Dispatcher
+from fleet.data.partial import Partial
+from fleet.data.routing_state import ANY, LATEST, Member, RoutingState, VersionPolicy
+from fleet.eventlog import EventLog
+from fleet.outcome import DIED, OK, Outcome
+from fleet.shard.continuation import TextSeam
+from fleet.shard.output_stream import Pacer
+from fleet.types import Chunk, Completion, GenerationResult, Piece
+
+
+# ---------------------------------------------------------------------------------------------- the seam
+def test_the_seam_sends_the_carried_text_the_caller_never_got_first():
+    seam = TextSeam("hello wor", "hello", None)
+    assert seam.feed("ld") == (" world", None)
+    assert seam.feed("!") == ("!", None)
+
+
+def test_a_stop_string_across_the_seam_ends_the_request_as_vllm_would():
+    assert TextSeam("abc ST", "abc ST", ["STOP"]).feed("OP more") == ("", "STOP")
+    assert TextSeam("abc ST", "abc ST", ["STOP"], include_stop=True).feed("OP more") == ("OP", "STOP")
+    # the dead engine held "ST" back (a possible stop's beginning): it is cut, never sent
+    assert TextSeam("abc ST", "abc ", ["STOP"]).feed("OP x") == ("", "STOP")
+    assert TextSeam("abc ST", "abc ", ["STOP"], include_stop=True).feed("OP x") == ("STOP", "STOP")
+    # a stop wholly in the new text is the engine's own to find
+    assert TextSeam("abc", "abc", ["STOP"]).feed(" STOP") == (" STOP", None)
+
+
+def test_new_text_that_could_still_complete_a_stop_across_the_seam_is_held_until_it_cannot():
+    seam = TextSeam("xS", "xS", ["STOP"])
+    assert seam.feed("T") == ("", None)  # "ST" could still become "STOP": held
+    assert seam.feed("OP") == ("", "STOP")
+    seam = TextSeam("xS", "x", ["STOP"])
+    assert seam.feed("T", last=True) == ("ST", None)  # the engine finished: what is held goes out
+
+
+# ---------------------------------------------------------------------------------------------- pacing
+def test_the_pacer_sends_the_first_chunk_at_once_when_asked_then_one_per_interval():
+    now = [0.0]
+    q: asyncio.Queue = asyncio.Queue()
+    pacer = Pacer(first_at_once=True, interval_s=0.05, clock=lambda: now[0])
+    for t in (0.0, 0.01, 0.02, 0.06, 0.07):
+        now[0] = t
+        pacer.offer(Chunk((piece([int(t * 100)]),), (9,) if t == 0 else None), q)
+    sent = [q.get_nowait() for _ in range(q.qsize())]
+    assert [[p.token_ids for p in c.pieces] for c in sent] == [[(0,)], [(1,), (2,), (6,)]]
+    assert sent[0].prompt_token_ids == (9,)
+    pacer.flush(q)  # the run ended: what is held goes out before its failure
+    assert [p.token_ids for p in q.get_nowait().pieces] == [(7,)]
+
+
+def test_without_a_streaming_caller_the_first_chunk_waits_for_the_interval_and_a_finish_is_never_held():
+    now = [0.0]
+    q: asyncio.Queue = asyncio.Queue()
+    pacer = Pacer(first_at_once=False, interval_s=0.05, clock=lambda: now[0])
+    pacer.offer(Chunk((piece([1]),), (9,)), q)
+    assert q.empty()
+    now[0] = 0.01
+    pacer.offer(Chunk((piece([2], finish="length"),)), q)
+    (c,) = [q.get_nowait()]
+    assert [p.token_ids for p in c.pieces] == [(1,), (2,)] and c.prompt_token_ids == (9,)
+
+
+# ---------------------------------------------------------------------------------------------- the partial output
+def piece(tokens, version=0, text=None, finish=None, index=0):
+    return Piece(index, tuple(tokens), tuple(-0.5 for _ in tokens), text if text is not None else "".join(f"<{t}>" for t in tokens),
+                 version, finish_reason=finish)
+
+
+def test_a_continuation_carries_the_prompt_and_held_tokens_and_the_budget_left():
+    out = Partial()
+    out.begin()
+    out.take(Chunk((piece([5, 6, 7]),), (1, 2)))
+    prompt, sampling, carried = out.continuation("text prompt", {"max_tokens": 10, "min_tokens": 5, "seed": 3})
+    assert prompt == [1, 2, 5, 6, 7]
+    assert sampling == {"max_tokens": 7, "min_tokens": 2, "seed": 3}
+    assert carried == (3, "<5><6><7>", 0)
+
+
+def test_tokens_are_told_once_in_order_and_the_whole_result_never_takes_back_what_was_told():
+    told = []
+    out = Partial(told.append)
+    out.begin()
+    out.take(Chunk((piece([5, 6]),), (1,)))
+    out.take(Chunk((piece([7], version=1),)))
+    # the attempt's whole result: everything it made, one more token the pacer still held
+    out.settle(GenerationResult("r", (1,), (Completion((5, 6, 7, 8), (-0.5,) * 4, "length", "<5><6><7><8>"),),
+                                0, 1, 0, 1, version_spans=((0, 0, 2), (1, 2, 4))))
+    assert [d.token_ids for d in told] == [(5, 6), (7,), (8,)]
+    assert [d.version for d in told] == [0, 1, 1]
+    assert "".join(d.text for d in told) == "<5><6><7><8>"
+    assert out.spans() == ((0, 0, 2), (1, 2, 4))
+    # a shard that dropped its output at the finish (its policy check) does not shrink what was told
+    out2 = Partial()
+    out2.begin()
+    out2.take(Chunk((piece([5, 6]),), (1,)))
+    out2.settle(GenerationResult("r", (1,), (Completion((), (), "abort"),), 0, 1, 0, 1))
+    assert out2.tokens == [5, 6]
+
+
+# ---------------------------------------------------------------------------------------------- the dispatcher
+class Script:
+    """One shard's answer to one attempt: ``pieces`` streamed, then ``end``: "die", "abort" or "finish"."""
+
+    def __init__(self, pieces, end, version=0):
+        self.pieces, self.end, self.version = pieces, end, version
+
+
+class StreamDoor:
+    def __init__(self, scripts: dict[int, list[Script]]) -> None:
+        self.scripts = scripts
+        self.sent: list[tuple[int, tuple]] = []
+
+    async def stream(self, handle, method, request, timeout):
+        slot = handle
+        self.sent.append((slot, request))
+        prompt, sampling, rid = request[0], request[1], request[2]
+        script = self.scripts[slot].pop(0)
+        made = []
+        for i, p in enumerate(script.pieces):
+            made += p.token_ids
+            yield Outcome(OK, value=Chunk((p,), tuple(prompt) if i == 0 else None))
+            await asyncio.sleep(0)
+        if script.end != "finish":  # the failed shard leaves routing: the next attempt goes to the other one
+            self.view.state = RoutingState(self.view.state.epoch + 1, True, self.view.state.version, (Member(1, 1, 1),))
+        if script.end == "die":
+            yield Outcome(DIED, error=RuntimeError(f"slot {slot} died"))
+            return
+        finish = "abort" if script.end == "abort" else "length"
+        c = Completion(tuple(made), tuple(-0.5 for _ in made), finish, "".join(p.text for p in script.pieces))
+        yield Outcome(OK, value=GenerationResult(rid, tuple(prompt), (c,), script.version, script.version, slot, 1,
+                                                 version_spans=((script.version, 0, len(made)),) if made else ()))
+
+    async def call(self, handle, method, *args, timeout):
+        return Outcome(OK, value=True)
+
+
+class View:
+    def __init__(self, door, version=0, policy=VersionPolicy(ANY)) -> None:
+        self.door, self.policy = door, policy
+        door.view = self
+        self.state = RoutingState(1, True, version, (Member(0, 1, 0),))  # slot 0 first, slot 1 after it fails
+
+    def routing(self):
+        return self.state
+
+    async def newer_routing(self, epoch, timeout):
+        return self.state
+
+    def cache_salt(self, version):
+        return None
+
+    def report(self, slot, incarnation, outcome, epoch):
+        pass
+
+
+def dispatch(view, **kw) -> Dispatcher:
+    return Dispatcher(view, EventLog(), request_timeout_s=30, max_redispatch=3, rng=random.Random(0), **kw)
+
+
+def test_a_request_whose_engine_dies_goes_on_elsewhere_from_its_tokens_with_every_logprob_and_both_versions():
+    async def go():
+        door = StreamDoor({0: [Script([piece([5, 6]), piece([7])], "die")],
+                           1: [Script([piece([8, 9], version=1)], "finish", version=1)]})
+        view = View(door, version=1)
+        told = []
+        r = await dispatch(view).submit([1, 2], {"max_tokens": 5}, "r", on_tokens=told.append)
+        assert r.ok and r.continued == 1 and r.tokens_reused == 3 and r.tokens_discarded == 0
+        c = r.result.completions[0]
+        assert c.token_ids == (5, 6, 7, 8, 9) and len(c.logprobs) == 5 and c.text == "<5><6><7><8><9>"
+        assert r.result.prompt_token_ids == (1, 2)
+        assert r.result.version_spans == ((0, 0, 3), (1, 3, 5)) and r.result.mixed_versions
+        (slot, second), = [(s, req) for s, req in door.sent if s == 1]
+        assert second[0] == [1, 2, 5, 6, 7] and second[1]["max_tokens"] == 2 and second[-1] == (3, "<5><6><7>", 0)
+        assert [t for d in told for t in d.token_ids] == [5, 6, 7, 8, 9]  # each once, in order
+
+    asyncio.run(go())
+
+
+def test_latest_never_mixes_versions_it_starts_over_and_says_why():
+    async def go():
+        door = StreamDoor({0: [Script([piece([5, 6])], "abort")],
+                           1: [Script([piece([8, 9, 10], version=1)], "finish", version=1)]})
+        view = View(door, version=1, policy=VersionPolicy(LATEST))  # a refit to 1 aborted the version-0 request
+        r = await dispatch(view).submit([1, 2], {"max_tokens": 3}, "r")
+        assert r.ok and r.continued == 0 and r.tokens_discarded == 2
+        assert "latest" in r.started_over and r.result.version_spans == ((1, 0, 3),) and not r.result.mixed_versions
+        assert [req[0] for _, req in door.sent] == [[1, 2], [1, 2]]  # sent again from the prompt alone
+
+    asyncio.run(go())
+
+
+def test_a_streamed_answer_that_cannot_be_continued_is_returned_not_restarted_under_the_callers_eyes():
+    async def go():
+        door = StreamDoor({0: [Script([piece([5, 6])], "abort")], 1: []})
+        view = View(door, version=1, policy=VersionPolicy(LATEST))
+        d = dispatch(view)
+        r = await d.submit([1, 2], {"max_tokens": 3}, "r", on_tokens=lambda delta: None)
+        assert not r.ok and r.reason.startswith("cannot continue the streamed answer") and "latest" in r.reason
+        assert d.in_progress == 0 and d.returned == 1
+
+    asyncio.run(go())
+
+
+def test_with_continuation_off_an_interrupted_request_starts_over_and_counts_what_it_threw_away():
+    async def go():
+        door = StreamDoor({0: [Script([piece([5, 6, 7])], "die")], 1: [Script([piece([8, 9, 10, 11])], "finish")]})
+        d = dispatch(View(door), continuation=False)
+        r = await d.submit([1, 2], {"max_tokens": 4}, "r")
+        assert r.ok and r.result.completions[0].token_ids == (8, 9, 10, 11) and r.tokens_discarded == 3
+        assert "continuation is off" in r.started_over and d.counters()["tokens_discarded"] == 3
+
+    asyncio.run(go())
+
+
+def test_output_that_had_already_ended_when_its_engine_died_completes_without_another_attempt():
+    async def go():
+        door = StreamDoor({0: [Script([piece([5, 6]), piece([7], finish="stop")], "die")], 1: []})
+        r = await dispatch(View(door)).submit([1, 2], {"max_tokens": 9}, "r")
+        assert r.ok and r.result.completions[0].token_ids == (5, 6, 7) and r.result.finish_reason == "stop"
+        assert len(door.sent) == 1
+
+    asyncio.run(go())
