@@ -402,6 +402,8 @@ class Request(Record):
     COMPLETED: ClassVar[str] = "completed"
     RETURNED: ClassVar[str] = "returned"
     POISON: ClassVar[str] = "poison"  # it took down ``POISON_DEATHS`` engines: never sent again
+    CONTINUED: ClassVar[str] = "continued"  # sent on from the ``tokens`` a failed attempt made (``fleet.data.partial``)
+    STARTED_OVER: ClassVar[str] = "started_over"  # its held ``tokens`` thrown away (``reason``): sent from scratch
 
     event: str
     request_id: str
@@ -414,6 +416,7 @@ class Request(Record):
     fingerprint: str | None = None
     engines: list | None = None
     window_s: float | None = None
+    tokens: int | None = None
 
 
 @record("controller_unreachable")

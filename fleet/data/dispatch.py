@@ -266,6 +266,9 @@ class Dispatcher:
         self._load[m.slot] = self._load.get(m.slot, 0) + 1
         prompt, sampling, carried = p.out.continuation(p.prompt, p.sampling)
         p.out.begin()
+        if carried is not None:
+            self._log.emit(Request(event=Request.CONTINUED, request_id=p.request_id, slot=m.slot,
+                                   incarnation=m.incarnation, tokens=carried[0]))
         try:
             request = (prompt, sampling, p.request_id, self._view.cache_salt(state.version),  # EngineShard.serve_stream
                        state.epoch, p.policy.kind, p.policy.k, state.cap_map.get(m.slot),
@@ -359,6 +362,7 @@ class Dispatcher:
         p.tokens_discarded += n
         self.tokens_discarded += n
         p.started_over = why
+        self._log.emit(Request(event=Request.STARTED_OVER, request_id=p.request_id, tokens=n, reason=why))
         return None
 
     def _cannot_continue(self, p: _Pending) -> str | None:

@@ -175,7 +175,9 @@ def test_a_request_whose_engine_dies_goes_on_elsewhere_from_its_tokens_with_ever
                            1: [Script([piece([8, 9], version=1)], "finish", version=1)]})
         view = View(door, version=1)
         told = []
-        r = await dispatch(view).submit([1, 2], {"max_tokens": 5}, "r", on_tokens=told.append)
+        d = dispatch(view)
+        r = await d.submit([1, 2], {"max_tokens": 5}, "r", on_tokens=told.append)
+        assert [(e["slot"], e["tokens"]) for e in d._log.records() if e["event"] == "continued"] == [(1, 3)]
         assert r.ok and r.continued == 1 and r.tokens_reused == 3 and r.tokens_discarded == 0
         c = r.result.completions[0]
         assert c.token_ids == (5, 6, 7, 8, 9) and len(c.logprobs) == 5 and c.text == "<5><6><7><8><9>"
