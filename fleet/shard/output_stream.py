@@ -8,7 +8,8 @@ becomes the attempt's ``Completion``s and version spans when the engine finished
 
 ``Pacer``: a caller that waits on the first token (a streamed HTTP answer) gets it at once; after
 that, at most one chunk per ``interval_s``, so that a long generation costs a few dozen actor
-messages, not one per token. The last chunk is not paced: the whole result follows it.
+messages, not one per token. What is held when the run ends goes out only if it failed: the whole
+result carries the rest, so a short request costs one message.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class Pacer:
         if chunk.prompt_token_ids is not None:
             self._prompt = chunk.prompt_token_ids
         now = self._clock()
-        if now < self._next and not any(p.finish_reason is not None for p in chunk.pieces):
+        if now < self._next:
             return
         self.flush(out)
         self._next = now + self._interval

@@ -60,16 +60,18 @@ def test_the_pacer_sends_the_first_chunk_at_once_when_asked_then_one_per_interva
     assert [p.token_ids for p in q.get_nowait().pieces] == [(7,)]
 
 
-def test_without_a_streaming_caller_the_first_chunk_waits_for_the_interval_and_a_finish_is_never_held():
+def test_without_a_streaming_caller_the_first_chunk_waits_for_the_interval_and_a_short_request_sends_none():
     now = [0.0]
     q: asyncio.Queue = asyncio.Queue()
     pacer = Pacer(first_at_once=False, interval_s=0.05, clock=lambda: now[0])
     pacer.offer(Chunk((piece([1]),), (9,)), q)
-    assert q.empty()
     now[0] = 0.01
     pacer.offer(Chunk((piece([2], finish="length"),)), q)
+    assert q.empty()  # done within the interval: the whole result alone carries it
+    now[0] = 0.06
+    pacer.offer(Chunk((piece([3]),)), q)
     (c,) = [q.get_nowait()]
-    assert [p.token_ids for p in c.pieces] == [(1,), (2,)] and c.prompt_token_ids == (9,)
+    assert [p.token_ids for p in c.pieces] == [(1,), (2,), (3,)] and c.prompt_token_ids == (9,)
 
 
 # ---------------------------------------------------------------------------------------------- the partial output
