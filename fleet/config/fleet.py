@@ -94,6 +94,10 @@ class FleetConfig(BaseModel):
     # Shards send a request's output at most once per this many seconds (a streamed HTTP answer's first token
     # at once): what a death loses at most, against one actor message per token.
     stream_interval_s: float = Field(0.05, gt=0, le=5.0, allow_inf_nan=False)
+    # A request with a token budget (``max_tokens``) of at most this many and no streaming caller is one plain call
+    # and is not streamed: a Ray stream costs about twice a call (scripts/bench_dataplane.py), and a death then
+    # loses at most this many tokens. 0: stream every request.
+    stream_min_tokens: int = Field(32, ge=0)
     poison_window_s: float = Field(600.0, ge=0, allow_inf_nan=False,
                                    description="how long a client refuses at once a request like one that took "
                                                "down two engines (0: not remembered; it is still never sent a "

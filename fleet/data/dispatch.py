@@ -126,6 +126,7 @@ class Dispatcher:
         self, view: FleetView, log: EventLog, request_timeout_s: float, max_redispatch: int,
         clock: Clock | None = None, rng: random.Random | None = None, id_prefix: str = "req",
         poison_window_s: float = 600.0, continuation: bool = True, stream_interval_s: float = 0.05,
+        stream_min_tokens: int = 32,
     ) -> None:
         self._view = view
         self._clock = clock or MonotonicClock()
@@ -136,6 +137,7 @@ class Dispatcher:
         self._prefix = id_prefix
         self._continuation = continuation
         self._interval = stream_interval_s
+        self._stream_min = stream_min_tokens
         self.tokens_reused = 0
         self.tokens_discarded = 0
         self._ids = itertools.count()
@@ -274,8 +276,7 @@ class Dispatcher:
                        state.epoch, p.policy.kind, p.policy.k, state.cap_map.get(m.slot),
                        p.out.on_tokens is not None, self._interval, carried)
             outcome = None
-            async for out in self._view.door.stream(m.handle, "serve_stream", request,
-                                                    timeout=max(1.0, deadline - self._clock.now())):
+            async for out in self._send(m, request, p, sampling, deadline):
                 if out.ok and isinstance(out.value, Chunk):
                     p.out.take(out.value)
                     continue
@@ -317,6 +318,16 @@ class Dispatcher:
             self._dead.add((m.slot, m.incarnation))
         self._view.report(m.slot, m.incarnation, outcome, state.epoch)
         return f"slot {m.slot} (incarnation {m.incarnation}) failed: {outcome.describe()}"
+
+    async def _send(self, m: Member, request: tuple, p: _Pending, sampling: dict, deadline: float):
+        """The shard's answer to one attempt as ``Outcome``s: the stream's chunks and then its result, or, for a
+        short request with no streaming caller, the one plain call's result (``stream_min_tokens``)."""
+        timeout = max(1.0, deadline - self._clock.now())
+        if p.out.on_tokens is not None or p.out.budget(sampling) > self._stream_min:
+            async for out in self._view.door.stream(m.handle, "serve_stream", request, timeout=timeout):
+                yield out
+            return
+        yield await self._view.door.call(m.handle, "serve", request, timeout=timeout)
 
     async def _refused(self, p: _Pending, m: Member, state: RoutingState, deadline: float,
                        error: RouteRefused) -> FleetResult | None:

@@ -307,7 +307,13 @@ class EngineShard:
         done.set_result(result)
         return result
 
-    DATA_PLANE_METHODS = ("serve_stream",)  # called once per request: Ray records no task events for it (``ray_door``)
+    DATA_PLANE_METHODS = ("serve", "serve_stream")  # one per request: Ray records no task events for them (``ray_door``)
+
+    async def serve(self, request: tuple) -> GenerationResult:
+        """``serve_stream``'s request as one plain call: the whole result (a short request: ``stream_min_tokens``)."""
+        prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, _first, _interval, carried = request
+        return await self._run(prompt, sampling, request_id, cache_salt, None, Ticket(epoch, VersionPolicy(kind, k), cap),
+                               Carried.of(carried), None)
 
     async def serve_stream(self, request: tuple) -> AsyncIterator[Chunk | GenerationResult]:
         """``generate`` for the data plane, as a stream (a Ray streaming generator): ``Chunk``s of output while

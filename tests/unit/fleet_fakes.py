@@ -153,7 +153,7 @@ class FakeDoor:
                                   "resumed": True if resumed.ok else resumed.value})
 
     async def _one(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
-        if method == "serve_stream":  # the data plane's packed generate: recorded and scripted as "generate"
+        if method in ("serve", "serve_stream"):  # the data plane's packed generate: recorded and scripted as "generate"
             prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, _first, _interval, _carried = args[0]
             method, args = "generate", (prompt, sampling)
             kw = dict(kw, request_id=request_id, cache_salt=cache_salt, ticket=Ticket(epoch, VersionPolicy(kind, k), cap))

@@ -123,6 +123,7 @@ class StreamDoor:
     def __init__(self, scripts: dict[int, list[Script]]) -> None:
         self.scripts = scripts
         self.sent: list[tuple[int, tuple]] = []
+        self.calls: list[str] = []
 
     async def stream(self, handle, method, request, timeout):
         slot = handle
@@ -144,8 +145,13 @@ class StreamDoor:
         yield Outcome(OK, value=GenerationResult(rid, tuple(prompt), (c,), script.version, script.version, slot, 1,
                                                  version_spans=((script.version, 0, len(made)),) if made else ()))
 
-    async def call(self, handle, method, *args, timeout):
-        return Outcome(OK, value=True)
+    async def call(self, handle, method, request, timeout):
+        """A plain call: the stream's last item (its result or failure)."""
+        self.calls.append(method)
+        last = None
+        async for out in self.stream(handle, method, request, timeout):
+            last = out
+        return last
 
 
 class View:
@@ -168,7 +174,8 @@ class View:
 
 
 def dispatch(view, **kw) -> Dispatcher:
-    return Dispatcher(view, EventLog(), request_timeout_s=30, max_redispatch=3, rng=random.Random(0), **kw)
+    return Dispatcher(view, EventLog(), request_timeout_s=30, max_redispatch=3, rng=random.Random(0),
+                      **{"stream_min_tokens": 0, **kw})
 
 
 def test_a_request_whose_engine_dies_goes_on_elsewhere_from_its_tokens_with_every_logprob_and_both_versions():
@@ -234,5 +241,19 @@ def test_output_that_had_already_ended_when_its_engine_died_completes_without_an
         r = await dispatch(View(door)).submit([1, 2], {"max_tokens": 9}, "r")
         assert r.ok and r.result.completions[0].token_ids == (5, 6, 7) and r.result.finish_reason == "stop"
         assert len(door.sent) == 1
+
+    asyncio.run(go())
+
+
+def test_a_short_request_without_a_streaming_caller_is_one_plain_call_and_a_long_one_streams():
+    async def go():
+        door = StreamDoor({0: [Script([piece([5])], "finish"), Script([piece([5])], "finish"),
+                               Script([piece([5])], "finish")]})
+        d = dispatch(View(door), stream_min_tokens=32)
+        assert (await d.submit([1], {"max_tokens": 32}, "short")).ok  # a stream costs Ray twice a call
+        assert (await d.submit([1], {"max_tokens": 33}, "long")).ok
+        assert (await d.submit([1], {"max_tokens": 4}, "told", on_tokens=lambda delta: None)).ok
+        assert door.calls == ["serve"]
+        assert [req[2] for _, req in door.sent] == ["short", "long", "told"]
 
     asyncio.run(go())

@@ -20,9 +20,6 @@ class Door:
     def __init__(self) -> None:
         self.sent: list[tuple[str, int]] = []
 
-    async def stream(self, handle, method, *args, timeout=None):
-        yield await self.call(handle, method, *args, timeout=timeout)
-
     async def call(self, handle, method, *args, timeout=None):
         rid, slot = args[0][2], handle
         self.sent.append((rid, slot))
