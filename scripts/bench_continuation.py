@@ -81,7 +81,8 @@ def parse() -> argparse.Namespace:
 def fleet_config(model: str, continuation: bool, args: argparse.Namespace) -> dict:
     """Two engines long enough for prompt + completion; no admission cap, no restarts, no metrics port."""
     return {
-        "engine": {"model": model, "max_model_len": args.prompt_tokens + args.max_tokens, "kv_cache_memory_bytes": 64 << 20, "seed": args.seed},
+        "engine": {"model": model, "max_model_len": args.prompt_tokens + args.max_tokens,
+                   "kv_cache_memory_bytes": 64 << 20, "seed": args.seed},
         "num_engines": ENGINES,
         "min_healthy_engines": 1,
         "restart_dead_engines": False,
