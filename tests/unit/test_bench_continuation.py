@@ -52,10 +52,11 @@ def test_figures_of_a_continuation_arm():
                _result(3, 10, 2.2, attempts=2, continued=1, reused=6)]
     counters = {"accepted": 4, "completed": 4, "returned": 0, "tokens_reused": 12, "tokens_discarded": 0}
     row = b.figures("continuation", results, counters, ARGS, target=0, incarnation=1, on_target=2,
-                    killed_counter=14, survivor={1: 28}, proof={}, kill_after_s=0.5, batch_s=1.0)
+                    killed_counter=14, survivor={1: 28}, proof={}, t_kill=0.5)
     assert (row["generated"], row["generated_killed"], row["delivered"], row["wasted"]) == (42, 14, 40, 2)
     assert row["kill_progress"] == 0.7 and row["interrupted"] == 2 and row["continued"] == 2
-    assert (row["p50_s"], row["p50_interrupted_s"]) == (1.6, 2.1)
+    assert (row["p50_s"], row["p50_interrupted_s"], row["after_kill_p50_interrupted_s"]) == (1.6, 2.1, 1.6)
+    assert (row["kill_after_s"], row["kill_to_last_result_s"]) == (0.5, 1.7)
     assert (row["lost"], row["returned"], row["tokens_reused"]) == (0, 0, 12)
 
 
@@ -67,8 +68,10 @@ def test_the_killed_engine_counts_at_least_what_the_client_received_from_it():
     results = [_result(0, 10, 1.0), _result(1, 10, 3.0, attempts=2, discarded=7)]
     counters = {"accepted": 3, "completed": 2, "returned": 0, "tokens_reused": 0, "tokens_discarded": 7}
     row = b.figures("resend", results, counters, ARGS, target=0, incarnation=1, on_target=1,
-                    killed_counter=5, survivor={1: 20}, proof={}, kill_after_s=0.5, batch_s=2.5)
+                    killed_counter=5, survivor={1: 20}, proof={}, t_kill=0.5)
     assert row["generated_killed"] == 7 and row["generated_killed_counter"] == 5
     assert (row["generated"], row["delivered"], row["wasted"]) == (27, 20, 7)
     assert row["lost"] == 1 and row["started_over"] == []
+    summary = b.arm_summary([row, {**row, "wasted": 9, "p50_s": 4.0, "lost": 0}])
+    assert (summary["wasted"], summary["p50_s"], summary["lost"]) == (8, 3.0, 1) and len(summary["per_round"]) == 2
     assert b.ratio(2, 7) == 0.286 and b.ratio(1, 0) is None and b.ratio(None, 3) is None
