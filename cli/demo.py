@@ -16,8 +16,8 @@ import sys
 
 DIGEST = (
     "ok", "steps", "reward_first", "reward_last", "reward_final_eval", "max_logprob_mismatch", "prompts_lost",
-    "faults_injected", "recoveries", "stale_samples_dropped", "stopped", "wall_s", "refit_s_p50", "refit_s_max",
-    "interrupted",
+    "faults_injected", "recoveries", "requests_continued", "tokens_reused", "stale_samples_dropped", "stopped",
+    "wall_s", "refit_s_p50", "refit_s_max", "interrupted",
 )
 
 
@@ -44,6 +44,7 @@ def register(sub) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from demo.report import continuation_line
     from demo.run import DemoConfig, _nan_to_none, run_demo
     from fleet.interrupt import exit_status
 
@@ -55,6 +56,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"invariant broken: {problem}")
     if summary.get("error"):
         print(f"error: {summary['error']}")
+    if (line := continuation_line(summary)) is not None:
+        print(line)
     from pathlib import Path
 
     files = ", ".join(f for f in summary["files"].values() if (Path(cfg.out) / f).exists())

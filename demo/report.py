@@ -2,10 +2,14 @@
 
 ``summarize(run, events, wall_s)`` builds ``summary.json``: the headline numbers
 (reward, logprob mismatch, prompts lost, faults, recoveries, step and refit
-times), then what they were computed from. Every fleet number comes from the
+times, what continuation saved), then what they were computed from. Every fleet number comes from the
 event log through ``faults.timeline.log_numbers``, so a reader can re-check the
 summary against ``events.jsonl``; ``ok`` also needs every invariant of
 ``faults.invariants`` to hold.
+
+``continuation_line(summary)`` is the report's line on what continuation saved when a shard died
+mid-generation: requests continued on another engine and the tokens they carried over (from the
+client's counters, ``continuation_figures``).
 
 ``plot_learning`` draws reward and logprob mismatch per step; ``plot_timeline``
 draws each shard's health state, the dispatch gate and the refit phases over
@@ -69,6 +73,7 @@ def summarize(run, events: Sequence[dict], wall_s: float) -> dict:
         "recoveries": log["recoveries"],
         "controller_restarts": log["controller_restarts"],
         "stale_samples_dropped": sum(int(r.get("dropped_stale", 0)) for r in rows),
+        **continuation_figures(run.requests_end, run.continued),
         "results_returned": sum(int(r.get("returned", 0)) for r in rows) + int(final.get("returned", 0) or 0),
         "stopped": stopped,
         "error": run.error,
@@ -97,6 +102,34 @@ def summarize(run, events: Sequence[dict], wall_s: float) -> dict:
         "files": {"summary": "summary.json", "events": "events.jsonl"},
         "rejoin": run.rejoin,
     }
+
+
+def continuation_figures(counters: Mapping[str, Any] | None, continued: int) -> dict:
+    """What continuation saved over the run: ``requests_continued`` (results that went on on another
+    engine after theirs died mid-generation, counted by the driver from ``FleetResult.continued``),
+    ``tokens_reused`` (tokens carried over from failed attempts into results: not generated again) and
+    ``tokens_discarded`` (tokens received from failed attempts and thrown away because the request
+    started over), both from the client's counters (``FleetClient.counters()``; None: never read)."""
+    counters = counters or {}
+    return {"requests_continued": int(continued), "tokens_reused": int(counters.get("tokens_reused", 0)),
+            "tokens_discarded": int(counters.get("tokens_discarded", 0))}
+
+
+def continuation_line(summary: Mapping[str, Any]) -> str | None:
+    """The report's line on continuation (``continuation_figures``' numbers in ``summary``), when the run
+    killed a shard or a request was continued or started over; None otherwise (nothing to say)."""
+    fired = summary.get("fault_plan", {}).get("fired", [])
+    killed = any(f.get("what") == "kill" and f.get("slot") is not None for f in fired)
+    n, reused, discarded = summary["requests_continued"], summary["tokens_reused"], summary["tokens_discarded"]
+    if not (killed or n or discarded):
+        return None
+    line = (f"continuation: {n} request{'' if n == 1 else 's'} continued after the shard kill, "
+            f"{reused} token{'' if reused == 1 else 's'} reused (not generated again)")
+    if discarded:
+        line += f"; {discarded} token{'' if discarded == 1 else 's'} discarded (requests that started over)"
+    elif not n:
+        line += " (no request was mid-generation on the shard when it died)"
+    return line
 
 
 def _violations(events: Sequence[dict], fleet_cfg) -> list[str]:

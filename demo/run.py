@@ -296,6 +296,8 @@ class DemoRun:
         self.version = self.engines_at = 0  # the trainer's weight version, and the one the engines hold
         self.interrupted: str | None = None  # the signal that ended the run early
         self.ray_gone: list[str] = []  # the local Ray's daemons that stopped with that signal
+        self.continued = 0  # results that were continued on another engine after theirs died (``collect``)
+        self.requests_end: dict | None = None  # the client's request counters once the fleet stopped
 
     def run(self) -> dict:
         self.prepare()
@@ -370,7 +372,7 @@ class DemoRun:
             self.say(f"{ray_door.ray_down_reason(self.ray_gone)}: "
                      "its engines, controller and trainer stopped with it")
             if self.fleet is not None:
-                self.fleet.abandon(f"interrupted by {self.interrupted}")  # what was in flight: returned, logged
+                self.requests_end = self.fleet.abandon(f"interrupted by {self.interrupted}")  # returned, logged
             self.view.close()
             return
         if self.fleet is not None:
@@ -379,6 +381,8 @@ class DemoRun:
             except Exception:  # noqa: BLE001 - the status is for the report only
                 pass
             self.fleet.shutdown()
+            if self.fleet.client is not None:
+                self.requests_end = self.fleet.client.counters()
         if self.trainer is not None:
             ray_door.kill(self.trainer)
         if owns_ray:
@@ -413,6 +417,7 @@ class DemoRun:
         for p, r in zip(batch, refs):
             results = self.fleet.collect(r)
             slots |= {(x.result.slot, x.result.incarnation) for x in results if x.ok}
+            self.continued += sum(1 for x in results if x.continued)
             group, skipped = build_group(p, results, self.task)
             groups.append(group)
             returned += skipped

@@ -9,7 +9,7 @@ import io
 
 import pytest
 
-from demo.report import plot_learning, plot_timeline, state_segments
+from demo.report import continuation_figures, continuation_line, plot_learning, plot_timeline, state_segments
 from demo.run import DemoConfig, EventWatcher, _nan_to_none, default_plan, load_demo_plan
 from demo.view import PlainView, make_view
 from faults.firing import FaultFiring
@@ -36,6 +36,38 @@ def test_plots_write_pngs(tmp_path):
     for p in (a, b):
         with Image.open(p) as img:
             assert img.format == "PNG" and img.size[0] >= 600
+
+
+def _summary(counters, continued, fired):
+    return {**continuation_figures(counters, continued), "fault_plan": {"fired": fired}}
+
+
+KILL = {"step": 10, "slot": 1, "what": "kill", "where": "step_boundary"}
+
+
+def test_continuation_line_reports_the_client_counters_after_a_shard_kill():
+    """The report says what continuation saved: requests continued (counted from the results) and the
+    tokens reused and discarded (the client's counters), once the run killed a shard."""
+    counters = {"accepted": 64, "completed": 64, "returned": 0, "tokens_reused": 1234, "tokens_discarded": 0}
+    summary = _summary(counters, 7, [KILL])
+    assert (summary["requests_continued"], summary["tokens_reused"], summary["tokens_discarded"]) == (7, 1234, 0)
+    assert continuation_line(summary) == ("continuation: 7 requests continued after the shard kill, "
+                                          "1234 tokens reused (not generated again)")
+    one = continuation_line(_summary({"tokens_reused": 1, "tokens_discarded": 5}, 1, [KILL]))
+    assert one == ("continuation: 1 request continued after the shard kill, 1 token reused (not generated again); "
+                   "5 tokens discarded (requests that started over)")
+
+
+def test_continuation_line_when_nothing_was_continued():
+    """A kill with nothing mid-generation says so; a run that killed no shard and continued nothing has no
+    line; counters never read (the fleet did not start) count as zero."""
+    assert continuation_line(_summary({"tokens_reused": 0}, 0, [KILL])) == (
+        "continuation: 0 requests continued after the shard kill, 0 tokens reused (not generated again) "
+        "(no request was mid-generation on the shard when it died)")
+    controller_only = [{"step": 15, "slot": None, "what": "kill_controller", "where": "transfer"}]
+    assert continuation_line(_summary({}, 0, controller_only)) is None
+    assert continuation_line(_summary(None, 0, [])) is None
+    assert continuation_figures(None, 0) == {"requests_continued": 0, "tokens_reused": 0, "tokens_discarded": 0}
 
 
 def test_default_plan_and_plan_errors(tmp_path):
