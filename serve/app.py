@@ -5,28 +5,36 @@ OpenAI-compatible: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat
 (Prometheus text), ``GET /v1/fleet/status``. Weight updates are not exposed: they stay the
 trainer's call (``Fleet.sync_weights``) on the same fleet.
 
-A streamed request is sent as events once its completion is whole: the fleet re-sends a
-request whose engine died, which a half-streamed answer could not survive, so a client
-never sees a prefix from an engine that then vanished.
+A request for ``n`` choices is sent to the fleet as ``n`` requests of one (``seed + i`` when seeded).
+
+A streamed request is sent as events while its tokens are generated (``serve.stream``,
+``serve.sse``). An engine that dies mid-stream does not end it: the fleet continues the request
+on another engine from the tokens already sent, and the stream goes on where it stopped (the
+last chunk's ``rlfleet`` block counts the continuations and says which weight version sampled
+which tokens). The 200 is committed with the first tokens: a request refused or returned
+before any is answered with its HTTP error; one returned after them (it could not be continued)
+ends its stream with an error event. A client that leaves has its requests aborted on the engines.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.utils.api_utils import with_cancellation
 from vllm.exceptions import VLLMValidationError
 
-from serve import protocol
-from serve.front import Front
+from serve import protocol, sse
+from serve.front import Front, Outcome
 from serve.metrics import prometheus_text
+from serve.stream import Choices, EventStreamResponse, Stream
 
 
 def _error(code: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
@@ -104,18 +112,18 @@ def build_app(front: Front) -> FastAPI:
     @with_cancellation
     async def completions(request: CompletionRequest, raw_request: Request):
         return await _serve(front, "/v1/completions", request, protocol.completion_call,
-                            protocol.completion_response, protocol.completion_chunks)
+                            protocol.completion_response)
 
     @app.post("/v1/chat/completions")
     @with_cancellation
     async def chat(request: ChatCompletionRequest, raw_request: Request):
         return await _serve(front, "/v1/chat/completions", request, protocol.chat_call,
-                            protocol.chat_response, protocol.chat_chunks)
+                            protocol.chat_response)
 
     return app
 
 
-async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond: Callable, chunks: Callable) -> Response:
+async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond: Callable) -> Response:
     if req.model is not None and req.model != front.model:
         front.count(endpoint, 404)
         return _error(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
@@ -127,21 +135,34 @@ async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond:
     except protocol.BadRequest as exc:
         front.count(endpoint, 400)
         return _error(400, str(exc), "BadRequestError", exc.param)
-    outcome = await front.run(prompt, sampling)
-    front.count(endpoint, outcome.code)
-    if outcome.code != 200:
-        return _error(outcome.code, outcome.message, outcome.kind, outcome.param)
-    fr = outcome.result
-    res = fr.result
-    headers = {protocol.VERSION_HEADER: str(res.weight_version)}
-    if not req.stream:
-        return JSONResponse(respond(req, front.model, res, fr.request_id, fr.attempts, front.tokenizer), headers=headers)
-    events = [f"data: {json.dumps(c)}\n\n" for c in chunks(req, front.model, res, fr.request_id, fr.attempts,
-                                                            front.tokenizer)]
-    events.append("data: [DONE]\n\n")
+    samplings = protocol.choice_samplings(sampling)  # n choices: n fleet requests of one
+    request_id = f"http-{uuid.uuid4().hex[:16]}"
+    choices = Choices(front, prompt, samplings, request_id, stream=bool(req.stream))
+    if req.stream:
+        return await _stream(front, endpoint, req, prompt, choices, request_id)
+    out = await choices.all()
+    if isinstance(out, Outcome):
+        front.count(endpoint, out.code)
+        return _error(out.code, out.message, out.kind, out.param)
+    front.count(endpoint, 200)
+    body = respond(req, front.model, out, front.tokenizer)
+    return JSONResponse(body, headers={protocol.VERSION_HEADER: str(body["rlfleet"]["weight_version"])})
 
-    async def stream():
-        for e in events:
-            yield e
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+async def _stream(front: Front, endpoint: str, req: Any, prompt: list[int], choices: Choices,
+                  request_id: str) -> Response:
+    """Hold the answer until the first tokens (or the end) arrive: a request refused or returned before any
+    token is still answered with its HTTP status; from the first token on it is a 200 and its events."""
+    prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
+    stream = Stream(choices, sse.events_for(req, front.model, f"{prefix}-{request_id}", prompt, front.tokenizer,
+                                            choices.n))
+    failed = await stream.start()
+    if failed is not None:
+        front.count(endpoint, failed.code)
+        return _error(failed.code, failed.message, failed.kind, failed.param)
+    front.count(endpoint, 200)
+    # The headers go out before the request finishes, so the version header names the weight version that
+    # sampled the first tokens (the version the request finished under, when it ended before any token):
+    # a request a refit held, or one continued on another engine, may end under a later version, which its
+    # last chunk's ``rlfleet`` block names (``weight_version``, ``version_spans``).
+    return EventStreamResponse(stream, headers={protocol.VERSION_HEADER: str(stream.version)})

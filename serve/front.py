@@ -13,6 +13,8 @@ An accepted request ends in one of these, and nothing else:
 - returned by the fleet (stopped; no serving engine within the request timeout, which names
   why the gate is closed; the re-send budget spent): 503 with the reason;
 - abandoned by its HTTP client: aborted on the engine and counted ``cancelled``;
+- streamed and returned after its first tokens went out: the 200 was sent, so the stream ends with an
+  error event naming the reason (``serve.stream``), counted ``stream_errors``;
 - still running when the server stops past its grace (``cut_off_after``): aborted on the engine
   and answered 503, saying the server is shutting down (never the server's bare 500).
 """
@@ -21,11 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from fleet.data.dispatch import FleetResult
 from fleet.data.poison import POISON
@@ -58,6 +59,8 @@ class Front:
         self.in_flight = 0
         self.tokens_out = 0
         self.latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+        self.ttfts: deque[float] = deque(maxlen=_LATENCY_WINDOW)  # streamed requests: time to the first token
+        self.stream_errors = 0  # streams ended by an error event after their 200 (returned mid-stream)
         self.cut_off = 0  # requests returned because the server stopped before they finished
         # Prompts are tokenized (and chat templates rendered) here, one at a time, off the event loop that
         # routes every request: a multi-megabyte prompt held /health and every other request for seconds.
@@ -74,18 +77,23 @@ class Front:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._prepare_pool, call, req, self.tokenizer, self.max_model_len)
 
-    async def run(self, prompt: list[int], sampling: dict) -> Outcome:
+    async def run(self, prompt: list[int], sampling: dict, request_id: str | None = None,
+                  on_tokens: Callable[[Any], None] | None = None) -> Outcome:
         """One request on the fleet; returns how it ended. Cancelled (the HTTP client left): aborted on the
         engine by the dispatcher and counted here, then the cancellation goes on. Cut off by the server's
-        stop (``cut_off_after``): aborted the same way, and answered 503."""
+        stop (``cut_off_after``): aborted the same way, and answered 503. ``on_tokens``: called with each
+        ``TokenDelta`` as the tokens arrive (a streamed answer; the shard then sends the first token at once)."""
         if self._closing:
             return self._shutting_down()
         task = asyncio.current_task()
         self._running.add(task)
         self.in_flight += 1
-        t0 = time.monotonic()
+        clock = asyncio.get_running_loop().time  # time.monotonic on a real loop; virtual time in tests
+        t0 = clock()
+        if on_tokens is not None:
+            on_tokens = self._timed(on_tokens, clock, t0)
         try:
-            result = await self.client.generate_async(prompt, sampling)
+            result = await self.client.generate_async(prompt, sampling, request_id, on_tokens=on_tokens)
         except asyncio.CancelledError:
             if task not in self._cut:
                 self.cancelled += 1
@@ -98,10 +106,23 @@ class Front:
             self._running.discard(task)
             self._cut.discard(task)
         if result.ok:
-            self.latencies.append(time.monotonic() - t0)
+            self.latencies.append(clock() - t0)
             self.tokens_out += sum(len(c.token_ids) for c in result.result.completions)
             return Outcome(200, result)
         return self.returned(result)
+
+    def _timed(self, on_tokens: Callable[[Any], None], clock: Callable[[], float], t0: float) -> Callable[[Any], None]:
+        """``on_tokens`` that also records the time to the first token (``ttft_p50_s``)."""
+        first = True
+
+        def tokens(delta: Any) -> None:
+            nonlocal first
+            if first:
+                first = False
+                self.ttfts.append(clock() - t0)
+            on_tokens(delta)
+
+        return tokens
 
     def cut_off_after(self, grace_s: float) -> None:
         """The server is stopping (call on the client's loop): refuse new requests, and return every request
@@ -157,6 +178,7 @@ class Front:
 
     def counters(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
+        ttft = sorted(self.ttfts)
         return {
             "responses": {f"{e} {c}": n for (e, c), n in sorted(self.responses.items())},
             "in_flight": self.in_flight,
@@ -165,6 +187,9 @@ class Front:
             "tokens_out": self.tokens_out,
             "latency_p50_s": _quantile(lat, 0.5),
             "latency_p99_s": _quantile(lat, 0.99),
+            "ttft_p50_s": _quantile(ttft, 0.5),
+            "ttft_p99_s": _quantile(ttft, 0.99),
+            "stream_errors": self.stream_errors,
             "client": self.client.counters(),
         }
 

@@ -52,6 +52,13 @@ def prometheus_text(health: dict, front: dict, status: dict | None) -> str:
     lat = [({"quantile": q}, front[key]) for q, key in (("0.5", "latency_p50_s"), ("0.99", "latency_p99_s"))
            if front[key] is not None]
     _line(out, "rlfleet_http_request_seconds", "summary", "Request latency through the fleet (recent window)", lat)
+    ttft = [({"quantile": q}, front[key]) for q, key in (("0.5", "ttft_p50_s"), ("0.99", "ttft_p99_s"))
+            if front.get(key) is not None]
+    _line(out, "rlfleet_http_time_to_first_token_seconds", "summary",
+          "Streamed requests: time to the first token (recent window)", ttft)
+    _line(out, "rlfleet_http_stream_errors_total", "counter",
+          "Streams ended by an error event after their first tokens (the request was returned mid-stream)",
+          [({}, front.get("stream_errors", 0))])
     client = front["client"]
     for key in ("accepted", "completed", "returned", "requeued"):
         _line(out, f"rlfleet_requests_{key}_total", "counter", f"Requests {key} by this front's fleet client",

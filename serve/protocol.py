@@ -8,15 +8,18 @@ with vLLM's message. What is written here is the fleet's part only:
   ``SamplingParams`` (``sampling_of``: vLLM builds the params, the dict is what
   differs from vLLM's defaults, so nothing is re-derived here);
 - the prompt's token ids (a chat request rendered with the model's own chat template);
+- a request for ``n`` choices as ``n`` fleet requests of one (``choice_samplings``);
 - the tags every response carries: the weight version the request started and
-  finished under, the slot and incarnation that produced it, and the completion's
-  token ids (``rlfleet`` in the body, ``x-rlfleet-weight-version`` in the headers).
+  finished under, the slot and incarnation that produced it, how many continuations
+  it needed and which version sampled which tokens, and the completion's token ids
+  (``rlfleet`` in the body, ``x-rlfleet-weight-version`` in the headers).
+
+A streamed answer's events are ``serve.sse``'s; they use the logprob builders here.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -26,23 +29,19 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
-    ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse,
     ChatMessage,
 )
-from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.completion.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
-    CompletionResponseStreamChoice,
-    CompletionStreamResponse,
 )
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo
 from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import SamplingParams
 
+from fleet.data.dispatch import FleetResult
 from fleet.types import Completion, GenerationResult, field_with_invalid_text
 
 VERSION_HEADER = "x-rlfleet-weight-version"
@@ -220,6 +219,23 @@ def chat_call(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) ->
     return prompt, _sampling(req, len(prompt), max_model_len, requested)
 
 
+# ---------------------------------------------------------------------------------------------- choices
+def choice_samplings(sampling: dict[str, Any]) -> list[dict[str, Any]]:
+    """One sampling dict per choice: a request for ``n`` choices is sent as ``n`` fleet requests of one (the
+    seed, when given, ``seed + i`` for choice ``i``, as ``FleetClient.group_async`` does). Each choice is then
+    its own request to the fleet: routed on its own, and continued on another engine if its own dies (the
+    fleet does not continue a request of ``n > 1``)."""
+    n = int(sampling.get("n") or 1)
+    base = {k: v for k, v in sampling.items() if k != "n"}
+    out = []
+    for i in range(n):
+        s = dict(base)
+        if i and s.get("seed") is not None:
+            s["seed"] = int(s["seed"]) + i
+        out.append(s)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- responses
 def tags(result: GenerationResult, request_id: str, attempts: int) -> dict[str, Any]:
     """What the fleet adds to every response: which weights, which engine, which request."""
@@ -228,40 +244,79 @@ def tags(result: GenerationResult, request_id: str, attempts: int) -> dict[str, 
             "attempts": attempts}
 
 
+def fleet_block(fr: FleetResult) -> dict[str, Any]:
+    """The ``rlfleet`` block of one completed fleet request: ``tags``, how many continuations it needed
+    (``continued``: an engine died under it and another carried on from its tokens), and which weight
+    version sampled which of its tokens (``version_spans``: ``[version, start, end)`` over the completion's
+    token indexes; ``mixed_versions`` when more than one did)."""
+    res = fr.result
+    block = tags(res, fr.request_id, fr.attempts)
+    block.update(continued=fr.continued, version_spans=[list(s) for s in res.version_spans],
+                 mixed_versions=res.mixed_versions)
+    return block
+
+
+def group_block(frs: list[FleetResult]) -> dict[str, Any]:
+    """The ``rlfleet`` block of a response: one choice's own block; with ``n > 1`` (one fleet request per
+    choice) the versions span every choice (``version_start`` the earliest, ``weight_version`` the latest),
+    ``attempts`` and ``continued`` are summed, slot, incarnation and request id are choice 0's, and
+    ``choices`` holds each choice's own block."""
+    if len(frs) == 1:
+        return fleet_block(frs[0])
+    each = [fleet_block(fr) for fr in frs]
+    block = {k: v for k, v in each[0].items() if k != "version_spans"}
+    block.update(weight_version=max(b["weight_version"] for b in each),
+                 version_start=min(b["version_start"] for b in each),
+                 attempts=sum(b["attempts"] for b in each), continued=sum(b["continued"] for b in each),
+                 mixed_versions=any(b["mixed_versions"] for b in each), choices=each)
+    return block
+
+
 def _text(c: Completion, tokenizer: Any, skip_special: bool) -> str:
     return c.text if c.text is not None else tokenizer.decode(list(c.token_ids), skip_special_tokens=skip_special)
 
 
-def _usage(result: GenerationResult) -> UsageInfo:
-    done = sum(len(c.token_ids) for c in result.completions)
-    prompt = len(result.prompt_token_ids)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+def usage(prompt_len: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
+                     total_tokens=prompt_len + completion_tokens)
 
 
-def _completion_logprobs(c: Completion, tokenizer: Any, k: int | None) -> CompletionLogProbs | None:
+def _usage(frs: list[FleetResult]) -> UsageInfo:
+    """The prompt once (every choice has the same), the tokens of every choice."""
+    return usage(len(frs[0].result.prompt_token_ids),
+                 sum(len(c.token_ids) for fr in frs for c in fr.result.completions))
+
+
+def completion_logprobs(token_ids: Any, logprobs: Any, top_logprobs: Any, tokenizer: Any, k: int | None,
+                        offset: int = 0) -> tuple[CompletionLogProbs | None, int]:
+    """The completion format's logprobs of these tokens (top ``k`` of what the engine sent), their text
+    offsets counted from ``offset``; and the offset after them (a stream's next delta starts there)."""
     if k is None:
-        return None
-    tokens = tokenizer.convert_ids_to_tokens(list(c.token_ids))
+        return None, offset
+    ids = list(token_ids)
+    tokens = tokenizer.convert_ids_to_tokens(ids)
     top = None
-    if k > 0 and c.top_logprobs is not None:
+    if k > 0 and top_logprobs is not None:
         top = [{tokenizer.convert_ids_to_tokens(t): lp for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:k]}
-               for d in c.top_logprobs]
-    offsets, at = [], 0
-    for t in c.token_ids:
-        offsets.append(at)
-        at += len(tokenizer.decode([t]))
-    return CompletionLogProbs(text_offset=offsets, token_logprobs=list(c.logprobs), tokens=tokens,
-                              top_logprobs=top or [None] * len(tokens))
+               for d in top_logprobs]
+    offsets = []
+    for t in ids:
+        offsets.append(offset)
+        offset += len(tokenizer.decode([t]))
+    return CompletionLogProbs(text_offset=offsets, token_logprobs=list(logprobs), tokens=tokens,
+                              top_logprobs=top or [None] * len(tokens)), offset
 
 
-def _chat_logprobs(c: Completion, tokenizer: Any, want: bool, k: int | None) -> ChatCompletionLogProbs | None:
+def chat_logprobs(token_ids: Any, logprobs: Any, top_logprobs: Any, tokenizer: Any, want: bool,
+                  k: int | None) -> ChatCompletionLogProbs | None:
+    """The chat format's logprobs of these tokens (top ``k`` of what the engine sent)."""
     if not want:
         return None
     content = []
-    for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+    for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
         tops = []
-        if k and c.top_logprobs is not None and i < len(c.top_logprobs):
-            for tt, tlp in sorted(c.top_logprobs[i].items(), key=lambda kv: -kv[1])[:k]:
+        if k and top_logprobs is not None and i < len(top_logprobs):
+            for tt, tlp in sorted(top_logprobs[i].items(), key=lambda kv: -kv[1])[:k]:
                 s = tokenizer.decode([tt])
                 tops.append(ChatCompletionLogProb(token=s, logprob=max(tlp, -9999.0), bytes=list(s.encode())))
         s = tokenizer.decode([t])
@@ -270,77 +325,38 @@ def _chat_logprobs(c: Completion, tokenizer: Any, want: bool, k: int | None) -> 
     return ChatCompletionLogProbs(content=content)
 
 
-def completion_response(req: CompletionRequest, model: str, result: GenerationResult, request_id: str,
-                        attempts: int, tokenizer: Any) -> dict:
+def _completions(frs: list[FleetResult]) -> list[Completion]:
+    return [c for fr in frs for c in fr.result.completions]
+
+
+def completion_response(req: CompletionRequest, model: str, frs: list[FleetResult], tokenizer: Any) -> dict:
+    """The response to a completion request from its choices' fleet results (one per choice), in order."""
     choices = [
         CompletionResponseChoice(index=i, text=_text(c, tokenizer, req.skip_special_tokens),
-                                 logprobs=_completion_logprobs(c, tokenizer, req.logprobs),
+                                 logprobs=completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, tokenizer,
+                                                              req.logprobs)[0],
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=list(c.token_ids),
-                                 prompt_token_ids=list(result.prompt_token_ids) if i == 0 else None)
-        for i, c in enumerate(result.completions)
+                                 prompt_token_ids=list(frs[0].result.prompt_token_ids) if i == 0 else None)
+        for i, c in enumerate(_completions(frs))
     ]
-    body = CompletionResponse(id=f"cmpl-{request_id}", model=model, choices=choices, usage=_usage(result)).model_dump(
-        exclude_none=True)
-    body["rlfleet"] = tags(result, request_id, attempts)
+    body = CompletionResponse(id=f"cmpl-{frs[0].request_id}", model=model, choices=choices,
+                              usage=_usage(frs)).model_dump(exclude_none=True)
+    body["rlfleet"] = group_block(frs)
     return body
 
 
-def chat_response(req: ChatCompletionRequest, model: str, result: GenerationResult, request_id: str,
-                  attempts: int, tokenizer: Any) -> dict:
+def chat_response(req: ChatCompletionRequest, model: str, frs: list[FleetResult], tokenizer: Any) -> dict:
+    """As ``completion_response``, in the chat format."""
     choices = [
         ChatCompletionResponseChoice(
             index=i, message=ChatMessage(role="assistant", content=_text(c, tokenizer, req.skip_special_tokens)),
-            logprobs=_chat_logprobs(c, tokenizer, bool(req.logprobs), req.top_logprobs),
+            logprobs=chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, tokenizer, bool(req.logprobs),
+                                   req.top_logprobs),
             finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=list(c.token_ids))
-        for i, c in enumerate(result.completions)
+        for i, c in enumerate(_completions(frs))
     ]
-    body = ChatCompletionResponse(id=f"chatcmpl-{request_id}", model=model, choices=choices, usage=_usage(result),
-                                  prompt_token_ids=list(result.prompt_token_ids)).model_dump(exclude_none=True)
-    body["rlfleet"] = tags(result, request_id, attempts)
+    body = ChatCompletionResponse(id=f"chatcmpl-{frs[0].request_id}", model=model, choices=choices,
+                                  usage=_usage(frs),
+                                  prompt_token_ids=list(frs[0].result.prompt_token_ids)).model_dump(exclude_none=True)
+    body["rlfleet"] = group_block(frs)
     return body
-
-
-def completion_chunks(req: CompletionRequest, model: str, result: GenerationResult, request_id: str,
-                      attempts: int, tokenizer: Any) -> list[dict]:
-    """The stream of a finished completion: each choice's text in one chunk with its finish reason, then
-    (if asked for with ``stream_options.include_usage``) one chunk of usage; every chunk tagged."""
-    created = int(time.time())
-    chunks = []
-    for i, c in enumerate(result.completions):
-        chunk = CompletionStreamResponse(
-            id=f"cmpl-{request_id}", created=created, model=model,
-            choices=[CompletionResponseStreamChoice(
-                index=i, text=_text(c, tokenizer, req.skip_special_tokens),
-                logprobs=_completion_logprobs(c, tokenizer, req.logprobs), finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason, token_ids=list(c.token_ids))]).model_dump(exclude_none=True)
-        chunks.append(chunk)
-    if req.stream_options is not None and req.stream_options.include_usage:
-        chunks.append(CompletionStreamResponse(id=f"cmpl-{request_id}", created=created, model=model, choices=[],
-                                               usage=_usage(result)).model_dump(exclude_none=True))
-    for chunk in chunks:
-        chunk["rlfleet"] = tags(result, request_id, attempts)
-    return chunks
-
-
-def chat_chunks(req: ChatCompletionRequest, model: str, result: GenerationResult, request_id: str,
-                attempts: int, tokenizer: Any) -> list[dict]:
-    """As ``completion_chunks``, in the chat format: the role first, then the content, then the finish."""
-    created = int(time.time())
-    cid = f"chatcmpl-{request_id}"
-    chunks = []
-    for i, c in enumerate(result.completions):
-        chunks.append(ChatCompletionStreamResponse(id=cid, created=created, model=model, choices=[
-            ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-        ]).model_dump(exclude_none=True))
-        chunks.append(ChatCompletionStreamResponse(id=cid, created=created, model=model, choices=[
-            ChatCompletionResponseStreamChoice(
-                index=i, delta=DeltaMessage(content=_text(c, tokenizer, req.skip_special_tokens)),
-                logprobs=_chat_logprobs(c, tokenizer, bool(req.logprobs), req.top_logprobs),
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=list(c.token_ids))
-        ]).model_dump(exclude_none=True))
-    if req.stream_options is not None and req.stream_options.include_usage:
-        chunks.append(ChatCompletionStreamResponse(id=cid, created=created, model=model, choices=[],
-                                                   usage=_usage(result)).model_dump(exclude_none=True))
-    for chunk in chunks:
-        chunk["rlfleet"] = tags(result, request_id, attempts)
-    return chunks

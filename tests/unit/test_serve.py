@@ -40,7 +40,8 @@ def tok():
 def result(n: int = 1, version: int = 3, start: int = 2, text: str | None = None) -> GenerationResult:
     comps = tuple(Completion((10 + i, 11, 12), (-0.5, -1.0, -1.5), "length", text=text,
                              top_logprobs=({10 + i: -0.5, 7: -0.7}, {11: -1.0}, {12: -1.5})) for i in range(n))
-    return GenerationResult("r-1", (1, 2, 3), comps, start, version, slot=4, incarnation=2)
+    return GenerationResult("r-1", (1, 2, 3), comps, start, version, slot=4, incarnation=2,
+                            version_spans=((version, 0, 3),))
 
 
 # ------------------------------------------------------------------ requests
@@ -140,10 +141,16 @@ def test_a_chat_request_with_an_image_part_is_refused(tok):
 
 
 # ------------------------------------------------------------------ responses
+def done(res: GenerationResult, attempts: int = 1, continued: int = 0) -> FleetResult:
+    return FleetResult(res.request_id, "completed", res, attempts=attempts, continued=continued)
+
+
 def test_a_completion_response_is_tagged_with_versions_engine_and_token_ids(tok):
-    body = protocol.completion_response(CompletionRequest(prompt=[1, 2, 3], logprobs=1), "m", result(2), "r-1", 2, tok)
+    body = protocol.completion_response(CompletionRequest(prompt=[1, 2, 3], logprobs=1), "m",
+                                        [done(result(2), attempts=2)], tok)
     assert body["rlfleet"] == {"weight_version": 3, "version_start": 2, "slot": 4, "incarnation": 2,
-                               "request_id": "r-1", "attempts": 2}
+                               "request_id": "r-1", "attempts": 2, "continued": 0, "version_spans": [[3, 0, 3]],
+                               "mixed_versions": False}
     assert [c["token_ids"] for c in body["choices"]] == [[10, 11, 12], [11, 11, 12]]
     assert body["choices"][0]["text"] == tok.decode([10, 11, 12])  # no engine text: decoded by the front
     lp = body["choices"][0]["logprobs"]
@@ -154,21 +161,28 @@ def test_a_completion_response_is_tagged_with_versions_engine_and_token_ids(tok)
 
 def test_the_engines_own_text_is_preferred_and_chat_logprobs_carry_top_k(tok):
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2)
-    body = protocol.chat_response(req, "m", result(text="engine text"), "r-1", 1, tok)
+    body = protocol.chat_response(req, "m", [done(result(text="engine text"))], tok)
     choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "engine text"}
     assert [len(c["top_logprobs"]) for c in choice["logprobs"]["content"]] == [2, 1, 1]
     assert body["rlfleet"]["weight_version"] == 3
 
 
-def test_a_stream_holds_the_whole_completion_and_usage_when_asked(tok):
-    req = CompletionRequest(prompt=[1], stream=True, stream_options={"include_usage": True})
-    chunks = protocol.completion_chunks(req, "m", result(2), "r-1", 1, tok)
-    assert [len(c["choices"]) for c in chunks] == [1, 1, 0] and chunks[-1]["usage"]["completion_tokens"] == 6
-    assert all(c["rlfleet"]["weight_version"] == 3 for c in chunks)
-    chat = protocol.chat_chunks(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True),
-                                "m", result(), "r-1", 1, tok)
-    assert chat[0]["choices"][0]["delta"]["role"] == "assistant" and chat[1]["choices"][0]["finish_reason"] == "length"
+def test_n_choices_are_n_fleet_requests_of_one_seeded_apart_and_answered_as_one_response(tok):
+    _, sampling = protocol.completion_call(CompletionRequest(prompt=[1], n=3, seed=7, max_tokens=4), tok, MAX_LEN)
+    assert protocol.choice_samplings(sampling) == [{"seed": 7 + i, "max_tokens": 4, "logprobs": None} for i in range(3)]
+    assert protocol.choice_samplings({"n": 2, "max_tokens": 4}) == [{"max_tokens": 4}] * 2  # unseeded: as sent
+    assert protocol.choice_samplings({"max_tokens": 4}) == [{"max_tokens": 4}]
+    a = done(GenerationResult("r-1-0", (1, 2), (Completion((5, 6), (-1.0, -1.0), "length", text="ab"),), 3, 3, 0, 1,
+                              version_spans=((3, 0, 2),)))
+    b = done(GenerationResult("r-1-1", (1, 2), (Completion((7,), (-1.0,), "stop", text="c"),), 3, 4, 1, 2,
+                              version_spans=((3, 0, 1),)), attempts=2, continued=1)
+    body = protocol.completion_response(CompletionRequest(prompt=[1, 2], n=2), "m", [a, b], tok)
+    assert [(c["index"], c["text"], c["token_ids"]) for c in body["choices"]] == [(0, "ab", [5, 6]), (1, "c", [7])]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    tag = body["rlfleet"]
+    assert (tag["version_start"], tag["weight_version"], tag["attempts"], tag["continued"]) == (3, 4, 3, 1)
+    assert [c["request_id"] for c in tag["choices"]] == ["r-1-0", "r-1-1"] and tag["choices"][1]["slot"] == 1
 
 
 # ------------------------------------------------------------------ a returned request, as HTTP

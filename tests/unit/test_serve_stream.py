@@ -1,0 +1,408 @@
+"""Streamed answers of the HTTP front, in virtual time, through the ASGI app itself (no sockets, no engines).
+
+A scripted fleet client hands over tokens on a schedule (``TokenDelta``s, as ``FleetClient.generate_async``
+calls ``on_tokens``) and ends each request as told (completed, or returned with a reason). The app is called
+as uvicorn calls it, every message it sends stamped with the loop's (virtual) time, so the tests see when
+each event went out, not only what it said:
+
+- events go out as the tokens arrive (not once the completion is whole), the final chunk of each choice
+  carries its finish reason and the ``rlfleet`` block (versions, continuations, version spans), then the
+  usage (when asked) and ``[DONE]``; chat opens each choice with its role;
+- nothing is committed before the first tokens: a request returned before any is an HTTP error status;
+  one returned after them ends its stream with vLLM's in-stream error event;
+- ``n`` choices are ``n`` fleet requests of one (seeds apart), streamed or not;
+- an HTTP client that leaves, mid-stream or before its first token, has its fleet request cancelled
+  (which aborts it on its engine: ``tests/unit/test_serve.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from fleet.data.dispatch import FleetResult
+from fleet.data.routing_state import RoutingState
+from fleet.types import Completion, GenerationResult, TokenDelta
+from recipe.tinymodel import build_tokenizer
+from serve.app import build_app
+from serve.front import Front
+from serve.protocol import VERSION_HEADER
+from sim.clock import run_virtual
+
+MAX_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(512)
+
+
+# ------------------------------------------------------------------ a scripted fleet client
+@dataclass
+class Plan:
+    """One fleet request's script: ``(seconds after the previous, delta)`` pairs, then its end
+    ``end_s`` later: completed (``returned`` empty) or returned with that reason."""
+
+    deltas: list[tuple[float, TokenDelta]]
+    end_s: float = 0.0
+    returned: str = ""
+    attempts: int = 1
+    continued: int = 0
+    slot: int = 0
+    finish: str = "length"
+
+
+def deltas(words: list[str], versions: list[int] | None = None, every_s: float = 1.0, first_id: int = 100,
+           top: bool = False) -> list[tuple[float, TokenDelta]]:
+    """One delta per word (one token each), ``every_s`` apart."""
+    out = []
+    for k, w in enumerate(words):
+        tid = first_id + k
+        out.append((every_s, TokenDelta(token_ids=(tid,), logprobs=(-0.1 * (k + 1),), text=w,
+                                        top_logprobs=({tid: -0.1 * (k + 1), 7: -3.0},) if top else None,
+                                        version=(versions or [3] * len(words))[k])))
+    return out
+
+
+@dataclass
+class ScriptedClient:
+    plan: Any  # (request_id, sampling) -> Plan
+    requests: list[tuple[str, dict, bool]] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    def routing(self) -> RoutingState:
+        return RoutingState(5, True, 3)
+
+    def counters(self) -> dict:
+        return {"accepted": 0, "completed": 0, "returned": 0, "in_progress": 0, "requeued": 0, "refused": {}}
+
+    async def generate_async(self, prompt, sampling=None, request_id=None, policy=None, on_tokens=None) -> FleetResult:
+        self.requests.append((request_id, dict(sampling or {}), on_tokens is not None))
+        plan = self.plan(request_id, sampling)
+        try:
+            for wait_s, d in plan.deltas:
+                await asyncio.sleep(wait_s)
+                if on_tokens is not None:
+                    on_tokens(d)
+            await asyncio.sleep(plan.end_s)
+        except asyncio.CancelledError:
+            self.cancelled.append(request_id)
+            raise
+        self.finished.append(request_id)
+        if plan.returned:
+            return FleetResult(request_id, "returned", None, plan.returned, attempts=plan.attempts)
+        ds = [d for _, d in plan.deltas]
+        spans: list[list[int]] = []
+        at = 0
+        for d in ds:
+            if spans and spans[-1][0] == d.version:
+                spans[-1][2] += len(d.token_ids)
+            else:
+                spans.append([d.version, at, at + len(d.token_ids)])
+            at += len(d.token_ids)
+        tops = tuple(t for d in ds for t in d.top_logprobs) if ds and ds[0].top_logprobs is not None else None
+        comp = Completion(tuple(t for d in ds for t in d.token_ids), tuple(x for d in ds for x in d.logprobs),
+                          plan.finish, text="".join(d.text for d in ds), top_logprobs=tops)
+        versions = [d.version for d in ds] or [3]
+        res = GenerationResult(request_id, tuple(prompt), (comp,), versions[0], versions[-1], plan.slot, 2,
+                               version_spans=tuple(tuple(s) for s in spans))
+        return FleetResult(request_id, "completed", res, attempts=plan.attempts, continued=plan.continued)
+
+
+# ------------------------------------------------------------------ the app, called as uvicorn calls it
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    at: list[tuple[float, bytes]]  # (virtual time, body part) as sent
+
+    def events(self) -> list[tuple[float, Any]]:
+        """Every server-sent event with the time it went out: its JSON, or the text ``[DONE]``."""
+        out = []
+        for t, part in self.at:
+            for block in part.decode().split("\n\n"):
+                if block:
+                    assert block.startswith("data: "), block
+                    data = block[len("data: "):]
+                    out.append((t, data if data == "[DONE]" else json.loads(data)))
+        return out
+
+
+async def call(app, path: str, body: dict, leave_at: float | None = None) -> Reply:
+    """POST ``body`` to ``path``; the client disconnects at virtual time ``leave_at`` (if given)."""
+    loop = asyncio.get_running_loop()
+    sent: list[dict] = []
+    at: list[tuple[float, bytes]] = []
+    read = False
+
+    async def receive():
+        nonlocal read
+        if not read:
+            read = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        if leave_at is None:
+            await asyncio.Event().wait()  # never leaves: cancelled once the response is done
+        await asyncio.sleep(max(0.0, leave_at - loop.time()))
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and message.get("body"):
+            at.append((loop.time(), message["body"]))
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"host", b"test")], "server": ("test", 80),
+             "client": ("test", 1), "root_path": ""}
+    await app(scope, receive, send)
+    start = next((m for m in sent if m["type"] == "http.response.start"), None)
+    status = start["status"] if start else 0
+    headers = {k.decode(): v.decode() for k, v in (start or {}).get("headers", [])}
+    return Reply(status, headers, b"".join(b for _, b in at), at)
+
+
+def serving(tok, plan) -> tuple[Any, Front, ScriptedClient]:
+    client = ScriptedClient(plan)
+    front = Front(client, tok, "m", MAX_LEN)
+    return build_app(front), front, client
+
+
+WORDS = ["The", " quick", " brown", " fox", " jumps"]
+
+
+# ------------------------------------------------------------------ tokens as they come
+def test_a_stream_sends_each_delta_as_it_arrives_and_ends_with_the_results_block(tok):
+    """Five tokens a second apart, the last two sampled after a refit on another engine (a continuation):
+    each event goes out the moment its token came, the final chunk carries the finish, the text adds up
+    to the completion's, and the ``rlfleet`` block says which version sampled which tokens."""
+    plan = Plan(deltas(WORDS, versions=[3, 3, 3, 4, 4]), end_s=0.5, attempts=2, continued=1, slot=1)
+
+    async def go():
+        app, front, client = serving(tok, lambda rid, s: plan)
+        r = await call(app, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 5, "stream": True})
+        return r, front, client
+
+    r, front, client = run_virtual(go())
+    assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers[VERSION_HEADER] == "3"  # the version that sampled the first tokens sent
+    events = r.events()
+    deltas_ = [(t, e) for t, e in events[:5]]
+    assert [t for t, _ in deltas_] == [1.0, 2.0, 3.0, 4.0, 5.0]  # sent as generated, not at the end (5.5)
+    assert [e["choices"][0]["text"] for _, e in deltas_] == WORDS
+    assert [e["choices"][0]["token_ids"] for _, e in deltas_] == [[100], [101], [102], [103], [104]]
+    assert all("finish_reason" not in e["choices"][0] and "rlfleet" not in e for _, e in deltas_)
+    assert deltas_[0][1]["choices"][0]["prompt_token_ids"] == [1, 2, 3]  # with the first chunk only
+    assert "prompt_token_ids" not in deltas_[1][1]["choices"][0]
+    t_final, final = events[5]
+    assert t_final == 5.5 and final["choices"][0]["finish_reason"] == "length"
+    assert final["choices"][0]["text"] == "" and final["choices"][0]["token_ids"] == []  # nothing left over
+    block = final["rlfleet"]
+    assert block["request_id"] == client.requests[0][0] and block["slot"] == 1
+    assert (block["attempts"], block["continued"], block["version_start"], block["weight_version"]) == (2, 1, 3, 4)
+    assert block["version_spans"] == [[3, 0, 3], [4, 3, 5]] and block["mixed_versions"] is True
+    assert events[6] == (5.5, "[DONE]") and len(events) == 7
+    assert len({e["id"] for _, e in events[:6]}) == 1 and events[0][1]["id"].startswith("cmpl-")
+    assert client.requests[0][2] is True  # asked the fleet for tokens as they come
+    counters = front.counters()
+    assert counters["ttft_p50_s"] == 1.0 and counters["responses"] == {"/v1/completions 200": 1}
+
+
+def test_a_chat_stream_opens_with_the_role_then_content_deltas_logprobs_and_usage(tok):
+    plan = Plan(deltas(WORDS[:3], top=True), end_s=0.0, finish="stop")
+
+    async def go():
+        app, _, _ = serving(tok, lambda rid, s: plan)
+        return await call(app, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "stream": True, "logprobs": True, "top_logprobs": 2,
+            "stream_options": {"include_usage": True}})
+
+    r = run_virtual(go())
+    events = [e for _, e in r.events()]
+    role = events[0]
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""} and role["object"] == "chat.completion.chunk"
+    contents = events[1:4]
+    assert [e["choices"][0]["delta"]["content"] for e in contents] == WORDS[:3]
+    lp = contents[1]["choices"][0]["logprobs"]["content"]
+    assert len(lp) == 1 and lp[0]["logprob"] == pytest.approx(-0.2) and len(lp[0]["top_logprobs"]) == 2
+    finish, usage, done = events[4], events[5], events[6]
+    assert finish["choices"][0]["finish_reason"] == "stop" and finish["choices"][0]["delta"]["content"] == ""
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+    assert usage["rlfleet"]["weight_version"] == 3 and finish["rlfleet"]["version_spans"] == [[3, 0, 3]]
+    assert done == "[DONE]" and all(e["id"].startswith("chatcmpl-") for e in events[:6])
+
+
+def test_completion_logprobs_come_with_each_delta_their_offsets_counted_across_deltas(tok):
+    plan = Plan(deltas(WORDS[:3], top=True))
+
+    async def go():
+        app, _, _ = serving(tok, lambda rid, s: plan)
+        return await call(app, "/v1/completions", {"prompt": [1], "stream": True, "logprobs": 1})
+
+    events = [e for _, e in run_virtual(go()).events()]
+    lps = [e["choices"][0]["logprobs"] for e in events[:3]]
+    assert [lp["token_logprobs"] for lp in lps] == [[pytest.approx(-0.1)], [pytest.approx(-0.2)], [pytest.approx(-0.3)]]
+    assert all(len(lp["top_logprobs"][0]) == 1 for lp in lps)  # k=1 of the two the engine sent
+    offsets = [lp["text_offset"][0] for lp in lps]
+    widths = [len(tok.decode([t])) for t in (100, 101)]
+    assert offsets == [0, widths[0], widths[0] + widths[1]]
+
+
+def test_a_request_that_ends_before_any_delta_is_streamed_whole_from_its_result(tok):
+    """The result alone (no deltas: the engine sent everything with its end) still makes a full stream."""
+
+    async def go():
+        app, _, client = serving(tok, lambda rid, s: Plan([], end_s=2.0))
+        client.plan = lambda rid, s: Plan([], end_s=2.0)
+        return await call(app, "/v1/completions", {"prompt": [1], "stream": True})
+
+    r = run_virtual(go())
+    assert r.status == 200 and r.headers[VERSION_HEADER] == "3"
+    assert [e for _, e in r.events()][-1] == "[DONE]"
+
+
+# ------------------------------------------------------------------ failures: before and after the 200
+def test_a_request_returned_before_its_first_token_is_answered_with_its_http_error_not_a_stream(tok):
+    """Held until the first token: a fleet that returns the request first (no engine within the timeout,
+    a request vLLM refused) is still answered 503 or 400 with the reason, as a non-streamed one is."""
+
+    async def go(reason):
+        app, front, _ = serving(tok, lambda rid, s: Plan([], end_s=3.0, returned=reason))
+        return await call(app, "/v1/completions", {"prompt": [1], "stream": True}), front
+
+    r, front = run_virtual(go("no serving shard within the request timeout (3 s)"))
+    assert r.status == 503 and r.at[0][0] == 3.0  # nothing was sent while it was held
+    assert json.loads(r.body)["error"]["message"].startswith("no serving shard")
+    r, _ = run_virtual(go("bad request: request x rejected by vLLM: Token id 999 is out of vocabulary"))
+    assert r.status == 400 and json.loads(r.body)["error"] == {
+        "message": "Token id 999 is out of vocabulary", "type": "BadRequestError", "param": None, "code": 400}
+    assert front.counters()["responses"] == {"/v1/completions 503": 1}
+
+
+def test_a_request_returned_mid_stream_ends_its_stream_with_an_error_event_then_done(tok):
+    """Its engine died and the request could not be continued (its version policy forbids mixing
+    versions): the 200 went out with the first tokens, so the stream ends in vLLM's in-stream error shape."""
+    reason = "cannot continue: its version policy forbids mixing weight versions (2 tokens already sent)"
+    plan = Plan(deltas(WORDS[:2]), end_s=1.0, returned=reason, attempts=1)
+
+    async def go():
+        app, front, _ = serving(tok, lambda rid, s: plan)
+        return await call(app, "/v1/completions", {"prompt": [1], "stream": True}), front
+
+    r, front = run_virtual(go())
+    assert r.status == 200
+    events = r.events()
+    assert [e["choices"][0]["text"] for _, e in events[:2]] == WORDS[:2]
+    t, err = events[2]
+    assert t == 3.0 and err == {"error": {"message": reason, "type": "ServiceUnavailableError", "param": None,
+                                          "code": 503}}
+    assert events[3][1] == "[DONE]" and len(events) == 4
+    assert front.counters()["stream_errors"] == 1
+
+
+# ------------------------------------------------------------------ n choices
+def test_n_streamed_choices_are_n_fleet_requests_seeded_apart_indexed_in_one_stream(tok):
+    def plan(rid, sampling):
+        i = int(rid.rsplit("-", 1)[1])
+        return Plan(deltas(WORDS[:2], every_s=1.0 + i * 0.5, first_id=200 + 10 * i), end_s=0.1, slot=i)
+
+    async def go():
+        app, _, client = serving(tok, plan)
+        r = await call(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                     "seed": 7, "stream": True, "stream_options": {"include_usage": True}})
+        return r, client
+
+    r, client = run_virtual(go())
+    assert [(s.get("seed"), s.get("n"), streamed) for _, s, streamed in client.requests] == [(7, None, True), (8, None, True)]
+    events = [e for _, e in r.events()]
+    assert [e["choices"][0]["index"] for e in events[:2]] == [0, 1]  # a role chunk per choice first
+    by_choice: dict[int, list[int]] = {0: [], 1: []}
+    for e in events[2:-2]:
+        (c,) = e["choices"]
+        by_choice[c["index"]] += c["token_ids"]
+    assert by_choice == {0: [200, 201], 1: [210, 211]}
+    usage = events[-2]
+    assert usage["usage"]["completion_tokens"] == 4
+    assert [b["request_id"] for b in usage["rlfleet"]["choices"]] == [rid for rid, _, _ in client.requests]
+    assert events[-1] == "[DONE]"
+
+
+def test_n_non_streamed_choices_are_n_fleet_requests_answered_in_one_response(tok):
+    def plan(rid, sampling):
+        i = int(rid.rsplit("-", 1)[1])
+        return Plan(deltas(WORDS[i:i + 2], first_id=300 + 10 * i), slot=i)
+
+    async def go():
+        app, _, client = serving(tok, plan)
+        return await call(app, "/v1/completions", {"prompt": [1, 2], "n": 3, "max_tokens": 2}), client
+
+    r, client = run_virtual(go())
+    assert r.status == 200 and all(not streamed for _, _, streamed in client.requests) and len(client.requests) == 3
+    body = json.loads(r.body)
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(i, "".join(WORDS[i:i + 2])) for i in range(3)]
+    assert body["usage"]["completion_tokens"] == 6 and [b["slot"] for b in body["rlfleet"]["choices"]] == [0, 1, 2]
+
+
+def test_one_failed_choice_answers_the_request_with_its_error_and_cancels_the_others(tok):
+    def plan(rid, sampling):
+        if rid.endswith("-1"):
+            return Plan([], end_s=1.0, returned="fleet stopped: FleetExhausted")
+        return Plan(deltas(WORDS), end_s=0.0)
+
+    async def go():
+        app, _, client = serving(tok, plan)
+        return await call(app, "/v1/completions", {"prompt": [1], "n": 2}), client
+
+    r, client = run_virtual(go())
+    assert r.status == 503 and "FleetExhausted" in json.loads(r.body)["error"]["message"]
+    assert client.cancelled == [client.requests[0][0]]  # not left running for an answer already sent
+
+
+# ------------------------------------------------------------------ a client that leaves
+def test_a_client_that_leaves_mid_stream_has_its_fleet_request_cancelled(tok):
+    async def go():
+        app, front, client = serving(tok, lambda rid, s: Plan(deltas(WORDS), end_s=0.5))
+        r = await call(app, "/v1/completions", {"prompt": [1], "stream": True}, leave_at=2.5)
+        await asyncio.sleep(0)
+        return r, front, client
+
+    r, front, client = run_virtual(go())
+    assert r.status == 200 and [e["choices"][0]["text"] for _, e in r.events()] == WORDS[:2]
+    assert client.cancelled == [client.requests[0][0]] and client.finished == []
+    counters = front.counters()
+    assert (counters["cancelled"], counters["in_flight"]) == (1, 0)
+
+
+def test_a_client_that_leaves_before_its_first_token_has_its_fleet_request_cancelled(tok):
+    async def go():
+        app, front, client = serving(tok, lambda rid, s: Plan(deltas(WORDS, every_s=10.0)))
+        # a token-id prompt: a chat's rendering runs on a thread, and virtual time would not wait for it
+        r = await call(app, "/v1/completions", {"prompt": [1, 2], "n": 2, "stream": True}, leave_at=4.0)
+        await asyncio.sleep(0)
+        return r, front, client
+
+    r, front, client = run_virtual(go())
+    assert b"data:" not in r.body  # no stream was begun (the client is gone: what FastAPI sends it goes nowhere)
+    assert sorted(client.cancelled) == sorted(rid for rid, _, _ in client.requests) and len(client.cancelled) == 2
+    assert front.counters()["cancelled"] == 2 and front.counters()["in_flight"] == 0
+
+
+def test_a_stream_cut_off_by_the_servers_stop_ends_with_an_error_event_naming_the_shutdown(tok):
+    async def go():
+        app, front, client = serving(tok, lambda rid, s: Plan(deltas(WORDS, every_s=2.0)))
+        task = asyncio.ensure_future(call(app, "/v1/completions", {"prompt": [1], "stream": True}))
+        await asyncio.sleep(3.0)
+        front.cut_off_after(2.0)
+        return await task, front, client
+
+    r, front, client = run_virtual(go())
+    events = r.events()
+    assert [e["choices"][0]["text"] for _, e in events[:2]] == WORDS[:2]
+    assert events[2][0] == 5.0 and "shutting down" in events[2][1]["error"]["message"]
+    assert events[3][1] == "[DONE]" and client.cancelled == [client.requests[0][0]]
+    assert front.counters()["cut_off"] == 1
