@@ -1,4 +1,5 @@
-"""Tokens per second and request latency over HTTP: ``rlfleet serve`` (one engine) versus vLLM's own OpenAI server.
+"""Tokens per second, request latency and streamed time to first token over HTTP: ``rlfleet serve``
+(one engine) versus vLLM's own OpenAI server.
 
 Each arm is a server started as a subprocess, polled on ``GET /v1/models`` until it answers
 and warmed up; both then run side by side and are measured in interleaved phases (``--phases``,
@@ -26,12 +27,19 @@ per request, versus vLLM's server calling its ``AsyncLLM`` in process. Neither c
 unless asked (the front tells the shard so); ``--logprobs`` asks both for them. (The shard's refit
 worker extension is not loaded into vLLM's server: it only adds RPC methods.)
 
+Time to first token: in each phase, after its non-streamed requests, each arm also serves
+``--stream-requests / --phases`` streamed requests (``stream: true``, the same ``max_tokens``,
+``--stream-clients`` at a time, their own seeded prompts), timed from the request to the first
+event that holds generated text; a stream must end with ``[DONE]`` after all its tokens.
+
     python scripts/bench_http.py [--clients 8] [--requests 400] [--max-tokens 32] [--phases 8] [--logprobs]
+                                 [--stream-requests 100] [--stream-clients 8]
 
 Figures pool the phases (``--requests`` per arm in all). The last line
 of output is one JSON object: ``serve_vs_vllm_tokens_per_s`` (rlfleet / vllm, goal >= 0.9),
-``serve_vs_vllm_p50_latency`` (rlfleet / vllm, goal <= 1.2), and per arm tokens_per_s, p50_s,
-p99_s, requests, errors. Exits non-zero if either arm had an error.
+``serve_vs_vllm_p50_latency`` (rlfleet / vllm, goal <= 1.2), ``serve_vs_vllm_ttft_p50``
+(rlfleet / vllm, streamed, goal <= 1.5), and per arm tokens_per_s, p50_s, p99_s, requests, errors,
+ttft_p50_s, ttft_p99_s, stream_p50_s, streams, stream_errors. Exits non-zero if either arm had an error.
 """
 
 from __future__ import annotations
@@ -209,6 +217,71 @@ async def drive(url: str, model: str, prompts: list[list[int]], clients: int, ma
     return {"wall_s": wall, "tokens": tokens, "latencies": latencies, "errors": errors, "error_samples": error_samples}
 
 
+async def drive_stream(url: str, model: str, prompts: list[list[int]], clients: int, max_tokens: int) -> dict:
+    """As ``drive``, with ``stream: true``: each request's time to its first token (the first event that
+    holds generated text) and to its end; a stream is an error unless it ends with ``[DONE]`` after
+    ``max_tokens`` tokens and without an error event."""
+    ttfts: list[float] = []
+    latencies: list[float] = []
+    tokens = errors = 0
+    error_samples: list[str] = []
+    next_i = iter(range(len(prompts)))
+
+    async def one(http: httpx.AsyncClient, prompt: list[int]) -> tuple[float | None, int, str]:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        first, done, usage, why = None, False, 0, ""
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return None, 0, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    why = f"error event: {chunk['error'].get('message', '')[:200]}"
+                elif first is None and any(c.get("text") for c in chunk.get("choices", ())):
+                    first = time.perf_counter() - t0
+                if chunk.get("usage") and not chunk.get("choices"):
+                    usage = chunk["usage"]["completion_tokens"]
+        if not why and not done:
+            why = "the stream ended without [DONE]"
+        if not why and usage != max_tokens:
+            why = f"{usage} tokens streamed, not {max_tokens}"
+        latencies.append(time.perf_counter() - t0)
+        return first, usage, why
+
+    async def client_loop(http: httpx.AsyncClient) -> None:
+        nonlocal tokens, errors
+        for i in next_i:
+            try:
+                first, n, why = await one(http, prompts[i])
+            except httpx.HTTPError as exc:
+                first, n, why = None, 0, f"{type(exc).__name__}: {exc}"
+            if not why and first is None:
+                why = "no event held text"
+            if why:
+                errors += 1
+                if len(error_samples) < 3:
+                    error_samples.append(why)
+                continue
+            ttfts.append(first)
+            tokens += n
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=300.0, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_loop(http) for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": tokens, "ttfts": ttfts, "latencies": latencies, "errors": errors,
+            "error_samples": error_samples}
+
+
 def start(name: str, cfg: EngineConfig, args, workdir: str) -> tuple[Server, str, float]:
     port = free_port()
     env = {**os.environ, **cfg.process_env()}
@@ -227,6 +300,26 @@ def measure(name: str, server: Server, model: str, prompts: list[list[int]], arg
     for e in m["error_samples"]:
         print(f"  {name} error: {e}", file=sys.stderr, flush=True)
     return m
+
+
+def measure_stream(name: str, server: Server, model: str, prompts: list[list[int]], args) -> dict:
+    m = asyncio.run(drive_stream(server.url, model, prompts, args.stream_clients, args.max_tokens))
+    for e in m["error_samples"]:
+        print(f"  {name} stream error: {e}", file=sys.stderr, flush=True)
+    return m
+
+
+def pooled_stream(runs: list[dict]) -> dict:
+    ttft = sorted(x for r in runs for x in r["ttfts"])
+    lat = sorted(x for r in runs for x in r["latencies"])
+    q = statistics.quantiles(ttft, n=100, method="inclusive") if len(ttft) > 1 else ttft * 99
+    return {
+        "ttft_p50_s": round(statistics.median(ttft), 4) if ttft else None,
+        "ttft_p99_s": round(q[98], 4) if ttft else None,
+        "stream_p50_s": round(statistics.median(lat), 4) if lat else None,
+        "streams": len(ttft),
+        "stream_errors": sum(r["errors"] for r in runs),
+    }
 
 
 def pooled(runs: list[dict]) -> dict:
@@ -251,6 +344,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None, help="warm-up requests per server (default: 2 x clients)")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to answer")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stream-requests", type=int, default=None,
+                    help="streamed requests per arm for time to first token (default: requests / 4; 0: none)")
+    ap.add_argument("--stream-clients", type=int, default=None,
+                    help="concurrent streaming clients (default: --clients)")
     ap.add_argument("--logprobs", action="store_true",
                     help="ask both servers for the sampled tokens' logprobs")
     ap.add_argument("--model", default=None)
@@ -259,6 +356,12 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = EngineConfig(model=args.model or str(build_model(default_model_dir("tiny"))))
     prompts = make_prompts(args.requests, args.seed)
+    if args.stream_requests is None:
+        args.stream_requests = args.requests // 4
+    args.stream_clients = args.stream_clients or args.clients
+    stream_prompts = make_prompts(args.stream_requests, args.seed + 2)
+    per_stream_phase = args.stream_requests // args.phases
+    streams: dict[str, list[dict]] = {"vllm": [], "rlfleet": []}
     warmup = make_prompts(args.warmup or 2 * args.clients, args.seed + 1)  # own prompts: no cache hits carried over
     runs: dict[str, list[dict]] = {"vllm": [], "rlfleet": []}
     servers: dict[str, tuple[Server, str]] = {}
@@ -284,10 +387,15 @@ def main() -> None:
                     other.freeze(True)
                     try:
                         m = measure(name, *servers[name], batch, args)
+                        if per_stream_phase:
+                            streamed = stream_prompts[k * per_stream_phase:(k + 1) * per_stream_phase]
+                            streams[name].append(measure_stream(name, *servers[name], streamed, args))
                     finally:
                         other.freeze(False)
                     runs[name].append(m)
-                    line.append(f"{name} {m['tokens'] / m['wall_s']:.0f} tok/s")
+                    line.append(f"{name} {m['tokens'] / m['wall_s']:.0f} tok/s" + (
+                        f" ttft p50 {statistics.median(streams[name][-1]['ttfts']) * 1000:.0f} ms"
+                        if per_stream_phase and streams[name][-1]["ttfts"] else ""))
                 print(f"  phase {k + 1}/{args.phases}: " + ", ".join(line), flush=True)
         except RuntimeError as exc:  # a server that did not come up: its stderr tail says why
             print(f"bench_http: error: {exc}", file=sys.stderr)
@@ -296,24 +404,31 @@ def main() -> None:
             for name, (server, _) in servers.items():
                 server.freeze(False)
                 print(f"  {name}: stopped ({server.stop()})", flush=True)
-    fig = {name: {**pooled(rs), "ready_s": round(ready[name], 1)} for name, rs in runs.items()}
+    fig = {name: {**pooled(rs), **(pooled_stream(streams[name]) if per_stream_phase else {}),
+                  "ready_s": round(ready[name], 1)} for name, rs in runs.items()}
     v, s = fig["vllm"], fig["rlfleet"]
-    print(f"\n{'arm':8} {'tok/s':>9} {'p50 s':>8} {'p99 s':>8} {'ok':>5} {'err':>4} {'ready s':>8} {'load1':>6}")
+    print(f"\n{'arm':8} {'tok/s':>9} {'p50 s':>8} {'p99 s':>8} {'ok':>5} {'err':>4} {'ttft50 s':>9} {'ttft99 s':>9} "
+          f"{'ready s':>8} {'load1':>6}")
     for name, f in fig.items():
         print(f"{name:8} {f['tokens_per_s']:>9.1f} {f['p50_s'] or 0:>8.4f} {f['p99_s'] or 0:>8.4f} "
-              f"{f['requests']:>5} {f['errors']:>4} {f['ready_s']:>8.1f} {f['loadavg_1m']:>6.2f}")
+              f"{f['requests']:>5} {f['errors'] + f.get('stream_errors', 0):>4} {f.get('ttft_p50_s') or 0:>9.4f} "
+              f"{f.get('ttft_p99_s') or 0:>9.4f} {f['ready_s']:>8.1f} {f['loadavg_1m']:>6.2f}")
     out: dict = {
         "serve_vs_vllm_tokens_per_s": round(s["tokens_per_s"] / v["tokens_per_s"], 3) if v["tokens_per_s"] else None,
         "serve_vs_vllm_p50_latency": round(s["p50_s"] / v["p50_s"], 3) if s["p50_s"] and v["p50_s"] else None,
+        "serve_vs_vllm_ttft_p50": round(s["ttft_p50_s"] / v["ttft_p50_s"], 3)
+        if s.get("ttft_p50_s") and v.get("ttft_p50_s") else None,
     }
     for name, f in fig.items():
         out.update({f"{name}_{k}": val for k, val in f.items()})
     out.update(clients=args.clients, requests=args.requests, max_tokens=args.max_tokens, phases=args.phases,
+               stream_requests=per_stream_phase * args.phases, stream_clients=args.stream_clients,
                logprobs=args.logprobs, prompt_len=PROMPT_LEN, bench_s=round(time.perf_counter() - t0, 1))
     print(f"ratios: tokens/s {out['serve_vs_vllm_tokens_per_s']} (goal >= 0.9), "
-          f"p50 latency {out['serve_vs_vllm_p50_latency']} (goal <= 1.2)")
+          f"p50 latency {out['serve_vs_vllm_p50_latency']} (goal <= 1.2), "
+          f"ttft p50 {out['serve_vs_vllm_ttft_p50']} (goal <= 1.5)")
     print(json.dumps(out), flush=True)
-    if v["errors"] or s["errors"]:
+    if v["errors"] or s["errors"] or v.get("stream_errors") or s.get("stream_errors"):
         sys.exit(1)
 
 

@@ -3,14 +3,16 @@
 One fleet of two engines and one HTTP front for the module (the front runs in this process, on
 the fleet client's loop, as ``rlfleet serve`` runs it):
 
-- completions and chat, plain and streamed, text and token-id prompts, logprobs with top-k: every
-  response carries its weight versions, slot, incarnation and token ids, and the version header;
+- completions and chat, plain and streamed (token by token, ``n`` choices), text and token-id prompts,
+  logprobs with top-k: every response carries its weight versions, slot, incarnation and token ids, and the
+  version header (a stream in its last chunks);
 - the endpoints a deployment watches (``/health``, ``/metrics``, ``/v1/models``,
   ``/v1/fleet/status``) and the refusals (400 with vLLM's message, 404 for another model);
 - a bounded load test with two refits in the middle: every request answered 200, none lost,
   responses from before and after each refit (the refits happened under the load);
 - a shard killed under load: every request ends complete (re-sent) or with a clear error, none hangs,
-  and the kill is shown to have hit requests in flight (they were re-sent).
+  and the kill is shown to have hit requests in flight (they were re-sent);
+- a shard killed mid-stream: the stream goes on (continued on the other engine), every token once, in order.
 """
 
 from __future__ import annotations
@@ -85,16 +87,24 @@ def test_completions_and_chat_through_the_openai_client_are_tagged_with_their_we
     assert tags_of(chat)["weight_version"] == version
 
 
-def test_streams_arrive_as_server_sent_events_with_the_whole_completion(served):
+def test_streams_arrive_as_server_sent_events_token_by_token_tagged_at_the_end(served):
     c = openai_client(served)
     chunks = list(c.completions.create(model=served.model, prompt=[9, 10, 11], max_tokens=8, stream=True,
                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    body = [ch.model_dump() for ch in chunks]
+    tokens = [t for ch in body for choice in ch["choices"] for t in choice["token_ids"]]
+    assert len(tokens) == 8 and len([ch for ch in body if ch["choices"]]) > 2  # more than one delta and the finish
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
-    assert chunks[-1].usage.completion_tokens == 8 and all("rlfleet" in ch.model_dump() for ch in chunks)
+    assert chunks[-1].usage.completion_tokens == 8 and body[-1]["rlfleet"]["version_spans"][0][1:] == [0, 8]
+    finish = body[-2]["choices"][0]
+    assert finish["finish_reason"] == "length" and body[-2]["rlfleet"]["request_id"] == body[-1]["rlfleet"]["request_id"]
     chat = list(c.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=5, stream=True, extra_body={"ignore_eos": True}))
-    assert chat[0].choices[0].delta.role == "assistant"
-    assert chat[-1].choices[0].finish_reason == "length" and "".join(ch.choices[0].delta.content or "" for ch in chat)
+                                          max_tokens=5, n=2, seed=3, stream=True, extra_body={"ignore_eos": True}))
+    assert [ch.choices[0].delta.role for ch in chat[:2]] == ["assistant", "assistant"]
+    for i in (0, 1):
+        mine = [ch for ch in chat if ch.choices and ch.choices[0].index == i]
+        assert mine[-1].choices[0].finish_reason == "length" and "".join(ch.choices[0].delta.content or "" for ch in mine)
+        assert sum(len(ch.model_dump()["choices"][0].get("token_ids") or []) for ch in mine) == 5
 
 
 def test_a_bad_request_is_refused_with_vllms_message_and_another_model_is_not_found(served):
@@ -238,3 +248,65 @@ def test_a_shard_killed_under_load_costs_the_clients_nothing_but_latency(served)
     assert served.server.front.client.counters()["requeued"] > before, "the kill hit no request in flight"
     wait_for(lambda: any(s["slot"] == 0 and s["incarnation"] >= 2 for s in fleet.status()["ledger"]["slots"]),
              120, what="slot 0 restarted")
+
+
+def _serving_slot(served, request_id: str) -> tuple[int, int] | None:
+    """(slot, incarnation) of the shard this front's client has ``request_id`` running on, read on its loop."""
+
+    async def read():
+        for slot, running in served.server.front.client.dispatcher.outstanding.items():
+            if request_id in running:
+                return slot, running[request_id][0]
+        return None
+
+    return served.server.front.client.spawn(read()).result(10)
+
+
+def test_a_shard_killed_mid_stream_costs_the_stream_nothing_every_token_arrives_once_in_order(served):
+    """A long completion streamed through the real ``openai`` client; once its first tokens arrived, the shard
+    generating it is killed. The fleet continues it on the other engine from the tokens already sent: the
+    stream goes on, every token arrives once and in order, the text adds up to the completion's, and the
+    last chunk says it took more than one attempt and a continuation, on another slot than the one killed."""
+    fleet, front = served.fleet, served.server.front
+    ended: list = []
+    run = front.run
+
+    async def recording(*args, **kwargs):  # the fleet's own result, to hold the stream against
+        out = await run(*args, **kwargs)
+        ended.append(out)
+        return out
+
+    front.run = recording
+    try:
+        stream = openai_client(served).completions.create(
+            model=served.model, prompt=[21, 22, 23, 24], max_tokens=200, stream=True, temperature=1.0, seed=5,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks, killed, sent_before_kill = [], None, 0
+        for ch in stream:
+            chunks.append(ch.model_dump())
+            if killed is None and ch.choices and chunks[-1]["choices"][0]["token_ids"]:
+                request_id = ch.id.removeprefix("cmpl-")
+                killed = _serving_slot(served, request_id)
+                assert killed is not None, f"{request_id} runs on no shard after its first tokens"
+                sent_before_kill = sum(len(x["choices"][0]["token_ids"]) for x in chunks if x["choices"])
+                fleet.fault_injector().kill_shard(killed[0])
+    finally:
+        del front.run
+    assert killed is not None, "no tokens arrived"
+    usage, final = chunks[-1], chunks[-2]
+    tokens = [t for x in chunks[:-1] for t in x["choices"][0]["token_ids"]]
+    text = "".join(x["choices"][0]["text"] for x in chunks[:-1])
+    (out,) = ended
+    completion = out.result.result.completions[0]
+    assert sent_before_kill < 200, "the stream had ended before the kill"
+    # every token once, in order, and the engines' own text of them: the stream is the completion
+    assert tokens == list(completion.token_ids) and len(tokens) == usage["usage"]["completion_tokens"] == 200
+    assert text == completion.text
+    block = usage["rlfleet"]
+    assert block["attempts"] > 1 and block["continued"] >= 1, block
+    assert block["slot"] != killed[0], (block, killed)  # it finished on the other engine
+    assert final["choices"][0]["finish_reason"] == "length" and final["rlfleet"] == block
+    spans = block["version_spans"]
+    assert spans[0][1] == 0 and spans[-1][2] == 200 and all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
+    wait_for(lambda: not any(s["slot"] == killed[0] and s["incarnation"] == killed[1] and s["state"] == "healthy"
+                             for s in fleet.status()["ledger"]["slots"]), 30, what="the controller to see the kill")
