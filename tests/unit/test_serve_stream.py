@@ -406,3 +406,115 @@ def test_a_stream_cut_off_by_the_servers_stop_ends_with_an_error_event_naming_th
     assert events[2][0] == 5.0 and "shutting down" in events[2][1]["error"]["message"]
     assert events[3][1] == "[DONE]" and client.cancelled == [client.requests[0][0]]
     assert front.counters()["cut_off"] == 1
+
+
+# ------------------------------------------------------------------ through the real dispatcher
+class SlowStreamDoor:
+    """Shards that stream one piece a second (``fleet.types.Chunk``s, as ``EngineShard.serve_stream``), then
+    die or finish as scripted per slot; every other call (an abort) is recorded."""
+
+    def __init__(self, view_box: dict, scripts: dict[int, tuple[list[int], str, int]]) -> None:
+        self.view_box, self.scripts = view_box, scripts
+        self.sent: list[tuple[int, list[int]]] = []
+        self.calls: list[tuple[int, str, tuple]] = []
+
+    async def stream(self, handle, method, request, timeout):
+        from fleet.outcome import DIED, OK, Outcome
+        from fleet.types import Chunk, Piece
+
+        slot = handle
+        prompt, rid = request[0], request[2]
+        self.sent.append((slot, list(prompt)))
+        tokens, end, version = self.scripts[slot]
+        for k, t in enumerate(tokens):
+            await asyncio.sleep(1.0)
+            yield Outcome(OK, value=Chunk((Piece(0, (t,), (-0.5,), f"<{t}>", version),),
+                                          tuple(prompt) if k == 0 else None))
+        if end == "die":  # it leaves routing: the next attempt goes to slot 1
+            view = self.view_box["view"]
+            view.state = RoutingState(view.state.epoch + 1, True, version, (view.members[1],))
+            yield Outcome(DIED, error=RuntimeError(f"slot {slot} died"))
+            return
+        made = tuple(tokens)
+        c = Completion(made, tuple(-0.5 for _ in made), "length", "".join(f"<{t}>" for t in made))
+        yield Outcome(OK, value=GenerationResult(rid, tuple(prompt), (c,), version, version, slot, 1,
+                                                 version_spans=((version, 0, len(made)),)))
+
+    async def call(self, handle, method, *args, timeout):
+        from fleet.outcome import OK, Outcome
+
+        self.calls.append((handle, method, args))
+        return Outcome(OK, value=True)
+
+
+class DispatchingClient:
+    """A fleet client made of the real ``Dispatcher`` over ``SlowStreamDoor``'s two shards (slot 0 first)."""
+
+    def __init__(self, scripts) -> None:
+        import random
+
+        from fleet.data.dispatch import Dispatcher
+        from fleet.data.routing_state import ANY, Member, VersionPolicy
+        from fleet.eventlog import EventLog
+
+        box: dict = {}
+        self.door = SlowStreamDoor(box, scripts)
+        self.policy = VersionPolicy(ANY)
+        self.members = (Member(0, 1, 0), Member(1, 1, 1))
+        self.state = RoutingState(1, True, 3, (self.members[0],))
+        box["view"] = self
+        self.dispatcher = Dispatcher(self, EventLog(), request_timeout_s=60, max_redispatch=3, rng=random.Random(0))
+
+    def routing(self):
+        return self.state
+
+    async def newer_routing(self, epoch, timeout):
+        return self.state
+
+    def cache_salt(self, version):
+        return None
+
+    def report(self, slot, incarnation, outcome, epoch):
+        pass
+
+    def counters(self):
+        return self.dispatcher.counters()
+
+    async def generate_async(self, prompt, sampling=None, request_id=None, policy=None, on_tokens=None):
+        return await self.dispatcher.submit(prompt, sampling, request_id, policy, on_tokens)
+
+
+def test_an_engine_that_dies_mid_stream_does_not_end_the_stream_the_next_one_goes_on_where_it_stopped(tok):
+    async def go():
+        client = DispatchingClient({0: ([5, 6, 7], "die", 3), 1: ([8, 9], "finish", 4)})
+        app = build_app(Front(client, tok, "m", MAX_LEN))
+        r = await call(app, "/v1/completions", {"prompt": [1, 2], "max_tokens": 5, "stream": True})
+        return r, client
+
+    r, client = run_virtual(go())
+    assert r.status == 200 and r.headers[VERSION_HEADER] == "3"
+    events = r.events()
+    deltas_ = [(t, e["choices"][0]) for t, e in events[:5]]
+    assert [(t, c["token_ids"], c["text"]) for t, c in deltas_] == [
+        (1.0, [5], "<5>"), (2.0, [6], "<6>"), (3.0, [7], "<7>"), (4.0, [8], "<8>"), (5.0, [9], "<9>")]
+    block = events[5][1]["rlfleet"]
+    assert (block["attempts"], block["continued"], block["slot"]) == (2, 1, 1)
+    assert block["version_spans"] == [[3, 0, 3], [4, 3, 5]] and block["mixed_versions"] is True
+    assert client.door.sent == [(0, [1, 2]), (1, [1, 2, 5, 6, 7])]  # continued from the tokens sent, not redone
+    assert events[6][1] == "[DONE]"
+
+
+def test_a_client_that_leaves_mid_stream_has_its_request_aborted_on_the_engine(tok):
+    async def go():
+        client = DispatchingClient({0: ([5, 6, 7, 8, 9], "finish", 3)})
+        front = Front(client, tok, "m", MAX_LEN)
+        r = await call(build_app(front), "/v1/completions", {"prompt": [1, 2], "max_tokens": 5, "stream": True},
+                       leave_at=2.5)
+        await asyncio.sleep(0.1)
+        return r, client, front
+
+    r, client, front = run_virtual(go())
+    assert [e["choices"][0]["token_ids"] for _, e in r.events()] == [[5], [6]]
+    (rid,) = {e["id"].removeprefix("cmpl-") for _, e in r.events()}
+    assert client.door.calls == [(0, "abort", ([rid],))]  # the engine stops spending on it
+    assert client.dispatcher.returned_reasons["cancelled by the caller"] == 1 and front.counters()["cancelled"] == 1
