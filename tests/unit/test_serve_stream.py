@@ -225,7 +225,8 @@ def test_a_chat_stream_opens_with_the_role_then_content_deltas_logprobs_and_usag
     r = run_virtual(go())
     events = [e for _, e in r.events()]
     role = events[0]
-    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""} and role["object"] == "chat.completion.chunk"
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["object"] == "chat.completion.chunk"
     contents = events[1:4]
     assert [e["choices"][0]["delta"]["content"] for e in contents] == WORDS[:3]
     lp = contents[1]["choices"][0]["logprobs"]["content"]
@@ -256,14 +257,27 @@ def test_completion_logprobs_come_with_each_delta_their_offsets_counted_across_d
 def test_a_request_that_ends_before_any_delta_is_streamed_whole_from_its_result(tok):
     """The result alone (no deltas: the engine sent everything with its end) still makes a full stream."""
 
+    whole = TokenDelta((100, 101), (-0.1, -0.2), "The quick", 3)
+
+    def plan(rid, sampling):  # the result holds two tokens no delta carried
+        return Plan([(0.0, whole)], end_s=2.0)
+
     async def go():
-        app, _, client = serving(tok, lambda rid, s: Plan([], end_s=2.0))
-        client.plan = lambda rid, s: Plan([], end_s=2.0)
+        app, _, client = serving(tok, plan)
+        quiet = client.generate_async
+
+        async def no_deltas(prompt, sampling=None, request_id=None, policy=None, on_tokens=None):
+            return await quiet(prompt, sampling, request_id, policy, None)  # the deltas never reach the front
+
+        client.generate_async = no_deltas
         return await call(app, "/v1/completions", {"prompt": [1], "stream": True})
 
     r = run_virtual(go())
     assert r.status == 200 and r.headers[VERSION_HEADER] == "3"
-    assert [e for _, e in r.events()][-1] == "[DONE]"
+    events = r.events()
+    (t, final), done = events[0], events[1]
+    assert t == 2.0 and final["choices"][0]["text"] == "The quick" and final["choices"][0]["token_ids"] == [100, 101]
+    assert final["choices"][0]["finish_reason"] == "length" and done[1] == "[DONE]"
 
 
 # ------------------------------------------------------------------ failures: before and after the 200
@@ -313,12 +327,14 @@ def test_n_streamed_choices_are_n_fleet_requests_seeded_apart_indexed_in_one_str
 
     async def go():
         app, _, client = serving(tok, plan)
-        r = await call(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
-                                                     "seed": 7, "stream": True, "stream_options": {"include_usage": True}})
+        r = await call(app, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 7, "stream": True,
+            "stream_options": {"include_usage": True}})
         return r, client
 
     r, client = run_virtual(go())
-    assert [(s.get("seed"), s.get("n"), streamed) for _, s, streamed in client.requests] == [(7, None, True), (8, None, True)]
+    sent = [(s.get("seed"), s.get("n"), streamed) for _, s, streamed in client.requests]
+    assert sent == [(7, None, True), (8, None, True)]
     events = [e for _, e in r.events()]
     assert [e["choices"][0]["index"] for e in events[:2]] == [0, 1]  # a role chunk per choice first
     by_choice: dict[int, list[int]] = {0: [], 1: []}
