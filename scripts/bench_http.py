@@ -30,7 +30,8 @@ worker extension is not loaded into vLLM's server: it only adds RPC methods.)
 Time to first token: in each phase, after its non-streamed requests, each arm also serves
 ``--stream-requests / --phases`` streamed requests (``stream: true``, the same ``max_tokens``,
 ``--stream-clients`` at a time, their own seeded prompts), timed from the request to the first
-event that holds generated text; a stream must end with ``[DONE]`` after all its tokens.
+event that holds a generated token (``return_token_ids`` asked of both); a stream must end with
+``[DONE]`` after all its tokens.
 
     python scripts/bench_http.py [--clients 8] [--requests 400] [--max-tokens 32] [--phases 8] [--logprobs]
                                  [--stream-requests 100] [--stream-clients 8]
@@ -219,7 +220,7 @@ async def drive(url: str, model: str, prompts: list[list[int]], clients: int, ma
 
 async def drive_stream(url: str, model: str, prompts: list[list[int]], clients: int, max_tokens: int) -> dict:
     """As ``drive``, with ``stream: true``: each request's time to its first token (the first event that
-    holds generated text) and to its end; a stream is an error unless it ends with ``[DONE]`` after
+    holds a generated token) and to its end; a stream is an error unless it ends with ``[DONE]`` after
     ``max_tokens`` tokens and without an error event."""
     ttfts: list[float] = []
     latencies: list[float] = []
@@ -228,8 +229,11 @@ async def drive_stream(url: str, model: str, prompts: list[list[int]], clients: 
     next_i = iter(range(len(prompts)))
 
     async def one(http: httpx.AsyncClient, prompt: list[int]) -> tuple[float | None, int, str]:
+        # token ids asked of both (rlfleet sends them anyway): the first token counts even when its text is
+        # still held back by the detokenizer (a piece of a multi-byte character)
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
         t0 = time.perf_counter()
         first, done, usage, why = None, False, 0, ""
         async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -245,7 +249,7 @@ async def drive_stream(url: str, model: str, prompts: list[list[int]], clients: 
                 chunk = json.loads(data)
                 if "error" in chunk:
                     why = f"error event: {chunk['error'].get('message', '')[:200]}"
-                elif first is None and any(c.get("text") for c in chunk.get("choices", ())):
+                elif first is None and any(c.get("token_ids") or c.get("text") for c in chunk.get("choices", ())):
                     first = time.perf_counter() - t0
                 if chunk.get("usage") and not chunk.get("choices"):
                     usage = chunk["usage"]["completion_tokens"]
@@ -264,7 +268,7 @@ async def drive_stream(url: str, model: str, prompts: list[list[int]], clients: 
             except httpx.HTTPError as exc:
                 first, n, why = None, 0, f"{type(exc).__name__}: {exc}"
             if not why and first is None:
-                why = "no event held text"
+                why = "no event held a token"
             if why:
                 errors += 1
                 if len(error_samples) < 3:
