@@ -34,7 +34,7 @@ from fleet.records import Kill
 from serve.loadtest import run_load
 from serve.protocol import VERSION_HEADER
 from serve.server import HttpServer
-from tests.integration.fleet_helpers import wait_for
+from tests.integration.fleet_helpers import Run, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -269,6 +269,9 @@ def test_a_shard_killed_mid_stream_costs_the_stream_nothing_every_token_arrives_
     stream goes on, every token arrives once and in order, the text adds up to the completion's, and the
     last chunk says it took more than one attempt and a continuation, on another slot than the one killed."""
     fleet, front = served.fleet, served.server.front
+    heal = Run(fleet, served.source)  # both engines serving the committed version: the other one must take over
+    heal.version = fleet.status()["version"]
+    heal.heal()
     ended: list = []
     run = front.run
 
