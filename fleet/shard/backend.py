@@ -43,10 +43,11 @@ class EngineBackend(Protocol):
         sampling: dict[str, Any],
         request_id: str,
         cache_salt: str | None = None,
+        final_only: bool = False,
     ) -> AsyncIterator[list[Piece]]:
         """The request's output as it is generated: each item the new tokens of the completions that moved,
         a completion's last piece with its finish reason (``abort`` when aborted) and the engine's version
-        labels (``Piece.spans``) if it keeps them."""
+        labels (``Piece.spans``) if it keeps them. ``final_only``: one item, at the end."""
         ...
 
     def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...

@@ -54,7 +54,8 @@ class OutputStream:
         self._first = True
 
     async def run(self, cache_salt: str | None) -> None:
-        async for pieces in self._backend.stream(self._tokens, self._sampling, self._rid, cache_salt):
+        async for pieces in self._backend.stream(self._tokens, self._sampling, self._rid, cache_salt,
+                                                 final_only=self._emit is None):
             made, cut = [], False
             for piece in pieces:
                 piece, cut = self._seamed(piece)

@@ -133,9 +133,12 @@ class VllmBackend:
         sampling: dict[str, Any],
         request_id: str,
         cache_salt: str | None = None,
+        final_only: bool = False,
     ) -> AsyncIterator[list[Piece]]:
         """The request's output as vLLM produces it: each item the new tokens of the completions that moved
-        (vLLM's ``DELTA`` outputs, merged by vLLM while the shard is slower than the engine)."""
+        (vLLM's ``DELTA`` outputs, merged by vLLM while the shard is slower than the engine). ``final_only``:
+        one item when it ends (``FINAL_ONLY``: nobody watches it run, and a per-step output costs the shard's
+        process CPU that the engine core on the same cores would use)."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
@@ -144,7 +147,7 @@ class VllmBackend:
         engine = self._live()
         params = dict(sampling)
         params.setdefault("logprobs", 0)
-        params["output_kind"] = RequestOutputKind.DELTA
+        params["output_kind"] = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
         bad = field_with_invalid_text(sampling)
         if bad is not None:
             raise BadRequestError(f"sampling params rejected: {bad} holds text that is not valid Unicode "
