@@ -66,13 +66,15 @@ def test_a_request_killed_mid_generation_completes_with_exactly_its_budget_and_a
 def test_a_refit_during_a_request_splits_its_spans_under_any_and_never_mixes_under_latest(run):
     fleet = run.fleet
     old = fleet.status()["version"]
+    new = run.next_weights()  # the source's next weights made before the requests start: the refit pauses at once
+    fleet.generate([PROMPT] * 8, 1, {"max_tokens": 4})  # an engine's first batch is slow (a restarted one's too)
     long = {"max_tokens": 500, "ignore_eos": True, "temperature": 1.0}
     mixing, told = stream(fleet, {**long, "seed": 21}, VersionPolicy(ANY))
     strict = fleet.client.spawn(fleet.client.generate_async(PROMPT, {**long, "seed": 22}, None, VersionPolicy(LATEST)))
     wait_for(lambda: sum(len(d.token_ids) for d in told) >= 40, 60, 0.02, "the first 40 tokens")
-    run.refit()
-    new = run.version
-    assert new > old and fleet.status()["version"] == new
+    assert sum(len(held) for held in fleet.client.dispatcher.outstanding.values()) == 2  # both still generating
+    fleet.sync_weights(new, run.source)
+    assert fleet.status()["version"] == new
     a, b = mixing.result(120), strict.result(120)
     assert a.ok and b.ok, (a.reason, b.reason)
     # any: one request, tokens of both versions, labelled by the engine at the stamp
@@ -80,5 +82,5 @@ def test_a_refit_during_a_request_splits_its_spans_under_any_and_never_mixes_und
     assert spans[0][0] == old and spans[-1][0] == new and a.result.mixed_versions, spans
     assert spans[0][1] == 0 and spans[-1][2] == 500 and all(x[2] == y[1] for x, y in zip(spans, spans[1:]))
     # latest: the refit aborted it; its old tokens were thrown away and it ran again on the new weights alone
-    assert b.result.version_spans == ((new, 0, 500),) and not b.result.mixed_versions
+    assert b.result.version_spans == ((new, 0, 500),) and not b.result.mixed_versions, (b, old, new)
     assert "latest" in b.started_over and b.tokens_discarded > 0
