@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 import subprocess
 import threading
 import time
@@ -285,6 +286,7 @@ def test_a_shard_killed_mid_stream_costs_the_stream_nothing_every_token_arrives_
     try:
         stream = openai_client(served).completions.create(
             model=served.model, prompt=[21, 22, 23, 24], max_tokens=200, stream=True, temperature=1.0, seed=5,
+            logprobs=0,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         chunks, killed, sent_before_kill = [], None, 0
         for ch in stream:
@@ -306,6 +308,7 @@ def test_a_shard_killed_mid_stream_costs_the_stream_nothing_every_token_arrives_
     assert sent_before_kill < 200, "the stream had ended before the kill"
     # every token once, in order, and the engines' own text of them: the stream is the completion
     assert tokens == list(completion.token_ids) and len(tokens) == usage["usage"]["completion_tokens"] == 200
+    assert len(completion.logprobs) == 200 and all(math.isfinite(lp) for lp in completion.logprobs)  # each engine's own
     assert text == completion.text
     block = usage["rlfleet"]
     assert block["attempts"] > 1 and block["continued"] >= 1, block

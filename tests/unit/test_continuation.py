@@ -128,7 +128,7 @@ class StreamDoor:
     async def stream(self, handle, method, request, timeout):
         slot = handle
         self.sent.append((slot, request))
-        prompt, sampling, rid = request[0], request[1], request[2]
+        prompt, rid = request[0], request[2]
         script = self.scripts[slot].pop(0)
         made = []
         for i, p in enumerate(script.pieces):
