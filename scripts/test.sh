@@ -4,7 +4,7 @@
 #   bash scripts/test.sh            # everything (what CI runs): unit, integration, fault matrix, soak
 #   bash scripts/test.sh --quick    # the edit loop: unit tests and the integration modules that cost
 #                                   # seconds (marked ``quick``), in at most 5 minutes
-#   bash scripts/test.sh ARGS...    # one pytest over tests/ with ARGS (a path, -k, -x, ...)
+#   bash scripts/test.sh ARGS...    # one pytest with ARGS (a path narrows it; no path: tests/; -k, -x, ...)
 #
 # The full run is two lanes at once, each its own pytest and its own local Ray: the suite is mostly one
 # process waiting on another (an engine starting, a deadline, a subprocess CLI), and run as one lane it
@@ -23,7 +23,8 @@ if [ "${1:-}" = "--quick" ]; then
   exec python -m pytest tests -p no:cacheprovider -m quick "$@"
 fi
 if [ "$#" -gt 0 ]; then
-  exec python -m pytest tests -p no:cacheprovider "$@"
+  # pytest's testpaths (pyproject) is tests/: a path given here narrows the run instead of adding to it
+  exec python -m pytest -p no:cacheprovider "$@"
 fi
 
 work=$(mktemp -d -t rlfleet-test-XXXXXX)
