@@ -45,11 +45,6 @@ class Partial:
         """An attempt starts: what is held now is what it carries."""
         self._base, self._base_text = len(self.tokens), len(self.text)
 
-    @property
-    def carried(self) -> int:
-        """Tokens the running attempt was sent with (the continued part)."""
-        return self._base
-
     def take(self, chunk: Chunk) -> None:
         """The running attempt's next chunk (only the first completion is held: n > 1 is not continued)."""
         if chunk.prompt_token_ids is not None and self.prompt_ids is None:

@@ -25,7 +25,7 @@ from fleet.data.client import InProcessClient
 from sim.clock import LoopClock, VirtualTimeLoop, run_virtual  # noqa: F401 - the unit tests' virtual time
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
 from fleet.data.poison import fingerprint
-from fleet.data.routing_state import Ticket, VersionPolicy
+from fleet.data.routing_state import ANY, RoutingState, Ticket, VersionPolicy
 from fleet.shard.request_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
 from fleet.errors import BadRequestError, DeadlineExceeded, RefitArgumentError, RouteRefused, ShardUnusableError
@@ -416,3 +416,23 @@ def client(ctl) -> InProcessClient:
     if c is None:
         c = ctl._test_client = InProcessClient(ctl, rng=random.Random(0))  # seeded: routing is reproducible
     return c
+
+
+class StateView:
+    """A ``fleet.data.dispatch.FleetView`` over one routing state the test sets (``state``): no controller, no
+    salt, failure reports dropped (a subclass that publishes on a report overrides ``report``)."""
+
+    def __init__(self, door, state: RoutingState, policy: VersionPolicy = VersionPolicy(ANY)) -> None:
+        self.door, self.state, self.policy = door, state, policy
+
+    def routing(self) -> RoutingState:
+        return self.state
+
+    async def newer_routing(self, epoch, timeout) -> RoutingState:
+        return self.state
+
+    def cache_salt(self, version):
+        return None
+
+    def report(self, slot, incarnation, outcome, epoch) -> None:
+        pass

@@ -18,6 +18,7 @@ from fleet.outcome import DIED, OK, Outcome
 from fleet.shard.continuation import TextSeam
 from fleet.shard.output_stream import Pacer
 from fleet.types import Chunk, Completion, GenerationResult, Piece
+from tests.unit.fleet_fakes import StateView
 
 
 # ---------------------------------------------------------------------------------------------- the seam
@@ -154,23 +155,10 @@ class StreamDoor:
         return last
 
 
-class View:
+class View(StateView):
     def __init__(self, door, version=0, policy=VersionPolicy(ANY)) -> None:
-        self.door, self.policy = door, policy
+        super().__init__(door, RoutingState(1, True, version, (Member(0, 1, 0),)), policy)  # slot 1 after 0 fails
         door.view = self
-        self.state = RoutingState(1, True, version, (Member(0, 1, 0),))  # slot 0 first, slot 1 after it fails
-
-    def routing(self):
-        return self.state
-
-    async def newer_routing(self, epoch, timeout):
-        return self.state
-
-    def cache_salt(self, version):
-        return None
-
-    def report(self, slot, incarnation, outcome, epoch):
-        pass
 
 
 def dispatch(view, **kw) -> Dispatcher:

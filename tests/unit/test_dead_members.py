@@ -12,6 +12,7 @@ from fleet.eventlog import EventLog
 from fleet.outcome import DIED, OK, Outcome
 from fleet.data.routing_state import LATEST, Member, RoutingState, VersionPolicy
 from fleet.types import Completion, GenerationResult
+from tests.unit.fleet_fakes import StateView
 
 DEAD = {0, 1}
 
@@ -29,28 +30,16 @@ class Door:
                                                   version_start=1, weight_version=1, slot=slot, incarnation=1, finished_at=0.0))
 
 
-class StaleView:
+class StaleView(StateView):
     """Every failure reported makes the 'controller' publish a new epoch that still lists every member: it has
     not seen the deaths yet (its probes are slower than the clients)."""
 
-    policy = VersionPolicy(LATEST)
-
     def __init__(self) -> None:
-        self.door = Door()
-        self.state = self._state(1)
+        super().__init__(Door(), self._state(1), VersionPolicy(LATEST))
 
     @staticmethod
     def _state(epoch: int) -> RoutingState:
         return RoutingState(epoch, True, 1, tuple(Member(s, 1, s) for s in range(3)))
-
-    def routing(self) -> RoutingState:
-        return self.state
-
-    async def newer_routing(self, epoch, timeout):
-        return self.state
-
-    def cache_salt(self, version):
-        return None
 
     def report(self, slot, incarnation, outcome, epoch):
         self.state = self._state(self.state.epoch + 1)

@@ -27,6 +27,7 @@ import pytest
 from fleet.data.dispatch import FleetResult
 from fleet.data.routing_state import RoutingState
 from fleet.types import Completion, GenerationResult, TokenDelta
+from tests.unit.fleet_fakes import StateView
 from recipe.tinymodel import build_tokenizer
 from serve.app import build_app
 from serve.front import Front
@@ -463,35 +464,21 @@ class SlowStreamDoor:
         return Outcome(OK, value=True)
 
 
-class DispatchingClient:
+class DispatchingClient(StateView):
     """A fleet client made of the real ``Dispatcher`` over ``SlowStreamDoor``'s two shards (slot 0 first)."""
 
     def __init__(self, scripts) -> None:
         import random
 
         from fleet.data.dispatch import Dispatcher
-        from fleet.data.routing_state import ANY, Member, VersionPolicy
+        from fleet.data.routing_state import Member
         from fleet.eventlog import EventLog
 
         box: dict = {}
-        self.door = SlowStreamDoor(box, scripts)
-        self.policy = VersionPolicy(ANY)
         self.members = (Member(0, 1, 0), Member(1, 1, 1))
-        self.state = RoutingState(1, True, 3, (self.members[0],))
+        super().__init__(SlowStreamDoor(box, scripts), RoutingState(1, True, 3, (self.members[0],)))
         box["view"] = self
         self.dispatcher = Dispatcher(self, EventLog(), request_timeout_s=60, max_redispatch=3, rng=random.Random(0))
-
-    def routing(self):
-        return self.state
-
-    async def newer_routing(self, epoch, timeout):
-        return self.state
-
-    def cache_salt(self, version):
-        return None
-
-    def report(self, slot, incarnation, outcome, epoch):
-        pass
 
     def counters(self):
         return self.dispatcher.counters()
