@@ -60,7 +60,7 @@ from health.faultplan import CONTROLLER_WHAT, TRAINER_WHERE, Firing
 # A plan's ``where`` -> the shard's fault hook point (a step-boundary fault other than a kill goes off at the next probe).
 # A ``freeze`` ``between_refits`` goes off at the shard's next request: one is in flight on it when it freezes.
 POINT_OF = {"pause": "pause", "transfer": "transfer", "stamp": "set_weight_version", "resume": "resume",
-            "generate": "generate", "step_boundary": "ping", "between_refits": "generate"}
+            "generate": "generate", "stream": "stream", "step_boundary": "ping", "between_refits": "generate"}
 UP = ("healthy", "stale")
 KILLED_BY_THE_CONTROLLER = ("step_boundary", "between_refits")
 PROVOKE_EVERY_S = 2.0

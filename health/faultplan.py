@@ -12,7 +12,9 @@ code::
       - {where: transfer, what: kill, shard: 1, step: 2}
 
 ``where``: ``step_boundary`` (before the step's refit), ``pause``, ``transfer``,
-``stamp`` (the version stamp, ``set_weight_version``; ``unavailable`` only), ``resume``, ``generate``. ``what``: ``kill`` (the actor process), ``freeze`` (stops
+``stamp`` (the version stamp, ``set_weight_version``; ``unavailable`` only), ``resume``, ``generate``,
+``stream`` (mid-generation: a streamed request that already sent output is sending more; ``kill`` and
+``crash_engine`` only). ``what``: ``kill`` (the actor process), ``freeze`` (stops
 answering), ``hang`` (one lifecycle call past its deadline), ``false_ack``,
 ``unavailable`` (one lifecycle call answers "unavailable"), ``slow`` (every call by
 ``delay_s``), ``crash_engine`` (the engine core inside a live actor), ``freeze_core`` (the
@@ -75,7 +77,9 @@ from typing import Any, Mapping
 HOOKED = ("pause", "transfer", "resume", "generate")  # the shard's hook points a plan can name
 # ``stamp``: inside the refit's last call to an engine (``end_refit``), before its resume: a stamp that fails there
 # is reported by the engine, which still resumes (an ``unavailable`` only)
-SHARD_WHERE = ("step_boundary", "between_refits") + HOOKED + ("stamp",)
+# ``stream``: mid-generation, as a streamed request that already sent output sends more (a death there leaves the
+# client holding part of the output: what continuation carries on; ``fleet.shard.fault_hooks``)
+SHARD_WHERE = ("step_boundary", "between_refits") + HOOKED + ("stamp", "stream")
 TRAINER_WHERE = ("update", "call")  # faults of the trainer's refit call, not of a shard
 # The refit's phases (``fleet.control.lifecycle``) and the shutdown: where the controller can crash itself. An engine
 # costs three control calls a refit: ``pause`` (fence, abort the too old, pause), ``transfer``, ``resume``
@@ -90,14 +94,14 @@ _ANYWHERE = ("step_boundary",) + HOOKED
 # What is possible where: a lie needs a call that acknowledges; a hang needs a call with a deadline;
 # a trainer's fault happens in its own refit call.
 ALLOWED: dict[str, tuple[str, ...]] = {
-    "kill": ("step_boundary", "between_refits") + HOOKED,
+    "kill": ("step_boundary", "between_refits") + HOOKED + ("stream",),
     "freeze": _ANYWHERE + ("between_refits",),
     "freeze_core": _ANYWHERE + ("between_refits",),
     "hang": ("pause", "transfer", "resume"),
     "false_ack": ("pause", "resume"),
     "unavailable": ("pause", "stamp", "resume"),
     "slow": _ANYWHERE,
-    "crash_engine": _ANYWHERE,
+    "crash_engine": _ANYWHERE + ("stream",),
     **{f"corrupt_{kind}": ("update",) for kind in CORRUPTIONS},
     "kill_sender": ("update",),
     "stale_version": ("call",),

@@ -1,57 +1,57 @@
 """What an engine death costs in-flight requests: continuation on another engine vs re-sending from scratch.
 
-Two fleets of 2 real vLLM-CPU engines (tiny model), the same but for ``continuation``, one after the
-other in one run (arm ``continuation``: ``continuation: True``, the request goes on from the tokens
-already streamed; arm ``resend``: ``continuation: False``, it is re-sent from scratch, the old
-behaviour). Each arm sends the same batch: ``--requests`` prompts of ``--prompt-tokens`` random token
-ids, each ``--max-tokens`` long (``ignore_eos``: every completion is that long), temperature 1 with a
-seed per request, both the same in both arms. Admission is off (every request runs at once) and dead
-engines are not restarted (the survivor serves the rest), so the arms differ only in what a death
-does to a request.
+Both arms run at once, in one fleet of 2 real vLLM-CPU engines (tiny model): arm ``continuation`` is the
+fleet's own client (``continuation: True``: a request goes on from the tokens already streamed), arm
+``resend`` a second client of the same fleet with ``continuation: False`` (re-sent from scratch, the old
+behaviour). Each arm sends ``--requests`` prompts of ``--prompt-tokens`` random token ids (its own prompts:
+a continued prompt must not find the other arm's tokens in the prefix cache), each ``--max-tokens`` long
+(``ignore_eos``: every completion is that long), temperature 1 with a seed per request; the two arms'
+requests are submitted interleaved, so each engine holds about as many of each. Admission is off (every
+request runs at once) and dead engines are not restarted (the survivor serves the rest).
 
-When the batch is running on both engines, the bench watches the engine holding more of it: its own
-generation-token counter (``EngineShard.stats``, vLLM's per-step stats). Once that engine has
-generated ``--kill-at`` (0.5) of its requests' tokens, it is killed with the fleet's own fault
-facility (``FaultInjector.kill_shard``), its counter read just before. The kill is proven from the
-controller's event log (the ``fault`` record of the kill, then the slot's ``health`` record to
-``dead`` or ``retired`` for that incarnation) and from Ray (the actor is ``DEAD``).
+Why at once and not one arm after the other: on this kind of machine (2 shared cores) the same batch took
+from 1.6 to 6.0 s to reach the kill point in trial runs minutes apart, and an arm's completion time is
+mostly that part; two arms run back to back compared the machine's moods more than the arms. At once, the
+kill hits both arms' requests at the same instant, on the same engines, under the same load.
 
-Per arm:
+When the batch runs on both engines, the bench watches the engine holding more of it: its own
+generation-token counter (``EngineShard.stats``, vLLM's per-step stats), read more often as the kill point
+nears (``wait_for_tokens``). Once that engine has generated ``--kill-at`` (0.5) of its requests' tokens, it
+is killed with the fleet's own fault facility (``FaultInjector.kill_shard``), its counter read just before.
+The kill is proven from the controller's event log (the ``fault`` record of the kill, then the slot's
+``health`` record to ``dead`` or ``retired`` for that incarnation) and from Ray (the actor is ``DEAD``).
 
-- ``generated``: tokens the engines generated for the batch (each engine's counter minus its value
-  before the batch). The killed engine's is the larger of its counter read just before the kill and
-  the tokens the client received from it (``FleetResult.tokens_reused + tokens_discarded``): the engine
-  goes on generating between that read and its death, so the figure is a floor of what it generated;
-- ``delivered``: tokens in the completed results; ``wasted`` = generated - delivered (tokens an engine
-  spent that no result holds);
-- ``p50_s``: completion latency p50 (``FleetResult.latency_s``, acceptance to result) over the batch,
-  ``p50_interrupted_s`` over the requests the kill interrupted (sent more than once), and
-  ``after_kill_p50_interrupted_s`` from the kill to their results (the part the arms can differ in);
+Per arm and round:
+
+- ``interrupted``: the arm's requests the kill hit (sent more than once); ``received``: the tokens they had
+  received from the killed engine (``FleetResult.tokens_reused + tokens_discarded``);
+- ``wasted``: tokens generated that no result of the arm holds: those it received and threw away
+  (``tokens_discarded``: a re-send starts from nothing) plus its share, by interrupted requests, of what the
+  killed engine generated that no client received (its counter, read just before the kill, or what the
+  clients received from it when more, minus what they received: a floor, the engine generates on until it
+  dies). The round's ``wasted_check`` is the same for the whole fleet from the engines' counters alone
+  (generated minus delivered): the two arms' ``wasted`` add up to it;
+- ``p50_s``: completion latency p50 (``FleetResult.latency_s``, acceptance to result) over the arm's
+  interrupted requests; ``batch_p50_s`` over all its requests; ``after_kill_p50_s`` from the kill to the
+  interrupted requests' results;
 - ``lost`` = accepted - completed - returned (must be 0), ``returned`` (should be 0), the client's
-  ``tokens_reused`` / ``tokens_discarded`` totals and the requests ``continued``.
+  ``tokens_reused`` / ``tokens_discarded`` and the requests ``continued``.
 
-Each arm's fleet is a fresh one (a killed engine is not restarted). The arm that runs first runs on a
-machine still busy with Ray's start (its daemons spawn workers for a minute or so): on 2 cores that made
-its engines up to a third slower than the second arm's in trial runs, whichever arm it was. So by default
-(``--rounds 2``) the arms run in the order ``--order`` gives, then in the reverse order (each arm first
-once), and each arm's figures are the medians over its rounds (``per_round`` holds every round's). About
-6 minutes on 2 cores, most of it the four fleets' engine starts.
-
-``wasted_tokens_continuation_vs_resend`` = wasted(continuation) / wasted(resend) (goal <= 0.2);
-``completion_p50_continuation_vs_resend`` = p50(continuation) / p50(resend) over the batch (goal
-<= 0.8); ``completion_p50_interrupted_continuation_vs_resend`` the same over the interrupted requests,
-``after_kill_p50_interrupted_continuation_vs_resend`` over their time from the kill. The batch's p50
-cannot fall far: the half of the batch on the surviving engine is never interrupted, and under
-continuation the survivor runs the whole batch at once for the second half, so every request ends
-about then; under re-send the batch's median falls between the survivor's own requests and the
-re-sent ones (on 2 cores the ideal is about 0.8 for a kill half way).
+``wasted_tokens_continuation_vs_resend`` = the arms' wasted tokens over all rounds (goal <= 0.2);
+``completion_p50_continuation_vs_resend``: each round's p50 over the interrupted requests, continuation over
+resend, the median over rounds (goal <= 0.8): the requests a death hits are the ones the two policies treat
+differently. ``completion_p50_batch_continuation_vs_resend`` is the same over each arm's whole batch, and
+cannot fall far: half of it runs on the survivor, is never interrupted, and ends at the same time in both
+arms. ``after_kill_p50_continuation_vs_resend`` is over the interrupted requests' time from the kill.
+Each round is a fresh fleet (a killed engine is not restarted); about 1 minute a round on 2 cores, most of it
+the engines' start.
 
     python scripts/bench_continuation.py [--requests 16] [--max-tokens 512] [--prompt-tokens 16]
-                                         [--kill-at 0.5] [--seed 0] [--rounds 2] [--order continuation,resend]
+                                         [--kill-at 0.5] [--seed 0] [--rounds 3]
 
 Human lines first; the last line of output is one JSON object with those ratios, ``lost_continuation``,
 ``lost_resend``, ``returned_continuation``, ``returned_resend`` and each arm's figures (``continuation``,
-``resend``).
+``resend``), every round's in ``rounds``.
 """
 
 from __future__ import annotations
@@ -65,32 +65,31 @@ import time
 from faults.polling import wait_until
 from fleet.api import Fleet
 from fleet.cluster import ray_door
+from fleet.data.client import FleetClient
 from fleet.records import Fault, Health
 from recipe.tinymodel import build_model, default_model_dir
 
-ARMS = {"continuation": True, "resend": False}  # arm -> the fleet's ``continuation``
+ARMS = ("continuation", "resend")
 ENGINES = 2
 GONE = ("dead", "retired")  # the slot's health after its engine died (retired: no restart is allowed)
-POLL_S = 0.01  # how often the watched engine's counter is read while waiting for the kill point
+POLL_S = 0.01  # the closest polls of the watched engine's counter, near the kill point (``wait_for_tokens``)
+POLL_MAX_S = 0.25  # the farthest
+COLLECT_S = 600  # the longest wait for an arm's results
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=16, help="requests in the batch (spread on both engines)")
+    p.add_argument("--requests", type=int, default=16, help="requests per arm (both arms run at once on both engines)")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per completion (ignore_eos)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="random token ids per prompt")
     p.add_argument("--kill-at", type=float, default=0.5,
                    help="kill the engine once it generated this share of its requests' tokens")
     p.add_argument("--seed", type=int, default=0, help="prompts and sampling seeds")
-    p.add_argument("--order", default="continuation,resend", help="the arms in the order the first round runs them")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="fleets per arm; the order flips every round (2: continuation, resend, resend, continuation)")
+    p.add_argument("--rounds", type=int, default=3, help="fleets, one kill each; ratios are medians over rounds")
     p.add_argument("--model", default=None, help="model directory (default: the tiny model, built if missing)")
     args = p.parse_args()
     if args.requests < ENGINES:
-        p.error(f"--requests must be at least {ENGINES}: the batch runs on both engines")
-    if sorted(args.order.split(",")) != sorted(ARMS):
-        p.error(f"--order must name each arm once ({', '.join(ARMS)}), got {args.order!r}")
+        p.error(f"--requests must be at least {ENGINES}: each arm runs on both engines")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     if not 0.0 < args.kill_at < 1.0:
@@ -98,8 +97,9 @@ def parse() -> argparse.Namespace:
     return args
 
 
-def fleet_config(model: str, continuation: bool, args: argparse.Namespace) -> dict:
-    """Two engines long enough for prompt + completion; no admission cap, no restarts, no metrics port."""
+def fleet_config(model: str, args: argparse.Namespace) -> dict:
+    """Two engines long enough for prompt + completion; no admission cap, no restarts, no metrics port. The
+    fleet's own client continues requests; the resend arm's client is the same config with it off."""
     return {
         "engine": {"model": model, "max_model_len": args.prompt_tokens + args.max_tokens,
                    "kv_cache_memory_bytes": 64 << 20, "seed": args.seed},
@@ -108,13 +108,15 @@ def fleet_config(model: str, continuation: bool, args: argparse.Namespace) -> di
         "restart_dead_engines": False,
         "admission": {"enabled": False},
         "metrics": False,
-        "continuation": continuation,
+        "continuation": True,
     }
 
 
-def batch(args: argparse.Namespace) -> list[tuple[list[int], dict]]:
-    """(prompt, sampling) per request: the same in both arms."""
-    rng = random.Random(args.seed)
+def batch(args: argparse.Namespace, arm: int, round_: int = 0) -> list[tuple[list[int], dict]]:
+    """(prompt, sampling) per request of arm number ``arm`` in round ``round_``: each arm its own prompts
+    (a continued prompt must not meet the other arm's tokens in the prefix cache), the same seeds and
+    lengths in both."""
+    rng = random.Random(f"{args.seed}/{round_}/{arm}")
     return [([rng.randrange(4, 500) for _ in range(args.prompt_tokens)],  # past the tokenizer's special tokens
              {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 1.0, "seed": args.seed * 1000 + i})
             for i in range(args.requests)]
@@ -124,6 +126,23 @@ def engine_stats(handle) -> tuple[int, int]:
     """(tokens generated since the engine started, requests in flight on its shard)."""
     s = ray_door.ask(handle, "stats", timeout=30)
     return int(s.generation_tokens), int(s.in_flight)
+
+
+def wait_for_tokens(handle, goal: float, who: str) -> int:
+    """Poll the engine's token counter until it reaches ``goal``; its last reading. The polls are spaced by
+    half the time the engine's own rate says is left (``POLL_S`` at the least, ``POLL_MAX_S`` at most): a
+    poll is a call into the shard's event loop, which also carries its requests' output, so polling it
+    every few milliseconds for seconds would slow the engine it measures."""
+    t0, first = time.monotonic(), engine_stats(handle)[0]
+    counted, deadline = first, t0 + 600
+    while counted < goal:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{who} did not reach the kill point within 600 s")
+        rate = (counted - first) / max(1e-3, time.monotonic() - t0)
+        left_s = (goal - counted) / rate if rate > 0 else POLL_MAX_S
+        time.sleep(min(POLL_MAX_S, max(POLL_S, left_s / 2)))
+        counted = engine_stats(handle)[0]
+    return counted
 
 
 def shards(fleet: Fleet) -> dict[int, tuple[int, object]]:
@@ -155,132 +174,139 @@ def kill_proof(fleet: Fleet, mark: int, slot: int, incarnation: int, handle) -> 
     return proof
 
 
-def run_arm(name: str, continuation: bool, model: str, args: argparse.Namespace) -> dict:
-    """One fleet, one batch, one kill half way through the watched engine's share; the arm's figures."""
+def run_round(round_: int, model: str, args: argparse.Namespace) -> dict:
+    """One fleet, both arms' batches at once, one kill half way through the watched engine's share."""
     t_start = time.monotonic()
-    fleet = Fleet.start(fleet_config(model, continuation, args))
+    fleet = Fleet.start(fleet_config(model, args))
+    resend = None
     try:
-        print(f"{name}: fleet {fleet.name} up in {time.monotonic() - t_start:.1f} s", flush=True)
-        fleet.generate([[5, 6, 7, 8]], n=4, sampling={"max_tokens": 8})  # warm both engines' first step
+        resend = FleetClient(fleet.controller, fleet.config.model_copy(update={"continuation": False}))
+        clients = {"continuation": fleet.client, "resend": resend}
+        print(f"round {round_}: fleet {fleet.name} up in {time.monotonic() - t_start:.1f} s", flush=True)
+        for c in clients.values():  # warm both engines' first step, and each client's routing
+            c.submit([5, 6, 7, 8], 4, {"max_tokens": 8}, c.policy).result(COLLECT_S)
         engines = shards(fleet)
         if len(engines) != ENGINES:
-            raise RuntimeError(f"{name}: {len(engines)} engines serve, not {ENGINES}")
+            raise RuntimeError(f"round {round_}: {len(engines)} engines serve, not {ENGINES}")
         base = {slot: engine_stats(h)[0] for slot, (_, h) in engines.items()}
-        requests = batch(args)
-        pending = [fleet.submit(prompt, 1, sampling) for prompt, sampling in requests]
+        batches = {arm: batch(args, i, round_) for i, arm in enumerate(ARMS)}
+        pending: dict[str, list] = {arm: [] for arm in ARMS}
+        for i in range(args.requests):  # interleaved, the arm first flipping: both spread alike
+            for arm in ARMS if i % 2 == 0 else ARMS[::-1]:
+                prompt, sampling = batches[arm][i]
+                pending[arm].append(clients[arm].submit(prompt, 1, sampling, clients[arm].policy))
 
         loads: dict[int, int] = {}
 
         def all_running() -> bool:
             loads.update({slot: engine_stats(h)[1] for slot, (_, h) in engines.items()})
-            return sum(loads.values()) >= len(requests)
+            return sum(loads.values()) >= len(ARMS) * args.requests
 
         if not wait_until(all_running, 120, 0.05):
-            raise RuntimeError(f"{name}: the batch did not start on the engines within 120 s (in flight {loads})")
+            raise RuntimeError(f"round {round_}: the batch did not start on the engines within 120 s (in flight {loads})")
         target = max(sorted(loads), key=lambda s: loads[s])
         inc, handle = engines[target]
         goal = base[target] + args.kill_at * loads[target] * args.max_tokens
-        counted = engine_stats(handle)[0]
-        deadline = time.monotonic() + 600
-        while counted < goal:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: slot {target} did not reach the kill point within 600 s")
-            time.sleep(POLL_S)
-            counted = engine_stats(handle)[0]
+        counted = wait_for_tokens(handle, goal, f"round {round_}: slot {target}")
         mark = len(fleet.events())
         fleet.fault_injector().kill_shard(target)
         t_kill = time.monotonic()
-        results = [r for p in pending for r in fleet.collect(p)]
+        results = {arm: [r for p in pending[arm] for r in p.result(COLLECT_S)] for arm in ARMS}
         proof = kill_proof(fleet, mark, target, inc, handle)
         survivor = {slot: engine_stats(h)[0] - base[slot] for slot, (_, h) in engines.items() if slot != target}
-        counters = fleet.client.counters()
+        counters = {arm: c.counters() for arm, c in clients.items()}
     finally:
+        if resend is not None:
+            resend.close()
         fleet.shutdown()
-    return figures(name, results, counters, args, target=target, incarnation=inc, on_target=loads[target],
+    return figures(round_, results, counters, args, target=target, incarnation=inc, on_target=loads[target],
                    killed_counter=counted - base[target], survivor=survivor, proof=proof, t_kill=t_kill)
 
 
-def figures(name: str, results: list, counters: dict, args: argparse.Namespace, *, target: int, incarnation: int,
-            on_target: int, killed_counter: int, survivor: dict[int, int], proof: dict, t_kill: float) -> dict:
-    """The arm's numbers from its results, the client's counters and the engines' counters."""
-    done = [r for r in results if r.ok]
-    delivered = sum(len(r.result.completions[0].token_ids) for r in done)
-    received_from_killed = sum(r.tokens_reused + r.tokens_discarded for r in results)
-    killed = max(killed_counter, received_from_killed)  # a floor: it generated on until it died
+def figures(round_: int, results: dict[str, list], counters: dict[str, dict], args: argparse.Namespace, *,
+            target: int, incarnation: int, on_target: int, killed_counter: int, survivor: dict[int, int],
+            proof: dict, t_kill: float) -> dict:
+    """The round's numbers, per arm, from its results, the clients' counters and the engines' counters."""
+    received = {arm: sum(r.tokens_reused + r.tokens_discarded for r in rs) for arm, rs in results.items()}
+    interrupted = {arm: [r for r in rs if r.attempts > 1 or r.continued > 0] for arm, rs in results.items()}
+    killed = max(killed_counter, sum(received.values()))  # a floor: it generated on until it died
+    unreceived = killed - sum(received.values())
+    hit = sum(len(v) for v in interrupted.values())
+    delivered = {arm: sum(len(r.result.completions[0].token_ids) for r in rs if r.ok) for arm, rs in results.items()}
     generated = killed + sum(survivor.values())
-    interrupted = [r for r in results if r.attempts > 1 or r.continued > 0]
-    lost = counters["accepted"] - counters["completed"] - counters["returned"]
-    row = {
-        "requests": len(results), "completed": len(done), "returned": counters["returned"], "lost": lost,
-        "killed_slot": target, "killed_incarnation": incarnation, "requests_on_killed": on_target,
+    row: dict = {
+        "round": round_, "killed_slot": target, "killed_incarnation": incarnation, "requests_on_killed": on_target,
         "kill_progress": round(killed_counter / (on_target * args.max_tokens), 3),
-        "kill_after_s": round(t_kill - min(r.accepted_at for r in results), 3),
-        "kill_to_last_result_s": round(max(r.accepted_at + r.latency_s for r in results) - t_kill, 3),
+        "kill_after_s": round(t_kill - min(r.accepted_at for rs in results.values() for r in rs), 3),
         "generated": generated, "generated_killed": killed, "generated_killed_counter": killed_counter,
-        "received_from_killed": received_from_killed, "generated_survivor": sum(survivor.values()),
-        "delivered": delivered, "wasted": generated - delivered,
-        "p50_s": p50([r.latency_s for r in done]),
-        "p50_interrupted_s": p50([r.latency_s for r in interrupted if r.ok]),
-        "after_kill_p50_interrupted_s": p50([r.accepted_at + r.latency_s - t_kill for r in interrupted if r.ok]),
-        "interrupted": len(interrupted), "continued": sum(1 for r in results if r.continued > 0),
-        "tokens_reused": counters.get("tokens_reused"), "tokens_discarded": counters.get("tokens_discarded"),
-        "started_over": sorted({r.started_over for r in results if r.started_over}),
-        "kill_proof": proof,
+        "generated_survivor": sum(survivor.values()), "delivered": sum(delivered.values()),
+        "wasted_check": generated - sum(delivered.values()), "kill_proof": proof,
     }
-    print(f"{name}: killed slot {target} (incarnation {incarnation}, {on_target} requests) at "
-          f"{row['kill_progress']:.0%} of its tokens, {row['kill_after_s']:.1f} s in; generated {generated} "
-          f"(killed engine {killed}, survivor {row['generated_survivor']}), delivered {delivered}, wasted "
-          f"{row['wasted']}; p50 {row['p50_s']} s (interrupted {row['p50_interrupted_s']} s, "
-          f"{row['after_kill_p50_interrupted_s']} s after the kill, {len(interrupted)} requests); reused {row['tokens_reused']}, discarded {row['tokens_discarded']}; "
-          f"lost {lost}, returned {row['returned']}", flush=True)
+    for arm, rs in results.items():
+        c = counters[arm]
+        hits = interrupted[arm]
+        discarded = sum(r.tokens_discarded for r in rs)
+        row[arm] = {
+            "requests": len(rs), "completed": sum(1 for r in rs if r.ok), "returned": c["returned"],
+            "lost": c["accepted"] - c["completed"] - c["returned"],
+            "interrupted": len(hits), "continued": sum(1 for r in rs if r.continued > 0),
+            "received": received[arm], "delivered": delivered[arm],
+            "wasted": round(discarded + (unreceived * len(hits) / hit if hit else 0.0), 1),
+            "p50_s": p50([r.latency_s for r in hits if r.ok]),
+            "batch_p50_s": p50([r.latency_s for r in rs if r.ok]),
+            "after_kill_p50_s": p50([r.accepted_at + r.latency_s - t_kill for r in hits if r.ok]),
+            "tokens_reused": c.get("tokens_reused"), "tokens_discarded": c.get("tokens_discarded"),
+            "started_over": sorted({r.started_over for r in rs if r.started_over}),
+        }
+    cont, resend = row["continuation"], row["resend"]
+    print(f"round {round_}: killed slot {target} (incarnation {incarnation}, {on_target} requests: "
+          f"{cont['interrupted']} continuation, {resend['interrupted']} resend) at {row['kill_progress']:.0%} of its "
+          f"tokens, {row['kill_after_s']:.1f} s in; generated {generated}, delivered {row['delivered']}; wasted "
+          f"{cont['wasted']} vs {resend['wasted']}; interrupted p50 {cont['p50_s']} vs {resend['p50_s']} s, batch p50 "
+          f"{cont['batch_p50_s']} vs {resend['batch_p50_s']} s; lost {cont['lost']} + {resend['lost']}, returned "
+          f"{cont['returned']} + {resend['returned']}", flush=True)
     return row
 
 
-def arm_summary(rows: list[dict]) -> dict:
-    """One arm over its rounds: the median of each round's wasted tokens and p50s, lost and returned summed
-    (every round must lose nothing), and each round's own figures (``per_round``)."""
-    def median(key: str):
-        xs = [r[key] for r in rows if r[key] is not None]
+def summary(rows: list[dict]) -> dict:
+    """The rounds' ratios (each round's arms compared within it, the median over rounds; wasted tokens summed
+    over rounds) and each arm's totals."""
+    def per_round(key: str) -> float | None:
+        xs = [x for x in (ratio(r["continuation"][key], r["resend"][key]) for r in rows) if x is not None]
         return round(statistics.median(xs), 3) if xs else None
 
-    return {"wasted": median("wasted"), "p50_s": median("p50_s"), "p50_interrupted_s": median("p50_interrupted_s"),
-            "after_kill_p50_interrupted_s": median("after_kill_p50_interrupted_s"),
-            "generated": median("generated"), "delivered": median("delivered"),
-            "lost": sum(r["lost"] for r in rows), "returned": sum(r["returned"] for r in rows),
-            "tokens_reused": sum(r["tokens_reused"] or 0 for r in rows),
-            "tokens_discarded": sum(r["tokens_discarded"] or 0 for r in rows),
-            "continued": sum(r["continued"] for r in rows), "interrupted": sum(r["interrupted"] for r in rows),
-            "per_round": rows}
+    def total(arm: str, key: str):
+        return sum(r[arm][key] or 0 for r in rows)
+
+    arms = {arm: {k: total(arm, k) for k in ("wasted", "lost", "returned", "interrupted", "continued", "received",
+                                             "delivered", "tokens_reused", "tokens_discarded")} for arm in ARMS}
+    for arm in ARMS:
+        arms[arm]["wasted"] = round(arms[arm]["wasted"], 1)
+        arms[arm].update({k: p50([r[arm][k] for r in rows if r[arm][k] is not None])
+                          for k in ("p50_s", "batch_p50_s", "after_kill_p50_s")})
+    return {
+        "wasted_tokens_continuation_vs_resend": ratio(arms["continuation"]["wasted"], arms["resend"]["wasted"]),
+        "completion_p50_continuation_vs_resend": per_round("p50_s"),
+        "completion_p50_batch_continuation_vs_resend": per_round("batch_p50_s"),
+        "after_kill_p50_continuation_vs_resend": per_round("after_kill_p50_s"),
+        "wasted_continuation": arms["continuation"]["wasted"], "wasted_resend": arms["resend"]["wasted"],
+        "lost_continuation": arms["continuation"]["lost"], "lost_resend": arms["resend"]["lost"],
+        "returned_continuation": arms["continuation"]["returned"], "returned_resend": arms["resend"]["returned"],
+        "continuation": arms["continuation"], "resend": arms["resend"],
+    }
 
 
 def main() -> None:
     args = parse()
     model = args.model or str(build_model(default_model_dir("tiny")))
-    order = args.order.split(",")
-    runs: dict[str, list[dict]] = {name: [] for name in ARMS}
     ray_door.init_local(num_cpus=ENGINES + 2, log_to_driver=False)
     try:
-        for r in range(args.rounds):  # the order flips every round: the machine's drift falls on both arms
-            for name in order if r % 2 == 0 else order[::-1]:
-                runs[name].append(run_arm(name, ARMS[name], model, args))
+        rows = [run_round(r, model, args) for r in range(args.rounds)]
     finally:
         ray_door.shutdown()
-    cont, resend = arm_summary(runs["continuation"]), arm_summary(runs["resend"])
-    print(json.dumps({
-        "wasted_tokens_continuation_vs_resend": ratio(cont["wasted"], resend["wasted"]),
-        "completion_p50_continuation_vs_resend": ratio(cont["p50_s"], resend["p50_s"]),
-        "completion_p50_interrupted_continuation_vs_resend": ratio(cont["p50_interrupted_s"],
-                                                                   resend["p50_interrupted_s"]),
-        "after_kill_p50_interrupted_continuation_vs_resend": ratio(cont["after_kill_p50_interrupted_s"],
-                                                                   resend["after_kill_p50_interrupted_s"]),
-        "wasted_continuation": cont["wasted"], "wasted_resend": resend["wasted"],
-        "p50_s_continuation": cont["p50_s"], "p50_s_resend": resend["p50_s"],
-        "lost_continuation": cont["lost"], "lost_resend": resend["lost"],
-        "returned_continuation": cont["returned"], "returned_resend": resend["returned"],
-        "requests": args.requests, "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
-        "kill_at": args.kill_at, "seed": args.seed, "rounds": args.rounds, "order": order,
-        "continuation": cont, "resend": resend,
-    }))
+    print(json.dumps({**summary(rows), "requests": args.requests, "max_tokens": args.max_tokens,
+                      "prompt_tokens": args.prompt_tokens, "kill_at": args.kill_at, "seed": args.seed,
+                      "rounds": rows}))
 
 
 if __name__ == "__main__":

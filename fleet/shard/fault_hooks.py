@@ -4,6 +4,10 @@ A shard calls ``hooks.at(point)`` at each hook point (start of ``pause``, ``resu
 ``set_weight_version``, ``generate``, ``ping``, and the weight receive inside
 ``worker_rpc``, point ``transfer``). With nothing armed the shard skips the call
 entirely (``if self._hooks.armed``), so code without an active plan pays nothing.
+Point ``stream`` is mid-generation: a streamed request (``serve_stream``) that already sent
+a chunk of output reaches it before it sends the next chunk or its result, so a fault there
+acts while the client holds part of the output. It is called only for a fault armed at it
+(``armed_at``): a ``slow`` shard is not slowed chunk by chunk.
 
 Actions (each armed fault fires once, after ``after_calls`` matching calls; ``slow``
 applies to every hooked call from the moment it is armed):
@@ -50,7 +54,7 @@ from typing import Callable, Sequence
 
 from fleet.errors import EngineCrashedError, ShardUnavailableError
 
-POINTS = ("pause", "resume", "set_weight_version", "generate", "ping", "transfer")
+POINTS = ("pause", "resume", "set_weight_version", "generate", "ping", "transfer", "stream")
 ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine", "unavailable", "poison", "freeze_core")
 ENGINE_DEATH_WAIT_S = 10.0  # a poisoned engine: how long to wait for the backend to see its core gone
 
@@ -89,6 +93,10 @@ class FaultHooks:
     @property
     def armed(self) -> bool:
         return bool(self._armed) or self._slow is not None
+
+    def armed_at(self, point: str) -> bool:
+        """A fault (other than ``slow``) waits at ``point``."""
+        return any(f.point == point for f in self._armed)
 
     def arm(self, fault: ArmedFault) -> None:
         if self._journal:

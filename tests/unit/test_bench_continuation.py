@@ -1,5 +1,6 @@
-"""scripts/bench_continuation.py's pure parts: the same batch in both arms, the fleet config of each arm,
-and the arm's figures (generated, delivered, wasted, latency, lost) from results and counters (no Ray)."""
+"""scripts/bench_continuation.py's pure parts: each arm's batch, the fleet config, and a round's figures
+(wasted tokens split between the arms, latency, lost) from results and counters, and the summary's ratios
+(no Ray)."""
 
 from __future__ import annotations
 
@@ -32,46 +33,69 @@ def _result(i: int, tokens: int, latency: float, attempts: int = 1, continued: i
                        tokens_reused=reused, tokens_discarded=discarded)
 
 
-def test_both_arms_send_the_same_batch_and_differ_only_in_continuation():
+def test_each_arm_has_its_own_prompts_with_the_same_seeds_and_lengths():
     b = bench()
-    assert b.batch(ARGS) == b.batch(ARGS), "same prompts and seeds in every arm"
-    prompts = b.batch(ARGS)
-    assert len(prompts) == 4 and len({s["seed"] for _, s in prompts}) == 4
-    assert all(s["ignore_eos"] and s["max_tokens"] == 10 and len(p) == 3 for p, s in prompts)
-    on, off = b.fleet_config("m", True, ARGS), b.fleet_config("m", False, ARGS)
-    assert on["continuation"] is True and off["continuation"] is False
-    assert {k: v for k, v in on.items() if k != "continuation"} == {k: v for k, v in off.items() if k != "continuation"}
-    assert on["engine"]["max_model_len"] == 13 and on["num_engines"] == 2 and on["restart_dead_engines"] is False
+    cont, resend = b.batch(ARGS, 0), b.batch(ARGS, 1)
+    assert cont == b.batch(ARGS, 0) and cont != b.batch(ARGS, 0, round_=1), "deterministic per (seed, round, arm)"
+    assert [p for p, _ in cont] != [p for p, _ in resend], "a continued prompt must not meet the other arm's tokens"
+    assert [s for _, s in cont] == [s for _, s in resend] and len({s["seed"] for _, s in cont}) == 4
+    assert all(s["ignore_eos"] and s["max_tokens"] == 10 and len(p) == 3 for p, s in cont + resend)
+    cfg = b.fleet_config("m", ARGS)
+    assert cfg["continuation"] is True and cfg["engine"]["max_model_len"] == 13
+    assert cfg["num_engines"] == 2 and cfg["restart_dead_engines"] is False and cfg["admission"] == {"enabled": False}
 
 
-def test_figures_of_a_continuation_arm():
-    """Two requests continued (12 tokens reused from the killed engine), two never interrupted: the killed
-    engine's counter (14, read before the kill) and the survivor's (2 x 10 + 2 x 4) against 40 delivered."""
+def _round(b):
+    """Killed engine's counter 14 (read before the kill); continuation received 6 + 6 from it and reused them,
+    resend received 5 + 3 and threw them away; the survivor made 2 x 10 (own) x 2 arms + 2 x 4 (continued)
+    + 2 x 10 (re-sent) = 68. Delivered 80; wasted 14 + 68 - 80 = 2 unreceived + 8 discarded."""
+    results = {
+        "continuation": [_result(0, 10, 1.0), _result(1, 10, 1.2), _result(2, 10, 2.0, attempts=2, continued=1, reused=6),
+                         _result(3, 10, 2.2, attempts=2, continued=1, reused=6)],
+        "resend": [_result(4, 10, 1.0), _result(5, 10, 1.4), _result(6, 10, 3.0, attempts=2, discarded=5),
+                   _result(7, 10, 3.4, attempts=2, discarded=3)],
+    }
+    counters = {"continuation": {"accepted": 4, "completed": 4, "returned": 0, "tokens_reused": 12, "tokens_discarded": 0},
+                "resend": {"accepted": 5, "completed": 4, "returned": 0, "tokens_reused": 0, "tokens_discarded": 8}}
+    return b.figures(0, results, counters, ARGS, target=0, incarnation=1, on_target=4, killed_counter=22,
+                     survivor={1: 68}, proof={}, t_kill=0.5)
+
+
+def test_a_rounds_wasted_tokens_add_up_to_what_the_engines_counted():
     b = bench()
-    results = [_result(0, 10, 1.0), _result(1, 10, 1.2), _result(2, 10, 2.0, attempts=2, continued=1, reused=6),
-               _result(3, 10, 2.2, attempts=2, continued=1, reused=6)]
-    counters = {"accepted": 4, "completed": 4, "returned": 0, "tokens_reused": 12, "tokens_discarded": 0}
-    row = b.figures("continuation", results, counters, ARGS, target=0, incarnation=1, on_target=2,
-                    killed_counter=14, survivor={1: 28}, proof={}, t_kill=0.5)
-    assert (row["generated"], row["generated_killed"], row["delivered"], row["wasted"]) == (42, 14, 40, 2)
-    assert row["kill_progress"] == 0.7 and row["interrupted"] == 2 and row["continued"] == 2
-    assert (row["p50_s"], row["p50_interrupted_s"], row["after_kill_p50_interrupted_s"]) == (1.6, 2.1, 1.6)
-    assert (row["kill_after_s"], row["kill_to_last_result_s"]) == (0.5, 1.7)
-    assert (row["lost"], row["returned"], row["tokens_reused"]) == (0, 0, 12)
+    row = _round(b)
+    assert (row["generated"], row["generated_killed"], row["delivered"], row["wasted_check"]) == (90, 22, 80, 10)
+    cont, resend = row["continuation"], row["resend"]
+    assert (cont["received"], resend["received"]) == (12, 8)
+    # the 2 tokens nobody received are shared by interrupted requests (2 each arm); the discarded are resend's own
+    assert (cont["wasted"], resend["wasted"]) == (1.0, 9.0) and cont["wasted"] + resend["wasted"] == row["wasted_check"]
+    assert row["kill_progress"] == 0.55 and (cont["interrupted"], resend["interrupted"]) == (2, 2)
+    assert (cont["p50_s"], cont["batch_p50_s"], cont["after_kill_p50_s"]) == (2.1, 1.6, 1.6)
+    assert (resend["p50_s"], resend["batch_p50_s"]) == (3.2, 2.2)
+    assert (cont["lost"], resend["lost"]) == (0, 1), "a request accepted and never ended shows as lost"
+    assert cont["continued"] == 2 and resend["continued"] == 0
 
 
-def test_the_killed_engine_counts_at_least_what_the_client_received_from_it():
-    """The counter is read just before the kill, and the engine generates on until it dies: what the client
-    received from it (reused + discarded) is a floor of what it generated. A re-sent request's tokens all
-    count as wasted; a lost request shows in ``lost``."""
+def test_the_killed_engine_counts_at_least_what_the_clients_received_from_it():
+    """The counter is read just before the kill and the engine generates on until it dies: what the clients
+    received from it is a floor of what it generated, and nothing is then counted as unreceived."""
     b = bench()
-    results = [_result(0, 10, 1.0), _result(1, 10, 3.0, attempts=2, discarded=7)]
-    counters = {"accepted": 3, "completed": 2, "returned": 0, "tokens_reused": 0, "tokens_discarded": 7}
-    row = b.figures("resend", results, counters, ARGS, target=0, incarnation=1, on_target=1,
-                    killed_counter=5, survivor={1: 20}, proof={}, t_kill=0.5)
-    assert row["generated_killed"] == 7 and row["generated_killed_counter"] == 5
-    assert (row["generated"], row["delivered"], row["wasted"]) == (27, 20, 7)
-    assert row["lost"] == 1 and row["started_over"] == []
-    summary = b.arm_summary([row, {**row, "wasted": 9, "p50_s": 4.0, "lost": 0}])
-    assert (summary["wasted"], summary["p50_s"], summary["lost"]) == (8, 3.0, 1) and len(summary["per_round"]) == 2
+    results = {"continuation": [_result(0, 10, 2.0, attempts=2, continued=1, reused=7)],
+               "resend": [_result(1, 10, 3.0, attempts=2, discarded=6)]}
+    counters = {arm: {"accepted": 1, "completed": 1, "returned": 0} for arm in results}
+    row = b.figures(0, results, counters, ARGS, target=0, incarnation=1, on_target=2, killed_counter=9,
+                    survivor={1: 13}, proof={}, t_kill=0.5)
+    assert row["generated_killed"] == 13 and row["generated_killed_counter"] == 9
+    assert (row["continuation"]["wasted"], row["resend"]["wasted"]) == (0.0, 6.0) == (0.0, row["wasted_check"])
+
+
+def test_the_summary_compares_the_arms_within_each_round():
+    b = bench()
+    row = _round(b)
+    slower = {**row, "continuation": {**row["continuation"], "p50_s": 4.2}, "resend": {**row["resend"], "p50_s": 6.0}}
+    s = b.summary([row, slower, slower])
+    assert s["completion_p50_continuation_vs_resend"] == 0.7  # per round 0.656, 0.7, 0.7: the median
+    assert s["wasted_tokens_continuation_vs_resend"] == 0.111 and (s["wasted_continuation"], s["wasted_resend"]) == (3.0, 27.0)
+    assert (s["lost_continuation"], s["lost_resend"]) == (0, 3)
+    assert s["continuation"]["p50_s"] == 4.2 and s["resend"]["interrupted"] == 6
     assert b.ratio(2, 7) == 0.286 and b.ratio(1, 0) is None and b.ratio(None, 3) is None

@@ -74,7 +74,7 @@ def test_default_plan_and_plan_errors(tmp_path):
     plan = load_demo_plan(DemoConfig(steps=30, engines=3))
     assert plan.name == "demo-default" and plan.expect == "recovers"
     assert [(f.where, f.what, f.shard, f.step) for f in plan.faults] == [
-        ("step_boundary", "kill", 1, 10), ("transfer", "kill_controller", None, 15)]
+        ("stream", "kill", 1, 10), ("transfer", "kill_controller", None, 15)]
     assert default_plan(2, 3)["faults"][0]["step"] == 1
     assert load_demo_plan(DemoConfig(fault_plan="none")) is None
     with pytest.raises(ConfigError, match="engines >= 2"):

@@ -191,3 +191,52 @@ def test_a_shard_journals_its_faults_under_its_slot_and_incarnation(tmp_path, mo
     assert asyncio.run(lie_at_pause()) is False
     assert [(r["slot"], r["incarnation"], r["point"], r["action"]) for r in read_log(cfg.fault_journal)] == [
         (1, 4, "pause", "false_ack")]
+
+
+def test_a_fault_at_stream_goes_off_mid_generation_once_output_went_out(tmp_path):
+    """Point ``stream``: a streamed request that already sent a chunk reaches it before sending more, so the
+    fault acts while the client holds part of the output (``unavailable`` here: a ``kill`` would end the test
+    process). A ``slow`` shard is not slowed chunk by chunk. Virtual time."""
+    from fleet.errors import ShardUnavailableError
+    from fleet.shard.engine_shard import EngineShard
+    from fleet.shard.null_backend import NullBackend
+    from fleet.types import Chunk, Piece
+    from tests.unit.fleet_fakes import run_virtual
+
+    class Dripping(NullBackend):  # one token per 0.05 s, each its own output
+        async def stream(self, prompt_token_ids, sampling, request_id, cache_salt=None, final_only=False):
+            n = int(sampling["max_tokens"])
+            for i in range(n):
+                await asyncio.sleep(0.05)
+                yield [Piece(0, (7,), (0.0,), "x", finish_reason="length" if i == n - 1 else None)]
+
+    (tmp_path / "config.json").write_text("{}")
+    shard = EngineShard({"model": str(tmp_path), "backend": "null"}, 0, 1, backend_factory=Dripping)
+
+    async def served(max_tokens: int):
+        got, loop = [], asyncio.get_running_loop()
+        t0 = loop.time()
+        try:  # first token at once, then one chunk per 0.1 s
+            async for item in shard.serve_stream(([1, 2], {"max_tokens": max_tokens}, None, None, 0, "any", 0, None,
+                                                  True, 0.1, None)):
+                got.append(item)
+        except ShardUnavailableError as exc:
+            got.append(exc)
+        return got, round(loop.time() - t0, 2)
+
+    async def scenario():
+        await shard.start()
+        shard.set_route(0, True, 0)
+        shard.arm_fault("ping", "slow", 1.0)  # every hooked call slowed by 1 s: the request's start, once
+        clean = await served(6)
+        shard.arm_fault("stream", "unavailable")
+        cut = await served(6)
+        return clean, cut, shard.faults_fired()
+
+    (clean, clean_s), (cut, _), fired = run_virtual(scenario())
+    assert clean_s == 1.3, "slowed once, at the request's start (1 s), then 6 tokens at 0.05 s: not per chunk"
+    names = [type(x).__name__ for x in clean]
+    assert names[-1] == "GenerationResult" and set(names[:-1]) == {"Chunk"} and len(names) >= 3, names
+    assert [(r["point"], r["action"]) for r in fired if r["action"] != "slow"] == [("stream", "unavailable")]
+    assert isinstance(cut[-1], ShardUnavailableError) and [type(x) for x in cut[:-1]] == [Chunk]
+    assert sum(len(p.token_ids) for p in cut[0].pieces) == 1, "the client held the first token when it went off"
