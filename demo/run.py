@@ -69,11 +69,17 @@ DEMO_FLEET: dict[str, Any] = {
     "restart_backoff_cap_s": 8.0,
     "request_timeout_s": 300.0,
     # every request streams its output, short as the demo's completions are (the default streams only those over
-    # 32 tokens: below that a re-send costs little and a stream's overhead would not pay): the shard killed
-    # mid-generation leaves output for its requests to continue from, which the report counts
+    # 32 tokens: below that a re-send costs little and a stream's overhead would not pay), in chunks of a step or
+    # two (6 tokens take about 0.1 s here): the shard killed mid-generation leaves output for its requests to
+    # continue from, which the report counts
     "stream_min_tokens": 0,
+    "stream_interval_s": 0.01,
 }
 UNSETTLED = ("starting", "restarting", "suspect", "hung")
+# The default plan's shard kill: this long after its first streamed output of the batch. The batch's 6-token
+# completions take most of a second here, training running beside them; in trial runs the kill then found every
+# request of the shard holding 3 to 5 tokens (at 0.05 s, 3 of 21 held any)
+STREAM_KILL_DELAY_S = 0.3
 
 
 @dataclass
@@ -115,8 +121,9 @@ class DemoConfig:
 
 # ---------------------------------------------------------------------------------- the plan
 def default_plan(steps: int, engines: int) -> dict:
-    """Kill slot 1 mid-generation a third of the way in: armed at that step, its process dies as one of its
-    streamed requests, with output already sent, sends more (``where: stream``); its requests go on on the
+    """Kill slot 1 mid-generation a third of the way in: armed at that step, its process dies
+    ``STREAM_KILL_DELAY_S`` after its first streamed output once armed (the next batch's, ``where: stream``),
+    its requests holding part of their output; they go on on the
     other engines from the tokens they hold, and restarts bring it back for a later refit. Halfway in, the
     controller's process dies as that step's refit begins its transfer (Ray restarts it, it re-adopts the
     shards, and the trainer's re-sent refit lands)."""
@@ -127,7 +134,8 @@ def default_plan(steps: int, engines: int) -> dict:
         "description": "kill one engine shard mid-generation a third of the way in (its requests continue on the "
         "other engines); it restarts and is re-admitted at a later refit; halfway in, kill the controller as a "
         "refit begins its transfer",
-        "faults": [{"where": "stream", "what": "kill", "shard": 1 % engines, "step": max(1, steps // 3)},
+        "faults": [{"where": "stream", "what": "kill", "shard": 1 % engines, "step": max(1, steps // 3),
+                    "delay_s": STREAM_KILL_DELAY_S},
                    {"where": "transfer", "what": "kill_controller", "step": max(1, steps // 2)}],
     }
 
@@ -202,17 +210,23 @@ class EventWatcher:
     def __init__(self, fleet) -> None:
         self.fleet = fleet
         self.since = 0
+        self.seen: set[tuple[str, float]] = set()
         self.restarted: set[tuple[int, int]] = set()
         self.readmitted: set[tuple[int, int]] = set()
 
     def poll(self) -> list[str]:
+        """Notes of the records not seen before. ``since`` counts records of the merged log (``Fleet.events``),
+        where a client's record can land among ones already read (it was stamped earlier than it was read):
+        that pushes them past ``since`` again, so records are also told apart by (kind, t)."""
         try:
             new = self.fleet.events(self.since, self.KINDS)
         except Exception:  # noqa: BLE001 - notes are best effort
             return []
         if new:
             self.since = new[-1]["seq"] + 1
-        return [n for e in all_of(new) for n in self._notes(e)]
+        fresh = [e for e in new if (e["kind"], e["t"]) not in self.seen]
+        self.seen.update((e["kind"], e["t"]) for e in fresh)
+        return [n for e in all_of(fresh) for n in self._notes(e)]
 
     def _notes(self, e: Record) -> list[str]:
         match e:

@@ -13,8 +13,8 @@ code::
 
 ``where``: ``step_boundary`` (before the step's refit), ``pause``, ``transfer``,
 ``stamp`` (the version stamp, ``set_weight_version``; ``unavailable`` only), ``resume``, ``generate``,
-``stream`` (mid-generation: a streamed request that already sent output is sending more; ``kill`` and
-``crash_engine`` only). ``what``: ``kill`` (the actor process), ``freeze`` (stops
+``stream`` (mid-generation: as a streamed request sends a chunk of output; with ``delay_s`` the
+fault acts that long after, while clients hold part of their output; ``kill`` and ``crash_engine`` only). ``what``: ``kill`` (the actor process), ``freeze`` (stops
 answering), ``hang`` (one lifecycle call past its deadline), ``false_ack``,
 ``unavailable`` (one lifecycle call answers "unavailable"), ``slow`` (every call by
 ``delay_s``), ``crash_engine`` (the engine core inside a live actor), ``freeze_core`` (the
@@ -77,8 +77,8 @@ from typing import Any, Mapping
 HOOKED = ("pause", "transfer", "resume", "generate")  # the shard's hook points a plan can name
 # ``stamp``: inside the refit's last call to an engine (``end_refit``), before its resume: a stamp that fails there
 # is reported by the engine, which still resumes (an ``unavailable`` only)
-# ``stream``: mid-generation, as a streamed request that already sent output sends more (a death there leaves the
-# client holding part of the output: what continuation carries on; ``fleet.shard.fault_hooks``)
+# ``stream``: mid-generation, as a streamed request sends a chunk of output (a death there, or ``delay_s`` after,
+# leaves clients holding part of their output: what continuation carries on; ``fleet.shard.fault_hooks``)
 SHARD_WHERE = ("step_boundary", "between_refits") + HOOKED + ("stamp", "stream")
 TRAINER_WHERE = ("update", "call")  # faults of the trainer's refit call, not of a shard
 # The refit's phases (``fleet.control.lifecycle``) and the shutdown: where the controller can crash itself. An engine

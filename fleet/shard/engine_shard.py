@@ -331,18 +331,14 @@ class EngineShard:
                                               Ticket(epoch, VersionPolicy(kind, k), cap), Carried.of(carried),
                                               lambda c: pacer.offer(c, chunks)))
         run.add_done_callback(lambda _: (pacer.flush(chunks), chunks.put_nowait(None)))
-        sent = 0
         try:
             while True:
                 chunk = await chunks.get()
                 if chunk is None:
                     break
-                if sent and self._hooks.armed_at("stream"):  # mid-generation: the client holds output
+                if self._hooks.armed_at("stream"):  # mid-generation, as output goes out
                     await self._hooks.at("stream")
                 yield chunk
-                sent += 1
-            if sent and self._hooks.armed_at("stream"):
-                await self._hooks.at("stream")
             yield run.result()  # raises the run's failure, after every chunk it made
         finally:
             if not run.done():  # the caller went away: stop generating for it

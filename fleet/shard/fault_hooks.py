@@ -4,10 +4,10 @@ A shard calls ``hooks.at(point)`` at each hook point (start of ``pause``, ``resu
 ``set_weight_version``, ``generate``, ``ping``, and the weight receive inside
 ``worker_rpc``, point ``transfer``). With nothing armed the shard skips the call
 entirely (``if self._hooks.armed``), so code without an active plan pays nothing.
-Point ``stream`` is mid-generation: a streamed request (``serve_stream``) that already sent
-a chunk of output reaches it before it sends the next chunk or its result, so a fault there
-acts while the client holds part of the output. It is called only for a fault armed at it
-(``armed_at``): a ``slow`` shard is not slowed chunk by chunk.
+Point ``stream`` is mid-generation: a streamed request (``serve_stream``) reaches it before each
+chunk of output it sends (not its result); with ``after_calls`` or ``delay_s`` a fault there acts
+while clients hold part of their output. It is called only for a fault armed at it (``armed_at``):
+a ``slow`` shard is not slowed chunk by chunk.
 
 Actions (each armed fault fires once, after ``after_calls`` matching calls; ``slow``
 applies to every hooked call from the moment it is armed):

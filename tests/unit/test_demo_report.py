@@ -167,6 +167,18 @@ def test_event_watcher_notes_death_restart_and_readmission():
     assert w.poll() == []
 
 
+def test_event_watcher_tells_each_record_once_when_a_late_client_record_shifts_the_merged_log():
+    """``Fleet.events`` merges the controller's log with the client's by time: a client record stamped before
+    records already read lands among them and pushes them past ``since``; they are not told again."""
+    log = _log()
+    fleet = _FakeFleet(log)
+    w = EventWatcher(fleet)
+    first = w.poll()
+    fleet.log = log[:1] + [{"t": log[0]["t"], "kind": "request", "event": "requeued", "request_id": "r"}] + log[1:]
+    fleet.log = [{**e, "seq": i} for i, e in enumerate(fleet.log)]
+    assert first and w.poll() == []
+
+
 def test_fault_firing_fires_each_step_s_faults_at_their_hook_points():
     fleet = _FakeFleet(states={0: "healthy", 1: "stale", 2: "healthy"})
     firings = [Firing(1, "step_boundary", "kill", 1), Firing(1, "transfer", "freeze", 0, 0.5),

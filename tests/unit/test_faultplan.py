@@ -194,9 +194,9 @@ def test_a_shard_journals_its_faults_under_its_slot_and_incarnation(tmp_path, mo
 
 
 def test_a_fault_at_stream_goes_off_mid_generation_once_output_went_out(tmp_path):
-    """Point ``stream``: a streamed request that already sent a chunk reaches it before sending more, so the
-    fault acts while the client holds part of the output (``unavailable`` here: a ``kill`` would end the test
-    process). A ``slow`` shard is not slowed chunk by chunk. Virtual time."""
+    """Point ``stream``: a streamed request reaches it before each chunk of output it sends; after one chunk
+    (``after_calls`` 1) the fault acts while the client holds part of the output (``unavailable`` here: a
+    ``kill`` would end the test process). A ``slow`` shard is not slowed chunk by chunk. Virtual time."""
     from fleet.errors import ShardUnavailableError
     from fleet.shard.engine_shard import EngineShard
     from fleet.shard.null_backend import NullBackend
@@ -229,7 +229,7 @@ def test_a_fault_at_stream_goes_off_mid_generation_once_output_went_out(tmp_path
         shard.set_route(0, True, 0)
         shard.arm_fault("ping", "slow", 1.0)  # every hooked call slowed by 1 s: the request's start, once
         clean = await served(6)
-        shard.arm_fault("stream", "unavailable")
+        shard.arm_fault("stream", "unavailable", after_calls=1)
         cut = await served(6)
         return clean, cut, shard.faults_fired()
 
