@@ -2,6 +2,8 @@
 
     rlfleet serve --config fleet.yaml [--host 127.0.0.1] [--port 8000]   start a fleet and serve it
     rlfleet serve --connect NAME [--address ADDR] [--port 8000]          serve a fleet that already runs
+        [--chat-template FILE] [--trust-request-chat-template]
+        [--enable-auto-tool-choice --tool-call-parser hermes] [--reasoning-parser qwen3]
 
 Prints one JSON line once it serves (``{"serving": URL, "fleet": NAME, ...}``) and one when it
 ends. SIGTERM or SIGINT stops it: the server stops accepting, requests in flight finish, and a
@@ -36,7 +38,36 @@ def register(sub) -> None:
                         "before a 503 that says which (it is aborted on its engine; default: the fleet's "
                         "request_timeout_s)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model path)")
+    chat = p.add_argument_group("chat (as vllm serve's flags of the same names)")
+    chat.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                      help="the chat template (a file, or the template itself; default: the tokenizer's)")
+    chat.add_argument("--trust-request-chat-template", action="store_true",
+                      help="accept a chat_template sent in a request (refused by default)")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="read tool calls back from completions under tool_choice auto (needs --tool-call-parser)")
+    chat.add_argument("--tool-call-parser", default=None, metavar="NAME", help="vLLM's tool-call parser (e.g. hermes)")
+    chat.add_argument("--reasoning-parser", default=None, metavar="NAME", help="vLLM's reasoning parser (e.g. qwen3)")
     p.set_defaults(func=_cmd_serve)
+
+
+def chat_options(args: argparse.Namespace):
+    """``serve.render.ChatOptions`` from the flags, checked (a ``ConfigError`` naming the flag)."""
+    from fleet.errors import ConfigError
+    from serve.render import ChatOptions
+
+    template = args.chat_template
+    if template is not None and os.path.isfile(template):
+        with open(template) as f:
+            template = f.read()
+    options = ChatOptions(chat_template=template, trust_request_chat_template=args.trust_request_chat_template,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser)
+    try:
+        options.check()
+    except ValueError as exc:
+        flag = str(exc).split()[0]
+        raise ConfigError(flag, str(exc), getattr(args, flag.lstrip("-").replace("-", "_"), None)) from None
+    return options
 
 
 def _load_config(path: str) -> dict:
@@ -67,6 +98,7 @@ def _join_ray(args: argparse.Namespace):
     timeout = args.request_timeout
     if timeout is not None and not (0 < timeout < math.inf):  # argparse's float takes "nan", "inf", "-3"
         raise ConfigError("--request-timeout", "must be a finite number of seconds > 0", timeout)
+    args.chat = chat_options(args)  # a parser vLLM does not know: refused before anything starts
     try:  # the address to listen on, before a fleet starts (or a cluster is joined) only to be let down
         listening_socket(args.host, args.port).close()
     except OSError as exc:
@@ -123,7 +155,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             return 0
         try:
             server = HttpServer(fleet, host=args.host, port=args.port, model_name=args.served_model_name,
-                                request_timeout_s=args.request_timeout).start()
+                                request_timeout_s=args.request_timeout, chat=args.chat).start()
         except OSError as exc:
             print(f"rlfleet serve: error: {exc}", file=sys.stderr)
             return 2

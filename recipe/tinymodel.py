@@ -25,12 +25,48 @@ from fleet.errors import ConfigError
 
 FINGERPRINT_FILE = "rlfleet-model.json"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
-# A minimal chat template (Jinja, as Hugging Face tokenizers carry it): one line per message, the role
-# in brackets, and the assistant's turn opened when a generation prompt is asked for. The HTTP front
-# (``rlfleet serve``) renders chat requests with it, as vLLM's own server would.
+# The chat template (Jinja, as Hugging Face tokenizers carry it): Qwen2.5-Instruct's, with its default system
+# line made generic. It renders what agent transcripts hold the way real templates do: the request's tools
+# in a system block (``<tools>``), an assistant's tool calls as ``<tool_call>`` JSON (the format vLLM's
+# ``hermes`` tool parser reads back), tool results as ``<tool_response>`` in a user turn, consecutive ones
+# together. The HTTP front (``rlfleet serve``) renders chat requests with it through vLLM's own renderer,
+# as ``vllm serve`` would. The ``<|im_start|>`` markers are plain text to this tokenizer (several tokens).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}[assistant] {% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\\\"name\\\": \\\"' }}{{- tool_call.name }}"
+    "{{- '\\\", \\\"arguments\\\": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 
@@ -102,7 +138,7 @@ def build_tokenizer(vocab_size: int):
 
 
 def _fingerprint(preset_name: str, seed: int) -> dict:
-    return {"preset": preset_name, "seed": seed, "arch": asdict(PRESETS[preset_name]), "format": 2}  # 2: chat template
+    return {"preset": preset_name, "seed": seed, "arch": asdict(PRESETS[preset_name]), "format": 3}  # 3: a chat template with tools
 
 
 def is_built(path: str | os.PathLike, preset: str = "tiny", seed: int = 0) -> bool:

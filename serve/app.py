@@ -18,6 +18,7 @@ ends its stream with an error event. A client that leaves has its requests abort
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from typing import Any, Callable
@@ -117,21 +118,27 @@ def build_app(front: Front) -> FastAPI:
     @app.post("/v1/chat/completions")
     @with_cancellation
     async def chat(request: ChatCompletionRequest, raw_request: Request):
+        if front.chat is None:
+            front.count("/v1/chat/completions", 400)
+            return _error(400, "this server renders no chat (started without a chat renderer)", "BadRequestError",
+                          "messages")
         return await _serve(front, "/v1/chat/completions", request, protocol.chat_call,
-                            protocol.chat_response)
+                            functools.partial(protocol.chat_response, renderer=front.chat), via=front.chat)
 
     return app
 
 
-async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond: Callable) -> Response:
+async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond: Callable, via: Any = None) -> Response:
+    """``call(req, via, max_model_len)`` prepares the fleet call (``via``: the chat renderer; default the
+    tokenizer), ``respond`` builds the body from the choices' results."""
     if req.model is not None and req.model != front.model:
         front.count(endpoint, 404)
         return _error(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
     try:
         protocol.refuse_invalid_text(req)
         protocol.refuse_text_beyond_the_context(req, front.max_model_len)
-        prompt, sampling = await front.prepare(call, req) if protocol.needs_tokenizer(req) else \
-            call(req, front.tokenizer, front.max_model_len)
+        prompt, sampling = await front.prepare(call, req, via) if protocol.needs_tokenizer(req) else \
+            call(req, front.tokenizer if via is None else via, front.max_model_len)
     except protocol.BadRequest as exc:
         front.count(endpoint, 400)
         return _error(400, str(exc), "BadRequestError", exc.param)

@@ -48,9 +48,13 @@ class Outcome:
 
 
 class Front:
-    def __init__(self, client: Any, tokenizer: Any, model: str, max_model_len: int, controller: Any = None) -> None:
+    def __init__(self, client: Any, tokenizer: Any, model: str, max_model_len: int, controller: Any = None,
+                 chat: Any = None) -> None:
+        """``chat``: how chat requests are rendered and read back (``serve.render.ChatRenderer``); None: this
+        front answers chat requests 400, naming ``messages``."""
         self.client = client
         self.tokenizer = tokenizer
+        self.chat = chat
         self.model = model
         self.max_model_len = max_model_len
         self._ctl = controller
@@ -71,11 +75,13 @@ class Front:
         self._closing = False
 
     # ------------------------------------------------------------------ requests
-    async def prepare(self, call: Any, req: Any) -> tuple[list[int], dict]:
-        """``call(req, tokenizer, max_model_len)`` (the prompt's token ids and the sampling dict) on the
-        tokenizer's own thread; its ``BadRequest`` reaches the caller as raised."""
+    async def prepare(self, call: Any, req: Any, via: Any = None) -> tuple[list[int], dict]:
+        """``call(req, via, max_model_len)`` (the prompt's token ids and the sampling dict; ``via``: the
+        tokenizer, or the chat renderer) on the tokenizer's own thread; its ``BadRequest`` reaches the caller
+        as raised."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prepare_pool, call, req, self.tokenizer, self.max_model_len)
+        return await loop.run_in_executor(self._prepare_pool, call, req, self.tokenizer if via is None else via,
+                                          self.max_model_len)
 
     async def run(self, prompt: list[int], sampling: dict, request_id: str | None = None,
                   on_tokens: Callable[[Any], None] | None = None) -> Outcome:

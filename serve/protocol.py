@@ -7,7 +7,7 @@ with vLLM's message. What is written here is the fleet's part only:
 - which sampling fields a request sets, as the plain dict a shard turns back into
   ``SamplingParams`` (``sampling_of``: vLLM builds the params, the dict is what
   differs from vLLM's defaults, so nothing is re-derived here);
-- the prompt's token ids (a chat request rendered with the model's own chat template);
+- the prompt's token ids (a chat request rendered by vLLM's own renderer, ``serve.render``);
 - a request for ``n`` choices as ``n`` fleet requests of one (``choice_samplings``);
 - the tags every response carries: the weight version the request started and
   finished under, the slot and incarnation that produced it, how many continuations
@@ -37,8 +37,10 @@ from vllm.entrypoints.openai.completion.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
 )
+from vllm.entrypoints.generate.base.protocol import ToolCall
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo
 from vllm.exceptions import VLLMClientError
+from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.sampling_params import SamplingParams
 
 from fleet.data.dispatch import FleetResult
@@ -123,35 +125,12 @@ def completion_prompt(req: CompletionRequest, tokenizer: Any) -> list[int]:
     return [int(t) for t in p]
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    """The conversation rendered with the model's chat template (the request's own template if it sends one)."""
+def chat_prompt(req: ChatCompletionRequest, renderer: Any) -> list[int]:
+    """The conversation rendered as ``vllm serve`` renders it (``serve.render.ChatRenderer``: vLLM's own
+    renderer, with the request's tools, tool calls, tool results and template arguments)."""
     if not req.messages:
         raise BadRequest("messages must not be empty", "messages")
-    messages = []
-    for i, m in enumerate(req.messages):
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is served here
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise BadRequest(f"messages[{i}]: only text content parts are supported", "messages")
-                texts.append(str(part.get("text", "")))
-            content = "".join(texts)
-        messages.append({"role": m.get("role"), "content": content if content is not None else ""})
-    template = req.chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise BadRequest("the model's tokenizer has no chat template and the request sent none", "chat_template")
-    try:
-        ids = tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=True, return_dict=False,
-            add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            **(req.chat_template_kwargs or {}),
-        )
-    except Exception as exc:  # noqa: BLE001 - a template that fails on this conversation is the caller's to fix
-        raise BadRequest(f"chat template failed: {exc}", "messages") from None
-    if isinstance(ids, dict):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    return renderer.render(req)
 
 
 # Fields vLLM's request models accept that this front does not carry out: a request that sets one is
@@ -163,7 +142,7 @@ UNSUPPORTED: tuple[tuple[str, Any], ...] = (
     ("truncate_prompt_tokens", lambda v: v is not None),
     ("return_tokens_as_token_ids", bool),
     ("prompt_embeds", lambda v: v is not None),
-    ("tools", bool),
+    # a tool choice that forces a call: vllm serve constrains the output to it (structured outputs), not done here
     ("tool_choice", lambda v: v not in (None, "none", "auto")),
     ("documents", lambda v: v is not None),
     ("mm_processor_kwargs", lambda v: v is not None),
@@ -211,9 +190,13 @@ def completion_call(req: CompletionRequest, tokenizer: Any, max_model_len: int) 
     return prompt, _sampling(req, len(prompt), max_model_len, req.max_tokens)
 
 
-def chat_call(req: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -> tuple[list[int], dict]:
+def chat_call(req: ChatCompletionRequest, renderer: Any, max_model_len: int) -> tuple[list[int], dict]:
+    """As ``completion_call``, the prompt rendered by ``renderer`` (``serve.render.ChatRenderer``)."""
     refuse_unsupported(req)
-    prompt = chat_prompt(req, tokenizer)
+    if req.stream and renderer.parses:
+        raise BadRequest("stream is not supported with --tool-call-parser or --reasoning-parser by rlfleet serve "
+                         "yet (the parsed fields would be missing from the events): send stream: false", "stream")
+    prompt = chat_prompt(req, renderer)
     # ``max_tokens`` is deprecated for chat (read from the fields, so that reading it warns no one)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.__dict__.get("max_tokens")
     return prompt, _sampling(req, len(prompt), max_model_len, requested)
@@ -345,16 +328,37 @@ def completion_response(req: CompletionRequest, model: str, frs: list[FleetResul
     return body
 
 
-def chat_response(req: ChatCompletionRequest, model: str, frs: list[FleetResult], tokenizer: Any) -> dict:
-    """As ``completion_response``, in the chat format."""
-    choices = [
-        ChatCompletionResponseChoice(
-            index=i, message=ChatMessage(role="assistant", content=_text(c, tokenizer, req.skip_special_tokens)),
+def chat_message(req: ChatCompletionRequest, text: str, token_ids: Any, finish_reason: str | None,
+                 renderer: Any = None) -> tuple[ChatMessage, str | None]:
+    """The assistant message of one choice and its finish reason. With a tool-call or reasoning parser
+    (``renderer.parses``), the text is read back by vLLM's parsers as ``vllm serve`` does: ``reasoning``
+    apart (dropped when the request says ``include_reasoning: false``), and with tools under an automatic
+    tool choice, the calls found as ``tool_calls`` and the finish reason ``tool_calls``."""
+    if renderer is None or not renderer.parses:
+        return ChatMessage(role="assistant", content=text), finish_reason
+    reasoning, content, calls = renderer.parse(req, text, token_ids)
+    if not req.include_reasoning:
+        reasoning = None
+    auto = bool(req.tools) and req.tool_choice in (None, "auto") and renderer.options.enable_auto_tool_choice
+    if auto and calls:
+        tool_calls = [ToolCall(id=c.id or make_tool_call_id(), function=c) for c in calls]
+        return ChatMessage(role="assistant", reasoning=reasoning, content=content, tool_calls=tool_calls), "tool_calls"
+    return ChatMessage(role="assistant", reasoning=reasoning, content=content), finish_reason
+
+
+def chat_response(req: ChatCompletionRequest, model: str, frs: list[FleetResult], tokenizer: Any,
+                  renderer: Any = None) -> dict:
+    """As ``completion_response``, in the chat format; ``renderer`` reads tool calls and reasoning back
+    (``chat_message``). The completion's token ids are always there, parsed or not (the trainer's)."""
+    choices = []
+    for i, c in enumerate(_completions(frs)):
+        message, finish = chat_message(req, _text(c, tokenizer, req.skip_special_tokens), c.token_ids,
+                                       c.finish_reason, renderer)
+        choices.append(ChatCompletionResponseChoice(
+            index=i, message=message,
             logprobs=chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, tokenizer, bool(req.logprobs),
                                    req.top_logprobs),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=list(c.token_ids))
-        for i, c in enumerate(_completions(frs))
-    ]
+            finish_reason=finish, stop_reason=c.stop_reason, token_ids=list(c.token_ids)))
     body = ChatCompletionResponse(id=f"chatcmpl-{frs[0].request_id}", model=model, choices=choices,
                                   usage=_usage(frs),
                                   prompt_token_ids=list(frs[0].result.prompt_token_ids)).model_dump(exclude_none=True)

@@ -30,9 +30,15 @@ def load_tokenizer(model_dir: str) -> Any:
 
 class HttpServer:
     def __init__(self, fleet: Any, host: str = DEFAULT_HOST, port: int = 8000, model_name: str | None = None,
-                 tokenizer: Any = None, request_timeout_s: float | None = None) -> None:
+                 tokenizer: Any = None, request_timeout_s: float | None = None, chat: Any = None) -> None:
         """``request_timeout_s``: how long an HTTP request may wait for the gate and a shard before it is
-        answered 503 (default: the fleet's ``request_timeout_s``, which the trainer's requests use too)."""
+        answered 503 (default: the fleet's ``request_timeout_s``, which the trainer's requests use too).
+        ``chat``: ``serve.render.ChatOptions`` (chat template, tool-call and reasoning parsers), checked here:
+        a parser vLLM does not know is a ``ValueError`` naming the flag, before anything starts."""
+        from serve.render import ChatOptions
+
+        self.chat = chat or ChatOptions()
+        self.chat.check()
         self.fleet = fleet
         self.request_timeout_s = request_timeout_s
         self._own_client = None
@@ -63,9 +69,13 @@ class HttpServer:
             config = self.fleet.config.model_copy(update={"request_timeout_s": float(self.request_timeout_s)})
             client = self._own_client = FleetClient(self.fleet.controller, config)
             client.wait_routing(-1, 60)
-        tokenizer = self._tokenizer or load_tokenizer(self.fleet.config.engine.model)
-        self.front = Front(client, tokenizer, self.model_name, self.fleet.config.engine.max_model_len,
-                           controller=self.fleet.controller)
+        from serve.render import ChatRenderer
+
+        engine = self.fleet.config.engine
+        tokenizer = self._tokenizer or load_tokenizer(engine.model)
+        renderer = ChatRenderer(engine.model, engine.max_model_len, tokenizer, self.chat)
+        self.front = Front(client, tokenizer, self.model_name, engine.max_model_len,
+                           controller=self.fleet.controller, chat=renderer)
         sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(build_app(self.front), log_level="warning", access_log=False, lifespan="off",

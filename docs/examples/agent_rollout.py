@@ -1,15 +1,23 @@
-"""A two-turn agent rollout through the ``openai`` client against ``rlfleet serve``, with a refit between turns.
+"""A two-turn agent rollout with a tool, through the ``openai`` client against ``rlfleet serve``, with a refit
+between turns.
 
     python docs/examples/agent_rollout.py [--episodes 3]
 
-Starts a local fleet of two engines (the tiny model), serves it over HTTP on 127.0.0.1, and plays
-each episode as an agent loop would: turn 1 asks the model, the environment answers (a tool
-result), turn 2 continues the conversation. Between the turns the trainer takes a step and refits
-the fleet (``Fleet.sync_weights``), as an asynchronous trainer does while rollouts run. Every
-sample keeps what the trainer needs from it: its token ids, their logprobs and the weight version
-that produced them (``rlfleet.weight_version`` in each response; ``version_start`` too, which
-differs only if a refit landed while the request was held). Turn 1 and turn 2 of one episode come
-from different versions, and the samples say so: an off-policy correction needs no guessing.
+Starts a local fleet of two engines (the tiny model) and serves it over HTTP on 127.0.0.1 with vLLM's
+``hermes`` tool-call parser (``rlfleet serve --enable-auto-tool-choice --tool-call-parser hermes``). Each
+episode is an agent loop: turn 1 sends the task with a tool (``count_words``); the model calls it, and
+the response carries the call as ``tool_calls``; the environment runs the tool and appends the call and
+its result to the transcript; turn 2 continues from there. The front renders the transcript as ``vllm
+serve`` would (vLLM's own renderer: the tools in the system block, the call and the result in the
+model's chat format), so the prompt the trainer scores is the one the engine saw.
+
+A real model decides by itself to call the tool; the tiny random model here never would, so turn 1 is held
+to a call by vLLM's structured outputs (``structured_outputs.regex``, which any client of ``vllm serve`` can
+send). Between the turns the trainer takes a step and refits the fleet (``Fleet.sync_weights``), as an
+asynchronous trainer does while rollouts run. Every sample keeps what the trainer needs: its token ids,
+their logprobs and the weight version that produced them (``rlfleet.weight_version``; ``version_start``
+differs only if a refit landed while the request was held). Turns of one episode come from different
+versions, and the samples say so: an off-policy correction needs no guessing.
 
 The last line is one JSON object: the episodes, each turn's version, slot and token count.
 """
@@ -20,7 +28,17 @@ import argparse
 import json
 from typing import Any, Callable
 
-TASKS = ("count the words in: green dog moon", "repeat after me: one two three", "name a colour")
+TASKS = ("green dog moon", "one two three four", "red sun")
+TOOLS = [{"type": "function", "function": {
+    "name": "count_words", "description": "The number of words in a text",
+    "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
+# Turn 1 held to a call of the tool (the tiny model would not call it by itself; see the docstring)
+CALL = r'<tool_call>\n\{"name": "count_words", "arguments": \{"text": "[a-z ]{1,24}"\}\}\n</tool_call>'
+
+
+def count_words(text: str) -> str:
+    """The environment's tool."""
+    return str(len(text.split()))
 
 
 def sample_of(response: Any) -> dict:
@@ -28,21 +46,27 @@ def sample_of(response: Any) -> dict:
     body = response.model_dump()
     choice = body["choices"][0]
     tag = body["rlfleet"]
-    return {"text": choice["message"]["content"], "token_ids": choice["token_ids"],
+    return {"text": choice["message"]["content"], "tool_calls": choice["message"].get("tool_calls") or [],
+            "token_ids": choice["token_ids"],
             "logprobs": [t["logprob"] for t in (choice.get("logprobs") or {}).get("content") or []],
             "weight_version": tag["weight_version"], "version_start": tag["version_start"],
             "slot": tag["slot"], "incarnation": tag["incarnation"]}
 
 
 def play_episode(client: Any, model: str, task: str, between_turns: Callable[[], None]) -> list[dict]:
-    """Two turns of one conversation; ``between_turns`` runs after the first (the trainer's step and refit)."""
-    messages = [{"role": "user", "content": task}]
-    first = client.chat.completions.create(model=model, messages=messages, max_tokens=12, logprobs=True)
+    """Two turns of one conversation with a tool call between them; ``between_turns`` runs after the
+    tool (the trainer's step and refit)."""
+    messages = [{"role": "user", "content": f"How many words are in: {task}?"}]
+    first = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=160,
+                                           logprobs=True, extra_body={"structured_outputs": {"regex": CALL}})
     turn1 = sample_of(first)
-    messages += [{"role": "assistant", "content": turn1["text"]},
-                 {"role": "user", "content": "tool result: 3. Now answer in one word."}]
+    call = first.choices[0].message.tool_calls[0]  # parsed by the server's tool-call parser
+    result = count_words(json.loads(call.function.arguments)["text"])
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result}]
     between_turns()
-    second = client.chat.completions.create(model=model, messages=messages, max_tokens=12, logprobs=True)
+    second = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=12,
+                                            logprobs=True)
     return [turn1, sample_of(second)]
 
 
@@ -57,11 +81,13 @@ def main() -> int:
     from fleet.cluster import ray_door
     from fleet.api import Fleet
     from recipe.tinymodel import build_model, default_model_dir
+    from serve.render import ChatOptions
     from serve.server import HttpServer
 
     model_dir = str(build_model(default_model_dir("tiny")))
-    fleet = Fleet.start({"engine": {"model": model_dir}, "num_engines": 2, "min_healthy_engines": 1})
-    server = HttpServer(fleet, port=0).start()
+    fleet = Fleet.start({"engine": {"model": model_dir, "max_model_len": 1024}, "num_engines": 2,
+                         "min_healthy_engines": 1})
+    server = HttpServer(fleet, port=0, chat=ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")).start()
     trainer = ray_door.spawn_actor(WeightSource, model_dir, num_cpus=0)  # stands in for the trainer
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     version = [0]
@@ -76,9 +102,10 @@ def main() -> int:
         for i in range(args.episodes):
             turns = play_episode(client, server.model_name, TASKS[i % len(TASKS)], train_step_and_refit)
             episodes.append(turns)
-            print(f"episode {i}: " + "; ".join(f"turn {k + 1} v{t['weight_version']} on slot {t['slot']} "
-                                                 f"({len(t['token_ids'])} tokens): {t['text']!r}"
-                                                 for k, t in enumerate(turns)))
+            call = turns[0]["tool_calls"][0]["function"]
+            print(f"episode {i}: turn 1 v{turns[0]['weight_version']} on slot {turns[0]['slot']} called "
+                  f"{call['name']}({call['arguments']}); turn 2 v{turns[1]['weight_version']} on slot "
+                  f"{turns[1]['slot']} ({len(turns[1]['token_ids'])} tokens): {turns[1]['text']!r}")
     finally:
         server.stop()
         fleet.shutdown()

@@ -39,7 +39,9 @@ class SharedFleet:
         from fleet.cluster import ray_door
         from fleet.api import Fleet
 
-        self._fleet = Fleet.start({"engine": {"model": self._model, "kv_cache_memory_bytes": 32 << 20},
+        # the model's whole context: an agent transcript with its tools (``tests.transcripts``) is ~600 tokens
+        self._fleet = Fleet.start({"engine": {"model": self._model, "kv_cache_memory_bytes": 32 << 20,
+                                              "max_model_len": 1024},
                                    "num_engines": 2, "min_healthy_engines": 1, "name": "shared",
                                    "event_log_path": str(self._log_dir / "events.jsonl"),
                                    "request_timeout_s": 120, "refit_timeout_s": 60,  # held requests fit a refit

@@ -50,6 +50,19 @@ def served(shared_fleet):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def agent_front(served):
+    """A second front on the same fleet, as ``rlfleet serve --enable-auto-tool-choice --tool-call-parser hermes``."""
+    from serve.render import ChatOptions
+
+    front = HttpServer(served.fleet, port=0, chat=ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes"))
+    front.start()
+    try:
+        yield SimpleNamespace(**{**vars(served), "url": front.url, "server": front})
+    finally:
+        front.stop()
+
+
 def openai_client(s) -> OpenAI:
     return OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -63,6 +76,38 @@ def curl(*args: str) -> tuple[int, str]:
 
 def tags_of(obj) -> dict:
     return obj.model_dump()["rlfleet"]
+
+
+# What the engine is held to when it must call a tool (a random tiny model never would by itself): vLLM's
+# structured outputs, through the request's ``structured_outputs``, as a client of ``vllm serve`` would ask.
+TOOL_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome|Oslo)"\}\}\n</tool_call>'
+
+
+def test_an_agent_transcript_with_tools_is_rendered_as_transformers_renders_it_and_its_call_parsed(agent_front):
+    """A multi-turn transcript with tool calls and tool results, through the real ``openai`` client, to a front
+    with vLLM's ``hermes`` tool-call parser: the prompt the engine got (the response's ``prompt_token_ids``) is
+    ``transformers``' rendering of it, and the completion (constrained to a tool call) comes back as
+    ``tool_calls``, its token ids kept; the next turn, carrying the call and its result, renders alike."""
+    from transformers import AutoTokenizer
+
+    from tests.transcripts import TOOLS, TRANSCRIPT, hf_rendering
+
+    tok = AutoTokenizer.from_pretrained(agent_front.fleet.config.engine.model)
+    c = openai_client(agent_front)
+    r = c.chat.completions.create(model=agent_front.model, messages=TRANSCRIPT, tools=TOOLS, max_tokens=160,
+                                  extra_body={"structured_outputs": {"regex": TOOL_CALL}})
+    assert r.model_dump()["prompt_token_ids"] == hf_rendering(tok, TRANSCRIPT, TOOLS, add_generation_prompt=True)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome", "Oslo")
+    ids = choice.model_dump()["token_ids"]
+    assert ids and "<tool_call>" in tok.decode(ids)
+    turn = TRANSCRIPT + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": "snow"}]
+    r2 = c.chat.completions.create(model=agent_front.model, messages=turn, tools=TOOLS, max_tokens=4)
+    assert r2.model_dump()["prompt_token_ids"] == hf_rendering(tok, turn, TOOLS, add_generation_prompt=True)
 
 
 def test_completions_and_chat_through_the_openai_client_are_tagged_with_their_weights(served):
@@ -219,10 +264,11 @@ def test_a_request_waits_while_a_refit_holds_the_gate_and_past_its_timeout_gets_
         impatient.stop()
 
 
-def test_the_documented_agent_rollout_tags_each_turn_with_the_weights_that_made_it(served):
+def test_the_documented_agent_rollout_tags_each_turn_with_the_weights_that_made_it(agent_front):
     spec = importlib.util.spec_from_file_location("agent_rollout", Path(__file__).parents[2] / "docs/examples/agent_rollout.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    served = agent_front
     fleet, source = served.fleet, served.source
     v = fleet.status()["version"]
 
@@ -232,6 +278,8 @@ def test_the_documented_agent_rollout_tags_each_turn_with_the_weights_that_made_
 
     turn1, turn2 = example.play_episode(openai_client(served), served.model, example.TASKS[0], refit)
     assert (turn1["weight_version"], turn2["weight_version"]) == (v, v + 1)
+    (call,) = turn1["tool_calls"]  # the tool was called, and its call read back by the parser
+    assert call["function"]["name"] == "count_words" and "text" in json.loads(call["function"]["arguments"])
     assert all(len(t["token_ids"]) == len(t["logprobs"]) > 0 for t in (turn1, turn2))
 
 

@@ -2,7 +2,8 @@
 
 - OpenAI request -> (prompt token ids, sampling dict): vLLM's own models and validation decide; the
   dict is what differs from vLLM's defaults and rebuilds the same ``SamplingParams`` on a shard;
-- chat requests are rendered with the model's chat template (the tiny model has one);
+- chat requests are rendered by vLLM's own renderer with the model's chat template (tools, tool calls and
+  tool results included: the same ids as ``transformers``), and read back by vLLM's tool and reasoning parsers;
 - responses carry the fleet's tags (weight versions, slot, incarnation, request id) and token ids;
 - how a returned request becomes HTTP (400 for the caller's mistake with vLLM's words, 503 naming why);
 - the Prometheus text;
@@ -26,6 +27,7 @@ from recipe.tinymodel import CHAT_TEMPLATE, build_tokenizer
 from serve import protocol
 from serve.front import Front
 from serve.metrics import prometheus_text
+from tests.transcripts import TOOLS, TRANSCRIPT, hf_rendering
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
 
@@ -112,32 +114,109 @@ def test_a_field_the_front_does_not_carry_out_is_refused_naming_it_not_ignored(t
     assert err.value.param == field
 
 
-def test_tools_in_a_chat_request_are_refused_naming_them_not_answered_as_plain_text(tok):
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    for body, field in (({"tools": [tool], "tool_choice": "required"}, "tools"), ({"tool_choice": "required"}, "tool_choice")):
-        req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body) if field == "tools" else \
-            ChatCompletionRequest.model_construct(messages=[{"role": "user", "content": "hi"}], **body)
-        with pytest.raises(protocol.BadRequest, match=f"{field} is not supported") as err:
-            protocol.refuse_unsupported(req)
-        assert err.value.param == field
-    protocol.chat_call(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice="none"), tok, MAX_LEN)
+@pytest.fixture(scope="module")
+def chat(tok, tiny_model):
+    from serve.render import ChatRenderer
+
+    return ChatRenderer(tiny_model, MAX_LEN * 2, tok)
 
 
-def test_a_chat_request_is_rendered_with_the_models_chat_template(tok):
+@pytest.fixture(scope="module")
+def parsing(tok, tiny_model):
+    from serve.render import ChatOptions, ChatRenderer
+
+    return ChatRenderer(tiny_model, MAX_LEN * 2, tok, ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                                                                  reasoning_parser="qwen3"))
+
+
+def test_an_agent_transcript_with_tools_renders_exactly_as_transformers_renders_it(tok, chat):
+    """vLLM's renderer (``serve.render``) builds the prompt ``vllm serve`` would: the tools in the system block,
+    each tool call as ``<tool_call>`` JSON with its arguments, the tool results in one user turn."""
+    req = ChatCompletionRequest(messages=TRANSCRIPT, tools=TOOLS, tool_choice="none", max_completion_tokens=4)
+    prompt, sampling = protocol.chat_call(req, chat, MAX_LEN * 2)
+    assert prompt == hf_rendering(tok, TRANSCRIPT, TOOLS, add_generation_prompt=True)
+    text = tok.decode(prompt)
+    assert '"name": "get_weather", "arguments": {"city": "Rome"}' in text and text.count("<tool_response>") == 2
+    assert '"description": "The weather in a city"' in text and text.endswith("<|im_start|>assistant\n")
+    assert sampling["max_tokens"] == 4
+    # the template's switches reach it: no generation prompt, or the last message continued
+    plain = TRANSCRIPT[:2] + [{"role": "assistant", "content": "It is"}]
+    for kw in ({"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True}):
+        got, _ = protocol.chat_call(ChatCompletionRequest(messages=plain, **kw), chat, MAX_LEN * 2)
+        assert got == hf_rendering(tok, plain, **kw), kw
+
+
+def test_what_vllm_serve_refuses_in_a_chat_request_is_refused_with_its_words(chat):
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [
+        (ChatCompletionRequest(messages=hi, tools=TOOLS), '"auto" tool choice requires --enable-auto-tool-choice'),
+        (ChatCompletionRequest(messages=hi, chat_template="{{ 'x' }}"), "--trust-request-chat-template is not set"),
+        (ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+         "is not a multimodal model"),
+    ]
+    for req, words in cases:
+        with pytest.raises(protocol.BadRequest, match=words):
+            protocol.chat_call(req, chat, MAX_LEN)
+    forced = ChatCompletionRequest.model_construct(messages=hi, tools=TOOLS, tool_choice="required")
+    with pytest.raises(protocol.BadRequest, match="tool_choice is not supported") as err:
+        protocol.refuse_unsupported(forced)
+    assert err.value.param == "tool_choice"
+
+
+def test_a_trusted_request_template_is_used(tok, tiny_model):
+    from serve.render import ChatOptions, ChatRenderer
+
+    trusting = ChatRenderer(tiny_model, MAX_LEN, tok, ChatOptions(trust_request_chat_template=True))
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                chat_template="{% for m in messages %}<{{ m.content }}>{% endfor %}")
+    prompt, _ = protocol.chat_call(req, trusting, MAX_LEN)
+    assert tok.decode(prompt) == "<hi>"
+
+
+def test_tool_calls_and_reasoning_are_read_back_by_vllms_parsers(tok, parsing):
+    """``--tool-call-parser hermes --reasoning-parser qwen3``: the completion's text comes back as
+    ``reasoning``, ``content`` and ``tool_calls`` (finish reason ``tool_calls``), its token ids kept."""
+    text = 'thinking it over</think>Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = tuple(tok.encode(text))
+    res = GenerationResult("r-1", (1, 2, 3), (Completion(ids, (-0.5,) * len(ids), "stop", text=text),), 2, 3,
+                           slot=4, incarnation=2, version_spans=((3, 0, len(ids)),))
+    req = ChatCompletionRequest(messages=TRANSCRIPT[:2], tools=TOOLS)
+    body = protocol.chat_response(req, "m", [done(res)], tok, renderer=parsing)
+    choice = body["choices"][0]
+    call = choice["message"]["tool_calls"][0]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'} and call["type"] == "function"
+    assert choice["message"]["reasoning"] == "thinking it over" and choice["message"]["content"] == "Let me look."
+    assert choice["finish_reason"] == "tool_calls" and choice["token_ids"] == list(ids)
+    quiet = ChatCompletionRequest(messages=TRANSCRIPT[:2], tools=TOOLS, include_reasoning=False)
+    assert "reasoning" not in protocol.chat_response(quiet, "m", [done(res)], tok, renderer=parsing)["choices"][0]["message"]
+    plain = protocol.chat_response(ChatCompletionRequest(messages=TRANSCRIPT[:2]), "m", [done(res)], tok, renderer=parsing)
+    assert "tool_calls" not in plain["choices"][0]["message"] and plain["choices"][0]["finish_reason"] == "stop"
+    with pytest.raises(protocol.BadRequest, match="stream is not supported") as err:
+        protocol.chat_call(ChatCompletionRequest(messages=TRANSCRIPT[:2], stream=True), parsing, MAX_LEN * 2)
+    assert err.value.param == "stream"
+
+
+def test_chat_flags_vllm_does_not_know_are_refused_naming_the_flag():
+    from serve.render import ChatOptions
+
+    for options, flag in ((ChatOptions(tool_call_parser="nope"), "--tool-call-parser"),
+                          (ChatOptions(reasoning_parser="nope"), "--reasoning-parser"),
+                          (ChatOptions(enable_auto_tool_choice=True), "--enable-auto-tool-choice")):
+        with pytest.raises(ValueError, match=flag):
+            options.check()
+
+
+def test_a_chat_request_is_rendered_with_the_models_chat_template(tok, chat):
     assert tok.chat_template == CHAT_TEMPLATE
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"},
                                           {"role": "assistant", "content": [{"type": "text", "text": "yes"}]},
                                           {"role": "user", "content": "again"}],
                                 max_completion_tokens=4, logprobs=True, top_logprobs=3)
-    prompt, sampling = protocol.chat_call(req, tok, MAX_LEN)
-    assert tok.decode(prompt) == "[user] hi\n[assistant] yes\n[user] again\n[assistant] "
+    prompt, sampling = protocol.chat_call(req, chat, MAX_LEN)
+    assert tok.decode(prompt) == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi"
+                                  "<|im_end|>\n<|im_start|>assistant\nyes<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n"
+                                  "<|im_start|>assistant\n")
     assert sampling["max_tokens"] == 4 and sampling["logprobs"] == 3
-
-
-def test_a_chat_request_with_an_image_part_is_refused(tok):
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
-    with pytest.raises(protocol.BadRequest, match="only text"):
-        protocol.chat_call(req, tok, MAX_LEN)
 
 
 # ------------------------------------------------------------------ responses

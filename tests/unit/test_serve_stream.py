@@ -42,6 +42,13 @@ def tok():
     return build_tokenizer(512)
 
 
+@pytest.fixture(scope="module")
+def chat(tok, tiny_model):
+    from serve.render import ChatRenderer
+
+    return ChatRenderer(tiny_model, MAX_LEN, tok)
+
+
 # ------------------------------------------------------------------ a scripted fleet client
 @dataclass
 class Plan:
@@ -168,9 +175,9 @@ async def call(app, path: str, body: dict, leave_at: float | None = None) -> Rep
     return Reply(status, headers, b"".join(b for _, b in at), at)
 
 
-def serving(tok, plan) -> tuple[Any, Front, ScriptedClient]:
+def serving(tok, plan, chat=None) -> tuple[Any, Front, ScriptedClient]:
     client = ScriptedClient(plan)
-    front = Front(client, tok, "m", MAX_LEN)
+    front = Front(client, tok, "m", MAX_LEN, chat=chat)
     return build_app(front), front, client
 
 
@@ -214,11 +221,11 @@ def test_a_stream_sends_each_delta_as_it_arrives_and_ends_with_the_results_block
     assert counters["ttft_p50_s"] == 1.0 and counters["responses"] == {"/v1/completions 200": 1}
 
 
-def test_a_chat_stream_opens_with_the_role_then_content_deltas_logprobs_and_usage(tok):
+def test_a_chat_stream_opens_with_the_role_then_content_deltas_logprobs_and_usage(tok, chat):
     plan = Plan(deltas(WORDS[:3], top=True), end_s=0.0, finish="stop")
 
     async def go():
-        app, _, _ = serving(tok, lambda rid, s: plan)
+        app, _, _ = serving(tok, lambda rid, s: plan, chat)
         return await call(app, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": "hi"}], "stream": True, "logprobs": True, "top_logprobs": 2,
             "stream_options": {"include_usage": True}})
@@ -321,13 +328,13 @@ def test_a_request_returned_mid_stream_ends_its_stream_with_an_error_event_then_
 
 
 # ------------------------------------------------------------------ n choices
-def test_n_streamed_choices_are_n_fleet_requests_seeded_apart_indexed_in_one_stream(tok):
+def test_n_streamed_choices_are_n_fleet_requests_seeded_apart_indexed_in_one_stream(tok, chat):
     def plan(rid, sampling):
         i = int(rid.rsplit("-", 1)[1])
         return Plan(deltas(WORDS[:2], every_s=1.0 + i * 0.5, first_id=200 + 10 * i), end_s=0.1, slot=i)
 
     async def go():
-        app, _, client = serving(tok, plan)
+        app, _, client = serving(tok, plan, chat)
         r = await call(app, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 7, "stream": True,
             "stream_options": {"include_usage": True}})
