@@ -38,8 +38,25 @@ from serve.metrics import prometheus_text
 from serve.stream import Choices, EventStreamResponse, Stream
 
 
+# ``Retry-After`` on every 503: a closed gate (a refit) or a request timeout passes in seconds; a stopped
+# fleet does not come back by waiting, but a client told nothing retries at once
+RETRY_AFTER_S = 1
+RETRY_AFTER_STOPPED_S = 60
+
+
 def _error(code: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(protocol.error_body(message, kind, code, param), status_code=code)
+    headers = None
+    if code == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_STOPPED_S if message.startswith("fleet stopped") else RETRY_AFTER_S)}
+    return JSONResponse(protocol.error_body(message, kind, code, param), status_code=code, headers=headers)
+
+
+def _state(code: int, body: dict) -> JSONResponse:
+    """``/health`` and ``/ready``: the routing state, with ``Retry-After`` on a 503."""
+    headers = None
+    if code == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_STOPPED_S if body.get("status") == "stopped" else RETRY_AFTER_S)}
+    return JSONResponse(body, status_code=code, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -93,8 +110,11 @@ def build_app(front: Front) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        code, body = front.health()
-        return JSONResponse(body, status_code=code)
+        return _state(*front.health())  # liveness: 200 unless the fleet stopped (a refit is alive)
+
+    @app.api_route("/ready", methods=["GET", "HEAD"])
+    async def ready():
+        return _state(*front.readiness())  # readiness: 503 while the gate is closed
 
     @app.get("/metrics")
     async def metrics():
@@ -113,7 +133,7 @@ def build_app(front: Front) -> FastAPI:
     @with_cancellation
     async def completions(request: CompletionRequest, raw_request: Request):
         return await _serve(front, "/v1/completions", request, protocol.completion_call,
-                            protocol.completion_response)
+                            protocol.completion_response, raw=raw_request)
 
     @app.post("/v1/chat/completions")
     @with_cancellation
@@ -123,20 +143,26 @@ def build_app(front: Front) -> FastAPI:
             return _error(400, "this server renders no chat (started without a chat renderer)", "BadRequestError",
                           "messages")
         return await _serve(front, "/v1/chat/completions", request, protocol.chat_call,
-                            functools.partial(protocol.chat_response, renderer=front.chat), via=front.chat)
+                            functools.partial(protocol.chat_response, renderer=front.chat), via=front.chat,
+                            raw=raw_request)
 
     return app
 
 
-async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond: Callable, via: Any = None) -> Response:
+async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond: Callable, via: Any = None,
+                 raw: Request | None = None) -> Response:
     """``call(req, via, max_model_len)`` prepares the fleet call (``via``: the chat renderer; default the
-    tokenizer), ``respond`` builds the body from the choices' results."""
+    tokenizer), ``respond`` builds the body from the choices' results. The request's weight-version policy
+    (``protocol.version_policy``: body or header, else the fleet's) goes with each of its fleet requests and
+    is echoed in the response (``rlfleet.version_policy`` and the header)."""
     if req.model is not None and req.model != front.model:
         front.count(endpoint, 404)
         return _error(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
     try:
         protocol.refuse_invalid_text(req)
         protocol.refuse_text_beyond_the_context(req, front.max_model_len)
+        policy = protocol.version_policy(req, raw.headers.get(protocol.POLICY_HEADER) if raw is not None else None,
+                                         getattr(front.client, "policy", None))
         prompt, sampling = await front.prepare(call, req, via) if protocol.needs_tokenizer(req) else \
             call(req, front.tokenizer if via is None else via, front.max_model_len)
     except protocol.BadRequest as exc:
@@ -144,20 +170,23 @@ async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond:
         return _error(400, str(exc), "BadRequestError", exc.param)
     samplings = protocol.choice_samplings(sampling)  # n choices: n fleet requests of one
     request_id = f"http-{uuid.uuid4().hex[:16]}"
-    choices = Choices(front, prompt, samplings, request_id, stream=bool(req.stream))
+    choices = Choices(front, prompt, samplings, request_id, stream=bool(req.stream), policy=policy)
+    said = {protocol.POLICY_HEADER: policy.describe()} if policy is not None else {}
     if req.stream:
-        return await _stream(front, endpoint, req, prompt, choices, request_id)
+        return await _stream(front, endpoint, req, prompt, choices, request_id, said)
     out = await choices.all()
     if isinstance(out, Outcome):
         front.count(endpoint, out.code)
         return _error(out.code, out.message, out.kind, out.param)
     front.count(endpoint, 200)
     body = respond(req, front.model, out, front.tokenizer)
-    return JSONResponse(body, headers={protocol.VERSION_HEADER: str(body["rlfleet"]["weight_version"])})
+    if policy is not None:
+        body["rlfleet"]["version_policy"] = policy.describe()
+    return JSONResponse(body, headers={protocol.VERSION_HEADER: str(body["rlfleet"]["weight_version"]), **said})
 
 
 async def _stream(front: Front, endpoint: str, req: Any, prompt: list[int], choices: Choices,
-                  request_id: str) -> Response:
+                  request_id: str, headers: dict | None = None) -> Response:
     """Hold the answer until the first tokens (or the end) arrive: a request refused or returned before any
     token is still answered with its HTTP status; from the first token on it is a 200 and its events."""
     prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
@@ -172,4 +201,4 @@ async def _stream(front: Front, endpoint: str, req: Any, prompt: list[int], choi
     # sampled the first tokens (the version the request finished under, when it ended before any token):
     # a request a refit held, or one continued on another engine, may end under a later version, which its
     # last chunk's ``rlfleet`` block names (``weight_version``, ``version_spans``).
-    return EventStreamResponse(stream, headers={protocol.VERSION_HEADER: str(stream.version)})
+    return EventStreamResponse(stream, headers={protocol.VERSION_HEADER: str(stream.version), **(headers or {})})

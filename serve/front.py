@@ -84,7 +84,7 @@ class Front:
                                           self.max_model_len)
 
     async def run(self, prompt: list[int], sampling: dict, request_id: str | None = None,
-                  on_tokens: Callable[[Any], None] | None = None) -> Outcome:
+                  on_tokens: Callable[[Any], None] | None = None, policy: Any = None) -> Outcome:
         """One request on the fleet; returns how it ended. Cancelled (the HTTP client left): aborted on the
         engine by the dispatcher and counted here, then the cancellation goes on. Cut off by the server's
         stop (``cut_off_after``): aborted the same way, and answered 503. ``on_tokens``: called with each
@@ -99,7 +99,7 @@ class Front:
         if on_tokens is not None:
             on_tokens = self._timed(on_tokens, clock, t0)
         try:
-            result = await self.client.generate_async(prompt, sampling, request_id, on_tokens=on_tokens)
+            result = await self.client.generate_async(prompt, sampling, request_id, policy=policy, on_tokens=on_tokens)
         except asyncio.CancelledError:
             if task not in self._cut:
                 self.cancelled += 1
@@ -165,8 +165,9 @@ class Front:
         self.responses[(endpoint, code)] += 1
 
     # ------------------------------------------------------------------ the fleet's state
-    def health(self) -> tuple[int, dict]:
-        """200 while the gate is open; 503 with the reason while it is closed or the fleet stopped."""
+    def readiness(self) -> tuple[int, dict]:
+        """``/ready``: 200 while the gate is open (a request is served now); 503 with the reason while it is
+        closed (a refit, too few engines) or the fleet stopped."""
         s = self.client.routing()
         body = {"gate_open": s.gate_open, "version": s.version, "epoch": s.epoch, "serving": len(s.members)}
         if s.stopped:
@@ -174,6 +175,13 @@ class Front:
         if not s.gate_open:
             return 503, {**body, "status": "gate closed", "reason": s.reason or "a refit is running"}
         return 200, {**body, "status": "ok"}
+
+    def health(self) -> tuple[int, dict]:
+        """``/health``, liveness: 200 while the fleet is not stopped, a refit or a closed gate included (a
+        request sent then waits for the gate: the server is alive, restarting it would lose that); 503 once
+        the fleet stopped. The body is ``readiness``'s."""
+        code, body = self.readiness()
+        return (503 if body["status"] == "stopped" else 200), body
 
     async def status(self, timeout: float = 10.0) -> dict | None:
         """The controller's ``status()`` (None if it does not answer within ``timeout``: it may be restarting)."""

@@ -136,6 +136,9 @@ def chat_prompt(req: ChatCompletionRequest, renderer: Any) -> list[int]:
 # Fields vLLM's request models accept that this front does not carry out: a request that sets one is
 # refused naming it, rather than answered as if the field had been honoured (field, "is it set?").
 UNSUPPORTED: tuple[tuple[str, Any], ...] = (
+    ("use_beam_search", bool),
+    ("priority", bool),  # the fleet schedules by its own admission, not per-request priority
+    ("cache_salt", lambda v: v is not None),  # the fleet salts the prefix cache per weight version itself
     ("echo", bool),
     ("suffix", lambda v: v is not None),
     ("prompt_logprobs", lambda v: v is not None),
@@ -150,9 +153,47 @@ UNSUPPORTED: tuple[tuple[str, Any], ...] = (
 
 
 def refuse_unsupported(req: Any) -> None:
+    """A field vLLM's models accept that this front does not carry out, or one no model declares (vLLM's
+    server would log and ignore it): refused naming it. ``rlfleet`` is this front's own namespace."""
     for field, is_set in UNSUPPORTED:
         if is_set(getattr(req, field, None)):
             raise BadRequest(f"{field} is not supported by rlfleet serve", field)
+    unknown = sorted(k for k in (req.model_extra or {}) if k != FLEET_FIELD)
+    if unknown:
+        raise BadRequest(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not part of "
+                         f"this endpoint's request (rlfleet serve ignores nothing it is sent)", unknown[0])
+
+
+FLEET_FIELD = "rlfleet"  # the request body's namespace for what only a fleet has
+POLICY_HEADER = "x-rlfleet-version-policy"
+
+
+def version_policy(req: Any, header: str | None, default: Any) -> Any:
+    """The request's weight-version policy (``fleet.data.routing_state.VersionPolicy``): the body's
+    ``rlfleet.version_policy`` or the ``x-rlfleet-version-policy`` header (``latest``, ``any``,
+    ``max_staleness=K``), ``default`` (the fleet's) when neither is sent. Both sent and different, an
+    unknown key in ``rlfleet``, or a policy that does not parse: ``BadRequest`` naming the field."""
+    from fleet.data.routing_state import VersionPolicy
+
+    block = (req.model_extra or {}).get(FLEET_FIELD)
+    if block is not None and not isinstance(block, dict):
+        raise BadRequest(f"{FLEET_FIELD} must be an object (e.g. {{\"version_policy\": \"max_staleness=0\"}})",
+                         FLEET_FIELD)
+    extra = sorted(set(block or {}) - {"version_policy"})
+    if extra:
+        raise BadRequest(f"{FLEET_FIELD}.{extra[0]} is not a field of rlfleet (only version_policy)",
+                         f"{FLEET_FIELD}.{extra[0]}")
+    body = (block or {}).get("version_policy")
+    try:
+        from_body = None if body is None else VersionPolicy.parse(body)
+        from_header = None if header is None else VersionPolicy.parse(header.strip())
+    except ValueError as exc:
+        where = f"{FLEET_FIELD}.version_policy" if body is not None else POLICY_HEADER
+        raise BadRequest(f"{where}: {exc}", where) from None
+    if from_body is not None and from_header is not None and from_body != from_header:
+        raise BadRequest(f"{FLEET_FIELD}.version_policy ({from_body.describe()}) and the {POLICY_HEADER} header "
+                         f"({from_header.describe()}) disagree: send one", f"{FLEET_FIELD}.version_policy")
+    return from_body or from_header or default
 
 
 # No tokenizer in use packs more characters than this into one token on average: a text longer than this

@@ -35,8 +35,9 @@ class Choices:
     """The ``len(samplings)`` fleet requests of one HTTP request, started at once."""
 
     def __init__(self, front: Front, prompt: list[int], samplings: list[dict], request_id: str,
-                 stream: bool) -> None:
+                 stream: bool, policy: Any = None) -> None:
         self.front = front
+        self.policy = policy  # the request's weight-version policy (None: the fleet's)
         self.n = len(samplings)
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         ids = [request_id] if self.n == 1 else [f"{request_id}-{i}" for i in range(self.n)]
@@ -46,7 +47,7 @@ class Choices:
     async def _one(self, i: int, prompt: list[int], sampling: dict, request_id: str, stream: bool) -> None:
         on_tokens = (lambda delta: self.queue.put_nowait((i, delta))) if stream else None
         try:
-            out = await self.front.run(prompt, sampling, request_id=request_id, on_tokens=on_tokens)
+            out = await self.front.run(prompt, sampling, request_id=request_id, on_tokens=on_tokens, policy=self.policy)
         except Exception as exc:  # noqa: BLE001 - a bug must end the request with a message, never hang its stream
             out = Outcome(500, None, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
         self.queue.put_nowait((i, out))

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
@@ -243,23 +244,25 @@ def test_a_request_waits_while_a_refit_holds_the_gate_and_past_its_timeout_gets_
         ray_door.ask(source, "hold_next_update", 5.0, timeout=30)  # a slow trainer holds the refit and the gate
         refit = threading.Thread(target=lambda: fleet.sync_weights(version=v + 1, source=source))
         refit.start()
-        code, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(curl(f"{served.url}/health")), 30,
+        code, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(curl(f"{served.url}/ready")), 30,
                               every_s=0.05, what="the gate to close")
         assert json.loads(body)["status"] == "gate closed"
+        alive = httpx.get(f"{served.url}/health", timeout=30)  # liveness: a refit is no reason to restart it
+        assert alive.status_code == 200 and alive.json()["status"] == "gate closed"
         waited: dict = {}
         patient = threading.Thread(target=lambda: waited.update(
             openai_client(served).completions.create(model=served.model, prompt=[4, 5, 6], max_tokens=4).model_dump()))
         patient.start()
         t0 = time.monotonic()
-        code, body = curl(f"{impatient.url}/v1/completions", "-H", "content-type: application/json",
-                          "-d", json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}))
-        assert code == 503 and "the gate is closed" in json.loads(body)["error"]["message"]
+        late = httpx.post(f"{impatient.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=60)
+        assert late.status_code == 503 and "the gate is closed" in late.json()["error"]["message"]
+        assert int(late.headers["retry-after"]) >= 1
         assert time.monotonic() - t0 >= 1.0  # it waited for the gate before giving up
         refit.join(120)
         patient.join(120)
         # sent while the gate was closed, it waited and ran on the new weights
         assert waited["rlfleet"]["version_start"] == waited["rlfleet"]["weight_version"] == v + 1
-        assert curl(f"{served.url}/health")[0] == 200
+        assert curl(f"{served.url}/health")[0] == curl(f"{served.url}/ready")[0] == 200
     finally:
         impatient.stop()
 

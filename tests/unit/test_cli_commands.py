@@ -149,3 +149,21 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_any_fleet_or_cluste
     err = capsys.readouterr().err.strip()
     assert f"cannot listen on {host}:{port}" in err and err.endswith(f"pick another {flag} (got '{host}:{port}')"), err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,flag", [(["--tool-call-parser", "nope"], "--tool-call-parser"),
+                                       (["--reasoning-parser", "nope"], "--reasoning-parser"),
+                                       (["--enable-auto-tool-choice"], "--enable-auto-tool-choice")])
+def test_serve_refuses_a_chat_flag_vllm_would_refuse_before_any_fleet_or_cluster(monkeypatch, capsys, args, flag):
+    """A parser vLLM does not know, or auto tool choice with no parser, is refused naming the flag (exit 2),
+    before Ray or a fleet starts."""
+    import ray
+
+    def never(*a, **kw):
+        raise AssertionError("Ray was started for a front with a bad chat flag")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", never)
+    assert cli_main.main(["serve", "--connect", "f", "--port", "0", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and len(err.splitlines()) == 1 and "Traceback" not in err, err

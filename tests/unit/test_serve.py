@@ -297,7 +297,26 @@ def test_returned_requests_become_400_for_the_caller_and_503_naming_why_for_the_
     assert out.code == 503 and "slots 0, 1 dead" in out.message
     assert stopped.health() == (503, {"gate_open": False, "version": 2, "epoch": 6, "serving": 0,
                                       "status": "stopped", "reason": "FleetExhausted: slots 0, 1 dead"})
-    assert closed.health()[0] == 503 and closed.health()[1]["reason"] == "refit of version 3"
+    assert stopped.readiness() == stopped.health()
+    # a closed gate (a refit): alive (/health 200), not ready (/ready 503 naming why)
+    assert closed.health()[0] == 200 and closed.readiness()[0] == 503
+    assert closed.health()[1] == closed.readiness()[1] and closed.readiness()[1]["reason"] == "refit of version 3"
+
+
+def test_every_503_says_when_to_retry(tok):
+    from fastapi.testclient import TestClient
+
+    from serve.app import RETRY_AFTER_S, RETRY_AFTER_STOPPED_S, build_app
+
+    closed = TestClient(build_app(Front(_Client(RoutingState(5, False, 2, reason="refit of version 3")), tok, "m", MAX_LEN)))
+    assert closed.get("/health").status_code == 200 and "retry-after" not in closed.get("/health").headers
+    ready = closed.get("/ready")
+    assert ready.status_code == 503 and ready.headers["retry-after"] == str(RETRY_AFTER_S)
+    assert closed.head("/ready").status_code == 503
+    gone = TestClient(build_app(Front(_Client(RoutingState(6, False, 2, stopped="FleetExhausted")), tok, "m", MAX_LEN)))
+    for path in ("/health", "/ready"):
+        r = gone.get(path)
+        assert r.status_code == 503 and r.headers["retry-after"] == str(RETRY_AFTER_STOPPED_S), path
 
 
 def test_prometheus_text_has_the_fleets_gauges_and_the_fronts_counters(tok):
@@ -464,3 +483,79 @@ def test_fastapis_own_answers_come_in_the_openai_error_shape_and_head_health_ans
     assert r.status_code == 400 and r.json()["error"]["message"] == "the request body is missing: send a JSON object"
     r = http.head("/health")
     assert r.status_code == 200 and r.content == b""
+
+
+# ------------------------------------------------------------------ per-request weight-version policy
+def test_a_request_names_its_weight_version_policy_in_its_body_or_a_header_and_a_bad_one_is_refused():
+    from fleet.data.routing_state import VersionPolicy
+
+    fleet_default = VersionPolicy.for_fleet(1)
+
+    def req(**kw):
+        return CompletionRequest(prompt=[1, 2], **kw)
+
+    assert protocol.version_policy(req(), None, fleet_default) == fleet_default
+    assert protocol.version_policy(req(rlfleet={"version_policy": "max_staleness=0"}), None, fleet_default) == \
+        VersionPolicy("max_staleness", 0)
+    assert protocol.version_policy(req(), " latest ", fleet_default) == VersionPolicy("latest")
+    assert protocol.version_policy(req(rlfleet={"version_policy": {"max_staleness": 2}}), "max_staleness=2",
+                                   fleet_default) == VersionPolicy("max_staleness", 2), "both, agreeing"
+    bad = [({"rlfleet": {"version_policy": "newest"}}, None, "rlfleet.version_policy"),
+           ({}, "max_staleness=-1", protocol.POLICY_HEADER),
+           ({"rlfleet": {"version_policy": "latest"}}, "any", "rlfleet.version_policy"),
+           ({"rlfleet": {"policy": "latest"}}, None, "rlfleet.policy"),
+           ({"rlfleet": "latest"}, None, "rlfleet")]
+    for kw, header, param in bad:
+        with pytest.raises(protocol.BadRequest) as err:
+            protocol.version_policy(req(**kw), header, fleet_default)
+        assert err.value.param == param, (kw, header, err.value)
+
+
+class _Capturing:
+    """A fleet client that completes every request at once and keeps the policy each was sent with."""
+
+    def __init__(self) -> None:
+        from fleet.data.routing_state import VersionPolicy
+
+        self.policy = VersionPolicy.for_fleet(1)
+        self.sent: list = []
+
+    def routing(self) -> RoutingState:
+        return RoutingState(5, True, 2)
+
+    async def generate_async(self, prompt, sampling=None, request_id=None, policy=None, on_tokens=None):
+        self.sent.append(policy)
+        return done(result())
+
+
+def test_the_policy_goes_with_each_fleet_request_and_comes_back_in_the_response(tok):
+    from fastapi.testclient import TestClient
+
+    from fleet.data.routing_state import VersionPolicy
+    from serve.app import build_app
+
+    client = _Capturing()
+    http = TestClient(build_app(Front(client, tok, "m", MAX_LEN)))
+    r = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "n": 2},
+                  headers={protocol.POLICY_HEADER: "max_staleness=0"})
+    assert r.status_code == 200 and r.headers[protocol.POLICY_HEADER] == "max_staleness=0"
+    assert r.json()["rlfleet"]["version_policy"] == "max_staleness=0"
+    assert client.sent == [VersionPolicy("max_staleness", 0)] * 2, "each of the n choices"
+    plain = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+    assert plain.json()["rlfleet"]["version_policy"] == "max_staleness=1" and client.sent[-1] == client.policy
+    bad = http.post("/v1/completions", json={"prompt": [1, 2], "rlfleet": {"version_policy": "newest"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "rlfleet.version_policy"
+    assert len(client.sent) == 3, "a refused request never reaches the fleet"
+
+
+@pytest.mark.parametrize("body,param", [({"use_beam_search": True}, "use_beam_search"), ({"priority": 3}, "priority"),
+                                        ({"cache_salt": "s"}, "cache_salt"), ({"best_guess": 1}, "best_guess")])
+def test_a_field_the_front_would_not_honour_is_refused_naming_it(tok, body, param):
+    from fastapi.testclient import TestClient
+
+    from serve.app import build_app
+
+    client = _Capturing()
+    r = TestClient(build_app(Front(client, tok, "m", MAX_LEN))).post("/v1/completions", json={"prompt": [1, 2], **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
+    assert client.sent == []
