@@ -250,8 +250,10 @@ def test_a_request_waits_while_a_refit_holds_the_gate_and_past_its_timeout_gets_
         alive = httpx.get(f"{served.url}/health", timeout=30)  # liveness: a refit is no reason to restart it
         assert alive.status_code == 200 and alive.json()["status"] == "gate closed"
         waited: dict = {}
-        patient = threading.Thread(target=lambda: waited.update(
-            openai_client(served).completions.create(model=served.model, prompt=[4, 5, 6], max_tokens=4).model_dump()))
+        patient = threading.Thread(target=lambda: waited.update(  # this request's own policy: no stale engine
+            openai_client(served).completions.create(model=served.model, prompt=[4, 5, 6], max_tokens=4,
+                                                     extra_headers={"x-rlfleet-version-policy": "max_staleness=0"}
+                                                     ).model_dump()))
         patient.start()
         t0 = time.monotonic()
         late = httpx.post(f"{impatient.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=60)
@@ -260,8 +262,9 @@ def test_a_request_waits_while_a_refit_holds_the_gate_and_past_its_timeout_gets_
         assert time.monotonic() - t0 >= 1.0  # it waited for the gate before giving up
         refit.join(120)
         patient.join(120)
-        # sent while the gate was closed, it waited and ran on the new weights
+        # sent while the gate was closed, it waited and ran on the new weights, under the policy it named
         assert waited["rlfleet"]["version_start"] == waited["rlfleet"]["weight_version"] == v + 1
+        assert waited["rlfleet"]["version_policy"] == "max_staleness=0"
         assert curl(f"{served.url}/health")[0] == curl(f"{served.url}/ready")[0] == 200
     finally:
         impatient.stop()
