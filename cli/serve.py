@@ -38,6 +38,9 @@ def register(sub) -> None:
                         "before a 503 that says which (it is aborted on its engine; default: the fleet's "
                         "request_timeout_s)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model path)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="every /v1 route wants 'Authorization: Bearer KEY' (repeatable; default: $VLLM_API_KEY, as "
+                        "vllm serve; none: open)")
     chat = p.add_argument_group("chat (as vllm serve's flags of the same names)")
     chat.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                       help="the chat template (a file, or the template itself; default: the tokenizer's)")
@@ -155,7 +158,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             return 0
         try:
             server = HttpServer(fleet, host=args.host, port=args.port, model_name=args.served_model_name,
-                                request_timeout_s=args.request_timeout, chat=args.chat).start()
+                                request_timeout_s=args.request_timeout, chat=args.chat,
+                                api_keys=args.api_key or [os.environ.get("VLLM_API_KEY", "")]).start()
         except OSError as exc:
             print(f"rlfleet serve: error: {exc}", file=sys.stderr)
             return 2

@@ -79,8 +79,30 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or str(exc)
 
 
-def build_app(front: Front) -> FastAPI:
+def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
+    """The routes over ``front``. ``api_keys``: every ``/v1`` route wants ``Authorization: Bearer KEY``
+    (vLLM's own middleware, as ``vllm serve --api-key``; ``/health``, ``/ready``, ``/metrics`` and
+    ``/version`` stay open). Every response echoes ``X-Request-Id`` (the caller's, else a new one)."""
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+    from vllm.entrypoints.serve.middleware.x_request_id import XRequestIdMiddleware
+
     app = FastAPI(title="rlfleet", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(XRequestIdMiddleware)
+    if api_keys:
+        app.add_middleware(AuthenticationMiddleware, tokens=list(api_keys))
+
+    @app.get("/version")
+    async def version():
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as installed
+
+        from vllm import __version__ as vllm_version
+
+        try:
+            own = installed("rlfleet")
+        except PackageNotFoundError:
+            own = None
+        return {"version": own, "vllm": vllm_version}
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -169,28 +191,35 @@ async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond:
         front.count(endpoint, 400)
         return _error(400, str(exc), "BadRequestError", exc.param)
     samplings = protocol.choice_samplings(sampling)  # n choices: n fleet requests of one
-    request_id = f"http-{uuid.uuid4().hex[:16]}"
+    request_id = f"http-{uuid.uuid4().hex[:16]}"  # the fleet's: unique, whatever the caller sends (a shard
+    # answers a request id it has seen with that request's result)
     choices = Choices(front, prompt, samplings, request_id, stream=bool(req.stream), policy=policy)
     said = {protocol.POLICY_HEADER: policy.describe()} if policy is not None else {}
+    # the caller's id for it (``X-Request-Id``, or the body's ``request_id`` when set) names the response, as
+    # in vllm serve; the fleet's own (``rlfleet.request_id``) stays unique
+    caller = raw.headers.get("x-request-id") if raw is not None else None
+    caller = caller or (req.request_id if "request_id" in req.model_fields_set else None)
+    prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
+    response_id = f"{prefix}-{caller or request_id}"
     if req.stream:
-        return await _stream(front, endpoint, req, prompt, choices, request_id, said)
+        return await _stream(front, endpoint, req, prompt, choices, response_id, said)
     out = await choices.all()
     if isinstance(out, Outcome):
         front.count(endpoint, out.code)
         return _error(out.code, out.message, out.kind, out.param)
     front.count(endpoint, 200)
     body = respond(req, front.model, out, front.tokenizer)
+    body["id"] = response_id
     if policy is not None:
         body["rlfleet"]["version_policy"] = policy.describe()
     return JSONResponse(body, headers={protocol.VERSION_HEADER: str(body["rlfleet"]["weight_version"]), **said})
 
 
 async def _stream(front: Front, endpoint: str, req: Any, prompt: list[int], choices: Choices,
-                  request_id: str, headers: dict | None = None) -> Response:
+                  response_id: str, headers: dict | None = None) -> Response:
     """Hold the answer until the first tokens (or the end) arrive: a request refused or returned before any
     token is still answered with its HTTP status; from the first token on it is a 200 and its events."""
-    prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
-    stream = Stream(choices, sse.events_for(req, front.model, f"{prefix}-{request_id}", prompt, front.tokenizer,
+    stream = Stream(choices, sse.events_for(req, front.model, response_id, prompt, front.tokenizer,
                                             choices.n))
     failed = await stream.start()
     if failed is not None:

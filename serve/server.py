@@ -30,13 +30,15 @@ def load_tokenizer(model_dir: str) -> Any:
 
 class HttpServer:
     def __init__(self, fleet: Any, host: str = DEFAULT_HOST, port: int = 8000, model_name: str | None = None,
-                 tokenizer: Any = None, request_timeout_s: float | None = None, chat: Any = None) -> None:
+                 tokenizer: Any = None, request_timeout_s: float | None = None, chat: Any = None,
+                 api_keys: list[str] | None = None) -> None:
         """``request_timeout_s``: how long an HTTP request may wait for the gate and a shard before it is
         answered 503 (default: the fleet's ``request_timeout_s``, which the trainer's requests use too).
         ``chat``: ``serve.render.ChatOptions`` (chat template, tool-call and reasoning parsers), checked here:
         a parser vLLM does not know is a ``ValueError`` naming the flag, before anything starts."""
         from serve.render import ChatOptions
 
+        self.api_keys = [k for k in (api_keys or ()) if k]  # ``/v1`` wants one as a Bearer token (vllm serve's rule)
         self.chat = chat or ChatOptions()
         self.chat.check()
         self.fleet = fleet
@@ -78,7 +80,7 @@ class HttpServer:
                            controller=self.fleet.controller, chat=renderer)
         sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self.front), log_level="warning", access_log=False, lifespan="off",
+        config = uvicorn.Config(build_app(self.front, self.api_keys), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=GRACEFUL_S)
         self._server = uvicorn.Server(config)
         self._done = client.spawn(self._server.serve(sockets=[sock]))

@@ -511,17 +511,15 @@ def test_a_request_names_its_weight_version_policy_in_its_body_or_a_header_and_a
         assert err.value.param == param, (kw, header, err.value)
 
 
-class _Capturing:
+class _Capturing(_Client):
     """A fleet client that completes every request at once and keeps the policy each was sent with."""
 
     def __init__(self) -> None:
         from fleet.data.routing_state import VersionPolicy
 
+        super().__init__(RoutingState(5, True, 2))
         self.policy = VersionPolicy.for_fleet(1)
         self.sent: list = []
-
-    def routing(self) -> RoutingState:
-        return RoutingState(5, True, 2)
 
     async def generate_async(self, prompt, sampling=None, request_id=None, policy=None, on_tokens=None):
         self.sent.append(policy)
@@ -559,3 +557,28 @@ def test_a_field_the_front_would_not_honour_is_refused_naming_it(tok, body, para
     r = TestClient(build_app(Front(client, tok, "m", MAX_LEN))).post("/v1/completions", json={"prompt": [1, 2], **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
     assert client.sent == []
+
+
+def test_an_api_key_guards_the_v1_routes_as_vllm_serve_does_and_the_request_id_comes_back(tok):
+    """``--api-key``: every ``/v1`` route wants the Bearer token (vLLM's own middleware); liveness,
+    readiness, metrics and version stay open. ``X-Request-Id`` (or the body's ``request_id``) names the
+    response and comes back in the header."""
+    from fastapi.testclient import TestClient
+
+    from serve.app import build_app
+
+    client = _Capturing()
+    http = TestClient(build_app(Front(client, tok, "m", MAX_LEN), api_keys=["k1", "k2"]))
+    body = {"prompt": [1, 2], "max_tokens": 3}
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k1"}):
+        assert http.post("/v1/completions", json=body, headers=headers).status_code == 401, headers
+        assert http.get("/v1/models", headers=headers).status_code == 401, headers
+    assert client.sent == [], "refused before the fleet"
+    ok = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer k2", "X-Request-Id": "abc-1"})
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "abc-1" and ok.json()["id"] == "cmpl-abc-1"
+    assert ok.json()["rlfleet"]["request_id"] != "abc-1", "the fleet's own id stays unique"
+    named = http.post("/v1/completions", json={**body, "request_id": "mine"}, headers={"Authorization": "Bearer k1"})
+    assert named.json()["id"] == "cmpl-mine" and named.headers["x-request-id"]
+    for path in ("/health", "/ready", "/metrics", "/version"):
+        assert http.get(path).status_code == 200, path
+    assert http.get("/version").json()["vllm"]
