@@ -154,7 +154,7 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
     @app.post("/v1/completions")
     @with_cancellation
     async def completions(request: CompletionRequest, raw_request: Request):
-        return await _serve(front, "/v1/completions", request, protocol.completion_call,
+        return await _serve(front, "/v1/completions", request, protocol.completion_calls,
                             protocol.completion_response, raw=raw_request)
 
     @app.post("/v1/chat/completions")
@@ -164,7 +164,7 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
             front.count("/v1/chat/completions", 400)
             return _error(400, "this server renders no chat (started without a chat renderer)", "BadRequestError",
                           "messages")
-        return await _serve(front, "/v1/chat/completions", request, protocol.chat_call,
+        return await _serve(front, "/v1/chat/completions", request, protocol.chat_calls,
                             functools.partial(protocol.chat_response, renderer=front.chat), via=front.chat,
                             raw=raw_request)
 
@@ -173,8 +173,8 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
 
 async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond: Callable, via: Any = None,
                  raw: Request | None = None) -> Response:
-    """``call(req, via, max_model_len)`` prepares the fleet call (``via``: the chat renderer; default the
-    tokenizer), ``respond`` builds the body from the choices' results. The request's weight-version policy
+    """``call(req, via, max_model_len)`` prepares the fleet calls, (prompt ids, sampling) per prompt (``via``:
+    the chat renderer; default the tokenizer), ``respond`` builds the body from the choices' results. The request's weight-version policy
     (``protocol.version_policy``: body or header, else the fleet's) goes with each of its fleet requests and
     is echoed in the response (``rlfleet.version_policy`` and the header)."""
     if req.model is not None and req.model != front.model:
@@ -185,15 +185,17 @@ async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond:
         protocol.refuse_text_beyond_the_context(req, front.max_model_len)
         policy = protocol.version_policy(req, raw.headers.get(protocol.POLICY_HEADER) if raw is not None else None,
                                          getattr(front.client, "policy", None))
-        prompt, sampling = await front.prepare(call, req, via) if protocol.needs_tokenizer(req) else \
+        jobs = await front.prepare(call, req, via) if protocol.needs_tokenizer(req) else \
             call(req, front.tokenizer if via is None else via, front.max_model_len)
     except protocol.BadRequest as exc:
         front.count(endpoint, 400)
         return _error(400, str(exc), "BadRequestError", exc.param)
-    samplings = protocol.choice_samplings(sampling)  # n choices: n fleet requests of one
+    # n choices of each prompt: n fleet requests of one, prompt-major (vLLM's order of choices)
+    work = [(prompt, s) for prompt, sampling in jobs for s in protocol.choice_samplings(sampling)]
+    prompt = jobs[0][0]  # a stream has one prompt (``completion_calls``)
     request_id = f"http-{uuid.uuid4().hex[:16]}"  # the fleet's: unique, whatever the caller sends (a shard
     # answers a request id it has seen with that request's result)
-    choices = Choices(front, prompt, samplings, request_id, stream=bool(req.stream), policy=policy)
+    choices = Choices(front, work, request_id, stream=bool(req.stream), policy=policy)
     said = {protocol.POLICY_HEADER: policy.describe()} if policy is not None else {}
     # the caller's id for it (``X-Request-Id``, or the body's ``request_id`` when set) names the response, as
     # in vllm serve; the fleet's own (``rlfleet.request_id``) stays unique

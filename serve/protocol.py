@@ -109,20 +109,21 @@ def refuse_invalid_text(req: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- prompts
-def completion_prompt(req: CompletionRequest, tokenizer: Any) -> list[int]:
-    """One prompt's token ids: token ids as given, or the text tokenized as vLLM would (special tokens added)."""
+def completion_prompts(req: CompletionRequest, tokenizer: Any) -> list[list[int]]:
+    """The token ids of each prompt (a batch is a list of texts or of token-id lists, as vLLM takes it):
+    token ids as given, or the text tokenized as vLLM would (special tokens added)."""
     p = req.prompt
     if p is None or p == "" or p == []:
         raise BadRequest("prompt is required and must not be empty", "prompt")
-    if isinstance(p, list) and p and isinstance(p[0], (list, str)):
-        if len(p) != 1:
-            raise BadRequest(f"one prompt per request (got a batch of {len(p)}): send one request per prompt", "prompt")
-        p = p[0]
-        if p == "" or p == []:
-            raise BadRequest("prompt is required and must not be empty", "prompt")
-    if isinstance(p, str):
-        return list(tokenizer.encode(p, add_special_tokens=req.add_special_tokens))
-    return [int(t) for t in p]
+    batch = p if isinstance(p, list) and isinstance(p[0], (list, str)) else [p]
+    out = []
+    for i, one in enumerate(batch):
+        if one == "" or one == []:
+            raise BadRequest(f"prompt[{i}] is empty" if len(batch) > 1 else "prompt is required and must not be empty",
+                             "prompt")
+        out.append(list(tokenizer.encode(one, add_special_tokens=req.add_special_tokens)) if isinstance(one, str)
+                   else [int(t) for t in one])
+    return out
 
 
 def chat_prompt(req: ChatCompletionRequest, renderer: Any) -> list[int]:
@@ -225,10 +226,21 @@ def refuse_text_beyond_the_context(req: Any, max_model_len: int) -> None:
                          f"(over {MAX_CHARS_PER_TOKEN} per token)", field)
 
 
-def completion_call(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> tuple[list[int], dict]:
+def completion_calls(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> list[tuple[list[int], dict]]:
+    """(prompt ids, sampling) per prompt of the request, in order (a batch: several; ``max_tokens`` left
+    unset is each prompt's own room in the context, as vLLM's server computes it)."""
     refuse_unsupported(req)  # before the tokenizer spends anything on a request it would refuse
-    prompt = completion_prompt(req, tokenizer)
-    return prompt, _sampling(req, len(prompt), max_model_len, req.max_tokens)
+    prompts = completion_prompts(req, tokenizer)
+    if len(prompts) > 1 and req.stream:
+        raise BadRequest("stream is not supported with a batch of prompts by rlfleet serve yet: send stream: false, "
+                         "or one request per prompt", "stream")
+    return [(p, _sampling(req, len(p), max_model_len, req.max_tokens)) for p in prompts]
+
+
+def completion_call(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> tuple[list[int], dict]:
+    """``completion_calls`` of a request with one prompt."""
+    (one,) = completion_calls(req, tokenizer, max_model_len)
+    return one
 
 
 def chat_call(req: ChatCompletionRequest, renderer: Any, max_model_len: int) -> tuple[list[int], dict]:
@@ -241,6 +253,11 @@ def chat_call(req: ChatCompletionRequest, renderer: Any, max_model_len: int) -> 
     # ``max_tokens`` is deprecated for chat (read from the fields, so that reading it warns no one)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.__dict__.get("max_tokens")
     return prompt, _sampling(req, len(prompt), max_model_len, requested)
+
+
+def chat_calls(req: ChatCompletionRequest, renderer: Any, max_model_len: int) -> list[tuple[list[int], dict]]:
+    """``chat_call`` as the one job of ``completion_calls``' shape."""
+    return [chat_call(req, renderer, max_model_len)]
 
 
 # ---------------------------------------------------------------------------------------------- choices
@@ -305,9 +322,9 @@ def usage(prompt_len: int, completion_tokens: int) -> UsageInfo:
                      total_tokens=prompt_len + completion_tokens)
 
 
-def _usage(frs: list[FleetResult]) -> UsageInfo:
-    """The prompt once (every choice has the same), the tokens of every choice."""
-    return usage(len(frs[0].result.prompt_token_ids),
+def _usage(frs: list[FleetResult], n: int = 1) -> UsageInfo:
+    """Each prompt once (its ``n`` choices share it; choices come prompt-major), the tokens of every choice."""
+    return usage(sum(len(fr.result.prompt_token_ids) for fr in frs[::max(1, n)]),
                  sum(len(c.token_ids) for fr in frs for c in fr.result.completions))
 
 
@@ -354,17 +371,19 @@ def _completions(frs: list[FleetResult]) -> list[Completion]:
 
 
 def completion_response(req: CompletionRequest, model: str, frs: list[FleetResult], tokenizer: Any) -> dict:
-    """The response to a completion request from its choices' fleet results (one per choice), in order."""
+    """The response to a completion request from its choices' fleet results (one per choice), prompt-major
+    as vLLM orders them (a batch of prompts: choice ``p * n + i`` is prompt ``p``'s ``i``-th); each choice
+    carries its prompt's token ids."""
     choices = [
         CompletionResponseChoice(index=i, text=_text(c, tokenizer, req.skip_special_tokens),
                                  logprobs=completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, tokenizer,
                                                               req.logprobs)[0],
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=list(c.token_ids),
-                                 prompt_token_ids=list(frs[0].result.prompt_token_ids) if i == 0 else None)
-        for i, c in enumerate(_completions(frs))
+                                 prompt_token_ids=list(fr.result.prompt_token_ids))
+        for i, (fr, c) in enumerate((fr, c) for fr in frs for c in fr.result.completions)
     ]
     body = CompletionResponse(id=f"cmpl-{frs[0].request_id}", model=model, choices=choices,
-                              usage=_usage(frs)).model_dump(exclude_none=True)
+                              usage=_usage(frs, req.n or 1)).model_dump(exclude_none=True)
     body["rlfleet"] = group_block(frs)
     return body
 

@@ -34,15 +34,16 @@ from serve.sse import StreamEvents
 class Choices:
     """The ``len(samplings)`` fleet requests of one HTTP request, started at once."""
 
-    def __init__(self, front: Front, prompt: list[int], samplings: list[dict], request_id: str,
+    def __init__(self, front: Front, work: list[tuple[list[int], dict]], request_id: str,
                  stream: bool, policy: Any = None) -> None:
+        """``work``: (prompt ids, sampling) per fleet request, in the order of the response's choices."""
         self.front = front
         self.policy = policy  # the request's weight-version policy (None: the fleet's)
-        self.n = len(samplings)
+        self.n = len(work)
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         ids = [request_id] if self.n == 1 else [f"{request_id}-{i}" for i in range(self.n)]
         self.tasks = [asyncio.ensure_future(self._one(i, prompt, s, rid, stream))
-                      for i, (s, rid) in enumerate(zip(samplings, ids))]
+                      for i, ((prompt, s), rid) in enumerate(zip(work, ids))]
 
     async def _one(self, i: int, prompt: list[int], sampling: dict, request_id: str, stream: bool) -> None:
         on_tokens = (lambda delta: self.queue.put_nowait((i, delta))) if stream else None

@@ -123,6 +123,11 @@ def test_completions_and_chat_through_the_openai_client_are_tagged_with_their_we
     tag = tags_of(r)
     assert tag["weight_version"] == tag["version_start"] == version and tag["slot"] in (0, 1) and tag["incarnation"] >= 1
     assert len(choice.model_dump()["token_ids"]) == 8 and r.usage.completion_tokens == 8
+    # a batch of prompts in one request, n each: prompt-major choices, each with its prompt (a trainer's step)
+    batch = c.completions.create(model=served.model, prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=3, seed=1,
+                                 extra_body={"ignore_eos": True}).model_dump()
+    assert [ch["prompt_token_ids"] for ch in batch["choices"]] == [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
+    assert all(len(ch["token_ids"]) == 3 for ch in batch["choices"]) and batch["usage"]["prompt_tokens"] == 5
 
     text = c.completions.create(model=served.model, prompt="hello world", max_tokens=4, n=2, seed=1)
     assert len(text.choices) == 2 and all(ch.text for ch in text.choices)

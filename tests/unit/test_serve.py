@@ -68,7 +68,7 @@ def test_token_id_prompts_pass_through_and_max_tokens_is_clamped_to_the_context(
 @pytest.mark.parametrize("body,param,words", [
     ({"prompt": [1, 2], "temperature": -1.0}, "temperature", "temperature must be non-negative"),
     ({"prompt": [1, 2], "top_p": 0.0}, "top_p", "top_p must be in (0, 1]"),
-    ({"prompt": [[1], [2]]}, "prompt", "one prompt per request"),
+    ({"prompt": [[1], [2], list(range(MAX_LEN))]}, "prompt", "maximum context length"),  # one of a batch
     ({"prompt": list(range(MAX_LEN))}, "prompt", "maximum context length"),
     ({"prompt": [1], "echo": True}, "echo", "echo is not supported"),
     ({"prompt": [""]}, "prompt", "must not be empty"),
@@ -76,7 +76,7 @@ def test_token_id_prompts_pass_through_and_max_tokens_is_clamped_to_the_context(
 ])
 def test_a_bad_completion_request_is_refused_with_vllms_words_naming_the_field(tok, body, param, words):
     with pytest.raises(protocol.BadRequest, match=words.replace("(", r"\(").replace(")", r"\)")) as err:
-        protocol.completion_call(CompletionRequest(**body), tok, MAX_LEN)
+        protocol.completion_calls(CompletionRequest(**body), tok, MAX_LEN)
     assert err.value.param == param
 
 
@@ -523,7 +523,11 @@ class _Capturing(_Client):
 
     async def generate_async(self, prompt, sampling=None, request_id=None, policy=None, on_tokens=None):
         self.sent.append(policy)
-        return done(result())
+        self.prompts = getattr(self, "prompts", []) + [(list(prompt), dict(sampling or {}))]
+        seed = int((sampling or {}).get("seed") or 0)
+        gen = GenerationResult(request_id or "r", tuple(prompt), (Completion((100 + seed,), (-0.5,), "length"),), 2, 3,
+                               slot=1, incarnation=1, version_spans=((3, 0, 1),))
+        return done(gen)
 
 
 def test_the_policy_goes_with_each_fleet_request_and_comes_back_in_the_response(tok):
@@ -582,3 +586,30 @@ def test_an_api_key_guards_the_v1_routes_as_vllm_serve_does_and_the_request_id_c
     for path in ("/health", "/ready", "/metrics", "/version"):
         assert http.get(path).status_code == 200, path
     assert http.get("/version").json()["vllm"]
+
+
+def test_a_batch_of_prompts_is_answered_prompt_major_each_choice_with_its_prompt(tok):
+    """``/v1/completions`` with a list of prompts (token ids or texts), ``n`` each: one fleet request per
+    choice, the choices prompt-major as vLLM orders them, each with its prompt's token ids; the usage counts
+    each prompt once. A batch cannot stream yet: refused naming ``stream``."""
+    from fastapi.testclient import TestClient
+
+    from serve.app import build_app
+
+    client = _Capturing()
+    http = TestClient(build_app(Front(client, tok, "m", MAX_LEN)))
+    r = http.post("/v1/completions", json={"prompt": [[1, 2], [3, 4, 5]], "n": 2, "seed": 10, "max_tokens": 1})
+    assert r.status_code == 200, r.json()
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["prompt_token_ids"] for c in body["choices"]] == [[1, 2], [1, 2], [3, 4, 5], [3, 4, 5]]
+    assert [c["token_ids"] for c in body["choices"]] == [[110], [111], [110], [111]], "seed + i within each prompt"
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+    texts = http.post("/v1/completions", json={"prompt": ["red sun", "blue"], "max_tokens": 1}).json()
+    assert [c["prompt_token_ids"] for c in texts["choices"]] == [tok.encode("red sun"), tok.encode("blue")]
+    # a max_tokens past the context is clamped to each prompt's own room, as vLLM's server clamps it
+    http.post("/v1/completions", json={"prompt": [[1] * 10, [2] * 20], "max_tokens": MAX_LEN - 5})
+    assert [s["max_tokens"] for _, s in client.prompts[-2:]] == [MAX_LEN - 10, MAX_LEN - 20]
+    for body, param in (({"prompt": [[1, 2], [3]], "stream": True}, "stream"), ({"prompt": [[1, 2], []]}, "prompt")):
+        bad = http.post("/v1/completions", json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.json()
