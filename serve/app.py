@@ -30,6 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.utils.api_utils import with_cancellation
+from vllm.entrypoints.serve.tokenize.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from vllm.exceptions import VLLMValidationError
 
 from serve import protocol, sse
@@ -90,6 +97,30 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
     app.add_middleware(XRequestIdMiddleware)
     if api_keys:
         app.add_middleware(AuthenticationMiddleware, tokens=list(api_keys))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        """vLLM's ``/tokenize``: a prompt's ids (special tokens as asked), or a conversation's as the chat
+        endpoint renders it (the same renderer: tools and tool calls included)."""
+        if request.model is not None and request.model != front.model:
+            return _error(404, f"The model `{request.model}` does not exist.", "NotFoundError", "model")
+        try:
+            ids = await front.prepare(_tokenize, request, front)
+        except protocol.BadRequest as exc:
+            return _error(400, str(exc), "BadRequestError", exc.param)
+        strs = front.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=front.max_model_len, tokens=ids,
+                                token_strs=strs).model_dump(exclude_none=True)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        if request.model is not None and request.model != front.model:
+            return _error(404, f"The model `{request.model}` does not exist.", "NotFoundError", "model")
+        size = len(front.tokenizer)
+        bad = next((t for t in request.tokens if t >= size), None)
+        if bad is not None:
+            return _error(400, f"token id {bad} is out of vocabulary (size {size})", "BadRequestError", "tokens")
+        return DetokenizeResponse(prompt=front.tokenizer.decode(request.tokens)).model_dump()
 
     @app.get("/version")
     async def version():
@@ -169,6 +200,20 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
                             raw=raw_request)
 
     return app
+
+
+def _tokenize(req: Any, front: Front, max_model_len: int) -> list[int]:
+    """``/tokenize``'s ids (on the front's tokenizer thread): a chat request through the chat renderer."""
+    if isinstance(req, TokenizeChatRequest):
+        if front.chat is None:
+            raise protocol.BadRequest("this server renders no chat", "messages")
+        fields = ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template",
+                  "chat_template_kwargs", "add_special_tokens")
+        return front.chat.render(ChatCompletionRequest(**{f: getattr(req, f) for f in fields}, tool_choice="none"))
+    if len(req.prompt) > max_model_len * protocol.MAX_CHARS_PER_TOKEN:
+        raise protocol.BadRequest(f"prompt has {len(req.prompt)} characters, more than any tokenization of it "
+                                  f"could fit in the context ({max_model_len} tokens)", "prompt")
+    return list(front.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
 
 
 async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond: Callable, via: Any = None,

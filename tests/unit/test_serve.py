@@ -613,3 +613,22 @@ def test_a_batch_of_prompts_is_answered_prompt_major_each_choice_with_its_prompt
     for body, param in (({"prompt": [[1, 2], [3]], "stream": True}, "stream"), ({"prompt": [[1, 2], []]}, "prompt")):
         bad = http.post("/v1/completions", json=body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.json()
+
+
+def test_tokenize_and_detokenize_as_vllm_serve_answers_them(tok, chat):
+    """vLLM's ``/tokenize`` (a prompt, or a conversation rendered as the chat endpoint renders it, tools
+    included) and ``/detokenize``, with vLLM's request and response models."""
+    from fastapi.testclient import TestClient
+
+    from serve.app import build_app
+
+    http = TestClient(build_app(Front(_Capturing(), tok, "m", MAX_LEN * 2, chat=chat)))
+    r = http.post("/tokenize", json={"prompt": "red sun", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("red sun") and r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_LEN * 2
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    conv = http.post("/tokenize", json={"messages": TRANSCRIPT, "tools": TOOLS}).json()
+    assert conv["tokens"] == hf_rendering(tok, TRANSCRIPT, TOOLS, add_generation_prompt=True)
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "red sun"}
+    bad = http.post("/detokenize", json={"tokens": [1, 10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert http.post("/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404
