@@ -257,6 +257,7 @@ async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond:
     front.count(endpoint, 200)
     body = respond(req, front.model, out, front.tokenizer)
     body["id"] = response_id
+    body["rlfleet"]["logprobs_mode"] = front.logprobs_mode  # which logprobs these are (the engines' mode)
     if policy is not None:
         body["rlfleet"]["version_policy"] = policy.describe()
     return JSONResponse(body, headers={protocol.VERSION_HEADER: str(body["rlfleet"]["weight_version"]), **said})

@@ -55,6 +55,7 @@ class Front:
         self.client = client
         self.tokenizer = tokenizer
         self.chat = chat
+        self.logprobs_mode = "raw_logprobs"  # the engines' (``EngineConfig.logprobs_mode``), said in each response
         self.model = model
         self.max_model_len = max_model_len
         self._ctl = controller

@@ -78,6 +78,7 @@ class HttpServer:
         renderer = ChatRenderer(engine.model, engine.max_model_len, tokenizer, self.chat)
         self.front = Front(client, tokenizer, self.model_name, engine.max_model_len,
                            controller=self.fleet.controller, chat=renderer)
+        self.front.logprobs_mode = engine.logprobs_mode
         sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(build_app(self.front, self.api_keys), log_level="warning", access_log=False, lifespan="off",

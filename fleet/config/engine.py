@@ -33,6 +33,10 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     seed: int = 0
+    # What a sampled token's logprob is (vLLM's ``logprobs_mode``): ``raw_logprobs`` (the model's, before
+    # temperature, top-k/top-p and penalties) or ``processed_logprobs`` (the distribution the token was
+    # sampled from: what importance-sampling corrections need); ``*_logits``: the logits instead
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"] = "raw_logprobs"
     worker_extension_cls: str = DEFAULT_WORKER_EXTENSION
     backend: Literal["vllm", "null"] = Field(
         "vllm", description="'null': no engine, every call answers at once (benchmarks of the control and data planes)"
@@ -93,6 +97,7 @@ class EngineConfig(BaseModel):
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             seed=self.seed,
+            logprobs_mode=self.logprobs_mode,
             worker_extension_cls=self.worker_extension_cls,
             gpu_memory_utilization=self.gpu_memory_utilization,
             disable_log_stats=True,

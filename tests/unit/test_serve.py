@@ -632,3 +632,26 @@ def test_tokenize_and_detokenize_as_vllm_serve_answers_them(tok, chat):
     bad = http.post("/detokenize", json={"tokens": [1, 10**6]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert http.post("/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404
+
+
+def test_the_engines_logprobs_mode_is_a_fleet_setting_and_every_response_names_it(tok, tmp_path):
+    """``engine.logprobs_mode`` goes to vLLM's engine arguments (``processed_logprobs``: the distribution the
+    token was sampled from, after temperature and top-p); a value vLLM does not have is refused naming the
+    field; the front says in each response which mode made its logprobs."""
+    from fastapi.testclient import TestClient
+
+    from fleet.config.engine import EngineConfig
+    from fleet.config.fleet import load_fleet_config
+    from fleet.errors import ConfigError
+    from serve.app import build_app
+
+    (tmp_path / "config.json").write_text("{}")
+    cfg = EngineConfig(model=str(tmp_path), logprobs_mode="processed_logprobs")
+    assert cfg.engine_args()["logprobs_mode"] == "processed_logprobs"
+    assert EngineConfig(model=str(tmp_path)).engine_args()["logprobs_mode"] == "raw_logprobs"
+    with pytest.raises(ConfigError, match=r"engine\.logprobs_mode"):
+        load_fleet_config({"engine": {"model": str(tmp_path), "logprobs_mode": "cooked"}})
+    front = Front(_Capturing(), tok, "m", MAX_LEN)
+    front.logprobs_mode = "processed_logprobs"
+    r = TestClient(build_app(front)).post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "logprobs": 0})
+    assert r.json()["rlfleet"]["logprobs_mode"] == "processed_logprobs"
