@@ -38,6 +38,8 @@ def register(sub) -> None:
                         "before a 503 that says which (it is aborted on its engine; default: the fleet's "
                         "request_timeout_s)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model path)")
+    p.add_argument("--max-pending", type=int, default=None, metavar="N",
+                   help="HTTP requests answered at once; past it a 429 with Retry-After (default 4096)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="every /v1 route wants 'Authorization: Bearer KEY' (repeatable; default: $VLLM_API_KEY, as "
                         "vllm serve; none: open)")
@@ -102,6 +104,8 @@ def _join_ray(args: argparse.Namespace):
     if timeout is not None and not (0 < timeout < math.inf):  # argparse's float takes "nan", "inf", "-3"
         raise ConfigError("--request-timeout", "must be a finite number of seconds > 0", timeout)
     args.chat = chat_options(args)  # a parser vLLM does not know: refused before anything starts
+    if args.max_pending is not None and args.max_pending < 1:
+        raise ConfigError("--max-pending", "must be at least 1", args.max_pending)
     try:  # the address to listen on, before a fleet starts (or a cluster is joined) only to be let down
         listening_socket(args.host, args.port).close()
     except OSError as exc:
@@ -117,6 +121,20 @@ def _join_ray(args: argparse.Namespace):
     return config
 
 
+def _log_to_stderr() -> None:
+    """The front's own lines (one access line per request, unexpected errors) to stderr; stdout keeps the
+    JSON lines that say the server's state."""
+    import logging
+
+    log = logging.getLogger("rlfleet.serve")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from fleet.cluster import ray_door
     from fleet.api import Fleet
@@ -124,6 +142,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from serve.server import HttpServer
 
     config = _join_ray(args)
+    _log_to_stderr()
     # After Ray's start-up (which installs a handler of its own), so that a signal, even one that arrives
     # while the fleet starts, ends in an orderly stop: nothing started is left behind.
     stop = threading.Event()
@@ -159,7 +178,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         try:
             server = HttpServer(fleet, host=args.host, port=args.port, model_name=args.served_model_name,
                                 request_timeout_s=args.request_timeout, chat=args.chat,
-                                api_keys=args.api_key or [os.environ.get("VLLM_API_KEY", "")]).start()
+                                api_keys=args.api_key or [os.environ.get("VLLM_API_KEY", "")],
+                                max_pending=args.max_pending).start()
         except OSError as exc:
             print(f"rlfleet serve: error: {exc}", file=sys.stderr)
             return 2

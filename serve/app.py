@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import time
 import uuid
 from typing import Any, Callable
 
@@ -45,6 +47,9 @@ from serve.metrics import prometheus_text
 from serve.stream import Choices, EventStreamResponse, Stream
 
 
+log = logging.getLogger("rlfleet.serve")
+access = logging.getLogger("rlfleet.serve.access")
+
 # ``Retry-After`` on every 503: a closed gate (a refit) or a request timeout passes in seconds; a stopped
 # fleet does not come back by waiting, but a client told nothing retries at once
 RETRY_AFTER_S = 1
@@ -53,9 +58,38 @@ RETRY_AFTER_STOPPED_S = 60
 
 def _error(code: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
     headers = None
+    if code == 429:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
     if code == 503:
         headers = {"Retry-After": str(RETRY_AFTER_STOPPED_S if message.startswith("fleet stopped") else RETRY_AFTER_S)}
     return JSONResponse(protocol.error_body(message, kind, code, param), status_code=code, headers=headers)
+
+
+class AccessLog:
+    """One line per HTTP request on the ``rlfleet.serve.access`` logger: method, path, status, milliseconds and
+    the request id (``X-Request-Id``: the caller's, or the one the response carries)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, seen = time.monotonic(), {"status": 0, "id": "-"}
+
+        async def watch(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+                for k, v in message.get("headers", []):
+                    if k.lower() == b"x-request-id":
+                        seen["id"] = v.decode("latin-1")
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            access.info("%s %s %s %.1fms id=%s", scope.get("method"), scope.get("path"), seen["status"] or "-",
+                        (time.monotonic() - t0) * 1000, seen["id"])
 
 
 def _state(code: int, body: dict) -> JSONResponse:
@@ -95,8 +129,15 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
 
     app = FastAPI(title="rlfleet", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(XRequestIdMiddleware)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        """A bug still answers in OpenAI's error shape (never a text/plain 500), and is logged with its trace."""
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
     if api_keys:
         app.add_middleware(AuthenticationMiddleware, tokens=list(api_keys))
+    app.add_middleware(AccessLog)  # outermost: it sees every answer, a 401 and the X-Request-Id header included
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest):
@@ -218,6 +259,19 @@ def _tokenize(req: Any, front: Front, max_model_len: int) -> list[int]:
 
 async def _serve(front: Front, endpoint: str, req: Any, call: Callable, respond: Callable, via: Any = None,
                  raw: Request | None = None) -> Response:
+    if front.pending >= front.max_pending:  # full: answered at once, not held for minutes behind the others
+        front.count(endpoint, 429)
+        return _error(429, f"{front.pending} requests are in flight at this server, its bound (--max-pending "
+                           f"{front.max_pending}): retry later", "TooManyRequests")
+    front.pending += 1
+    try:
+        return await _serve_one(front, endpoint, req, call, respond, via, raw)
+    finally:
+        front.pending -= 1
+
+
+async def _serve_one(front: Front, endpoint: str, req: Any, call: Callable, respond: Callable, via: Any,
+                     raw: Request | None) -> Response:
     """``call(req, via, max_model_len)`` prepares the fleet calls, (prompt ids, sampling) per prompt (``via``:
     the chat renderer; default the tokenizer), ``respond`` builds the body from the choices' results. The request's weight-version policy
     (``protocol.version_policy``: body or header, else the fleet's) goes with each of its fleet requests and

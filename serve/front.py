@@ -32,6 +32,9 @@ from fleet.data.dispatch import FleetResult
 from fleet.data.poison import POISON
 
 _PARAMETER = re.compile(r"\(parameter=(\w+)")
+# HTTP requests one front answers at once (each may be n fleet requests); past it a 429 at once. Sized for
+# agent loops (hundreds of concurrent episodes), bounded so a flood is refused, not held for minutes.
+DEFAULT_MAX_PENDING = 4096
 # Latencies kept for the /metrics quantiles (the most recent ones).
 _LATENCY_WINDOW = 4096
 
@@ -56,6 +59,8 @@ class Front:
         self.tokenizer = tokenizer
         self.chat = chat
         self.logprobs_mode = "raw_logprobs"  # the engines' (``EngineConfig.logprobs_mode``), said in each response
+        self.pending = 0  # HTTP requests being answered (``serve.app``); past ``max_pending`` a 429
+        self.max_pending = DEFAULT_MAX_PENDING
         self.model = model
         self.max_model_len = max_model_len
         self._ctl = controller

@@ -31,13 +31,16 @@ def load_tokenizer(model_dir: str) -> Any:
 class HttpServer:
     def __init__(self, fleet: Any, host: str = DEFAULT_HOST, port: int = 8000, model_name: str | None = None,
                  tokenizer: Any = None, request_timeout_s: float | None = None, chat: Any = None,
-                 api_keys: list[str] | None = None) -> None:
+                 api_keys: list[str] | None = None, max_pending: int | None = None) -> None:
         """``request_timeout_s``: how long an HTTP request may wait for the gate and a shard before it is
         answered 503 (default: the fleet's ``request_timeout_s``, which the trainer's requests use too).
         ``chat``: ``serve.render.ChatOptions`` (chat template, tool-call and reasoning parsers), checked here:
         a parser vLLM does not know is a ``ValueError`` naming the flag, before anything starts."""
         from serve.render import ChatOptions
 
+        if max_pending is not None and max_pending < 1:
+            raise ValueError(f"--max-pending must be at least 1, got {max_pending}")
+        self.max_pending = max_pending
         self.api_keys = [k for k in (api_keys or ()) if k]  # ``/v1`` wants one as a Bearer token (vllm serve's rule)
         self.chat = chat or ChatOptions()
         self.chat.check()
@@ -79,6 +82,8 @@ class HttpServer:
         self.front = Front(client, tokenizer, self.model_name, engine.max_model_len,
                            controller=self.fleet.controller, chat=renderer)
         self.front.logprobs_mode = engine.logprobs_mode
+        if self.max_pending is not None:
+            self.front.max_pending = self.max_pending
         sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(build_app(self.front, self.api_keys), log_level="warning", access_log=False, lifespan="off",

@@ -655,3 +655,36 @@ def test_the_engines_logprobs_mode_is_a_fleet_setting_and_every_response_names_i
     front.logprobs_mode = "processed_logprobs"
     r = TestClient(build_app(front)).post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "logprobs": 0})
     assert r.json()["rlfleet"]["logprobs_mode"] == "processed_logprobs"
+
+
+def test_a_full_front_answers_429_at_once_a_bug_answers_json_and_every_request_has_its_access_line(tok, caplog):
+    """Past ``max_pending`` HTTP requests in flight a request is answered 429 with ``Retry-After`` at once
+    (not held); an unexpected error is a 500 in OpenAI's error shape; each request gets one access line
+    naming its status and request id."""
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from serve.app import build_app
+
+    client = _Capturing()
+    front = Front(client, tok, "m", MAX_LEN)
+    http = TestClient(build_app(front), raise_server_exceptions=False)
+    front.max_pending, front.pending = 2, 2  # two requests already being answered
+    full = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+    assert full.status_code == 429 and full.headers["retry-after"] and "--max-pending 2" in full.json()["error"]["message"]
+    assert client.sent == [] and front.counters()["responses"]["/v1/completions 429"] == 1
+    front.pending = 0
+    with caplog.at_level(logging.INFO, logger="rlfleet.serve"):
+        ok = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, headers={"X-Request-Id": "r-77"})
+
+        async def broken(*a, **kw):
+            raise RuntimeError("a bug")
+
+        client.generate_async = broken
+        bug = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+    assert ok.status_code == 200 and front.pending == 0
+    assert bug.status_code == 500 and bug.json()["error"]["type"] == "InternalServerError" and "a bug" in bug.json()["error"]["message"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "rlfleet.serve.access"]
+    assert any(line.startswith("POST /v1/completions 200 ") and line.endswith("id=r-77") for line in lines), lines
+    assert any(" 500 " in line for line in lines), lines
