@@ -47,6 +47,9 @@ from fleet.data.dispatch import FleetResult
 from fleet.types import Completion, GenerationResult, field_with_invalid_text
 
 VERSION_HEADER = "x-rlfleet-weight-version"
+# A logprob of -inf (a token the sampler could not have drawn, under processed logprobs) is not JSON: vLLM's
+# server sends this floor instead, and so does this front
+LOGPROB_FLOOR = -9999.0
 # SamplingParams fields a shard never takes from a caller: how outputs are delivered is the backend's business.
 _NOT_SAMPLING = frozenset({"output_kind", "skip_clone", "output_text_buffer_length", "stream_interval"})
 _DEFAULTS = SamplingParams()
@@ -338,13 +341,14 @@ def completion_logprobs(token_ids: Any, logprobs: Any, top_logprobs: Any, tokeni
     tokens = tokenizer.convert_ids_to_tokens(ids)
     top = None
     if k > 0 and top_logprobs is not None:
-        top = [{tokenizer.convert_ids_to_tokens(t): lp for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:k]}
-               for d in top_logprobs]
+        top = [{tokenizer.convert_ids_to_tokens(t): max(lp, LOGPROB_FLOOR)
+                for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:k]} for d in top_logprobs]
     offsets = []
     for t in ids:
         offsets.append(offset)
         offset += len(tokenizer.decode([t]))
-    return CompletionLogProbs(text_offset=offsets, token_logprobs=list(logprobs), tokens=tokens,
+    return CompletionLogProbs(text_offset=offsets, token_logprobs=[max(lp, LOGPROB_FLOOR) for lp in logprobs],
+                              tokens=tokens,
                               top_logprobs=top or [None] * len(tokens)), offset
 
 
@@ -359,9 +363,9 @@ def chat_logprobs(token_ids: Any, logprobs: Any, top_logprobs: Any, tokenizer: A
         if k and top_logprobs is not None and i < len(top_logprobs):
             for tt, tlp in sorted(top_logprobs[i].items(), key=lambda kv: -kv[1])[:k]:
                 s = tokenizer.decode([tt])
-                tops.append(ChatCompletionLogProb(token=s, logprob=max(tlp, -9999.0), bytes=list(s.encode())))
+                tops.append(ChatCompletionLogProb(token=s, logprob=max(tlp, LOGPROB_FLOOR), bytes=list(s.encode())))
         s = tokenizer.decode([t])
-        content.append(ChatCompletionLogProbsContent(token=s, logprob=max(lp, -9999.0), bytes=list(s.encode()),
+        content.append(ChatCompletionLogProbsContent(token=s, logprob=max(lp, LOGPROB_FLOOR), bytes=list(s.encode()),
                                                      top_logprobs=tops))
     return ChatCompletionLogProbs(content=content)
 
@@ -378,8 +382,10 @@ def completion_response(req: CompletionRequest, model: str, frs: list[FleetResul
         CompletionResponseChoice(index=i, text=_text(c, tokenizer, req.skip_special_tokens),
                                  logprobs=completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, tokenizer,
                                                               req.logprobs)[0],
-                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=list(c.token_ids),
-                                 prompt_token_ids=list(fr.result.prompt_token_ids))
+                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                 token_ids=list(c.token_ids) if req.return_token_ids is not False else None,
+                                 prompt_token_ids=list(fr.result.prompt_token_ids)
+                                 if req.return_token_ids is not False else None)
         for i, (fr, c) in enumerate((fr, c) for fr in frs for c in fr.result.completions)
     ]
     body = CompletionResponse(id=f"cmpl-{frs[0].request_id}", model=model, choices=choices,
@@ -418,9 +424,11 @@ def chat_response(req: ChatCompletionRequest, model: str, frs: list[FleetResult]
             index=i, message=message,
             logprobs=chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, tokenizer, bool(req.logprobs),
                                    req.top_logprobs),
-            finish_reason=finish, stop_reason=c.stop_reason, token_ids=list(c.token_ids)))
+            finish_reason=finish, stop_reason=c.stop_reason,
+            token_ids=list(c.token_ids) if req.return_token_ids is not False else None))
     body = ChatCompletionResponse(id=f"chatcmpl-{frs[0].request_id}", model=model, choices=choices,
                                   usage=_usage(frs),
-                                  prompt_token_ids=list(frs[0].result.prompt_token_ids)).model_dump(exclude_none=True)
+                                  prompt_token_ids=list(frs[0].result.prompt_token_ids)
+                                  if req.return_token_ids is not False else None).model_dump(exclude_none=True)
     body["rlfleet"] = group_block(frs)
     return body

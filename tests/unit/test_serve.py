@@ -688,3 +688,25 @@ def test_a_full_front_answers_429_at_once_a_bug_answers_json_and_every_request_h
     lines = [r.getMessage() for r in caplog.records if r.name == "rlfleet.serve.access"]
     assert any(line.startswith("POST /v1/completions 200 ") and line.endswith("id=r-77") for line in lines), lines
     assert any(" 500 " in line for line in lines), lines
+
+
+def test_a_minus_infinite_logprob_is_floored_as_vllm_serve_does_and_return_token_ids_false_is_honoured(tok):
+    """Under processed logprobs a top-k alternative can be -inf, which JSON cannot carry: it was a 500.
+    vLLM's floor (-9999.0) is sent instead. ``return_token_ids: false`` drops the token ids (sent otherwise:
+    a trainer needs them)."""
+    inf = float("-inf")
+    res = GenerationResult("r-1", (1, 2), (Completion((10, 11), (-0.5, inf), "length",
+                                                      top_logprobs=({10: -0.5, 7: inf}, {11: inf})),), 2, 3,
+                           slot=1, incarnation=1, version_spans=((3, 0, 2),))
+    body = protocol.completion_response(CompletionRequest(prompt=[1, 2], logprobs=2), "m", [done(res)], tok)
+    lp = body["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [-0.5, protocol.LOGPROB_FLOOR]
+    assert sorted(lp["top_logprobs"][0].values()) == [protocol.LOGPROB_FLOOR, -0.5]
+    import json
+
+    json.dumps(body, allow_nan=False)  # what the response encoder does: raises on -inf
+    quiet = protocol.completion_response(CompletionRequest(prompt=[1, 2], return_token_ids=False), "m", [done(res)], tok)
+    assert "token_ids" not in quiet["choices"][0] and "prompt_token_ids" not in quiet["choices"][0]
+    chat = protocol.chat_response(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], return_token_ids=False),
+                                  "m", [done(res)], tok)
+    assert "token_ids" not in chat["choices"][0] and "prompt_token_ids" not in chat
