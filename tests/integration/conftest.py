@@ -94,6 +94,9 @@ class RawPair:
         starts = [ray_door.submit(h, "start") for h in self.shards]
         # While its engine starts, a shard still answers: a controller re-adopting it meanwhile asks
         # ``describe`` with a short deadline, and a shard that cannot answer would be counted missing.
+        # The first answer waits for the actor to exist (its process and imports: 5 to 15 s on a loaded
+        # machine, where a 5 s deadline failed the session's raw pair); from then on each must be quick.
+        self.start_states += [ray_door.ask(h, "describe", timeout=120.0)["state"] for h in self.shards]
         end = time.monotonic() + 300
         while time.monotonic() < end:
             states = [ray_door.ask(h, "describe", timeout=5.0)["state"] for h in self.shards]
