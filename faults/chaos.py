@@ -8,7 +8,10 @@ outside with the step's requests in flight, or crashing itself at a random phase
 the step's refit), but only while every slot serves, so the fleet stays above quorum
 by construction and every fault must be recovered from. The first two faults of a
 soak are the two controller kills (so even a short soak has both); every later one
-is drawn from all of them. Restarts are on, the controller's too.
+is drawn from all of them. A soak whose duration ends before both went off (its slots
+were not all serving when one was due) goes on, for at most ``overtime_s``, firing
+them at the first steps where every slot serves; ``held_back`` counts the steps that
+waited, by the states seen. Restarts are on, the controller's too.
 
 Reported from the records (``faults.evidence``: the fault journal and the event
 log): the faults that went off, those that went off and did nothing, those
@@ -45,13 +48,22 @@ RECOVERABLE = (
 ) + CONTROLLER_KILLS
 
 
+def due(elapsed_s: float, fired: int, duration_s: float, overtime_s: float) -> bool:
+    """Whether the soak takes another step: within its duration, or past it (by at most
+    ``overtime_s``) while the controller kills every soak must have are still to fire."""
+    if elapsed_s < duration_s:
+        return True
+    return fired < len(CONTROLLER_KILLS) and elapsed_s < duration_s + overtime_s
+
+
 def soak(model_dir: str, duration_s: float = 600.0, rate_per_min: float = 3.0, seed: int = 0,
-         groups: int = 3, log: Callable = print) -> dict:
+         groups: int = 3, log: Callable = print, overtime_s: float = 240.0) -> dict:
     rng = random.Random(seed)
     runner = FaultRunner(model_dir, groups=groups, log=log)
     plan = load_plan({"name": "chaos-soak", "expect": "recovers",
                       "fleet": {"restart_budget": 10_000, "controller_max_restarts": 10_000}})
     steps, stopped = 0, None
+    held_back: dict[str, int] = {}  # steps with a fault due that waited for every slot to serve: the states seen
     try:
         fleet = runner.fleet_for(plan)
         t_start = time.monotonic()  # the soak's duration starts once the fleet is up (its start is not soak time)
@@ -65,12 +77,18 @@ def soak(model_dir: str, duration_s: float = 600.0, rate_per_min: float = 3.0, s
         firing = FaultFiring(fleet, log=runner.say, t0=t_start, load=load)
         n = fleet.config.num_engines
         last = time.monotonic()
-        while time.monotonic() - t_start < duration_s:
+        while due(time.monotonic() - t_start, len(firing.fired), duration_s, overtime_s):
             step_s = max(0.5, time.monotonic() - last)
             last = time.monotonic()
             pending[:] = [fleet.submit(PROMPT, 2, SAMPLING) for _ in range(groups)]
             states = slot_states(fleet.status())
-            if all(v == "healthy" for v in states.values()) and rng.random() < rate_per_min * step_s / 60.0:
+            serving = all(v == "healthy" for v in states.values())
+            mandatory = len(firing.fired) < len(CONTROLLER_KILLS)  # still owed: forced once the duration is up
+            if not serving and mandatory:
+                seen = ",".join(f"{s}:{v}" for s, v in sorted(states.items()) if v != "healthy")
+                held_back[seen] = held_back.get(seen, 0) + 1
+            overtime = time.monotonic() - t_start >= duration_s
+            if serving and ((mandatory and overtime) or rng.random() < rate_per_min * step_s / 60.0):
                 k = len(firing.fired)
                 where, what = CONTROLLER_KILLS[k] if k < len(CONTROLLER_KILLS) else RECOVERABLE[rng.randrange(len(RECOVERABLE))]
                 where = REFIT_PHASES[rng.randrange(len(REFIT_PHASES))] if where == AT_A_PHASE else where
@@ -101,6 +119,7 @@ def soak(model_dir: str, duration_s: float = 600.0, rate_per_min: float = 3.0, s
         "duration_s": round(time.monotonic() - t_start, 1),
         "steps": steps,
         "faults": len(firing.fired),
+        "held_back": held_back,
         "controller_kills": sum(1 for f in firing.fired if f["what"] == "kill_controller"),
         "faults_fired": len(fired),
         "fault_kinds": sorted({f"{f['point']}:{f['action']}" for f in fired}),

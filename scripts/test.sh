@@ -63,6 +63,8 @@ done
 # What failed, at the end where a log's tail shows it (each lane's own summary is above its durations).
 for lane in fleets matrix; do
   grep -E '^(FAILED|ERROR) ' "$work/$lane/log" | cut -c1-600 | head -20 | sed "s/^/[$lane] /" || true
+  # pytest cuts the summary line at the terminal's width: the first assertion lines whole
+  [ "$(cat "$work/$lane/rc")" = 0 ] || grep -E '^E  ' "$work/$lane/log" | cut -c1-1500 | head -12 | sed "s/^/[$lane] /" || true
 done
 python - "$work/fleets/starts.jsonl" "$work/matrix/starts.jsonl" <<'EOF'
 import sys
