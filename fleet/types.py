@@ -56,6 +56,9 @@ class Completion:
         return self.finish_reason == FINISH_ABORTED
 
 
+# Per prompt position (None for the first, which nothing predicts): ``{token id: (logprob, rank)}``, the
+# prompt's own token and the top ``prompt_logprobs`` others, as vLLM computed them
+PromptLogprobs = tuple[dict[int, tuple[float, int]] | None, ...]
 Span = tuple[int, int, int]  # (weight version, first completion token, end): tokens [start, end) of one version
 
 
@@ -78,6 +81,8 @@ class Piece:
     # on a completion's last piece: the engine's own labels over every token of this attempt (vLLM's
     # ``weight_versions``), or None when it gave none
     spans: tuple[Span, ...] | None = None
+    # on the first piece, when the sampling asked for ``prompt_logprobs``: the prompt's (``PromptLogprobs``)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class GenerationResult:
     # (version, start, end) over the first completion's token indexes: which weights sampled which tokens
     # (vLLM's own labels where the engine gave them; a continued request's spans cover every engine it ran on)
     version_spans: tuple[Span, ...] = ()
+    prompt_logprobs: PromptLogprobs | None = None  # when the sampling asked for them (``PromptLogprobs``)
 
     @property
     def aborted(self) -> bool:

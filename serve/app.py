@@ -226,7 +226,8 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
     @app.post("/v1/completions")
     @with_cancellation
     async def completions(request: CompletionRequest, raw_request: Request):
-        return await _serve(front, "/v1/completions", request, protocol.completion_calls,
+        return await _serve(front, "/v1/completions", request,
+                            functools.partial(protocol.completion_calls, defaults=front.sampling_defaults),
                             protocol.completion_response, raw=raw_request)
 
     @app.post("/v1/chat/completions")
@@ -236,7 +237,8 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
             front.count("/v1/chat/completions", 400)
             return _error(400, "this server renders no chat (started without a chat renderer)", "BadRequestError",
                           "messages")
-        return await _serve(front, "/v1/chat/completions", request, protocol.chat_calls,
+        return await _serve(front, "/v1/chat/completions", request,
+                            functools.partial(protocol.chat_calls, defaults=front.sampling_defaults),
                             functools.partial(protocol.chat_response, renderer=front.chat), via=front.chat,
                             raw=raw_request)
 

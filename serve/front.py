@@ -58,6 +58,8 @@ class Front:
         self.client = client
         self.tokenizer = tokenizer
         self.chat = chat
+        # what the model's generation_config.json sets (``protocol.generation_defaults``), for fields a request leaves unset
+        self.sampling_defaults: dict = {}
         self.logprobs_mode = "raw_logprobs"  # the engines' (``EngineConfig.logprobs_mode``), said in each response
         self.pending = 0  # HTTP requests being answered (``serve.app``); past ``max_pending`` a 429
         self.max_pending = DEFAULT_MAX_PENDING

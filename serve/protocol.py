@@ -40,6 +40,7 @@ from vllm.entrypoints.openai.completion.protocol import (
 from vllm.entrypoints.generate.base.protocol import ToolCall
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo
 from vllm.exceptions import VLLMClientError
+from vllm.logprobs import Logprob
 from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.sampling_params import SamplingParams
 
@@ -84,17 +85,20 @@ def sampling_of(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def _sampling(req: Any, prompt_len: int, max_model_len: int, requested_max: int | None) -> dict[str, Any]:
+def _sampling(req: Any, prompt_len: int, max_model_len: int, requested_max: int | None,
+              defaults: dict | None = None) -> dict[str, Any]:
+    """The request's sampling dict. ``defaults``: the model's generation config (``generation_defaults``),
+    which fills what the request leaves unset, ``max_tokens`` included, as ``vllm serve`` does."""
+    defaults = defaults or {}
     room = max_model_len - prompt_len
     if room <= 0:
         raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
                          f"has {prompt_len} tokens, which leaves no room for the completion.", "prompt")
+    if requested_max is None:
+        requested_max = defaults.get("max_tokens")
     max_tokens = room if requested_max is None else min(requested_max, room)  # as vLLM's server clamps it
     try:
-        if isinstance(req, ChatCompletionRequest):
-            params = req.to_sampling_params(max_tokens, {})
-        else:
-            params = req.to_sampling_params(max_tokens)
+        params = req.to_sampling_params(max_tokens, dict(defaults))
     except (ValueError, TypeError, VLLMClientError) as exc:  # vLLM's own validation of the params
         raise BadRequest(str(exc), getattr(exc, "parameter", None)) from None
     out = sampling_of(params)
@@ -102,6 +106,12 @@ def _sampling(req: Any, prompt_len: int, max_model_len: int, requested_max: int 
     # always wants them); an HTTP client that did not ask gets none, and the engine spends nothing on them
     out["logprobs"] = params.logprobs
     return out
+
+
+def generation_defaults(model_config: Any) -> dict[str, Any]:
+    """The sampling defaults of the model's ``generation_config.json`` (temperature, top_p, top_k, min_p,
+    penalties, ``max_new_tokens`` as ``max_tokens``), read by vLLM as ``vllm serve`` reads them."""
+    return dict(model_config.get_diff_sampling_param())
 
 
 def refuse_invalid_text(req: Any) -> None:
@@ -145,9 +155,7 @@ UNSUPPORTED: tuple[tuple[str, Any], ...] = (
     ("cache_salt", lambda v: v is not None),  # the fleet salts the prefix cache per weight version itself
     ("echo", bool),
     ("suffix", lambda v: v is not None),
-    ("prompt_logprobs", lambda v: v is not None),
     ("truncate_prompt_tokens", lambda v: v is not None),
-    ("return_tokens_as_token_ids", bool),
     ("prompt_embeds", lambda v: v is not None),
     # a tool choice that forces a call: vllm serve constrains the output to it (structured outputs), not done here
     ("tool_choice", lambda v: v not in (None, "none", "auto")),
@@ -166,6 +174,13 @@ def refuse_unsupported(req: Any) -> None:
     if unknown:
         raise BadRequest(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not part of "
                          f"this endpoint's request (rlfleet serve ignores nothing it is sent)", unknown[0])
+
+
+def refuse_streamed_prompt_logprobs(req: Any) -> None:
+    """``prompt_logprobs`` come in the whole response only (vLLM refuses most streamed ones too)."""
+    if req.stream and req.prompt_logprobs is not None:
+        raise BadRequest("prompt_logprobs are not available when stream is true: send stream: false",
+                         "prompt_logprobs")
 
 
 FLEET_FIELD = "rlfleet"  # the request body's namespace for what only a fleet has
@@ -229,15 +244,18 @@ def refuse_text_beyond_the_context(req: Any, max_model_len: int) -> None:
                          f"(over {MAX_CHARS_PER_TOKEN} per token)", field)
 
 
-def completion_calls(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> list[tuple[list[int], dict]]:
+def completion_calls(req: CompletionRequest, tokenizer: Any, max_model_len: int,
+                     defaults: dict | None = None) -> list[tuple[list[int], dict]]:
     """(prompt ids, sampling) per prompt of the request, in order (a batch: several; ``max_tokens`` left
-    unset is each prompt's own room in the context, as vLLM's server computes it)."""
+    unset is each prompt's own room in the context, as vLLM's server computes it; ``defaults``: the model's
+    generation config, for what the request leaves unset)."""
     refuse_unsupported(req)  # before the tokenizer spends anything on a request it would refuse
+    refuse_streamed_prompt_logprobs(req)
     prompts = completion_prompts(req, tokenizer)
     if len(prompts) > 1 and req.stream:
         raise BadRequest("stream is not supported with a batch of prompts by rlfleet serve yet: send stream: false, "
                          "or one request per prompt", "stream")
-    return [(p, _sampling(req, len(p), max_model_len, req.max_tokens)) for p in prompts]
+    return [(p, _sampling(req, len(p), max_model_len, req.max_tokens, defaults)) for p in prompts]
 
 
 def completion_call(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> tuple[list[int], dict]:
@@ -246,21 +264,24 @@ def completion_call(req: CompletionRequest, tokenizer: Any, max_model_len: int) 
     return one
 
 
-def chat_call(req: ChatCompletionRequest, renderer: Any, max_model_len: int) -> tuple[list[int], dict]:
+def chat_call(req: ChatCompletionRequest, renderer: Any, max_model_len: int,
+              defaults: dict | None = None) -> tuple[list[int], dict]:
     """As ``completion_call``, the prompt rendered by ``renderer`` (``serve.render.ChatRenderer``)."""
     refuse_unsupported(req)
+    refuse_streamed_prompt_logprobs(req)
     if req.stream and renderer.parses:
         raise BadRequest("stream is not supported with --tool-call-parser or --reasoning-parser by rlfleet serve "
                          "yet (the parsed fields would be missing from the events): send stream: false", "stream")
     prompt = chat_prompt(req, renderer)
     # ``max_tokens`` is deprecated for chat (read from the fields, so that reading it warns no one)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.__dict__.get("max_tokens")
-    return prompt, _sampling(req, len(prompt), max_model_len, requested)
+    return prompt, _sampling(req, len(prompt), max_model_len, requested, defaults)
 
 
-def chat_calls(req: ChatCompletionRequest, renderer: Any, max_model_len: int) -> list[tuple[list[int], dict]]:
+def chat_calls(req: ChatCompletionRequest, renderer: Any, max_model_len: int,
+               defaults: dict | None = None) -> list[tuple[list[int], dict]]:
     """``chat_call`` as the one job of ``completion_calls``' shape."""
-    return [chat_call(req, renderer, max_model_len)]
+    return [chat_call(req, renderer, max_model_len, defaults)]
 
 
 # ---------------------------------------------------------------------------------------------- choices
@@ -331,17 +352,24 @@ def _usage(frs: list[FleetResult], n: int = 1) -> UsageInfo:
                  sum(len(c.token_ids) for fr in frs for c in fr.result.completions))
 
 
+def token_id_name(token_id: int) -> str:
+    """A token named by its id, as vLLM names it under ``return_tokens_as_token_ids`` (no text to decode)."""
+    return f"token_id:{int(token_id)}"
+
+
 def completion_logprobs(token_ids: Any, logprobs: Any, top_logprobs: Any, tokenizer: Any, k: int | None,
-                        offset: int = 0) -> tuple[CompletionLogProbs | None, int]:
+                        offset: int = 0, as_ids: bool = False) -> tuple[CompletionLogProbs | None, int]:
     """The completion format's logprobs of these tokens (top ``k`` of what the engine sent), their text
-    offsets counted from ``offset``; and the offset after them (a stream's next delta starts there)."""
+    offsets counted from ``offset``; and the offset after them (a stream's next delta starts there).
+    ``as_ids``: tokens named ``token_id:<id>`` (the request's ``return_tokens_as_token_ids``)."""
     if k is None:
         return None, offset
     ids = list(token_ids)
-    tokens = tokenizer.convert_ids_to_tokens(ids)
+    name = token_id_name if as_ids else tokenizer.convert_ids_to_tokens
+    tokens = [token_id_name(t) for t in ids] if as_ids else tokenizer.convert_ids_to_tokens(ids)
     top = None
     if k > 0 and top_logprobs is not None:
-        top = [{tokenizer.convert_ids_to_tokens(t): max(lp, LOGPROB_FLOOR)
+        top = [{name(t): max(lp, LOGPROB_FLOOR)
                 for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:k]} for d in top_logprobs]
     offsets = []
     for t in ids:
@@ -353,21 +381,34 @@ def completion_logprobs(token_ids: Any, logprobs: Any, top_logprobs: Any, tokeni
 
 
 def chat_logprobs(token_ids: Any, logprobs: Any, top_logprobs: Any, tokenizer: Any, want: bool,
-                  k: int | None) -> ChatCompletionLogProbs | None:
-    """The chat format's logprobs of these tokens (top ``k`` of what the engine sent)."""
+                  k: int | None, as_ids: bool = False) -> ChatCompletionLogProbs | None:
+    """The chat format's logprobs of these tokens (top ``k`` of what the engine sent); ``as_ids`` as in
+    ``completion_logprobs``."""
     if not want:
         return None
+    name = token_id_name if as_ids else (lambda t: tokenizer.decode([t]))
     content = []
     for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
         tops = []
         if k and top_logprobs is not None and i < len(top_logprobs):
             for tt, tlp in sorted(top_logprobs[i].items(), key=lambda kv: -kv[1])[:k]:
-                s = tokenizer.decode([tt])
+                s = name(tt)
                 tops.append(ChatCompletionLogProb(token=s, logprob=max(tlp, LOGPROB_FLOOR), bytes=list(s.encode())))
-        s = tokenizer.decode([t])
+        s = name(t)
         content.append(ChatCompletionLogProbsContent(token=s, logprob=max(lp, LOGPROB_FLOOR), bytes=list(s.encode()),
                                                      top_logprobs=tops))
     return ChatCompletionLogProbs(content=content)
+
+
+def prompt_logprobs(result: GenerationResult, tokenizer: Any) -> list[dict[int, Logprob] | None] | None:
+    """The prompt's logprobs as vLLM's server sends them (``{token id: Logprob}`` per position, ``None`` for
+    the first; a ``-inf`` floored), when the request asked for ``prompt_logprobs``."""
+    if result.prompt_logprobs is None:
+        return None
+    return [None if d is None else {t: Logprob(logprob=max(lp, LOGPROB_FLOOR), rank=rank,
+                                               decoded_token=tokenizer.decode([t]))
+                                    for t, (lp, rank) in d.items()}
+            for d in result.prompt_logprobs]
 
 
 def _completions(frs: list[FleetResult]) -> list[Completion]:
@@ -381,7 +422,9 @@ def completion_response(req: CompletionRequest, model: str, frs: list[FleetResul
     choices = [
         CompletionResponseChoice(index=i, text=_text(c, tokenizer, req.skip_special_tokens),
                                  logprobs=completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, tokenizer,
-                                                              req.logprobs)[0],
+                                                              req.logprobs,
+                                                              as_ids=bool(req.return_tokens_as_token_ids))[0],
+                                 prompt_logprobs=prompt_logprobs(fr.result, tokenizer),
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                  token_ids=list(c.token_ids) if req.return_token_ids is not False else None,
                                  prompt_token_ids=list(fr.result.prompt_token_ids)
@@ -423,12 +466,13 @@ def chat_response(req: ChatCompletionRequest, model: str, frs: list[FleetResult]
         choices.append(ChatCompletionResponseChoice(
             index=i, message=message,
             logprobs=chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, tokenizer, bool(req.logprobs),
-                                   req.top_logprobs),
+                                   req.top_logprobs, as_ids=bool(req.return_tokens_as_token_ids)),
             finish_reason=finish, stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if req.return_token_ids is not False else None))
     body = ChatCompletionResponse(id=f"chatcmpl-{frs[0].request_id}", model=model, choices=choices,
                                   usage=_usage(frs),
                                   prompt_token_ids=list(frs[0].result.prompt_token_ids)
-                                  if req.return_token_ids is not False else None).model_dump(exclude_none=True)
+                                  if req.return_token_ids is not False else None,
+                                  prompt_logprobs=prompt_logprobs(frs[0].result, tokenizer)).model_dump(exclude_none=True)
     body["rlfleet"] = group_block(frs)
     return body

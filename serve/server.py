@@ -74,6 +74,7 @@ class HttpServer:
             config = self.fleet.config.model_copy(update={"request_timeout_s": float(self.request_timeout_s)})
             client = self._own_client = FleetClient(self.fleet.controller, config)
             client.wait_routing(-1, 60)
+        from serve.protocol import generation_defaults
         from serve.render import ChatRenderer
 
         engine = self.fleet.config.engine
@@ -82,6 +83,7 @@ class HttpServer:
         self.front = Front(client, tokenizer, self.model_name, engine.max_model_len,
                            controller=self.fleet.controller, chat=renderer)
         self.front.logprobs_mode = engine.logprobs_mode
+        self.front.sampling_defaults = generation_defaults(renderer.model_config)
         if self.max_pending is not None:
             self.front.max_pending = self.max_pending
         sock = listening_socket(self.host, self.port)

@@ -150,7 +150,7 @@ class CompletionEvents(StreamEvents):
     def _chunk(self, i, text, token_ids, logprobs, top, finish_reason=None, stop_reason=None):
         c = self.choices[i]
         lp, c.offset = protocol.completion_logprobs(token_ids, logprobs, top, self.tokenizer, self.req.logprobs,
-                                                    c.offset)
+                                                    c.offset, as_ids=bool(self.req.return_tokens_as_token_ids))
         choice = CompletionResponseStreamChoice(
             index=i, text=text, logprobs=lp, finish_reason=finish_reason, stop_reason=stop_reason,
             token_ids=list(token_ids), prompt_token_ids=list(self.prompt) if self._first(i) else None)
@@ -178,7 +178,7 @@ class ChatEvents(StreamEvents):
 
     def _chunk(self, i, text, token_ids, logprobs, top, finish_reason=None, stop_reason=None):
         lp = protocol.chat_logprobs(token_ids, logprobs, top, self.tokenizer, bool(self.req.logprobs),
-                                    self.req.top_logprobs)
+                                    self.req.top_logprobs, as_ids=bool(self.req.return_tokens_as_token_ids))
         choice = ChatCompletionResponseStreamChoice(
             index=i, delta=DeltaMessage(content=text), logprobs=lp, finish_reason=finish_reason,
             stop_reason=stop_reason, token_ids=list(token_ids))

@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from fleet.types import FINISH_ABORTED, FINISH_LENGTH, Chunk, Completion, GenerationResult, Span, TokenDelta, spans_of
+from fleet.types import (FINISH_ABORTED, FINISH_LENGTH, Chunk, Completion, GenerationResult, PromptLogprobs, Span,
+                         TokenDelta, spans_of)
 
 # vLLM's ``SamplingParams.max_tokens`` when a request does not set it.
 VLLM_DEFAULT_MAX_TOKENS = 16
@@ -28,6 +29,7 @@ class Partial:
     def __init__(self, on_tokens: Callable[[TokenDelta], None] | None = None) -> None:
         self.on_tokens = on_tokens
         self.prompt_ids: tuple[int, ...] | None = None  # the original prompt, as the first shard tokenized it
+        self.prompt_logprobs: PromptLogprobs | None = None  # the original prompt's, when asked for (first sent)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.tops: list[dict[int, float]] | None = None
@@ -52,6 +54,8 @@ class Partial:
         for piece in chunk.pieces:
             if piece.index != 0:
                 continue
+            if piece.prompt_logprobs is not None and self.prompt_logprobs is None:
+                self.prompt_logprobs = piece.prompt_logprobs
             self._add(piece.token_ids, piece.logprobs, piece.top_logprobs, piece.text, [(piece.version, 0)])
             if piece.finish_reason is not None:
                 self.finish, self.stop_reason = piece.finish_reason, piece.stop_reason
@@ -62,6 +66,8 @@ class Partial:
         brought, which the shard may have held back; never shrinks what was already told to the caller."""
         if self.prompt_ids is None:
             self.prompt_ids = tuple(result.prompt_token_ids)
+        if self.prompt_logprobs is None and result.prompt_logprobs is not None:
+            self.prompt_logprobs = result.prompt_logprobs[:len(self.prompt_ids)]  # a continuation's: its prompt's part
         if not result.completions:
             return
         c = result.completions[0]
@@ -147,6 +153,8 @@ class Partial:
         held = len(self.tokens)
         left = dict(sampling)
         left["max_tokens"] = self.budget(sampling) - held
+        if self.prompt_logprobs is not None:
+            left.pop("prompt_logprobs", None)  # held already: not computed again over a longer prompt
         if left.get("min_tokens"):
             left["min_tokens"] = max(0, int(left["min_tokens"]) - held)
         return list(self.prompt_ids or ()) + self.tokens, left, (held, self.text, self.oldest())
@@ -158,12 +166,14 @@ class Partial:
     def result(self, last: GenerationResult) -> GenerationResult:
         """The caller's result: ``last`` (the attempt that finished) with every held token in its first completion."""
         if self._base == 0:  # nothing was carried into it: the shard's result as it is, with the spans held
-            return dataclasses.replace(last, version_spans=last.version_spans or self.spans())
+            return dataclasses.replace(last, version_spans=last.version_spans or self.spans(),
+                                       prompt_logprobs=last.prompt_logprobs or self.prompt_logprobs)
         first = Completion(tuple(self.tokens), tuple(self.logprobs), self.finish, self.text or None,
                            None if self.tops is None else tuple(self.tops), self.stop_reason)
         return dataclasses.replace(last, prompt_token_ids=self.prompt_ids or last.prompt_token_ids,
                                    completions=(first,) + tuple(last.completions[1:]),
-                                   version_start=min(self.oldest(), last.version_start), version_spans=self.spans())
+                                   version_start=min(self.oldest(), last.version_start), version_spans=self.spans(),
+                                   prompt_logprobs=self.prompt_logprobs)
 
     def ended_here(self, slot: int, incarnation: int, version: int, request_id: str, at: float) -> GenerationResult:
         """A result made of what is held alone: the output already finished (or its budget is spent) when its
@@ -172,4 +182,4 @@ class Partial:
         first = Completion(tuple(self.tokens), tuple(self.logprobs), finish, self.text or None,
                            None if self.tops is None else tuple(self.tops), self.stop_reason if self.finished else None)
         return GenerationResult(request_id, self.prompt_ids or (), (first,), self.oldest(), version, slot, incarnation,
-                                finished_at=at, version_spans=self.spans())
+                                finished_at=at, version_spans=self.spans(), prompt_logprobs=self.prompt_logprobs)

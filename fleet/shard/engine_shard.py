@@ -277,6 +277,7 @@ class EngineShard:
                 incarnation=self.incarnation,
                 finished_at=time.monotonic(),
                 version_spans=out.spans(),
+                prompt_logprobs=out.prompt_logprobs,
             )
         except BaseException as exc:
             if isinstance(exc, EngineCrashedError) and exc.request_id is None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from fleet.shard.continuation import Carried, TextSeam
-from fleet.types import FINISH_STOP, Chunk, Completion, Piece, Span, spans_of
+from fleet.types import FINISH_STOP, Chunk, Completion, Piece, PromptLogprobs, Span, spans_of
 
 
 @dataclass
@@ -52,6 +52,7 @@ class OutputStream:
             self._seam = TextSeam(held, carried.text, sampling.get("stop"),
                                   bool(sampling.get("include_stop_str_in_output", False)))
         self._first = True
+        self.prompt_logprobs: PromptLogprobs | None = None  # the engine's, when the sampling asked for them
 
     async def run(self, cache_salt: str | None) -> None:
         async for pieces in self._backend.stream(self._tokens, self._sampling, self._rid, cache_salt,
@@ -80,6 +81,8 @@ class OutputStream:
     def _keep(self, piece: Piece) -> Piece:
         version = self._version()
         piece = replace(piece, version=version)
+        if piece.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = piece.prompt_logprobs
         o = self._outs.setdefault(piece.index, _Out())
         if piece.token_ids:
             o.starts.append((version, len(o.tokens)))

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from fleet.shard.backend import BackendCapabilities, PauseMode, confirmed
 from fleet.errors import BadRequestError, EngineCrashedError
 from fleet.types import field_with_invalid_text
-from fleet.types import EngineStats, Piece
+from fleet.types import EngineStats, Piece, PromptLogprobs
 
 
 def _make_stats_logger(sink: EngineStats, on_step: Callable[[int], None]):
@@ -44,6 +45,15 @@ def _make_stats_logger(sink: EngineStats, on_step: Callable[[int], None]):
             pass
 
     return lambda vllm_config, engine_index=0: _SinkLogger(vllm_config, engine_index)
+
+
+def _prompt_logprobs(request_output) -> PromptLogprobs | None:
+    """vLLM's prompt logprobs of a request (``{id: Logprob}`` per position) as plain data."""
+    lps = request_output.prompt_logprobs
+    if lps is None:
+        return None
+    return tuple(None if d is None else {int(t): (float(v.logprob), int(v.rank or 0)) for t, v in d.items()}
+                 for d in lps)
 
 
 def _piece(out, top: bool) -> Piece:
@@ -163,8 +173,11 @@ class VllmBackend:
         produced = False
         try:
             async for out in engine.generate(prompt, sp, request_id):
+                pieces = [_piece(o, top) for o in out.outputs]
+                if not produced and pieces and sp.prompt_logprobs is not None:  # vLLM sends them with the first
+                    pieces[0] = replace(pieces[0], prompt_logprobs=_prompt_logprobs(out))
                 produced = True
-                yield [_piece(o, top) for o in out.outputs]
+                yield pieces
         except EngineDeadError as exc:
             raise EngineCrashedError(f"engine core died during request {request_id}: {exc}") from None
         except (ValueError, VLLMClientError) as exc:

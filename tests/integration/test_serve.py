@@ -138,6 +138,13 @@ def test_completions_and_chat_through_the_openai_client_are_tagged_with_their_we
     assert msg.message.role == "assistant" and msg.message.content
     assert len(msg.logprobs.content) == 6 and all(len(t.top_logprobs) == 2 for t in msg.logprobs.content)
     assert tags_of(chat)["weight_version"] == version
+    # the prompt's logprobs from the engine, each position's own token among them; tokens named by id
+    scored = c.completions.create(model=served.model, prompt=[5, 6, 7, 8], max_tokens=2, logprobs=1,
+                                  extra_body={"prompt_logprobs": 1, "return_tokens_as_token_ids": True}).model_dump()
+    plp = scored["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == 4
+    assert all(str(t) in plp[i] and plp[i][str(t)]["logprob"] <= 0 for i, t in enumerate([5, 6, 7, 8]) if i)
+    assert all(tok.startswith("token_id:") for tok in scored["choices"][0]["logprobs"]["tokens"])
 
 
 def test_streams_arrive_as_server_sent_events_token_by_token_tagged_at_the_end(served):

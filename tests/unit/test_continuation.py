@@ -245,3 +245,25 @@ def test_a_short_request_without_a_streaming_caller_is_one_plain_call_and_a_long
         assert [req[2] for _, req in door.sent] == ["short", "long", "told"]
 
     asyncio.run(go())
+
+
+def test_the_prompt_logprobs_of_the_first_attempt_are_kept_and_not_asked_again_over_the_longer_prompt():
+    """A continued request's prompt is the original followed by the held tokens: the prompt logprobs the first
+    engine sent (over the original) are the caller's, and the continuation does not make the next engine
+    compute them again; a result that brings them (a continuation's, longer) is cut to the original prompt."""
+    plp = (None, {2: (-1.0, 1)})
+    out = Partial()
+    out.begin()
+    first = Piece(index=0, token_ids=(5, 6), logprobs=(-0.5, -0.5), text="<5><6>", prompt_logprobs=plp)
+    out.take(Chunk((first,), (1, 2)))
+    _, sampling, _ = out.continuation([1, 2], {"max_tokens": 4, "prompt_logprobs": 1})
+    assert "prompt_logprobs" not in sampling and out.prompt_logprobs == plp
+    out.begin()
+    out.settle(GenerationResult("r", (1, 2, 5, 6), (Completion((7,), (-0.1,), "length", "<7>"),), 0, 0, 1, 1,
+                                prompt_logprobs=plp + ({5: (-2.0, 4)}, {6: (-3.0, 5)})))
+    assert out.result(GenerationResult("r", (1, 2, 5, 6), (Completion((7,), (-0.1,), "length"),), 0, 0, 1, 1)
+                      ).prompt_logprobs == plp
+    late = Partial()
+    late.settle(GenerationResult("r", (1, 2), (Completion((7,), (-0.1,), "length"),), 0, 0, 1, 1,
+                                 prompt_logprobs=plp))
+    assert late.prompt_logprobs == plp

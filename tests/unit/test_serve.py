@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -106,7 +107,7 @@ def test_the_engine_side_refuses_a_sampling_dict_with_invalid_text_naming_the_fi
 
 
 @pytest.mark.parametrize("field,value", [
-    ("prompt_logprobs", 1), ("truncate_prompt_tokens", 2), ("return_tokens_as_token_ids", True), ("suffix", "end"),
+    ("truncate_prompt_tokens", 2), ("suffix", "end"), ("echo", True),
 ])
 def test_a_field_the_front_does_not_carry_out_is_refused_naming_it_not_ignored(tok, field, value):
     with pytest.raises(protocol.BadRequest, match=f"{field} is not supported") as err:
@@ -710,3 +711,72 @@ def test_a_minus_infinite_logprob_is_floored_as_vllm_serve_does_and_return_token
     chat = protocol.chat_response(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], return_token_ids=False),
                                   "m", [done(res)], tok)
     assert "token_ids" not in chat["choices"][0] and "prompt_token_ids" not in chat
+
+
+def test_prompt_logprobs_are_sent_as_vllm_sends_them_and_tokens_can_be_named_by_id(tok):
+    """``prompt_logprobs`` go to the engine and come back per prompt position (None for the first, a -inf
+    floored), on each completion choice and once for a chat; ``return_tokens_as_token_ids`` names every
+    logprob's token ``token_id:<id>``; a streamed request asking prompt logprobs is refused naming the field."""
+    import json
+
+    _, sampling = protocol.completion_call(CompletionRequest(prompt=[1, 2, 3], prompt_logprobs=1, max_tokens=2),
+                                           tok, MAX_LEN)
+    assert sampling["prompt_logprobs"] == 1
+    plp = (None, {2: (-1.5, 3), 9: (-0.2, 1)}, {3: (float("-inf"), 7)})
+    res = GenerationResult("r-1", (1, 2, 3), (Completion((10, 11), (-0.5, -0.7), "length",
+                                                         top_logprobs=({10: -0.5, 7: -2.0}, {11: -0.7})),), 2, 3,
+                           slot=1, incarnation=1, version_spans=((3, 0, 2),), prompt_logprobs=plp)
+    req = CompletionRequest(prompt=[1, 2, 3], prompt_logprobs=1, logprobs=1, return_tokens_as_token_ids=True)
+    body = json.loads(json.dumps(protocol.completion_response(req, "m", [done(res)], tok), allow_nan=False))
+    choice = body["choices"][0]
+    assert choice["prompt_logprobs"][0] is None
+    assert choice["prompt_logprobs"][1]["2"] == {"logprob": -1.5, "rank": 3, "decoded_token": tok.decode([2])}
+    assert choice["prompt_logprobs"][2]["3"]["logprob"] == protocol.LOGPROB_FLOOR
+    assert choice["logprobs"]["tokens"] == ["token_id:10", "token_id:11"]
+    assert set(choice["logprobs"]["top_logprobs"][0]) == {"token_id:10"}
+    chat_req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=1,
+                                     prompt_logprobs=0, return_tokens_as_token_ids=True)
+    chat = protocol.chat_response(chat_req, "m", [done(res)], tok)
+    assert [c["token"] for c in chat["choices"][0]["logprobs"]["content"]] == ["token_id:10", "token_id:11"]
+    assert chat["choices"][0]["logprobs"]["content"][0]["bytes"] == list(b"token_id:10")
+    assert len(chat["prompt_logprobs"]) == 3
+    plain = protocol.completion_response(CompletionRequest(prompt=[1, 2, 3], logprobs=0), "m",
+                                         [done(dataclasses.replace(res, prompt_logprobs=None))], tok)
+    assert "prompt_logprobs" not in plain["choices"][0] and plain["choices"][0]["logprobs"]["tokens"][0] != "token_id:10"
+    with pytest.raises(protocol.BadRequest) as err:
+        protocol.completion_call(CompletionRequest(prompt=[1, 2], prompt_logprobs=0, stream=True), tok, MAX_LEN)
+    assert err.value.param == "prompt_logprobs"
+
+
+def test_fields_a_request_leaves_unset_take_the_models_generation_config_as_vllm_serve_does(tok, tiny_model, tmp_path):
+    """``generation_config.json``'s temperature, top_p and max_new_tokens (a chat's) fill what a request leaves unset (read
+    by vLLM, as ``vllm serve`` reads them); what the request sets wins; the tiny model's own sets none."""
+    import json
+    import os
+
+    from fastapi.testclient import TestClient
+
+    from serve.app import build_app
+    from serve.render import ChatRenderer
+
+    for name in os.listdir(tiny_model):
+        if name != "generation_config.json":
+            os.symlink(os.path.join(tiny_model, name), tmp_path / name)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9,
+                                                                 "max_new_tokens": 7}))
+    defaults = protocol.generation_defaults(ChatRenderer(str(tmp_path), MAX_LEN, tok).model_config)
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 7}
+    assert protocol.generation_defaults(ChatRenderer(tiny_model, MAX_LEN, tok).model_config) == {}
+    (_, unset), = protocol.completion_calls(CompletionRequest(prompt=[1, 2]), tok, MAX_LEN, defaults)
+    # a completion's max_tokens is 16 when unset (the field's own default, as in vllm serve); a chat's takes the config's
+    assert (unset["temperature"], unset["top_p"], unset.get("max_tokens", 16)) == (0.6, 0.9, 16)
+    (_, own), = protocol.completion_calls(CompletionRequest(prompt=[1, 2], temperature=1.0, max_tokens=3), tok,
+                                          MAX_LEN, defaults)
+    assert own.get("temperature", 1.0) == 1.0 and own["top_p"] == 0.9 and own["max_tokens"] == 3
+    client = _Capturing()
+    front = Front(client, tok, "m", MAX_LEN, chat=ChatRenderer(str(tmp_path), MAX_LEN, tok))
+    front.sampling_defaults = defaults
+    http = TestClient(build_app(front))
+    assert http.post("/v1/completions", json={"prompt": [1, 2]}).status_code == 200
+    assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    assert [(s["temperature"], s.get("max_tokens", 16)) for _, s in client.prompts] == [(0.6, 16), (0.6, 7)]
