@@ -18,6 +18,7 @@ ends its stream with an error event. A client that leaves has its requests abort
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -278,6 +279,7 @@ async def _serve_one(front: Front, endpoint: str, req: Any, call: Callable, resp
     the chat renderer; default the tokenizer), ``respond`` builds the body from the choices' results. The request's weight-version policy
     (``protocol.version_policy``: body or header, else the fleet's) goes with each of its fleet requests and
     is echoed in the response (``rlfleet.version_policy`` and the header)."""
+    arrived = asyncio.get_running_loop().time()  # the clock ``Front.run`` counts on
     if req.model is not None and req.model != front.model:
         front.count(endpoint, 404)
         return _error(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
@@ -296,7 +298,8 @@ async def _serve_one(front: Front, endpoint: str, req: Any, call: Callable, resp
     prompt = jobs[0][0]  # a stream has one prompt (``completion_calls``)
     request_id = f"http-{uuid.uuid4().hex[:16]}"  # the fleet's: unique, whatever the caller sends (a shard
     # answers a request id it has seen with that request's result)
-    choices = Choices(front, work, request_id, stream=bool(req.stream), policy=policy)
+    front.histograms["queue"].observe(asyncio.get_running_loop().time() - arrived)
+    choices = Choices(front, work, request_id, stream=bool(req.stream), policy=policy, arrived=arrived)
     said = {protocol.POLICY_HEADER: policy.describe()} if policy is not None else {}
     # the caller's id for it (``X-Request-Id``, or the body's ``request_id`` when set) names the response, as
     # in vllm serve; the fleet's own (``rlfleet.request_id``) stays unique

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from fleet.data.dispatch import FleetResult
 from fleet.data.poison import POISON
+from serve.metrics import Histogram
 
 _PARAMETER = re.compile(r"\(parameter=(\w+)")
 # HTTP requests one front answers at once (each may be n fleet requests); past it a 429 at once. Sized for
@@ -72,6 +73,9 @@ class Front:
         self.tokens_out = 0
         self.latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self.ttfts: deque[float] = deque(maxlen=_LATENCY_WINDOW)  # streamed requests: time to the first token
+        # since the front started (``/metrics``' histograms): latency, time to first token, time queued at the front
+        self.histograms = {"e2e": Histogram(), "ttft": Histogram(), "queue": Histogram()}
+        self.engines: dict[int, dict[str, int]] = {}  # slot -> requests and tokens it finished for this front
         self.stream_errors = 0  # streams ended by an error event after their 200 (returned mid-stream)
         self.cut_off = 0  # requests returned because the server stopped before they finished
         # Prompts are tokenized (and chat templates rendered) here, one at a time, off the event loop that
@@ -92,11 +96,13 @@ class Front:
                                           self.max_model_len)
 
     async def run(self, prompt: list[int], sampling: dict, request_id: str | None = None,
-                  on_tokens: Callable[[Any], None] | None = None, policy: Any = None) -> Outcome:
+                  on_tokens: Callable[[Any], None] | None = None, policy: Any = None,
+                  arrived: float | None = None) -> Outcome:
         """One request on the fleet; returns how it ended. Cancelled (the HTTP client left): aborted on the
         engine by the dispatcher and counted here, then the cancellation goes on. Cut off by the server's
         stop (``cut_off_after``): aborted the same way, and answered 503. ``on_tokens``: called with each
-        ``TokenDelta`` as the tokens arrive (a streamed answer; the shard then sends the first token at once)."""
+        ``TokenDelta`` as the tokens arrive (a streamed answer; the shard then sends the first token at once).
+        ``arrived``: when the HTTP request came (the loop's clock), from which the histograms count."""
         if self._closing:
             return self._shutting_down()
         task = asyncio.current_task()
@@ -105,7 +111,7 @@ class Front:
         clock = asyncio.get_running_loop().time  # time.monotonic on a real loop; virtual time in tests
         t0 = clock()
         if on_tokens is not None:
-            on_tokens = self._timed(on_tokens, clock, t0)
+            on_tokens = self._timed(on_tokens, clock, t0, arrived)
         try:
             result = await self.client.generate_async(prompt, sampling, request_id, policy=policy, on_tokens=on_tokens)
         except asyncio.CancelledError:
@@ -121,11 +127,17 @@ class Front:
             self._cut.discard(task)
         if result.ok:
             self.latencies.append(clock() - t0)
-            self.tokens_out += sum(len(c.token_ids) for c in result.result.completions)
+            self.histograms["e2e"].observe(clock() - (t0 if arrived is None else arrived))
+            tokens = sum(len(c.token_ids) for c in result.result.completions)
+            self.tokens_out += tokens
+            row = self.engines.setdefault(result.result.slot, {"requests": 0, "tokens": 0})
+            row["requests"] += 1
+            row["tokens"] += tokens
             return Outcome(200, result)
         return self.returned(result)
 
-    def _timed(self, on_tokens: Callable[[Any], None], clock: Callable[[], float], t0: float) -> Callable[[Any], None]:
+    def _timed(self, on_tokens: Callable[[Any], None], clock: Callable[[], float], t0: float,
+               arrived: float | None) -> Callable[[Any], None]:
         """``on_tokens`` that also records the time to the first token (``ttft_p50_s``)."""
         first = True
 
@@ -134,6 +146,7 @@ class Front:
             if first:
                 first = False
                 self.ttfts.append(clock() - t0)
+                self.histograms["ttft"].observe(clock() - (t0 if arrived is None else arrived))
             on_tokens(delta)
 
         return tokens
@@ -212,6 +225,8 @@ class Front:
             "ttft_p50_s": _quantile(ttft, 0.5),
             "ttft_p99_s": _quantile(ttft, 0.99),
             "stream_errors": self.stream_errors,
+            "histograms": {k: h.snapshot() for k, h in self.histograms.items()},
+            "engines": {str(slot): dict(row) for slot, row in sorted(self.engines.items())},
             "client": self.client.counters(),
         }
 

@@ -1,6 +1,49 @@
-"""``GET /metrics``: the fleet's gauges and counters in the Prometheus text format (version 0.0.4)."""
+"""``GET /metrics``: the fleet's gauges, counters and histograms in the Prometheus text format (version 0.0.4)."""
 
 from __future__ import annotations
+
+import bisect
+
+# Upper bounds (seconds) of the latency histograms' buckets: from a cached short answer to a long generation
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Histogram:
+    """A Prometheus histogram: counts per bucket (cumulative when written), the sum and the count of what it saw."""
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def snapshot(self) -> dict:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum, "count": self.count}
+
+
+def _histogram(out: list[str], name: str, help_: str, snap: dict) -> None:
+    out.append(f"# HELP {name} {help_}")
+    out.append(f"# TYPE {name} histogram")
+    running = 0
+    for bound, n in zip(list(snap["bounds"]) + ["+Inf"], snap["counts"]):
+        running += n
+        out.append(f'{name}_bucket{{le="{bound if bound == "+Inf" else format(float(bound), "g")}"}} {running}')
+    out.append(f"{name}_sum {float(snap['sum']):g}")
+    out.append(f"{name}_count {snap['count']}")
+
+
+# The front's histograms: (``Front.counters()["histograms"]`` key, metric name, help)
+_HISTOGRAMS = (
+    ("e2e", "rlfleet_http_e2e_request_latency_seconds", "Request latency through the fleet, arrival to last token"),
+    ("ttft", "rlfleet_http_time_to_first_token_hist_seconds", "Streamed requests: arrival to the first token"),
+    ("queue", "rlfleet_http_queue_time_seconds",
+     "Time a request waited at the front before the fleet took it (tokenizing or rendering, and its queue)"),
+)
 
 
 
@@ -59,6 +102,14 @@ def prometheus_text(health: dict, front: dict, status: dict | None) -> str:
     _line(out, "rlfleet_http_stream_errors_total", "counter",
           "Streams ended by an error event after their first tokens (the request was returned mid-stream)",
           [({}, front.get("stream_errors", 0))])
+    for key, name, help_ in _HISTOGRAMS:
+        if key in front.get("histograms", {}):
+            _histogram(out, name, help_, front["histograms"][key])
+    engines = sorted((front.get("engines") or {}).items(), key=lambda kv: int(kv[0]))
+    _line(out, "rlfleet_http_engine_requests_total", "counter", "Requests answered for this front, by the slot that "
+          "finished them", [({"slot": slot}, row["requests"]) for slot, row in engines])
+    _line(out, "rlfleet_http_engine_generated_tokens_total", "counter", "Tokens generated for this front, by the "
+          "slot that finished the request", [({"slot": slot}, row["tokens"]) for slot, row in engines])
     client = front["client"]
     for key in ("accepted", "completed", "returned", "requeued"):
         _line(out, f"rlfleet_requests_{key}_total", "counter", f"Requests {key} by this front's fleet client",

@@ -35,10 +35,12 @@ class Choices:
     """The ``len(samplings)`` fleet requests of one HTTP request, started at once."""
 
     def __init__(self, front: Front, work: list[tuple[list[int], dict]], request_id: str,
-                 stream: bool, policy: Any = None) -> None:
-        """``work``: (prompt ids, sampling) per fleet request, in the order of the response's choices."""
+                 stream: bool, policy: Any = None, arrived: float | None = None) -> None:
+        """``work``: (prompt ids, sampling) per fleet request, in the order of the response's choices;
+        ``arrived``: when the HTTP request came (``Front.run``)."""
         self.front = front
         self.policy = policy  # the request's weight-version policy (None: the fleet's)
+        self.arrived = arrived
         self.n = len(work)
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         ids = [request_id] if self.n == 1 else [f"{request_id}-{i}" for i in range(self.n)]
@@ -48,7 +50,8 @@ class Choices:
     async def _one(self, i: int, prompt: list[int], sampling: dict, request_id: str, stream: bool) -> None:
         on_tokens = (lambda delta: self.queue.put_nowait((i, delta))) if stream else None
         try:
-            out = await self.front.run(prompt, sampling, request_id=request_id, on_tokens=on_tokens, policy=self.policy)
+            out = await self.front.run(prompt, sampling, request_id=request_id, on_tokens=on_tokens, policy=self.policy,
+                                       arrived=self.arrived)
         except Exception as exc:  # noqa: BLE001 - a bug must end the request with a message, never hang its stream
             out = Outcome(500, None, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
         self.queue.put_nowait((i, out))

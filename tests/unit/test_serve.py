@@ -780,3 +780,32 @@ def test_fields_a_request_leaves_unset_take_the_models_generation_config_as_vllm
     assert http.post("/v1/completions", json={"prompt": [1, 2]}).status_code == 200
     assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
     assert [(s["temperature"], s.get("max_tokens", 16)) for _, s in client.prompts] == [(0.6, 16), (0.6, 7)]
+
+
+def test_metrics_have_latency_ttft_and_queue_histograms_and_per_engine_series(tok):
+    """``/metrics`` carries Prometheus histograms (end-to-end latency, time to first token, time queued at the
+    front) with cumulative buckets, ``_sum`` and ``_count``, and per-slot counters of requests and tokens."""
+    from fastapi.testclient import TestClient
+
+    from serve.app import build_app
+    from serve.metrics import Histogram
+
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    assert h.counts == [2, 1, 1] and h.count == 4 and h.sum == pytest.approx(3.65)
+    client = _Capturing()
+    http = TestClient(build_app(Front(client, tok, "m", MAX_LEN)))
+    for _ in range(3):
+        assert http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
+    streamed = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "stream": True})
+    assert streamed.status_code == 200
+    lines = http.get("/metrics").text.splitlines()
+    assert "# TYPE rlfleet_http_e2e_request_latency_seconds histogram" in lines
+    assert 'rlfleet_http_e2e_request_latency_seconds_bucket{le="+Inf"} 4' in lines
+    assert "rlfleet_http_e2e_request_latency_seconds_count 4" in lines
+    assert "rlfleet_http_queue_time_seconds_count 4" in lines
+    buckets = [int(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("rlfleet_http_queue_time_seconds_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == 4  # cumulative
+    assert 'rlfleet_http_engine_requests_total{slot="1"} 4' in lines  # the capturing client's results: slot 1
+    assert 'rlfleet_http_engine_generated_tokens_total{slot="1"} 4' in lines
