@@ -45,6 +45,7 @@ from vllm.exceptions import VLLMValidationError
 from serve import protocol, sse
 from serve.front import Front, Outcome
 from serve.metrics import prometheus_text
+from serve.prepare_pool import PoolBusy
 from serve.stream import Choices, EventStreamResponse, Stream
 
 
@@ -150,6 +151,8 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
             ids = await front.prepare(_tokenize, request, front)
         except protocol.BadRequest as exc:
             return _error(400, str(exc), "BadRequestError", exc.param)
+        except PoolBusy as exc:
+            return _error(429, f"{exc}: retry later", "TooManyRequests")
         strs = front.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=front.max_model_len, tokens=ids,
                                 token_strs=strs).model_dump(exclude_none=True)
@@ -246,8 +249,8 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
     return app
 
 
-def _tokenize(req: Any, front: Front, max_model_len: int) -> list[int]:
-    """``/tokenize``'s ids (on the front's tokenizer thread): a chat request through the chat renderer."""
+def _tokenize(req: Any, front: Any, max_model_len: int) -> list[int]:
+    """``/tokenize``'s ids (on a preparing thread, ``front`` its ``Kit``): a chat request through the chat renderer."""
     if isinstance(req, TokenizeChatRequest):
         if front.chat is None:
             raise protocol.BadRequest("this server renders no chat", "messages")
@@ -293,6 +296,9 @@ async def _serve_one(front: Front, endpoint: str, req: Any, call: Callable, resp
     except protocol.BadRequest as exc:
         front.count(endpoint, 400)
         return _error(400, str(exc), "BadRequestError", exc.param)
+    except PoolBusy as exc:
+        front.count(endpoint, 429)
+        return _error(429, f"{exc}: retry later", "TooManyRequests")
     # n choices of each prompt: n fleet requests of one, prompt-major (vLLM's order of choices)
     work = [(prompt, s) for prompt, sampling in jobs for s in protocol.choice_samplings(sampling)]
     prompt = jobs[0][0]  # a stream has one prompt (``completion_calls``)

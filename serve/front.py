@@ -22,20 +22,24 @@ An accepted request ends in one of these, and nothing else:
 from __future__ import annotations
 
 import asyncio
+import copy
 import re
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from fleet.data.dispatch import FleetResult
 from fleet.data.poison import POISON
 from serve.metrics import Histogram
+from serve.prepare_pool import PreparePool, PrepareTimeout
+from serve.protocol import BadRequest
 
 _PARAMETER = re.compile(r"\(parameter=(\w+)")
 # HTTP requests one front answers at once (each may be n fleet requests); past it a 429 at once. Sized for
 # agent loops (hundreds of concurrent episodes), bounded so a flood is refused, not held for minutes.
 DEFAULT_MAX_PENDING = 4096
+# A request whose tokenizing or chat rendering runs longer than this is refused (``serve.prepare_pool``)
+DEFAULT_PREPARE_LIMIT_S = 10.0
 # Latencies kept for the /metrics quantiles (the most recent ones).
 _LATENCY_WINDOW = 4096
 
@@ -78,22 +82,34 @@ class Front:
         self.engines: dict[int, dict[str, int]] = {}  # slot -> requests and tokens it finished for this front
         self.stream_errors = 0  # streams ended by an error event after their 200 (returned mid-stream)
         self.cut_off = 0  # requests returned because the server stopped before they finished
-        # Prompts are tokenized (and chat templates rendered) here, one at a time, off the event loop that
-        # routes every request: a multi-megabyte prompt held /health and every other request for seconds.
-        # One thread, because a fast tokenizer used from two threads at once can fail ("Already borrowed").
-        self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlfleet-tokenize")
+        # Prompts are tokenized (and chat templates rendered) off the event loop that routes every request (a
+        # multi-megabyte prompt held /health and every other request for seconds), bounded in queue and time
+        # (``serve.prepare_pool``): a request that takes too long is refused and a fresh worker goes on.
+        self.prepare_pool = PreparePool(Kit(tokenizer, chat), self._fresh_kit, limit_s=DEFAULT_PREPARE_LIMIT_S)
         self._running: set[asyncio.Task] = set()
         self._cut: set[asyncio.Task] = set()
         self._closing = False
 
+    def _fresh_kit(self) -> Kit:
+        """A new worker's own tokenizer and renderer (built on its thread: the routing loop never waits on it)."""
+        tokenizer = copy.deepcopy(self.tokenizer)
+        return Kit(tokenizer, None if self.chat is None else self.chat.fresh(tokenizer))
+
     # ------------------------------------------------------------------ requests
-    async def prepare(self, call: Any, req: Any, via: Any = None) -> tuple[list[int], dict]:
+    async def prepare(self, call: Any, req: Any, via: Any = None) -> Any:
         """``call(req, via, max_model_len)`` (the prompt's token ids and the sampling dict; ``via``: the
-        tokenizer, or the chat renderer) on the tokenizer's own thread; its ``BadRequest`` reaches the caller
-        as raised."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prepare_pool, call, req, self.tokenizer if via is None else via,
-                                          self.max_model_len)
+        tokenizer when None, else this front's chat renderer, or this front itself for both) on a preparing
+        thread, with that thread's own copy of ``via``. Its ``BadRequest`` reaches the caller as raised; past
+        the pool's time limit a ``BadRequest`` naming the request's text field; the pool full: ``PoolBusy``."""
+        role = "tokenizer" if via is None else "chat" if via is self.chat else "kit"
+        if role == "kit" and via is not self:
+            raise ValueError("prepare's via is None, this front's chat renderer, or this front")
+        mml = self.max_model_len
+        try:
+            return await self.prepare_pool.run(lambda kit: call(req, kit if role == "kit" else getattr(kit, role), mml))
+        except PrepareTimeout as exc:
+            field = "messages" if hasattr(req, "messages") else "prompt"
+            raise BadRequest(f"{field} took too long to prepare: {exc}", field) from None
 
     async def run(self, prompt: list[int], sampling: dict, request_id: str | None = None,
                   on_tokens: Callable[[Any], None] | None = None, policy: Any = None,
@@ -229,6 +245,14 @@ class Front:
             "engines": {str(slot): dict(row) for slot, row in sorted(self.engines.items())},
             "client": self.client.counters(),
         }
+
+
+@dataclass
+class Kit:
+    """What a preparing thread uses: a tokenizer and a chat renderer (None: no chat) of its own."""
+
+    tokenizer: Any
+    chat: Any = None
 
 
 def _quantile(sorted_values: list[float], q: float) -> float | None:

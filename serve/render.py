@@ -60,6 +60,7 @@ class ChatRenderer:
         from vllm.renderers.online_renderer import OnlineRenderer
         from vllm.tokenizers.hf import get_cached_tokenizer
 
+        self._args = (model_dir, max_model_len)
         self.options = options or ChatOptions()
         self.options.check()
         self.model_config = ModelConfig(model=model_dir, tokenizer=model_dir, max_model_len=max_model_len)
@@ -72,6 +73,10 @@ class ChatRenderer:
             enable_auto_tools=o.enable_auto_tool_choice, tool_parser=o.tool_call_parser,
             reasoning_parser=o.reasoning_parser)
         self._loop: asyncio.AbstractEventLoop | None = None  # the rendering thread's own (``render`` is sync)
+
+    def fresh(self, tokenizer: Any) -> "ChatRenderer":
+        """The same renderer over another tokenizer (a second thread's: ``serve.prepare_pool``)."""
+        return ChatRenderer(*self._args, tokenizer, self.options)
 
     @property
     def parses(self) -> bool:

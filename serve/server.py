@@ -119,6 +119,7 @@ class HttpServer:
             self._done.result(timeout_s)
         except Exception:  # noqa: BLE001 - stopping must not raise
             pass
+        self.front.prepare_pool.close()
         if self._own_client is not None:
             self._own_client.close()
 
