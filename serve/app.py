@@ -67,6 +67,26 @@ def _error(code: int, message: str, kind: str, param: str | None = None) -> JSON
     return JSONResponse(protocol.error_body(message, kind, code, param), status_code=code, headers=headers)
 
 
+def _authentication() -> type:
+    """vLLM's API-key middleware (``vllm serve --api-key``: its token check, its guarded ``/v1`` prefix), whose
+    refusal is worded in OpenAI's error shape like every other error here (vLLM's own body is
+    ``{"error": "Unauthorized"}``)."""
+    from starlette.datastructures import Headers
+    from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX, AuthenticationMiddleware
+
+    class Authentication(AuthenticationMiddleware):
+        def __call__(self, scope, receive, send):
+            if scope["type"] == "http" and scope.get("method") != "OPTIONS":
+                path = scope["path"].removeprefix(scope.get("root_path", ""))
+                if path.startswith(GUARDED_PREFIX) and not self.verify_token(Headers(scope=scope)):
+                    refusal = _error(401, "Unauthorized: send the server's API key as 'Authorization: Bearer KEY'",
+                                     "AuthenticationError")
+                    return refusal(scope, receive, send)
+            return super().__call__(scope, receive, send)
+
+    return Authentication
+
+
 class AccessLog:
     """One line per HTTP request on the ``rlfleet.serve.access`` logger: method, path, status, milliseconds and
     the request id (``X-Request-Id``: the caller's, or the one the response carries)."""
@@ -126,7 +146,6 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
     """The routes over ``front``. ``api_keys``: every ``/v1`` route wants ``Authorization: Bearer KEY``
     (vLLM's own middleware, as ``vllm serve --api-key``; ``/health``, ``/ready``, ``/metrics`` and
     ``/version`` stay open). Every response echoes ``X-Request-Id`` (the caller's, else a new one)."""
-    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
     from vllm.entrypoints.serve.middleware.x_request_id import XRequestIdMiddleware
 
     app = FastAPI(title="rlfleet", docs_url=None, redoc_url=None, openapi_url=None)
@@ -138,7 +157,7 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
     if api_keys:
-        app.add_middleware(AuthenticationMiddleware, tokens=list(api_keys))
+        app.add_middleware(_authentication(), tokens=list(api_keys))
     app.add_middleware(AccessLog)  # outermost: it sees every answer, a 401 and the X-Request-Id header included
 
     @app.post("/tokenize")
@@ -301,7 +320,6 @@ async def _serve_one(front: Front, endpoint: str, req: Any, call: Callable, resp
         return _error(429, f"{exc}: retry later", "TooManyRequests")
     # n choices of each prompt: n fleet requests of one, prompt-major (vLLM's order of choices)
     work = [(prompt, s) for prompt, sampling in jobs for s in protocol.choice_samplings(sampling)]
-    prompt = jobs[0][0]  # a stream has one prompt (``completion_calls``)
     request_id = f"http-{uuid.uuid4().hex[:16]}"  # the fleet's: unique, whatever the caller sends (a shard
     # answers a request id it has seen with that request's result)
     front.histograms["queue"].observe(asyncio.get_running_loop().time() - arrived)
@@ -314,7 +332,7 @@ async def _serve_one(front: Front, endpoint: str, req: Any, call: Callable, resp
     prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
     response_id = f"{prefix}-{caller or request_id}"
     if req.stream:
-        return await _stream(front, endpoint, req, prompt, choices, response_id, said)
+        return await _stream(front, endpoint, req, [p for p, _ in work], choices, response_id, said)
     out = await choices.all()
     if isinstance(out, Outcome):
         front.count(endpoint, out.code)
@@ -328,12 +346,12 @@ async def _serve_one(front: Front, endpoint: str, req: Any, call: Callable, resp
     return JSONResponse(body, headers={protocol.VERSION_HEADER: str(body["rlfleet"]["weight_version"]), **said})
 
 
-async def _stream(front: Front, endpoint: str, req: Any, prompt: list[int], choices: Choices,
+async def _stream(front: Front, endpoint: str, req: Any, prompts: list[list[int]], choices: Choices,
                   response_id: str, headers: dict | None = None) -> Response:
     """Hold the answer until the first tokens (or the end) arrive: a request refused or returned before any
     token is still answered with its HTTP status; from the first token on it is a 200 and its events."""
-    stream = Stream(choices, sse.events_for(req, front.model, response_id, prompt, front.tokenizer,
-                                            choices.n))
+    stream = Stream(choices, sse.events_for(req, front.model, response_id, prompts, front.tokenizer,
+                                            choices.n, front.chat))
     failed = await stream.start()
     if failed is not None:
         front.count(endpoint, failed.code)

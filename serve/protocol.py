@@ -26,6 +26,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
+    ChatCompletionNamedToolChoiceParam,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -157,8 +158,6 @@ UNSUPPORTED: tuple[tuple[str, Any], ...] = (
     ("suffix", lambda v: v is not None),
     ("truncate_prompt_tokens", lambda v: v is not None),
     ("prompt_embeds", lambda v: v is not None),
-    # a tool choice that forces a call: vllm serve constrains the output to it (structured outputs), not done here
-    ("tool_choice", lambda v: v not in (None, "none", "auto")),
     ("documents", lambda v: v is not None),
     ("mm_processor_kwargs", lambda v: v is not None),
 )
@@ -252,9 +251,6 @@ def completion_calls(req: CompletionRequest, tokenizer: Any, max_model_len: int,
     refuse_unsupported(req)  # before the tokenizer spends anything on a request it would refuse
     refuse_streamed_prompt_logprobs(req)
     prompts = completion_prompts(req, tokenizer)
-    if len(prompts) > 1 and req.stream:
-        raise BadRequest("stream is not supported with a batch of prompts by rlfleet serve yet: send stream: false, "
-                         "or one request per prompt", "stream")
     return [(p, _sampling(req, len(p), max_model_len, req.max_tokens, defaults)) for p in prompts]
 
 
@@ -269,9 +265,6 @@ def chat_call(req: ChatCompletionRequest, renderer: Any, max_model_len: int,
     """As ``completion_call``, the prompt rendered by ``renderer`` (``serve.render.ChatRenderer``)."""
     refuse_unsupported(req)
     refuse_streamed_prompt_logprobs(req)
-    if req.stream and renderer.parses:
-        raise BadRequest("stream is not supported with --tool-call-parser or --reasoning-parser by rlfleet serve "
-                         "yet (the parsed fields would be missing from the events): send stream: false", "stream")
     prompt = chat_prompt(req, renderer)
     # ``max_tokens`` is deprecated for chat (read from the fields, so that reading it warns no one)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.__dict__.get("max_tokens")
@@ -437,6 +430,12 @@ def completion_response(req: CompletionRequest, model: str, frs: list[FleetResul
     return body
 
 
+def forces_a_call(req: ChatCompletionRequest) -> bool:
+    """``tool_choice`` is ``required`` or names a function: vLLM's renderer constrained the output to the tools'
+    JSON schema (structured outputs), and the parser reads the calls from that JSON."""
+    return req.tool_choice == "required" or isinstance(req.tool_choice, ChatCompletionNamedToolChoiceParam)
+
+
 def chat_message(req: ChatCompletionRequest, text: str, token_ids: Any, finish_reason: str | None,
                  renderer: Any = None) -> tuple[ChatMessage, str | None]:
     """The assistant message of one choice and its finish reason. With a tool-call or reasoning parser
@@ -448,6 +447,11 @@ def chat_message(req: ChatCompletionRequest, text: str, token_ids: Any, finish_r
     reasoning, content, calls = renderer.parse(req, text, token_ids)
     if not req.include_reasoning:
         reasoning = None
+    if forces_a_call(req):  # the output was held to the tools' JSON schema when rendered (vLLM's adjust_request)
+        tool_calls = [ToolCall(id=c.id or make_tool_call_id(), function=c) for c in calls or ()]
+        required = req.tool_choice == "required"
+        return (ChatMessage(role="assistant", reasoning=reasoning, content=content or "", tool_calls=tool_calls),
+                "tool_calls" if required and finish_reason == "stop" else finish_reason)
     auto = bool(req.tools) and req.tool_choice in (None, "auto") and renderer.options.enable_auto_tool_choice
     if auto and calls:
         tool_calls = [ToolCall(id=c.id or make_tool_call_id(), function=c) for c in calls]

@@ -105,13 +105,21 @@ class ChatRenderer:
         _, inputs = out
         return [int(t) for t in inputs[0]["prompt_token_ids"]]
 
+    def new_parser(self, req: Any) -> Any:
+        """A parser (vLLM's ``Parser``: the configured tool-call and reasoning parsers) for one completion of
+        ``req``, as ``vllm serve`` makes one per choice; None when none is configured. A stream feeds it each
+        delta (``parse_delta``), a whole answer its text (``parse``)."""
+        cls = self.online.parser
+        if cls is None:
+            return None
+        return cls(self.tokenizer, req.tools, chat_template_kwargs=self.online.effective_chat_template_kwargs(req),
+                   model_config=self.model_config)
+
     def parse(self, req: Any, text: str, token_ids: Any) -> tuple[str | None, str | None, list | None]:
         """(reasoning, content, tool calls) of one completion, by the configured parsers (vLLM's
         ``Parser.parse``); ``(None, text, None)`` when none is configured."""
-        cls = self.online.parser
-        if cls is None:
+        parser = self.new_parser(req)
+        if parser is None:
             return None, text, None
-        parser = cls(self.tokenizer, req.tools, chat_template_kwargs=self.online.effective_chat_template_kwargs(req),
-                     model_config=self.model_config)
         return parser.parse(text, req, enable_auto_tools=self.options.enable_auto_tool_choice,
                             model_output_token_ids=list(token_ids))

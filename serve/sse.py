@@ -8,7 +8,8 @@ text or tokens the result holds beyond what was streamed (nothing, normally), an
 the usage chunk (``stream_options.include_usage``, carrying the request's ``rlfleet`` block too, as
 the last chunk of the stream) and ``data: [DONE]``.
 
-Chat opens each choice with a role chunk (``{"role": "assistant", "content": ""}``), then content deltas.
+Chat opens each choice with a role chunk (``{"role": "assistant", "content": ""}``), then content deltas
+(with a tool-call or reasoning parser: vLLM's parsed deltas, ``reasoning`` and ``tool_calls`` included).
 
 A request the fleet returns after the stream began (its engine died and it could not be continued, the
 server stopped, ...) ends the stream with vLLM's in-stream error event (``data: {"error": {...}}``) and
@@ -27,6 +28,7 @@ from typing import Any
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionNamedToolChoiceParam,
     ChatCompletionRequest,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
@@ -65,11 +67,13 @@ class _Choice:
 class StreamEvents(ABC):
     """The events of one streamed request of ``n`` choices (one fleet request each)."""
 
-    def __init__(self, req: Any, model: str, stream_id: str, prompt: list[int], tokenizer: Any, n: int) -> None:
+    def __init__(self, req: Any, model: str, stream_id: str, prompts: list[list[int]], tokenizer: Any, n: int) -> None:
+        """``prompts``: each choice's prompt ids (a batch of prompts: choice ``p * n + i`` is prompt ``p``'s)."""
         self.req = req
         self.model = model
         self.id = stream_id
-        self.prompt = prompt
+        self.prompts = prompts
+        self.prompt = prompts[0]
         self.tokenizer = tokenizer
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(n)]
@@ -115,7 +119,9 @@ class StreamEvents(ABC):
         block) and ``[DONE]``."""
         if not self.include_usage:
             return DONE
-        body = self._usage_chunk(protocol.usage(len(self.prompt), sum(c.tokens for c in self.choices)))
+        each = max(1, int(self.req.n or 1))  # a prompt's choices share it: counted once
+        body = self._usage_chunk(protocol.usage(sum(len(p) for p in self.prompts[::each]),
+                                                sum(c.tokens for c in self.choices)))
         body["rlfleet"] = protocol.group_block(frs)
         return event(json.dumps(body)) + DONE
 
@@ -135,7 +141,7 @@ class StreamEvents(ABC):
         """The chunk holding the usage alone (no choices), as a dict."""
 
     def _running_usage(self, i: int) -> Any:
-        return protocol.usage(len(self.prompt), self.choices[i].tokens) if self.continuous_usage else None
+        return protocol.usage(len(self.prompts[i]), self.choices[i].tokens) if self.continuous_usage else None
 
     def _first(self, i: int) -> bool:
         """True once per choice: for its first chunk."""
@@ -153,7 +159,7 @@ class CompletionEvents(StreamEvents):
                                                     c.offset, as_ids=bool(self.req.return_tokens_as_token_ids))
         choice = CompletionResponseStreamChoice(
             index=i, text=text, logprobs=lp, finish_reason=finish_reason, stop_reason=stop_reason,
-            token_ids=list(token_ids), prompt_token_ids=list(self.prompt) if self._first(i) else None)
+            token_ids=list(token_ids), prompt_token_ids=list(self.prompts[i]) if self._first(i) else None)
         return CompletionStreamResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
                                         usage=self._running_usage(i))
 
@@ -163,7 +169,17 @@ class CompletionEvents(StreamEvents):
 
 
 class ChatEvents(StreamEvents):
-    """``/v1/chat/completions``: a role chunk per choice, then content deltas (``choices[].delta``)."""
+    """``/v1/chat/completions``: a role chunk per choice, then content deltas (``choices[].delta``). With a
+    tool-call or reasoning parser (``renderer.parses``), each choice's deltas go through a parser of its own
+    (vLLM's ``parse_delta``, as ``vllm serve`` streams): ``reasoning``, ``content`` and ``tool_calls`` deltas,
+    and a choice that streamed calls under ``auto`` or ``required`` finishes ``tool_calls``."""
+
+    def __init__(self, req: Any, model: str, stream_id: str, prompts: list[list[int]], tokenizer: Any, n: int,
+                 renderer: Any = None) -> None:
+        super().__init__(req, model, stream_id, prompts, tokenizer, n)
+        parses = renderer is not None and renderer.parses
+        self.parsers = [renderer.new_parser(req) if parses else None for _ in range(n)]
+        self.called = [False] * n  # the choice streamed tool calls
 
     def opening(self) -> str:
         out = []
@@ -179,8 +195,19 @@ class ChatEvents(StreamEvents):
     def _chunk(self, i, text, token_ids, logprobs, top, finish_reason=None, stop_reason=None):
         lp = protocol.chat_logprobs(token_ids, logprobs, top, self.tokenizer, bool(self.req.logprobs),
                                     self.req.top_logprobs, as_ids=bool(self.req.return_tokens_as_token_ids))
+        parser = self.parsers[i]
+        if parser is None:
+            delta = DeltaMessage(content=text)
+        else:
+            delta = parser.parse_delta(delta_text=text, delta_token_ids=list(token_ids), request=self.req,
+                                       prompt_token_ids=self.prompt, finished=finish_reason is not None)
+            delta = delta or DeltaMessage()  # a control token: the chunk still carries its token ids
+            self.called[i] = self.called[i] or bool(delta.tool_calls)
+            named = isinstance(self.req.tool_choice, ChatCompletionNamedToolChoiceParam)
+            if finish_reason == "stop" and self.called[i] and not named:  # as OpenAI's API words it
+                finish_reason = "tool_calls"
         choice = ChatCompletionResponseStreamChoice(
-            index=i, delta=DeltaMessage(content=text), logprobs=lp, finish_reason=finish_reason,
+            index=i, delta=delta, logprobs=lp, finish_reason=finish_reason,
             stop_reason=stop_reason, token_ids=list(token_ids))
         return ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
                                             usage=self._running_usage(i))
@@ -190,6 +217,10 @@ class ChatEvents(StreamEvents):
                                             usage=usage).model_dump(exclude_none=True)
 
 
-def events_for(req: Any, model: str, stream_id: str, prompt: list[int], tokenizer: Any, n: int) -> StreamEvents:
-    kind = ChatEvents if isinstance(req, ChatCompletionRequest) else CompletionEvents
-    return kind(req, model, stream_id, prompt, tokenizer, n)
+def events_for(req: Any, model: str, stream_id: str, prompts: list[list[int]], tokenizer: Any, n: int,
+               renderer: Any = None) -> StreamEvents:
+    """The events of a stream of ``req`` (``prompts``: each choice's); ``renderer``: the chat renderer, whose
+    parsers read a chat's deltas."""
+    if isinstance(req, ChatCompletionRequest):
+        return ChatEvents(req, model, stream_id, prompts, tokenizer, n, renderer)
+    return CompletionEvents(req, model, stream_id, prompts, tokenizer, n)

@@ -109,6 +109,25 @@ def test_an_agent_transcript_with_tools_is_rendered_as_transformers_renders_it_a
                          {"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": "snow"}]
     r2 = c.chat.completions.create(model=agent_front.model, messages=turn, tools=TOOLS, max_tokens=4)
     assert r2.model_dump()["prompt_token_ids"] == hf_rendering(tok, turn, TOOLS, add_generation_prompt=True)
+    # tool_choice "required": no regex from the client; vLLM's renderer holds the engine to the tools' format
+    # (a tool whose argument is one of three words, so a random model's call ends within the budget)
+    closed = [{"type": "function", "function": {"name": "pick", "description": "Pick a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+        "required": ["city"], "additionalProperties": False}}}]
+    r3 = c.chat.completions.create(model=agent_front.model, messages=TRANSCRIPT[:1], tools=closed,
+                                   tool_choice="required", max_tokens=120)
+    choice = r3.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert [(t.function.name, json.loads(t.function.arguments)["city"] in ("Paris", "Rome", "Oslo"))
+            for t in choice.message.tool_calls][:1] == [("pick", True)], choice
+    # the same, streamed: vLLM's parser reads the deltas as they come, and the call arrives as tool_calls deltas
+    chunks = list(c.chat.completions.create(model=agent_front.model, messages=TRANSCRIPT[:1], tools=closed,
+                                            tool_choice="required", max_tokens=120, stream=True))
+    calls = [t for ch in chunks if ch.choices for t in ch.choices[0].delta.tool_calls or []]
+    assert calls and calls[0].function.name == "pick", chunks
+    args = json.loads("".join(t.function.arguments or "" for t in calls if t.index == 0))
+    assert args["city"] in ("Paris", "Rome", "Oslo")
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
 
 
 def test_completions_and_chat_through_the_openai_client_are_tagged_with_their_weights(served):

@@ -158,10 +158,35 @@ def test_what_vllm_serve_refuses_in_a_chat_request_is_refused_with_its_words(cha
     for req, words in cases:
         with pytest.raises(protocol.BadRequest, match=words):
             protocol.chat_call(req, chat, MAX_LEN)
-    forced = ChatCompletionRequest.model_construct(messages=hi, tools=TOOLS, tool_choice="required")
-    with pytest.raises(protocol.BadRequest, match="tool_choice is not supported") as err:
-        protocol.refuse_unsupported(forced)
-    assert err.value.param == "tool_choice"
+    forced = ChatCompletionRequest(messages=hi, tools=TOOLS, tool_choice="required")
+    with pytest.raises(protocol.BadRequest, match='tool_choice="required" requires --tool-call-parser'):
+        protocol.chat_call(forced, chat, MAX_LEN)
+
+
+def test_a_forced_tool_choice_holds_the_output_to_the_tools_format_and_reads_the_calls_back(tok, parsing):
+    """``tool_choice: required`` or a named function: vLLM's renderer constrains the output to the tools (for
+    hermes, a structural tag: ``<tool_call>`` blocks whose arguments follow the tool's JSON schema, as
+    ``vllm serve`` does), which goes to the engine in the sampling; the calls are read back by the parser
+    (``required``: finish reason ``tool_calls``; a named call ends ``stop``, as OpenAI's API)."""
+    req = ChatCompletionRequest(messages=TRANSCRIPT[:2], tools=TOOLS, tool_choice="required")
+    _, sampling = protocol.chat_call(req, parsing, MAX_LEN * 2)
+    tag = sampling["structured_outputs"].structural_tag
+    assert '"at_least_one": true' in tag and "get_weather" in tag
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = tuple(tok.encode(text))
+    res = GenerationResult("r-1", (1, 2, 3), (Completion(ids, (-0.5,) * len(ids), "stop", text=text),), 2, 3,
+                           slot=4, incarnation=2, version_spans=((3, 0, len(ids)),))
+    choice = protocol.chat_response(req, "m", [done(res)], tok, renderer=parsing)["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert choice["finish_reason"] == "tool_calls"
+    named = ChatCompletionRequest(messages=TRANSCRIPT[:2], tools=TOOLS,
+                                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    _, sampling = protocol.chat_call(named, parsing, MAX_LEN * 2)
+    assert "get_weather" in (sampling["structured_outputs"].structural_tag or str(sampling["structured_outputs"].json))
+    choice = protocol.chat_response(named, "m", [done(res)], tok, renderer=parsing)["choices"][0]
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert choice["finish_reason"] == "stop"
 
 
 def test_a_trusted_request_template_is_used(tok, tiny_model):
@@ -192,9 +217,6 @@ def test_tool_calls_and_reasoning_are_read_back_by_vllms_parsers(tok, parsing):
     assert "reasoning" not in protocol.chat_response(quiet, "m", [done(res)], tok, renderer=parsing)["choices"][0]["message"]
     plain = protocol.chat_response(ChatCompletionRequest(messages=TRANSCRIPT[:2]), "m", [done(res)], tok, renderer=parsing)
     assert "tool_calls" not in plain["choices"][0]["message"] and plain["choices"][0]["finish_reason"] == "stop"
-    with pytest.raises(protocol.BadRequest, match="stream is not supported") as err:
-        protocol.chat_call(ChatCompletionRequest(messages=TRANSCRIPT[:2], stream=True), parsing, MAX_LEN * 2)
-    assert err.value.param == "stream"
 
 
 def test_chat_flags_vllm_does_not_know_are_refused_naming_the_flag():
@@ -576,7 +598,9 @@ def test_an_api_key_guards_the_v1_routes_as_vllm_serve_does_and_the_request_id_c
     http = TestClient(build_app(Front(client, tok, "m", MAX_LEN), api_keys=["k1", "k2"]))
     body = {"prompt": [1, 2], "max_tokens": 3}
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k1"}):
-        assert http.post("/v1/completions", json=body, headers=headers).status_code == 401, headers
+        refused = http.post("/v1/completions", json=body, headers=headers)
+        assert refused.status_code == 401, headers
+        assert refused.json()["error"]["type"] == "AuthenticationError" and refused.json()["error"]["code"] == 401
         assert http.get("/v1/models", headers=headers).status_code == 401, headers
     assert client.sent == [], "refused before the fleet"
     ok = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer k2", "X-Request-Id": "abc-1"})
@@ -611,9 +635,8 @@ def test_a_batch_of_prompts_is_answered_prompt_major_each_choice_with_its_prompt
     # a max_tokens past the context is clamped to each prompt's own room, as vLLM's server clamps it
     http.post("/v1/completions", json={"prompt": [[1] * 10, [2] * 20], "max_tokens": MAX_LEN - 5})
     assert [s["max_tokens"] for _, s in client.prompts[-2:]] == [MAX_LEN - 10, MAX_LEN - 20]
-    for body, param in (({"prompt": [[1, 2], [3]], "stream": True}, "stream"), ({"prompt": [[1, 2], []]}, "prompt")):
-        bad = http.post("/v1/completions", json=body)
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.json()
+    bad = http.post("/v1/completions", json={"prompt": [[1, 2], []]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.json()
 
 
 def test_tokenize_and_detokenize_as_vllm_serve_answers_them(tok, chat):

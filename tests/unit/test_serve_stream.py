@@ -531,3 +531,68 @@ def test_a_client_that_leaves_mid_stream_has_its_request_aborted_on_the_engine(t
     (rid,) = {e["id"].removeprefix("cmpl-") for _, e in r.events()}
     assert client.door.calls == [(0, "abort", ([rid],))]  # the engine stops spending on it
     assert client.dispatcher.returned_reasons["cancelled by the caller"] == 1 and front.counters()["cancelled"] == 1
+
+
+def test_a_chat_stream_through_vllms_parsers_streams_reasoning_content_and_tool_call_deltas(tok, tiny_model):
+    """With ``--tool-call-parser hermes --reasoning-parser qwen3`` a chat stream is read by vLLM's parsers delta
+    by delta (one parser per choice, as ``vllm serve``): the reasoning as ``reasoning`` deltas, the text as
+    ``content``, the call as ``tool_calls`` deltas whose arguments add up to the call's JSON; the choice
+    finishes ``tool_calls``, and every chunk still carries its token ids (the trainer's)."""
+    from serve.render import ChatOptions, ChatRenderer
+    from tests.transcripts import TOOLS
+
+    parsing = ChatRenderer(tiny_model, MAX_LEN * 2, tok, ChatOptions(enable_auto_tool_choice=True,
+                                                                 tool_call_parser="hermes", reasoning_parser="qwen3"))
+    pieces = ["thinking", "</think>", "Let me look.", "<tool_call>", "\n", '{"name": "get_weather", ',
+              '"arguments": {"city": "Paris"}}', "\n", "</tool_call>"]
+    script, ids = [], []
+    for p in pieces:
+        t = tuple(tok.encode(p, add_special_tokens=False))
+        ids += t
+        script.append((1.0, TokenDelta(token_ids=t, logprobs=(-0.1,) * len(t), text=p, version=3)))
+    plan = Plan(script, end_s=0.0, finish="stop")
+
+    async def go():
+        app = build_app(Front(ScriptedClient(lambda rid, s: plan), tok, "m", MAX_LEN * 2, chat=parsing))
+        return await call(app, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "stream": True})
+
+    r = run_virtual(go())
+    events = [e for _, e in r.events() if e != "[DONE]"]
+    deltas_ = [e["choices"][0]["delta"] for e in events[1:]]
+    assert "".join(d.get("reasoning") or "" for d in deltas_) == "thinking"
+    assert "".join(d.get("content") or "" for d in deltas_).strip() == "Let me look."
+    calls = [c for d in deltas_ for c in d.get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"]
+    assert json.loads("".join(c["function"].get("arguments") or "" for c in calls)) == {"city": "Paris"}
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == ids
+
+
+def test_a_batch_of_prompts_streams_prompt_major_each_choice_with_its_own_prompt(tok):
+    """``/v1/completions`` with a list of prompts and ``stream: true``, as vLLM streams it: choice ``p * n + i``
+    is prompt ``p``'s ``i``-th, its first chunk carries its own prompt's ids, and the usage counts each
+    prompt once."""
+    def plan(rid, sampling):
+        i = int(rid.rsplit("-", 1)[1])
+        return Plan(deltas(WORDS[:2], every_s=1.0 + i * 0.25, first_id=300 + 10 * i), end_s=0.1, slot=i)
+
+    async def go():
+        app, _, client = serving(tok, plan)
+        r = await call(app, "/v1/completions", {"prompt": [[1, 2, 3], [4, 5]], "n": 2, "max_tokens": 2,
+                                                "stream": True, "stream_options": {"include_usage": True}})
+        return r, client
+
+    r, client = run_virtual(go())
+    assert r.status == 200 and len(client.requests) == 4
+    events = [e for _, e in r.events()]
+    firsts: dict[int, list[int]] = {}
+    tokens: dict[int, list[int]] = {i: [] for i in range(4)}
+    for e in events[:-2]:
+        (c,) = e["choices"]
+        tokens[c["index"]] += c["token_ids"]
+        if "prompt_token_ids" in c:
+            firsts[c["index"]] = c["prompt_token_ids"]
+    assert firsts == {0: [1, 2, 3], 1: [1, 2, 3], 2: [4, 5], 3: [4, 5]}
+    assert tokens == {i: [300 + 10 * i, 301 + 10 * i] for i in range(4)}
+    assert events[-2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
