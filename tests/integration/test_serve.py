@@ -110,8 +110,9 @@ def test_an_agent_transcript_with_tools_is_rendered_as_transformers_renders_it_a
     r2 = c.chat.completions.create(model=agent_front.model, messages=turn, tools=TOOLS, max_tokens=4)
     assert r2.model_dump()["prompt_token_ids"] == hf_rendering(tok, turn, TOOLS, add_generation_prompt=True)
     # tool_choice "required": no regex from the client; vLLM's renderer holds the engine to the tools' format
-    # (a tool whose argument is one of three words, so a random model's call ends within the budget)
-    closed = [{"type": "function", "function": {"name": "pick", "description": "Pick a city", "parameters": {
+    # (a strict tool, so the arguments follow its schema too, as in OpenAI's API; its argument is one of three
+    # words, so a random model's call ends within the budget)
+    closed = [{"type": "function", "function": {"name": "pick", "description": "Pick a city", "strict": True, "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
         "required": ["city"], "additionalProperties": False}}}]
     r3 = c.chat.completions.create(model=agent_front.model, messages=TRANSCRIPT[:1], tools=closed,
