@@ -43,6 +43,9 @@ def register(sub) -> None:
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="every /v1 route wants 'Authorization: Bearer KEY' (repeatable; default: $VLLM_API_KEY, as "
                         "vllm serve; none: open)")
+    p.add_argument("--weight-transfer-config", default=None, metavar="JSON",
+                   help="vLLM's RL routes (/init_weight_transfer_engine, /update_weights, ...) with this transfer, as "
+                        "vllm serve's flag: '{\"backend\": \"gloo\"}' (a trainer's group reaches the fleet's relay)")
     chat = p.add_argument_group("chat (as vllm serve's flags of the same names)")
     chat.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                       help="the chat template (a file, or the template itself; default: the tokenizer's)")
@@ -75,6 +78,26 @@ def chat_options(args: argparse.Namespace):
     return options
 
 
+def weight_transfer_backend(text: str | None) -> str | None:
+    """``--weight-transfer-config``'s backend (vLLM's ``WeightTransferConfig`` JSON), checked: a ``ConfigError``
+    naming the flag for JSON that does not parse, a field vLLM's config does not have, or a backend other than gloo."""
+    from fleet.errors import ConfigError
+
+    if text is None:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise ConfigError("--weight-transfer-config", "is not JSON (for example '{\"backend\": \"gloo\"}')", text) from None
+    if not isinstance(data, dict) or set(data) - {"backend"}:
+        raise ConfigError("--weight-transfer-config", "must be an object with one field, backend", text)
+    backend = data.get("backend", "nccl")
+    if backend != "gloo":
+        raise ConfigError("--weight-transfer-config", f"backend {backend!r} is not served: the fleet's relay "
+                          "receives with 'gloo' (NCCL is not written for the relay yet)", text)
+    return backend
+
+
 def _load_config(path: str) -> dict:
     import yaml
 
@@ -104,6 +127,7 @@ def _join_ray(args: argparse.Namespace):
     if timeout is not None and not (0 < timeout < math.inf):  # argparse's float takes "nan", "inf", "-3"
         raise ConfigError("--request-timeout", "must be a finite number of seconds > 0", timeout)
     args.chat = chat_options(args)  # a parser vLLM does not know: refused before anything starts
+    args.weight_transfer = weight_transfer_backend(args.weight_transfer_config)
     if args.max_pending is not None and args.max_pending < 1:
         raise ConfigError("--max-pending", "must be at least 1", args.max_pending)
     try:  # the address to listen on, before a fleet starts (or a cluster is joined) only to be let down
@@ -179,7 +203,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             server = HttpServer(fleet, host=args.host, port=args.port, model_name=args.served_model_name,
                                 request_timeout_s=args.request_timeout, chat=args.chat,
                                 api_keys=args.api_key or [os.environ.get("VLLM_API_KEY", "")],
-                                max_pending=args.max_pending).start()
+                                max_pending=args.max_pending, weight_transfer=args.weight_transfer).start()
         except OSError as exc:
             print(f"rlfleet serve: error: {exc}", file=sys.stderr)
             return 2

@@ -45,7 +45,7 @@ CONTROLLER_OPTIONS = dict(num_cpus=0, max_concurrency=10_000, max_task_retries=0
 # Calls Fleet re-sends to a restarted controller (sync_weights and shutdown are re-sent too: the
 # restarted controller finishes or re-runs them; see ``SingleController.sync_weights``).
 _RESENDABLE = frozenset({"status", "events", "shard_counters", "admission_metrics", "ping", "config",
-                         "sync_weights", "shutdown", "resize"})  # resize(n) to the size it has is a no-op
+                         "sync_weights", "shutdown", "resize", "pause", "resume", "is_paused"})  # resize(n) to the size it has is a no-op
 
 
 def check_prompts(prompts: Any) -> list:
@@ -307,6 +307,20 @@ class Fleet:
         if self.client is not None:  # from here on this process routes on the refit's state (or a later one)
             self.client.wait_routing(summary.get("routing_epoch", 0) - 1, 30)
         return summary
+
+    def pause(self, mode: str = "abort", timeout_s: float = 60.0) -> dict:
+        """Close the gate for the operator, as vLLM's ``/pause``: new requests wait at their clients (none is lost).
+        ``mode``: ``abort`` aborts what engines run (the clients hold those requests and continue them after
+        ``resume``), ``wait`` returns once nothing is in flight (within ``timeout_s``), ``keep`` pauses the
+        engines with their requests kept. The pause holds through refits and a controller restart."""
+        return self._ask("pause", mode, timeout_s, timeout=timeout_s + 60)
+
+    def resume(self) -> dict:
+        """End ``pause``: the gate opens if enough engines serve the committed version (else when they do)."""
+        return self._ask("resume", timeout=90)
+
+    def is_paused(self) -> bool:
+        return self._ask("is_paused", timeout=30)
 
     def resize(self, n: int, drain_timeout_s: float | None = None) -> dict:
         """Grow or shrink the fleet to ``n`` serving engines (``fleet.control.resize``); returns the resize summary.

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-EXTRAS=${RLFLEET_EXTRAS:-cpu,test}
+EXTRAS=${RLFLEET_EXTRAS:-cpu,test,trl}
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV with $($PYTHON --version)"

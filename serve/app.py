@@ -142,10 +142,11 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or str(exc)
 
 
-def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
+def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None) -> FastAPI:
     """The routes over ``front``. ``api_keys``: every ``/v1`` route wants ``Authorization: Bearer KEY``
     (vLLM's own middleware, as ``vllm serve --api-key``; ``/health``, ``/ready``, ``/metrics`` and
-    ``/version`` stay open). Every response echoes ``X-Request-Id`` (the caller's, else a new one)."""
+    ``/version`` stay open). Every response echoes ``X-Request-Id`` (the caller's, else a new one).
+    ``rl``: vLLM's RL routes (``rlapi.routes.RLSurface``), outside ``/v1`` as in ``vllm serve``."""
     from vllm.entrypoints.serve.middleware.x_request_id import XRequestIdMiddleware
 
     app = FastAPI(title="rlfleet", docs_url=None, redoc_url=None, openapi_url=None)
@@ -265,6 +266,8 @@ def build_app(front: Front, api_keys: list[str] | None = None) -> FastAPI:
                             functools.partial(protocol.chat_response, renderer=front.chat), via=front.chat,
                             raw=raw_request)
 
+    if rl is not None:
+        rl.mount(app, front)
     return app
 
 

@@ -31,15 +31,23 @@ def load_tokenizer(model_dir: str) -> Any:
 class HttpServer:
     def __init__(self, fleet: Any, host: str = DEFAULT_HOST, port: int = 8000, model_name: str | None = None,
                  tokenizer: Any = None, request_timeout_s: float | None = None, chat: Any = None,
-                 api_keys: list[str] | None = None, max_pending: int | None = None) -> None:
+                 api_keys: list[str] | None = None, max_pending: int | None = None,
+                 weight_transfer: str | None = None) -> None:
         """``request_timeout_s``: how long an HTTP request may wait for the gate and a shard before it is
         answered 503 (default: the fleet's ``request_timeout_s``, which the trainer's requests use too).
         ``chat``: ``serve.render.ChatOptions`` (chat template, tool-call and reasoning parsers), checked here:
-        a parser vLLM does not know is a ``ValueError`` naming the flag, before anything starts."""
+        a parser vLLM does not know is a ``ValueError`` naming the flag, before anything starts.
+        ``weight_transfer``: the backend of vLLM's RL routes (``rlapi.routes``; ``gloo``), as ``vllm serve
+        --weight-transfer-config``; None: no RL routes."""
         from serve.render import ChatOptions
 
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"--max-pending must be at least 1, got {max_pending}")
+        if weight_transfer not in (None, "gloo"):
+            raise ValueError(f"--weight-transfer-config: backend must be 'gloo' (the fleet's relay receives on CPU), "
+                             f"got {weight_transfer!r}")
+        self.weight_transfer = weight_transfer
+        self.rl = None
         self.max_pending = max_pending
         self.api_keys = [k for k in (api_keys or ()) if k]  # ``/v1`` wants one as a Bearer token (vllm serve's rule)
         self.chat = chat or ChatOptions()
@@ -88,7 +96,11 @@ class HttpServer:
             self.front.max_pending = self.max_pending
         sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self.front, self.api_keys), log_level="warning", access_log=False, lifespan="off",
+        if self.weight_transfer is not None:
+            from rlapi.routes import RLSurface
+
+            self.rl = RLSurface(self.fleet, self.weight_transfer)
+        config = uvicorn.Config(build_app(self.front, self.api_keys, self.rl), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=GRACEFUL_S)
         self._server = uvicorn.Server(config)
         self._done = client.spawn(self._server.serve(sockets=[sock]))
@@ -120,6 +132,8 @@ class HttpServer:
         except Exception:  # noqa: BLE001 - stopping must not raise
             pass
         self.front.prepare_pool.close()
+        if self.rl is not None:
+            self.rl.close()
         if self._own_client is not None:
             self._own_client.close()
 

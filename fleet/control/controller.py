@@ -62,6 +62,7 @@ from health import (
     VersionCommitted,
 )
 from fleet import records as ev
+from fleet.control.operator_pause import OperatorPause
 
 TIMER_INTERVAL_S = 0.2
 # Arming a fault is an operator's call, not a health probe: a shard busy starting or serving may take longer
@@ -98,6 +99,7 @@ class SingleController:
         self.publisher = RoutingPublisher(self.parts, holding=lambda: self.lifecycle.holding)
         self.monitor = LivenessMonitor(self.parts, holding=lambda: self.lifecycle.holding)
         self.lifecycle = RefitLifecycle(self.parts, self.publisher, transfer, crash_point=lambda p: self.crash_point(p))
+        self.operator_pause = OperatorPause(self.parts, self.publisher)
         self._tasks: set[asyncio.Task] = set()
         self.refits: list[dict] = []
         self.resends = RefitResends()  # recent refits by the caller's id: a re-sent refit gets its own end
@@ -262,7 +264,10 @@ class SingleController:
         elif isinstance(action, CloseGate):
             self.gate.close(action.message)
         elif isinstance(action, OpenGate) and not self.stopped:
-            self.gate.open(action.version, f"{action.serving} engine(s) serve version {action.version}")
+            if self.operator_pause.holds:  # the health core would open it; the operator's pause keeps it closed
+                self.gate.close(self.operator_pause.reason)
+            else:
+                self.gate.open(action.version, f"{action.serving} engine(s) serve version {action.version}")
         # AbortRefit and KeepGateClosed are read by the lifecycle from the decision.
 
     async def _timer_loop(self) -> None:
@@ -429,6 +434,22 @@ class SingleController:
         step = summary["run_step"] = self.meter.step(version, self.clock.now())
         self.log.emit(ev.RunStep(**step))
         self.metrics.run_step(step)
+
+    async def pause(self, mode: str = "abort", timeout_s: float = 60.0) -> dict:
+        """Close the gate for the operator (vLLM's ``/pause``; ``fleet.control.operator_pause``): new requests are
+        held by their clients, those in flight are aborted and held (``abort``), waited for (``wait``) or kept
+        on their paused engines (``keep``). Holds through refits, quorum changes and controller restarts."""
+        await self.adopt_if_restarted()
+        return await self.operator_pause.pause(mode, float(timeout_s))
+
+    async def resume(self) -> dict:
+        """End the operator's pause: the gate opens where the health core would have it open."""
+        await self.adopt_if_restarted()
+        return await self.operator_pause.resume()
+
+    async def is_paused(self) -> bool:
+        await self.adopt_if_restarted()
+        return self.operator_pause.holds
 
     async def resize(self, n: int, drain_timeout_s: float | None = None) -> dict:
         """Grow or shrink the fleet to ``n`` serving engines (``fleet.control.resize``); waits for a refit running now.

@@ -71,6 +71,7 @@ class Intent:
     removed: dict[int, int] = field(default_factory=dict)  # slot -> last incarnation, of slots a resize removed
     serving_roles: tuple[int, ...] | None = None  # slots with the serving role (``health.roles``); None: the first ones
     refit_id: str | None = None  # the caller's id of the last refit (``Fleet`` re-sends a refit under the same id)
+    paused: str | None = None  # the operator's pause (its mode) holds the gate closed: a successor keeps it
 
     def to_json(self) -> str:
         """The JSON document (keys sorted), built by hand, not with ``dataclasses.asdict``: that
@@ -84,6 +85,7 @@ class Intent:
             "fleet": json.dumps(self.fleet),
             "generation": json.dumps(self.generation),
             "membership_epoch": json.dumps(self.membership_epoch),
+            "paused": json.dumps(self.paused),
             "refit": "null" if r is None else json.dumps(
                 {"complete": [[s, inc] for s, inc in r.complete], "phase": r.phase, "version": r.version}),
             "refit_id": json.dumps(self.refit_id),
@@ -115,6 +117,7 @@ class Intent:
             removed={int(s): int(inc) for s, inc in doc.get("removed", {}).items()},
             serving_roles=None if doc.get("serving_roles") is None else tuple(int(s) for s in doc["serving_roles"]),
             refit_id=doc.get("refit_id"),
+            paused=doc.get("paused"),
         )
 
     def replace(self, **changes: Any) -> "Intent":

@@ -52,6 +52,7 @@ from health import (
     Decision,
     KeepGateClosed,
     MembershipPlan,
+    OpenGate,
     RefitFinished,
     RefitReport,
     RefitResult,
@@ -610,8 +611,8 @@ class RefitLifecycle:
         """Step 8: reopen the gate only if quorum serves ``version``; else stop with it closed."""
         d = self._finish(version)
         self._finished = True
-        if self.p.gate.is_open:
-            await self.publisher.publish()  # out to clients before sync_weights returns
+        if self.p.gate.is_open or (self.p.act.operator_pause.holds and any(isinstance(a, OpenGate) for a in d.actions)):
+            await self.publisher.publish()  # out to clients before sync_weights returns (closed: the operator's pause)
             return
         stop = next((a for a in d.actions if isinstance(a, (StopExhausted, KeepGateClosed))), None)
         message = stop.message if stop is not None else d.reason

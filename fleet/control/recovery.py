@@ -108,6 +108,7 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
                      dirty=bool(info.get("dirty")), paused=bool(info.get("paused")), serves=slot in serving,
                      stamped=slot in stamped, aborted=aborts[slot].value if slot in aborts and aborts[slot].ok else 0,
                      resumed=resumed[slot].ok if slot in resumed else None, failed=failed.get(slot)))
+    p.act.operator_pause.restore(intent.paused)  # before the commit below would open the gate
     _commit(p, intent.committed, serving)
     for slot, handle in starting.items():
         p.log.emit(ev.Adopt(slot=slot, incarnation=intent.slots[slot][0], starting=True))

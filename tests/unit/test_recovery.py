@@ -365,12 +365,12 @@ def test_the_intent_document_is_what_json_writes_and_follows_every_update():
             "generation": i.generation, "shutdown": i.shutdown, "stopped": i.stopped,
             "removed": {str(s): v for s, v in i.removed.items()},
             "serving_roles": None if i.serving_roles is None else list(i.serving_roles),
-            "refit_id": i.refit_id}, sort_keys=True)
+            "refit_id": i.refit_id, "paused": i.paused}, sort_keys=True)
 
     a = Intent("f", {"z": 1, "engine": {"model": "/m", "b": [1, 2]}}, slots={10: (1, 0), 2: (3, 1)})
     b = a.replace(refit=RefitIntent(4, CLOSING), committed=3)
     c = b.replace(slots={**b.slots, 2: (4, 2)}, config={"other": True}, serving_roles=(2,), stopped='say "no"',
-                  refit_id="a1")
+                  refit_id="a1", paused="keep")
     for intent in (a, b, c, b, a):  # back to objects encoded before: the cache follows the object, not the order
         assert intent.to_json() == plain(intent)
         assert json.loads(intent.to_json()) == json.loads(plain(intent))

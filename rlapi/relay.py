@@ -1,0 +1,172 @@
+"""``WeightRelay``: the fleet's one member of a trainer's weight-transfer group, and the source of its refits.
+
+A trainer that drives vLLM's RL API (TRL, vLLM's own trainer engines) sends each update over its own
+group: ``/start_weight_update``, then ``/update_weights`` while it broadcasts, then
+``/finish_weight_update``. Its group has one member on the fleet's side, this actor, however many
+engines the fleet runs. The relay:
+
+- joins the trainer's group at ``/init_weight_transfer_engine`` (``rlapi.gloo_wire``; NCCL on GPU);
+- receives every broadcast the update's metadata announces, and only then checks the update against
+  the model: a name it does not know, a shape or a dtype that does not fit is refused naming the tensor,
+  after the bytes were drained, so the trainer's collective ends and nothing changed;
+- holds the checkpoint's weights with the updates applied (``serving``), and a candidate (``staged``)
+  during an update; it is a ``refit.ports.LocalSenderPort``, so the controller refits the fleet from it
+  through the full lifecycle, and re-admits restarted engines from the same copy later;
+- commits the candidate once the fleet committed it (``commit``), else drops it (``revert``): the
+  fleet and the relay keep serving the last committed weights.
+
+A tied ``lm_head.weight`` the checkpoint does not hold is accepted and not sent on (vLLM ties it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from refit.checksum import tensor_digest
+from refit.ports import LocalSenderPort
+from refit.sender import WeightSender
+from rlapi import gloo_wire
+from rlapi.gloo_wire import GlooInitInfo, GlooUpdateInfo
+
+
+class UpdateRefused(ValueError):
+    """An update that does not fit the model (a name, shape or dtype), or a call out of order; nothing changed."""
+
+
+def load_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no *.safetensors checkpoint")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(f))
+    return weights
+
+
+def _tied(model_dir: str) -> bool:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return bool(json.load(f).get("tie_word_embeddings", False))
+    except (OSError, ValueError):
+        return False
+
+
+class WeightRelay(LocalSenderPort):
+    def __init__(self, model_dir: str, addr: str | None = None) -> None:
+        self.model_dir = model_dir
+        self.serving = load_checkpoint(model_dir)
+        self.tied = _tied(model_dir)
+        self.staged: dict[str, torch.Tensor] | None = None
+        self.group = None
+        self.info: GlooInitInfo | None = None
+        self.received = {"updates": 0, "bytes": 0, "tensors": 0}
+        self._lock = threading.Lock()
+        super().__init__(WeightSender(lambda: list(self.serving.items()), addr=addr))
+
+    # -- the trainer's group -------------------------------------------------------------
+    async def init_transfer(self, init_info: dict, timeout_s: float = gloo_wire.DEFAULT_TIMEOUT_S) -> dict:
+        """Join the trainer's group as rank ``rank_offset`` (the fleet is one member of it)."""
+        try:
+            info = GlooInitInfo(**init_info)
+        except TypeError as exc:
+            raise UpdateRefused(f"init_info: {exc}") from None
+        await self.shutdown_transfer()
+        t0 = time.monotonic()
+        self.group = await asyncio.to_thread(gloo_wire.join, info, info.rank_offset, timeout_s)
+        self.info = info
+        return {"rank": info.rank_offset, "world_size": info.world_size, "joined_s": time.monotonic() - t0}
+
+    async def shutdown_transfer(self) -> bool:
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+        return group is not None
+
+    # -- one update -------------------------------------------------------------------------
+    async def start_update(self) -> dict:
+        with self._lock:
+            self.staged = {}
+        return {"started": True}
+
+    async def receive(self, update_info: dict, timeout_s: float = gloo_wire.DEFAULT_TIMEOUT_S) -> dict:
+        """Receive one ``/update_weights``. The bytes are received whatever they are (the trainer's collective
+        must end); the update is then checked and refused naming the first tensor that does not fit."""
+        if self.group is None or self.info is None:
+            raise UpdateRefused("no weight transfer group: call /init_weight_transfer_engine first")
+        try:
+            update = GlooUpdateInfo(**update_info)
+        except TypeError as exc:  # a malformed update cannot be drained: its sizes are unknown
+            raise UpdateRefused(f"update_info: {exc}") from None
+        got: list[tuple[str, torch.Tensor]] = []
+        stats = await asyncio.to_thread(gloo_wire.receive, self.group, update, self.info.packed, lambda items: got.extend(
+            (n, t.clone()) for n, t in items), self.info.packed_buffer_size_bytes, timeout_s)
+        problems = self.misfits(got)
+        with self._lock:
+            if self.staged is None:
+                raise UpdateRefused("/update_weights before /start_weight_update: the update was received and dropped")
+            if problems:
+                self.staged = None  # the whole update is refused, as one
+                raise UpdateRefused("; ".join(problems[:4]) + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""))
+            for name, t in got:
+                if name in self.serving:
+                    self.staged[name] = t
+        self.received = {"updates": self.received["updates"] + 1, "bytes": self.received["bytes"] + stats["bytes"],
+                         "tensors": self.received["tensors"] + len(got)}
+        return {**stats, "tensors": len(got)}
+
+    def misfits(self, got: list[tuple[str, torch.Tensor]]) -> list[str]:
+        out = []
+        for name, t in got:
+            have = self.serving.get(name)
+            if have is None:
+                if not (self.tied and name == "lm_head.weight"):
+                    out.append(f"tensor {name!r} is not a weight of the model in {self.model_dir}")
+            elif tuple(have.shape) != tuple(t.shape):
+                out.append(f"tensor {name!r} has shape {list(t.shape)}; the model's is {list(have.shape)}")
+            elif have.dtype != t.dtype and not (have.is_floating_point() and t.is_floating_point()):
+                out.append(f"tensor {name!r} has dtype {t.dtype}; the model's is {have.dtype}")
+        return out
+
+    async def finish_update(self) -> dict:
+        """Make the staged update the candidate the fleet refits from; until ``commit``/``revert`` the relay
+        sends the candidate (the checkpoint's weights with the update applied, in the checkpoint's dtypes)."""
+        with self._lock:
+            if self.staged is None:
+                raise UpdateRefused("/finish_weight_update without a weight update in progress "
+                                    "(no /start_weight_update, or its update was refused)")
+            staged, self.staged = self.staged, None
+            if not staged:
+                return {"tensors": 0}
+            self._before = self.serving
+            self.serving = {n: (staged[n].to(t.dtype) if n in staged else t) for n, t in self.serving.items()}
+        return {"tensors": len(staged)}
+
+    async def commit(self) -> bool:
+        self._before = None
+        return True
+
+    async def revert(self) -> bool:
+        before = getattr(self, "_before", None)
+        if before is not None:
+            self.serving, self._before = before, None
+        return before is not None
+
+    # -- what it holds ----------------------------------------------------------------------
+    async def digests(self) -> dict[str, Any]:
+        """Per-tensor digests (``refit.checksum.tensor_digest``, hex) of the weights the relay sends, and the
+        digest of the update as sent (what each engine's applied update must equal: ``rlfleet_checksum``)."""
+        per = await self._run(lambda: {n: tensor_digest(n, t).hex() for n, t in self.serving.items()})
+        return {"tensors": per, "digest": await self.checksum()}
+
+    async def stats(self) -> dict:
+        return {**self.received, "group": self.group is not None, "in_update": self.staged is not None}

@@ -1,0 +1,264 @@
+"""vLLM's RL HTTP API on ``rlfleet serve``: a trainer that drives ``vllm serve`` drives the fleet unchanged.
+
+The routes keep vLLM's request and response shapes (``vllm/entrypoints/rl/online/api_router.py``,
+``/server_info``, ``/reset_prefix_cache``) and map them onto the fleet:
+
+- ``/get_world_size`` is 1: the trainer's group has one member on the fleet's side, the relay
+  (``rlapi.relay``), however many engines the fleet runs;
+- ``/init_weight_transfer_engine`` joins the relay to the trainer's group;
+- ``/start_weight_update``, ``/update_weights`` and ``/finish_weight_update`` move one update into
+  the relay; ``/finish_weight_update`` then refits the fleet from it through the whole lifecycle and
+  answers 200 only once the fleet committed, with the version it committed. A refit that fails answers
+  409 naming the cause, the relay drops the update, and the fleet serves what it had;
+- versions are the fleet's (it numbers them; a trainer's ``weight_version`` label is kept beside it);
+  ``/weight_info`` says the committed one, ``/update_weight_version`` is refused;
+- ``/weight_checker`` compares what every live engine applied with what the relay holds (the
+  trainer's weights as sent), and per tensor with a trainer's baseline of ``refit.checksum`` digests;
+- ``/reset_prefix_cache`` resets every live engine's prefix cache (a refit already does, always);
+- ``/pause`` and ``/resume`` close and open the fleet's gate for the operator (``Fleet.pause``: held
+  requests are never lost), ``/is_paused`` says so; ``/abort_requests`` is not served yet (501).
+
+Weight-route refusals are 4xx, never 5xx: TRL's client re-sends a POST that got a 5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from fleet.cluster import ray_door
+
+log = logging.getLogger("rlfleet.rlapi")
+CALL_TIMEOUT_S = 60.0
+# a transfer waits for the trainer's broadcast: as long as vLLM's packed transfer would (its gloo op timeout)
+TRANSFER_TIMEOUT_S = 1800.0
+
+
+def _refused(code: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=code)
+
+
+class RLSurface:
+    """The fleet's side of vLLM's RL API: the relay actor, the fleet, and one weight update at a time."""
+
+    def __init__(self, fleet: Any, backend: str = "gloo", relay: Any = None) -> None:
+        from rlapi.relay import WeightRelay
+
+        self.fleet = fleet
+        self.backend = backend
+        self.relay = relay or ray_door.spawn_actor(WeightRelay, fleet.config.engine.model, num_cpus=0)
+        self.lock = asyncio.Lock()
+        self.label: str | None = None  # the trainer's own name for the committed version, when it sent one
+        self.last: dict | None = None  # the last finish's answer
+
+    def close(self) -> None:
+        ray_door.kill(self.relay)
+
+    async def _relay(self, method: str, *args, timeout: float = CALL_TIMEOUT_S) -> Any:
+        return await asyncio.wait_for(ray_door.call_async(self.relay, method, *args), timeout)
+
+    def _members(self):
+        return self.fleet.client.routing().members
+
+    async def _each_engine(self, method: str, *args, timeout: float = CALL_TIMEOUT_S) -> dict[int, Any]:
+        members = self._members()
+        outs = await asyncio.gather(*(asyncio.wait_for(ray_door.call_async(m.handle, method, *args), timeout)
+                                      for m in members), return_exceptions=True)
+        return {m.slot: o for m, o in zip(members, outs)}
+
+    def committed(self) -> int:
+        return int(self.fleet.client.routing().version)
+
+    # -- the routes ------------------------------------------------------------------------
+    def mount(self, app: FastAPI, front: Any) -> None:
+        surface = self
+
+        @app.post("/pause")
+        async def pause(mode: str = "abort", clear_cache: bool = True, timeout_s: float = 60.0):
+            from fleet.control.operator_pause import PAUSE_MODES
+
+            if mode not in PAUSE_MODES:
+                return _refused(400, f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "BadRequestError", "mode")
+            out = await asyncio.to_thread(surface.fleet.pause, mode, timeout_s)
+            return {"status": "paused", "rlfleet": out}
+
+        @app.post("/resume")
+        async def resume():
+            return {"status": "resumed", "rlfleet": await asyncio.to_thread(surface.fleet.resume)}
+
+        @app.get("/is_paused")
+        async def is_paused():
+            return {"is_paused": await asyncio.to_thread(surface.fleet.is_paused)}
+
+        @app.post("/abort_requests")
+        async def abort_requests():
+            return _refused(501, "not served yet: a fleet re-sends what an engine aborts; use /pause?mode=abort to stop "
+                                 "the engines' work (held requests continue at /resume)", "NotImplementedError")
+
+        @app.get("/get_world_size")
+        async def get_world_size(include_dp: bool = True):
+            return {"world_size": 1}
+
+        @app.get("/server_info")
+        async def server_info(config_format: str = "text"):
+            cfg = surface.fleet.config
+            vllm_config = {
+                "model_config": {"model": front.model, "served_model_name": front.model, "dtype": cfg.engine.dtype,
+                                 "max_model_len": front.max_model_len, "logprobs_mode": front.logprobs_mode},
+                "parallel_config": {"tensor_parallel_size": cfg.engine.tensor_parallel_size,
+                                    "pipeline_parallel_size": cfg.engine.pipeline_parallel_size,
+                                    "data_parallel_size": 1, "world_size": 1},
+                "weight_transfer_config": {"backend": surface.backend},
+                "lora_config": None,
+            }
+            return {"vllm_config": vllm_config if config_format == "json" else str(vllm_config),
+                    "rlfleet": {"engines": len(surface._members()), "version": surface.committed()}}
+
+        @app.post("/init_weight_transfer_engine")
+        async def init_weight_transfer_engine(request: Request):
+            body = await _json_object(request)
+            if isinstance(body, JSONResponse):
+                return body
+            info = body.get("init_info")
+            if not isinstance(info, dict):
+                return _refused(400, "init_info must be an object (vLLM's WeightTransferInitRequest)", "BadRequestError",
+                                "init_info")
+            try:
+                joined = await surface._relay("init_transfer", info, timeout=TRANSFER_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - the trainer's mistake or its rendezvous: said, not raised
+                return _refused(400, f"could not join the trainer's weight-transfer group: {_cause(exc)}",
+                                "BadRequestError", "init_info")
+            return {"message": "Weight transfer initialized", "rlfleet": joined}
+
+        @app.post("/shutdown_weight_transfer_engine")
+        async def shutdown_weight_transfer_engine():
+            await surface._relay("shutdown_transfer")
+            return {"message": "Weight transfer shut down"}
+
+        @app.post("/start_weight_update")
+        async def start_weight_update():
+            await surface._relay("start_update")
+            return {"message": "Weight update started"}
+
+        @app.post("/update_weights")
+        async def update_weights(request: Request):
+            body = await _json_object(request)
+            if isinstance(body, JSONResponse):
+                return body
+            info = body.get("update_info")
+            if isinstance(info, list):  # one entry per receiving rank; the fleet receives as one rank
+                info = info[0] if len(info) == 1 else info
+            if not isinstance(info, dict):
+                return _refused(400, "update_info must be an object (or a list of one: the fleet is one rank)",
+                                "BadRequestError", "update_info")
+            try:
+                got = await surface._relay("receive", info, timeout=TRANSFER_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001
+                return _refused(400, f"weight update refused, nothing changed: {_cause(exc)}", "BadRequestError",
+                                "update_info")
+            return {"message": "Weights updated", "rlfleet": got}
+
+        @app.post("/finish_weight_update")
+        async def finish_weight_update(request: Request):
+            body = await _json_object(request, empty_ok=True)
+            if isinstance(body, JSONResponse):
+                return body
+            label = body.get("weight_version")
+            async with surface.lock:
+                return await surface.finish(None if label is None else str(label))
+
+        @app.post("/update_weight_version")
+        async def update_weight_version():
+            return _refused(400, "rlfleet numbers weight versions itself (each committed refit is the next); "
+                                 "/finish_weight_update takes an optional weight_version label",
+                            "BadRequestError", "new_version")
+
+        @app.get("/weight_info")
+        async def weight_info():
+            return {"weight_version": str(surface.committed()), "rlfleet": {"version": surface.committed(),
+                                                                            "trainer_label": surface.label}}
+
+        @app.post("/weight_checker")
+        async def weight_checker(request: Request):
+            body = await _json_object(request)
+            if isinstance(body, JSONResponse):
+                return body
+            return await surface.check(body.get("action"), body.get("baseline"))
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False):
+            outs = await surface._each_engine("reset_prefix_cache", reset_running_requests)
+            return {"success": bool(outs) and all(o is True for o in outs.values()),
+                    "rlfleet": {str(s): (o if not isinstance(o, BaseException) else _cause(o)) for s, o in outs.items()}}
+
+    # -- the two that do more than forward ------------------------------------------------------
+    async def finish(self, label: str | None):
+        try:
+            staged = await self._relay("finish_update")
+        except Exception as exc:  # noqa: BLE001
+            return _refused(400, _cause(exc), "BadRequestError")
+        if not staged["tensors"]:
+            return {"message": "Weight update finished", "weight_version": str(self.committed()),
+                    "rlfleet": {"version": self.committed(), "refit": None, "note": "the update carried no tensor"}}
+        version = self.committed() + 1
+        try:
+            summary = await asyncio.to_thread(self.fleet.sync_weights, version, self.relay)
+        except Exception as exc:  # noqa: BLE001 - every refit failure is answered, named, and the update dropped
+            await self._relay("revert")
+            log.warning("refit of version %d from the trainer's update failed: %s", version, _cause(exc))
+            return _refused(409, f"the fleet did not commit the update ({type(exc).__name__}): {_cause(exc)}; "
+                                 f"it serves version {self.committed()}", type(exc).__name__)
+        await self._relay("commit")
+        self.label = label
+        self.last = {"version": version, "serving": summary.get("serving"), "gate_open": summary.get("gate_open")}
+        return {"message": "Weight update finished", "weight_version": str(version),
+                "rlfleet": {**self.last, "trainer_label": label}}
+
+    async def check(self, action: Any, baseline: Any):
+        if action == "reset":
+            return _refused(400, "rlfleet does not reset engine weights from HTTP", "BadRequestError", "action")
+        if action not in ("checksum", "compare"):
+            return _refused(400, f"action must be 'checksum' or 'compare', got {action!r}", "BadRequestError", "action")
+        if action == "compare" and not isinstance(baseline, dict):
+            return _refused(400, "action='compare' requires a 'baseline' object", "BadRequestError", "baseline")
+        held = await self._relay("digests", timeout=300)
+        outs = await self._each_engine("worker_rpc", "rlfleet_checksum", [], {}, CALL_TIMEOUT_S)
+        engines = {}
+        for slot, out in outs.items():
+            if isinstance(out, BaseException):
+                engines[str(slot)] = {"error": _cause(out), "match": False}
+                continue
+            applied = {w.get("applied") for w in out}
+            engines[str(slot)] = {"applied": sorted(a or "" for a in applied), "version": out[0].get("weight_version"),
+                                  "match": applied == {held["digest"]}}
+        if action == "checksum":
+            return {"checksums": held["tensors"], "rlfleet": {"digest": held["digest"], "engines": engines}}
+        mismatches = sorted(k for k in held["tensors"].keys() | baseline.keys() if held["tensors"].get(k) != baseline.get(k))
+        mismatches += [f"engine {s}" for s, e in engines.items() if not e["match"]]
+        return {"match": not mismatches, "mismatches": mismatches, "rlfleet": {"digest": held["digest"], "engines": engines}}
+
+
+async def _json_object(request: Request, empty_ok: bool = False):
+    raw = await request.body()
+    if not raw.strip():
+        return {} if empty_ok else _refused(400, "the body must be a JSON object", "BadRequestError")
+    try:
+        import json
+
+        body = json.loads(raw)
+    except ValueError:
+        return _refused(400, "the body is not JSON", "BadRequestError")
+    if not isinstance(body, dict):
+        return _refused(400, "the body must be a JSON object", "BadRequestError")
+    return body
+
+
+def _cause(exc: BaseException) -> str:
+    """The actor's own error, without Ray's wrapping."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}"[:800]

@@ -1,0 +1,101 @@
+"""One TRL GRPO run against a server that speaks vLLM's RL API (``rlfleet serve`` or ``vllm serve``).
+
+TRL's own ``GRPOTrainer`` trains the project's task (``recipe.task.AllowedTokensTask``: reward = share of
+completion tokens in a fixed set, chance 0.0625) on the tiny model, generating through the server in
+server mode. Only the transport differs from TRL as it ships (``rlapi.trl``: gloo, on CPU). Used by the
+TRL tests, ``scripts/bench_trl.py`` and ``docs/examples/trl_grpo.py``. Each step's reward and time are
+kept, so a caller can say what a fault cost.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class TRLRun:
+    """Settings of one run. A step: ``prompts_per_step`` prompts x ``num_generations`` completions of
+    ``max_tokens`` tokens, one optimizer step, then TRL syncs the weights before the next generation."""
+
+    model_dir: str
+    base_url: str
+    steps: int = 30
+    prompts_per_step: int = 4
+    num_generations: int = 4
+    max_tokens: int = 6
+    learning_rate: float = 3e-3
+    seed: int = 0
+    output_dir: str = "/tmp/rlfleet-trl"
+    rewards: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompts(n: int, seed: int = 0) -> list[str]:
+    """Seeded text prompts of ordinary tokens (``recipe.task.PromptGenerator``), as text TRL tokenizes."""
+    from transformers import AutoTokenizer
+
+    from recipe.task import PromptGenerator
+
+    tok = AutoTokenizer.from_pretrained(os.environ["RLFLEET_TRL_MODEL"])
+    return [tok.decode(p[1:]) for p in PromptGenerator(seed=seed).batch(0, n)]
+
+
+def train(run: TRLRun, on_step: Callable[[int, Any], None] | None = None) -> TRLRun:
+    """Train ``run.steps`` steps; ``on_step(step, trainer)`` runs as each step begins (a fault plan's hook)."""
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # the trainer's group is reached at loopback
+    os.environ["RLFLEET_TRL_MODEL"] = run.model_dir
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from recipe.task import AllowedTokensTask
+    from rlapi.trl import install
+
+    install()
+    task = AllowedTokensTask()
+
+    def reward(completions, completion_ids, **_):
+        return [task.reward([], ids) for ids in completion_ids]
+
+    class Steps(TrainerCallback):
+        def __init__(self):
+            self.t0 = time.monotonic()
+
+        def on_step_begin(self, args, state, control, **kw):
+            if on_step is not None:
+                on_step(state.global_step, trainer)
+
+        def on_step_end(self, args, state, control, **kw):
+            now = time.monotonic()
+            run.step_times.append(now - self.t0)
+            self.t0 = now
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                run.rewards.append(float(logs["reward"]))
+
+    config = GRPOConfig(
+        output_dir=run.output_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        report_to="none", logging_steps=1, save_strategy="no", max_steps=run.steps, seed=run.seed,
+        per_device_train_batch_size=run.prompts_per_step * run.num_generations, num_generations=run.num_generations,
+        gradient_accumulation_steps=1, max_completion_length=run.max_tokens, learning_rate=run.learning_rate,
+        beta=0.0, dataloader_num_workers=0, use_vllm=True, vllm_mode="server", vllm_server_base_url=run.base_url,
+        vllm_server_timeout=120, vllm_group_port=free_port(), generation_kwargs={"ignore_eos": True},
+        disable_tqdm=True,
+    )
+    data = Dataset.from_dict({"prompt": prompts(max(64, run.prompts_per_step * run.steps), run.seed)})
+    trainer = GRPOTrainer(model=run.model_dir, reward_funcs=[reward], args=config, train_dataset=data,
+                          callbacks=[Steps()])
+    trainer.train()
+    trainer.vllm_generation.vllm_client.close_communicator() if hasattr(trainer, "vllm_generation") else None
+    return run

@@ -1,0 +1,118 @@
+"""vLLM's RL HTTP API on ``rlfleet serve``, driven as TRL drives ``vllm serve``: route by route with TRL's own
+client (``trl.generation.vllm_client.VLLMClient``, its transport swapped for gloo by ``rlapi.trl``), then TRL's
+own ``GRPOTrainer`` training against a three-engine fleet while shards are killed.
+
+One fleet for the module (three real engines, processed logprobs, every refit verified by checksum)."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def served(ray_local, tiny_model, tmp_path_factory):
+    from fleet.api import Fleet
+    from serve.server import HttpServer
+
+    log = tmp_path_factory.mktemp("trl") / "events.jsonl"
+    fleet = Fleet.start({"engine": {"model": tiny_model, "logprobs_mode": "processed_logprobs",
+                                    "kv_cache_memory_bytes": 16 << 20},
+                         "num_engines": 3, "min_healthy_engines": 1, "verify_weights": "checksum",
+                         "event_log_path": str(log), "restart_backoff_s": 0.5, "restart_budget": 6,
+                         "refit_timeout_s": 60, "lifecycle_grace_s": 5})
+    server = HttpServer(fleet, port=0, weight_transfer="gloo").start()
+    try:
+        yield fleet, server
+    finally:
+        server.stop()
+        fleet.shutdown()
+
+
+def client_of(server):
+    from rlapi.trl import GlooVLLMClient
+    from rlapi.trl_run import free_port
+
+    c = GlooVLLMClient(base_url=server.url, group_port=free_port(), connection_timeout=30)
+    c.session.mount("http://", requests.adapters.HTTPAdapter(max_retries=0))  # a refusal is seen, not re-sent
+    return c
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def baseline(model) -> dict:
+    from refit.checksum import tensor_digest
+
+    return {n: tensor_digest(n, t.detach()).hex() for n, t in model.state_dict().items()}
+
+
+def test_trls_client_route_by_route_moves_weights_into_every_engine_and_refusals_change_nothing(served, tiny_model):
+    fleet, server = served
+    url = server.url
+    info = requests.get(f"{url}/server_info", params={"config_format": "json"}, timeout=30).json()["vllm_config"]
+    assert info["weight_transfer_config"] == {"backend": "gloo"}
+    assert info["model_config"]["logprobs_mode"] == "processed_logprobs"  # what TRL's importance sampling wants
+    assert requests.get(f"{url}/get_world_size", timeout=30).json() == {"world_size": 1}  # the relay: one rank
+    c = client_of(server)
+    c.check_server(total_timeout=30)
+    c.init_communicator(device="cpu")
+    v0 = int(requests.get(f"{url}/weight_info", timeout=30).json()["weight_version"])
+
+    model = hf_model(tiny_model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    meta = [(n, str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in model.named_parameters()]
+    c.update_model_params(model)  # start, update during the packed broadcast, finish: the fleet refits
+    c.reset_prefix_cache()
+    assert int(requests.get(f"{url}/weight_info", timeout=30).json()["weight_version"]) == v0 + 1
+    check = requests.post(f"{url}/weight_checker", json={"action": "compare", "baseline": baseline(model)},
+                          timeout=120).json()
+    assert check["match"], check
+    assert sorted(check["rlfleet"]["engines"]) == ["0", "1", "2"]
+    assert all(e["match"] and e["version"] == v0 + 1 for e in check["rlfleet"]["engines"].values())
+
+    out = c.generate([[5, 6, 7], [8, 9]], n=2, max_tokens=4, logprobs=0)  # TRL's generation call
+    assert len(out["completion_ids"]) == 4 and all(len(ids) == 4 for ids in out["completion_ids"])
+    assert all(len(lp) == 4 and all(math.isfinite(t[0]) for t in lp) for lp in out["logprobs"])
+
+    # a tensor of the wrong shape: refused naming it, after its bytes drained (the trainer's broadcast ends)
+    name = "model.layers.1.mlp.up_proj.weight"
+    bad = torch.zeros(7, 3)
+    with pytest.raises(Exception, match=name.replace(".", r"\.")):
+        c.update_named_params([(name, "float32", [7, 3])], iter([(name, bad)]))
+    assert int(requests.get(f"{url}/weight_info", timeout=30).json()["weight_version"]) == v0 + 1
+    assert requests.post(f"{url}/weight_checker", json={"action": "compare", "baseline": baseline(model)},
+                         timeout=120).json()["match"]  # nothing changed anywhere
+    assert len(c.generate([[5, 6, 7]], max_tokens=3)["completion_ids"][0]) == 3  # and the fleet serves
+    # the group still works after a refusal: the same update again lands as the next version
+    c.update_model_params(model)
+    assert int(requests.get(f"{url}/weight_info", timeout=30).json()["weight_version"]) == v0 + 2
+
+    refusals = [
+        ("/finish_weight_update", {}, "without a weight update in progress"),
+        ("/update_weight_version", {"new_version": "x"}, "numbers weight versions itself"),
+        ("/weight_checker", {"action": "reset"}, "does not reset"),
+        ("/weight_checker", {"action": "compare"}, "requires a 'baseline'"),
+        ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1"}}, "init_info"),
+        ("/update_weights", {"update_info": {"names": ["a"], "dtype_names": ["float99"], "shapes": [[1]]}}, "float99"),
+    ]
+    for path, body, words in refusals:
+        r = requests.post(f"{url}{path}", json=body, timeout=60)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (path, r.status_code, r.text)
+    r = requests.post(f"{url}/update_weights", data="{not json", timeout=30)
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    assert fleet.status()["version"] == v0 + 2 and requests.get(f"{url}/ready", timeout=30).status_code == 200
+    c.close_communicator()

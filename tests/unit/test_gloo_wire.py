@@ -1,0 +1,73 @@
+"""vLLM's packed weight broadcast on gloo (``rlapi.gloo_wire``): both sides in one process, two threads."""
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from rlapi import gloo_wire
+from rlapi.gloo_wire import GlooInitInfo, GlooUpdateInfo
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def weights() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [("a", torch.randn(3, 5, generator=g)), ("b", torch.arange(7, dtype=torch.int64)),
+            ("c", torch.randn(64, generator=g).to(torch.bfloat16)), ("empty", torch.zeros(0)),
+            ("d", torch.randn(2, 2, 2, generator=g))]
+
+
+def update_of(ws) -> GlooUpdateInfo:
+    return GlooUpdateInfo(names=[n for n, _ in ws], dtype_names=[str(t.dtype).split(".")[-1] for _, t in ws],
+                          shapes=[list(t.shape) for _, t in ws])
+
+
+@pytest.mark.parametrize("packed,buffer", [(True, 1 << 30), (True, 40), (False, 1 << 30)])
+def test_every_tensor_arrives_bit_for_bit_in_order_packed_or_not(packed, buffer):
+    info = GlooInitInfo(master_address="127.0.0.1", master_port=free_port(), rank_offset=1, world_size=2,
+                        packed=packed, packed_buffer_size_bytes=buffer)
+    ws = weights()
+    got, sent = [], {}
+
+    def receiver():
+        group = gloo_wire.join(info, 1, timeout_s=30)
+        try:
+            sent["rx"] = gloo_wire.receive(group, update_of(ws), packed, lambda items: got.extend(
+                (n, t.clone()) for n, t in items), buffer, timeout_s=30)
+        finally:
+            group.close()
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    group = gloo_wire.open_sender(info, timeout_s=30)
+    try:
+        sent["tx"] = gloo_wire.send(group, iter(ws), packed, buffer, timeout_s=30)
+    finally:
+        t.join(30)
+        group.close()
+    assert [n for n, _ in got] == [n for n, _ in ws]
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(got, ws))
+    assert sent["tx"] == sent["rx"]
+    # 40-byte chunks: a chunk closes once past 40 bytes, so a (60 B) alone, b (56 B) alone, c (128 B) with
+    # nothing after it... the chunk rule both sides share says how many broadcasts there are
+    expected = len(list(gloo_wire.chunks(update_of(ws).metadata(), buffer))) if packed else len(ws)
+    assert sent["tx"]["broadcasts"] == expected and (expected > 1 or buffer > 1000)
+
+
+def test_a_bad_update_is_refused_naming_the_tensor():
+    with pytest.raises(ValueError, match="'w'.*float33"):
+        GlooUpdateInfo(names=["w"], dtype_names=["float33"], shapes=[[2]])
+    with pytest.raises(ValueError, match="same length"):
+        GlooUpdateInfo(names=["w", "v"], dtype_names=["float32"], shapes=[[2]])
+    with pytest.raises(ValueError, match="'w'.*shape"):
+        GlooUpdateInfo(names=["w"], dtype_names=["float32"], shapes=[[-1]])
+    with pytest.raises(ValueError, match="rank_offset"):
+        GlooInitInfo(master_address="h", master_port=1, rank_offset=2, world_size=2)
+    with pytest.raises(TypeError):
+        GlooInitInfo(master_address="h", master_port=1, rank_offset=1, world_size=2, bogus=1)
