@@ -32,6 +32,8 @@ class TRLRun:
     output_dir: str = "/tmp/rlfleet-trl"
     rewards: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    # ``refit.checksum`` digests (hex) of the weights TRL synced last (as the last step began): what the server holds
+    synced_digests: dict[str, str] = field(default_factory=dict)
 
 
 def free_port() -> int:
@@ -74,6 +76,10 @@ def train(run: TRLRun, on_step: Callable[[int, Any], None] | None = None) -> TRL
         def on_step_begin(self, args, state, control, **kw):
             if on_step is not None:
                 on_step(state.global_step, trainer)
+            if state.global_step == run.steps - 1:  # this step's sync sends these weights, the run's last sync
+                from refit.checksum import tensor_digest
+
+                run.synced_digests = {n: tensor_digest(n, p.detach()).hex() for n, p in trainer.model.named_parameters()}
 
         def on_step_end(self, args, state, control, **kw):
             now = time.monotonic()
@@ -99,3 +105,26 @@ def train(run: TRLRun, on_step: Callable[[int, Any], None] | None = None) -> TRL
     trainer.train()
     trainer.vllm_generation.vllm_client.close_communicator() if hasattr(trainer, "vllm_generation") else None
     return run
+
+
+def main() -> None:
+    """``python -m rlapi.trl_run --url URL [--steps N]``: one run; the last line is its JSON (the benchmark's arm)."""
+    import argparse
+    import json
+
+    from recipe.tinymodel import build_model, default_model_dir
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", required=True)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    model = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
+    t0 = time.monotonic()
+    run = train(TRLRun(model, a.url, steps=a.steps, learning_rate=a.lr, seed=a.seed))
+    print(json.dumps({"rewards": run.rewards, "step_s": run.step_times, "wall_s": time.monotonic() - t0}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""TRL's GRPOTrainer against ``vllm serve`` and against ``rlfleet serve``, one engine each, in one run.
+
+    python scripts/bench_trl.py [--steps 30] [--rounds 2]
+
+The same TRL run (``rlapi.trl_run``: TRL's own ``GRPOTrainer`` in server mode, the tiny model, 4 prompts x 4
+completions of 6 tokens a step, a weight sync through vLLM's RL routes before every generation) trains
+against each server in turn, each server started fresh as a subprocess with the same engine settings:
+``vllm serve`` (``VLLM_SERVER_DEV_MODE=1``, ``--weight-transfer-config '{"backend": "gloo"}'``: rlfleet's
+gloo engine, loaded by vLLM's plugin entry point) and ``rlfleet serve`` (one engine, the same flag: its
+relay, then a refit of the fleet through the whole lifecycle). Only one server runs at a time; rounds
+alternate the order (vllm first in even rounds) so drift on this shared machine falls on both arms.
+
+A run's steps/s counts the steps after the first (the first carries TRL's start-up and the first sync)
+over their summed time. The last line is one JSON object: ``trl_rlfleet_vs_vllm_steps_per_s`` (the median
+over rounds of rlfleet's steps/s over vLLM's in the same round; goal >= 0.8), each arm's steps/s per round,
+and each arm's mean reward over its last 5 steps (both arms train the same task from the same seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+from bench_http import Server, free_port, vllm_command  # noqa: E402
+from fleet.config.engine import EngineConfig  # noqa: E402
+from recipe.tinymodel import build_model, default_model_dir  # noqa: E402
+
+GLOO = json.dumps({"backend": "gloo"})
+
+
+def command(name: str, cfg: EngineConfig, port: int, workdir: str) -> list[str]:
+    if name == "vllm":
+        return vllm_command(cfg, port) + ["--weight-transfer-config", GLOO, "--logprobs-mode", cfg.logprobs_mode,
+                                          "--max-logprobs", "-1"]
+    path = os.path.join(workdir, "fleet.yaml")
+    with open(path, "w") as f:
+        f.write(f"engine:\n  model: {cfg.model}\n  logprobs_mode: {cfg.logprobs_mode}\n"
+                f"  kv_cache_memory_bytes: {cfg.kv_cache_memory_bytes}\nnum_engines: 1\nmin_healthy_engines: 1\n")
+    return [sys.executable, "-m", "cli.main", "serve", "--config", path, "--port", str(port),
+            "--weight-transfer-config", GLOO]
+
+
+def arm(name: str, cfg: EngineConfig, args, workdir: str) -> dict:
+    port = free_port()
+    env = {**os.environ, **cfg.process_env(), "VLLM_SERVER_DEV_MODE": "1"}
+    env.pop("RAY_ADDRESS", None)
+    server = Server(name, command(name, cfg, port, workdir), env, port, workdir)
+    try:
+        server.wait_ready(args.start_timeout)
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "rlapi.trl_run", "--url", server.url, "--steps", str(args.steps)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if out.returncode != 0:
+            raise server.fail(f"the TRL run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+        run = json.loads(out.stdout.strip().splitlines()[-1])
+        run["wall_s"] = time.perf_counter() - t0
+    finally:
+        run_stop = server.stop()
+    steps = run["step_s"][1:]
+    rewards = run["rewards"]
+    result = {"steps_per_s": len(steps) / sum(steps), "last5_reward": statistics.mean(rewards[-5:]),
+              "first_step_s": run["step_s"][0], "wall_s": run["wall_s"], "stop": run_stop}
+    print(f"{name}: {result['steps_per_s']:.3f} steps/s, last-5 reward {result['last5_reward']:.3f}, "
+          f"first step {result['first_step_s']:.1f} s", flush=True)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--run-timeout", type=float, default=900.0)
+    args = p.parse_args()
+    model = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
+    cfg = EngineConfig(model=model, logprobs_mode="processed_logprobs")
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-trl-") as workdir:
+        for r in range(args.rounds):
+            order = ("vllm", "rlfleet") if r % 2 == 0 else ("rlfleet", "vllm")
+            got = {name: arm(name, cfg, args, workdir) for name in order}
+            got["ratio"] = got["rlfleet"]["steps_per_s"] / got["vllm"]["steps_per_s"]
+            print(f"round {r}: rlfleet/vllm steps/s {got['ratio']:.3f}", flush=True)
+            rounds.append(got)
+    print(json.dumps({
+        "trl_rlfleet_vs_vllm_steps_per_s": round(statistics.median(g["ratio"] for g in rounds), 3),
+        "ratios": [round(g["ratio"], 3) for g in rounds],
+        "vllm_steps_per_s": [round(g["vllm"]["steps_per_s"], 3) for g in rounds],
+        "rlfleet_steps_per_s": [round(g["rlfleet"]["steps_per_s"], 3) for g in rounds],
+        "vllm_last5_reward": [round(g["vllm"]["last5_reward"], 3) for g in rounds],
+        "rlfleet_last5_reward": [round(g["rlfleet"]["last5_reward"], 3) for g in rounds],
+        "steps": args.steps,
+    }))
+
+
+if __name__ == "__main__":
+    main()
