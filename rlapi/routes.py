@@ -12,6 +12,10 @@ The routes keep vLLM's request and response shapes (``vllm/entrypoints/rl/online
   409 naming the cause, the relay drops the update, and the fleet serves what it had;
 - versions are the fleet's (it numbers them; a trainer's ``weight_version`` label is kept beside it);
   ``/weight_info`` says the committed one, ``/update_weight_version`` is refused;
+- an engine that restarted after a death serves the checkpoint until a refit re-admits it: once a trainer's
+  update committed, the surface refits the fleet from the relay's copy as soon as such an engine is up
+  (a catch-up refit: the same weights, the next version), so it serves again without waiting for the
+  trainer's next update;
 - ``/weight_checker`` compares what every live engine applied with what the relay holds (the
   trainer's weights as sent), and per tensor with a trainer's baseline of ``refit.checksum`` digests;
 - ``/reset_prefix_cache`` resets every live engine's prefix cache (a refit already does, always);
@@ -34,6 +38,7 @@ from fleet.cluster import ray_door
 
 log = logging.getLogger("rlfleet.rlapi")
 CALL_TIMEOUT_S = 60.0
+CATCH_UP_POLL_S = 1.0  # how often the surface looks for restarted engines to bring to the committed weights
 # a transfer waits for the trainer's broadcast: as long as vLLM's packed transfer would (its gloo op timeout)
 TRANSFER_TIMEOUT_S = 1800.0
 
@@ -54,8 +59,12 @@ class RLSurface:
         self.lock = asyncio.Lock()
         self.label: str | None = None  # the trainer's own name for the committed version, when it sent one
         self.last: dict | None = None  # the last finish's answer
+        self.catch_ups: list[dict] = []  # the catch-up refits run (``catch_up``)
+        self._catching_up = None  # the loop's future (it runs on the fleet client's loop)
 
     def close(self) -> None:
+        if self._catching_up is not None:
+            self._catching_up.cancel()
         ray_door.kill(self.relay)
 
     async def _relay(self, method: str, *args, timeout: float = CALL_TIMEOUT_S) -> Any:
@@ -76,6 +85,7 @@ class RLSurface:
     # -- the routes ------------------------------------------------------------------------
     def mount(self, app: FastAPI, front: Any) -> None:
         surface = self
+        self._catching_up = front.client.spawn(self._catch_up_loop())
 
         @app.post("/pause")
         async def pause(mode: str = "abort", clear_cache: bool = True, timeout_s: float = 60.0):
@@ -217,6 +227,34 @@ class RLSurface:
         self.last = {"version": version, "serving": summary.get("serving"), "gate_open": summary.get("gate_open")}
         return {"message": "Weight update finished", "weight_version": str(version),
                 "rlfleet": {**self.last, "trainer_label": label}}
+
+    async def _catch_up_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CATCH_UP_POLL_S)
+            try:
+                await self.catch_up()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the next look tries again; the trainer's next update would too
+                log.warning("catch-up refit failed: %s", _cause(exc))
+
+    async def catch_up(self) -> dict | None:
+        """Once a trainer's update committed: refit the fleet from the relay's copy if an engine is up but stale
+        (restarted after a death), so it serves the trainer's weights again. None when there is nothing to do."""
+        if self.last is None or self.lock.locked():
+            return None
+        status = await asyncio.to_thread(self.fleet.status)
+        stale = [r["slot"] for r in status["ledger"]["slots"] if r["state"] == "stale"]
+        if not stale or status.get("stopped"):
+            return None
+        async with self.lock:
+            version = self.committed() + 1
+            summary = await asyncio.to_thread(self.fleet.sync_weights, version, self.relay)
+            done = {"version": version, "stale": stale, "serving": summary.get("serving")}
+            self.catch_ups.append(done)
+            self.last = {**self.last, "version": version}
+            log.info("catch-up refit to version %d re-admitted %s", version, stale)
+            return done
 
     async def check(self, action: Any, baseline: Any):
         if action == "reset":

@@ -27,7 +27,7 @@ class TRLRun:
     prompts_per_step: int = 4
     num_generations: int = 4
     max_tokens: int = 6
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-2
     seed: int = 0
     output_dir: str = "/tmp/rlfleet-trl"
     rewards: list[float] = field(default_factory=list)
@@ -117,7 +117,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--url", required=True)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     model = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))

@@ -10,7 +10,8 @@
 # process waiting on another (an engine starting, a deadline, a subprocess CLI), and run as one lane it
 # kept one of the machine's two cores idle about half the time. Lane "fleets": the integration tests
 # (real fleets, the shared ones among them), at a lower CPU priority. Lane "matrix": the unit tests, the
-# demo's signal tests, the fault matrix and the soak (whose health deadlines are the tighter). Each lane's
+# demo's signal tests, the fault matrix, the soak (whose health deadlines are the tighter) and TRL's
+# training run against ``rlfleet serve`` (its own fleet; this lane ends earlier). Each lane's
 # lines are prefixed with its name; the script fails when either lane fails, and ends with both lanes'
 # results and the engine starts of the whole run.
 set -euo pipefail
@@ -29,9 +30,10 @@ fi
 
 work=$(mktemp -d -t rlfleet-test-XXXXXX)
 SIGNALS=tests/integration/test_demo_signals.py
+TRL=tests/integration/test_trl.py  # its own fleet, about 2 minutes: in the lane that ends earlier
 declare -A LANES=(
-  [fleets]="tests/integration --ignore=$SIGNALS"
-  [matrix]="tests/unit $SIGNALS tests/faults"
+  [fleets]="tests/integration --ignore=$SIGNALS --ignore=$TRL"
+  [matrix]="tests/unit $SIGNALS tests/faults $TRL"
 )
 # The matrix and the soak size their health deadlines for a test (a probe answered in 3 s, a stall found in
 # 10 s): when both lanes want the CPU, the fleets lane (its engines, Ray workers and CLIs inherit it) yields.

@@ -33,7 +33,7 @@ def main() -> int:
     p.add_argument("--url", default=None, help="a running rlfleet serve (or vllm serve) with RL routes")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--engines", type=int, default=3)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     args = p.parse_args()
 
     from recipe.tinymodel import build_model, default_model_dir

@@ -139,11 +139,12 @@ def test_trls_grpo_trainer_trains_through_two_shard_kills_and_ends_with_every_en
 
     def faults(step, trainer):
         if step == 8:  # shard 1 dies in the generate that follows this step's sync
-            armed["gen"] = fleet.fault_injector.arm_fault(1, "generate", "kill")
+            armed["gen"] = fleet.fault_injector().arm_fault(1, "generate", "kill")
         elif step == 15:  # shard 2 dies as the next weight update reaches it
-            armed["transfer"] = fleet.fault_injector.arm_fault(2, "transfer", "kill")
+            armed["transfer"] = fleet.fault_injector().arm_fault(2, "transfer", "kill")
 
     v_before = fleet.status()["version"]
+    answered_before = server.front.counters()["responses"]
     run = train(TRLRun(tiny_model, server.url, steps=30, output_dir=str(fleet.config.event_log_path) + ".trl"),
                 on_step=faults)
     assert len(run.rewards) == 30 and armed == {"gen": True, "transfer": True}
@@ -151,6 +152,10 @@ def test_trls_grpo_trainer_trains_through_two_shard_kills_and_ends_with_every_en
     assert (1, "generate", "kill") in fired and (2, "transfer", "kill") in fired, fired  # both faults went off
     status = fleet.status()
     assert status["version"] >= v_before + 30  # a committed refit per step (the first sync too)
+    answered = server.front.counters()["responses"]
+    new = {k: n - answered_before.get(k, 0) for k, n in answered.items() if n != answered_before.get(k, 0)}
+    assert new.get("/v1/completions 200") == 30 and not [k for k in new if k.startswith("/v1/completions")
+                                                         and not k.endswith(" 200")], new  # no prompt lost or refused
 
     deadline = time.monotonic() + 120  # the killed shards restart and are re-admitted by a later refit
     while time.monotonic() < deadline:
