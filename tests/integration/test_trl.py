@@ -115,6 +115,26 @@ def test_trls_client_route_by_route_moves_weights_into_every_engine_and_refusals
     assert fleet.status()["version"] == v0 + 2 and requests.get(f"{url}/ready", timeout=30).status_code == 200
     c.close_communicator()
 
+    # /pause and /resume: the gate closes for the operator, a request sent meanwhile is held (not refused) and
+    # answered after /resume; a weight update during the pause commits and leaves the gate closed
+    assert requests.post(f"{url}/pause", params={"mode": "sideways"}, timeout=30).status_code == 400
+    assert requests.post(f"{url}/pause", params={"mode": "wait"}, timeout=90).json()["status"] == "paused"
+    assert requests.get(f"{url}/is_paused", timeout=30).json() == {"is_paused": True}
+    assert requests.get(f"{url}/ready", timeout=30).status_code == 503
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(requests.post, f"{url}/v1/completions", timeout=120,
+                           json={"model": server.model_name, "prompt": [5, 6, 7], "max_tokens": 3})
+        time.sleep(2.0)
+        assert not held.done()
+        fleet.sync_weights(fleet.status()["version"] + 1, server.rl.relay)  # a refit in the pause
+        assert requests.get(f"{url}/is_paused", timeout=30).json() == {"is_paused": True} and not held.done()
+        assert requests.post(f"{url}/resume", timeout=90).json()["rlfleet"]["gate_open"]
+        answer = held.result(120)
+    assert answer.status_code == 200 and answer.json()["rlfleet"]["weight_version"] == v0 + 3
+    assert requests.get(f"{url}/is_paused", timeout=30).json() == {"is_paused": False}
+
 
 def journal(path) -> list[dict]:
     try:
