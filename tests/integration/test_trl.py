@@ -177,7 +177,7 @@ def test_trls_grpo_trainer_trains_through_two_shard_kills_and_ends_with_every_en
     assert new.get("/v1/completions 200") == 30 and not [k for k in new if k.startswith("/v1/completions")
                                                          and not k.endswith(" 200")], new  # no prompt lost or refused
 
-    deadline = time.monotonic() + 120  # the killed shards restart and are re-admitted by a later refit
+    deadline = time.monotonic() + 240  # the killed shards restart and are re-admitted by a catch-up refit
     while time.monotonic() < deadline:
         check = requests.post(f"{server.url}/weight_checker", json={"action": "compare", "baseline": run.synced_digests},
                               timeout=120).json()
