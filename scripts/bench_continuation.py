@@ -213,7 +213,11 @@ def run_round(round_: int, model: str, args: argparse.Namespace) -> dict:
         t_kill = time.monotonic()
         results = {arm: [r for p in pending[arm] for r in p.result(COLLECT_S)] for arm in ARMS}
         proof = kill_proof(fleet, mark, target, inc, handle)
-        survivor = {slot: engine_stats(h)[0] - base[slot] for slot, (_, h) in engines.items() if slot != target}
+        try:
+            survivor = {slot: engine_stats(h)[0] - base[slot] for slot, (_, h) in engines.items() if slot != target}
+        except Exception:
+            print("DEBUG", [e for e in fleet.events(mark) if e.get("kind") in ("kill", "health", "evict", "retire", "error", "stop")][:30], flush=True)
+            raise
         counters = {arm: c.counters() for arm, c in clients.items()}
     finally:
         if resend is not None:

