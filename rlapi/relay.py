@@ -67,6 +67,7 @@ class WeightRelay(LocalSenderPort):
         self.serving = load_checkpoint(model_dir)
         self.tied = _tied(model_dir)
         self.staged: dict[str, torch.Tensor] | None = None
+        self._before: dict[str, torch.Tensor] | None = None  # what ``revert`` restores while a candidate is sent
         self.group = None
         self.info: GlooInitInfo | None = None
         self.received = {"updates": 0, "bytes": 0, "tensors": 0}
@@ -156,7 +157,7 @@ class WeightRelay(LocalSenderPort):
         return True
 
     async def revert(self) -> bool:
-        before = getattr(self, "_before", None)
+        before = self._before
         if before is not None:
             self.serving, self._before = before, None
         return before is not None

@@ -28,6 +28,7 @@ Weight-route refusals are 4xx, never 5xx: TRL's client re-sends a POST that got 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -130,13 +131,9 @@ class RLSurface:
 
         @app.post("/init_weight_transfer_engine")
         async def init_weight_transfer_engine(request: Request):
-            body = await _json_object(request)
-            if isinstance(body, JSONResponse):
-                return body
-            info = body.get("init_info")
-            if not isinstance(info, dict):
-                return _refused(400, "init_info must be an object (vLLM's WeightTransferInitRequest)", "BadRequestError",
-                                "init_info")
+            info = await _object_field(request, "init_info", "(vLLM's WeightTransferInitRequest)")
+            if isinstance(info, JSONResponse):
+                return info
             try:
                 joined = await surface._relay("init_transfer", info, timeout=TRANSFER_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - the trainer's mistake or its rendezvous: said, not raised
@@ -156,15 +153,10 @@ class RLSurface:
 
         @app.post("/update_weights")
         async def update_weights(request: Request):
-            body = await _json_object(request)
-            if isinstance(body, JSONResponse):
-                return body
-            info = body.get("update_info")
-            if isinstance(info, list):  # one entry per receiving rank; the fleet receives as one rank
-                info = info[0] if len(info) == 1 else info
-            if not isinstance(info, dict):
-                return _refused(400, "update_info must be an object (or a list of one: the fleet is one rank)",
-                                "BadRequestError", "update_info")
+            # a list holds one entry per receiving rank; the fleet receives as one rank
+            info = await _object_field(request, "update_info", "(or a list of one: the fleet is one rank)", one_of=True)
+            if isinstance(info, JSONResponse):
+                return info
             try:
                 got = await surface._relay("receive", info, timeout=TRANSFER_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001
@@ -285,14 +277,26 @@ async def _json_object(request: Request, empty_ok: bool = False):
     if not raw.strip():
         return {} if empty_ok else _refused(400, "the body must be a JSON object", "BadRequestError")
     try:
-        import json
-
         body = json.loads(raw)
     except ValueError:
         return _refused(400, "the body is not JSON", "BadRequestError")
     if not isinstance(body, dict):
         return _refused(400, "the body must be a JSON object", "BadRequestError")
     return body
+
+
+async def _object_field(request: Request, name: str, hint: str, one_of: bool = False):
+    """The JSON object in the body's field ``name`` (``one_of``: a list of one such object counts too), or the
+    400 that says what is wrong with the body or the field."""
+    body = await _json_object(request)
+    if isinstance(body, JSONResponse):
+        return body
+    value = body.get(name)
+    if one_of and isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, dict):
+        return _refused(400, f"{name} must be an object {hint}", "BadRequestError", name)
+    return value
 
 
 def _cause(exc: BaseException) -> str:

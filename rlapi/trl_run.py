@@ -42,20 +42,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prompts(n: int, seed: int = 0) -> list[str]:
+def prompts(model_dir: str, n: int, seed: int = 0) -> list[str]:
     """Seeded text prompts of ordinary tokens (``recipe.task.PromptGenerator``), as text TRL tokenizes."""
     from transformers import AutoTokenizer
 
     from recipe.task import PromptGenerator
 
-    tok = AutoTokenizer.from_pretrained(os.environ["RLFLEET_TRL_MODEL"])
+    tok = AutoTokenizer.from_pretrained(model_dir)
     return [tok.decode(p[1:]) for p in PromptGenerator(seed=seed).batch(0, n)]
 
 
 def train(run: TRLRun, on_step: Callable[[int, Any], None] | None = None) -> TRLRun:
     """Train ``run.steps`` steps; ``on_step(step, trainer)`` runs as each step begins (a fault plan's hook)."""
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # the trainer's group is reached at loopback
-    os.environ["RLFLEET_TRL_MODEL"] = run.model_dir
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -99,7 +98,7 @@ def train(run: TRLRun, on_step: Callable[[int, Any], None] | None = None) -> TRL
         vllm_server_timeout=120, vllm_group_port=free_port(), generation_kwargs={"ignore_eos": True},
         disable_tqdm=True,
     )
-    data = Dataset.from_dict({"prompt": prompts(max(64, run.prompts_per_step * run.steps), run.seed)})
+    data = Dataset.from_dict({"prompt": prompts(run.model_dir, max(64, run.prompts_per_step * run.steps), run.seed)})
     trainer = GRPOTrainer(model=run.model_dir, reward_funcs=[reward], args=config, train_dataset=data,
                           callbacks=[Steps()])
     trainer.train()
