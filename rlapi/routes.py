@@ -216,7 +216,8 @@ class RLSurface:
                                  f"it serves version {self.committed()}", type(exc).__name__)
         await self._relay("commit")
         self.label = label
-        self.last = {"version": version, "serving": summary.get("serving"), "gate_open": summary.get("gate_open")}
+        self.last = {"version": version, "serving": summary.get("serving"), "gate_open": summary.get("gate_open"),
+                     "refit_s": summary.get("total_s"), "phases_s": summary.get("phases_s")}
         return {"message": "Weight update finished", "weight_version": str(version),
                 "rlfleet": {**self.last, "trainer_label": label}}
 

@@ -164,7 +164,8 @@ class RefitTransferPort:
         """The synchronizer for ``source`` and a receiver port per participant, ranks laid out; engines
         whose workers cannot be counted are answered ``NOT_STARTED`` at once."""
         self.check_source(source)
-        if self._sync is None or self._source is not source:
+        # ``!=``: a handle passed to the controller arrives as a new object each call; the same actor keeps its group
+        if self._sync is None or self._source != source:
             if self._sync is not None:
                 await self._sync.close()
             self._sync, self._source = WeightSynchronizer(self._door.sender_port(source), self._config), source

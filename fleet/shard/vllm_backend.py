@@ -196,7 +196,18 @@ class VllmBackend:
         await self._live().abort(list(request_ids))
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        await self._live().pause_generation(mode=mode, clear_cache=clear_cache)
+        """vLLM's ``pause_generation``. In ``keep`` mode no request ends, so there is no final output to let
+        through first: the scheduler pauses without vLLM's 20 ms ordering sleep (``AsyncLLM.pause_generation``
+        sleeps "not for correctness", so that outputs of requests it ended arrive before it returns). Each
+        refit pauses every engine, so the sleep was a third of a small model's refit."""
+        llm = self._live()
+        core, renderer = getattr(llm, "engine_core", None), getattr(llm, "renderer", None)
+        if mode != "keep" or not hasattr(core, "pause_scheduler_async") or not hasattr(renderer, "clear_mm_cache_async"):
+            await llm.pause_generation(mode=mode, clear_cache=clear_cache)
+            return
+        if clear_cache:
+            await renderer.clear_mm_cache_async()
+        await core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
 
     async def resume(self) -> None:
         await self._live().resume_generation()

@@ -295,3 +295,37 @@ def test_keep_decides_drained_per_shard_so_an_idle_shard_still_invalidates(model
         await ctl.shutdown()
 
     run(go())
+
+
+def test_the_same_sender_keeps_its_group_across_refits_though_its_handle_arrives_as_a_new_object(model_dir):
+    """A handle passed to the controller is deserialized anew on every call; comparing by identity built a new
+    synchronizer, and so a new process group (a rendezvous), for every refit from the same trainer."""
+    from fleet.config.fleet import load_fleet_config
+    from fleet.control.transfer_port import RefitTransferPort
+
+    class Handle:  # as Ray's ActorHandle: equal when the actor is
+        def __init__(self, actor):
+            self.actor = actor
+
+        def __eq__(self, other):
+            return isinstance(other, Handle) and other.actor == self.actor
+
+        __hash__ = None
+
+    class Door:
+        def is_sender(self, source, methods):
+            return True
+
+        def sender_port(self, handle):
+            return handle
+
+    port = RefitTransferPort(load_fleet_config({"engine": {"model": model_dir}}), Door())
+    asyncio.run(port._ports([], Handle("trainer")))
+    first = port._sync
+    asyncio.run(port._ports([], Handle("trainer")))
+    assert port._sync is first
+
+    closed = []
+    first.close = lambda: asyncio.sleep(0, closed.append(True))
+    asyncio.run(port._ports([], Handle("another trainer")))
+    assert port._sync is not first and closed == [True]  # a new sender: a new synchronizer, the old group closed
