@@ -404,6 +404,7 @@ class Request(Record):
     POISON: ClassVar[str] = "poison"  # it took down ``POISON_DEATHS`` engines: never sent again
     CONTINUED: ClassVar[str] = "continued"  # sent on from the ``tokens`` a failed attempt made (``fleet.data.partial``)
     STARTED_OVER: ClassVar[str] = "started_over"  # its held ``tokens`` thrown away (``reason``): sent from scratch
+    ENDED: ClassVar[str] = "ended"  # ended early by its caller (``reason``) with the ``tokens`` it held: then completed
 
     event: str
     request_id: str

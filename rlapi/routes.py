@@ -20,7 +20,10 @@ The routes keep vLLM's request and response shapes (``vllm/entrypoints/rl/online
   trainer's weights as sent), and per tensor with a trainer's baseline of ``refit.checksum`` digests;
 - ``/reset_prefix_cache`` resets every live engine's prefix cache (a refit already does, always);
 - ``/pause`` and ``/resume`` close and open the fleet's gate for the operator (``Fleet.pause``: held
-  requests are never lost), ``/is_paused`` says so; ``/abort_requests`` is not served yet (501).
+  requests are never lost), ``/is_paused`` says so;
+- ``/abort_requests`` ends this server's requests early (all, or those named, on whichever engines run them):
+  each answers with the output made so far and ``finish_reason`` ``abort``, and is never sent again
+  (``Dispatcher.end``); it does not pause anything.
 
 Weight-route refusals are 4xx, never 5xx: TRL's client re-sends a POST that got a 5xx.
 """
@@ -106,9 +109,16 @@ class RLSurface:
             return {"is_paused": await asyncio.to_thread(surface.fleet.is_paused)}
 
         @app.post("/abort_requests")
-        async def abort_requests():
-            return _refused(501, "not served yet: a fleet re-sends what an engine aborts; use /pause?mode=abort to stop "
-                                 "the engines' work (held requests continue at /resume)", "NotImplementedError")
+        async def abort_requests(request: Request):
+            body = await _json_object(request, empty_ok=True)
+            if isinstance(body, JSONResponse):
+                return body
+            ids = body.get("request_ids") or None
+            if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
+                return _refused(400, "request_ids must be a list of request ids (strings); empty or missing ends "
+                                     "every request in flight", "BadRequestError", "request_ids")
+            ended = front.client.dispatcher.end(None if ids is None else front.fleet_ids(ids), "ended by /abort_requests")
+            return {"status": "aborted", "aborted": len(ended), "rlfleet": {"request_ids": ended}}
 
         @app.get("/get_world_size")
         async def get_world_size(include_dp: bool = True):

@@ -334,6 +334,7 @@ async def _serve_one(front: Front, endpoint: str, req: Any, call: Callable, resp
     caller = caller or (req.request_id if "request_id" in req.model_fields_set else None)
     prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
     response_id = f"{prefix}-{caller or request_id}"
+    front.name_request(response_id, request_id, len(jobs), len(work))
     if req.stream:
         return await _stream(front, endpoint, req, [p for p, _ in work], choices, response_id, said)
     out = await choices.all()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import re
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +42,7 @@ DEFAULT_MAX_PENDING = 4096
 DEFAULT_PREPARE_LIMIT_S = 10.0
 # Latencies kept for the /metrics quantiles (the most recent ones).
 _LATENCY_WINDOW = 4096
+_NAMES_KEPT = 4096  # request names ``/abort_requests`` can end by (``Front.name_request``)
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,37 @@ class Front:
         # (``serve.prepare_pool``): a request that takes too long is refused and a fresh worker goes on.
         self.prepare_pool = PreparePool(Kit(tokenizer, chat), self._fresh_kit, limit_s=DEFAULT_PREPARE_LIMIT_S)
         self._running: set[asyncio.Task] = set()
+        # the ids callers know a request by (its response's ``id``) -> the fleet's ids of its choices, for
+        # ``/abort_requests``; the newest ``_NAMES_KEPT`` (a name outlives its request harmlessly)
+        self._names: OrderedDict[str, list[tuple[str, int, int]]] = OrderedDict()
         self._cut: set[asyncio.Task] = set()
         self._closing = False
+
+    def name_request(self, response_id: str, request_id: str, prompts: int, choices: int) -> None:
+        """The HTTP request ``response_id`` runs as the fleet's ``request_id`` (``choices`` fleet requests, prompt-major
+        over ``prompts`` prompts: ``request_id-i``, or ``request_id`` alone when there is one)."""
+        self._names.setdefault(response_id, []).append((request_id, prompts, choices))
+        self._names.move_to_end(response_id)
+        while len(self._names) > _NAMES_KEPT:
+            self._names.popitem(last=False)
+
+    def fleet_ids(self, ids: list[str]) -> list[str]:
+        """The fleet's request ids (or id prefixes: ``Dispatcher.end``) of what callers name as vLLM's
+        ``/abort_requests`` does: a response's ``id`` (``cmpl-...``: every choice of that request), vLLM's
+        per-prompt ``id-j`` (prompt j's choices), or the fleet's own ``rlfleet.request_id``."""
+        out = []
+        for name in ids:
+            base, _, j = name.rpartition("-")
+            if name in self._names:
+                out += [rid for rid, _, _ in self._names[name]]
+            elif j.isdigit() and base in self._names:
+                for rid, prompts, choices in self._names[base]:
+                    n = choices // max(1, prompts)
+                    if int(j) < prompts:
+                        out += [rid] if choices == 1 else [f"{rid}-{i}" for i in range(int(j) * n, int(j) * n + n)]
+            else:
+                out.append(name)
+        return out
 
     def _fresh_kit(self) -> Kit:
         """A new worker's own tokenizer and renderer (built on its thread: the routing loop never waits on it)."""
@@ -146,9 +176,10 @@ class Front:
             self.histograms["e2e"].observe(clock() - (t0 if arrived is None else arrived))
             tokens = sum(len(c.token_ids) for c in result.result.completions)
             self.tokens_out += tokens
-            row = self.engines.setdefault(result.result.slot, {"requests": 0, "tokens": 0})
-            row["requests"] += 1
-            row["tokens"] += tokens
+            if result.result.slot >= 0:  # (-1: ended before it reached an engine)
+                row = self.engines.setdefault(result.result.slot, {"requests": 0, "tokens": 0})
+                row["requests"] += 1
+                row["tokens"] += tokens
             return Outcome(200, result)
         return self.returned(result)
 

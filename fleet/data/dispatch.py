@@ -40,7 +40,7 @@ from fleet.data.shard_choice import pick_two
 from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL, VERSION
 from fleet.data.routing_state import Member, RoutingState, VersionPolicy
 from fleet.data.partial import Partial
-from fleet.types import Chunk, GenerationResult, TokenDelta
+from fleet.types import FINISH_ABORTED, Chunk, GenerationResult, TokenDelta
 from health import Clock, MonotonicClock
 
 COMPLETED, RETURNED = "completed", "returned"
@@ -104,6 +104,7 @@ class _Pending:
     tokens_reused: int = 0
     tokens_discarded: int = 0
     started_over: str = ""
+    ended: str = ""  # why the caller ended it early (``Dispatcher.end``): it completes with what it holds
 
 
 
@@ -161,6 +162,7 @@ class Dispatcher:
         self._poison = PoisonMemory(poison_window_s)
         self._poison_told: dict[str, set[tuple[int, int]]] = {}  # fingerprint -> (slot, incarnation) told of it
         self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
+        self._live: dict[int, _Pending] = {}  # every request from its acceptance to its end (by object: ids may repeat)
 
     # -- accounting ----------------------------------------------------------------
     @property
@@ -210,9 +212,16 @@ class Dispatcher:
             out=Partial(on_tokens),
         )
         self.accepted += 1
+        self._live[id(p)] = p
+        try:
+            return await self._see_through(p, seen.gate_open)
+        finally:
+            del self._live[id(p)]
+
+    async def _see_through(self, p: _Pending, gate_open: bool) -> FleetResult:
         # the gate as this client saw it: a close reaches clients with the next routing state, and a request
         # accepted before that may still be served by a shard that serves the committed version
-        self._log.emit(Request(event=Request.ACCEPTED, request_id=p.request_id, gate_open=seen.gate_open))
+        self._log.emit(Request(event=Request.ACCEPTED, request_id=p.request_id, gate_open=gate_open))
         deadline = p.accepted_at + self._timeout
         if self._poison:
             fp = fingerprint(p.prompt, p.sampling)
@@ -228,6 +237,8 @@ class Dispatcher:
                 if verdict is None:  # refused without running: routing changed, route again
                     continue
                 p.reasons.append(verdict)
+                if p.ended:  # its engine failed or aborted it after the caller ended it: what it holds is its answer
+                    return self._ended_early(p)
                 if len(p.deaths) >= POISON_DEATHS:
                     return self._poisoned(p)
                 if p.attempts > self._max_redispatch:
@@ -240,6 +251,31 @@ class Dispatcher:
         except asyncio.CancelledError:
             self._cancelled(p)
             raise
+
+    def end(self, request_ids: list[str] | None = None, why: str = "ended by the caller") -> list[str]:
+        """End requests early, as vLLM's ``/abort_requests`` does: each completes with the output it made so far
+        (``finish_reason`` ``abort``), from whichever engine runs it (aborted there) or at once when it waits for
+        one; it is never sent again. ``request_ids``: the requests (an id also ends its choices ``id-0``,
+        ``id-1``, ...); None: every request of this client in progress. Returns the ids ended (on the client's loop)."""
+        chosen = [p for p in self._live.values() if not p.ended and (request_ids is None or any(
+            p.request_id == want or p.request_id.startswith(f"{want}-") for want in request_ids))]
+        for p in chosen:
+            p.ended = why
+            if p.on is not None:
+                self._abort_on(p.on, p)
+        if chosen and self._waiting:
+            self._aborts.add(asyncio.ensure_future(self.notify_room()))
+        return [p.request_id for p in chosen]
+
+    def _ended_early(self, p: _Pending) -> FleetResult:
+        """``p`` ended by the caller: completed with what it holds, ``finish_reason`` ``abort``."""
+        m = p.on_last
+        if p.out.prompt_ids is None and isinstance(p.prompt, (list, tuple)):  # it never reached an engine
+            p.out.prompt_ids = tuple(p.prompt)
+        self._log.emit(Request(event=Request.ENDED, request_id=p.request_id, tokens=len(p.out.tokens), reason=p.ended))
+        return self._complete(p, p.out.ended_here(-1 if m is None else m.slot, -1 if m is None else m.incarnation,
+                                                  self._view.routing().version, p.request_id, self._clock.now(),
+                                                  finish=FINISH_ABORTED))
 
     def _cancelled(self, p: _Pending) -> None:
         """The caller gave up on ``p`` (its task was cancelled: an HTTP client that disconnected): abort it
@@ -292,6 +328,8 @@ class Dispatcher:
         if outcome.ok:
             result: GenerationResult = outcome.value
             p.out.settle(result)
+            if result.aborted and p.ended:  # aborted for its caller: what its engine made (held here) is its answer
+                return self._ended_early(p)
             if result.aborted:
                 return f"aborted on slot {m.slot} (incarnation {m.incarnation})"
             if carried is not None:
@@ -437,6 +475,8 @@ class Dispatcher:
     async def _acquire(self, p: _Pending, deadline: float):
         """Wait for an open gate and a serving shard with room; or the explicit return of ``p``."""
         while True:
+            if p.ended:
+                return self._ended_early(p)
             state = self._view.routing()
             if state.stopped:
                 return self._return(p, f"fleet stopped: {state.stopped}")

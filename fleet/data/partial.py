@@ -175,11 +175,13 @@ class Partial:
                                    version_start=min(self.oldest(), last.version_start), version_spans=self.spans(),
                                    prompt_logprobs=self.prompt_logprobs)
 
-    def ended_here(self, slot: int, incarnation: int, version: int, request_id: str, at: float) -> GenerationResult:
+    def ended_here(self, slot: int, incarnation: int, version: int, request_id: str, at: float,
+                   finish: str | None = None) -> GenerationResult:
         """A result made of what is held alone: the output already finished (or its budget is spent) when its
-        engine failed before the whole result came."""
-        finish = self.finish if self.finished else FINISH_LENGTH
+        engine failed before the whole result came; or (``finish``, e.g. ``abort``) the caller ended it early."""
+        finish = finish or (self.finish if self.finished else FINISH_LENGTH)
         first = Completion(tuple(self.tokens), tuple(self.logprobs), finish, self.text or None,
                            None if self.tops is None else tuple(self.tops), self.stop_reason if self.finished else None)
-        return GenerationResult(request_id, self.prompt_ids or (), (first,), self.oldest(), version, slot, incarnation,
+        return GenerationResult(request_id, self.prompt_ids or (), (first,), self.oldest() if self.starts else version,
+                                version, slot, incarnation,
                                 finished_at=at, version_spans=self.spans(), prompt_logprobs=self.prompt_logprobs)

@@ -136,6 +136,44 @@ def test_trls_client_route_by_route_moves_weights_into_every_engine_and_refusals
     assert requests.get(f"{url}/is_paused", timeout=30).json() == {"is_paused": False}
 
 
+def test_abort_requests_ends_requests_on_every_engine_with_their_output_so_far(served):
+    """vLLM's /abort_requests: each request ends with what its engine made and finish_reason "abort", none is
+    sent again; a named id ends its choices only; the fleet serves on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fleet, server = served
+    url = server.url
+
+    def long(rid):
+        return requests.post(f"{url}/v1/completions", timeout=180, headers={"X-Request-Id": rid},
+                             json={"model": server.model_name, "prompt": [5, 6, 7], "max_tokens": 3000, "n": 3,
+                                   "ignore_eos": True, "return_token_ids": True, "logprobs": 0})
+
+    assert requests.post(f"{url}/abort_requests", json={"request_ids": "all"}, timeout=30).status_code == 400
+    assert requests.post(f"{url}/abort_requests", data="[", timeout=30).status_code == 400
+    with ThreadPoolExecutor(2) as pool:
+        kept, ended = pool.submit(long, "keep-me"), pool.submit(long, "end-me")
+        time.sleep(3.0)
+        named = requests.post(f"{url}/abort_requests", json={"request_ids": ["cmpl-end-me"]}, timeout=30).json()
+        assert named["status"] == "aborted" and named["aborted"] == 3, named
+        answer = ended.result(60)
+        assert not kept.done()
+        everything = requests.post(f"{url}/abort_requests", timeout=30).json()  # no body: everything in flight
+        assert everything["aborted"] == 3, everything
+        rest = kept.result(60)
+    for r in (answer, rest):
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert [c["finish_reason"] for c in choices] == ["abort"] * 3
+        # what each choice made until then (one its engine had queued, behind the others' KV cache, made none)
+        made = [(len(c["token_ids"]), len(c["logprobs"]["token_logprobs"])) for c in choices]
+        assert all(n == lps and n < 3000 for n, lps in made) and sum(n for n, _ in made) > 0, made
+    assert answer.json()["id"] == "cmpl-end-me"
+    assert len(named["rlfleet"]["request_ids"]) == 3 and not set(named["rlfleet"]["request_ids"]) & set(
+        everything["rlfleet"]["request_ids"])
+    assert requests.post(f"{url}/v1/completions", timeout=60, json={
+        "model": server.model_name, "prompt": [5, 6], "max_tokens": 3}).json()["choices"][0]["finish_reason"] == "length"
+
 def journal(path) -> list[dict]:
     try:
         with open(path) as f:
