@@ -78,9 +78,13 @@ def chat_options(args: argparse.Namespace):
     return options
 
 
+RELAY_BACKENDS = ("gloo", "nccl")  # ``rlapi.wires``
+
+
 def weight_transfer_backend(text: str | None) -> str | None:
     """``--weight-transfer-config``'s backend (vLLM's ``WeightTransferConfig`` JSON), checked: a ``ConfigError``
-    naming the flag for JSON that does not parse, a field vLLM's config does not have, or a backend other than gloo."""
+    naming the flag for JSON that does not parse, a field vLLM's config does not have, or a backend the relay
+    does not receive with (``RELAY_BACKENDS``)."""
     from fleet.errors import ConfigError
 
     if text is None:
@@ -92,10 +96,24 @@ def weight_transfer_backend(text: str | None) -> str | None:
     if not isinstance(data, dict) or set(data) - {"backend"}:
         raise ConfigError("--weight-transfer-config", "must be an object with one field, backend", text)
     backend = data.get("backend", "nccl")
-    if backend != "gloo":
+    if backend not in RELAY_BACKENDS:
         raise ConfigError("--weight-transfer-config", f"backend {backend!r} is not served: the fleet's relay "
-                          "receives with 'gloo' (NCCL is not written for the relay yet)", text)
+                          f"receives with one of {list(RELAY_BACKENDS)}", text)
     return backend
+
+
+def check_relay_gpu(backend: str | None, config, have_gpus: float) -> None:
+    """An NCCL relay takes a GPU of its own beside the engines' (NCCL refuses two ranks of one group on one GPU):
+    refused before any actor starts when the Ray cluster has no such GPU, naming the flag."""
+    from fleet.errors import ConfigError
+
+    if backend != "nccl":
+        return
+    engines = config.num_engines * config.engine.num_gpus if config is not None else 0.0
+    if have_gpus < engines + 1 - 1e-9:
+        raise ConfigError("--weight-transfer-config", f"backend 'nccl' needs a GPU for the fleet's relay beside the "
+                          f"engines' {engines:g}, but the Ray cluster has {have_gpus:g} GPU(s); add one, or use "
+                          "'{\"backend\": \"gloo\"}' (CPU)", backend)
 
 
 def _load_config(path: str) -> dict:
@@ -142,6 +160,7 @@ def _join_ray(args: argparse.Namespace):
         ray_door.join_cluster(args.address)
     else:
         ray_door.init_local(log_to_driver=False)
+    check_relay_gpu(args.weight_transfer, config, ray_door.cluster_total("GPU"))
     return config
 
 

@@ -5,7 +5,8 @@ group: ``/start_weight_update``, then ``/update_weights`` while it broadcasts, t
 ``/finish_weight_update``. Its group has one member on the fleet's side, this actor, however many
 engines the fleet runs. The relay:
 
-- joins the trainer's group at ``/init_weight_transfer_engine`` (``rlapi.gloo_wire``; NCCL on GPU);
+- joins the trainer's group at ``/init_weight_transfer_engine`` over the server's backend (``rlapi.wires``:
+  gloo on CPU; NCCL on GPU with vLLM's own consumer, on the relay's GPU);
 - receives every broadcast the update's metadata announces, and only then checks the update against
   the model: a name it does not know, a shape or a dtype that does not fit is refused naming the tensor,
   after the bytes were drained, so the trainer's collective ends and nothing changed;
@@ -34,7 +35,7 @@ from refit.checksum import tensor_digest
 from refit.ports import LocalSenderPort
 from refit.sender import WeightSender
 from rlapi import gloo_wire
-from rlapi.gloo_wire import GlooInitInfo, GlooUpdateInfo
+from rlapi.wires import WireRefused, wire_for
 
 
 class UpdateRefused(ValueError):
@@ -62,14 +63,15 @@ def _tied(model_dir: str) -> bool:
 
 
 class WeightRelay(LocalSenderPort):
-    def __init__(self, model_dir: str, addr: str | None = None) -> None:
+    def __init__(self, model_dir: str, addr: str | None = None, backend: str = "gloo") -> None:
         self.model_dir = model_dir
+        self.wire = wire_for(backend)
         self.serving = load_checkpoint(model_dir)
         self.tied = _tied(model_dir)
         self.staged: dict[str, torch.Tensor] | None = None
         self._before: dict[str, torch.Tensor] | None = None  # what ``revert`` restores while a candidate is sent
         self.group = None
-        self.info: GlooInitInfo | None = None
+        self.info: Any = None  # the trainer's init info, parsed by the wire
         self.received = {"updates": 0, "bytes": 0, "tensors": 0}
         self._lock = threading.Lock()
         super().__init__(WeightSender(lambda: list(self.serving.items()), addr=addr))
@@ -78,19 +80,20 @@ class WeightRelay(LocalSenderPort):
     async def init_transfer(self, init_info: dict, timeout_s: float = gloo_wire.DEFAULT_TIMEOUT_S) -> dict:
         """Join the trainer's group as rank ``rank_offset`` (the fleet is one member of it)."""
         try:
-            info = GlooInitInfo(**init_info)
-        except TypeError as exc:
-            raise UpdateRefused(f"init_info: {exc}") from None
+            info = self.wire.parse_init(init_info)
+        except WireRefused as exc:
+            raise UpdateRefused(str(exc)) from None
         await self.shutdown_transfer()
         t0 = time.monotonic()
-        self.group = await asyncio.to_thread(gloo_wire.join, info, info.rank_offset, timeout_s)
+        self.group = await asyncio.to_thread(self.wire.join, info, timeout_s)
         self.info = info
-        return {"rank": info.rank_offset, "world_size": info.world_size, "joined_s": time.monotonic() - t0}
+        return {"rank": info.rank_offset, "world_size": info.world_size, "backend": self.wire.backend,
+                "joined_s": time.monotonic() - t0}
 
     async def shutdown_transfer(self) -> bool:
         group, self.group = self.group, None
         if group is not None:
-            group.close()
+            self.wire.close(group)
         return group is not None
 
     # -- one update -------------------------------------------------------------------------
@@ -105,12 +108,11 @@ class WeightRelay(LocalSenderPort):
         if self.group is None or self.info is None:
             raise UpdateRefused("no weight transfer group: call /init_weight_transfer_engine first")
         try:
-            update = GlooUpdateInfo(**update_info)
-        except TypeError as exc:  # a malformed update cannot be drained: its sizes are unknown
-            raise UpdateRefused(f"update_info: {exc}") from None
+            update = self.wire.parse_update(update_info)
+        except WireRefused as exc:  # a malformed update cannot be drained: its sizes are unknown
+            raise UpdateRefused(str(exc)) from None
         got: list[tuple[str, torch.Tensor]] = []
-        stats = await asyncio.to_thread(gloo_wire.receive, self.group, update, self.info.packed, lambda items: got.extend(
-            (n, t.clone()) for n, t in items), self.info.packed_buffer_size_bytes, timeout_s)
+        stats = await asyncio.to_thread(self.wire.receive, self.group, self.info, update, got.extend, timeout_s)
         problems = self.misfits(got)
         with self._lock:
             if self.staged is None:

@@ -5,7 +5,8 @@ The routes keep vLLM's request and response shapes (``vllm/entrypoints/rl/online
 
 - ``/get_world_size`` is 1: the trainer's group has one member on the fleet's side, the relay
   (``rlapi.relay``), however many engines the fleet runs;
-- ``/init_weight_transfer_engine`` joins the relay to the trainer's group;
+- ``/init_weight_transfer_engine`` joins the relay to the trainer's group (``rlapi.wires``: gloo, or NCCL with
+  vLLM's own consumer on a GPU of the relay's own);
 - ``/start_weight_update``, ``/update_weights`` and ``/finish_weight_update`` move one update into
   the relay; ``/finish_weight_update`` then refits the fleet from it through the whole lifecycle and
   answers 200 only once the fleet committed, with the version it committed. A refit that fails answers
@@ -59,7 +60,9 @@ class RLSurface:
 
         self.fleet = fleet
         self.backend = backend
-        self.relay = relay or ray_door.spawn_actor(WeightRelay, fleet.config.engine.model, num_cpus=0)
+        # an NCCL relay is a rank of the trainer's NCCL group and of the fleet's refit group: a GPU of its own
+        self.relay = relay or ray_door.spawn_actor(WeightRelay, fleet.config.engine.model, None, backend, num_cpus=0,
+                                                   num_gpus=1 if backend == "nccl" else 0)
         self.lock = asyncio.Lock()
         self.label: str | None = None  # the trainer's own name for the committed version, when it sent one
         self.last: dict | None = None  # the last finish's answer

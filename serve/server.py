@@ -37,15 +37,15 @@ class HttpServer:
         answered 503 (default: the fleet's ``request_timeout_s``, which the trainer's requests use too).
         ``chat``: ``serve.render.ChatOptions`` (chat template, tool-call and reasoning parsers), checked here:
         a parser vLLM does not know is a ``ValueError`` naming the flag, before anything starts.
-        ``weight_transfer``: the backend of vLLM's RL routes (``rlapi.routes``; ``gloo``), as ``vllm serve
-        --weight-transfer-config``; None: no RL routes."""
+        ``weight_transfer``: the backend of vLLM's RL routes (``rlapi.routes``; ``gloo`` on CPU, ``nccl`` with a
+        GPU for the relay), as ``vllm serve --weight-transfer-config``; None: no RL routes."""
         from serve.render import ChatOptions
 
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"--max-pending must be at least 1, got {max_pending}")
-        if weight_transfer not in (None, "gloo"):
-            raise ValueError(f"--weight-transfer-config: backend must be 'gloo' (the fleet's relay receives on CPU), "
-                             f"got {weight_transfer!r}")
+        if weight_transfer not in (None, "gloo", "nccl"):
+            raise ValueError(f"--weight-transfer-config: backend must be 'gloo' or 'nccl' (the fleet's relay "
+                             f"receives with one of them), got {weight_transfer!r}")
         self.weight_transfer = weight_transfer
         self.rl = None
         self.max_pending = max_pending

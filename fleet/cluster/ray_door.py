@@ -335,6 +335,11 @@ def unreachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
         return f"{type(exc).__name__}: {exc}"[:200]
 
 
+def cluster_total(resource: str) -> float:
+    """How much of ``resource`` (``CPU``, ``GPU``) the Ray cluster has in all."""
+    return float(ray.cluster_resources().get(resource, 0.0))
+
+
 def check_capacity(num_engines: int, cpus_per_engine: float, gpus_per_engine: float) -> None:
     """Refuse a fleet the Ray cluster cannot place, instead of waiting forever for its actors.
 
