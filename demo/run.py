@@ -74,6 +74,7 @@ DEMO_FLEET: dict[str, Any] = {
     # continue from, which the report counts
     "stream_min_tokens": 0,
     "stream_interval_s": 0.01,
+    "hold_interval_s": 0.01,
 }
 UNSETTLED = ("starting", "restarting", "suspect", "hung")
 # The default plan's shard kill: this long after its first streamed output of the batch. The batch's 6-token

@@ -118,10 +118,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=TRLRun.max_tokens, help="each completion's length (ignore_eos)")
     a = p.parse_args()
     model = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
     t0 = time.monotonic()
-    run = train(TRLRun(model, a.url, steps=a.steps, learning_rate=a.lr, seed=a.seed))
+    run = train(TRLRun(model, a.url, steps=a.steps, learning_rate=a.lr, seed=a.seed, max_tokens=a.max_tokens))
     print(json.dumps({"rewards": run.rewards, "step_s": run.step_times, "wall_s": time.monotonic() - t0}))
 
 

@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer against ``vllm serve`` and against ``rlfleet serve``, one engine each, in one run.
 
-    python scripts/bench_trl.py [--steps 30] [--rounds 2]
+    python scripts/bench_trl.py [--steps 30] [--rounds 2] [--max-tokens 6]
 
 The same TRL run (``rlapi.trl_run``: TRL's own ``GRPOTrainer`` in server mode, the tiny model, 4 prompts x 4
 completions of 6 tokens a step, a weight sync through vLLM's RL routes before every generation) trains
@@ -58,7 +58,8 @@ def arm(name: str, cfg: EngineConfig, args, workdir: str) -> dict:
     try:
         server.wait_ready(args.start_timeout)
         t0 = time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "rlapi.trl_run", "--url", server.url, "--steps", str(args.steps)],
+        out = subprocess.run([sys.executable, "-m", "rlapi.trl_run", "--url", server.url, "--steps", str(args.steps),
+                              "--max-tokens", str(args.max_tokens)],
                              cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})
         if out.returncode != 0:
@@ -80,6 +81,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=6, help="each completion's length (6: the TRL test's run; "
+                   "longer completions weigh generation against the fleet's per-step costs)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--run-timeout", type=float, default=900.0)
     args = p.parse_args()
@@ -101,6 +104,7 @@ def main() -> None:
         "vllm_last5_reward": [round(g["vllm"]["last5_reward"], 3) for g in rounds],
         "rlfleet_last5_reward": [round(g["rlfleet"]["last5_reward"], 3) for g in rounds],
         "steps": args.steps,
+        "max_tokens": args.max_tokens,
     }))
 
 

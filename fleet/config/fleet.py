@@ -94,6 +94,11 @@ class FleetConfig(BaseModel):
     # Shards send a request's output at most once per this many seconds (a streamed HTTP answer's first token
     # at once): what a death loses at most, against one actor message per token.
     stream_interval_s: float = Field(0.05, gt=0, le=5.0, allow_inf_nan=False)
+    # A request with no streaming caller is streamed only so its client holds its output for continuation: at most
+    # once per this many seconds. Each message costs an actor call on both sides: at 0.05 s, 16 requests of 64 tokens
+    # spent more CPU on their messages than the engine on them (scripts/bench_trl.py --max-tokens 64); a death loses
+    # at most this long of one request's generation.
+    hold_interval_s: float = Field(0.25, gt=0, le=30.0, allow_inf_nan=False)
     # A request with a token budget (``max_tokens``) of at most this many and no streaming caller is one plain call
     # and is not streamed: a Ray stream costs about twice a call (scripts/bench_dataplane.py), and a death then
     # loses at most this many tokens. 0: stream every request.

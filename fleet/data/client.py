@@ -179,7 +179,7 @@ class FleetClient(_Client):
         self._changed = asyncio.Condition()
         return Dispatcher(self, self.log, self.config.request_timeout_s, self.config.max_redispatch, id_prefix=self.name,
                           poison_window_s=self.config.poison_window_s, continuation=self.config.continuation,
-                          stream_interval_s=self.config.stream_interval_s,
+                          stream_interval_s=self.config.stream_interval_s, hold_interval_s=self.config.hold_interval_s,
                           stream_min_tokens=self.config.stream_min_tokens)
 
     def _run(self, coro, timeout: float):

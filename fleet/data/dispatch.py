@@ -127,7 +127,7 @@ class Dispatcher:
         self, view: FleetView, log: EventLog, request_timeout_s: float, max_redispatch: int,
         clock: Clock | None = None, rng: random.Random | None = None, id_prefix: str = "req",
         poison_window_s: float = 600.0, continuation: bool = True, stream_interval_s: float = 0.05,
-        stream_min_tokens: int = 32,
+        stream_min_tokens: int = 32, hold_interval_s: float | None = None,
     ) -> None:
         self._view = view
         self._clock = clock or MonotonicClock()
@@ -138,6 +138,7 @@ class Dispatcher:
         self._prefix = id_prefix
         self._continuation = continuation
         self._interval = stream_interval_s
+        self._hold_interval = stream_interval_s if hold_interval_s is None else hold_interval_s  # no streaming caller
         self._stream_min = stream_min_tokens
         self.tokens_reused = 0
         self.tokens_discarded = 0
@@ -310,7 +311,8 @@ class Dispatcher:
         try:
             request = (prompt, sampling, p.request_id, self._view.cache_salt(state.version),  # EngineShard.serve_stream
                        state.epoch, p.policy.kind, p.policy.k, state.cap_map.get(m.slot),
-                       p.out.on_tokens is not None, self._interval, carried)
+                       p.out.on_tokens is not None,
+                       self._interval if p.out.on_tokens is not None else self._hold_interval, carried)
             outcome = None
             async for out in self._send(m, request, p, sampling, deadline):
                 if out.ok and isinstance(out.value, Chunk):

@@ -267,3 +267,15 @@ def test_the_prompt_logprobs_of_the_first_attempt_are_kept_and_not_asked_again_o
     late.settle(GenerationResult("r", (1, 2), (Completion((7,), (-0.1,), "length"),), 0, 0, 1, 1,
                                  prompt_logprobs=plp))
     assert late.prompt_logprobs == plp
+
+
+def test_a_caller_that_streams_gets_chunks_per_stream_interval_and_one_that_does_not_per_hold_interval():
+    """Output held only for continuation goes less often: each chunk costs an actor message on both sides."""
+    async def go():
+        door = StreamDoor({0: [Script([piece([5])], "finish"), Script([piece([5])], "finish")]})
+        d = dispatch(View(door), stream_interval_s=0.05, hold_interval_s=0.25)
+        assert (await d.submit([1], {"max_tokens": 40}, "held")).ok
+        assert (await d.submit([1], {"max_tokens": 40}, "told", on_tokens=lambda delta: None)).ok
+        assert [(req[2], req[8], req[9]) for _, req in door.sent] == [("held", False, 0.25), ("told", True, 0.05)]
+
+    asyncio.run(go())
