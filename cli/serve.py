@@ -78,14 +78,12 @@ def chat_options(args: argparse.Namespace):
     return options
 
 
-RELAY_BACKENDS = ("gloo", "nccl")  # ``rlapi.wires``
-
-
 def weight_transfer_backend(text: str | None) -> str | None:
     """``--weight-transfer-config``'s backend (vLLM's ``WeightTransferConfig`` JSON), checked: a ``ConfigError``
     naming the flag for JSON that does not parse, a field vLLM's config does not have, or a backend the relay
-    does not receive with (``RELAY_BACKENDS``)."""
+    does not receive with (``rlapi.BACKENDS``)."""
     from fleet.errors import ConfigError
+    from rlapi import BACKENDS
 
     if text is None:
         return None
@@ -96,9 +94,9 @@ def weight_transfer_backend(text: str | None) -> str | None:
     if not isinstance(data, dict) or set(data) - {"backend"}:
         raise ConfigError("--weight-transfer-config", "must be an object with one field, backend", text)
     backend = data.get("backend", "nccl")
-    if backend not in RELAY_BACKENDS:
+    if backend not in BACKENDS:
         raise ConfigError("--weight-transfer-config", f"backend {backend!r} is not served: the fleet's relay "
-                          f"receives with one of {list(RELAY_BACKENDS)}", text)
+                          f"receives with one of {list(BACKENDS)}", text)
     return backend
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from rlapi import gloo_wire
+from rlapi import BACKENDS, gloo_wire
 
 Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 # the relay is one rank of the trainer's group: vLLM's ParallelConfig fields its rank is computed from
@@ -92,7 +92,7 @@ class NcclWire:
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "rank_offset" else 1):
                 raise WireRefused(f"init_info.{name} must be a {'non-negative' if name == 'rank_offset' else 'positive'} "
                                   f"integer, got {value!r}")
-        if not 0 <= info.rank_offset < info.world_size:
+        if info.rank_offset >= info.world_size:
             raise WireRefused(f"init_info: rank_offset {info.rank_offset} is outside world_size {info.world_size}")
         return info
 
@@ -142,6 +142,7 @@ class NcclWire:
 
 
 WIRES = {"gloo": GlooWire, "nccl": NcclWire}
+assert tuple(WIRES) == BACKENDS
 
 
 def wire_for(backend: str) -> GlooWire | NcclWire:

@@ -39,13 +39,14 @@ class HttpServer:
         a parser vLLM does not know is a ``ValueError`` naming the flag, before anything starts.
         ``weight_transfer``: the backend of vLLM's RL routes (``rlapi.routes``; ``gloo`` on CPU, ``nccl`` with a
         GPU for the relay), as ``vllm serve --weight-transfer-config``; None: no RL routes."""
+        from rlapi import BACKENDS
         from serve.render import ChatOptions
 
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"--max-pending must be at least 1, got {max_pending}")
-        if weight_transfer not in (None, "gloo", "nccl"):
-            raise ValueError(f"--weight-transfer-config: backend must be 'gloo' or 'nccl' (the fleet's relay "
-                             f"receives with one of them), got {weight_transfer!r}")
+        if weight_transfer is not None and weight_transfer not in BACKENDS:
+            raise ValueError(f"--weight-transfer-config: backend must be one of {list(BACKENDS)} (what the fleet's "
+                             f"relay receives with), got {weight_transfer!r}")
         self.weight_transfer = weight_transfer
         self.rl = None
         self.max_pending = max_pending

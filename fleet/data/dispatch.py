@@ -265,7 +265,7 @@ class Dispatcher:
             if p.on is not None:
                 self._abort_on(p.on, p)
         if chosen and self._waiting:
-            self._aborts.add(asyncio.ensure_future(self.notify_room()))
+            self._background(self.notify_room())
         return [p.request_id for p in chosen]
 
     def _ended_early(self, p: _Pending) -> FleetResult:
@@ -287,9 +287,13 @@ class Dispatcher:
 
     def _abort_on(self, m: Member, p: _Pending) -> None:
         """Ask ``m``'s shard to stop generating ``p`` (in the background: the caller has its answer)."""
-        abort = asyncio.ensure_future(self._view.door.call(m.handle, "abort", [p.request_id], timeout=10.0))
-        self._aborts.add(abort)
-        abort.add_done_callback(self._aborts.discard)
+        self._background(self._view.door.call(m.handle, "abort", [p.request_id], timeout=10.0))
+
+    def _background(self, call) -> None:
+        """Run ``call`` without waiting for it, referenced until it is done."""
+        future = asyncio.ensure_future(call)
+        self._aborts.add(future)
+        future.add_done_callback(self._aborts.discard)
 
     async def _attempt(self, p: _Pending, deadline: float) -> FleetResult | str | None:
         """One dispatch: the final result, a reason to re-send (counts against ``max_redispatch``),
@@ -451,9 +455,7 @@ class Dispatcher:
                 if (m.slot, m.incarnation) in told:
                     continue
                 told.add((m.slot, m.incarnation))
-                tell = asyncio.ensure_future(self._view.door.call(m.handle, "refuse_poison", fp, left, timeout=10.0))
-                self._aborts.add(tell)
-                tell.add_done_callback(self._aborts.discard)
+                self._background(self._view.door.call(m.handle, "refuse_poison", fp, left, timeout=10.0))
 
     def _full_hold(self, key: tuple[int, int]) -> float:
         return min(FULL_HOLD_S * 2 ** (self._full_streak.get(key, 1) - 1), FULL_HOLD_MAX_S)
