@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.errors import EngineStalledError, ShardUnusableError
+from fleet.errors import DeadlineExceeded, EngineStalledError, ShardUnavailableError, ShardUnusableError
 from health import CallKind, FailureClass, Observed
 from health.classify import classify_kind
 from health.progress import stall_verdict
@@ -48,6 +48,24 @@ class Outcome:
         if self.kind == BAD_ACK:
             return f"bad ack {self.value!r}"
         return f"{self.kind}: {type(self.error).__name__}: {self.error}" if self.error else self.kind
+
+
+# The shard's own exceptions that are not answers: what each says about the shard.
+_SHARD_SAYS = ((DeadlineExceeded, TIMED_OUT), (ShardUnavailableError, UNAVAILABLE))
+
+
+def answer_kind(exc: BaseException) -> str:
+    """The kind of a call whose shard, alive, raised ``exc`` itself: ``error`` (an answer), except its own
+    ``DeadlineExceeded`` (hung: ``timed_out``) and ``ShardUnavailableError`` (could not take it: ``unavailable``)."""
+    return next((kind for cls, kind in _SHARD_SAYS if isinstance(exc, cls)), ERROR)
+
+
+def answer_outcome(item: Any, elapsed_s: float = 0.0) -> Outcome:
+    """One item of a batched call's answer (``EngineShard.serve_many``: a value, or the exception the shard
+    raised for that item) as the ``Outcome`` a call of its own would have come to."""
+    if isinstance(item, BaseException):
+        return Outcome(answer_kind(item), error=item, elapsed_s=elapsed_s)
+    return Outcome(OK, value=item, elapsed_s=elapsed_s)
 
 
 def is_unusable(outcome: Outcome) -> bool:

@@ -29,12 +29,9 @@ from ray import exceptions as rex
 from ray.actor import ActorHandle
 
 from fleet.config.engine import EngineConfig
-from fleet.errors import ClusterNotFound, ConfigError, DeadlineExceeded, ShardUnavailableError
+from fleet.errors import ClusterNotFound, ConfigError
 from fleet.cluster.naming import NAMESPACE
-from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome  # noqa: F401 - re-exported
-
-# The shard's own exceptions that are not answers: what each says about the shard.
-_SHARD_SAYS = ((DeadlineExceeded, TIMED_OUT), (ShardUnavailableError, UNAVAILABLE))
+from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome, answer_kind  # noqa: F401 - re-exported
 
 
 def _classify(exc: BaseException) -> str:
@@ -48,8 +45,7 @@ def _classify(exc: BaseException) -> str:
     a confirmed death.
     """
     if isinstance(exc, rex.RayTaskError):
-        cause = _unwrap(exc)
-        return next((kind for cls, kind in _SHARD_SAYS if isinstance(cause, cls)), ERROR)
+        return answer_kind(_unwrap(exc))
     if isinstance(exc, rex.ActorDiedError):
         return DIED
     if isinstance(exc, (rex.ActorUnavailableError, rex.RayActorError)):

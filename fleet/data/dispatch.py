@@ -34,6 +34,7 @@ from typing import Any, Callable, Protocol
 from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog
 from fleet.outcome import DIED, ERROR, TIMED_OUT, Outcome
+from fleet.data.batch import ServeBatcher
 from fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, fingerprint, took_down
 from fleet.records import Request
 from fleet.data.shard_choice import pick_two
@@ -163,6 +164,7 @@ class Dispatcher:
         self._poison = PoisonMemory(poison_window_s)
         self._poison_told: dict[str, set[tuple[int, int]]] = {}  # fingerprint -> (slot, incarnation) told of it
         self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
+        self._batcher = ServeBatcher(view)  # plain calls ready at once for one shard go as one
         self._live: dict[int, _Pending] = {}  # every request from its acceptance to its end (by object: ids may repeat)
 
     # -- accounting ----------------------------------------------------------------
@@ -365,13 +367,14 @@ class Dispatcher:
 
     async def _send(self, m: Member, request: tuple, p: _Pending, sampling: dict, deadline: float):
         """The shard's answer to one attempt as ``Outcome``s: the stream's chunks and then its result, or, for a
-        short request with no streaming caller, the one plain call's result (``stream_min_tokens``)."""
+        short request with no streaming caller, the one plain call's result (``stream_min_tokens``; sent with
+        this client's other plain calls for that shard that are ready at once: ``fleet.data.batch``)."""
         timeout = max(1.0, deadline - self._clock.now())
         if p.out.on_tokens is not None or p.out.budget(sampling) > self._stream_min:
             async for out in self._view.door.stream(m.handle, "serve_stream", request, timeout=timeout):
                 yield out
             return
-        yield await self._view.door.call(m.handle, "serve", request, timeout=timeout)
+        yield await self._batcher.serve((m.slot, m.incarnation), m.handle, request, timeout)
 
     async def _refused(self, p: _Pending, m: Member, state: RoutingState, deadline: float,
                        error: RouteRefused) -> FleetResult | None:

@@ -308,13 +308,20 @@ class EngineShard:
         done.set_result(result)
         return result
 
-    DATA_PLANE_METHODS = ("serve", "serve_stream")  # one per request: Ray records no task events for them (``ray_door``)
+    # one per request (or per batch): Ray records no task events for them (``ray_door``)
+    DATA_PLANE_METHODS = ("serve", "serve_many", "serve_stream")
 
     async def serve(self, request: tuple) -> GenerationResult:
         """``serve_stream``'s request as one plain call: the whole result (a short request: ``stream_min_tokens``)."""
         prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, _first, _interval, carried = request
         return await self._run(prompt, sampling, request_id, cache_salt, None, Ticket(epoch, VersionPolicy(kind, k), cap),
                                Carried.of(carried), None)
+
+    async def serve_many(self, requests: list[tuple]) -> list[GenerationResult | BaseException]:
+        """Several ``serve`` calls in one (``fleet.data.batch``: one client's requests for this shard that were
+        ready at once), run side by side: each item's result, or the exception its own call would have raised,
+        in order. One Ray call in place of many: Ray's cost is per call, and the engine gets the batch at once."""
+        return list(await asyncio.gather(*(self.serve(r) for r in requests), return_exceptions=True))
 
     async def serve_stream(self, request: tuple) -> AsyncIterator[Chunk | GenerationResult]:
         """``generate`` for the data plane, as a stream (a Ray streaming generator): ``Chunk``s of output while

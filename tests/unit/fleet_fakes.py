@@ -120,7 +120,17 @@ class FakeDoor:
             return await self._begin_and_pause(handle, args, kw["pause"], timeout)
         if method == "end_refit":
             return await self._end_refit(handle, timeout, **kw)
+        if method == "serve_many":
+            return await self._serve_many(handle, args[0], timeout)
         return await self._one(handle, method, *args, timeout=timeout, expect_ack=expect_ack, **kw)
+
+    async def _serve_many(self, handle: FakeShard, requests: list, timeout: float) -> Outcome:
+        """As ``EngineShard.serve_many``: each item's result or the exception the shard raised for it; a shard
+        that died or could not be reached (or a call that timed out in transit) fails the whole call."""
+        outs = await asyncio.gather(*(self._one(handle, "serve", r, timeout=timeout) for r in requests))
+        whole = next((o for o in outs if o.kind in (DIED, UNAVAILABLE) or o.kind == BAD_ACK
+                      or (o.kind == TIMED_OUT and not isinstance(o.error, DeadlineExceeded))), None)
+        return whole or Outcome(OK, value=[o.value if o.ok else o.error for o in outs])
 
     async def _begin_and_pause(self, handle: FakeShard, args, pause: dict, timeout: float) -> Outcome:
         began = await self._one(handle, "begin_refit", *args, timeout=timeout, pause=pause)
@@ -288,7 +298,10 @@ class FakeDoor:
         start = s.version
         s.in_flight[request_id] = (start, ticket.policy if ticket is not None else None)
         try:
-            await asyncio.sleep(self.gen_delay)
+            loop = asyncio.get_running_loop()
+            until = loop.time() + self.gen_delay
+            while loop.time() < until and s.in_flight.get(request_id) is not None:  # an abort ends it, as in vLLM
+                await asyncio.sleep(min(0.01, until - loop.time()))
             while s.paused and not s.dead and s.in_flight.get(request_id) is not None:
                 await asyncio.sleep(0.005)
             aborted = s.in_flight.get(request_id) is None
