@@ -112,7 +112,12 @@ class WeightRelay(LocalSenderPort):
         except WireRefused as exc:  # a malformed update cannot be drained: its sizes are unknown
             raise UpdateRefused(str(exc)) from None
         got: list[tuple[str, torch.Tensor]] = []
-        stats = await asyncio.to_thread(self.wire.receive, self.group, self.info, update, got.extend, timeout_s)
+        try:
+            stats = await asyncio.to_thread(self.wire.receive, self.group, self.info, update, got.extend, timeout_s)
+        except BaseException:
+            with self._lock:
+                self.staged = None  # an update that did not arrive whole is dropped whole: finish refuses it
+            raise
         problems = self.misfits(got)
         with self._lock:
             if self.staged is None:

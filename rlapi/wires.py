@@ -111,14 +111,28 @@ class NcclWire:
         return nccl_common.worker_init_process_group(info, ONE_RANK)
 
     def receive(self, group: Any, info: Any, update: Any, sink: Sink, timeout_s: float) -> dict:
-        """vLLM's consumer; each unpacked tensor goes to host memory before its buffer is reused."""
+        """vLLM's consumer; each unpacked tensor is copied into one host buffer for the whole update (pinned:
+        ``host_slab``), without blocking, and the copies of a buffer are waited for once, before the consumer
+        reuses it. On an H200 that is 46 GB/s against 4.5 for a pageable copy per tensor
+        (``scripts/bench_gpu_relay.py``)."""
         _, _, packed_tensor = self._vllm()
         device = self.device or torch.device("cuda", torch.cuda.current_device())
         got = {"bytes": 0, "broadcasts": 0}
         t0 = time.monotonic()
+        slab, views = host_slab(update.names, update.dtype_names, update.shapes, pin=device.type == "cuda")
+        got["pinned"] = slab.is_pinned()
+        places = iter(views)
 
         def to_host(items: list[tuple[str, torch.Tensor]]) -> None:
-            host = [(n, t.to("cpu", copy=True)) for n, t in items]
+            host = []
+            for name, t in items:
+                place_name, place = next(places)
+                if place_name != name:
+                    raise RuntimeError(f"the trainer sent {name!r} where its update_info announced {place_name!r}")
+                place.copy_(t, non_blocking=True)
+                host.append((name, place))
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the stream vLLM's consumer copies on
             got["bytes"] += sum(t.numel() * t.element_size() for _, t in host)
             got["broadcasts"] += 1
             sink(host)
@@ -139,6 +153,29 @@ class NcclWire:
 
     def close(self, group: Any) -> None:
         group.destroy()
+
+
+SLAB_ALIGN = 64  # bytes: every tensor's place in a host slab starts aligned for any dtype
+
+
+def host_slab(names: list[str], dtype_names: list[str], shapes: list[list[int]],
+              pin: bool) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """One host buffer for a whole update and each tensor's place in it, in order. Pinned when ``pin`` (a copy
+    from the GPU into it does not block, and runs at the link's speed); where the host cannot pin that much,
+    pageable. A new slab per update: the relay keeps serving the last one's tensors while the next arrives,
+    and torch's pinned-memory cache hands a freed slab's block to the next update of that size."""
+    layout, size = [], 0
+    for name, dtype_name, shape in zip(names, dtype_names, shapes):
+        dtype = getattr(torch, dtype_name)
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        layout.append((name, dtype, shape, size, nbytes))
+        size += -(-nbytes // SLAB_ALIGN) * SLAB_ALIGN
+    try:
+        slab = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    except RuntimeError:  # the host would not pin that much: pageable, slower, still correct
+        slab = torch.empty(size, dtype=torch.uint8)
+    return slab, [(name, slab[start:start + nbytes].view(dtype).view(shape))
+                  for name, dtype, shape, start, nbytes in layout]
 
 
 WIRES = {"gloo": GlooWire, "nccl": NcclWire}

@@ -128,3 +128,48 @@ def test_without_a_gpu_the_nccl_relay_says_so_instead_of_failing_inside_nccl(tin
     relay = WeightRelay(tiny_model, addr="127.0.0.1", backend="nccl")
     with pytest.raises(RuntimeError, match="needs a GPU"):
         asyncio.run(relay.init_transfer(INIT))
+
+
+def test_each_update_lands_in_a_host_slab_of_its_own_so_the_next_never_overwrites_what_the_fleet_serves(relay, vllm_nccl):
+    _, group = vllm_nccl
+    asyncio.run(relay.init_transfer(INIT))
+    names = list(relay.serving)
+    first = [(n, relay.serving[n].float() + 1.0) for n in names]
+    second = [(n, relay.serving[n].float() + 2.0) for n in names]
+    for update in (first, second):
+        group.tensors = dict(update)
+        asyncio.run(relay.start_update())
+        got = asyncio.run(relay.receive(meta(update)))
+        assert got["pinned"] is False  # host memory stands in for the GPU here: nothing to pin for
+        if update is second:  # received, not finished: the fleet still serves the first, intact
+            assert all(torch.equal(relay.serving[n], t) for n, t in first)
+        asyncio.run(relay.finish_update())
+        asyncio.run(relay.commit())
+    assert all(torch.equal(relay.serving[n], t) for n, t in second)
+    slabs = {relay.serving[n].untyped_storage().data_ptr() for n in names}
+    assert len(slabs) == 1  # one host buffer per update, every tensor a view of it
+
+
+def test_a_host_slab_places_every_tensor_aligned_in_order_and_a_misordered_broadcast_is_refused(relay, vllm_nccl, monkeypatch):
+    from rlapi.wires import SLAB_ALIGN, host_slab
+
+    slab, views = host_slab(["a", "b", "c"], ["bfloat16", "float32", "int8"], [[3], [2, 5], [7]], pin=False)
+    assert [n for n, _ in views] == ["a", "b", "c"]
+    assert [tuple(v.shape) for _, v in views] == [(3,), (2, 5), (7,)]
+    assert [v.dtype for _, v in views] == [torch.bfloat16, torch.float32, torch.int8]
+    offsets = [v.data_ptr() - slab.data_ptr() for _, v in views]
+    assert offsets == [0, SLAB_ALIGN, 2 * SLAB_ALIGN] and slab.numel() == 3 * SLAB_ALIGN
+    from vllm.distributed.weight_transfer import packed_tensor
+
+    def backwards(iterator, group, src, post_unpack_func, buffer_size_bytes, num_buffers, device):
+        meta_ = list(iterator)
+        post_unpack_func([(name, torch.zeros(shape, dtype=dtype)) for name, (shape, dtype) in reversed(meta_)])
+
+    monkeypatch.setattr(packed_tensor, "packed_nccl_broadcast_consumer", backwards)
+    asyncio.run(relay.init_transfer(INIT))
+    names = list(relay.serving)[:2]
+    asyncio.run(relay.start_update())
+    with pytest.raises(RuntimeError, match="announced"):
+        asyncio.run(relay.receive(meta([(n, relay.serving[n]) for n in names])))
+    with pytest.raises(UpdateRefused, match="without a weight update in progress"):  # dropped whole, not half
+        asyncio.run(relay.finish_update())
