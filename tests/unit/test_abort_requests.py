@@ -155,3 +155,44 @@ def test_the_front_ends_a_request_by_the_ids_its_caller_knows():
     assert ids(["cmpl-one"]) == ["http-1"] and ids(["cmpl-batch"]) == ["http-2"]
     assert ids(["cmpl-batch-1"]) == ["http-2-3", "http-2-4", "http-2-5"] and ids(["cmpl-batch-2"]) == []
     assert ids(["http-9-0", "cmpl-unknown"]) == ["http-9-0", "cmpl-unknown"]
+
+
+def test_a_request_a_refit_aborted_and_holds_for_the_gate_ends_with_the_tokens_it_made_and_is_not_sent_again():
+    async def go():
+        door, view, d = fleet()
+        door.engine_aborts["r"] = 5  # the refit's abort on its engine (its version policy), after 5 tokens
+        running = asyncio.ensure_future(d.submit([1, 2], {"max_tokens": 50}, "r"))
+        await asyncio.sleep(0.02)
+        view.state = RoutingState(2, False, 0, view.state.members)  # the refit closed the gate meanwhile
+        await asyncio.sleep(0.15)  # aborted there, held at the client for the gate, holding its 5 tokens
+        assert not running.done() and len(door.sent) == 1
+        assert d.end(["r"]) == ["r"]
+        r = await asyncio.wait_for(running, 1.5)
+        c = r.result.completions[0]
+        assert r.ok and c.finish_reason == "abort" and c.token_ids == (100, 101, 102, 103, 104)
+        view.state = RoutingState(3, True, 0, view.state.members)  # the gate reopens: nothing is sent again
+        await asyncio.sleep(0.05)
+        assert len(door.sent) == 1 and d.in_progress == 0
+
+    asyncio.run(go())
+
+
+def test_ending_every_request_of_one_client_leaves_another_clients_requests_on_the_same_engines_alone():
+    async def go():
+        door = SlowDoor()
+        view = ClosedView(door, RoutingState(1, True, 0, (Member(0, 1, 0), Member(1, 1, 1))))
+        mine, theirs = (Dispatcher(view, EventLog(), request_timeout_s=30, max_redispatch=3, rng=random.Random(i),
+                                   id_prefix=name, stream_min_tokens=0) for i, name in enumerate(("mine", "theirs")))
+        a = [asyncio.ensure_future(mine.submit([1], {"max_tokens": 300})) for _ in range(3)]
+        b = [asyncio.ensure_future(theirs.submit([1], {"max_tokens": 12})) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert mine.end(["theirs-0", "theirs"]) == []  # another client's ids name nothing here
+        assert sorted(mine.end(None)) == ["mine-0", "mine-1", "mine-2"]
+        ended, served = await asyncio.wait_for(asyncio.gather(asyncio.gather(*a), asyncio.gather(*b)), 5)
+        assert all(r.ok and r.result.finish_reason == "abort" for r in ended)
+        assert all(r.ok and r.result.finish_reason == "length" and len(r.result.completions[0].token_ids) == 12
+                   for r in served)
+        assert door.aborted == {"mine-0", "mine-1", "mine-2"}  # only this client's reached the engines
+        assert theirs.counters()["completed"] == 3 and mine.counters()["completed"] == 3
+
+    asyncio.run(go())
