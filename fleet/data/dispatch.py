@@ -182,6 +182,7 @@ class Dispatcher:
             "refused": dict(self.refused),
             "tokens_reused": self.tokens_reused,
             "tokens_discarded": self.tokens_discarded,
+            "batched": self._batcher.batched,  # requests sent in a serve_many with others (``fleet.data.batch``)
         }
 
     def load(self) -> dict[int, int]:

@@ -82,8 +82,11 @@ def test_trls_client_route_by_route_moves_weights_into_every_engine_and_refusals
     assert sorted(check["rlfleet"]["engines"]) == ["0", "1", "2"]
     assert all(e["match"] and e["version"] == v0 + 1 for e in check["rlfleet"]["engines"].values())
 
+    batched = requests.get(f"{url}/v1/fleet/status", timeout=30).json()["front"]["client"]["batched"]
     out = c.generate([[5, 6, 7], [8, 9]], n=2, max_tokens=4, logprobs=0)  # TRL's generation call
     assert len(out["completion_ids"]) == 4 and all(len(ids) == 4 for ids in out["completion_ids"])
+    # its 4 fleet requests on 3 engines: at least two shared one call (EngineShard.serve_many, real engines)
+    assert requests.get(f"{url}/v1/fleet/status", timeout=30).json()["front"]["client"]["batched"] - batched >= 2
     assert all(len(lp) == 4 and all(math.isfinite(t[0]) for t in lp) for lp in out["logprobs"])
 
     # a tensor of the wrong shape: refused naming it, after its bytes drained (the trainer's broadcast ends)
