@@ -90,21 +90,17 @@ import statistics
 import sys
 import threading
 import time
-import types
 from dataclasses import dataclass
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-GB = 1e9
 FLEET_BUCKET_MB = 64.0  # fleet.config.fleet.FleetConfig.bucket_mb's default (used where pydantic is missing)
 EPOCH = 1  # the loopback's "membership epoch": the stream header carries it, both ends agree on it
-# (vocab, hidden, intermediate, layers, k/v width): decoders with q/k/v biases and tied embeddings
-MODELS = {
-    "1.5b": (151936, 1536, 8960, 28, 256),  # Qwen2.5-1.5B: 1.54e9 parameters, 3.09 GB in bf16
-    "tiny": (1024, 128, 512, 2, 32),
-}
+
+
+from gpu_bench import GB, MODELS, median_s, model_sources, stand_in_missing_blake3, synchronize  # noqa: E402
 
 
 def mb_or_none(text: str) -> float | str | None:
@@ -135,26 +131,6 @@ def parse_args() -> argparse.Namespace:
 # ── imports the device machine cannot satisfy ───────────────────
 
 
-def stand_in_missing_blake3() -> bool:
-    """``refit.checksum`` imports blake3 (and reads ``blake3.blake3.AUTO``); no path measured here hashes.
-    Returns True when the stub stands in."""
-    try:
-        import blake3  # noqa: F401
-        return False
-    except ImportError:
-        pass
-
-    class Blake3:
-        AUTO = -1
-
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError("blake3 is not installed: bench_gpu_refit stood in for it, hashing is not possible")
-
-    sys.modules["blake3"] = types.ModuleType("blake3")
-    sys.modules["blake3"].blake3 = Blake3
-    return True
-
-
 def fleet_defaults() -> tuple[float, float | None, str]:
     """(bucket_mb, direct_mb, where bucket_mb came from): what a fleet's refit uses unless configured.
 
@@ -174,29 +150,6 @@ def fleet_defaults() -> tuple[float, float | None, str]:
 
 
 # ── the model and the engine's stand-in ─────────────────────────
-
-
-def decoder_shapes(vocab: int, hidden: int, intermediate: int, layers: int, kv: int) -> list[tuple[str, list[int]]]:
-    """A Qwen2-style decoder's parameters in its state dict's order."""
-    shapes = [("model.embed_tokens.weight", [vocab, hidden])]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [(p + "self_attn.q_proj.weight", [hidden, hidden]), (p + "self_attn.q_proj.bias", [hidden]),
-                   (p + "self_attn.k_proj.weight", [kv, hidden]), (p + "self_attn.k_proj.bias", [kv]),
-                   (p + "self_attn.v_proj.weight", [kv, hidden]), (p + "self_attn.v_proj.bias", [kv]),
-                   (p + "self_attn.o_proj.weight", [hidden, hidden]),
-                   (p + "mlp.gate_proj.weight", [intermediate, hidden]),
-                   (p + "mlp.up_proj.weight", [intermediate, hidden]),
-                   (p + "mlp.down_proj.weight", [hidden, intermediate]),
-                   (p + "input_layernorm.weight", [hidden]), (p + "post_attention_layernorm.weight", [hidden])]
-    return shapes + [("model.norm.weight", [hidden])]
-
-
-def model_sources(model: str, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """The trainer's weights: seeded random bf16 on the device (random, so a misplaced byte shows)."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    return {name: torch.randn(shape, generator=generator, dtype=torch.bfloat16, device=device)
-            for name, shape in decoder_shapes(*MODELS[model])}
 
 
 class DeviceParams:
@@ -227,11 +180,6 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 def holds(params: dict[str, torch.Tensor], sources: dict[str, torch.Tensor]) -> bool:
     return params.keys() == sources.keys() and all(torch.equal(params[n], t) for n, t in sources.items())
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def release(device: torch.device) -> None:
@@ -547,18 +495,6 @@ def measure_refit(mode: str, sources, model: DeviceParams, bucket_mb: float, dir
 # ── the copy baseline ───────────────────────────────────────────
 
 
-def median_s(fn, repeats: int, device: torch.device) -> float:
-    fn()  # warm-up: the copy kernel loaded, the destination touched
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def d2d_GBps(device: torch.device, mib: int, repeats: int) -> float:
     size = mib * 2**20
     src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
@@ -579,7 +515,7 @@ def main() -> int:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
-    blake3_stub = stand_in_missing_blake3()
+    blake3_stub = stand_in_missing_blake3("bench_gpu_refit")
     bucket_mb, direct_mb, bucket_from = fleet_defaults()
     if args.bucket_mb is not None:
         bucket_mb, bucket_from = args.bucket_mb, "--bucket-mb"
@@ -590,7 +526,7 @@ def main() -> int:
     d2d = d2d_GBps(device, args.copy_mib, args.copy_repeats)
     print(f"d2d copy: {d2d:.2f} GB/s", flush=True)
 
-    sources = model_sources(args.model, device, args.seed)
+    sources = dict(model_sources(args.model, device, args.seed))
     model = DeviceParams(sources)
     total = nbytes(sources)
     print(f"model {args.model}: {len(sources)} tensors, {total / GB:.3f} GB", flush=True)

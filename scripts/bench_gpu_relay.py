@@ -79,13 +79,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-GB = 1e9
-SLAB_ALIGN = 64  # bytes; every tensor's view of the pinned slab starts aligned for any dtype
-# (vocab, hidden, intermediate, layers, k/v width): decoders with q/k/v biases and tied embeddings
-MODELS = {
-    "1.5b": (151936, 1536, 8960, 28, 256),  # Qwen2.5-1.5B: 1.54e9 parameters, 3.09 GB in bf16
-    "tiny": (1024, 128, 512, 2, 32),
-}
+
+from gpu_bench import GB, MODELS, median_s, model_sources, stand_in_missing_blake3, synchronize  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -111,21 +106,6 @@ def parse_args() -> argparse.Namespace:
 
 
 # ── imports the device machine cannot satisfy ───────────────────
-
-
-def stand_in_missing_blake3() -> None:
-    """``refit.checksum`` imports blake3 (and reads ``blake3.blake3.AUTO``); ``NcclWire.receive`` never hashes."""
-    try:
-        import blake3  # noqa: F401
-    except ImportError:
-        class Blake3:
-            AUTO = -1
-
-            def __init__(self, *args, **kwargs):
-                raise RuntimeError("blake3 is not installed: bench_gpu_relay stood in for it, hashing is not possible")
-
-        sys.modules["blake3"] = types.ModuleType("blake3")
-        sys.modules["blake3"].blake3 = Blake3
 
 
 def load_file(path: pathlib.Path, name: str) -> types.ModuleType:
@@ -265,28 +245,6 @@ class Round:
     equal: bool
 
 
-def decoder_shapes(vocab: int, hidden: int, intermediate: int, layers: int, kv: int) -> list[tuple[str, list[int]]]:
-    """A Qwen2-style decoder's parameters in its state dict's order."""
-    shapes = [("model.embed_tokens.weight", [vocab, hidden])]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [(p + "self_attn.q_proj.weight", [hidden, hidden]), (p + "self_attn.q_proj.bias", [hidden]),
-                   (p + "self_attn.k_proj.weight", [kv, hidden]), (p + "self_attn.k_proj.bias", [kv]),
-                   (p + "self_attn.v_proj.weight", [kv, hidden]), (p + "self_attn.v_proj.bias", [kv]),
-                   (p + "self_attn.o_proj.weight", [hidden, hidden]),
-                   (p + "mlp.gate_proj.weight", [intermediate, hidden]),
-                   (p + "mlp.up_proj.weight", [intermediate, hidden]),
-                   (p + "mlp.down_proj.weight", [hidden, intermediate]),
-                   (p + "input_layernorm.weight", [hidden]), (p + "post_attention_layernorm.weight", [hidden])]
-    return shapes + [("model.norm.weight", [hidden])]
-
-
-def model_sources(model: str, device: torch.device, seed: int) -> list[tuple[str, torch.Tensor]]:
-    generator = torch.Generator(device=device).manual_seed(seed)
-    return [(name, torch.randn(shape, generator=generator, dtype=torch.bfloat16, device=device))
-            for name, shape in decoder_shapes(*MODELS[model])]
-
-
 def nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for _, t in tensors)
 
@@ -295,11 +253,6 @@ def matches(expected: list[tuple[str, torch.Tensor]], got: list[tuple[str, torch
     return ([n for n, _ in got] == [n for n, _ in expected]
             and all(a.dtype == b.dtype and b.device.type == "cpu" and torch.equal(a, b)
                     for (_, a), (_, b) in zip(expected, got)))
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def send_packed(trainer_pt: types.ModuleType, info: SimpleNamespace) -> Callable:
@@ -390,19 +343,6 @@ def pinned_receive(relay_pt: types.ModuleType, info: SimpleNamespace, update: Si
     return receive
 
 
-def pinned_slab(update: SimpleNamespace, device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
-    """One pinned host buffer for a whole update, and each tensor's view of it, in order."""
-    layout, offset = [], 0
-    for name, dtype_name, shape in zip(update.names, update.dtype_names, update.shapes):
-        dtype = getattr(torch, dtype_name)
-        size = torch.Size(shape).numel() * dtype.itemsize
-        layout.append((name, dtype, shape, offset, size))
-        offset += -(-size // SLAB_ALIGN) * SLAB_ALIGN
-    slab = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    return slab, [(name, slab[start:start + size].view(dtype).view(shape))
-                  for name, dtype, shape, start, size in layout]
-
-
 def measure(label: str, sources, expected, send: Callable, receive: Callable, args, device: torch.device,
             before_round: Callable = lambda: None) -> dict:
     """One cold round and ``args.repeats`` warm ones, every one checked."""
@@ -427,18 +367,6 @@ def measure(label: str, sources, expected, send: Callable, receive: Callable, ar
 
 
 # ── copy baselines ──────────────────────────────────────────────
-
-
-def median_s(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    fn()  # warm-up: first use of the copy engines, host pages touched
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def copy_baselines(device: torch.device, mib: int, repeats: int) -> dict:
@@ -468,8 +396,8 @@ def main() -> int:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
-    stand_in_missing_blake3()
-    from rlapi.wires import NcclWire
+    stand_in_missing_blake3("bench_gpu_relay")
+    from rlapi.wires import NcclWire, host_slab
 
     relay_pt, trainer_pt = packed_tensor_modules(args.packed_tensor)
     if device.type == "cpu":
@@ -498,7 +426,7 @@ def main() -> int:
     relay_unpacked = measure("relay unpacked", sources, expected, send_unpacked,
                              relay_receive(wire, unpacked, update, args.timeout_s), args, device)
     t0 = time.monotonic()
-    slab, slab_views = pinned_slab(update, device)
+    slab, slab_views = host_slab(update.names, update.dtype_names, update.shapes, pin=device.type == "cuda")
     pinned_alloc_s = time.monotonic() - t0
     # zeroed before each round so that a round that copies nothing cannot pass on the last round's bytes
     variant = measure("pinned variant", sources, expected, send_packed(trainer_pt, packed),
