@@ -12,7 +12,11 @@ calls that all settle (``asyncio.gather``) before anything acts on one result:
    manifest against its model. A refusal aborts the refit before any byte moves and
    is typed (``ParticipantResult.refused`` / ``RefitReport.refused``): nothing is torn
    down, the group stays usable. Under ``verify="checksum"`` the sender digests the
-   weights it will send here (between prepare and send, when they cannot change);
+   weights it will send here (between prepare and send, when they cannot change).
+   A refit whose planned manifest is the one every member of this same group accepted
+   last time (a trainer that sends the same tensors each step) skips the receivers'
+   round of prepare: validation depends only on the manifest and the model, so each
+   receiver prepares inside its receive call (``rlfleet_receive(..., prepare=...)``);
 3. transfer: the sender's broadcast and every receiver's receive-and-apply run
    together; each receiver reports what it holds now. Under ``verify="checksum"`` a
    receiver is COMPLETE only if the digest of what it applied equals the sender's;
@@ -179,6 +183,9 @@ class WeightSynchronizer:
         self._epoch: int | None = None
         self._members: dict[Hashable, ReceiverPort] = {}
         self._group_ok = False
+        # The manifest (wire form) every member of the live group accepted at its last prepare, or None.
+        self._accepted: dict | None = None
+        self._deferred: dict | None = None  # this refit's prepare arguments, when its receivers prepare as they receive
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
 
@@ -201,7 +208,7 @@ class WeightSynchronizer:
         if aborted is not None:
             return aborted
         t2 = time.monotonic()
-        results, sender = await self._transfer(parts, refit_id, sender_digest)
+        results, sender = await self._transfer(parts, refit_id, sender_digest, self._deferred)
         transfer_s = time.monotonic() - t2
         apply_s = max((float(r.detail.get("apply_s", 0.0)) for r in results.values()), default=0.0)
         timings = PhaseTimings(group_s, prepare_s, transfer_s, float(sender.get("send_s", 0.0)), apply_s, time.monotonic() - t0)
@@ -223,7 +230,7 @@ class WeightSynchronizer:
                 timings = PhaseTimings(group_s=group_s, total_s=time.monotonic() - t0)
                 return self._aborted(parts, "group", failure, ctx, timings, rebuilt, goal), group_s, 0.0, rebuilt, None
         t1 = time.monotonic()
-        sender_digest, failure = await self._prepare(parts, refit_id, version)
+        sender_digest, failure = await self._prepare(parts, refit_id, version, defer=goal == "refit" and not rebuilt)
         prepare_s = time.monotonic() - t1
         if failure is not None:
             timings = PhaseTimings(group_s=group_s, prepare_s=prepare_s, total_s=time.monotonic() - t0)
@@ -360,7 +367,7 @@ class WeightSynchronizer:
         """Returns None on success, else (sender error or None, {key: (error, exc, refused)})."""
         cfg = self.config
         leaving = {k: p for k, p in self._members.items() if k not in parts}
-        self._members, self._group_ok, self._epoch = {}, False, None
+        self._members, self._group_ok, self._epoch, self._accepted = {}, False, None, None
         leaves = {k: p.worker_rpc("rlfleet_leave", (), {}, cfg.rpc_timeout_s) for k, p in leaving.items()}
         opened, _ = await asyncio.gather(
             _bounded(self.sender.open_group(epoch, world, cfg.backend, cfg.group_timeout_s, max(cfg.timeout_s, cfg.group_timeout_s)), cfg.rpc_timeout_s),
@@ -387,19 +394,26 @@ class WeightSynchronizer:
         return None
 
     # -- phase 2: prepare -------------------------------------------------------------------
-    async def _prepare(self, parts: dict, refit_id: int, version: int) -> tuple[str | None, tuple | None]:
+    async def _prepare(self, parts: dict, refit_id: int, version: int, defer: bool = False) -> tuple[str | None, tuple | None]:
         """Plan, validate on every receiver, and (``verify``) digest on the sender.
 
         Returns (the sender's digest or None, None) when every receiver accepted, else
-        (None, (sender error or None, {key: (error, exc, refused)})).
+        (None, (sender error or None, {key: (error, exc, refused)})). ``defer`` (a refit on the group
+        as it was): a manifest every member accepted last time is not validated again here, but inside
+        each receive call (``self._deferred`` holds its arguments until then).
         """
         cfg = self.config
+        self._deferred = None
         planned = await _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb), cfg.rpc_timeout_s)
         if planned.value is None:
             err = planned.error("sender prepare", cfg.rpc_timeout_s) or "sender prepare returned nothing"
             refused = err if isinstance(planned.exc, ManifestError) else None  # e.g. a dtype that cannot be sent
             return None, (err, {k: (err, planned.exc, refused) for k in parts} if refused else {})
         kw = {"refit_id": refit_id, "manifest": planned.value, "version": version, "mode": cfg.apply_mode, "checksum": cfg.checksum or cfg.verifies}
+        if defer and not cfg.verifies and planned.value == self._accepted:
+            self._deferred = kw
+            return None, None
+        self._accepted = None
         prepares = _settle_all({k: p.worker_rpc("rlfleet_prepare", (), kw, cfg.rpc_timeout_s) for k, p in parts.items()}, cfg.rpc_timeout_s + cfg.grace_s)
         calls = [prepares] + ([_bounded(self._sender_digest(planned.value), cfg.timeout_s)] if cfg.verifies else [])
         settled, *digested = await asyncio.gather(*calls)
@@ -415,6 +429,7 @@ class WeightSynchronizer:
                 failures[key] = (err, s.exc, refused)
         if failures:
             return None, (None, failures)
+        self._accepted = planned.value
         if not digested:
             return None, None
         if not isinstance(digested[0].value, str):
@@ -426,7 +441,7 @@ class WeightSynchronizer:
         return await self.sender.checksum(Manifest.from_wire(manifest_wire).names)
 
     # -- phase 3: transfer and apply ----------------------------------------------------------
-    async def _transfer(self, parts: dict, refit_id: int, sender_digest: str | None) -> tuple[dict, dict]:
+    async def _transfer(self, parts: dict, refit_id: int, sender_digest: str | None, deferred: dict | None = None) -> tuple[dict, dict]:
         cfg = self.config
         recv_bound = cfg.timeout_s + cfg.apply_timeout_s
         bound = recv_bound + cfg.grace_s
@@ -434,6 +449,8 @@ class WeightSynchronizer:
         kw: dict[str, Any] = {"refit_id": refit_id, "timeout_s": cfg.timeout_s}
         if sender_digest is not None:
             kw["expect_digest"] = sender_digest
+        if deferred is not None:
+            kw["prepare"] = deferred
         for key, port in parts.items():
             calls[key] = port.worker_rpc("rlfleet_receive", (), kw, recv_bound)
         settled = await _settle_all(calls, bound)

@@ -113,7 +113,14 @@ class RefitWorkerExtension:
     def rlfleet_prepare(self, refit_id: int, manifest: dict, version: int, mode: str = "staged", checksum: bool = False) -> dict:
         return self._rlfleet_receiver().prepare(refit_id, manifest, version, mode, checksum)
 
-    def rlfleet_receive(self, refit_id: int, timeout_s: float, expect_digest: str | None = None) -> dict:
+    def rlfleet_receive(self, refit_id: int, timeout_s: float, expect_digest: str | None = None,
+                        prepare: dict | None = None) -> dict:
+        """Receive and apply the prepared update. ``prepare``: ``rlfleet_prepare``'s arguments, to prepare first
+        in this same call (the synchronizer does so for a manifest this rank accepted before)."""
+        if prepare is not None:
+            prepared = self._rlfleet_receiver().prepare(**prepare)
+            if not prepared["ok"]:
+                return prepared
         res = self._rlfleet_receiver().receive(refit_id, timeout_s, expect_digest)
         self._rlfleet_weight_version = self._rlfleet_receiver().weight_version
         return res

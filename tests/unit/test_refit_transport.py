@@ -432,6 +432,70 @@ def test_a_failed_refit_leaves_the_synchronizer_ready_for_one_retry_on_a_new_epo
     run(sync.close())
 
 
+class CountingEngine(ThreadEngine):
+    """A ``ThreadEngine`` that keeps each call's method and whether a receive carried its own prepare."""
+
+    def __init__(self, tensors, workers: int = 1) -> None:
+        super().__init__(tensors, workers)
+        self.calls: list[str] = []
+
+    async def worker_rpc(self, method, args=(), kwargs=None, timeout=None):
+        self.calls.append(method + ("+prepare" if (kwargs or {}).get("prepare") else ""))
+        return await super().worker_rpc(method, args, kwargs, timeout)
+
+    def take(self) -> list[str]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def test_a_manifest_the_group_accepted_last_time_is_prepared_inside_the_receive_and_a_changed_one_first():
+    a = CountingEngine(model_tensors(0))
+    source = {"tensors": model_tensors(1)}
+    sender = WeightSender(lambda: list(source["tensors"].items()), addr="127.0.0.1")
+    sync = WeightSynchronizer(LocalSenderPort(sender), RefitConfig(timeout_s=3, group_timeout_s=10))
+    parts = {Participant(0, 1, (1,)): a}
+    assert run(sync.refit(parts, 1, epoch=1)).ok
+    assert a.take() == ["rlfleet_join", "rlfleet_prepare", "rlfleet_receive"]  # a new group: a round of prepare
+    for version, seed in ((2, 2), (3, 3)):  # the same tensors again: one call per engine, the weights land
+        source["tensors"] = model_tensors(seed)
+        report = run(sync.refit(parts, version, epoch=1))
+        assert report.ok and a.take() == ["rlfleet_receive+prepare"], report.summary()
+        assert_holds(a, model_tensors(seed))
+        assert a.workers[0].rlfleet_worker_info()["weight_version"] == version
+    # a changed manifest is validated before any byte moves: refused, nothing changed, the group kept
+    source["tensors"] = {**model_tensors(4), "model.norm.weight": torch.zeros(17)}
+    report = run(sync.refit(parts, 4, epoch=1))
+    assert report.refused and report.bytes_sent == 0 and a.take() == ["rlfleet_prepare"], report.summary()
+    assert_holds(a, model_tensors(3))
+    source["tensors"] = model_tensors(5)  # the good manifest again: validated once more, then deferred
+    assert run(sync.refit(parts, 5, epoch=1)).ok and a.take() == ["rlfleet_prepare", "rlfleet_receive"]
+    assert run(sync.refit(parts, 6, epoch=1)).ok and a.take() == ["rlfleet_receive+prepare"]
+    # a new member means a new group: every member prepares in a round of its own again
+    b = CountingEngine(model_tensors(0))
+    parts[Participant(1, 1, (2,))] = b
+    assert run(sync.refit(parts, 7, epoch=2)).ok
+    assert a.take() == b.take() == ["rlfleet_join", "rlfleet_prepare", "rlfleet_receive"]
+    assert_holds(b, model_tensors(5))
+    # a receiver whose own prepare fails inside the receive fails the refit within its bound; the retry on a
+    # new epoch prepares in a round of its own and lands
+    real = b.workers[0]._rlfleet_receiver().prepare
+    b.workers[0]._rlfleet_receiver().prepare = lambda **kw: {"ok": False, "state": "not_started", "error": "prepare broke"}
+    t0 = time.monotonic()
+    report = run(sync.refit(parts, 8, epoch=2))
+    assert not report.ok and "prepare broke" in report.results[Participant(1, 1, (2,))].error, report.summary()
+    print(f"the failed refit took {time.monotonic() - t0:.2f} s")
+    assert time.monotonic() - t0 < 3 + 5 and a.take() == b.take() == ["rlfleet_receive+prepare"]
+    assert b.workers[0].rlfleet_worker_info()["weight_version"] == 7
+    b.workers[0]._rlfleet_receiver().prepare = real
+    source["tensors"] = model_tensors(8)
+    report = run(sync.refit(parts, 8, epoch=3))
+    assert report.ok and report.group_rebuilt, report.summary()
+    assert "rlfleet_prepare" in b.take() and "rlfleet_prepare" in a.take()
+    assert_holds(a, model_tensors(8))
+    assert_holds(b, model_tensors(8))
+    run(sync.close())
+
+
 def test_float32_trainer_refits_bfloat16_engines_casting_while_packing():
     new = model_tensors(1, layers=2, d=64)
     engine = ThreadEngine({n: t.to(torch.bfloat16) for n, t in model_tensors(0, layers=2, d=64).items()})
