@@ -29,6 +29,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +116,23 @@ def _release(holder: list) -> None:
     emptied on the release thread.
     """
     if any(o is not None for o in holder):
-        threading.Thread(target=_drop, args=(holder,), name="rlfleet-refit-release", daemon=True).start()
+        t = threading.Thread(target=_drop, args=(holder,), name="rlfleet-refit-release", daemon=True)
+        _RELEASING.add(t)
+        t.start()
+
+
+_RELEASING: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # release threads, until they are collected
+
+
+def wait_released(timeout_s: float) -> bool:
+    """Wait (up to ``timeout_s`` in all) for the groups this process closed to be dropped; True if none is left.
+
+    A process that is about to exit calls it: a group whose destructor still runs on its daemon release
+    thread while the interpreter tears down ends the process with ``std::terminate`` (exit -6)."""
+    deadline = time.monotonic() + timeout_s
+    for t in list(_RELEASING):
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in list(_RELEASING))
 
 
 # -- the group ----------------------------------------------------------------------------

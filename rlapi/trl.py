@@ -23,6 +23,7 @@ import torch
 from trl.generation import vllm_client as _client
 from trl.generation.vllm_client import VLLMClient
 
+from refit.group import wait_released
 from rlapi import gloo_wire
 from rlapi.gloo_wire import GlooInitInfo
 
@@ -59,6 +60,7 @@ class GlooVLLMClient(VLLMClient):
         group, self.communicator = self.communicator, None
         if group is not None:
             group.close()
+            wait_released(30.0)  # dropped before the process may exit (a trainer closes at its end)
 
 
 def install() -> type[VLLMClient]:

@@ -1,6 +1,7 @@
 """vLLM's packed weight broadcast on gloo (``rlapi.gloo_wire``): both sides in one process, two threads."""
 
 import socket
+import time
 import threading
 
 import pytest
@@ -71,3 +72,28 @@ def test_a_bad_update_is_refused_naming_the_tensor():
         GlooInitInfo(master_address="h", master_port=1, rank_offset=2, world_size=2)
     with pytest.raises(TypeError):
         GlooInitInfo(master_address="h", master_port=1, rank_offset=1, world_size=2, bogus=1)
+
+
+def test_a_closed_group_is_dropped_before_the_process_may_exit():
+    """``refit.group.wait_released``: a process that exits while a closed group's destructor still runs on its
+    release thread ends in ``std::terminate`` (exit -6); TRL's client waits for the drop as it closes."""
+    from refit import group as refit_group
+
+    class SlowToDrop:
+        def __del__(self):
+            time.sleep(1.0)
+
+    refit_group._release([SlowToDrop()])
+    assert refit_group.wait_released(0.05) is False  # still dropping
+    assert refit_group.wait_released(10) is True
+    assert not [t for t in threading.enumerate() if t.name == "rlfleet-refit-release"]
+    info = GlooInitInfo(master_address="127.0.0.1", master_port=free_port(), rank_offset=1, world_size=2)
+    joined = {}
+    t = threading.Thread(target=lambda: joined.update(group=gloo_wire.join(info, 1, timeout_s=30)))
+    t.start()
+    sender = gloo_wire.open_sender(info, timeout_s=30)
+    t.join(30)
+    sender.close()
+    joined["group"].close()
+    assert refit_group.wait_released(10) is True
+    assert not [t for t in threading.enumerate() if t.name == "rlfleet-refit-release"]
