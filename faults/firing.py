@@ -159,15 +159,40 @@ class FaultFiring:
         elif f.what in CONTROLLER_WHAT:
             done = self._controller_fault(f)
         elif hook_point(f.where, f.what) == "step_boundary":
-            self._say_if(not wait_until(lambda: slot_states(self.fleet.status()).get(f.slot) in UP, self.up_timeout_s),
-                         f"gave up waiting for slot {f.slot} up before the kill after {self.up_timeout_s:.0f} s")
+            self._wait_up(f.slot, "the kill")
             self.faults.kill_shard(f.slot)
         else:
-            self.faults.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
+            self._arm(f)
         if f.where == "between_refits" and f.what in FREEZES:  # freeze_core: with a request in flight, by its stall
             done["bound_s"] = self.fleet.status()["stall_detection_bound_s" if f.what == "freeze_core"
                                                   else "hang_detection_bound_s"]
         self.fired.append({**asdict(f), "t": round(time.monotonic() - self.t0, 3), **done})
+
+    def _wait_up(self, slot: int, before: str) -> None:
+        self._say_if(not wait_until(lambda: slot_states(self.fleet.status()).get(slot) in UP, self.up_timeout_s),
+                     f"gave up waiting for slot {slot} up before {before} after {self.up_timeout_s:.0f} s")
+
+    def _arm(self, f: Firing) -> None:
+        """Arm ``f`` on its slot once the slot is up. An incarnation that died as it was armed (the controller
+        replaced it meanwhile: a loaded machine, an earlier variant's leftovers) is not where the plan meant
+        the fault: it is armed once more on the incarnation that took its place. The journal still proves
+        where it fired."""
+        self._wait_up(f.slot, "arming the fault")
+        was = incarnations(self.fleet.status()).get(f.slot)
+        try:
+            self.faults.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
+        except RuntimeError as exc:
+            if "died" not in str(exc):
+                raise
+            self._say_if(True, f"slot {f.slot} died as its fault was armed ({exc}); arming it on the next incarnation")
+
+            def replaced() -> bool:
+                status = self.fleet.status()
+                return incarnations(status).get(f.slot) != was and slot_states(status).get(f.slot) in UP
+
+            self._say_if(not wait_until(replaced, self.up_timeout_s),
+                         f"gave up waiting for slot {f.slot}'s next incarnation after {self.up_timeout_s:.0f} s")
+            self.faults.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
 
     def settle(self, step: int) -> list[Firing]:
         """After the step's refit: the faults of ``step`` that would outlive it are undone (a ``slow`` shard

@@ -14,6 +14,8 @@ import pytest
 import requests
 import torch
 
+from tests.integration.fleet_helpers import wait_for
+
 pytestmark = pytest.mark.integration
 
 
@@ -154,11 +156,15 @@ def test_abort_requests_ends_requests_on_every_engine_with_their_output_so_far(s
 
     assert requests.post(f"{url}/abort_requests", json={"request_ids": "all"}, timeout=30).status_code == 400
     assert requests.post(f"{url}/abort_requests", data="[", timeout=30).status_code == 400
+    client = server.front.client
     with ThreadPoolExecutor(2) as pool:
         kept, ended = pool.submit(long, "keep-me"), pool.submit(long, "end-me")
-        time.sleep(3.0)
+        # every choice of both in progress (the two requests' 6), then a moment to make tokens
+        wait_for(lambda: client.counters()["in_progress"] == 6, 60, 0.05, "both requests' choices in progress")
+        time.sleep(1.0)
         named = requests.post(f"{url}/abort_requests", json={"request_ids": ["cmpl-end-me"]}, timeout=30).json()
-        assert named["status"] == "aborted" and named["aborted"] == 3, named
+        assert named["status"] == "aborted" and named["aborted"] == 3, (named, client.counters(),
+                                                                         dict(client.dispatcher.returned_reasons))
         answer = ended.result(60)
         assert not kept.done()
         everything = requests.post(f"{url}/abort_requests", timeout=30).json()  # no body: everything in flight

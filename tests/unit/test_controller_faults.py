@@ -188,8 +188,18 @@ class _Fleet:
         self.armed.append((point, delay_s))
         return True
 
+    incarnation, dies_as_armed = 1, 0  # the next ``dies_as_armed`` arms find the slot's incarnation dead
+
+    def status(self):
+        return {"ledger": {"slots": [{"slot": s, "state": "healthy", "incarnation": self.incarnation} for s in range(3)]}}
+
     def arm_fault(self, slot, point, action, delay_s=0.0, after_calls=0):
-        self.faults.append((slot, point, action, delay_s))
+        if self.dies_as_armed:
+            self.dies_as_armed -= 1
+            self.incarnation += 1  # the controller replaced it
+            raise RuntimeError(f"arm_fault({point!r}, {action!r}) on slot {slot} (incarnation {self.incarnation - 1}) "
+                               "failed: died: ActorDiedError; nothing was armed (bound 30 s)")
+        self.faults.append((slot, point, action, delay_s, self.incarnation))
         return True
 
     def controller_outage(self):
@@ -224,9 +234,20 @@ def test_a_slow_shard_is_made_fast_again_after_its_step():
     fleet = _Fleet(PID)
     firing = FaultFiring(fleet, [Firing(1, "transfer", "slow", 0, 2.0), Firing(1, "transfer", "kill_controller", None, 0.75)])
     firing.at(1)
-    assert fleet.faults == [(0, "transfer", "slow", 2.0)]
-    assert [f.what for f in firing.settle(1)] == ["slow"] and fleet.faults[-1] == (0, "ping", "slow", 0.0)
+    assert fleet.faults == [(0, "transfer", "slow", 2.0, 1)]
+    assert [f.what for f in firing.settle(1)] == ["slow"] and fleet.faults[-1] == (0, "ping", "slow", 0.0, 1)
     assert firing.settle(2) == []
+
+
+def test_a_shard_that_dies_as_its_fault_is_armed_gets_it_on_its_next_incarnation_once():
+    fleet, said = _Fleet(PID), []
+    fleet.dies_as_armed = 1
+    firing = FaultFiring(fleet, [Firing(1, "generate", "freeze", 2)], log=said.append)
+    firing.at(1)
+    assert fleet.faults == [(2, "generate", "freeze", 0.0, 2)] and "died as its fault was armed" in said[0]
+    fleet.dies_as_armed = 2  # dead again on the next incarnation: the plan fails, naming the slot
+    with pytest.raises(RuntimeError, match="slot 2 .*died"):
+        FaultFiring(fleet, [Firing(1, "generate", "freeze", 2)], log=said.append).at(1)
 
 
 def test_a_slow_fault_is_proven_by_its_first_delayed_call_whatever_the_point():
