@@ -144,7 +144,7 @@ class _FakeFleet:
         return of_kinds(self.log[since:], kinds)
 
     def status(self):
-        return {"ledger": {"slots": [{"slot": s, "state": st} for s, st in self.states.items()]}}
+        return {"ledger": {"slots": [{"slot": s, "state": st, "incarnation": 1} for s, st in self.states.items()]}}
 
     def fault_injector(self):  # the fake fleet is its own injector
         return self
