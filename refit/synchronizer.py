@@ -16,7 +16,9 @@ calls that all settle (``asyncio.gather``) before anything acts on one result:
    A refit whose planned manifest is the one every member of this same group accepted
    last time (a trainer that sends the same tensors each step) skips the receivers'
    round of prepare: validation depends only on the manifest and the model, so each
-   receiver prepares inside its receive call (``rlfleet_receive(..., prepare=...)``);
+   receiver prepares inside its receive call (``rlfleet_receive(..., prepare=...)``).
+   The sender's plan can start before the refit does (``plan_ahead``: the caller pauses
+   the engines meanwhile); the refit it is handed to uses that plan and its refit id;
 3. transfer: the sender's broadcast and every receiver's receive-and-apply run
    together; each receiver reports what it holds now. Under ``verify="checksum"`` a
    receiver is COMPLETE only if the digest of what it applied equals the sender's;
@@ -118,6 +120,16 @@ class _Settled:
         return None
 
 
+@dataclass(frozen=True)
+class Ahead:
+    """The sender's plan of a refit, started before it (``WeightSynchronizer.plan_ahead``): the refit id it was
+    planned under and the settling prepare call."""
+
+    sync: "WeightSynchronizer"
+    refit_id: int
+    planned: "asyncio.Future[_Settled]"
+
+
 async def _bounded(aw: Awaitable, timeout: float) -> _Settled:
     t0 = time.monotonic()
     try:
@@ -195,16 +207,31 @@ class WeightSynchronizer:
         return self._epoch if self._group_ok else None
 
     # -- entry point ------------------------------------------------------------------------
-    async def refit(self, participants: Mapping[Hashable, ReceiverPort], version: int, epoch: int) -> RefitReport:
-        """Move the sender's current weights into every participant; stamp ``version`` on complete applies."""
+    def plan_ahead(self) -> "Ahead | None":
+        """Start the sender's plan (its ``prepare``) of the next refit now, while the caller does something
+        else (pauses the engines); hand the answer to ``refit(..., ahead=)``. None while a refit runs. A plan
+        that no refit takes is dropped with its answer: the sender's next ``prepare`` replaces it."""
+        if self._lock.locked():
+            return None
+        cfg, refit_id = self.config, next(self._ids)
+        planned = asyncio.ensure_future(_bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb),
+                                                 cfg.rpc_timeout_s))
+        return Ahead(self, refit_id, planned)
+
+    async def refit(self, participants: Mapping[Hashable, ReceiverPort], version: int, epoch: int,
+                    ahead: "Ahead | None" = None) -> RefitReport:
+        """Move the sender's current weights into every participant; stamp ``version`` on complete applies.
+        ``ahead``: this synchronizer's ``plan_ahead``, taken by this refit in place of its own sender prepare."""
         world = check_layout(participants)
         async with self._lock:
-            return await self._refit(dict(participants), int(version), int(epoch), world)
+            return await self._refit(dict(participants), int(version), int(epoch), world,
+                                     ahead if ahead is not None and ahead.sync is self else None)
 
-    async def _refit(self, parts: dict, version: int, epoch: int, world: int) -> RefitReport:
+    async def _refit(self, parts: dict, version: int, epoch: int, world: int, ahead: "Ahead | None" = None) -> RefitReport:
         t0 = time.monotonic()
-        refit_id = next(self._ids)
-        aborted, group_s, prepare_s, rebuilt, sender_digest = await self._group_and_prepare(parts, version, epoch, world, refit_id, t0, "refit")
+        refit_id = next(self._ids) if ahead is None else ahead.refit_id
+        aborted, group_s, prepare_s, rebuilt, sender_digest = await self._group_and_prepare(
+            parts, version, epoch, world, refit_id, t0, "refit", ahead.planned if ahead is not None else None)
         if aborted is not None:
             return aborted
         t2 = time.monotonic()
@@ -218,8 +245,10 @@ class WeightSynchronizer:
             self._group_ok = False  # a failed transfer leaves the group dead: rebuild next time
         return report
 
-    async def _group_and_prepare(self, parts: dict, version: int, epoch: int, world: int, refit_id: int, t0: float, goal: str):
-        """Phases 1 and 2. Returns (aborted report or None, group_s, prepare_s, rebuilt, sender digest or None)."""
+    async def _group_and_prepare(self, parts: dict, version: int, epoch: int, world: int, refit_id: int, t0: float, goal: str,
+                                 planned: Awaitable | None = None):
+        """Phases 1 and 2. Returns (aborted report or None, group_s, prepare_s, rebuilt, sender digest or None).
+        ``planned``: the sender's prepare of ``refit_id``, started ahead (``plan_ahead``)."""
         ctx = dict(version=version, epoch=epoch, refit_id=refit_id)
         group_s, rebuilt = 0.0, False
         if not self._group_ok or epoch != self._epoch or set(parts) != set(self._members):
@@ -230,7 +259,7 @@ class WeightSynchronizer:
                 timings = PhaseTimings(group_s=group_s, total_s=time.monotonic() - t0)
                 return self._aborted(parts, "group", failure, ctx, timings, rebuilt, goal), group_s, 0.0, rebuilt, None
         t1 = time.monotonic()
-        sender_digest, failure = await self._prepare(parts, refit_id, version, defer=goal == "refit" and not rebuilt)
+        sender_digest, failure = await self._prepare(parts, refit_id, version, defer=goal == "refit" and not rebuilt, planned=planned)
         prepare_s = time.monotonic() - t1
         if failure is not None:
             timings = PhaseTimings(group_s=group_s, prepare_s=prepare_s, total_s=time.monotonic() - t0)
@@ -394,7 +423,8 @@ class WeightSynchronizer:
         return None
 
     # -- phase 2: prepare -------------------------------------------------------------------
-    async def _prepare(self, parts: dict, refit_id: int, version: int, defer: bool = False) -> tuple[str | None, tuple | None]:
+    async def _prepare(self, parts: dict, refit_id: int, version: int, defer: bool = False,
+                       planned: Awaitable | None = None) -> tuple[str | None, tuple | None]:
         """Plan, validate on every receiver, and (``verify``) digest on the sender.
 
         Returns (the sender's digest or None, None) when every receiver accepted, else
@@ -404,7 +434,8 @@ class WeightSynchronizer:
         """
         cfg = self.config
         self._deferred = None
-        planned = await _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb), cfg.rpc_timeout_s)
+        planned = await (planned if planned is not None else
+                         _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb), cfg.rpc_timeout_s))
         if planned.value is None:
             err = planned.error("sender prepare", cfg.rpc_timeout_s) or "sender prepare returned nothing"
             refused = err if isinstance(planned.exc, ManifestError) else None  # e.g. a dtype that cannot be sent

@@ -68,6 +68,7 @@ class RLSurface:
         self.last: dict | None = None  # the last finish's answer
         self.catch_ups: list[dict] = []  # the catch-up refits run (``catch_up``)
         self._catching_up = None  # the loop's future (it runs on the fleet client's loop)
+        self._committing: asyncio.Future | None = None  # the relay's last commit (``_commit_relay``)
 
     def close(self) -> None:
         if self._catching_up is not None:
@@ -227,12 +228,23 @@ class RLSurface:
             log.warning("refit of version %d from the trainer's update failed: %s", version, _cause(exc))
             return _refused(409, f"the fleet did not commit the update ({type(exc).__name__}): {_cause(exc)}; "
                                  f"it serves version {self.committed()}", type(exc).__name__)
-        await self._relay("commit")
+        self._commit_relay()
         self.label = label
         self.last = {"version": version, "serving": summary.get("serving"), "gate_open": summary.get("gate_open"),
                      "refit_s": summary.get("total_s"), "phases_s": summary.get("phases_s")}
         return {"message": "Weight update finished", "weight_version": str(version),
                 "rlfleet": {**self.last, "trainer_label": label}}
+
+    def _commit_relay(self) -> None:
+        """Tell the relay the fleet committed (it drops the copy a revert would restore), without waiting for its
+        answer: the fleet's commit is what the trainer waits on, and this surface's next call to the relay runs
+        after this one (Ray runs one caller's calls to an actor in order; ``commit`` never yields)."""
+        def done(fut: asyncio.Future) -> None:
+            if not fut.cancelled() and fut.exception() is not None:
+                log.warning("the relay did not take the commit: %s", _cause(fut.exception()))
+
+        self._committing = asyncio.ensure_future(self._relay("commit"))
+        self._committing.add_done_callback(done)
 
     async def _catch_up_loop(self) -> None:
         while True:

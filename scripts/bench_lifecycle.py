@@ -183,7 +183,10 @@ class FanOutTransfer:
     def check_source(self, source) -> None:
         """No weight source: every participant's "transfer" is one RPC round trip."""
 
-    async def transfer(self, participants, version, epoch, source, rebuild, timeout):
+    def plan_ahead(self, source):
+        return None
+
+    async def transfer(self, participants, version, epoch, source, rebuild, timeout, ahead=None):
         outs = await self.door.fan_out(
             {p.slot: (h, "worker_rpc", ("rlfleet_receive", (), {}, timeout), {}) for p, h in participants}, timeout
         )

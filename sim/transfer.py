@@ -84,7 +84,10 @@ class SimTransfer:
         if self.send_calls is not None:
             await self.send_calls(len(participants))
 
-    async def transfer(self, participants, version, epoch, source, rebuild, timeout) -> dict[int, TransferResult]:
+    def plan_ahead(self, source: Any) -> None:
+        return None  # the simulated sender's plan costs nothing: ``send_calls`` is what the controller pays
+
+    async def transfer(self, participants, version, epoch, source, rebuild, timeout, ahead=None) -> dict[int, TransferResult]:
         self.check_source(source)
         await self._sent(participants)
         failed = await self._broadcast(participants, epoch, rebuild, timeout, extra_s=self.model.apply_seconds())

@@ -218,10 +218,12 @@ class RefitLifecycle:
             raise AssertionError("unreachable: every failure path raises")
 
     async def _steps(self, version: int, source: Any, t0: float, cpu0: float, staging: bool) -> dict:
-        staged = None
+        staged = ahead = None
         if staging:
             with self._phase("stage"):
                 staged = await self.stage_ahead(version, source)  # 0: the bytes move while the fleet serves
+        else:  # the sender plans the update while the gate closes and the engines pause
+            ahead = self.transfer_port().plan_ahead(source)
         with self._phase("close"):
             epoch = await self.close_gate(version)  # 1
         with self._phase("reconcile"):
@@ -235,7 +237,7 @@ class RefitLifecycle:
         with self._phase("transfer"):
             self._moving = True
             if staged is None:
-                plan, paused, complete, attempts = await self.transfer(plan, version, source, paused)  # 4
+                plan, paused, complete, attempts = await self.transfer(plan, version, source, paused, ahead)  # 4
             else:
                 complete, attempts = await self.apply_staged(plan, version, paused, staged), 1  # 4: the apply only
         with self._phase("commit"):
@@ -413,7 +415,7 @@ class RefitLifecycle:
             plan = fresh
         return plan, paused
 
-    async def transfer(self, plan: MembershipPlan, version: int, source: Any, paused: set[int]):
+    async def transfer(self, plan: MembershipPlan, version: int, source: Any, paused: set[int], ahead: Any = None):
         """Step 5: transfer; on failure classify, rebuild without the dead, re-pause and retry exactly once,
         only to the engines that did not complete the first attempt. One deadline bounds the whole phase,
         classification and re-pause included; the retry runs only if enough of it is left (``_no_retry``).
@@ -421,10 +423,11 @@ class RefitLifecycle:
         Returns the plan of the last attempt (every participant, those that completed the first attempt
         included), the engines paused for it, the slots that hold the complete new weights, and the number
         of attempts that ran (1 or 2; ``retry_skipped`` in the summary says why a retry did not run).
-        Raises ``_RollBack`` when no byte reached any engine (``_roll_back_if_nothing_moved``).
+        Raises ``_RollBack`` when no byte reached any engine (``_roll_back_if_nothing_moved``). ``ahead``: the
+        sender's plan started before the pause (``TransferPort.plan_ahead``), for the first attempt.
         """
         deadline = self.p.clock.now() + self.p.cfg.lifecycle_deadline_s  # one bound for the phase, retry included
-        results = await self._transfer_once(plan, version, source, rebuild=False, deadline=deadline)
+        results = await self._transfer_once(plan, version, source, rebuild=False, deadline=deadline, ahead=ahead)
         self._refuse_if_the_update_does_not_fit(results)
         tried, done = [results], _completed(plan, results)
         self._moving = _moved(tried)  # an error before the retry rolls back if nothing moved yet
@@ -671,11 +674,12 @@ class RefitLifecycle:
             )
             raise _EndRefit(CacheInvalidationUnsupported, message)
 
-    async def _transfer_once(self, plan: MembershipPlan, version: int, source: Any, rebuild: bool, deadline: float) -> dict:
+    async def _transfer_once(self, plan: MembershipPlan, version: int, source: Any, rebuild: bool, deadline: float,
+                             ahead: Any = None) -> dict:
         """One transfer attempt, cut off at the phase's ``deadline``: whoever had not finished
         then holds unknown weights (PARTIAL: never serves them, rejoins the next refit)."""
         results = await self._bounded_transfer(plan, deadline, lambda parts, left: self.transfer_port().transfer(
-            parts, version, plan.epoch, source, rebuild=rebuild, timeout=left))
+            parts, version, plan.epoch, source, rebuild=rebuild, timeout=left, ahead=ahead))
         self._report(plan.participants, version, results)
         return results
 

@@ -46,12 +46,19 @@ class TransferPort(Protocol):
         source: Any,
         rebuild: bool,
         timeout: float,
+        ahead: Any = None,
     ) -> dict[int, TransferResult]:
         """Move ``version``'s weights from ``source`` to every participant; never raises for participant failures.
 
         ``rebuild`` forces a fresh process group even when ``epoch`` is unchanged
-        (after any failed transfer the old group cannot be trusted).
+        (after any failed transfer the old group cannot be trusted). ``ahead``: what ``plan_ahead`` returned
+        for this refit (its first attempt only).
         """
+        ...
+
+    def plan_ahead(self, source: Any) -> Any:
+        """Start ``source``'s plan of the coming transfer now (the lifecycle pauses the engines meanwhile); pass
+        the answer to that ``transfer``. None when there is nothing to start; never raises."""
         ...
 
     async def stage(
@@ -132,10 +139,17 @@ class RefitTransferPort:
                 f"nothing changed"
             )
 
-    async def transfer(self, participants, version, epoch, source, rebuild, timeout) -> dict[int, TransferResult]:
+    def plan_ahead(self, source: Any) -> Any:
+        """The synchronizer's ``plan_ahead`` when ``source`` is the sender it already serves (a new source builds
+        its synchronizer in ``transfer``)."""
+        if self._sync is None or self._source != source:
+            return None
+        return self._sync.plan_ahead()
+
+    async def transfer(self, participants, version, epoch, source, rebuild, timeout, ahead=None) -> dict[int, TransferResult]:
         out, ports = await self._ports(participants, source)
         if ports:
-            out.update(self._results(await self._sync.refit(ports, version, epoch)))
+            out.update(self._results(await self._sync.refit(ports, version, epoch, ahead=ahead)))
         return out
 
     async def stage(self, participants, version, epoch, source, timeout) -> dict[int, TransferResult]:

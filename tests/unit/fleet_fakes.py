@@ -334,7 +334,10 @@ class FakeTransfer:
         if source == "not a sender":
             raise RefitArgumentError(f"sync_weights: source must be a weight sender, got {source!r}")
 
-    async def transfer(self, participants, version, epoch, source, rebuild, timeout):
+    def plan_ahead(self, source) -> None:
+        return None
+
+    async def transfer(self, participants, version, epoch, source, rebuild, timeout, ahead=None):
         self.attempts.append((version, epoch, tuple(p.slot for p, _ in participants), rebuild))
         self.door.calls.append(("transfer", -1, len(self.attempts)))
         self.door.rpcs.extend(("transfer", p.slot, p.incarnation) for p, _ in participants)  # the receive, one per engine

@@ -496,6 +496,83 @@ def test_a_manifest_the_group_accepted_last_time_is_prepared_inside_the_receive_
     run(sync.close())
 
 
+class CountingSender(LocalSenderPort):
+    """A ``LocalSenderPort`` that keeps the refit id of each ``prepare`` and can be told to fail the next one."""
+
+    def __init__(self, sender: WeightSender) -> None:
+        super().__init__(sender)
+        self.prepared: list[int] = []
+        self.fail_next = False
+
+    async def prepare(self, refit_id, transfer, bucket_mb, direct_mb=None):
+        self.prepared.append(int(refit_id))
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("the sender could not plan")
+        return await super().prepare(refit_id, transfer, bucket_mb, direct_mb)
+
+
+def test_a_plan_started_ahead_is_the_refits_own_and_one_no_refit_takes_is_never_sent():
+    a = CountingEngine(model_tensors(0))
+    source = {"tensors": model_tensors(1)}
+    port = CountingSender(WeightSender(lambda: list(source["tensors"].items()), addr="127.0.0.1"))
+    sync = WeightSynchronizer(port, RefitConfig(timeout_s=3, group_timeout_s=10))
+    other = WeightSynchronizer(CountingSender(WeightSender(lambda: [], addr="127.0.0.1")))
+    parts = {Participant(0, 1, (1,)): a}
+    assert run(sync.refit(parts, 1, epoch=1)).ok and port.prepared == [1]
+
+    async def paused_meanwhile(version, ahead_of=None):
+        """The lifecycle's order: the plan starts, the engines pause (here: a sleep), the refit takes the plan."""
+        ahead = (ahead_of or sync).plan_ahead()
+        await asyncio.sleep(0.05)
+        assert port.prepared[-1] == ahead.refit_id or ahead_of is not None  # planned before the refit began
+        return await sync.refit(parts, version, epoch=1, ahead=ahead)
+
+    source["tensors"] = model_tensors(2)
+    report = run(paused_meanwhile(2))
+    assert report.ok and port.prepared == [1, report.refit_id], report.summary()  # one prepare: the one ahead
+    assert a.take()[-1] == "rlfleet_receive+prepare"
+    assert_holds(a, model_tensors(2))
+
+    # a plan started while a refit runs: none (the refit's own prepare must not be replaced under it)
+    async def during_a_refit():
+        source["tensors"] = model_tensors(3)
+        running = asyncio.ensure_future(sync.refit(parts, 3, epoch=1))
+        await asyncio.sleep(0)
+        assert sync.plan_ahead() is None
+        return await running
+
+    assert run(during_a_refit()).ok
+    assert_holds(a, model_tensors(3))
+
+    # a plan no refit took (the refit ended while pausing) is dropped: the next refit plans what the sender holds then
+    async def untaken():
+        source["tensors"] = model_tensors(4)
+        stale = sync.plan_ahead()
+        await stale.planned
+        source["tensors"] = {n: t.clone() for n, t in model_tensors(5).items()}
+        return await sync.refit(parts, 4, epoch=1)
+
+    report = run(untaken())
+    assert report.ok and port.prepared[-1] == report.refit_id, report.summary()
+    assert_holds(a, model_tensors(5))
+
+    # another synchronizer's plan is not this one's: the refit plans for itself
+    report = run(paused_meanwhile(5, ahead_of=other))
+    assert report.ok and port.prepared[-1] == report.refit_id
+
+    # a plan that failed fails its refit before any byte moves, naming the sender; the next refit lands
+    port.fail_next = True
+    source["tensors"] = model_tensors(6)
+    report = run(paused_meanwhile(6))
+    assert not report.ok and report.bytes_sent == 0 and "could not plan" in (report.sender_error or ""), report.summary()
+    assert_holds(a, model_tensors(5))
+    assert run(paused_meanwhile(7)).ok
+    assert_holds(a, model_tensors(6))
+    run(sync.close())
+    run(other.close())
+
+
 def test_float32_trainer_refits_bfloat16_engines_casting_while_packing():
     new = model_tensors(1, layers=2, d=64)
     engine = ThreadEngine({n: t.to(torch.bfloat16) for n, t in model_tensors(0, layers=2, d=64).items()})
