@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer against ``vllm serve`` and against ``rlfleet serve``, one engine each, in one run.
 
-    python scripts/bench_trl.py [--steps 30] [--rounds 2] [--max-tokens 6]
+    python scripts/bench_trl.py [--steps 30] [--rounds 3] [--max-tokens 6]
 
 The same TRL run (``rlapi.trl_run``: TRL's own ``GRPOTrainer`` in server mode, the tiny model, 4 prompts x 4
 completions of 6 tokens a step, a weight sync through vLLM's RL routes before every generation) trains
@@ -80,7 +80,7 @@ def arm(name: str, cfg: EngineConfig, args, workdir: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)  # an odd count: the median is one round, not a mean of two
     p.add_argument("--max-tokens", type=int, default=6, help="each completion's length (6: the TRL test's run; "
                    "longer completions weigh generation against the fleet's per-step costs)")
     p.add_argument("--start-timeout", type=float, default=300.0)

@@ -13,7 +13,9 @@ that failed, all within the phase's one deadline), commit the version, resume (i
 same call each engine is stamped first) under one shared deadline, reopen only with
 quorum. An engine costs three control calls a refit: ``begin_refit`` with its pause,
 its transfer, ``end_refit``; the order inside each call never varies, so fusing them
-loses no decision point. Every fan-out settles every call before any result is acted
+loses no decision point. The weight sender plans the update (its ``prepare``: the
+manifest, which depends only on what it holds) while the gate closes and the engines
+pause (``TransferPort.plan_ahead``); the first transfer attempt takes that plan. Every fan-out settles every call before any result is acted
 on, and every call is bounded by ``refit_timeout_s + grace``.
 
 Guarantee on failure: arguments are checked before anything changes (a version
