@@ -265,6 +265,8 @@ class RefitLifecycle:
             # (the intent's store, the OS scheduling this process), which depend on the machine more than on rlfleet
             "controller_cpu_s": max(0.0, time.thread_time() - cpu0 - self._inside_cpu_s),
             "serving": self.p.slots.serving_slots(),  # spares hold the version too, but serve nothing
+            "gate_open": self.p.gate.is_open,  # reopened only with quorum (``reopen``); else why not
+            "gate_reason": None if self.p.gate.is_open else self.p.gate.reason,
             "routing_epoch": self.publisher.current.epoch,  # clients routing on it (or later) see this refit
         }
 
