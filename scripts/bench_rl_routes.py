@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,21 +29,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_http import Server, free_port  # noqa: E402
-from bench_trl import command  # noqa: E402
+from bench_trl import alternating_rounds, command  # noqa: E402
 from fleet.config.engine import EngineConfig  # noqa: E402
-from recipe.tinymodel import build_model, default_model_dir  # noqa: E402
 
 ROUTES = ("start", "update", "finish", "reset", "generate", "step")
 
 
-def arm(name: str, cfg: EngineConfig, args) -> dict:
+def arm(name: str, cfg: EngineConfig, args, workdir: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     from rlapi.trl import GlooVLLMClient
     from rlapi.trl_run import prompts
 
-    workdir = tempfile.mkdtemp(prefix=f"rl-routes-{name}-")
     port = free_port()
     env = {**os.environ, **cfg.process_env(), "VLLM_SERVER_DEV_MODE": "1"}
     env.pop("RAY_ADDRESS", None)
@@ -98,12 +95,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=6)
     p.add_argument("--start-timeout", type=float, default=300.0)
     args = p.parse_args()
-    model = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
-    cfg = EngineConfig(model=model, logprobs_mode="processed_logprobs")
     rounds = []
-    for r in range(args.rounds):
-        order = ("vllm", "rlfleet") if r % 2 == 0 else ("rlfleet", "vllm")
-        got = {name: arm(name, cfg, args) for name in order}
+    for r, got in enumerate(alternating_rounds(args.rounds, lambda name, cfg, workdir: arm(name, cfg, args, workdir),
+                                                "rlfleet-bench-rl-routes-")):
         ratio = got["vllm"]["routes_ms"]["step"] / got["rlfleet"]["routes_ms"]["step"]
         print(f"round {r}: vLLM step / rlfleet step {ratio:.3f}", flush=True)
         rounds.append((ratio, got))

@@ -77,6 +77,17 @@ def arm(name: str, cfg: EngineConfig, args, workdir: str) -> dict:
     return result
 
 
+def alternating_rounds(rounds: int, arm_of, prefix: str):
+    """Each round runs ``arm_of(name, cfg, workdir)`` for both servers on the tiny model, vllm first in even
+    rounds and rlfleet first in odd ones (drift on this shared machine falls on both arms); one work
+    directory for the whole run. Yields each round's ``{name: arm's result}`` as it ends."""
+    model = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
+    cfg = EngineConfig(model=model, logprobs_mode="processed_logprobs")
+    with tempfile.TemporaryDirectory(prefix=prefix) as workdir:
+        for r in range(rounds):
+            yield {name: arm_of(name, cfg, workdir) for name in (("vllm", "rlfleet") if r % 2 == 0 else ("rlfleet", "vllm"))}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30)
@@ -86,16 +97,15 @@ def main() -> None:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--run-timeout", type=float, default=900.0)
     args = p.parse_args()
-    model = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
-    cfg = EngineConfig(model=model, logprobs_mode="processed_logprobs")
+
+    def both(name: str, cfg: EngineConfig, workdir: str) -> dict:
+        return arm(name, cfg, args, workdir)
+
     rounds = []
-    with tempfile.TemporaryDirectory(prefix="rlfleet-bench-trl-") as workdir:
-        for r in range(args.rounds):
-            order = ("vllm", "rlfleet") if r % 2 == 0 else ("rlfleet", "vllm")
-            got = {name: arm(name, cfg, args, workdir) for name in order}
-            got["ratio"] = got["rlfleet"]["steps_per_s"] / got["vllm"]["steps_per_s"]
-            print(f"round {r}: rlfleet/vllm steps/s {got['ratio']:.3f}", flush=True)
-            rounds.append(got)
+    for r, got in enumerate(alternating_rounds(args.rounds, both, "rlfleet-bench-trl-")):
+        got["ratio"] = got["rlfleet"]["steps_per_s"] / got["vllm"]["steps_per_s"]
+        print(f"round {r}: rlfleet/vllm steps/s {got['ratio']:.3f}", flush=True)
+        rounds.append(got)
     print(json.dumps({
         "trl_rlfleet_vs_vllm_steps_per_s": round(statistics.median(g["ratio"] for g in rounds), 3),
         "ratios": [round(g["ratio"], 3) for g in rounds],
