@@ -38,6 +38,7 @@ from health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
 # Worker-extension methods that move weights: the "transfer" fault point.
+CRASH_REPORT_GRACE_S = 1.0  # a probe that finds the engine core dead waits this long for the requests it ran
 TRANSFER_METHODS = frozenset({"rlfleet_receive", "rlfleet_receive_raw", "rlfleet_apply_staged"})  # they write live weights
 STAGE_METHODS = frozenset({"rlfleet_stage"})  # bytes move into the staging area; live weights untouched
 
@@ -179,11 +180,27 @@ class EngineShard:
                 "gate": self.gate.counters()}
 
     async def ping(self) -> dict[str, Any]:
-        """Liveness: raises if the shard or its engine cannot serve."""
+        """Liveness: raises if the shard or its engine cannot serve. A dead engine core is said only once the
+        requests it ran have answered (``_crash_reported``): the controller kills the actor on this answer."""
         if self._hooks.armed:
             await self._hooks.at("ping")
-        checked = await self._core_check(self._require_ready("ping"))
+        try:
+            backend = self._require_ready("ping")
+        except EngineCrashedError:
+            await self._crash_reported()
+            raise
+        checked = await self._core_check(backend)
         return {**self.ping_info(), "core_checked": checked}
+
+    async def _crash_reported(self) -> None:
+        """Let the requests that ran on a dead engine core end first (at most ``CRASH_REPORT_GRACE_S``): each
+        answers ``EngineCrashedError`` naming itself, which its client counts against it (``fleet.data.poison``).
+        A probe that found the core dead first, answered at once, got the actor killed before those answers
+        left it, and the client saw only a dead actor: a poison request then took down a third engine."""
+        running = [f for f in self._running.values() if not f.done()]
+        if running:
+            await asyncio.wait(running, timeout=CRASH_REPORT_GRACE_S)
+            await asyncio.sleep(0.05)  # their calls return (a batch of them too) and Ray sends their answers first
 
     async def _core_check(self, backend: EngineBackend) -> bool:
         """The actor answering is not its engine living. Returns whether this answer speaks for the engine core:

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from fleet.errors import DeadlineExceeded
+from fleet.errors import DeadlineExceeded, EngineCrashedError
 from fleet.shard.null_backend import NullBackend
 from fleet.outcome import OK, TIMED_OUT, Outcome, with_progress
 from fleet.shard.engine_shard import EngineShard
@@ -152,3 +152,58 @@ def test_a_busy_engine_is_judged_by_its_steps_not_by_a_call_its_core_may_answer_
         await req
 
     run_virtual(go())
+
+
+class CrashingBackend(NullBackend):
+    """An engine core that dies under a running request: the process is seen dead at once (``check_alive``),
+    while the request learns it later, as vLLM propagates the death to its output queues."""
+
+    def __init__(self, lag_s: float) -> None:
+        super().__init__()
+        self.lag_s = lag_s
+        self.dead = asyncio.Event()
+
+    def check_alive(self) -> None:
+        if self.dead.is_set():
+            raise EngineCrashedError("engine core died: EngineDeadError()")
+
+    async def generate(self, prompt_token_ids, sampling, request_id, cache_salt=None):
+        await self.dead.wait()
+        await asyncio.sleep(self.lag_s)
+        raise EngineCrashedError("engine core died: EngineDeadError()")
+
+
+def test_a_probe_that_finds_the_core_dead_answers_only_after_the_requests_it_ran_named_themselves(model_dir):
+    """The controller kills the actor on the probe's answer. Answered first, the requests' own answers never
+    left the actor, and the client could not count the death against the request that caused it (the matrix's
+    ``poison-request`` saw a poison prompt take down a third engine). The probe waits for them, a bounded time."""
+    from fleet.shard.engine_shard import CRASH_REPORT_GRACE_S
+
+    async def go(lag_s):
+        b = CrashingBackend(lag_s)
+        shard = shard_on(b, model_dir)
+        await shard.start()
+        ended = []
+
+        async def request(rid):
+            try:
+                await shard.generate([1, 2], {}, rid)
+            except EngineCrashedError as exc:
+                ended.append((rid, exc.request_id))
+
+        reqs = [asyncio.ensure_future(request(r)) for r in ("r1", "r2")]
+        await asyncio.sleep(0.1)
+        b.dead.set()
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(EngineCrashedError, match="engine core died"):
+            await shard.ping()
+        waited = asyncio.get_running_loop().time() - t0
+        answered_first = list(ended)  # what had answered when the probe did
+        await asyncio.gather(*reqs)
+        return answered_first, waited
+
+    ended, waited = run_virtual(go(0.3))
+    assert ended == [("r1", "r1"), ("r2", "r2")]  # each named itself, before the probe answered
+    assert 0.3 <= waited < 0.5
+    ended, waited = run_virtual(go(30.0))  # requests that never learn it: the probe answers after the grace
+    assert ended == [] and waited == pytest.approx(CRASH_REPORT_GRACE_S + 0.05, abs=0.01)
