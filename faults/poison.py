@@ -1,8 +1,8 @@
 """The ``poison_request`` fault: a prompt that crashes every engine it reaches, sent twice.
 
 Firing (``poison_request``): once the fleet is idle (requests in flight when an engine
-dies are re-sent too, and one that happened to be on both dying engines would be
-returned as poison with the culprit: see ``fleet.data.poison``), every healthy slot is armed
+dies are re-sent too; a client keeps them apart from each other, but the workload's clients
+are not the one that sends the poison: see ``fleet.data.poison``), every healthy slot is armed
 with the shard's ``poison`` action for ``POISON_TOKENS`` (the engine core is killed
 under any request whose prompt contains them); the prompt is sent, then sent again;
 then a batch of ordinary requests. Recorded: both calls (reason, attempts, times), the

@@ -162,6 +162,8 @@ class Dispatcher:
         self._full: dict[tuple[int, int], float] = {}  # (slot, inc) -> until: it answered ``full``
         self._full_streak: dict[tuple[int, int], int] = {}  # (slot, inc) -> ``full`` answers in a row
         self._poison = PoisonMemory(poison_window_s)
+        # (slot, inc) -> requests of this client running there that an engine died under (``_acquire``)
+        self._suspects: Counter[tuple[int, int]] = Counter()
         self._poison_told: dict[str, set[tuple[int, int]]] = {}  # fingerprint -> (slot, incarnation) told of it
         self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
         self._batcher = ServeBatcher(view)  # plain calls ready at once for one shard go as one
@@ -310,6 +312,9 @@ class Dispatcher:
         p.on = p.on_last = m
         self.outstanding.setdefault(m.slot, {})[p.request_id] = (m.incarnation, state.version)
         self._load[m.slot] = self._load.get(m.slot, 0) + 1
+        suspect = (m.slot, m.incarnation) if p.deaths else None
+        if suspect is not None:
+            self._suspects[suspect] += 1
         prompt, sampling, carried = p.out.continuation(p.prompt, p.sampling)
         p.out.begin()
         if carried is not None:
@@ -331,6 +336,10 @@ class Dispatcher:
         finally:
             self.outstanding.get(m.slot, {}).pop(p.request_id, None)
             self._load[m.slot] -= 1
+            if suspect is not None:
+                self._suspects[suspect] -= 1
+                if not self._suspects[suspect]:
+                    del self._suspects[suspect]
             await self.notify_room()
         if outcome is None:  # the stream ended with no result: the shard's end was lost on the way
             outcome = Outcome(ERROR, error=RuntimeError(f"the stream of request {p.request_id} ended without its result"))
@@ -496,6 +505,8 @@ class Dispatcher:
                 continue
             self.tell_poison(state)
             members = self._candidates(state)
+            if p.deaths:  # an engine died under it: never beside another such request of ours (``_suspects``)
+                members = [m for m in members if (m.slot, m.incarnation) not in self._suspects]
             m = pick_two(members, self.load(), state.cap_map, self._rng)
             if m is not None:
                 if (m.slot, m.incarnation) in self._full_streak:  # it was full: one probe at a time

@@ -157,6 +157,51 @@ def test_a_request_re_sent_across_two_engines_killed_one_after_the_other_is_not_
     run(go())
 
 
+def test_requests_that_shared_an_engine_with_a_poison_are_never_sent_beside_each_other_again_and_complete(model_dir):
+    """An engine core that dies takes every request it ran with it, and the shard names each (they cannot tell
+    which one broke it). Re-sent side by side, the ones that shared the poison's first engine could share its
+    second as well, and be returned as poison with it (a batch of TRL's samples, refused for the window).
+    A request an engine died under is sent where no other such request of its client runs: only the poison
+    itself is under both deaths. Every ordinary request completes."""
+    async def go():
+        ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
+        door.gen_delay = 0.5
+        untouched = door._generate
+        crashed: list[tuple[int, int]] = []
+
+        async def generate(s, prompt, sampling=None, request_id=None, *args, **kw):
+            if list(prompt) == POISON and not getattr(s, "core_dead", False):
+                async def crash():  # the core dies a moment into the batch the poison runs in
+                    await asyncio.sleep(0.1)
+                    if not s.core_dead:
+                        crashed.append((s.slot, s.incarnation))
+                        s.core_dead = True
+                s.core_dead = False
+                asyncio.ensure_future(crash())
+            run_ = asyncio.ensure_future(untouched(s, prompt, sampling, request_id, *args, **kw))
+            while not run_.done():
+                if getattr(s, "core_dead", False):  # every request it ran ends naming itself
+                    run_.cancel()
+                    s.dead = True
+                    raise EngineCrashedError(f"engine core died during request {request_id}", request_id=request_id)
+                await asyncio.sleep(0.01)
+            return run_.result()
+
+        door._generate = generate
+        await ctl.start()
+        c = client(ctl)
+        prompts = [[1, 2, i % 3] for i in range(11)] + [POISON]
+        outs = await asyncio.wait_for(asyncio.gather(*(c.generate_async(p, {"max_tokens": 4}) for p in prompts)), 60)
+        returned = [(p, o.reason) for p, o in zip(prompts, outs) if not o.ok]
+        assert returned == [(POISON, outs[-1].reason)] and outs[-1].reason.startswith("poison: "), returned
+        assert len(crashed) == 2 and len({slot for slot, _ in crashed}) == 2, crashed
+        shared = [o for o in outs[:-1] if o.attempts > 1]  # some shared its first engine and were re-sent
+        assert shared, [o.attempts for o in outs]
+        await ctl.shutdown()
+
+    run(go())
+
+
 def test_the_fingerprint_is_the_prompt_and_sampling_but_not_the_seed():
     assert fingerprint([1, 2], {"max_tokens": 4, "seed": 1}) == fingerprint([1, 2], {"seed": 9, "max_tokens": 4})
     assert fingerprint([1, 2], {"max_tokens": 4}) != fingerprint([1, 2], {"max_tokens": 5})
