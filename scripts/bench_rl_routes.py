@@ -12,7 +12,9 @@ which goes first. The first 2 steps of each run are not counted.
 
 The last line is one JSON object: ``rl_routes_step_ratio`` (vLLM's median step over rlfleet's, the median
 over rounds: the loop's steps/s ratio), per route and server the median milliseconds over rounds
-(``routes_ms``), and rlfleet's refit phases as its finish reports them (``rlfleet_phases_ms``).
+(``routes_ms``), rlfleet's refit phases as its finish reports them (``rlfleet_phases_ms``), and the CPU each
+server's processes and this client used per counted step (``cpu_ms_per_step``, by role: the server's process
+tree as ``/proc`` counts it, Ray's and vLLM's processes named by their titles; median over rounds).
 """
 
 from __future__ import annotations
@@ -33,6 +35,28 @@ from bench_trl import alternating_rounds, command  # noqa: E402
 from fleet.config.engine import EngineConfig  # noqa: E402
 
 ROUTES = ("start", "update", "finish", "reset", "generate", "step")
+# a process's role, by the first of these its title or command line contains (Ray's and vLLM's process titles)
+ROLES = (("EngineCore", "engine core"), ("ray::EngineShard", "shard"), ("ray::SingleController", "controller"),
+         ("ray::WeightRelay", "relay"), ("cli.main serve", "front"), ("vllm.entrypoints", "api server"),
+         ("ray::", "ray workers"), ("ray", "ray"))
+
+
+def cpu_by_role(root_pid: int) -> dict[str, float]:
+    """CPU seconds so far of the process tree under ``root_pid`` and of this process (``client``), by role."""
+    import psutil
+
+    out: dict[str, float] = {}
+    root = psutil.Process(root_pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t, title = proc.cpu_times(), " ".join(proc.cmdline()) or proc.name()
+        except psutil.Error:
+            continue
+        role = next((r for key, r in ROLES if key in title), "other")
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    me = psutil.Process().cpu_times()
+    out["client"] = me.user + me.system
+    return out
 
 
 def arm(name: str, cfg: EngineConfig, args, workdir: str) -> dict:
@@ -79,12 +103,17 @@ def arm(name: str, cfg: EngineConfig, args, workdir: str) -> dict:
             if step < 2:  # warm-up
                 for v in (*times.values(), *phases.values()):
                     v.clear()
+                cpu0 = cpu_by_role(server.proc.pid)
+        cpu1 = cpu_by_role(server.proc.pid)
         client.close_communicator()
     finally:
         server.stop()
+    cpu = {role: (cpu1[role] - cpu0.get(role, 0.0)) * 1000 / args.steps for role in cpu1}
+    cpu["all"] = sum(cpu.values())
     out = {"routes_ms": {k: statistics.median(v) * 1000 for k, v in times.items()},
-           "phases_ms": {k: statistics.median(v) * 1000 for k, v in phases.items()}}
-    print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in out["routes_ms"].items()) + " ms", flush=True)
+           "phases_ms": {k: statistics.median(v) * 1000 for k, v in phases.items()}, "cpu_ms": cpu}
+    print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in out["routes_ms"].items()) + " ms; CPU ms a step: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])), flush=True)
     return out
 
 
@@ -104,13 +133,14 @@ def main() -> None:
 
     def over_rounds(name: str, key: str) -> dict:
         keys = rounds[0][1][name][key]
-        return {k: round(statistics.median(g[name][key][k] for _, g in rounds), 2) for k in keys}
+        return {k: round(statistics.median(g[name][key].get(k, 0.0) for _, g in rounds), 2) for k in keys}
 
     print(json.dumps({
         "rl_routes_step_ratio": round(statistics.median(r for r, _ in rounds), 3),
         "ratios": [round(r, 3) for r, _ in rounds],
         "routes_ms": {name: over_rounds(name, "routes_ms") for name in ("vllm", "rlfleet")},
         "rlfleet_phases_ms": over_rounds("rlfleet", "phases_ms"),
+        "cpu_ms_per_step": {name: over_rounds(name, "cpu_ms") for name in ("vllm", "rlfleet")},
         "steps": args.steps, "max_tokens": args.max_tokens,
     }))
 
