@@ -7,12 +7,12 @@ the engines that died *under* it (``took_down``): the shard says its engine core
 while that very request ran (``EngineCrashedError.request_id``). An engine that was already
 dead when the request arrived does not count, nor does a shard actor that died (see
 ``took_down``: an in-process engine core that segfaults takes its actor with it and is not
-caught here). An engine core that dies takes every request it ran with
-it, and the shard names each one (it cannot tell which broke it): so a request an engine died under
-is re-sent only where no other such request of the same client runs (``Dispatcher._acquire``): what
-shared the culprit's first engine does not share its second, and completes (unless another copy of the
-culprit, sent before any engine died under it, reaches it there). At ``POISON_DEATHS`` the request is returned with the reason
-``poison`` and its fingerprint (prompt and sampling, seed left out: a group's samples
+caught here). An engine core that dies takes every request it ran with it, and the shard names
+each one (it cannot tell which broke it): so a request an engine died under is re-sent only where
+no other such request of the same client runs (``Dispatcher._acquire``). What shared the culprit's
+first engine does not share its second, and completes (unless another copy of the culprit, sent
+before any engine died under it, reaches it there). At ``POISON_DEATHS`` the request is returned
+with the reason ``poison`` and its fingerprint (prompt and sampling, seed left out: a group's samples
 differ only in their seeds) is remembered for ``poison_window_s``; a request with that
 fingerprint is refused at once meanwhile, before it reaches any engine.
 

@@ -37,8 +37,8 @@ from fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, Generati
 from health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
-# Worker-extension methods that move weights: the "transfer" fault point.
 CRASH_REPORT_GRACE_S = 1.0  # a probe that finds the engine core dead waits this long for the requests it ran
+# Worker-extension methods that move weights: the "transfer" fault point.
 TRANSFER_METHODS = frozenset({"rlfleet_receive", "rlfleet_receive_raw", "rlfleet_apply_staged"})  # they write live weights
 STAGE_METHODS = frozenset({"rlfleet_stage"})  # bytes move into the staging area; live weights untouched
 
