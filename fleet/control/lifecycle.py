@@ -15,8 +15,9 @@ quorum. An engine costs three control calls a refit: ``begin_refit`` with its pa
 its transfer, ``end_refit``; the order inside each call never varies, so fusing them
 loses no decision point. The weight sender plans the update (its ``prepare``: the
 manifest, which depends only on what it holds) while the gate closes and the engines
-pause (``TransferPort.plan_ahead``); the first transfer attempt takes that plan. Every fan-out settles every call before any result is acted
-on, and every call is bounded by ``refit_timeout_s + grace``.
+pause (``TransferPort.plan_ahead``); the first transfer attempt takes that plan. Every
+fan-out settles every call before any result is acted on, and every call is bounded by
+``refit_timeout_s + grace``.
 
 Guarantee on failure: arguments are checked before anything changes (a version
 that does not increase, a source that is not a sender: refused, nothing touched).
