@@ -77,10 +77,13 @@ DEMO_FLEET: dict[str, Any] = {
     "hold_interval_s": 0.01,
 }
 UNSETTLED = ("starting", "restarting", "suspect", "hung")
-# The default plan's shard kill: this long after its first streamed output of the batch. The batch's 6-token
-# completions take most of a second here, training running beside them; in trial runs the kill then found every
-# request of the shard holding 3 to 5 tokens (at 0.05 s, 3 of 21 held any)
-STREAM_KILL_DELAY_S = 0.3
+# The default plan's shard kill: after the shard streamed this many chunks once armed. A batch is 64 requests of
+# 6 tokens on 3 engines, about 21 a shard, and each token goes out as its own chunk (at most one a request per
+# 0.01 s, an engine step takes longer): after 40 chunks the shard's requests hold about two tokens each, four to
+# go. Counted in chunks, the kill lands mid-generation however fast the engine runs. A delay (0.3 s after the
+# first chunk) raced the batch's end: once, with the machine less loaded, the batch finished in 0.25 s and the
+# kill found the shard idle
+STREAM_KILL_AFTER_CHUNKS = 40
 
 
 @dataclass
@@ -122,10 +125,10 @@ class DemoConfig:
 
 # ---------------------------------------------------------------------------------- the plan
 def default_plan(steps: int, engines: int) -> dict:
-    """Kill slot 1 mid-generation a third of the way in: armed at that step, its process dies
-    ``STREAM_KILL_DELAY_S`` after its first streamed output once armed (the next batch's, ``where: stream``),
-    its requests holding part of their output; they go on on the
-    other engines from the tokens they hold, and restarts bring it back for a later refit. Halfway in, the
+    """Kill slot 1 mid-generation a third of the way in: armed at that step, once it streamed
+    ``STREAM_KILL_AFTER_CHUNKS`` chunks of output its process dies as it is about to send the next
+    (``where: stream``), its requests holding part of their output; they go on on the other engines from the
+    tokens they hold, and restarts bring it back for a later refit. Halfway in, the
     controller's process dies as that step's refit begins its transfer (Ray restarts it, it re-adopts the
     shards, and the trainer's re-sent refit lands)."""
     return {
@@ -136,7 +139,7 @@ def default_plan(steps: int, engines: int) -> dict:
         "other engines); it restarts and is re-admitted at a later refit; halfway in, kill the controller as a "
         "refit begins its transfer",
         "faults": [{"where": "stream", "what": "kill", "shard": 1 % engines, "step": max(1, steps // 3),
-                    "delay_s": STREAM_KILL_DELAY_S},
+                    "after_calls": STREAM_KILL_AFTER_CHUNKS},
                    {"where": "transfer", "what": "kill_controller", "step": max(1, steps // 2)}],
     }
 

@@ -180,7 +180,7 @@ class FaultFiring:
         self._wait_up(f.slot, "arming the fault")
         was = incarnations(self.fleet.status()).get(f.slot)
         try:
-            self.faults.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
+            self.faults.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s, f.after_calls)
         except RuntimeError as exc:
             if "died" not in str(exc):
                 raise
@@ -192,7 +192,7 @@ class FaultFiring:
 
             self._say_if(not wait_until(replaced, self.up_timeout_s),
                          f"gave up waiting for slot {f.slot}'s next incarnation after {self.up_timeout_s:.0f} s")
-            self.faults.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s)
+            self.faults.arm_fault(f.slot, POINT_OF[f.where], f.what, f.delay_s, f.after_calls)
 
     def settle(self, step: int) -> list[Firing]:
         """After the step's refit: the faults of ``step`` that would outlive it are undone (a ``slow`` shard

@@ -13,15 +13,18 @@ code::
 
 ``where``: ``step_boundary`` (before the step's refit), ``pause``, ``transfer``,
 ``stamp`` (the version stamp, ``set_weight_version``; ``unavailable`` only), ``resume``, ``generate``,
-``stream`` (mid-generation: as a streamed request sends a chunk of output; with ``delay_s`` the
-fault acts that long after, while clients hold part of their output; ``kill`` and ``crash_engine`` only). ``what``: ``kill`` (the actor process), ``freeze`` (stops
+``stream`` (mid-generation: as a streamed request sends a chunk of output; with ``after_calls`` the
+fault acts at a later chunk, while clients hold part of their output; ``kill`` and ``crash_engine`` only). ``what``: ``kill`` (the actor process), ``freeze`` (stops
 answering), ``hang`` (one lifecycle call past its deadline), ``false_ack``,
 ``unavailable`` (one lifecycle call answers "unavailable"), ``slow`` (every call by
 ``delay_s``), ``crash_engine`` (the engine core inside a live actor), ``freeze_core`` (the
 engine core stopped, SIGSTOP, under a live actor that keeps answering). ``shard``: a slot
 number or ``random`` (drawn with the plan's seed). ``step``: the step it fires at;
 ``every``: fire again every that many steps, ``times`` times in all (repeated kills of
-one slot).
+one slot). ``after_calls`` (a fault armed at one of the shard's hook points: ``pause``, ``transfer``,
+``resume``, ``generate``, ``stamp``, ``stream``): let that many calls there pass, and act at the next one
+(at ``stream``, a count of chunks: a kill after the shard streamed that much output, however fast its
+engine runs, where a ``delay_s`` races the end of the batch).
 
 ``between_refits`` (``kill``, ``freeze`` or ``freeze_core``): killed at the step boundary, or frozen at
 its next request (so one is in flight on it), and the step's refit waits until the
@@ -80,6 +83,7 @@ HOOKED = ("pause", "transfer", "resume", "generate")  # the shard's hook points 
 # ``stream``: mid-generation, as a streamed request sends a chunk of output (a death there, or ``delay_s`` after,
 # leaves clients holding part of their output: what continuation carries on; ``fleet.shard.fault_hooks``)
 SHARD_WHERE = ("step_boundary", "between_refits") + HOOKED + ("stamp", "stream")
+COUNTED = HOOKED + ("stamp", "stream")  # where a fault is armed on the shard and can let calls pass (``after_calls``)
 TRAINER_WHERE = ("update", "call")  # faults of the trainer's refit call, not of a shard
 # The refit's phases (``fleet.control.lifecycle``) and the shutdown: where the controller can crash itself. An engine
 # costs three control calls a refit: ``pause`` (fence, abort the too old, pause), ``transfer``, ``resume``
@@ -124,6 +128,7 @@ class FaultSpec:
     delay_s: float = 0.0
     every: int = 0
     times: int = 1
+    after_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,7 @@ class Firing:
     what: str
     slot: int | None
     delay_s: float = 0.0
+    after_calls: int = 0  # calls at its hook point that go by before it acts
 
 
 def _need(cond: bool, field_name: str, problem: str, value: Any) -> None:
@@ -163,7 +169,7 @@ def _int(d: Mapping, key: str, default: int, where: str, minimum: int) -> int:
 def _fault(d: Any, i: int, steps: int) -> FaultSpec:
     at = f"faults[{i}]"
     _need(isinstance(d, Mapping), at, "must be a mapping", d)
-    unknown = set(d) - {"where", "what", "shard", "step", "delay_s", "every", "times"}
+    unknown = set(d) - {"where", "what", "shard", "step", "delay_s", "every", "times", "after_calls"}
     _need(not unknown, at, f"unknown keys {sorted(unknown)}", d)
     where, what = d.get("where"), d.get("what")
     _need(where in WHERE, f"{at}.where", f"must be one of {WHERE}", where)
@@ -190,7 +196,12 @@ def _fault(d: Any, i: int, steps: int) -> FaultSpec:
         _need(delay < MAX_CRASH_DELAY_S, f"{at}.delay_s", f"must be below {MAX_CRASH_DELAY_S:.0f} s", delay)
     every, times = _int(d, "every", 0, at, 0), _int(d, "times", 1, at, 1)
     _need(times == 1 or every >= 1, f"{at}.every", "must be >= 1 when times > 1", every)
-    return FaultSpec(where, what, shard, step, float(delay), every, times)
+    after = _int(d, "after_calls", 0, at, 0)
+    _need(after == 0 or what != "slow", f"{at}.after_calls", "a slow shard slows every call from the moment "
+          "it is armed: there are no calls to let pass", after)
+    _need(after == 0 or (shard is not None and where in COUNTED), f"{at}.after_calls", f"counts the calls at "
+          f"a shard's hook point {COUNTED} before the fault acts; a {what} at {where} is not armed there", after)
+    return FaultSpec(where, what, shard, step, float(delay), every, times, after)
 
 
 def load_plan(data: Mapping[str, Any] | str) -> FaultPlan:
@@ -232,5 +243,5 @@ def resolve(plan: FaultPlan, num_engines: int) -> list[Firing]:
         for k in range(f.times):
             step = f.step + k * f.every
             if step <= plan.steps:
-                out.append(Firing(step, f.where, f.what, slot, f.delay_s))
+                out.append(Firing(step, f.where, f.what, slot, f.delay_s, f.after_calls))
     return sorted(out, key=lambda x: (x.step, -1 if x.slot is None else x.slot))

@@ -153,8 +153,8 @@ class _FakeFleet:
         self.calls.append(("kill_shard", slot))
         return True
 
-    def arm_fault(self, slot, point, action, delay_s=0.0):
-        self.calls.append(("arm_fault", slot, point, action, delay_s))
+    def arm_fault(self, slot, point, action, delay_s=0.0, after_calls=0):
+        self.calls.append(("arm_fault", slot, point, action, delay_s) + ((after_calls,) if after_calls else ()))
         return True
 
 
@@ -182,15 +182,17 @@ def test_event_watcher_tells_each_record_once_when_a_late_client_record_shifts_t
 def test_fault_firing_fires_each_step_s_faults_at_their_hook_points():
     fleet = _FakeFleet(states={0: "healthy", 1: "stale", 2: "healthy"})
     firings = [Firing(1, "step_boundary", "kill", 1), Firing(1, "transfer", "freeze", 0, 0.5),
-               Firing(2, "step_boundary", "slow", 2), Firing(5, "pause", "kill", 2)]
+               Firing(1, "stream", "kill", 2, 0.0, 40), Firing(2, "step_boundary", "slow", 2), Firing(5, "pause", "kill", 2)]
     firing = FaultFiring(fleet, firings)
     assert firing.at(0) == [] and fleet.calls == []
-    assert firing.at(1) == firings[:2]
-    assert fleet.calls == [("kill_shard", 1), ("arm_fault", 0, "transfer", "freeze", 0.5)]
-    firing.fire(firings[2])
+    assert firing.at(1) == firings[:3]
+    assert fleet.calls == [("kill_shard", 1), ("arm_fault", 0, "transfer", "freeze", 0.5),
+                           ("arm_fault", 2, "stream", "kill", 0.0, 40)], "a count of calls to let pass goes with the arming"
+    firing.fire(firings[3])
     assert fleet.calls[-1] == ("arm_fault", 2, "ping", "slow", 0.0), "a step-boundary fault other than a kill: at the probe"
-    assert [(f["step"], f["slot"], f["what"]) for f in firing.fired] == [(1, 1, "kill"), (1, 0, "freeze"), (2, 2, "slow")]
-    assert firing.beyond(2) == firings[3:] and firing.due(5) == firings[3:]
+    assert [(f["step"], f["slot"], f["what"]) for f in firing.fired] == [(1, 1, "kill"), (1, 0, "freeze"), (1, 2, "kill"),
+                                                                          (2, 2, "slow")]
+    assert firing.beyond(2) == firings[4:] and firing.due(5) == firings[4:]
 
 
 def test_a_kill_waits_for_the_slot_to_be_up_then_fires_anyway():

@@ -54,11 +54,24 @@ def test_yaml_plan_loads_and_resolves():
         ({"faults": [{"where": "transfer", "what": "kill_controller", "delay_s": 600}]}, r"faults\[0\]\.delay_s.*below 600"),
         ({"faults": [{"where": "stamp", "what": "kill", "shard": 0}]}, r"faults\[0\]\.where: kill is only"),
         ({"faults": [{"where": "shutdown", "what": "slow", "shard": 0}]}, r"faults\[0\]\.where"),
+        ({"faults": [{"where": "stream", "what": "kill", "shard": 0, "after_calls": -1}]}, r"faults\[0\]\.after_calls"),
+        ({"faults": [{"where": "stream", "what": "kill", "shard": 0, "after_calls": 2.5}]}, r"faults\[0\]\.after_calls"),
+        ({"faults": [{"where": "step_boundary", "what": "kill", "shard": 0, "after_calls": 2}]},
+         r"faults\[0\]\.after_calls: counts the calls at a shard's hook point"),
+        ({"faults": [{"where": "pause", "what": "slow", "shard": 0, "delay_s": 1, "after_calls": 2}]},
+         r"faults\[0\]\.after_calls: a slow shard slows every call"),
+        ({"faults": [{"where": "transfer", "what": "kill_controller", "after_calls": 1}]}, r"faults\[0\]\.after_calls"),
     ],
 )
 def test_bad_plans_name_the_field(over, field):
     with pytest.raises(ValueError, match=field):
         load_plan(plan(**over))
+
+
+def test_a_count_of_calls_to_let_pass_reaches_the_firing_and_defaults_to_none():
+    p = load_plan(plan(faults=[{"where": "stream", "what": "kill", "shard": 1, "step": 2, "after_calls": 40},
+                               {"where": "pause", "what": "hang", "shard": 0, "step": 1}]))
+    assert [(f.where, f.slot, f.after_calls) for f in resolve(p, 3)] == [("pause", 0, 0), ("stream", 1, 40)]
 
 
 def test_random_shard_is_seeded_and_repeats_follow_every():
