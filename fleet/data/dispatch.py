@@ -38,7 +38,7 @@ from fleet.data.batch import ServeBatcher
 from fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, fingerprint, took_down
 from fleet.records import Request
 from fleet.data.shard_choice import pick_two
-from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL, VERSION
+from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL, SUSPECT, VERSION
 from fleet.data.routing_state import Member, RoutingState, VersionPolicy
 from fleet.data.partial import Partial
 from fleet.types import FINISH_ABORTED, Chunk, GenerationResult, TokenDelta
@@ -164,6 +164,8 @@ class Dispatcher:
         self._poison = PoisonMemory(poison_window_s)
         # (slot, inc) -> requests of this client running there that an engine died under (``_acquire``)
         self._suspects: Counter[tuple[int, int]] = Counter()
+        # (slot, inc) -> until: it refused such a request because another client's runs there (``SUSPECT``)
+        self._suspect_held: dict[tuple[int, int], float] = {}
         self._poison_told: dict[str, set[tuple[int, int]]] = {}  # fingerprint -> (slot, incarnation) told of it
         self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
         self._batcher = ServeBatcher(view)  # plain calls ready at once for one shard go as one
@@ -324,7 +326,8 @@ class Dispatcher:
             request = (prompt, sampling, p.request_id, self._view.cache_salt(state.version),  # EngineShard.serve_stream
                        state.epoch, p.policy.kind, p.policy.k, state.cap_map.get(m.slot),
                        p.out.on_tokens is not None,
-                       self._interval if p.out.on_tokens is not None else self._hold_interval, carried)
+                       self._interval if p.out.on_tokens is not None else self._hold_interval, carried,
+                       bool(p.deaths))
             outcome = None
             async for out in self._send(m, request, p, sampling, deadline):
                 if out.ok and isinstance(out.value, Chunk):
@@ -397,6 +400,10 @@ class Dispatcher:
         if error.reason == FULL:  # at its cap (other clients' requests fill it too): elsewhere, at once
             self._full_streak[key] = self._full_streak.get(key, 0) + 1
             self._full[key] = self._clock.now() + self._full_hold(key)
+            return None
+        if error.reason == SUSPECT:  # another client's request an engine died under runs there: elsewhere, at once
+            # (such requests run a generation long: no probe of that shard for the longest ``full`` hold)
+            self._suspect_held[key] = self._clock.now() + FULL_HOLD_MAX_S
             return None
         self._full.pop(key, None)
         self._full_streak.pop(key, None)
@@ -481,9 +488,10 @@ class Dispatcher:
         for key, (epoch, until) in list(self._excluded.items()):
             if epoch != state.epoch or now >= until:
                 del self._excluded[key]
-        for key, until in list(self._full.items()):
-            if now >= until:
-                del self._full[key]
+        for held in (self._full, self._suspect_held):
+            for key, until in list(held.items()):
+                if now >= until:
+                    del held[key]
         if self._dead:  # forgotten once no routing state lists it (bounded by the fleet's size)
             self._dead &= {(m.slot, m.incarnation) for m in state.members}
         return [m for m in state.members if (m.slot, m.incarnation) not in self._excluded
@@ -505,16 +513,20 @@ class Dispatcher:
                 continue
             self.tell_poison(state)
             members = self._candidates(state)
-            if p.deaths:  # an engine died under it: never beside another such request of ours (``_suspects``)
-                members = [m for m in members if (m.slot, m.incarnation) not in self._suspects]
+            if p.deaths:  # an engine died under it: never beside another such request (``_suspects``; the shard
+                # refuses one beside another client's, ``SUSPECT``)
+                now = self._clock.now()
+                members = [m for m in members if (m.slot, m.incarnation) not in self._suspects
+                           and self._suspect_held.get((m.slot, m.incarnation), 0.0) <= now]
             m = pick_two(members, self.load(), state.cap_map, self._rng)
             if m is not None:
                 if (m.slot, m.incarnation) in self._full_streak:  # it was full: one probe at a time
                     self._full[(m.slot, m.incarnation)] = self._clock.now() + self._full_hold((m.slot, m.incarnation))
                 return state, m
             wait = min(left, 0.5)
-            if self._full:  # every shard with room by our count answered ``full``: a short backoff
-                wait = min(wait, max(0.001, min(self._full.values()) - self._clock.now()))
+            held = list(self._full.values()) + (list(self._suspect_held.values()) if p.deaths else [])
+            if held:  # every shard with room by our count answered ``full`` (or ``suspect``): a short backoff
+                wait = min(wait, max(0.001, min(held) - self._clock.now()))
             self._waiting += 1
             try:
                 async with self._room:

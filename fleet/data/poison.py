@@ -8,10 +8,12 @@ while that very request ran (``EngineCrashedError.request_id``). An engine that 
 dead when the request arrived does not count, nor does a shard actor that died (see
 ``took_down``: an in-process engine core that segfaults takes its actor with it and is not
 caught here). An engine core that dies takes every request it ran with it, and the shard names
-each one (it cannot tell which broke it): so a request an engine died under is re-sent only where
-no other such request of the same client runs (``Dispatcher._acquire``). What shared the culprit's
-first engine does not share its second, and completes (unless another copy of the culprit, sent
-before any engine died under it, reaches it there). At ``POISON_DEATHS`` the request is returned
+each one (it cannot tell which broke it): so a request an engine died under never runs beside another
+such request. Its ticket says so (``Ticket.suspect``) and each shard runs one at a time, from any client
+(``fleet.shard.request_gate.SUSPECT``); a client also keeps its own apart before sending
+(``Dispatcher._acquire``). What shared the culprit's first engine does not share its second, and
+completes (unless another copy of the culprit, sent before any engine died under it, reaches it
+there). At ``POISON_DEATHS`` the request is returned
 with the reason ``poison`` and its fingerprint (prompt and sampling, seed left out: a group's samples
 differ only in their seeds) is remembered for ``poison_window_s``; a request with that
 fingerprint is refused at once meanwhile, before it reaches any engine.
@@ -23,9 +25,7 @@ background) and their gates refuse that fingerprint to any client for the window
 resize) is told by that client when it next reads a routing state that lists it. The controller is left out on purpose: it sees no request
 and keeps no per-request state, and a poison found by one client is known to the shards
 every other client routes to. Not covered: a new engine that another client reaches before
-the finding client has read the routing state that lists it can be taken down once; and a request of
-another client that shared both of the culprit's engines is blamed for both (each client keeps its own
-such requests apart, not another's).
+the finding client has read the routing state that lists it can be taken down once.
 """
 
 from __future__ import annotations

@@ -68,12 +68,14 @@ class VersionPolicy:
 
 @dataclass(frozen=True)
 class Ticket:
-    """What a request carries to the shard: the routing epoch it was routed under, its policy, and the
-    shard's admission cap in that routing state (None: no cap), which the shard enforces."""
+    """What a request carries to the shard: the routing epoch it was routed under, its policy, the
+    shard's admission cap in that routing state (None: no cap), which the shard enforces, and whether an
+    engine already died under it (``suspect``: the shard runs one such request at a time, ``fleet.data.poison``)."""
 
     epoch: int
     policy: VersionPolicy = VersionPolicy()
     cap: int | None = None
+    suspect: bool = False
 
 
 @dataclass(frozen=True)

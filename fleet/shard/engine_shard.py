@@ -29,7 +29,7 @@ from fleet.errors import (BadRequestError, DeadlineExceeded, EngineCrashedError,
 from fleet.outcome import BAD_ACK, ERROR, OK, UNAVAILABLE
 from fleet.data.routing_state import Ticket, VersionPolicy
 from fleet.data.poison import fingerprint
-from fleet.shard.request_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, POISON, RecentResults, ShardGate
+from fleet.shard.request_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, POISON, SUSPECT, RecentResults, ShardGate
 from fleet.shard.start_records import record_start
 from fleet.shard.continuation import Carried
 from fleet.shard.output_stream import OutputStream, Pacer
@@ -81,6 +81,7 @@ class EngineShard:
         self._hooks = FaultHooks(lambda: getattr(self._backend, "engine_core_pids", lambda: [])(), slot, incarnation,
                                  self.config.fault_journal)
         self._inflight: dict[str, tuple[int, VersionPolicy | None]] = {}  # request id -> (version at start, policy)
+        self._suspects: set[str] = set()  # the ones in flight an engine died under before (``Ticket.suspect``)
         self._running: dict[str, asyncio.Future] = {}
         self._recent = RecentResults()
         self.gate = ShardGate()
@@ -264,7 +265,7 @@ class EngineShard:
                 return await asyncio.shield(running)
         start = self._version if carried is None else min(self._version, carried.oldest)
         refused = (self.gate.poison_refusal(lambda: fingerprint(prompt, sampling or {}), time.monotonic())
-                   or self.gate.admit(ticket, start, len(self._inflight)))
+                   or self.gate.admit(ticket, start, len(self._inflight), len(self._suspects)))
         if refused is not None:
             raise RouteRefused(
                 f"{self._who()} refused request {request_id!r} ({refused}): "
@@ -276,6 +277,8 @@ class EngineShard:
         rid = request_id or f"s{self.slot}-i{self.incarnation}-{next(self._ids)}"
         done = self._running[rid] = asyncio.get_running_loop().create_future()
         self._inflight[rid] = (start, ticket.policy if ticket is not None else None)
+        if ticket is not None and ticket.suspect:
+            self._suspects.add(rid)
         self._load["peak"] = max(self._load["peak"], len(self._inflight))
         self._busy()
         out = OutputStream(backend, tokens, dict(sampling or {}), rid, carried, emit, lambda: self._version)
@@ -309,6 +312,7 @@ class EngineShard:
             raise
         finally:
             self._inflight.pop(rid, None)
+            self._suspects.discard(rid)
             self._running.pop(rid, None)
             self._busy()
             self._load["finished"] += 1
@@ -330,9 +334,9 @@ class EngineShard:
 
     async def serve(self, request: tuple) -> GenerationResult:
         """``serve_stream``'s request as one plain call: the whole result (a short request: ``stream_min_tokens``)."""
-        prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, _first, _interval, carried = request
-        return await self._run(prompt, sampling, request_id, cache_salt, None, Ticket(epoch, VersionPolicy(kind, k), cap),
-                               Carried.of(carried), None)
+        prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, _first, _interval, carried, suspect = request
+        return await self._run(prompt, sampling, request_id, cache_salt, None,
+                               Ticket(epoch, VersionPolicy(kind, k), cap, bool(suspect)), Carried.of(carried), None)
 
     async def serve_many(self, requests: list[tuple]) -> list[GenerationResult | BaseException]:
         """Several ``serve`` calls in one (``fleet.data.batch``: one client's requests for this shard that were
@@ -348,12 +352,13 @@ class EngineShard:
         ``request`` packs the arguments in one tuple (Ray serializes each argument on its own): prompt,
         sampling, request id, cache salt, routing epoch, policy kind, policy k, admission cap, then how to
         stream (``first_at_once``: send the first token at once, for a caller waiting on it; ``interval_s``:
-        at most one chunk per that many seconds after it) and what a continuation carries (``Carried``, packed)."""
-        prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, first_at_once, interval_s, carried = request
+        at most one chunk per that many seconds after it), what a continuation carries (``Carried``, packed)
+        and whether an engine died under the request before (``Ticket.suspect``)."""
+        prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, first_at_once, interval_s, carried, suspect = request
         chunks: asyncio.Queue = asyncio.Queue()
         pacer = Pacer(bool(first_at_once), float(interval_s))
         run = asyncio.ensure_future(self._run(prompt, sampling, request_id, cache_salt, None,
-                                              Ticket(epoch, VersionPolicy(kind, k), cap), Carried.of(carried),
+                                              Ticket(epoch, VersionPolicy(kind, k), cap, bool(suspect)), Carried.of(carried),
                                               lambda c: pacer.offer(c, chunks)))
         run.add_done_callback(lambda _: (pacer.flush(chunks), chunks.put_nowait(None)))
         try:
@@ -381,6 +386,9 @@ class EngineShard:
             return f"{len(self._inflight)} requests in flight, at its admission cap {g.cap}"
         if reason == POISON:
             return "a client found requests like it take down two engines (poison_window_s)"
+        if reason == SUSPECT:
+            return (f"an engine died under it before, and it runs {', '.join(sorted(self._suspects))}, which an "
+                    "engine died under too: two such requests never share an engine")
         return (f"weights version {self._version} do not meet policy {ticket.policy.describe()} "
                 f"(committed version {g.committed})")
 

@@ -11,6 +11,10 @@ agrees with what the controller last told the shard:
 - ``full``: the shard holds as many requests as its admission cap allows. The cap is the
   one the controller published, carried by the tickets; the newest routing epoch's cap
   wins, so however many clients route here, the shard never holds more than that;
+- ``suspect``: an engine already died under the request (its ticket says so) and the shard runs
+  another such request, from any client. An engine core that dies takes every request it ran with
+  it, each one counted against; two of them on one engine could both be under the culprit's next
+  death, and an innocent one would be returned as poison with it (``fleet.data.poison``);
 - ``poison``: the request's fingerprint (``fleet.data.poison``) is one a client found took down
   two engines and told this shard about (``remember_poison``), within its window. Not
   retryable: the client returns the request as poison.
@@ -29,6 +33,7 @@ from typing import Any, Callable
 from fleet.data.routing_state import Ticket
 
 PAUSED, NOT_MEMBER, EPOCH, VERSION, FULL = "paused", "not_member", "epoch", "version", "full"
+SUSPECT = "suspect"  # another request an engine died under runs here: one at a time
 POISON = "poison"  # (``fleet.data.poison.POISON``)
 
 
@@ -46,9 +51,9 @@ class ShardGate:
         self.peak_in_flight = 0  # the most requests held at once since the shard started
         self._poison: dict[str, float] = {}  # fingerprint -> until (the caller's clock)
 
-    def refusal(self, ticket: Ticket | None, version: int, in_flight: int = 0) -> str | None:
+    def refusal(self, ticket: Ticket | None, version: int, in_flight: int = 0, suspects: int = 0) -> str | None:
         """Why a request with ``ticket`` must not run on weights ``version`` now, with ``in_flight``
-        requests held, or None to admit it."""
+        requests held (``suspects`` of them suspect), or None to admit it."""
         if self.paused:
             return PAUSED
         if ticket is None:
@@ -61,15 +66,17 @@ class ShardGate:
             return VERSION
         if self.cap is not None and in_flight >= self.cap:
             return FULL
+        if ticket.suspect and suspects:
+            return SUSPECT
         return None
 
-    def admit(self, ticket: Ticket | None, version: int, in_flight: int = 0) -> str | None:
+    def admit(self, ticket: Ticket | None, version: int, in_flight: int = 0, suspects: int = 0) -> str | None:
         """Learn the cap ``ticket`` carries (if its routing state is the newest seen), then count the verdict
         of ``refusal``; returns the reason when refused. The caller holds ``in_flight`` requests and adds
         this one on admission, with no await in between (the check and the count are one step)."""
         if ticket is not None and ticket.cap is not None and ticket.epoch >= self._cap_epoch:
             self.cap, self._cap_epoch = int(ticket.cap), ticket.epoch
-        reason = self.refusal(ticket, version, in_flight)
+        reason = self.refusal(ticket, version, in_flight, suspects)
         if reason is None:
             self.admitted += 1
             self.peak_in_flight = max(self.peak_in_flight, in_flight + 1)

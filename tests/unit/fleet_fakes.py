@@ -49,6 +49,7 @@ class FakeShard:
     held: int = 0
     gate: ShardGate = field(default_factory=ShardGate)  # the real shard-side gate (pure)
     in_flight: dict = field(default_factory=dict)  # request id -> (version at start, policy)
+    suspects: set = field(default_factory=set)  # the request ids in flight an engine died under before
     ran_while_paused: int = 0
     dirty: bool = False  # a transfer wrote into the weights since the last stamp
     state: str = "ready"  # what describe() says of its engine ("starting" while a restart is under way)
@@ -164,9 +165,10 @@ class FakeDoor:
 
     async def _one(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
         if method in ("serve", "serve_stream"):  # the data plane's packed generate: recorded and scripted as "generate"
-            prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, _first, _interval, _carried = args[0]
+            prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, _first, _interval, _carried, suspect = args[0]
             method, args = "generate", (prompt, sampling)
-            kw = dict(kw, request_id=request_id, cache_salt=cache_salt, ticket=Ticket(epoch, VersionPolicy(kind, k), cap))
+            kw = dict(kw, request_id=request_id, cache_salt=cache_salt,
+                      ticket=Ticket(epoch, VersionPolicy(kind, k), cap, bool(suspect)))
         self.calls.append((method, handle.slot, handle.incarnation))
         self.kwargs.append((method, handle.slot, kw))
         if handle.dead:
@@ -292,11 +294,13 @@ class FakeDoor:
 
     async def _generate(self, s, prompt, sampling, request_id=None, cache_salt=None, timeout=None, ticket=None):
         reason = (s.gate.poison_refusal(lambda: fingerprint(prompt, sampling or {}), asyncio.get_running_loop().time())
-                  or s.gate.admit(ticket, s.version, len(s.in_flight)))
+                  or s.gate.admit(ticket, s.version, len(s.in_flight), len(s.suspects)))
         if reason is not None:
             raise RouteRefused(f"slot {s.slot} refused {request_id} ({reason})", reason)
         start = s.version
         s.in_flight[request_id] = (start, ticket.policy if ticket is not None else None)
+        if ticket is not None and ticket.suspect:
+            s.suspects.add(request_id)
         try:
             loop = asyncio.get_running_loop()
             until = loop.time() + self.gen_delay
@@ -307,6 +311,7 @@ class FakeDoor:
             aborted = s.in_flight.get(request_id) is None
         finally:
             s.in_flight.pop(request_id, None)
+            s.suspects.discard(request_id)
         c = Completion((1, 2), (-0.1, -0.2), "abort" if aborted else "length")
         return GenerationResult(request_id, (1,), (c,), start, s.version, s.slot, s.incarnation)
 

@@ -76,6 +76,17 @@ def test_gate_refusal_reasons():
     assert g.refusal(None, 2) is None  # an operator's direct call on a non-member
 
 
+def test_the_gate_runs_one_request_an_engine_died_under_at_a_time_and_any_number_of_others():
+    from fleet.shard.request_gate import SUSPECT
+
+    g = member_gate()
+    suspect, plain = Ticket(3, VersionPolicy(ANY), suspect=True), Ticket(3, VersionPolicy(ANY))
+    assert g.admit(suspect, 2, in_flight=5, suspects=0) is None  # beside ordinary requests: admitted
+    assert g.admit(suspect, 2, in_flight=6, suspects=1) == SUSPECT  # beside another such one: refused
+    assert g.admit(plain, 2, in_flight=6, suspects=1) is None  # an ordinary one is not held back by it
+    assert g.counters()["refused"] == {SUSPECT: 1} and g.admitted == 2
+
+
 def test_fence_and_rejoin_raise_the_floor():
     g = member_gate(epoch=3)
     g.fence(5)
@@ -155,6 +166,34 @@ def test_a_refused_request_never_reaches_the_engine(tmp_path):
 
         again = pickle.loads(pickle.dumps(err.value))
         assert isinstance(again, RouteRefused) and again.reason == PAUSED
+
+    asyncio.run(go())
+
+
+def test_a_shard_refuses_a_second_request_an_engine_died_under_naming_the_first_and_admits_it_once_that_ended(tmp_path):
+    """The data plane's packed request says whether an engine died under it before (its 12th field): the shard
+    holds one such request at a time (``fleet.data.poison``), whichever client sends it, and ordinary ones beside."""
+    from fleet.shard.request_gate import SUSPECT
+
+    def packed(rid: str, suspect: bool) -> tuple:
+        return ([1, 2], {"max_tokens": 2}, rid, None, 4, "any", 0, None, False, 0.0, None, suspect)
+
+    async def go():
+        b = CountingBackend(delay=5.0)
+        shard = shard_with(b, tmp_path)
+        await shard.start()
+        shard.set_route(4, True, 0)
+        first = asyncio.ensure_future(shard.serve(packed("a-7", True)))
+        await asyncio.sleep(0.01)
+        with pytest.raises(RouteRefused) as err:
+            await shard.serve(packed("b-3", True))
+        assert err.value.reason == SUSPECT and "a-7" in str(err.value) and "b-3" in str(err.value), err.value
+        plain = asyncio.ensure_future(shard.serve(packed("b-4", False)))
+        await asyncio.sleep(0.01)
+        b.release.set()
+        assert (await first).completions and (await plain).completions
+        assert (await shard.serve(packed("b-3", True))).completions  # the first one ended: admitted
+        assert b.runs == {"a-7": 1, "b-4": 1, "b-3": 1} and shard.counters()["refused"] == {SUSPECT: 1}
 
     asyncio.run(go())
 

@@ -157,6 +157,37 @@ def test_a_request_re_sent_across_two_engines_killed_one_after_the_other_is_not_
     run(go())
 
 
+def crashing_cores(door) -> list[tuple[int, int]]:
+    """A poison that takes its engine core down 0.1 s into the batch it runs in, and with it every request that
+    core ran, each ending with ``EngineCrashedError`` naming itself (a shard cannot tell which one broke it).
+    Returns the list of (slot, incarnation) whose core crashed, filled as they do."""
+    door.gen_delay = 0.5
+    untouched = door._generate
+    crashed: list[tuple[int, int]] = []
+
+    async def generate(s, prompt, sampling=None, request_id=None, *args, **kw):
+        run_ = asyncio.ensure_future(untouched(s, prompt, sampling, request_id, *args, **kw))
+        await asyncio.sleep(0)  # admitted or refused by the shard's gate, before the poison acts
+        if list(prompt) == POISON and not run_.done() and not getattr(s, "core_dead", False):
+            async def crash():  # the core dies a moment into the batch the poison runs in
+                await asyncio.sleep(0.1)
+                if not s.core_dead:
+                    crashed.append((s.slot, s.incarnation))
+                    s.core_dead = True
+            s.core_dead = False
+            asyncio.ensure_future(crash())
+        while not run_.done():
+            if getattr(s, "core_dead", False):  # every request it ran ends naming itself
+                run_.cancel()
+                s.dead = True
+                raise EngineCrashedError(f"engine core died during request {request_id}", request_id=request_id)
+            await asyncio.sleep(0.01)
+        return run_.result()
+
+    door._generate = generate
+    return crashed
+
+
 def test_requests_that_shared_an_engine_with_a_poison_are_never_sent_beside_each_other_again_and_complete(model_dir):
     """An engine core that dies takes every request it ran with it, and the shard names each (they cannot tell
     which one broke it). Re-sent side by side, the ones that shared the poison's first engine could share its
@@ -165,29 +196,7 @@ def test_requests_that_shared_an_engine_with_a_poison_are_never_sent_beside_each
     itself is under both deaths. Every ordinary request completes."""
     async def go():
         ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
-        door.gen_delay = 0.5
-        untouched = door._generate
-        crashed: list[tuple[int, int]] = []
-
-        async def generate(s, prompt, sampling=None, request_id=None, *args, **kw):
-            if list(prompt) == POISON and not getattr(s, "core_dead", False):
-                async def crash():  # the core dies a moment into the batch the poison runs in
-                    await asyncio.sleep(0.1)
-                    if not s.core_dead:
-                        crashed.append((s.slot, s.incarnation))
-                        s.core_dead = True
-                s.core_dead = False
-                asyncio.ensure_future(crash())
-            run_ = asyncio.ensure_future(untouched(s, prompt, sampling, request_id, *args, **kw))
-            while not run_.done():
-                if getattr(s, "core_dead", False):  # every request it ran ends naming itself
-                    run_.cancel()
-                    s.dead = True
-                    raise EngineCrashedError(f"engine core died during request {request_id}", request_id=request_id)
-                await asyncio.sleep(0.01)
-            return run_.result()
-
-        door._generate = generate
+        crashed = crashing_cores(door)
         await ctl.start()
         c = client(ctl)
         prompts = [[1, 2, i % 3] for i in range(11)] + [POISON]
@@ -197,6 +206,39 @@ def test_requests_that_shared_an_engine_with_a_poison_are_never_sent_beside_each
         assert len(crashed) == 2 and len({slot for slot, _ in crashed}) == 2, crashed
         shared = [o for o in outs[:-1] if o.attempts > 1]  # some shared its first engine and were re-sent
         assert shared, [o.attempts for o in outs]
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_another_clients_requests_that_shared_an_engine_with_a_poison_are_kept_apart_from_it_by_the_shards(model_dir):
+    """Two clients on one fleet, one sending a poison: the other's requests that shared its first engine are
+    re-sent by their own client, which cannot see the poison's re-send. The shard runs one request an engine
+    died under at a time, from whichever client (``suspect`` on its ticket, refused as ``suspect`` beside
+    another): the poison's second engine runs no other such request, so no request of either client but the
+    poison is under both deaths, and all of them complete."""
+    from fleet.data.client import InProcessClient
+    from fleet.shard.request_gate import SUSPECT
+
+    async def go():
+        ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
+        crashed = crashing_cores(door)
+        await ctl.start()
+        import random
+
+        a, b = InProcessClient(ctl, rng=random.Random(1)), InProcessClient(ctl, rng=random.Random(2))
+        a_prompts = [[1, 2, i % 3] for i in range(5)] + [POISON]
+        b_prompts = [[3, 4, i] for i in range(20)]  # (without the shards' check, some came back poison: 8 seeds of 8)
+        outs = await asyncio.wait_for(asyncio.gather(
+            *(a.generate_async(p, {"max_tokens": 4}) for p in a_prompts),
+            *(b.generate_async(p, {"max_tokens": 4}) for p in b_prompts)), 60)
+        returned = [(p, o.reason) for p, o in zip(a_prompts + b_prompts, outs) if not o.ok]
+        assert [p for p, _ in returned] == [POISON] and returned[0][1].startswith("poison: "), returned
+        assert len(crashed) == 2 and len({slot for slot, _ in crashed}) == 2, crashed
+        b_outs = outs[len(a_prompts):]
+        assert any(o.attempts > 1 for o in b_outs), "the other client's requests must have shared the first engine"
+        kept_apart = sum(s.gate.refused.get(SUSPECT, 0) for s in door.shards.values())
+        assert kept_apart >= 1 and a.dispatcher.refused[SUSPECT] + b.dispatcher.refused[SUSPECT] == kept_apart
         await ctl.shutdown()
 
     run(go())
