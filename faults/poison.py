@@ -1,21 +1,26 @@
 """The ``poison_request`` fault: a prompt that crashes every engine it reaches, sent twice.
 
-Firing (``poison_request``): once the fleet is idle (requests in flight when an engine
-dies are re-sent too; a client keeps them apart from each other, but the workload's clients
-are not the one that sends the poison: see ``fleet.data.poison``), every healthy slot is armed
-with the shard's ``poison`` action for ``POISON_TOKENS`` (the engine core is killed
-under any request whose prompt contains them); the prompt is sent, then sent again;
-then a batch of ordinary requests. Recorded: both calls (reason, attempts, times), the
-batch's outcome and the fleet's state after.
+Firing (``poison_request``): once the fleet is idle, every healthy slot is armed with the
+shard's ``poison`` action for ``POISON_TOKENS`` (the engine core is killed under any request
+whose prompt contains them). A second client of the fleet (``Fleet.connect``, as another
+trainer process would) starts ``OTHER_REQUESTS`` ordinary requests, each its own prompt; while
+they run, the poison is sent, then sent again; then a batch of ordinary requests. The engines
+the poison kills take the other client's requests running there with them: each counts one death,
+is re-sent by its own client, and must not share the poison's next engine (the shards keep such
+requests apart: ``fleet.data.poison``). Recorded: both calls (reason, attempts, times), the
+other client's outcome, the batch's outcome and the fleet's state after.
 
 Proof (``prove_poison_request``): the first call came back ``poison`` after exactly two
 attempts; the event log has its ``poison`` record naming two engines on distinct slots,
 and no more than those two engines died from the firing on; the second call was
-refused at once (no attempt); the batch completed; the gate is open.
+refused at once (no attempt); every request of the other client completed, and at least one of
+them was re-sent (it shared an engine the poison took down: the two met); the batch completed;
+the gate is open.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Mapping
 
@@ -25,6 +30,8 @@ POISON_TOKENS = [7, 77, 7, 77]  # in no other prompt the fault runs send
 POISON_PROMPT = [1, *POISON_TOKENS, 2]
 PROMPT, SAMPLING = [1, 21, 31, 41, 51], {"max_tokens": 4}
 IDLE_WAIT_S = 120.0
+# The other client's requests: enough, and long enough (about a second here), that the poison's engines run some
+OTHER_REQUESTS, OTHER_SAMPLING = 24, {"max_tokens": 48}
 
 
 def poison_request(fleet, say: Callable[[str], Any] = print) -> dict:
@@ -36,14 +43,48 @@ def poison_request(fleet, say: Callable[[str], Any] = print) -> dict:
     faults = fleet.fault_injector()
     for slot in armed:
         faults.arm_fault(slot, "generate", "poison", 0.0, 0, POISON_TOKENS)
-    calls = [_send(fleet, status["version"]) for _ in range(2)]
+    other = _OtherClient(fleet)
+    try:
+        calls = [_send(fleet, status["version"]) for _ in range(2)]
+        beside = other.results()
+    finally:
+        other.close()
     others = [r for g in fleet.generate([PROMPT] * 6, 1, SAMPLING) for r in g]
     after = fleet.status()
     say(f"poison request: armed slots {armed}; calls {[(c['outcome'], c['attempts']) for c in calls]}; "
+        f"the other client's {beside['n']} requests: {beside['ok']} completed, {beside['resent']} re-sent; "
         f"{sum(r.ok for r in others)} of {len(others)} ordinary requests completed after it")
     return {"armed": armed, "calls": calls, "returned": sum(c["outcome"] != "completed" for c in calls),
-            "others": {"n": len(others), "ok": sum(r.ok for r in others)},
+            "other_client": beside, "others": {"n": len(others), "ok": sum(r.ok for r in others)},
             "after": {"gate_open": after["gate_open"], "version": after["version"]}}
+
+
+class _OtherClient:
+    """A second client of ``fleet`` in this process (its own data plane, as another trainer's), generating
+    ``OTHER_REQUESTS`` ordinary requests in a thread; returns once they run."""
+
+    def __init__(self, fleet) -> None:
+        from fleet.api import Fleet
+
+        self.fleet = Fleet.connect(fleet.name)
+        self.out: list = []
+        prompts = [[1, 21 + i, 31, 41, 51] for i in range(OTHER_REQUESTS)]  # each its own fingerprint
+        self.thread = threading.Thread(target=lambda: self.out.extend(
+            r for g in self.fleet.generate(prompts, 1, OTHER_SAMPLING) for r in g), daemon=True)
+        self.thread.start()
+        t_running = time.monotonic() + IDLE_WAIT_S
+        while not self.fleet.status()["requests"]["in_progress"] and time.monotonic() < t_running:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the engines have them
+
+    def results(self) -> dict:
+        self.thread.join(IDLE_WAIT_S)
+        reasons = sorted({r.reason[:120] for r in self.out if not r.ok})
+        return {"n": OTHER_REQUESTS, "ok": sum(r.ok for r in self.out), "resent": sum(r.attempts > 1 for r in self.out),
+                "reasons": reasons}
+
+    def close(self) -> None:
+        self.fleet.detach()
 
 
 def _send(fleet, version: int) -> dict:
@@ -70,6 +111,12 @@ def prove_poison_request(f: Mapping, calls: list[dict], events: list[Mapping | R
     if again["outcome"] != "poison" or again["attempts"] != 0 or "refused without sending it" not in again["reason"]:
         wrong.append(f"sent again, it was not refused at once: {again['outcome']} after {again['attempts']} "
                      f"attempt(s): {again['reason'][:200]}")
+    beside = f["other_client"]
+    if beside["ok"] != beside["n"]:
+        wrong.append(f"only {beside['ok']} of the other client's {beside['n']} requests completed: {beside['reasons']}")
+    if not beside["resent"]:
+        wrong.append("none of the other client's requests was re-sent: none ran on an engine the poison took down, "
+                     "so the two clients never met")
     if f["others"]["ok"] != f["others"]["n"]:
         wrong.append(f"only {f['others']['ok']} of {f['others']['n']} ordinary requests completed after it")
     if not f["after"]["gate_open"]:

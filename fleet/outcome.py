@@ -14,7 +14,8 @@ observation. Together they are the one classification path:
 - ``error``: the call raised inside the actor (``error`` holds the actor's own exception).
 
 A shard that answers with ``ShardUnusableError`` (engine core crashed, shut down)
-is as good as dead: ``is_unusable`` says so, and ``observed`` classes it ``dead``.
+is as good as dead: ``is_unusable`` says so, and ``observed`` classes it ``dead``. A client
+reports such an answer as ``unusable`` (``UNUSABLE``), a dead actor as ``died``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from health.progress import stall_verdict
 
 OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR = "ok", "died", "unavailable", "timed_out", "bad_ack", "error"
 KINDS = (OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR)
+# A client's report only (``SingleController.report_failure``), never an outcome: the shard answered, alive, that
+# it cannot serve (``is_unusable``: its engine core crashed, it was shut down)
+UNUSABLE = "unusable"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from fleet.control.monitor import LivenessMonitor
 from fleet.control.metrics import FleetMetrics, RunMeter, shard_load, shard_rows
 from fleet.control.lifecycle import RefitLifecycle
 from fleet.cluster.naming import new_fleet_name
-from fleet.outcome import DIED, ERROR, TIMED_OUT, Outcome
+from fleet.outcome import DIED, ERROR, TIMED_OUT, UNUSABLE, Outcome
 from fleet.control.nodes import NodeMap
 from fleet.control.parts import Parts
 from fleet.control.publisher import RoutingPublisher
@@ -344,8 +344,9 @@ class SingleController:
 
     def report_failure(self, slot: int, incarnation: int, kind: str, detail: str, epoch: int) -> bool:
         """A client's request to ``incarnation`` of ``slot`` failed (``kind``: an outcome kind; ``died``
-        when the shard was unusable), as routed under ``epoch``. Returns True if it was taken as a health
-        observation.
+        when the actor died; ``unusable`` when it answered, alive, that it cannot serve: probed at once, and
+        killed on the probe's answer), as routed under ``epoch``. Returns True if it was taken as a health
+        observation (or the probe was sent).
 
         A request that timed out while a refit ran, or that was routed before the last refit began,
         timed out because the shard was paused for the refit: a slow refit is not a sick shard, so it is
@@ -359,6 +360,13 @@ class SingleController:
             return False
         if self.slots.handle_of(slot, incarnation) is None:
             return False  # about an incarnation already replaced
+        if kind == UNUSABLE:
+            # alive, its engine core dead: the requests it ran answer first, each naming itself, which their
+            # clients count against them (``fleet.data.poison``); killed on this report, it would leave them a
+            # dead actor, no evidence, and a poison request of another client would take down a third engine.
+            # A probe waits for those answers (``EngineShard.ping``), and its verdict kills the actor
+            self.in_background(self.monitor.probe(slot, incarnation))
+            return True
         error = RuntimeError(f"client report: {detail}") if kind != "ok" else None
         self.observe(slot, incarnation, CallKind.GENERATE, Outcome(DIED if kind == DIED else kind, error=error))
         return True

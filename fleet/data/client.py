@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from fleet.data.dispatch import Dispatcher, FleetResult
 from fleet.eventlog import EventLog
-from fleet.outcome import DIED, Outcome, is_unusable
+from fleet.outcome import DIED, UNUSABLE, Outcome, is_unusable
 from fleet.records import ControllerBack, ControllerGone, ControllerUnreachable
 from fleet.data.routing_state import RoutingState, VersionPolicy
 from fleet.types import TokenDelta
@@ -76,8 +76,10 @@ class _Client:
 
     @staticmethod
     def _failure(outcome: Outcome) -> tuple[str, str]:
-        """(kind, detail) of a failed call as the controller takes reports: an unusable shard is ``died``."""
-        return (DIED if is_unusable(outcome) else outcome.kind), outcome.describe()[:500]
+        """(kind, detail) of a failed call as the controller takes reports: a dead actor is ``died``, a live
+        shard that said it cannot serve (its engine core crashed) ``unusable``."""
+        kind = outcome.kind if outcome.kind == DIED else UNUSABLE if is_unusable(outcome) else outcome.kind
+        return kind, outcome.describe()[:500]
 
     def _ended(self, results: list[FleetResult]) -> None:
         """Requests that came back (each exactly once): a hook for what a client counts about them."""

@@ -244,6 +244,48 @@ def test_another_clients_requests_that_shared_an_engine_with_a_poison_are_kept_a
     run(go())
 
 
+def test_a_client_report_that_a_live_shard_cannot_serve_is_probed_and_the_actor_killed_only_on_the_probes_answer(model_dir):
+    """A dying engine core fails every request it ran, and those of one client may fail (and be reported) before
+    the poison request of another answers. Killed on that report, the actor would leave the poison's own call a
+    dead actor, no evidence against it, and the poison would go on to a third engine (the real matrix variant
+    with a second client did exactly that). A report of a live shard that cannot serve (``unusable``) gets a
+    probe instead; the shard answers it once the requests it ran have answered (``EngineShard.ping``), and that
+    answer gets the actor killed. A dead actor's report (``died``) is taken at once, as before."""
+    from fleet.outcome import UNUSABLE
+    from fleet.records import Kill
+
+    async def go():
+        ctl, door, _ = make(model_dir, min_healthy_engines=1)
+        await ctl.start()
+        loop = asyncio.get_running_loop()
+        crashed = door.shards[(0, 1)]
+        pinged: list[float] = []
+        untouched = door._ping
+
+        async def ping(s):
+            if s is crashed:
+                pinged.append(loop.time())
+                await asyncio.sleep(0.3)  # the shard lets the requests its dead core ran answer first
+                raise EngineCrashedError("engine core died (its requests have answered)")
+            return await untouched(s)
+
+        door._ping = ping
+        t0 = loop.time()
+        detail = "error: EngineCrashedError: engine core died during request b-3"
+        assert ctl.report_failure(0, 1, UNUSABLE, detail, ctl.publisher.current.epoch) is True
+        await asyncio.sleep(0.2)
+        assert pinged and pinged[0] - t0 < 0.05, "the report is probed at once"
+        assert not crashed.dead and not Kill.among(ctl.log.records()), "killed on the report, before its requests answered"
+        await asyncio.sleep(0.3)
+        [kill] = [k for k in Kill.among(ctl.log.records()) if k.slot == 0]
+        assert crashed.dead and "probe" in kill.reason and "engine core died" in kill.reason, kill
+        assert ctl.report_failure(1, 1, DIED, "died: ActorDiedError: gone", ctl.publisher.current.epoch) is True
+        assert door.shards[(1, 1)].dead, "a dead actor is taken as dead at once"
+        await ctl.shutdown()
+
+    run(go())
+
+
 def test_the_fingerprint_is_the_prompt_and_sampling_but_not_the_seed():
     assert fingerprint([1, 2], {"max_tokens": 4, "seed": 1}) == fingerprint([1, 2], {"seed": 9, "max_tokens": 4})
     assert fingerprint([1, 2], {"max_tokens": 4}) != fingerprint([1, 2], {"max_tokens": 5})
@@ -286,14 +328,15 @@ def test_a_poison_fault_crashes_the_engine_under_a_matching_request_only(tmp_pat
     asyncio.run(go())
 
 
-def test_the_poison_variant_proof_fails_when_a_third_engine_dies_or_the_repeat_is_sent():
+def test_the_poison_variant_proof_fails_when_a_third_engine_dies_the_repeat_is_sent_or_the_other_client_loses_one():
     from faults.poison import prove_poison_request
 
     first = {"version": 1, "outcome": "poison", "attempts": 2, "began": 10.0, "ended": 12.0,
              "reason": "poison: its attempts took down 2 engines"}
     again = {"version": 1, "outcome": "poison", "attempts": 0, "began": 12.0, "ended": 12.0,
              "reason": "poison: fingerprint f took down ... (poison_window_s); refused without sending it"}
-    record = {"others": {"n": 6, "ok": 6}, "after": {"gate_open": True}}
+    beside = {"n": 24, "ok": 24, "resent": 3, "reasons": []}
+    record = {"other_client": beside, "others": {"n": 6, "ok": 6}, "after": {"gate_open": True}}
 
     def died(slot, t):
         return Health(t=t, slot=slot, incarnation=1, before="healthy", after="dead", reason="").as_dict()
@@ -304,6 +347,10 @@ def test_the_poison_variant_proof_fails_when_a_third_engine_dies_or_the_repeat_i
     assert any("exactly two" in p for p in prove_poison_request(record, [first, again], events + [died(2, 13.0)]))
     sent = {**again, "outcome": "poison", "attempts": 1, "reason": "poison: its attempts took down 2 engines"}
     assert any("not refused at once" in p for p in prove_poison_request(record, [first, sent], events))
+    lost = {**record, "other_client": {**beside, "ok": 23, "reasons": ["poison: its attempts took down 2 engines"]}}
+    assert any("23 of the other client's 24" in p for p in prove_poison_request(lost, [first, again], events))
+    apart = {**record, "other_client": {**beside, "resent": 0}}
+    assert any("never met" in p for p in prove_poison_request(apart, [first, again], events))
 
 
 def test_a_shard_told_of_a_poison_refuses_it_from_anyone_and_runs_everything_else(tmp_path):
