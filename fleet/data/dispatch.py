@@ -35,7 +35,7 @@ from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog
 from fleet.outcome import DIED, ERROR, TIMED_OUT, Outcome
 from fleet.data.batch import ServeBatcher
-from fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, fingerprint, took_down
+from fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, Suspicion, fingerprint, took_down
 from fleet.records import Request
 from fleet.data.shard_choice import pick_two
 from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL, SUSPECT, VERSION
@@ -106,6 +106,8 @@ class _Pending:
     tokens_discarded: int = 0
     started_over: str = ""
     ended: str = ""  # why the caller ended it early (``Dispatcher.end``): it completes with what it holds
+    fp: str | None = None  # its fingerprint (``fleet.data.poison``), once needed
+    suspect: bool = False  # this attempt: an engine died under it or its fingerprint (``Suspicion``)
 
 
 
@@ -162,6 +164,7 @@ class Dispatcher:
         self._full: dict[tuple[int, int], float] = {}  # (slot, inc) -> until: it answered ``full``
         self._full_streak: dict[tuple[int, int], int] = {}  # (slot, inc) -> ``full`` answers in a row
         self._poison = PoisonMemory(poison_window_s)
+        self._suspicion = Suspicion(poison_window_s)
         # (slot, inc) -> requests of this client running there that an engine died under (``_acquire``)
         self._suspects: Counter[tuple[int, int]] = Counter()
         # (slot, inc) -> until: it refused such a request because another client's runs there (``SUSPECT``)
@@ -231,12 +234,9 @@ class Dispatcher:
         # accepted before that may still be served by a shard that serves the committed version
         self._log.emit(Request(event=Request.ACCEPTED, request_id=p.request_id, gate_open=gate_open))
         deadline = p.accepted_at + self._timeout
-        if self._poison:
-            fp = fingerprint(p.prompt, p.sampling)
-            engines = self._poison.known(fp, p.accepted_at)
-            if engines:
-                return self._return(p, f"{POISON}: fingerprint {fp} took down {engines} within the last "
-                                       f"{self._poison.window_s:g} s (poison_window_s); refused without sending it")
+        known = self._known_poison(p, p.accepted_at)
+        if known is not None:
+            return known
         try:
             while True:
                 verdict = await self._attempt(p, deadline)
@@ -314,9 +314,10 @@ class Dispatcher:
         p.on = p.on_last = m
         self.outstanding.setdefault(m.slot, {})[p.request_id] = (m.incarnation, state.version)
         self._load[m.slot] = self._load.get(m.slot, 0) + 1
-        suspect = (m.slot, m.incarnation) if p.deaths else None
+        suspect = (m.slot, m.incarnation) if p.suspect else None
         if suspect is not None:
             self._suspects[suspect] += 1
+            self._suspicion.take(self._fp(p))
         prompt, sampling, carried = p.out.continuation(p.prompt, p.sampling)
         p.out.begin()
         if carried is not None:
@@ -327,7 +328,7 @@ class Dispatcher:
                        state.epoch, p.policy.kind, p.policy.k, state.cap_map.get(m.slot),
                        p.out.on_tokens is not None,
                        self._interval if p.out.on_tokens is not None else self._hold_interval, carried,
-                       bool(p.deaths))
+                       p.suspect)
             outcome = None
             async for out in self._send(m, request, p, sampling, deadline):
                 if out.ok and isinstance(out.value, Chunk):
@@ -343,6 +344,7 @@ class Dispatcher:
                 self._suspects[suspect] -= 1
                 if not self._suspects[suspect]:
                     del self._suspects[suspect]
+                self._suspicion.release(self._fp(p))
             await self.notify_room()
         if outcome is None:  # the stream ended with no result: the shard's end was lost on the way
             outcome = Outcome(ERROR, error=RuntimeError(f"the stream of request {p.request_id} ended without its result"))
@@ -372,6 +374,7 @@ class Dispatcher:
                                    f"(incarnation {m.incarnation}) generated it; aborted there")
         if took_down(outcome, p.request_id):
             p.deaths.append(f"slot {m.slot} (incarnation {m.incarnation})")
+            self._suspicion.mark(self._fp(p), self._clock.now())
         self._exclude(m, state.epoch)
         if outcome.kind == DIED:
             self._dead.add((m.slot, m.incarnation))
@@ -454,9 +457,10 @@ class Dispatcher:
 
     def _poisoned(self, p: _Pending) -> FleetResult:
         """``p`` took down ``POISON_DEATHS`` engines: return it, never send it again, remember its fingerprint."""
-        fp = fingerprint(p.prompt, p.sampling)
+        fp = self._fp(p)
         engines = ", ".join(p.deaths)
         self._poison.remember(fp, engines, self._clock.now())
+        self._suspicion.clear(fp)  # refused from now on: the copies that waited behind it are returned
         self._log.emit(Request(event=Request.POISON, request_id=p.request_id, fingerprint=fp, engines=p.deaths,
                                window_s=self._poison.window_s))
         self.tell_poison(self._view.routing())  # every serving shard refuses it too, to every client
@@ -476,6 +480,19 @@ class Dispatcher:
                     continue
                 told.add((m.slot, m.incarnation))
                 self._background(self._view.door.call(m.handle, "refuse_poison", fp, left, timeout=10.0))
+
+    def _known_poison(self, p: _Pending, now: float) -> FleetResult | None:
+        """``p`` returned, unsent, if this client remembers its fingerprint as poison at ``now``; else None."""
+        engines = self._poison.known(self._fp(p), now) if self._poison else None
+        if not engines:
+            return None
+        return self._return(p, f"{POISON}: fingerprint {p.fp} took down {engines} within the last "
+                               f"{self._poison.window_s:g} s (poison_window_s); refused without sending it")
+
+    def _fp(self, p: _Pending) -> str:
+        if p.fp is None:
+            p.fp = fingerprint(p.prompt, p.sampling)
+        return p.fp
 
     def _full_hold(self, key: tuple[int, int]) -> float:
         return min(FULL_HOLD_S * 2 ** (self._full_streak.get(key, 1) - 1), FULL_HOLD_MAX_S)
@@ -513,18 +530,23 @@ class Dispatcher:
                 continue
             self.tell_poison(state)
             members = self._candidates(state)
-            if p.deaths:  # an engine died under it: never beside another such request (``_suspects``; the shard
-                # refuses one beside another client's, ``SUSPECT``)
+            p.suspect = bool(p.deaths) or bool(self._suspicion) and self._suspicion.suspect(self._fp(p), self._clock.now())
+            if p.suspect:  # never beside another such request (``_suspects``; the shard refuses one beside another
+                # client's, ``SUSPECT``), one of its fingerprint at a time (``Suspicion``)
                 now = self._clock.now()
-                members = [m for m in members if (m.slot, m.incarnation) not in self._suspects
-                           and self._suspect_held.get((m.slot, m.incarnation), 0.0) <= now]
+                known = self._known_poison(p, now)  # found poison while it waited behind a copy of it
+                if known is not None:
+                    return known
+                members = [] if self._fp(p) in self._suspicion.running else [
+                    m for m in members if (m.slot, m.incarnation) not in self._suspects
+                    and self._suspect_held.get((m.slot, m.incarnation), 0.0) <= now]
             m = pick_two(members, self.load(), state.cap_map, self._rng)
             if m is not None:
                 if (m.slot, m.incarnation) in self._full_streak:  # it was full: one probe at a time
                     self._full[(m.slot, m.incarnation)] = self._clock.now() + self._full_hold((m.slot, m.incarnation))
                 return state, m
             wait = min(left, 0.5)
-            held = list(self._full.values()) + (list(self._suspect_held.values()) if p.deaths else [])
+            held = list(self._full.values()) + (list(self._suspect_held.values()) if p.suspect else [])
             if held:  # every shard with room by our count answered ``full`` (or ``suspect``): a short backoff
                 wait = min(wait, max(0.001, min(held) - self._clock.now()))
             self._waiting += 1
@@ -538,6 +560,8 @@ class Dispatcher:
 
     def _complete(self, p: _Pending, result: GenerationResult) -> FleetResult:
         self.completed += 1
+        if self._suspicion:  # it completed: its fingerprint does not break engines every time
+            self._suspicion.clear(self._fp(p))
         self._log.emit(
             Request(event=Request.COMPLETED, request_id=p.request_id, slot=result.slot, incarnation=result.incarnation,
                     version=result.weight_version, version_start=result.version_start),

@@ -11,12 +11,15 @@ caught here). An engine core that dies takes every request it ran with it, and t
 each one (it cannot tell which broke it): so a request an engine died under never runs beside another
 such request. Its ticket says so (``Ticket.suspect``) and each shard runs one at a time, from any client
 (``fleet.shard.request_gate.SUSPECT``); a client also keeps its own apart before sending
-(``Dispatcher._acquire``). What shared the culprit's first engine does not share its second, and
-completes (unless another copy of the culprit, sent before any engine died under it, reaches it
-there). At ``POISON_DEATHS`` the request is returned
-with the reason ``poison`` and its fingerprint (prompt and sampling, seed left out: a group's samples
-differ only in their seeds) is remembered for ``poison_window_s``; a request with that
-fingerprint is refused at once meanwhile, before it reaches any engine.
+(``Dispatcher._acquire``). A request whose fingerprint an engine died under (``Suspicion``: the later
+copies of a poison group, which carry no death of their own) is suspect too, and a client runs one
+request of a suspect fingerprint at a time. What shared the culprit's first engine does not share its
+second, and completes; the copies of the culprit are tried one at a time. At ``POISON_DEATHS`` the
+request is returned with the reason ``poison`` and its fingerprint (prompt and sampling, seed left out:
+a group's samples differ only in their seeds) is remembered for ``poison_window_s``; a request with
+that fingerprint is refused at once meanwhile, before it reaches any engine (the copies that waited
+behind it too). Copies of one poison that run at once before any engine died under them each take
+their engine down: nothing tells them from the rest of a batch yet.
 
 Who remembers: the client that found it (``fleet.data.dispatch.Dispatcher``), and every shard
 serving when it did: the client tells them (``EngineShard.refuse_poison``, in the
@@ -84,3 +87,56 @@ class PoisonMemory:
                 del self._until[key]
         hit = self._until.get(fp)
         return hit[1] if hit else None
+
+
+class Suspicion:
+    """Fingerprints an engine died under, that no request has completed with since (one client's view).
+
+    A poison prompt in RL comes as a group: its samples differ only in their seeds, so they share a
+    fingerprint, and the ones sent after an engine died under a first copy carry no death of their own.
+    Sent as ordinary requests, they would run beside requests that already count one death and give
+    those their second (an innocent group returned as poison and refused for the window), and each would
+    take down one more engine. So a request whose fingerprint is suspect is itself suspect (kept apart
+    like one with a death: ``Ticket.suspect``), and one request per suspect fingerprint runs at a time
+    (``take``/``release``): one copy of the culprit is tried alone, reaches its second death and is
+    returned as poison, and the copies that waited are refused with it. A fingerprint leaves suspicion
+    when a request with it completes (it does not break engines every time: the requests that count a
+    death keep their own), when it is found poison (``PoisonMemory`` then refuses it), or after
+    ``window_s``."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = float(window_s)
+        self._until: dict[str, float] = {}  # fingerprint -> until
+        self.running: set[str] = set()  # suspect fingerprints with a request in flight
+
+    def __bool__(self) -> bool:
+        return bool(self._until)
+
+    def mark(self, fp: str, now: float) -> None:
+        """An engine died under a request with ``fp``."""
+        if self.window_s > 0:
+            for key, until in list(self._until.items()):  # (engine deaths are rare: the expired ones go here)
+                if now >= until:
+                    del self._until[key]
+            self._until[fp] = now + self.window_s
+
+    def clear(self, fp: str) -> None:
+        """A request with ``fp`` completed, or ``fp`` was found poison."""
+        self._until.pop(fp, None)
+
+    def suspect(self, fp: str, now: float) -> bool:
+        until = self._until.get(fp)
+        if until is not None and now >= until:
+            del self._until[fp]
+            return False
+        return until is not None
+
+    def take(self, fp: str) -> bool:
+        """Run a request of ``fp`` if none runs: True, and ``fp`` is busy until ``release``."""
+        if fp in self.running:
+            return False
+        self.running.add(fp)
+        return True
+
+    def release(self, fp: str) -> None:
+        self.running.discard(fp)

@@ -244,6 +244,64 @@ def test_another_clients_requests_that_shared_an_engine_with_a_poison_are_kept_a
     run(go())
 
 
+@pytest.mark.parametrize("late_s", [0.15, 0.3])
+def test_a_poison_group_whose_later_copies_carry_no_death_takes_no_innocent_group_with_it(model_dir, late_s):
+    """RL sends a prompt as a group of samples that differ only in their seeds (one fingerprint). Half of a
+    poison group goes out with three innocent groups and takes down the engines it reaches; the other half,
+    with three more innocent groups, arrives ``late_s`` after, carrying no death of its own. Those copies are
+    suspect by their fingerprint (``Suspicion``): kept apart from the requests that count a death, and tried one
+    at a time. Every innocent request completes, every copy of the poison comes back ``poison``, and no more
+    engines die than the fleet has. (Without the fingerprint's suspicion: up to 8 engines down and 15 innocent
+    requests returned as poison, whole groups refused with them, in 8 seeded runs.)"""
+    import random
+
+    from fleet.data.client import InProcessClient
+
+    async def go(seed: int):
+        ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
+        crashed = crashing_cores(door)
+        await ctl.start()
+        c = InProcessClient(ctl, rng=random.Random(seed))
+        first = [POISON] * 4 + [[3, 4, g] for g in range(3) for _ in range(8)]
+        second = [POISON] * 4 + [[5, 6, g] for g in range(3) for _ in range(8)]
+        random.Random(seed).shuffle(first)
+        random.Random(seed + 1).shuffle(second)
+
+        async def send(prompts, after_s, seed0):
+            await asyncio.sleep(after_s)
+            return await asyncio.gather(*(c.generate_async(p, {"max_tokens": 4, "seed": seed0 + i})
+                                          for i, p in enumerate(prompts)))
+
+        outs = await asyncio.wait_for(asyncio.gather(send(first, 0, 0), send(second, late_s, 100)), 120)
+        ends = list(zip(first + second, outs[0] + outs[1]))
+        lost = [(p, o.reason[:80]) for p, o in ends if p != POISON and not o.ok]
+        assert not lost, (seed, lost)
+        assert all(not o.ok and o.reason.startswith("poison: ") for p, o in ends if p == POISON), seed
+        assert len(crashed) <= 3, (seed, crashed)
+        assert any(o.attempts > 1 for p, o in ends if p != POISON), "innocent requests shared the poison's engines"
+        await ctl.shutdown()
+
+    for seed in range(3):
+        run(go(seed))
+
+
+def test_suspicion_of_a_fingerprint_ends_with_a_completion_a_poison_finding_or_its_window():
+    from fleet.data.poison import Suspicion
+
+    s = Suspicion(window_s=10)
+    assert not s and not s.suspect("f", 0.0)
+    s.mark("f", 0.0)
+    s.mark("g", 0.0)
+    assert s.suspect("f", 9.9) and s.take("f") and not s.take("f"), "one request of a suspect fingerprint at a time"
+    s.release("f")
+    assert s.take("f")
+    s.clear("f")
+    assert not s.suspect("f", 1.0) and s.suspect("g", 1.0) and not s.suspect("g", 10.0), "cleared, or its window ended"
+    off = Suspicion(window_s=0)  # poison_window_s 0: nothing remembered
+    off.mark("f", 0.0)
+    assert not off and not off.suspect("f", 0.0)
+
+
 def test_a_client_report_that_a_live_shard_cannot_serve_is_probed_and_the_actor_killed_only_on_the_probes_answer(model_dir):
     """A dying engine core fails every request it ran, and those of one client may fail (and be reported) before
     the poison request of another answers. Killed on that report, the actor would leave the poison's own call a
