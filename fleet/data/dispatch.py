@@ -459,8 +459,7 @@ class Dispatcher:
         """``p`` took down ``POISON_DEATHS`` engines: return it, never send it again, remember its fingerprint."""
         fp = self._fp(p)
         engines = ", ".join(p.deaths)
-        self._poison.remember(fp, engines, self._clock.now())
-        self._suspicion.clear(fp)  # refused from now on: the copies that waited behind it are returned
+        self._poison.remember(fp, engines, self._clock.now())  # its copies stay suspect: waiting, they are returned
         self._log.emit(Request(event=Request.POISON, request_id=p.request_id, fingerprint=fp, engines=p.deaths,
                                window_s=self._poison.window_s))
         self.tell_poison(self._view.routing())  # every serving shard refuses it too, to every client

@@ -99,10 +99,10 @@ class Suspicion:
     take down one more engine. So a request whose fingerprint is suspect is itself suspect (kept apart
     like one with a death: ``Ticket.suspect``), and one request per suspect fingerprint runs at a time
     (``take``/``release``): one copy of the culprit is tried alone, reaches its second death and is
-    returned as poison, and the copies that waited are refused with it. A fingerprint leaves suspicion
-    when a request with it completes (it does not break engines every time: the requests that count a
-    death keep their own), when it is found poison (``PoisonMemory`` then refuses it), or after
-    ``window_s``."""
+    returned as poison, and the copies that waited are refused with it (a suspect request checks the
+    client's ``PoisonMemory`` before each send). A fingerprint leaves suspicion when a request with it
+    completes (it does not break engines every time: the requests that count a death keep their own), or
+    after ``window_s``."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = float(window_s)
@@ -121,7 +121,7 @@ class Suspicion:
             self._until[fp] = now + self.window_s
 
     def clear(self, fp: str) -> None:
-        """A request with ``fp`` completed, or ``fp`` was found poison."""
+        """A request with ``fp`` completed."""
         self._until.pop(fp, None)
 
     def suspect(self, fp: str, now: float) -> bool:
