@@ -559,7 +559,7 @@ class Dispatcher:
 
     def _complete(self, p: _Pending, result: GenerationResult) -> FleetResult:
         self.completed += 1
-        if self._suspicion:  # it completed: its fingerprint does not break engines every time
+        if self._suspicion and not p.ended:  # it ran to its end: its fingerprint does not break engines every time
             self._suspicion.clear(self._fp(p))
         self._log.emit(
             Request(event=Request.COMPLETED, request_id=p.request_id, slot=result.slot, incarnation=result.incarnation,

@@ -306,6 +306,26 @@ def test_suspicion_of_a_fingerprint_ends_with_a_completion_or_its_window():
     assert not off and not off.suspect("f", 0.0)
 
 
+def test_a_fingerprint_stays_suspect_until_a_request_with_it_runs_to_its_end():
+    """Ended by its caller while it waited (``/abort_requests``), a request completes with nothing, which says
+    nothing about its fingerprint; one that ran to its end clears it."""
+    from tests.unit.test_abort_requests import fleet
+
+    async def go(gate_open: bool, end: bool) -> bool:
+        _, _, d = fleet(gate_open)
+        fp = fingerprint([1, 2], {"max_tokens": 3})
+        d._suspicion.mark(fp, d._clock.now())
+        request = asyncio.ensure_future(d.submit([1, 2], {"max_tokens": 3}, "w"))
+        await asyncio.sleep(0.05)
+        if end:
+            assert d.end(["w"]) == ["w"]
+        assert (await request).ok
+        return d._suspicion.suspect(fp, d._clock.now())
+
+    assert asyncio.run(go(gate_open=False, end=True)), "ended unsent: still suspect"
+    assert not asyncio.run(go(gate_open=True, end=False)), "ran to its end: cleared"
+
+
 def test_a_client_report_that_a_live_shard_cannot_serve_is_probed_and_the_actor_killed_only_on_the_probes_answer(model_dir):
     """A dying engine core fails every request it ran, and those of one client may fail (and be reported) before
     the poison request of another answers. Killed on that report, the actor would leave the poison's own call a
