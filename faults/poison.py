@@ -69,8 +69,15 @@ class _OtherClient:
         self.fleet = Fleet.connect(fleet.name)
         self.out: list = []
         prompts = [[1, 21 + i, 31, 41, 51] for i in range(OTHER_REQUESTS)]  # each its own fingerprint
-        self.thread = threading.Thread(target=lambda: self.out.extend(
-            r for g in self.fleet.generate(prompts, 1, OTHER_SAMPLING) for r in g), daemon=True)
+        self.error: str | None = None
+
+        def generate() -> None:
+            try:
+                self.out.extend(r for g in self.fleet.generate(prompts, 1, OTHER_SAMPLING) for r in g)
+            except Exception as exc:  # noqa: BLE001 - said in the proof, which then fails
+                self.error = f"{type(exc).__name__}: {exc}"
+
+        self.thread = threading.Thread(target=generate, daemon=True)
         self.thread.start()
         t_running = time.monotonic() + IDLE_WAIT_S
         while not self.fleet.status()["requests"]["in_progress"] and time.monotonic() < t_running:
@@ -79,7 +86,7 @@ class _OtherClient:
 
     def results(self) -> dict:
         self.thread.join(IDLE_WAIT_S)
-        reasons = sorted({r.reason[:120] for r in self.out if not r.ok})
+        reasons = sorted({r.reason[:120] for r in self.out if not r.ok}) + ([self.error] if self.error else [])
         return {"n": OTHER_REQUESTS, "ok": sum(r.ok for r in self.out), "resent": sum(r.attempts > 1 for r in self.out),
                 "reasons": reasons}
 

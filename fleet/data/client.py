@@ -78,7 +78,7 @@ class _Client:
     def _failure(outcome: Outcome) -> tuple[str, str]:
         """(kind, detail) of a failed call as the controller takes reports: a dead actor is ``died``, a live
         shard that said it cannot serve (its engine core crashed) ``unusable``."""
-        kind = outcome.kind if outcome.kind == DIED else UNUSABLE if is_unusable(outcome) else outcome.kind
+        kind = UNUSABLE if outcome.kind != DIED and is_unusable(outcome) else outcome.kind
         return kind, outcome.describe()[:500]
 
     def _ended(self, results: list[FleetResult]) -> None:

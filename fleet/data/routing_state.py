@@ -69,8 +69,9 @@ class VersionPolicy:
 @dataclass(frozen=True)
 class Ticket:
     """What a request carries to the shard: the routing epoch it was routed under, its policy, the
-    shard's admission cap in that routing state (None: no cap), which the shard enforces, and whether an
-    engine already died under it (``suspect``: the shard runs one such request at a time, ``fleet.data.poison``)."""
+    shard's admission cap in that routing state (None: no cap), which the shard enforces, and whether it is
+    suspect (``suspect``: an engine already died under it, or under a request with its fingerprint; the shard
+    runs one such request at a time, ``fleet.data.poison``)."""
 
     epoch: int
     policy: VersionPolicy = VersionPolicy()

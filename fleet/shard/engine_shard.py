@@ -81,7 +81,7 @@ class EngineShard:
         self._hooks = FaultHooks(lambda: getattr(self._backend, "engine_core_pids", lambda: [])(), slot, incarnation,
                                  self.config.fault_journal)
         self._inflight: dict[str, tuple[int, VersionPolicy | None]] = {}  # request id -> (version at start, policy)
-        self._suspects: set[str] = set()  # the ones in flight an engine died under before (``Ticket.suspect``)
+        self._suspects: set[str] = set()  # the ones in flight that are suspect (``Ticket.suspect``)
         self._running: dict[str, asyncio.Future] = {}
         self._recent = RecentResults()
         self.gate = ShardGate()
@@ -353,7 +353,7 @@ class EngineShard:
         sampling, request id, cache salt, routing epoch, policy kind, policy k, admission cap, then how to
         stream (``first_at_once``: send the first token at once, for a caller waiting on it; ``interval_s``:
         at most one chunk per that many seconds after it), what a continuation carries (``Carried``, packed)
-        and whether an engine died under the request before (``Ticket.suspect``)."""
+        and whether the request is suspect (an engine died under it, or under its prompt: ``Ticket.suspect``)."""
         prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, first_at_once, interval_s, carried, suspect = request
         chunks: asyncio.Queue = asyncio.Queue()
         pacer = Pacer(bool(first_at_once), float(interval_s))

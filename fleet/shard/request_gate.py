@@ -11,8 +11,8 @@ agrees with what the controller last told the shard:
 - ``full``: the shard holds as many requests as its admission cap allows. The cap is the
   one the controller published, carried by the tickets; the newest routing epoch's cap
   wins, so however many clients route here, the shard never holds more than that;
-- ``suspect``: an engine already died under the request (its ticket says so) and the shard runs
-  another such request, from any client. An engine core that dies takes every request it ran with
+- ``suspect``: the request is suspect (an engine already died under it or under its fingerprint:
+  its ticket says so) and the shard runs another such request, from any client. An engine core that dies takes every request it ran with
   it, each one counted against; two of them on one engine could both be under the culprit's next
   death, and an innocent one would be returned as poison with it (``fleet.data.poison``);
 - ``poison``: the request's fingerprint (``fleet.data.poison``) is one a client found took down
