@@ -536,7 +536,7 @@ class Dispatcher:
                 known = self._known_poison(p, now)  # found poison while it waited behind a copy of it
                 if known is not None:
                     return known
-                members = [] if self._fp(p) in self._suspicion.running else [
+                members = [] if self._suspicion.busy(self._fp(p)) else [
                     m for m in members if (m.slot, m.incarnation) not in self._suspects
                     and self._suspect_held.get((m.slot, m.incarnation), 0.0) <= now]
             m = pick_two(members, self.load(), state.cap_map, self._rng)

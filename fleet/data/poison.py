@@ -131,9 +131,13 @@ class Suspicion:
             return False
         return until is not None
 
+    def busy(self, fp: str) -> bool:
+        """A request of ``fp`` runs (``take``): another waits."""
+        return fp in self.running
+
     def take(self, fp: str) -> bool:
         """Run a request of ``fp`` if none runs: True, and ``fp`` is busy until ``release``."""
-        if fp in self.running:
+        if self.busy(fp):
             return False
         self.running.add(fp)
         return True

@@ -387,8 +387,8 @@ class EngineShard:
         if reason == POISON:
             return "a client found requests like it take down two engines (poison_window_s)"
         if reason == SUSPECT:
-            return (f"an engine died under it before, and it runs {', '.join(sorted(self._suspects))}, which an "
-                    "engine died under too: two such requests never share an engine")
+            return (f"it is suspect (an engine died under it or its prompt) and it runs "
+                    f"{', '.join(sorted(self._suspects))}, suspect too: two such requests never share an engine")
         return (f"weights version {self._version} do not meet policy {ticket.policy.describe()} "
                 f"(committed version {g.committed})")
 

@@ -12,9 +12,10 @@ agrees with what the controller last told the shard:
   one the controller published, carried by the tickets; the newest routing epoch's cap
   wins, so however many clients route here, the shard never holds more than that;
 - ``suspect``: the request is suspect (an engine already died under it or under its fingerprint:
-  its ticket says so) and the shard runs another such request, from any client. An engine core that dies takes every request it ran with
-  it, each one counted against; two of them on one engine could both be under the culprit's next
-  death, and an innocent one would be returned as poison with it (``fleet.data.poison``);
+  its ticket says so) and the shard runs another such request, from any client. An engine core
+  that dies takes every request it ran with it, each one counted against; two of them on one
+  engine could both be under the culprit's next death, and an innocent one would be returned as
+  poison with it (``fleet.data.poison``);
 - ``poison``: the request's fingerprint (``fleet.data.poison``) is one a client found took down
   two engines and told this shard about (``remember_poison``), within its window. Not
   retryable: the client returns the request as poison.
@@ -33,7 +34,7 @@ from typing import Any, Callable
 from fleet.data.routing_state import Ticket
 
 PAUSED, NOT_MEMBER, EPOCH, VERSION, FULL = "paused", "not_member", "epoch", "version", "full"
-SUSPECT = "suspect"  # another request an engine died under runs here: one at a time
+SUSPECT = "suspect"  # another suspect request runs here: one at a time
 POISON = "poison"  # (``fleet.data.poison.POISON``)
 
 
