@@ -75,6 +75,19 @@ class RouteRefused(RlfleetError):
         return (type(self), (str(self), self.reason))
 
 
+class RefitOwnsEngine(RlfleetError):
+    """A plain ``resume`` reached an engine that a refit paused (between its ``begin_refit`` and ``end_refit``):
+    refused, so nothing can unpause an engine with a transfer or an apply in flight. The operator's own pause
+    is released all the same: the refit's end resumes the engine. ``version``: the refit's."""
+
+    def __init__(self, message: str, version: int | None = None) -> None:
+        super().__init__(message)
+        self.version = version
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.version))
+
+
 class BadRequestError(RlfleetError, ValueError):
     """The request itself is invalid (e.g. sampling parameters the engine rejects). Do not retry."""
 

@@ -48,6 +48,9 @@ Transition rules (DESIGN.md failure classes; "quarantine" = SUSPECT or HUNG):
 - resize (``health.resize``): ``SlotsAdded`` appends STARTING slots; ``CheckpointLoaded``
   lands version 0 on a ready slot while 0 is committed; ``SlotRemoved`` retires a slot on
   purpose (``Drain`` while it may still run requests), not counted as a failure.
+- the operator and the stop (``health.gate_rules``): ``OperatorPaused`` closes the gate and holds it
+  closed through refits and quorum changes; ``OperatorResumed`` opens it where the rules above would
+  (at a refit's end during one); ``Halted`` closes it for good. The ledger's ``gate_open`` is the gate.
 - ``Batch(events)``: the slot events in order, each read through the changes of
   the ones before it, with the two checks above after each, as if fed one by one;
   one decision (one ``now``, one ledger write) for all of them.
@@ -59,14 +62,17 @@ ledger could change; ``decide`` itself never changes the ledger.
 
 from __future__ import annotations
 
-from health import fleet_rules, resize, slot_rules
+from health import fleet_rules, gate_rules, resize, slot_rules
 from health.decision import Decision
 from health.draft import Draft
 from health.events import (
     Batch,
     EngineReady,
     Event,
+    Halted,
     Observed,
+    OperatorPaused,
+    OperatorResumed,
     RefitFinished,
     RefitReport,
     RefitRolledBack,
@@ -99,6 +105,9 @@ _HANDLERS = {
     RefitRolledBack: fleet_rules.on_refit_rolled_back,
     Tick: fleet_rules.on_tick,
     resize.SlotsAdded: resize.on_slots_added,
+    OperatorPaused: gate_rules.on_operator_paused,
+    OperatorResumed: gate_rules.on_operator_resumed,
+    Halted: gate_rules.on_halted,
 }
 
 

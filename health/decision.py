@@ -42,6 +42,7 @@ __all__ = [
     "CloseGate",
     "Decision",
     "Evict",
+    "gate_reason_of",
     "KeepGateClosed",
     "OpenGate",
     "Probe",
@@ -197,3 +198,13 @@ class Decision(NamedTuple):
     def changes_ledger(self) -> bool:
         """True when applying this decision changes slot records or fleet state."""
         return bool(self.records) or self.fleet is not None
+
+
+def gate_reason_of(actions: "list[Action] | tuple[Action, ...]") -> str | None:
+    """Why the gate is as the last gate action among ``actions`` leaves it (None: no gate action)."""
+    for a in reversed(actions):
+        if isinstance(a, OpenGate):
+            return f"{a.serving} engine(s) serve version {a.version}"
+        if isinstance(a, (CloseGate, KeepGateClosed, StopExhausted)):
+            return a.message
+    return None

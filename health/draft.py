@@ -16,7 +16,7 @@ Package-internal: controllers use ``decide``/``step``. Never raises.
 
 from __future__ import annotations
 
-from health.decision import Action, Decision, Transition
+from health.decision import Action, Decision, Transition, gate_reason_of
 from health.events import Event
 from health.ledger import FleetState, Ledger, SlotRecord, view_state
 from health.states import FailureClass, SlotPhase
@@ -89,6 +89,9 @@ class Draft:
         self.reasons.append(reason)
 
     def finish(self) -> Decision:
+        reason = gate_reason_of(self.actions)
+        if reason is not None:
+            self.fleet = self.fleet_now()._replace(gate_reason=reason)
         return Decision(
             self.event, self.now, self.failure, tuple(self.actions),
             tuple(self.transitions), "; ".join(self.reasons) or "nothing to do",

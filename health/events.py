@@ -25,7 +25,10 @@ __all__ = [
     "EngineReady",
     "Event",
     "FleetEvent",
+    "Halted",
     "Observed",
+    "OperatorPaused",
+    "OperatorResumed",
     "RefitFinished",
     "RefitRolledBack",
     "RefitReport",
@@ -127,8 +130,31 @@ class Tick:
     (or after) ``Ledger.next_wake_at()``; extra ticks are harmless."""
 
 
+@dataclass(frozen=True, slots=True)
+class OperatorPaused:
+    """The operator paused the fleet (vLLM's ``/pause``; ``mode``: ``abort``, ``wait`` or ``keep``): the gate
+    closes and stays closed through refits and quorum changes until ``OperatorResumed``. Send it only once the
+    pause is stored (the intent): a pause that was not stored does not hold."""
+
+    mode: str
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorResumed:
+    """The operator ended its pause: the gate opens where the health core would have it open (no refit in
+    progress, not stopped, quorum serves the committed version); during a refit, at the refit's end."""
+
+
+@dataclass(frozen=True, slots=True)
+class Halted:
+    """The fleet stopped (an unrecovered failure, a shutdown): the gate closes for good with ``reason``."""
+
+    reason: str
+
+
 SlotEvent = Union[EngineReady, Observed, RefitReport]
-FleetEvent = Union[RefitStarted, VersionCommitted, RefitFinished, RefitRolledBack, Tick]
+FleetEvent = Union[RefitStarted, VersionCommitted, RefitFinished, RefitRolledBack, Tick, OperatorPaused,
+                   OperatorResumed, Halted]
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from health.decision import CloseGate, KeepGateClosed, OpenGate, StopExhausted, 
 from health.draft import Draft
 from health.events import RefitFinished, RefitRolledBack, RefitStarted, Tick, VersionCommitted
 from health.ledger import QUARANTINE, TIMER_RESTART, SlotRecord, view_state
+from health.gate_rules import operator_reason
 from health.quorum import check_quorum, exhausted_message
 from health.slot_rules import condemn, restart
 from health.states import FailureClass, ShardState, SlotPhase
@@ -55,7 +56,8 @@ def on_refit_started(d: Draft, ev: RefitStarted) -> None:
     cv = fleet.current_version
     if cv is not None and v <= cv:
         raise ValueError(f"RefitStarted({v}): weight versions must increase; current is {cv}")
-    d.fleet = fleet._replace(refit_version=v, refit_started_at=d.now, gate_open=False, halted=None, quorum_lost=False)
+    d.fleet = fleet._replace(refit_version=v, refit_started_at=d.now, gate_open=False, halted=None, quorum_lost=False,
+                             gate_reason=f"refit of version {v}")
     d.reasons.append(f"refit of version {v} started; gate closed")
     _evict_all_overdue(d, v)
 
@@ -162,7 +164,19 @@ def _close_refit(d: Draft, name: str, v: int):
 
 
 def _reopen_if_quorum(d: Draft, version: int, why: str) -> None:
+    """Open on ``version`` if quorum serves it, unless the fleet stopped (``KeepGateClosed``) or the operator's
+    pause holds it closed (it then opens at ``OperatorResumed``); below quorum the fleet stops, paused or not."""
     q = check_quorum(d.ledger)
+    fleet = d.fleet_now()
+    if fleet.stopped is not None and q.ok:
+        message = f"gate stays closed: the fleet stopped: {fleet.stopped}"
+        d.actions.append(KeepGateClosed(version, message))
+        d.reasons.append(f"{why}: {message}")
+        return
+    if q.ok and fleet.operator_pause is not None:
+        d.fleet = fleet._replace(gate_reason=operator_reason(fleet.operator_pause))
+        d.reasons.append(f"{why}: {q.message}; gate stays closed: {operator_reason(fleet.operator_pause)}")
+        return
     if q.ok:
         d.fleet = d.fleet._replace(gate_open=True)
         d.actions.append(OpenGate(version, q.serving, q.needed))
@@ -197,6 +211,8 @@ def check_quorum_between_refits(d: Draft) -> None:
     fleet = d.fleet_now()
     cv = fleet.current_version
     if fleet.refit_version is not None or fleet.halted is not None or fleet.exhausted or cv is None:
+        return
+    if fleet.operator_pause is not None or fleet.stopped is not None:  # closed by the operator or for good
         return
     if not (fleet.gate_open or fleet.quorum_lost):
         return

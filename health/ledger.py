@@ -104,6 +104,9 @@ class FleetState(NamedTuple):
     halted: str | None
     exhausted: bool
     quorum_lost: bool = False  # the gate closed between refits because fewer than min_healthy_engines serve
+    operator_pause: str | None = None  # the operator's pause mode while it holds (``OperatorPaused``)
+    stopped: str | None = None  # why the fleet stopped (``Halted``): the gate never opens again
+    gate_reason: str = "not yet opened"  # why the gate is as it is: the last decision that opened or closed it
 
 
 def view_state(record: SlotRecord, current_version: int | None) -> ShardState:
@@ -274,6 +277,21 @@ class Ledger:
         return self._fleet.gate_open
 
     @property
+    def gate_reason(self) -> str:
+        """Why the gate is open or closed: the health core's own words for its last gate decision."""
+        return self._fleet.gate_reason
+
+    @property
+    def operator_pause(self) -> str | None:
+        """The operator's pause mode while it holds, else None."""
+        return self._fleet.operator_pause
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the fleet stopped, or None while it runs."""
+        return self._fleet.stopped
+
+    @property
     def exhausted(self) -> bool:
         """True once too many slots retired for quorum ever to hold again."""
         return self._fleet.exhausted
@@ -386,6 +404,9 @@ class Ledger:
             "refit_version": f.refit_version,
             "refit_started_at": f.refit_started_at,
             "gate_open": f.gate_open,
+            "gate_reason": f.gate_reason,
+            "operator_pause": f.operator_pause,
+            "stopped": f.stopped,
             "halted": f.halted,
             "exhausted": f.exhausted,
             "serving": self.serving_count(),

@@ -233,7 +233,7 @@ def _abort(d: Draft, rec: SlotRecord, ev: Observed, cause: str) -> None:
     d.actions.append(AbortRefit(rec.slot, rec.incarnation, ev.call, ev.failure, version, message))
     d.reasons.append("refit aborted")
     if version is not None and fleet.halted is None:
-        d.fleet = fleet._replace(halted=message, gate_open=False)
+        d.fleet = fleet._replace(halted=message, gate_open=False, gate_reason=message)
 
 
 def _failed_probe(d: Draft, rec: SlotRecord, ev: Observed) -> None:

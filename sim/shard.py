@@ -23,6 +23,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.request_gate import ShardGate
 from fleet.types import EngineStats
 
@@ -72,6 +73,7 @@ class SimShard:
         self.slot, self.incarnation, self.node, self.name = slot, incarnation, node, name
         self.t = timings
         self.gate = ShardGate()
+        self.holds = PauseHolds()
         self.version = 0
         self.dirty = False
         self.state = "new"
@@ -129,7 +131,7 @@ class SimShard:
     async def describe(self) -> dict[str, Any]:
         await self._take(self.t.rpc_s)
         return {**self._info(), "node": self.node, "dirty": self.dirty, "paused": self.gate.paused,
-                "native_pause": True, "gate": self.gate.counters()}
+                **self.holds.describe(), "native_pause": True, "gate": self.gate.counters()}
 
     async def counters(self) -> dict[str, Any]:
         await self._take(self.t.rpc_s)
@@ -151,6 +153,7 @@ class SimShard:
     async def begin_refit(self, epoch: int, version: int, pause: dict | None = None) -> dict[str, Any]:
         await self._take(self.t.rpc_s if pause is None else self.t.pause_s)  # one call: the pause is its cost
         self.gate.fence(int(epoch))
+        self.holds.begin_refit(int(version))
         out: dict[str, Any] = {"aborted": 0, "in_flight": 0}
         if pause is not None:
             self.gate.paused = out["paused"] = True
@@ -162,8 +165,11 @@ class SimShard:
             self.version = int(version)
             self.dirty = False
             self.gate.committed = max(self.gate.committed, self.version)
+        stamp = None if version is None else "ok"
+        if not self.holds.end_refit() and self.gate.paused:
+            return {"stamp": stamp, "stamp_error": None, "aborted": 0, "resumed": True, "paused_for": "operator"}
         self.gate.paused = False
-        return {"stamp": None if version is None else "ok", "stamp_error": None, "aborted": 0, "resumed": True}
+        return {"stamp": stamp, "stamp_error": None, "aborted": 0, "resumed": True, "paused_for": None}
 
     async def abort_in_flight(self) -> int:
         await self._take(self.t.rpc_s)
@@ -174,13 +180,15 @@ class SimShard:
         return True
 
     async def pause(self, mode: str = "keep", clear_cache: bool = True, timeout: float | None = None,
-                    clear_if_idle: bool = False) -> bool:
+                    clear_if_idle: bool = False, owner: str = "operator") -> bool:
         await self._take(self.t.pause_s)
         self.gate.paused = True
+        self.holds.paused(mode, owner)
         return True
 
     async def resume(self, timeout: float | None = None) -> bool:
         await self._take(self.t.resume_s)
+        self.holds.resume(f"simulated shard slot {self.slot} (incarnation {self.incarnation})")
         self.gate.paused = False
         return True
 

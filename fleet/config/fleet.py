@@ -18,8 +18,9 @@ from fleet.errors import ConfigError
 KV_POLICIES = ("recompute", "keep", "salt")
 REFIT_TIMEOUT_FALLBACK_S = 360.0
 # Re-adoption (``fleet.control.recovery``) is this many rounds of calls to the shards, each bounded by
-# ``probe_timeout_s``: describe, leave routing, stamp a committed refit, abort held requests, resume, stats.
-ADOPTION_ROUNDS = 6
+# ``probe_timeout_s``: describe, leave routing, stamp a committed refit, abort held requests, release the dead
+# refit's pause, resume (or re-apply a stored ``keep`` pause), stats.
+ADOPTION_ROUNDS = 7
 # What Ray takes to start the controller's new process (and import rlfleet) before re-adoption begins.
 CONTROLLER_RESTART_ALLOWANCE_S = 10.0
 

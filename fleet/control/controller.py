@@ -41,14 +41,13 @@ from fleet.control.slots import Slots
 from health import (
     Batch,
     CallKind,
-    CloseGate,
     Decision,
     EngineReady,
     Evict,
+    Halted,
     Ledger,
     MembershipPlan,
     MonotonicClock,
-    OpenGate,
     Probe,
     RefitFinished,
     RefitReport,
@@ -88,11 +87,9 @@ class SingleController:
         self.slots = Slots(Ledger(self.cfg.health_config(), now=self.clock.now()), self.cfg.num_engines,
                            name=self.name, door=door, log=self.log, intent=self.intent, now=self.clock.now,
                            engine=self.cfg.engine)
-        self.stopped: str | None = None
         self.metrics = FleetMetrics(enabled=self.cfg.metrics)
         self.meter = RunMeter(self.clock.now())  # one run step: from one committed refit to the next
-        self.gate = DispatchGate(self.log, committed=lambda: self.slots.ledger.current_version,
-                                 on_change=self._gate_changed)
+        self.gate = DispatchGate(self.log, ledger=lambda: self.slots.ledger, on_change=self._gate_changed)
         self.admission = AdmissionController(self.cfg.admission)
         self.parts = Parts(self.cfg, self.name, self.clock, self.log, door, self.slots, self.intent, self.gate,
                            self.admission, self.metrics, act=self)
@@ -117,6 +114,11 @@ class SingleController:
         self._crash_at: tuple[str, float] | None = None  # fault injection: where this process kills itself
 
     # ------------------------------------------------------------------ the slots, read-only (status, tests)
+    @property
+    def stopped(self) -> str | None:
+        """Why the fleet stopped, or None while it runs: the health core's record (``Halted``)."""
+        return self.slots.ledger.stopped
+
     @property
     def ledger(self) -> Ledger:
         return self.slots.ledger
@@ -215,13 +217,13 @@ class SingleController:
         return {"shards": kinds}
 
     def halt(self, reason: str) -> None:
-        """Stop with the gate closed: waiting requests are returned explicitly from now on."""
+        """Stop with the gate closed: waiting requests are returned explicitly from now on. Stored first (a
+        store that fails now is reported: it must not hide the stop), then decided (``Halted``)."""
         if self.stopped is None:
-            self.stopped = reason
             self.log.emit(ev.Stopped(reason=reason))
-            if self.intent.current is not None:  # a store that fails now is reported: it must not hide the stop
+            if self.intent.current is not None:
                 self.intent.stopped(reason)
-        self.gate.close(reason)
+        self.decide(Halted(reason))
 
     def _intent_failed(self, exc: Exception, intent: Intent | None) -> None:
         """The intent store failed a write made while the fleet stops: recorded, and the stop goes on."""
@@ -234,6 +236,7 @@ class SingleController:
         """Apply one event (``Slots.decide``: the ledger, the log, the roles) and carry out its non-lifecycle
         actions: the one place the controller's actions are carried out."""
         d = self.slots.decide(event)
+        self.gate.sync()  # the gate is the ledger's: announced (log, metrics, routing) before any action runs
         for action in d.actions:
             self._carry_out(action)
         self.metrics.health(self.slots.ledger)
@@ -261,14 +264,8 @@ class SingleController:
                           note="not relaunched on its own: resize(n) replaces slots retired by failures"))
         elif isinstance(action, StopExhausted):
             self.halt(action.message)
-        elif isinstance(action, CloseGate):
-            self.gate.close(action.message)
-        elif isinstance(action, OpenGate) and not self.stopped:
-            if self.operator_pause.holds:  # the health core would open it; the operator's pause keeps it closed
-                self.gate.close(self.operator_pause.reason)
-            else:
-                self.gate.open(action.version, f"{action.serving} engine(s) serve version {action.version}")
-        # AbortRefit and KeepGateClosed are read by the lifecycle from the decision.
+        # OpenGate and CloseGate are the ledger's state already (``gate.sync`` announced them); AbortRefit and
+        # KeepGateClosed are read by the lifecycle from the decision.
 
     async def _timer_loop(self) -> None:
         while True:

@@ -1,56 +1,52 @@
-"""The dispatch gate: closed during every refit, open only on a committed version.
+"""The dispatch gate, as the controller's parts read it: a read-only view of the health core's decision.
 
-The gate is part of the routing state the controller publishes
-(``fleet.control.publisher``); clients wait on that, not on this object. It owns its
-open/closed state and announces every change in one place (the event log, and the
-``on_change(open, version)`` listener: the controller's metrics). Its version is not its
-own: it is the committed version, read from the one place that holds it (the health
-ledger, through ``committed``), so the gate, the ledger and the published routing state
-can never disagree on it. Waiting for the gate is bounded by the caller; nothing is
-dropped while it is closed.
+The gate is decided in one place, the health core (``health``: the ledger's ``gate_open`` and
+``gate_reason``; the operator's pause and the fleet's stop are ledger state too). Nothing here opens or
+closes it. ``sync`` runs after every applied decision (``SingleController.decide``) and announces a change
+in one place: the event log's ``gate`` record and the ``on_change(open, version)`` listener (the
+controller's metrics and the routing publisher). Its version is the committed version, read from the
+ledger. The gate is part of the routing state the controller publishes (``fleet.control.publisher``);
+clients wait on that, not on this object.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Callable
 
 from fleet.eventlog import EventLog
 from fleet.records import Gate
+from health import Ledger
 
 
 class DispatchGate:
-    def __init__(self, log: EventLog, committed: Callable[[], int | None],
+    def __init__(self, log: EventLog, ledger: Callable[[], Ledger],
                  on_change: Callable[[bool, int], None] | None = None) -> None:
         self._log = log
-        self._committed = committed
+        self._ledger = ledger
         self._on_change = on_change or (lambda is_open, version: None)
-        self._open = asyncio.Event()
-        self.reason = "not yet opened"
+        self._seen = False  # the state last announced
 
     @property
     def version(self) -> int:
         """The committed version (0 before the first commit): what the gate opens on."""
-        committed = self._committed()
+        committed = self._ledger().current_version
         return 0 if committed is None else committed
 
     @property
     def is_open(self) -> bool:
-        return self._open.is_set()
+        return self._ledger().gate_open
 
-    def open(self, version: int | None, reason: str) -> None:
-        """Open on ``version``, which must be the committed one (the health core opens only on that)."""
-        if version is not None and version != self.version:
-            raise AssertionError(f"the gate opens only on the committed version {self.version}, not {version}")
-        self.reason = reason
-        if not self._open.is_set():
-            self._open.set()
-            self._log.emit(Gate(open=True, version=version, reason=reason))
-            self._on_change(True, version)
+    @property
+    def reason(self) -> str:
+        """The health core's reason for the gate's state."""
+        return self._ledger().gate_reason
 
-    def close(self, reason: str) -> None:
-        self.reason = reason
-        if self._open.is_set():
-            self._open.clear()
-            self._log.emit(Gate(open=False, version=self.version, reason=reason))
-            self._on_change(False, self.version)
+    def sync(self) -> None:
+        """Announce the gate's state if a decision changed it since the last call."""
+        is_open = self.is_open
+        if is_open == self._seen:
+            return
+        self._seen = is_open
+        version = self.version
+        self._log.emit(Gate(open=is_open, version=version, reason=self.reason))
+        self._on_change(is_open, version)

@@ -55,7 +55,6 @@ from health import (
     Decision,
     KeepGateClosed,
     MembershipPlan,
-    OpenGate,
     RefitFinished,
     RefitReport,
     RefitResult,
@@ -171,7 +170,7 @@ class RefitLifecycle:
         return self._transfer
 
     def _finish(self, version: int) -> Decision:
-        """Step 7: ask the ledger whether the gate may reopen; the controller opens it if so (an ``OpenGate``)."""
+        """Step 7: close the refit in the ledger; its decision opens the gate (or says why not)."""
         return self.p.act.decide(RefitFinished(version))
 
     def _rolled_back(self, version: int, reason: str) -> Decision:
@@ -309,11 +308,10 @@ class RefitLifecycle:
     async def close_gate(self, version: int) -> int:
         """Step 1: close dispatch and publish it; clients hold new requests, nothing is dropped.
         Returns the routing epoch of the closed gate."""
+        self.p.intent.refit_begun(version)  # stored before anything changes: if it raises, nothing did
         self.holding = True
         self.p.admission.refit_started()  # the engines pause (and may reset their cache): not load signals
-        self.p.intent.refit_begun(version)  # stored before anything changes
-        self.p.gate.close(f"refit of version {version}")
-        self.p.act.decide(RefitStarted(version))
+        self.p.act.decide(RefitStarted(version))  # the health core closes the gate
         return await self.publisher.fence_for_refit()
 
     def reconcile(self) -> MembershipPlan:
@@ -401,7 +399,8 @@ class RefitLifecycle:
                 self._began(s, o.value)
         clear = self._clear_cache(targets)
         await self._invalidate_without_native_pause({s: p for s, p in targets.items() if clear[s]})
-        return await self._fan_out({s: (handles[s][1], "pause", (), {"mode": "keep", "clear_cache": clear[s]})
+        return await self._fan_out({s: (handles[s][1], "pause", (), {"mode": "keep", "clear_cache": clear[s],
+                                                                       "owner": "refit"})
                                     for s in targets}, expect_ack=True)
 
     async def pause_settled(self, plan: MembershipPlan) -> tuple[MembershipPlan, set[int]]:
@@ -616,15 +615,16 @@ class RefitLifecycle:
         self.p.log.emit(ev.Stamp(version=version, members=members, failed=named(failed), unknown=named(unknown)))
 
     async def reopen(self, version: int) -> None:
-        """Step 8: reopen the gate only if quorum serves ``version``; else stop with it closed."""
+        """Step 8: the health core closes the refit (``RefitFinished``) and decides the gate: open if quorum
+        serves ``version`` (closed while the operator's pause holds); the refit stops with it closed only
+        where that decision says so (``StopExhausted``, ``KeepGateClosed``)."""
         d = self._finish(version)
         self._finished = True
-        if self.p.gate.is_open or (self.p.act.operator_pause.holds and any(isinstance(a, OpenGate) for a in d.actions)):
-            await self.publisher.publish()  # out to clients before sync_weights returns (closed: the operator's pause)
-            return
         stop = next((a for a in d.actions if isinstance(a, (StopExhausted, KeepGateClosed))), None)
-        message = stop.message if stop is not None else d.reason
-        raise _EndRefit(FleetExhausted if isinstance(stop, StopExhausted) else RefitFailed, message)
+        if stop is None:
+            await self.publisher.publish()  # out to clients before sync_weights returns
+            return
+        raise _EndRefit(FleetExhausted if isinstance(stop, StopExhausted) else RefitFailed, stop.message)
 
     # ------------------------------------------------------------------ helpers
     def _paused_outside(self, resuming: set[int]) -> dict[tuple[int, int], Any]:
@@ -751,7 +751,8 @@ class RefitLifecycle:
         """The refit ends before any engine's weights changed: resume what it paused (on the committed
         version), close the refit without a commit, reopen the gate on the committed version if quorum serves it."""
         held = {key: h for key, h in self._held.items() if self.p.slots.handle_of(*key) is h}
-        outs = await self._fan_out({key: (h, "resume", (), {}) for key, h in held.items()}, expect_ack=True)
+        outs = await self._fan_out({key: (h, "end_refit", (), {}) for key, h in held.items()})  # release, no stamp
+        outs = {key: self._resumed_outcome(out) for key, out in outs.items()}
         for (slot, inc), out in outs.items():
             self.p.act.observe(slot, inc, CallKind.RESUME, out)
         self.p.log.emit(ev.RefitRolledBack(version=self._version, reason=reason[:300],

@@ -8,11 +8,16 @@ runs once the gate opens), and what is in flight follows vLLM's modes:
 - ``wait``: the pause answers once nothing is in flight on any engine (bounded by ``timeout_s``);
 - ``keep``: every live engine is paused with its requests kept, and resumed at ``resume``.
 
-The pause holds across everything that would otherwise open the gate: a refit during it commits and
-leaves the gate closed (a refit ends by resuming the engines it paused, so under ``keep`` those requests
-run on, on the new weights), quorum coming back, and a controller restart (the pause is in the
-intent, and the successor keeps it). ``resume`` opens the gate only where the health core would
-(enough engines serve the committed version); otherwise the gate opens when they do.
+This module decides nothing about the gate: the pause and the resume are health events
+(``OperatorPaused``, ``OperatorResumed``), stored in the intent first and only then decided, so a pause
+whose store failed does not hold. The health core keeps the gate closed through everything that would
+otherwise open it (a refit committing, quorum coming back, a controller restart: the successor re-decides
+the stored pause and re-applies a ``keep`` pause to its engines), and opens it at ``resume`` where it
+would have been open (at the end of a refit running then).
+
+A ``keep`` pause holds each engine on the engine itself (``fleet.shard.pause_holds``): a refit ends with
+its engines still paused for the operator; a ``resume`` sent while a refit owns an engine is refused there
+(the refit resumes it at its end), so no resume can unpause an engine whose weights are being written.
 """
 
 from __future__ import annotations
@@ -20,17 +25,23 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fleet.errors import BadRequestError
+from fleet.errors import BadRequestError, RefitOwnsEngine
+from health import OperatorPaused, OperatorResumed
+from health.gate_rules import PAUSE_MODES, operator_reason
 
-PAUSE_MODES = ("abort", "wait", "keep")
 WAIT_POLL_S = 0.1
+RESUME_GRACE_S = 30.0
 
 
 class OperatorPause:
     def __init__(self, parts: Any, publisher: Any) -> None:
         self.p = parts
         self.publisher = publisher
-        self.mode: str | None = None
+
+    @property
+    def mode(self) -> str | None:
+        """The pause that holds (the health core's record), or None."""
+        return self.p.slots.ledger.operator_pause
 
     @property
     def holds(self) -> bool:
@@ -38,21 +49,19 @@ class OperatorPause:
 
     @property
     def reason(self) -> str:
-        return f"paused by the operator (mode {self.mode}): requests wait until resume"
+        return operator_reason(self.mode or "none")
 
     def restore(self, mode: str | None) -> None:
-        """A restarted controller takes over its predecessor's pause (from the intent) before it opens the gate."""
-        self.mode = mode
+        """A restarted controller takes over its predecessor's stored pause before anything opens the gate."""
         if mode is not None:
-            self.p.gate.close(self.reason)
+            self.p.act.decide(OperatorPaused(mode))
 
     async def pause(self, mode: str, timeout_s: float) -> dict:
         if mode not in PAUSE_MODES:
             raise BadRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         was = self.mode
-        self.mode = mode
-        self.p.intent.update(paused=mode)
-        self.p.gate.close(self.reason)
+        self.p.intent.update(paused=mode)  # stored first: if this raises, nothing changed
+        self.p.act.decide(OperatorPaused(mode))
         await self.publisher.publish()  # from here on every client holds new requests
         live = self.p.slots.live_handles()
         door, bound = self.p.door, self.p.cfg.probe_timeout_s + timeout_s
@@ -83,17 +92,24 @@ class OperatorPause:
             await asyncio.sleep(WAIT_POLL_S)
 
     async def resume(self) -> dict:
-        mode, self.mode = self.mode, None
-        self.p.intent.update(paused=None)
+        """End the pause: stored, then decided (``OperatorResumed``: the gate opens where the health core
+        would have it open); then every live engine is resumed (a ``keep`` pause, even one a later pause of
+        another mode replaced, holds them), except those a refit holds, which refuse (``at_refit_end``) and
+        resume when that refit ends."""
+        mode = self.mode
+        self.p.intent.update(paused=None)  # stored first: if this raises, the pause still holds
+        self.p.act.decide(OperatorResumed())
         out: dict[str, Any] = {"resumed": mode is not None, "mode": mode}
-        if mode == "keep":
+        if mode is not None:
             live = self.p.slots.live_handles()
             got = await self.p.door.fan_out({s: (h, "resume", (), {}) for s, (_, h) in live.items()},
-                                            timeout=self.p.cfg.probe_timeout_s + 30)
+                                            timeout=self.p.cfg.probe_timeout_s + RESUME_GRACE_S)
             out["resumed_on"] = sorted(s for s, o in got.items() if o.ok)
-        ledger = self.p.slots.ledger
-        if ledger.gate_open and ledger.current_version is not None and not self.p.act.stopped:
-            self.p.gate.open(ledger.current_version, "resumed by the operator")
+            out["at_refit_end"] = sorted(s for s, o in got.items() if isinstance(o.error, RefitOwnsEngine))
+            failed = {s: o.describe()[:200] for s, o in got.items()
+                      if not o.ok and not isinstance(o.error, RefitOwnsEngine)}
+            if failed:
+                out["failed"] = failed
         await self.publisher.publish()
         out["gate_open"] = self.p.gate.is_open
         if not self.p.gate.is_open:

@@ -22,7 +22,9 @@ shards running as named, detached actors (``fleet.cluster.naming``). The new one
    Only a shard stamped with the committed version and not dirty serves it; every other
    shard (dirty: unknown weights, or on an older version) is stale and joins the next
    refit. Requests held by a shard that will not serve are aborted (their clients
-   re-send them), then every paused shard resumes;
+   re-send them); a pause the dead controller's refit owned is released, then every
+   engine is left as the stored operator's pause says: under ``keep`` paused with its
+   requests kept until ``resume``, otherwise running;
 7. commits the version in the ledger and reopens the gate only with quorum (mixed or
    too few: it stays closed until the next ``sync_weights``), then publishes.
 
@@ -51,6 +53,7 @@ from health import (
     CallKind,
     EngineReady,
     MembershipPlan,
+    OperatorPaused,
     RefitFinished,
     RefitReport,
     RefitResult,
@@ -100,7 +103,7 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
     paused = {s for s, info in alive.items() if info.get("paused")}
     held = {s for s in paused if s not in serving and alive[s].get("in_flight")}
     aborts = await _round(p, "abort_in_flight", {s: (found[s], "abort_in_flight", (), {}) for s in held}, failed)
-    resumed = await _round(p, "resume", {s: (found[s], "resume", (), {}) for s in paused}, failed, expect_ack=True)
+    resumed = await _resume_to_intent(p, intent, found, alive, failed)
     serving -= set(failed)
     for slot in sorted(alive):
         info = alive[slot]
@@ -108,7 +111,8 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
                      dirty=bool(info.get("dirty")), paused=bool(info.get("paused")), serves=slot in serving,
                      stamped=slot in stamped, aborted=aborts[slot].value if slot in aborts and aborts[slot].ok else 0,
                      resumed=resumed[slot].ok if slot in resumed else None, failed=failed.get(slot)))
-    p.act.operator_pause.restore(intent.paused)  # before the commit below would open the gate
+    if intent.paused is not None:  # the stored pause holds before the commit below would open the gate
+        p.act.decide(OperatorPaused(intent.paused))
     _commit(p, intent.committed, serving)
     for slot, handle in starting.items():
         p.log.emit(ev.Adopt(slot=slot, incarnation=intent.slots[slot][0], starting=True))
@@ -150,6 +154,26 @@ def _sort_found(p: Parts, intent, found: dict[int, Any], described: dict, failed
         elif info is not None and info.get("incarnation") == inc and info.get("state") in ("new", "starting"):
             starting[slot] = found[slot]  # a restart the predecessor began: wait for its engine, then it is ready
     return alive, starting
+
+
+async def _resume_to_intent(p: Parts, intent, found: dict[int, Any], alive: dict[int, dict],
+                            failed: dict[int, str]) -> dict:
+    """Leave every live engine paused or running as the stored intent says. A pause the dead controller's refit
+    owns is released (``end_refit``, no stamp: the commit above stamped what it could); then, under a stored
+    ``keep`` pause, every engine is paused for the operator, requests kept (it holds past this re-adoption,
+    until ``resume``), and otherwise every engine still paused is resumed. Returns slot -> the outcome of the
+    call that left it running or paused."""
+    keep = intent.paused == "keep"
+    owned = {s for s, info in alive.items() if info.get("refit_hold") is not None}
+    released = await _round(p, "release the refit's pause", {s: (found[s], "end_refit", (), {}) for s in owned}, failed)
+    still = {s for s, info in alive.items() if s not in owned and (info.get("paused") or info.get("operator_hold"))}
+    still |= {s for s, o in released.items() if o.ok and o.value.get("paused_for") == "operator"}
+    if keep:
+        outs = await _round(p, "keep pause", {s: (found[s], "pause", ("keep", False), {}) for s in alive}, failed,
+                            expect_ack=True)
+    else:
+        outs = await _round(p, "resume", {s: (found[s], "resume", (), {}) for s in still}, failed, expect_ack=True)
+    return {**released, **outs}
 
 
 async def _round(p: Parts, phase: str, calls: dict, failed: dict[int, str], expect_ack: bool = False) -> dict:

@@ -30,6 +30,7 @@ from fleet.outcome import BAD_ACK, ERROR, OK, UNAVAILABLE
 from fleet.data.routing_state import Ticket, VersionPolicy
 from fleet.data.poison import fingerprint
 from fleet.shard.request_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, POISON, SUSPECT, RecentResults, ShardGate
+from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.start_records import record_start
 from fleet.shard.continuation import Carried
 from fleet.shard.output_stream import OutputStream, Pacer
@@ -85,6 +86,7 @@ class EngineShard:
         self._running: dict[str, asyncio.Future] = {}
         self._recent = RecentResults()
         self.gate = ShardGate()
+        self.holds = PauseHolds()  # the refit that owns its pause, the operator's ``keep`` pause
         self.deduplicated = 0
         self._left: dict[str, int] | None = None  # what it held when it last left the serving set
         self._load = {"finished": 0, "peak": 0, "trough": 0}  # for the admission law, since the last stats()
@@ -177,6 +179,7 @@ class EngineShard:
         whether a transfer touched the weights since that stamp (``dirty``: unknown weights), whether it
         is paused, and its gate (member, epoch floor, committed version as last told)."""
         return {**self.ping_info(), "node": self._where(), "dirty": self._dirty, "paused": self.gate.paused,
+                **self.holds.describe(),
                 "native_pause": self._backend.capabilities.native_pause,
                 "gate": self.gate.counters()}
 
@@ -420,8 +423,11 @@ class EngineShard:
         With ``pause`` (``mode``, ``clear_cache``, ``clear_if_idle``: as ``pause`` takes them) the shard then
         pauses in the same call, its ``pause`` fault hook included: a refit's first control call to an engine.
         ``clear_if_idle`` looks at what is left in flight once the too-old requests are aborted. The answer
-        gains ``paused`` (``pause``'s acknowledgement)."""
+        gains ``paused`` (``pause``'s acknowledgement).
+
+        From here until ``end_refit`` the refit owns the engine's pause: a plain ``resume`` is refused."""
         self.gate.fence(int(epoch))
+        self.holds.begin_refit(int(version))
         old = [rid for rid, (start, policy) in self._inflight.items()
                if policy is not None and not policy.allows(start, int(version))]
         if old:
@@ -430,7 +436,7 @@ class EngineShard:
         if pause is not None:
             kw = dict(pause)
             clear = bool(kw.pop("clear_cache", True)) or (bool(kw.pop("clear_if_idle", False)) and not out["in_flight"])
-            out["paused"] = await self.pause(kw.pop("mode", "keep"), clear, **kw)
+            out["paused"] = await self.pause(kw.pop("mode", "keep"), clear, **kw, owner="refit")
         return out
 
     async def end_refit(self, version: int | None = None, abort_held: bool = False) -> dict[str, Any]:
@@ -441,7 +447,10 @@ class EngineShard:
         A stamp that fails does not fail the call: the engine still resumes, and the answer says why
         (``stamp``: ``ok``, ``bad_ack``, ``unavailable`` or ``error`` as ``fleet.outcome`` names them, None
         when there was nothing to stamp; ``stamp_error``: the exception). A failed resume (its hook, the engine)
-        fails the whole call. Answers ``stamp``, ``stamp_error``, ``aborted`` and ``resumed``."""
+        fails the whole call. Answers ``stamp``, ``stamp_error``, ``aborted``, ``resumed`` (the refit released
+        the engine: True) and ``paused_for`` (``operator`` when the operator's ``keep`` pause holds it paused
+        after the refit, else None). With no ``version`` and no ``abort_held`` it only releases the refit's
+        pause: a refit rolled back, or one a restarted controller found begun."""
         self._require_ready("end_refit")
         stamp, error = None, None
         if version is not None:
@@ -456,7 +465,10 @@ class EngineShard:
         aborted = 0
         if (abort_held and version is None) or stamp not in (None, OK):
             aborted = await self.abort_in_flight()
-        return {"stamp": stamp, "stamp_error": error, "aborted": aborted, "resumed": await self.resume()}
+        if not self.holds.end_refit() and self.gate.paused:
+            return {"stamp": stamp, "stamp_error": error, "aborted": aborted, "resumed": True, "paused_for": "operator"}
+        return {"stamp": stamp, "stamp_error": error, "aborted": aborted, "resumed": await self._resume_engine(),
+                "paused_for": None}
 
     async def abort_in_flight(self) -> int:
         """Abort every request in flight (their callers get explicit aborted results); returns how many."""
@@ -488,7 +500,7 @@ class EngineShard:
 
     # -- pause / resume / cache ------------------------------------------------
     async def pause(self, mode: str = "keep", clear_cache: bool = True, timeout: float | None = None,
-                    clear_if_idle: bool = False) -> bool:
+                    clear_if_idle: bool = False, owner: str = "operator") -> bool:
         """Pause generation. ``keep`` holds in-flight requests, ``abort`` ends them, ``wait`` drains them.
 
         ``clear_if_idle`` (``kv_policy: keep``): clear the KV cache anyway when nothing is in flight at this
@@ -500,13 +512,21 @@ class EngineShard:
             return False
         backend = self._require_ready("pause")
         clear = bool(clear_cache) or (bool(clear_if_idle) and not self._inflight)
-        await self._bounded(f"pause(mode={mode})", backend.pause(mode, clear), timeout)
+        if not (self.gate.paused and mode == "keep" and not clear):  # paused already, kept as it is
+            await self._bounded(f"pause(mode={mode})", backend.pause(mode, clear), timeout)
+        self.holds.paused(mode, owner)
         if not self.gate.paused:
             self._progress.hold("paused", self._now())  # a paused engine makes no step: not a stall
         self.gate.paused = True  # from now on new work is refused (what was in flight is held or aborted)
         return True
 
     async def resume(self, timeout: float | None = None) -> bool:
+        """The operator's resume: its pause is released; the engine runs again unless a refit holds it, in
+        which case the call is refused (``RefitOwnsEngine``) and the refit's ``end_refit`` resumes it."""
+        self.holds.resume(self._who())
+        return await self._resume_engine(timeout)
+
+    async def _resume_engine(self, timeout: float | None = None) -> bool:
         if self._hooks.armed and await self._hooks.at("resume"):
             return False
         backend = self._require_ready("resume")

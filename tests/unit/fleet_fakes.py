@@ -26,9 +26,11 @@ from sim.clock import LoopClock, VirtualTimeLoop, run_virtual  # noqa: F401 - th
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
 from fleet.data.poison import fingerprint
 from fleet.data.routing_state import ANY, RoutingState, Ticket, VersionPolicy
+from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.request_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
-from fleet.errors import BadRequestError, DeadlineExceeded, RefitArgumentError, RouteRefused, ShardUnusableError
+from fleet.errors import (BadRequestError, DeadlineExceeded, RefitArgumentError, RefitOwnsEngine, RouteRefused,
+                          ShardUnusableError)
 from fleet.control.transfer_port import TransferResult
 from health import RefitResult
 
@@ -58,6 +60,7 @@ class FakeShard:
     progress: dict | None = None  # what its ping says of its engine's progress (``health.progress``)
     ping_raises: Exception | None = None  # its ping answers this (the shard's own exception, e.g. DeadlineExceeded)
     core_checked: bool = True  # its ping asked its engine core (False: a bounded worker call holds the core)
+    holds: PauseHolds = field(default_factory=PauseHolds)  # the real shard's rule of who holds it paused
 
     def behaviour(self, method: str) -> str | None:
         return self.sticky.get(method) or self.script.pop(method, None)
@@ -139,7 +142,7 @@ class FakeDoor:
             return began
         kw = {"mode": pause.get("mode", "keep"),  # as the shard decides: an idle engine clears under clear_if_idle
               "clear_cache": bool(pause.get("clear_cache")) or (bool(pause.get("clear_if_idle")) and not began.value["in_flight"])}
-        paused = await self._one(handle, "pause", timeout=timeout, expect_ack=True, **kw)
+        paused = await self._one(handle, "pause", timeout=timeout, expect_ack=True, owner="refit", **kw)
         if paused.kind not in (OK, BAD_ACK):
             return paused
         return Outcome(OK, value={**began.value, "paused": True if paused.ok else paused.value})
@@ -157,11 +160,14 @@ class FakeDoor:
             if not out.ok:
                 return out
             aborted = out.value
+        if not handle.holds.end_refit() and handle.paused:  # the operator's keep pause holds it past the refit
+            return Outcome(OK, value={"stamp": stamp, "stamp_error": error, "aborted": aborted, "resumed": True,
+                                      "paused_for": "operator"})
         resumed = await self._one(handle, "resume", timeout=timeout, expect_ack=True)
         if resumed.kind not in (OK, BAD_ACK):
             return resumed
         return Outcome(OK, value={"stamp": stamp, "stamp_error": error, "aborted": aborted,
-                                  "resumed": True if resumed.ok else resumed.value})
+                                  "resumed": True if resumed.ok else resumed.value, "paused_for": None})
 
     async def _one(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
         if method in ("serve", "serve_stream"):  # the data plane's packed generate: recorded and scripted as "generate"
@@ -191,7 +197,7 @@ class FakeDoor:
             return Outcome(BAD_ACK, value=None)
         try:
             value = await getattr(self, f"_{method}")(handle, *args, **kw)
-        except (RouteRefused, BadRequestError, ShardUnusableError) as exc:  # the shard's own answers, as Ray delivers them
+        except (RouteRefused, BadRequestError, ShardUnusableError, RefitOwnsEngine) as exc:  # the shard's own answers
             return Outcome(ERROR, error=exc)
         except DeadlineExceeded as exc:  # the shard's own deadline: ``ray_door`` reads it as timed out
             return Outcome(TIMED_OUT, error=exc)
@@ -230,17 +236,20 @@ class FakeDoor:
             raise s.ping_raises
         return {"slot": s.slot, "progress": s.progress, "core_checked": s.core_checked}
 
-    async def _pause(self, s, mode="keep", clear_cache=True, clear_if_idle=False):
+    async def _pause(self, s, mode="keep", clear_cache=True, clear_if_idle=False, owner="operator"):
         s.paused = s.gate.paused = True
+        s.holds.paused(mode, owner)
         return True
 
     async def _resume(self, s):
+        s.holds.resume(f"slot {s.slot} (incarnation {s.incarnation})")
         s.paused = s.gate.paused = False
         return True
 
     async def _describe(self, s):
         return {"slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version, "state": s.state,
                 "in_flight": len(s.in_flight), "dirty": s.dirty, "paused": s.paused, "native_pause": True,
+                **s.holds.describe(),
                 "gate": s.gate.counters()}
 
     async def _set_weight_version(self, s, v):
@@ -267,6 +276,7 @@ class FakeDoor:
 
     async def _begin_refit(self, s, epoch, version, pause=None):  # the pause itself: ``_begin_and_pause``
         s.gate.fence(epoch)
+        s.holds.begin_refit(version)
         old = [rid for rid, (start, policy) in s.in_flight.items() if policy is not None and not policy.allows(start, version)]
         for rid in old:
             s.in_flight[rid] = None  # aborted: its generate returns an aborted result

@@ -50,7 +50,7 @@ def test_begin_refit_with_its_pause_fences_aborts_the_too_old_and_pauses_clearin
         assert (await old).aborted and not kept.done()
         assert shard.gate.paused and shard.gate.refusal(Ticket(2), 0) is not None, "work routed before 3 refused"
         answer = await shard.end_refit(1)
-        assert answer == {"stamp": "ok", "stamp_error": None, "aborted": 0, "resumed": True}
+        assert answer == {"stamp": "ok", "stamp_error": None, "aborted": 0, "resumed": True, "paused_for": None}
         assert shard.get_weight_version() == 1 and not shard.gate.paused
         kept.cancel()
 
@@ -90,7 +90,7 @@ def test_an_engine_without_the_update_has_its_held_requests_aborted_and_a_lying_
         await shard.begin_refit(1, 1, pause={"mode": "keep", "clear_cache": False})
         shard.arm_fault("resume", "false_ack")
         answer = await shard.end_refit(None, abort_held=True)
-        assert answer == {"stamp": None, "stamp_error": None, "aborted": 1, "resumed": False}
+        assert answer == {"stamp": None, "stamp_error": None, "aborted": 1, "resumed": False, "paused_for": None}
         assert (await held).aborted and shard.get_weight_version() == 0
 
     run_virtual(go())

@@ -136,20 +136,26 @@ def test_adopt_takes_the_predecessors_ledger_size_roles_plan_and_handles(model_d
     assert slots.revision > before
 
 
-def test_the_gate_opens_only_on_the_committed_version_it_reads_from_the_ledger(model_dir):
+def test_the_gate_is_a_view_of_the_ledger_and_announces_each_change_once(model_dir):
     slots, _, log, _ = make(model_dir)
-    gate = DispatchGate(log, committed=lambda: slots.ledger.current_version)
-    assert gate.version == 0  # nothing committed yet
+    gate = DispatchGate(log, ledger=lambda: slots.ledger)
+    assert gate.version == 0 and not gate.is_open and gate.reason == "not yet opened"
     serve_version_0(slots)
+    gate.sync()
+    assert gate.is_open and Gate.last(log.records()).version == 0
     slots.decide(RefitStarted(3))
+    gate.sync()
+    assert not gate.is_open and gate.reason == "refit of version 3" and not Gate.last(log.records()).open
     for s, (inc, _) in slots.handles.items():
         slots.decide(RefitReport(s, inc, 3, RefitResult.COMPLETE, "ok"))
     slots.decide(VersionCommitted(3))
     assert gate.version == 3 and not gate.is_open  # committed, the gate still closed: one version, not two
-    with pytest.raises(AssertionError, match="committed version 3, not 2"):
-        gate.open(2, "a stale open")
-    gate.open(3, "quorum serves 3")
-    assert gate.is_open and Gate.last(log.records()).version == 3
+    slots.decide(RefitFinished(3))
+    n = len(log.records())
+    gate.sync()
+    gate.sync()
+    assert gate.is_open and len(log.records()) == n + 1 and Gate.last(log.records()).version == 3
+    assert not hasattr(gate, "open") and not hasattr(gate, "close"), "nothing but the health core opens or closes it"
 
 
 COLLABORATORS = ["lifecycle", "recovery", "resize", "launch", "monitor", "publisher", "slots", "parts"]
