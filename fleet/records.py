@@ -86,6 +86,16 @@ class FleetWarning(Record):
     message: str
 
 
+@record("loop_error")
+class LoopError(Record):
+    """One tick of a controller's background loop raised (``fleet.control.loops``); the loop went on.
+    ``failed_ticks``: that loop's failed ticks so far; ``at``: file and line that raised."""
+    loop: str
+    error: str
+    failed_ticks: int
+    at: str | None = None
+
+
 @record("error")
 class Error(Record):
     """Something failed off the request path (``where``: intent store, background task, re-adoption)."""

@@ -26,6 +26,7 @@ from fleet.eventlog import EventLog
 from fleet.config.fleet import FleetConfig, load_fleet_config
 from fleet.control.dispatch_gate import DispatchGate
 from fleet.control.launch import failed as launch_failed, launch_all, restart
+from fleet.control.loops import run_loop
 from fleet.control.intent import COMMITTED, Intent, IntentStore
 from fleet.control.monitor import LivenessMonitor
 from fleet.control.metrics import FleetMetrics, RunMeter, shard_load, shard_rows
@@ -169,10 +170,13 @@ class SingleController:
         return self.status()
 
     def start_loops(self) -> None:
-        """The background loops: health timers, the liveness monitor, the admission poll."""
-        self.in_background(self._timer_loop())
-        self.in_background(self.monitor.loop())
-        self.in_background(self._admission_loop())
+        """The background loops: health timers, the liveness monitor, the admission poll. None of them ends at
+        an exception (``fleet.control.loops``): each tick's is logged, naming the loop, and the next tick runs."""
+        self.in_background(run_loop("health timers", lambda: TIMER_INTERVAL_S, self._tick_if_due, self.log))
+        self.in_background(run_loop("liveness monitor", lambda: self.cfg.monitor_interval_s, self.monitor.round,
+                                    self.log))
+        self.in_background(run_loop("admission", lambda: self.cfg.admission.poll_interval_s, self.poll_admission,
+                                    self.log))
 
     async def _commit_checkpoint(self) -> None:
         """Every engine loaded the checkpoint from disk: that load is the complete refit of version 0."""
@@ -267,17 +271,11 @@ class SingleController:
         # OpenGate and CloseGate are the ledger's state already (``gate.sync`` announced them); AbortRefit and
         # KeepGateClosed are read by the lifecycle from the decision.
 
-    async def _timer_loop(self) -> None:
-        while True:
-            wake = self.ledger.next_wake_at()
-            if wake is not None and self.clock.now() >= wake:
-                self.decide(Tick())
-            await asyncio.sleep(TIMER_INTERVAL_S)
-
-    async def _admission_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.admission.poll_interval_s)
-            await self.poll_admission()
+    async def _tick_if_due(self) -> None:
+        """The health timers: a ``Tick`` once the ledger's next timer is due (restarts, evictions)."""
+        wake = self.ledger.next_wake_at()
+        if wake is not None and self.clock.now() >= wake:
+            self.decide(Tick())
 
     async def poll_admission(self) -> None:
         """Poll every live shard's engine stats once and let the admission law set its cap."""

@@ -85,22 +85,21 @@ class LivenessMonitor:
                 self.p.log.emit(ev.NodeLost(node=node, slots=sorted({*slots, *before}), died_before=before))
         return out
 
-    async def loop(self) -> None:
-        """Ping every live shard between refits so deaths and freezes are found without traffic; the
-        failures of one round (and the shards of a lost node) are one health decision."""
-        while True:
-            await asyncio.sleep(self.p.cfg.monitor_interval_s)
-            if self._holding():
-                continue  # paused engines are not probed; while a refit stages, the fleet serves and is watched
-            self._node_verdicts()
-            live = self.p.slots.live_handles()
-            outs = await self.p.door.fan_out(
-                {s: (h, "ping", (), {}) for s, (_, h) in live.items()}, timeout=self.p.cfg.probe_timeout_s
-            )
-            outs = {slot: with_progress(out, self.p.cfg.stall_timeout_s) for slot, out in outs.items()}  # answering != alive
-            handles = self.p.slots.handles
-            failed = {slot: (live[slot][0], out) for slot, out in outs.items()
-                      if not out.ok and handles.get(slot, (None,))[0] == live[slot][0]}
-            if failed:
-                self.p.act.observe_all(CallKind.PROBE, self._with_lost_nodes(failed))
+    async def round(self) -> None:
+        """One round (the controller runs it every ``monitor_interval_s``, ``fleet.control.loops``): ping every
+        live shard between refits so deaths and freezes are found without traffic; the failures of one round
+        (and the shards of a lost node) are one health decision."""
+        if self._holding():
+            return  # paused engines are not probed; while a refit stages, the fleet serves and is watched
+        self._node_verdicts()
+        live = self.p.slots.live_handles()
+        outs = await self.p.door.fan_out(
+            {s: (h, "ping", (), {}) for s, (_, h) in live.items()}, timeout=self.p.cfg.probe_timeout_s
+        )
+        outs = {slot: with_progress(out, self.p.cfg.stall_timeout_s) for slot, out in outs.items()}  # answering != alive
+        handles = self.p.slots.handles
+        failed = {slot: (live[slot][0], out) for slot, out in outs.items()
+                  if not out.ok and handles.get(slot, (None,))[0] == live[slot][0]}
+        if failed:
+            self.p.act.observe_all(CallKind.PROBE, self._with_lost_nodes(failed))
 
