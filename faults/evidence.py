@@ -67,6 +67,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from faults.firing import hook_point
+from faults.operator import prove_controller_kill_under_keep_pause, prove_operator_resume_mid_refit
 from faults.poison import prove_poison_request
 from faults.resize_evidence import prove_resize_under_load
 from faults.timeline import departure, fault_to_reopen, recover_s, refit_spans
@@ -96,6 +97,8 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "refit_under_load": ("held",),
     "resize_under_load": ("resized",),
     "poison_request": ("contained",),
+    "operator_resume_mid_refit": ("owned",),
+    "controller_kill_under_keep_pause": ("kept_paused",),
     "kill_controller": ("restarted",),
 }
 # What a refused corrupt update's message must say, for the corrupted tensor ``t`` (refit.manifest's words).
@@ -359,4 +362,6 @@ def _refit_under_load(f: Mapping, calls: list[dict], events: list[dict]) -> list
 
 _TRAINER_PROOFS = {"kill_sender": _killed_sender, "stale_version": _stale_version, "concurrent_refit": _concurrent_refits,
                    "refit_under_load": _refit_under_load, "resize_under_load": prove_resize_under_load,
-                   "poison_request": prove_poison_request}
+                   "poison_request": prove_poison_request,
+                   "operator_resume_mid_refit": prove_operator_resume_mid_refit,
+                   "controller_kill_under_keep_pause": prove_controller_kill_under_keep_pause}

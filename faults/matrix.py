@@ -147,6 +147,18 @@ MATRIX: tuple[Variant, ...] = (
        description="a prompt that crashes every engine it reaches: it takes down two engines, comes back as "
                    "poison (never sent a third time), is refused at once when sent again; the third engine "
                    "serves on"),
+    # the operator's pause where it meets a refit and a controller's death (issue 46): real engines, whose own
+    # step records prove that nothing sampled while paused
+    _v("operator-resume-mid-refit", "recovers", [{"where": "call", "what": "operator_resume_mid_refit", "step": 1}],
+       steps=1,
+       description="requests held by an operator's keep pause, a refit, and the operator's resume sent while its "
+                   "transfer runs: every engine refuses it (the refit owns it), samples nothing until it is "
+                   "stamped, and resumes at the refit's end; the held requests finish on the new weights"),
+    _v("controller-kill-under-keep-pause", "recovers",
+       [{"where": "call", "what": "controller_kill_under_keep_pause", "step": 1}], steps=1,
+       description="the controller SIGKILLed while an operator's keep pause holds requests on the engines: Ray "
+                   "restarts it, it re-adopts the fleet, the engines stay paused (sampling nothing) until the "
+                   "operator's resume, then every held request completes"),
     # the controller's decisions alone, on shards with no engine (``NULL``)
     _v("resize-under-load", "recovers", [{"where": "call", "what": "resize_under_load", "step": 1}], steps=1,
        fleet=NULL,

@@ -64,7 +64,10 @@ Faults of the trainer's refit call itself name no ``shard``:
   refit, the removed one is drained and retired, nothing lost), or ``poison_request``
   (every engine armed to crash under one prompt, which is then sent twice: at most two
   engines die, it comes back as ``poison`` and is refused at once the second time; the
-  fleet keeps serving).
+  fleet keeps serving), or ``operator_resume_mid_refit`` (the operator's ``keep`` pause, a refit, and the
+  operator's resume sent while its transfer runs: the engines refuse it and sample nothing until the refit
+  resumes them), or ``controller_kill_under_keep_pause`` (the controller killed while a ``keep`` pause holds
+  requests: the engines stay paused across its restart until the operator's resume).
 
 Pure: no Ray, no vLLM. ``load_plan`` raises ``ValueError`` naming the field
 (``faults[0].where``) and the allowed values; ``resolve`` turns a plan into
@@ -113,6 +116,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "refit_under_load": ("call",),
     "resize_under_load": ("call",),
     "poison_request": ("call",),
+    "operator_resume_mid_refit": ("call",),
+    "controller_kill_under_keep_pause": ("call",),
     "kill_controller": CONTROLLER_WHERE,
 }
 WHAT = tuple(ALLOWED)

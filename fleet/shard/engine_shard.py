@@ -38,7 +38,8 @@ from fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, Generati
 from health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
-CRASH_REPORT_GRACE_S = 1.0  # a probe that finds the engine core dead waits this long for the requests it ran
+CRASH_REPORT_GRACE_S = 1.0
+PAUSE_SETTLE_S = 0.5  # a step's stat record may reach the shard this long after the pause that followed it  # a probe that finds the engine core dead waits this long for the requests it ran
 # Worker-extension methods that move weights: the "transfer" fault point.
 TRANSFER_METHODS = frozenset({"rlfleet_receive", "rlfleet_receive_raw", "rlfleet_apply_staged"})  # they write live weights
 STAGE_METHODS = frozenset({"rlfleet_stage"})  # bytes move into the staging area; live weights untouched
@@ -87,6 +88,8 @@ class EngineShard:
         self._recent = RecentResults()
         self.gate = ShardGate()
         self.holds = PauseHolds()  # the refit that owns its pause, the operator's ``keep`` pause
+        self._paused_at = 0.0  # when the engine last paused (the progress clock)
+        self.sampled_while_paused = 0  # tokens its engine made while paused (``_stepped``)
         self.deduplicated = 0
         self._left: dict[str, int] | None = None  # what it held when it last left the serving set
         self._load = {"finished": 0, "peak": 0, "trough": 0}  # for the admission law, since the last stats()
@@ -99,8 +102,17 @@ class EngineShard:
         per-step stat record) tells each engine step and the tokens it made; others give no step marks."""
         marks = hasattr(self._backend, "step_listener")
         if marks:
-            self._backend.step_listener = lambda tokens: self._progress.stepped(self._now(), tokens)
+            self._backend.step_listener = self._stepped
         return ProgressWatch(self._now(), steps=marks)
+
+    def _stepped(self, tokens: int) -> None:
+        """One engine step made ``tokens``. One made while the engine is paused (past the settling of the step
+        that ran as the pause arrived) is counted: a paused engine samples nothing, so it is always 0 unless
+        something unpaused the engine behind its pause's back (``counters``' ``sampled_while_paused``)."""
+        now = self._now()
+        self._progress.stepped(now, tokens)
+        if tokens and self.gate.paused and now - self._paused_at >= PAUSE_SETTLE_S:
+            self.sampled_while_paused += int(tokens)
 
     def _busy(self) -> None:
         self._progress.busy(len(self._inflight), self._now())
@@ -481,7 +493,8 @@ class EngineShard:
         """What this shard ran and refused (the data plane's accounting, read by the invariant checker)."""
         return {**self.gate.counters(), "deduplicated": self.deduplicated, "in_flight": len(self._inflight),
                 "slot": self.slot, "incarnation": self.incarnation, "weight_version": self._version,
-                "left": self._left}
+                "left": self._left, "sampled_while_paused": self.sampled_while_paused, **self.holds.describe(),
+                "paused": self.gate.paused}
 
     async def abort(self, request_ids: Sequence[str]) -> bool:
         """Abort these requests; their ``generate`` calls return explicit aborted results."""
@@ -517,6 +530,7 @@ class EngineShard:
         self.holds.paused(mode, owner)
         if not self.gate.paused:
             self._progress.hold("paused", self._now())  # a paused engine makes no step: not a stall
+            self._paused_at = self._now()
         self.gate.paused = True  # from now on new work is refused (what was in flight is held or aborted)
         return True
 
