@@ -16,9 +16,12 @@ incarnation and value when an event is malformed, leaving the ledger unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 from health.states import CallKind, FailureClass, RefitResult
+
+if TYPE_CHECKING:
+    from health.resize import CheckpointLoaded, SlotRemoved, SlotsAdded
 
 __all__ = [
     "Batch",
@@ -127,8 +130,9 @@ class Tick:
     (or after) ``Ledger.next_wake_at()``; extra ticks are harmless."""
 
 
-SlotEvent = Union[EngineReady, Observed, RefitReport]
-FleetEvent = Union[RefitStarted, VersionCommitted, RefitFinished, RefitRolledBack, Tick]
+# A resize's events (``health.resize``) by name: that module imports this one.
+SlotEvent = Union[EngineReady, Observed, RefitReport, "SlotRemoved", "CheckpointLoaded"]
+FleetEvent = Union[RefitStarted, VersionCommitted, RefitFinished, RefitRolledBack, Tick, "SlotsAdded"]
 
 
 @dataclass(frozen=True, slots=True)
