@@ -21,7 +21,7 @@ from fleet.records import Gate
 
 class DispatchGate:
     def __init__(self, log: EventLog, committed: Callable[[], int | None],
-                 on_change: Callable[[bool, int], None] | None = None) -> None:
+                 on_change: Callable[[bool, int | None], None] | None = None) -> None:
         self._log = log
         self._committed = committed
         self._on_change = on_change or (lambda is_open, version: None)

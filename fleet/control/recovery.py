@@ -108,7 +108,7 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
                      dirty=bool(info.get("dirty")), paused=bool(info.get("paused")), serves=slot in serving,
                      stamped=slot in stamped, aborted=aborts[slot].value if slot in aborts and aborts[slot].ok else 0,
                      resumed=resumed[slot].ok if slot in resumed else None, failed=failed.get(slot)))
-    p.act.operator_pause.restore(intent.paused)  # before the commit below would open the gate
+    p.act.operator_pause.restore(intent.paused)  # type: ignore[attr-defined]  # removed by the one-decider change; before the commit below would open the gate
     _commit(p, intent.committed, serving)
     for slot, handle in starting.items():
         p.log.emit(ev.Adopt(slot=slot, incarnation=intent.slots[slot][0], starting=True))
@@ -121,7 +121,7 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
     await p.act.poll_admission()  # caps sized from the engines before clients route on the new state
     await publisher.publish()
     finished = intent.refit.version if intent.refit is not None and intent.refit.phase == COMMITTED else None
-    recovered = {
+    recovered: dict[str, Any] = {
         "intent": True, "generation": generation, "committed": intent.committed,
         "refit": None if intent.refit is None else [intent.refit.version, intent.refit.phase],
         "finished_refit": finished, "alive": sorted(alive), "serving": sorted(serving),
@@ -152,7 +152,7 @@ def _sort_found(p: Parts, intent, found: dict[int, Any], described: dict, failed
     return alive, starting
 
 
-async def _round(p: Parts, phase: str, calls: dict, failed: dict[int, str], expect_ack: bool = False) -> dict:
+async def _round(p: Parts, phase: str, calls: dict[int, tuple], failed: dict[int, str], expect_ack: bool = False) -> dict[int, Outcome]:
     """One round of re-adoption calls, each bounded by ``probe_timeout_s`` (``FleetConfig.adoption_bound_s``
     counts the rounds). A slot whose call fails (hangs, dies, lies) is put in ``failed`` with what it failed,
     and no later round calls it: it is evicted at the end of re-adoption."""
@@ -259,9 +259,9 @@ async def _finish_shutdown(p: Parts, publisher: RoutingPublisher, generation: in
     p.slots.drop_all()
     await publisher.publish()
     p.intent.clear()
-    recovered = {"intent": True, "generation": generation, "shutdown_finished": True,
-                 "shards": {s: o.kind for s, o in outs.items()}, "fenced": fenced,
-                 "seconds": round(p.clock.now() - t0, 3)}
+    recovered: dict[str, Any] = {"intent": True, "generation": generation, "shutdown_finished": True,
+                                 "shards": {s: o.kind for s, o in outs.items()}, "fenced": fenced,
+                                 "seconds": round(p.clock.now() - t0, 3)}
     p.log.emit(ev.Adopted(**recovered))
     p.log.emit(ev.Phase(phase="shutdown", edge="end", shards={s: o.kind for s, o in outs.items()}))
     return recovered
