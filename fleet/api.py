@@ -18,7 +18,7 @@ the shards itself. The controller only decides (gate, version, membership).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, cast
 
 import time
 import uuid
@@ -166,8 +166,10 @@ class Fleet:
         preferably on the node this driver is attached to (Ray may place it elsewhere)."""
         cfg = load_fleet_config(config)
         check_node_id(controller_node)
-        if cfg.name is None:
-            cfg = cfg.model_copy(update={"name": new_fleet_name()})
+        name = cfg.name
+        if name is None:
+            name = new_fleet_name()
+            cfg = cfg.model_copy(update={"name": name})
         ray_door.init_local(num_cpus=num_cpus, log_to_driver=False)
         ray_door.check_capacity(cfg.total_engines, cfg.engine.num_cpus, cfg.engine.num_gpus)  # spares included
         if controller_node is not None and controller_node not in (alive := ray_door.alive_nodes()):
@@ -175,7 +177,7 @@ class Fleet:
 
             raise ConfigError("controller_node", f"no live node of this Ray cluster has that id; live nodes: "
                               f"{sorted(alive)}", controller_node)
-        if ray_door.find_actor(controller_name(cfg.name)) is not None:
+        if ray_door.find_actor(controller_name(name)) is not None:
             from fleet.errors import ConfigError
 
             raise ConfigError("name", f"a fleet named {cfg.name!r} is already running on this Ray cluster; "
@@ -187,7 +189,7 @@ class Fleet:
         where = ray_door.on_node(controller_node, soft=False) if controller_node else \
             ray_door.on_node(ray_door.current_node_id(), soft=True)
         options = dict(CONTROLLER_OPTIONS, **where)
-        ctl = ray_door.spawn_actor(SingleController, cfg.model_dump(), name=controller_name(cfg.name),
+        ctl = ray_door.spawn_actor(SingleController, cfg.model_dump(), name=controller_name(name),
                                  max_restarts=cfg.controller_max_restarts, **options)
         fleet = cls(ctl, cfg)
         timeout = start_timeout_s or cfg.engine.start_timeout_s + 120
@@ -222,7 +224,7 @@ class Fleet:
 
     @property
     def name(self) -> str:
-        return self.config.name
+        return cast(str, self.config.name)  # ``start`` names every fleet (``connect`` reads the name it was given)
 
     @property
     def controller(self) -> Any:
@@ -268,8 +270,10 @@ class Fleet:
         check_n(n)
         if sampling is not None and not isinstance(sampling, dict):
             raise TypeError(f"sampling must be a dict of vLLM sampling parameters or None, got {type(sampling).__name__}")
-        policy = VersionPolicy.parse(version_policy, self.client.policy)
-        return self.client.submit(prompt, n, sampling, policy)
+        client = self.client
+        assert client is not None  # ``start``/``connect`` opened it
+        policy = VersionPolicy.parse(version_policy, client.policy)
+        return client.submit(prompt, n, sampling, policy)
 
     def collect(self, pending) -> list[FleetResult]:
         """The results of a ``submit``ted group (every request ends completed or returned within its bound)."""
@@ -350,6 +354,7 @@ class Fleet:
     def status(self) -> dict:
         """The controller's status, with this process's request counters under ``requests``."""
         out = self._ask("status", timeout=60)
+        assert self.client is not None  # ``start``/``connect`` opened it
         out["requests"] = self.client.counters()
         return out
 
@@ -357,6 +362,7 @@ class Fleet:
         """The controller's event log and this client's request records, in time order, as wire dicts (read
         them typed with ``fleet.records``: ``Kill.among(fleet.events())``). ``since``: skip the first records
         of that merged list (each record's ``seq`` is its index in it); ``kinds``: record classes or kind strings."""
+        assert self.client is not None  # ``start``/``connect`` opened it
         merged = sorted(self._ask("events", 0, None, timeout=60) + self.client.events(), key=lambda r: r["t"])
         # ``seq`` is the record's index in this merged list (what ``since`` counts)
         return of_kinds([{**r, "seq": i} for i, r in enumerate(merged) if i >= since], kinds)

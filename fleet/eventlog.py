@@ -24,7 +24,7 @@ import enum
 import inspect
 import json
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence, cast
 
 from fleet.records import REGISTRY, Record, check, class_of, kind_of, kinds_of
 
@@ -73,7 +73,7 @@ def _record(t: float, seq: int, kind: str, fields: Iterable[tuple[str, Any]]) ->
     return rec
 
 
-def _row_record(t: float, seq: int, kind: str, row: tuple) -> dict[str, Any]:
+def _row_record(t: float, seq: int, kind: str, row: NamedTuple) -> dict[str, Any]:
     return _record(t, seq, kind, zip(row._fields, row))
 
 
@@ -90,6 +90,7 @@ class EventLog:
         the kind's record: ``TypeError`` naming an unknown kind or field, or a missing one). ``_at`` stamps it
         with a time other than now (when the thing it records happened elsewhere, e.g. a result finished on a
         shard). Returns the wire dict."""
+        items: Iterable[tuple[str, Any]]
         if type(kind) is str:
             cls = REGISTRY.get(kind) or class_of(kind)
             if not (cls.required <= fields.keys() <= cls.names):
@@ -107,7 +108,7 @@ class EventLog:
             self._file.write(json.dumps(rec) + "\n")
         return rec
 
-    def emit_rows(self, kind: str | type[Record], rows: Sequence[tuple]) -> None:
+    def emit_rows(self, kind: str | type[Record], rows: Sequence[NamedTuple]) -> None:
         """One record of ``kind`` per named tuple in ``rows`` (its fields are the record's fields),
         all stamped now: the same records as ``emit(kind, **row._asdict())`` for each row, without
         the per-call cost (a decision about a whole fan-out carries one transition per shard).
@@ -138,7 +139,7 @@ class EventLog:
         if not self.path or self._records:
             return 0
         skip = kinds_of(skip_kinds)
-        loaded = []
+        loaded: list[dict[str, Any] | _Row] = []
         try:
             with open(self.path) as f:
                 for line in f:
@@ -164,7 +165,8 @@ class EventLog:
                 if type(r) is _Row:
                     records[i] = _row_record(*r)
             self._rows_from = None
-        return [r for r in records[since:] if wanted is None or r["kind"] in wanted]
+        made = cast("list[dict[str, Any]]", records)  # every ``_Row`` was made into its dict just above
+        return [r for r in made[since:] if wanted is None or r["kind"] in wanted]
 
     def __len__(self) -> int:
         return len(self._records)

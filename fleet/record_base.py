@@ -10,7 +10,7 @@ registered under its kind string by ``@record(kind)``; ``of`` parses a wire dict
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Iterable, Mapping, TypeVar, dataclass_transform
+from typing import Any, Callable, ClassVar, Iterable, Mapping, TypeVar, cast, dataclass_transform, overload
 
 R = TypeVar("R", bound="Record")
 
@@ -43,10 +43,10 @@ class Record:
         if where:
             check(cls, where.keys(), partial=True)
         kind = cls.kind
-        out = []
+        out: list[R] = []
         for e in events:
             if (e.kind if isinstance(e, Record) else e["kind"]) == kind:
-                r = of(e)
+                r = cast(R, of(e))  # of this kind: ``of`` builds the class registered for it
                 if all(getattr(r, k) == v for k, v in where.items()) and (pred is None or pred(r)):
                     out.append(r)
         return out
@@ -154,6 +154,14 @@ def of_kinds(events: Iterable[Mapping[str, Any] | Record], kinds: Iterable[str |
     if wanted is None:
         return list(events)
     return [e for e in events if (e.kind if isinstance(e, Record) else e["kind"]) in wanted]
+
+
+@overload
+def kinds_of(kinds: None) -> None: ...
+
+
+@overload
+def kinds_of(kinds: Iterable[str | type[Record]]) -> set[str]: ...
 
 
 def kinds_of(kinds: Iterable[str | type[Record]] | None) -> set[str] | None:

@@ -62,6 +62,8 @@ ledger could change; ``decide`` itself never changes the ledger.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from health import fleet_rules, gate_rules, resize, slot_rules
 from health.decision import Decision
 from health.draft import Draft
@@ -89,7 +91,8 @@ _OK = FailureClass.OK
 _LATE = FailureClass.LATE
 _EXHAUSTED = FailureClass.EXHAUSTED
 
-_SLOT_HANDLERS = {
+# Each takes the draft and an event of its key's type.
+_SLOT_HANDLERS: dict[type, Callable[[Draft, Any], None]] = {
     EngineReady: slot_rules.on_ready,
     Observed: slot_rules.on_observed,
     RefitReport: slot_rules.on_report,
@@ -97,7 +100,7 @@ _SLOT_HANDLERS = {
     resize.CheckpointLoaded: resize.on_checkpoint_loaded,
 }
 
-_HANDLERS = {
+_HANDLERS: dict[type, Callable[[Draft, Any], None]] = {
     **_SLOT_HANDLERS,
     RefitStarted: fleet_rules.on_refit_started,
     VersionCommitted: fleet_rules.on_committed,

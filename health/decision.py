@@ -35,6 +35,7 @@ from health.states import CallKind, FailureClass, ShardState
 if TYPE_CHECKING:
     from health.events import Event
     from health.ledger import FleetState, SlotRecord
+    from health.resize import Drain
 
 __all__ = [
     "AbortRefit",
@@ -152,7 +153,8 @@ class StopExhausted:
     needed: int
 
 
-Action = Union[Probe, Evict, Restart, Retire, AbortRefit, OpenGate, CloseGate, KeepGateClosed, StopExhausted]
+# ``Drain`` (a resize's, ``health.resize``) by name: that module imports this one.
+Action = Union[Probe, Evict, Restart, Retire, AbortRefit, OpenGate, CloseGate, KeepGateClosed, StopExhausted, "Drain"]
 
 
 class Transition(NamedTuple):

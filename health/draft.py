@@ -81,6 +81,7 @@ class Draft:
         """One event of a batch is decided: what it changed is stored next, as its own decision
         would have stored it (slots in the order it first changed them, each at its last value)."""
         if self.pending:
+            assert self.stored is not None  # ``put`` fills ``pending`` only in a batch
             self.stored.extend(self.pending.values())
             self.pending.clear()
 

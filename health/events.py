@@ -16,9 +16,12 @@ incarnation and value when an event is malformed, leaving the ledger unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 from health.states import CallKind, FailureClass, RefitResult
+
+if TYPE_CHECKING:
+    from health.resize import CheckpointLoaded, SlotRemoved, SlotsAdded
 
 __all__ = [
     "Batch",
@@ -152,8 +155,9 @@ class Halted:
     reason: str
 
 
-SlotEvent = Union[EngineReady, Observed, RefitReport]
-FleetEvent = Union[RefitStarted, VersionCommitted, RefitFinished, RefitRolledBack, Tick, OperatorPaused,
+# A resize's events (``health.resize``) by name: that module imports this one.
+SlotEvent = Union[EngineReady, Observed, RefitReport, "SlotRemoved", "CheckpointLoaded"]
+FleetEvent = Union[RefitStarted, VersionCommitted, RefitFinished, RefitRolledBack, Tick, "SlotsAdded", OperatorPaused,
                    OperatorResumed, Halted]
 
 

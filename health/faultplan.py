@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, cast
 
 HOOKED = ("pause", "transfer", "resume", "generate")  # the shard's hook points a plan can name
 # ``stamp``: inside the refit's last call to an engine (``end_refit``), before its resume: a stamp that fails there
@@ -128,7 +128,7 @@ EXPECT = ("recovers", "stops")
 class FaultSpec:
     where: str
     what: str
-    shard: int | str | None  # None: a trainer's fault (``TRAINER_WHERE``) or the controller's (``CONTROLLER_WHAT``)
+    shard: int | Literal["random"] | None  # None: a trainer's fault (``TRAINER_WHERE``) or the controller's (``CONTROLLER_WHAT``)
     step: int = 1
     delay_s: float = 0.0
     every: int = 0
@@ -222,6 +222,7 @@ def load_plan(data: Mapping[str, Any] | str) -> FaultPlan:
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
             raise ValueError(f"fault plan: not valid YAML{at}: {problem}") from None
     _need(isinstance(data, Mapping), "<root>", "must be a mapping", data)
+    data = cast(Mapping[str, Any], data)  # _need raised otherwise
     unknown = set(data) - {"name", "expect", "faults", "steps", "seed", "fleet", "description"}
     _need(not unknown, "<root>", f"unknown keys {sorted(unknown)}", sorted(unknown))
     name = data.get("name")
@@ -235,7 +236,8 @@ def load_plan(data: Mapping[str, Any] | str) -> FaultPlan:
     faults = data.get("faults", ())
     _need(isinstance(faults, (list, tuple)), "faults", "must be a list", faults)
     specs = tuple(_fault(f, i, steps) for i, f in enumerate(faults))
-    return FaultPlan(name, expect, specs, steps, seed, dict(fleet), str(data.get("description", "")))
+    # name and expect: strings, as _need checked above
+    return FaultPlan(cast(str, name), cast(str, expect), specs, steps, seed, dict(fleet), str(data.get("description", "")))
 
 
 def resolve(plan: FaultPlan, num_engines: int) -> list[Firing]:

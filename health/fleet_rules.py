@@ -131,7 +131,7 @@ def on_refit_finished(d: Draft, ev: RefitFinished) -> None:
     if ev.hold_without_quorum and not check_quorum(d.ledger).ok:
         message = (f"gate stays closed: too few engines serve version {v} "
                    f"({check_quorum(d.ledger).message}); the next refit brings the others to one version")
-        d.fleet = d.fleet._replace(quorum_lost=True)
+        d.fleet = d.fleet_now()._replace(quorum_lost=True)
         d.actions.append(KeepGateClosed(v, message))
         d.reasons.append(message)
         return
@@ -163,12 +163,14 @@ def _close_refit(d: Draft, name: str, v: int):
     return fleet
 
 
-def _reopen_if_quorum(d: Draft, version: int, why: str) -> None:
+def _reopen_if_quorum(d: Draft, version: int | None, why: str) -> None:
     """Open on ``version`` if quorum serves it, unless the fleet stopped (``KeepGateClosed``) or the operator's
-    pause holds it closed (it then opens at ``OperatorResumed``); below quorum the fleet stops, paused or not."""
+    pause holds it closed (it then opens at ``OperatorResumed``); below quorum the fleet stops, paused or not.
+    ``version``: the committed one (None before any commit, when quorum cannot hold)."""
     q = check_quorum(d.ledger)
     fleet = d.fleet_now()
     if fleet.stopped is not None and q.ok:
+        assert version is not None  # engines serve it: it was committed
         message = f"gate stays closed: the fleet stopped: {fleet.stopped}"
         d.actions.append(KeepGateClosed(version, message))
         d.reasons.append(f"{why}: {message}")
@@ -178,7 +180,8 @@ def _reopen_if_quorum(d: Draft, version: int, why: str) -> None:
         d.reasons.append(f"{why}: {q.message}; gate stays closed: {operator_reason(fleet.operator_pause)}")
         return
     if q.ok:
-        d.fleet = d.fleet._replace(gate_open=True)
+        assert version is not None  # engines serve it: it was committed
+        d.fleet = d.fleet_now()._replace(gate_open=True)
         d.actions.append(OpenGate(version, q.serving, q.needed))
         d.reasons.append(f"{why}: {q.message}")
     else:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple, Protocol
+from typing import Any, Mapping, NamedTuple, Protocol, cast
 
 from health.config import HealthConfig
 from health.states import ShardState, SlotPhase
@@ -471,7 +471,8 @@ class Ledger:
         if new.phase in QUARANTINE and not (same_incarnation and old.phase in QUARANTINE):
             self._push(new.since + self.config.suspect_timeout_s, TIMER_ESCALATE, new, new.since)
         if new.phase is _DEAD and not (same_incarnation and old.phase is _DEAD):
-            self._push(new.restart_at, TIMER_RESTART, new, new.restart_at)
+            restart_at = cast(float, new.restart_at)  # a DEAD record has one (``slot_rules.condemn``)
+            self._push(restart_at, TIMER_RESTART, new, restart_at)
 
     def _push(self, due: float, kind: int, record: SlotRecord, token: float) -> None:
         entry = (due, next(self._seq), kind, record.slot, record.incarnation, token)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from health.decision import AbortRefit, Evict, Probe, Restart, Retire, Transition
 from health.draft import Draft
-from health.events import EngineReady, Observed, RefitReport
+from health.events import EngineReady, Observed, RefitReport, SlotEvent
 from health.ledger import SlotRecord, view_state
 from health.states import CallKind, FailureClass, RefitResult, ShardState, SlotPhase
 
@@ -44,7 +44,7 @@ _NAME = {
 }
 
 
-def _resolve(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotRecord | None:
+def _resolve(d: Draft, ev: SlotEvent) -> SlotRecord | None:
     """The slot's record if ``ev`` is about its current, not-condemned incarnation;
     ``None`` (decision marked LATE) if it is about a replaced or dead one."""
     rec = _slot_record(d, ev)
@@ -71,7 +71,7 @@ def _resolve(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotRecord |
     )
 
 
-def _slot_record(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotRecord:
+def _slot_record(d: Draft, ev: SlotEvent) -> SlotRecord:
     """The slot's record as the draft sees it: an earlier event of the same batch may have changed it."""
     slot = ev.slot
     records = d.ledger._records
@@ -84,7 +84,7 @@ def _slot_record(d: Draft, ev: EngineReady | Observed | RefitReport) -> SlotReco
     return changed[slot] if slot in changed else records[slot]
 
 
-def _describe(ev: EngineReady | Observed | RefitReport) -> str:
+def _describe(ev: SlotEvent) -> str:
     if type(ev) is Observed:
         return f"{_NAME[ev.call]} {_NAME[ev.failure]}" + (f" ({ev.detail})" if ev.detail else "")
     if type(ev) is RefitReport:
@@ -296,6 +296,7 @@ def condemn(d: Draft, rec: SlotRecord, cause: str, *, evict: bool) -> None:
         failed_probes=0, restart_at=plan.not_before, reason=cause,
     )
     d.put(rec, dead)
+    assert plan.not_before is not None  # an allowed restart has its launch time
     if plan.not_before <= d.now:
         d.reasons.append(f"slot {rec.slot} incarnation {rec.incarnation} dead: {cause}")
         restart(d, dead)
@@ -406,6 +407,7 @@ def land_all(d: Draft, events: tuple) -> bool:
     cv = d.ledger._fleet.current_version  # what ``Draft.put`` compares views against
     landed = f"refit of version {version} landed"
     changed, stored, transitions, reasons = d.changed, d.stored, d.transitions, d.reasons
+    assert stored is not None  # a batch's draft (``Draft.begin_batch``)
     for rec in olds:
         new = _stamped(rec, version, landed)
         changed[rec.slot] = new

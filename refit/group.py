@@ -172,7 +172,7 @@ class RefitGroup:
         self.device = device_for(address.backend, device)
         self.broken = False
         self._store = store
-        self._prefix = None
+        self._prefix: dist.PrefixStore | None = None
         self._pg = None
         t0 = time.monotonic()
         try:
@@ -243,12 +243,15 @@ class RefitGroup:
             self._check_abort()
 
     def _check_abort(self) -> None:
+        prefix = self._prefix
+        if prefix is None:  # ``close`` ran (on another thread) under the wait
+            raise _SenderAborted("the group was closed")
         try:
-            flagged = self._prefix.check([_ABORT_KEY])
+            flagged = prefix.check([_ABORT_KEY])
         except Exception as exc:  # noqa: BLE001 - the store lives in the sender: gone means the sender is gone
             raise _SenderAborted(f"its rendezvous store is unreachable: {type(exc).__name__}") from None
         if flagged:
-            raise _SenderAborted(self._prefix.get(_ABORT_KEY).decode(errors="replace")[:300])
+            raise _SenderAborted(prefix.get(_ABORT_KEY).decode(errors="replace")[:300])
 
     def signal_abort(self, reason: str) -> None:
         """Sender: tell every receiver of this epoch to stop now (best effort, never raises)."""

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Callable, Literal
 
-_TRIM = None
+# None: not looked up yet; False: this C library has no malloc_trim
+_TRIM: Callable[[int], int] | Literal[False] | None = None
 
 
 def _load():

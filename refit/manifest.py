@@ -160,12 +160,12 @@ class Manifest:
                 Bucket(i, dtype_name(dt), int(n), int(so), tuple(TensorEntry(str(nm), tuple(int(s) for s in sh), dtype_name(dt), int(off), int(ne)) for nm, sh, off, ne in ents))
                 for i, (dt, n, so, ents) in enumerate(wire["buckets"])
             )
-            declared = dict(
+            m = cls(
+                str(wire["transfer"]), buckets,
                 partial=bool(wire.get("partial", False)),
                 frozen=tuple(str(p) for p in wire.get("frozen", ())),
                 aliases=tuple((str(a), str(b)) for a, b in wire.get("aliases", ())),
             )
-            m = cls(str(wire["transfer"]), buckets, **declared)
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from None
         m.check_layout()

@@ -51,12 +51,13 @@ class LocalSenderPort:
 
     def __init__(self, sender: WeightSender | Callable[[], WeightSender]) -> None:
         self._sender = sender if isinstance(sender, WeightSender) else None
-        self._factory = None if isinstance(sender, WeightSender) else sender
+        self._factory: Callable[[], WeightSender] | None = None if isinstance(sender, WeightSender) else sender
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlfleet-refit-sender")
 
     @property
     def sender(self) -> WeightSender:
         if self._sender is None:
+            assert self._factory is not None  # given a factory when not given a sender
             self._sender = self._factory()
         return self._sender
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 import torch
 
@@ -104,7 +104,10 @@ class _StageRecord:
         self.lock = lock
         self.thread: threading.Thread | None = None
         self.t0 = time.monotonic()
-        self.state, self.error, self.bytes, self.recv_s = RECEIVING, None, 0, None
+        self.state: str = RECEIVING
+        self.error: str | None = None
+        self.bytes = 0
+        self.recv_s: float | None = None
         self.settled = False  # a failure was turned into a group failure (caller's thread)
 
     def finish(self, state: str, error: str | None, nbytes: int) -> None:
@@ -219,8 +222,8 @@ class WeightReceiver:
         ``expect_digest``: the sender's checksum of the update (needs ``checksum=True`` at
         prepare); the update counts as complete only if what was applied digests to it.
         """
-        res = {"ok": False, "state": NOT_STARTED, "error": None, "phase": None, "bytes": 0, "recv_s": 0.0, "apply_s": 0.0,
-               "version": self.weight_version, "digest": None}
+        res: dict[str, Any] = {"ok": False, "state": NOT_STARTED, "error": None, "phase": None, "bytes": 0, "recv_s": 0.0,
+                               "apply_s": 0.0, "version": self.weight_version, "digest": None}
         prepared, self._prepared = self._prepared, None
         if prepared is None or prepared[0] != int(refit_id):
             res["error"] = f"receive({refit_id}) without a matching prepare on this rank"
@@ -344,8 +347,8 @@ class WeightReceiver:
         answers ``not_started``, "nothing staged", and changes nothing).
         """
         self._settle_stage()
-        res = {"ok": False, "state": NOT_STARTED, "error": None, "phase": None, "bytes": 0, "recv_s": 0.0, "apply_s": 0.0,
-               "version": self.weight_version, "digest": None}
+        res: dict[str, Any] = {"ok": False, "state": NOT_STARTED, "error": None, "phase": None, "bytes": 0, "recv_s": 0.0,
+                               "apply_s": 0.0, "version": self.weight_version, "digest": None}
         rec = self._stage
         snap = rec.snapshot() if rec is not None and rec.refit_id == int(refit_id) else None
         if snap is None or snap["state"] != STAGED:
@@ -353,6 +356,7 @@ class WeightReceiver:
                    else "it is still receiving" if snap["state"] == RECEIVING else f"its staging failed: {snap['error']}")
             res["error"] = f"apply_staged({refit_id}): nothing staged ({why})"
             return res
+        assert rec is not None  # snap is its snapshot
         self._stage = None  # consumed: applied at most once
         res["bytes"], res["recv_s"] = snap["bytes"], snap["recv_s"]
         try:

@@ -28,7 +28,7 @@ import dataclasses
 import fnmatch
 import time
 from collections import deque
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeAlias
 
 import torch
 
@@ -42,7 +42,7 @@ from refit.manifest import Manifest, plan_buckets
 # busy), so the wire must never stall on Python; gloo/nccl progress the posted ops on their own.
 IN_FLIGHT = 64
 HEADER_MAGIC = 0x5246484452  # header of one transfer: [magic, epoch, refit_id, n_buckets, digest]
-WeightSource = torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]]
+WeightSource: TypeAlias = torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
 def stream_header(epoch: int, refit_id: int, n_ops: int, digest: int, device) -> torch.Tensor:
@@ -67,6 +67,8 @@ class WeightSender:
     may be changed between refits (``sender.frozen = (...)``).
     """
 
+    model: Any  # set by ``from_pretrained`` only: the model it loaded
+
     def __init__(
         self, source: WeightSource, *, dtype: torch.dtype | None = None, addr: str | None = None, device=None,
         partial: bool = False, frozen: Iterable[str] = (),
@@ -81,7 +83,7 @@ class WeightSender:
         self._device = device
         self._group: RefitGroup | None = None
         self._pending_address: GroupAddress | None = None
-        self._store = None
+        self._store: torch.distributed.TCPStore | None = None
         self._prepared: tuple[int, Manifest, dict[str, torch.Tensor], int] | None = None
         self._pack: dict[tuple[str, int], torch.Tensor] = {}
         self._raw: torch.Tensor | None = None
@@ -153,9 +155,9 @@ class WeightSender:
         if world_size < 2:
             raise RefitUsageError(f"a refit group needs the sender and at least one receiver, got world size {world_size}")
         device_for(backend, self._device)
-        self._store = host_store(self._addr, world_size, timeout_s)
+        self._store = store = host_store(self._addr, world_size, timeout_s)
         op = float(op_timeout_s if op_timeout_s is not None else timeout_s)
-        self._pending_address = GroupAddress(self._addr, int(self._store.port), int(epoch), int(world_size), backend, op)
+        self._pending_address = GroupAddress(self._addr, int(store.port), int(epoch), int(world_size), backend, op)
         return self._pending_address.to_wire()
 
     def connect(self, timeout_s: float) -> dict:

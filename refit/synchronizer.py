@@ -246,7 +246,7 @@ class WeightSynchronizer:
         return report
 
     async def _group_and_prepare(self, parts: dict, version: int, epoch: int, world: int, refit_id: int, t0: float, goal: str,
-                                 planned: Awaitable | None = None):
+                                 planned: Awaitable[_Settled] | None = None):
         """Phases 1 and 2. Returns (aborted report or None, group_s, prepare_s, rebuilt, sender digest or None).
         ``planned``: the sender's prepare of ``refit_id``, started ahead (``plan_ahead``)."""
         ctx = dict(version=version, epoch=epoch, refit_id=refit_id)
@@ -293,7 +293,7 @@ class WeightSynchronizer:
             calls[key] = self._stage_one(key, port, refit_id, t2 + bound)
         settled = await _settle_all(calls, bound + cfg.grace_s)  # _stage_one bounds itself; this is a backstop
         s = settled.pop(SENDER)
-        sender = s.value if isinstance(s.value, dict) else {"ok": False, "error": s.error("sender send", bound) or f"sender answered {s.value!r}"}
+        sender: dict[str, Any] = s.value if isinstance(s.value, dict) else {"ok": False, "error": s.error("sender send", bound) or f"sender answered {s.value!r}"}
         results = {}
         for key, st in settled.items():
             err = st.error(f"staging on {describe(key)}", bound + cfg.grace_s)
@@ -424,7 +424,7 @@ class WeightSynchronizer:
 
     # -- phase 2: prepare -------------------------------------------------------------------
     async def _prepare(self, parts: dict, refit_id: int, version: int, defer: bool = False,
-                       planned: Awaitable | None = None) -> tuple[str | None, tuple | None]:
+                       planned: Awaitable[_Settled] | None = None) -> tuple[str | None, tuple | None]:
         """Plan, validate on every receiver, and (``verify``) digest on the sender.
 
         Returns (the sender's digest or None, None) when every receiver accepted, else
@@ -434,19 +434,21 @@ class WeightSynchronizer:
         """
         cfg = self.config
         self._deferred = None
-        planned = await (planned if planned is not None else
-                         _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb), cfg.rpc_timeout_s))
-        if planned.value is None:
-            err = planned.error("sender prepare", cfg.rpc_timeout_s) or "sender prepare returned nothing"
-            refused = err if isinstance(planned.exc, ManifestError) else None  # e.g. a dtype that cannot be sent
-            return None, (err, {k: (err, planned.exc, refused) for k in parts} if refused else {})
-        kw = {"refit_id": refit_id, "manifest": planned.value, "version": version, "mode": cfg.apply_mode, "checksum": cfg.checksum or cfg.verifies}
-        if defer and not cfg.verifies and planned.value == self._accepted:
+        prepared = await (planned if planned is not None else
+                          _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb), cfg.rpc_timeout_s))
+        if prepared.value is None:
+            why = prepared.error("sender prepare", cfg.rpc_timeout_s) or "sender prepare returned nothing"
+            refused = why if isinstance(prepared.exc, ManifestError) else None  # e.g. a dtype that cannot be sent
+            return None, (why, {k: (why, prepared.exc, refused) for k in parts} if refused else {})
+        kw = {"refit_id": refit_id, "manifest": prepared.value, "version": version, "mode": cfg.apply_mode, "checksum": cfg.checksum or cfg.verifies}
+        if defer and not cfg.verifies and prepared.value == self._accepted:
             self._deferred = kw
             return None, None
         self._accepted = None
         prepares = _settle_all({k: p.worker_rpc("rlfleet_prepare", (), kw, cfg.rpc_timeout_s) for k, p in parts.items()}, cfg.rpc_timeout_s + cfg.grace_s)
-        calls = [prepares] + ([_bounded(self._sender_digest(planned.value), cfg.timeout_s)] if cfg.verifies else [])
+        calls: list[Awaitable[Any]] = [prepares] + ([_bounded(self._sender_digest(prepared.value), cfg.timeout_s)] if cfg.verifies else [])
+        settled: dict[Hashable, _Settled]
+        digested: list[_Settled]
         settled, *digested = await asyncio.gather(*calls)
         failures = {}
         for key, s in settled.items():
@@ -460,7 +462,7 @@ class WeightSynchronizer:
                 failures[key] = (err, s.exc, refused)
         if failures:
             return None, (None, failures)
-        self._accepted = planned.value
+        self._accepted = prepared.value
         if not digested:
             return None, None
         if not isinstance(digested[0].value, str):
@@ -486,7 +488,7 @@ class WeightSynchronizer:
             calls[key] = port.worker_rpc("rlfleet_receive", (), kw, recv_bound)
         settled = await _settle_all(calls, bound)
         s = settled.pop(SENDER)
-        sender = s.value if isinstance(s.value, dict) else {"ok": False, "error": s.error("sender send", bound) or f"sender answered {s.value!r}"}
+        sender: dict[str, Any] = s.value if isinstance(s.value, dict) else {"ok": False, "error": s.error("sender send", bound) or f"sender answered {s.value!r}"}
         results = {key: self._receive_outcome(key, st, sender, bound) for key, st in settled.items()}
         return results, sender
 

@@ -70,7 +70,7 @@ class WeightRelay(LocalSenderPort):
         self.tied = _tied(model_dir)
         self.staged: dict[str, torch.Tensor] | None = None
         self._before: dict[str, torch.Tensor] | None = None  # what ``revert`` restores while a candidate is sent
-        self.group = None
+        self.group: Any = None  # the wire's group (ours or vLLM's NCCL one) while joined
         self.info: Any = None  # the trainer's init info, parsed by the wire
         self.received = {"updates": 0, "bytes": 0, "tensors": 0}
         self._lock = threading.Lock()

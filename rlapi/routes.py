@@ -240,8 +240,9 @@ class RLSurface:
         answer: the fleet's commit is what the trainer waits on, and this surface's next call to the relay runs
         after this one (Ray runs one caller's calls to an actor in order; ``commit`` never yields)."""
         def done(fut: asyncio.Future) -> None:
-            if not fut.cancelled() and fut.exception() is not None:
-                log.warning("the relay did not take the commit: %s", _cause(fut.exception()))
+            exc = None if fut.cancelled() else fut.exception()
+            if exc is not None:
+                log.warning("the relay did not take the commit: %s", _cause(exc))
 
         self._committing = asyncio.ensure_future(self._relay("commit"))
         self._committing.add_done_callback(done)

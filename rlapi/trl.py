@@ -23,12 +23,14 @@ import torch
 from trl.generation import vllm_client as _client
 from trl.generation.vllm_client import VLLMClient
 
-from refit.group import wait_released
+from refit.group import RefitGroup, wait_released
 from rlapi import gloo_wire
 from rlapi.gloo_wire import GlooInitInfo
 
 
 class GlooVLLMClient(VLLMClient):
+    communicator: RefitGroup | None  # the base class's attribute: our gloo group while it is open
+
     def init_communicator(self, device: torch.device | str | int = 0) -> None:
         if self.get_server_info()["weight_transfer_config"] is None:
             raise RuntimeError(f"the server at {self.base_url} has no weight-transfer engine: start it with "
@@ -50,6 +52,7 @@ class GlooVLLMClient(VLLMClient):
             self._start_weight_update()
         with ThreadPoolExecutor(max_workers=1) as pool:
             received = pool.submit(self._post, f"{self.base_url}/update_weights", json={"update_info": update_info})
+            assert self.communicator is not None  # init_communicator opened it
             gloo_wire.send(self.communicator, named_params, packed=True,
                            buffer_bytes=self._gloo.packed_buffer_size_bytes)
             received.result()

@@ -22,6 +22,7 @@ from typing import ClassVar
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferEngine
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
+from refit.group import RefitGroup
 from rlapi import gloo_wire
 from rlapi.gloo_wire import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, GlooInitInfo, GlooUpdateInfo
 
@@ -37,7 +38,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.group = None
+        self.group: RefitGroup | None = None
         self.info: GlooInitInfo | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
@@ -95,6 +96,7 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
     a gloo group: only the rendezvous and the broadcast differ."""
 
     init_info_cls = GlooTrainerInitInfo
+    model_update_group: RefitGroup | None  # the base class's attribute: our group (trainer_init opens it on the sender)
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
@@ -120,6 +122,7 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
             for _ in source:
                 pass
             return
+        assert self.model_update_group is not None  # the sender's, opened by trainer_init
         gloo_wire.send(self.model_update_group, self._checked_iter(source, meta), self.packed,
                        self.packed_buffer_size_bytes)
 

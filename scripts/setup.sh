@@ -41,6 +41,9 @@ import torch, vllm, ray, transformers
 assert "+cpu" in torch.__version__ or torch.cuda.is_available(), f"expected the CPU torch build, got {torch.__version__}"
 print(f"setup: torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, transformers {transformers.__version__}")
 PY
+  case ",$EXTRAS," in  # the test tools include the type checker scripts/test.sh runs first
+    *,test,*) echo "setup: $(python -m mypy --version)" ;;
+  esac
   echo "$want" > "$stamp"
 else
   echo "setup: $VENV is up to date"

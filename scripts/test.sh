@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Run the test suite. Prints every test's duration and, at the end, the engine starts the run cost.
 #
-#   bash scripts/test.sh            # everything (what CI runs): unit, integration, fault matrix, soak
-#   bash scripts/test.sh --quick    # the edit loop: unit tests and the integration modules that cost
-#                                   # seconds (marked ``quick``), in at most 5 minutes
+#   bash scripts/test.sh            # everything (what CI runs): the type check, then unit, integration,
+#                                   # fault matrix, soak
+#   bash scripts/test.sh --quick    # the edit loop: the type check, then the unit tests and the integration
+#                                   # modules that cost seconds (marked ``quick``), in at most 5 minutes
 #   bash scripts/test.sh ARGS...    # one pytest with ARGS (a path narrows it; no path: tests/; -k, -x, ...)
+#
+# The type check (scripts/typecheck.sh: mypy over fleet, health, refit, rlapi and serve, a few seconds) runs
+# before any test, and a type error fails the run: --quick and the full run do not start their tests then.
 #
 # The full run is two lanes at once, each its own pytest and its own local Ray: the suite is mostly one
 # process waiting on another (an engine starting, a deadline, a subprocess CLI), and run as one lane it
@@ -21,6 +25,7 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 if [ "${1:-}" = "--quick" ]; then
   shift
+  bash scripts/typecheck.sh
   exec python -m pytest tests -p no:cacheprovider -m quick "$@"
 fi
 if [ "$#" -gt 0 ]; then
@@ -28,6 +33,7 @@ if [ "$#" -gt 0 ]; then
   exec python -m pytest -p no:cacheprovider "$@"
 fi
 
+bash scripts/typecheck.sh  # once, before the lanes: a type error fails the run here
 work=$(mktemp -d -t rlfleet-test-XXXXXX)
 SIGNALS=tests/integration/test_demo_signals.py
 TRL=tests/integration/test_trl.py  # its own fleet, about 2 minutes: in the lane that ends earlier

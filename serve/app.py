@@ -67,7 +67,7 @@ def _error(code: int, message: str, kind: str, param: str | None = None) -> JSON
     return JSONResponse(protocol.error_body(message, kind, code, param), status_code=code, headers=headers)
 
 
-def _authentication() -> type:
+def _authentication() -> Any:  # a middleware class (a subclass of vLLM's, untyped here)
     """vLLM's API-key middleware (``vllm serve --api-key``: its token check, its guarded ``/v1`` prefix), whose
     refusal is worded in OpenAI's error shape like every other error here (vLLM's own body is
     ``{"error": "Unauthorized"}``)."""

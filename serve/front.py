@@ -152,6 +152,7 @@ class Front:
         if self._closing:
             return self._shutting_down()
         task = asyncio.current_task()
+        assert task is not None  # a coroutine the loop runs: a task
         self._running.add(task)
         self.in_flight += 1
         clock = asyncio.get_running_loop().time  # time.monotonic on a real loop; virtual time in tests

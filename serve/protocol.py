@@ -295,6 +295,13 @@ def choice_samplings(sampling: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- responses
+def completed(fr: FleetResult | None) -> GenerationResult:
+    """The result of a completed fleet request: what every answer is built from (``FleetResult.ok``, an
+    ``Outcome`` of code 200)."""
+    assert fr is not None and fr.result is not None, "an answer is built only from a completed request"
+    return fr.result
+
+
 def tags(result: GenerationResult, request_id: str, attempts: int) -> dict[str, Any]:
     """What the fleet adds to every response: which weights, which engine, which request."""
     return {"weight_version": result.weight_version, "version_start": result.version_start,
@@ -307,7 +314,7 @@ def fleet_block(fr: FleetResult) -> dict[str, Any]:
     (``continued``: an engine died under it and another carried on from its tokens), and which weight
     version sampled which of its tokens (``version_spans``: ``[version, start, end)`` over the completion's
     token indexes; ``mixed_versions`` when more than one did)."""
-    res = fr.result
+    res = completed(fr)
     block = tags(res, fr.request_id, fr.attempts)
     block.update(continued=fr.continued, version_spans=[list(s) for s in res.version_spans],
                  mixed_versions=res.mixed_versions)
@@ -341,8 +348,8 @@ def usage(prompt_len: int, completion_tokens: int) -> UsageInfo:
 
 def _usage(frs: list[FleetResult], n: int = 1) -> UsageInfo:
     """Each prompt once (its ``n`` choices share it; choices come prompt-major), the tokens of every choice."""
-    return usage(sum(len(fr.result.prompt_token_ids) for fr in frs[::max(1, n)]),
-                 sum(len(c.token_ids) for fr in frs for c in fr.result.completions))
+    return usage(sum(len(completed(fr).prompt_token_ids) for fr in frs[::max(1, n)]),
+                 sum(len(c.token_ids) for fr in frs for c in completed(fr).completions))
 
 
 def token_id_name(token_id: int) -> str:
@@ -360,7 +367,7 @@ def completion_logprobs(token_ids: Any, logprobs: Any, top_logprobs: Any, tokeni
     ids = list(token_ids)
     name = token_id_name if as_ids else tokenizer.convert_ids_to_tokens
     tokens = [token_id_name(t) for t in ids] if as_ids else tokenizer.convert_ids_to_tokens(ids)
-    top = None
+    top: list[dict[str, float] | None] | None = None
     if k > 0 and top_logprobs is not None:
         top = [{name(t): max(lp, LOGPROB_FLOOR)
                 for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:k]} for d in top_logprobs]
@@ -405,7 +412,7 @@ def prompt_logprobs(result: GenerationResult, tokenizer: Any) -> list[dict[int, 
 
 
 def _completions(frs: list[FleetResult]) -> list[Completion]:
-    return [c for fr in frs for c in fr.result.completions]
+    return [c for fr in frs for c in completed(fr).completions]
 
 
 def completion_response(req: CompletionRequest, model: str, frs: list[FleetResult], tokenizer: Any) -> dict:
@@ -417,12 +424,12 @@ def completion_response(req: CompletionRequest, model: str, frs: list[FleetResul
                                  logprobs=completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, tokenizer,
                                                               req.logprobs,
                                                               as_ids=bool(req.return_tokens_as_token_ids))[0],
-                                 prompt_logprobs=prompt_logprobs(fr.result, tokenizer),
+                                 prompt_logprobs=prompt_logprobs(completed(fr), tokenizer),
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                  token_ids=list(c.token_ids) if req.return_token_ids is not False else None,
-                                 prompt_token_ids=list(fr.result.prompt_token_ids)
+                                 prompt_token_ids=list(completed(fr).prompt_token_ids)
                                  if req.return_token_ids is not False else None)
-        for i, (fr, c) in enumerate((fr, c) for fr in frs for c in fr.result.completions)
+        for i, (fr, c) in enumerate((fr, c) for fr in frs for c in completed(fr).completions)
     ]
     body = CompletionResponse(id=f"cmpl-{frs[0].request_id}", model=model, choices=choices,
                               usage=_usage(frs, req.n or 1)).model_dump(exclude_none=True)
@@ -475,8 +482,8 @@ def chat_response(req: ChatCompletionRequest, model: str, frs: list[FleetResult]
             token_ids=list(c.token_ids) if req.return_token_ids is not False else None))
     body = ChatCompletionResponse(id=f"chatcmpl-{frs[0].request_id}", model=model, choices=choices,
                                   usage=_usage(frs),
-                                  prompt_token_ids=list(frs[0].result.prompt_token_ids)
+                                  prompt_token_ids=list(completed(frs[0]).prompt_token_ids)
                                   if req.return_token_ids is not False else None,
-                                  prompt_logprobs=prompt_logprobs(frs[0].result, tokenizer)).model_dump(exclude_none=True)
+                                  prompt_logprobs=prompt_logprobs(completed(frs[0]), tokenizer)).model_dump(exclude_none=True)
     body["rlfleet"] = group_block(frs)
     return body

@@ -14,7 +14,16 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import concurrent.futures
+
+    import uvicorn
+
+    from fleet.data.client import FleetClient
+    from rlapi.routes import RLSurface
+    from serve.front import Front
 
 DEFAULT_HOST = "127.0.0.1"
 # At a stop, requests in flight get this long to finish; those still running are then answered 503 (and
@@ -48,21 +57,21 @@ class HttpServer:
             raise ValueError(f"--weight-transfer-config: backend must be one of {list(BACKENDS)} (what the fleet's "
                              f"relay receives with), got {weight_transfer!r}")
         self.weight_transfer = weight_transfer
-        self.rl = None
+        self.rl: RLSurface | None = None
         self.max_pending = max_pending
         self.api_keys = [k for k in (api_keys or ()) if k]  # ``/v1`` wants one as a Bearer token (vllm serve's rule)
         self.chat = chat or ChatOptions()
         self.chat.check()
         self.fleet = fleet
         self.request_timeout_s = request_timeout_s
-        self._own_client = None
+        self._own_client: FleetClient | None = None
         self.host = host
         self.port = port
         self.model_name = model_name or fleet.config.engine.model
         self._tokenizer = tokenizer
-        self.front = None
-        self._server = None
-        self._done = None
+        self.front: Front | None = None
+        self._server: uvicorn.Server | None = None
+        self._done: concurrent.futures.Future | None = None
 
     @property
     def url(self) -> str:
@@ -89,26 +98,26 @@ class HttpServer:
         engine = self.fleet.config.engine
         tokenizer = self._tokenizer or load_tokenizer(engine.model)
         renderer = ChatRenderer(engine.model, engine.max_model_len, tokenizer, self.chat)
-        self.front = Front(client, tokenizer, self.model_name, engine.max_model_len,
-                           controller=self.fleet.controller, chat=renderer)
-        self.front.logprobs_mode = engine.logprobs_mode
-        self.front.sampling_defaults = generation_defaults(renderer.model_config)
+        self.front = front = Front(client, tokenizer, self.model_name, engine.max_model_len,
+                                   controller=self.fleet.controller, chat=renderer)
+        front.logprobs_mode = engine.logprobs_mode
+        front.sampling_defaults = generation_defaults(renderer.model_config)
         if self.max_pending is not None:
-            self.front.max_pending = self.max_pending
+            front.max_pending = self.max_pending
         sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         if self.weight_transfer is not None:
             from rlapi.routes import RLSurface
 
             self.rl = RLSurface(self.fleet, self.weight_transfer)
-        config = uvicorn.Config(build_app(self.front, self.api_keys, self.rl), log_level="warning", access_log=False, lifespan="off",
+        config = uvicorn.Config(build_app(front, self.api_keys, self.rl), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=GRACEFUL_S)
-        self._server = uvicorn.Server(config)
-        self._done = client.spawn(self._server.serve(sockets=[sock]))
+        self._server = server = uvicorn.Server(config)
+        self._done = done = client.spawn(server.serve(sockets=[sock]))
         deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if self._done.done():
-                self._done.result()  # raises what stopped it
+        while not server.started:
+            if done.done():
+                done.result()  # raises what stopped it
                 raise RuntimeError("the HTTP server exited while starting")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the HTTP server did not start within {timeout_s:.0f} s")
@@ -123,16 +132,19 @@ class HttpServer:
         (aborted on their engines: ``Front.cut_off_after``), close."""
         if self._server is None:
             return
+        front = self.front
+        assert front is not None  # ``start`` made it before the server
         try:
-            self.front.client.spawn(_cut_off(self.front, CUT_OFF_S)).result(5.0)
+            front.client.spawn(_cut_off(front, CUT_OFF_S)).result(5.0)
         except Exception:  # noqa: BLE001 - stopping must not raise; uvicorn's own cut-off still applies
             pass
         self._server.should_exit = True
         try:
-            self._done.result(timeout_s)
+            if self._done is not None:
+                self._done.result(timeout_s)
         except Exception:  # noqa: BLE001 - stopping must not raise
             pass
-        self.front.prepare_pool.close()
+        front.prepare_pool.close()
         if self.rl is not None:
             self.rl.close()
         if self._own_client is not None:

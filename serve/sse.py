@@ -97,7 +97,7 @@ class StreamEvents(ABC):
         """Choice ``i``'s last chunk: what its result holds beyond what was streamed, its finish reason, and
         its ``rlfleet`` block."""
         c = self.choices[i]
-        done = fr.result.completions[0]
+        done = protocol.completed(fr).completions[0]
         sent = "".join(c.text)
         # Normally nothing is left: every token came as a delta. Text an engine held back (a possible stop
         # string at the end) or tokens only the result carries are sent here, so the stream adds up to it.

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from fleet.data.dispatch import FleetResult
 from serve.front import Front, Outcome
+from serve.protocol import completed
 from serve.sse import StreamEvents
 
 
@@ -107,7 +108,7 @@ class Stream:
             if x.code != 200:
                 self.choices.cancel()
                 return x
-            self.version = x.result.result.weight_version
+            self.version = completed(x.result).weight_version
         else:
             self.version = x.version
         self._first = item
@@ -121,6 +122,7 @@ class Stream:
         try:
             pending = [self.ev.opening()]
             item = self._first
+            assert item is not None  # ``start`` took it
             while True:
                 pending.append(self._event(*item))
                 if self._over:
@@ -145,6 +147,7 @@ class Stream:
             return self.ev.error(x.message, x.kind, x.code, x.param)
         self._results[i] = x.result
         self._left -= 1
+        assert x.result is not None  # a 200 carries its result
         out = self.ev.finish(i, x.result)
         if self._left == 0:
             self._over = True

@@ -32,12 +32,14 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping
+from typing import Any, Hashable, Mapping, TypeVar
 
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
 from sim.shard import CALL_DEADLINE, CallTimedOut, ShardDied, SimShard, Timings
 
 __all__ = ["CALL_CPU_US", "CALL_CPU_SOURCE", "Node", "SimDoor", "SimTrainer"]
+
+_K = TypeVar("_K", bound=Hashable)  # a fan-out's keys
 
 # Controller CPU per Ray call, microseconds: ``controller_cpu_us_per_call`` of
 # ``python scripts/bench_lifecycle.py --skip-real`` (default sizes 1,32,128, 30 refits over 3 rounds), run
@@ -251,8 +253,8 @@ class SimDoor:
         """Simulated shards have no data plane (the simulation drives the control plane alone): one refusal."""
         yield Outcome(ERROR, error=NotImplementedError(f"{method}: a simulated shard serves no requests"))
 
-    async def fan_out(self, calls: Mapping[Hashable, tuple], timeout: float,
-                      expect_ack: bool = False) -> dict[Hashable, Outcome]:
+    async def fan_out(self, calls: Mapping[_K, tuple], timeout: float,
+                      expect_ack: bool = False) -> dict[_K, Outcome]:
         """Every call settles before it returns. The calls queue on the controller's CPU in order
         (``call_cpu_us`` each: module docstring), and the fan-out returns no sooner than the last is sent.
         A call that takes no simulated time (a healthy, placed shard's ``rpc_s == 0`` methods: ping, stats,

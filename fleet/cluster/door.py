@@ -13,11 +13,13 @@ and scans the control plane's source for names missing here).
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Hashable, Mapping, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Hashable, Mapping, Protocol, TypeVar, runtime_checkable
 
 from fleet.outcome import Outcome
 
 __all__ = ["CONTROL_METHODS", "Door", "FAULT_METHODS"]
+
+_K = TypeVar("_K", bound=Hashable)  # a fan-out's keys: its answers come back under them
 
 CONTROL_METHODS = (
     "start", "ping", "stats", "describe", "counters",
@@ -44,8 +46,8 @@ class Door(Protocol):
         """A streaming shard method (the data plane's ``serve_stream``): each item as an ``ok`` Outcome as it comes,
         then, if it failed, one failed Outcome; ``timeout`` bounds the whole stream."""
 
-    async def fan_out(self, calls: Mapping[Hashable, tuple], timeout: float,
-                      expect_ack: bool = False) -> dict[Hashable, Outcome]:
+    async def fan_out(self, calls: Mapping[_K, tuple], timeout: float,
+                      expect_ack: bool = False) -> dict[_K, Outcome]:
         """``calls``: key -> (handle, method, args, kwargs); one deadline; every call settles."""
 
     def kill(self, handle: Any) -> None:

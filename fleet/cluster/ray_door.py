@@ -22,7 +22,7 @@ import inspect
 import os
 import socket
 import time
-from typing import Any, AsyncIterator, Awaitable, Hashable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Hashable, Mapping, TypeVar
 
 import ray
 from ray import exceptions as rex
@@ -32,6 +32,8 @@ from fleet.config.engine import EngineConfig
 from fleet.errors import ClusterNotFound, ConfigError
 from fleet.cluster.naming import NAMESPACE
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome, answer_kind  # noqa: F401 - re-exported
+
+_K = TypeVar("_K", bound=Hashable)  # a fan-out's keys
 
 
 def _classify(exc: BaseException) -> str:
@@ -101,6 +103,7 @@ def get_or_raise(ref, timeout: float) -> Any:
         return out.value
     if out.kind == TIMED_OUT:
         raise TimeoutError(f"call did not finish within {timeout:.1f} s")
+    assert out.error is not None  # a failed ``get`` carries what it raised
     raise out.error
 
 
@@ -533,8 +536,8 @@ class RayDoor:
             yield outcome_of(value, elapsed=time.monotonic() - t0)
 
     async def fan_out(
-        self, calls: Mapping[Hashable, tuple], timeout: float, expect_ack: bool = False
-    ) -> dict[Hashable, Outcome]:
+        self, calls: Mapping[_K, tuple], timeout: float, expect_ack: bool = False
+    ) -> dict[_K, Outcome]:
         """``calls`` maps key -> (handle, method, args, kwargs); one shared deadline; all settle."""
         keys = list(calls)
         results = await asyncio.gather(

@@ -101,7 +101,7 @@ class AdmissionController:
         prefix = f"slot {slot}" + (f" (incarnation {rec.incarnation})" if rec.incarnation is not None else "")
         first = ""
         if rec.state is None:
-            if initial_cap(stats, self.cfg) is None:
+            if stats is None or initial_cap(stats, self.cfg) is None:
                 return None
             rec.state = initial_state(stats, self.cfg, rec.finished)
             first = f"init: cap {rec.state.cap} (kv {stats.kv_cache_tokens} tokens / max len {stats.max_model_len}); "

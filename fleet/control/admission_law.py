@@ -187,11 +187,13 @@ def update(
         s, reason = _on_missing(s, why, finished_total, now, cfg)
     elif data == QUIET:
         s, reason = replace(s, data=QUIET, missing_since=None, rule="hold"), f"hold: {why}"
-    elif refit:
-        s, reason = _on_refit(s, stats)
     else:
-        s = replace(s, data=FRESH, missing_since=None)
-        s, reason = _on_fresh(s, stats, finished_total, cfg, drained=bool(drained))
+        assert stats is not None  # _classify calls absent stats MISSING
+        if refit:
+            s, reason = _on_refit(s, stats)
+        else:
+            s = replace(s, data=FRESH, missing_since=None)
+            s, reason = _on_fresh(s, stats, finished_total, cfg, drained=bool(drained))
     if drained and s.rule == "hold":
         s = replace(s, rule="drained")
     return s, drained + reason

@@ -248,7 +248,7 @@ class SingleController:
             self.publisher.mark_dirty()
         return d
 
-    def _gate_changed(self, is_open: bool, version: int) -> None:
+    def _gate_changed(self, is_open: bool, version: int | None) -> None:
         self.metrics.gate(is_open, version)
         if not is_open:
             self.publisher.close_now(self.gate.reason)

@@ -20,7 +20,7 @@ from health import Ledger
 
 class DispatchGate:
     def __init__(self, log: EventLog, ledger: Callable[[], Ledger],
-                 on_change: Callable[[bool, int], None] | None = None) -> None:
+                 on_change: Callable[[bool, int | None], None] | None = None) -> None:
         self._log = log
         self._ledger = ledger
         self._on_change = on_change or (lambda is_open, version: None)

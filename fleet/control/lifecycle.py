@@ -38,7 +38,7 @@ import asyncio
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import AbstractSet, Any, Callable, Hashable
 
 from fleet.errors import (
     CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitArgumentError, RefitFailed, RefitNotDelivered,
@@ -326,7 +326,7 @@ class RefitLifecycle:
             raise _EndRefit(FleetExhausted, f"refit of version {self._version}: no live engine to take part")
         return plan
 
-    async def pause(self, plan: MembershipPlan, skip: set[int] = frozenset(), fence_others: bool = False) -> set[int]:
+    async def pause(self, plan: MembershipPlan, skip: AbstractSet[int] = frozenset(), fence_others: bool = False) -> set[int]:
         """Step 3, one call per participant (``begin_refit`` with its pause): refuse work routed before the
         gate closed (``_fence_epoch``), abort the in-flight requests whose version policy the refit's version would break
         (their clients re-send them), then pause, keeping the rest in flight. With ``fence_others`` (the refit's
@@ -565,9 +565,11 @@ class RefitLifecycle:
         parts = [p for p in plan.participants if p.slot in paused or p.slot in complete]
         handles = self.p.slots.handles
         others = self._paused_outside({p.slot for p in parts})
-        calls = {p.slot: (handles[p.slot][1], "end_refit", (),
-                          {"version": version, "abort_held": False} if p.slot in complete else {"abort_held": True})
-                 for p in parts}
+        # participants by slot, the others by (slot, incarnation)
+        calls: dict[Hashable, tuple] = {
+            p.slot: (handles[p.slot][1], "end_refit", (),
+                     {"version": version, "abort_held": False} if p.slot in complete else {"abort_held": True})
+            for p in parts}
         calls.update({key: (h, "end_refit", (), {"abort_held": True}) for key, h in others.items()})
         outs = await self._fan_out(calls)
         self._note_resumed_outside({key: self._resumed_outcome(outs[key]) for key in others})
@@ -612,7 +614,7 @@ class RefitLifecycle:
         def named(which: dict) -> list:
             return [[p.slot, p.incarnation, which[p.slot].describe()[:200]] for p in parts if p.slot in which]
 
-        self.p.log.emit(ev.Stamp(version=version, members=members, failed=named(failed), unknown=named(unknown)))
+        self.p.log.emit(ev.Stamp(version=version, members=list(members), failed=named(failed), unknown=named(unknown)))
 
     async def reopen(self, version: int) -> None:
         """Step 8: the health core closes the refit (``RefitFinished``) and decides the gate: open if quorum

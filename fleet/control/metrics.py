@@ -95,7 +95,7 @@ class FleetMetrics:
                     self._shards[state] = n
                     self._m["shards"].set(n, tags={"state": state.value})
 
-    def gate(self, is_open: bool, version: int) -> None:
+    def gate(self, is_open: bool, version: int | None) -> None:
         if self._m:
             self._m["gate"].set(1 if is_open else 0)
             self._m["version"].set(version)
@@ -136,7 +136,7 @@ class FleetMetrics:
             if isinstance(value, (int, float)):
                 m[key].set(value, tags=tags)
         inc, pre, tok = row["incarnation"], int(row.get("preemptions") or 0), int(row.get("generation_tokens") or 0)
-        last = self._seen.get(slot)
+        last: tuple[int, int, int, float | None] | None = self._seen.get(slot)
         if last is None or last[0] != inc:
             last = (inc, 0, 0, None)  # a new engine: its counts start from 0
         if pre > last[1]:

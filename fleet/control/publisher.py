@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 from fleet.control.parts import Parts
 from fleet.data.routing_state import Member, RoutingState
@@ -52,6 +52,7 @@ class RoutingPublisher:
     def _sync(self) -> tuple[asyncio.Lock, asyncio.Condition]:
         if self._lock is None:
             self._lock, self._changed = asyncio.Lock(), asyncio.Condition()
+        assert self._changed is not None  # made with the lock
         return self._lock, self._changed
 
     def mark_dirty(self) -> None:
@@ -138,7 +139,7 @@ class RoutingPublisher:
             members = view.members if same else await self._tell_shards(view, epoch)
             self.current = RoutingState(epoch, view.gate_open, view.version, members, view.caps, view.stopped,
                                         view.reason)
-            changed_members = {} if same else {"members": [[m.slot, m.incarnation] for m in members]}
+            changed_members: dict[str, Any] = {} if same else {"members": [[m.slot, m.incarnation] for m in members]}
             self.p.log.emit(ev.Routing(epoch=epoch, gate_open=view.gate_open, version=view.version,
                               stopped=bool(view.stopped), **changed_members))
         async with changed:

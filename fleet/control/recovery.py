@@ -125,7 +125,7 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
     await p.act.poll_admission()  # caps sized from the engines before clients route on the new state
     await publisher.publish()
     finished = intent.refit.version if intent.refit is not None and intent.refit.phase == COMMITTED else None
-    recovered = {
+    recovered: dict[str, Any] = {
         "intent": True, "generation": generation, "committed": intent.committed,
         "refit": None if intent.refit is None else [intent.refit.version, intent.refit.phase],
         "finished_refit": finished, "alive": sorted(alive), "serving": sorted(serving),
@@ -176,7 +176,7 @@ async def _resume_to_intent(p: Parts, intent, found: dict[int, Any], alive: dict
     return {**released, **outs}
 
 
-async def _round(p: Parts, phase: str, calls: dict, failed: dict[int, str], expect_ack: bool = False) -> dict:
+async def _round(p: Parts, phase: str, calls: dict[int, tuple], failed: dict[int, str], expect_ack: bool = False) -> dict[int, Outcome]:
     """One round of re-adoption calls, each bounded by ``probe_timeout_s`` (``FleetConfig.adoption_bound_s``
     counts the rounds). A slot whose call fails (hangs, dies, lies) is put in ``failed`` with what it failed,
     and no later round calls it: it is evicted at the end of re-adoption."""
@@ -283,9 +283,9 @@ async def _finish_shutdown(p: Parts, publisher: RoutingPublisher, generation: in
     p.slots.drop_all()
     await publisher.publish()
     p.intent.clear()
-    recovered = {"intent": True, "generation": generation, "shutdown_finished": True,
-                 "shards": {s: o.kind for s, o in outs.items()}, "fenced": fenced,
-                 "seconds": round(p.clock.now() - t0, 3)}
+    recovered: dict[str, Any] = {"intent": True, "generation": generation, "shutdown_finished": True,
+                                 "shards": {s: o.kind for s, o in outs.items()}, "fenced": fenced,
+                                 "seconds": round(p.clock.now() - t0, 3)}
     p.log.emit(ev.Adopted(**recovered))
     p.log.emit(ev.Phase(phase="shutdown", edge="end", shards={s: o.kind for s, o in outs.items()}))
     return recovered

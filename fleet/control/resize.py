@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+from typing import Any, Iterable
 
 from fleet.errors import ConfigError, FleetStopped
 from fleet.control.launch import failed as launch_failed, launch_all
@@ -115,7 +115,7 @@ async def resize(p: Parts, publisher: RoutingPublisher, refits: asyncio.Lock, n:
         return summary
 
 
-def _summary(p: Parts, publisher: RoutingPublisher, size_from: int, n: int, added: list, drained: dict, t0: float, retired: list = ()) -> dict:
+def _summary(p: Parts, publisher: RoutingPublisher, size_from: int, n: int, added: list, drained: dict, t0: float, retired: Iterable[int] = ()) -> dict:
     return {"size_from": size_from, "size_to": n, "added": added, "removed": sorted(drained), "retired": sorted(retired),
             "drained": {str(s): row for s, row in sorted(drained.items())}, "serving": sorted(m.slot for m in publisher.current.members),
             "seconds": round(p.clock.now() - t0, 3), "routing_epoch": publisher.current.epoch}

@@ -101,7 +101,7 @@ class Slots:
         """Apply ``event`` to the ledger and log the decision; rebalance the roles if anything changed.
         Returns the decision: its actions are the controller's to carry out."""
         d = step(self.ledger, event, self._now())
-        self._log.emit(ev.Decision(event=type(event).__name__, failure=d.failure, reason=d.reason))
+        self._log.emit(ev.Decision(event=type(event).__name__, failure=d.failure.value, reason=d.reason))
         self._log.emit_rows(ev.Health, d.transitions)  # per transition: slot, incarnation, before, after, reason
         if d.transitions or d.actions:
             self.rebalance()

@@ -11,12 +11,13 @@ the paused engines that staged the update.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence, cast
 
 from fleet.errors import RefitArgumentError
 from fleet.config.fleet import REFIT_TIMEOUT_FALLBACK_S
 from health import Participant, RefitResult
-from refit.outcome import Outcome, assign_ranks
+from refit import outcome as refit_outcome
+from refit.outcome import Outcome, ParticipantResult, RefitReport, assign_ranks
 from refit.synchronizer import RefitConfig, WeightSynchronizer
 
 
@@ -126,9 +127,9 @@ class RefitTransferPort:
         self._cfg = cfg
         self._door = door
         self._config = _refit_config(cfg)
-        self._sync = None
-        self._source = None
-        self._staged = None  # the synchronizer's report of the last stage (what ``apply_staged`` applies)
+        self._sync: WeightSynchronizer | None = None
+        self._source: Any = None
+        self._staged: RefitReport | None = None  # the synchronizer's report of the last stage (what ``apply_staged`` applies)
         self._workers: dict[tuple[int, int], int] = {}
 
     def check_source(self, source: Any) -> None:
@@ -149,6 +150,7 @@ class RefitTransferPort:
     async def transfer(self, participants, version, epoch, source, rebuild, timeout, ahead=None) -> dict[int, TransferResult]:
         out, ports = await self._ports(participants, source)
         if ports:
+            assert self._sync is not None  # _ports built it
             out.update(self._results(await self._sync.refit(ports, version, epoch, ahead=ahead)))
         return out
 
@@ -156,6 +158,7 @@ class RefitTransferPort:
         out, ports = await self._ports(participants, source)
         self._staged = None
         if ports:
+            assert self._sync is not None  # _ports built it
             self._staged = await self._sync.stage(ports, version, epoch)
             out.update(self._results(self._staged))
         return out
@@ -163,13 +166,16 @@ class RefitTransferPort:
     async def apply_staged(self, participants, version, timeout) -> dict[int, TransferResult]:
         report = self._staged
         members = {(p.slot, p.incarnation): h for p, h in participants}
-        keys = {} if report is None or report.version != version else \
-            {k: members[(k.slot, k.incarnation)] for k, r in report.results.items()
+        # a report of this port's is keyed by the participants ``_ports`` laid out
+        keys: dict[refit_outcome.Participant, Any] = {} if report is None or report.version != version else \
+            {k: members[(k.slot, k.incarnation)]
+             for k, r in cast("Mapping[refit_outcome.Participant, ParticipantResult]", report.results).items()
              if (k.slot, k.incarnation) in members and r.outcome is Outcome.STAGED}
         staged = {(k.slot, k.incarnation) for k in keys}
         out = {p.slot: TransferResult(RefitResult.NOT_STARTED, f"[stage] version {version} is not staged on this engine")
                for p, _ in participants if (p.slot, p.incarnation) not in staged}
         if keys:
+            assert self._sync is not None and report is not None  # what staged ``keys``
             out.update(self._results(await self._sync.apply_staged(
                 report, {k: self._door.receiver_port(h) for k, h in keys.items()})))
         return out

@@ -286,8 +286,10 @@ class FleetClient(_Client):
         elif state.epoch < self._state.epoch:
             return
         self._state = state
-        async with self._changed:
-            self._changed.notify_all()
+        changed = self._changed
+        assert changed is not None  # made on the loop before the client follows anything (``_make_dispatcher``)
+        async with changed:
+            changed.notify_all()
         self.dispatcher.tell_poison(state)
         await self.dispatcher.notify_room()
 
@@ -295,9 +297,11 @@ class FleetClient(_Client):
         """The routing state once its epoch is past ``epoch``, or the current one after ``timeout`` s."""
         if self._state.epoch > epoch or timeout <= 0:
             return self._state
+        changed = self._changed
+        assert changed is not None  # made on the loop with the dispatcher (``_make_dispatcher``)
         try:
-            async with self._changed:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self._state.epoch > epoch), timeout)
+            async with changed:
+                await asyncio.wait_for(changed.wait_for(lambda: self._state.epoch > epoch), timeout)
         except asyncio.TimeoutError:
             pass
         return self._state

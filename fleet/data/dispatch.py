@@ -427,6 +427,7 @@ class Dispatcher:
         if not p.out.tokens:
             return None
         m = p.on_last
+        assert m is not None  # the output came from the shard it was last sent to
         if p.out.finished or len(p.out.tokens) >= p.out.budget(p.sampling):
             return self._complete(p, p.out.ended_here(m.slot, m.incarnation, self._view.routing().version, p.request_id,
                                                       self._clock.now()))

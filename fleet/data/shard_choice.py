@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence, TypeVar
+from typing import Mapping, Protocol, Sequence, TypeVar
 
-T = TypeVar("T")
+
+class _HasSlot(Protocol):
+    @property
+    def slot(self) -> int: ...
+
+
+T = TypeVar("T", bound=_HasSlot)
 
 
 FULL_SCAN_UP_TO = 4  # members with room; above this, two random choices

@@ -10,7 +10,7 @@ or raises ``NotImplementedError`` before it relies on one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal, Protocol, Sequence
+from typing import Any, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
 
 from fleet.types import EngineStats, Piece
 
@@ -79,6 +79,15 @@ class EngineBackend(Protocol):
         ...
 
     async def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class StepMarks(Protocol):
+    """What a backend may have besides ``EngineBackend``: ``step_listener``, which it calls with the tokens of each
+    engine step (``VllmBackend``, from vLLM's per-step stat record). The shard sets it to feed its progress clock
+    (``health.progress``); a backend without it gives no step marks."""
+
+    step_listener: Callable[[int], None] | None
 
 
 def confirmed(result: Any) -> bool:

@@ -19,9 +19,9 @@ import dataclasses
 import itertools
 import os
 import time
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence, cast
 
-from fleet.shard.backend import PAUSE_MODES, EngineBackend
+from fleet.shard.backend import PAUSE_MODES, EngineBackend, PauseMode, StepMarks
 from fleet.config.engine import EngineConfig
 from fleet.shard.fault_hooks import ArmedFault, FaultHooks
 from fleet.errors import (BadRequestError, DeadlineExceeded, EngineCrashedError, RouteRefused, ShardShutDownError,
@@ -100,10 +100,11 @@ class EngineShard:
     def _watch_progress(self) -> ProgressWatch:
         """Progress facts for the ping (``health.progress``): a backend with a ``step_listener`` (vLLM's
         per-step stat record) tells each engine step and the tokens it made; others give no step marks."""
-        marks = hasattr(self._backend, "step_listener")
-        if marks:
-            self._backend.step_listener = self._stepped
-        return ProgressWatch(self._now(), steps=marks)
+        backend = self._backend
+        if isinstance(backend, StepMarks):  # it has a ``step_listener``
+            backend.step_listener = self._stepped
+            return ProgressWatch(self._now(), steps=True)
+        return ProgressWatch(self._now(), steps=False)
 
     def _stepped(self, tokens: int) -> None:
         """One engine step made ``tokens``. One made while the engine is paused (past the settling of the step
@@ -375,7 +376,12 @@ class EngineShard:
         run = asyncio.ensure_future(self._run(prompt, sampling, request_id, cache_salt, None,
                                               Ticket(epoch, VersionPolicy(kind, k), cap, bool(suspect)), Carried.of(carried),
                                               lambda c: pacer.offer(c, chunks)))
-        run.add_done_callback(lambda _: (pacer.flush(chunks), chunks.put_nowait(None)))
+
+        def ended(_: asyncio.Future) -> None:  # what the pacer still holds, then the end
+            pacer.flush(chunks)
+            chunks.put_nowait(None)
+
+        run.add_done_callback(ended)
         try:
             while True:
                 chunk = await chunks.get()
@@ -396,6 +402,7 @@ class EngineShard:
         if reason == NOT_MEMBER:
             return "not in the serving set"
         if reason == EPOCH:
+            assert ticket is not None  # (``ShardGate.refusal``: only a routed request's epoch is refused)
             return f"routed under epoch {ticket.epoch}, this shard admits epoch {g.floor} or later"
         if reason == FULL:
             return f"{len(self._inflight)} requests in flight, at its admission cap {g.cap}"
@@ -404,6 +411,7 @@ class EngineShard:
         if reason == SUSPECT:
             return (f"it is suspect (an engine died under it or its prompt) and it runs "
                     f"{', '.join(sorted(self._suspects))}, suspect too: two such requests never share an engine")
+        assert ticket is not None  # VERSION (``ShardGate.refusal``: only a routed request's policy is refused)
         return (f"weights version {self._version} do not meet policy {ticket.policy.describe()} "
                 f"(committed version {g.committed})")
 
@@ -464,7 +472,8 @@ class EngineShard:
         after the refit, else None). With no ``version`` and no ``abort_held`` it only releases the refit's
         pause: a refit rolled back, or one a restarted controller found begun."""
         self._require_ready("end_refit")
-        stamp, error = None, None
+        stamp: str | None = None
+        error: Exception | None = None
         if version is not None:
             try:
                 stamp = OK if await self.set_weight_version(version) is True else BAD_ACK
@@ -526,7 +535,7 @@ class EngineShard:
         backend = self._require_ready("pause")
         clear = bool(clear_cache) or (bool(clear_if_idle) and not self._inflight)
         if not (self.gate.paused and mode == "keep" and not clear):  # paused already, kept as it is
-            await self._bounded(f"pause(mode={mode})", backend.pause(mode, clear), timeout)
+            await self._bounded(f"pause(mode={mode})", backend.pause(cast(PauseMode, mode), clear), timeout)
         self.holds.paused(mode, owner)
         if not self.gate.paused:
             self._progress.hold("paused", self._now())  # a paused engine makes no step: not a stall

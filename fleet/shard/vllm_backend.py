@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from fleet.shard.backend import BackendCapabilities, PauseMode, confirmed
 from fleet.errors import BadRequestError, EngineCrashedError
 from fleet.types import field_with_invalid_text
 from fleet.types import EngineStats, Piece, PromptLogprobs
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 
 def _make_stats_logger(sink: EngineStats, on_step: Callable[[int], None]):
@@ -86,9 +89,9 @@ class VllmBackend:
 
     def __init__(self, engine_args: dict[str, Any]) -> None:
         self._engine_args = dict(engine_args)
-        self._engine = None
+        self._engine: AsyncLLM | None = None
         self._stats = EngineStats(max_model_len=int(engine_args.get("max_model_len") or 0))
-        self._tokenizer = None
+        self._tokenizer: Any = None  # vLLM's tokenizer (untyped here), once started
         # Told the tokens of every engine step (the shard's progress clock sets it: ``health.progress``).
         self.step_listener: Callable[[int], None] | None = None
 
@@ -202,7 +205,8 @@ class VllmBackend:
         refit pauses every engine, so the sleep was a third of a small model's refit."""
         llm = self._live()
         core, renderer = getattr(llm, "engine_core", None), getattr(llm, "renderer", None)
-        if mode != "keep" or not hasattr(core, "pause_scheduler_async") or not hasattr(renderer, "clear_mm_cache_async"):
+        if (mode != "keep" or core is None or renderer is None
+                or not hasattr(core, "pause_scheduler_async") or not hasattr(renderer, "clear_mm_cache_async")):
             await llm.pause_generation(mode=mode, clear_cache=clear_cache)
             return
         if clear_cache:
@@ -230,8 +234,11 @@ class VllmBackend:
 
     def engine_core_pids(self) -> list[int]:
         """PIDs of the engine-core processes (for fault injection and memory reports)."""
+        engine = self._engine
+        if engine is None:
+            return []
         try:
-            procs = self._engine.engine_core.resources.engine_manager.processes
+            procs = engine.engine_core.resources.engine_manager.processes
             return [p.pid for p in procs]
         except AttributeError:
             return []
