@@ -51,6 +51,7 @@ or apply the group is considered dead and the next ``refit``/``stage`` rebuilds 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -219,13 +220,27 @@ class WeightSynchronizer:
         return Ahead(self, refit_id, planned)
 
     async def refit(self, participants: Mapping[Hashable, ReceiverPort], version: int, epoch: int,
-                    ahead: "Ahead | None" = None) -> RefitReport:
+                    ahead: "Ahead | None" = None, rebuild: bool = False) -> RefitReport:
         """Move the sender's current weights into every participant; stamp ``version`` on complete applies.
-        ``ahead``: this synchronizer's ``plan_ahead``, taken by this refit in place of its own sender prepare."""
+        ``ahead``: this synchronizer's ``plan_ahead``, taken by this refit in place of its own sender prepare.
+        ``rebuild``: build a fresh group even when the epoch and members are the group's (the caller no longer
+        trusts it). A refit cancelled midway (its caller's deadline) leaves the group broken: the next rebuilds."""
         world = check_layout(participants)
         async with self._lock:
-            return await self._refit(dict(participants), int(version), int(epoch), world,
-                                     ahead if ahead is not None and ahead.sync is self else None)
+            if rebuild:
+                self._group_ok = False
+            async with self._broken_if_cancelled():
+                return await self._refit(dict(participants), int(version), int(epoch), world,
+                                         ahead if ahead is not None and ahead.sync is self else None)
+
+    @contextlib.asynccontextmanager
+    async def _broken_if_cancelled(self):
+        """A collective cut off midway leaves its peers in an unknown state: the group is not reused."""
+        try:
+            yield
+        except asyncio.CancelledError:
+            self._group_ok = False
+            raise
 
     async def _refit(self, parts: dict, version: int, epoch: int, world: int, ahead: "Ahead | None" = None) -> RefitReport:
         t0 = time.monotonic()
@@ -276,7 +291,7 @@ class WeightSynchronizer:
         if self.config.apply_mode != "staged":
             raise RefitUsageError(f"stage needs RefitConfig(apply_mode='staged'), got apply_mode={self.config.apply_mode!r}")
         world = check_layout(participants)
-        async with self._lock:
+        async with self._lock, self._broken_if_cancelled():
             return await self._stage(dict(participants), int(version), int(epoch), world)
 
     async def _stage(self, parts: dict, version: int, epoch: int, world: int) -> RefitReport:
@@ -367,7 +382,7 @@ class WeightSynchronizer:
             if res is None or res.outcome is not Outcome.STAGED:
                 got = "not in that report" if res is None else f"{res.outcome.value}"
                 raise RefitUsageError(f"apply_staged: {describe(key)} is not STAGED in stage report {report.refit_id} ({got})")
-        async with self._lock:
+        async with self._lock, self._broken_if_cancelled():
             return await self._apply_staged(report, dict(participants))
 
     async def _apply_staged(self, report: RefitReport, parts: dict) -> RefitReport:

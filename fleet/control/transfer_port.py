@@ -10,6 +10,7 @@ the paused engines that staged the update.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence, cast
 
@@ -51,7 +52,8 @@ class TransferPort(Protocol):
     ) -> dict[int, TransferResult]:
         """Move ``version``'s weights from ``source`` to every participant; never raises for participant failures.
 
-        ``rebuild`` forces a fresh process group even when ``epoch`` is unchanged
+        Answers within ``timeout`` seconds (the lifecycle enforces no deadline of its own): a participant not
+        done by then is ``PARTIAL``. ``rebuild`` forces a fresh process group even when ``epoch`` is unchanged
         (after any failed transfer the old group cannot be trusted). ``ahead``: what ``plan_ahead`` returned
         for this refit (its first attempt only).
         """
@@ -82,6 +84,15 @@ class TransferPort(Protocol):
         """Apply what the last ``stage`` left on these participants (paused, the same incarnations that
         staged it): ``COMPLETE``, ``PARTIAL`` (the apply failed or went unanswered) or ``NOT_STARTED``."""
         ...
+
+
+async def by_deadline(attempt, participants, timeout: float, cut: RefitResult, what: str) -> dict[int, TransferResult]:
+    """``attempt``'s answer, or at ``timeout`` (cancelling it) ``cut`` for every participant: a port answers
+    by the deadline it is given, the one place that deadline is enforced."""
+    try:
+        return await asyncio.wait_for(attempt, max(0.0, timeout))
+    except asyncio.TimeoutError:
+        return {p.slot: TransferResult(cut, f"cut off at its deadline ({timeout:.1f} s): {what}") for p, _ in participants}
 
 
 def healthy_attempt_s(cfg) -> float:
@@ -148,22 +159,38 @@ class RefitTransferPort:
         return self._sync.plan_ahead()
 
     async def transfer(self, participants, version, epoch, source, rebuild, timeout, ahead=None) -> dict[int, TransferResult]:
-        out, ports = await self._ports(participants, source)
-        if ports:
-            assert self._sync is not None  # _ports built it
-            out.update(self._results(await self._sync.refit(ports, version, epoch, ahead=ahead)))
-        return out
+        """Honours ``timeout`` (a participant not done by then is PARTIAL: bytes may have moved, and the group,
+        cancelled midway, is rebuilt next time) and ``rebuild`` (a fresh group whatever the epoch)."""
+        async def attempt() -> dict[int, TransferResult]:
+            out, ports = await self._ports(participants, source)
+            if ports:
+                assert self._sync is not None  # _ports built it
+                out.update(self._results(await self._sync.refit(ports, version, epoch, ahead=ahead, rebuild=rebuild)))
+            return out
+
+        return await by_deadline(attempt(), participants, timeout, RefitResult.PARTIAL, "weights unknown")
 
     async def stage(self, participants, version, epoch, source, timeout) -> dict[int, TransferResult]:
-        out, ports = await self._ports(participants, source)
+        """Honours ``timeout``: an engine not done staging by then is NOT_STARTED (its live weights never change
+        here) and holds nothing that ``apply_staged`` may apply."""
         self._staged = None
-        if ports:
-            assert self._sync is not None  # _ports built it
-            self._staged = await self._sync.stage(ports, version, epoch)
-            out.update(self._results(self._staged))
-        return out
+
+        async def attempt() -> dict[int, TransferResult]:
+            out, ports = await self._ports(participants, source)
+            if ports:
+                assert self._sync is not None  # _ports built it
+                self._staged = await self._sync.stage(ports, version, epoch)
+                out.update(self._results(self._staged))
+            return out
+
+        return await by_deadline(attempt(), participants, timeout, RefitResult.NOT_STARTED, "live weights untouched")
 
     async def apply_staged(self, participants, version, timeout) -> dict[int, TransferResult]:
+        """Honours ``timeout``: an apply not answered by then is PARTIAL (it may have been applying)."""
+        return await by_deadline(self._apply_staged(participants, version), participants, timeout,
+                                  RefitResult.PARTIAL, "weights unknown")
+
+    async def _apply_staged(self, participants, version) -> dict[int, TransferResult]:
         report = self._staged
         members = {(p.slot, p.incarnation): h for p, h in participants}
         # a report of this port's is keyed by the participants ``_ports`` laid out

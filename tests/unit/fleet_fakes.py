@@ -31,7 +31,7 @@ from fleet.shard.request_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
 from fleet.errors import (BadRequestError, DeadlineExceeded, RefitArgumentError, RefitOwnsEngine, RouteRefused,
                           ShardUnusableError)
-from fleet.control.transfer_port import TransferResult
+from fleet.control.transfer_port import TransferResult, by_deadline
 from health import RefitResult
 
 
@@ -344,6 +344,9 @@ class FakeTransfer:
         self.stage_fail: dict[int, dict[int, str]] = {}
         self.apply_fail: dict[int, str] = {}
         self.staged_on: dict[tuple[int, int], int] = {}  # (slot, incarnation) -> version in its staging area
+        self.delay_s = 0.0  # what every transfer attempt takes before it answers
+        self.after_s: dict[int, float] = {}  # attempt -> seconds it takes after its bytes moved
+        self.then: Any = None  # ``then(attempt)`` once an attempt answered (scripts what happens next)
 
     def check_source(self, source) -> None:
         if source == "not a sender":
@@ -353,6 +356,20 @@ class FakeTransfer:
         return None
 
     async def transfer(self, participants, version, epoch, source, rebuild, timeout, ahead=None):
+        """As the real port: answers by ``timeout`` (``by_deadline``); ``delay_s`` is each attempt's own time."""
+        async def attempt():
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            out = await self._transfer(participants, version, epoch, source, rebuild, timeout, ahead)
+            n = len(self.attempts)
+            await asyncio.sleep(self.after_s.get(n, 0.0))
+            if self.then is not None:
+                self.then(n)
+            return out
+
+        return await by_deadline(attempt(), participants, timeout, RefitResult.PARTIAL, "weights unknown")
+
+    async def _transfer(self, participants, version, epoch, source, rebuild, timeout, ahead=None):
         self.attempts.append((version, epoch, tuple(p.slot for p, _ in participants), rebuild))
         self.door.calls.append(("transfer", -1, len(self.attempts)))
         self.door.rpcs.extend(("transfer", p.slot, p.incarnation) for p, _ in participants)  # the receive, one per engine

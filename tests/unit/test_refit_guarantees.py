@@ -103,15 +103,20 @@ def test_an_unexpected_error_before_any_byte_moves_rolls_back(model_dir):
     async def go():
         ctl, door, transfer = make(model_dir)
         await ctl.start()
-        real = ctl.lifecycle.pause_settled
+        from fleet.control.lifecycle import pause as pause_step
 
-        async def pause_then_fail(plan):
-            await real(plan)
+        real = pause_step.pause_settled
+
+        async def pause_then_fail(r, plan):
+            await real(r, plan)
             raise RuntimeError("bug between pause and transfer")
 
-        ctl.lifecycle.pause_settled = pause_then_fail
-        with pytest.raises(RuntimeError, match="bug between pause and transfer"):
-            await ctl.sync_weights(1)
+        pause_step.pause_settled = pause_then_fail
+        try:
+            with pytest.raises(RuntimeError, match="bug between pause and transfer"):
+                await ctl.sync_weights(1)
+        finally:
+            pause_step.pause_settled = real
         assert transfer.attempts == []
         _serving_unchanged(ctl, 0)
         assert not any(s.paused for s in door.shards.values())
@@ -237,13 +242,7 @@ def test_the_transfer_phase_ends_within_its_deadline_retry_included(model_dir):
     async def go():
         ctl, door, transfer = make(model_dir)  # refit_timeout_s 0.3 + lifecycle_grace_s 0.1
         await ctl.start()
-        real = transfer.transfer
-
-        async def slow(*args, **kwargs):  # every attempt takes 0.3 s of the 0.4 s bound
-            await asyncio.sleep(0.3)
-            return await real(*args, **kwargs)
-
-        transfer.transfer = slow
+        transfer.delay_s = 0.3  # every attempt takes 0.3 s of the 0.4 s bound
         transfer.fail[1] = {1: "error"}  # the first attempt fails on slot 1: the retry gets only what is left
         summary = await ctl.sync_weights(1)
         [end] = [e for e in Phase.among(ctl.events()) if e.phase == "transfer" and e.edge == "end"]

@@ -609,3 +609,63 @@ def test_a_join_that_is_not_exactly_acknowledged_fails_naming_the_engine(answer)
     assert report.results[bad].phase == "group", report.results[bad]
     assert "not an acknowledgement" in report.results[bad].error and "slot 1" in report.results[bad].error
     run(sync.close())
+
+
+def test_a_refit_cancelled_midway_leaves_the_group_broken_and_rebuild_forces_a_fresh_one():
+    """Issue 46: a transfer cut off by its caller's deadline left the group marked good; ``rebuild`` was ignored."""
+    _, sync = sync_for(model_tensors(1))
+    seen = []
+
+    async def refit_body(parts, version, epoch, world, ahead=None):
+        seen.append(sync._group_ok)
+        sync._group_ok, sync._epoch = True, epoch  # the group was built and is in use
+        if version == 2:
+            await asyncio.sleep(3600)  # the collective stalls
+        return "report"
+
+    sync._refit = refit_body
+    parts = {Participant(0, 1, (1,)): object()}
+
+    async def go():
+        assert await sync.refit(parts, 1, epoch=1) == "report" and sync.epoch == 1
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(sync.refit(parts, 2, epoch=1), 0.05)
+        assert sync.epoch is None, "a cancelled collective's group must not be reused"
+        sync._group_ok = True
+        await sync.refit(parts, 3, epoch=1, rebuild=True)
+        assert seen[-1] is False, "rebuild=True must make the refit build a fresh group"
+
+    run(go())
+
+
+def test_the_controllers_port_answers_by_its_deadline_and_cancels_the_stalled_transfer(model_dir):
+    from fleet.config.fleet import load_fleet_config
+    from fleet.control.transfer_port import RefitTransferPort
+    from health import Participant as Member, RefitResult as HealthResult
+
+    port = RefitTransferPort(load_fleet_config({"engine": {"model": model_dir}, "num_engines": 1}), door=None)
+    cancelled = []
+
+    class Stalled:
+        async def refit(self, ports, version, epoch, ahead=None, rebuild=False):
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(rebuild)
+                raise
+
+    async def ports(participants, source):
+        port._sync = Stalled()
+        return {}, {"key": object()}
+
+    port._ports = ports
+    member = Member(0, 1, 1)
+
+    async def go():
+        t0 = asyncio.get_running_loop().time()
+        out = await port.transfer([(member, object())], 1, 1, "sender", rebuild=True, timeout=0.1)
+        assert asyncio.get_running_loop().time() - t0 < 1.0
+        assert out[0].result is HealthResult.PARTIAL and "cut off at its deadline" in out[0].detail
+        assert cancelled == [True]
+
+    run(go())

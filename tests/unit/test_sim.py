@@ -33,8 +33,8 @@ from sim.shard import SimShard, Timings
 from sim.transfer import SimTransfer, TransferModel
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTROL_PLANE = ["fleet/control/controller.py", "fleet/control/lifecycle.py", "fleet/control/publisher.py", "fleet/control/recovery.py",
-                 "fleet/control/resize.py", "fleet/control/slots.py", "fleet/control/launch.py", "fleet/control/nodes.py", "fleet/control/transfer_port.py"]
+CONTROL_PLANE = ["fleet/control/controller.py", *(f"fleet/control/lifecycle/{m}.py" for m in ("pause", "transfer", "resume", "ends")),
+                 "fleet/control/publisher.py", "fleet/control/recovery.py", "fleet/control/operator_pause.py", "fleet/control/resize.py", "fleet/control/slots.py", "fleet/control/launch.py", "fleet/control/nodes.py", "fleet/control/transfer_port.py"]
 
 
 def params(fn) -> list[tuple[str, object, object]]:

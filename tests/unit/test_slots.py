@@ -166,10 +166,12 @@ def test_no_collaborator_reaches_into_the_controller(name):
     """Issue 31: five modules took the controller as ``ctl: Any`` and read its private state. Each is now
     built from ``fleet.control.parts``: none names the controller, takes a ``ctl``, or types anything ``Any`` that
     is the controller's."""
-    path = next(ROOT.glob(f"fleet/**/{name}.py"))
-    tree = ast.parse(path.read_text())
-    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
-        a.arg for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for a in n.args.args}
-    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-    assert "ctl" not in names, f"{path.name} still takes or reads a ``ctl``"
-    assert "SingleController" not in imported | names, f"{path.name} names the controller"
+    paths = list(ROOT.glob(f"fleet/**/{name}.py")) or list(ROOT.glob(f"fleet/**/{name}/*.py"))  # a module or a package
+    assert paths, name
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+            a.arg for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for a in n.args.args}
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        assert "ctl" not in names, f"{path.name} still takes or reads a ``ctl``"
+        assert "SingleController" not in imported | names, f"{path.name} names the controller"
