@@ -67,6 +67,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from faults.firing import hook_point
+from faults.loop_fault import prove_loop_error_then_kill
 from faults.operator import prove_controller_kill_under_keep_pause, prove_operator_resume_mid_refit
 from faults.poison import prove_poison_request
 from faults.resize_evidence import prove_resize_under_load
@@ -99,6 +100,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "poison_request": ("contained",),
     "operator_resume_mid_refit": ("owned",),
     "controller_kill_under_keep_pause": ("kept_paused",),
+    "loop_error_then_kill": ("found",),
     "kill_controller": ("restarted",),
 }
 # What a refused corrupt update's message must say, for the corrupted tensor ``t`` (refit.manifest's words).
@@ -364,4 +366,5 @@ _TRAINER_PROOFS = {"kill_sender": _killed_sender, "stale_version": _stale_versio
                    "refit_under_load": _refit_under_load, "resize_under_load": prove_resize_under_load,
                    "poison_request": prove_poison_request,
                    "operator_resume_mid_refit": prove_operator_resume_mid_refit,
-                   "controller_kill_under_keep_pause": prove_controller_kill_under_keep_pause}
+                   "controller_kill_under_keep_pause": prove_controller_kill_under_keep_pause,
+                   "loop_error_then_kill": prove_loop_error_then_kill}

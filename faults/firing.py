@@ -51,6 +51,7 @@ from dataclasses import asdict
 from typing import Any, Callable, Iterable, Protocol
 
 from faults.load import refit_under_load
+from faults.loop_fault import loop_error_then_kill
 from faults.operator import controller_kill_under_keep_pause, operator_resume_mid_refit
 from faults.poison import poison_request
 from faults.polling import wait_until
@@ -291,6 +292,8 @@ class FaultFiring:
             return operator_resume_mid_refit(self.fleet, lambda: self._sync(self.trainer.new_version()), self.log or print)
         if f.what == "controller_kill_under_keep_pause":
             return controller_kill_under_keep_pause(self.fleet, self.log or print)
+        if f.what == "loop_error_then_kill":
+            return loop_error_then_kill(self.fleet, self.log or print)
         if f.what == "resize_under_load":
             rec = resize_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
             self._say_if(True, f"resize under load: added {rec['added']}, removed {rec['removed']}, new engine "

@@ -53,6 +53,8 @@ PAIR = {"num_engines": 2}
 NULL_ENGINE = {"backend": "null", "null_receives_weights": True, "null_generate_s": 0.3, "num_cpus": 0}
 NULL = {"engine": NULL_ENGINE, "refit_timeout_s": 3.0, "lifecycle_grace_s": 1.5, "probe_timeout_s": 1.5,
         "suspect_timeout_s": 4.0}
+# Staging ahead on shards with no engine: the update's bytes move into staging areas while the fleet serves.
+STAGING = {**NULL, "stage_ahead": True}
 # Quorum of one on three engines: a poison prompt takes two down and the third serves on; a stamp that fails
 # on one engine leaves the other two serving.
 ONE_OF_THREE = {"min_healthy_engines": 1}
@@ -160,6 +162,10 @@ MATRIX: tuple[Variant, ...] = (
                    "restarts it, it re-adopts the fleet, the engines stay paused (sampling nothing) until the "
                    "operator's resume, then every held request completes"),
     # the controller's decisions alone, on shards with no engine (``NULL``)
+    _v("loop-error-then-kill", "recovers", [{"where": "call", "what": "loop_error_then_kill", "step": 1}], steps=1,
+       fleet=NULL,
+       description="two ticks of the controller's liveness monitor raise, then an engine with nothing in flight is "
+                   "killed: the monitor went on, finds it dead within hang_detection_bound_s, and it restarts"),
     _v("resize-under-load", "recovers", [{"where": "call", "what": "resize_under_load", "step": 1}], steps=1,
        fleet=NULL,
        description="client threads submit without pause while the fleet grows by one engine, a refit lands (the "
@@ -196,6 +202,20 @@ MATRIX: tuple[Variant, ...] = (
        description="two of three shards die between refits, past the checkpoint's version (a restart at "
                    "version 0 would serve at once): requests wait at the closed gate until the restarted "
                    "shards come back and the next refit brings quorum back"),
+    # a refit that stages its update while the fleet serves (``stage_ahead``), where its faults meet the staging
+    _v("kill-during-stage", "recovers", [{"where": "transfer", "what": "kill", "shard": 1, "step": 1}],
+       checks=("readmitted:1",), fleet=STAGING,
+       description="a shard killed as the update's bytes start moving into its staging area, the gate open: the "
+                   "staging retries on a rebuilt group without it, the refit applies on the others, the slot "
+                   "restarts and serves after the next refit"),
+    _v("controller-kill-during-stage", "recovers", [{"where": "stage", "what": "kill_controller", "step": 1}],
+       checks=("controller_back",), fleet=STAGING,
+       description="the controller dies while the engines stage the update, the gate open: Ray restarts it, it "
+                   "re-adopts the fleet (nothing live changed), and the re-sent refit stages and lands"),
+    _v("false-ack-on-pause", "stops", [{"where": "pause", "what": "false_ack", "shard": 1, "step": 1}], steps=1,
+       checks=("stop_names:1",), fleet={**NULL, **PAIR},
+       description="a pause acknowledged with something other than True: never counted as paused; the refit "
+                   "stops with the gate closed, naming the engine"),
     _v("kill-two-below-quorum", "stops",
        [{"where": "step_boundary", "what": "kill", "shard": 0, "step": 1},
         {"where": "pause", "what": "kill", "shard": 1, "step": 1}],

@@ -32,6 +32,10 @@ class FaultInjector:
         """Kill ``slot``'s current shard actor; ``ValueError`` naming the slots with an engine if it has none."""
         return self._ask("kill_shard", slot, timeout=60)
 
+    def arm_loop_fault(self, loop: str, times: int = 1) -> bool:
+        """The next ``times`` ticks of the controller's background loop ``loop`` raise (``fleet.control.loops``)."""
+        return self._ask("arm_loop_fault", loop, times, timeout=60)
+
     def arm_controller_crash(self, point: str, delay_s: float = 0.0) -> bool:
         """The controller's process kills itself at ``point`` (``SingleController.arm_crash``)."""
         return self._ask("arm_crash", point, delay_s, timeout=60)

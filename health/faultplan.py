@@ -67,7 +67,9 @@ Faults of the trainer's refit call itself name no ``shard``:
   fleet keeps serving), or ``operator_resume_mid_refit`` (the operator's ``keep`` pause, a refit, and the
   operator's resume sent while its transfer runs: the engines refuse it and sample nothing until the refit
   resumes them), or ``controller_kill_under_keep_pause`` (the controller killed while a ``keep`` pause holds
-  requests: the engines stay paused across its restart until the operator's resume).
+  requests: the engines stay paused across its restart until the operator's resume), or
+  ``loop_error_then_kill`` (ticks of the controller's liveness monitor raise, then an idle engine is killed:
+  the monitor, still running, finds it within the hang-detection bound).
 
 Pure: no Ray, no vLLM. ``load_plan`` raises ``ValueError`` naming the field
 (``faults[0].where``) and the allowed values; ``resolve`` turns a plan into
@@ -92,7 +94,7 @@ TRAINER_WHERE = ("update", "call")  # faults of the trainer's refit call, not of
 # costs three control calls a refit: ``pause`` (fence, abort the too old, pause), ``transfer``, ``resume``
 # (stamp, abort what an unstamped engine held, resume); ``commit`` is the controller's own (intent and ledger).
 REFIT_PHASES = ("close", "reconcile", "pause", "transfer", "commit", "resume", "reopen")
-CONTROLLER_WHERE = ("between_refits",) + REFIT_PHASES + ("shutdown",)
+CONTROLLER_WHERE = ("between_refits", "stage") + REFIT_PHASES + ("shutdown",)  # stage: a refit's step 0 (stage_ahead)
 CONTROLLER_WHAT = ("kill_controller",)  # faults of the fleet's controller, not of a shard
 WHERE = SHARD_WHERE + TRAINER_WHERE + tuple(w for w in CONTROLLER_WHERE if w not in SHARD_WHERE)
 MAX_CRASH_DELAY_S = 600.0  # the controller refuses a crash delayed this long or longer
@@ -118,6 +120,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "poison_request": ("call",),
     "operator_resume_mid_refit": ("call",),
     "controller_kill_under_keep_pause": ("call",),
+    "loop_error_then_kill": ("call",),
     "kill_controller": CONTROLLER_WHERE,
 }
 WHAT = tuple(ALLOWED)

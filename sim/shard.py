@@ -136,7 +136,8 @@ class SimShard:
     async def counters(self) -> dict[str, Any]:
         await self._take(self.t.rpc_s)
         return {**self.gate.counters(), "deduplicated": 0, "in_flight": 0, "slot": self.slot,
-                "incarnation": self.incarnation, "weight_version": self.version, "left": self._left}
+                "incarnation": self.incarnation, "weight_version": self.version, "left": self._left,
+                "paused": self.gate.paused, **self.holds.describe()}
 
     async def set_route(self, epoch: int, member: bool, committed: int) -> bool:
         await self._take(self.t.rpc_s)

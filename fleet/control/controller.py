@@ -26,7 +26,7 @@ from fleet.eventlog import EventLog
 from fleet.config.fleet import FleetConfig, load_fleet_config
 from fleet.control.dispatch_gate import DispatchGate
 from fleet.control.launch import failed as launch_failed, launch_all, restart
-from fleet.control.loops import run_loop
+from fleet.control.loops import LoopFaults, run_loop
 from fleet.control.intent import COMMITTED, Intent, IntentStore
 from fleet.control.monitor import LivenessMonitor
 from fleet.control.metrics import FleetMetrics, RunMeter, shard_load, shard_rows
@@ -113,6 +113,7 @@ class SingleController:
         self._adopting: asyncio.Lock | None = None
         self.recovered: dict | None = None  # what re-adoption found and did (``fleet.control.recovery``)
         self._crash_at: tuple[str, float] | None = None  # fault injection: where this process kills itself
+        self._loop_faults = LoopFaults(self.log)  # fault injection: ticks of a background loop that raise
 
     # ------------------------------------------------------------------ the slots, read-only (status, tests)
     @property
@@ -172,11 +173,11 @@ class SingleController:
     def start_loops(self) -> None:
         """The background loops: health timers, the liveness monitor, the admission poll. None of them ends at
         an exception (``fleet.control.loops``): each tick's is logged, naming the loop, and the next tick runs."""
-        self.in_background(run_loop("health timers", lambda: TIMER_INTERVAL_S, self._tick_if_due, self.log))
-        self.in_background(run_loop("liveness monitor", lambda: self.cfg.monitor_interval_s, self.monitor.round,
-                                    self.log))
-        self.in_background(run_loop("admission", lambda: self.cfg.admission.poll_interval_s, self.poll_admission,
-                                    self.log))
+        ticks = {"health timers": (lambda: TIMER_INTERVAL_S, self._tick_if_due),
+                 "liveness monitor": (lambda: self.cfg.monitor_interval_s, self.monitor.round),
+                 "admission": (lambda: self.cfg.admission.poll_interval_s, self.poll_admission)}
+        for name, (interval, tick) in ticks.items():
+            self.in_background(run_loop(name, interval, self._loop_faults.wrap(name, tick), self.log))
 
     async def _commit_checkpoint(self) -> None:
         """Every engine loaded the checkpoint from disk: that load is the complete refit of version 0."""
@@ -517,6 +518,10 @@ class SingleController:
                     f"{out.describe()[:300]}; nothing was armed (bound {bound:g} s)")
             raise TimeoutError(what) if out.kind == TIMED_OUT else RuntimeError(what)
         return True
+
+    def arm_loop_fault(self, loop: str, times: int = 1) -> bool:
+        """Fault injection: the next ``times`` ticks of background loop ``loop`` raise (``fleet.control.loops``)."""
+        return self._loop_faults.arm(loop, times)
 
     async def kill_shard(self, slot: int) -> bool:
         """Kill the current incarnation's actor process now (a fault at a step boundary)."""

@@ -14,7 +14,9 @@ import traceback
 from typing import Awaitable, Callable
 
 from fleet.eventlog import EventLog
-from fleet.records import LoopError
+from fleet.records import Fault, LoopError
+
+LOOPS = ("health timers", "liveness monitor", "admission")
 
 
 async def run_loop(name: str, interval: Callable[[], float], tick: Callable[[], Awaitable[None]],
@@ -32,3 +34,35 @@ async def run_loop(name: str, interval: Callable[[], float], tick: Callable[[], 
             where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
             log.emit(LoopError(loop=name, error=f"{type(exc).__name__}: {exc}"[:500], failed_ticks=failed,
                                at=None if where is None else f"{where.filename.rsplit('/', 1)[-1]}:{where.lineno}"))
+
+
+class InjectedLoopError(RuntimeError):
+    """A tick of a background loop raised on purpose (``LoopFaults``)."""
+
+
+class LoopFaults:
+    """Fault injection: the next ``times`` ticks of a named loop raise ``InjectedLoopError`` before they run."""
+
+    def __init__(self, log: EventLog) -> None:
+        self._log = log
+        self._armed: dict[str, int] = {}
+
+    def arm(self, loop: str, times: int = 1) -> bool:
+        if loop not in LOOPS:
+            raise ValueError(f"arm_loop_fault: loop must be one of {LOOPS}, got {loop!r}")
+        if isinstance(times, bool) or not isinstance(times, int) or not 1 <= times <= 100:
+            raise ValueError(f"arm_loop_fault: times must be an integer in [1, 100], got {times!r}")
+        self._armed[loop] = times
+        self._log.emit(Fault(target="controller", point=loop, action="loop_error", armed=True))
+        return True
+
+    def wrap(self, loop: str, tick: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        async def faulty() -> None:
+            left = self._armed.get(loop, 0)
+            if left:
+                self._armed[loop] = left - 1
+                self._log.emit(Fault(target="controller", point=loop, action="loop_error", fired=True))
+                raise InjectedLoopError(f"injected into a tick of the {loop} loop")
+            await tick()
+
+        return faulty

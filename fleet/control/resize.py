@@ -25,7 +25,8 @@ Shrink (``n`` below): the slots that serve least go first (``plan_resize``). The
 in the intent as removed, retired in the ledger (out of the serving set, out of refits,
 never restarted; not a failure) and the routing state is published at once. Each removed
 engine is then drained (``Drain``): told it is no longer a member (it refuses new work, which
-its clients route elsewhere), its in-flight requests are left to finish for up to the drain
+its clients route elsewhere), its in-flight requests (unless it is paused, when they cannot finish: they are
+aborted and re-sent at once) are left to finish for up to the drain
 bound (``request_timeout_s`` unless given), whatever is still running then is aborted (the
 clients re-send it: nothing is lost), and the engine is shut down and killed.
 
@@ -175,10 +176,14 @@ async def _drain(p: Parts, action: Drain, before: int, epoch: int, bound: float)
     told = await p.door.call(handle, "set_route", epoch, False, p.gate.version, timeout=probe, expect_ack=True)
     first = await p.door.call(handle, "counters", timeout=probe)
     t0, last, aborted = p.clock.now(), first, 0
-    while last.ok and last.value["in_flight"] and p.clock.now() - t0 < bound:
+    # a paused engine (the operator's ``keep`` pause) finishes nothing: waiting for it would hold the lifecycle's
+    # lock for the whole bound, so its requests are aborted at once and re-sent (they run after the resume)
+    while last.ok and last.value["in_flight"] and not last.value.get("paused") and p.clock.now() - t0 < bound:
         await asyncio.sleep(DRAIN_POLL_S)
         last = await p.door.call(handle, "counters", timeout=probe)
-    if last.ok and last.value["in_flight"]:  # the bound passed: what still runs is aborted and re-sent
+    if last.ok and last.value.get("paused"):
+        row["paused"] = True
+    if last.ok and last.value["in_flight"]:  # the bound passed (or it is paused): aborted and re-sent
         out = await p.door.call(handle, "abort_in_flight", timeout=probe)
         aborted = out.value if out.ok else last.value["in_flight"]
         last = await p.door.call(handle, "counters", timeout=probe)

@@ -261,7 +261,8 @@ class FakeDoor:
     async def _counters(self, s):
         """``EngineShard.counters``: in flight counts requests not aborted yet (an aborted one is ending)."""
         return {**s.gate.counters(), "in_flight": sum(1 for v in s.in_flight.values() if v is not None),
-                "slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version, "left": s.left}
+                "slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version, "left": s.left,
+                "paused": s.paused, **s.holds.describe()}
 
     async def _set_route(self, s, epoch, member, committed):
         if s.gate.member and not member and epoch >= s.gate.routed_at:  # as EngineShard.set_route: what it held as it left the serving set

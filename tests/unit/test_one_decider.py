@@ -294,3 +294,27 @@ def test_a_loop_tick_that_raises_is_logged_and_the_loop_goes_on(model_dir, loop)
         assert res.ok
 
     run_virtual(go())
+
+
+def test_a_shrink_under_a_keep_pause_aborts_what_the_paused_engine_holds_instead_of_waiting_the_drain_bound(model_dir):
+    """Hole: a shrink under a ``keep`` pause drained engines whose requests could not finish, holding the
+    lifecycle's lock for the whole drain bound. Their requests are aborted at once and run after the resume."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        ctl, door = await started(model_dir, request_timeout_s=600.0)
+        door.gen_delay = 1.0
+        reqs = [asyncio.ensure_future(client(ctl).generate([i, i + 1])) for i in range(30)]
+        await asyncio.sleep(0.3)
+        assert all(s.in_flight for s in door.shards.values())  # every engine holds requests
+        await ctl.pause("keep", 5.0)
+        t0 = loop.time()
+        out = await ctl.resize(2)
+        assert loop.time() - t0 < 30.0, "the shrink waited for requests a paused engine cannot finish"
+        [removed] = out["removed"]
+        row = out["drained"][str(removed)]
+        assert row["paused"] and row["aborted"] >= 1, row  # the fault fired: the removed engine held requests
+        await ctl.resume()
+        results = await asyncio.wait_for(asyncio.gather(*reqs), 120)
+        assert all(r.ok for r in results) and len(results) == 30
+
+    run_virtual(go())
