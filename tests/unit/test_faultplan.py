@@ -129,7 +129,7 @@ def test_matrix_covers_every_required_variant_and_all_plans_are_valid():
     for v in MATRIX:
         load_plan(v.plan)
     controller = [v for v in MATRIX if any(f["what"] == "kill_controller" for f in v.plan["faults"])]
-    assert [v.plan["expect"] for v in controller] == ["recovers"] * 5
+    assert [v.plan["expect"] for v in controller] == ["recovers"] * 6
     kills = sum(f["what"] == "kill_controller" and f["where"] != "shutdown" for v in controller for f in v.plan["faults"])
     assert kills < BASE_FLEET["controller_max_restarts"], "the recovering ones share a fleet: its restarts must last"
     transfer = by_name(["controller-kill-during-transfer"])[0].plan["faults"]
