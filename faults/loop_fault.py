@@ -2,7 +2,7 @@
 
 ``loop_error_then_kill(fleet)``: the next ticks of the controller's liveness monitor raise (injected,
 ``SingleController.arm_loop_fault``); once they have, one serving engine's actor is killed from outside with
-no request in flight, so nothing but the monitor's pings can find it. The monitor must have gone on after the
+no request in flight, so nothing but the monitor's pings can find it (the death's record says ``during probe``). The monitor must have gone on after the
 errors: the slot is found dead within the hang-detection bound, and restarted.
 """
 
@@ -34,11 +34,12 @@ def loop_error_then_kill(fleet, say: Callable[[str], Any] = print) -> dict:
     faults.kill_shard(slot)
     bound = status["hang_detection_bound_s"]
 
-    def found() -> bool:
-        return any(h.slot == slot and h.t >= killed_at and h.after in ("dead", "restarting", "retired")
-                   for h in Health.among(fleet.events(kinds=[Health])))
+    def death() -> Health | None:
+        return next((h for h in Health.among(fleet.events(kinds=[Health]))
+                     if h.slot == slot and h.t >= killed_at and h.after in ("dead", "restarting", "retired")), None)
 
-    seen = wait_until(found, bound + 30.0)
+    seen = wait_until(lambda: death() is not None, bound + 30.0)
+    how = death()
     found_at = time.monotonic()
     errors = raised()
     say(f"loop error then kill: {len(errors)} tick(s) of the {LOOP} raised; slot {slot} (incarnation {inc}) killed, "
@@ -47,7 +48,7 @@ def loop_error_then_kill(fleet, say: Callable[[str], Any] = print) -> dict:
             "ended": round(found_at, 6)}
     return {"calls": [call], "loop": LOOP, "raised": len(errors), "errors": [e.error for e in errors][:3],
             "last_error_t": max((e.t for e in errors), default=None), "slot": slot, "incarnation": inc,
-            "killed_at": round(killed_at, 6), "found": seen, "found_after_s": round(found_at - killed_at, 3),
+            "killed_at": round(killed_at, 6), "found": seen, "found_by": None if how is None else how.reason[:200], "found_after_s": round(found_at - killed_at, 3),
             "bound_s": bound}
 
 
@@ -60,6 +61,8 @@ def prove_loop_error_then_kill(f: Mapping, calls: list[dict], events: list[Mappi
     if not f["found"]:
         wrong.append(f"slot {f['slot']} (incarnation {f['incarnation']}) killed with no traffic was never found dead: "
                      f"the {f['loop']} loop died at its error")
+    elif "during probe" not in (f["found_by"] or ""):
+        wrong.append(f"slot {f['slot']} was found dead by something other than the monitor's probe: {f['found_by']}")
     elif f["found_after_s"] > f["bound_s"] + 5.0:
         wrong.append(f"slot {f['slot']} found dead {f['found_after_s']} s after its kill, past the hang-detection "
                      f"bound {f['bound_s']} s")
