@@ -165,7 +165,8 @@ async def _resume_to_intent(p: Parts, intent, found: dict[int, Any], alive: dict
     call that left it running or paused."""
     keep = intent.paused == "keep"
     owned = {s for s, info in alive.items() if info.get("refit_hold") is not None}
-    released = await _round(p, "release the refit's pause", {s: (found[s], "end_refit", (), {}) for s in owned}, failed)
+    released = await _round(p, "resume (end_refit: the dead refit's pause released)",
+                            {s: (found[s], "end_refit", (), {}) for s in owned}, failed)
     still = {s for s, info in alive.items() if s not in owned and (info.get("paused") or info.get("operator_hold"))}
     still |= {s for s, o in released.items() if o.ok and o.value.get("paused_for") == "operator"}
     if keep:
