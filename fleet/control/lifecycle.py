@@ -44,7 +44,7 @@ from fleet.errors import (
     CacheInvalidationUnsupported, FleetExhausted, FleetStopped, RefitArgumentError, RefitFailed, RefitNotDelivered,
     RefitNotStaged, RefitRefused, RefitSourceFailed,
 )
-from fleet.outcome import BAD_ACK, OK, Outcome
+from fleet.outcome import BAD_ACK, ERROR, OK, Outcome
 from fleet.control.parts import Parts
 from fleet.control.publisher import RoutingPublisher
 from fleet.control.transfer_port import TransferResult, healthy_attempt_s
@@ -66,6 +66,7 @@ from health import (
 )
 from health.faultplan import REFIT_PHASES
 from fleet import records as ev
+from fleet.wire import BeginRefit, EndRefit
 
 PHASES = REFIT_PHASES  # close, reconcile, pause, transfer, commit, resume, reopen (``health.faultplan``)
 
@@ -377,14 +378,14 @@ class RefitLifecycle:
         (``_aborted``, ``_busy``), ``paused`` as the acknowledgement (anything but True is a lie)."""
         if out.kind != OK:
             return out
-        self._began(slot, out.value)
-        paused = out.value.get("paused")
-        return out if paused is True else Outcome(BAD_ACK, value=paused, elapsed_s=out.elapsed_s)
+        began: BeginRefit = out.value
+        self._began(slot, began)
+        return out if began.paused is True else Outcome(BAD_ACK, value=began.paused, elapsed_s=out.elapsed_s)
 
-    def _began(self, slot: int, value: dict) -> None:
-        self._aborted += int(value.get("aborted", 0))
-        if value.get("in_flight"):
-            self._busy[slot] = int(value["in_flight"])
+    def _began(self, slot: int, began: BeginRefit) -> None:
+        self._aborted += began.aborted
+        if began.in_flight:
+            self._busy[slot] = began.in_flight
 
     async def _pause_emulated(self, targets: dict, version: int, epoch: int) -> dict:
         """The participants whose backend has no native pause (none of vLLM's): fence and abort the too old,
@@ -584,9 +585,9 @@ class RefitLifecycle:
     @staticmethod
     def _resumed_outcome(out: Outcome) -> Outcome:
         """An ``end_refit`` answer as the resume's outcome: ``resumed`` is its acknowledgement."""
-        if out.kind != OK or out.value.get("resumed") is True:
+        if out.kind != OK or out.value.resumed is True:
             return out
-        return Outcome(BAD_ACK, value=out.value.get("resumed"), elapsed_s=out.elapsed_s)
+        return Outcome(BAD_ACK, value=out.value.resumed, elapsed_s=out.elapsed_s)
 
     def _stamped(self, version: int, parts: list, outs: dict) -> None:
         """Record the stamps of ``end_refit``: the ``stamp`` event names the engines stamped (``members``), those
@@ -603,8 +604,9 @@ class RefitLifecycle:
             out = outs[p.slot]
             if out.kind != OK:
                 unknown[p.slot] = out
-            elif out.value.get("stamp") != OK:
-                kind, error = out.value.get("stamp"), out.value.get("stamp_error")
+            elif out.value.stamp != OK:
+                ended: EndRefit = out.value
+                kind, error = ended.stamp or ERROR, ended.stamp_error
                 failed[p.slot] = Outcome(kind, value=False if kind == BAD_ACK else None, error=error)
                 self.p.act.observe(p.slot, p.incarnation, CallKind.STAMP, failed[p.slot])
         members = tuple((p.slot, p.incarnation) for p in parts if p.slot not in failed and p.slot not in unknown)
