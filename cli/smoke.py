@@ -38,7 +38,7 @@ def run_smoke(engines: int = 2, model: str | None = None) -> dict:
         return {
             "ok": ok,
             "engines": engines,
-            "engine_start_s": [round(s["start_s"], 2) for s in starts],
+            "engine_start_s": [round(s.start_s, 2) for s in starts],
             "tokens_per_engine": tokens,
             "paused_ok": paused,
             "resumed_ok": resumed,

@@ -369,7 +369,8 @@ class Fleet:
 
     def shard_counters(self) -> dict[int, dict]:
         """Per live slot: requests its shard admitted and refused, by reason (the data plane's own count), its
-        admission ``cap`` (the one it enforces) and ``peak_in_flight`` (the most it held at once since it started)."""
+        admission ``cap`` (the one it enforces) and ``peak_in_flight`` (the most it held at once since it started).
+        Plain dicts: each shard's ``fleet.wire.Counters`` as ``to_dict`` gives it (``left`` a dict too)."""
         return self._ask("shard_counters", timeout=60)
 
     def admission_metrics(self) -> dict[int, dict]:

@@ -27,6 +27,7 @@ from fleet.errors import DeadlineExceeded, EngineStalledError, ShardUnavailableE
 from health import CallKind, FailureClass, Observed
 from health.classify import classify_kind
 from health.progress import stall_verdict
+from fleet.wire import ShardInfo
 
 OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR = "ok", "died", "unavailable", "timed_out", "bad_ack", "error"
 KINDS = (OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR)
@@ -86,9 +87,9 @@ def observed(slot: int, incarnation: int, call: CallKind, outcome: Outcome) -> O
 def with_progress(outcome: Outcome, stall_timeout_s: float) -> Outcome:
     """A ping answered ``ok`` whose progress facts (``health.progress``) say its engine held work and made
     no progress past ``stall_timeout_s`` is a hang: ``timed_out``, naming the numbers. Others unchanged."""
-    if not outcome.ok or not isinstance(outcome.value, dict):
+    if not outcome.ok or not isinstance(outcome.value, ShardInfo):
         return outcome
-    why = stall_verdict(outcome.value.get("progress"), stall_timeout_s)
+    why = stall_verdict(outcome.value.progress, stall_timeout_s)
     if why is None:
         return outcome
     return Outcome(TIMED_OUT, value=outcome.value, error=EngineStalledError(why), elapsed_s=outcome.elapsed_s)

@@ -21,11 +21,12 @@ import asyncio
 import contextvars
 import functools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.request_gate import ShardGate
 from fleet.types import EngineStats
+from fleet.wire import BeginRefit, Counters, Description, EndRefit, Left, Ping, ShardFacts, Started
 
 __all__ = ["CALL_DEADLINE", "CallTimedOut", "ShardDied", "SimShard", "Timings"]
 
@@ -79,7 +80,7 @@ class SimShard:
         self.state = "new"
         self.dead = False
         self.hung = False
-        self._left: dict | None = None
+        self._left: Left | None = None
 
     # -- what happens to it (``sim.faults``) ----------------------------------------------
     def die(self) -> None:
@@ -106,43 +107,45 @@ class SimShard:
             await asyncio.sleep(max(0.0, CALL_DEADLINE.get() - loop.time()))
             raise CallTimedOut(f"slot {self.slot}: no answer within the call's deadline (hung)")
 
-    def _info(self) -> dict[str, Any]:
-        return {"slot": self.slot, "incarnation": self.incarnation, "weight_version": self.version,
-                "state": self.state, "in_flight": 0, "pid": 0}
+    def _facts(self) -> ShardFacts:
+        """``fleet.wire.ShardInfo``'s fields, in order (no requests, no process, no progress facts)."""
+        return (self.slot, self.incarnation, self.version, self.state, 0, 0, None)
 
     # -- EngineShard's control methods (same names and parameters) ------------------------
-    async def start(self) -> dict[str, Any]:
+    async def start(self) -> Started:
         if self.state != "new":
             raise RuntimeError(f"slot {self.slot} cannot start from state {self.state}")
         self.state = "starting"
         await self._take(self.t.engine_start_s)
         self.state = "ready"
-        return {"start_s": self.t.engine_start_s, "native_pause": True, "node": self.node, **self._info()}
+        return Started(*self._facts(), start_s=self.t.engine_start_s, native_pause=True, node=self.node)
 
-    async def ping(self) -> dict[str, Any]:
+    async def ping(self) -> Ping:
         await self._take(self.t.rpc_s)
-        return self._info()
+        return Ping(*self._facts(), core_checked=True)
 
     async def stats(self) -> EngineStats:
         await self._take(self.t.rpc_s)
         return EngineStats(kv_cache_tokens=self.t.kv_cache_tokens, max_model_len=self.t.max_model_len,
                            updated_at=asyncio.get_running_loop().time())
 
-    async def describe(self) -> dict[str, Any]:
+    async def describe(self) -> Description:
         await self._take(self.t.rpc_s)
-        return {**self._info(), "node": self.node, "dirty": self.dirty, "paused": self.gate.paused,
-                **self.holds.describe(), "native_pause": True, "gate": self.gate.counters()}
+        return Description(*self._facts(), node=self.node, dirty=self.dirty, paused=self.gate.paused,
+                           refit_hold=self.holds.refit, operator_hold=self.holds.operator, native_pause=True,
+                           gate=self.gate.counters())
 
-    async def counters(self) -> dict[str, Any]:
+    async def counters(self) -> Counters:
         await self._take(self.t.rpc_s)
-        return {**self.gate.counters(), "deduplicated": 0, "in_flight": 0, "slot": self.slot,
-                "incarnation": self.incarnation, "weight_version": self.version, "left": self._left,
-                "paused": self.gate.paused, **self.holds.describe()}
+        g = self.gate
+        return Counters(g.admitted, dict(g.refused), g.paused, g.member, g.floor, g.committed, g.cap, g.peak_in_flight,
+                        0, 0, self.slot, self.incarnation, self.version, self._left, 0, self.holds.refit,
+                        self.holds.operator)
 
     async def set_route(self, epoch: int, member: bool, committed: int) -> bool:
         await self._take(self.t.rpc_s)
         if self.gate.member and not member and int(epoch) >= self.gate.routed_at:
-            self._left = {"in_flight": 0, "admitted": self.gate.admitted, "epoch": int(epoch)}
+            self._left = Left(0, self.gate.admitted, int(epoch))
         self.gate.route(int(epoch), bool(member), int(committed))
         return True
 
@@ -151,16 +154,16 @@ class SimShard:
         self.gate.fence(int(epoch))
         return True
 
-    async def begin_refit(self, epoch: int, version: int, pause: dict | None = None) -> dict[str, Any]:
+    async def begin_refit(self, epoch: int, version: int, pause: dict | None = None) -> BeginRefit:
         await self._take(self.t.rpc_s if pause is None else self.t.pause_s)  # one call: the pause is its cost
         self.gate.fence(int(epoch))
         self.holds.begin_refit(int(version))
-        out: dict[str, Any] = {"aborted": 0, "in_flight": 0}
-        if pause is not None:
-            self.gate.paused = out["paused"] = True
-        return out
+        if pause is None:
+            return BeginRefit(0, 0)
+        self.gate.paused = True
+        return BeginRefit(0, 0, paused=True)
 
-    async def end_refit(self, version: int | None = None, abort_held: bool = False) -> dict[str, Any]:
+    async def end_refit(self, version: int | None = None, abort_held: bool = False) -> EndRefit:
         await self._take(self.t.resume_s)
         if version is not None:
             self.version = int(version)
@@ -168,9 +171,9 @@ class SimShard:
             self.gate.committed = max(self.gate.committed, self.version)
         stamp = None if version is None else "ok"
         if not self.holds.end_refit() and self.gate.paused:
-            return {"stamp": stamp, "stamp_error": None, "aborted": 0, "resumed": True, "paused_for": "operator"}
+            return EndRefit(stamp, None, 0, resumed=True, paused_for="operator")
         self.gate.paused = False
-        return {"stamp": stamp, "stamp_error": None, "aborted": 0, "resumed": True, "paused_for": None}
+        return EndRefit(stamp, None, 0, resumed=True, paused_for=None)
 
     async def abort_in_flight(self) -> int:
         await self._take(self.t.rpc_s)

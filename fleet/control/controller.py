@@ -491,12 +491,12 @@ class SingleController:
         return self.log.records(since, kinds)
 
     async def shard_counters(self) -> dict[int, dict]:
-        """Per live slot: what its shard admitted and refused, and why (``EngineShard.counters``)."""
+        """Per live slot: what its shard admitted and refused, and why (``EngineShard.counters``, as a plain dict)."""
         await self.adopt_if_restarted()
         live = self.slots.live_handles()
         outs = await self.door.fan_out({s: (h, "counters", (), {}) for s, (_, h) in live.items()},
                                        timeout=self.cfg.probe_timeout_s)
-        return {s: o.value for s, o in outs.items() if o.ok}
+        return {s: o.value.to_dict() for s, o in outs.items() if o.ok}
 
     def admission_metrics(self) -> dict[int, dict]:
         """Read-only: per slot, the cap, the law's counters and the last polled engine stats (preemptions, KV)."""

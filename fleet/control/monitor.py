@@ -20,6 +20,7 @@ from fleet.outcome import Outcome, with_progress
 from fleet.control.parts import Parts
 from health import CallKind, SlotPhase
 from fleet import records as ev
+from fleet.wire import Ping
 
 
 class LivenessMonitor:
@@ -39,7 +40,7 @@ class LivenessMonitor:
         if handle is None:
             return
         out = with_progress(await self.p.door.call(handle, "ping", timeout=self.p.cfg.probe_timeout_s), self.p.cfg.stall_timeout_s)
-        if out.ok and isinstance(out.value, dict) and out.value.get("core_checked") is False:
+        if out.ok and isinstance(out.value, Ping) and out.value.core_checked is False:
             # its core runs a bounded worker call, so the ping did not ask it: no verdict; ask again after that
             self.p.act.in_background(self.probe(slot, incarnation, self.p.clock.now() + max(self.p.cfg.probe_interval_s, 0.1)))
         elif out.ok:

@@ -85,7 +85,7 @@ class OperatorPause:
         while True:
             got = await self.p.door.fan_out({s: (h, "counters", (), {}) for s, (_, h) in live.items()},
                                             timeout=self.p.cfg.probe_timeout_s)
-            if all(not o.ok or not o.value.get("in_flight") for o in got.values()):
+            if all(not o.ok or not o.value.in_flight for o in got.values()):
                 return True
             if loop.time() >= end:
                 return False

@@ -61,6 +61,7 @@ from health import (
     VersionCommitted,
 )
 from fleet import records as ev
+from fleet.wire import Description
 
 EPOCHS_PER_GENERATION = 1 << 40
 
@@ -99,16 +100,16 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
         p.act.halt(intent.stopped)
     stamped = await _finish_commit(p, intent, alive, failed)
     serving = {s for s, info in alive.items()
-               if (s in stamped or (info.get("weight_version") == intent.committed and not info.get("dirty")))}
-    paused = {s for s, info in alive.items() if info.get("paused")}
-    held = {s for s in paused if s not in serving and alive[s].get("in_flight")}
+               if (s in stamped or (info.weight_version == intent.committed and not info.dirty))}
+    paused = {s for s, info in alive.items() if info.paused}
+    held = {s for s in paused if s not in serving and alive[s].in_flight}
     aborts = await _round(p, "abort_in_flight", {s: (found[s], "abort_in_flight", (), {}) for s in held}, failed)
     resumed = await _resume_to_intent(p, intent, found, alive, failed)
     serving -= set(failed)
     for slot in sorted(alive):
         info = alive[slot]
-        p.log.emit(ev.Adopt(slot=slot, incarnation=info["incarnation"], weight_version=info.get("weight_version"),
-                     dirty=bool(info.get("dirty")), paused=bool(info.get("paused")), serves=slot in serving,
+        p.log.emit(ev.Adopt(slot=slot, incarnation=info.incarnation, weight_version=info.weight_version,
+                     dirty=info.dirty, paused=info.paused, serves=slot in serving,
                      stamped=slot in stamped, aborted=aborts[slot].value if slot in aborts and aborts[slot].ok else 0,
                      resumed=resumed[slot].ok if slot in resumed else None, failed=failed.get(slot)))
     if intent.paused is not None:  # the stored pause holds before the commit below would open the gate
@@ -142,21 +143,23 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
 def _sort_found(p: Parts, intent, found: dict[int, Any], described: dict, failed: dict[int, str]):
     """(alive: slot -> what it said of itself, starting: slot -> handle) among the slots' recorded incarnations;
     an alive one is ready in the ledger from here on."""
-    alive: dict[int, dict] = {}
+    alive: dict[int, Description] = {}
     starting: dict[int, Any] = {}
     for slot, (inc, _) in sorted(intent.slots.items()):
         out = described.get(slot)
         info = out.value if out is not None and out.ok and slot not in failed else None
-        if info is not None and info.get("incarnation") == inc and info.get("state") == "ready":
+        if not isinstance(info, Description) or info.incarnation != inc:
+            continue  # gone, or not the recorded incarnation: evicted below
+        if info.state == "ready":
             alive[slot] = info
             p.slots.note_started(slot, inc, info)
             p.act.decide(EngineReady(slot, inc))
-        elif info is not None and info.get("incarnation") == inc and info.get("state") in ("new", "starting"):
+        elif info.state in ("new", "starting"):
             starting[slot] = found[slot]  # a restart the predecessor began: wait for its engine, then it is ready
     return alive, starting
 
 
-async def _resume_to_intent(p: Parts, intent, found: dict[int, Any], alive: dict[int, dict],
+async def _resume_to_intent(p: Parts, intent, found: dict[int, Any], alive: dict[int, Description],
                             failed: dict[int, str]) -> dict:
     """Leave every live engine paused or running as the stored intent says. A pause the dead controller's refit
     owns is released (``end_refit``, no stamp: the commit above stamped what it could); then, under a stored
@@ -164,11 +167,11 @@ async def _resume_to_intent(p: Parts, intent, found: dict[int, Any], alive: dict
     until ``resume``), and otherwise every engine still paused is resumed. Returns slot -> the outcome of the
     call that left it running or paused."""
     keep = intent.paused == "keep"
-    owned = {s for s, info in alive.items() if info.get("refit_hold") is not None}
+    owned = {s for s, info in alive.items() if info.refit_hold is not None}
     released = await _round(p, "resume (end_refit: the dead refit's pause released)",
                             {s: (found[s], "end_refit", (), {}) for s in owned}, failed)
-    still = {s for s, info in alive.items() if s not in owned and (info.get("paused") or info.get("operator_hold"))}
-    still |= {s for s, o in released.items() if o.ok and o.value.get("paused_for") == "operator"}
+    still = {s for s, info in alive.items() if s not in owned and (info.paused or info.operator_hold)}
+    still |= {s for s, o in released.items() if o.ok and o.value.paused_for == "operator"}
     if keep:
         outs = await _round(p, "keep pause", {s: (found[s], "pause", ("keep", False), {}) for s in alive}, failed,
                             expect_ack=True)
@@ -206,7 +209,7 @@ async def _await_start(p: Parts, slot: int, incarnation: int, handle: Any, resta
     deadline = p.clock.now() + bound
     while True:
         out = await p.door.call(handle, "describe", timeout=p.cfg.probe_timeout_s)
-        state = out.value.get("state") if out.ok else None
+        state = out.value.state if out.ok else None  # a ``Description``
         if p.slots.handle_of(slot, incarnation) is not handle:
             return  # replaced meanwhile
         if state == "new":
@@ -248,15 +251,15 @@ def _find_shards(p: Parts, intent) -> tuple[dict[int, Any], list]:
     return found, fenced
 
 
-async def _finish_commit(p: Parts, intent, alive: dict[int, dict], failed: dict[int, str]) -> set[int]:
+async def _finish_commit(p: Parts, intent, alive: dict[int, Description], failed: dict[int, str]) -> set[int]:
     """A refit that committed before the controller died: stamp the engines it lists (still there,
     same incarnation). Returns the slots stamped now; one whose stamp fails is in ``failed``."""
     refit = intent.refit
     if refit is None or refit.phase != COMMITTED or refit.version != intent.committed:
         return set()
     todo = {slot: p.slots.handles[slot][1] for slot, inc in refit.complete
-            if slot in alive and slot not in failed and alive[slot]["incarnation"] == inc
-            and alive[slot].get("weight_version") != refit.version}
+            if slot in alive and slot not in failed and alive[slot].incarnation == inc
+            and alive[slot].weight_version != refit.version}
     outs = await _round(p, "stamp", {s: (h, "set_weight_version", (refit.version,), {}) for s, h in todo.items()},
                         failed, expect_ack=True)
     return {s for s, o in outs.items() if o.ok}

@@ -64,6 +64,7 @@ from health import (
     plan_resize,
 )
 from fleet import records as ev
+from fleet.wire import Counters, Left
 
 DRAIN_POLL_S = 0.05  # how often a draining shard's in-flight count is read
 
@@ -178,22 +179,23 @@ async def _drain(p: Parts, action: Drain, before: int, epoch: int, bound: float)
     t0, last, aborted = p.clock.now(), first, 0
     # a paused engine (the operator's ``keep`` pause) finishes nothing: waiting for it would hold the lifecycle's
     # lock for the whole bound, so its requests are aborted at once and re-sent (they run after the resume)
-    while last.ok and last.value["in_flight"] and not last.value.get("paused") and p.clock.now() - t0 < bound:
+    while last.ok and last.value.in_flight and not last.value.paused and p.clock.now() - t0 < bound:
         await asyncio.sleep(DRAIN_POLL_S)
         last = await p.door.call(handle, "counters", timeout=probe)
-    if last.ok and last.value.get("paused"):
+    if last.ok and last.value.paused:
         row["paused"] = True
-    if last.ok and last.value["in_flight"]:  # the bound passed (or it is paused): aborted and re-sent
+    if last.ok and last.value.in_flight:  # the bound passed (or it is paused): aborted and re-sent
         out = await p.door.call(handle, "abort_in_flight", timeout=probe)
-        aborted = out.value if out.ok else last.value["in_flight"]
+        aborted = out.value if out.ok else last.value.in_flight
         last = await p.door.call(handle, "counters", timeout=probe)
     if first.ok and last.ok:
-        c0, c1 = first.value, last.value
-        left = c0.get("left")
-        at = left if left is not None and left["epoch"] > before else c0  # the instant it left, if it was serving
-        row.update(drained=not c1["in_flight"], in_flight_at_removal=at["in_flight"], finished=at["in_flight"] - aborted,
-                   aborted=aborted, admitted_at_removal=at["admitted"], admitted_at_end=c1["admitted"],
-                   refused_after_removal=sum(c1["refused"].values()) - sum(c0["refused"].values()))
+        c0: Counters = first.value
+        c1: Counters = last.value
+        # the instant it left, if it was serving (its own note, at an epoch after ``before``); else the first read
+        at: Left | Counters = c0.left if c0.left is not None and c0.left.epoch > before else c0
+        row.update(drained=not c1.in_flight, in_flight_at_removal=at.in_flight, finished=at.in_flight - aborted,
+                   aborted=aborted, admitted_at_removal=at.admitted, admitted_at_end=c1.admitted,
+                   refused_after_removal=sum(c1.refused.values()) - sum(c0.refused.values()))
     else:
         row["note"] = f"its counters could not be read: {(first if not first.ok else last).describe()[:200]}"
     row["told"] = told.kind

@@ -42,6 +42,7 @@ from fleet.outcome import Outcome, is_unusable, observed
 from health import CallKind, Decision, Ledger, MembershipPlan, SlotPhase, step
 from health.roles import Rebalanced, Roles, rebalance
 from fleet import records as ev
+from fleet.wire import Description, Started
 
 
 class Slots:
@@ -163,10 +164,10 @@ class Slots:
         self._log.emit(ev.AdoptFence(slot=slot, incarnation=incarnation, recorded=recorded, reason=reason))
         return True
 
-    def note_started(self, slot: int, incarnation: int, info: dict) -> None:
+    def note_started(self, slot: int, incarnation: int, info: Started | Description) -> None:
         """What a shard said of itself when it started (or was re-adopted): native pause, its node."""
-        self.native_pause[slot] = bool(info.get("native_pause", True))
-        self.nodes.place(slot, incarnation, info.get("node"))
+        self.native_pause[slot] = info.native_pause
+        self.nodes.place(slot, incarnation, info.node)
 
     def remove(self, removed: dict[int, int]) -> None:
         """Slots a resize removes (slot -> incarnation): stored in the intent first (a successor fences them

@@ -26,7 +26,7 @@ from fleet.outcome import ERROR, TIMED_OUT, Outcome, answer_outcome
 @dataclass
 class _Batch:
     handle: Any
-    requests: list[tuple] = field(default_factory=list)
+    requests: list[bytes] = field(default_factory=list)  # each a ``fleet.wire.ServeRequest`` on the wire
     waiters: list[asyncio.Future] = field(default_factory=list)
     timeout: float = 0.0
 
@@ -41,7 +41,7 @@ class ServeBatcher:
         self.calls = 0  # calls sent (``serve`` or ``serve_many``)
         self.batched = 0  # requests that went in a ``serve_many`` of two or more
 
-    async def serve(self, key: Hashable, handle: Any, request: tuple, timeout: float) -> Outcome:
+    async def serve(self, key: Hashable, handle: Any, request: bytes, timeout: float) -> Outcome:
         loop = asyncio.get_running_loop()
         batch = self._open.get(key)
         if batch is None:

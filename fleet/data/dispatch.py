@@ -42,6 +42,7 @@ from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL, SUSPECT, VE
 from fleet.data.routing_state import Member, RoutingState, VersionPolicy
 from fleet.data.partial import Partial
 from fleet.types import FINISH_ABORTED, Chunk, GenerationResult, TokenDelta
+from fleet.wire import ServeRequest
 from health import Clock, MonotonicClock
 
 COMPLETED, RETURNED = "completed", "returned"
@@ -322,13 +323,12 @@ class Dispatcher:
         p.out.begin()
         if carried is not None:
             self._log.emit(Request(event=Request.CONTINUED, request_id=p.request_id, slot=m.slot,
-                                   incarnation=m.incarnation, tokens=carried[0]))
+                                   incarnation=m.incarnation, tokens=carried.tokens))
         try:
-            request = (prompt, sampling, p.request_id, self._view.cache_salt(state.version),  # EngineShard.serve_stream
-                       state.epoch, p.policy.kind, p.policy.k, state.cap_map.get(m.slot),
-                       p.out.on_tokens is not None,
-                       self._interval if p.out.on_tokens is not None else self._hold_interval, carried,
-                       p.suspect)
+            streamed = p.out.on_tokens is not None
+            request = ServeRequest(prompt, sampling, p.request_id, self._view.cache_salt(state.version), state.epoch,
+                                   p.policy.kind, p.policy.k, state.cap_map.get(m.slot), streamed,
+                                   self._interval if streamed else self._hold_interval, carried, p.suspect)
             outcome = None
             async for out in self._send(m, request, p, sampling, deadline):
                 if out.ok and isinstance(out.value, Chunk):
@@ -357,7 +357,7 @@ class Dispatcher:
                 return f"aborted on slot {m.slot} (incarnation {m.incarnation})"
             if carried is not None:
                 p.continued += 1
-                p.tokens_reused += carried[0]
+                p.tokens_reused += carried.tokens
             return self._complete(p, p.out.result(result))
         if isinstance(outcome.error, RouteRefused):
             return await self._refused(p, m, state, deadline, outcome.error)
@@ -381,16 +381,22 @@ class Dispatcher:
         self._view.report(m.slot, m.incarnation, outcome, state.epoch)
         return f"slot {m.slot} (incarnation {m.incarnation}) failed: {outcome.describe()}"
 
-    async def _send(self, m: Member, request: tuple, p: _Pending, sampling: dict, deadline: float):
+    async def _send(self, m: Member, request: ServeRequest, p: _Pending, sampling: dict, deadline: float):
         """The shard's answer to one attempt as ``Outcome``s: the stream's chunks and then its result, or, for a
         short request with no streaming caller, the one plain call's result (``stream_min_tokens``; sent with
-        this client's other plain calls for that shard that are ready at once: ``fleet.data.batch``)."""
+        this client's other plain calls for that shard that are ready at once: ``fleet.data.batch``). The
+        request goes on the wire as its bytes (``fleet.wire``); one that cannot is the caller's bad request."""
+        try:
+            wire = request.encode()
+        except BadRequestError as exc:
+            yield Outcome(ERROR, error=exc)
+            return
         timeout = max(1.0, deadline - self._clock.now())
         if p.out.on_tokens is not None or p.out.budget(sampling) > self._stream_min:
-            async for out in self._view.door.stream(m.handle, "serve_stream", request, timeout=timeout):
+            async for out in self._view.door.stream(m.handle, "serve_stream", wire, timeout=timeout):
                 yield out
             return
-        yield await self._batcher.serve((m.slot, m.incarnation), m.handle, request, timeout)
+        yield await self._batcher.serve((m.slot, m.incarnation), m.handle, wire, timeout)
 
     async def _refused(self, p: _Pending, m: Member, state: RoutingState, deadline: float,
                        error: RouteRefused) -> FleetResult | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from fleet.wire import Carried
 from fleet.types import (FINISH_ABORTED, FINISH_LENGTH, Chunk, Completion, GenerationResult, PromptLogprobs, Span,
                          TokenDelta, spans_of)
 
@@ -144,8 +145,8 @@ class Partial:
         return n
 
     # -- the continuation --------------------------------------------------------------
-    def continuation(self, prompt: Any, sampling: dict) -> tuple[Any, dict, tuple[int, str, int] | None]:
-        """The next attempt's prompt, sampling and ``Carried`` (packed): the original when nothing is held; else
+    def continuation(self, prompt: Any, sampling: dict) -> tuple[Any, dict, Carried | None]:
+        """The next attempt's prompt, sampling and ``Carried`` (``fleet.wire``): the original when nothing is held; else
         the prompt followed by the held tokens, the budget left (``max_tokens``, ``min_tokens``), and what the
         shard needs at the seam (``fleet.shard.continuation``)."""
         if not self.tokens:
@@ -157,7 +158,7 @@ class Partial:
             left.pop("prompt_logprobs", None)  # held already: not computed again over a longer prompt
         if left.get("min_tokens"):
             left["min_tokens"] = max(0, int(left["min_tokens"]) - held)
-        return list(self.prompt_ids or ()) + self.tokens, left, (held, self.text, self.oldest())
+        return list(self.prompt_ids or ()) + self.tokens, left, Carried(held, self.text, self.oldest())
 
     def budget(self, sampling: dict) -> int:
         m = sampling.get("max_tokens")

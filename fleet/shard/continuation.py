@@ -13,29 +13,13 @@ text cannot be left to the engine, because it sees the carried tokens as prompt:
   string's length; one found there ends the request as vLLM would (``stop``, text cut before the
   stop string, or after it with ``include_stop_str_in_output``).
 
+What a continued request brings to the shard (``fleet.wire.Carried``: the tokens carried, the text the caller
+holds of them, the oldest version that sampled them) travels in its ``fleet.wire.ServeRequest``.
+
 Pure: no vLLM, no Ray; the shard passes the detokenized carried text in.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Carried:
-    """What a continued request brings: ``tokens`` completion tokens at the end of its prompt, of which the
-    caller holds the text ``text``, the oldest weight version that sampled them (``oldest``)."""
-
-    tokens: int
-    text: str
-    oldest: int
-
-    @classmethod
-    def of(cls, value) -> "Carried | None":
-        return None if value is None else cls(int(value[0]), str(value[1]), int(value[2]))
-
-    def packed(self) -> tuple[int, str, int]:
-        return (self.tokens, self.text, self.oldest)
 
 
 class TextSeam:

@@ -32,9 +32,10 @@ from fleet.data.poison import fingerprint
 from fleet.shard.request_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, POISON, SUSPECT, RecentResults, ShardGate
 from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.start_records import record_start
-from fleet.shard.continuation import Carried
 from fleet.shard.output_stream import OutputStream, Pacer
 from fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, GenerationResult
+from fleet.wire import (BeginRefit, Carried, Counters, Description, EndRefit, Left, Ping, ShardFacts, ShardInfo,
+                        Started, decode_request)
 from health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
@@ -91,7 +92,7 @@ class EngineShard:
         self._paused_at = 0.0  # when the engine last paused (the progress clock)
         self.sampled_while_paused = 0  # tokens its engine made while paused (``_stepped``)
         self.deduplicated = 0
-        self._left: dict[str, int] | None = None  # what it held when it last left the serving set
+        self._left: Left | None = None  # what it held when it last left the serving set
         self._load = {"finished": 0, "peak": 0, "trough": 0}  # for the admission law, since the last stats()
         self._ids = itertools.count()
         self._now: Callable[[], float] = time.monotonic  # the progress clock's time (tests: a virtual loop's)
@@ -137,7 +138,7 @@ class EngineShard:
         except asyncio.TimeoutError:
             raise DeadlineExceeded(f"{call} on {self._who()} did not finish within {deadline:.1f} s") from None
 
-    async def start(self) -> dict[str, Any]:
+    async def start(self) -> Started:
         """Build the engine within ``start_timeout_s``. Returns start time and process facts."""
         if self._state != "new":
             raise ShardUnusableError(f"{self._who()} cannot start from state {self._state}")
@@ -151,25 +152,21 @@ class EngineShard:
             raise
         self._state = "ready"
         record_start(self.slot, self.incarnation, self.config.backend, time.monotonic() - t0, ok=True)
-        caps = self._backend.capabilities
-        return {"start_s": time.monotonic() - t0, "native_pause": caps.native_pause, "node": self._where(),
-                **self.ping_info()}
+        return Started(*self._facts(), start_s=time.monotonic() - t0,
+                       native_pause=self._backend.capabilities.native_pause, node=self._where())
 
     async def _start_labelled(self) -> None:
         """Start the engine and label what it samples with the version this shard starts on."""
         await self._backend.start()
         await self._backend.set_weight_version(self._version)
 
-    def ping_info(self) -> dict[str, Any]:
-        return {
-            "slot": self.slot,
-            "incarnation": self.incarnation,
-            "weight_version": self._version,
-            "state": self._state,
-            "in_flight": len(self._inflight),
-            "pid": os.getpid(),
-            "progress": self._progress.facts(len(self._inflight), self._now()).as_dict(),
-        }
+    def ping_info(self) -> ShardInfo:
+        return ShardInfo(*self._facts())
+
+    def _facts(self) -> ShardFacts:
+        """``ShardInfo``'s fields, in order: the first fields of ``Ping``, ``Started`` and ``Description``."""
+        return (self.slot, self.incarnation, self._version, self._state, len(self._inflight), os.getpid(),
+                self._progress.facts(len(self._inflight), self._now()).as_dict())
 
     def memory_mb(self) -> dict[str, float]:
         """Resident memory (MB) of this actor process and of the engine-core processes it started."""
@@ -187,16 +184,15 @@ class EngineShard:
         out["total"] = sum(v for v in out.values() if v == v)
         return out
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> Description:
         """What a restarted controller re-adopts this shard from: who it is, its stamped weight version,
         whether a transfer touched the weights since that stamp (``dirty``: unknown weights), whether it
         is paused, and its gate (member, epoch floor, committed version as last told)."""
-        return {**self.ping_info(), "node": self._where(), "dirty": self._dirty, "paused": self.gate.paused,
-                **self.holds.describe(),
-                "native_pause": self._backend.capabilities.native_pause,
-                "gate": self.gate.counters()}
+        return Description(*self._facts(), node=self._where(), dirty=self._dirty, paused=self.gate.paused,
+                           refit_hold=self.holds.refit, operator_hold=self.holds.operator,
+                           native_pause=self._backend.capabilities.native_pause, gate=self.gate.counters())
 
-    async def ping(self) -> dict[str, Any]:
+    async def ping(self) -> Ping:
         """Liveness: raises if the shard or its engine cannot serve. A dead engine core is said only once the
         requests it ran have answered (``_crash_reported``): the controller kills the actor on this answer."""
         if self._hooks.armed:
@@ -207,7 +203,7 @@ class EngineShard:
             await self._crash_reported()
             raise
         checked = await self._core_check(backend)
-        return {**self.ping_info(), "core_checked": checked}
+        return Ping(*self._facts(), core_checked=checked)
 
     async def _crash_reported(self) -> None:
         """Let the requests that ran on a dead engine core end first (at most ``CRASH_REPORT_GRACE_S``): each
@@ -348,34 +344,30 @@ class EngineShard:
     # one per request (or per batch): Ray records no task events for them (``ray_door``)
     DATA_PLANE_METHODS = ("serve", "serve_many", "serve_stream")
 
-    async def serve(self, request: tuple) -> GenerationResult:
+    async def serve(self, request: bytes) -> GenerationResult:
         """``serve_stream``'s request as one plain call: the whole result (a short request: ``stream_min_tokens``)."""
-        prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, _first, _interval, carried, suspect = request
-        return await self._run(prompt, sampling, request_id, cache_salt, None,
-                               Ticket(epoch, VersionPolicy(kind, k), cap, bool(suspect)), Carried.of(carried), None)
+        r = decode_request(request)
+        return await self._run(r.prompt, r.sampling, r.request_id, r.cache_salt, None, r.ticket(), r.carried, None)
 
-    async def serve_many(self, requests: list[tuple]) -> list[GenerationResult | BaseException]:
+    async def serve_many(self, requests: list[bytes]) -> list[GenerationResult | BaseException]:
         """Several ``serve`` calls in one (``fleet.data.batch``: one client's requests for this shard that were
         ready at once), run side by side: each item's result, or the exception its own call would have raised,
         in order. One Ray call in place of many: Ray's cost is per call, and the engine gets the batch at once."""
         return list(await asyncio.gather(*(self.serve(r) for r in requests), return_exceptions=True))
 
-    async def serve_stream(self, request: tuple) -> AsyncIterator[Chunk | GenerationResult]:
+    async def serve_stream(self, request: bytes) -> AsyncIterator[Chunk | GenerationResult]:
         """``generate`` for the data plane, as a stream (a Ray streaming generator): ``Chunk``s of output while
         it runs, then the whole ``GenerationResult``. A failure is raised after the chunks sent before it, so the
         client holds the partial output and can continue it elsewhere (``fleet.data.dispatch``).
 
-        ``request`` packs the arguments in one tuple (Ray serializes each argument on its own): prompt,
-        sampling, request id, cache salt, routing epoch, policy kind, policy k, admission cap, then how to
-        stream (``first_at_once``: send the first token at once, for a caller waiting on it; ``interval_s``:
-        at most one chunk per that many seconds after it), what a continuation carries (``Carried``, packed)
-        and whether the request is suspect (an engine died under it, or under its prompt: ``Ticket.suspect``)."""
-        prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, first_at_once, interval_s, carried, suspect = request
+        ``request`` is a ``fleet.wire.ServeRequest`` on the wire (its bytes: one argument, one msgpack array):
+        what ``generate`` takes, the ticket, how to stream and what a continuation carries. A malformed one is
+        refused (``BadRequestError`` naming the field) before anything runs."""
+        r = decode_request(request)
         chunks: asyncio.Queue = asyncio.Queue()
-        pacer = Pacer(bool(first_at_once), float(interval_s))
-        run = asyncio.ensure_future(self._run(prompt, sampling, request_id, cache_salt, None,
-                                              Ticket(epoch, VersionPolicy(kind, k), cap, bool(suspect)), Carried.of(carried),
-                                              lambda c: pacer.offer(c, chunks)))
+        pacer = Pacer(r.first_at_once, r.interval_s)
+        run = asyncio.ensure_future(self._run(r.prompt, r.sampling, r.request_id, r.cache_salt, None, r.ticket(),
+                                              r.carried, lambda c: pacer.offer(c, chunks)))
 
         def ended(_: asyncio.Future) -> None:  # what the pacer still holds, then the end
             pacer.flush(chunks)
@@ -422,7 +414,7 @@ class EngineShard:
         requests in flight, requests admitted so far, the epoch), so a drain (``fleet.control.resize``) knows
         what it had to finish and can tell whether anything was admitted after."""
         if self.gate.member and not member and int(epoch) >= self.gate.routed_at:  # an older word is ignored
-            self._left = {"in_flight": len(self._inflight), "admitted": self.gate.admitted, "epoch": int(epoch)}
+            self._left = Left(len(self._inflight), self.gate.admitted, int(epoch))
         self.gate.route(int(epoch), bool(member), int(committed))
         return True
 
@@ -436,14 +428,14 @@ class EngineShard:
         self.gate.fence(int(epoch))
         return True
 
-    async def begin_refit(self, epoch: int, version: int, pause: dict | None = None) -> dict[str, Any]:
+    async def begin_refit(self, epoch: int, version: int, pause: dict | None = None) -> BeginRefit:
         """A refit of ``version`` begins at routing ``epoch``: refuse work routed before it, and abort
         (explicitly: the client re-sends) in-flight requests whose version policy ``version`` breaks.
 
         With ``pause`` (``mode``, ``clear_cache``, ``clear_if_idle``: as ``pause`` takes them) the shard then
         pauses in the same call, its ``pause`` fault hook included: a refit's first control call to an engine.
         ``clear_if_idle`` looks at what is left in flight once the too-old requests are aborted. The answer
-        gains ``paused`` (``pause``'s acknowledgement).
+        says ``paused`` (``pause``'s acknowledgement; None without ``pause``).
 
         From here until ``end_refit`` the refit owns the engine's pause: a plain ``resume`` is refused."""
         self.gate.fence(int(epoch))
@@ -452,14 +444,14 @@ class EngineShard:
                if policy is not None and not policy.allows(start, int(version))]
         if old:
             await self._bounded("abort", self._require_ready("abort").abort(old), None)
-        out: dict[str, Any] = {"aborted": len(old), "in_flight": len(self._inflight) - len(old)}
-        if pause is not None:
-            kw = dict(pause)
-            clear = bool(kw.pop("clear_cache", True)) or (bool(kw.pop("clear_if_idle", False)) and not out["in_flight"])
-            out["paused"] = await self.pause(kw.pop("mode", "keep"), clear, **kw, owner="refit")
-        return out
+        held = len(self._inflight) - len(old)
+        if pause is None:
+            return BeginRefit(len(old), held)
+        kw = dict(pause)
+        clear = bool(kw.pop("clear_cache", True)) or (bool(kw.pop("clear_if_idle", False)) and not held)
+        return BeginRefit(len(old), held, await self.pause(kw.pop("mode", "keep"), clear, **kw, owner="refit"))
 
-    async def end_refit(self, version: int | None = None, abort_held: bool = False) -> dict[str, Any]:
+    async def end_refit(self, version: int | None = None, abort_held: bool = False) -> EndRefit:
         """A refit's last control call to an engine: stamp ``version`` (None: it did not get the update whole),
         abort what it holds if it is not stamped with it (``abort_held``, or a stamp that failed: those results
         would carry the old tag on the new weights; the clients re-send them), then resume.
@@ -467,9 +459,9 @@ class EngineShard:
         A stamp that fails does not fail the call: the engine still resumes, and the answer says why
         (``stamp``: ``ok``, ``bad_ack``, ``unavailable`` or ``error`` as ``fleet.outcome`` names them, None
         when there was nothing to stamp; ``stamp_error``: the exception). A failed resume (its hook, the engine)
-        fails the whole call. Answers ``stamp``, ``stamp_error``, ``aborted``, ``resumed`` (the refit released
-        the engine: True) and ``paused_for`` (``operator`` when the operator's ``keep`` pause holds it paused
-        after the refit, else None). With no ``version`` and no ``abort_held`` it only releases the refit's
+        fails the whole call. Answers (``fleet.wire.EndRefit``) ``stamp``, ``stamp_error``, ``aborted``,
+        ``resumed`` (the refit released the engine: True) and ``paused_for`` (``operator`` when the operator's
+        ``keep`` pause holds it paused after the refit, else None). With no ``version`` and no ``abort_held`` it only releases the refit's
         pause: a refit rolled back, or one a restarted controller found begun."""
         self._require_ready("end_refit")
         stamp: str | None = None
@@ -487,9 +479,8 @@ class EngineShard:
         if (abort_held and version is None) or stamp not in (None, OK):
             aborted = await self.abort_in_flight()
         if not self.holds.end_refit() and self.gate.paused:
-            return {"stamp": stamp, "stamp_error": error, "aborted": aborted, "resumed": True, "paused_for": "operator"}
-        return {"stamp": stamp, "stamp_error": error, "aborted": aborted, "resumed": await self._resume_engine(),
-                "paused_for": None}
+            return EndRefit(stamp, error, aborted, resumed=True, paused_for="operator")
+        return EndRefit(stamp, error, aborted, resumed=await self._resume_engine(), paused_for=None)
 
     async def abort_in_flight(self) -> int:
         """Abort every request in flight (their callers get explicit aborted results); returns how many."""
@@ -498,12 +489,12 @@ class EngineShard:
             await self.abort(ids)
         return len(ids)
 
-    def counters(self) -> dict[str, Any]:
+    def counters(self) -> Counters:
         """What this shard ran and refused (the data plane's accounting, read by the invariant checker)."""
-        return {**self.gate.counters(), "deduplicated": self.deduplicated, "in_flight": len(self._inflight),
-                "slot": self.slot, "incarnation": self.incarnation, "weight_version": self._version,
-                "left": self._left, "sampled_while_paused": self.sampled_while_paused, **self.holds.describe(),
-                "paused": self.gate.paused}
+        g = self.gate
+        return Counters(g.admitted, dict(g.refused), g.paused, g.member, g.floor, g.committed, g.cap, g.peak_in_flight,
+                        self.deduplicated, len(self._inflight), self.slot, self.incarnation, self._version, self._left,
+                        self.sampled_while_paused, self.holds.refit, self.holds.operator)
 
     async def abort(self, request_ids: Sequence[str]) -> bool:
         """Abort these requests; their ``generate`` calls return explicit aborted results."""

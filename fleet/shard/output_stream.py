@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from fleet.shard.continuation import Carried, TextSeam
+from fleet.shard.continuation import TextSeam
+from fleet.wire import Carried
 from fleet.types import FINISH_STOP, Chunk, Completion, Piece, PromptLogprobs, Span, spans_of
 
 

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                     "slot": st["slot"],
                     "pid": st["pid"],
                     "node_id": node_id,
-                    "start_s": round(st["start_s"], 2),
+                    "start_s": round(st.start_s, 2),
                     "tokens_before": len(b.completions[0].token_ids),
                     "tokens_after": len(a.completions[0].token_ids),
                 }

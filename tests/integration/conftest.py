@@ -96,10 +96,10 @@ class RawPair:
         # ``describe`` with a short deadline, and a shard that cannot answer would be counted missing.
         # The first answer waits for the actor to exist (its process and imports: 5 to 15 s on a loaded
         # machine, where a 5 s deadline failed the session's raw pair); from then on each must be quick.
-        self.start_states += [ray_door.ask(h, "describe", timeout=120.0)["state"] for h in self.shards]
+        self.start_states += [ray_door.ask(h, "describe", timeout=120.0).state for h in self.shards]
         end = time.monotonic() + 300
         while time.monotonic() < end:
-            states = [ray_door.ask(h, "describe", timeout=5.0)["state"] for h in self.shards]
+            states = [ray_door.ask(h, "describe", timeout=5.0).state for h in self.shards]
             self.start_states += states
             if all(s == "ready" for s in states):
                 break
@@ -120,12 +120,12 @@ class RawPair:
             self._start()
         for slot, h in enumerate(self.shards):
             seen = ray_door.try_ask(h, "describe", timeout=10)
-            if not seen.ok or seen.value["state"] != "ready":  # killed or shut down by the last module
+            if not seen.ok or seen.value.state != "ready":  # killed or shut down by the last module
                 ray_door.kill(h)
                 self.incarnations[slot] += 1
                 self.shards[slot] = ray_door.spawn_shard(self.cfg, slot=slot, incarnation=self.incarnations[slot])
                 ray_door.ask(self.shards[slot], "start", timeout=300)
-            elif seen.value["paused"]:
+            elif seen.value.paused:
                 ray_door.ask(h, "resume", timeout=30)
         if any(self._weights(h) != (0, "initial") for h in self.shards):
             self._reset_weights()

@@ -123,7 +123,7 @@ class Run:
 
 def participants(shards) -> dict:
     """The refit plan for bare shards: slot ``i`` at its current incarnation, rank ``i + 1``."""
-    return {Participant(i, ray_door.ask(h, "describe", timeout=30)["incarnation"], (i + 1,)): ray_door.ShardReceiverPort(h)
+    return {Participant(i, ray_door.ask(h, "describe", timeout=30).incarnation, (i + 1,)): ray_door.ShardReceiverPort(h)
             for i, h in enumerate(shards)}
 
 

@@ -66,7 +66,7 @@ def push(sync: WeightSynchronizer, shard, version: int) -> float:
     async def steps():
         assert await ray_door.call_async(shard, "pause", mode="keep", clear_cache=True) is True
         try:
-            me = Participant(0, (await ray_door.call_async(shard, "describe"))["incarnation"], (1,))
+            me = Participant(0, (await ray_door.call_async(shard, "describe")).incarnation, (1,))
             report = await sync.refit({me: ray_door.ShardReceiverPort(shard)}, version, epoch=1)
             assert report.ok, report.summary()
             assert all(r.outcome is Outcome.COMPLETE for r in report.results.values())

@@ -11,6 +11,9 @@ shard died or hung there), the abort of what an unstamped engine held, then the 
 and scripted under its own name ("pause", "set_weight_version", "abort_in_flight", "resume"); ``door.rpcs``
 records the calls themselves (what crossed to the shard: a refit's control calls).
 
+The fake shard answers with the records the real one does (``fleet.wire``), and reads a data-plane request
+as the real one does (``fleet.wire.decode_request``: a malformed one is refused with ``BadRequestError``).
+
 ``run_virtual(coro)`` runs a test in virtual time and ``LoopClock`` is the controller's
 clock on that loop (both from ``sim.clock``, which the fleet simulator uses too).
 """
@@ -21,17 +24,20 @@ import asyncio
 import random
 from dataclasses import dataclass, field
 
+import msgspec
+
 from fleet.data.client import InProcessClient
 from sim.clock import LoopClock, VirtualTimeLoop, run_virtual  # noqa: F401 - the unit tests' virtual time
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
 from fleet.data.poison import fingerprint
-from fleet.data.routing_state import ANY, RoutingState, Ticket, VersionPolicy
+from fleet.data.routing_state import ANY, RoutingState, VersionPolicy
 from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.request_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
 from fleet.errors import (BadRequestError, DeadlineExceeded, RefitArgumentError, RefitOwnsEngine, RouteRefused,
                           ShardUnusableError)
 from fleet.control.transfer_port import TransferResult, by_deadline
+from fleet.wire import BeginRefit, Counters, Description, EndRefit, Left, Ping, ShardFacts, Started, decode_request
 from health import RefitResult
 
 
@@ -56,7 +62,7 @@ class FakeShard:
     dirty: bool = False  # a transfer wrote into the weights since the last stamp
     state: str = "ready"  # what describe() says of its engine ("starting" while a restart is under way)
     name: str | None = None
-    left: dict | None = None  # what it held when it last left the serving set (``EngineShard.set_route``)
+    left: Left | None = None  # what it held when it last left the serving set (``EngineShard.set_route``)
     progress: dict | None = None  # what its ping says of its engine's progress (``health.progress``)
     ping_raises: Exception | None = None  # its ping answers this (the shard's own exception, e.g. DeadlineExceeded)
     core_checked: bool = True  # its ping asked its engine core (False: a bounded worker call holds the core)
@@ -141,11 +147,11 @@ class FakeDoor:
         if not began.ok:
             return began
         kw = {"mode": pause.get("mode", "keep"),  # as the shard decides: an idle engine clears under clear_if_idle
-              "clear_cache": bool(pause.get("clear_cache")) or (bool(pause.get("clear_if_idle")) and not began.value["in_flight"])}
+              "clear_cache": bool(pause.get("clear_cache")) or (bool(pause.get("clear_if_idle")) and not began.value.in_flight)}
         paused = await self._one(handle, "pause", timeout=timeout, expect_ack=True, owner="refit", **kw)
         if paused.kind not in (OK, BAD_ACK):
             return paused
-        return Outcome(OK, value={**began.value, "paused": True if paused.ok else paused.value})
+        return Outcome(OK, value=msgspec.structs.replace(began.value, paused=True if paused.ok else paused.value))
 
     async def _end_refit(self, handle: FakeShard, timeout: float, version=None, abort_held=False) -> Outcome:
         stamp, error = None, None
@@ -161,20 +167,22 @@ class FakeDoor:
                 return out
             aborted = out.value
         if not handle.holds.end_refit() and handle.paused:  # the operator's keep pause holds it past the refit
-            return Outcome(OK, value={"stamp": stamp, "stamp_error": error, "aborted": aborted, "resumed": True,
-                                      "paused_for": "operator"})
+            return Outcome(OK, value=EndRefit(stamp, error, aborted, resumed=True, paused_for="operator"))
         resumed = await self._one(handle, "resume", timeout=timeout, expect_ack=True)
         if resumed.kind not in (OK, BAD_ACK):
             return resumed
-        return Outcome(OK, value={"stamp": stamp, "stamp_error": error, "aborted": aborted,
-                                  "resumed": True if resumed.ok else resumed.value, "paused_for": None})
+        return Outcome(OK, value=EndRefit(stamp, error, aborted, resumed=True if resumed.ok else resumed.value,
+                                          paused_for=None))
 
     async def _one(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
-        if method in ("serve", "serve_stream"):  # the data plane's packed generate: recorded and scripted as "generate"
-            prompt, sampling, request_id, cache_salt, epoch, kind, k, cap, _first, _interval, _carried, suspect = args[0]
-            method, args = "generate", (prompt, sampling)
-            kw = dict(kw, request_id=request_id, cache_salt=cache_salt,
-                      ticket=Ticket(epoch, VersionPolicy(kind, k), cap, bool(suspect)))
+        if method in ("serve", "serve_stream"):  # the data plane's generate, on the wire: recorded and scripted as "generate"
+            try:
+                r = decode_request(args[0])
+            except BadRequestError as exc:  # as the shard refuses it: that request's answer, nothing ran
+                self.calls.append((method, handle.slot, handle.incarnation))
+                return Outcome(ERROR, error=exc)
+            method, args = "generate", (r.prompt, r.sampling)
+            kw = dict(kw, request_id=r.request_id, cache_salt=r.cache_salt, ticket=r.ticket())
         self.calls.append((method, handle.slot, handle.incarnation))
         self.kwargs.append((method, handle.slot, kw))
         if handle.dead:
@@ -223,7 +231,7 @@ class FakeDoor:
         if s.state not in ("new", "ready"):
             raise RuntimeError(f"cannot start from state {s.state}")
         s.state = "ready"
-        return {"start_s": 0.0, "native_pause": not s.sticky.get("no_native_pause")}
+        return Started(*_facts(s), start_s=0.0, native_pause=not s.sticky.get("no_native_pause"), node=None)
 
     async def _invalidate_cache(self, s):
         return s.sticky.get("invalidate_answer", True)
@@ -234,7 +242,7 @@ class FakeDoor:
     async def _ping(self, s):
         if s.ping_raises is not None:
             raise s.ping_raises
-        return {"slot": s.slot, "progress": s.progress, "core_checked": s.core_checked}
+        return Ping(*_facts(s), core_checked=s.core_checked)
 
     async def _pause(self, s, mode="keep", clear_cache=True, clear_if_idle=False, owner="operator"):
         s.paused = s.gate.paused = True
@@ -247,10 +255,8 @@ class FakeDoor:
         return True
 
     async def _describe(self, s):
-        return {"slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version, "state": s.state,
-                "in_flight": len(s.in_flight), "dirty": s.dirty, "paused": s.paused, "native_pause": True,
-                **s.holds.describe(),
-                "gate": s.gate.counters()}
+        return Description(*_facts(s), node=None, dirty=s.dirty, paused=s.paused, refit_hold=s.holds.refit,
+                           operator_hold=s.holds.operator, native_pause=True, gate=s.gate.counters())
 
     async def _set_weight_version(self, s, v):
         s.version = v
@@ -260,14 +266,14 @@ class FakeDoor:
 
     async def _counters(self, s):
         """``EngineShard.counters``: in flight counts requests not aborted yet (an aborted one is ending)."""
-        return {**s.gate.counters(), "in_flight": sum(1 for v in s.in_flight.values() if v is not None),
-                "slot": s.slot, "incarnation": s.incarnation, "weight_version": s.version, "left": s.left,
-                "paused": s.paused, **s.holds.describe()}
+        g = s.gate
+        return Counters(g.admitted, dict(g.refused), g.paused, g.member, g.floor, g.committed, g.cap, g.peak_in_flight,
+                        0, _running(s), s.slot, s.incarnation, s.version, s.left, s.ran_while_paused, s.holds.refit,
+                        s.holds.operator)
 
     async def _set_route(self, s, epoch, member, committed):
         if s.gate.member and not member and epoch >= s.gate.routed_at:  # as EngineShard.set_route: what it held as it left the serving set
-            s.left = {"in_flight": sum(1 for v in s.in_flight.values() if v is not None),
-                      "admitted": s.gate.admitted, "epoch": epoch}
+            s.left = Left(_running(s), s.gate.admitted, epoch)
         s.gate.route(epoch, member, committed)
         return True
 
@@ -281,7 +287,7 @@ class FakeDoor:
         old = [rid for rid, (start, policy) in s.in_flight.items() if policy is not None and not policy.allows(start, version)]
         for rid in old:
             s.in_flight[rid] = None  # aborted: its generate returns an aborted result
-        return {"aborted": len(old), "in_flight": len(s.in_flight) - len(old)}
+        return BeginRefit(len(old), len(s.in_flight) - len(old))
 
     async def _abort_in_flight(self, s):
         n = len(s.in_flight)
@@ -325,6 +331,16 @@ class FakeDoor:
             s.suspects.discard(request_id)
         c = Completion((1, 2), (-0.1, -0.2), "abort" if aborted else "length")
         return GenerationResult(request_id, (1,), (c,), start, s.version, s.slot, s.incarnation)
+
+
+def _facts(s: FakeShard) -> ShardFacts:
+    """``fleet.wire.ShardInfo``'s fields of a fake shard, in order (its pid 0)."""
+    return (s.slot, s.incarnation, s.version, s.state, len(s.in_flight), 0, s.progress)
+
+
+def _running(s: FakeShard) -> int:
+    """Requests in flight not aborted yet (an aborted one is ending)."""
+    return sum(1 for v in s.in_flight.values() if v is not None)
 
 
 class FakeTransfer:

@@ -16,6 +16,7 @@ from fleet.data.routing_state import Member, RoutingState
 from fleet.eventlog import EventLog
 from fleet.outcome import DIED, OK, Outcome
 from fleet.types import Chunk, Completion, GenerationResult, Piece
+from fleet.wire import decode_request
 from tests.unit.fleet_fakes import StateView
 
 
@@ -41,7 +42,8 @@ class SlowDoor:
         return last
 
     async def stream(self, handle, method, request, timeout):
-        prompt, sampling, rid = request[0], request[1], request[2]
+        r = decode_request(request)
+        prompt, sampling, rid = r.prompt, r.sampling, r.request_id
         self.sent.append((handle, rid))
         made = []
         own = self.engine_aborts.pop(rid, None)

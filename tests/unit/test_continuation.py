@@ -18,6 +18,7 @@ from fleet.outcome import DIED, OK, Outcome
 from fleet.shard.continuation import TextSeam
 from fleet.shard.output_stream import Pacer
 from fleet.types import Chunk, Completion, GenerationResult, Piece
+from fleet.wire import Carried, ServeRequest, decode_request
 from tests.unit.fleet_fakes import StateView
 
 
@@ -88,7 +89,7 @@ def test_a_continuation_carries_the_prompt_and_held_tokens_and_the_budget_left()
     prompt, sampling, carried = out.continuation("text prompt", {"max_tokens": 10, "min_tokens": 5, "seed": 3})
     assert prompt == [1, 2, 5, 6, 7]
     assert sampling == {"max_tokens": 7, "min_tokens": 2, "seed": 3}
-    assert carried == (3, "<5><6><7>", 0)
+    assert carried == Carried(3, "<5><6><7>", 0)
 
 
 def test_tokens_are_told_once_in_order_and_the_whole_result_never_takes_back_what_was_told():
@@ -123,13 +124,14 @@ class Script:
 class StreamDoor:
     def __init__(self, scripts: dict[int, list[Script]]) -> None:
         self.scripts = scripts
-        self.sent: list[tuple[int, tuple]] = []
+        self.sent: list[tuple[int, ServeRequest]] = []  # each request as the shard reads it
         self.calls: list[str] = []
 
     async def stream(self, handle, method, request, timeout):
         slot = handle
-        self.sent.append((slot, request))
-        prompt, rid = request[0], request[2]
+        r = decode_request(request)
+        self.sent.append((slot, r))
+        prompt, rid = r.prompt, r.request_id
         script = self.scripts[slot].pop(0)
         made = []
         for i, p in enumerate(script.pieces):
@@ -181,7 +183,8 @@ def test_a_request_whose_engine_dies_goes_on_elsewhere_from_its_tokens_with_ever
         assert r.result.prompt_token_ids == (1, 2)
         assert r.result.version_spans == ((0, 0, 3), (1, 3, 5)) and r.result.mixed_versions
         (slot, second), = [(s, req) for s, req in door.sent if s == 1]
-        assert second[0] == [1, 2, 5, 6, 7] and second[1]["max_tokens"] == 2 and second[10:] == ((3, "<5><6><7>", 0), False)
+        assert second.prompt == [1, 2, 5, 6, 7] and second.sampling["max_tokens"] == 2
+        assert (second.carried, second.suspect) == (Carried(3, "<5><6><7>", 0), False)
         assert [t for d in told for t in d.token_ids] == [5, 6, 7, 8, 9]  # each once, in order
 
     asyncio.run(go())
@@ -195,7 +198,7 @@ def test_latest_never_mixes_versions_it_starts_over_and_says_why():
         r = await dispatch(view).submit([1, 2], {"max_tokens": 3}, "r")
         assert r.ok and r.continued == 0 and r.tokens_discarded == 2
         assert "latest" in r.started_over and r.result.version_spans == ((1, 0, 3),) and not r.result.mixed_versions
-        assert [req[0] for _, req in door.sent] == [[1, 2], [1, 2]]  # sent again from the prompt alone
+        assert [req.prompt for _, req in door.sent] == [[1, 2], [1, 2]]  # sent again from the prompt alone
 
     asyncio.run(go())
 
@@ -242,7 +245,7 @@ def test_a_short_request_without_a_streaming_caller_is_one_plain_call_and_a_long
         assert (await d.submit([1], {"max_tokens": 33}, "long")).ok
         assert (await d.submit([1], {"max_tokens": 4}, "told", on_tokens=lambda delta: None)).ok
         assert door.calls == ["serve"]
-        assert [req[2] for _, req in door.sent] == ["short", "long", "told"]
+        assert [req.request_id for _, req in door.sent] == ["short", "long", "told"]
 
     asyncio.run(go())
 
@@ -276,6 +279,7 @@ def test_a_caller_that_streams_gets_chunks_per_stream_interval_and_one_that_does
         d = dispatch(View(door), stream_interval_s=0.05, hold_interval_s=0.25)
         assert (await d.submit([1], {"max_tokens": 40}, "held")).ok
         assert (await d.submit([1], {"max_tokens": 40}, "told", on_tokens=lambda delta: None)).ok
-        assert [(req[2], req[8], req[9]) for _, req in door.sent] == [("held", False, 0.25), ("told", True, 0.05)]
+        assert [(req.request_id, req.first_at_once, req.interval_s) for _, req in door.sent] == [
+            ("held", False, 0.25), ("told", True, 0.05)]
 
     asyncio.run(go())

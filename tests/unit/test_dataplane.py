@@ -28,6 +28,7 @@ from health import CallKind
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
 from fleet.records import Health, ReportIgnored, Routing
+from fleet.wire import BeginRefit
 
 
 # ------------------------------------------------------------------ version policy
@@ -160,7 +161,7 @@ def test_a_refused_request_never_reaches_the_engine(tmp_path):
         ok = await shard.generate([1, 2], {}, "r4", ticket=Ticket(4))
         assert ok.completions and b.runs == {"r4": 1}
         c = shard.counters()
-        assert c["refused"] == {NOT_MEMBER: 1, EPOCH: 1, PAUSED: 1} and c["admitted"] == 1
+        assert c.refused == {NOT_MEMBER: 1, EPOCH: 1, PAUSED: 1} and c.admitted == 1
         # the error survives pickling with its reason (it crosses the Ray boundary)
         import pickle
 
@@ -171,12 +172,14 @@ def test_a_refused_request_never_reaches_the_engine(tmp_path):
 
 
 def test_a_shard_refuses_a_second_request_an_engine_died_under_naming_the_first_and_admits_it_once_that_ended(tmp_path):
-    """The data plane's packed request says whether an engine died under it before (its 12th field): the shard
+    """The data plane's request says whether an engine died under it before (``ServeRequest.suspect``): the shard
     holds one such request at a time (``fleet.data.poison``), whichever client sends it, and ordinary ones beside."""
     from fleet.shard.request_gate import SUSPECT
 
-    def packed(rid: str, suspect: bool) -> tuple:
-        return ([1, 2], {"max_tokens": 2}, rid, None, 4, "any", 0, None, False, 0.0, None, suspect)
+    from fleet.wire import ServeRequest
+
+    def packed(rid: str, suspect: bool) -> bytes:
+        return ServeRequest([1, 2], {"max_tokens": 2}, rid, None, 4, "any", 0, None, False, 0.0, None, suspect).encode()
 
     async def go():
         b = CountingBackend(delay=5.0)
@@ -193,7 +196,7 @@ def test_a_shard_refuses_a_second_request_an_engine_died_under_naming_the_first_
         b.release.set()
         assert (await first).completions and (await plain).completions
         assert (await shard.serve(packed("b-3", True))).completions  # the first one ended: admitted
-        assert b.runs == {"a-7": 1, "b-4": 1, "b-3": 1} and shard.counters()["refused"] == {SUSPECT: 1}
+        assert b.runs == {"a-7": 1, "b-4": 1, "b-3": 1} and shard.counters().refused == {SUSPECT: 1}
 
     asyncio.run(go())
 
@@ -221,7 +224,7 @@ def test_begin_refit_aborts_only_what_the_policy_forbids(tmp_path):
         anyv = asyncio.ensure_future(shard.generate([1], {}, "any", ticket=Ticket(1, VersionPolicy(ANY))))
         await asyncio.sleep(0.05)
         out = await shard.begin_refit(2, 1)
-        assert out == {"aborted": 1, "in_flight": 1} and b.aborted == ["latest"]
+        assert out == BeginRefit(aborted=1, in_flight=1) and b.aborted == ["latest"]
         assert (await latest).aborted
         assert shard.gate.floor == 2
         b.release.set()

@@ -12,6 +12,7 @@ from fleet.eventlog import EventLog
 from fleet.outcome import DIED, OK, Outcome
 from fleet.data.routing_state import LATEST, Member, RoutingState, VersionPolicy
 from fleet.types import Completion, GenerationResult
+from fleet.wire import decode_request
 from tests.unit.fleet_fakes import StateView
 
 DEAD = {0, 1}
@@ -22,7 +23,7 @@ class Door:
         self.sent: list[tuple[str, int]] = []
 
     async def call(self, handle, method, *args, timeout=None):
-        rid, slot = args[0][2], handle
+        rid, slot = decode_request(args[0]).request_id, handle
         self.sent.append((rid, slot))
         if slot in DEAD:
             return Outcome(DIED, error=RuntimeError(f"actor of slot {slot} died"))

@@ -9,6 +9,7 @@ import pytest
 from faults.matrix import BASE_FLEET, MATRIX, by_name
 from faults.timeline import read_log
 from fleet.shard.fault_hooks import ArmedFault, FaultHooks
+from fleet.wire import ServeRequest
 from health.faultplan import load_plan, resolve
 
 
@@ -230,8 +231,8 @@ def test_a_fault_at_stream_goes_off_mid_generation_once_output_went_out(tmp_path
         got, loop = [], asyncio.get_running_loop()
         t0 = loop.time()
         try:  # first token at once, then one chunk per 0.1 s
-            async for item in shard.serve_stream(([1, 2], {"max_tokens": max_tokens}, None, None, 0, "any", 0, None,
-                                                  True, 0.1, None, False)):
+            async for item in shard.serve_stream(ServeRequest([1, 2], {"max_tokens": max_tokens}, None, None, 0, "any", 0,
+                                                              None, True, 0.1, None, False).encode()):
                 got.append(item)
         except ShardUnavailableError as exc:
             got.append(exc)

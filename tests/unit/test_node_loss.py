@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
+
 from fleet.control.controller import SingleController
 from fleet.control.nodes import NodeMap
 from fleet.outcome import TIMED_OUT, Outcome
@@ -25,7 +27,7 @@ class NodeDoor(FakeDoor):
         self.pending: set[tuple[int, int]] = set()
 
     async def _start(self, s):
-        return {**await super()._start(s), "node": NODE[s.slot]}
+        return msgspec.structs.replace(await super()._start(s), node=NODE[s.slot])
 
     def dead_nodes(self) -> set[str]:
         return set(self.dead)

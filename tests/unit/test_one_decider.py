@@ -135,7 +135,7 @@ def test_an_engine_refuses_a_plain_resume_between_begin_refit_and_end_refit(mode
         out = await door.call(handle, "resume", timeout=1.0)
         assert isinstance(out.error, RefitOwnsEngine) and shard.paused and "refit of version 1" in str(out.error)
         ended = await door.call(handle, "end_refit", timeout=1.0)
-        assert ended.ok and ended.value["resumed"] is True and not shard.paused
+        assert ended.ok and ended.value.resumed is True and not shard.paused
 
     run_virtual(go())
 

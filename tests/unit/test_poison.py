@@ -450,7 +450,7 @@ def test_a_shard_told_of_a_poison_refuses_it_from_anyone_and_runs_everything_els
             await shard.generate(POISON, {"max_tokens": 4, "seed": 7}, "p")
         assert err.value.reason == "poison" and "two engines" in str(err.value)
         assert (await shard.generate(POISON, {"max_tokens": 5}, "q")).completions  # other sampling: another request
-        assert shard.counters()["refused"] == {"poison": 1} and shard.counters()["admitted"] == 1
+        assert shard.counters().refused == {"poison": 1} and shard.counters().admitted == 1
 
     asyncio.run(go())
 

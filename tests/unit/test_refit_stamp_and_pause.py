@@ -147,9 +147,9 @@ def test_under_keep_a_shard_idle_at_pause_invalidates_its_prefix_cache_even_if_b
         await shard.start()
         request = asyncio.ensure_future(shard.generate([1, 2], {}, "r1"))
         await asyncio.sleep(0.01)
-        assert (await shard.begin_refit(1, 1))["in_flight"] == 1  # busy at refit start
+        assert (await shard.begin_refit(1, 1)).in_flight == 1  # busy at refit start
         assert await shard.pause(mode="keep", clear_cache=False, clear_if_idle=True, owner="refit") is True
-        assert (await shard.end_refit())["resumed"] is True  # the refit's pause is the refit's to release
+        assert (await shard.end_refit()).resumed is True  # the refit's pause is the refit's to release
         backend.release.set()
         await request  # idle from here on
         assert await shard.pause(mode="keep", clear_cache=False, clear_if_idle=True) is True

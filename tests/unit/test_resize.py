@@ -16,6 +16,7 @@ from fleet.outcome import DIED, Outcome
 from health import CallKind
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
 from fleet.records import Kill, Phase, Resize, Stopped, all_of
+from fleet.wire import Left
 
 
 def make(model_dir, door=None, **over):
@@ -332,16 +333,16 @@ def test_a_shard_notes_what_it_held_as_it_left_the_serving_set_and_admits_nothin
         ticket = Ticket(7, VersionPolicy("any"))
         running = [asyncio.ensure_future(shard.generate([1, 2], request_id=f"r{i}", ticket=ticket)) for i in range(2)]
         await asyncio.sleep(0.1)
-        assert shard.counters()["left"] is None
+        assert shard.counters().left is None
         shard.set_route(9, False, 0)  # removed: it holds two requests
-        assert shard.counters()["left"] == {"in_flight": 2, "admitted": 2, "epoch": 9}
+        assert shard.counters().left == Left(in_flight=2, admitted=2, epoch=9)
         with pytest.raises(RouteRefused):
             await shard.generate([1, 2], request_id="late", ticket=Ticket(9, VersionPolicy("any")))
         shard.set_route(10, False, 0)  # told again (the publisher, then the drain): the note stays
         done = await asyncio.gather(*running)
         assert all(not r.aborted for r in done)
         c = shard.counters()
-        assert c["in_flight"] == 0 and c["admitted"] == 2 and c["left"]["epoch"] == 9 and c["refused"]["not_member"] == 1
+        assert c.in_flight == 0 and c.admitted == 2 and c.left is not None and c.left.epoch == 9 and c.refused["not_member"] == 1
         await shard.abort_in_flight()  # nothing left: the null backend's abort ends only what runs
         await shard.shutdown()
 

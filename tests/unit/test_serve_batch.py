@@ -18,12 +18,13 @@ from fleet.errors import BadRequestError, DeadlineExceeded, RouteRefused
 from fleet.eventlog import EventLog
 from fleet.outcome import DIED, ERROR, OK, TIMED_OUT, Outcome
 from fleet.types import Completion, GenerationResult
+from fleet.wire import ServeRequest, decode_request
 from tests.unit.fleet_fakes import StateView
 
 
-def request(rid: str, prompt=(1, 2, 3)) -> tuple:
-    """``EngineShard.serve``'s packed request (only the prompt and the id matter to the scripted door)."""
-    return (list(prompt), {"max_tokens": 2}, rid, None, 1, "any", 0, None, False, 0.25, None)
+def request(rid: str, prompt=(1, 2, 3)) -> bytes:
+    """``EngineShard.serve``'s request on the wire (only the prompt and the id matter to the scripted door)."""
+    return ServeRequest(list(prompt), {"max_tokens": 2}, rid, None, 1, "any", 0, None, False, 0.25, None, False).encode()
 
 
 class ScriptedDoor:
@@ -36,15 +37,16 @@ class ScriptedDoor:
         self.fail: dict[str, BaseException] = {}
         self.whole: Outcome | None = None
 
-    def result(self, handle, req: tuple) -> GenerationResult | BaseException:
-        rid = req[2]
+    def result(self, handle, req: bytes) -> GenerationResult | BaseException:
+        r = decode_request(req)
+        rid = r.request_id
         if rid in self.fail:
             return self.fail.pop(rid)  # once: a request sent again is served
-        return GenerationResult(rid, tuple(req[0]), (Completion((7,), (-0.1,), "length"),), 0, 0, handle, 1)
+        return GenerationResult(rid, tuple(r.prompt), (Completion((7,), (-0.1,), "length"),), 0, 0, handle, 1)
 
     async def call(self, handle, method, *args, timeout):
         reqs = args[0] if method == "serve_many" else [args[0]]
-        self.calls.append((method, handle, [r[2] for r in reqs]))
+        self.calls.append((method, handle, [decode_request(r).request_id for r in reqs]))
         await asyncio.sleep(self.delay)
         if self.whole is not None:
             return self.whole

@@ -27,6 +27,7 @@ import pytest
 from fleet.data.dispatch import FleetResult
 from fleet.data.routing_state import RoutingState
 from fleet.types import Completion, GenerationResult, TokenDelta
+from fleet.wire import decode_request
 from tests.unit.fleet_fakes import StateView
 from recipe.tinymodel import build_tokenizer
 from serve.app import build_app
@@ -450,7 +451,8 @@ class SlowStreamDoor:
         from fleet.types import Chunk, Piece
 
         slot = handle
-        prompt, rid = request[0], request[2]
+        r = decode_request(request)
+        prompt, rid = r.prompt, r.request_id
         self.sent.append((slot, list(prompt)))
         tokens, end, version = self.scripts[slot]
         for k, t in enumerate(tokens):

@@ -75,7 +75,7 @@ def test_a_frozen_idle_core_fails_the_ping_naming_the_core_check(model_dir):
         b = SteppingBackend()
         shard = shard_on(b, model_dir)
         await shard.start()
-        assert (await shard.ping())["progress"]["stalled_s"] == 0.0
+        assert (await shard.ping()).progress["stalled_s"] == 0.0
         b.thawed = False
         with pytest.raises(DeadlineExceeded, match=r"core check \(is_paused\) on shard slot 1 \(incarnation 3\) did "
                                                    r"not finish within 0.5 s"):
@@ -92,10 +92,10 @@ def test_a_core_that_froze_with_a_request_in_flight_shows_a_stall_that_the_contr
         req = asyncio.ensure_future(shard.generate([1, 2, 3], {}, "r1"))
         await asyncio.sleep(0.25)  # two tokens made
         info = shard.ping_info()
-        assert info["progress"]["in_flight"] == 1 and info["progress"]["stalled_s"] < 0.2
+        assert info.progress["in_flight"] == 1 and info.progress["stalled_s"] < 0.2
         b.thawed = False
         await asyncio.sleep(12.0)
-        facts = shard.ping_info()["progress"]
+        facts = shard.ping_info().progress
         assert facts["in_flight"] == 1 and facts["stalled_s"] == pytest.approx(12.0, abs=0.15)
         out = with_progress(Outcome(OK, value=shard.ping_info()), stall_timeout_s=10.0)
         assert out.kind == TIMED_OUT and "no progress" in str(out.error) and "1 request(s) in flight" in str(out.error)
@@ -116,17 +116,17 @@ def test_a_paused_engine_or_one_running_a_worker_call_is_not_stalled_and_the_pin
         assert await shard.pause("keep", clear_cache=False)
         b.thawed = False  # paused: no step expected
         await asyncio.sleep(60.0)
-        assert shard.ping_info()["progress"] == {"in_flight": 1, "stalled_s": 0.0, "last_token_age_s": pytest.approx(
+        assert shard.ping_info().progress == {"in_flight": 1, "stalled_s": 0.0, "last_token_age_s": pytest.approx(
             60.05, abs=0.1), "held": "paused"}
         rpc = asyncio.ensure_future(shard.worker_rpc("rlfleet_receive", timeout=100.0))  # the core is in it
         await asyncio.sleep(1.0)
         answer = await shard.ping()  # answered: the busy core was not asked, and the answer says so
-        assert answer["progress"]["held"] == "paused" and answer["core_checked"] is False
+        assert answer.progress["held"] == "paused" and answer.core_checked is False
         b.thawed = True
         await rpc
         assert await shard.resume()
         await asyncio.sleep(0.05)
-        assert shard.ping_info()["progress"]["stalled_s"] < 0.1  # the clock restarts at the resume
+        assert shard.ping_info().progress["stalled_s"] < 0.1  # the clock restarts at the resume
         await req
 
     run_virtual(go())
@@ -144,7 +144,7 @@ def test_a_busy_engine_is_judged_by_its_steps_not_by_a_call_its_core_may_answer_
         await asyncio.sleep(0.15)
         b.thawed = False  # its core is stopped (or in a long step): no call is made, the answer says so
         answer = await shard.ping()
-        assert answer["core_checked"] is True and answer["progress"]["stalled_s"] < 0.2
+        assert answer.core_checked is True and answer.progress["stalled_s"] < 0.2
         await asyncio.sleep(11.0)
         answer = await shard.ping()
         assert with_progress(Outcome(OK, value=answer), stall_timeout_s=10.0).kind == TIMED_OUT

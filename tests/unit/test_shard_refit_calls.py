@@ -15,6 +15,7 @@ import pytest
 from fleet.errors import ShardUnavailableError
 from fleet.shard.null_backend import NullBackend
 from fleet.data.routing_state import Ticket, VersionPolicy
+from fleet.wire import BeginRefit, EndRefit
 from tests.unit.fleet_fakes import run_virtual
 from tests.unit.test_shard_progress import shard_on  # the real shard in-process, on the virtual loop's clock
 
@@ -45,19 +46,19 @@ def test_begin_refit_with_its_pause_fences_aborts_the_too_old_and_pauses_clearin
         kept = asyncio.ensure_future(shard.generate([2], {}, "kept", ticket=Ticket(0, VersionPolicy("any"))))
         await asyncio.sleep(0.1)
         out = await shard.begin_refit(3, 1, pause=KEEP)
-        assert out == {"aborted": 1, "in_flight": 1, "paused": True}
+        assert out == BeginRefit(aborted=1, in_flight=1, paused=True)
         assert b.pauses == [("keep", False)], "a shard still holding a request keeps its cache under keep"
         assert (await old).aborted and not kept.done()
         assert shard.gate.paused and shard.gate.refusal(Ticket(2), 0) is not None, "work routed before 3 refused"
         answer = await shard.end_refit(1)
-        assert answer == {"stamp": "ok", "stamp_error": None, "aborted": 0, "resumed": True, "paused_for": None}
+        assert answer == EndRefit(stamp="ok", stamp_error=None, aborted=0, resumed=True, paused_for=None)
         assert shard.get_weight_version() == 1 and not shard.gate.paused
         kept.cancel()
 
         idle = RecordingBackend()
         shard = shard_on(idle, model_dir)
         await shard.start()
-        assert (await shard.begin_refit(1, 1, pause=KEEP))["paused"] is True
+        assert (await shard.begin_refit(1, 1, pause=KEEP)).paused is True
         assert idle.pauses == [("keep", True)], "an idle shard clears under keep (free)"
 
     run_virtual(go())
@@ -73,8 +74,8 @@ def test_a_stamp_that_fails_is_reported_the_held_requests_aborted_and_the_engine
         await shard.begin_refit(1, 1, pause={"mode": "keep", "clear_cache": True})
         shard.arm_fault("set_weight_version", "unavailable")
         answer = await shard.end_refit(1)
-        assert answer["stamp"] == "unavailable" and isinstance(answer["stamp_error"], ShardUnavailableError)
-        assert answer["aborted"] == 1 and answer["resumed"] is True
+        assert answer.stamp == "unavailable" and isinstance(answer.stamp_error, ShardUnavailableError)
+        assert answer.aborted == 1 and answer.resumed is True
         assert (await held).aborted, "its results would carry the old tag on the new weights"
         assert shard.get_weight_version() == 0 and not shard.gate.paused
 
@@ -90,7 +91,7 @@ def test_an_engine_without_the_update_has_its_held_requests_aborted_and_a_lying_
         await shard.begin_refit(1, 1, pause={"mode": "keep", "clear_cache": False})
         shard.arm_fault("resume", "false_ack")
         answer = await shard.end_refit(None, abort_held=True)
-        assert answer == {"stamp": None, "stamp_error": None, "aborted": 1, "resumed": False, "paused_for": None}
+        assert answer == EndRefit(stamp=None, stamp_error=None, aborted=1, resumed=False, paused_for=None)
         assert (await held).aborted and shard.get_weight_version() == 0
 
     run_virtual(go())

@@ -18,6 +18,7 @@ from fleet import records as ev
 from fleet.control.lifecycle.run import EndRefit, RefitRun
 from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, RefitFailed
 from fleet.outcome import BAD_ACK, OK, Outcome
+from fleet.wire import BeginRefit
 from health import AbortRefit, CallKind, MembershipPlan, RefitStarted, plan_membership
 
 
@@ -109,15 +110,15 @@ def _paused_outcome(r: RefitRun, slot: int, out: Outcome) -> Outcome:
     ``paused`` as the acknowledgement (anything but True is a lie)."""
     if out.kind != OK:
         return out
-    _began(r, slot, out.value)
-    paused = out.value.get("paused")
-    return out if paused is True else Outcome(BAD_ACK, value=paused, elapsed_s=out.elapsed_s)
+    began: BeginRefit = out.value
+    _began(r, slot, began)
+    return out if began.paused is True else Outcome(BAD_ACK, value=began.paused, elapsed_s=out.elapsed_s)
 
 
-def _began(r: RefitRun, slot: int, value: dict) -> None:
-    r.aborted += int(value.get("aborted", 0))
-    if value.get("in_flight"):
-        r.busy[slot] = int(value["in_flight"])
+def _began(r: RefitRun, slot: int, began: BeginRefit) -> None:
+    r.aborted += began.aborted
+    if began.in_flight:
+        r.busy[slot] = began.in_flight
 
 
 async def _pause_emulated(r: RefitRun, targets: dict) -> dict:

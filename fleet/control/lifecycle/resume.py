@@ -15,7 +15,8 @@ from typing import Any
 from fleet import records as ev
 from fleet.control.lifecycle.run import EndRefit, RefitRun
 from fleet.errors import FleetExhausted, RefitFailed
-from fleet.outcome import BAD_ACK, OK, Outcome
+from fleet import wire
+from fleet.outcome import BAD_ACK, ERROR, OK, Outcome
 from health import AbortRefit, CallKind, KeepGateClosed, MembershipPlan, RefitFinished, StopExhausted, VersionCommitted
 
 
@@ -69,9 +70,9 @@ async def reopen(r: RefitRun) -> None:
 
 def resumed_outcome(out: Outcome) -> Outcome:
     """An ``end_refit`` answer as the resume's outcome: ``resumed`` is its acknowledgement."""
-    if out.kind != OK or out.value.get("resumed") is True:
+    if out.kind != OK or out.value.resumed is True:
         return out
-    return Outcome(BAD_ACK, value=out.value.get("resumed"), elapsed_s=out.elapsed_s)
+    return Outcome(BAD_ACK, value=out.value.resumed, elapsed_s=out.elapsed_s)
 
 
 def _stamped(r: RefitRun, parts: list, outs: dict) -> None:
@@ -89,8 +90,9 @@ def _stamped(r: RefitRun, parts: list, outs: dict) -> None:
         out = outs[p.slot]
         if out.kind != OK:
             unknown[p.slot] = out
-        elif out.value.get("stamp") != OK:
-            kind, error = out.value.get("stamp"), out.value.get("stamp_error")
+        elif out.value.stamp != OK:
+            ended: wire.EndRefit = out.value
+            kind, error = ended.stamp or ERROR, ended.stamp_error
             failed[p.slot] = Outcome(kind, value=False if kind == BAD_ACK else None, error=error)
             r.p.act.observe(p.slot, p.incarnation, CallKind.STAMP, failed[p.slot])
     members = tuple((p.slot, p.incarnation) for p in parts if p.slot not in failed and p.slot not in unknown)
