@@ -91,8 +91,9 @@ class ServeRequest(Record, array_like=True, frozen=True, forbid_unknown_fields=T
 
     def encode(self) -> bytes:
         """The wire form: one msgpack array, values in field order. Tuples come back as lists, NumPy and torch
-        numbers and arrays as plain ones, and a sampling value msgpack has no type for goes pickled (``_enc_hook``).
-        Raises ``BadRequestError`` if a value cannot be sent."""
+        numbers and arrays as plain ones, and any other sampling value goes pickled (``_sendable``: a vLLM
+        dataclass such as ``StructuredOutputsParams`` must arrive as itself, not as the dict msgspec would make
+        of it). Raises ``BadRequestError`` if a value cannot be sent."""
         return _encoded(self)
 
     def ticket(self) -> Ticket:
@@ -101,10 +102,28 @@ class ServeRequest(Record, array_like=True, frozen=True, forbid_unknown_fields=T
 
 
 def _encoded(value: Any) -> bytes:
+    """``value`` (a ``ServeRequest``, or a sequence from an in-process caller) as msgpack bytes."""
     try:
+        if isinstance(value, ServeRequest) and any(type(v) not in _PLAIN for v in value.sampling.values()):
+            value = msgspec.structs.replace(value, sampling={k: _sendable(v) for k, v in value.sampling.items()})
         return _ENCODER.encode(value)
     except Exception as exc:  # noqa: BLE001 - a value neither msgpack nor pickle can carry: the caller's
         raise BadRequestError(f"serve request: cannot be put on the wire ({type(exc).__name__}: {exc})") from None
+
+
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
+def _sendable(value: Any) -> Any:
+    """``value`` as msgpack carries it unchanged: plain values and their lists and dicts as they are, NumPy and
+    torch numbers and arrays as the plain numbers they hold, anything else pickled (``_PICKLED``)."""
+    if type(value) in _PLAIN:
+        return value
+    if isinstance(value, dict):
+        return {k: _sendable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_sendable(v) for v in value]
+    return _enc_hook(value)
 
 
 def _enc_hook(value: Any) -> Any:

@@ -9,6 +9,8 @@ request and goes on serving. Every shard world (the real shard, the simulator's)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import enum
 import pickle
 import typing
 
@@ -96,6 +98,27 @@ def test_values_msgpack_has_no_type_for_still_travel():
     back = decode_request(r.encode())
     assert back.prompt == [5, 6, 7] and all(type(t) is int for t in back.prompt)
     assert back.sampling == {"temperature": 0.5, "seed": 3, "stop": ["a", "b"], "logit_bias": {5: -1.0}, "extra": 2j}
+
+
+@dataclasses.dataclass
+class Structured:  # as vLLM's ``StructuredOutputsParams``: a dataclass the engine needs as itself
+    regex: str
+    choice: tuple | None = None
+
+
+class Mode(enum.Enum):
+    GREEDY = "greedy"
+
+
+def test_a_dataclass_or_enum_in_sampling_arrives_as_itself_not_as_what_msgpack_makes_of_it():
+    """msgspec encodes dataclasses and enums natively (as a dict, as a value): vLLM got a dict where it needed
+    its ``StructuredOutputsParams`` and every structured request failed. They travel pickled, nested ones too."""
+    sampling = {"max_tokens": 4, "structured_outputs": Structured("a+", ("x", "y")), "extra": {"mode": Mode.GREEDY},
+                "stop": ("\n",)}
+    req = ServeRequest([1, 2], sampling, "r", None, 0, "any", 0, None, True, 0.05, None, False)
+    got = decode_request(req.encode()).sampling
+    assert got["structured_outputs"] == Structured("a+", ("x", "y")) and got["extra"]["mode"] is Mode.GREEDY
+    assert got["stop"] == ["\n"] and got["max_tokens"] == 4
 
 
 def test_a_value_that_cannot_be_sent_is_the_callers_bad_request():
