@@ -106,7 +106,18 @@ def _encoded(value: Any) -> bytes:
     try:
         if isinstance(value, ServeRequest) and any(type(v) not in _PLAIN for v in value.sampling.values()):
             value = msgspec.structs.replace(value, sampling={k: _sendable(v) for k, v in value.sampling.items()})
-        return _ENCODER.encode(value)
+        try:
+            return _ENCODER.encode(value)
+        except UnicodeEncodeError:  # text msgpack cannot hold (a lone surrogate): the shard's own check names it
+            if not isinstance(value, ServeRequest):
+                raise
+            if isinstance(value.prompt, str) and not _utf8(value.prompt):
+                raise BadRequestError("prompt holds text that is not valid Unicode (a lone surrogate); "
+                                      "send it as valid text or as token ids") from None
+            sampling = {k: _sendable(v, strict=True) for k, v in value.sampling.items()}
+            return _ENCODER.encode(msgspec.structs.replace(value, sampling=sampling))
+    except BadRequestError:
+        raise
     except Exception as exc:  # noqa: BLE001 - a value neither msgpack nor pickle can carry: the caller's
         raise BadRequestError(f"serve request: cannot be put on the wire ({type(exc).__name__}: {exc})") from None
 
@@ -114,16 +125,27 @@ def _encoded(value: Any) -> bytes:
 _PLAIN = frozenset({str, int, float, bool, type(None)})
 
 
-def _sendable(value: Any) -> Any:
+def _sendable(value: Any, strict: bool = False) -> Any:
     """``value`` as msgpack carries it unchanged: plain values and their lists and dicts as they are, NumPy and
-    torch numbers and arrays as the plain numbers they hold, anything else pickled (``_PICKLED``)."""
+    torch numbers and arrays as the plain numbers they hold, anything else pickled (``_PICKLED``). ``strict``:
+    text that is not valid UTF-8 (a lone surrogate) goes pickled too, for the shard's own check to refuse."""
+    if type(value) is str and strict and not _utf8(value):
+        return msgspec.msgpack.Ext(_PICKLED, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
     if type(value) in _PLAIN:
         return value
     if isinstance(value, dict):
-        return {k: _sendable(v) for k, v in value.items()}
+        return {k: _sendable(v, strict) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_sendable(v) for v in value]
+        return [_sendable(v, strict) for v in value]
     return _enc_hook(value)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _enc_hook(value: Any) -> Any:

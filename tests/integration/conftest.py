@@ -105,7 +105,7 @@ class RawPair:
                 break
             time.sleep(0.2)
         for h, info in zip(self.shards, ray_door.results(starts, 60)):
-            print(f"\nraw pair: shard {info['slot']} started in {info['start_s']:.1f} s, "
+            print(f"\nraw pair: shard {info.slot} started in {info.start_s:.1f} s, "
                   f"resident {ray_door.ask(h, 'memory_mb', timeout=30)}")
 
     def adopt(self, slot: int, handle, incarnation: int) -> None:

@@ -121,6 +121,16 @@ def test_a_dataclass_or_enum_in_sampling_arrives_as_itself_not_as_what_msgpack_m
     assert got["stop"] == ["\n"] and got["max_tokens"] == 4
 
 
+def test_text_msgpack_cannot_hold_still_reaches_the_shards_own_check_or_is_refused_naming_the_prompt():
+    """A lone surrogate in ``stop`` travels (pickled) so the shard's check answers as vLLM does; in the prompt it is
+    refused naming the prompt, not as an encoder's error."""
+    req = ServeRequest([1, 2], {"stop": ["\ud800"], "max_tokens": 2}, "r", None, 0, "any", 0, None, True, 0.05, None, False)
+    assert decode_request(req.encode()).sampling["stop"] == ["\ud800"]
+    bad = ServeRequest("\ud800x", {}, "r", None, 0, "any", 0, None, True, 0.05, None, False)
+    with pytest.raises(BadRequestError, match="prompt holds text that is not valid Unicode"):
+        bad.encode()
+
+
 def test_a_value_that_cannot_be_sent_is_the_callers_bad_request():
     with pytest.raises(BadRequestError, match="cannot be put on the wire"):
         request(sampling={"logits_processors": [lambda ids, logits: logits]}).encode()
