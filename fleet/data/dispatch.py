@@ -435,11 +435,15 @@ class Dispatcher:
         m = p.on_last
         assert m is not None  # the output came from the shard it was last sent to
         if p.out.finished or len(p.out.tokens) >= p.out.budget(p.sampling):
-            return self._complete(p, p.out.ended_here(m.slot, m.incarnation, self._view.routing().version, p.request_id,
-                                                      self._clock.now()))
-        why = self._cannot_continue(p)
-        if why is None:
-            return None
+            # complete from what is held, if its version policy lets those tokens stand now (as a continuation's)
+            why = self._outside_policy(p)
+            if why is None:
+                return self._complete(p, p.out.ended_here(m.slot, m.incarnation, self._view.routing().version,
+                                                          p.request_id, self._clock.now()))
+        else:
+            why = self._cannot_continue(p)
+            if why is None:
+                return None
         if p.out.delivered:
             return self._return(p, f"cannot continue the streamed answer: {why}; its {p.out.delivered} tokens "
                                    "were already sent")
@@ -456,6 +460,10 @@ class Dispatcher:
             return "continuation is off (fleet config continuation: false)"
         if int(p.sampling.get("n") or 1) > 1:
             return "a request with n > 1 is not continued"
+        return self._outside_policy(p)
+
+    def _outside_policy(self, p: _Pending) -> str | None:
+        """Why the tokens ``p`` holds may not stand under its version policy with the committed version now."""
         committed = self._view.routing().version
         if not p.policy.allows(p.out.oldest(), committed):
             return (f"its version policy {p.policy.describe()} does not let tokens of version {p.out.oldest()} "

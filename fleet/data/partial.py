@@ -179,10 +179,15 @@ class Partial:
     def ended_here(self, slot: int, incarnation: int, version: int, request_id: str, at: float,
                    finish: str | None = None) -> GenerationResult:
         """A result made of what is held alone: the output already finished (or its budget is spent) when its
-        engine failed before the whole result came; or (``finish``, e.g. ``abort``) the caller ended it early."""
+        engine failed before the whole result came; or (``finish``, e.g. ``abort``) the caller ended it early.
+
+        Its tags come from the tokens it holds, never from ``version`` (the routing version now, which may name
+        weights that never touched it): ``weight_version`` is the version of its last token, ``version_start``
+        of its first, ``version_spans`` each token's. Only a result with no token at all takes ``version``."""
         finish = finish or (self.finish if self.finished else FINISH_LENGTH)
         first = Completion(tuple(self.tokens), tuple(self.logprobs), finish, self.text or None,
                            None if self.tops is None else tuple(self.tops), self.stop_reason if self.finished else None)
-        return GenerationResult(request_id, self.prompt_ids or (), (first,), self.oldest() if self.starts else version,
-                                version, slot, incarnation,
+        held = bool(self.tokens and self.starts)
+        start, last = (self.starts[0][0], self.starts[-1][0]) if held else (version, version)
+        return GenerationResult(request_id, self.prompt_ids or (), (first,), start, last, slot, incarnation,
                                 finished_at=at, version_spans=self.spans(), prompt_logprobs=self.prompt_logprobs)

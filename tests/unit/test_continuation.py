@@ -236,6 +236,40 @@ def test_output_that_had_already_ended_when_its_engine_died_completes_without_an
     asyncio.run(go())
 
 
+def test_held_output_that_ended_tags_the_result_with_its_own_tokens_versions_not_the_routing_version():
+    """Issue 47: a result built from held tokens took the client's routing version as its headline:
+    ``weight_version: 1`` over ``version_spans ((0, 0, 2),)``, and a trainer filtering on it took a version-0
+    sample for a version-1 one. Its tags now come from its tokens: the last one's, the first one's."""
+    async def go():
+        door = StreamDoor({0: [Script([piece([5, 6]), piece([7], finish="stop")], "die")], 1: []})
+        r = await dispatch(View(door, version=1)).submit([1, 2], {"max_tokens": 9}, "r")  # the fleet moved to 1
+        assert r.ok and r.result.version_spans == ((0, 0, 3),)
+        assert (r.result.version_start, r.result.weight_version) == (0, 0) and not r.result.mixed_versions
+        out = Partial()
+        out.take(Chunk((piece([5, 6]),), (1,)))
+        out.take(Chunk((piece([7], version=2),)))
+        ended = out.ended_here(0, 1, 5, "r", 0.0, finish="abort")  # ended by its caller with the fleet at 5
+        assert (ended.version_start, ended.weight_version, ended.version_spans) == (0, 2, ((0, 0, 2), (2, 2, 3)))
+        empty = Partial().ended_here(-1, -1, 5, "r", 0.0, finish="abort")  # never reached an engine: no token
+        assert (empty.version_start, empty.weight_version) == (5, 5)
+
+    asyncio.run(go())
+
+
+def test_held_output_that_ended_is_held_to_its_version_policy_as_a_continuation_is():
+    """Issue 47: a ``latest`` request whose engine died after its output ended was completed from the held
+    version-0 tokens although the fleet had committed version 1; it now starts over, as a continuation would."""
+    async def go():
+        door = StreamDoor({0: [Script([piece([5, 6]), piece([7], finish="stop")], "die")],
+                           1: [Script([piece([8, 9, 10], version=1)], "finish", version=1)]})
+        r = await dispatch(View(door, version=1, policy=VersionPolicy(LATEST))).submit([1, 2], {"max_tokens": 3}, "r")
+        assert r.ok and r.tokens_discarded == 3 and "latest" in r.started_over
+        assert r.result.version_spans == ((1, 0, 3),) and r.result.weight_version == 1
+        assert [req.prompt for _, req in door.sent] == [[1, 2], [1, 2]]
+
+    asyncio.run(go())
+
+
 def test_a_short_request_without_a_streaming_caller_is_one_plain_call_and_a_long_one_streams():
     async def go():
         door = StreamDoor({0: [Script([piece([5])], "finish"), Script([piece([5])], "finish"),
