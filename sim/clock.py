@@ -15,9 +15,12 @@ no timer is pending at all.
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any, Coroutine
 
 __all__ = ["LoopClock", "VirtualTimeLoop", "run_virtual"]
+
+MAXIMUM_SELECT_TIMEOUT = 24 * 3600  # asyncio's own cap on a select's timeout (``base_events``)
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
@@ -34,7 +37,15 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
                 return events
             if timeout is None:
                 return poll(None)
-            self._virtual_now += timeout
+            # Nothing is ready: jump to the next timer itself, not to now + timeout. At a large virtual time a
+            # timeout below the float's resolution there leaves now + timeout == now, and the loop would spin
+            # forever on a timer it never reaches (issue 47: a 5 ns timer at 3e7 s).
+            target = self._virtual_now + timeout
+            if self._scheduled and timeout < MAXIMUM_SELECT_TIMEOUT:
+                target = max(target, self._scheduled[0]._when)
+                if target + self._clock_resolution == target:  # asyncio runs a timer once now + resolution passes it
+                    target = math.nextafter(target, math.inf)
+            self._virtual_now = target
             return []
 
         self._selector.select = select

@@ -505,3 +505,33 @@ def test_the_default_cost_is_the_one_measured_on_real_ray():
 
     assert Scenario().call_cpu_us == CALL_CPU_US > 0 and SimDoor(8, Timings()).call_cpu_s == CALL_CPU_US / 1e6
     assert "bench_lifecycle.py" in CALL_CPU_SOURCE
+
+
+@pytest.mark.timeout(30)
+def test_the_virtual_clock_reaches_a_timer_closer_than_its_float_resolution():
+    """Issue 47: at a large virtual time a timer due within the float's resolution was never reached
+    (now + timeout == now) and the loop spun at 100% CPU; it now jumps to the timer. Run in a thread so a
+    regression fails this test instead of hanging the run."""
+    import concurrent.futures
+
+    from sim.clock import run_virtual
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(3e7)
+        t = loop.time()
+        fired = loop.create_future()
+        loop.call_at(t + 5e-9, fired.set_result, None)
+        await fired
+        left = t + 0.1
+        await asyncio.sleep(0.1 - 1e-12)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.Event().wait(), left - loop.time())
+        return loop.time() - t
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        took = pool.submit(run_virtual, go()).result(timeout=10)
+    finally:
+        pool.shutdown(wait=False)
+    assert 0 < took < 0.2
