@@ -27,7 +27,7 @@ from typing import Any
 
 from fleet.errors import BadRequestError, RefitOwnsEngine
 from health import OperatorPaused, OperatorResumed
-from health.gate_rules import PAUSE_MODES, operator_reason
+from health.gate_rules import PAUSE_MODES
 
 WAIT_POLL_S = 0.1
 RESUME_GRACE_S = 30.0
@@ -46,10 +46,6 @@ class OperatorPause:
     @property
     def holds(self) -> bool:
         return self.mode is not None
-
-    @property
-    def reason(self) -> str:
-        return operator_reason(self.mode or "none")
 
     def restore(self, mode: str | None) -> None:
         """A restarted controller takes over its predecessor's stored pause before anything opens the gate."""
