@@ -90,6 +90,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "hang": QUARANTINE_OR_DEAD,
     "unavailable": QUARANTINE_OR_DEAD,
     "false_ack": ("stale",) + QUARANTINE_OR_DEAD,
+    "error": ("stale",) + QUARANTINE_OR_DEAD,
     "slow": (),
     **{f"corrupt_{kind}": ("rolled_back",) for kind in CORRUPTIONS},
     "kill_sender": ("rolled_back",),

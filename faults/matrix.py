@@ -85,6 +85,11 @@ MATRIX: tuple[Variant, ...] = (
     _v("kill-during-pause", "recovers", [{"where": "pause", "what": "kill", "shard": 2, "step": 1}]),
     _v("kill-during-transfer", "recovers", [{"where": "transfer", "what": "kill", "shard": 0, "step": 1}]),
     _v("kill-during-resume", "recovers", [{"where": "resume", "what": "kill", "shard": 1, "step": 1}]),
+    _v("stamp-error", "recovers", [{"where": "stamp", "what": "error", "shard": 2, "step": 1}],
+       checks=("restamped:2",),
+       description="set_weight_version raises on one real engine after the commit: that engine alone is stale "
+                   "(version unknown, out of routing), the gate reopens on the other two, and the next refit "
+                   "stamps it and it serves again; the fleet never stops"),
     _v("engine-core-crash", "recovers", [{"where": "generate", "what": "crash_engine", "shard": 2, "step": 1}],
        description="the vLLM engine core dies inside a live shard actor"),
     _v("freeze-during-transfer", "recovers", [{"where": "transfer", "what": "freeze", "shard": 0, "step": 1}],

@@ -17,7 +17,9 @@ Transition rules (DESIGN.md failure classes; "quarantine" = SUSPECT or HUNG):
   quarantine, ``Probe``. Never dead on its own. A hung PAUSE or RESUME also
   ``AbortRefit`` (gate stays closed); a hung REFIT takes the recovery path.
 - LIED / ERROR in PAUSE, REFIT or RESUME: the weight stamp is dropped (STALE) and
-  ``AbortRefit``. In GENERATE: not a liveness signal, nothing changes.
+  ``AbortRefit``. In STAMP (after the commit): STALE, the refit goes on with the others;
+  the second failed stamp in a row evicts it (``Evict``, dead). In GENERATE: not a
+  liveness signal, nothing changes.
 - probe ok: quarantine -> HEALTHY if still on the current version, else STALE.
   Probe failed (unavailable, hung, lie, error): one failed probe, next ``Probe``
   not before ``probe_interval_s``; at ``unhealthy_threshold`` failed probes -> dead

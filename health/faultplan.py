@@ -84,7 +84,7 @@ from typing import Any, Literal, Mapping, cast
 
 HOOKED = ("pause", "transfer", "resume", "generate")  # the shard's hook points a plan can name
 # ``stamp``: inside the refit's last call to an engine (``end_refit``), before its resume: a stamp that fails there
-# is reported by the engine, which still resumes (an ``unavailable`` only)
+# is reported by the engine, which still resumes (``unavailable``, ``error`` or ``false_ack``)
 # ``stream``: mid-generation, as a streamed request sends a chunk of output (a death there, or ``delay_s`` after,
 # leaves clients holding part of their output: what continuation carries on; ``fleet.shard.fault_hooks``)
 SHARD_WHERE = ("step_boundary", "between_refits") + HOOKED + ("stamp", "stream")
@@ -107,8 +107,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "freeze": _ANYWHERE + ("between_refits",),
     "freeze_core": _ANYWHERE + ("between_refits",),
     "hang": ("pause", "transfer", "resume"),
-    "false_ack": ("pause", "resume"),
+    "false_ack": ("pause", "stamp", "resume"),
     "unavailable": ("pause", "stamp", "resume"),
+    "error": ("stamp",),
     "slow": _ANYWHERE,
     "crash_engine": _ANYWHERE + ("stream",),
     **{f"corrupt_{kind}": ("update",) for kind in CORRUPTIONS},

@@ -77,6 +77,8 @@ class SlotRecord(NamedTuple):
     - ``reason``: why the slot is in its phase (for dead/retired: why it died).
     - ``removed``: retired on purpose by a resize (``health.resize``), not by a failure: it no
       longer counts in the fleet's target size.
+    - ``stamp_failures``: refits in a row whose stamp this incarnation refused or failed (an error or a
+      lie); it is evicted at ``STAMP_FAILURES_TO_EVICT`` (``health.slot_rules``); an acknowledged stamp clears it.
     """
 
     slot: int
@@ -90,6 +92,7 @@ class SlotRecord(NamedTuple):
     restart_at: float | None
     reason: str
     removed: bool = False
+    stamp_failures: int = 0
 
 
 class FleetState(NamedTuple):

@@ -37,6 +37,9 @@ _PROBE = CallKind.PROBE
 _GENERATE = CallKind.GENERATE
 _STAMP = CallKind.STAMP
 _PAUSE_OR_RESUME = frozenset({CallKind.PAUSE, CallKind.RESUME})
+# An engine whose stamp raised or lied this many refits in a row is evicted (one failure: stale until a refit
+# stamps it; the second in a row says the engine cannot take a stamp, and a fresh incarnation can).
+STAMP_FAILURES_TO_EVICT = 2
 
 # Enum ``.value`` is a Python-level property; reasons are built on every event.
 _NAME = {
@@ -151,6 +154,11 @@ def _observed_ok(d: Draft, rec: SlotRecord, call: CallKind) -> None:
     if call is _START:
         _ready(d, rec)
         return
+    if call is _STAMP and rec.stamp_failures:
+        d.put(rec, rec._replace(stamp_failures=0, reason="stamp acknowledged"))
+        d.reasons.append(f"slot {rec.slot} incarnation {rec.incarnation} acknowledged its stamp: "
+                         "its count of failed stamps is cleared")
+        return
     if call is _PROBE and (rec.phase is _SUSPECT or rec.phase is _HUNG):
         new = rec._replace(phase=_LIVE, since=d.now, failed_probes=0, reason="probe ok")
         d.put(rec, new)
@@ -212,6 +220,9 @@ def _bad_answer(d: Draft, rec: SlotRecord, ev: Observed) -> None:
             "signal, state unchanged"
         )
         return
+    if ev.call is _STAMP:
+        _stamp_refused(d, rec, cause)
+        return
     if rec.weight_version is not None:
         new = rec._replace(weight_version=None, reason=f"{cause}; weights unknown")
         d.put(rec, new)
@@ -220,6 +231,26 @@ def _bad_answer(d: Draft, rec: SlotRecord, ev: Observed) -> None:
         "success, weights unknown until a refit lands"
     )
     _abort(d, rec, ev, cause)
+
+
+def _stamp_refused(d: Draft, rec: SlotRecord, cause: str) -> None:
+    """A stamp that raised or lied, after the commit: the engine answered, holds the new weights whole
+    (its transfer landed) and kept its old tag, and ``end_refit`` aborted what it held. Its version is
+    unknown: it is stale (out of routing) until a later refit lands on it and stamps it, and the refit goes
+    on with the others (the gate reopens on quorum). Not a reason to stop the fleet: the version is
+    committed on every engine that acknowledged. The ``STAMP_FAILURES_TO_EVICT``-th failure in a row
+    evicts it: a fresh incarnation starts from the checkpoint and takes the next refit's stamp."""
+    failures = rec.stamp_failures + 1
+    if failures >= STAMP_FAILURES_TO_EVICT:
+        condemn(d, rec, f"{cause}; its stamp failed {failures} refits in a row: evicted", evict=True)
+        return
+    d.put(rec, rec._replace(weight_version=None, stamp_failures=failures,
+                            reason=f"{cause}; version unknown (stale) until a refit lands and stamps it"))
+    d.reasons.append(
+        f"slot {rec.slot} incarnation {rec.incarnation} {cause}: stale (version unknown, out of routing) "
+        f"until a refit stamps it; the refit goes on with the others ({failures} of "
+        f"{STAMP_FAILURES_TO_EVICT} failed stamps before eviction)"
+    )
 
 
 def _abort(d: Draft, rec: SlotRecord, ev: Observed, cause: str) -> None:
@@ -370,7 +401,7 @@ def _stamped(rec: SlotRecord, version: int, reason: str) -> SlotRecord:
     participant of every refit."""
     return SlotRecord(
         rec.slot, rec.incarnation, rec.phase, version, False, rec.since, rec.failed_probes,
-        rec.restarts, rec.restart_at, reason,
+        rec.restarts, rec.restart_at, reason, rec.removed, rec.stamp_failures,
     )
 
 

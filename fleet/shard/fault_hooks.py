@@ -26,6 +26,8 @@ applies to every hooked call from the moment it is armed):
   call that fired it goes on into the stopped engine. Its record names the ``engine_pids``.
 - ``unavailable``: this one call raises ``ShardUnavailableError`` (the door reads it as
   ``unavailable``, like Ray's ``ActorUnavailableError``); other calls still answer.
+- ``error``: this one call raises ``InjectedError`` (a ``RuntimeError``: the engine's own error, as a
+  failing ``set_weight_version`` RPC would raise); the actor and its engine live on.
 - ``poison`` (point ``generate``, with ``match``: token ids): a poison prompt. Every request
   whose prompt contains ``match`` crashes the engine while it runs there: once admitted, the
   engine-core processes are killed (SIGKILL) and the request fails with
@@ -55,8 +57,13 @@ from typing import Callable, Sequence
 from fleet.errors import EngineCrashedError, ShardUnavailableError
 
 POINTS = ("pause", "resume", "set_weight_version", "generate", "ping", "transfer", "stream")
-ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine", "unavailable", "poison", "freeze_core")
+ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine", "unavailable", "error", "poison",
+           "freeze_core")
 ENGINE_DEATH_WAIT_S = 10.0  # a poisoned engine: how long to wait for the backend to see its core gone
+
+
+class InjectedError(RuntimeError):
+    """The ``error`` action: the call raised, as the engine's own failure would."""
 
 
 @dataclass
@@ -167,6 +174,9 @@ class FaultHooks:
                 f"fault injected: slot {self._who['slot']} (incarnation {self._who['incarnation']}) "
                 f"unavailable at {fault.point}"
             )
+        elif action == "error":
+            raise InjectedError(f"fault injected: slot {self._who['slot']} (incarnation {self._who['incarnation']}) "
+                                f"raised at {fault.point}")
         elif action == "hang":
             await asyncio.sleep(10**6)
         elif action == "kill":

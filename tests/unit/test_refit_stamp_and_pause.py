@@ -66,6 +66,42 @@ def test_a_stamp_that_fails_leaves_the_version_unknown_until_a_refit_lands_again
     run(go())
 
 
+@pytest.mark.parametrize("failure", ["error", "lie"])
+def test_a_stamp_that_raises_or_lies_leaves_that_engine_stale_and_the_fleet_serving_on_quorum(model_dir, failure):
+    """Issue 47: a stamp that raised or lied after the commit stopped the whole fleet (the health core's
+    bad-answer rule aborted a refit already committed on every engine, quorum intact). Now that engine alone
+    is stale until a refit stamps it, the gate reopens on the others, and a second failed stamp in a row
+    evicts it (a fresh incarnation takes the next stamp)."""
+    async def go():
+        ctl, door, _ = make(model_dir)
+        await ctl.start()
+        door.shards[(1, 1)].script["set_weight_version"] = failure
+        summary = await ctl.sync_weights(1)
+        assert ctl.stopped is None and summary["gate_open"], summary
+        assert ctl.gate.is_open and ctl.gate.version == 1
+        assert door.shards[(1, 1)].version == 0  # the witness: the engine kept its old tag
+        assert ctl.ledger.state(1).value == "stale" and sorted(ctl.ledger.serving_slots()) == [0, 2]
+        served = await _serve_while_checking(ctl, door)
+        assert {r.slot for r in served} <= {0, 2}
+        stamp = Stamp.among(ctl.events())
+        assert [m[0] for m in stamp[-1].members] == [0, 2] and stamp[-1].failed[0][0] == 1
+
+        await ctl.sync_weights(2)  # a refit that stamps it: it serves again, its count cleared
+        assert sorted(ctl.ledger.serving_slots()) == [0, 1, 2] and door.shards[(1, 1)].version == 2
+        assert ctl.ledger.raw(1).stamp_failures == 0
+
+        door.shards[(1, 1)].script["set_weight_version"] = failure
+        await ctl.sync_weights(3)  # one failure again: stale, not evicted (the count started over)
+        assert ctl.ledger.state(1).value == "stale" and ctl.handles[1][0] == 1
+        door.shards[(1, 1)].script["set_weight_version"] = failure
+        await ctl.sync_weights(4)  # the second in a row: evicted, the slot restarts
+        assert ctl.gate.is_open and ctl.gate.version == 4 and ctl.stopped is None
+        assert ctl.ledger.raw(1).incarnation == 2 and door.shards[(1, 1)].dead
+        await ctl.shutdown()
+
+    run(go())
+
+
 def test_every_refusal_names_the_version_the_fleet_serves(model_dir):
     """Issue 29 hole 10: a refusal ended "the fleet serves version ;" (nothing committed to name). Each
     refusal names a version, or says there is none yet; never "None"."""

@@ -36,7 +36,8 @@ async def resume(r: RefitRun, plan: MembershipPlan, paused: set[int], complete: 
 
     An engine whose stamp is not acknowledged (unavailable, raised, lied) holds an unknown version from then
     on: out of routing (a probe that finds it alive brings it back stale) until a refit lands on it again
-    (``CallKind.STAMP``); one whose call failed as a whole is a failed resume (``CallKind.RESUME``) and
+    (``CallKind.STAMP``), and the refit goes on with the others; the second failed stamp in a row evicts it
+    (``health.slot_rules``). One whose call failed as a whole is a failed resume (``CallKind.RESUME``) and
     counts as not stamped."""
     parts = [p for p in plan.participants if p.slot in paused or p.slot in complete]
     handles = r.p.slots.handles
@@ -95,6 +96,10 @@ def _stamped(r: RefitRun, parts: list, outs: dict) -> None:
             kind, error = ended.stamp or ERROR, ended.stamp_error
             failed[p.slot] = Outcome(kind, value=False if kind == BAD_ACK else None, error=error)
             r.p.act.observe(p.slot, p.incarnation, CallKind.STAMP, failed[p.slot])
+        else:
+            rec = r.p.slots.ledger.raw(p.slot)
+            if rec.incarnation == p.incarnation and rec.stamp_failures:  # a stamp taken after one that failed
+                r.p.act.observe(p.slot, p.incarnation, CallKind.STAMP, out)
     members = tuple((p.slot, p.incarnation) for p in parts if p.slot not in failed and p.slot not in unknown)
     if failed or unknown:
         r.p.intent.refit_stamped(r.version, members)
