@@ -45,7 +45,7 @@ CONTROLLER_OPTIONS = dict(num_cpus=0, max_concurrency=10_000, max_task_retries=0
 # Calls Fleet re-sends to a restarted controller (sync_weights and shutdown are re-sent too: the
 # restarted controller finishes or re-runs them; see ``SingleController.sync_weights``).
 _RESENDABLE = frozenset({"status", "events", "shard_counters", "admission_metrics", "ping", "config",
-                         "sync_weights", "shutdown", "resize", "pause", "resume", "is_paused"})  # resize(n) to the size it has is a no-op
+                         "sync_weights", "refit_outcome", "shutdown", "resize", "pause", "resume", "is_paused"})  # resize(n) to the size it has is a no-op
 
 
 def check_prompts(prompts: Any) -> list:
@@ -285,7 +285,8 @@ class Fleet:
         except TimeoutError:
             raise TimeoutError(f"fleet.collect did not finish within {self._request_bound_s:.0f} s") from None
 
-    def sync_weights(self, version: int, source: Any, stage_ahead: bool | None = None) -> dict:
+    def sync_weights(self, version: int, source: Any, stage_ahead: bool | None = None,
+                     refit_id: str | None = None) -> dict:
         """Push ``source``'s weights as ``version``; returns the refit summary.
 
         ``stage_ahead``: True moves this update into every engine's staging area while the fleet serves
@@ -302,15 +303,27 @@ class Fleet:
         A call re-sent after a lost answer or a controller restart returns the summary of the refit it
         re-sends (``resent`` or ``recovered`` set), with ``gate_open`` and ``gate_reason`` as they are now:
         below quorum the gate stays closed until the next ``sync_weights`` brings the engines back.
+
+        ``refit_id``: the caller's own id for this refit (default: a new one). A caller whose call raised
+        ``FleetStopped`` or ``TimeoutError`` cannot tell from that whether the refit committed: it asks
+        ``refit_outcome(version, refit_id)``, or sends the same call again under the same id (a re-send is
+        recognised: it awaits the refit still running, or answers how it ended).
         """
         staging = self.config.stage_ahead if stage_ahead is None else stage_ahead is True
         phases = 5 if staging else 4  # each bounded by lifecycle_deadline_s; staging is one more
-        refit_id = uuid.uuid4().hex  # a re-send of this call (lost answer, controller restart) carries it too
+        refit_id = refit_id or uuid.uuid4().hex  # a re-send of this call (lost answer, controller restart) carries it too
         summary = self._ask("sync_weights", version, source, refit_id, stage_ahead,
                             timeout=self.config.lifecycle_deadline_s * phases + 60)
         if self.client is not None:  # from here on this process routes on the refit's state (or a later one)
             self.client.wait_routing(summary.get("routing_epoch", 0) - 1, 30)
         return summary
+
+    def refit_outcome(self, version: int, refit_id: str) -> dict:
+        """Whether the refit sent under ``refit_id`` committed ``version``, from the controller (the one decider):
+        ``outcome`` is ``running``, ``committed``, ``not_committed`` or ``not_begun`` (no controller ever
+        wrote a record of it: nothing happened), with ``committed_version`` (``SingleController.refit_outcome``).
+        ``FleetStopped`` while the controller does not answer (within ``controller_restart_wait_s``)."""
+        return self._ask("refit_outcome", version, refit_id, timeout=self.config.lifecycle_deadline_s * 5 + 60)
 
     def pause(self, mode: str = "abort", timeout_s: float = 60.0) -> dict:
         """Close the gate for the operator, as vLLM's ``/pause``: new requests wait at their clients (none is lost).

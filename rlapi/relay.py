@@ -14,7 +14,13 @@ engines the fleet runs. The relay:
   during an update; it is a ``refit.ports.LocalSenderPort``, so the controller refits the fleet from it
   through the full lifecycle, and re-admits restarted engines from the same copy later;
 - commits the candidate once the fleet committed it (``commit``), else drops it (``revert``): the
-  fleet and the relay keep serving the last committed weights.
+  fleet and the relay keep serving the last committed weights. Whether the fleet committed is the
+  controller's word (``rlapi.routes``), never guessed from an error;
+- knows which committed version its copy is (``committed_as``, with the digest of that copy): the
+  checkpoint's version 0 when the fleet serves the checkpoint, else unknown until a full update commits.
+  A partial update is the committed weights with some tensors replaced, so it is refused (nothing changed)
+  unless the relay's copy is the fleet's committed version and still has the digest it had when committed;
+  ``source_for`` refuses a refit of the relay's copy as the committed weights on the same grounds.
 
 A tied ``lm_head.weight`` the checkpoint does not hold is accepted and not sent on (vLLM ties it).
 """
@@ -31,7 +37,7 @@ from typing import Any
 
 import torch
 
-from refit.checksum import tensor_digest
+from refit.checksum import ALL_CORES as checksum_threads, digest as checksum_digest, tensor_digest
 from refit.ports import LocalSenderPort
 from refit.sender import WeightSender
 from rlapi import gloo_wire
@@ -73,6 +79,9 @@ class WeightRelay(LocalSenderPort):
         self.group: Any = None  # the wire's group (ours or vLLM's NCCL one) while joined
         self.info: Any = None  # the trainer's init info, parsed by the wire
         self.received = {"updates": 0, "bytes": 0, "tensors": 0}
+        self.committed_as: int | None = None  # the fleet's committed version this copy is (None: unknown)
+        self._committed_digest: str | None = None  # the digest of ``serving`` when it was committed
+        self._as_loaded = True  # ``serving`` is the checkpoint as loaded (no update applied yet)
         self._lock = threading.Lock()
         super().__init__(WeightSender(lambda: list(self.serving.items()), addr=addr))
 
@@ -145,29 +154,65 @@ class WeightRelay(LocalSenderPort):
                 out.append(f"tensor {name!r} has dtype {t.dtype}; the model's is {have.dtype}")
         return out
 
-    async def finish_update(self) -> dict:
+    async def finish_update(self, fleet_version: int | None = None) -> dict:
         """Make the staged update the candidate the fleet refits from; until ``commit``/``revert`` the relay
-        sends the candidate (the checkpoint's weights with the update applied, in the checkpoint's dtypes)."""
+        sends the candidate (the relay's weights with the update applied, in the checkpoint's dtypes).
+
+        ``fleet_version``: the fleet's committed version. An update that does not carry every tensor is
+        refused, and dropped, unless the relay's copy is that version (``holds``): its other tensors would
+        come from weights the engines do not hold."""
         with self._lock:
             if self.staged is None:
                 raise UpdateRefused("/finish_weight_update without a weight update in progress "
                                     "(no /start_weight_update, or its update was refused)")
             staged, self.staged = self.staged, None
             if not staged:
-                return {"tensors": 0}
-            self._before = self.serving
+                return {"tensors": 0, "full": False}
+            full = staged.keys() >= self.serving.keys()
+        if not full and fleet_version is not None:
+            problem = await self.holds(fleet_version)
+            if problem:
+                raise UpdateRefused(f"a partial update ({len(staged)} of {len(self.serving)} tensors) refused, nothing "
+                                    f"changed: {problem}; send a full update (every tensor) once")
+        with self._lock:
+            self._before, self._as_loaded = self.serving, False
             self.serving = {n: (staged[n].to(t.dtype) if n in staged else t) for n, t in self.serving.items()}
-        return {"tensors": len(staged)}
+        return {"tensors": len(staged), "full": full}
 
-    async def commit(self) -> bool:
+    async def holds(self, version: int) -> str | None:
+        """None when the relay's committed copy is the fleet's committed ``version`` with the digest it had when
+        it was committed; else why not (the relay's copy is then no source of the committed weights)."""
+        if self.committed_as != version:
+            known = "an unknown version" if self.committed_as is None else f"version {self.committed_as}"
+            return f"the relay's copy is {known}, the fleet's committed weights are version {version}"
+        base = self._before if self._before is not None else self.serving
+        if self._committed_digest is not None and await self._digest(base) != self._committed_digest:
+            return f"the relay's copy of version {version} no longer has the digest it had when committed"
+        return None
+
+    async def commit(self, version: int | None = None) -> dict:
+        """The fleet committed the candidate as ``version``: it is the relay's copy of that version from now on."""
         self._before = None
-        return True
+        if version is not None:
+            self.committed_as, self._committed_digest = int(version), await self._digest(self.serving)
+        return {"committed_as": self.committed_as, "digest": self._committed_digest}
+
+    async def adopt(self, version: int) -> dict:
+        """The fleet serves ``version`` as the relay starts: the relay's copy (the checkpoint) is that version
+        only when it is the checkpoint's, 0; otherwise unknown until a full update commits."""
+        if version == 0 and self._as_loaded:
+            self.committed_as, self._committed_digest = 0, await self._digest(self.serving)
+        return {"committed_as": self.committed_as}
 
     async def revert(self) -> bool:
         before = self._before
         if before is not None:
             self.serving, self._before = before, None
         return before is not None
+
+    async def _digest(self, weights: dict[str, torch.Tensor]) -> str:
+        items = list(weights.items())
+        return await self._run(lambda: checksum_digest(items, threads=checksum_threads))
 
     # -- what it holds ----------------------------------------------------------------------
     async def digests(self) -> dict[str, Any]:
@@ -177,4 +222,5 @@ class WeightRelay(LocalSenderPort):
         return {"tensors": per, "digest": await self.checksum()}
 
     async def stats(self) -> dict:
-        return {**self.received, "group": self.group is not None, "in_update": self.staged is not None}
+        return {**self.received, "group": self.group is not None, "in_update": self.staged is not None,
+                "committed_as": self.committed_as, "candidate": self._before is not None}

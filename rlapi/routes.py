@@ -9,14 +9,24 @@ The routes keep vLLM's request and response shapes (``vllm/entrypoints/rl/online
   vLLM's own consumer on a GPU of the relay's own);
 - ``/start_weight_update``, ``/update_weights`` and ``/finish_weight_update`` move one update into
   the relay; ``/finish_weight_update`` then refits the fleet from it through the whole lifecycle and
-  answers 200 only once the fleet committed, with the version it committed. A refit that fails answers
-  409 naming the cause, the relay drops the update, and the fleet serves what it had;
+  answers 200 only once the fleet committed, with the version it committed. Whether it committed is the
+  controller's word (``Fleet.refit_outcome`` under the refit's id), not the refit call's error: a call
+  that raised after the commit (the controller restarted and its successor finished the commit, a wait
+  that ran out) still commits the relay. A refit that did not commit answers 409 naming the cause, the
+  relay drops the update, and the fleet serves what it had. While the controller cannot say yet (it is
+  re-adopting the fleet, the refit still runs), finish answers 503 (retryable: TRL's client re-sends it)
+  and keeps the update as the candidate; the re-sent finish (or the next ``/start_weight_update``) asks
+  again under the same id, and nothing else refits from the relay meanwhile;
+- a partial update (not every tensor) is the committed weights with some replaced: it is refused (409,
+  nothing changed) unless the relay's copy is the fleet's committed version with the digest it had when
+  committed (``WeightRelay.holds``). A relay that starts beside a fleet already past the checkpoint
+  (``rlfleet serve --connect``) holds the checkpoint, not the committed weights: it takes a full update first;
 - versions are the fleet's (it numbers them; a trainer's ``weight_version`` label is kept beside it);
   ``/weight_info`` says the committed one, ``/update_weight_version`` is refused;
 - an engine that restarted after a death serves the checkpoint until a refit re-admits it: once a trainer's
   update committed, the surface refits the fleet from the relay's copy as soon as such an engine is up
   (a catch-up refit: the same weights, the next version), so it serves again without waiting for the
-  trainer's next update;
+  trainer's next update; only from a relay copy that ``holds`` the committed version;
 - ``/weight_checker`` compares what every live engine applied with what the relay holds (the
   trainer's weights as sent), and per tensor with a trainer's baseline of ``refit.checksum`` digests;
 - ``/reset_prefix_cache`` resets every live engine's prefix cache (a refit already does, always);
@@ -26,7 +36,8 @@ The routes keep vLLM's request and response shapes (``vllm/entrypoints/rl/online
   each answers with the output made so far and ``finish_reason`` ``abort``, and is never sent again
   (``Dispatcher.end``); it does not pause anything.
 
-Weight-route refusals are 4xx, never 5xx: TRL's client re-sends a POST that got a 5xx.
+Weight-route refusals are 4xx: TRL's client re-sends a POST that got a 5xx, which only the undecided
+finish wants (503).
 """
 
 from __future__ import annotations
@@ -34,6 +45,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -50,6 +63,15 @@ TRANSFER_TIMEOUT_S = 1800.0
 
 def _refused(code: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=code)
+
+
+@dataclass(frozen=True)
+class PendingUpdate:
+    """A trainer's update whose refit ended without the fleet saying whether it committed."""
+    version: int
+    refit_id: str
+    label: str | None
+    cause: str  # what the refit call raised
 
 
 class RLSurface:
@@ -69,6 +91,8 @@ class RLSurface:
         self.catch_ups: list[dict] = []  # the catch-up refits run (``catch_up``)
         self._catching_up = None  # the loop's future (it runs on the fleet client's loop)
         self._committing: asyncio.Future | None = None  # the relay's last commit (``_commit_relay``)
+        self.pending: PendingUpdate | None = None  # an update whose commit the controller could not confirm yet
+        self._adopted = False  # the relay was told the fleet's version as it started (``WeightRelay.adopt``)
 
     def close(self) -> None:
         if self._catching_up is not None:
@@ -162,7 +186,12 @@ class RLSurface:
 
         @app.post("/start_weight_update")
         async def start_weight_update():
-            await surface._relay("start_update")
+            async with surface.lock:
+                if surface.pending is not None:  # the last update first: kept or dropped on the controller's word
+                    settled = await surface.settle(surface.pending)
+                    if surface.pending is not None:
+                        return settled
+                await surface._relay("start_update")
             return {"message": "Weight update started"}
 
         @app.post("/update_weights")
@@ -213,38 +242,80 @@ class RLSurface:
 
     # -- the two that do more than forward ------------------------------------------------------
     async def finish(self, label: str | None):
+        if self.pending is not None:  # a re-sent finish: the last update's refit, asked again under its id
+            return await self.settle(self.pending)
+        await self._adopt()
         try:
-            staged = await self._relay("finish_update")
+            staged = await self._relay("finish_update", self.committed())
         except Exception as exc:  # noqa: BLE001
-            return _refused(400, _cause(exc), "BadRequestError")
+            code = 409 if "partial update" in str(exc) else 400
+            return _refused(code, _cause(exc), "BadRequestError")
         if not staged["tensors"]:
             return {"message": "Weight update finished", "weight_version": str(self.committed()),
                     "rlfleet": {"version": self.committed(), "refit": None, "note": "the update carried no tensor"}}
-        version = self.committed() + 1
-        try:
-            summary = await asyncio.to_thread(self.fleet.sync_weights, version, self.relay)
-        except Exception as exc:  # noqa: BLE001 - every refit failure is answered, named, and the update dropped
-            await self._relay("revert")
-            log.warning("refit of version %d from the trainer's update failed: %s", version, _cause(exc))
-            return _refused(409, f"the fleet did not commit the update ({type(exc).__name__}): {_cause(exc)}; "
-                                 f"it serves version {self.committed()}", type(exc).__name__)
-        self._commit_relay()
-        self.label = label
-        self.last = {"version": version, "serving": summary.get("serving"), "gate_open": summary.get("gate_open"),
-                     "refit_s": summary.get("total_s"), "phases_s": summary.get("phases_s")}
-        return {"message": "Weight update finished", "weight_version": str(version),
-                "rlfleet": {**self.last, "trainer_label": label}}
+        return await self.settle(PendingUpdate(self.committed() + 1, uuid.uuid4().hex, label, ""))
 
-    def _commit_relay(self) -> None:
-        """Tell the relay the fleet committed (it drops the copy a revert would restore), without waiting for its
-        answer: the fleet's commit is what the trainer waits on, and this surface's next call to the relay runs
-        after this one (Ray runs one caller's calls to an actor in order; ``commit`` never yields)."""
+    async def settle(self, p: PendingUpdate):
+        """Refit the fleet from the relay's candidate as ``p.version`` under ``p.refit_id`` (a re-send of that
+        refit when it was sent before: the controller awaits it or answers how it ended), then keep or drop
+        the candidate on the controller's word; 503 while it cannot say."""
+        try:
+            summary = await asyncio.to_thread(self.fleet.sync_weights, p.version, self.relay, None, p.refit_id)
+        except Exception as exc:  # noqa: BLE001 - every refit failure is answered, named; the update kept or dropped
+            cause = f"{type(exc).__name__}: {_cause(exc)}"
+            word = await self._outcome(p)
+            if word == "committed":
+                log.warning("refit of version %d raised after its commit (%s): the relay keeps it", p.version, cause)
+                return self._committed(p, {"note": f"committed; the refit call raised after the commit: {cause}"})
+            if word in ("not_committed", "not_begun"):
+                self.pending = None
+                await self._relay("revert")
+                log.warning("refit of version %d from the trainer's update failed: %s", p.version, cause)
+                return _refused(409, f"the fleet did not commit the update ({cause}); it serves version "
+                                     f"{self.committed()}", type(exc).__name__)
+            self.pending = PendingUpdate(p.version, p.refit_id, p.label, cause)
+            log.warning("refit of version %d: the controller cannot say yet whether it committed (%s); kept", p.version,
+                        cause)
+            return _refused(503, f"the fleet is re-adopting its engines and cannot say yet whether version {p.version} "
+                                 f"committed ({cause}); the update is kept: send /finish_weight_update again",
+                            "ServiceUnavailableError")
+        return self._committed(p, {"serving": summary.get("serving"), "gate_open": summary.get("gate_open"),
+                                   "refit_s": summary.get("total_s"), "phases_s": summary.get("phases_s")})
+
+    async def _outcome(self, p: PendingUpdate) -> str:
+        """The controller's word on ``p``'s refit: committed, not_committed, not_begun, running, or unknown
+        (the controller did not answer)."""
+        try:
+            out = await asyncio.to_thread(self.fleet.refit_outcome, p.version, p.refit_id)
+        except Exception as exc:  # noqa: BLE001 - no answer is no word: the update is kept, the trainer asks again
+            log.warning("could not ask the controller about the refit of version %d: %s", p.version, _cause(exc))
+            return "unknown"
+        return str(out.get("outcome"))
+
+    def _committed(self, p: PendingUpdate, facts: dict) -> dict:
+        self.pending = None
+        self._commit_relay(p.version)
+        self.label = p.label
+        self.last = {"version": p.version, **facts}
+        return {"message": "Weight update finished", "weight_version": str(p.version),
+                "rlfleet": {**self.last, "trainer_label": p.label}}
+
+    async def _adopt(self) -> None:
+        if not self._adopted:
+            await self._relay("adopt", self.committed())
+            self._adopted = True
+
+    def _commit_relay(self, version: int) -> None:
+        """Tell the relay the fleet committed ``version`` (it drops the copy a revert would restore and keeps the
+        digest of what it holds), without waiting for its answer: the fleet's commit is what the trainer waits
+        on, and this surface's next call to the relay runs after this one (Ray runs one caller's calls to an
+        actor in order)."""
         def done(fut: asyncio.Future) -> None:
             exc = None if fut.cancelled() else fut.exception()
             if exc is not None:
                 log.warning("the relay did not take the commit: %s", _cause(exc))
 
-        self._committing = asyncio.ensure_future(self._relay("commit"))
+        self._committing = asyncio.ensure_future(self._relay("commit", version))
         self._committing.add_done_callback(done)
 
     async def _catch_up_loop(self) -> None:
@@ -260,15 +331,26 @@ class RLSurface:
     async def catch_up(self) -> dict | None:
         """Once a trainer's update committed: refit the fleet from the relay's copy if an engine is up but stale
         (restarted after a death), so it serves the trainer's weights again. None when there is nothing to do."""
-        if self.last is None or self.lock.locked():
+        if self.last is None or self.lock.locked() or self.pending is not None:
             return None
         status = await asyncio.to_thread(self.fleet.status)
         stale = [r["slot"] for r in status["ledger"]["slots"] if r["state"] == "stale"]
         if not stale or status.get("stopped"):
             return None
         async with self.lock:
-            version = self.committed() + 1
-            summary = await asyncio.to_thread(self.fleet.sync_weights, version, self.relay)
+            problem = await self._relay("holds", self.committed())
+            if problem:  # the relay's copy is not the committed weights: a catch-up would push other weights
+                log.warning("no catch-up refit for %s: %s", stale, problem)
+                return None
+            catch = PendingUpdate(self.committed() + 1, uuid.uuid4().hex, self.label, "")
+            version = catch.version
+            try:
+                summary = await asyncio.to_thread(self.fleet.sync_weights, version, self.relay, None, catch.refit_id)
+            except Exception:
+                if await self._outcome(catch) == "committed":  # the same weights, committed under the next number
+                    self._commit_relay(version)
+                raise
+            self._commit_relay(version)
             done = {"version": version, "stale": stale, "serving": summary.get("serving")}
             self.catch_ups.append(done)
             self.last = {**self.last, "version": version}

@@ -392,12 +392,36 @@ class SingleController:
         before = self.intent.current
         self.intent.refit_id(refit_id)  # stored with the refit's first write
         try:
-            return await self.resends.run(version, refit_id, self._run_refit(version, source, stage_ahead))
+            return await self.resends.run(version, refit_id, self._run_refit(version, source, stage_ahead),
+                                          lambda: self._committed_under(version, refit_id))
         except Exception:
             now = self.intent.current
             if before is not None and now is not None and now.refit is before.refit:  # it wrote no record of its own
                 self.intent.refit_id(before.refit_id)  # its id must not ride on another refit's record
             raise
+
+    def _committed_under(self, version: int, refit_id: str) -> bool:
+        """The intent's word: the refit ``refit_id`` committed ``version`` (its record says so)."""
+        intent = self.intent.current
+        return intent is not None and intent.refit_id == refit_id and intent.refit is not None \
+            and intent.refit.phase == COMMITTED and intent.refit.version == version
+
+    async def refit_outcome(self, version: int, refit_id: str) -> dict:
+        """Whether the refit a caller sent under ``refit_id`` committed ``version``, for a caller whose call
+        ended without telling it (its answer lost, the controller restarted, its wait ran out): ``running``,
+        ``committed`` or ``not_committed`` (this controller, or the one it replaced, ran it and said so), or
+        ``not_begun`` (no controller wrote a record of it: nothing of it happened). Answered after re-adoption,
+        which finishes or rolls back a refit the predecessor left begun."""
+        await self.adopt_if_restarted()
+        ran = self.resends.outcome(version, refit_id)
+        if ran is not None:
+            return {**ran, "committed_version": self.ledger.current_version}
+        intent = self.intent.current
+        if intent is not None and intent.refit_id == refit_id and intent.refit is not None \
+                and intent.refit.version == version:
+            word = "committed" if self._committed_under(version, refit_id) else "not_committed"
+            return {"outcome": word, "error": None, "committed_version": self.ledger.current_version}
+        return {"outcome": "not_begun", "error": None, "committed_version": self.ledger.current_version}
 
     async def _run_refit(self, version: int, source: Any, stage_ahead: bool | None = None) -> dict:
         summary = await self.lifecycle.run(version, source, stage_ahead)
@@ -411,9 +435,7 @@ class SingleController:
             again = self.resends.answer(version, refit_id)
             if again is not None:
                 return again
-            intent = self.intent.current
-            if intent is not None and intent.refit_id == refit_id and intent.refit is not None \
-                    and intent.refit.phase == COMMITTED and intent.refit.version == version == self.ledger.current_version:
+            if self._committed_under(version, refit_id) and version == self.ledger.current_version:
                 return self.recovery_summary(version)  # the refit this call re-sends committed under the predecessor
             return None
         again = self.recovered.get("finished_refit") if self.recovered else None

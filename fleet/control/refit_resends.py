@@ -6,12 +6,17 @@ committed is recognised through the intent, which stores the id with the refit's
 
 Guarantee: a re-send never turns a committed refit into ``RefitRefused``; a call under a new id is a new
 refit (a version that does not increase is still refused).
+
+Each ended refit is remembered with whether it committed, as the intent said when it ended (``committed``:
+the controller's own decider), because an error does not say it: a refit can raise after its commit (a
+resume that failed, a stop at the reopen). ``outcome`` answers a caller that must know (the RL surface,
+which keeps or drops the trainer's update by it).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
 KEEP = 16  # recent refits remembered by id
 
@@ -19,7 +24,7 @@ KEEP = 16  # recent refits remembered by id
 class RefitResends:
     def __init__(self, keep: int = KEEP) -> None:
         self._keep = keep
-        self._ended: dict[str, tuple[int, dict | Exception]] = {}  # id -> (version, summary or error)
+        self._ended: dict[str, tuple[int, dict | Exception, bool]] = {}  # id -> (version, summary or error, committed)
         self._running: dict[str, asyncio.Future] = {}  # id -> the refit running under it
 
     def answer(self, version: int, refit_id: str) -> dict | asyncio.Future | None:
@@ -35,24 +40,39 @@ class RefitResends:
             raise ended[1]
         return {**ended[1], "resent": True}
 
-    async def run(self, version: int, refit_id: str, refit: Awaitable[dict]) -> dict:
-        """Run ``refit`` under ``refit_id`` and remember how it ended (a re-send meanwhile awaits it)."""
-        task = self._running[refit_id] = asyncio.ensure_future(self._ended_as(version, refit_id, refit))
+    def outcome(self, version: int, refit_id: str) -> dict | None:
+        """How the refit ``refit_id`` of ``version`` stands, if this controller ran it: ``running``, or ended
+        ``committed`` (with the error it raised after its commit, if any) or ``not_committed`` (with its error).
+        None when it never ran here."""
+        if refit_id in self._running:
+            return {"outcome": "running"}
+        ended = self._ended.get(refit_id)
+        if ended is None or ended[0] != version:
+            return None
+        error = ended[1] if isinstance(ended[1], Exception) else None
+        return {"outcome": "committed" if ended[2] else "not_committed",
+                "error": None if error is None else f"{type(error).__name__}: {error}"}
+
+    async def run(self, version: int, refit_id: str, refit: Awaitable[dict],
+                  committed: Callable[[], bool] = lambda: False) -> dict:
+        """Run ``refit`` under ``refit_id`` and remember how it ended (a re-send meanwhile awaits it);
+        ``committed()``, asked as it ends, says whether it committed (the intent's word)."""
+        task = self._running[refit_id] = asyncio.ensure_future(self._ended_as(version, refit_id, refit, committed))
         try:
             return await asyncio.shield(task)
         finally:
             self._running.pop(refit_id, None)
 
-    async def _ended_as(self, version: int, refit_id: str, refit: Awaitable[dict]) -> dict:
+    async def _ended_as(self, version: int, refit_id: str, refit: Awaitable[dict], committed: Callable[[], bool]) -> dict:
         try:
             summary = await refit
         except Exception as exc:
-            self._remember(refit_id, version, exc)  # a re-send gets the same error, not a different one
+            self._remember(refit_id, version, exc, committed())  # a re-send gets the same error, not a different one
             raise
-        self._remember(refit_id, version, summary)
+        self._remember(refit_id, version, summary, True)
         return summary
 
-    def _remember(self, refit_id: str, version: int, end: Any) -> None:
-        self._ended[refit_id] = (version, end)
+    def _remember(self, refit_id: str, version: int, end: Any, committed: bool) -> None:
+        self._ended[refit_id] = (version, end, committed)
         while len(self._ended) > self._keep:
             self._ended.pop(next(iter(self._ended)))
