@@ -70,6 +70,7 @@ from faults.firing import hook_point
 from faults.loop_fault import prove_loop_error_then_kill
 from faults.operator import prove_controller_kill_under_keep_pause, prove_operator_resume_mid_refit
 from faults.poison import prove_poison_request
+from faults.relay_commit import prove_relay_commit_lost
 from faults.resize_evidence import prove_resize_under_load
 from faults.timeline import departure, fault_to_reopen, recover_s, refit_spans
 from fleet.records import Adopted, ControllerRestarted, Fault, Gate, Phase, RefitRolledBack, Request, all_of
@@ -102,6 +103,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "operator_resume_mid_refit": ("owned",),
     "controller_kill_under_keep_pause": ("kept_paused",),
     "loop_error_then_kill": ("found",),
+    "relay_commit_lost": ("kept",),
     "kill_controller": ("restarted",),
 }
 # What a refused corrupt update's message must say, for the corrupted tensor ``t`` (refit.manifest's words).
@@ -368,4 +370,5 @@ _TRAINER_PROOFS = {"kill_sender": _killed_sender, "stale_version": _stale_versio
                    "poison_request": prove_poison_request,
                    "operator_resume_mid_refit": prove_operator_resume_mid_refit,
                    "controller_kill_under_keep_pause": prove_controller_kill_under_keep_pause,
-                   "loop_error_then_kill": prove_loop_error_then_kill}
+                   "loop_error_then_kill": prove_loop_error_then_kill,
+                   "relay_commit_lost": prove_relay_commit_lost}

@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable, Protocol
 from faults.load import refit_under_load
 from faults.loop_fault import loop_error_then_kill
 from faults.operator import controller_kill_under_keep_pause, operator_resume_mid_refit
+from faults.relay_commit import relay_commit_lost
 from faults.poison import poison_request
 from faults.polling import wait_until
 from faults.resize_load import resize_under_load
@@ -87,6 +88,9 @@ class Trainer(Protocol):
 
     def replace_source(self) -> str:
         """A new ``source`` in place of the current one (killed); returns what Ray says of the old one."""
+
+    def skip_to(self, version: int) -> None:
+        """Versions up to ``version`` were committed by another trainer: ``new_version`` goes on above it."""
 
 
 def hook_point(where: str, what: str) -> str:
@@ -294,6 +298,10 @@ class FaultFiring:
             return controller_kill_under_keep_pause(self.fleet, self.log or print)
         if f.what == "loop_error_then_kill":
             return loop_error_then_kill(self.fleet, self.log or print)
+        if f.what == "relay_commit_lost":
+            done = relay_commit_lost(self.fleet, self.log or print)
+            self.trainer.skip_to(int(done["fleet_version"]))  # the RL surface numbered two versions of its own
+            return done
         if f.what == "resize_under_load":
             rec = resize_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
             self._say_if(True, f"resize under load: added {rec['added']}, removed {rec['removed']}, new engine "

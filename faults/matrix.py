@@ -85,6 +85,14 @@ MATRIX: tuple[Variant, ...] = (
     _v("kill-during-pause", "recovers", [{"where": "pause", "what": "kill", "shard": 2, "step": 1}]),
     _v("kill-during-transfer", "recovers", [{"where": "transfer", "what": "kill", "shard": 0, "step": 1}]),
     _v("kill-during-resume", "recovers", [{"where": "resume", "what": "kill", "shard": 1, "step": 1}]),
+    # the RL surface's commit where the controller dies after it (issue 47): real engines, whose applied digests
+    # /weight_checker reads (``verify_weights: checksum``)
+    _v("relay-commit-under-controller-kill", "recovers", [{"where": "call", "what": "relay_commit_lost", "step": 1}],
+       steps=1, fleet={**PAIR, "verify_weights": "checksum"},
+       description="a trainer's update through vLLM's RL API whose refit commits as the controller is killed; the "
+                   "surface's call gives up waiting for the restart: it answers 503 and keeps the update, the "
+                   "re-sent finish learns from the restarted controller that it committed, /weight_checker finds "
+                   "every engine on the relay's weights, and the next (partial) update builds on them"),
     _v("stamp-error", "recovers", [{"where": "stamp", "what": "error", "shard": 2, "step": 1}],
        checks=("restamped:2",),
        description="set_weight_version raises on one real engine after the commit: that engine alone is stale "

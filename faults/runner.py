@@ -217,6 +217,9 @@ class FaultRunner:
         ray_door.ask(self._source, "perturb", self._version, 0.01, timeout=60)
         return self._version
 
+    def skip_to(self, version: int) -> None:
+        self._version = max(self._version, int(version))
+
     def corrupt_next_update(self, kind: str | None, tensor: str) -> None:
         ray_door.ask(self._source, "corrupt_next_update", kind, tensor, timeout=60)
 

@@ -321,9 +321,13 @@ class Fleet:
     def refit_outcome(self, version: int, refit_id: str) -> dict:
         """Whether the refit sent under ``refit_id`` committed ``version``, from the controller (the one decider):
         ``outcome`` is ``running``, ``committed``, ``not_committed`` or ``not_begun`` (no controller ever
-        wrote a record of it: nothing happened), with ``committed_version`` (``SingleController.refit_outcome``).
+        wrote a record of it: nothing happened), with ``committed_version`` (``SingleController.refit_outcome``);
+        once it says ``committed``, this process's client routes on that state or a later one.
         ``FleetStopped`` while the controller does not answer (within ``controller_restart_wait_s``)."""
-        return self._ask("refit_outcome", version, refit_id, timeout=self.config.lifecycle_deadline_s * 5 + 60)
+        out = self._ask("refit_outcome", version, refit_id, timeout=self.config.lifecycle_deadline_s * 5 + 60)
+        if self.client is not None and out.get("outcome") == "committed":  # routes on that state (or a later one)
+            self.client.wait_routing(out.get("routing_epoch", 0) - 1, 30)
+        return out
 
     def pause(self, mode: str = "abort", timeout_s: float = 60.0) -> dict:
         """Close the gate for the operator, as vLLM's ``/pause``: new requests wait at their clients (none is lost).

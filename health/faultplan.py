@@ -122,6 +122,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "operator_resume_mid_refit": ("call",),
     "controller_kill_under_keep_pause": ("call",),
     "loop_error_then_kill": ("call",),
+    "relay_commit_lost": ("call",),
     "kill_controller": CONTROLLER_WHERE,
 }
 WHAT = tuple(ALLOWED)

@@ -413,15 +413,16 @@ class SingleController:
         ``not_begun`` (no controller wrote a record of it: nothing of it happened). Answered after re-adoption,
         which finishes or rolls back a refit the predecessor left begun."""
         await self.adopt_if_restarted()
+        now = {"committed_version": self.ledger.current_version, "routing_epoch": self.publisher.current.epoch}
         ran = self.resends.outcome(version, refit_id)
         if ran is not None:
-            return {**ran, "committed_version": self.ledger.current_version}
+            return {**ran, **now}
         intent = self.intent.current
         if intent is not None and intent.refit_id == refit_id and intent.refit is not None \
                 and intent.refit.version == version:
             word = "committed" if self._committed_under(version, refit_id) else "not_committed"
-            return {"outcome": word, "error": None, "committed_version": self.ledger.current_version}
-        return {"outcome": "not_begun", "error": None, "committed_version": self.ledger.current_version}
+            return {"outcome": word, "error": None, **now}
+        return {"outcome": "not_begun", "error": None, **now}
 
     async def _run_refit(self, version: int, source: Any, stage_ahead: bool | None = None) -> dict:
         summary = await self.lifecycle.run(version, source, stage_ahead)
