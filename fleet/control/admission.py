@@ -2,12 +2,20 @@
 
 Owns ``AdmissionController``, the small stateful shell around the pure law in
 ``fleet.control.admission_law``: one ``AdmissionState`` per slot (and incarnation), the
-slot's in-flight, peak, trough and finished counts, the refit window, and the
-metrics. The controller polls each shard's ``EngineStats`` every
+slot's in-flight, peak, trough and finished counts, the refit window, the end of the
+last pause, and the metrics. The controller polls each shard's ``EngineStats`` every
 ``poll_interval_s`` and passes them (or ``None`` when the call failed) to
 ``observe``, reports every dispatch (``on_dispatch``) and every end
 (``on_finish``), drops a replaced incarnation (``forget``) and routes with
 ``caps()``. The law decides; this module only carries its decisions and counts.
+
+Paused engines: a paused engine takes no step, so its stats record grows old, and the
+law must not read that silence as an absent engine (``update``'s ``paused``). Whether
+the engines are paused is not decided here: the refit lifecycle reports its begin and
+end (``refit_started``/``refit_finished``), the operator's pause is the health core's
+record, read through the ``operator_pause`` callable the controller passes, and the
+operator's resume reports its end (``operator_resumed``) so the absence clock restarts
+there.
 Single-threaded; no Ray, no vLLM, no I/O, no clock reads (``now`` is an argument).
 
 Guarantees on failure: ``observe`` never raises on bad or missing stats (the law
@@ -21,7 +29,7 @@ only gates admission: nothing in flight is ever cancelled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from fleet.config.admission import AdmissionConfig, load_admission_config
 from fleet.control.admission_law import AdmissionState, initial_cap, initial_state, update
@@ -52,21 +60,38 @@ class AdmissionController:
     engine cannot disturb its successor's counts.
     """
 
-    def __init__(self, cfg: AdmissionConfig | dict | None = None) -> None:
+    def __init__(self, cfg: AdmissionConfig | dict | None = None,
+                 operator_pause: Callable[[], str | None] | None = None) -> None:
+        """``operator_pause``: the operator's pause mode while it holds, else None (the health core's record,
+        ``Ledger.operator_pause``); absent: never paused by an operator."""
         self.cfg = load_admission_config(cfg)
         self._slots: dict[int, _Slot] = {}
         self._refits_running = 0
         self.revision = 0  # grows whenever any cap may have changed (readers cache caps by it)
         self._refit_ended_at: float | None = None
+        self._operator_pause = operator_pause or (lambda: None)
+        self._resumed_at: float | None = None  # when the last pause (a refit's, the operator's) ended
 
     def refit_started(self) -> None:
         """A refit began (the engines will pause): polls hold until ``refit_grace_s`` after it ends."""
         self._refits_running += 1
 
     def refit_finished(self, now: float) -> None:
-        """The refit ended (committed or not): its grace runs from ``now``."""
+        """The refit ended (committed or not): its grace runs from ``now``, and so does the absence clock."""
         self._refits_running = max(0, self._refits_running - 1)
         self._refit_ended_at = now
+        self._resumed(now)
+
+    def operator_resumed(self, now: float) -> None:
+        """The operator's pause ended and its engines were resumed: the absence clock restarts from ``now``."""
+        self._resumed(now)
+
+    def _resumed(self, now: float) -> None:
+        self._resumed_at = now if self._resumed_at is None else max(self._resumed_at, now)
+
+    def paused(self) -> bool:
+        """The engines are paused now (a refit runs, or the operator's pause holds): their silence is not absence."""
+        return bool(self._refits_running) or self._operator_pause() is not None
 
     def in_refit(self, now: float) -> bool:
         """True while a refit runs and for ``refit_grace_s`` after the last one ended."""
@@ -107,7 +132,8 @@ class AdmissionController:
             first = f"init: cap {rec.state.cap} (kv {stats.kv_cache_tokens} tokens / max len {stats.max_model_len}); "
         old = rec.state
         new, reason = update(
-            old, stats, rec.in_flight, rec.finished, now, self.cfg, rec.peak, rec.trough, refit=self.in_refit(now)
+            old, stats, rec.in_flight, rec.finished, now, self.cfg, rec.peak, rec.trough, refit=self.in_refit(now),
+            paused=self.paused(), resumed_at=self._resumed_at,
         )
         rec.state, rec.peak, rec.trough = new, rec.in_flight, rec.in_flight
         if first or new.cap != old.cap:

@@ -26,7 +26,12 @@ The law, per shard (thresholds from ``AdmissionConfig``):
   it (rule ``refit``): a refit pauses the engines and, unless the KV policy keeps the
   cache, its cache reset preempts every running request; those preemptions and the
   paused engine's usage say nothing about load, so the preemption baseline is moved
-  past them and no cut or growth is taken.
+  past them and no cut or growth is taken;
+- **hold** on missing stats while the engine is paused (rule ``paused``: a refit runs,
+  or the operator's pause holds): a paused engine takes no step, so vLLM records
+  nothing and its record only grows old; that silence is the pause's, not an absent
+  engine's, so the absence clock does not run, and it restarts at the resume (the
+  caller's ``resumed_at``): only silence after the resume counts toward the fallback.
 
 Turnover: every cap change (start, cut, growth, fallback) and every drain of a
 latch opens a window at ``(window_start = finished_total, window_cap = cap)``. The
@@ -41,9 +46,10 @@ at some poll since the window opened; a cap that was never reached is not grown
 Guarantees on failure: the cap is always within ``[1, ceiling]``; stats that are
 missing (call failed), unreadable (NaN, negative counts) or stale (record older
 than ``stats_max_age_s`` while work is in flight) never raise the cap; after
-``absent_fallback_s`` of missing stats on every poll, the cap drops to
-``fallback_cap`` (a latched cut). An old record of an idle engine (nothing in
-flight: vLLM records only while it steps) is *quiet*, not missing: the cap holds.
+``absent_fallback_s`` of missing stats on every poll (not counting a pause), the cap
+drops to ``fallback_cap`` (a latched cut). An old record of an idle engine (nothing in
+flight: vLLM records only while it steps) is *quiet*, not missing: the cap holds; so
+is an old record of a paused engine.
 ``update`` never raises on bad stats (they are classified, not trusted); only
 ``initial_state`` refuses, naming the fields, stats that do not give a capacity.
 A cap only gates admission: nothing in flight is ever cancelled.
@@ -145,6 +151,8 @@ def update(
     peak_in_flight: int | None = None,
     trough_in_flight: int | None = None,
     refit: bool = False,
+    paused: bool = False,
+    resumed_at: float | None = None,
 ) -> tuple[AdmissionState, str]:
     """Apply one poll to one shard's state; returns the new state and the reason.
 
@@ -153,8 +161,9 @@ def update(
     ``finished_total``: requests that ended on the shard (this incarnation) so far,
     for any reason; ``peak_in_flight`` / ``trough_in_flight``: the most / fewest in
     flight since the previous poll (both default to ``in_flight``); ``refit``: a refit
-    is running or ended less than ``refit_grace_s`` ago; ``now``: the caller's
-    monotonic time.
+    is running or ended less than ``refit_grace_s`` ago; ``paused``: the engine is
+    paused now (a refit runs, or the operator's pause holds); ``resumed_at``: when the
+    last pause ended (None: never paused); ``now``: the caller's monotonic time.
 
     Order of the rules (turnover and saturation: see the module docstring):
 
@@ -170,6 +179,9 @@ def update(
     3. Missing: hold (never grow). Once stats have been missing on every poll for
        ``absent_fallback_s``, drop to ``floor_cap`` as a latched cut (rule ``fallback``).
        Quiet: hold, and the absence clock stops (an idle engine is not absent).
+       Missing while ``paused``: hold (rule ``paused``), and the absence clock stops (a
+       paused engine is not absent); a run of missing polls that began before
+       ``resumed_at`` is counted from ``resumed_at`` (a pause between two polls).
     4. Fresh during a refit (``refit``): hold (rule ``refit``); the preemption
        baseline moves to the current count, so a cache reset's preemptions never cut.
     5. Fresh: *cut* if usage > ``high_mark`` or preemptions rose since the last fresh
@@ -183,8 +195,12 @@ def update(
     """
     s, drained = _drain(state, in_flight, finished_total, cfg, peak_in_flight, trough_in_flight)
     s, data, why = _classify(s, stats, in_flight, now, cfg)
-    if data == MISSING:
-        s, reason = _on_missing(s, why, finished_total, now, cfg)
+    if data == MISSING and paused:
+        s, reason = replace(s, data=MISSING, missing_since=None, rule="paused"), (
+            f"hold: {why}, engine paused (a refit or the operator's pause): its silence is not absence"
+        )
+    elif data == MISSING:
+        s, reason = _on_missing(s, why, finished_total, now, cfg, resumed_at)
     elif data == QUIET:
         s, reason = replace(s, data=QUIET, missing_since=None, rule="hold"), f"hold: {why}"
     else:
@@ -260,8 +276,11 @@ def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _on_missing(s: AdmissionState, why: str, finished_total: int, now: float, cfg: AdmissionConfig):
+def _on_missing(s: AdmissionState, why: str, finished_total: int, now: float, cfg: AdmissionConfig,
+                resumed_at: float | None = None):
     since = s.missing_since if s.missing_since is not None else now
+    if resumed_at is not None and since < resumed_at <= now:  # the run spans a pause: only what followed it counts
+        since = resumed_at
     s = replace(s, data=MISSING, missing_since=since)
     absent = now - since
     if absent >= cfg.absent_fallback_s and s.cap > cfg.floor_cap:

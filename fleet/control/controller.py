@@ -91,7 +91,7 @@ class SingleController:
         self.metrics = FleetMetrics(enabled=self.cfg.metrics)
         self.meter = RunMeter(self.clock.now())  # one run step: from one committed refit to the next
         self.gate = DispatchGate(self.log, ledger=lambda: self.slots.ledger, on_change=self._gate_changed)
-        self.admission = AdmissionController(self.cfg.admission)
+        self.admission = AdmissionController(self.cfg.admission, operator_pause=lambda: self.slots.ledger.operator_pause)
         self.parts = Parts(self.cfg, self.name, self.clock, self.log, door, self.slots, self.intent, self.gate,
                            self.admission, self.metrics, act=self)
         self.publisher = RoutingPublisher(self.parts, holding=lambda: self.lifecycle.holding)

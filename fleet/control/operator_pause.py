@@ -106,6 +106,9 @@ class OperatorPause:
                       if not o.ok and not isinstance(o.error, RefitOwnsEngine)}
             if failed:
                 out["failed"] = failed
+            # the engines run again (or at the refit's end, which restarts it too): the absence clock of the
+            # admission law restarts here, so the pause's silence never counts toward a fallback
+            self.p.admission.operator_resumed(self.p.clock.now())
         await self.publisher.publish()
         out["gate_open"] = self.p.gate.is_open
         if not self.p.gate.is_open:

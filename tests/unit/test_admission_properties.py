@@ -42,6 +42,7 @@ class Poll:
     ended: int  # requests that ended since the previous poll
     dt: float
     refit: bool = False  # a refit runs (or ended within its grace) at this poll
+    paused: bool = False  # the engine is paused at this poll (a refit, the operator's pause)
 
 
 polls = st.builds(
@@ -54,6 +55,7 @@ polls = st.builds(
     ended=st.integers(0, 40),
     dt=st.sampled_from([0.0, 0.5, 0.5, 2.0, 6.0, 40.0]),
     refit=st.sampled_from([False, False, False, True]),
+    paused=st.sampled_from([False, False, False, True]),
 )
 
 
@@ -94,7 +96,8 @@ class Feed:
 @settings(max_examples=300, deadline=None)
 @given(cfg=configs(), cap0=st.integers(1, 300), kv_cap=st.integers(1, 300), seq=st.lists(polls, max_size=60))
 def test_cap_stays_in_bounds_and_never_grows_without_fresh_low_usage(cfg, cap0, kv_cap, seq):
-    """... and never cuts on fresh data during a refit, nor below the KV capacity cap without preemptions."""
+    """... and never cuts on fresh data during a refit, nor below the KV capacity cap without preemptions, nor
+    on missing data while the engine is paused (its silence is the pause's)."""
     cap0 = min(cap0, cfg.ceiling)
     kv_cap = min(kv_cap, cap0)
     s = AdmissionState(cap=cap0, capacity_cap=kv_cap, window_cap=cap0, window_start=0)
@@ -107,11 +110,13 @@ def test_cap_stays_in_bounds_and_never_grows_without_fresh_low_usage(cfg, cap0, 
         if preempted is not None:
             preempted += p.preempted
         old = s
-        s, reason = update(s, stats, p.in_flight, feed.finished, feed.now, cfg, refit=p.refit)
+        s, reason = update(s, stats, p.in_flight, feed.finished, feed.now, cfg, refit=p.refit, paused=p.paused)
         assert 1 <= s.cap <= cfg.ceiling, reason
         event(f"rule {s.rule}")
         if fresh and p.refit:
             assert s.cap == old.cap and s.rule == "refit", reason
+        if s.data == "missing" and p.paused:
+            assert s.cap == old.cap and s.rule == "paused" and s.missing_since is None, reason
         if s.rule in ("cut", "preempt"):
             assert s.cap < old.cap
             if old.cap > kv_cap:
