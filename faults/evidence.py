@@ -38,7 +38,10 @@ it ended; its proof is the call's outcome and the event log around it:
   without running, and the shards' refusal counters grew by at least that many: ``held``;
 - ``resize_under_load``: both resizes happened around a committed refit, the new engine
   served after it, the removed one finished what it held, admitted nothing more and was
-  retired as removed, nothing lost (``faults.resize_evidence``): ``resized``.
+  retired as removed, nothing lost (``faults.resize_evidence``): ``resized``;
+- ``admission_hold_across_refit``: the refit committed, an engine holding requests had its stats missing
+  for ``absent_fallback_s`` while it ran, every shard's admission cap after it is its cap before, no
+  fallback was counted, and the held requests completed (``faults.admission_hold``): ``caps_kept``.
 
 A ``kill_controller`` (``where: between_refits``, a refit phase or ``shutdown``) is proven
 by the event log, which the restarted controller appends to: at a phase, the controller's
@@ -66,6 +69,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
+from faults.admission_hold import prove_admission_hold_across_refit
 from faults.firing import hook_point
 from faults.loop_fault import prove_loop_error_then_kill
 from faults.operator import prove_controller_kill_under_keep_pause, prove_operator_resume_mid_refit
@@ -104,6 +108,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "controller_kill_under_keep_pause": ("kept_paused",),
     "loop_error_then_kill": ("found",),
     "relay_commit_lost": ("kept",),
+    "admission_hold_across_refit": ("caps_kept",),
     "kill_controller": ("restarted",),
 }
 # What a refused corrupt update's message must say, for the corrupted tensor ``t`` (refit.manifest's words).
@@ -371,4 +376,5 @@ _TRAINER_PROOFS = {"kill_sender": _killed_sender, "stale_version": _stale_versio
                    "operator_resume_mid_refit": prove_operator_resume_mid_refit,
                    "controller_kill_under_keep_pause": prove_controller_kill_under_keep_pause,
                    "loop_error_then_kill": prove_loop_error_then_kill,
-                   "relay_commit_lost": prove_relay_commit_lost}
+                   "relay_commit_lost": prove_relay_commit_lost,
+                   "admission_hold_across_refit": prove_admission_hold_across_refit}

@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any, Callable, Iterable, Protocol
 
+from faults.admission_hold import admission_hold_across_refit
 from faults.load import refit_under_load
 from faults.loop_fault import loop_error_then_kill
 from faults.operator import controller_kill_under_keep_pause, operator_resume_mid_refit
@@ -302,6 +303,9 @@ class FaultFiring:
             done = relay_commit_lost(self.fleet, self.log or print)
             self.trainer.skip_to(int(done["fleet_version"]))  # the RL surface numbered two versions of its own
             return done
+        if f.what == "admission_hold_across_refit":
+            return admission_hold_across_refit(self.fleet, lambda: self._sync(self.trainer.new_version()),
+                                               self.log or print)
         if f.what == "resize_under_load":
             rec = resize_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
             self._say_if(True, f"resize under load: added {rec['added']}, removed {rec['removed']}, new engine "

@@ -58,6 +58,11 @@ STAGING = {**NULL, "stage_ahead": True}
 # Quorum of one on three engines: a poison prompt takes two down and the third serves on; a stamp that fails
 # on one engine leaves the other two serving.
 ONE_OF_THREE = {"min_healthy_engines": 1}
+# A refit held paused past the admission law's absence bound (issue 47), in seconds rather than the 40 s of a
+# long transfer: stats count as missing after 1 s without a record and fall back after 3 s more; one engine's
+# calls each take ``faults.admission_hold.SLOW_S`` (3 s) longer, so its probes get 5 s to answer.
+ADMISSION_HOLD = {**PAIR, "min_healthy_engines": 1, "probe_timeout_s": 5.0,
+                  "admission": {"stats_max_age_s": 1.0, "absent_fallback_s": 3.0, "poll_interval_s": 0.25}}
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,12 @@ MATRIX: tuple[Variant, ...] = (
        description="the controller SIGKILLed while an operator's keep pause holds requests on the engines: Ray "
                    "restarts it, it re-adopts the fleet, the engines stay paused (sampling nothing) until the "
                    "operator's resume, then every held request completes"),
+    # a paused engine's silence is not an absent engine (issue 47): real engines, whose stat logger stops with them
+    _v("long-refit-keeps-admission-caps", "recovers",
+       [{"where": "call", "what": "admission_hold_across_refit", "step": 1}], steps=1, fleet=ADMISSION_HOLD,
+       description="a refit held paused, 12 requests on its engines, past the admission law's absent_fallback_s "
+                   "(one engine's calls slowed): every shard's admission cap after it is its cap before, none fell "
+                   "back to fallback_cap"),
     # the controller's decisions alone, on shards with no engine (``NULL``)
     _v("loop-error-then-kill", "recovers", [{"where": "call", "what": "loop_error_then_kill", "step": 1}], steps=1,
        fleet=NULL,

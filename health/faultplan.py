@@ -69,7 +69,9 @@ Faults of the trainer's refit call itself name no ``shard``:
   resumes them), or ``controller_kill_under_keep_pause`` (the controller killed while a ``keep`` pause holds
   requests: the engines stay paused across its restart until the operator's resume), or
   ``loop_error_then_kill`` (ticks of the controller's liveness monitor raise, then an idle engine is killed:
-  the monitor, still running, finds it within the hang-detection bound).
+  the monitor, still running, finds it within the hang-detection bound), or ``admission_hold_across_refit``
+  (a refit held paused, with requests on its engines, past the admission law's ``absent_fallback_s``: every
+  shard's admission cap after it is its cap before).
 
 Pure: no Ray, no vLLM. ``load_plan`` raises ``ValueError`` naming the field
 (``faults[0].where``) and the allowed values; ``resolve`` turns a plan into
@@ -123,6 +125,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "controller_kill_under_keep_pause": ("call",),
     "loop_error_then_kill": ("call",),
     "relay_commit_lost": ("call",),
+    "admission_hold_across_refit": ("call",),
     "kill_controller": CONTROLLER_WHERE,
 }
 WHAT = tuple(ALLOWED)
