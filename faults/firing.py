@@ -304,8 +304,7 @@ class FaultFiring:
             self.trainer.skip_to(int(done["fleet_version"]))  # the RL surface numbered two versions of its own
             return done
         if f.what == "admission_hold_across_refit":
-            return admission_hold_across_refit(self.fleet, lambda: self._sync(self.trainer.new_version()),
-                                               self.log or print)
+            return admission_hold_across_refit(self.fleet, self.trainer.new_version, self._sync, self.log or print)
         if f.what == "resize_under_load":
             rec = resize_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
             self._say_if(True, f"resize under load: added {rec['added']}, removed {rec['removed']}, new engine "

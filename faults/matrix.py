@@ -59,10 +59,11 @@ STAGING = {**NULL, "stage_ahead": True}
 # on one engine leaves the other two serving.
 ONE_OF_THREE = {"min_healthy_engines": 1}
 # A refit held paused past the admission law's absence bound (issue 47), in seconds rather than the 40 s of a
-# long transfer: stats count as missing after 1 s without a record and fall back after 3 s more; one engine's
-# calls each take ``faults.admission_hold.SLOW_S`` (3 s) longer, so its probes get 5 s to answer.
-ADMISSION_HOLD = {**PAIR, "min_healthy_engines": 1, "probe_timeout_s": 5.0,
-                  "admission": {"stats_max_age_s": 1.0, "absent_fallback_s": 3.0, "poll_interval_s": 0.25}}
+# long transfer: stats count as missing after 1 s without a record and fall back after 5 s more (not less: a
+# real engine's first steps may take seconds); one engine's calls each take ``faults.admission_hold.SLOW_S``
+# (4 s) longer, which keeps the other paused 8 s or more (18 s on a two-core host), and its probes get 6 s.
+ADMISSION_HOLD = {**PAIR, "min_healthy_engines": 1, "probe_timeout_s": 6.0,
+                  "admission": {"stats_max_age_s": 1.0, "absent_fallback_s": 5.0, "poll_interval_s": 0.25}}
 
 
 @dataclass(frozen=True)

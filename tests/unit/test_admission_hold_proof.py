@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from faults.admission_hold import prove_admission_hold_across_refit, silent_spans
 from faults.evidence import LEADS_TO
+from fleet.records import RefitHeld
 from health.faultplan import ALLOWED
 
 CALL = {"version": 1, "outcome": "committed", "error": None, "began": 100.0, "ended": 110.0}
+HELD = [RefitHeld(version=1, requests=12, by_slot={"0": 6, "1": 6})]  # the refit's record of what it held
 
 
 def samples(slot=0, silent=(101.0, 106.0), in_flight=6, step=0.2):
@@ -25,7 +27,8 @@ def samples(slot=0, silent=(101.0, 106.0), in_flight=6, step=0.2):
 
 
 def record(**over):
-    f = {"calls": [CALL], "slowed": 0, "caps_before": {0: 64, 1: 64}, "caps_after": {0: 64, 1: 64},
+    f = {"calls": [CALL], "slowed": 1, "caps_before": {0: 64, 1: 64}, "caps_after": {0: 64, 1: 64},
+         "capacity_before": {0: 64, 1: 64},
          "fallbacks_before": {0: 0, 1: 0}, "fallbacks_after": {0: 0, 1: 0}, "samples": samples(),
          "held": [{"ok": True, "reason": None}] * 12, "absent_fallback_s": 3.0, "fallback_cap": 4}
     f.update(over)
@@ -34,7 +37,7 @@ def record(**over):
 
 def test_a_refit_that_kept_every_cap_across_a_long_silence_passes():
     assert ALLOWED["admission_hold_across_refit"] == ("call",) and LEADS_TO["admission_hold_across_refit"]
-    assert prove_admission_hold_across_refit(record(), [CALL], []) == []
+    assert prove_admission_hold_across_refit(record(), [CALL], HELD) == []
 
 
 def test_the_silence_is_the_longest_run_of_missing_samples_with_requests_in_flight():
@@ -44,24 +47,35 @@ def test_the_silence_is_the_longest_run_of_missing_samples_with_requests_in_flig
 
 def test_caps_that_fell_back_across_the_refit_fail_naming_them():
     fell = record(caps_after={0: 4, 1: 64}, fallbacks_after={0: 1, 1: 0})
-    problems = prove_admission_hold_across_refit(fell, [CALL], [])
+    problems = prove_admission_hold_across_refit(fell, [CALL], HELD)
     assert any("caps changed across the refit" in p and "0: (64, 4)" in p for p in problems), problems
     assert any("fell back to fallback_cap 4" in p and "{0: 1}" in p for p in problems), problems
 
 
+def test_a_cap_below_its_capacity_before_may_grow_back_but_not_past_it_nor_fall():
+    grew = record(caps_before={0: 64, 1: 4}, caps_after={0: 64, 1: 5})  # slot 1 fell back before the variant
+    assert prove_admission_hold_across_refit(grew, [CALL], HELD) == []
+    past = record(caps_before={0: 64, 1: 4}, caps_after={0: 64, 1: 80})
+    assert "1: (4, 80)" in prove_admission_hold_across_refit(past, [CALL], HELD)[0]
+    at_capacity_grew = record(caps_after={0: 80, 1: 64})
+    assert "0: (64, 80)" in prove_admission_hold_across_refit(at_capacity_grew, [CALL], HELD)[0]
+
+
 def test_a_silence_shorter_than_the_absence_bound_proves_nothing():
     short = record(samples=samples(silent=(101.0, 103.0)))
-    [problem] = prove_admission_hold_across_refit(short, [CALL], [])
+    [problem] = prove_admission_hold_across_refit(short, [CALL], HELD)
     assert "the fault did not fire" in problem
+    none_held = prove_admission_hold_across_refit(record(), [CALL], [RefitHeld(version=1, requests=0, by_slot={})])
+    assert none_held == ["the refit of version 1 held no request across its pause ({}): the fault proved nothing"]
     at_floor = record(caps_before={0: 4, 1: 64}, caps_after={0: 4, 1: 64})  # nothing to lose
-    [problem] = prove_admission_hold_across_refit(at_floor, [CALL], [])
+    [problem] = prove_admission_hold_across_refit(at_floor, [CALL], HELD)
     assert "the fault did not fire" in problem
 
 
 def test_a_refit_that_did_not_commit_or_a_lost_request_fails():
     stopped = {**CALL, "outcome": "stopped", "error": "FleetStopped: x"}
-    assert prove_admission_hold_across_refit(record(calls=[stopped]), [stopped], []) == [
+    assert prove_admission_hold_across_refit(record(calls=[stopped]), [stopped], HELD) == [
         "the refit did not commit: stopped: FleetStopped: x"]
     lost = record(held=[{"ok": True, "reason": None}] * 11 + [{"ok": False, "reason": "returned"}])
-    [problem] = prove_admission_hold_across_refit(lost, [CALL], [])
+    [problem] = prove_admission_hold_across_refit(lost, [CALL], HELD)
     assert problem.startswith("1 of 12 held request(s) did not complete")
