@@ -8,6 +8,7 @@ last pause, and the metrics. The controller polls each shard's ``EngineStats`` e
 ``observe``, reports every dispatch (``on_dispatch``) and every end
 (``on_finish``), drops a replaced incarnation (``forget``) and routes with
 ``caps()``. The law decides; this module only carries its decisions and counts.
+Single-threaded; no Ray, no vLLM, no I/O, no clock reads (``now`` is an argument).
 
 Paused engines: a paused engine takes no step, so its stats record grows old, and the
 law must not read that silence as an absent engine (``update``'s ``paused``). Whether
@@ -16,7 +17,6 @@ end (``refit_started``/``refit_finished``), the operator's pause is the health c
 record, read through the ``operator_pause`` callable the controller passes, and the
 operator's resume reports its end (``operator_resumed``) so the absence clock restarts
 there.
-Single-threaded; no Ray, no vLLM, no I/O, no clock reads (``now`` is an argument).
 
 Guarantees on failure: ``observe`` never raises on bad or missing stats (the law
 classifies them and never raises a cap on them); a slot whose KV capacity is not
