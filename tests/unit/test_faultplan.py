@@ -232,7 +232,7 @@ def test_a_fault_at_stream_goes_off_mid_generation_once_output_went_out(tmp_path
         t0 = loop.time()
         try:  # first token at once, then one chunk per 0.1 s
             async for item in shard.serve_stream(ServeRequest([1, 2], {"max_tokens": max_tokens}, None, None, 0, "any", 0,
-                                                              None, True, 0.1, None, False).encode()):
+                                                              None, True, 0.1, None, 0).encode()):
                 got.append(item)
         except ShardUnavailableError as exc:
             got.append(exc)
