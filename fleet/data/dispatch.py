@@ -42,35 +42,10 @@ from fleet.data.suspects import Evidence, SuspectBook
 from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL, SUSPECT, VERSION
 from fleet.data.routing_state import Member, RoutingState, VersionPolicy
 from fleet.data.partial import Partial
+from fleet.data.result import COMPLETED, RETURNED, FleetResult  # noqa: F401 - the request path's answer, re-exported
 from fleet.types import FINISH_ABORTED, Chunk, GenerationResult, TokenDelta
 from fleet.wire import ServeRequest
 from health import Clock, MonotonicClock
-
-COMPLETED, RETURNED = "completed", "returned"
-
-
-@dataclass(frozen=True)
-class FleetResult:
-    """The end of one accepted request: ``completed`` with ``result``, or ``returned`` with ``reason``."""
-
-    request_id: str
-    status: str
-    result: GenerationResult | None = None
-    reason: str = ""
-    attempts: int = 0
-    accepted_version: int = 0
-    latency_s: float = 0.0
-    queue_s: float = 0.0  # acceptance -> the last dispatch to a shard (latency_s - queue_s: time on the shard)
-    accepted_at: float = 0.0  # the client's clock (time.monotonic() in a FleetClient)
-    continued: int = 0  # attempts that went on from output an engine that failed had made (``fleet.data.partial``)
-    tokens_reused: int = 0  # tokens from failed attempts carried into the result (not generated again)
-    tokens_discarded: int = 0  # tokens from failed attempts thrown away: the request had to start over
-    started_over: str = ""  # why it started over (its version policy, n > 1, continuation off), "" if it never did
-
-    @property
-    def ok(self) -> bool:
-        return self.status == COMPLETED
-
 
 class FleetView(Protocol):
     """What the dispatcher needs: the published routing state, the door to the shards, a way to report."""
@@ -174,7 +149,6 @@ class Dispatcher:
         # where this client's suspects run, and the shards another client's fill (``SUSPECT``); a suspect's wait
         # for a shard it may run on moves its deadline on, by at most one more request timeout
         self._suspects = SuspectBook(wait_bound_s=request_timeout_s)
-        self._poison_told: dict[str, set[tuple[int, int]]] = {}  # fingerprint -> (slot, incarnation) told of it
         self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
         self._batcher = ServeBatcher(view)  # plain calls ready at once for one shard go as one
         self._live: dict[int, _Pending] = {}  # every request from its acceptance to its end (by object: ids may repeat)
@@ -309,7 +283,10 @@ class Dispatcher:
     async def _attempt(self, p: _Pending) -> FleetResult | str | None:
         """One dispatch: the final result, a reason to re-send (counts against ``max_redispatch``),
         or None when the shard refused it without running (re-route, free)."""
-        target = await self._acquire(p)
+        try:
+            target = await self._acquire(p)
+        finally:
+            self._suspects.waiting.discard(id(p))
         if isinstance(target, FleetResult):
             return target
         state, m = target
@@ -492,14 +469,8 @@ class Dispatcher:
     def tell_poison(self, state: RoutingState) -> None:
         """Tell every member of ``state`` not yet told each poison this client remembers, with the window it has
         left (in the background): a shard that joined later (a restart, a resize) refuses it too."""
-        if not self._poison:
-            return
-        for fp, left in self._poison.live(self._clock.now()):
-            told = self._poison_told.setdefault(fp, set())
-            for m in state.members:
-                if (m.slot, m.incarnation) in told:
-                    continue
-                told.add((m.slot, m.incarnation))
+        if self._poison:
+            for m, fp, left in self._poison.untold(state.members, self._clock.now()):
                 self._background(self._view.door.call(m.handle, "refuse_poison", fp, left, timeout=10.0))
 
     def _known_poison(self, p: _Pending, now: float) -> FleetResult | None:
@@ -549,24 +520,14 @@ class Dispatcher:
         its allowance set (``fleet.data.suspects``: never beside more suspects than it or they allow, the shard
         refuses it beside other clients' as ``SUSPECT``), one of its fingerprint at a time (``Suspicion``);
         all of ``members`` if it is not (allowance 0)."""
-        fp = self._fp(p)
+        fp, p.allowance = self._fp(p), 0
         if not (p.evidence.suspect or (self._suspicion and self._suspicion.suspect(fp, now))):
-            p.allowance = 0
             return members
-        self._suspects.waiting.add(id(p))
-        p.allowance = self._suspects.allowance(len(members), p.evidence.share, self._in_flight_at)
-        if self._suspicion.busy(fp):
-            return []
-        return [m for m in members if self._suspects.fits((m.slot, m.incarnation), p.allowance, now)]
+        p.allowance, fits = self._suspects.choose(id(p), members, p.evidence.share, now, self._in_flight_at)
+        return [] if self._suspicion.busy(fp) else fits
 
     async def _acquire(self, p: _Pending):
         """Wait for an open gate and a serving shard with room; or the explicit return of ``p``."""
-        try:
-            return await self._acquire_shard(p)
-        finally:
-            self._suspects.waiting.discard(id(p))
-
-    async def _acquire_shard(self, p: _Pending):
         while True:
             if p.ended:
                 return self._ended_early(p)
@@ -576,8 +537,7 @@ class Dispatcher:
             now = self._clock.now()
             left = self._deadline(p) - now
             if left <= 0:
-                waited = (f", after {p.suspect_wait:.1f} s more waiting, as a suspect, for a shard it may run on"
-                          if p.suspect_wait else "")
+                waited = f", and {p.suspect_wait:.1f} s more as a suspect" if p.suspect_wait else ""
                 return self._return(p, f"no serving shard within the request timeout ({self._timeout:.0f} s{waited})")
             if not state.gate_open:
                 await self._view.newer_routing(state.epoch, min(left, 1.0))

@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Iterable
 
 from fleet.errors import EngineCrashedError
 from fleet.outcome import DIED, ERROR, Outcome
+from fleet.data.suspects import S
 
 POISON = "poison"
 POISON_DEATHS = 2  # engines a request may take down; it is never sent to another one
@@ -77,11 +78,13 @@ def fingerprint(prompt: Any, sampling: dict) -> str:
 
 
 class PoisonMemory:
-    """Fingerprints of poison requests, each until its window ends (``window_s`` 0: none remembered)."""
+    """Fingerprints of poison requests, each until its window ends (``window_s`` 0: none remembered), and the
+    shards told of each."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = float(window_s)
         self._until: dict[str, tuple[float, str]] = {}  # fingerprint -> (until, what it took down)
+        self._told: dict[str, set[tuple[int, int]]] = {}  # fingerprint -> (slot, incarnation) told of it
 
     def __bool__(self) -> bool:
         return bool(self._until)
@@ -93,6 +96,18 @@ class PoisonMemory:
     def live(self, now: float) -> list[tuple[str, float]]:
         """Each remembered fingerprint with the seconds of its window left at ``now``."""
         return [(fp, until - now) for fp, (until, _) in self._until.items() if until > now]
+
+    def untold(self, shards: Iterable[S], now: float) -> list[tuple[S, str, float]]:
+        """(shard, fingerprint, seconds of its window left) for each live poison each of ``shards`` has not been
+        told of yet; from now on they count as told."""
+        out = []
+        for fp, left in self.live(now):
+            told = self._told.setdefault(fp, set())
+            for s in shards:
+                if (s.slot, s.incarnation) not in told:
+                    told.add((s.slot, s.incarnation))
+                    out.append((s, fp, left))
+        return out
 
     def known(self, fp: str, now: float) -> str | None:
         """What ``fp`` took down, if it is remembered at ``now``; forgets the expired ones."""

@@ -21,24 +21,43 @@ too (``Suspicion``). The rules here keep a poison's engines few and innocents' l
   moves on by that wait, up to ``wait_bound_s`` (the client's ``request_timeout_s``) in all. So a suspect ends
   within twice its timeout; past the bound its waits spend the timeout like any other.
 
-What it guarantees: a single poison is returned after two engines when the engine it first took down ran at most
-``SUSPECT_ROUNDS`` x (shards still serving) of its client's requests: every suspect it left then runs alone, so
-the poison's next engine has it as its only suspect, and that death is its second. With more (the allowance k it
-first ran with above 1), after at most ``2 + floor(log2 k)`` engines. A batch of 24 on three engines leaves at most
-24 suspects for two shards, 16 per round-trip of 8 (``SUSPECT_ROUNDS``) generations with one per shard, 24 with
-at most two: at most one death among several suspects in the worst split, and none in an even one (8 suspects,
-one per shard, 4 generations). An innocent request is returned as poison only by two engine deaths it ran under
-alone among suspects: the rule cannot tell two unrelated crashes of such engines from a poison, and the
+What it guarantees, for one poison:
+
+- it is returned after two engines when, as it waits for its second, its client holds at most ``SUSPECT_ROUNDS``
+  x (shards serving) suspects: it runs with allowance 1, the only suspect on that engine, and that death is its
+  second that counts. A batch of 24 on three engines goes out 8 to an engine (least loaded of three), so the
+  poison's first engine leaves 8 suspects for the other two: 8 <= 2 x 8, one per shard, two engines. (Had all 24
+  gone to it: allowance 2, one death among two suspects, three engines.)
+- in general after at most ``2 + floor(log2 k)`` of its own engines, k the allowance it first ran with as a
+  suspect: each death among several suspects at least halves what it may share, and once alone its death counts.
+- the suspects drain in about ``SUSPECT_ROUNDS`` generations whatever their number (beyond the wait's bound,
+  their waits spend their timeout again).
+
+An innocent request is returned as poison only after an engine died under it while it was no suspect and another
+while it was the only one: the rule cannot tell two unrelated crashes of those engines from a poison, and the
 fingerprint's window (``poison_window_s``) bounds what that costs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Collection
+from typing import Callable, Collection, Protocol, TypeVar
 
 # One suspect per shard while a client's suspects drain in at most this many generations that way.
 SUSPECT_ROUNDS = 8
+
+
+class Shard(Protocol):
+    """A serving shard as routing names it (``fleet.data.routing_state.Member``)."""
+
+    @property
+    def slot(self) -> int: ...
+
+    @property
+    def incarnation(self) -> int: ...
+
+
+S = TypeVar("S", bound=Shard)
 
 
 def allowance(suspects: int, serving: int, share: int | None = None) -> int:
@@ -112,6 +131,14 @@ class SuspectBook:
     def allowance(self, serving: int, share: int | None,
                   in_flight_at: Callable[[tuple[int, int]], int] = lambda key: 0) -> int:
         return allowance(self.count(in_flight_at), serving, share)
+
+    def choose(self, request: int, shards: list[S], share: int | None, now: float,
+               in_flight_at: Callable[[tuple[int, int]], int]) -> tuple[int, list[S]]:
+        """A suspect (``request``: its id, counted as waiting until ``waiting.discard``) that may run beside
+        ``share`` suspects at most: its allowance now, over ``shards`` serving, and those it may be sent to."""
+        self.waiting.add(request)
+        allowed = self.allowance(len(shards), share, in_flight_at)
+        return allowed, [s for s in shards if self.fits((s.slot, s.incarnation), allowed, now)]
 
     def fits(self, key: tuple[int, int], allowance: int, now: float) -> bool:
         """A suspect with ``allowance`` may be sent to ``key``, by what this client knows at ``now``."""

@@ -124,9 +124,9 @@ def test_matrix_covers_every_required_variant_and_all_plans_are_valid():
                 "controller-kill-between-refits", "controller-kill-during-pause", "controller-kill-during-transfer",
                 "controller-kill-during-resume", "controller-kill-during-shutdown", "spare-promotion",
                 "hang-at-pause-evicted", "hang-at-resume-evicted", "freeze-between-refits", "resize-under-load",
-                "stamp-unavailable", "stamp-error", "relay-commit-under-controller-kill", "sender-killed-mid-transfer", "poison-request",
+                "stamp-unavailable", "stamp-error", "relay-commit-under-controller-kill", "sender-killed-mid-transfer", "poison-request", "poison-in-batch",
                 "freeze-core-between-refits", "freeze-core-during-transfer"}
-    assert required <= names and len(MATRIX) == len(names) == 42
+    assert required <= names and len(MATRIX) == len(names) == 43
     for v in MATRIX:
         load_plan(v.plan)
     controller = [v for v in MATRIX if any(f["what"] == "kill_controller" for f in v.plan["faults"])]

@@ -487,3 +487,25 @@ def test_a_shard_told_of_a_poison_refuses_it_from_anyone_and_runs_everything_els
 
     asyncio.run(go())
 
+
+
+def test_the_poison_in_batch_proof_fails_when_an_innocent_is_lost_a_third_engine_dies_or_the_poison_completes():
+    from faults.poison import prove_poison_in_batch
+
+    call = {"version": 1, "outcome": "poison", "attempts": 2, "began": 10.0, "ended": 14.0,
+            "reason": "poison: its attempts took down 2 engines"}
+    record = {"armed": [0, 1, 2], "innocents": {"n": 23, "ok": 23, "resent": 7, "reasons": []},
+              "after": {"gate_open": True}}
+
+    def died(slot, t):
+        return Health(t=t, slot=slot, incarnation=1, before="healthy", after="dead", reason="").as_dict()
+
+    events = [died(0, 10.5), died(1, 11.5),
+              Request(event="poison", request_id="p", t=12.0, fingerprint="f", engines=["slot 0", "slot 1"]).as_dict()]
+    assert prove_poison_in_batch(record, [call], events) == []
+    assert any("at most two" in p for p in prove_poison_in_batch(record, [call], events + [died(2, 13.0)]))
+    lost = {**record, "innocents": {**record["innocents"], "ok": 21, "reasons": ["no serving shard within the request"]}}
+    assert any("only 21 of the batch's 23" in p for p in prove_poison_in_batch(lost, [call], events))
+    done = {**call, "outcome": "completed", "attempts": 1}
+    assert any("not as poison" in p for p in prove_poison_in_batch(record, [done], events[:1]))
+    assert any("three engines" in p for p in prove_poison_in_batch({**record, "armed": [0, 2]}, [call], events))
