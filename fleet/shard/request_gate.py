@@ -30,9 +30,7 @@ completed returns the same result, and one still running joins the running call.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Any, Callable
-
-from typing import Collection
+from typing import Any, Callable, Collection
 
 from fleet.data.routing_state import Ticket
 from fleet.data.suspects import may_join
