@@ -73,7 +73,7 @@ from faults.admission_hold import prove_admission_hold_across_refit
 from faults.firing import hook_point
 from faults.loop_fault import prove_loop_error_then_kill
 from faults.operator import prove_controller_kill_under_keep_pause, prove_operator_resume_mid_refit
-from faults.poison import prove_poison_request
+from faults.poison import prove_poison_in_batch, prove_poison_request
 from faults.relay_commit import prove_relay_commit_lost
 from faults.resize_evidence import prove_resize_under_load
 from faults.timeline import departure, fault_to_reopen, recover_s, refit_spans
@@ -104,6 +104,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "refit_under_load": ("held",),
     "resize_under_load": ("resized",),
     "poison_request": ("contained",),
+    "poison_in_batch": ("contained",),
     "operator_resume_mid_refit": ("owned",),
     "controller_kill_under_keep_pause": ("kept_paused",),
     "loop_error_then_kill": ("found",),
@@ -372,7 +373,7 @@ def _refit_under_load(f: Mapping, calls: list[dict], events: list[dict]) -> list
 
 _TRAINER_PROOFS = {"kill_sender": _killed_sender, "stale_version": _stale_version, "concurrent_refit": _concurrent_refits,
                    "refit_under_load": _refit_under_load, "resize_under_load": prove_resize_under_load,
-                   "poison_request": prove_poison_request,
+                   "poison_request": prove_poison_request, "poison_in_batch": prove_poison_in_batch,
                    "operator_resume_mid_refit": prove_operator_resume_mid_refit,
                    "controller_kill_under_keep_pause": prove_controller_kill_under_keep_pause,
                    "loop_error_then_kill": prove_loop_error_then_kill,

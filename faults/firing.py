@@ -32,7 +32,8 @@ is proven):
   the source restored; ``kill_sender``: the source dies as its next send begins, one
   refit, a new source in its place (Ray's word on the old one recorded); ``stale_version``: a refit of the committed version;
   ``concurrent_refit``: two refits of the next two versions from two threads at once;
-  ``poison_request``: a prompt armed to crash every engine, sent twice (``faults.poison``).
+  ``poison_request``: a prompt armed to crash every engine, sent twice; ``poison_in_batch``: one in a batch of
+  24 on three engines (``faults.poison``).
 
 On failure: a fleet call that fails raises to the caller (nothing is recorded as
 fired), except a refit the fault makes, whose ``RefitRefused``, ``RefitNotDelivered`` or ``FleetStopped`` is
@@ -55,7 +56,7 @@ from faults.load import refit_under_load
 from faults.loop_fault import loop_error_then_kill
 from faults.operator import controller_kill_under_keep_pause, operator_resume_mid_refit
 from faults.relay_commit import relay_commit_lost
-from faults.poison import poison_request
+from faults.poison import poison_in_batch, poison_request
 from faults.polling import wait_until
 from faults.resize_load import resize_under_load
 from fleet.errors import FleetStopped, RefitNotDelivered, RefitRefused
@@ -293,6 +294,8 @@ class FaultFiring:
             return refit_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
         if f.what == "poison_request":
             return poison_request(self.fleet, self.log or print)
+        if f.what == "poison_in_batch":
+            return poison_in_batch(self.fleet, self.log or print)
         if f.what == "operator_resume_mid_refit":
             return operator_resume_mid_refit(self.fleet, lambda: self._sync(self.trainer.new_version()), self.log or print)
         if f.what == "controller_kill_under_keep_pause":

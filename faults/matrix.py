@@ -168,6 +168,11 @@ MATRIX: tuple[Variant, ...] = (
        description="a prompt that crashes every engine it reaches: it takes down two engines, comes back as "
                    "poison (never sent a third time), is refused at once when sent again; the third engine "
                    "serves on"),
+    _v("poison-in-batch", "recovers", [{"where": "call", "what": "poison_in_batch", "step": 1}], steps=1,
+       fleet=ONE_OF_THREE,
+       description="a poison prompt in a batch of 24 on three engines: the 7 or 8 requests that shared its first "
+                   "engine are suspects, run one per shard without spending their timeout; every innocent "
+                   "completes, the poison comes back as poison after at most two engines"),
     # the operator's pause where it meets a refit and a controller's death (issue 46): real engines, whose own
     # step records prove that nothing sampled while paused
     _v("operator-resume-mid-refit", "recovers", [{"where": "call", "what": "operator_resume_mid_refit", "step": 1}],

@@ -72,7 +72,7 @@ class ServeRequest(Record, array_like=True, frozen=True, forbid_unknown_fields=T
 
     ``prompt`` (text or token ids) and ``sampling`` as ``generate`` takes them; ``request_id`` (idempotent
     re-sends) and ``cache_salt``; the ticket the shard's gate checks (``epoch``, the version policy as
-    ``policy_kind``/``policy_k``, the admission ``cap``, ``suspect``); how to stream (``first_at_once``: the
+    ``policy_kind``/``policy_k``, the admission ``cap``, ``suspect``: 0, or a suspect's allowance); how to stream (``first_at_once``: the
     first token at once, for a caller waiting on it; ``interval_s``: at most one chunk per that many seconds
     after it); ``carried``: what a continuation brings, or None."""
 
@@ -87,7 +87,7 @@ class ServeRequest(Record, array_like=True, frozen=True, forbid_unknown_fields=T
     first_at_once: bool
     interval_s: float
     carried: Carried | None
-    suspect: bool
+    suspect: int
 
     def encode(self) -> bytes:
         """The wire form: one msgpack array, values in field order. Tuples come back as lists, NumPy and torch

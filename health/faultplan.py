@@ -64,7 +64,9 @@ Faults of the trainer's refit call itself name no ``shard``:
   refit, the removed one is drained and retired, nothing lost), or ``poison_request``
   (every engine armed to crash under one prompt, which is then sent twice: at most two
   engines die, it comes back as ``poison`` and is refused at once the second time; the
-  fleet keeps serving), or ``operator_resume_mid_refit`` (the operator's ``keep`` pause, a refit, and the
+  fleet keeps serving), or ``poison_in_batch`` (the same prompt in a batch of 24 on three engines: every
+  innocent request completes, the poison comes back ``poison`` after at most two engines), or
+  ``operator_resume_mid_refit`` (the operator's ``keep`` pause, a refit, and the
   operator's resume sent while its transfer runs: the engines refuse it and sample nothing until the refit
   resumes them), or ``controller_kill_under_keep_pause`` (the controller killed while a ``keep`` pause holds
   requests: the engines stay paused across its restart until the operator's resume), or
@@ -121,6 +123,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "refit_under_load": ("call",),
     "resize_under_load": ("call",),
     "poison_request": ("call",),
+    "poison_in_batch": ("call",),
     "operator_resume_mid_refit": ("call",),
     "controller_kill_under_keep_pause": ("call",),
     "loop_error_then_kill": ("call",),

@@ -35,41 +35,17 @@ from fleet.errors import BadRequestError, RouteRefused
 from fleet.eventlog import EventLog
 from fleet.outcome import DIED, ERROR, TIMED_OUT, Outcome
 from fleet.data.batch import ServeBatcher
-from fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, Suspicion, fingerprint, took_down
+from fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, Suspicion, actor_took_down, fingerprint, took_down
 from fleet.records import Request
-from fleet.data.shard_choice import pick_two
+from fleet.data.shard_choice import pick_two, with_room
+from fleet.data.suspects import Evidence, SuspectBook
 from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL, SUSPECT, VERSION
 from fleet.data.routing_state import Member, RoutingState, VersionPolicy
 from fleet.data.partial import Partial
+from fleet.data.result import COMPLETED, RETURNED, FleetResult  # noqa: F401 - the request path's answer, re-exported
 from fleet.types import FINISH_ABORTED, Chunk, GenerationResult, TokenDelta
 from fleet.wire import ServeRequest
 from health import Clock, MonotonicClock
-
-COMPLETED, RETURNED = "completed", "returned"
-
-
-@dataclass(frozen=True)
-class FleetResult:
-    """The end of one accepted request: ``completed`` with ``result``, or ``returned`` with ``reason``."""
-
-    request_id: str
-    status: str
-    result: GenerationResult | None = None
-    reason: str = ""
-    attempts: int = 0
-    accepted_version: int = 0
-    latency_s: float = 0.0
-    queue_s: float = 0.0  # acceptance -> the last dispatch to a shard (latency_s - queue_s: time on the shard)
-    accepted_at: float = 0.0  # the client's clock (time.monotonic() in a FleetClient)
-    continued: int = 0  # attempts that went on from output an engine that failed had made (``fleet.data.partial``)
-    tokens_reused: int = 0  # tokens from failed attempts carried into the result (not generated again)
-    tokens_discarded: int = 0  # tokens from failed attempts thrown away: the request had to start over
-    started_over: str = ""  # why it started over (its version policy, n > 1, continuation off), "" if it never did
-
-    @property
-    def ok(self) -> bool:
-        return self.status == COMPLETED
-
 
 class FleetView(Protocol):
     """What the dispatcher needs: the published routing state, the door to the shards, a way to report."""
@@ -97,7 +73,7 @@ class _Pending:
     attempts: int = 0
     refusals: int = 0
     reasons: list[str] = field(default_factory=list)
-    deaths: list[str] = field(default_factory=list)  # the engines that died while it ran on them
+    evidence: Evidence = field(default_factory=Evidence)  # the engines that died while it ran on them
     dispatched_at: float | None = None
     on: Member | None = None  # the shard running it now, if any
     on_last: Member | None = None  # the shard it was last sent to
@@ -108,7 +84,10 @@ class _Pending:
     started_over: str = ""
     ended: str = ""  # why the caller ended it early (``Dispatcher.end``): it completes with what it holds
     fp: str | None = None  # its fingerprint (``fleet.data.poison``), once needed
-    suspect: bool = False  # this attempt: an engine died under it or its fingerprint (``Suspicion``)
+    # this attempt, if suspect (an engine died under it or its fingerprint): how many suspects it may run beside,
+    # itself included (``fleet.data.suspects``); 0: not suspect
+    allowance: int = 0
+    suspect_wait: float = 0.0  # seconds its deadline moved on by: waits for a shard it may run on, as a suspect
 
 
 
@@ -160,17 +139,16 @@ class Dispatcher:
         self._waiting = 0  # requests waiting for room
         self._excluded: dict[tuple[int, int], tuple[int, float]] = {}  # (slot, inc) -> (epoch, until)
         # (slot, inc) whose actor died: never again, whatever epoch still lists it (an incarnation is not revived;
-        # a routing state published before the controller saw the death would otherwise get it re-sent work)
-        self._dead: set[tuple[int, int]] = set()
+        # a routing state published before the controller saw the death would otherwise get it re-sent work);
+        # each with this client's requests in flight there when it learned (one: it counts against that one)
+        self._dead: dict[tuple[int, int], int] = {}
         self._full: dict[tuple[int, int], float] = {}  # (slot, inc) -> until: it answered ``full``
         self._full_streak: dict[tuple[int, int], int] = {}  # (slot, inc) -> ``full`` answers in a row
         self._poison = PoisonMemory(poison_window_s)
         self._suspicion = Suspicion(poison_window_s)
-        # (slot, inc) -> requests of this client running there that an engine died under (``_acquire``)
-        self._suspects: Counter[tuple[int, int]] = Counter()
-        # (slot, inc) -> until: it refused such a request because another client's runs there (``SUSPECT``)
-        self._suspect_held: dict[tuple[int, int], float] = {}
-        self._poison_told: dict[str, set[tuple[int, int]]] = {}  # fingerprint -> (slot, incarnation) told of it
+        # where this client's suspects run, and the shards another client's fill (``SUSPECT``); a suspect's wait
+        # for a shard it may run on moves its deadline on, by at most one more request timeout
+        self._suspects = SuspectBook(wait_bound_s=request_timeout_s)
         self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
         self._batcher = ServeBatcher(view)  # plain calls ready at once for one shard go as one
         self._live: dict[int, _Pending] = {}  # every request from its acceptance to its end (by object: ids may repeat)
@@ -234,13 +212,12 @@ class Dispatcher:
         # the gate as this client saw it: a close reaches clients with the next routing state, and a request
         # accepted before that may still be served by a shard that serves the committed version
         self._log.emit(Request(event=Request.ACCEPTED, request_id=p.request_id, gate_open=gate_open))
-        deadline = p.accepted_at + self._timeout
         known = self._known_poison(p, p.accepted_at)
         if known is not None:
             return known
         try:
             while True:
-                verdict = await self._attempt(p, deadline)
+                verdict = await self._attempt(p)
                 if isinstance(verdict, FleetResult):
                     return verdict
                 if verdict is None:  # refused without running: routing changed, route again
@@ -248,7 +225,7 @@ class Dispatcher:
                 p.reasons.append(verdict)
                 if p.ended:  # its engine failed or aborted it after the caller ended it: what it holds is its answer
                     return self._ended_early(p)
-                if len(p.deaths) >= POISON_DEATHS:
+                if len(p.evidence.deaths) >= POISON_DEATHS:
                     return self._poisoned(p)
                 if p.attempts > self._max_redispatch:
                     return self._return(p, f"redispatch budget ({self._max_redispatch}) spent: {'; '.join(p.reasons)}")
@@ -303,33 +280,38 @@ class Dispatcher:
         self._aborts.add(future)
         future.add_done_callback(self._aborts.discard)
 
-    async def _attempt(self, p: _Pending, deadline: float) -> FleetResult | str | None:
+    async def _attempt(self, p: _Pending) -> FleetResult | str | None:
         """One dispatch: the final result, a reason to re-send (counts against ``max_redispatch``),
         or None when the shard refused it without running (re-route, free)."""
-        target = await self._acquire(p, deadline)
+        try:
+            target = await self._acquire(p)
+        finally:
+            self._suspects.waiting.discard(id(p))
         if isinstance(target, FleetResult):
             return target
         state, m = target
+        deadline = self._deadline(p)
+        key = (m.slot, m.incarnation)
         p.attempts += 1
         p.dispatched_at = self._clock.now()
         p.on = p.on_last = m
         self.outstanding.setdefault(m.slot, {})[p.request_id] = (m.incarnation, state.version)
         self._load[m.slot] = self._load.get(m.slot, 0) + 1
-        suspect = (m.slot, m.incarnation) if p.suspect else None
-        if suspect is not None:
-            self._suspects[suspect] += 1
+        allowance = p.allowance
+        if allowance:
+            self._suspects.start(key, allowance)
             self._suspicion.take(self._fp(p))
         prompt, sampling, carried = p.out.continuation(p.prompt, p.sampling)
         p.out.begin()
         if carried is not None:
             self._log.emit(Request(event=Request.CONTINUED, request_id=p.request_id, slot=m.slot,
                                    incarnation=m.incarnation, tokens=carried.tokens))
+        outcome = None
         try:
             streamed = p.out.on_tokens is not None
             request = ServeRequest(prompt, sampling, p.request_id, self._view.cache_salt(state.version), state.epoch,
                                    p.policy.kind, p.policy.k, state.cap_map.get(m.slot), streamed,
-                                   self._interval if streamed else self._hold_interval, carried, p.suspect)
-            outcome = None
+                                   self._interval if streamed else self._hold_interval, carried, allowance)
             async for out in self._send(m, request, p, sampling, deadline):
                 if out.ok and isinstance(out.value, Chunk):
                     p.out.take(out.value)
@@ -338,12 +320,15 @@ class Dispatcher:
                 break
             p.on = None  # (left set when the call is cancelled: ``_cancelled`` aborts it there)
         finally:
+            if outcome is not None and outcome.kind == DIED and key not in self._dead:  # the first to learn it: what
+                # ran there then (the others still count themselves in flight)
+                self._dead[key] = self._in_flight_at(key)
+            elif outcome is not None and took_down(outcome, p.request_id):  # what runs there falls too: suspects
+                self._suspects.crashed.add(key)
             self.outstanding.get(m.slot, {}).pop(p.request_id, None)
             self._load[m.slot] -= 1
-            if suspect is not None:
-                self._suspects[suspect] -= 1
-                if not self._suspects[suspect]:
-                    del self._suspects[suspect]
+            if allowance:
+                self._suspects.end(key, allowance)
                 self._suspicion.release(self._fp(p))
             await self.notify_room()
         if outcome is None:  # the stream ended with no result: the shard's end was lost on the way
@@ -361,8 +346,8 @@ class Dispatcher:
             return self._complete(p, p.out.result(result))
         if isinstance(outcome.error, RouteRefused):
             return await self._refused(p, m, state, deadline, outcome.error)
-        self._full.pop((m.slot, m.incarnation), None)  # one of ours ended there: it has room again
-        self._full_streak.pop((m.slot, m.incarnation), None)
+        self._full.pop(key, None)  # one of ours ended there: it has room again
+        self._full_streak.pop(key, None)
         if isinstance(outcome.error, BadRequestError):
             return self._return(p, f"bad request: {outcome.error}")
         if outcome.kind == TIMED_OUT:
@@ -372,12 +357,11 @@ class Dispatcher:
             self._abort_on(m, p)
             return self._return(p, f"request timeout ({self._timeout:g} s) passed while slot {m.slot} "
                                    f"(incarnation {m.incarnation}) generated it; aborted there")
-        if took_down(outcome, p.request_id):
-            p.deaths.append(f"slot {m.slot} (incarnation {m.incarnation})")
+        if took_down(outcome, p.request_id) or actor_took_down(outcome, self._dead.get(key, 0)):
+            # its engine died under it: evidence toward poison if it ran there as the only suspect (or as none)
+            p.evidence.fell(f"slot {m.slot} (incarnation {m.incarnation})", allowance)
             self._suspicion.mark(self._fp(p), self._clock.now())
         self._exclude(m, state.epoch)
-        if outcome.kind == DIED:
-            self._dead.add((m.slot, m.incarnation))
         self._view.report(m.slot, m.incarnation, outcome, state.epoch)
         return f"slot {m.slot} (incarnation {m.incarnation}) failed: {outcome.describe()}"
 
@@ -410,9 +394,9 @@ class Dispatcher:
             self._full_streak[key] = self._full_streak.get(key, 0) + 1
             self._full[key] = self._clock.now() + self._full_hold(key)
             return None
-        if error.reason == SUSPECT:  # another client's request an engine died under runs there: elsewhere, at once
+        if error.reason == SUSPECT:  # other clients' suspects run there, as many as allowed: elsewhere, at once
             # (such requests run a generation long: no probe of that shard for the longest ``full`` hold)
-            self._suspect_held[key] = self._clock.now() + FULL_HOLD_MAX_S
+            self._suspects.hold(key, self._clock.now() + FULL_HOLD_MAX_S)
             return None
         self._full.pop(key, None)
         self._full_streak.pop(key, None)
@@ -472,27 +456,21 @@ class Dispatcher:
 
     def _poisoned(self, p: _Pending) -> FleetResult:
         """``p`` took down ``POISON_DEATHS`` engines: return it, never send it again, remember its fingerprint."""
-        fp = self._fp(p)
-        engines = ", ".join(p.deaths)
+        fp, deaths = self._fp(p), p.evidence.deaths
+        engines = ", ".join(deaths)
         self._poison.remember(fp, engines, self._clock.now())  # its copies stay suspect: waiting, they are returned
-        self._log.emit(Request(event=Request.POISON, request_id=p.request_id, fingerprint=fp, engines=p.deaths,
+        self._log.emit(Request(event=Request.POISON, request_id=p.request_id, fingerprint=fp, engines=deaths,
                                window_s=self._poison.window_s))
         self.tell_poison(self._view.routing())  # every serving shard refuses it too, to every client
-        return self._return(p, f"{POISON}: its attempts took down {len(p.deaths)} engines ({engines}); "
+        return self._return(p, f"{POISON}: its attempts took down {p.evidence.describe()}; "
                                f"fingerprint {fp}; not sent again, and refused for {self._poison.window_s:g} s "
                                f"(poison_window_s)")
 
     def tell_poison(self, state: RoutingState) -> None:
         """Tell every member of ``state`` not yet told each poison this client remembers, with the window it has
         left (in the background): a shard that joined later (a restart, a resize) refuses it too."""
-        if not self._poison:
-            return
-        for fp, left in self._poison.live(self._clock.now()):
-            told = self._poison_told.setdefault(fp, set())
-            for m in state.members:
-                if (m.slot, m.incarnation) in told:
-                    continue
-                told.add((m.slot, m.incarnation))
+        if self._poison:
+            for m, fp, left in self._poison.untold(state.members, self._clock.now()):
                 self._background(self._view.door.call(m.handle, "refuse_poison", fp, left, timeout=10.0))
 
     def _known_poison(self, p: _Pending, now: float) -> FleetResult | None:
@@ -519,16 +497,36 @@ class Dispatcher:
         for key, (epoch, until) in list(self._excluded.items()):
             if epoch != state.epoch or now >= until:
                 del self._excluded[key]
-        for held in (self._full, self._suspect_held):
-            for key, until in list(held.items()):
-                if now >= until:
-                    del held[key]
-        if self._dead:  # forgotten once no routing state lists it (bounded by the fleet's size)
-            self._dead &= {(m.slot, m.incarnation) for m in state.members}
+        for key, until in list(self._full.items()):
+            if now >= until:
+                del self._full[key]
+        if self._dead or self._suspects.crashed:  # forgotten once no routing state lists it (bounded by the fleet)
+            live = {(m.slot, m.incarnation) for m in state.members}
+            self._dead = {key: n for key, n in self._dead.items() if key in live}
+            self._suspects.crashed &= live
         return [m for m in state.members if (m.slot, m.incarnation) not in self._excluded
                 and (m.slot, m.incarnation) not in self._full and (m.slot, m.incarnation) not in self._dead]
 
-    async def _acquire(self, p: _Pending, deadline: float):
+    def _in_flight_at(self, key: tuple[int, int]) -> int:
+        """This client's requests in flight on ``key`` (slot, incarnation)."""
+        return sum(inc == key[1] for inc, _ in self.outstanding.get(key[0], {}).values())
+
+    def _deadline(self, p: _Pending) -> float:
+        """When ``p``'s request timeout ends: from its acceptance, moved on by its waits as a suspect."""
+        return p.accepted_at + self._timeout + p.suspect_wait
+
+    def _as_suspect(self, p: _Pending, members: list[Member], now: float) -> list[Member]:
+        """The members ``p`` may be sent to if it is suspect (an engine died under it or its fingerprint), with
+        its allowance set (``fleet.data.suspects``: never beside more suspects than it or they allow, the shard
+        refuses it beside other clients' as ``SUSPECT``), one of its fingerprint at a time (``Suspicion``);
+        all of ``members`` if it is not (allowance 0)."""
+        fp, p.allowance = self._fp(p), 0
+        if not (p.evidence.suspect or (self._suspicion and self._suspicion.suspect(fp, now))):
+            return members
+        p.allowance, fits = self._suspects.choose(id(p), members, p.evidence.share, now, self._in_flight_at)
+        return [] if self._suspicion.busy(fp) else fits
+
+    async def _acquire(self, p: _Pending):
         """Wait for an open gate and a serving shard with room; or the explicit return of ``p``."""
         while True:
             if p.ended:
@@ -536,33 +534,32 @@ class Dispatcher:
             state = self._view.routing()
             if state.stopped:
                 return self._return(p, f"fleet stopped: {state.stopped}")
-            left = deadline - self._clock.now()
+            now = self._clock.now()
+            left = self._deadline(p) - now
             if left <= 0:
-                return self._return(p, f"no serving shard within the request timeout ({self._timeout:.0f} s)")
+                waited = f", and {p.suspect_wait:.1f} s more as a suspect" if p.suspect_wait else ""
+                return self._return(p, f"no serving shard within the request timeout ({self._timeout:.0f} s{waited})")
             if not state.gate_open:
                 await self._view.newer_routing(state.epoch, min(left, 1.0))
                 continue
             self.tell_poison(state)
             members = self._candidates(state)
-            p.suspect = bool(p.deaths) or bool(self._suspicion) and self._suspicion.suspect(self._fp(p), self._clock.now())
-            if p.suspect:  # never beside another such request (``_suspects``; the shard refuses one beside another
-                # client's, ``SUSPECT``), one of its fingerprint at a time (``Suspicion``)
-                now = self._clock.now()
+            fits = self._as_suspect(p, members, now)
+            if p.allowance:
                 known = self._known_poison(p, now)  # found poison while it waited behind a copy of it
                 if known is not None:
                     return known
-                members = [] if self._suspicion.busy(self._fp(p)) else [
-                    m for m in members if (m.slot, m.incarnation) not in self._suspects
-                    and self._suspect_held.get((m.slot, m.incarnation), 0.0) <= now]
-            m = pick_two(members, self.load(), state.cap_map, self._rng)
+            m = pick_two(fits, self.load(), state.cap_map, self._rng)
             if m is not None:
                 if (m.slot, m.incarnation) in self._full_streak:  # it was full: one probe at a time
-                    self._full[(m.slot, m.incarnation)] = self._clock.now() + self._full_hold((m.slot, m.incarnation))
+                    self._full[(m.slot, m.incarnation)] = now + self._full_hold((m.slot, m.incarnation))
                 return state, m
+            # only the suspects' rules hold it back: the wait does not spend its timeout
+            behind_suspects = p.allowance and with_room(members, self.load(), state.cap_map)
             wait = min(left, 0.5)
-            held = list(self._full.values()) + (list(self._suspect_held.values()) if p.suspect else [])
+            held = list(self._full.values()) + (self._suspects.holds(now) if p.allowance else [])
             if held:  # every shard with room by our count answered ``full`` (or ``suspect``): a short backoff
-                wait = min(wait, max(0.001, min(held) - self._clock.now()))
+                wait = min(wait, max(0.001, min(held) - now))
             self._waiting += 1
             try:
                 async with self._room:
@@ -571,6 +568,8 @@ class Dispatcher:
                 pass
             finally:
                 self._waiting -= 1
+            if behind_suspects:
+                p.suspect_wait += self._suspects.credit(p.suspect_wait, self._clock.now() - now)
 
     def _complete(self, p: _Pending, result: GenerationResult) -> FleetResult:
         self.completed += 1

@@ -3,23 +3,25 @@
 A request that crashes the engine running it (a prompt or sampling setting that breaks
 the model's kernels, a tokenizer edge case) would, re-sent after each death, take down
 every engine in turn and spend every restart budget. The dispatcher counts, per request,
-the engines that died *under* it (``took_down``): the shard says its engine core crashed
-while that very request ran (``EngineCrashedError.request_id``). An engine that was already
-dead when the request arrived does not count, nor does a shard actor that died (see
-``took_down``: an in-process engine core that segfaults takes its actor with it and is not
-caught here). An engine core that dies takes every request it ran with it, and the shard names
-each one (it cannot tell which broke it): so a request an engine died under never runs beside another
-such request. Its ticket says so (``Ticket.suspect``) and each shard runs one at a time, from any client
-(``fleet.shard.request_gate.SUSPECT``); a client also keeps its own apart before sending
-(``Dispatcher._acquire``). A request whose fingerprint an engine died under (``Suspicion``: the later
-copies of a poison group, which carry no death of their own) is suspect too, and a client runs one
-request of a suspect fingerprint at a time. What shared the culprit's first engine does not share its
-second, and completes; the copies of the culprit are tried one at a time. At ``POISON_DEATHS`` the
-request is returned with the reason ``poison`` and its fingerprint (prompt and sampling, seed left out:
-a group's samples differ only in their seeds) is remembered for ``poison_window_s``; a request with
-that fingerprint is refused at once meanwhile, before it reaches any engine (the copies that waited
-behind it too). Copies of one poison that run at once before any engine died under them each take
-their engine down: nothing tells them from the rest of a batch yet.
+the engines that died *under* it: the shard says its engine core crashed while that very
+request ran (``took_down``: ``EngineCrashedError.request_id``), or the shard's actor died
+while it was the only request its client had in flight there (``actor_took_down``). An engine
+that was already dead when the request arrived does not count (as far as the shard can tell).
+An engine core that dies takes every request it ran with it, and the shard names each one (it
+cannot tell which broke it): each becomes a *suspect*, and so does a request whose fingerprint an
+engine died under (``Suspicion``: the later copies of a poison group, which carry no death of their
+own; a client runs one request of a suspect fingerprint at a time). Where suspects run, when a death
+counts toward ``POISON_DEATHS`` and how long a suspect waits is ``fleet.data.suspects``: a suspect's
+ticket carries how many suspects it may run beside (``Ticket.suspect``), one while few wait, and every
+shard enforces it for every client (``fleet.shard.request_gate.SUSPECT``); a death counts only against
+a request that ran there as no suspect or as the only one; a suspect's wait for a shard it may run on
+does not spend its request timeout (bounded). What shared the culprit's first engine does not share
+its second, and completes; the copies of the culprit are tried one at a time. At ``POISON_DEATHS``
+the request is returned with the reason ``poison`` and its fingerprint (prompt and sampling, seed
+left out: a group's samples differ only in their seeds) is remembered for ``poison_window_s``; a
+request with that fingerprint is refused at once meanwhile, before it reaches any engine (the copies
+that waited behind it too). Copies of one poison that run at once before any engine died under them
+each take their engine down: nothing tells them from the rest of a batch yet.
 
 Who remembers: the client that found it (``fleet.data.dispatch.Dispatcher``), and every shard
 serving when it did: the client tells them (``EngineShard.refuse_poison``, in the
@@ -35,10 +37,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Iterable
 
 from fleet.errors import EngineCrashedError
-from fleet.outcome import ERROR, Outcome
+from fleet.outcome import DIED, ERROR, Outcome
+from fleet.data.suspects import S
 
 POISON = "poison"
 POISON_DEATHS = 2  # engines a request may take down; it is never sent to another one
@@ -46,13 +49,25 @@ POISON_DEATHS = 2  # engines a request may take down; it is never sent to anothe
 
 def took_down(outcome: Outcome, request_id: str) -> bool:
     """True if the attempt of ``request_id`` ended with its engine's death while it ran there: the shard,
-    alive, says its engine core crashed during that very request. A shard *actor* that died (``DIED``) is
-    no evidence: kills, OOM killers and lost nodes take actors down in groups, and a request re-sent from
-    one killed engine to another killed a moment later would be blamed for both (the matrix's
-    ``below-quorum-between-refits`` did exactly that). vLLM's engine core is its own process (the default
-    on GPUs), so a prompt that breaks the model crashes the core under a live actor, which says so."""
+    alive, says its engine core crashed during that very request. vLLM's engine core is its own process (the
+    default on GPUs), so a prompt that breaks the model crashes the core under a live actor, which says so. A
+    shard *actor* that died is ``actor_took_down``'s to judge."""
     return (outcome.kind == ERROR and isinstance(outcome.error, EngineCrashedError)
             and outcome.error.request_id == request_id)
+
+
+def actor_took_down(outcome: Outcome, in_flight_there: int) -> bool:
+    """True if the attempt ended with its shard's actor dead (``DIED``: the shard's process died, not only its
+    engine core: a segfault in it, a host's OOM killer after a huge answer) while it was the only request its
+    client had in flight there (``in_flight_there``, counted when the client first learned of the death). A
+    poison that kills its actor would otherwise count nothing and take down every engine in turn. Kills, OOM
+    killers and lost nodes take actors down in groups, each running several requests: those count against none
+    of them (the matrix's ``below-quorum-between-refits`` once had 12 requests returned as poison when every
+    actor death counted). What this cannot tell: another client's requests beside it (each client blames its
+    own lone one, as every request on a crashed core is blamed), an actor that was dead before the request
+    reached it, and a lone request on two actors killed one after the other: blamed for both, the price of
+    catching a poison that kills its actor (one that did took down 4 engines before this counted it)."""
+    return outcome.kind == DIED and in_flight_there == 1
 
 
 def fingerprint(prompt: Any, sampling: dict) -> str:
@@ -63,11 +78,13 @@ def fingerprint(prompt: Any, sampling: dict) -> str:
 
 
 class PoisonMemory:
-    """Fingerprints of poison requests, each until its window ends (``window_s`` 0: none remembered)."""
+    """Fingerprints of poison requests, each until its window ends (``window_s`` 0: none remembered), and the
+    shards told of each."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = float(window_s)
         self._until: dict[str, tuple[float, str]] = {}  # fingerprint -> (until, what it took down)
+        self._told: dict[str, set[tuple[int, int]]] = {}  # fingerprint -> (slot, incarnation) told of it
 
     def __bool__(self) -> bool:
         return bool(self._until)
@@ -79,6 +96,18 @@ class PoisonMemory:
     def live(self, now: float) -> list[tuple[str, float]]:
         """Each remembered fingerprint with the seconds of its window left at ``now``."""
         return [(fp, until - now) for fp, (until, _) in self._until.items() if until > now]
+
+    def untold(self, shards: Iterable[S], now: float) -> list[tuple[S, str, float]]:
+        """(shard, fingerprint, seconds of its window left) for each live poison each of ``shards`` has not been
+        told of yet; from now on they count as told."""
+        out = []
+        for fp, left in self.live(now):
+            told = self._told.setdefault(fp, set())
+            for s in shards:
+                if (s.slot, s.incarnation) not in told:
+                    told.add((s.slot, s.incarnation))
+                    out.append((s, fp, left))
+        return out
 
     def known(self, fp: str, now: float) -> str | None:
         """What ``fp`` took down, if it is remembered at ``now``; forgets the expired ones."""
@@ -97,7 +126,7 @@ class Suspicion:
     Sent as ordinary requests, they would run beside requests that already count one death and give
     those their second (an innocent group returned as poison and refused for the window), and each would
     take down one more engine. So a request whose fingerprint is suspect is itself suspect (kept apart
-    like one with a death: ``Ticket.suspect``), and one request per suspect fingerprint runs at a time
+    like one with a death: ``fleet.data.suspects``), and one request per suspect fingerprint runs at a time
     (``take``/``release``): one copy of the culprit is tried alone, reaches its second death and is
     returned as poison, and the copies that waited are refused with it (a suspect request checks the
     client's ``PoisonMemory`` before each send). A fingerprint leaves suspicion when a request with it

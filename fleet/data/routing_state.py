@@ -70,13 +70,14 @@ class VersionPolicy:
 class Ticket:
     """What a request carries to the shard: the routing epoch it was routed under, its policy, the
     shard's admission cap in that routing state (None: no cap), which the shard enforces, and whether it is
-    suspect (``suspect``: an engine already died under it, or under a request with its fingerprint; the shard
-    runs one such request at a time, ``fleet.data.poison``)."""
+    suspect (``suspect``: an engine already died under it, or under a request with its fingerprint): 0 if
+    not, else its allowance, the most suspects (itself included) it may run beside; the shard holds every
+    suspect to its own and the others' (``fleet.data.suspects``). 1: the only suspect on that engine."""
 
     epoch: int
     policy: VersionPolicy = VersionPolicy()
     cap: int | None = None
-    suspect: bool = False
+    suspect: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ def pick_two(members: Sequence[T], outstanding: Mapping[int, int], caps: Mapping
     has a ``slot``; a slot missing from ``caps`` has no cap. With ``rng`` seeded the
     choice is reproducible. O(members) to filter by room, O(1) to choose.
     """
-    room = [m for m in members if caps.get(m.slot) is None or outstanding.get(m.slot, 0) < caps[m.slot]]
+    room = with_room(members, outstanding, caps)
     if len(room) <= 1:
         return room[0] if room else None
     if len(room) <= FULL_SCAN_UP_TO:  # a small fleet: look at every member (as cheap, and never leaves one idle)
@@ -32,3 +32,8 @@ def pick_two(members: Sequence[T], outstanding: Mapping[int, int], caps: Mapping
         return rng.choice([m for m in room if outstanding.get(m.slot, 0) == least])
     a, b = rng.sample(room, 2)
     return a if outstanding.get(a.slot, 0) <= outstanding.get(b.slot, 0) else b
+
+
+def with_room(members: Sequence[T], outstanding: Mapping[int, int], caps: Mapping[int, int]) -> list[T]:
+    """The members below their cap (a slot missing from ``caps`` has none)."""
+    return [m for m in members if caps.get(m.slot) is None or outstanding.get(m.slot, 0) < caps[m.slot]]

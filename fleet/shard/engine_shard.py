@@ -84,7 +84,7 @@ class EngineShard:
         self._hooks = FaultHooks(lambda: getattr(self._backend, "engine_core_pids", lambda: [])(), slot, incarnation,
                                  self.config.fault_journal)
         self._inflight: dict[str, tuple[int, VersionPolicy | None]] = {}  # request id -> (version at start, policy)
-        self._suspects: set[str] = set()  # the ones in flight that are suspect (``Ticket.suspect``)
+        self._suspects: dict[str, int] = {}  # the ones in flight that are suspect, with their allowance (``Ticket``)
         self._running: dict[str, asyncio.Future] = {}
         self._recent = RecentResults()
         self.gate = ShardGate()
@@ -277,7 +277,7 @@ class EngineShard:
                 return await asyncio.shield(running)
         start = self._version if carried is None else min(self._version, carried.oldest)
         refused = (self.gate.poison_refusal(lambda: fingerprint(prompt, sampling or {}), time.monotonic())
-                   or self.gate.admit(ticket, start, len(self._inflight), len(self._suspects)))
+                   or self.gate.admit(ticket, start, len(self._inflight), self._suspects.values()))
         if refused is not None:
             raise RouteRefused(
                 f"{self._who()} refused request {request_id!r} ({refused}): "
@@ -290,7 +290,7 @@ class EngineShard:
         done = self._running[rid] = asyncio.get_running_loop().create_future()
         self._inflight[rid] = (start, ticket.policy if ticket is not None else None)
         if ticket is not None and ticket.suspect:
-            self._suspects.add(rid)
+            self._suspects[rid] = ticket.suspect
         self._load["peak"] = max(self._load["peak"], len(self._inflight))
         self._busy()
         out = OutputStream(backend, tokens, dict(sampling or {}), rid, carried, emit, lambda: self._version)
@@ -324,7 +324,7 @@ class EngineShard:
             raise
         finally:
             self._inflight.pop(rid, None)
-            self._suspects.discard(rid)
+            self._suspects.pop(rid, None)
             self._running.pop(rid, None)
             self._busy()
             self._load["finished"] += 1
@@ -401,8 +401,10 @@ class EngineShard:
         if reason == POISON:
             return "a client found requests like it take down two engines (poison_window_s)"
         if reason == SUSPECT:
-            return (f"it is suspect (an engine died under it or its prompt) and it runs "
-                    f"{', '.join(sorted(self._suspects))}, suspect too: two such requests never share an engine")
+            assert ticket is not None  # (only a suspect ticket is refused as such)
+            running = ", ".join(f"{r} (allowing {a})" for r, a in sorted(self._suspects.items()))
+            return (f"it is suspect (an engine died under it or its prompt), allowing {ticket.suspect} on its "
+                    f"engine, and it runs {running}, suspect too: no more may share it (fleet.data.suspects)")
         assert ticket is not None  # VERSION (``ShardGate.refusal``: only a routed request's policy is refused)
         return (f"weights version {self._version} do not meet policy {ticket.policy.describe()} "
                 f"(committed version {g.committed})")

@@ -12,10 +12,11 @@ agrees with what the controller last told the shard:
   one the controller published, carried by the tickets; the newest routing epoch's cap
   wins, so however many clients route here, the shard never holds more than that;
 - ``suspect``: the request is suspect (an engine already died under it or under its fingerprint:
-  its ticket says so) and the shard runs another such request, from any client. An engine core
-  that dies takes every request it ran with it, each one counted against; two of them on one
-  engine could both be under the culprit's next death, and an innocent one would be returned as
-  poison with it (``fleet.data.poison``);
+  its ticket says so, with its allowance) and the shard runs as many such requests, from any
+  client, as its allowance or theirs admits (``fleet.data.suspects.may_join``). An engine core
+  that dies takes every request it ran with it, each one counted against; a death counts toward
+  poison only against the one suspect on its engine (allowance 1), so the shard must never let a
+  second one beside it (``fleet.data.poison``);
 - ``poison``: the request's fingerprint (``fleet.data.poison``) is one a client found took down
   two engines and told this shard about (``remember_poison``), within its window. Not
   retryable: the client returns the request as poison.
@@ -29,12 +30,13 @@ completed returns the same result, and one still running joins the running call.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from fleet.data.routing_state import Ticket
+from fleet.data.suspects import may_join
 
 PAUSED, NOT_MEMBER, EPOCH, VERSION, FULL = "paused", "not_member", "epoch", "version", "full"
-SUSPECT = "suspect"  # another suspect request runs here: one at a time
+SUSPECT = "suspect"  # the suspects running here, or this one, allow no more beside them
 POISON = "poison"  # (``fleet.data.poison.POISON``)
 
 
@@ -52,9 +54,10 @@ class ShardGate:
         self.peak_in_flight = 0  # the most requests held at once since the shard started
         self._poison: dict[str, float] = {}  # fingerprint -> until (the caller's clock)
 
-    def refusal(self, ticket: Ticket | None, version: int, in_flight: int = 0, suspects: int = 0) -> str | None:
+    def refusal(self, ticket: Ticket | None, version: int, in_flight: int = 0,
+                suspects: Collection[int] = ()) -> str | None:
         """Why a request with ``ticket`` must not run on weights ``version`` now, with ``in_flight``
-        requests held (``suspects`` of them suspect), or None to admit it."""
+        requests held (``suspects``: the allowances of those that are suspect), or None to admit it."""
         if self.paused:
             return PAUSED
         if ticket is None:
@@ -67,11 +70,12 @@ class ShardGate:
             return VERSION
         if self.cap is not None and in_flight >= self.cap:
             return FULL
-        if ticket.suspect and suspects:
+        if ticket.suspect and not may_join(suspects, ticket.suspect):
             return SUSPECT
         return None
 
-    def admit(self, ticket: Ticket | None, version: int, in_flight: int = 0, suspects: int = 0) -> str | None:
+    def admit(self, ticket: Ticket | None, version: int, in_flight: int = 0,
+              suspects: Collection[int] = ()) -> str | None:
         """Learn the cap ``ticket`` carries (if its routing state is the newest seen), then count the verdict
         of ``refusal``; returns the reason when refused. The caller holds ``in_flight`` requests and adds
         this one on admission, with no await in between (the check and the count are one step)."""

@@ -57,7 +57,8 @@ class FakeShard:
     held: int = 0
     gate: ShardGate = field(default_factory=ShardGate)  # the real shard-side gate (pure)
     in_flight: dict = field(default_factory=dict)  # request id -> (version at start, policy)
-    suspects: set = field(default_factory=set)  # the request ids in flight an engine died under before
+    suspects: dict = field(default_factory=dict)  # request id -> allowance: the suspects in flight (``Ticket.suspect``)
+    peak_suspects: int = 0  # the most suspects it ran at once
     ran_while_paused: int = 0
     dirty: bool = False  # a transfer wrote into the weights since the last stamp
     state: str = "ready"  # what describe() says of its engine ("starting" while a restart is under way)
@@ -311,13 +312,14 @@ class FakeDoor:
 
     async def _generate(self, s, prompt, sampling, request_id=None, cache_salt=None, timeout=None, ticket=None):
         reason = (s.gate.poison_refusal(lambda: fingerprint(prompt, sampling or {}), asyncio.get_running_loop().time())
-                  or s.gate.admit(ticket, s.version, len(s.in_flight), len(s.suspects)))
+                  or s.gate.admit(ticket, s.version, len(s.in_flight), s.suspects.values()))
         if reason is not None:
             raise RouteRefused(f"slot {s.slot} refused {request_id} ({reason})", reason)
         start = s.version
         s.in_flight[request_id] = (start, ticket.policy if ticket is not None else None)
         if ticket is not None and ticket.suspect:
-            s.suspects.add(request_id)
+            s.suspects[request_id] = ticket.suspect
+            s.peak_suspects = max(s.peak_suspects, len(s.suspects))
         try:
             loop = asyncio.get_running_loop()
             until = loop.time() + self.gen_delay
@@ -328,7 +330,7 @@ class FakeDoor:
             aborted = s.in_flight.get(request_id) is None
         finally:
             s.in_flight.pop(request_id, None)
-            s.suspects.discard(request_id)
+            s.suspects.pop(request_id, None)
         c = Completion((1, 2), (-0.1, -0.2), "abort" if aborted else "length")
         return GenerationResult(request_id, (1,), (c,), start, s.version, s.slot, s.incarnation)
 

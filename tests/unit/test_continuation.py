@@ -184,7 +184,8 @@ def test_a_request_whose_engine_dies_goes_on_elsewhere_from_its_tokens_with_ever
         assert r.result.version_spans == ((0, 0, 3), (1, 3, 5)) and r.result.mixed_versions
         (slot, second), = [(s, req) for s, req in door.sent if s == 1]
         assert second.prompt == [1, 2, 5, 6, 7] and second.sampling["max_tokens"] == 2
-        assert (second.carried, second.suspect) == (Carried(3, "<5><6><7>", 0), False)
+        # (its actor died with it alone in flight there: it goes on as a suspect, ``fleet.data.poison``)
+        assert (second.carried, second.suspect) == (Carried(3, "<5><6><7>", 0), 1)
         assert [t for d in told for t in d.token_ids] == [5, 6, 7, 8, 9]  # each once, in order
 
     asyncio.run(go())

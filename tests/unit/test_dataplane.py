@@ -81,11 +81,31 @@ def test_the_gate_runs_one_request_an_engine_died_under_at_a_time_and_any_number
     from fleet.shard.request_gate import SUSPECT
 
     g = member_gate()
-    suspect, plain = Ticket(3, VersionPolicy(ANY), suspect=True), Ticket(3, VersionPolicy(ANY))
-    assert g.admit(suspect, 2, in_flight=5, suspects=0) is None  # beside ordinary requests: admitted
-    assert g.admit(suspect, 2, in_flight=6, suspects=1) == SUSPECT  # beside another such one: refused
-    assert g.admit(plain, 2, in_flight=6, suspects=1) is None  # an ordinary one is not held back by it
+    suspect, plain = Ticket(3, VersionPolicy(ANY), suspect=1), Ticket(3, VersionPolicy(ANY))
+    assert g.admit(suspect, 2, in_flight=5, suspects=()) is None  # beside ordinary requests: admitted
+    assert g.admit(suspect, 2, in_flight=6, suspects=(1,)) == SUSPECT  # beside another such one: refused
+    assert g.admit(plain, 2, in_flight=6, suspects=(1,)) is None  # an ordinary one is not held back by it
     assert g.counters()["refused"] == {SUSPECT: 1} and g.admitted == 2
+
+
+def test_the_gate_lets_suspects_share_an_engine_only_as_far_as_each_ones_allowance_admits():
+    """When many suspects wait their client sends them with an allowance above 1 (``fleet.data.suspects``): the
+    shard runs that many side by side, and never puts one beside a suspect that must run alone (allowance 1: its
+    death is the one that counts toward poison), from whichever client."""
+    from fleet.shard.request_gate import SUSPECT
+
+    g = member_gate()
+
+    def ticket(allowance):
+        return Ticket(3, VersionPolicy(ANY), suspect=allowance)
+
+    assert g.admit(ticket(3), 2, in_flight=4, suspects=(3,)) is None
+    assert g.admit(ticket(3), 2, in_flight=5, suspects=(3, 3)) is None
+    assert g.admit(ticket(3), 2, in_flight=6, suspects=(3, 3, 3)) == SUSPECT  # three of three
+    assert g.admit(ticket(3), 2, in_flight=6, suspects=(2, 3)) == SUSPECT  # one there allows two only
+    assert g.admit(ticket(1), 2, in_flight=6, suspects=(3,)) == SUSPECT  # it must run alone
+    assert g.admit(ticket(4), 2, in_flight=6, suspects=(1,)) == SUSPECT  # the one there must
+    assert g.admit(ticket(1), 2, in_flight=6, suspects=()) is None
 
 
 def test_fence_and_rejoin_raise_the_floor():
@@ -179,7 +199,8 @@ def test_a_shard_refuses_a_second_request_an_engine_died_under_naming_the_first_
     from fleet.wire import ServeRequest
 
     def packed(rid: str, suspect: bool) -> bytes:
-        return ServeRequest([1, 2], {"max_tokens": 2}, rid, None, 4, "any", 0, None, False, 0.0, None, suspect).encode()
+        return ServeRequest([1, 2], {"max_tokens": 2}, rid, None, 4, "any", 0, None, False, 0.0, None,
+                            int(suspect)).encode()
 
     async def go():
         b = CountingBackend(delay=5.0)

@@ -124,9 +124,10 @@ def test_matrix_covers_every_required_variant_and_all_plans_are_valid():
                 "controller-kill-between-refits", "controller-kill-during-pause", "controller-kill-during-transfer",
                 "controller-kill-during-resume", "controller-kill-during-shutdown", "spare-promotion",
                 "hang-at-pause-evicted", "hang-at-resume-evicted", "freeze-between-refits", "resize-under-load",
-                "stamp-unavailable", "stamp-error", "relay-commit-under-controller-kill", "sender-killed-mid-transfer", "poison-request",
-                "freeze-core-between-refits", "freeze-core-during-transfer", "long-refit-keeps-admission-caps"}
-    assert required <= names and len(MATRIX) == len(names) == 43
+                "stamp-unavailable", "stamp-error", "relay-commit-under-controller-kill", "sender-killed-mid-transfer",
+                "poison-request", "poison-in-batch", "freeze-core-between-refits", "freeze-core-during-transfer",
+                "long-refit-keeps-admission-caps"}
+    assert required <= names and len(MATRIX) == len(names) == 44
     for v in MATRIX:
         load_plan(v.plan)
     controller = [v for v in MATRIX if any(f["what"] == "kill_controller" for f in v.plan["faults"])]
@@ -232,7 +233,7 @@ def test_a_fault_at_stream_goes_off_mid_generation_once_output_went_out(tmp_path
         t0 = loop.time()
         try:  # first token at once, then one chunk per 0.1 s
             async for item in shard.serve_stream(ServeRequest([1, 2], {"max_tokens": max_tokens}, None, None, 0, "any", 0,
-                                                              None, True, 0.1, None, False).encode()):
+                                                              None, True, 0.1, None, 0).encode()):
                 got.append(item)
         except ShardUnavailableError as exc:
             got.append(exc)

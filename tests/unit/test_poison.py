@@ -3,9 +3,11 @@
 A request whose attempts took down two engines is returned with the reason ``poison``
 and never sent a third time; its fingerprint (prompt and sampling, not the seed) is
 logged and refused at once, by that client, for ``poison_window_s``. An engine death
-counts against a request only when the shard says its engine crashed during that request
-(``EngineCrashedError`` with its ``request_id``): not when the engine was already dead when
-it arrived, nor when the shard's actor died (operators and lost nodes kill actors in groups).
+counts against a request when the shard says its engine crashed during that request
+(``EngineCrashedError`` with its ``request_id``), not when the engine was already dead when
+it arrived; a shard's actor that died counts only against a request that was its client's only
+one there (operators and lost nodes kill actors in groups). Where suspects run and when a death
+counts: ``tests/unit/test_suspects.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pickle
 
 import pytest
 
-from fleet.data.poison import fingerprint, took_down
+from fleet.data.poison import actor_took_down, fingerprint, took_down
 from fleet.errors import ConfigError, EngineCrashedError
 from fleet.config.fleet import load_fleet_config
 from fleet.outcome import DIED, ERROR, Outcome
@@ -125,18 +127,22 @@ def test_only_a_death_under_the_request_counts_against_it():
     during = Outcome(ERROR, error=EngineCrashedError("engine core died during request r1", request_id="r1"))
     before = Outcome(ERROR, error=EngineCrashedError("engine core died: EngineDeadError()"))
     assert took_down(during, "r1")
-    assert not took_down(died, "r1")  # an actor that died: killed, OOM, node lost, often with others
+    assert not took_down(died, "r1")  # an actor that died: ``actor_took_down``, with what ran beside it
     assert not took_down(before, "r1")  # it was dead when the request arrived: the request did nothing
     assert not took_down(during, "r2")
     again = pickle.loads(pickle.dumps(during.error))  # it crosses the Ray boundary with its request id
     assert isinstance(again, EngineCrashedError) and again.request_id == "r1"
+    assert actor_took_down(died, 1)  # its client's only request there
+    assert not actor_took_down(died, 3) and not actor_took_down(during, 1)  # others beside it; not an actor death
 
 
-def test_a_request_re_sent_across_two_engines_killed_one_after_the_other_is_not_poison(model_dir):
-    """Two actors killed a moment apart (an operator, a lost node) with a request on the first and its re-send on
-    the second: the request is not to blame; it waits for the fleet and completes."""
+def test_requests_re_sent_across_two_engines_killed_one_after_the_other_with_others_beside_them_are_not_poison(model_dir):
+    """Two actors killed a moment apart (an operator, a lost node), each running several of the client's requests,
+    the first one's re-sent to the second: an actor death counts only against a request that was its client's
+    only one there (``actor_took_down``), so none is to blame; they wait for the fleet and complete."""
     async def go():
         ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
+        door.gen_delay = 0.5
         untouched = door._generate
         killed: list[int] = []
 
@@ -149,9 +155,36 @@ def test_a_request_re_sent_across_two_engines_killed_one_after_the_other_is_not_
         door._generate = generate
         await ctl.start()
         c = client(ctl)
-        res = await asyncio.wait_for(c.generate_async(POISON, {"max_tokens": 4}), 30)
-        assert len(killed) == 2 and res.ok, (killed, res)
-        assert c.dispatcher.returned_reasons.get("poison", 0) == 0
+        prompts = [POISON] + [[1, 2, i] for i in range(11)]
+        outs = await asyncio.wait_for(asyncio.gather(*(c.generate_async(p, {"max_tokens": 4}) for p in prompts)), 30)
+        assert len(killed) == 2 and all(o.ok for o in outs), (killed, [o.reason[:80] for o in outs if not o.ok])
+        assert outs[0].attempts == 3 and c.dispatcher.returned_reasons.get("poison", 0) == 0
+        await ctl.shutdown()
+
+    run(go())
+
+
+def test_a_request_that_kills_its_shards_actor_alone_is_returned_as_poison_after_two_engines(model_dir):
+    """A prompt that kills the shard's whole process (a segfault in the actor, a host's OOM killer after a huge
+    answer), not only its engine core: the door says ``died`` and no shard names the request. Alone in flight
+    there, the death counts against it: it comes back poison after two engines, the third never sees it. (Before:
+    no actor death counted, and it was re-sent until its redispatch budget was spent, taking every engine down.)"""
+    async def go():
+        ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
+        untouched = door._generate
+        killed: list[tuple[int, int]] = []
+
+        async def generate(s, prompt, *args, **kw):
+            if list(prompt) == POISON:  # admitted: the shard's process dies under it
+                killed.append((s.slot, s.incarnation))
+                s.dead = True
+            return await untouched(s, prompt, *args, **kw)
+
+        door._generate = generate
+        await ctl.start()
+        res = await asyncio.wait_for(client(ctl).generate_async(POISON, {"max_tokens": 4}), 30)
+        assert res.reason.startswith("poison: its attempts took down 2 engines"), (res.reason, killed)
+        assert res.attempts == 2 and len(killed) == 2 and len({slot for slot, _ in killed}) == 2, killed
         await ctl.shutdown()
 
     run(go())
@@ -454,3 +487,25 @@ def test_a_shard_told_of_a_poison_refuses_it_from_anyone_and_runs_everything_els
 
     asyncio.run(go())
 
+
+
+def test_the_poison_in_batch_proof_fails_when_an_innocent_is_lost_a_third_engine_dies_or_the_poison_completes():
+    from faults.poison import prove_poison_in_batch
+
+    call = {"version": 1, "outcome": "poison", "attempts": 2, "began": 10.0, "ended": 14.0,
+            "reason": "poison: its attempts took down 2 engines"}
+    record = {"armed": [0, 1, 2], "innocents": {"n": 23, "ok": 23, "resent": 7, "reasons": []},
+              "after": {"gate_open": True}}
+
+    def died(slot, t):
+        return Health(t=t, slot=slot, incarnation=1, before="healthy", after="dead", reason="").as_dict()
+
+    events = [died(0, 10.5), died(1, 11.5),
+              Request(event="poison", request_id="p", t=12.0, fingerprint="f", engines=["slot 0", "slot 1"]).as_dict()]
+    assert prove_poison_in_batch(record, [call], events) == []
+    assert any("at most two" in p for p in prove_poison_in_batch(record, [call], events + [died(2, 13.0)]))
+    lost = {**record, "innocents": {**record["innocents"], "ok": 21, "reasons": ["no serving shard within the request"]}}
+    assert any("only 21 of the batch's 23" in p for p in prove_poison_in_batch(lost, [call], events))
+    done = {**call, "outcome": "completed", "attempts": 1}
+    assert any("not as poison" in p for p in prove_poison_in_batch(record, [done], events[:1]))
+    assert any("three engines" in p for p in prove_poison_in_batch({**record, "armed": [0, 2]}, [call], events))

@@ -24,7 +24,7 @@ from tests.unit.fleet_fakes import StateView
 
 def request(rid: str, prompt=(1, 2, 3)) -> bytes:
     """``EngineShard.serve``'s request on the wire (only the prompt and the id matter to the scripted door)."""
-    return ServeRequest(list(prompt), {"max_tokens": 2}, rid, None, 1, "any", 0, None, False, 0.25, None, False).encode()
+    return ServeRequest(list(prompt), {"max_tokens": 2}, rid, None, 1, "any", 0, None, False, 0.25, None, 0).encode()
 
 
 class ScriptedDoor:

@@ -34,7 +34,7 @@ FIELDS = ("prompt", "sampling", "request_id", "cache_salt", "epoch", "policy_kin
 def request(**over) -> ServeRequest:
     fields = dict(prompt=[1, 2], sampling={"max_tokens": 2}, request_id="r", cache_salt=None, epoch=4,
                   policy_kind="any", policy_k=0, cap=None, first_at_once=False, interval_s=0.25, carried=None,
-                  suspect=False)
+                  suspect=0)
     return ServeRequest(**{**fields, **over})
 
 
@@ -42,7 +42,7 @@ def answers() -> list:
     progress = {"in_flight": 1, "stalled_s": 0.0, "last_token_age_s": None, "held": None}
     return [
         Carried(3, "<5><6><7>", 1),
-        request(carried=Carried(3, "abc", 2), cap=8, suspect=True),
+        request(carried=Carried(3, "abc", 2), cap=8, suspect=1),
         Ping(0, 1, 2, "ready", 1, 123, progress, core_checked=False),
         Started(0, 1, 2, "ready", 0, 123, None, start_s=1.5, native_pause=True, node="n1"),
         Description(0, 1, 2, "ready", 0, 123, None, node=None, dirty=True, paused=True, refit_hold=3,
@@ -68,10 +68,10 @@ def test_the_request_keeps_its_field_names_and_order_and_is_one_positional_array
     assert ServeRequest.__struct_fields__ == FIELDS
     r = request(prompt="text", sampling={"max_tokens": 3, "stop": ["x"]}, request_id="id-7", cache_salt="s",
                 epoch=9, policy_kind="max_staleness", policy_k=2, cap=4, first_at_once=True, interval_s=0.05,
-                carried=Carried(3, "abc", 1), suspect=True)
+                carried=Carried(3, "abc", 1), suspect=2)
     on_wire = msgspec.msgpack.decode(r.encode())
     assert on_wire == ["text", {"max_tokens": 3, "stop": ["x"]}, "id-7", "s", 9, "max_staleness", 2, 4, True, 0.05,
-                       [3, "abc", 1], True]  # no field names travel
+                       [3, "abc", 1], 2]  # no field names travel
     assert decode_request(r.encode()) == r
     assert decode_request(r) == r  # an in-process caller's record goes through the same check
 
@@ -115,7 +115,7 @@ def test_a_dataclass_or_enum_in_sampling_arrives_as_itself_not_as_what_msgpack_m
     its ``StructuredOutputsParams`` and every structured request failed. They travel pickled, nested ones too."""
     sampling = {"max_tokens": 4, "structured_outputs": Structured("a+", ("x", "y")), "extra": {"mode": Mode.GREEDY},
                 "stop": ("\n",)}
-    req = ServeRequest([1, 2], sampling, "r", None, 0, "any", 0, None, True, 0.05, None, False)
+    req = ServeRequest([1, 2], sampling, "r", None, 0, "any", 0, None, True, 0.05, None, 0)
     got = decode_request(req.encode()).sampling
     assert got["structured_outputs"] == Structured("a+", ("x", "y")) and got["extra"]["mode"] is Mode.GREEDY
     assert got["stop"] == ["\n"] and got["max_tokens"] == 4
@@ -124,9 +124,9 @@ def test_a_dataclass_or_enum_in_sampling_arrives_as_itself_not_as_what_msgpack_m
 def test_text_msgpack_cannot_hold_still_reaches_the_shards_own_check_or_is_refused_naming_the_prompt():
     """A lone surrogate in ``stop`` travels (pickled) so the shard's check answers as vLLM does; in the prompt it is
     refused naming the prompt, not as an encoder's error."""
-    req = ServeRequest([1, 2], {"stop": ["\ud800"], "max_tokens": 2}, "r", None, 0, "any", 0, None, True, 0.05, None, False)
+    req = ServeRequest([1, 2], {"stop": ["\ud800"], "max_tokens": 2}, "r", None, 0, "any", 0, None, True, 0.05, None, 0)
     assert decode_request(req.encode()).sampling["stop"] == ["\ud800"]
-    bad = ServeRequest("\ud800x", {}, "r", None, 0, "any", 0, None, True, 0.05, None, False)
+    bad = ServeRequest("\ud800x", {}, "r", None, 0, "any", 0, None, True, 0.05, None, 0)
     with pytest.raises(BadRequestError, match="prompt holds text that is not valid Unicode"):
         bad.encode()
 
