@@ -61,6 +61,13 @@ class EngineStalledError(DeadlineExceeded):
     ``stall_timeout_s`` (``health.progress``): hung, like a call past its deadline."""
 
 
+class CacheResetFailed(RlfleetError):
+    """The engine answered a prefix-cache reset with an error (vLLM's engine core failed the call: with
+    ``reset_running_requests`` it preempts every running request and raises if the cache still holds blocks).
+    The engine is alive and serves on; the cache was not reset. Not the shard's failure: whoever needed the reset
+    decides (a refit that must clear the cache stops, ``CacheInvalidationUnsupported``; an HTTP route answers it)."""
+
+
 class RouteRefused(RlfleetError):
     """The shard refused a request without running it: it is paused for a refit, out of the serving
     set, the request was routed under an older epoch, or its weights miss the request's version

@@ -24,8 +24,8 @@ from typing import Any, AsyncIterator, Callable, Sequence, cast
 from fleet.shard.backend import PAUSE_MODES, EngineBackend, PauseMode, StepMarks
 from fleet.config.engine import EngineConfig
 from fleet.shard.fault_hooks import ArmedFault, FaultHooks
-from fleet.errors import (BadRequestError, DeadlineExceeded, EngineCrashedError, RouteRefused, ShardShutDownError,
-                          ShardUnavailableError, ShardUnusableError)
+from fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, EngineCrashedError, RouteRefused,
+                          ShardShutDownError, ShardUnavailableError, ShardUnusableError)
 from fleet.outcome import BAD_ACK, ERROR, OK, UNAVAILABLE
 from fleet.data.routing_state import Ticket, VersionPolicy
 from fleet.data.poison import fingerprint
@@ -556,14 +556,21 @@ class EngineShard:
         return await self._bounded("is_paused", self._require_ready("is_paused").is_paused(), None)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """vLLM's real answer: False while running requests hold blocks and they may not be reset."""
+        """vLLM's real answer: False while running requests hold blocks and they may not be reset; an engine that
+        answers the reset with an error raises ``CacheResetFailed`` naming this shard (it serves on)."""
         backend = self._require_ready("reset_prefix_cache")
-        return await self._bounded("reset_prefix_cache", backend.reset_prefix_cache(reset_running_requests), None)
+        return await self._cache_reset("reset_prefix_cache", backend.reset_prefix_cache(reset_running_requests))
 
     async def invalidate_cache(self) -> bool:
         """Drop every cached KV block computed by the current weights; True only if the engine confirms it."""
         backend = self._require_ready("invalidate_cache")
-        return await self._bounded("invalidate_cache", backend.invalidate_cache(), None)
+        return await self._cache_reset("invalidate_cache", backend.invalidate_cache())
+
+    async def _cache_reset(self, call: str, awaitable) -> bool:
+        try:
+            return await self._bounded(call, awaitable, None)
+        except CacheResetFailed as exc:
+            raise CacheResetFailed(f"{call} on {self._who()}: {exc}") from None
 
     async def stats(self) -> EngineStats:
         s = self._require_ready("stats").stats()

@@ -34,8 +34,8 @@ from fleet.data.routing_state import ANY, RoutingState, VersionPolicy
 from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.request_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
-from fleet.errors import (BadRequestError, DeadlineExceeded, RefitArgumentError, RefitOwnsEngine, RouteRefused,
-                          ShardUnusableError)
+from fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, RefitArgumentError, RefitOwnsEngine,
+                          RouteRefused, ShardUnusableError)
 from fleet.control.transfer_port import TransferResult, by_deadline
 from fleet.wire import BeginRefit, Counters, Description, EndRefit, Left, Ping, ShardFacts, Started, decode_request
 from health import RefitResult
@@ -206,7 +206,7 @@ class FakeDoor:
             return Outcome(BAD_ACK, value=None)
         try:
             value = await getattr(self, f"_{method}")(handle, *args, **kw)
-        except (RouteRefused, BadRequestError, ShardUnusableError, RefitOwnsEngine) as exc:  # the shard's own answers
+        except (RouteRefused, BadRequestError, ShardUnusableError, RefitOwnsEngine, CacheResetFailed) as exc:  # its answers
             return Outcome(ERROR, error=exc)
         except DeadlineExceeded as exc:  # the shard's own deadline: ``ray_door`` reads it as timed out
             return Outcome(TIMED_OUT, error=exc)
@@ -235,7 +235,10 @@ class FakeDoor:
         return Started(*_facts(s), start_s=0.0, native_pause=not s.sticky.get("no_native_pause"), node=None)
 
     async def _invalidate_cache(self, s):
-        return s.sticky.get("invalidate_answer", True)
+        answer = s.sticky.get("invalidate_answer", True)
+        if isinstance(answer, Exception):  # the engine answered with an error (``EngineShard._cache_reset``)
+            raise answer
+        return answer
 
     async def _stats(self, s):
         return EngineStats(kv_cache_tokens=32768, max_model_len=512, updated_at=1.0)
