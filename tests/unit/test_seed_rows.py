@@ -178,3 +178,69 @@ def test_a_cache_reset_that_fails_is_treated_by_the_kv_policy_and_never_takes_th
         assert asked == [1]
         assert isinstance(error, CacheInvalidationUnsupported) and "slot(s) [1]" in str(error)
         assert "CacheResetFailed" in str(error) and "Call to reset_prefix_cache method failed" in str(error)
+
+
+# ------------------------------------------------------------------ seed 004: a cap cut only gates admission
+def test_a_cap_cut_with_requests_in_flight_cancels_none_of_them_and_only_gates_new_ones(model_dir):
+    """Seed 004: "Only admission is gated; nothing in flight is cancelled." A shard holds 8 requests at its cap of
+    8 when its engine reports a spike (preemptions): the law cuts the cap to 5 and the controller publishes it.
+    None of the 8 is aborted, re-sent or cut short (each completes on its first attempt, finish reason
+    ``length``); the shard keeps holding all 8 above the new cap; requests sent after the cut are refused
+    ``full`` until the 8 drain below it, then run."""
+    import asyncio
+    import random
+
+    from fleet.control.controller import SingleController
+    from fleet.data.client import InProcessClient
+    from fleet.types import EngineStats
+    from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
+
+    class LoadDoor(FakeDoor):
+        """The engine reports ``load`` (EngineStats fields); each record new (``updated_at``: the loop's time)."""
+
+        def __init__(self):
+            super().__init__(gen_delay=5.0)
+            self.load: dict = {}
+
+        async def _stats(self, s):
+            return EngineStats(kv_cache_tokens=8 * 512, max_model_len=512, in_flight=len(s.in_flight),
+                               updated_at=asyncio.get_running_loop().time(), **self.load)
+
+    async def go():
+        door = LoadDoor()
+        cfg = dict(engine={"model": model_dir}, num_engines=1, min_healthy_engines=1, refit_timeout_s=5.0,
+                   lifecycle_grace_s=0.1, probe_timeout_s=0.1, suspect_timeout_s=0.3, metrics=False,
+                   request_timeout_s=600.0, admission={"ceiling": 16, "poll_interval_s": 3600.0})
+        ctl = SingleController(cfg, door=door, transfer=FakeTransfer(door), clock=LoopClock())
+        await ctl.start()
+        await ctl.poll_admission()
+        await asyncio.sleep(0.01)  # published
+        assert ctl.publisher.current.cap_map == {0: 8}
+        c = client(ctl)
+        held = [asyncio.ensure_future(c.generate([1, 2], request_id=f"held-{i}")) for i in range(8)]
+        await asyncio.sleep(0.5)
+        shard = door.shards[(0, 1)]
+        assert len(shard.in_flight) == 8
+        door.load = {"kv_cache_usage": 0.95, "preemptions": 3}  # the spike
+        await ctl.poll_admission()
+        door.load = {"kv_cache_usage": 0.5, "preemptions": 3}  # and it passes
+        await asyncio.sleep(0.01)
+        assert ctl.admission.cap(0) == 5 and ctl.publisher.current.cap_map == {0: 5}
+        assert sorted(shard.in_flight) == [f"held-{i}" for i in range(8)]  # all 8 still run, above the new cap
+        assert all(v is not None for v in shard.in_flight.values())  # none aborted
+        other = InProcessClient(ctl, rng=random.Random(1))  # another client: its own count says the shard has room
+        later = [asyncio.ensure_future(other.generate([3], request_id=f"later-{i}")) for i in range(2)]
+        await asyncio.sleep(1.0)
+        assert len(shard.in_flight) == 8 and not any(f.done() for f in later)
+        assert other.dispatcher.refused["full"] > 0  # the shard turned the new ones away at its new cap
+        done = await asyncio.gather(*held)
+        after = await asyncio.gather(*later)
+        calls = [m for m, _, _ in door.calls]
+        await ctl.shutdown()
+        return done, after, calls, [c.dispatcher.counters(), other.dispatcher.counters()]
+
+    done, after, calls, counters = run_virtual(go())
+    assert all(r.ok and r.attempts == 1 for r in done), [(r.reason, r.attempts) for r in done]
+    assert {c.finish_reason for r in done for c in r.result.completions} == {"length"}
+    assert all(r.ok for r in after)
+    assert "abort" not in calls and "abort_in_flight" not in calls and [n["requeued"] for n in counters] == [0, 0]
