@@ -19,6 +19,7 @@ class ConfigError(RlfleetError, ValueError):
 
     def __init__(self, field: str, problem: str, value: object = None) -> None:
         self.field = field
+        self.problem = problem
         self.value = value
         super().__init__(f"invalid config {field}: {problem} (got {value!r})")
 

@@ -213,3 +213,12 @@ def load_fleet_config(data: dict[str, Any] | FleetConfig) -> FleetConfig:
     cfg = data if isinstance(data, FleetConfig) else validate(FleetConfig, data)
     _check_consistency(cfg)
     return cfg
+
+
+def with_changes(cfg: FleetConfig, **changes: Any) -> FleetConfig:
+    """``cfg`` with ``changes`` (field -> value), validated whole as ``load_fleet_config`` validates a config file:
+    the one path for a setting that a command line's flag or a part's own copy overrides (``rlfleet serve
+    --request-timeout``: the front's client config). ``model_copy(update=...)`` validates nothing, and a request
+    timeout below the refit budget cut requests held across a refit within its deadline (issue 47). Raises
+    ``ConfigError`` naming the field."""
+    return load_fleet_config({**cfg.model_dump(), **changes})
