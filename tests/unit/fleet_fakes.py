@@ -13,6 +13,8 @@ records the calls themselves (what crossed to the shard: a refit's control calls
 
 The fake shard answers with the records the real one does (``fleet.wire``), and reads a data-plane request
 as the real one does (``fleet.wire.decode_request``: a malformed one is refused with ``BadRequestError``).
+It keeps the real shard's lease on its routing state (``fleet.shard.lease``) on the loop's clock, renewed by the
+same controller calls. ``door.cut_off`` holds shards the controller cannot reach (nor kill) while clients can.
 
 ``run_virtual(coro)`` runs a test in virtual time and ``LoopClock`` is the controller's
 clock on that loop (both from ``sim.clock``, which the fleet simulator uses too).
