@@ -228,7 +228,7 @@ class RefitWorkerExtension:
         if d is None:
             return {"ok": False, "error": f"no open donation of copy {copy_id} on this worker", "bytes": 0, "send_s": 0.0}
         self.__dict__.pop("_rlfleet_open_donation", None)
-        res = d.send(self._rlfleet_params(), float(timeout_s))
+        res = {**d.send(self._rlfleet_params(), float(timeout_s)), "worker_index": self._rlfleet_index()[0]}
         if digests and res["ok"]:
             res["digests"] = self.rlfleet_weight_digests()
         return res

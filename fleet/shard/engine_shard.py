@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Sequence, cast
 
 from fleet.shard.backend import PAUSE_MODES, EngineBackend, PauseMode, StepMarks
 from fleet.config.engine import EngineConfig
+from fleet.shard import peer_copy
 from fleet.shard.fault_hooks import ArmedFault, FaultHooks
 from fleet.errors import (BadRequestError, DeadlineExceeded, EngineCrashedError, RouteRefused, ShardShutDownError,
                           ShardUnavailableError, ShardUnusableError)
@@ -34,15 +35,16 @@ from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.start_records import record_start
 from fleet.shard.output_stream import OutputStream, Pacer
 from fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, GenerationResult
-from fleet.wire import (BeginRefit, Carried, Counters, Description, EndRefit, Left, Ping, ShardFacts, ShardInfo,
-                        Started, decode_request)
+from fleet.wire import (BeginRefit, Carried, Counters, Description, Donated, EndRefit, Left, PeerManifest, PeerOffer,
+                        PeerReceived, Ping, ShardFacts, ShardInfo, Started, WeightDigests, decode_request)
 from health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
 CRASH_REPORT_GRACE_S = 1.0
 PAUSE_SETTLE_S = 0.5  # a step's stat record may reach the shard this long after the pause that followed it  # a probe that finds the engine core dead waits this long for the requests it ran
 # Worker-extension methods that move weights: the "transfer" fault point.
-TRANSFER_METHODS = frozenset({"rlfleet_receive", "rlfleet_receive_raw", "rlfleet_apply_staged"})  # they write live weights
+TRANSFER_METHODS = frozenset({"rlfleet_receive", "rlfleet_receive_raw", "rlfleet_apply_staged",  # they write live weights
+                              "rlfleet_receive_peer"})
 STAGE_METHODS = frozenset({"rlfleet_stage"})  # bytes move into the staging area; live weights untouched
 
 
@@ -597,6 +599,41 @@ class EngineShard:
             return await self._bounded(f"worker_rpc({method})", backend.worker_rpc(method, tuple(args), kwargs or {}, deadline), deadline + 1.0)
         finally:
             self._progress.release("worker_rpc", self._now())
+
+    # -- peer copy: weights from a live engine of the same layout (``fleet.shard.peer_copy``) ----------------
+    async def peer_manifest(self) -> PeerManifest:
+        """This engine's parameters as a peer copy moves them; compare two with ``peer_copy.misfit``."""
+        return await peer_copy.manifest(self.worker_rpc, self._version, self._dirty)
+
+    async def open_donation(self, copy_id: int, timeout_s: float) -> PeerOffer:
+        """Donor: host copy ``copy_id``'s rendezvous; answers the offer at once (the engine keeps serving)."""
+        self._require_ready("open_donation")
+        return await peer_copy.open_donation(self.worker_rpc, copy_id, peer_copy.backend_for(self.config.num_gpus), timeout_s)
+
+    async def donate_weights(self, offer: PeerOffer, timeout_s: float, digests: bool = True) -> Donated:
+        """Donor: send every parameter to the receiver of ``offer`` once it joined (fault point ``donate``)."""
+        if self._hooks.armed:
+            await self._hooks.at("donate")
+        return await peer_copy.donate(self.worker_rpc, offer, timeout_s, lambda: (self._version, self._dirty),
+                                      self._who(), digests)
+
+    async def receive_weights_from_peer(self, offer: PeerOffer, manifest: PeerManifest, version: int,
+                                        timeout_s: float, digests: bool = True) -> PeerReceived:
+        """Receiver, out of routing: the donor's weights (``manifest``: its ``peer_manifest``) into this engine.
+        Not stamped: the caller compares digests, then ``set_weight_version(version)``. Raises ``PeerCopyRefused``
+        (nothing changed) for a shard that may not receive or a layout that differs."""
+        self._require_ready("receive_weights_from_peer")
+        peer_copy.check_receiver(self._who(), self.gate.member, len(self._inflight), self.holds.refit)
+        was = self._dirty
+        got = await peer_copy.receive(self.worker_rpc, offer, manifest, version, timeout_s, self._who(),
+                                      self.invalidate_cache, digests)
+        if got.state == peer_copy.NOT_STARTED:
+            self._dirty = was  # no worker wrote a byte: the weights are what they were
+        return got
+
+    async def weight_digests(self) -> WeightDigests:
+        """sha256 of every parameter, per worker (vLLM's ``compute_weight_checksums``)."""
+        return await peer_copy.weight_digests(self.worker_rpc, self._version, self._dirty)
 
     async def shutdown(self) -> bool:
         """Abort in-flight requests (explicitly returned to their callers), then stop the engine."""
