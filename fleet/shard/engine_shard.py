@@ -81,6 +81,7 @@ class EngineShard:
         self.incarnation = incarnation
         self._version = weight_version
         self._dirty = False  # a transfer wrote into the weights since the last stamp: they are unknown
+        self._transfers = 0  # transfer calls made (a peer receive that wrote nothing restores ``_dirty`` if alone)
         self._backend = (backend_factory or _vllm_backend)(self.config)
         self._state = "new"
         self._hooks = FaultHooks(lambda: getattr(self._backend, "engine_core_pids", lambda: [])(), slot, incarnation,
@@ -590,6 +591,7 @@ class EngineShard:
         """Call ``method`` on every worker's extension (``collective_rpc``), bounded."""
         if method in TRANSFER_METHODS:
             self._dirty = True  # until stamped, the weights are whatever this transfer left
+            self._transfers += 1
         if (method in TRANSFER_METHODS or method in STAGE_METHODS) and self._hooks.armed:
             await self._hooks.at("transfer")  # a fault armed at the transfer fires where the bytes start moving
         backend = self._require_ready(f"worker_rpc({method})")
@@ -600,18 +602,15 @@ class EngineShard:
         finally:
             self._progress.release("worker_rpc", self._now())
 
-    # -- peer copy: weights from a live engine of the same layout (``fleet.shard.peer_copy``) ----------------
+    # -- peer copy: weights from a live engine of the same layout (steps, rules: ``fleet.shard.peer_copy``) --------
     async def peer_manifest(self) -> PeerManifest:
-        """This engine's parameters as a peer copy moves them; compare two with ``peer_copy.misfit``."""
         return await peer_copy.manifest(self.worker_rpc, self._version, self._dirty)
 
     async def open_donation(self, copy_id: int, timeout_s: float) -> PeerOffer:
-        """Donor: host copy ``copy_id``'s rendezvous; answers the offer at once (the engine keeps serving)."""
         self._require_ready("open_donation")
         return await peer_copy.open_donation(self.worker_rpc, copy_id, peer_copy.backend_for(self.config.num_gpus), timeout_s)
 
     async def donate_weights(self, offer: PeerOffer, timeout_s: float, digests: bool = True) -> Donated:
-        """Donor: send every parameter to the receiver of ``offer`` once it joined (fault point ``donate``)."""
         if self._hooks.armed:
             await self._hooks.at("donate")
         return await peer_copy.donate(self.worker_rpc, offer, timeout_s, lambda: (self._version, self._dirty),
@@ -619,20 +618,17 @@ class EngineShard:
 
     async def receive_weights_from_peer(self, offer: PeerOffer, manifest: PeerManifest, version: int,
                                         timeout_s: float, digests: bool = True) -> PeerReceived:
-        """Receiver, out of routing: the donor's weights (``manifest``: its ``peer_manifest``) into this engine.
-        Not stamped: the caller compares digests, then ``set_weight_version(version)``. Raises ``PeerCopyRefused``
-        (nothing changed) for a shard that may not receive or a layout that differs."""
+        """Never stamps; raises ``PeerCopyRefused`` (nothing changed) for a shard that may not receive."""
         self._require_ready("receive_weights_from_peer")
         peer_copy.check_receiver(self._who(), self.gate.member, len(self._inflight), self.holds.refit)
-        was = self._dirty
+        was, transfers = self._dirty, self._transfers
         got = await peer_copy.receive(self.worker_rpc, offer, manifest, version, timeout_s, self._who(),
                                       self.invalidate_cache, digests)
-        if got.state == peer_copy.NOT_STARTED:
-            self._dirty = was  # no worker wrote a byte: the weights are what they were
+        if got.state == peer_copy.NOT_STARTED and self._transfers == transfers + 1:
+            self._dirty = was  # it wrote nothing, and no other transfer ran meanwhile: the weights are as they were
         return got
 
     async def weight_digests(self) -> WeightDigests:
-        """sha256 of every parameter, per worker (vLLM's ``compute_weight_checksums``)."""
         return await peer_copy.weight_digests(self.worker_rpc, self._version, self._dirty)
 
     async def shutdown(self) -> bool:

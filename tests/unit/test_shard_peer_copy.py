@@ -152,6 +152,22 @@ def test_a_receive_that_wrote_nothing_leaves_the_shard_clean_and_says_why(tiny_m
     asyncio.run(go())
 
 
+def test_a_receive_that_wrote_nothing_still_leaves_the_shard_dirty_if_another_transfer_ran_meanwhile(tiny_model):
+    async def go():
+        donor, receiver = shard(tiny_model, 0, 3, null_receives_weights=True), shard(tiny_model, 1, 0, null_receives_weights=True)
+        await asyncio.gather(donor.start(), receiver.start())
+        m = await donor.peer_manifest()
+        offer = await donor.open_donation(1, 5.0)  # the donor never sends: the receiver joins, waits out its 1 s
+        receiving = asyncio.ensure_future(receiver.receive_weights_from_peer(offer, m, 3, 1.0))
+        await asyncio.sleep(0.2)
+        await receiver.worker_rpc("rlfleet_apply_staged", (), {"refit_id": 1})  # a refit's transfer, meanwhile
+        assert (await receiving).state == "not_started"
+        assert receiver.describe().dirty, "the other transfer may have written: the weights are unknown"
+        await donor.worker_rpc("rlfleet_peer_close")
+
+    asyncio.run(go())
+
+
 def test_a_donor_refuses_when_a_transfer_touched_its_weights_and_the_fault_point_donate_fires(model_dir):
     async def go():
         donor = shard(model_dir, 0, 3)
