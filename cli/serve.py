@@ -36,7 +36,8 @@ def register(sub) -> None:
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a request may take, waiting for the gate and an engine and generating, "
                         "before a 503 that says which (it is aborted on its engine; default: the fleet's "
-                        "request_timeout_s)")
+                        "request_timeout_s). At least the fleet's refit budget (refit_timeout_s + "
+                        "lifecycle_grace_s), as request_timeout_s must be: refused otherwise")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model path)")
     p.add_argument("--max-pending", type=int, default=None, metavar="N",
                    help="HTTP requests answered at once; past it a 429 with Retry-After (default 4096)")
@@ -137,7 +138,7 @@ def _join_ray(args: argparse.Namespace):
     from fleet.cluster import ray_door
     from fleet.errors import ConfigError
     from fleet.config.fleet import load_fleet_config
-    from serve.server import listening_socket
+    from serve.server import front_config, listening_socket
 
     timeout = args.request_timeout
     if timeout is not None and not (0 < timeout < math.inf):  # argparse's float takes "nan", "inf", "-3"
@@ -154,6 +155,7 @@ def _join_ray(args: argparse.Namespace):
         ray_door.join_cluster(args.address)
         return None
     config = load_fleet_config(_load_config(args.config))  # refused here, before Ray starts, naming the field
+    front_config(config, timeout)  # --request-timeout as the fleet's config would take it (a --connect: at the front)
     if args.address:
         ray_door.join_cluster(args.address)
     else:

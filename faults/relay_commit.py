@@ -129,7 +129,6 @@ class _Trainer:
         from rlapi import gloo_wire
 
         await surface._relay("start_update")
-        surface._answered = None  # as /start_weight_update does
         meta = {"names": [n for n, _ in tensors], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
                 "shapes": [list(t.shape) for _, t in tensors]}
         sender = threading.Thread(target=gloo_wire.send, args=(self.group, iter(tensors), True,

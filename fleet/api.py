@@ -310,10 +310,9 @@ class Fleet:
         recognised: it awaits the refit still running, or answers how it ended).
         """
         staging = self.config.stage_ahead if stage_ahead is None else stage_ahead is True
-        phases = 5 if staging else 4  # each bounded by lifecycle_deadline_s; staging is one more
         refit_id = refit_id or uuid.uuid4().hex  # a re-send of this call (lost answer, controller restart) carries it too
         summary = self._ask("sync_weights", version, source, refit_id, stage_ahead,
-                            timeout=self.config.lifecycle_deadline_s * phases + 60)
+                            timeout=self.config.refit_bound_s(staging) + 60)
         if self.client is not None:  # from here on this process routes on the refit's state (or a later one)
             self.client.wait_routing(summary.get("routing_epoch", 0) - 1, 30)
         return summary

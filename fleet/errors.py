@@ -19,6 +19,7 @@ class ConfigError(RlfleetError, ValueError):
 
     def __init__(self, field: str, problem: str, value: object = None) -> None:
         self.field = field
+        self.problem = problem
         self.value = value
         super().__init__(f"invalid config {field}: {problem} (got {value!r})")
 
@@ -59,6 +60,13 @@ class DeadlineExceeded(RlfleetError, TimeoutError):
 class EngineStalledError(DeadlineExceeded):
     """A shard answered, but its engine held work and made no progress (no token) for longer than
     ``stall_timeout_s`` (``health.progress``): hung, like a call past its deadline."""
+
+
+class CacheResetFailed(RlfleetError):
+    """The engine answered a prefix-cache reset with an error (vLLM's engine core failed the call: with
+    ``reset_running_requests`` it preempts every running request and raises if the cache still holds blocks).
+    The engine is alive and serves on; the cache was not reset. Not the shard's failure: whoever needed the reset
+    decides (a refit that must clear the cache stops, ``CacheInvalidationUnsupported``; an HTTP route answers it)."""
 
 
 class RouteRefused(RlfleetError):

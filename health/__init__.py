@@ -65,6 +65,7 @@ from health.decision import (
     KeepGateClosed,
     OpenGate,
     Probe,
+    Readmit,
     Restart,
     Retire,
     StopExhausted,
@@ -90,6 +91,7 @@ from health.events import (
 from health.ledger import FleetState, Ledger, SlotRecord, SlotStatus, view_state
 from health.membership import TRAINER_RANK, MembershipPlan, Participant, plan_membership
 from health.quorum import QuorumDecision, check_quorum
+from health.readmit import ReadmitFailed, Readmitted
 from health.resize import CheckpointLoaded, Drain, ResizePlan, SlotRemoved, SlotsAdded, check_size, plan_resize
 from health.restart import RestartPlan, RestartPolicy
 from health.states import CallKind, FailureClass, RefitResult, ShardState, SlotPhase
@@ -99,6 +101,9 @@ __all__ = [
     "Action",
     "Batch",
     "CloseGate",
+    "Readmit",
+    "ReadmitFailed",
+    "Readmitted",
     "CallKind",
     "CheckpointLoaded",
     "Clock",

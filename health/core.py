@@ -50,6 +50,10 @@ Transition rules (DESIGN.md failure classes; "quarantine" = SUSPECT or HUNG):
 - resize (``health.resize``): ``SlotsAdded`` appends STARTING slots; ``CheckpointLoaded``
   lands version 0 on a ready slot while 0 is committed; ``SlotRemoved`` retires a slot on
   purpose (``Drain`` while it may still run requests), not counted as a failure.
+- re-admission (``health.readmit``): between refits a ``Tick`` asks ``Readmit`` for every live slot
+  that does not hold the committed version (>= 1) while another does; ``Readmitted`` stamps the
+  committed version on it outside a refit (it serves); ``ReadmitFailed`` backs off, and evicts at
+  ``READMIT_FAILURES_TO_EVICT`` failures of its own in a row.
 - the operator and the stop (``health.gate_rules``): ``OperatorPaused`` closes the gate and holds it
   closed through refits and quorum changes; ``OperatorResumed`` opens it where the rules above would
   (at a refit's end during one); ``Halted`` closes it for good. The ledger's ``gate_open`` is the gate.
@@ -66,7 +70,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from health import fleet_rules, gate_rules, resize, slot_rules
+from health import fleet_rules, gate_rules, readmit, resize, slot_rules
 from health.decision import Decision
 from health.draft import Draft
 from health.events import (
@@ -100,6 +104,8 @@ _SLOT_HANDLERS: dict[type, Callable[[Draft, Any], None]] = {
     RefitReport: slot_rules.on_report,
     resize.SlotRemoved: resize.on_slot_removed,
     resize.CheckpointLoaded: resize.on_checkpoint_loaded,
+    readmit.Readmitted: readmit.on_readmitted,
+    readmit.ReadmitFailed: readmit.on_readmit_failed,
 }
 
 _HANDLERS: dict[type, Callable[[Draft, Any], None]] = {

@@ -154,7 +154,20 @@ class StopExhausted:
 
 
 # ``Drain`` (a resize's, ``health.resize``) by name: that module imports this one.
-Action = Union[Probe, Evict, Restart, Retire, AbortRefit, OpenGate, CloseGate, KeepGateClosed, StopExhausted, "Drain"]
+@dataclass(frozen=True, slots=True)
+class Readmit:
+    """Bring ``incarnation`` of ``slot`` (up, stale) to the committed ``version`` from a live donor, outside a
+    refit (``health.readmit``): copy, prove by digests, stamp; report ``Readmitted`` or ``ReadmitFailed``.
+    Emitted on every tick while the slot stays stale: run at most one per incarnation."""
+
+    slot: int
+    incarnation: int
+    version: int
+    reason: str
+
+
+Action = Union[Probe, Evict, Restart, Retire, AbortRefit, OpenGate, CloseGate, KeepGateClosed, StopExhausted, "Drain",
+               Readmit]
 
 
 class Transition(NamedTuple):

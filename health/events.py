@@ -22,6 +22,7 @@ from health.states import CallKind, FailureClass, RefitResult
 
 if TYPE_CHECKING:
     from health.resize import CheckpointLoaded, SlotRemoved, SlotsAdded
+    from health.readmit import ReadmitFailed, Readmitted
 
 __all__ = [
     "Batch",
@@ -156,7 +157,7 @@ class Halted:
 
 
 # A resize's events (``health.resize``) by name: that module imports this one.
-SlotEvent = Union[EngineReady, Observed, RefitReport, "SlotRemoved", "CheckpointLoaded"]
+SlotEvent = Union[EngineReady, Observed, RefitReport, "SlotRemoved", "CheckpointLoaded", "Readmitted", "ReadmitFailed"]
 FleetEvent = Union[RefitStarted, VersionCommitted, RefitFinished, RefitRolledBack, Tick, "SlotsAdded", OperatorPaused,
                    OperatorResumed, Halted]
 

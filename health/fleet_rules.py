@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from health.decision import CloseGate, KeepGateClosed, OpenGate, StopExhausted, Transition
 from health.draft import Draft
+from health import readmit
 from health.events import RefitFinished, RefitRolledBack, RefitStarted, Tick, VersionCommitted
 from health.ledger import QUARANTINE, TIMER_RESTART, SlotRecord, view_state
 from health.gate_rules import operator_reason
@@ -203,6 +204,7 @@ def on_tick(d: Draft, ev: Tick) -> None:
                 restart(d, rec)
         elif refit is not None and rec.phase in QUARANTINE and rec.since == token:
             _evict_overdue(d, rec, refit)
+    readmit.on_tick(d)
 
 
 def check_quorum_between_refits(d: Draft) -> None:

@@ -79,6 +79,8 @@ class SlotRecord(NamedTuple):
       longer counts in the fleet's target size.
     - ``stamp_failures``: refits in a row whose stamp this incarnation refused or failed (an error or a
       lie); it is evicted at ``STAMP_FAILURES_TO_EVICT`` (``health.slot_rules``); an acknowledged stamp clears it.
+    - ``readmit_failures``, ``readmit_after``: re-admissions in a row that failed by the engine's own fault,
+      and when the next may start (``health.readmit``); a landed re-admission clears both.
     """
 
     slot: int
@@ -93,6 +95,8 @@ class SlotRecord(NamedTuple):
     reason: str
     removed: bool = False
     stamp_failures: int = 0
+    readmit_failures: int = 0
+    readmit_after: float = 0.0
 
 
 class FleetState(NamedTuple):

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from health.decision import Transition
 from health.draft import Draft
+from health.readmit import land_committed
 from health.ledger import Ledger, SlotRecord, view_state
 from health.slot_rules import _resolve
 from health.states import ShardState, SlotPhase
@@ -192,20 +193,8 @@ def on_checkpoint_loaded(d: Draft, ev: CheckpointLoaded) -> None:
     rec = _resolve(d, ev)
     if rec is None:
         return
-    fleet = d.fleet_now()
-    where = f"slot {rec.slot} incarnation {rec.incarnation}"
-    if rec.phase is not _LIVE or rec.weight_version is not None or rec.partial:
-        why = "it is not ready" if rec.phase is not _LIVE else "a refit already wrote into its weights"
-    elif fleet.current_version != CHECKPOINT_VERSION:
-        why = f"the committed version is {fleet.current_version}, not the checkpoint"
-    elif fleet.refit_version is not None:
-        why = f"the refit of version {fleet.refit_version} is in progress"
-    else:
-        why = None
-    if why is not None:
-        d.reasons.append(f"{where} loaded the checkpoint (version {CHECKPOINT_VERSION}), but {why}: "
-                         "stale until a refit lands on it")
+    if rec.phase is _LIVE and (rec.weight_version is not None or rec.partial):
+        d.reasons.append(f"slot {rec.slot} incarnation {rec.incarnation} loaded the checkpoint (version "
+                         f"{CHECKPOINT_VERSION}), but a refit already wrote into its weights: nothing changes")
         return
-    reason = f"loaded the checkpoint: holds the committed version {CHECKPOINT_VERSION}"
-    d.put(rec, rec._replace(weight_version=CHECKPOINT_VERSION, reason=reason))
-    d.reasons.append(f"{where} {reason}; it serves")
+    land_committed(d, rec, CHECKPOINT_VERSION, "loaded the checkpoint")

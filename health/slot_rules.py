@@ -401,7 +401,8 @@ def _stamped(rec: SlotRecord, version: int, reason: str) -> SlotRecord:
     participant of every refit."""
     return SlotRecord(
         rec.slot, rec.incarnation, rec.phase, version, False, rec.since, rec.failed_probes,
-        rec.restarts, rec.restart_at, reason, rec.removed, rec.stamp_failures,
+        rec.restarts, rec.restart_at, reason, rec.removed, rec.stamp_failures, rec.readmit_failures,
+        rec.readmit_after,
     )
 
 

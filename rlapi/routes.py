@@ -93,7 +93,6 @@ class RLSurface:
         self._committing: asyncio.Future | None = None  # the relay's last commit (``_commit_relay``)
         self.pending: PendingUpdate | None = None  # an update whose commit the controller could not confirm yet
         self._adopted = False  # the relay was told the fleet's version as it started (``WeightRelay.adopt``)
-        self._answered: dict | None = None  # the last finish's 200, until the next /start_weight_update
 
     def close(self) -> None:
         if self._catching_up is not None:
@@ -193,7 +192,6 @@ class RLSurface:
                     if surface.pending is not None:
                         return settled
                 await surface._relay("start_update")
-                surface._answered = None
             return {"message": "Weight update started"}
 
         @app.post("/update_weights")
@@ -250,8 +248,6 @@ class RLSurface:
         try:
             staged = await self._relay("finish_update", self.committed())
         except Exception as exc:  # noqa: BLE001
-            if self._answered is not None and "without a weight update in progress" in str(exc):
-                return {**self._answered, "resent": True}  # a re-sent finish whose first answer was lost: the same
             code = 409 if "partial update" in str(exc) else 400
             return _refused(code, _cause(exc), "BadRequestError")
         if not staged["tensors"]:
@@ -301,9 +297,8 @@ class RLSurface:
         self._commit_relay(p.version)
         self.label = p.label
         self.last = {"version": p.version, **facts}
-        self._answered = {"message": "Weight update finished", "weight_version": str(p.version),
-                          "rlfleet": {**self.last, "trainer_label": p.label}}
-        return self._answered
+        return {"message": "Weight update finished", "weight_version": str(p.version),
+                "rlfleet": {**self.last, "trainer_label": p.label}}
 
     async def _adopt(self) -> None:
         if not self._adopted:

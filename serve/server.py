@@ -31,6 +31,23 @@ DEFAULT_HOST = "127.0.0.1"
 CUT_OFF_S, GRACEFUL_S = 8.0, 10
 
 
+def front_config(config: Any, request_timeout_s: float | None) -> Any:
+    """The fleet config the front's client runs under: the fleet's own, or, with ``--request-timeout``, a copy
+    with that ``request_timeout_s`` validated as the fleet's config is (``fleet.config.fleet.with_changes``): a
+    timeout below the refit budget would answer 503 to requests held across a refit that is within its
+    deadline. Raises ``ConfigError`` naming the flag and the field, before the front (or, from the command
+    line, a fleet) starts."""
+    from fleet.config.fleet import with_changes
+    from fleet.errors import ConfigError
+
+    if request_timeout_s is None or request_timeout_s == config.request_timeout_s:
+        return config
+    try:
+        return with_changes(config, request_timeout_s=request_timeout_s)
+    except ConfigError as exc:
+        raise ConfigError(f"--request-timeout ({exc.field})", exc.problem, exc.value) from None
+
+
 def load_tokenizer(model_dir: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -64,6 +81,7 @@ class HttpServer:
         self.chat.check()
         self.fleet = fleet
         self.request_timeout_s = request_timeout_s
+        self.client_config = front_config(fleet.config, request_timeout_s)  # a bad timeout: refused here
         self._own_client: FleetClient | None = None
         self.host = host
         self.port = port
@@ -85,12 +103,11 @@ class HttpServer:
         from serve.front import Front
 
         client = self.fleet.client
-        if self.request_timeout_s is not None and self.request_timeout_s != self.fleet.config.request_timeout_s:
+        if self.client_config is not self.fleet.config:
             from fleet.data.client import FleetClient
 
             # a client of its own: the dispatcher's timeout is per client
-            config = self.fleet.config.model_copy(update={"request_timeout_s": float(self.request_timeout_s)})
-            client = self._own_client = FleetClient(self.fleet.controller, config)
+            client = self._own_client = FleetClient(self.fleet.controller, self.client_config)
             client.wait_routing(-1, 60)
         from serve.protocol import generation_defaults
         from serve.render import ChatRenderer

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from fleet.shard import peer_copy
+from fleet.shard.lease import RoutingLease
 from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.request_gate import ShardGate
 from fleet.types import EngineStats
@@ -79,7 +80,7 @@ class SimShard:
     def __init__(self, slot: int, incarnation: int, node: str, timings: Timings, name: str | None = None) -> None:
         self.slot, self.incarnation, self.node, self.name = slot, incarnation, node, name
         self.t = timings
-        self.gate = ShardGate()
+        self.gate = ShardGate(RoutingLease(lambda: asyncio.get_running_loop().time()))  # on the simulator's clock
         self.holds = PauseHolds()
         self.version = 0
         self.dirty = False
@@ -127,8 +128,10 @@ class SimShard:
         self.state = "ready"
         return Started(*self._facts(), start_s=self.t.engine_start_s, native_pause=True, node=self.node)
 
-    async def ping(self) -> Ping:
+    async def ping(self, epoch: int | None = None) -> Ping:
         await self._take(self.t.rpc_s)
+        if epoch is not None:
+            self.gate.heard()
         return Ping(*self._facts(), core_checked=True)
 
     async def stats(self) -> EngineStats:
@@ -149,11 +152,11 @@ class SimShard:
                         0, 0, self.slot, self.incarnation, self.version, self._left, 0, self.holds.refit,
                         self.holds.operator)
 
-    async def set_route(self, epoch: int, member: bool, committed: int) -> bool:
+    async def set_route(self, epoch: int, member: bool, committed: int, lease_s: float | None = None) -> bool:
         await self._take(self.t.rpc_s)
         if self.gate.member and not member and int(epoch) >= self.gate.routed_at:
             self._left = Left(0, self.gate.admitted, int(epoch))
-        self.gate.route(int(epoch), bool(member), int(committed))
+        self.gate.route(int(epoch), bool(member), int(committed), lease_s)
         return True
 
     async def fence(self, epoch: int) -> bool:
@@ -172,6 +175,7 @@ class SimShard:
 
     async def end_refit(self, version: int | None = None, abort_held: bool = False) -> EndRefit:
         await self._take(self.t.resume_s)
+        self.gate.heard()
         if version is not None:
             self.version = int(version)
             self.dirty = False

@@ -118,6 +118,23 @@ class FleetConfig(BaseModel):
         base = self.refit_timeout_s if self.refit_timeout_s is not None else REFIT_TIMEOUT_FALLBACK_S
         return base + self.lifecycle_grace_s
 
+    def refit_bound_s(self, stage_ahead: bool | None = None) -> float:
+        """The longest a refit may take: each of its phases is bounded by ``lifecycle_deadline_s``, four of them,
+        five when it stages ahead (``stage_ahead``: this refit's choice; None: the config's)."""
+        staging = self.stage_ahead if stage_ahead is None else stage_ahead
+        return self.lifecycle_deadline_s * (5 if staging else 4)
+
+    @property
+    def routing_lease_s(self) -> float:
+        """The term of a shard's lease on its routing state (``fleet.shard.lease``): the longest the controller may
+        legitimately say nothing to a serving shard, a refit (``refit_bound_s``, a staging phase counted) or its
+        own restart (clients ride through ``controller_restart_wait_s`` too), plus one monitor round
+        (``monitor_interval_s`` + ``probe_timeout_s``) for the heartbeat after it. Past it with no word, a shard
+        refuses work bound to a version: a shard cut off from the controller stops serving ``latest`` from
+        weights a refit elsewhere replaced."""
+        quiet = max(self.refit_bound_s(stage_ahead=True), self.controller_restart_wait_s)
+        return quiet + self.monitor_interval_s + self.probe_timeout_s
+
     @property
     def hang_detection_bound_s(self) -> float:
         """Longest time from a shard freezing between refits to its eviction: the next monitor ping, then
@@ -213,3 +230,12 @@ def load_fleet_config(data: dict[str, Any] | FleetConfig) -> FleetConfig:
     cfg = data if isinstance(data, FleetConfig) else validate(FleetConfig, data)
     _check_consistency(cfg)
     return cfg
+
+
+def with_changes(cfg: FleetConfig, **changes: Any) -> FleetConfig:
+    """``cfg`` with ``changes`` (field -> value), validated whole as ``load_fleet_config`` validates a config file:
+    the one path for a setting that a command line's flag or a part's own copy overrides (``rlfleet serve
+    --request-timeout``: the front's client config). ``model_copy(update=...)`` validates nothing, and a request
+    timeout below the refit budget cut requests held across a refit within its deadline (issue 47). Raises
+    ``ConfigError`` naming the field."""
+    return load_fleet_config({**cfg.model_dump(), **changes})

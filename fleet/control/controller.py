@@ -95,7 +95,8 @@ class SingleController:
         self.parts = Parts(self.cfg, self.name, self.clock, self.log, door, self.slots, self.intent, self.gate,
                            self.admission, self.metrics, act=self)
         self.publisher = RoutingPublisher(self.parts, holding=lambda: self.lifecycle.holding)
-        self.monitor = LivenessMonitor(self.parts, holding=lambda: self.lifecycle.holding)
+        self.monitor = LivenessMonitor(self.parts, holding=lambda: self.lifecycle.holding,
+                                       epoch=lambda: self.publisher.current.epoch)
         self.lifecycle = RefitLifecycle(self.parts, self.publisher, transfer, crash_point=lambda p: self.crash_point(p))
         self.operator_pause = OperatorPause(self.parts, self.publisher)
         self._tasks: set[asyncio.Task] = set()

@@ -1,9 +1,10 @@
 """The liveness monitor: finds deaths and freezes between refits, without traffic, and the shards of lost nodes.
 
 Every ``monitor_interval_s`` it pings every live shard (not while a refit holds the gate closed:
-paused engines are not probed); the failures of one round are one health decision. A shard
-that answers but whose engine made no progress for ``stall_timeout_s`` while it held work is
-a failure too (``with_progress``). ``probe`` is the health core's ``Probe`` action: one ping,
+paused engines are not probed); the failures of one round are one health decision. Each ping carries
+the routing epoch: it is the controller's heartbeat, which renews the shard's lease on its routing state
+(``fleet.shard.lease``). A shard that answers but whose engine made no progress for ``stall_timeout_s``
+while it held work is a failure too (``with_progress``). ``probe`` is the health core's ``Probe`` action: one ping,
 spaced as the core asks. A node the cluster declared dead takes all its shards still counted
 alive in the decision that found the first of them (``fleet.control.nodes``); a failure on a node the
 cluster still counts alive puts the node under watch until the cluster judges it.
@@ -24,10 +25,12 @@ from fleet.wire import Ping
 
 
 class LivenessMonitor:
-    def __init__(self, parts: Parts, holding: Callable[[], bool]) -> None:
-        """``holding()``: a refit holds the gate closed now (its engines are paused: not probed)."""
+    def __init__(self, parts: Parts, holding: Callable[[], bool], epoch: Callable[[], int]) -> None:
+        """``holding()``: a refit holds the gate closed now (its engines are paused: not probed); ``epoch()``: the
+        routing epoch published now (``RoutingPublisher.current``), which each ping carries."""
         self.p = parts
         self._holding = holding
+        self._epoch = epoch
 
     async def probe(self, slot: int, incarnation: int, not_before: float | None = None) -> None:
         """Probe ``incarnation`` of ``slot`` once, not before ``not_before`` (the health core spaces the
@@ -39,7 +42,8 @@ class LivenessMonitor:
         handle = self.p.slots.handle_of(slot, incarnation)
         if handle is None:
             return
-        out = with_progress(await self.p.door.call(handle, "ping", timeout=self.p.cfg.probe_timeout_s), self.p.cfg.stall_timeout_s)
+        out = with_progress(await self.p.door.call(handle, "ping", self._epoch(), timeout=self.p.cfg.probe_timeout_s),
+                            self.p.cfg.stall_timeout_s)
         if out.ok and isinstance(out.value, Ping) and out.value.core_checked is False:
             # its core runs a bounded worker call, so the ping did not ask it: no verdict; ask again after that
             self.p.act.in_background(self.probe(slot, incarnation, self.p.clock.now() + max(self.p.cfg.probe_interval_s, 0.1)))
@@ -95,7 +99,7 @@ class LivenessMonitor:
         self._node_verdicts()
         live = self.p.slots.live_handles()
         outs = await self.p.door.fan_out(
-            {s: (h, "ping", (), {}) for s, (_, h) in live.items()}, timeout=self.p.cfg.probe_timeout_s
+            {s: (h, "ping", (self._epoch(),), {}) for s, (_, h) in live.items()}, timeout=self.p.cfg.probe_timeout_s
         )
         outs = {slot: with_progress(out, self.p.cfg.stall_timeout_s) for slot, out in outs.items()}  # answering != alive
         handles = self.p.slots.handles

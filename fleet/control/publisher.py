@@ -3,10 +3,10 @@
 Any change the controller makes (gate, committed version, serving set, caps, stop)
 marks the state dirty; one publication then computes the new ``RoutingState`` and,
 only if a client would see a difference, gives it the next epoch. Order matters and
-is fixed here: a shard joining the serving set is told so (``set_route``, awaited)
-before any client can route to it; a shard leaving it is told without waiting (its
-requests are refused from then on; clients stop routing to it with the new state), and
-told again until it acknowledges (bounded, logged as ``leave_notice``).
+is fixed here: a shard joining the serving set is told so (``set_route``, awaited, with the term of
+its lease on what it is told: ``fleet.shard.lease``) before any client can route to it; a shard leaving
+it is told without waiting (its requests are refused from then on; clients stop routing to it with the
+new state), and told again until it acknowledges (bounded, logged as ``leave_notice``).
 Clients follow with a long poll (``wait_newer``); nothing here sees a request. Each
 publication is one ``routing`` record in the event log (its ``members`` only when they
 changed).
@@ -160,7 +160,8 @@ class RoutingPublisher:
         if not joining:
             return view.members
         outs = await self.p.door.fan_out(
-            {k: (m.handle, "set_route", (epoch, True, view.version), {}) for k, m in joining.items()},
+            {k: (m.handle, "set_route", (epoch, True, view.version, self.p.cfg.routing_lease_s), {})
+             for k, m in joining.items()},
             timeout=self.p.cfg.probe_timeout_s, expect_ack=True,
         )
         refused = set()

@@ -8,7 +8,9 @@ dispatcher waits for a newer routing state and routes again, free of charge. A
 shard at its admission cap refuses with ``full`` (other clients fill it too): the
 dispatcher leaves it out for ``FULL_HOLD_S`` (or until one of its own requests there
 ends) and routes elsewhere at once, waiting that long only when every shard is full;
-never an error, never a health report. A shard that failed the call (died, hung) is
+never an error, never a health report. A shard that heard nothing from the controller
+for longer than its lease (``unheard``: ``fleet.shard.lease``) is left out the same way
+until the routing state changes. A shard that failed the call (died, hung) is
 reported to the controller, left out of routing until the state changes, and the
 request is re-sent elsewhere.
 
@@ -39,7 +41,7 @@ from fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, Suspicion, ac
 from fleet.records import Request
 from fleet.data.shard_choice import pick_two, with_room
 from fleet.data.suspects import Evidence, SuspectBook
-from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL, SUSPECT, VERSION
+from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL, SUSPECT, UNHEARD, VERSION
 from fleet.data.routing_state import Member, RoutingState, VersionPolicy
 from fleet.data.partial import Partial
 from fleet.data.result import COMPLETED, RETURNED, FleetResult  # noqa: F401 - the request path's answer, re-exported
@@ -397,6 +399,11 @@ class Dispatcher:
         if error.reason == SUSPECT:  # other clients' suspects run there, as many as allowed: elsewhere, at once
             # (such requests run a generation long: no probe of that shard for the longest ``full`` hold)
             self._suspects.hold(key, self._clock.now() + FULL_HOLD_MAX_S)
+            return None
+        if error.reason == UNHEARD:  # cut off from the controller (``fleet.shard.lease``): this client's routing
+            # state is older than the controller's, which no longer counts on it. Elsewhere, at once; it is left
+            # out until the state changes (or ``EXCLUDE_S``). A refusal: no failure, no report, no re-send charged
+            self._exclude(m, state.epoch)
             return None
         self._full.pop(key, None)
         self._full_streak.pop(key, None)

@@ -37,6 +37,14 @@ class VersionPolicy:
             return True
         return not too_old(version_start, committed, 0 if self.kind == LATEST else self.k)  # the one cut-off
 
+    @property
+    def bound(self) -> bool:
+        """Bound to a version: whether serving it needs the committed version (``latest``, ``max_staleness=k``;
+        not ``any``). Only the controller says what is committed, so a shard that cannot vouch for what it was
+        told (its lease on the routing state lapsed: ``fleet.shard.lease``) refuses such a request, and the
+        client sends it to another shard. However large ``k``, any number of refits may have committed unheard."""
+        return self.kind != ANY
+
     def describe(self) -> str:
         return f"max_staleness={self.k}" if self.kind == MAX_STALENESS else self.kind
 

@@ -25,12 +25,13 @@ from fleet.shard.backend import PAUSE_MODES, EngineBackend, PauseMode, StepMarks
 from fleet.config.engine import EngineConfig
 from fleet.shard import peer_copy
 from fleet.shard.fault_hooks import ArmedFault, FaultHooks
-from fleet.errors import (BadRequestError, DeadlineExceeded, EngineCrashedError, RouteRefused, ShardShutDownError,
-                          ShardUnavailableError, ShardUnusableError)
+from fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, EngineCrashedError, RouteRefused,
+                          ShardShutDownError, ShardUnavailableError, ShardUnusableError)
 from fleet.outcome import BAD_ACK, ERROR, OK, UNAVAILABLE
 from fleet.data.routing_state import Ticket, VersionPolicy
 from fleet.data.poison import fingerprint
-from fleet.shard.request_gate import EPOCH, FULL, NOT_MEMBER, PAUSED, POISON, SUSPECT, RecentResults, ShardGate
+from fleet.shard.lease import RoutingLease
+from fleet.shard.request_gate import RecentResults, ShardGate
 from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.start_records import record_start
 from fleet.shard.output_stream import OutputStream, Pacer
@@ -90,7 +91,7 @@ class EngineShard:
         self._suspects: dict[str, int] = {}  # the ones in flight that are suspect, with their allowance (``Ticket``)
         self._running: dict[str, asyncio.Future] = {}
         self._recent = RecentResults()
-        self.gate = ShardGate()
+        self.gate = ShardGate(RoutingLease(lambda: self._now()))  # the lease runs on the shard's clock
         self.holds = PauseHolds()  # the refit that owns its pause, the operator's ``keep`` pause
         self._paused_at = 0.0  # when the engine last paused (the progress clock)
         self.sampled_while_paused = 0  # tokens its engine made while paused (``_stepped``)
@@ -195,9 +196,12 @@ class EngineShard:
                            refit_hold=self.holds.refit, operator_hold=self.holds.operator,
                            native_pause=self._backend.capabilities.native_pause, gate=self.gate.counters())
 
-    async def ping(self) -> Ping:
+    async def ping(self, epoch: int | None = None) -> Ping:
         """Liveness: raises if the shard or its engine cannot serve. A dead engine core is said only once the
-        requests it ran have answered (``_crash_reported``): the controller kills the actor on this answer."""
+        requests it ran have answered (``_crash_reported``): the controller kills the actor on this answer.
+        ``epoch``: the controller's routing epoch (its monitor's heartbeat): renews the lease on the routing state."""
+        if epoch is not None:
+            self.gate.heard()
         if self._hooks.armed:
             await self._hooks.at("ping")
         try:
@@ -284,7 +288,7 @@ class EngineShard:
         if refused is not None:
             raise RouteRefused(
                 f"{self._who()} refused request {request_id!r} ({refused}): "
-                f"{self._refusal_detail(refused, ticket)}", refused,
+                f"{self.gate.detail(refused, ticket, self._version, len(self._inflight), self._suspects)}", refused,
             )
         tokens = backend.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not tokens:
@@ -390,37 +394,16 @@ class EngineShard:
             if not run.done():  # the caller went away: stop generating for it
                 run.cancel()
 
-    def _refusal_detail(self, reason: str, ticket: Ticket | None) -> str:
-        g = self.gate
-        if reason == PAUSED:
-            return "paused for a refit"
-        if reason == NOT_MEMBER:
-            return "not in the serving set"
-        if reason == EPOCH:
-            assert ticket is not None  # (``ShardGate.refusal``: only a routed request's epoch is refused)
-            return f"routed under epoch {ticket.epoch}, this shard admits epoch {g.floor} or later"
-        if reason == FULL:
-            return f"{len(self._inflight)} requests in flight, at its admission cap {g.cap}"
-        if reason == POISON:
-            return "a client found requests like it take down two engines (poison_window_s)"
-        if reason == SUSPECT:
-            assert ticket is not None  # (only a suspect ticket is refused as such)
-            running = ", ".join(f"{r} (allowing {a})" for r, a in sorted(self._suspects.items()))
-            return (f"it is suspect (an engine died under it or its prompt), allowing {ticket.suspect} on its "
-                    f"engine, and it runs {running}, suspect too: no more may share it (fleet.data.suspects)")
-        assert ticket is not None  # VERSION (``ShardGate.refusal``: only a routed request's policy is refused)
-        return (f"weights version {self._version} do not meet policy {ticket.policy.describe()} "
-                f"(committed version {g.committed})")
-
-    def set_route(self, epoch: int, member: bool, committed: int) -> bool:
-        """The controller's routing word for this shard (see ``fleet.shard.request_gate.ShardGate.route``).
+    def set_route(self, epoch: int, member: bool, committed: int, lease_s: float | None = None) -> bool:
+        """The controller's routing word for this shard (see ``fleet.shard.request_gate.ShardGate.route``), and the
+        term of its lease on it (``lease_s``, ``fleet.shard.lease``).
 
         Leaving the serving set, the shard notes what it held at that instant (``left`` in ``counters``:
         requests in flight, requests admitted so far, the epoch), so a drain (``fleet.control.resize``) knows
         what it had to finish and can tell whether anything was admitted after."""
         if self.gate.member and not member and int(epoch) >= self.gate.routed_at:  # an older word is ignored
             self._left = Left(len(self._inflight), self.gate.admitted, int(epoch))
-        self.gate.route(int(epoch), bool(member), int(committed))
+        self.gate.route(int(epoch), bool(member), int(committed), lease_s)
         return True
 
     def refuse_poison(self, fp: str, window_s: float) -> bool:
@@ -469,6 +452,7 @@ class EngineShard:
         ``keep`` pause holds it paused after the refit, else None). With no ``version`` and no ``abort_held`` it only releases the refit's
         pause: a refit rolled back, or one a restarted controller found begun."""
         self._require_ready("end_refit")
+        self.gate.heard()
         stamp: str | None = None
         error: Exception | None = None
         if version is not None:
@@ -559,14 +543,21 @@ class EngineShard:
         return await self._bounded("is_paused", self._require_ready("is_paused").is_paused(), None)
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """vLLM's real answer: False while running requests hold blocks and they may not be reset."""
+        """vLLM's real answer: False while running requests hold blocks and they may not be reset; an engine that
+        answers the reset with an error raises ``CacheResetFailed`` naming this shard (it serves on)."""
         backend = self._require_ready("reset_prefix_cache")
-        return await self._bounded("reset_prefix_cache", backend.reset_prefix_cache(reset_running_requests), None)
+        return await self._cache_reset("reset_prefix_cache", backend.reset_prefix_cache(reset_running_requests))
 
     async def invalidate_cache(self) -> bool:
         """Drop every cached KV block computed by the current weights; True only if the engine confirms it."""
         backend = self._require_ready("invalidate_cache")
-        return await self._bounded("invalidate_cache", backend.invalidate_cache(), None)
+        return await self._cache_reset("invalidate_cache", backend.invalidate_cache())
+
+    async def _cache_reset(self, call: str, awaitable) -> bool:
+        try:
+            return await self._bounded(call, awaitable, None)
+        except CacheResetFailed as exc:
+            raise CacheResetFailed(f"{call} on {self._who()}: {exc}") from None
 
     async def stats(self) -> EngineStats:
         s = self._require_ready("stats").stats()

@@ -11,7 +11,8 @@ its bounded ``worker_rpc``):
    ``donate_weights(offer, timeout_s)``: the donor waits for the receiver's workers to join (polling, its
    engine serving), then sends every parameter in one worker call (its engine takes no step for that call's
    length, ``Donated.held_s``); the receiver receives straight into its parameters, re-derives, clears its
-   prefix cache;
+   prefix cache. ``timeout_s`` bounds the join and the bytes; the re-pack and the digests after them may take
+   as long again (``call_bound``);
 4. the caller compares ``Donated.digests`` with ``PeerReceived.digests`` (``digest_misfit``) and only then
    stamps the receiver with the version (``set_weight_version``). This module never stamps.
 
@@ -31,6 +32,12 @@ from fleet.errors import PeerCopyRefused
 from fleet.wire import Donated, PeerManifest, PeerOffer, PeerReceived, WeightDigests
 
 POLL_S = 0.01  # how often a donor asks its workers whether the receiver joined (each ask is one worker call)
+
+
+def call_bound(transfer_s: float) -> float:
+    """The bound of a worker call whose transfer has ``transfer_s``: the worker's own deadline ends the transfer;
+    the re-pack and the digests come after it, and touch each byte once, as the transfer did."""
+    return float(transfer_s) + max(5.0, float(transfer_s))
 NOT_STARTED, PARTIAL, COMPLETE = "not_started", "partial", "complete"  # as ``refit.receiver`` names them
 
 Rpc = Callable[..., Awaitable[list]]  # ``EngineShard.worker_rpc(method, args, kwargs, timeout)``
@@ -104,7 +111,7 @@ async def donate(rpc: Rpc, offer: PeerOffer, timeout_s: float, stamp: Callable[[
         return failed(f"its weights are not its stamped version {version} (a transfer touched them since): refused")
     waited = time.monotonic() - t0
     left = max(0.001, deadline - time.monotonic())
-    answers = _by_worker(await rpc("rlfleet_donate", (offer.copy_id, left, bool(digests)), {}, left))
+    answers = _by_worker(await rpc("rlfleet_donate", (offer.copy_id, left, bool(digests)), {}, call_bound(left)))
     held = time.monotonic() - t0 - waited
     nbytes = sum(int(a.get("bytes", 0)) for a in answers)
     errors = [str(a["error"]) for a in answers if not a.get("ok")]
@@ -156,15 +163,21 @@ async def receive(rpc: Rpc, offer: PeerOffer, donor: PeerManifest, version: int,
                             f"{offer.error or f'{len(offer.addresses)} addresses for {len(mine.workers)} workers'}",
                             0, 0.0, 0.0, False, ())
     args = (list(offer.addresses), list(donor.workers), offer.copy_id, int(version), float(timeout_s), bool(digests))
-    answers = _by_worker(await rpc("rlfleet_receive_peer", args, {}, float(timeout_s)))
+    answers = _by_worker(await rpc("rlfleet_receive_peer", args, {}, call_bound(timeout_s)))
     states = {a["state"] for a in answers}
     state = next(iter(states)) if len(states) == 1 else PARTIAL  # some workers wrote, some did not
-    cleared = state == NOT_STARTED or bool(await clear_cache())
+    cleared, why_not = state == NOT_STARTED, "the engine did not confirm it"
+    if not cleared:
+        try:
+            cleared = await clear_cache() is True
+        except Exception as exc:  # noqa: BLE001 - ``CacheResetFailed``, a deadline: the answer says so, the copy stands
+            why_not = f"{type(exc).__name__}: {exc}"
     errors = [f"worker {a.get('worker_index', i)}: {a['error']}" if len(answers) > 1 else str(a["error"])
               for i, a in enumerate(answers) if a.get("error")]
     error = None if state == COMPLETE and not errors else f"{who}: copy {offer.copy_id}: {'; '.join(errors) or state}"
     if state == COMPLETE and not cleared:
-        error = f"{who}: copy {offer.copy_id}: the prefix cache could not be cleared after the copy"
+        error = (f"{who}: copy {offer.copy_id}: the prefix cache, computed by the old weights, could not be cleared "
+                 f"after the copy ({why_not}): do not admit it")
     return PeerReceived(state == COMPLETE and cleared, state, error, sum(int(a.get("bytes", 0)) for a in answers),
                         max(float(a.get("recv_s", 0.0)) for a in answers), max(float(a.get("load_s", 0.0)) for a in answers),
                         cleared, tuple(a.get("digests", {}) for a in answers) if state == COMPLETE else ())

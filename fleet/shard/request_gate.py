@@ -7,6 +7,9 @@ agrees with what the controller last told the shard:
 - ``not_member``: the controller took it out of the serving set (fenced, stale, evicted);
 - ``epoch``: the request was routed under an epoch older than the shard's floor (the
   routing state changed for this shard since: a refit began, or it rejoined);
+- ``unheard``: the request's version policy binds it to the committed version (``VersionPolicy.bound``) and
+  the shard's lease on its routing state lapsed (``fleet.shard.lease``): nothing heard from the controller
+  for longer than the term it granted, so the committed version it knows may be out of date;
 - ``version``: the shard's weights do not meet the request's version policy;
 - ``full``: the shard holds as many requests as its admission cap allows. The cap is the
   one the controller published, carried by the tickets; the newest routing epoch's cap
@@ -30,18 +33,22 @@ completed returns the same result, and one still running joins the running call.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Mapping
 
 from fleet.data.routing_state import Ticket
 from fleet.data.suspects import may_join
+from fleet.shard.lease import RoutingLease
 
 PAUSED, NOT_MEMBER, EPOCH, VERSION, FULL = "paused", "not_member", "epoch", "version", "full"
+UNHEARD = "unheard"  # its lease on the routing state lapsed: a request bound to a version goes elsewhere
 SUSPECT = "suspect"  # the suspects running here, or this one, allow no more beside them
 POISON = "poison"  # (``fleet.data.poison.POISON``)
 
 
 class ShardGate:
-    def __init__(self) -> None:
+    def __init__(self, lease: RoutingLease | None = None) -> None:
+        """``lease``: the shard's lease on what the controller told it (default: one on the monotonic clock)."""
+        self.lease = lease or RoutingLease()
         self.paused = False
         self.member = False
         self.floor = 0  # lowest routing epoch admitted
@@ -66,6 +73,8 @@ class ShardGate:
             return NOT_MEMBER
         if ticket.epoch < self.floor:
             return EPOCH
+        if ticket.policy.bound and self.lease.lapsed():
+            return UNHEARD
         if not ticket.policy.allows(version, self.committed):
             return VERSION
         if self.cap is not None and in_flight >= self.cap:
@@ -89,6 +98,33 @@ class ShardGate:
             self.refused[reason] += 1
         return reason
 
+    def detail(self, reason: str, ticket: Ticket | None, version: int, in_flight: int,
+               suspects: Mapping[str, int]) -> str:
+        """Why a request was refused for ``reason``, in words (the shard's weights are ``version``; it holds
+        ``in_flight`` requests, ``suspects`` of them suspect: request id -> allowance)."""
+        if reason == PAUSED:
+            return "paused for a refit"
+        if reason == NOT_MEMBER:
+            return "not in the serving set"
+        if reason == UNHEARD:
+            return (f"{self.lease.describe()}: the committed version it knows ({self.committed}) may be old, and "
+                    f"policy {ticket.policy.describe() if ticket else '?'} is bound to it")
+        if reason == EPOCH:
+            assert ticket is not None  # (``refusal``: only a routed request's epoch is refused)
+            return f"routed under epoch {ticket.epoch}, this shard admits epoch {self.floor} or later"
+        if reason == FULL:
+            return f"{in_flight} requests in flight, at its admission cap {self.cap}"
+        if reason == POISON:
+            return "a client found requests like it take down two engines (poison_window_s)"
+        if reason == SUSPECT:
+            assert ticket is not None  # (only a suspect ticket is refused as such)
+            running = ", ".join(f"{r} (allowing {a})" for r, a in sorted(suspects.items()))
+            return (f"it is suspect (an engine died under it or its prompt), allowing {ticket.suspect} on its "
+                    f"engine, and it runs {running}, suspect too: no more may share it (fleet.data.suspects)")
+        assert ticket is not None  # VERSION (``refusal``: only a routed request's policy is refused)
+        return (f"weights version {version} do not meet policy {ticket.policy.describe()} "
+                f"(committed version {self.committed})")
+
     def remember_poison(self, fingerprint: str, until: float) -> None:
         """A client found requests with ``fingerprint`` take down two engines: refuse them until ``until``."""
         self._poison[fingerprint] = max(until, self._poison.get(fingerprint, until))
@@ -106,12 +142,15 @@ class ShardGate:
             return POISON
         return None
 
-    def route(self, epoch: int, member: bool, committed: int) -> None:
-        """The controller's word: membership and committed version as of routing ``epoch``.
+    def route(self, epoch: int, member: bool, committed: int, lease_s: float | None = None) -> None:
+        """The controller's word: membership and committed version as of routing ``epoch``; ``lease_s``: the
+        term of the lease it grants on them (``fleet.shard.lease``), renewed by this word and every later one.
 
         Joining (or leaving) raises the floor to ``epoch``: requests routed before it refresh. A word about
-        an epoch older than the last one heard (a leave notice sent again, overtaken by a join) is ignored.
+        an epoch older than the last one heard (a leave notice sent again, overtaken by a join) is ignored,
+        but it is still the controller's word: it renews the lease.
         """
+        self.lease.renew(lease_s)
         if epoch < self.routed_at:
             return
         self.routed_at = epoch
@@ -120,13 +159,18 @@ class ShardGate:
         self.member, self.committed = member, max(self.committed, committed)
 
     def fence(self, epoch: int) -> None:
-        """A refit begins at ``epoch``: refuse everything routed before it."""
+        """A refit begins at ``epoch`` (or the gate closed at it): refuse everything routed before it."""
+        self.lease.renew()
         self.floor = max(self.floor, epoch)
+
+    def heard(self) -> None:
+        """Another word from the controller (its heartbeat ``ping`` with its routing epoch, a refit's end)."""
+        self.lease.renew()
 
     def counters(self) -> dict[str, Any]:
         return {"admitted": self.admitted, "refused": dict(self.refused), "paused": self.paused,
                 "member": self.member, "floor": self.floor, "committed": self.committed,
-                "cap": self.cap, "peak_in_flight": self.peak_in_flight}
+                "cap": self.cap, "peak_in_flight": self.peak_in_flight, "lease": self.lease.facts()}
 
 
 class RecentResults:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from fleet.shard.backend import BackendCapabilities, PauseMode, confirmed
-from fleet.errors import BadRequestError, EngineCrashedError
+from fleet.errors import BadRequestError, CacheResetFailed, EngineCrashedError
 from fleet.types import field_with_invalid_text
 from fleet.types import EngineStats, Piece, PromptLogprobs
 
@@ -220,7 +220,20 @@ class VllmBackend:
         return bool(await self._live().is_paused())
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        result = await self._live().reset_prefix_cache(reset_running_requests=reset_running_requests)
+        """vLLM's answer, read honestly (``confirmed``): False while running requests hold blocks and may not be
+        reset. With ``reset_running_requests`` vLLM preempts them first and raises if the cache still is not free;
+        its engine core answers that one call with an error and runs on (``CacheResetFailed``: the engine is
+        not to be replaced for it). An engine core that died meanwhile is ``EngineCrashedError``, as in ``stream``."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._live()
+        try:
+            result = await llm.reset_prefix_cache(reset_running_requests=reset_running_requests)
+        except EngineDeadError as exc:
+            raise EngineCrashedError(f"engine core died during a prefix-cache reset: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - vLLM's utility call failed: its message is the answer
+            raise CacheResetFailed(f"vLLM did not reset the prefix cache (reset_running_requests="
+                                   f"{bool(reset_running_requests)}): {exc}") from None
         return confirmed(result)
 
     async def invalidate_cache(self) -> bool:

@@ -269,39 +269,37 @@ def test_load_with_two_refits_in_the_middle_loses_nothing_and_sends_no_5xx(serve
     assert fleet.status()["version"] == v0 + 2
 
 
-def test_a_request_waits_while_a_refit_holds_the_gate_and_past_its_timeout_gets_503_naming_it(served):
+def test_a_request_sent_while_a_refit_holds_the_gate_waits_and_runs_on_the_new_weights(served):
+    """A request sent while a (slow) refit holds the gate closed waits for it and runs on the new weights, under the
+    version policy it named; meanwhile ``/health`` says alive and ``/ready`` says why the gate is closed.
+
+    It also showed a second front whose ``request_timeout_s`` (1.5 s) was below the fleet's refit budget (65 s)
+    answer 503 naming the gate: a front timeout below the budget is now refused (issue 47), and a request that a
+    closed gate holds past a valid timeout gets that 503 in ``tests/unit/test_serve.py`` (an operator's pause holds
+    the gate there; here it would hold a real fleet for over a minute)."""
     fleet, source = served.fleet, served.source
-    impatient = HttpServer(fleet, port=0, request_timeout_s=1.5).start()  # same fleet, a front of its own
-    try:
-        v = fleet.status()["version"]
-        ray_door.ask(source, "perturb", 7, timeout=60)
-        ray_door.ask(source, "hold_next_update", 5.0, timeout=30)  # a slow trainer holds the refit and the gate
-        refit = threading.Thread(target=lambda: fleet.sync_weights(version=v + 1, source=source))
-        refit.start()
-        code, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(curl(f"{served.url}/ready")), 30,
-                              every_s=0.05, what="the gate to close")
-        assert json.loads(body)["status"] == "gate closed"
-        alive = httpx.get(f"{served.url}/health", timeout=30)  # liveness: a refit is no reason to restart it
-        assert alive.status_code == 200 and alive.json()["status"] == "gate closed"
-        waited: dict = {}
-        patient = threading.Thread(target=lambda: waited.update(  # this request's own policy: no stale engine
-            openai_client(served).completions.create(model=served.model, prompt=[4, 5, 6], max_tokens=4,
-                                                     extra_headers={"x-rlfleet-version-policy": "max_staleness=0"}
-                                                     ).model_dump()))
-        patient.start()
-        t0 = time.monotonic()
-        late = httpx.post(f"{impatient.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=60)
-        assert late.status_code == 503 and "the gate is closed" in late.json()["error"]["message"]
-        assert int(late.headers["retry-after"]) >= 1
-        assert time.monotonic() - t0 >= 1.0  # it waited for the gate before giving up
-        refit.join(120)
-        patient.join(120)
-        # sent while the gate was closed, it waited and ran on the new weights, under the policy it named
-        assert waited["rlfleet"]["version_start"] == waited["rlfleet"]["weight_version"] == v + 1
-        assert waited["rlfleet"]["version_policy"] == "max_staleness=0"
-        assert curl(f"{served.url}/health")[0] == curl(f"{served.url}/ready")[0] == 200
-    finally:
-        impatient.stop()
+    v = fleet.status()["version"]
+    ray_door.ask(source, "perturb", 7, timeout=60)
+    ray_door.ask(source, "hold_next_update", 5.0, timeout=30)  # a slow trainer holds the refit and the gate
+    refit = threading.Thread(target=lambda: fleet.sync_weights(version=v + 1, source=source))
+    refit.start()
+    code, body = wait_for(lambda: (lambda r: r if r[0] == 503 else None)(curl(f"{served.url}/ready")), 30,
+                          every_s=0.05, what="the gate to close")
+    assert json.loads(body)["status"] == "gate closed"
+    alive = httpx.get(f"{served.url}/health", timeout=30)  # liveness: a refit is no reason to restart it
+    assert alive.status_code == 200 and alive.json()["status"] == "gate closed"
+    waited: dict = {}
+    patient = threading.Thread(target=lambda: waited.update(  # this request's own policy: no stale engine
+        openai_client(served).completions.create(model=served.model, prompt=[4, 5, 6], max_tokens=4,
+                                                 extra_headers={"x-rlfleet-version-policy": "max_staleness=0"}
+                                                 ).model_dump()))
+    patient.start()
+    refit.join(120)
+    patient.join(120)
+    # sent while the gate was closed, it waited and ran on the new weights, under the policy it named
+    assert waited["rlfleet"]["version_start"] == waited["rlfleet"]["weight_version"] == v + 1
+    assert waited["rlfleet"]["version_policy"] == "max_staleness=0"
+    assert curl(f"{served.url}/health")[0] == curl(f"{served.url}/ready")[0] == 200
 
 
 def test_the_documented_agent_rollout_tags_each_turn_with_the_weights_that_made_it(agent_front):

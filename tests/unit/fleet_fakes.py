@@ -13,6 +13,8 @@ records the calls themselves (what crossed to the shard: a refit's control calls
 
 The fake shard answers with the records the real one does (``fleet.wire``), and reads a data-plane request
 as the real one does (``fleet.wire.decode_request``: a malformed one is refused with ``BadRequestError``).
+It keeps the real shard's lease on its routing state (``fleet.shard.lease``) on the loop's clock, renewed by the
+same controller calls. ``door.cut_off`` holds shards the controller cannot reach (nor kill) while clients can.
 
 A peer copy (``fleet.shard.peer_copy``): a fake shard's weights are a label (``version N``, or what a copy
 brought until the next stamp), its digests that label; the donor's offer names it, so a receive whose donor
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -36,11 +39,12 @@ from sim.clock import LoopClock, VirtualTimeLoop, run_virtual  # noqa: F401 - th
 from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
 from fleet.data.poison import fingerprint
 from fleet.data.routing_state import ANY, RoutingState, VersionPolicy
+from fleet.shard.lease import RoutingLease
 from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.request_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
-from fleet.errors import (BadRequestError, DeadlineExceeded, PeerCopyRefused, RefitArgumentError, RefitOwnsEngine,
-                          RouteRefused, ShardUnusableError)
+from fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, PeerCopyRefused, RefitArgumentError,
+                          RefitOwnsEngine, RouteRefused, ShardUnusableError)
 from fleet.shard import peer_copy
 from fleet.control.transfer_port import TransferResult, by_deadline
 from fleet.wire import (BeginRefit, Counters, Description, Donated, EndRefit, Left, PeerManifest, PeerOffer, PeerReceived,
@@ -50,6 +54,19 @@ from health import RefitResult
 
 class ActorDiedError(Exception):
     pass
+
+
+# What clients call on a shard (the rest is the controller's): what a shard cut off from the controller still gets.
+CLIENT_METHODS = frozenset({"serve", "serve_stream", "serve_many", "generate", "abort", "refuse_poison"})
+
+
+def _loop_time() -> float:
+    """The running loop's time (virtual on a ``VirtualTimeLoop``): the fake shards' lease clock. A test that tells a
+    fake shard its route by hand, outside any loop, grants no lease term: the monotonic clock then serves."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
 
 
 @dataclass
@@ -62,7 +79,7 @@ class FakeShard:
     script: dict = field(default_factory=dict)  # method -> behaviour (consumed once unless sticky)
     sticky: dict = field(default_factory=dict)  # method -> behaviour (every call)
     held: int = 0
-    gate: ShardGate = field(default_factory=ShardGate)  # the real shard-side gate (pure)
+    gate: ShardGate = field(default_factory=lambda: ShardGate(RoutingLease(_loop_time)))  # the real shard-side gate
     in_flight: dict = field(default_factory=dict)  # request id -> (version at start, policy)
     suspects: dict = field(default_factory=dict)  # request id -> allowance: the suspects in flight (``Ticket.suspect``)
     peak_suspects: int = 0  # the most suspects it ran at once
@@ -103,6 +120,9 @@ class FakeDoor:
         self.on_spawn: dict[tuple[int, int], dict] = {}  # (slot, inc) -> sticky script for new shards
         self.kv: dict[str, bytes] = {}  # Ray's GCS key-value store
         self.was_restarted = False  # what ``restarted()`` answers (a controller built after a crash)
+        # (slot, incarnation) cut off from the controller: its control calls answer ``unavailable`` and its kill
+        # never reaches it, while clients' data-plane calls still do (a partition a lagging client does not share)
+        self.cut_off: set[tuple[int, int]] = set()
 
     def spawn_shard(self, config, slot, incarnation, weight_version=0, **options):
         shard = FakeShard(slot, incarnation, sticky=dict(self.on_spawn.get((slot, incarnation), {})),
@@ -134,10 +154,14 @@ class FakeDoor:
         return "DEAD" if handle.dead else "ALIVE"
 
     def kill(self, handle: FakeShard) -> None:
-        handle.dead = True
+        if (handle.slot, handle.incarnation) not in self.cut_off:
+            handle.dead = True
 
     async def call(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
         self.rpcs.append((method, handle.slot, handle.incarnation))
+        if (handle.slot, handle.incarnation) in self.cut_off and method not in CLIENT_METHODS:
+            self.calls.append((method, handle.slot, handle.incarnation))
+            return Outcome(UNAVAILABLE, error=ConnectionError(f"slot {handle.slot} cut off from the controller"))
         if method == "begin_refit" and kw.get("pause") is not None:
             return await self._begin_and_pause(handle, args, kw["pause"], timeout)
         if method == "end_refit":
@@ -166,6 +190,8 @@ class FakeDoor:
         return Outcome(OK, value=msgspec.structs.replace(began.value, paused=True if paused.ok else paused.value))
 
     async def _end_refit(self, handle: FakeShard, timeout: float, version=None, abort_held=False) -> Outcome:
+        if not handle.dead:
+            handle.gate.heard()  # as ``EngineShard.end_refit``: the controller's word
         stamp, error = None, None
         if version is not None:
             stamped = await self._one(handle, "set_weight_version", version, timeout=timeout, expect_ack=True)
@@ -217,7 +243,8 @@ class FakeDoor:
             return Outcome(BAD_ACK, value=None)
         try:
             value = await getattr(self, f"_{method}")(handle, *args, **kw)
-        except (RouteRefused, BadRequestError, ShardUnusableError, RefitOwnsEngine, PeerCopyRefused) as exc:  # the shard's own answers
+        except (RouteRefused, BadRequestError, ShardUnusableError, RefitOwnsEngine, CacheResetFailed,
+                PeerCopyRefused) as exc:  # its answers
             return Outcome(ERROR, error=exc)
         except DeadlineExceeded as exc:  # the shard's own deadline: ``ray_door`` reads it as timed out
             return Outcome(TIMED_OUT, error=exc)
@@ -246,12 +273,17 @@ class FakeDoor:
         return Started(*_facts(s), start_s=0.0, native_pause=not s.sticky.get("no_native_pause"), node=None)
 
     async def _invalidate_cache(self, s):
-        return s.sticky.get("invalidate_answer", True)
+        answer = s.sticky.get("invalidate_answer", True)
+        if isinstance(answer, Exception):  # the engine answered with an error (``EngineShard._cache_reset``)
+            raise answer
+        return answer
 
     async def _stats(self, s):
         return EngineStats(kv_cache_tokens=32768, max_model_len=512, updated_at=1.0)
 
-    async def _ping(self, s):
+    async def _ping(self, s, epoch=None):
+        if epoch is not None:  # the controller's heartbeat (``EngineShard.ping``)
+            s.gate.heard()
         if s.ping_raises is not None:
             raise s.ping_raises
         return Ping(*_facts(s), core_checked=s.core_checked)
@@ -284,10 +316,10 @@ class FakeDoor:
                         0, _running(s), s.slot, s.incarnation, s.version, s.left, s.ran_while_paused, s.holds.refit,
                         s.holds.operator)
 
-    async def _set_route(self, s, epoch, member, committed):
+    async def _set_route(self, s, epoch, member, committed, lease_s=None):
         if s.gate.member and not member and epoch >= s.gate.routed_at:  # as EngineShard.set_route: what it held as it left the serving set
             s.left = Left(_running(s), s.gate.admitted, epoch)
-        s.gate.route(epoch, member, committed)
+        s.gate.route(epoch, member, committed, lease_s)
         return True
 
     async def _fence(self, s, epoch):

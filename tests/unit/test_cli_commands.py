@@ -167,3 +167,28 @@ def test_serve_refuses_a_chat_flag_vllm_would_refuse_before_any_fleet_or_cluster
     assert cli_main.main(["serve", "--connect", "f", "--port", "0", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert flag in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("timeout,over", [("5", {}), ("64.9", {"refit_timeout_s": 60, "lifecycle_grace_s": 5})])
+def test_serve_refuses_a_request_timeout_below_the_refit_budget_before_any_fleet_or_cluster(
+        monkeypatch, capsys, tmp_path, model_dir, timeout, over):
+    """``--request-timeout 5`` with a 360 s refit budget was taken (the front's config was a ``model_copy`` that
+    validated nothing): every HTTP request held across a refit got a 503 while the refit was within its deadline.
+    It is refused as the config's own ``request_timeout_s`` is, naming the flag and the field (exit 2), before
+    Ray or a fleet starts."""
+    import json
+
+    import ray
+
+    def never(*a, **kw):
+        raise AssertionError("Ray was started for a front whose request timeout the fleet's config refuses")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", never)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"engine": {"model": model_dir}, **over}))
+    assert cli_main.main(["serve", "--config", str(path), "--port", "0", "--request-timeout", timeout]) == 2
+    err = capsys.readouterr().err.strip()
+    budget = "370 s" if not over else "65 s"
+    assert "--request-timeout (request_timeout_s)" in err and "the refit budget" in err and budget in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err

@@ -377,12 +377,12 @@ def test_a_client_report_that_a_live_shard_cannot_serve_is_probed_and_the_actor_
         pinged: list[float] = []
         untouched = door._ping
 
-        async def ping(s):
+        async def ping(s, epoch=None):
             if s is crashed:
                 pinged.append(loop.time())
                 await asyncio.sleep(0.3)  # the shard lets the requests its dead core ran answer first
                 raise EngineCrashedError("engine core died (its requests have answered)")
-            return await untouched(s)
+            return await untouched(s, epoch)
 
         door._ping = ping
         t0 = loop.time()

@@ -832,3 +832,48 @@ def test_metrics_have_latency_ttft_and_queue_histograms_and_per_engine_series(to
     assert buckets == sorted(buckets) and buckets[-1] == 4  # cumulative
     assert 'rlfleet_http_engine_requests_total{slot="1"} 4' in lines  # the capturing client's results: slot 1
     assert 'rlfleet_http_engine_generated_tokens_total{slot="1"} 4' in lines
+
+
+def test_a_front_timeout_below_the_fleets_refit_budget_is_refused_and_one_at_or_above_it_is_its_clients(model_dir):
+    """The front's own ``request_timeout_s`` (``HttpServer(request_timeout_s=)``, ``rlfleet serve --connect
+    --request-timeout``) goes through the fleet config's validation: below the refit budget it is refused naming
+    the flag and the field, before the front starts; at or above it, the front's client runs under it."""
+    from types import SimpleNamespace
+
+    from fleet.config.fleet import load_fleet_config
+    from fleet.errors import ConfigError
+    from serve.server import HttpServer
+
+    cfg = load_fleet_config({"engine": {"model": model_dir}, "refit_timeout_s": 60, "lifecycle_grace_s": 5})
+    fleet = SimpleNamespace(config=cfg)
+    with pytest.raises(ConfigError, match=r"--request-timeout \(request_timeout_s\): must be >= the refit budget.*"
+                                          r"= 65 s.*\(got 1\.5\)"):
+        HttpServer(fleet, port=0, request_timeout_s=1.5)
+    assert HttpServer(fleet, port=0, request_timeout_s=65).client_config.request_timeout_s == 65
+    assert HttpServer(fleet, port=0).client_config is cfg
+
+
+def test_a_request_the_closed_gate_holds_past_its_timeout_gets_503_naming_why_then_the_front_serves_again(model_dir, tok):
+    """What ``tests/integration/test_serve.py`` showed with a front timeout below the refit budget (a config now
+    refused): a request held by a closed gate longer than its timeout is answered 503 naming why the gate is
+    closed, after waiting the whole timeout. Here an operator's pause holds the gate (it has no deadline), with a
+    timeout the fleet's config takes."""
+
+    async def go():
+        ctl, door, _ = make(model_dir, request_timeout_s=2.0)  # the refit budget is 0.4 s
+        await ctl.start()
+        front = Front(client(ctl), tok, "m", MAX_LEN)
+        await ctl.pause("abort", 5.0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        late = await front.run([1, 2, 3], {"max_tokens": 2})
+        waited = loop.time() - t0
+        await ctl.resume()
+        again = await front.run([1, 2, 3], {"max_tokens": 2})
+        await ctl.shutdown()
+        return late, waited, again
+
+    late, waited, again = run(go())
+    assert late.code == 503 and "the gate is closed" in late.message and "pause" in late.message, late.message
+    assert waited >= 2.0
+    assert again.code == 200

@@ -197,3 +197,24 @@ def test_a_refit_that_lands_on_the_donor_during_its_send_fails_the_donation():
     sent = asyncio.run(peer_copy.donate(rpc, PeerOffer(1, ({},), None), T, lambda: next(stamps), "donor"))
     assert calls == ["rlfleet_peer_status", "rlfleet_donate"]
     assert not sent.ok and "its weights changed during the send" in sent.error and "the copy yields" in sent.error
+
+
+def test_a_copy_whose_prefix_cache_cannot_be_cleared_is_not_ok_though_complete(model_dir):
+    """The receiver's cached KV blocks were computed by its old weights: a copy that cannot drop them must not be
+    admitted. The answer says so (not ok, ``cache_cleared`` False), the weights stay the copied ones, unstamped."""
+    from fleet.shard.null_backend import NullBackend
+
+    class NoReset(NullBackend):
+        async def invalidate_cache(self) -> bool:
+            return False
+
+    async def go():
+        donor = shard(model_dir, 0, 3)
+        receiver = EngineShard({"model": model_dir, "backend": "null"}, 1, 1, backend_factory=lambda cfg: NoReset(cfg))
+        await asyncio.gather(donor.start(), receiver.start())
+        sent, got = await copy(donor, receiver, version=3)
+        assert sent.ok and got.state == "complete" and not got.ok and not got.cache_cleared, got
+        assert "prefix cache, computed by the old weights, could not be cleared" in got.error
+        assert receiver.describe().dirty and receiver.get_weight_version() == 0
+
+    asyncio.run(go())

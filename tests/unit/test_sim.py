@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import inspect
+import math
 from pathlib import Path
 
 import pytest
@@ -505,6 +506,34 @@ def test_the_default_cost_is_the_one_measured_on_real_ray():
 
     assert Scenario().call_cpu_us == CALL_CPU_US > 0 and SimDoor(8, Timings()).call_cpu_s == CALL_CPU_US / 1e6
     assert "bench_lifecycle.py" in CALL_CPU_SOURCE
+
+
+@pytest.mark.timeout(30)
+def test_a_wait_until_a_deadline_an_ulp_away_ends_when_asyncio_runs_its_timer_early():
+    """Issue 47: with work ready asyncio runs a timer due within its clock resolution at once, before its time; the
+    virtual clock stayed put, so a wait "until the deadline" (``wait_for`` starts a task: work is ready) woke short
+    of it, waited the ulp left again, and spun forever at one instant (a request held by a closed gate, 2e-16 s
+    before its timeout). The clock now moves to the timer it runs."""
+    import concurrent.futures
+
+    from sim.clock import run_virtual
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(2.0 - 2.0 ** -52)
+        deadline = math.nextafter(loop.time(), math.inf)
+        rounds = 0
+        while loop.time() < deadline:
+            rounds += 1
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.Event().wait(), deadline - loop.time())
+        return rounds, loop.time() == deadline
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        assert pool.submit(run_virtual, go()).result(timeout=10) == (1, True)
+    finally:
+        pool.shutdown(wait=False)
 
 
 @pytest.mark.timeout(30)
