@@ -106,6 +106,13 @@ class RefitRefused(RlfleetError, ValueError):
     The message names the argument or tensor and what was expected."""
 
 
+class PeerCopyRefused(RlfleetError, ValueError):
+    """A peer copy this shard must not take part in (``fleet.shard.peer_copy``): a receiver in the serving set,
+    holding requests or held by a refit; a donor whose weights are not its stamped version; engines whose
+    layouts differ. Refused before any byte moved: nothing changed. The same copy cannot succeed; another
+    donor, the relay or the trainer's next update may. The message names the shard and the fact."""
+
+
 class RefitNotStaged(RlfleetError):
     """Under ``stage_ahead``: fewer than ``min_healthy_engines`` engines received the update into their
     staging area, after the one retry. The gate never closed and no engine's weights changed: the fleet

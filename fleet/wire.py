@@ -14,7 +14,8 @@ fleet run one wire.
   machine, and a struct, ~11 us; bytes cost it ~0.3 us, and encoding and decoding ~0.3 us each.) ``Carried`` is what a continued request brings (``fleet.shard.continuation``).
 - The answers of the shard's control calls, read by the control plane: ``Ping``, ``Started``,
   ``Description`` (the three carry ``ShardInfo``'s facts first), ``Counters`` (with ``Left``),
-  ``BeginRefit``, ``EndRefit``. They cross Ray pickled (a struct pickles as its class and its values in order:
+  ``BeginRefit``, ``EndRefit``, and a peer copy's (``fleet.shard.peer_copy``): ``PeerManifest``, ``PeerOffer``,
+  ``Donated``, ``PeerReceived``, ``WeightDigests``. They cross Ray pickled (a struct pickles as its class and its values in order:
   an ``EndRefit`` carries the stamp's exception). Every shard world answers with them: the real shard, the
   simulator's (``sim.shard``) and the unit tests' fakes. ``Record.to_dict`` is the plain form, for the
   outer boundaries that hand them to people and tools (``Fleet.shard_counters``).
@@ -38,8 +39,9 @@ import msgspec
 from fleet.data.routing_state import Ticket, VersionPolicy
 from fleet.errors import BadRequestError
 
-__all__ = ["BeginRefit", "Carried", "Counters", "Description", "EndRefit", "Left", "Ping", "Record",
-           "ServeRequest", "ShardFacts", "ShardInfo", "Started", "decode_request"]
+__all__ = ["BeginRefit", "Carried", "Counters", "Description", "Donated", "EndRefit", "Left", "PeerManifest",
+           "PeerOffer", "PeerReceived", "Ping", "Record", "ServeRequest", "ShardFacts", "ShardInfo", "Started",
+           "WeightDigests", "decode_request"]
 
 _PICKLED = 1  # msgpack extension code: a sampling value msgpack has no type for, pickled (as Ray would have)
 
@@ -305,3 +307,65 @@ class EndRefit(Record, array_like=True, frozen=True):
     aborted: int
     resumed: bool | None
     paused_for: str | None
+
+
+# -- a peer copy's answers (``fleet.shard.peer_copy``) ----------------------------------------------------------
+class PeerManifest(Record, array_like=True, frozen=True):
+    """``peer_manifest``'s answer: the engine's parameters as a peer copy moves them, one manifest per
+    weight-holding worker in worker order (``refit.peer.manifest``: entries (name, shape, dtype), ``unreadable``,
+    ``blocker``), with its stamped ``weight_version`` and ``dirty`` (a transfer touched the weights since)."""
+
+    workers: tuple[dict[str, Any], ...]
+    weight_version: int
+    dirty: bool
+
+
+class PeerOffer(Record, array_like=True, frozen=True):
+    """``open_donation``'s answer: where the receiver's workers meet the donor's for copy ``copy_id``, one
+    address per worker in worker order (``refit.group.GroupAddress``'s wire form), or ``error`` and none."""
+
+    copy_id: int
+    addresses: tuple[dict[str, Any], ...]
+    error: str | None
+
+
+class Donated(Record, array_like=True, frozen=True):
+    """``donate_weights``'s answer: ``ok`` or ``error``; ``weight_version``: the donor's stamp, which its weights
+    were all through the send (else not ok); bytes sent; ``waited_s``: waiting for the receiver to join (its
+    engine serving all along); ``held_s``: the send itself, while its engine took no step; ``digests``: one
+    ``{parameter: sha256}`` per worker of what was sent (vLLM's ``compute_weight_checksums``; empty when not
+    asked or not ok)."""
+
+    ok: bool
+    error: str | None
+    weight_version: int
+    bytes: int
+    waited_s: float
+    held_s: float
+    digests: tuple[dict[str, str], ...]
+
+
+class PeerReceived(Record, array_like=True, frozen=True):
+    """``receive_weights_from_peer``'s answer: ``state`` (``not_started``: no byte written, the shard as it was;
+    ``partial``: weights unknown, the shard stays ``dirty``; ``complete``: every parameter is the donor's),
+    ``error``, bytes, ``recv_s``, ``load_s`` (vLLM re-deriving from the parameters), ``cache_cleared`` (prefix
+    cache blocks computed by the old weights dropped) and ``digests`` after the load, one per worker (empty
+    unless complete). Not stamped: the caller compares digests, then stamps (``set_weight_version``)."""
+
+    ok: bool
+    state: str
+    error: str | None
+    bytes: int
+    recv_s: float
+    load_s: float
+    cache_cleared: bool
+    digests: tuple[dict[str, str], ...]
+
+
+class WeightDigests(Record, array_like=True, frozen=True):
+    """``weight_digests``' answer: one ``{parameter: sha256}`` per worker (vLLM's ``compute_weight_checksums``),
+    and the shard's ``weight_version`` and ``dirty`` when asked."""
+
+    workers: tuple[dict[str, str], ...]
+    weight_version: int
+    dirty: bool

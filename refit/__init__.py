@@ -89,10 +89,19 @@ Worker extension methods (``refit.worker_extension.RefitWorkerExtension``, all p
 ``checksum``, ``receive_raw`` (benchmark baseline), ``inject_fault`` (tests).
 ``rlfleet_checksum()`` returns the digest of exactly what the last refit handed to
 ``reload_weights`` (with ``RefitConfig(checksum=True)``) and a read-back digest of the
-live parameters that are readable under their checkpoint name and shape (on CPU:
-embeddings, norms, lm_head; packed linears read as empty). Equal digests prove the
-bytes arrived intact and, for the read-back part, that they are live; the packed
-linears are proven live by logprob agreement with the trainer.
+live parameters that are readable under their checkpoint name and shape (embeddings,
+norms, lm_head, and the unfused linears such as ``o_proj``; vLLM fuses q/k/v and
+gate/up under other names). Equal digests prove the bytes arrived intact and, for the
+read-back part, that they are live; the fused linears are proven live by logprob
+agreement with the trainer.
+
+Peer copy (``refit.peer``, ``refit.peer_transfer``; the shard's side is
+``fleet.shard.peer_copy``): a live engine sends its parameters, in vLLM's own layout, to
+an engine of the same layout, rank to rank, with no trainer: ``rlfleet_peer_manifest``,
+``rlfleet_peer_open`` / ``rlfleet_peer_status`` / ``rlfleet_donate`` / ``rlfleet_peer_close``
+on the donor, ``rlfleet_receive_peer`` on the receiver, ``rlfleet_weight_digests`` (vLLM's
+``compute_weight_checksums``) on both. On CPU it needs vLLM's linear weights kept readable
+(``refit.readable_weights``, on by default).
 """
 
 from refit.errors import ApplyError, ManifestError, RefitError, RefitUsageError, TransferError

@@ -531,6 +531,18 @@ class WeightReceiver:
             return {"ok": False, "error": str(exc), "bytes": 0}
         return {"ok": True, "error": None, "bytes": int(numel) * 4, "recv_s": time.monotonic() - t0}
 
+    def note_peer_copy(self, state: str, version: int | None = None) -> None:
+        """A peer copy (``refit.peer_transfer``) wrote this rank's live weights: ``partial`` (from its first write
+        on), or ``complete`` with the ``version`` the donor held. What the last refit applied no longer describes
+        the live weights: its digests are dropped (``checksum`` answers no ``applied`` until the next refit)."""
+        if state == NOT_STARTED:
+            return
+        self._applied_digests.clear()
+        self._applied_shapes.clear()
+        self.weights_state = COMPLETE if state == COMPLETE else PARTIAL
+        if state == COMPLETE and version is not None:
+            self.weight_version = int(version)
+
     # -- read-back --------------------------------------------------------------------------
     def checksum(self) -> dict:
         """``applied``: digest of what the last refit handed to the model (needs ``checksum=True`` at prepare).

@@ -10,8 +10,17 @@ worker to its ``ModelAdapter``:
 - apply: ``model_runner.reload_weights(weights_iterator=...)``, which takes checkpoint
   names, shards them for this worker's tensor/pipeline partition and re-packs CPU
   linears (``model.load_weights`` does not work on CPU: packed linear weights have size 0);
-- live tensors: ``model.named_parameters()`` (on CPU only embeddings, norms and
-  lm_head have readable data; packed linears read as empty).
+- live tensors: ``model.named_parameters()`` (on CPU, packed linears read as empty unless
+  ``refit.readable_weights`` keeps them, which it does by default: see there for the memory it costs).
+
+Peer copy (``refit.peer``, ``refit.peer_transfer``): an engine of the same layout copies every parameter
+of this worker, in vLLM's own layout, rank to rank; no checkpoint names, no trainer. The donor's worker
+``rlfleet_peer_open``s (hosts the rendezvous, the receiver joins on a thread: the engine keeps serving),
+then ``rlfleet_donate``s in one short call once ``rlfleet_peer_status`` says ``joined``; the receiver's
+worker ``rlfleet_receive_peer``s straight into its parameters and has vLLM re-derive what it computes from
+them (``process_weights_after_loading``: the CPU's packed linears). ``rlfleet_weight_digests`` (vLLM's
+``compute_weight_checksums``) proves the two equal. Which engine may donate or receive is the shard's
+call (``fleet.shard.peer_copy``); the manifests are compared before either call starts.
 
 Stage ahead: ``rlfleet_stage`` starts the receive on a thread and returns at once (the
 engine keeps serving), ``rlfleet_stage_status`` polls it, ``rlfleet_apply_staged`` applies
@@ -23,8 +32,12 @@ All methods return plain data and never raise for transfer or validation failure
 from __future__ import annotations
 
 import os
+import time
 
-from refit.receiver import WeightReceiver
+from refit import peer, peer_transfer, readable_weights
+from refit.receiver import COMPLETE, NOT_STARTED, PARTIAL, WeightReceiver
+
+readable_weights.apply_if_wanted()  # vLLM imports this module in each worker before it loads the model
 
 
 class _VllmModel:
@@ -50,6 +63,33 @@ class _VllmModel:
 
     def live_tensors(self):
         return self._worker.model_runner.get_model().named_parameters()
+
+    def peer_blocker(self) -> str | None:
+        """Why this engine's parameters cannot be copied as they are, or None. A quantized model's (or an fp8 KV
+        cache's) processing turns loaded tensors into kernel formats and derived state in place: running it
+        again over copied parameters is not known to give the donor's engine."""
+        quant = getattr(self._config, "quantization", None)
+        kv = str(getattr(self._worker.cache_config, "cache_dtype", "auto")) if hasattr(self._worker, "cache_config") else "auto"
+        if quant:
+            return f"the model is quantized ({quant}): a peer copy supports unquantized models only"
+        if kv not in ("auto", "float32", "bfloat16", "float16"):
+            return f"the KV cache is {kv}: a peer copy supports unquantized KV caches only"
+        return None
+
+    def after_peer_load(self) -> None:
+        """What vLLM computes from the parameters once they are loaded (the CPU's packed linears), as its own
+        loader and ``reload_weights`` finish; over readable weights it rebuilds them from the copied ones."""
+        import torch
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        runner = self._worker.model_runner
+        device = getattr(self._worker, "device", None) or torch.device("cpu")
+        process_weights_after_loading(runner.get_model(), self._config, torch.device(device))
+
+    def weight_digests(self) -> dict[str, str]:
+        """vLLM's own ``compute_weight_checksums`` (sha256 of every parameter, names prefixed with the worker's
+        dp/pp/pcp/tp ranks), the same on both engines of a copy of equal layout."""
+        return self._worker.compute_weight_checksums()
 
 
 def _rss_mb() -> float:
@@ -146,6 +186,104 @@ class RefitWorkerExtension:
     def rlfleet_checksum(self) -> dict:
         """Digests of the last applied update and of the readable live weights; see ``WeightReceiver.checksum``."""
         return self._rlfleet_receiver().checksum()
+
+    # -- peer copy ---------------------------------------------------------------------------------
+    def _rlfleet_params(self) -> list:
+        """This worker's parameters in manifest order (an adapter may offer ``peer_tensors``; else its live tensors)."""
+        model = self._rlfleet_model()
+        return list(getattr(model, "peer_tensors", model.live_tensors)())
+
+    def rlfleet_peer_manifest(self) -> dict:
+        """This worker's parameters as a peer copy moves them (``refit.peer.manifest``): worker index and count,
+        entries (name, shape, dtype) in order, ``unreadable`` ones, and ``blocker``: why none can be copied."""
+        index, count = self._rlfleet_index()
+        blocker = getattr(self._rlfleet_model(), "peer_blocker", lambda: None)()
+        return {**peer.manifest(self._rlfleet_params(), index, count), "blocker": blocker}
+
+    def rlfleet_peer_open(self, copy_id: int, timeout_s: float, backend: str = "gloo") -> dict:
+        """Donor: host the rendezvous of copy ``copy_id`` and wait (on a thread) for the receiver to join; returns
+        at once with this worker's ``address`` (``refit.group.GroupAddress`` wire form) and ``worker_index``."""
+        self.rlfleet_peer_close()
+        index, _ = self._rlfleet_index()
+        try:
+            donation = peer_transfer.Donation(int(copy_id), backend, float(timeout_s), device=getattr(self, "device", None))
+        except Exception as exc:  # noqa: BLE001 - no store, bad backend: the answer says so
+            return {"ok": False, "error": f"could not open copy {copy_id}: {type(exc).__name__}: {exc}", "worker_index": index}
+        self.__dict__["_rlfleet_open_donation"] = donation
+        return {"ok": True, "error": None, "worker_index": index, "address": donation.address.to_wire()}
+
+    def _rlfleet_donation(self, copy_id: int):
+        d = self.__dict__.get("_rlfleet_open_donation")
+        return d if d is not None and d.copy_id == int(copy_id) else None
+
+    def rlfleet_peer_status(self, copy_id: int) -> dict:
+        """Donor: ``joining``, ``joined`` or ``failed`` (``error``) for copy ``copy_id``; answers at once."""
+        d = self._rlfleet_donation(copy_id)
+        return d.status() if d is not None else {"state": peer_transfer.FAILED, "error": f"no open donation of copy {copy_id}"}
+
+    def rlfleet_donate(self, copy_id: int, timeout_s: float, digests: bool = True) -> dict:
+        """Donor: send every parameter to the joined receiver (the engine stops stepping for this call only), then
+        close. ``digests``: answer vLLM's digests of exactly what was sent, taken in this same call."""
+        d = self._rlfleet_donation(copy_id)
+        if d is None:
+            return {"ok": False, "error": f"no open donation of copy {copy_id} on this worker", "bytes": 0, "send_s": 0.0}
+        self.__dict__.pop("_rlfleet_open_donation", None)
+        res = {**d.send(self._rlfleet_params(), float(timeout_s)), "worker_index": self._rlfleet_index()[0]}
+        if digests and res["ok"]:
+            res["digests"] = self.rlfleet_weight_digests()
+        return res
+
+    def rlfleet_peer_close(self) -> bool:
+        """Donor: drop an open donation (a receiver still joining fails at once); idempotent."""
+        d = self.__dict__.pop("_rlfleet_open_donation", None)
+        if d is not None:
+            d.close()
+        return True
+
+    def rlfleet_receive_peer(self, addresses: list, manifest: list, copy_id: int, version: int, timeout_s: float,
+                             digests: bool = True) -> dict:
+        """Receiver: check the donor's ``manifest`` (one per worker) against this worker's parameters, then join
+        ``addresses[worker_index]``, receive into the parameters, have vLLM re-derive what it computes from them,
+        and record ``version`` as what this worker holds. Answers ``state`` (``not_started``: nothing written,
+        ``refused`` says why when the layouts differ; ``partial``; ``complete``), ``error``, bytes, timings and,
+        when complete and asked, this worker's ``digests`` after the load."""
+        index, count = self._rlfleet_index()
+        res: dict = {"ok": False, "state": NOT_STARTED, "error": None, "refused": None, "bytes": 0, "recv_s": 0.0,
+                     "load_s": 0.0, "worker_index": index}
+        if len(addresses) != count or len(manifest) != count:
+            res["error"] = (f"engine has {count} weight-holding workers; the copy gave {len(addresses)} addresses "
+                            f"and {len(manifest)} manifests")
+            return res
+        named = self._rlfleet_params()
+        mine = self.rlfleet_peer_manifest()
+        theirs = manifest[index]
+        why = peer.worker_misfit(theirs, mine) or mine.get("blocker") or theirs.get("blocker")
+        if why:
+            res["error"] = res["refused"] = f"copy {copy_id} refused, nothing changed: {why}"
+            return res
+        rx = self._rlfleet_receiver()
+        got = peer_transfer.receive(addresses[index], int(copy_id), named, theirs, float(timeout_s),
+                                    device=getattr(self, "device", None), on_first_write=lambda: rx.note_peer_copy(PARTIAL))
+        res.update(got)
+        if res["state"] == COMPLETE:
+            t0 = time.monotonic()
+            try:
+                getattr(self._rlfleet_model(), "after_peer_load", lambda: None)()
+            except Exception as exc:  # noqa: BLE001 - the bytes are in, the engine's own derivation failed
+                res.update(ok=False, state=PARTIAL, error=f"loading copy {copy_id} failed after every byte arrived: "
+                                                          f"{type(exc).__name__}: {exc}")
+            res["load_s"] = time.monotonic() - t0
+        rx.note_peer_copy(res["state"], int(version))
+        self._rlfleet_weight_version = rx.weight_version
+        if digests and res["state"] == COMPLETE:
+            res["digests"] = self.rlfleet_weight_digests()
+        return res
+
+    def rlfleet_weight_digests(self) -> dict:
+        """sha256 of every parameter by name: vLLM's ``compute_weight_checksums`` where this is a vLLM worker,
+        else the same digest over the adapter's parameters (``refit.peer.sha256_digests``)."""
+        own = getattr(self._rlfleet_model(), "weight_digests", None)
+        return own() if own is not None else peer.sha256_digests(self._rlfleet_params())
 
     def rlfleet_inject_fault(self, kind: str | None, at_bucket: int = 0, freeze_s: float = 3600.0) -> bool:
         """Tests only: ``die`` (exit the process), ``freeze`` (sleep) at a bucket of the next receive, ``fail_apply``

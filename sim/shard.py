@@ -3,7 +3,10 @@
 ``SimShard`` answers every method the control plane calls (``fleet.cluster.door.CONTROL_METHODS``)
 with the signature ``fleet.shard.engine_shard.EngineShard`` has, and keeps the state those methods
 keep: the real shard-side gate (``fleet.shard.request_gate.ShardGate``), the stamped weight
-version, ``dirty`` after a transfer touched the weights, paused. Each call takes the
+version, ``dirty`` after a transfer touched the weights, paused. Its weights are a label (``version N``, or
+what a peer copy brought until the next stamp), so a peer copy between two of them is proven or not by
+their digests as between real engines; the offer carries the donor, so a receiver whose donor died or hung
+during the copy ends ``partial``. Each call takes the
 simulated time its ``Timings`` field says (an engine start takes ``engine_start_s``).
 
 What can happen to it (``sim.faults`` decides when): it dies (every call from then on,
@@ -23,11 +26,13 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
+from fleet.shard import peer_copy
 from fleet.shard.lease import RoutingLease
 from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.request_gate import ShardGate
 from fleet.types import EngineStats
-from fleet.wire import BeginRefit, Counters, Description, EndRefit, Left, Ping, ShardFacts, Started
+from fleet.wire import (BeginRefit, Counters, Description, Donated, EndRefit, Left, PeerManifest, PeerOffer, PeerReceived,
+                        Ping, ShardFacts, Started, WeightDigests)
 
 __all__ = ["CALL_DEADLINE", "CallTimedOut", "ShardDied", "SimShard", "Timings"]
 
@@ -45,6 +50,7 @@ class Timings:
     resume_s: float = 0.2
     invalidate_s: float = 0.05
     shutdown_s: float = 2.0
+    peer_copy_s: float = 17.5  # a peer copy: the model's bytes at the refit broadcast's rate (``sim.transfer``)
     kv_cache_tokens: int = 400_000
     max_model_len: int = 32_768
 
@@ -78,6 +84,7 @@ class SimShard:
         self.holds = PauseHolds()
         self.version = 0
         self.dirty = False
+        self.copied: str | None = None  # the label a peer copy brought, until the next stamp
         self.state = "new"
         self.dead = False
         self.hung = False
@@ -172,6 +179,7 @@ class SimShard:
         if version is not None:
             self.version = int(version)
             self.dirty = False
+            self.copied = None
             self.gate.committed = max(self.gate.committed, self.version)
         stamp = None if version is None else "ok"
         if not self.holds.end_refit() and self.gate.paused:
@@ -212,8 +220,45 @@ class SimShard:
         await self._take(self.t.rpc_s)
         self.version = int(version)
         self.dirty = False
+        self.copied = None
         self.gate.committed = max(self.gate.committed, self.version)
         return True
+
+    # -- a peer copy (``fleet.shard.peer_copy``), its bytes as a label ----------------------------------------
+    def _label(self) -> str:
+        return self.copied if self.copied is not None else f"version {self.version}"
+
+    async def peer_manifest(self) -> PeerManifest:
+        await self._take(self.t.rpc_s)
+        return PeerManifest((peer_copy.label_manifest(),), self.version, self.dirty)
+
+    async def open_donation(self, copy_id: int, timeout_s: float) -> PeerOffer:
+        await self._take(self.t.rpc_s)
+        return PeerOffer(int(copy_id), ({"sim_donor": self, "label": self._label()},), None)
+
+    async def donate_weights(self, offer: PeerOffer, timeout_s: float, digests: bool = True) -> Donated:
+        if self.dirty:
+            return Donated(False, f"slot {self.slot}: its weights are not its stamped version", self.version, 0, 0.0, 0.0, ())
+        version = self.version
+        await self._take(self.t.peer_copy_s)
+        return Donated(True, None, version, 0, 0.0, self.t.peer_copy_s, ({"weights": self._label()},) if digests else ())
+
+    async def receive_weights_from_peer(self, offer: PeerOffer, manifest: PeerManifest, version: int,
+                                        timeout_s: float, digests: bool = True) -> PeerReceived:
+        peer_copy.check_receiver(f"simulated shard slot {self.slot}", self.gate.member, 0, self.holds.refit)
+        self.dirty = True
+        await self._take(self.t.peer_copy_s)
+        donor = offer.addresses[0]["sim_donor"]
+        if donor.dead or donor.hung:
+            return PeerReceived(False, peer_copy.PARTIAL, f"slot {self.slot}: the donor slot {donor.slot} died or hung "
+                                "during the copy", 0, self.t.peer_copy_s, 0.0, True, ())
+        self.copied = str(offer.addresses[0]["label"])
+        return PeerReceived(True, peer_copy.COMPLETE, None, 0, self.t.peer_copy_s, 0.0, True,
+                            ({"weights": self.copied},) if digests else ())
+
+    async def weight_digests(self) -> WeightDigests:
+        await self._take(self.t.rpc_s)
+        return WeightDigests(({"weights": self._label()},), self.version, self.dirty)
 
     async def arm_fault(self, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0,
                         match: Sequence[int] | None = None) -> bool:

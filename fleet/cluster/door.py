@@ -25,6 +25,8 @@ CONTROL_METHODS = (
     "start", "ping", "stats", "describe", "counters",
     "set_route", "fence", "begin_refit", "end_refit", "abort_in_flight", "abort",
     "pause", "resume", "invalidate_cache", "reset_prefix_cache", "set_weight_version", "shutdown",
+    # a peer copy (``fleet.shard.peer_copy``)
+    "peer_manifest", "open_donation", "donate_weights", "receive_weights_from_peer", "weight_digests",
 )  # fmt: skip
 # Fault injection (``Fleet.arm_fault``, for the fault matrix): real shards only. A simulated cluster
 # injects its own faults (``sim.faults``); its shards refuse this one, naming why.

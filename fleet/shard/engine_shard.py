@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Sequence, cast
 
 from fleet.shard.backend import PAUSE_MODES, EngineBackend, PauseMode, StepMarks
 from fleet.config.engine import EngineConfig
+from fleet.shard import peer_copy
 from fleet.shard.fault_hooks import ArmedFault, FaultHooks
 from fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, EngineCrashedError, RouteRefused,
                           ShardShutDownError, ShardUnavailableError, ShardUnusableError)
@@ -35,15 +36,16 @@ from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.start_records import record_start
 from fleet.shard.output_stream import OutputStream, Pacer
 from fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, GenerationResult
-from fleet.wire import (BeginRefit, Carried, Counters, Description, EndRefit, Left, Ping, ShardFacts, ShardInfo,
-                        Started, decode_request)
+from fleet.wire import (BeginRefit, Carried, Counters, Description, Donated, EndRefit, Left, PeerManifest, PeerOffer,
+                        PeerReceived, Ping, ShardFacts, ShardInfo, Started, WeightDigests, decode_request)
 from health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
 CRASH_REPORT_GRACE_S = 1.0
 PAUSE_SETTLE_S = 0.5  # a step's stat record may reach the shard this long after the pause that followed it  # a probe that finds the engine core dead waits this long for the requests it ran
 # Worker-extension methods that move weights: the "transfer" fault point.
-TRANSFER_METHODS = frozenset({"rlfleet_receive", "rlfleet_receive_raw", "rlfleet_apply_staged"})  # they write live weights
+TRANSFER_METHODS = frozenset({"rlfleet_receive", "rlfleet_receive_raw", "rlfleet_apply_staged",  # they write live weights
+                              "rlfleet_receive_peer"})
 STAGE_METHODS = frozenset({"rlfleet_stage"})  # bytes move into the staging area; live weights untouched
 
 
@@ -80,6 +82,7 @@ class EngineShard:
         self.incarnation = incarnation
         self._version = weight_version
         self._dirty = False  # a transfer wrote into the weights since the last stamp: they are unknown
+        self._transfers = 0  # transfer calls made (a peer receive that wrote nothing restores ``_dirty`` if alone)
         self._backend = (backend_factory or _vllm_backend)(self.config)
         self._state = "new"
         self._hooks = FaultHooks(lambda: getattr(self._backend, "engine_core_pids", lambda: [])(), slot, incarnation,
@@ -579,6 +582,7 @@ class EngineShard:
         """Call ``method`` on every worker's extension (``collective_rpc``), bounded."""
         if method in TRANSFER_METHODS:
             self._dirty = True  # until stamped, the weights are whatever this transfer left
+            self._transfers += 1
         if (method in TRANSFER_METHODS or method in STAGE_METHODS) and self._hooks.armed:
             await self._hooks.at("transfer")  # a fault armed at the transfer fires where the bytes start moving
         backend = self._require_ready(f"worker_rpc({method})")
@@ -588,6 +592,35 @@ class EngineShard:
             return await self._bounded(f"worker_rpc({method})", backend.worker_rpc(method, tuple(args), kwargs or {}, deadline), deadline + 1.0)
         finally:
             self._progress.release("worker_rpc", self._now())
+
+    # -- peer copy: weights from a live engine of the same layout (steps, rules: ``fleet.shard.peer_copy``) --------
+    async def peer_manifest(self) -> PeerManifest:
+        return await peer_copy.manifest(self.worker_rpc, self._version, self._dirty)
+
+    async def open_donation(self, copy_id: int, timeout_s: float) -> PeerOffer:
+        self._require_ready("open_donation")
+        return await peer_copy.open_donation(self.worker_rpc, copy_id, peer_copy.backend_for(self.config.num_gpus), timeout_s)
+
+    async def donate_weights(self, offer: PeerOffer, timeout_s: float, digests: bool = True) -> Donated:
+        if self._hooks.armed:
+            await self._hooks.at("donate")
+        return await peer_copy.donate(self.worker_rpc, offer, timeout_s, lambda: (self._version, self._dirty),
+                                      self._who(), digests)
+
+    async def receive_weights_from_peer(self, offer: PeerOffer, manifest: PeerManifest, version: int,
+                                        timeout_s: float, digests: bool = True) -> PeerReceived:
+        """Never stamps; raises ``PeerCopyRefused`` (nothing changed) for a shard that may not receive."""
+        self._require_ready("receive_weights_from_peer")
+        peer_copy.check_receiver(self._who(), self.gate.member, len(self._inflight), self.holds.refit)
+        was, transfers = self._dirty, self._transfers
+        got = await peer_copy.receive(self.worker_rpc, offer, manifest, version, timeout_s, self._who(),
+                                      self.invalidate_cache, digests)
+        if got.state == peer_copy.NOT_STARTED and self._transfers == transfers + 1:
+            self._dirty = was  # it wrote nothing, and no other transfer ran meanwhile: the weights are as they were
+        return got
+
+    async def weight_digests(self) -> WeightDigests:
+        return await peer_copy.weight_digests(self.worker_rpc, self._version, self._dirty)
 
     async def shutdown(self) -> bool:
         """Abort in-flight requests (explicitly returned to their callers), then stop the engine."""

@@ -2,7 +2,8 @@
 
 A shard calls ``hooks.at(point)`` at each hook point (start of ``pause``, ``resume``,
 ``set_weight_version``, ``generate``, ``ping``, and the weight receive inside
-``worker_rpc``, point ``transfer``). With nothing armed the shard skips the call
+``worker_rpc``, point ``transfer``, a peer copy's receive included; a donor's side of a peer copy, point
+``donate``, as its ``donate_weights`` begins). With nothing armed the shard skips the call
 entirely (``if self._hooks.armed``), so code without an active plan pays nothing.
 Point ``stream`` is mid-generation: a streamed request (``serve_stream``) reaches it before each
 chunk of output it sends (not its result); with ``after_calls`` or ``delay_s`` a fault there acts
@@ -56,7 +57,7 @@ from typing import Callable, Sequence
 
 from fleet.errors import EngineCrashedError, ShardUnavailableError
 
-POINTS = ("pause", "resume", "set_weight_version", "generate", "ping", "transfer", "stream")
+POINTS = ("pause", "resume", "set_weight_version", "generate", "ping", "transfer", "stream", "donate")
 ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine", "unavailable", "error", "poison",
            "freeze_core")
 ENGINE_DEATH_WAIT_S = 10.0  # a poisoned engine: how long to wait for the backend to see its core gone

@@ -10,7 +10,13 @@ With ``EngineConfig.null_receives_weights`` a refit is received for real: the sh
 (``rlfleet_*``) run the production receiver (``refit.receiver.WeightReceiver``, the same code vLLM's
 workers run) over a host-memory model whose expected layout is the model directory's checkpoint. The
 transport's group, manifest checks, bytes, stamps and digests are then real, only the engine is
-missing: what the fault matrix needs to test the controller's decisions without an engine's start.
+missing: what the fault matrix needs to test the controller's decisions without an engine's start. A peer
+copy (``fleet.shard.peer_copy``) between two such engines is real too: their parameters are what refits and
+copies put there, laid out as the checkpoint (zeros until something arrives: a null engine loads nothing).
+
+Without it, a peer copy still answers as a real one would, with no bytes: an engine's weights are a label
+(``NullWeights``: its stamped version, or the donor's label a copy brought), its digests are that label, and
+the donor's offer carries its label to the receiver.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class NullBackend:
         self._aborts: dict[str, asyncio.Event] = {}
         self._worker = host_worker(config) if getattr(config, "null_receives_weights", False) else None
         self._pool: ThreadPoolExecutor | None = None
+        self._weights = NullWeights()
         self.version = 0  # the label ``set_weight_version`` gave
 
     async def start(self) -> None:
@@ -70,6 +77,7 @@ class NullBackend:
 
     async def set_weight_version(self, version: int) -> None:
         self.version = int(version)
+        self._weights.copied = None  # stamped: its weights are that version's
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -96,7 +104,7 @@ class NullBackend:
 
     async def worker_rpc(self, method: str, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
         if self._worker is None:
-            return [{"ok": True, "method": method}]
+            return [self._weights.call(method, args, self.version)]
         if self._pool is None:  # one thread, as a vLLM worker runs its calls one at a time
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="null-worker")
         call = functools.partial(getattr(self._worker, method), *args, **kwargs)
@@ -108,6 +116,38 @@ class NullBackend:
     async def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class NullWeights:
+    """The weight calls of a null engine that receives no weights. Refit calls answer ``ok`` at once; a peer
+    copy's answer as ``refit.worker_extension``'s do, over one label standing for the weights (``version N``
+    for the stamped version, or the label a copy brought until the next stamp)."""
+
+    def __init__(self) -> None:
+        self.copied: str | None = None
+
+    def label(self, version: int) -> str:
+        return self.copied if self.copied is not None else f"version {version}"
+
+    def call(self, method: str, args: tuple, version: int) -> Any:
+        from fleet.shard.peer_copy import label_manifest
+
+        digests = {"weights": self.label(version)}
+        if method == "rlfleet_peer_manifest":
+            return label_manifest()
+        if method == "rlfleet_peer_open":
+            return {"ok": True, "error": None, "worker_index": 0, "address": {"null": self.label(version), "epoch": args[0]}}
+        if method == "rlfleet_peer_status":
+            return {"state": "joined", "error": None}
+        if method == "rlfleet_donate":
+            return {"ok": True, "error": None, "bytes": 0, "send_s": 0.0, "worker_index": 0, "digests": digests}
+        if method == "rlfleet_receive_peer":  # (addresses, manifest, copy id, version, timeout_s, digests)
+            self.copied = str(args[0][0]["null"])
+            return {"ok": True, "state": "complete", "error": None, "refused": None, "bytes": 0, "recv_s": 0.0,
+                    "load_s": 0.0, "worker_index": 0, "digests": {"weights": self.copied}}
+        if method == "rlfleet_weight_digests":
+            return digests
+        return {"ok": True, "method": method}
 
 
 def null_backend(config: Any) -> NullBackend:
@@ -136,6 +176,19 @@ class _HostModel:
 
     def live_tensors(self):
         return self.tensors.items()
+
+    def peer_tensors(self):
+        """What a peer copy moves, in checkpoint order: what refits and copies put here, zeros for the names
+        nothing has brought yet (a null engine loads nothing at start)."""
+        spec = self.expected_spec()
+        if spec is None:
+            return list(self.tensors.items())
+        import torch
+
+        for name, (shape, dtype) in spec.items():
+            if name not in self.tensors:
+                self.tensors[name] = torch.zeros(shape, dtype=getattr(torch, self.engine_dtype() or dtype))
+        return [(name, self.tensors[name]) for name in spec]
 
 
 @functools.cache

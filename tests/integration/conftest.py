@@ -12,8 +12,8 @@ invariants read them); updates move in 0.1 MB buckets (the tiny model in ~18: a 
 mid-stream).
 
 ``raw_pair``: two bare engine shards (``fleet.cluster.ray_door.spawn_shard``, no controller) for the modules that drive
-shards and the weight transfer by hand: test_recipe_learning, test_refit, test_refit_faults and test_shard,
-run in that order (the order puts them together too). Each module's fixture asks ``RawPair.fresh()``: both
+shards and the weight transfer by hand: test_peer_copy, test_recipe_learning, test_refit, test_refit_faults
+and test_shard, run in that order (the order puts them together too). Each module's fixture asks ``RawPair.fresh()``: both
 slots alive and ready (a slot a module killed or shut down is replaced by its next incarnation, or adopted
 from the module that restarted it), serving the checkpoint's weights stamped version 0, as a newly started
 engine does. That is three engine starts where the four modules started eight.

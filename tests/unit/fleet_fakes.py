@@ -16,6 +16,11 @@ as the real one does (``fleet.wire.decode_request``: a malformed one is refused 
 It keeps the real shard's lease on its routing state (``fleet.shard.lease``) on the loop's clock, renewed by the
 same controller calls. ``door.cut_off`` holds shards the controller cannot reach (nor kill) while clients can.
 
+A peer copy (``fleet.shard.peer_copy``): a fake shard's weights are a label (``version N``, or what a copy
+brought until the next stamp), its digests that label; the donor's offer names it, so a receive whose donor
+died (scripted ``donate_weights: "die"``, which runs first) ends ``partial`` and leaves the receiver dirty.
+A receiver in the serving set, holding requests or held by a refit refuses (``PeerCopyRefused``).
+
 ``run_virtual(coro)`` runs a test in virtual time and ``LoopClock`` is the controller's
 clock on that loop (both from ``sim.clock``, which the fleet simulator uses too).
 """
@@ -38,10 +43,12 @@ from fleet.shard.lease import RoutingLease
 from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.request_gate import ShardGate
 from fleet.types import Completion, EngineStats, GenerationResult
-from fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, RefitArgumentError, RefitOwnsEngine,
-                          RouteRefused, ShardUnusableError)
+from fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, PeerCopyRefused, RefitArgumentError,
+                          RefitOwnsEngine, RouteRefused, ShardUnusableError)
+from fleet.shard import peer_copy
 from fleet.control.transfer_port import TransferResult, by_deadline
-from fleet.wire import BeginRefit, Counters, Description, EndRefit, Left, Ping, ShardFacts, Started, decode_request
+from fleet.wire import (BeginRefit, Counters, Description, Donated, EndRefit, Left, PeerManifest, PeerOffer, PeerReceived,
+                        Ping, ShardFacts, Started, WeightDigests, decode_request)
 from health import RefitResult
 
 
@@ -85,6 +92,10 @@ class FakeShard:
     ping_raises: Exception | None = None  # its ping answers this (the shard's own exception, e.g. DeadlineExceeded)
     core_checked: bool = True  # its ping asked its engine core (False: a bounded worker call holds the core)
     holds: PauseHolds = field(default_factory=PauseHolds)  # the real shard's rule of who holds it paused
+    copied: str | None = None  # the weights' label a peer copy brought, until the next stamp
+
+    def label(self) -> str:
+        return self.copied if self.copied is not None else f"version {self.version}"
 
     def behaviour(self, method: str) -> str | None:
         return self.sticky.get(method) or self.script.pop(method, None)
@@ -232,7 +243,8 @@ class FakeDoor:
             return Outcome(BAD_ACK, value=None)
         try:
             value = await getattr(self, f"_{method}")(handle, *args, **kw)
-        except (RouteRefused, BadRequestError, ShardUnusableError, RefitOwnsEngine, CacheResetFailed) as exc:  # its answers
+        except (RouteRefused, BadRequestError, ShardUnusableError, RefitOwnsEngine, CacheResetFailed,
+                PeerCopyRefused) as exc:  # its answers
             return Outcome(ERROR, error=exc)
         except DeadlineExceeded as exc:  # the shard's own deadline: ``ray_door`` reads it as timed out
             return Outcome(TIMED_OUT, error=exc)
@@ -293,6 +305,7 @@ class FakeDoor:
     async def _set_weight_version(self, s, v):
         s.version = v
         s.dirty = False
+        s.copied = None
         s.gate.committed = max(s.gate.committed, v)
         return True
 
@@ -364,6 +377,34 @@ class FakeDoor:
             s.suspects.pop(request_id, None)
         c = Completion((1, 2), (-0.1, -0.2), "abort" if aborted else "length")
         return GenerationResult(request_id, (1,), (c,), start, s.version, s.slot, s.incarnation)
+
+
+    # -- a peer copy (``fleet.shard.peer_copy``), the weights as a label -------------------------------------
+    async def _peer_manifest(self, s):
+        return PeerManifest((peer_copy.label_manifest(),), s.version, s.dirty)
+
+    async def _open_donation(self, s, copy_id, timeout_s):
+        return PeerOffer(copy_id, ({"fake_donor": (s.slot, s.incarnation), "label": s.label()},), None)
+
+    async def _donate_weights(self, s, offer, timeout_s, digests=True):
+        if s.dirty:
+            return Donated(False, f"slot {s.slot}: its weights are not its stamped version", s.version, 0, 0.0, 0.0, ())
+        return Donated(True, None, s.version, 100, 0.0, 0.01, ({"weights": s.label()},) if digests else ())
+
+    async def _receive_weights_from_peer(self, s, offer, manifest, version, timeout_s, digests=True):
+        peer_copy.check_receiver(f"slot {s.slot}", s.gate.member, len(s.in_flight), s.holds.refit)
+        s.dirty = True
+        await asyncio.sleep(0)  # the donor's side, sent at once, runs first
+        donor = self.shards.get(offer.addresses[0]["fake_donor"])
+        if donor is None or donor.dead:
+            return PeerReceived(False, peer_copy.PARTIAL, f"slot {s.slot}: the donor died during the copy", 50,
+                                0.01, 0.0, True, ())
+        s.copied = offer.addresses[0]["label"]
+        return PeerReceived(True, peer_copy.COMPLETE, None, 100, 0.01, 0.0, True,
+                            ({"weights": s.copied},) if digests else ())
+
+    async def _weight_digests(self, s):
+        return WeightDigests(({"weights": s.label()},), s.version, s.dirty)
 
 
 def _facts(s: FakeShard) -> ShardFacts:
