@@ -133,6 +133,23 @@ class Restart(Record):
     adopted: bool | None = None
 
 
+@record("readmit")
+class Readmit(Record):
+    """A re-admission (``fleet.control.readmission``) began (``edge`` begin: its donor) or ended (``outcome``:
+    ``readmitted``, ``failed`` with ``error``, ``yielded`` to a refit): ``version`` is the committed one, which
+    it does not change; ``seconds`` from begin, ``bytes`` copied, ``digests`` compared."""
+    slot: int
+    incarnation: int
+    version: int
+    edge: str
+    donor: str | None = None
+    outcome: str | None = None
+    error: str | None = None
+    seconds: float | None = None
+    bytes: int | None = None
+    digests: int | None = None
+
+
 @record("launch")
 class Launch(Record):
     """One engine launch (``what`` launched it); ``error`` and ``bound_s`` when it did not end ready."""

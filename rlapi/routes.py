@@ -23,10 +23,9 @@ The routes keep vLLM's request and response shapes (``vllm/entrypoints/rl/online
   (``rlfleet serve --connect``) holds the checkpoint, not the committed weights: it takes a full update first;
 - versions are the fleet's (it numbers them; a trainer's ``weight_version`` label is kept beside it);
   ``/weight_info`` says the committed one, ``/update_weight_version`` is refused;
-- an engine that restarted after a death serves the checkpoint until a refit re-admits it: once a trainer's
-  update committed, the surface refits the fleet from the relay's copy as soon as such an engine is up
-  (a catch-up refit: the same weights, the next version), so it serves again without waiting for the
-  trainer's next update; only from a relay copy that ``holds`` the committed version;
+- an engine that restarted after a death is the controller's to bring back: it copies the committed weights
+  into it from a serving peer (``fleet.control.readmission``), with no new version number, so fleet versions
+  count the trainer's committed updates and ``/weight_info`` says how many;
 - ``/weight_checker`` compares what every live engine applied with what the relay holds (the
   trainer's weights as sent), and per tensor with a trainer's baseline of ``refit.checksum`` digests;
 - ``/reset_prefix_cache`` resets every live engine's prefix cache (a refit already does, always);
@@ -56,7 +55,6 @@ from fleet.cluster import ray_door
 
 log = logging.getLogger("rlfleet.rlapi")
 CALL_TIMEOUT_S = 60.0
-CATCH_UP_POLL_S = 1.0  # how often the surface looks for restarted engines to bring to the committed weights
 # a transfer waits for the trainer's broadcast: as long as vLLM's packed transfer would (its gloo op timeout)
 TRANSFER_TIMEOUT_S = 1800.0
 
@@ -88,15 +86,12 @@ class RLSurface:
         self.lock = asyncio.Lock()
         self.label: str | None = None  # the trainer's own name for the committed version, when it sent one
         self.last: dict | None = None  # the last finish's answer
-        self.catch_ups: list[dict] = []  # the catch-up refits run (``catch_up``)
-        self._catching_up = None  # the loop's future (it runs on the fleet client's loop)
+        self.updates_committed = 0  # the trainer's updates this surface committed (each is one fleet version)
         self._committing: asyncio.Future | None = None  # the relay's last commit (``_commit_relay``)
         self.pending: PendingUpdate | None = None  # an update whose commit the controller could not confirm yet
         self._adopted = False  # the relay was told the fleet's version as it started (``WeightRelay.adopt``)
 
     def close(self) -> None:
-        if self._catching_up is not None:
-            self._catching_up.cancel()
         ray_door.kill(self.relay)
 
     async def _relay(self, method: str, *args, timeout: float = CALL_TIMEOUT_S) -> Any:
@@ -117,7 +112,6 @@ class RLSurface:
     # -- the routes ------------------------------------------------------------------------
     def mount(self, app: FastAPI, front: Any) -> None:
         surface = self
-        self._catching_up = front.client.spawn(self._catch_up_loop())
 
         @app.post("/pause")
         async def pause(mode: str = "abort", clear_cache: bool = True, timeout_s: float = 60.0):
@@ -224,8 +218,9 @@ class RLSurface:
 
         @app.get("/weight_info")
         async def weight_info():
-            return {"weight_version": str(surface.committed()), "rlfleet": {"version": surface.committed(),
-                                                                            "trainer_label": surface.label}}
+            return {"weight_version": str(surface.committed()),
+                    "rlfleet": {"version": surface.committed(), "trainer_label": surface.label,
+                                "updates_committed": surface.updates_committed}}
 
         @app.post("/weight_checker")
         async def weight_checker(request: Request):
@@ -294,6 +289,7 @@ class RLSurface:
 
     def _committed(self, p: PendingUpdate, facts: dict) -> dict:
         self.pending = None
+        self.updates_committed += 1
         self._commit_relay(p.version)
         self.label = p.label
         self.last = {"version": p.version, **facts}
@@ -317,45 +313,6 @@ class RLSurface:
 
         self._committing = asyncio.ensure_future(self._relay("commit", version))
         self._committing.add_done_callback(done)
-
-    async def _catch_up_loop(self) -> None:
-        while True:
-            await asyncio.sleep(CATCH_UP_POLL_S)
-            try:
-                await self.catch_up()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the next look tries again; the trainer's next update would too
-                log.warning("catch-up refit failed: %s", _cause(exc))
-
-    async def catch_up(self) -> dict | None:
-        """Once a trainer's update committed: refit the fleet from the relay's copy if an engine is up but stale
-        (restarted after a death), so it serves the trainer's weights again. None when there is nothing to do."""
-        if self.last is None or self.lock.locked() or self.pending is not None:
-            return None
-        status = await asyncio.to_thread(self.fleet.status)
-        stale = [r["slot"] for r in status["ledger"]["slots"] if r["state"] == "stale"]
-        if not stale or status.get("stopped"):
-            return None
-        async with self.lock:
-            problem = await self._relay("holds", self.committed())
-            if problem:  # the relay's copy is not the committed weights: a catch-up would push other weights
-                log.warning("no catch-up refit for %s: %s", stale, problem)
-                return None
-            catch = PendingUpdate(self.committed() + 1, uuid.uuid4().hex, self.label, "")
-            version = catch.version
-            try:
-                summary = await asyncio.to_thread(self.fleet.sync_weights, version, self.relay, None, catch.refit_id)
-            except Exception:
-                if await self._outcome(catch) == "committed":  # the same weights, committed under the next number
-                    self._commit_relay(version)
-                raise
-            self._commit_relay(version)
-            done = {"version": version, "stale": stale, "serving": summary.get("serving")}
-            self.catch_ups.append(done)
-            self.last = {**self.last, "version": version}
-            log.info("catch-up refit to version %d re-admitted %s", version, stale)
-            return done
 
     async def check(self, action: Any, baseline: Any):
         if action == "reset":

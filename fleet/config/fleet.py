@@ -72,6 +72,12 @@ class FleetConfig(BaseModel):
     # ``stall_detection_bound_s``; its clients re-send its requests. Paused engines and engines running a
     # bounded worker call (a weight transfer) are not on this clock.
     stall_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    # Re-admission (``fleet.control.readmission``): an engine that is up but stale (restarted, grown, a fresh
+    # spare) gets the committed weights copied from a serving peer, proven by digests, and serves again without
+    # waiting for the trainer's next refit; the committed version does not change. ``readmit_timeout_s``
+    # bounds one copy. False: it waits for the next refit, as before.
+    readmit: bool = True
+    readmit_timeout_s: float = Field(120.0, gt=0, allow_inf_nan=False)
     # Weight transport.
     transport_backend: Literal["gloo", "nccl"] = "gloo"
     bucket_mb: float = Field(64.0, gt=0)

@@ -50,6 +50,7 @@ from health import (
     MembershipPlan,
     MonotonicClock,
     Probe,
+    Readmit,
     RefitFinished,
     RefitReport,
     RefitResult,
@@ -63,14 +64,13 @@ from health import (
 )
 from fleet import records as ev
 from fleet.control.operator_pause import OperatorPause
+from fleet.control.controller_faults import ControllerFaults
+from fleet.control.readmission import Readmissions
 
 TIMER_INTERVAL_S = 0.2
-# Arming a fault is an operator's call, not a health probe: a shard busy starting or serving may take longer
-# than ``probe_timeout_s`` (a hang variant's is 3 s) to answer it, and that says nothing about its health.
-ARM_FAULT_TIMEOUT_S = 30.0
 
 
-class SingleController:
+class SingleController(ControllerFaults):
     """The fleet's control plane. Call ``start()`` once, then ``sync_weights``; clients follow ``watch_routing``."""
 
     def __init__(self, config: dict | FleetConfig, door: Any = None, clock: Any = None, transfer: Any = None) -> None:
@@ -99,6 +99,8 @@ class SingleController:
                                        epoch=lambda: self.publisher.current.epoch)
         self.lifecycle = RefitLifecycle(self.parts, self.publisher, transfer, crash_point=lambda p: self.crash_point(p))
         self.operator_pause = OperatorPause(self.parts, self.publisher)
+        self.readmissions = Readmissions(self.parts, busy=lambda: self.lifecycle.lock.locked())
+        self.parts.readmissions = self.readmissions
         self._tasks: set[asyncio.Task] = set()
         self.refits: list[dict] = []
         self.resends = RefitResends()  # recent refits by the caller's id: a re-sent refit gets its own end
@@ -270,14 +272,29 @@ class SingleController:
                           note="not relaunched on its own: resize(n) replaces slots retired by failures"))
         elif isinstance(action, StopExhausted):
             self.halt(action.message)
+        elif isinstance(action, Readmit):
+            self.readmissions.want(action)
         # OpenGate and CloseGate are the ledger's state already (``gate.sync`` announced them); AbortRefit and
         # KeepGateClosed are read by the lifecycle from the decision.
 
     async def _tick_if_due(self) -> None:
-        """The health timers: a ``Tick`` once the ledger's next timer is due (restarts, evictions)."""
+        """The health timers: a ``Tick`` once the ledger's next timer is due (restarts, evictions), or while an
+        engine waits to be re-admitted at the committed version (``health.readmit``: the tick asks for it)."""
         wake = self.ledger.next_wake_at()
-        if wake is not None and self.clock.now() >= wake:
+        now = self.clock.now()
+        if (wake is not None and now >= wake) or self._readmit_due(now):
             self.decide(Tick())
+
+    def _readmit_due(self, now: float) -> bool:
+        """A live engine does not hold the committed version, none is being re-admitted for it, and its
+        back-off ran out: the level-triggered tick that asks for its re-admission."""
+        ledger = self.ledger
+        cv = ledger.current_version
+        if not self.cfg.readmit or cv is None or cv < 1 or ledger.refit_version is not None or self.stopped:
+            return False
+        stale = ledger.slots_in(SlotPhase.LIVE) - ledger.holding(cv)
+        return any((s, ledger.raw(s).incarnation) not in self.readmissions.running
+                   and ledger.raw(s).readmit_after <= now for s in stale)
 
     async def poll_admission(self) -> None:
         """Poll every live shard's engine stats once and let the admission law set its cap."""
@@ -527,36 +544,6 @@ class SingleController:
         return self.admission.metrics()
 
     # ------------------------------------------------------------------ fault injection
-    async def arm_fault(self, slot: int, point: str, action: str, delay_s: float = 0.0, after_calls: int = 0,
-                        match: list[int] | None = None) -> bool:
-        """Arm a fault in the current incarnation of ``slot`` (see ``fleet.shard.fault_hooks``)."""
-        await self.adopt_if_restarted()
-        inc, handle = self.slots.handles[slot]
-        bound = max(self.cfg.probe_timeout_s, ARM_FAULT_TIMEOUT_S)
-        out = await self.door.call(handle, "arm_fault", point, action, delay_s, after_calls, match, timeout=bound)
-        self.log.emit(ev.Fault(slot=slot, incarnation=inc, point=point, action=action, armed=out.ok))
-        if out.kind == ERROR and out.error is not None:
-            raise out.error  # the shard refused it (an unknown point or action), naming it
-        if not out.ok:
-            what = (f"arm_fault({point!r}, {action!r}) on slot {slot} (incarnation {inc}) failed: "
-                    f"{out.describe()[:300]}; nothing was armed (bound {bound:g} s)")
-            raise TimeoutError(what) if out.kind == TIMED_OUT else RuntimeError(what)
-        return True
-
-    def arm_loop_fault(self, loop: str, times: int = 1) -> bool:
-        """Fault injection: the next ``times`` ticks of background loop ``loop`` raise (``fleet.control.loops``)."""
-        return self._loop_faults.arm(loop, times)
-
-    async def kill_shard(self, slot: int) -> bool:
-        """Kill the current incarnation's actor process now (a fault at a step boundary)."""
-        handles = self.slots.handles
-        if isinstance(slot, bool) or slot not in handles:
-            raise ValueError(f"kill_shard: no engine runs in slot {slot!r}; slots with one: {sorted(handles)}")
-        inc, handle = handles[slot]
-        self.log.emit(ev.Fault(slot=slot, incarnation=inc, point="step_boundary", action="kill", armed=True))
-        self.door.kill(handle)
-        return True
-
     # ------------------------------------------------------------------ restarts of the controller itself
     async def ping(self) -> dict:
         """Liveness of the controller (a restarted one re-adopts its shards first)."""
@@ -599,43 +586,6 @@ class SingleController:
         return {"version": version, "recovered": True, "complete": sorted(self.ledger.serving_slots()),
                 "serving": self.serving_slots(), "routing_epoch": self.publisher.current.epoch,
                 "epoch": self.slots.plan.epoch, "generation": self.generation, **self._gate_now()}
-
-    def arm_crash(self, point: str, delay_s: float = 0.0) -> bool:
-        """Fault injection: kill this controller's process (SIGKILL) ``delay_s`` after it reaches ``point``:
-        the beginning of a refit phase (``stage`` under ``stage_ahead``, ``close``, ``staleness``, ``reconcile``,
-        ``pause``, ``transfer``, ``stamp``, ``resume``, ``reopen``) or the middle of ``shutdown``. With a delay
-        the process dies while that phase's calls are in flight. Not stored: the restarted controller is not armed."""
-        from fleet.control.lifecycle import PHASES
-
-        points = ("stage",) + PHASES + ("shutdown",)
-        if point not in points:
-            raise ValueError(f"arm_crash: point must be one of {points}, got {point!r}")
-        if isinstance(delay_s, bool) or not isinstance(delay_s, (int, float)) or not 0 <= delay_s < 600:
-            raise ValueError(f"arm_crash: delay_s must be a number of seconds in [0, 600), got {delay_s!r}")
-        self._crash_at = (point, float(delay_s))
-        self.log.emit(ev.Fault(target="controller", point=point, action="crash", delay_s=delay_s, armed=True))
-        return True
-
-    def crash_point(self, point: str) -> None:
-        if self._crash_at is None or self._crash_at[0] != point:
-            return
-        delay = self._crash_at[1]
-        self._crash_at = None
-        if delay:
-            asyncio.get_running_loop().call_later(delay, self._crash, point)
-        else:
-            self._crash(point)
-
-    def _crash(self, point: str) -> None:
-        import os
-        import signal
-
-        if point != "shutdown" and self.lifecycle.phase != point:  # a delayed crash only fires inside its phase
-            self.log.emit(ev.Fault(target="controller", point=point, action="crash", fired=False,
-                          reason=f"the {point} phase had ended when the delay ran out"))
-            return
-        self.log.emit(ev.Fault(target="controller", point=point, action="crash", fired=True, pid=os.getpid()))
-        os.kill(os.getpid(), signal.SIGKILL)
 
 def raise_stopped(message: str) -> None:
     from fleet.errors import FleetStopped

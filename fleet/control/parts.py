@@ -71,3 +71,4 @@ class Parts:
     admission: AdmissionController
     metrics: FleetMetrics
     act: Actions
+    readmissions: Any = None  # ``fleet.control.readmission.Readmissions``: a refit makes its copies yield

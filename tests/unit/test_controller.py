@@ -404,7 +404,7 @@ def test_arming_a_fault_on_a_busy_shard_waits_past_the_probe_bound_and_names_wha
     probe's bound (3 s in the hang variants), which a shard busy with its first requests can miss. Arming
     now waits up to ``ARM_FAULT_TIMEOUT_S``, and one that still gets no answer names the slot, incarnation,
     point, action and bound; the shard's health is untouched (arming is not a probe)."""
-    from fleet.control.controller import ARM_FAULT_TIMEOUT_S
+    from fleet.control.controller_faults import ARM_FAULT_TIMEOUT_S
 
     async def go():
         ctl, door, _ = make(model_dir)

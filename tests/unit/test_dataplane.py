@@ -348,7 +348,7 @@ def test_a_client_timeout_during_a_refit_is_not_a_sick_shard(model_dir):
 
 def test_a_restarted_shard_rejoins_routing_as_soon_as_it_serves_the_committed_version(model_dir):
     async def go():
-        ctl, door, _ = make(model_dir)
+        ctl, door, _ = make(model_dir, readmit=False)  # the refit path; re-admission: test_readmission
         await ctl.start()
         await ctl.sync_weights(1)  # past the checkpoint: a restarted engine (on version 0) is stale
         ctl.observe(2, 1, CallKind.GENERATE, Outcome(DIED, error=RuntimeError("killed")))

@@ -157,7 +157,7 @@ def test_an_engine_restarted_at_the_checkpoint_serves_at_once_as_a_grown_one_doe
 
 def test_an_engine_restarted_after_a_refit_stays_stale_until_the_next_one(model_dir):
     async def go():
-        ctl, door = make(model_dir)
+        ctl, door = make(model_dir, readmit=False)
         await ctl.start()
         await ctl.sync_weights(1)
         door.kill(door.shards[(2, 1)])

@@ -220,7 +220,8 @@ def test_calls_after_shutdown_raise_fleet_stopped(monkeypatch, model_dir):
 
 def test_below_quorum_between_refits_requests_wait_and_the_next_refit_brings_quorum_back(model_dir):
     async def go():
-        ctl, door, _ = make(model_dir, request_timeout_s=3600, restart_backoff_s=1.0, restart_backoff_cap_s=1.0)
+        ctl, door, _ = make(model_dir, request_timeout_s=3600, restart_backoff_s=1.0, restart_backoff_cap_s=1.0,
+                            readmit=False)
         await ctl.start()
         await ctl.sync_weights(1)
         for slot in (1, 2):

@@ -41,7 +41,7 @@ def test_a_stamp_that_fails_leaves_the_version_unknown_until_a_refit_lands_again
     """The stamp fails on the engine (``end_refit`` reports it and still resumes); a stamp that hangs hangs the
     refit's last call to that engine: a hung resume (``test_controller``'s hang at resume)."""
     async def go():
-        ctl, door, _ = make(model_dir, unhealthy_threshold=3)
+        ctl, door, _ = make(model_dir, unhealthy_threshold=3, readmit=False)
         await ctl.start()
         door.shards[(1, 1)].script["set_weight_version"] = failure  # once: its probes answer
         await ctl.sync_weights(1)
@@ -73,7 +73,7 @@ def test_a_stamp_that_raises_or_lies_leaves_that_engine_stale_and_the_fleet_serv
     is stale until a refit stamps it, the gate reopens on the others, and a second failed stamp in a row
     evicts it (a fresh incarnation takes the next stamp)."""
     async def go():
-        ctl, door, _ = make(model_dir)
+        ctl, door, _ = make(model_dir, readmit=False)
         await ctl.start()
         door.shards[(1, 1)].script["set_weight_version"] = failure
         summary = await ctl.sync_weights(1)
@@ -281,7 +281,7 @@ def test_requests_held_on_an_engine_whose_stamp_failed_are_aborted_and_re_sent_n
     the failed stamp left), while the gate was open on the new one. They are aborted before the resume, as on
     an engine the transfer missed, and re-sent to an engine that holds (and says) the new version."""
     async def go():
-        ctl, door, _ = make(model_dir, unhealthy_threshold=3)
+        ctl, door, _ = make(model_dir, unhealthy_threshold=3, readmit=False)
         await ctl.start()
         door.gen_delay = 0.5  # every request is in flight when the refit pauses
         door.shards[(1, 1)].script["set_weight_version"] = "unavailable"

@@ -83,7 +83,7 @@ def test_spares_start_with_the_fleet_take_part_in_refits_and_serve_nothing(model
 
 def test_a_serving_engine_killed_between_refits_is_replaced_by_the_spare_before_its_restart_ends(model_dir):
     async def go():
-        ctl, door = await started(model_dir, slow_restarts=(0,))
+        ctl, door = await started(model_dir, slow_restarts=(0,), readmit=False)
         await ctl.sync_weights(1)
         await ctl.kill_shard(0)
         await asyncio.sleep(1.5)  # the monitor finds it dead; its restart is under way
@@ -123,7 +123,7 @@ def test_a_spare_that_dies_is_restarted_and_stays_a_spare(model_dir):
 
 def test_a_spare_not_on_the_committed_version_is_not_promoted_until_a_refit_lands_on_it(model_dir):
     async def go():
-        ctl, door = await started(model_dir, slow_restarts=(0,), min_healthy_engines=1, restart_budget=5)
+        ctl, door = await started(model_dir, slow_restarts=(0,), min_healthy_engines=1, restart_budget=5, readmit=False)
         await ctl.sync_weights(1)
         await ctl.kill_shard(2)  # the spare dies: it comes back stale
         await asyncio.sleep(1.5)
@@ -198,7 +198,7 @@ def test_roles_survive_a_controller_restart(model_dir):
 
 def test_a_successor_keeps_the_promoted_spare_serving_while_the_replaced_slot_restarts(model_dir):
     async def go():
-        ctl, door = await started(model_dir, slow_restarts=(1,))
+        ctl, door = await started(model_dir, slow_restarts=(1,), readmit=False)
         await ctl.sync_weights(1)
         await ctl.kill_shard(1)
         await asyncio.sleep(1.5)  # promoted: 0 and 2 serve, 1 restarts

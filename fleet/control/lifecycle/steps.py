@@ -148,6 +148,8 @@ async def _steps(r: RefitRun, source: Any, staging: bool) -> dict:
     else:  # the sender plans the update while the gate closes and the engines pause
         ahead = r.port.plan_ahead(source)
     with r.phase("close"):
+        if r.p.readmissions is not None:  # a re-admission's copy yields to the refit (the refit takes its engine)
+            await r.p.readmissions.yield_to_refit()
         r.fence_epoch = await pause.close_gate(r)  # 1
     with r.phase("reconcile"):
         plan = pause.reconcile(r)  # 2
