@@ -16,7 +16,7 @@ import sys
 
 DIGEST = (
     "ok", "steps", "reward_first", "reward_last", "reward_final_eval", "max_logprob_mismatch", "prompts_lost",
-    "faults_injected", "recoveries", "requests_continued", "tokens_reused", "stale_samples_dropped", "stopped",
+    "faults_injected", "recoveries", "readmitted_by_peer", "readmitted_before_next_refit", "requests_continued", "tokens_reused", "stale_samples_dropped", "stopped",
     "wall_s", "refit_s_p50", "refit_s_max", "interrupted",
 )
 

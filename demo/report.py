@@ -71,6 +71,8 @@ def summarize(run, events: Sequence[dict], wall_s: float) -> dict:
         "prompts_lost": log["prompts_lost"],
         "faults_injected": log["faults_injected"],
         "recoveries": log["recoveries"],
+        "readmitted_by_peer": log["readmitted_by_peer"],
+        "readmitted_before_next_refit": log["readmitted_before_next_refit"],
         "controller_restarts": log["controller_restarts"],
         "stale_samples_dropped": sum(int(r.get("dropped_stale", 0)) for r in rows),
         **continuation_figures(run.requests_end, run.continued),

@@ -20,9 +20,9 @@ source). The loop is the async recipe, one version off-policy:
 On CPU a training step of this recipe takes about a second and an engine restart
 20-40 s, so a restarted shard would only come back after training ends. The demo
 therefore holds training once, at the *rejoin step* (default: two thirds of the way
-in, after the plan's faults), until restarts in progress have finished (bounded),
-so that the refit of that step re-admits the restarted shard and it serves the rest
-of the run. The wait is logged and reported (``rejoin``). After the last step it
+in, after the plan's faults), until restarts in progress have finished (bounded);
+the controller re-admits the restarted shard at the committed version from a serving
+peer as soon as it is up (no refit, no new version), and it serves the rest of the run. The wait is logged and reported (``rejoin``). After the last step it
 waits the same way, pushes the final weights, and evaluates one fresh batch on them. The report directory gets
 ``summary.json``, ``events.jsonl`` (the controller's event log, written as it
 happens) and two plots (``learning.png``, ``timeline.png``).
@@ -53,7 +53,8 @@ from faults.timeline import read_log
 from fleet.cluster import ray_door
 from fleet.errors import ConfigError, FleetStopped
 from fleet.interrupt import catch_signals, interrupted_by, restore
-from fleet.records import Adopted, ControllerRestarted, Fault, Health, Record, Restart, Retire, Stamp, Stopped, all_of
+from fleet.records import (Adopted, ControllerRestarted, Fault, Health, Readmit, Record, Restart, Retire, Stamp, Stopped,
+                           all_of)
 
 # How the demo's fleet differs from the defaults: short deadlines and fast restarts, sized
 # for tiny CPU engines on a busy machine (refits move ~2 MB; engines start in 15-60 s).
@@ -190,15 +191,19 @@ def _nan_to_none(x: Any) -> Any:
 
 
 def wait_for_restarts(fleet, timeout_s: float, on_poll=None) -> tuple[float, list[int]]:
-    """Block until no slot is starting, restarting, quarantined, or dead with a restart scheduled.
+    """Block until no slot is starting, restarting, quarantined, or dead with a restart scheduled, nor stale
+    while the fleet re-admits stale engines from a peer (``readmit``: it serves again within a second).
 
     Bounded by ``timeout_s``; returns (seconds waited, slots still unsettled at the end).
     """
     t0 = time.monotonic()
+    unsettled = UNSETTLED + (("stale",) if getattr(fleet.config, "readmit", False) else ())
     while True:
-        states = {s["slot"]: s for s in fleet.status()["ledger"]["slots"]}
+        status = fleet.status()
+        states = {s["slot"]: s for s in status["ledger"]["slots"]}
         busy = [slot for slot, s in states.items()
-                if s["state"] in UNSETTLED or (s["state"] == "dead" and s.get("restart_at") is not None)]
+                if (s["state"] in unsettled and (s["state"] != "stale" or (status.get("version") or 0) >= 1))
+                or (s["state"] == "dead" and s.get("restart_at") is not None)]
         if not busy or time.monotonic() - t0 >= timeout_s:
             return time.monotonic() - t0, busy
         time.sleep(1.0)
@@ -209,7 +214,7 @@ def wait_for_restarts(fleet, timeout_s: float, on_poll=None) -> tuple[float, lis
 class EventWatcher:
     """Turns new event-log records into one-line notes for the view (deaths, restarts, re-admissions, stops)."""
 
-    KINDS = [Fault, Health, Restart, Stamp, Stopped, Retire, ControllerRestarted, Adopted]
+    KINDS = [Fault, Health, Restart, Readmit, Stamp, Stopped, Retire, ControllerRestarted, Adopted]
 
     def __init__(self, fleet) -> None:
         self.fleet = fleet
@@ -241,7 +246,13 @@ class EventWatcher:
             case Restart(edge="end"):
                 if e.outcome == "ok":
                     self.restarted.add((e.slot, e.incarnation))
-                return [f"slot {e.slot} incarnation {e.incarnation} started ({e.outcome}); joins the next refit"]
+                return [f"slot {e.slot} incarnation {e.incarnation} started ({e.outcome}); stale until re-admitted"]
+            case Readmit(edge="end", outcome="readmitted"):
+                if (e.slot, e.incarnation) in self.readmitted:
+                    return []
+                self.readmitted.add((e.slot, e.incarnation))
+                return [f"slot {e.slot} incarnation {e.incarnation} re-admitted from {e.donor}: v{e.version} copied in "
+                        f"{e.seconds:.2f} s, digests equal, serving again (no refit, no new version)"]
             case Stamp():
                 notes = []
                 for slot, inc in e.members:

@@ -17,7 +17,10 @@ Definitions:
 - *recovered*: after a departure of (slot, incarnation), a stamp that includes a
   newer incarnation of the slot, or that same incarnation healthy again;
 - a *re-admission*: a restarted incarnation's first stamp (it received committed
-  weights and serves again); the demo counts these as its ``recoveries``.
+  weights and serves again): by a peer copy between refits (a ``readmit`` end record,
+  ``how`` peer, with its donor) or by a refit (``how`` refit), whichever came first;
+  ``before_next_refit``: it served before the first refit that began after its restart
+  ended. The demo counts these as its ``recoveries``.
 
 Pure: no Ray, no clock. ``read_log`` is the only function that touches a file.
 Records cut short (a crash mid-line) are skipped; nothing here raises on an
@@ -31,8 +34,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from fleet.records import (ControllerRestarted, Fault, Gate, Health, Kill, Phase, Record, Request, Restart, Stamp,
-                           StalenessAbort, Stopped, all_of)
+from fleet.records import (ControllerRestarted, Fault, Gate, Health, Kill, Phase, Readmit, Record, Request, Restart,
+                           Stamp, StalenessAbort, Stopped, all_of)
 from health.faultplan import REFIT_PHASES
 
 Events = Iterable[Mapping | Record]  # wire dicts (``read_log``, ``Fleet.events``) or typed records
@@ -123,21 +126,33 @@ def restarted_incarnations(events: Events) -> list[tuple[int, int]]:
 
 
 def readmissions(events: Events) -> list[dict]:
-    """Each restarted incarnation's first stamp (it received the weights and rejoined serving), in log order."""
+    """Each restarted incarnation's first stamp (it received the weights and rejoined serving), in log order:
+    by a peer copy (``how`` peer, ``donor``) or a refit (``how`` refit); ``before_next_refit`` as defined above."""
+    events = all_of(events)
     started: dict[tuple[int, int], float] = {}
     out: list[dict] = []
     seen: set[tuple[int, int]] = set()
-    for e in all_of(events):
+
+    def landed(slot: int, inc: int, version: int, t: float, how: str, donor: str | None) -> None:
+        key = (slot, inc)
+        if key in started and key not in seen:
+            seen.add(key)
+            out.append({"slot": slot, "incarnation": inc, "version": version, "t": t, "restart_end_t": started[key],
+                        "how": how, "donor": donor})
+
+    for e in events:
         match e:
             case Restart(edge="end", outcome="ok"):
                 started[(e.slot, e.incarnation)] = e.t
+            case Readmit(edge="end", outcome="readmitted"):
+                landed(e.slot, e.incarnation, e.version, e.t, "peer", e.donor)
             case Stamp():
                 for slot, inc in e.members:
-                    key = (slot, inc)
-                    if key in started and key not in seen:
-                        seen.add(key)
-                        out.append({"slot": slot, "incarnation": inc, "version": e.version, "t": e.t,
-                                    "restart_end_t": started[key]})
+                    landed(slot, inc, e.version, e.t, "refit", None)
+    begins = sorted(s["begin"] for s in refit_spans(events))
+    for r in out:
+        following = next((b for b in begins if b > r["restart_end_t"]), None)
+        r["before_next_refit"] = following is None or r["t"] < following
     return out
 
 
@@ -220,6 +235,8 @@ def log_numbers(events: Events) -> dict[str, Any]:
         "restarts_started": len(Restart.among(events, edge="begin")),
         "restarts_ok": len(restarted_incarnations(events)),
         "recoveries": len(readm),
+        "readmitted_by_peer": sum(r["how"] == "peer" for r in readm),
+        "readmitted_before_next_refit": sum(bool(r["before_next_refit"]) for r in readm),
         "readmissions": [{**r, "served_after": served[(r["slot"], r["incarnation"])]} for r in readm],
         "gate_reopenings_after_fault": 0 if first_fault_t is None else len(
             Gate.among(events, lambda g: g.t > first_fault_t, open=True)),

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from demo.run import DemoConfig, run_demo
-from fleet.records import Adopted, ControllerRestarted, Fault, Gate, Health, Request, Restart, Stamp, of
+from fleet.records import Adopted, ControllerRestarted, Fault, Gate, Health, Readmit, Request, Restart, Stamp, of
 
 pytestmark = pytest.mark.integration
 
@@ -65,9 +65,12 @@ def test_demo_learns_through_a_shard_kill(demo):
     assert summary["stale_samples_dropped"] == 0  # one version off-policy is within max_staleness 1
     assert summary["faults_injected"] == 2 and summary["recoveries"] >= 1 and summary["controller_restarts"] == 1
     assert summary["final_eval"]["refit_participants"] == [0, 1, 2], "the killed slot must be back by the end"
-    # Re-admitted mid-run: the refit of the rejoin step brought it back and it generated training batches after.
+    # Re-admitted mid-run from a serving peer at the committed version, before the next refit (issue 48), and it
+    # generated training batches after.
     readmitted = summary["log"]["readmissions"][0]
     assert summary["rejoin"]["step"] == 2 * STEPS // 3 and readmitted["version"] < STEPS
+    assert readmitted["how"] == "peer" and readmitted["donor"] in ("slot 0", "slot 2"), readmitted
+    assert readmitted["before_next_refit"] and summary["readmitted_by_peer"] >= 1, readmitted
     after = [m for m in summary["metrics"] if m["step"] > summary["rejoin"]["step"]]
     assert after and all([KILLED_SLOT, readmitted["incarnation"]] in m["shards_used"] for m in after)
     on_disk = _strict_json((out / "summary.json").read_text())
@@ -106,13 +109,16 @@ def test_summary_agrees_with_the_event_log(demo):
     assert summary["prompts_lost"] == counts["accepted"] - counts["completed"] - counts["returned"] == 0
     assert counts["accepted"] == (STEPS + 1) * 8 * 8  # every batch plus the final evaluation batch
 
-    # Recoveries, recomputed here: restarted incarnations later stamped with a weight version.
+    # Recoveries, recomputed here: restarted incarnations later stamped with a weight version, by a refit or by a
+    # re-admission from a peer.
     restarted, stamped = set(), set()
     for e in events:
         if Restart.matches(e) and e["edge"] == "end" and e["outcome"] == "ok":
             restarted.add((e["slot"], e["incarnation"]))
         elif Stamp.matches(e):
             stamped |= {tuple(m) for m in e["members"] if tuple(m) in restarted}
+        elif Readmit.matches(e) and e["edge"] == "end" and e["outcome"] == "readmitted":
+            stamped |= {(e["slot"], e["incarnation"])} & restarted
     assert summary["recoveries"] == len(stamped) >= 1
 
     # The kill went off mid-generation: requests that slot 1's first incarnation was streaming failed with its

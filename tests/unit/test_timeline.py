@@ -102,7 +102,8 @@ def test_log_numbers_count_faults_recoveries_and_requests():
     assert n["restarts_started"] == n["restarts_ok"] == 1
     assert n["recoveries"] == 1
     assert n["readmissions"][0] | {} == {"slot": 1, "incarnation": 2, "version": 3, "t": 22.6, "restart_end_t": 20.0,
-                                         "served_after": 1}
+                                         "served_after": 1, "how": "refit", "donor": None, "before_next_refit": False}
+    assert n["readmitted_by_peer"] == n["readmitted_before_next_refit"] == 0
     assert n["gate_reopenings_after_fault"] == 2
     assert n["stopped"] is None, "the controller's own shutdown is not a stop"
     assert n["refits"] == 3 and n["refit_s_max"] == pytest.approx(0.8)
@@ -462,3 +463,19 @@ def test_a_request_its_client_accepted_before_it_saw_the_gate_close_may_finish_o
     only_before[1] = {**only_before[1], "gate_open": True}
     assert requests_waited_below_quorum(only_before) == [
         "no request was accepted while the gate was closed below quorum (t=1.000)"]
+
+
+def test_a_peer_readmission_before_the_next_refit_is_the_recovery_with_its_donor():
+    """Issue 48: the restarted engine was re-admitted from a peer (a ``readmit`` end record) before the refit that
+    followed its restart; that refit's stamp of it later is not its re-admission."""
+    from fleet.records import Readmit
+
+    log = demo_log()
+    restart_end = next(e for e in log if Restart.matches(e) and e["edge"] == "end")
+    peer = Readmit(t=restart_end["t"] + 0.5, seq=len(log), slot=1, incarnation=2, version=2, edge="end",
+                   donor="slot 0", outcome="readmitted", seconds=0.4).as_dict()
+    log = sorted(log + [peer], key=lambda e: (e["t"], e["seq"]))
+    n = log_numbers(log)
+    (r,) = n["readmissions"]
+    assert (r["how"], r["donor"], r["version"], r["before_next_refit"]) == ("peer", "slot 0", 2, True)
+    assert n["recoveries"] == n["readmitted_by_peer"] == n["readmitted_before_next_refit"] == 1
