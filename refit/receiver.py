@@ -531,10 +531,18 @@ class WeightReceiver:
             return {"ok": False, "error": str(exc), "bytes": 0}
         return {"ok": True, "error": None, "bytes": int(numel) * 4, "recv_s": time.monotonic() - t0}
 
-    def note_peer_copy(self, state: str, version: int | None = None) -> None:
+    def applied_record(self) -> dict:
+        """What the last refit applied (per-tensor digests, hex, and shapes): a peer copy carries it to the engine
+        it gives these weights to (``note_peer_copy``), whose live weights the same update then describes."""
+        return {"digests": {n: d.hex() for n, d in self._applied_digests.items()},
+                "shapes": {n: list(s) for n, s in self._applied_shapes.items()}}
+
+    def note_peer_copy(self, state: str, version: int | None = None, applied: dict | None = None) -> None:
         """A peer copy (``refit.peer_transfer``) wrote this rank's live weights: ``partial`` (from its first write
-        on), or ``complete`` with the ``version`` the donor held. What the last refit applied no longer describes
-        the live weights: its digests are dropped (``checksum`` answers no ``applied`` until the next refit)."""
+        on), or ``complete`` with the ``version`` the donor held. What this rank's last refit applied no longer
+        describes the live weights: its digests are dropped. A complete copy takes the donor's record of what it
+        applied (``applied``: ``applied_record``), which describes the copied weights as it did the donor's, so
+        ``checksum`` answers the update these weights came from (None when the donor had none)."""
         if state == NOT_STARTED:
             return
         self._applied_digests.clear()
@@ -542,6 +550,9 @@ class WeightReceiver:
         self.weights_state = COMPLETE if state == COMPLETE else PARTIAL
         if state == COMPLETE and version is not None:
             self.weight_version = int(version)
+        if state == COMPLETE and applied:
+            self._applied_digests.update({n: bytes.fromhex(d) for n, d in applied.get("digests", {}).items()})
+            self._applied_shapes.update({n: tuple(s) for n, s in applied.get("shapes", {}).items()})
 
     # -- read-back --------------------------------------------------------------------------
     def checksum(self) -> dict:

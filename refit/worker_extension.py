@@ -195,10 +195,12 @@ class RefitWorkerExtension:
 
     def rlfleet_peer_manifest(self) -> dict:
         """This worker's parameters as a peer copy moves them (``refit.peer.manifest``): worker index and count,
-        entries (name, shape, dtype) in order, ``unreadable`` ones, and ``blocker``: why none can be copied."""
+        entries (name, shape, dtype) in order, ``unreadable`` ones, ``blocker``: why none can be copied, and ``applied``:
+        what this worker's last refit applied (a receiver takes it with the weights: ``WeightReceiver.note_peer_copy``)."""
         index, count = self._rlfleet_index()
         blocker = getattr(self._rlfleet_model(), "peer_blocker", lambda: None)()
-        return {**peer.manifest(self._rlfleet_params(), index, count), "blocker": blocker}
+        return {**peer.manifest(self._rlfleet_params(), index, count), "blocker": blocker,
+                "applied": self._rlfleet_receiver().applied_record()}
 
     def rlfleet_peer_open(self, copy_id: int, timeout_s: float, backend: str = "gloo") -> dict:
         """Donor: host the rendezvous of copy ``copy_id`` and wait (on a thread) for the receiver to join; returns
@@ -273,7 +275,7 @@ class RefitWorkerExtension:
                 res.update(ok=False, state=PARTIAL, error=f"loading copy {copy_id} failed after every byte arrived: "
                                                           f"{type(exc).__name__}: {exc}")
             res["load_s"] = time.monotonic() - t0
-        rx.note_peer_copy(res["state"], int(version))
+        rx.note_peer_copy(res["state"], int(version), theirs.get("applied"))
         self._rlfleet_weight_version = rx.weight_version
         if digests and res["state"] == COMPLETE:
             res["digests"] = self.rlfleet_weight_digests()

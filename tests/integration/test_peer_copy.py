@@ -87,6 +87,10 @@ def test_a_checkpoint_engine_gets_a_live_peers_refitted_weights_proven_by_vllms_
     assert ray_door.ask(b, "set_weight_version", 1, timeout=30) is True  # the caller stamps, after the digests
     after = ray_door.ask(b, "weight_digests", timeout=60)
     assert after.workers == ray_door.ask(a, "weight_digests", timeout=60).workers and not after.dirty
+    # what A's refit applied describes B's weights now: /weight_checker's ``applied`` agrees on both
+    applied_a = ray_door.ask(a, "worker_rpc", "rlfleet_checksum", [], {}, 60, timeout=90)[0]
+    applied_b = ray_door.ask(b, "worker_rpc", "rlfleet_checksum", [], {}, 60, timeout=90)[0]
+    assert applied_b["applied"] == applied_a["applied"] and applied_b["weight_version"] == 1, (applied_a, applied_b)
 
     copied, donor = greedy(b), greedy(a)
     assert copied[0] == donor[0] != checkpoint[0]

@@ -14,6 +14,8 @@ import pytest
 import requests
 import torch
 
+from faults.timeline import readmissions
+from fleet.records import Readmit
 from tests.integration.fleet_helpers import wait_for
 
 pytestmark = pytest.mark.integration
@@ -211,6 +213,7 @@ def test_trls_grpo_trainer_trains_through_two_shard_kills_and_ends_with_every_en
             armed["transfer"] = fleet.fault_injector().arm_fault(2, "transfer", "kill")
 
     v_before = fleet.status()["version"]
+    synced_before = requests.get(f"{server.url}/weight_info", timeout=30).json()["rlfleet"]["updates_committed"]
     answered_before = server.front.counters()["responses"]
     run = train(TRLRun(tiny_model, server.url, steps=30, output_dir=str(fleet.config.event_log_path) + ".trl"),
                 on_step=faults)
@@ -218,13 +221,15 @@ def test_trls_grpo_trainer_trains_through_two_shard_kills_and_ends_with_every_en
     fired = [(j["slot"], j["point"], j["action"]) for j in journal(jpath)]
     assert (1, "generate", "kill") in fired and (2, "transfer", "kill") in fired, fired  # both faults went off
     status = fleet.status()
-    assert status["version"] >= v_before + 30  # a committed refit per step (the first sync too)
+    synced = requests.get(f"{server.url}/weight_info", timeout=30).json()["rlfleet"]["updates_committed"] - synced_before
+    # versions count the trainer's syncs: a committed refit per step (the first sync too), none burned re-admitting
+    assert synced >= 30 and status["version"] == v_before + synced, (status["version"], v_before, synced)
     answered = server.front.counters()["responses"]
     new = {k: n - answered_before.get(k, 0) for k, n in answered.items() if n != answered_before.get(k, 0)}
     assert new.get("/v1/completions 200") == 30 and not [k for k in new if k.startswith("/v1/completions")
                                                          and not k.endswith(" 200")], new  # no prompt lost or refused
 
-    deadline = time.monotonic() + 240  # the killed shards restart and are re-admitted by a catch-up refit
+    deadline = time.monotonic() + 240  # the killed shards restart and are re-admitted from a serving peer
     while time.monotonic() < deadline:
         check = requests.post(f"{server.url}/weight_checker", json={"action": "compare", "baseline": run.synced_digests},
                               timeout=120).json()
@@ -236,6 +241,15 @@ def test_trls_grpo_trainer_trains_through_two_shard_kills_and_ends_with_every_en
     rows = {r["slot"]: r for r in status["ledger"]["slots"]}
     assert rows[1]["incarnation"] > 1 and rows[2]["incarnation"] > 1, rows  # restarted, and serving again:
     assert sorted(status["serving"]) == [0, 1, 2] and all(r["weight_version"] == status["version"] for r in rows.values())
+    # each killed slot served again before the trainer's sync that followed its restart (a peer re-admission), or
+    # its copy had begun and yielded to that sync (TRL syncs every step: the refit wins and brings it in)
+    events = fleet.events()
+    back = {r["slot"]: r for r in readmissions(events)}
+    yielded = {(r.slot, r.incarnation) for r in Readmit.among(events) if r.edge == "end" and r.outcome == "yielded"}
+    for slot in (1, 2):
+        r = back[slot]
+        assert (r["how"] == "peer" and r["before_next_refit"]) or (slot, r["incarnation"]) in yielded, (back, yielded)
+    assert any(r["how"] == "peer" for r in back.values()), back
     chance = AllowedTokensTask().chance_reward
     faulted = sum(run.rewards[-5:]) / 5
 
