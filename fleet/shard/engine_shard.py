@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable, Sequence, cast
 
 from fleet.shard.backend import PAUSE_MODES, EngineBackend, PauseMode, StepMarks
 from fleet.config.engine import EngineConfig
-from fleet.shard import peer_copy
+from fleet.shard.peer_methods import PeerCopyMethods
 from fleet.shard.fault_hooks import ArmedFault, FaultHooks
 from fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, EngineCrashedError, RouteRefused,
                           ShardShutDownError, ShardUnavailableError, ShardUnusableError)
@@ -36,8 +36,8 @@ from fleet.shard.pause_holds import PauseHolds
 from fleet.shard.start_records import record_start
 from fleet.shard.output_stream import OutputStream, Pacer
 from fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, GenerationResult
-from fleet.wire import (BeginRefit, Carried, Counters, Description, Donated, EndRefit, Left, PeerManifest, PeerOffer,
-                        PeerReceived, Ping, ShardFacts, ShardInfo, Started, WeightDigests, decode_request)
+from fleet.wire import (BeginRefit, Carried, Counters, Description, EndRefit, Left, Ping, ShardFacts, ShardInfo,
+                        Started, decode_request)
 from health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
@@ -59,7 +59,7 @@ def _vllm_backend(config: EngineConfig) -> EngineBackend:
     return VllmBackend(config.engine_args())
 
 
-class EngineShard:
+class EngineShard(PeerCopyMethods):
     """One engine in one slot. Construct cheaply; ``start()`` builds the engine.
 
     Preconditions: ``config`` is a validated ``EngineConfig`` (or its dict form).
@@ -592,35 +592,6 @@ class EngineShard:
             return await self._bounded(f"worker_rpc({method})", backend.worker_rpc(method, tuple(args), kwargs or {}, deadline), deadline + 1.0)
         finally:
             self._progress.release("worker_rpc", self._now())
-
-    # -- peer copy: weights from a live engine of the same layout (steps, rules: ``fleet.shard.peer_copy``) --------
-    async def peer_manifest(self) -> PeerManifest:
-        return await peer_copy.manifest(self.worker_rpc, self._version, self._dirty)
-
-    async def open_donation(self, copy_id: int, timeout_s: float) -> PeerOffer:
-        self._require_ready("open_donation")
-        return await peer_copy.open_donation(self.worker_rpc, copy_id, peer_copy.backend_for(self.config.num_gpus), timeout_s)
-
-    async def donate_weights(self, offer: PeerOffer, timeout_s: float, digests: bool = True) -> Donated:
-        if self._hooks.armed:
-            await self._hooks.at("donate")
-        return await peer_copy.donate(self.worker_rpc, offer, timeout_s, lambda: (self._version, self._dirty),
-                                      self._who(), digests)
-
-    async def receive_weights_from_peer(self, offer: PeerOffer, manifest: PeerManifest, version: int,
-                                        timeout_s: float, digests: bool = True) -> PeerReceived:
-        """Never stamps; raises ``PeerCopyRefused`` (nothing changed) for a shard that may not receive."""
-        self._require_ready("receive_weights_from_peer")
-        peer_copy.check_receiver(self._who(), self.gate.member, len(self._inflight), self.holds.refit)
-        was, transfers = self._dirty, self._transfers
-        got = await peer_copy.receive(self.worker_rpc, offer, manifest, version, timeout_s, self._who(),
-                                      self.invalidate_cache, digests)
-        if got.state == peer_copy.NOT_STARTED and self._transfers == transfers + 1:
-            self._dirty = was  # it wrote nothing, and no other transfer ran meanwhile: the weights are as they were
-        return got
-
-    async def weight_digests(self) -> WeightDigests:
-        return await peer_copy.weight_digests(self.worker_rpc, self._version, self._dirty)
 
     async def shutdown(self) -> bool:
         """Abort in-flight requests (explicitly returned to their callers), then stop the engine."""
