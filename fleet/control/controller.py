@@ -25,7 +25,7 @@ from fleet.control.admission import AdmissionController
 from fleet.eventlog import EventLog
 from fleet.config.fleet import FleetConfig, load_fleet_config
 from fleet.control.dispatch_gate import DispatchGate
-from fleet.control.launch import failed as launch_failed, launch_all, restart
+from fleet.control.launch import launch_all, restart, settled
 from fleet.control.loops import LoopFaults, run_loop
 from fleet.control.intent import COMMITTED, Intent, IntentStore
 from fleet.control.monitor import LivenessMonitor
@@ -158,12 +158,7 @@ class SingleController(ControllerFaults):
                           tuple(self.slots.roles.to_list()))
         incs = {slot: ledger.raw(slot).incarnation for slot in range(ledger.num_slots)}
         outs = await launch_all(self.parts, incs)  # bounded; a spawn that raises is a failed start, restarted
-        for slot, out in outs.items():
-            if out.ok:
-                self.slots.note_started(slot, incs[slot], out.value)
-                self.decide(EngineReady(slot, incs[slot]))
-            else:
-                launch_failed(self.parts, slot, incs[slot], out, "start")
+        settled(self.parts, {slot: (incs[slot], out) for slot, out in outs.items()}, "start")
         await self._commit_checkpoint()
         await self.poll_admission()  # size every cap from the engines' KV capacity before the first request
         await self.publisher.publish()  # clients may route from here on

@@ -25,7 +25,7 @@ from typing import Any
 
 from fleet.outcome import ERROR, TIMED_OUT, Outcome
 from fleet.control.parts import Parts
-from health import CallKind, CheckpointLoaded, EngineReady, Evict, FailureClass, Observed, Restart
+from health import Batch, CallKind, CheckpointLoaded, EngineReady, Evict, FailureClass, Observed, Restart
 from fleet import records as ev
 
 PLACEMENT_POLL_S = 1.0  # how often a restart that Ray cannot place yet asks again
@@ -111,12 +111,25 @@ async def restart(p: Parts, action: Restart) -> None:
         if restarting.get(slot) is asyncio.current_task():
             del restarting[slot]
     p.log.emit(ev.Restart(slot=slot, incarnation=inc, edge="end", outcome=out.kind))
-    if out.ok:
+    settled(p, {slot: (inc, out)}, f"restart {action.attempt}")
+
+
+def settled(p: Parts, launched: dict[int, tuple[int, Outcome]], what: str) -> list[int]:
+    """Launches that ended (slot -> (incarnation, outcome)), as one place says it for the start, a restart and a
+    grow: each ready engine is noted (its native pause, its node) and decided ready, all in one decision, then its
+    checkpoint load (it serves at once only while version 0 is committed; later it is stale and re-admitted at the
+    committed version, ``health.readmit``); each failed one is condemned (``failed``). Returns the ready slots."""
+    ready = [slot for slot, (_, out) in launched.items() if out.ok]
+    for slot in ready:
+        inc, out = launched[slot]
         p.slots.note_started(slot, inc, out.value)
-        p.act.decide(EngineReady(slot, inc))
-        p.act.decide(CheckpointLoaded(slot, inc))  # at version 0 it serves at once, as a grown engine does
-    else:
-        failed(p, slot, inc, out, f"restart {action.attempt}")
+    for slot, (inc, out) in launched.items():
+        if not out.ok:
+            failed(p, slot, inc, out, what)
+    if ready:
+        p.act.decide(Batch(tuple(EngineReady(s, launched[s][0]) for s in ready)))
+        p.act.decide(Batch(tuple(CheckpointLoaded(s, launched[s][0]) for s in ready)))
+    return ready
 
 
 def record(p: Parts, slot: int, incarnation: int, out: Outcome, what: str) -> None:

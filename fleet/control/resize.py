@@ -48,7 +48,7 @@ import dataclasses
 from typing import Any, Iterable
 
 from fleet.errors import ConfigError, FleetStopped
-from fleet.control.launch import failed as launch_failed, launch_all
+from fleet.control.launch import launch_all, settled
 from fleet.control.parts import Parts
 from fleet.control.publisher import RoutingPublisher
 from health import (
@@ -131,16 +131,7 @@ async def _grow(p: Parts, count: int, n: int) -> list[int]:
     new = list(range(first, first + count))
     incs = {slot: p.slots.ledger.raw(slot).incarnation for slot in new}
     outs = await launch_all(p, incs)  # each stored in the intent before its actor exists; bounded
-    ready = []
-    for slot, out in outs.items():
-        if out.ok:
-            p.slots.note_started(slot, incs[slot], out.value)  # native pause, node
-            ready.append(slot)
-        else:  # a failed launch is a dead engine: evicted, restarted within its budget
-            launch_failed(p, slot, incs[slot], out, "grow")
-    if ready:
-        p.act.decide(Batch(tuple(EngineReady(s, incs[s]) for s in ready)))
-        p.act.decide(Batch(tuple(CheckpointLoaded(s, incs[s]) for s in ready)))  # serves at once only at version 0
+    settled(p, {slot: (incs[slot], out) for slot, out in outs.items()}, "grow")  # a failed launch: dead, restarted
     await p.act.poll_admission()  # caps sized from the new engines before clients route to them
     return new
 
