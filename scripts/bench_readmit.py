@@ -33,7 +33,7 @@ Every time is the controller's event log ``t`` (the host's monotonic clock, as t
 - ``versions_burned``: the committed version at the end minus the trainer syncs that committed (0: a
   re-admission takes no version number).
 
-Per-round lists in ``rounds``; means over the rounds whose engine was re-admitted (a copy that yielded to a
+Each round's figures in ``per_round`` (and ``*_rounds`` lists); means over the rounds whose engine was re-admitted (a copy that yielded to a
 refit leaves its round without ``readmit_s``, and says so). At the end every accepted request must have come
 back (``lost`` 0) and the event log must pass ``faults.invariants``.
 
