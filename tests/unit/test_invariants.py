@@ -1,7 +1,7 @@
 """The event-log invariant checks catch each violation they exist for."""
 
 from faults import invariants as inv
-from fleet.records import Gate, Phase, Request, Stamp, Stopped
+from fleet.records import Gate, Phase, Readmit, Request, Stamp, Stopped
 
 
 def req(event, rid, **kw):
@@ -48,6 +48,19 @@ def test_an_engine_resumed_by_its_stamping_call_may_finish_on_the_new_version_be
     lost = stamp(2, [[0, 1]], unknown=[[1, 1, "unavailable"]])  # no answer at all
     old = req("completed", "c", slot=1, incarnation=1, version=0)
     assert inv.version_tags_match_stamps([resume, other, lost, other, old]) == [], "either tag, until a stamp says"
+
+
+def test_a_readmitted_engine_carries_the_committed_version_it_was_stamped_with():
+    """A re-admission stamps the engine with the committed version outside a refit (no ``stamp`` record);
+    only one that ended ``readmitted`` does."""
+    def readmit(outcome):
+        return Readmit(slot=0, incarnation=2, version=3, edge="end", outcome=outcome, donor="slot 1").as_dict()
+
+    served = req("completed", "a", slot=0, incarnation=2, version=3)
+    assert inv.version_tags_match_stamps([stamp(3, [[1, 1]]), readmit("readmitted"), served]) == []
+    assert len(inv.version_tags_match_stamps([readmit("yielded"), served])) == 1
+    assert len(inv.version_tags_match_stamps([readmit("failed"), served])) == 1
+    assert len(inv.version_tags_match_stamps([served, readmit("readmitted")])) == 1, "before it was stamped: wrong"
 
 
 def test_open_gate_only_sees_current_version():
