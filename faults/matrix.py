@@ -210,6 +210,26 @@ MATRIX: tuple[Variant, ...] = (
        checks=("evicted:0", "readmitted:0"), fleet=NULL,
        description="a resume that never returns: that engine is killed at the resume deadline, the gate reopens "
                    "on the other two, the slot restarts and serves again after the next refit"),
+    # a stale engine's re-admission from a live peer (issue 48) with a fault in the middle of its copy: the first
+    # donor's journal line at ``donate`` tells the driver the copy is under way (``faults.readmit``)
+    _v("readmit-donor-dies-mid-copy", "recovers", [{"where": "call", "what": "readmit_donor_killed", "step": 1}],
+       steps=1, fleet=NULL,
+       description="a restarted engine's first donor dies as it begins to send: the engine stays stale, the next "
+                   "donor gives the weights (its end record names the dead one), and it serves the committed "
+                   "version with no refit and no new version"),
+    _v("readmit-engine-dies-mid-copy", "recovers", [{"where": "call", "what": "readmit_engine_killed", "step": 1}],
+       steps=1, fleet=NULL,
+       description="the stale engine is killed while its copy's send is held back: a normal restart (that "
+                   "incarnation never served), and its next incarnation is re-admitted"),
+    _v("readmit-yields-to-refit", "recovers", [{"where": "call", "what": "readmit_refit_mid_copy", "step": 1}],
+       steps=1, fleet=NULL,
+       description="the trainer's refit begins while a copy's send is held back, requests in flight: the copy "
+                   "yields before the refit pauses anything, the refit takes the engine by its state, it serves "
+                   "the refit's version, every request completes"),
+    _v("controller-kill-during-readmit", "recovers",
+       [{"where": "call", "what": "readmit_controller_killed", "step": 1}], steps=1, fleet=NULL,
+       description="the controller SIGKILLed while a copy's send is held back: Ray restarts it, the successor "
+                   "finds the engine stale and re-admits it; the committed version does not change"),
     _v("stamp-unavailable", "recovers", [{"where": "stamp", "what": "unavailable", "shard": 1, "step": 1}],
        checks=("restamped:1",), fleet={**NULL, **ONE_OF_THREE},
        description="set_weight_version answers 'unavailable' on one engine: its version is unknown, so it serves "
