@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from fleet.records import Adopt, ControllerRestarted, Gate, Phase, Record, Request, Stamp, Stopped, all_of
+from fleet.records import Adopt, ControllerRestarted, Gate, Phase, Readmit, Record, Request, Stamp, Stopped, all_of
 
 Events = Iterable[Mapping | Record]  # wire dicts or typed records (``fleet.records``)
 
@@ -44,8 +44,10 @@ def version_tags_match_stamps(events: Events) -> list[str]:
     """Each completed sample's version tag is the version last stamped on that (slot, incarnation).
 
     Every incarnation starts on the checkpoint (version 0) until a stamp says otherwise: a ``stamp``
-    record, or a restarted controller's ``adopt`` record of that engine (the version it reported, or
-    the committed version of its ``controller_restarted`` record when it stamped the engine itself).
+    record, a restarted controller's ``adopt`` record of that engine (the version it reported, or
+    the committed version of its ``controller_restarted`` record when it stamped the engine itself), or the
+    end of its re-admission from a peer (``readmit``, ``readmitted``: stamped with the committed version before
+    it joined routing; the record is written as it joins, before any request can reach it).
     """
     events = all_of(events)
     # The refit's last call to an engine stamps it and then resumes it (``end_refit``); the ``stamp`` record
@@ -69,6 +71,9 @@ def version_tags_match_stamps(events: Events) -> list[str]:
                     resuming.pop((slot, inc), None)
             case ControllerRestarted():
                 committed = e.committed
+            case Readmit(edge="end", outcome="readmitted"):
+                stamped[(e.slot, e.incarnation)] = e.version
+                resuming.pop((e.slot, e.incarnation), None)
             case Adopt() if e.weight_version is not None:
                 stamped[(e.slot, e.incarnation)] = committed if e.stamped else e.weight_version
                 resuming.pop((e.slot, e.incarnation), None)

@@ -315,7 +315,8 @@ def prove_readmit_controller_killed(f: Mapping, calls: list[dict], events: list[
     _mid_copy(f, shot, recs, f["killed_at"], "the controller's kill", wrong)
     g0, g1 = f["generation"]
     if g1 != g0 + 1:
-        wrong.append(f"the controller answered at generation {g1} after its kill at generation {g0}: not restarted once")
+        wrong.append(f"the controller answered at generation {g1} after its kill at generation {g0}: "
+                     "not restarted once")
     back = ControllerRestarted.first(events, lambda r: r.t >= f["killed_at"] and r.generation > g0)
     adopted = None if back is None else Adopted.first(events, lambda a: a.t >= back.t, generation=back.generation)
     if adopted is None:

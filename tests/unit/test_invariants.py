@@ -1,7 +1,7 @@
 """The event-log invariant checks catch each violation they exist for."""
 
 from faults import invariants as inv
-from fleet.records import Gate, Phase, Request, Stamp, Stopped
+from fleet.records import Gate, Phase, Readmit, Request, Stamp, Stopped
 
 
 def req(event, rid, **kw):
@@ -48,6 +48,15 @@ def test_an_engine_resumed_by_its_stamping_call_may_finish_on_the_new_version_be
     lost = stamp(2, [[0, 1]], unknown=[[1, 1, "unavailable"]])  # no answer at all
     old = req("completed", "c", slot=1, incarnation=1, version=0)
     assert inv.version_tags_match_stamps([resume, other, lost, other, old]) == [], "either tag, until a stamp says"
+
+
+def test_an_engine_readmitted_from_a_peer_carries_the_committed_version_it_was_stamped_with():
+    readmitted = Readmit(slot=2, incarnation=2, version=3, edge="end", outcome="readmitted", donor="slot 0").as_dict()
+    served = req("completed", "a", slot=2, incarnation=2, version=3)
+    assert inv.version_tags_match_stamps([stamp(3, [[0, 1], [2, 1]]), readmitted, served]) == []
+    failed = Readmit(slot=2, incarnation=2, version=3, edge="end", outcome="failed", error="digests differ").as_dict()
+    assert len(inv.version_tags_match_stamps([failed, served])) == 1, "a copy that failed stamps nothing"
+    assert len(inv.version_tags_match_stamps([served, readmitted])) == 1, "before its re-admission: wrong"
 
 
 def test_open_gate_only_sees_current_version():

@@ -106,7 +106,8 @@ YIELDED = [began(), Phase(t=101.3, phase="close", edge="begin", version=4), end(
 
 
 def refit_record(**over):
-    return record(**{"calls": [REFIT], "after": AFTER, "requests": {"submitted": 8, "ok": 8, "versions": [3, 4]}, **over})
+    held = {"submitted": 8, "ok": 8, "versions": [3, 4]}
+    return record(**{"calls": [REFIT], "after": AFTER, "requests": held, **over})
 
 
 def test_a_copy_that_yielded_to_a_refit_which_took_the_engine_passes():
