@@ -41,7 +41,12 @@ it ended; its proof is the call's outcome and the event log around it:
   retired as removed, nothing lost (``faults.resize_evidence``): ``resized``;
 - ``admission_hold_across_refit``: the refit committed, an engine holding requests had its stats missing
   for ``absent_fallback_s`` while it ran, every shard's admission cap after it is its cap before, no
-  fallback was counted, and the held requests completed (``faults.admission_hold``): ``caps_kept``.
+  fallback was counted, and the held requests completed (``faults.admission_hold``): ``caps_kept``;
+- ``readmit_*``: a fault in the middle of a stale engine's re-admission (``faults.readmit``): the donor's
+  journal line shows the fault went off at ``donate`` with the copy under way, and the ``readmit`` records
+  show what followed: another donor gave the weights (``readmitted``), the engine killed mid-copy restarted
+  and its next incarnation was re-admitted (``restarted``), the copy yielded to the trainer's refit, which
+  took the engine (``yielded``), the controller's successor re-admitted it (``readmitted``).
 
 A ``kill_controller`` (``where: between_refits``, a refit phase or ``shutdown``) is proven
 by the event log, which the restarted controller appends to: at a phase, the controller's
@@ -74,6 +79,7 @@ from faults.firing import hook_point
 from faults.loop_fault import prove_loop_error_then_kill
 from faults.operator import prove_controller_kill_under_keep_pause, prove_operator_resume_mid_refit
 from faults.poison import prove_poison_in_batch, prove_poison_request
+from faults.readmit import PROOFS as READMIT_PROOFS
 from faults.relay_commit import prove_relay_commit_lost
 from faults.resize_evidence import prove_resize_under_load
 from faults.timeline import departure, fault_to_reopen, recover_s, refit_spans
@@ -84,8 +90,8 @@ from refit.manifest import layer_group
 QUARANTINE_OR_DEAD = ("suspect", "hung", "dead", "retired")
 # What a fault's action leads to. A shard's: the health states it puts the incarnation it hit into
 # (health.core): killed or crashed -> dead (retired when the restart budget is spent); frozen, hung or
-# unavailable -> quarantined, later evicted; a lie -> its weight stamp dropped (stale). ``slow`` leads nowhere
-# by necessity. A trainer's: what became of its refit call (module docstring). The controller's: it was
+# unavailable -> quarantined, later evicted; a lie -> its weight stamp dropped (stale). ``slow`` and ``delay``
+# lead nowhere by necessity. A trainer's: what became of its refit call (module docstring). The controller's: it was
 # restarted and re-adopted the fleet.
 LEADS_TO: dict[str, tuple[str, ...]] = {
     "kill": ("dead", "retired"),
@@ -97,6 +103,7 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "false_ack": ("stale",) + QUARANTINE_OR_DEAD,
     "error": ("stale",) + QUARANTINE_OR_DEAD,
     "slow": (),
+    "delay": (),
     **{f"corrupt_{kind}": ("rolled_back",) for kind in CORRUPTIONS},
     "kill_sender": ("rolled_back",),
     "stale_version": ("refused",),
@@ -110,6 +117,10 @@ LEADS_TO: dict[str, tuple[str, ...]] = {
     "loop_error_then_kill": ("found",),
     "relay_commit_lost": ("kept",),
     "admission_hold_across_refit": ("caps_kept",),
+    "readmit_donor_killed": ("readmitted",),
+    "readmit_engine_killed": ("restarted",),
+    "readmit_refit_mid_copy": ("yielded",),
+    "readmit_controller_killed": ("readmitted",),
     "kill_controller": ("restarted",),
 }
 # What a refused corrupt update's message must say, for the corrupted tensor ``t`` (refit.manifest's words).
@@ -271,6 +282,8 @@ def _prove_trainer_fault(f: Mapping, events: list[dict]) -> tuple[dict | None, l
            "fault_to_reopen_s": fault_to_reopen(events, began), "recover_s": None}
     if f.get("returned"):
         row["returned"] = f["returned"]  # requests the fault had returned on purpose (a poison)
+    if f.get("observed"):
+        row["observed"] = f["observed"]  # what the driver measured of it (``faults.readmit``: kill -> serving)
     return row, wrong
 
 
@@ -378,4 +391,4 @@ _TRAINER_PROOFS = {"kill_sender": _killed_sender, "stale_version": _stale_versio
                    "controller_kill_under_keep_pause": prove_controller_kill_under_keep_pause,
                    "loop_error_then_kill": prove_loop_error_then_kill,
                    "relay_commit_lost": prove_relay_commit_lost,
-                   "admission_hold_across_refit": prove_admission_hold_across_refit}
+                   "admission_hold_across_refit": prove_admission_hold_across_refit, **READMIT_PROOFS}

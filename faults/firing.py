@@ -33,7 +33,8 @@ is proven):
   refit, a new source in its place (Ray's word on the old one recorded); ``stale_version``: a refit of the committed version;
   ``concurrent_refit``: two refits of the next two versions from two threads at once;
   ``poison_request``: a prompt armed to crash every engine, sent twice; ``poison_in_batch``: one in a batch of
-  24 on three engines (``faults.poison``).
+  24 on three engines (``faults.poison``); ``readmit_*``: a fault in the middle of a stale engine's
+  re-admission from a live peer (``faults.readmit``).
 
 On failure: a fleet call that fails raises to the caller (nothing is recorded as
 fired), except a refit the fault makes, whose ``RefitRefused``, ``RefitNotDelivered`` or ``FleetStopped`` is
@@ -57,6 +58,7 @@ from faults.loop_fault import loop_error_then_kill
 from faults.operator import controller_kill_under_keep_pause, operator_resume_mid_refit
 from faults.relay_commit import relay_commit_lost
 from faults.poison import poison_in_batch, poison_request
+from faults.readmit import SCENARIOS as READMIT_SCENARIOS
 from faults.polling import wait_until
 from faults.resize_load import resize_under_load
 from fleet.errors import FleetStopped, RefitNotDelivered, RefitRefused
@@ -65,7 +67,8 @@ from health.faultplan import CONTROLLER_WHAT, TRAINER_WHERE, Firing
 # A plan's ``where`` -> the shard's fault hook point (a step-boundary fault other than a kill goes off at the next probe).
 # A ``freeze`` ``between_refits`` goes off at the shard's next request: one is in flight on it when it freezes.
 POINT_OF = {"pause": "pause", "transfer": "transfer", "stamp": "set_weight_version", "resume": "resume",
-            "generate": "generate", "stream": "stream", "step_boundary": "ping", "between_refits": "generate"}
+            "generate": "generate", "stream": "stream", "donate": "donate", "step_boundary": "ping",
+            "between_refits": "generate"}
 UP = ("healthy", "stale")
 KILLED_BY_THE_CONTROLLER = ("step_boundary", "between_refits")
 PROVOKE_EVERY_S = 2.0
@@ -308,6 +311,8 @@ class FaultFiring:
             return done
         if f.what == "admission_hold_across_refit":
             return admission_hold_across_refit(self.fleet, self.trainer.new_version, self._sync, self.log or print)
+        if f.what in READMIT_SCENARIOS:
+            return READMIT_SCENARIOS[f.what](self.fleet, self.trainer.new_version, self._sync, self.log or print)
         if f.what == "resize_under_load":
             rec = resize_under_load(self.fleet, lambda: self._sync(self.trainer.new_version()))
             self._say_if(True, f"resize under load: added {rec['added']}, removed {rec['removed']}, new engine "

@@ -10,7 +10,9 @@ killed serving engine's place before its restart ends. The trainer's own faults
 must change nothing but their refit. The controller's death (killed from outside between refits, or crashing itself
 in a refit phase or half way through the shutdown) must cost nothing: Ray restarts it,
 it re-adopts the shards, the step's refit (re-sent) lands, the fleet serves one
-committed version, and a shutdown it died in is finished with no shard left behind.
+committed version, and a shutdown it died in is finished with no shard left behind. A stale engine's
+re-admission from a live peer must survive a fault in the middle of its copy (its donor's death, its own, the
+trainer's refit, the controller's death) with no version burned (``faults.readmit``).
 """
 
 from __future__ import annotations
@@ -102,14 +104,16 @@ MATRIX: tuple[Variant, ...] = (
     _v("stamp-error", "recovers", [{"where": "stamp", "what": "error", "shard": 2, "step": 1}],
        checks=("restamped:2",),
        description="set_weight_version raises on one real engine after the commit: that engine alone is stale "
-                   "(version unknown, out of routing), the gate reopens on the other two, and the next refit "
-                   "stamps it and it serves again; the fleet never stops"),
+                   "(version unknown, out of routing), the gate reopens on the other two, and it is stamped again "
+                   "(re-admitted from a live peer, or by the next refit) and serves again; the fleet never stops"),
     _v("engine-core-crash", "recovers", [{"where": "generate", "what": "crash_engine", "shard": 2, "step": 1}],
        description="the vLLM engine core dies inside a live shard actor"),
     _v("freeze-during-transfer", "recovers", [{"where": "transfer", "what": "freeze", "shard": 0, "step": 1}],
        checks=("evicted:0",), description="a frozen shard is left out of the retry, then evicted, not waited on"),
     _v("restart-readmission", "recovers", [{"where": "step_boundary", "what": "kill", "shard": 1, "step": 1}],
-       checks=("readmitted:1",), description="the killed shard restarts, joins the next refit and serves again"),
+       checks=("readmitted:1",),
+       description="the killed shard restarts and serves again (re-admitted from a live peer at the committed "
+                   "version, a real vLLM copy, or by the next refit)"),
     _v("bad-update-wrong-shape", "recovers", [{"where": "update", "what": "corrupt_shape", "step": 1}], steps=1,
        description="an update with a tensor of the wrong shape is refused naming it; the next update commits"),
     _v("bad-update-missing-layer", "recovers", [{"where": "update", "what": "corrupt_missing_layer", "step": 1}],
@@ -205,15 +209,36 @@ MATRIX: tuple[Variant, ...] = (
     _v("hang-at-pause-evicted", "recovers", [{"where": "pause", "what": "hang", "shard": 1, "step": 1}],
        checks=("evicted:1", "readmitted:1"), fleet=NULL,
        description="a pause that never returns: that engine is killed at the pause deadline, the refit commits "
-                   "on the other two, the slot restarts and serves again after the next refit"),
+                   "on the other two, the slot restarts and serves again (re-admitted, or by the next refit)"),
     _v("hang-at-resume-evicted", "recovers", [{"where": "resume", "what": "hang", "shard": 0, "step": 1}],
        checks=("evicted:0", "readmitted:0"), fleet=NULL,
        description="a resume that never returns: that engine is killed at the resume deadline, the gate reopens "
-                   "on the other two, the slot restarts and serves again after the next refit"),
+                   "on the other two, the slot restarts and serves again (re-admitted, or by the next refit)"),
+    # a stale engine's re-admission from a live peer (issue 48) with a fault in the middle of its copy: the first
+    # donor's journal line at ``donate`` tells the driver the copy is under way (``faults.readmit``)
+    _v("readmit-donor-dies-mid-copy", "recovers", [{"where": "call", "what": "readmit_donor_killed", "step": 1}],
+       steps=1, fleet=NULL,
+       description="a restarted engine's first donor dies as it begins to send: the engine stays stale, the next "
+                   "donor gives the weights (its end record names the dead one), and it serves the committed "
+                   "version with no refit and no new version"),
+    _v("readmit-engine-dies-mid-copy", "recovers", [{"where": "call", "what": "readmit_engine_killed", "step": 1}],
+       steps=1, fleet=NULL,
+       description="the stale engine is killed while its copy's send is held back: a normal restart (that "
+                   "incarnation never served), and its next incarnation is re-admitted"),
+    _v("readmit-yields-to-refit", "recovers", [{"where": "call", "what": "readmit_refit_mid_copy", "step": 1}],
+       steps=1, fleet=NULL,
+       description="the trainer's refit begins while a copy's send is held back, requests in flight: the copy "
+                   "yields before the refit pauses anything, the refit takes the engine by its state, it serves "
+                   "the refit's version, every request completes"),
+    _v("controller-kill-during-readmit", "recovers",
+       [{"where": "call", "what": "readmit_controller_killed", "step": 1}], steps=1, fleet=NULL,
+       description="the controller SIGKILLed while a copy's send is held back: Ray restarts it, the successor "
+                   "finds the engine stale and re-admits it; the committed version does not change"),
     _v("stamp-unavailable", "recovers", [{"where": "stamp", "what": "unavailable", "shard": 1, "step": 1}],
        checks=("restamped:1",), fleet={**NULL, **ONE_OF_THREE},
        description="set_weight_version answers 'unavailable' on one engine: its version is unknown, so it serves "
-                   "nothing (a probe finds it alive: stale, never healthy) until the next refit re-stamps it"),
+                   "nothing (a probe finds it alive: stale, never healthy) until it is re-stamped (re-admitted, "
+                   "or by the next refit)"),
     _v("restart-budget-exhausted", "recovers",
        [{"where": "step_boundary", "what": "kill", "shard": 1, "step": 1, "every": 1, "times": 2}],
        checks=("retired:1",), fleet={**NULL, **PAIR, "min_healthy_engines": 1, "restart_budget": 1},
@@ -228,16 +253,17 @@ MATRIX: tuple[Variant, ...] = (
     _v("below-quorum-between-refits", "recovers",
        [{"where": "between_refits", "what": "kill", "shard": 0, "step": 2},
         {"where": "between_refits", "what": "kill", "shard": 1, "step": 2}],
-       checks=("below_quorum", "readmitted:0", "readmitted:1"), steps=2, fleet=NULL,
+       checks=("below_quorum", "readmitted:0", "readmitted:1"), steps=2, fleet={**NULL, "readmit": False},
        description="two of three shards die between refits, past the checkpoint's version (a restart at "
-                   "version 0 would serve at once): requests wait at the closed gate until the restarted "
-                   "shards come back and the next refit brings quorum back"),
+                   "version 0 would serve at once), with no re-admission from a peer (the refit path, as when "
+                   "no donor is left): requests wait at the closed gate until the restarted shards come back "
+                   "and the next refit brings quorum back"),
     # a refit that stages its update while the fleet serves (``stage_ahead``), where its faults meet the staging
     _v("kill-during-stage", "recovers", [{"where": "transfer", "what": "kill", "shard": 1, "step": 1}],
        checks=("readmitted:1",), fleet=STAGING,
        description="a shard killed as the update's bytes start moving into its staging area, the gate open: the "
                    "staging retries on a rebuilt group without it, the refit applies on the others, the slot "
-                   "restarts and serves after the next refit"),
+                   "restarts and serves again (re-admitted, or by the next refit)"),
     _v("controller-kill-during-stage", "recovers", [{"where": "stage", "what": "kill_controller", "step": 1}],
        checks=("controller_back",), fleet=STAGING,
        description="the controller dies while the engines stage the update, the gate open: Ray restarts it, it "

@@ -63,9 +63,13 @@ def resize_under_load(fleet: Any, sync: Callable[[], dict], threads: int = 6, se
     if added:
         slot = added[0]
         new["incarnation"] = next(s["incarnation"] for s in fleet.status()["ledger"]["slots"] if s["slot"] == slot)
-        at_refit = fleet.shard_counters().get(slot, {}).get("admitted", 0)
-        served = wait_until(lambda: load.completed_on(slot, new["incarnation"], call["version"]) > 0, wait_s, 0.1)
-        new["admitted_after_refit"] = fleet.shard_counters().get(slot, {}).get("admitted", 0) - at_refit
+        admitted = lambda: fleet.shard_counters().get(slot, {}).get("admitted", 0)  # noqa: E731
+        at_refit = admitted()
+        # both: a request the engine admitted as the refit resumed it, before ``at_refit`` was read, may be the one
+        # that completed, and then the counter has not moved yet
+        served = wait_until(lambda: load.completed_on(slot, new["incarnation"], call["version"]) > 0
+                            and admitted() > at_refit, wait_s, 0.1)
+        new["admitted_after_refit"] = admitted() - at_refit
         new["completed_on_version"] = load.completed_on(slot, new["incarnation"], call["version"])
         new["waited_for_it"] = bool(served)
     victim = max(s["slot"] for s in fleet.status()["ledger"]["slots"] if not s.get("removed"))

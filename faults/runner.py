@@ -54,7 +54,7 @@ from fleet.cluster import ray_door
 from fleet.api import Fleet
 from fleet.errors import FleetStopped
 from fleet.cluster.naming import controller_name, shard_name
-from fleet.records import Health, Kill, Record, Request, Stamp, Stopped, all_of, of_kinds
+from fleet.records import Health, Kill, Readmit, Record, Request, Stamp, Stopped, all_of, of_kinds
 from faults.matrix import BASE_FLEET, Variant
 from faults.source import WeightSource
 from health.faultplan import CONTROLLER_WHAT, FaultPlan, load_plan, resolve
@@ -326,6 +326,9 @@ class FaultRunner:
                 ok = self._wait(lambda: slot_states(fleet.status())[slot] == "retired", 240, f"slot {slot} retired")
             elif kind == "readmitted":
                 ok = self._readmitted(fleet, slot)
+                how = Readmit.last(self.events(t0, kinds=[Readmit]), lambda r: r.outcome == "readmitted", slot=slot)
+                rep.notes.append(f"check {check}: slot {slot} came back "
+                                 + (f"re-admitted from {how.donor} at version {how.version}" if how else "by a refit"))
             elif kind == "restamped":
                 rep.violations += [f"check {check}: {p}" for p in self._restamped(fleet, slot, t0)]
                 continue
@@ -393,7 +396,8 @@ class FaultRunner:
 
     def _restamped(self, fleet: Fleet, slot: int, t0: float) -> list[str]:
         """A stamp that failed on ``slot``: the ledger dropped its version (it never served the refit's version
-        unstamped), and a later refit re-stamped the same incarnation, which then serves the committed version."""
+        unstamped), and the same incarnation was stamped again (re-admitted from a live peer, or by a later refit),
+        and then serves the committed version."""
         out = []
         stamps = Stamp.among(self.events(t0, kinds=[Stamp]))
         failed = [s for s in stamps if any(f[0] == slot for f in s.failed)]
@@ -408,7 +412,7 @@ class FaultRunner:
         row = next(s for s in fleet.status()["ledger"]["slots"] if s["slot"] == slot)
         version = fleet.status()["version"]
         if (row["incarnation"], row["state"], row["weight_version"]) != (inc, "healthy", version):
-            out.append(f"slot {slot} is {row} after the next refit, not incarnation {inc} healthy on {version}")
+            out.append(f"slot {slot} is {row} once the fleet healed, not incarnation {inc} healthy on {version}")
         for _ in range(4):  # routing is a random choice of two: a few batches before "never served" counts
             rs = [r for g in fleet.generate([PROMPT] * 6, n=1, sampling={"max_tokens": 4}) for r in g]
             mine = [r.result.weight_version for r in rs if r.ok and (r.result.slot, r.result.incarnation) == (slot, inc)]

@@ -135,9 +135,10 @@ class Restart(Record):
 
 @record("readmit")
 class Readmit(Record):
-    """A re-admission (``fleet.control.readmission``) began (``edge`` begin: its donor) or ended (``outcome``:
+    """A re-admission (``fleet.control.readmission``) began (``edge`` begin: its first donor) or ended (``outcome``:
     ``readmitted``, ``failed`` with ``error``, ``yielded`` to a refit): ``version`` is the committed one, which
-    it does not change; ``seconds`` from begin, ``bytes`` copied, ``digests`` compared."""
+    it does not change; ``seconds`` from begin, ``bytes`` copied, ``digests`` compared; ``tried``: the donors
+    that failed before it ended, each ``slot N: why`` (a donor that died mid-copy, then another gave the weights)."""
     slot: int
     incarnation: int
     version: int
@@ -148,6 +149,7 @@ class Readmit(Record):
     seconds: float | None = None
     bytes: int | None = None
     digests: int | None = None
+    tried: list | None = None
 
 
 @record("launch")

@@ -14,15 +14,18 @@ code::
 ``where``: ``step_boundary`` (before the step's refit), ``pause``, ``transfer``,
 ``stamp`` (the version stamp, ``set_weight_version``; ``unavailable`` only), ``resume``, ``generate``,
 ``stream`` (mid-generation: as a streamed request sends a chunk of output; with ``after_calls`` the
-fault acts at a later chunk, while clients hold part of their output; ``kill`` and ``crash_engine`` only). ``what``: ``kill`` (the actor process), ``freeze`` (stops
+fault acts at a later chunk, while clients hold part of their output; ``kill`` and ``crash_engine`` only),
+``donate`` (a donor's side of a peer copy, as its ``donate_weights`` begins: the receiver is already waiting in
+its receive; the copies of re-admission, ``fleet.control.readmission``). ``what``: ``kill`` (the actor process), ``freeze`` (stops
 answering), ``hang`` (one lifecycle call past its deadline), ``false_ack``,
 ``unavailable`` (one lifecycle call answers "unavailable"), ``slow`` (every call by
-``delay_s``), ``crash_engine`` (the engine core inside a live actor), ``freeze_core`` (the
+``delay_s``), ``delay`` (one call held ``delay_s``, then it goes on: a copy that lasts long enough to act in
+its middle), ``crash_engine`` (the engine core inside a live actor), ``freeze_core`` (the
 engine core stopped, SIGSTOP, under a live actor that keeps answering). ``shard``: a slot
 number or ``random`` (drawn with the plan's seed). ``step``: the step it fires at;
 ``every``: fire again every that many steps, ``times`` times in all (repeated kills of
 one slot). ``after_calls`` (a fault armed at one of the shard's hook points: ``pause``, ``transfer``,
-``resume``, ``generate``, ``stamp``, ``stream``): let that many calls there pass, and act at the next one
+``resume``, ``generate``, ``donate``, ``stamp``, ``stream``): let that many calls there pass, and act at the next one
 (at ``stream``, a count of chunks: a kill after the shard streamed that much output, however fast its
 engine runs, where a ``delay_s`` races the end of the batch).
 
@@ -73,7 +76,12 @@ Faults of the trainer's refit call itself name no ``shard``:
   ``loop_error_then_kill`` (ticks of the controller's liveness monitor raise, then an idle engine is killed:
   the monitor, still running, finds it within the hang-detection bound), or ``admission_hold_across_refit``
   (a refit held paused, with requests on its engines, past the admission law's ``absent_fallback_s``: every
-  shard's admission cap after it is its cap before).
+  shard's admission cap after it is its cap before), or a stale engine's re-admission from a live peer
+  (``faults.readmit``) meeting a fault in the middle of its copy: ``readmit_donor_killed`` (the donor dies as
+  it begins to send: another donor gives the weights), ``readmit_engine_killed`` (the stale engine dies: a
+  normal restart, and its next incarnation is re-admitted), ``readmit_refit_mid_copy`` (the trainer's refit
+  begins: the copy yields, the refit takes the engine by its state) or ``readmit_controller_killed`` (the
+  controller is SIGKILLed: its successor finds the engine stale and re-admits it).
 
 Pure: no Ray, no vLLM. ``load_plan`` raises ``ValueError`` naming the field
 (``faults[0].where``) and the allowed values; ``resolve`` turns a plan into
@@ -86,7 +94,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, cast
 
-HOOKED = ("pause", "transfer", "resume", "generate")  # the shard's hook points a plan can name
+HOOKED = ("pause", "transfer", "resume", "generate", "donate")  # the shard's hook points a plan can name
 # ``stamp``: inside the refit's last call to an engine (``end_refit``), before its resume: a stamp that fails there
 # is reported by the engine, which still resumes (``unavailable``, ``error`` or ``false_ack``)
 # ``stream``: mid-generation, as a streamed request sends a chunk of output (a death there, or ``delay_s`` after,
@@ -103,6 +111,8 @@ CONTROLLER_WHAT = ("kill_controller",)  # faults of the fleet's controller, not 
 WHERE = SHARD_WHERE + TRAINER_WHERE + tuple(w for w in CONTROLLER_WHERE if w not in SHARD_WHERE)
 MAX_CRASH_DELAY_S = 600.0  # the controller refuses a crash delayed this long or longer
 CORRUPTIONS = ("shape", "dtype", "missing_tensor", "missing_layer")  # ``faults.source.WeightSource`` kinds
+# A fault in the middle of a re-admission's peer copy (``faults.readmit``): a scenario the driver runs as one call
+READMIT_FAULTS = ("readmit_donor_killed", "readmit_engine_killed", "readmit_refit_mid_copy", "readmit_controller_killed")
 _ANYWHERE = ("step_boundary",) + HOOKED
 # What is possible where: a lie needs a call that acknowledges; a hang needs a call with a deadline;
 # a trainer's fault happens in its own refit call.
@@ -115,6 +125,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "unavailable": ("pause", "stamp", "resume"),
     "error": ("stamp",),
     "slow": _ANYWHERE,
+    "delay": HOOKED + ("stamp",),
     "crash_engine": _ANYWHERE + ("stream",),
     **{f"corrupt_{kind}": ("update",) for kind in CORRUPTIONS},
     "kill_sender": ("update",),
@@ -129,6 +140,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "loop_error_then_kill": ("call",),
     "relay_commit_lost": ("call",),
     "admission_hold_across_refit": ("call",),
+    **{name: ("call",) for name in READMIT_FAULTS},
     "kill_controller": CONTROLLER_WHERE,
 }
 WHAT = tuple(ALLOWED)
@@ -213,6 +225,7 @@ def _fault(d: Any, i: int, steps: int) -> FaultSpec:
     every, times = _int(d, "every", 0, at, 0), _int(d, "times", 1, at, 1)
     _need(times == 1 or every >= 1, f"{at}.every", "must be >= 1 when times > 1", every)
     after = _int(d, "after_calls", 0, at, 0)
+    _need(what != "delay" or delay > 0, f"{at}.delay_s", "a delay holds its one call for delay_s: give it > 0", delay)
     _need(after == 0 or what != "slow", f"{at}.after_calls", "a slow shard slows every call from the moment "
           "it is armed: there are no calls to let pass", after)
     _need(after == 0 or (shard is not None and where in COUNTED), f"{at}.after_calls", f"counts the calls at "

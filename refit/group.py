@@ -160,10 +160,13 @@ class RefitGroup:
     Preconditions: rank 0 passes the store it hosts (``host_store``); other ranks
     pass ``store=None`` and connect to ``address``. Construction blocks until every
     rank joined and the handshake (epoch check) passed, or raises ``TransferError``
-    after ``timeout_s``.
+    after ``timeout_s``. ``connect_s``: a shorter bound on reaching the store alone, for a rank given the
+    address only once its host was up (a peer copy's receiver): a store that does not answer by then is
+    gone with its host, and torch's client would retry it for the whole ``timeout_s`` otherwise.
     """
 
-    def __init__(self, address: GroupAddress, rank: int, timeout_s: float, store=None, device=None) -> None:
+    def __init__(self, address: GroupAddress, rank: int, timeout_s: float, store=None, device=None,
+                 connect_s: float | None = None) -> None:
         if not 0 <= rank < address.world_size:
             raise RefitUsageError(f"rank {rank} outside world of size {address.world_size} (epoch {address.epoch})")
         self.address = address
@@ -177,7 +180,10 @@ class RefitGroup:
         t0 = time.monotonic()
         try:
             if self._store is None:
-                self._store = dist.TCPStore(address.addr, address.port, address.world_size, is_master=False, timeout=_td(timeout_s))
+                connect = timeout_s if connect_s is None else min(float(timeout_s), float(connect_s))
+                self._store = dist.TCPStore(address.addr, address.port, address.world_size, is_master=False, timeout=_td(connect))
+                if connect < timeout_s:  # reached: the group's own waits on it get the whole budget
+                    self._store.set_timeout(_td(timeout_s))
             self._prefix = dist.PrefixStore(f"rlfleet/epoch{address.epoch}", self._store)
             self._pg = _make_pg(self._prefix, rank, address.world_size, address.backend, max(timeout_s, address.op_timeout_s))
             self._handshake(t0 + self.timeout_s)

@@ -17,7 +17,7 @@ Guarantees (results are plain dicts, never exceptions, as the worker extension a
 
 - every wait has a deadline; a failed collective closes the group (``refit.group``: never reused); a donor
   that fails sends the abort signal, and a receiver whose donor vanished (its store gone) stops within
-  ``refit.group.ABORT_POLL_S``;
+  ``refit.group.ABORT_POLL_S``, or within ``CONNECT_S`` when the donor was gone before it joined;
 - receiver state ``not_started``: no byte reached a parameter (it could not join, the header disagreed);
   ``partial``: receives into live parameters were posted, then the copy failed: the weights are unknown
   until a whole copy or a refit lands; ``complete``: every parameter holds the donor's bytes (the caller
@@ -40,6 +40,10 @@ from refit.receiver import COMPLETE, NOT_STARTED, PARTIAL
 from refit.sender import IN_FLIGHT
 
 JOINING, JOINED, FAILED = "joining", "joined", "failed"
+# A receiver is given the donor's address only once the donor hosts its store: a store it cannot reach within this
+# is gone with its donor (died as the copy began), and the receiver stops, not_started, instead of holding its
+# worker (and the next donor's copy, or a refit, queued behind it) for the copy's whole deadline.
+CONNECT_S = 3.0
 PEER_WORLD = 2  # rank 0 the donor worker, rank 1 the receiver worker
 
 
@@ -159,7 +163,7 @@ def receive(address: dict, copy_id: int, named: Sequence[tuple[str, Any]], m: di
         addr = GroupAddress.from_wire(address)
         if addr.epoch != int(copy_id):
             raise RefitUsageError(f"address of copy {addr.epoch} given for copy {copy_id}")
-        group = RefitGroup(addr, 1, float(timeout_s), device=device)
+        group = RefitGroup(addr, 1, float(timeout_s), device=device, connect_s=CONNECT_S)
     except (TransferError, RefitUsageError, KeyError, ValueError) as exc:
         res["error"] = f"could not join the donor's group of copy {copy_id}: {exc}"
         res["recv_s"] = time.monotonic() - t0

@@ -235,11 +235,14 @@ class RefitWorkerExtension:
             res["digests"] = self.rlfleet_weight_digests()
         return res
 
-    def rlfleet_peer_close(self) -> bool:
-        """Donor: drop an open donation (a receiver still joining fails at once); idempotent."""
-        d = self.__dict__.pop("_rlfleet_open_donation", None)
-        if d is not None:
-            d.close()
+    def rlfleet_peer_close(self, copy_id: int | None = None) -> bool:
+        """Donor: drop the open donation (a receiver still joining fails at once), only if it is copy ``copy_id``
+        when given: a copy that failed or yielded late never closes the next one; idempotent."""
+        d = self.__dict__.get("_rlfleet_open_donation")
+        if d is None or (copy_id is not None and d.copy_id != int(copy_id)):
+            return True
+        self.__dict__.pop("_rlfleet_open_donation", None)
+        d.close()
         return True
 
     def rlfleet_receive_peer(self, addresses: list, manifest: list, copy_id: int, version: int, timeout_s: float,

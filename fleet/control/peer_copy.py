@@ -12,6 +12,9 @@ what it computes from them. This module orders the calls and judges the answers:
    ``timeout_s``; the donor answers the digests of what it sent, the receiver those of what it loaded;
 4. the digests must agree parameter by parameter (vLLM's ``compute_weight_checksums``).
 
+Cancelled in step 3 (a refit began: the copy yields), it closes the donation on the donor before it ends: the
+receiver stops waiting at once rather than holding its worker for the rest of the copy.
+
 ``CopyResult.its_fault`` says whose failure it was: the donor's (it failed, died, timed out, holds another
 version, or its layout differs: another donor may do) or the receiving engine's (its receive, load or
 digests). Never raises for a failed copy.
@@ -29,6 +32,7 @@ from fleet.errors import PeerCopyRefused
 from fleet.shard.peer_copy import COMPLETE, call_bound, digest_misfit, misfit
 
 _COPY_IDS = itertools.count(random.getrandbits(40))  # one id per copy: it names the copy's rendezvous
+YIELD_CLOSE_S = 2.0  # a copy that yields waits this long at most for its donor to close (a frozen one costs no more)
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,15 @@ async def copy_weights(door: Any, donor: Any, receiver: Any, version: int, timeo
         return CopyResult(False, False, f"the donor could not open the copy: "
                                         f"{offer.value.error if offer.ok else offer.describe()[:300]}")
     bound = call_bound(timeout_s) + control_timeout_s
-    donated, received = await asyncio.gather(
-        door.call(donor, "donate_weights", offer.value, timeout_s, timeout=bound),
-        door.call(receiver, "receive_weights_from_peer", offer.value, dm.value, version, timeout_s, timeout=bound))
+    try:
+        donated, received = await asyncio.gather(
+            door.call(donor, "donate_weights", offer.value, timeout_s, timeout=bound),
+            door.call(receiver, "receive_weights_from_peer", offer.value, dm.value, version, timeout_s, timeout=bound))
+    except asyncio.CancelledError:
+        # a refit began (``Readmissions.yield_to_refit``): the shards' calls go on without this task. Closing the
+        # donation stops the receiver's wait at once, so its worker is free for the refit's transfer.
+        await door.call(donor, "close_donation", copy_id, timeout=min(control_timeout_s, YIELD_CLOSE_S))
+        raise
     if not received.ok:
         refused = isinstance(received.error, PeerCopyRefused)  # nothing moved: not the engine's failure to count
         return CopyResult(False, not refused, f"the engine's receive {'was refused' if refused else 'failed'}: "

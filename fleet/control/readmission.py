@@ -12,7 +12,7 @@ incarnation at a time:
    the donor keeps serving (the copy runs between its engine steps).
 
 A donor that fails (it died, its layout differs, it timed out) is the donor's fault: the next donor is
-tried, and with none left the failure is reported as not the engine's (``its_fault=False``). A failed
+tried (the end record names each that failed, ``tried``), and with none left the failure is reported as not the engine's (``its_fault=False``). A failed
 receive, load, digest comparison or stamp is the engine's own (``ReadmitFailed(its_fault=True)``).
 
 A refit wins: before its gate closes it calls ``yield_to_refit``, which cancels every copy and waits for
@@ -82,7 +82,8 @@ class Readmissions:
                 if got.ok:
                     done = (slot, got)
                     break
-                tried.append(f"slot {slot}: {got.detail}")
+                tried.append(f"slot {slot}: {got.detail[:300]}")
+                end["tried"] = list(tried)  # the end record names every donor that failed before it
                 if got.its_fault:
                     return self._failed(a, t0, end, got.detail, True, f"slot {slot}")
             if done is None:

@@ -20,6 +20,9 @@ applies to every hooked call from the moment it is armed):
 - ``hang``: this one call sleeps past any deadline; other calls still answer.
 - ``false_ack``: this one call answers ``False`` instead of ``True``.
 - ``slow``: every hooked call is delayed by ``delay_s``.
+- ``delay``: this one call waits ``delay_s``, then goes on as usual; other calls are untouched (at
+  ``donate``: a peer copy whose send is held back while its receiver waits in its receive, so a test can
+  act in the middle of a copy; a ``slow`` shard would delay its probes too).
 - ``crash_engine``: the engine-core process is killed (SIGKILL); the actor lives on and
   reports ``EngineCrashedError`` from then on.
 - ``freeze_core``: the engine-core processes are stopped (SIGSTOP) and nothing else: the actor
@@ -59,7 +62,7 @@ from fleet.errors import EngineCrashedError, ShardUnavailableError
 
 POINTS = ("pause", "resume", "set_weight_version", "generate", "ping", "transfer", "stream", "donate")
 ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine", "unavailable", "error", "poison",
-           "freeze_core")
+           "freeze_core", "delay")
 ENGINE_DEATH_WAIT_S = 10.0  # a poisoned engine: how long to wait for the backend to see its core gone
 
 
@@ -82,6 +85,9 @@ class ArmedFault:
             raise ValueError(f"fault action must be one of {ACTIONS}, got {self.action!r}")
         if self.delay_s < 0 or self.after_calls < 0:
             raise ValueError("fault delay_s and after_calls must be >= 0")
+        if self.action == "delay" and self.delay_s <= 0:
+            raise ValueError(f"fault action 'delay' holds its one call for delay_s seconds: give delay_s > 0 "
+                             f"(got {self.delay_s!r})")
         if (self.action == "poison") != bool(self.match) or (self.match and self.point != "generate"):
             raise ValueError(f"fault match (token ids) goes with action 'poison' at point 'generate' and only "
                              f"there; got action {self.action!r} at {self.point!r} with match {list(self.match)}")
@@ -180,6 +186,8 @@ class FaultHooks:
                                 f"raised at {fault.point}")
         elif action == "hang":
             await asyncio.sleep(10**6)
+        elif action == "delay":
+            await asyncio.sleep(fault.delay_s)
         elif action == "kill":
             if fault.delay_s:
                 threading.Timer(fault.delay_s, os._exit, args=(137,)).start()

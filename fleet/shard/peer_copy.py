@@ -83,9 +83,17 @@ async def open_donation(rpc: Rpc, copy_id: int, backend: str, timeout_s: float) 
     answers = _by_worker(await rpc("rlfleet_peer_open", (int(copy_id), float(timeout_s), backend), {}, None))
     failed = [a for a in answers if not a.get("ok")]
     if failed:
-        await rpc("rlfleet_peer_close", (), {}, None)
+        await close_donation(rpc, copy_id)
         return PeerOffer(int(copy_id), (), "; ".join(str(a.get("error")) for a in failed))
     return PeerOffer(int(copy_id), tuple(a["address"] for a in answers), None)
+
+
+async def close_donation(rpc: Rpc, copy_id: int) -> bool:
+    """Drop the donor's open donation of ``copy_id`` (and only that copy's: a later copy may be open by now). A
+    receiver still joining or waiting for the bytes stops at once (``refit.peer_transfer``): what a copy that
+    yielded to a refit, or failed, asks of its donor, so the receiver's worker is free again."""
+    await rpc("rlfleet_peer_close", (int(copy_id),), {}, None)
+    return True
 
 
 async def donate(rpc: Rpc, offer: PeerOffer, timeout_s: float, stamp: Callable[[], tuple[int, bool]], who: str,
@@ -103,11 +111,11 @@ async def donate(rpc: Rpc, offer: PeerOffer, timeout_s: float, stamp: Callable[[
         return failed(f"the donation did not open: {offer.error}")
     joined = await _joined(rpc, offer.copy_id, deadline)
     if joined is not None:
-        await rpc("rlfleet_peer_close", (), {}, None)
+        await close_donation(rpc, offer.copy_id)
         return failed(joined)
     version, dirty = stamp()
     if dirty:
-        await rpc("rlfleet_peer_close", (), {}, None)
+        await close_donation(rpc, offer.copy_id)
         return failed(f"its weights are not its stamped version {version} (a transfer touched them since): refused")
     waited = time.monotonic() - t0
     left = max(0.001, deadline - time.monotonic())

