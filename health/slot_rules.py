@@ -264,7 +264,10 @@ def _abort(d: Draft, rec: SlotRecord, ev: Observed, cause: str) -> None:
     d.actions.append(AbortRefit(rec.slot, rec.incarnation, ev.call, ev.failure, version, message))
     d.reasons.append("refit aborted")
     if version is not None and fleet.halted is None:
-        d.fleet = fleet._replace(halted=message, gate_open=False, gate_reason=message)
+        # an exhausted fleet keeps its own reason: it is the permanent one (and in a batch the stop, decided
+        # as the batch's last gate action, says so too: one by one and batched agree)
+        reason = fleet.gate_reason if fleet.exhausted else message
+        d.fleet = fleet._replace(halted=message, gate_open=False, gate_reason=reason)
 
 
 def _failed_probe(d: Draft, rec: SlotRecord, ev: Observed) -> None:
