@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fleet.cluster import ray_door
 from fleet.errors import RouteRefused
@@ -143,3 +143,49 @@ class ClientLoad:
         for w in self._workers:
             w.join(timeout=timeout_s)
         return self.results
+
+
+class PairLoad:
+    """``threads`` client threads, each submitting two requests at a time (rotating through ``prompts``) and
+    collecting them, until ``stop``. Every result is kept (``results``); an exception in a thread is kept
+    (``errors``), not raised, and ends that thread. The benchmarks and tests that measure a fleet under steady
+    load (a controller restart, a re-admission) share it."""
+
+    def __init__(self, fleet: Any, threads: int, sampling: dict, prompts: Sequence[Any]) -> None:
+        self.fleet, self.sampling, self.prompts = fleet, sampling, list(prompts)
+        self.results: list = []
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(k,), daemon=True) for k in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, k: int) -> None:
+        i, n = 0, len(self.prompts)
+        while not self._stop.is_set():
+            try:
+                pending = [self.fleet.submit(self.prompts[(3 * k + i + j) % n], 1, self.sampling) for j in range(2)]
+                for p in pending:
+                    got = self.fleet.collect(p)
+                    with self._lock:
+                        self.results.extend(got)
+            except Exception as exc:  # noqa: BLE001 - reported by the caller
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                return
+            i += 1
+
+    def count(self, ok_only: bool = False) -> int:
+        with self._lock:
+            return sum(1 for r in self.results if r.ok) if ok_only else len(self.results)
+
+    def stop(self, timeout_s: float = 300.0) -> list:
+        """Stop submitting, wait (``timeout_s`` per thread) for the requests in flight; every result."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=timeout_s)
+        return list(self.results)
+
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+

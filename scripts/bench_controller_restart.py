@@ -40,10 +40,10 @@ import os
 import signal
 import statistics
 import tempfile
-import threading
 import time
 
 from faults import invariants
+from faults.load import PairLoad
 from faults.source import WeightSource
 from faults.timeline import read_log
 from fleet.cluster import ray_door
@@ -63,44 +63,6 @@ def parse() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=48, help="per request: long enough to span the outage")
     p.add_argument("--settle-s", type=float, default=2.0, help="load runs this long between kills")
     return p.parse_args()
-
-
-class Load:
-    """Client threads: each submits two requests, collects them, again, until stopped."""
-
-    def __init__(self, fleet: Fleet, threads: int, sampling: dict) -> None:
-        self.fleet, self.sampling = fleet, sampling
-        self.results: list = []
-        self.errors: list[str] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(k,), daemon=True) for k in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def _loop(self, k: int) -> None:
-        i = 0
-        while not self._stop.is_set():
-            try:
-                pending = [self.fleet.submit(PROMPTS[(3 * k + i + j) % len(PROMPTS)], 1, self.sampling) for j in range(2)]
-                for p in pending:
-                    got = self.fleet.collect(p)
-                    with self._lock:
-                        self.results.extend(got)
-            except Exception as exc:  # noqa: BLE001 - reported at the end
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-                return
-            i += 1
-
-    def count(self) -> int:
-        with self._lock:
-            return len(self.results)
-
-    def stop(self) -> list:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=300)
-        return list(self.results)
 
 
 def wait_for(predicate, timeout_s: float, what: str, every_s: float = 0.05):
@@ -142,7 +104,7 @@ def main() -> None:
         return version
 
     fleet.sync_weights(next_weights(), source)
-    load = Load(fleet, args.threads, {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 1.0})
+    load = PairLoad(fleet, args.threads, {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 1.0}, PROMPTS)
     kills: list[dict] = []
     baseline: list[float] = []
     try:

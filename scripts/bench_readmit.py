@@ -57,6 +57,7 @@ import time
 from typing import Any
 
 from faults import invariants
+from faults.load import PairLoad
 from faults.timeline import read_log
 from fleet.api import Fleet
 from fleet.cluster import ray_door
@@ -195,39 +196,6 @@ def _r(x: float) -> float:
 
 
 # ------------------------------------------------------------------ the run
-class Load:
-    """Client threads: each submits two requests, collects them, again, until stopped."""
-
-    def __init__(self, fleet: Fleet, threads: int, sampling: dict) -> None:
-        self.fleet, self.sampling = fleet, sampling
-        self.completed = 0
-        self.errors: list[str] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(k,), daemon=True) for k in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def _loop(self, k: int) -> None:
-        i = 0
-        while not self._stop.is_set():
-            try:
-                pending = [self.fleet.submit(PROMPTS[(3 * k + i + j) % len(PROMPTS)], 1, self.sampling) for j in range(2)]
-                for p in pending:
-                    got = self.fleet.collect(p)
-                    with self._lock:
-                        self.completed += sum(1 for r in got if r.ok)
-            except Exception as exc:  # noqa: BLE001 - reported at the end
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-                return
-            i += 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=300)
-
-
 class Sampler:
     """Reads every routed shard's token counter each ``every_s``: (step time, count) per (slot, incarnation)."""
 
@@ -362,12 +330,12 @@ def main() -> None:
     print(f"fleet {fleet.name}: {args.engines} engines up in {time.monotonic() - t0:.1f} s; log {log_path}", flush=True)
     ray_door.ask(source, "perturb", 1, 0.02, timeout=60)
     fleet.sync_weights(1, source)
-    load = Load(fleet, args.threads, {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 1.0})
+    load = PairLoad(fleet, args.threads, {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 1.0}, PROMPTS)
     sampler = Sampler(fleet, args.sample_ms / 1000)
     trainer = Trainer(fleet, source, args.refit_interval, version=1)
     kills: list[tuple[int, int]] = []
     try:
-        wait_for(lambda: load.completed >= 2 * args.threads, 120, "load flowing")
+        wait_for(lambda: load.count(ok_only=True) >= 2 * args.threads, 120, "load flowing")
         for k in range(args.rounds):
             kills.append(run_round(fleet, trainer, sampler, k, args))
     finally:

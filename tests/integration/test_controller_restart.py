@@ -29,13 +29,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from faults import invariants
+from faults.load import PairLoad
 from faults.source import WeightSource
 from faults.timeline import read_log
 from fleet.cluster import ray_door
@@ -100,47 +100,6 @@ def run(ray_local, tiny_model, tmp_path_factory):
         ray_door.kill(source)
 
 
-class Load:
-    """``threads`` trainer threads, each submitting two requests at a time through ``fleet.submit`` and
-    collecting them, until stopped. Keeps every result; an exception in a thread is kept, not raised."""
-
-    def __init__(self, fleet: Fleet, threads: int = 2) -> None:
-        self.fleet = fleet
-        self.results: list = []
-        self.errors: list[str] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(k,), daemon=True) for k in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def _loop(self, k: int) -> None:
-        i = 0
-        while not self._stop.is_set():
-            try:
-                pending = [self.fleet.submit(PROMPTS[(3 * k + i + j) % len(PROMPTS)], 1, SAMPLING) for j in range(2)]
-                for p in pending:
-                    got = self.fleet.collect(p)
-                    with self._lock:
-                        self.results.extend(got)
-            except Exception as exc:  # noqa: BLE001 - reported by the test
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-                return
-            i += 1
-
-    def count(self) -> int:
-        with self._lock:
-            return len(self.results)
-
-    def stop(self) -> list:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=180)
-        assert not any(t.is_alive() for t in self._threads), "a load thread did not finish"
-        assert not self.errors, self.errors
-        return list(self.results)
-
-
 def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in ("accepted", "completed", "returned")}
 
@@ -151,7 +110,7 @@ def test_sigkilled_controller_clients_keep_serving_and_next_refit_lands(run):
     info = fleet.controller_info()
     counters0, outage0 = fleet.client.counters(), fleet.client.controller_outage()
     assert outage0["unreachable_since"] is None
-    load = Load(fleet, threads=2)
+    load = PairLoad(fleet, 2, SAMPLING, PROMPTS)
     try:
         wait_for(lambda: load.count() >= 4, 120, 0.1, what="load flowing before the kill")
         t_kill = time.monotonic()
@@ -164,7 +123,9 @@ def test_sigkilled_controller_clients_keep_serving_and_next_refit_lands(run):
         summary = run.refit()  # under load, on the restarted controller
         wait_for(lambda: load.count() >= done_at_back + 4, 120, 0.1, what="load flowing after the refit")
     finally:
-        results = load.stop()
+        results = load.stop(180)
+        assert not load.alive(), "a load thread did not finish"
+        assert not load.errors, load.errors
     new = run.version
     assert summary["complete"] == [0, 1] and summary["version"] == new, summary
     after = fleet.controller_info()
