@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 from health.decision import Readmit
 from health.draft import Draft
-from health.ledger import SlotRecord, view_state
+from health.ledger import Ledger, SlotRecord, view_state
 from health.states import ShardState, SlotPhase
 
 __all__ = ["READMIT_BACKOFF_CAP_S", "READMIT_BACKOFF_S", "READMIT_FAILURES_TO_EVICT", "ReadmitFailed",
-           "Readmitted", "land_committed", "on_readmit_failed", "on_readmitted", "on_tick"]
+           "Readmitted", "due", "land_committed", "on_readmit_failed", "on_readmitted", "on_tick"]
 
 READMIT_FAILURES_TO_EVICT = 3
 READMIT_BACKOFF_S = 2.0
@@ -66,24 +66,33 @@ class ReadmitFailed:
     its_fault: bool = True
 
 
-def on_tick(d: Draft) -> None:
-    fleet = d.fleet_now()
+def due(ledger: Ledger, now: float) -> list[tuple[int, int]]:
+    """(slot, incarnation) of every engine whose re-admission may start at ``now``: between refits, while
+    version ``cv >= 1`` is committed and some engine holds it, each live, stale, not removed slot whose
+    back-off ran out. The one statement of the rule: ``on_tick`` acts on it, and the controller asks it
+    when to tick."""
+    fleet = ledger.fleet
     cv = fleet.current_version
     if cv is None or cv < 1 or fleet.refit_version is not None or fleet.halted is not None or fleet.exhausted \
             or fleet.stopped is not None:
-        return
-    ledger = d.ledger
+        return []
     holding = ledger.holding(cv)
     if not holding:
-        return  # no engine holds the committed weights: nothing to copy them from
-    stale = ledger.slots_in(_LIVE) - holding
-    for slot in sorted(stale):
-        rec = d.get(slot)
-        if rec.phase is not _LIVE or rec.removed or rec.readmit_after > d.now:
-            continue
-        if view_state(rec, cv) is not ShardState.STALE:
-            continue
-        d.actions.append(Readmit(slot, rec.incarnation, cv, f"stale while version {cv} is committed"))
+        return []  # no engine holds the committed weights: nothing to copy them from
+    out = []
+    for slot in sorted(ledger.slots_in(_LIVE) - holding):
+        rec = ledger.raw(slot)
+        if not rec.removed and rec.readmit_after <= now and view_state(rec, cv) is ShardState.STALE:
+            out.append((slot, rec.incarnation))
+    return out
+
+
+def on_tick(d: Draft) -> None:
+    """A ``Readmit`` for each engine ``due`` (a slot a timer of this same tick changed is left to the next)."""
+    cv = d.ledger.current_version
+    for slot, inc in due(d.ledger, d.now):  # due() is empty unless a version is committed
+        if cv is not None and slot not in d.changed:
+            d.actions.append(Readmit(slot, inc, cv, f"stale while version {cv} is committed"))
 
 
 def on_readmitted(d: Draft, ev: Readmitted) -> None:

@@ -66,6 +66,7 @@ from fleet import records as ev
 from fleet.control.operator_pause import OperatorPause
 from fleet.control.controller_faults import ControllerFaults
 from fleet.control.readmission import Readmissions
+from health.readmit import due as readmit_due
 
 TIMER_INTERVAL_S = 0.2
 
@@ -281,15 +282,11 @@ class SingleController(ControllerFaults):
             self.decide(Tick())
 
     def _readmit_due(self, now: float) -> bool:
-        """A live engine does not hold the committed version, none is being re-admitted for it, and its
-        back-off ran out: the level-triggered tick that asks for its re-admission."""
-        ledger = self.ledger
-        cv = ledger.current_version
-        if not self.cfg.readmit or cv is None or cv < 1 or ledger.refit_version is not None or self.stopped:
+        """An engine's re-admission may start (``health.readmit.due``) and none runs for it yet: the
+        level-triggered tick that asks for it."""
+        if not self.cfg.readmit or self.stopped:
             return False
-        stale = ledger.slots_in(SlotPhase.LIVE) - ledger.holding(cv)
-        return any((s, ledger.raw(s).incarnation) not in self.readmissions.running
-                   and ledger.raw(s).readmit_after <= now for s in stale)
+        return any(key not in self.readmissions.running for key in readmit_due(self.ledger, now))
 
     async def poll_admission(self) -> None:
         """Poll every live shard's engine stats once and let the admission law set its cap."""

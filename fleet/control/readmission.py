@@ -4,7 +4,7 @@ The health core decides who is stale and when to try (``health.readmit``: level-
 after failures, evicted after repeated ones of the engine's own); this module only does it, one copy per
 incarnation at a time:
 
-1. pick donors: the serving engines that hold the committed version, the least busy first;
+1. pick donors: the serving engines that hold the committed version, in slot order;
 2. copy the weights donor -> engine (``fleet.control.peer_copy``: layouts compared first, both ends of the
    transfer started at once, under one deadline) and compare the digests of both engines' parameters;
 3. stamp the engine with the committed version (``set_weight_version``), then decide ``Readmitted``: the
@@ -35,10 +35,9 @@ from health import Readmit, ReadmitFailed, Readmitted
 
 
 class Readmissions:
-    def __init__(self, parts: Parts, busy: Callable[[], bool], load: Callable[[int], int] | None = None) -> None:
+    def __init__(self, parts: Parts, busy: Callable[[], bool]) -> None:
         self.p = parts
         self._busy = busy  # a refit or a resize holds the lifecycle lock
-        self._load = load or (lambda slot: 0)  # a donor's requests in flight (the least busy donates first)
         self.running: dict[tuple[int, int], asyncio.Task] = {}
         self.ended: list[dict] = []  # each re-admission's end, for ``status`` and the benchmark
 
@@ -63,7 +62,7 @@ class Readmissions:
         ledger = self.p.slots.ledger
         handles = self.p.slots.handles
         holding = [s for s in ledger.serving_slots() if s != a.slot and s in handles]
-        return [(s, handles[s][1]) for s in sorted(holding, key=lambda s: (self._load(s), s))]
+        return [(s, handles[s][1]) for s in sorted(holding)]
 
     async def _run(self, a: Readmit) -> None:
         t0 = self.p.clock.now()
