@@ -15,7 +15,8 @@ Definitions:
   Not any ``healthy -> stale``: every refit that lands passes through ``stale``;
 - *fault to reopen*: from a firing to the next gate opening after it;
 - *recovered*: after a departure of (slot, incarnation), a stamp that includes a
-  newer incarnation of the slot, or that same incarnation healthy again;
+  newer incarnation of the slot, a newer incarnation re-admitted from a peer (a
+  ``readmit`` end record, outcome readmitted), or that same incarnation healthy again;
 - a *re-admission*: a restarted incarnation's first stamp (it received committed
   weights and serves again): by a peer copy between refits (a ``readmit`` end record,
   ``how`` peer, with its donor) or by a refit (``how`` refit), whichever came first;
@@ -108,9 +109,12 @@ def departure(events: Events, slot: int, incarnation: int, since_t: float, state
 
 
 def _serves_again(x: Record, slot: int, incarnation: int) -> bool:
-    """A replacement incarnation was stamped with weights, or the same one became healthy again."""
+    """A replacement incarnation was stamped with weights or re-admitted from a peer, or the same one became
+    healthy again."""
     if isinstance(x, Stamp):
         return any(s == slot and inc > incarnation for s, inc in x.members)
+    if isinstance(x, Readmit):
+        return x.edge == "end" and x.outcome == "readmitted" and x.slot == slot and x.incarnation > incarnation
     return isinstance(x, Health) and x.slot == slot and x.incarnation == incarnation and x.after == "healthy"
 
 

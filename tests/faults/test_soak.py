@@ -24,7 +24,9 @@ def test_short_chaos_soak_recovers_from_every_fault(ray_local, tiny_model):
     controller = [k for k in result["fault_kinds"] if k.endswith(":kill_controller")]
     assert "between_refits:kill_controller" in controller and len(controller) >= 2, result  # and at a refit phase
     assert result["faults_without_effect"] == [], result
-    assert result["unrecovered"] == 0 and result["recoveries"] == result["faults_fired"], result
-    assert result["prompts_lost"] == 0 and result["wrong_version_tags"] == 0, result
+    assert result["unrecovered"] == 0, ("unrecovered", result)
+    assert result["recoveries"] == result["faults_fired"], ("recoveries", result)
+    assert result["prompts_lost"] == 0, ("prompts_lost", result)
+    assert result["wrong_version_tags"] == 0, ("wrong_version_tags", result)
     assert result["invariants_held"], result
 

@@ -157,6 +157,18 @@ def test_recover_s_until_a_new_incarnation_is_stamped_or_the_same_one_is_healthy
     assert recover_s(events, events[0]) == 3.0 and recover_s(events[:1], events[0]) is None
 
 
+def test_a_replacement_re_admitted_from_a_peer_has_recovered_though_no_refit_stamped_it():
+    """The CI soak's last fault: its slot came back by a peer copy after the last refit, so no stamp names it."""
+    from fleet.records import Readmit
+
+    left = Health(slot=1, incarnation=1, before="healthy", after="dead", t=10.0, reason="")
+    peer = dict(slot=1, version=4, edge="end", donor="slot 0", outcome="readmitted")
+    assert recover_s([left, Readmit(t=31.5, seq=2, incarnation=2, **peer)], left) == 21.5
+    failed = dict(peer, outcome="failed", error="donor died")
+    assert recover_s([left, Readmit(t=31.5, seq=2, incarnation=2, **failed)], left) is None
+    assert recover_s([left, Readmit(t=31.5, seq=2, incarnation=1, **peer)], left) is None, "the departed one itself"
+
+
 def test_reopen_s_counts_only_openings_after_the_record():
     events = [Gate(open=True, t=1.0, version=0, reason="").as_dict(),
               Fault(t=2.0, slot=0, incarnation=1, point="transfer", action="kill", armed=True).as_dict(),
