@@ -159,7 +159,7 @@ class _Run:
     @staticmethod
     def halt_tasks(ctl: SingleController) -> None:
         """Stop every task ``ctl`` runs where it is (its process died, or the run ended)."""
-        for task in list(ctl._tasks) + list(ctl.restarting.values()):
+        for task in list(ctl._tasks) + list(ctl.launching.values()):
             task.cancel()
 
     async def kill_controller(self) -> None:

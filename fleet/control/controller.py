@@ -25,7 +25,7 @@ from fleet.control.admission import AdmissionController
 from fleet.eventlog import EventLog
 from fleet.config.fleet import FleetConfig, load_fleet_config
 from fleet.control.dispatch_gate import DispatchGate
-from fleet.control.launch import launch_all, restart, settled
+from fleet.control.reconcile import Reconciler
 from fleet.control.loops import LoopFaults, run_loop
 from fleet.control.intent import COMMITTED, Intent, IntentStore
 from fleet.control.monitor import LivenessMonitor
@@ -51,22 +51,15 @@ from health import (
     MonotonicClock,
     Probe,
     Readmit,
-    RefitFinished,
-    RefitReport,
-    RefitResult,
-    RefitStarted,
     Restart,
     Retire,
     SlotPhase,
     StopExhausted,
-    Tick,
-    VersionCommitted,
 )
 from fleet import records as ev
 from fleet.control.operator_pause import OperatorPause
 from fleet.control.controller_faults import ControllerFaults
 from fleet.control.readmission import Readmissions
-from health.readmit import due as readmit_due
 
 TIMER_INTERVAL_S = 0.2
 
@@ -102,6 +95,8 @@ class SingleController(ControllerFaults):
         self.operator_pause = OperatorPause(self.parts, self.publisher)
         self.readmissions = Readmissions(self.parts, busy=lambda: self.lifecycle.lock.locked())
         self.parts.readmissions = self.readmissions
+        self.reconciler = Reconciler(self.parts)
+        self.parts.reconciler = self.reconciler
         self._tasks: set[asyncio.Task] = set()
         self.refits: list[dict] = []
         self.resends = RefitResends()  # recent refits by the caller's id: a re-sent refit gets its own end
@@ -142,8 +137,8 @@ class SingleController(ControllerFaults):
         return self.slots.nodes
 
     @property
-    def restarting(self) -> Mapping[int, asyncio.Task]:
-        return MappingProxyType(self.slots.restarting)
+    def launching(self) -> Mapping[int, asyncio.Task]:
+        return MappingProxyType(self.slots.launching)
 
     def serving_slots(self) -> list[int]:
         """The slots that get traffic: HEALTHY (on the committed version) and in the serving role."""
@@ -157,10 +152,10 @@ class SingleController(ControllerFaults):
         ledger = self.ledger
         self.intent.begin(self.name, self.cfg.model_dump(), {s: (ledger.raw(s).incarnation, 0) for s in range(ledger.num_slots)},
                           tuple(self.slots.roles.to_list()))
-        incs = {slot: ledger.raw(slot).incarnation for slot in range(ledger.num_slots)}
-        outs = await launch_all(self.parts, incs)  # bounded; a spawn that raises is a failed start, restarted
-        settled(self.parts, {slot: (incs[slot], out) for slot, out in outs.items()}, "start")
-        await self._commit_checkpoint()
+        await self.reconciler.launched(range(ledger.num_slots))  # bounded; a failed start is a death, restarted
+        # every engine loaded the checkpoint from disk: that load is the complete refit of version 0
+        self.reconciler.land(0, {slot: inc for slot, (inc, _) in self.slots.handles.items()},
+                             "loaded from the checkpoint", hold_without_quorum=False)
         await self.poll_admission()  # size every cap from the engines' KV capacity before the first request
         await self.publisher.publish()  # clients may route from here on
         self.start_loops()
@@ -172,19 +167,11 @@ class SingleController(ControllerFaults):
     def start_loops(self) -> None:
         """The background loops: health timers, the liveness monitor, the admission poll. None of them ends at
         an exception (``fleet.control.loops``): each tick's is logged, naming the loop, and the next tick runs."""
-        ticks = {"health timers": (lambda: TIMER_INTERVAL_S, self._tick_if_due),
+        ticks = {"health timers": (lambda: TIMER_INTERVAL_S, self.reconciler.step),
                  "liveness monitor": (lambda: self.cfg.monitor_interval_s, self.monitor.round),
                  "admission": (lambda: self.cfg.admission.poll_interval_s, self.poll_admission)}
         for name, (interval, tick) in ticks.items():
             self.in_background(run_loop(name, interval, self._loop_faults.wrap(name, tick), self.log))
-
-    async def _commit_checkpoint(self) -> None:
-        """Every engine loaded the checkpoint from disk: that load is the complete refit of version 0."""
-        self.decide(RefitStarted(0))
-        for slot, (inc, _) in self.slots.handles.items():
-            self.decide(RefitReport(slot, inc, 0, RefitResult.COMPLETE, "loaded from the checkpoint"))
-        self.decide(VersionCommitted(0))
-        self.decide(RefitFinished(0))  # an OpenGate in it opens the gate
 
     async def shutdown(self) -> dict:
         """Stop dispatch, return every pending request explicitly, shut every shard down.
@@ -260,8 +247,7 @@ class SingleController(ControllerFaults):
         elif isinstance(action, Evict):
             self.slots.kill(action.slot, action.incarnation, f"evicted: {action.reason}")
         elif isinstance(action, Restart):
-            if self.cfg.restart_dead_engines and not self.stopped:
-                self.slots.restarting[action.slot] = self.in_background(restart(self.parts, action))
+            self.reconciler.launch_missing()  # the ledger names its new incarnation: the reconcile launches it
         elif isinstance(action, Retire):
             self.slots.kill(action.slot, action.incarnation, f"retired: {action.reason}")
             self.log.emit(ev.Retire(slot=action.slot, incarnation=action.incarnation, reason=action.reason,
@@ -272,21 +258,6 @@ class SingleController(ControllerFaults):
             self.readmissions.want(action)
         # OpenGate and CloseGate are the ledger's state already (``gate.sync`` announced them); AbortRefit and
         # KeepGateClosed are read by the lifecycle from the decision.
-
-    async def _tick_if_due(self) -> None:
-        """The health timers: a ``Tick`` once the ledger's next timer is due (restarts, evictions), or while an
-        engine waits to be re-admitted at the committed version (``health.readmit``: the tick asks for it)."""
-        wake = self.ledger.next_wake_at()
-        now = self.clock.now()
-        if (wake is not None and now >= wake) or self._readmit_due(now):
-            self.decide(Tick())
-
-    def _readmit_due(self, now: float) -> bool:
-        """An engine's re-admission may start (``health.readmit.due``) and none runs for it yet: the
-        level-triggered tick that asks for it."""
-        if not self.cfg.readmit or self.stopped:
-            return False
-        return any(key not in self.readmissions.running for key in readmit_due(self.ledger, now))
 
     async def poll_admission(self) -> None:
         """Poll every live shard's engine stats once and let the admission law set its cap."""

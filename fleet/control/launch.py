@@ -1,6 +1,7 @@
 """Launching an engine: spawn one incarnation of a slot, wait for Ray to place it, start it; bounded.
 
-Every launch goes through here: the fleet's ``start``, a restart, a slot a resize added.
+Every launch goes through here (``bring_up``, run by ``fleet.control.reconcile``): the fleet's ``start``, a
+restart, a slot a resize added, and a start a dead controller began (watched, not launched again).
 ``launch`` never raises for a failed launch (only cancellation passes through): a
 ``spawn_shard`` that raises, a ``start`` that fails, and a ``start`` that does not answer
 within the watchdog (``watchdog_s``: the start's own bound, ``engine.start_timeout_s`` +
@@ -25,10 +26,11 @@ from typing import Any
 
 from fleet.outcome import ERROR, TIMED_OUT, Outcome
 from fleet.control.parts import Parts
-from health import Batch, CallKind, CheckpointLoaded, EngineReady, Evict, FailureClass, Observed, Restart
+from health import Batch, CallKind, CheckpointLoaded, EngineReady, Evict, FailureClass, Observed
 from fleet import records as ev
 
-PLACEMENT_POLL_S = 1.0  # how often a restart that Ray cannot place yet asks again
+PLACEMENT_POLL_S = 1.0
+WATCH_POLL_S = 0.5  # how often a start a dead controller began is asked how far it got  # how often a restart that Ray cannot place yet asks again
 PLACEMENT_NOTE_AFTER_S = 5.0  # Ray takes a moment to start any actor's process: pending longer is worth a record
 START_MARGIN_S = 30.0  # the start call's bound past engine.start_timeout_s (the shard's own start has that bound)
 WATCHDOG_GRACE_S = 15.0  # the watchdog cuts a launch this long after the start call's own bound
@@ -88,35 +90,70 @@ async def wait_placed(p: Parts, slot: int, incarnation: int, handle: Any) -> Non
         p.log.emit(ev.Placement(slot=slot, incarnation=incarnation, edge="placed"))
 
 
-async def launch_all(p: Parts, slots: dict[int, int]) -> dict[int, Outcome]:
-    """``launch`` every (slot -> incarnation) at once; slot -> outcome."""
-    keys = list(slots)
-    outs = await asyncio.gather(*(launch(p, s, slots[s]) for s in keys))
-    return dict(zip(keys, outs))
-
-
-async def restart(p: Parts, action: Restart) -> None:
-    """Launch the incarnation a ``Restart`` asked for (``launch``: bounded by its watchdog). A launch
-    that raises, fails or overruns is a failed restart attempt: its budget is spent as for a death."""
-    slot, inc = action.slot, action.incarnation
-    old = p.slots.handles.get(slot)
-    if old is not None:
-        p.door.kill(old[1])
-    p.log.emit(ev.Restart(slot=slot, incarnation=inc, edge="begin", attempt=action.attempt))
-    p.admission.forget(slot)
-    restarting = p.slots.restarting
+async def bring_up(p: Parts, slot: int, incarnation: int) -> None:
+    """One launch of ``incarnation`` of ``slot``, whatever asked for it (``fleet.control.reconcile`` runs each as
+    a task), ended in ``settled``. When the slot's handle already is that incarnation (a restarted controller
+    found it still starting, or a launch of it was lost) it is watched until it is up (``watch_start``); otherwise it is spawned and started
+    (``launch``). A restart (the ledger counts ``restarts`` for the slot) first kills the previous incarnation
+    and writes the ``restart`` records; it waits for Ray to place the actor without bound (``wait_placed``)."""
+    attempt = p.slots.ledger.raw(slot).restarts
+    found = p.slots.handle_of(slot, incarnation)
     try:
-        out = await launch(p, slot, inc, wait_placement=True)
+        if found is not None:
+            out = await watch_start(p, slot, incarnation, found)
+            if out is None:
+                return  # replaced meanwhile: the slot's next launch settles it
+            if attempt:  # the end of the restart the predecessor began
+                p.log.emit(ev.Restart(slot=slot, incarnation=incarnation, edge="end", outcome=out.kind, adopted=True))
+            what = "watched start"
+        elif attempt:
+            old = p.slots.handles.get(slot)
+            if old is not None:
+                p.door.kill(old[1])
+            p.log.emit(ev.Restart(slot=slot, incarnation=incarnation, edge="begin", attempt=attempt))
+            p.admission.forget(slot)
+            out = await launch(p, slot, incarnation, wait_placement=True)
+            p.log.emit(ev.Restart(slot=slot, incarnation=incarnation, edge="end", outcome=out.kind))
+            what = f"restart {attempt}"
+        else:
+            out = await launch(p, slot, incarnation)
+            what = "grow" if slot >= p.cfg.total_engines else "start"
     finally:
-        if restarting.get(slot) is asyncio.current_task():
-            del restarting[slot]
-    p.log.emit(ev.Restart(slot=slot, incarnation=inc, edge="end", outcome=out.kind))
-    settled(p, {slot: (inc, out)}, f"restart {action.attempt}")
+        if p.slots.launching.get(slot) is asyncio.current_task():
+            del p.slots.launching[slot]
+    settled(p, {slot: (incarnation, out)}, what)
+
+
+async def watch_start(p: Parts, slot: int, incarnation: int, handle: Any) -> Outcome | None:
+    """A shard whose launch is not this task's (a dead controller, or a launch that was lost, spawned it): its
+    outcome once its engine is up, failed, or past the start bound; None when the slot was given another actor
+    meanwhile. One still ``new`` never got its ``start`` (calls queued in a process that died are lost): it is
+    started here."""
+    bound = start_bound_s(p.cfg)
+    deadline = p.clock.now() + bound
+    while True:
+        out = await p.door.call(handle, "describe", timeout=p.cfg.probe_timeout_s)
+        state = out.value.state if out.ok else None  # a ``Description``
+        if p.slots.handle_of(slot, incarnation) is not handle:
+            return None
+        if state == "new":
+            p.log.emit(ev.Adopt(slot=slot, incarnation=incarnation, starting=True,
+                       reason="its start call was lost (it died with the predecessor, or its launch ended): started again"))
+            started = await p.door.call(handle, "start", timeout=bound)
+            if started.ok:
+                return started
+            if p.clock.now() < deadline:
+                continue  # someone else's start won the race: watch it
+        if state == "ready":
+            return out
+        if state not in ("new", "starting") or p.clock.now() >= deadline:
+            why = out.describe() if not out.ok else f"its engine is {state!r} after the start bound ({bound:g} s)"
+            return Outcome(ERROR, error=RuntimeError(f"re-adopted while starting: {why[:300]}"))
+        await asyncio.sleep(WATCH_POLL_S)
 
 
 def settled(p: Parts, launched: dict[int, tuple[int, Outcome]], what: str) -> list[int]:
-    """Launches that ended (slot -> (incarnation, outcome)), as one place says it for the start, a restart and a
-    grow: each ready engine is noted (its native pause, its node) and decided ready, all in one decision, then its
+    """Launches that ended (slot -> (incarnation, outcome)), as one place says it for every launch (``bring_up``): each ready engine is noted (its native pause, its node) and decided ready, all in one decision, then its
     checkpoint load (it serves at once only while version 0 is committed; later it is stale and re-admitted at the
     committed version, ``health.readmit``); each failed one is condemned (``failed``). Returns the ready slots."""
     ready = [slot for slot, (_, out) in launched.items() if out.ok]

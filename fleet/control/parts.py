@@ -1,7 +1,7 @@
 """What the controller's collaborators are built from: its parts, typed, and the few things they may ask it to do.
 
 The refit lifecycle (``fleet.control.lifecycle``), re-adoption (``fleet.control.recovery``), resize
-(``fleet.control.resize``), launches (``fleet.control.launch``) and the routing publisher
+(``fleet.control.resize``), launches (``fleet.control.launch``, ``fleet.control.reconcile``) and the routing publisher
 (``fleet.control.publisher``) each receive a ``Parts`` when they are built or called: the fleet's
 config and name, the clock, the event log, the door (every Ray call), the slots' owner
 (``fleet.control.slots``), the intent store, the gate, admission and metrics. None of them reads
@@ -72,3 +72,4 @@ class Parts:
     metrics: FleetMetrics
     act: Actions
     readmissions: Any = None  # ``fleet.control.readmission.Readmissions``: a refit makes its copies yield
+    reconciler: Any = None  # ``fleet.control.reconcile.Reconciler``: every launch, the level-triggered step

@@ -16,7 +16,9 @@ shards running as named, detached actors (``fleet.cluster.naming``). The new one
    takes every shard out of routing (``set_route(member=False)``) until step 7;
 5. rebuilds the health ledger at the recorded incarnations and restarts spent, and
    the roles (which slots serve, which are warm spares) as recorded; a missing shard
-   is dead (the health core restarts it within its budget);
+   is dead (the health core restarts it within its budget); one still starting stays
+   launching, and the reconcile (``fleet.control.reconcile``) watches its start to its end,
+   as it launches every other engine, once the ledger is settled;
 6. settles the weights. A refit that had committed (``committed`` phase) is finished:
    the engines it lists that are still there are stamped with the committed version.
    Only a shard stamped with the committed version and not dirty serves it; every other
@@ -39,7 +41,6 @@ Every step is one record in the event log (``controller_restarted``, ``adopt_fen
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fleet.control.intent import COMMITTED
@@ -49,16 +50,10 @@ from fleet.control.parts import Parts
 from fleet.control.publisher import RoutingPublisher
 from fleet.control.resize import adopted_ledger, fence_removed
 from health import (
-    Batch,
     CallKind,
     EngineReady,
     MembershipPlan,
     OperatorPaused,
-    RefitFinished,
-    RefitReport,
-    RefitResult,
-    RefitStarted,
-    VersionCommitted,
 )
 from fleet import records as ev
 from fleet.wire import Description
@@ -68,7 +63,15 @@ EPOCHS_PER_GENERATION = 1 << 40
 
 async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
     """Re-adopt the shards of the controller this one replaced; returns what it found and did (the controller
-    keeps it as ``recovered``; ``generation``: this controller's)."""
+    keeps it as ``recovered``; ``generation``: this controller's). Load the target from the intent, find the named
+    shards, settle the ledger; then the reconcile launches what is missing and watches what was starting."""
+    with p.reconciler.held():
+        recovered = await _adopt(p, publisher)
+    p.reconciler.launch_missing()
+    return recovered
+
+
+async def _adopt(p: Parts, publisher: RoutingPublisher) -> dict:
     intent = p.intent.load()
     t0 = p.clock.now()
     if intent is None:
@@ -114,10 +117,10 @@ async def adopt(p: Parts, publisher: RoutingPublisher) -> dict:
                      resumed=resumed[slot].ok if slot in resumed else None, failed=failed.get(slot)))
     if intent.paused is not None:  # the stored pause holds before the commit below would open the gate
         p.act.decide(OperatorPaused(intent.paused))
-    _commit(p, intent.committed, serving)
-    for slot, handle in starting.items():
+    p.reconciler.land(intent.committed, {s: p.slots.handles[s][0] for s in serving},
+                      "re-adopted: holds the committed version", hold_without_quorum=True)
+    for slot in starting:  # launching at the recorded incarnation, its handle found: the reconcile watches it
         p.log.emit(ev.Adopt(slot=slot, incarnation=intent.slots[slot][0], starting=True))
-        p.act.in_background(_await_start(p, slot, intent.slots[slot][0], handle, restart=intent.slots[slot][1] > 0))
     alive = {s: info for s, info in alive.items() if s not in failed}
     for slot, (inc, _) in sorted(intent.slots.items()):
         if slot not in alive and slot not in starting:  # gone, hung, or not the recorded incarnation: dead
@@ -201,42 +204,6 @@ def _evict(p: Parts, slot: int, incarnation: int, why: str, hung: bool) -> None:
         f"slot {slot} (incarnation {incarnation}) {what}: {why[:300]}")))
 
 
-async def _await_start(p: Parts, slot: int, incarnation: int, handle: Any, restart: bool) -> None:
-    """A shard its predecessor was (re)starting: once its engine is up it is ready (stale until a refit);
-    if it fails or does not come up within the start bound, it is dead like any failed start. One still
-    ``new`` never got its ``start`` (calls queued in a process that died are lost): start it here."""
-    bound = p.cfg.engine.start_timeout_s + 30
-    deadline = p.clock.now() + bound
-    while True:
-        out = await p.door.call(handle, "describe", timeout=p.cfg.probe_timeout_s)
-        state = out.value.state if out.ok else None  # a ``Description``
-        if p.slots.handle_of(slot, incarnation) is not handle:
-            return  # replaced meanwhile
-        if state == "new":
-            p.log.emit(ev.Adopt(slot=slot, incarnation=incarnation, starting=True,
-                         reason="its start call died with the predecessor: started by the successor"))
-            started = await p.door.call(handle, "start", timeout=bound)
-            if started.ok:
-                state = "ready"
-                out = started
-            elif p.clock.now() < deadline:
-                continue  # someone else's start won the race: watch it
-        if state == "ready":
-            if restart:  # the end of the restart the predecessor began
-                p.log.emit(ev.Restart(slot=slot, incarnation=incarnation, edge="end", outcome="ok", adopted=True))
-            p.slots.note_started(slot, incarnation, out.value)
-            p.act.decide(EngineReady(slot, incarnation))
-            return
-        if state not in ("new", "starting") or p.clock.now() >= deadline:
-            why = out.describe() if not out.ok else f"its engine is {state!r} after the start bound"
-            if restart:
-                p.log.emit(ev.Restart(slot=slot, incarnation=incarnation, edge="end", outcome="failed", adopted=True))
-            p.slots.kill(slot, incarnation, f"re-adopted while starting: {why[:200]}")
-            p.act.observe(slot, incarnation, CallKind.START, Outcome(DIED, error=RuntimeError(why[:300])))
-            return
-        await asyncio.sleep(0.5)
-
-
 def _find_shards(p: Parts, intent) -> tuple[dict[int, Any], list]:
     """slot -> handle of the recorded incarnation (when alive); kill the neighbours that are not it."""
     found: dict[int, Any] = {}
@@ -263,17 +230,6 @@ async def _finish_commit(p: Parts, intent, alive: dict[int, Description], failed
     outs = await _round(p, "stamp", {s: (h, "set_weight_version", (refit.version,), {}) for s, h in todo.items()},
                         failed, expect_ack=True)
     return {s for s, o in outs.items() if o.ok}
-
-
-def _commit(p: Parts, version: int, serving: set[int]) -> None:
-    """The committed version, landed on exactly the engines that serve it; reopen with quorum."""
-    p.act.decide(RefitStarted(version))
-    p.act.decide(Batch(tuple(
-        RefitReport(slot, p.slots.handles[slot][0], version, RefitResult.COMPLETE, "re-adopted: holds the committed version")
-        for slot in sorted(serving)
-    )))
-    p.act.decide(VersionCommitted(version))
-    p.act.decide(RefitFinished(version, hold_without_quorum=True))  # opens the gate only with quorum
 
 
 async def _finish_shutdown(p: Parts, publisher: RoutingPublisher, generation: int, found: dict[int, Any],

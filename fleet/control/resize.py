@@ -48,7 +48,6 @@ import dataclasses
 from typing import Any, Iterable
 
 from fleet.errors import ConfigError, FleetStopped
-from fleet.control.launch import launch_all, settled
 from fleet.control.parts import Parts
 from fleet.control.publisher import RoutingPublisher
 from health import (
@@ -129,9 +128,8 @@ async def _grow(p: Parts, count: int, n: int) -> list[int]:
     first = p.slots.ledger.num_slots
     p.act.decide(SlotsAdded(count, f"resize to {n} engines"))
     new = list(range(first, first + count))
-    incs = {slot: p.slots.ledger.raw(slot).incarnation for slot in new}
-    outs = await launch_all(p, incs)  # each stored in the intent before its actor exists; bounded
-    settled(p, {slot: (incs[slot], out) for slot, out in outs.items()}, "grow")  # a failed launch: dead, restarted
+    await p.reconciler.launched(new)  # each stored in the intent before its actor exists; bounded; a failed
+    # launch is dead, restarted
     await p.act.poll_admission()  # caps sized from the new engines before clients route to them
     return new
 

@@ -56,7 +56,7 @@ class Slots:
         self.plan = MembershipPlan.initial()
         self.native_pause: dict[int, bool] = {}
         self.nodes = NodeMap()  # which Ray node each shard runs on (``fleet.control.nodes``)
-        self.restarting: dict[int, Any] = {}  # slot -> the task restarting it
+        self.launching: dict[int, Any] = {}  # slot -> the task launching it (``fleet.control.reconcile``)
         self._name, self._door, self._log, self._intent, self._now, self._engine = name, door, log, intent, now, engine
 
     # ------------------------------------------------------------------ reads
@@ -171,10 +171,10 @@ class Slots:
 
     def remove(self, removed: dict[int, int]) -> None:
         """Slots a resize removes (slot -> incarnation): stored in the intent first (a successor fences them
-        and never serves them again), and any restart under way is cancelled (it would bring one back)."""
+        and never serves them again), and any launch under way is cancelled (it would bring one back)."""
         self._intent.removed(removed)
         for slot in removed:
-            task = self.restarting.pop(slot, None)
+            task = self.launching.pop(slot, None)
             if task is not None:
                 task.cancel()
 

@@ -69,7 +69,7 @@ def test_a_restart_whose_spawn_raises_spends_an_attempt_and_the_next_one_serves(
         assert rec.incarnation == 3 and rec.restarts == 2  # the raising launch cost one attempt, as a death does
         [failed] = [e for e in launches(ctl, 2) if e.outcome != "ok"]
         assert failed.incarnation == 2 and "could not be created" in failed.error
-        assert 2 not in ctl.restarting and 2 in ctl.serving_slots()
+        assert 2 not in ctl.launching and 2 in ctl.serving_slots()
         await ctl.shutdown()
 
     run_virtual(go())
@@ -85,7 +85,7 @@ def test_a_slot_whose_every_launch_raises_is_retired_when_its_budget_is_spent(mo
         assert [(e.incarnation, e.outcome) for e in launches(ctl, 2)] == [(2, "error"), (3, "error")]
         [retire] = Retire.among(ctl.events())
         assert retire.slot == 2 and retire.incarnation == 3 and "budget spent" in retire.reason
-        assert ctl.gate.is_open and sorted(ctl.serving_slots()) == [0, 1] and 2 not in ctl.restarting
+        assert ctl.gate.is_open and sorted(ctl.serving_slots()) == [0, 1] and 2 not in ctl.launching
         await ctl.shutdown()
 
     run_virtual(go())
@@ -165,6 +165,32 @@ def test_an_engine_restarted_after_a_refit_stays_stale_until_the_next_one(model_
         assert ctl.ledger.state(2).value == "stale" and 2 not in ctl.serving_slots()
         await ctl.sync_weights(2)
         assert 2 in ctl.serving_slots()
+        await ctl.shutdown()
+
+    run_virtual(go())
+
+
+def test_a_launch_whose_task_was_lost_is_made_again_by_the_reconcile_step(model_dir):
+    """Issue 48: the reconcile is level-triggered. A restart whose task ended without settling the slot (here:
+    cancelled while its engine stalled in start) leaves the ledger launching that incarnation; the next step
+    of the health-timer loop finds no launch under way for it and launches it again: its actor exists, so the
+    launch watches it (and starts it: the lost start's call stalls), and it serves."""
+    async def go():
+        ctl, door = make(model_dir)
+        await ctl.start()
+        door.start_stalls.add((2, 2))
+        door.kill(door.shards[(2, 1)])
+        assert await until(lambda: 2 in ctl.launching and (2, 2) in door.spawned, 30, 0.1)
+        lost = ctl.launching[2]
+        door.start_stalls.clear()
+        door.shards[(2, 2)].state = "new"  # its engine never began to start
+        lost.cancel()  # the launch is lost: nothing settles incarnation 2
+        assert await until(lambda: ctl.ledger.state(2).value == "healthy", 30, 0.1), ctl.ledger.raw(2)
+        rec = ctl.ledger.raw(2)
+        assert lost.cancelled() and rec.incarnation == 2 and rec.restarts == 1  # the same incarnation, no attempt spent
+        assert door.spawned.count((2, 2)) == 1 and 2 in ctl.serving_slots() and 2 not in ctl.launching
+        assert [(m, i) for m, s, i in door.rpcs if s == 2 and m in ("start", "describe")] == [
+            ("start", 1), ("start", 2), ("describe", 2), ("start", 2)]  # the lost start; the reconcile's watch
         await ctl.shutdown()
 
     run_virtual(go())

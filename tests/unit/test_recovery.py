@@ -280,6 +280,8 @@ def test_a_shard_still_starting_is_waited_for_not_restarted(model_dir):
         door.shards[(2, 1)].state = "ready"
         await asyncio.sleep(1.0)
         assert 2 in new.ledger.live_slots() and new.handles[2][0] == 1  # the same incarnation, no restart spent
+        # its start settles as every launch does (``launch.settled``): at the committed checkpoint it serves at once
+        assert 2 in new.serving_slots(), new.ledger.raw(2)
         assert (await new.sync_weights(1))["complete"] == [0, 1, 2]
 
     run_virtual(go())

@@ -114,11 +114,11 @@ def test_a_removed_slot_is_stored_then_its_restart_cancelled_then_forgotten(mode
 
     async def go():
         task = asyncio.get_running_loop().create_task(asyncio.sleep(60))
-        slots.restarting[2] = task
+        slots.launching[2] = task
         slots.remove({2: 1})
         assert intent.current.removed == {2: 1} and 2 not in intent.current.slots
         await asyncio.sleep(0)
-        assert task.cancelled() and 2 not in slots.restarting
+        assert task.cancelled() and 2 not in slots.launching
 
     asyncio.run(go())
     handle = slots.handles[2][1]
