@@ -137,7 +137,8 @@ class Restart(Record):
 class Readmit(Record):
     """A re-admission (``fleet.control.readmission``) began (``edge`` begin: its first donor) or ended (``outcome``:
     ``readmitted``, ``failed`` with ``error``, ``yielded`` to a refit): ``version`` is the committed one, which
-    it does not change; ``seconds`` from begin, ``bytes`` copied, ``digests`` compared; ``tried``: the donors
+    it does not change; ``seconds`` from begin, ``bytes`` copied, ``digests`` compared, ``donor_held_s``: how long
+    the donor's engine took no step for the send; ``tried``: the donors
     that failed before it ended, each ``slot N: why`` (a donor that died mid-copy, then another gave the weights)."""
     slot: int
     incarnation: int
@@ -150,6 +151,7 @@ class Readmit(Record):
     bytes: int | None = None
     digests: int | None = None
     tried: list | None = None
+    donor_held_s: float | None = None
 
 
 @record("launch")

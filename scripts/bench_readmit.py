@@ -26,7 +26,9 @@ Every time is the controller's event log ``t`` (the host's monotonic clock, as t
   window of equal length just before the ``readmit`` begin (the same fleet: the donor serving, the restarted
   engine up but out of routing), pooled over rounds (tokens during / tokens before). ``..._vs_before_kill`` is
   the same against the window of equal length just before the kill: three engines then share the load and the
-  2 cores, so it compares fleet shapes as much as the copy. Tokens are the engine's own counter
+  2 cores, so it compares fleet shapes as much as the copy. ``donor_held_s``: how long the donor's engine took
+  no step for the send (the ``readmit`` end record's, measured by the donor): the rest of the window it stepped,
+  sharing the cores with the receiving engine's receive, load and digests. Tokens are the engine's own counter
   (``EngineShard.stats``: ``generation_tokens`` with ``updated_at``, the time of the engine step that last
   moved it), sampled every ``--sample-ms`` from every routed shard; a window's count is the counter
   interpolated linearly at both ends between sampled steps (the same sampling in every window);
@@ -148,7 +150,7 @@ def round_figures(events: list[dict], slot: int, incarnation: int, samples: dict
     width = end.t - begin.t
     during = series_of(samples, donor, begin.t)
     before_kill = series_of(samples, donor, kill.t)
-    row.update(window_s=_r(width),
+    row.update(window_s=_r(width), donor_held_s=end.donor_held_s,
                donor_tokens_during=_tokens(during, begin.t, end.t),
                donor_tokens_before=_tokens(during, begin.t - width, begin.t),
                donor_tokens_before_kill=_tokens(before_kill, kill.t - width, kill.t))
@@ -176,6 +178,7 @@ def summarize(rounds: list[dict]) -> dict:
         "donor_tokens_per_s_during_copy_vs_before": pooled("donor_tokens_before"),
         "donor_tokens_per_s_during_copy_vs_before_kill": pooled("donor_tokens_before_kill"),
         "copy_window_s": mean("window_s"),
+        "donor_held_s": mean("donor_held_s", 4),
         "readmit_s_rounds": [r.get("readmit_s") for r in rounds],
         "restart_s_rounds": [r.get("restart_s") for r in rounds],
         "readmit_vs_next_refit_rounds": [r.get("readmit_vs_next_refit") for r in rounds],

@@ -95,7 +95,7 @@ class SingleController(ControllerFaults):
         self.operator_pause = OperatorPause(self.parts, self.publisher)
         self.readmissions = Readmissions(self.parts, busy=lambda: self.lifecycle.lock.locked())
         self.parts.readmissions = self.readmissions
-        self.reconciler = Reconciler(self.parts)
+        self.reconciler = Reconciler(self.parts, busy=lambda: self.lifecycle.lock.locked())
         self.parts.reconciler = self.reconciler
         self._tasks: set[asyncio.Task] = set()
         self.refits: list[dict] = []

@@ -94,7 +94,7 @@ class Readmissions:
                 return self._failed(a, t0, end, f"the stamp failed: {stamped.describe()[:200]}", True, f"slot {slot}")
             self.p.act.decide(Readmitted(a.slot, a.incarnation, a.version, f"slot {slot}"))
             end.update(outcome="readmitted", donor=f"slot {slot}", seconds=round(self.p.clock.now() - t0, 6),
-                       bytes=got.bytes, digests=got.digests)
+                       bytes=got.bytes, digests=got.digests, donor_held_s=round(got.held_s, 6))
             self.p.log.emit(ev.Readmit(edge="end", **end))
             self.ended.append(end)
         except asyncio.CancelledError:

@@ -16,7 +16,9 @@ the gap:
 - ``step`` (the health-timer loop, every ``TIMER_INTERVAL_S``): a health ``Tick`` when one of the ledger's
   timers is due (a restart's back-off ran out, an engine overdue in a refit) or a stale engine may be
   re-admitted at the committed version (``health.readmit.due``; the tick's ``Readmit`` actions start the copies,
-  ``fleet.control.readmission``); then ``launch_missing``, so a launch that was lost is made again.
+  ``fleet.control.readmission``); then ``launch_missing``, so a launch that was lost is made again; then, unless
+  a refit or resize holds the lifecycle lock, ``retire_removed``: an engine still held for a slot a resize
+  removed (the resize was cut before its drain ended) is killed and let go.
 - ``land``: the committed version landed on exactly the engines named, as one complete refit (the checkpoint
   every engine loaded at the start; the engines a restarted controller found holding the committed version);
   the gate opens only with quorum where asked.
@@ -30,17 +32,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 from fleet.control.launch import bring_up
 from fleet.control.parts import Parts
+from fleet.control.resize import forget_removed
 from health import Batch, RefitFinished, RefitReport, RefitResult, RefitStarted, SlotPhase, Tick, VersionCommitted
 from health.readmit import due as readmit_due
 
 
 class Reconciler:
-    def __init__(self, p: Parts) -> None:
+    def __init__(self, p: Parts, busy: Callable[[], bool] = lambda: False) -> None:
         self.p = p
+        self._busy = busy  # a refit or a resize holds the lifecycle lock (a shrink drains what it removed)
         self._held = 0  # > 0 while a restarted controller re-adopts: its ledger is not settled yet
 
     @contextlib.contextmanager
@@ -83,6 +87,17 @@ class Reconciler:
         if (wake is not None and now >= wake) or self._readmit_due(now):
             p.act.decide(Tick())
         self.launch_missing()
+        if not self._busy():
+            self.retire_removed()
+
+    def retire_removed(self) -> None:
+        """A slot a resize removed whose engine is still held (the resize was cut before its drain ended): the
+        engine is killed and let go (its clients re-send what it ran)."""
+        p = self.p
+        for slot in sorted(p.slots.ledger.removed_slots()):
+            held = p.slots.handles.get(slot)
+            if held is not None:
+                forget_removed(p, slot, held[0], "removed by a resize whose drain never ended: retired by the reconcile")
 
     def _readmit_due(self, now: float) -> bool:
         """An engine's re-admission may start (``health.readmit.due``) and none runs for it yet."""

@@ -148,7 +148,7 @@ async def _shrink(p: Parts, publisher: RoutingPublisher, remove: tuple[tuple[int
     out = {a.slot: row for a, row in zip(drains, rows)}
     for slot, inc in remove:
         out.setdefault(slot, {"incarnation": inc, "drained": False, "note": "no engine left to drain"})
-        _forget(p, slot, inc)
+        forget_removed(p, slot, inc, "removed by a resize")
     return out
 
 
@@ -194,9 +194,9 @@ async def _drain(p: Parts, action: Drain, before: int, epoch: int, bound: float)
     return row
 
 
-def _forget(p: Parts, slot: int, incarnation: int) -> None:
+def forget_removed(p: Parts, slot: int, incarnation: int, reason: str) -> None:
     """The removed engine's actor is killed (if still the slot's) and the controller lets go of the slot."""
-    p.slots.forget(slot, incarnation, "removed by a resize")
+    p.slots.forget(slot, incarnation, reason)
     p.admission.forget(slot)
 
 

@@ -205,6 +205,32 @@ def test_requests_still_running_at_the_drain_bound_are_aborted_and_sent_again(mo
     run_virtual(go())
 
 
+def test_an_engine_a_cut_resize_was_still_draining_is_retired_by_the_reconcile(model_dir):
+    """Issue 48: the reconcile is level-triggered. A shrink whose call was cancelled mid-drain (its caller gave up)
+    leaves the removed engine running, held by nobody's drain; the next step kills it and lets it go, and what
+    it held is re-sent: nothing is lost."""
+    async def go():
+        ctl, door = make(model_dir)
+        await ctl.start()
+        door.gen_delay = 5.0
+        reqs = await load(ctl, 12)
+        await asyncio.sleep(0.1)
+        assert any(v is not None for v in door.shards[(2, 1)].in_flight.values())
+        shrink = asyncio.ensure_future(ctl.resize(2, drain_timeout_s=600.0))
+        await asyncio.sleep(1.0)
+        assert 2 in ctl.ledger.removed_slots() and 2 in ctl.handles  # draining: the engine is still there
+        shrink.cancel()
+        await asyncio.sleep(1.0)
+        assert door.shards[(2, 1)].dead and 2 not in ctl.handles, ctl.handles
+        [kill] = [e for e in Kill.among(ctl.events()) if e.slot == 2]
+        assert "retired by the reconcile" in kill.reason
+        await asyncio.gather(*reqs)
+        accounted(ctl, 12)
+        await ctl.shutdown()
+
+    run_virtual(go())
+
+
 def test_a_shrink_removes_a_restarting_slot_first_and_cancels_its_restart(model_dir):
     async def go():
         ctl, door = make(model_dir, restart_backoff_s=5.0, restart_backoff_cap_s=5.0)
