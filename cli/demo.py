@@ -44,7 +44,12 @@ def register(sub) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from demo.report import continuation_line
+    # Ray holds a repeated message back (its log deduplication, a 5 s window) and prints what it held when it shuts
+    # down: the controller's death that the default plan causes came out after "shutting down", where it read as a
+    # crash of a run that succeeded. Unheld, each of Ray's worker-death reports prints where the kill happened, next
+    # to the demo's own line for it. Read by Ray when it is imported: set before anything imports it.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    from demo.report import continuation_line, on_purpose_line
     from demo.run import DemoConfig, _nan_to_none, run_demo
     from fleet.interrupt import exit_status
 
@@ -57,6 +62,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if summary.get("error"):
         print(f"error: {summary['error']}")
     if (line := continuation_line(summary)) is not None:
+        print(line)
+    if (line := on_purpose_line(summary)) is not None:
         print(line)
     from pathlib import Path
 

@@ -117,6 +117,23 @@ def continuation_figures(counters: Mapping[str, Any] | None, continued: int) -> 
             "tokens_discarded": int(counters.get("tokens_discarded", 0))}
 
 
+def on_purpose_line(summary: Mapping[str, Any]) -> str | None:
+    """The processes the fault plan killed on purpose, so that Ray's report of each death ("A worker died or was
+    killed while executing a task by an unexpected system error ... SYSTEM_ERROR", printed where it happens)
+    reads as what it is; None when the run killed nothing."""
+    killed = []
+    for f in summary.get("fault_plan", {}).get("fired", []):
+        if f.get("what") == "kill" and f.get("slot") is not None:
+            killed.append(f"slot {f['slot']}'s engine shard (step {f.get('step')})")
+        elif f.get("what") == "kill_controller":
+            pid = (f.get("controller") or {}).get("pid")
+            killed.append(f"the controller{f' (pid {pid})' if pid is not None else ''} (step {f.get('step')})")
+    if not killed:
+        return None
+    return ("killed on purpose by the fault plan: " + ", ".join(killed) + "; Ray reports each of these deaths as "
+            "a worker that \"died or was killed ... by an unexpected system error\": that is this kill, not a crash")
+
+
 def continuation_line(summary: Mapping[str, Any]) -> str | None:
     """The report's line on continuation (``continuation_figures``' numbers in ``summary``), when the run
     killed a shard or a request was continued or started over; None otherwise (nothing to say)."""

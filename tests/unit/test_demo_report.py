@@ -6,10 +6,11 @@ The numbers read off the event log are ``faults.timeline``'s (tests/unit/test_ti
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 
-from demo.report import continuation_figures, continuation_line, plot_learning, plot_timeline, state_segments
+from demo.report import continuation_figures, continuation_line, on_purpose_line, plot_learning, plot_timeline, state_segments
 from demo.run import DemoConfig, EventWatcher, _nan_to_none, default_plan, load_demo_plan
 from demo.view import PlainView, make_view
 from faults.firing import FaultFiring
@@ -56,6 +57,47 @@ def test_continuation_line_reports_the_client_counters_after_a_shard_kill():
     one = continuation_line(_summary({"tokens_reused": 1, "tokens_discarded": 5}, 1, [KILL]))
     assert one == ("continuation: 1 request continued after the shard kill, 1 token reused (not generated again); "
                    "5 tokens discarded (requests that started over)")
+
+
+def test_the_report_names_every_process_the_plan_killed_on_purpose_so_rays_death_reports_read_as_kills():
+    """Issue 49: Ray prints "A worker died or was killed ... SYSTEM_ERROR" for each kill the plan fires; the run's
+    own output names those processes. Nothing killed: no line."""
+    controller = {"step": 15, "slot": None, "what": "kill_controller", "where": "transfer", "controller": {"pid": 8925}}
+    line = on_purpose_line(_summary({}, 0, [KILL, controller]))
+    assert line.startswith("killed on purpose by the fault plan: slot 1's engine shard (step 10), "
+                           "the controller (pid 8925) (step 15); Ray reports each of these deaths"), line
+    assert on_purpose_line(_summary({}, 0, [])) is None
+    assert on_purpose_line(_summary({}, 0, [{"step": 3, "slot": 0, "what": "hang", "where": "generate"}])) is None
+
+
+def test_the_demo_command_lets_ray_print_each_death_report_where_it_happens(monkeypatch):
+    """Ray's log deduplication held the controller's death report back and printed it after "shutting down";
+    the demo command turns it off before anything imports Ray (an explicit setting is kept)."""
+    import argparse
+    import sys
+
+    from cli import demo as cli_demo
+
+    seen = {}
+
+    def fake_run_demo(cfg):
+        seen["dedup"] = os.environ.get("RAY_DEDUP_LOGS")
+        raise SystemExit(0)
+
+    monkeypatch.delenv("RAY_DEDUP_LOGS", raising=False)
+    monkeypatch.setitem(sys.modules, "demo.run", type(sys)("demo.run"))
+    sys.modules["demo.run"].DemoConfig = lambda **kw: kw
+    sys.modules["demo.run"].run_demo = fake_run_demo
+    sys.modules["demo.run"]._nan_to_none = lambda x: x
+    args = argparse.Namespace(steps=1, engines=3, fault_plan="none", kv_policy="recompute", out="/tmp/x", seed=0,
+                              model=None, progress="off", rejoin_step=None)
+    with pytest.raises(SystemExit):
+        cli_demo._cmd_demo(args)
+    assert seen["dedup"] == "0"
+    monkeypatch.setenv("RAY_DEDUP_LOGS", "1")
+    with pytest.raises(SystemExit):
+        cli_demo._cmd_demo(args)
+    assert seen["dedup"] == "1"
 
 
 def test_continuation_line_when_nothing_was_continued():
