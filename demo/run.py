@@ -51,6 +51,7 @@ from typing import Any
 from faults.firing import FaultFiring, slot_states
 from faults.timeline import read_log
 from fleet.cluster import ray_door
+from fleet.polling import poll
 from fleet.errors import ConfigError, FleetStopped
 from fleet.interrupt import catch_signals, interrupted_by, restore
 from fleet.records import (Adopted, ControllerRestarted, Fault, Health, Readmit, Record, Restart, Retire, Stamp, Stopped,
@@ -198,17 +199,21 @@ def wait_for_restarts(fleet, timeout_s: float, on_poll=None) -> tuple[float, lis
     """
     t0 = time.monotonic()
     unsettled = UNSETTLED + (("stale",) if getattr(fleet.config, "readmit", False) else ())
-    while True:
+    polls = 0
+
+    def unsettled_slots() -> list[int]:
+        nonlocal polls
+        if polls and on_poll is not None:
+            on_poll()
+        polls += 1
         status = fleet.status()
         states = {s["slot"]: s for s in status["ledger"]["slots"]}
-        busy = [slot for slot, s in states.items()
+        return [slot for slot, s in states.items()
                 if (s["state"] in unsettled and (s["state"] != "stale" or (status.get("version") or 0) >= 1))
                 or (s["state"] == "dead" and s.get("restart_at") is not None)]
-        if not busy or time.monotonic() - t0 >= timeout_s:
-            return time.monotonic() - t0, busy
-        time.sleep(1.0)
-        if on_poll is not None:
-            on_poll()
+
+    busy = poll(unsettled_slots, lambda b: not b, timeout_s, 1.0)
+    return time.monotonic() - t0, busy
 
 
 class EventWatcher:

@@ -38,6 +38,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from fleet.records import Health, Record, Request
+from faults.polling import wait_until
 
 POISON_TOKENS = [7, 77, 7, 77]  # in no other prompt the fault runs send
 POISON_PROMPT = [1, *POISON_TOKENS, 2]
@@ -54,9 +55,7 @@ BATCH, BATCH_SAMPLING = 24, {"max_tokens": 48}
 
 
 def poison_request(fleet, say: Callable[[str], Any] = print) -> dict:
-    t_idle = time.monotonic() + IDLE_WAIT_S
-    while fleet.status()["requests"]["in_progress"] and time.monotonic() < t_idle:
-        time.sleep(0.2)
+    wait_until(lambda: not fleet.status()["requests"]["in_progress"], IDLE_WAIT_S, 0.2)
     status = fleet.status()
     armed = [s["slot"] for s in status["ledger"]["slots"] if s["state"] == "healthy"]
     faults = fleet.fault_injector()
@@ -98,9 +97,7 @@ class _OtherClient:
 
         self.thread = threading.Thread(target=generate, daemon=True)
         self.thread.start()
-        t_running = time.monotonic() + IDLE_WAIT_S
-        while not self.fleet.status()["requests"]["in_progress"] and time.monotonic() < t_running:
-            time.sleep(0.01)
+        wait_until(lambda: self.fleet.status()["requests"]["in_progress"], IDLE_WAIT_S, 0.01)
         time.sleep(0.1)  # the engines have them
 
     def results(self) -> dict:
@@ -157,9 +154,7 @@ def poison_in_batch(fleet, say: Callable[[str], Any] = print) -> dict:
         return (not status["requests"]["in_progress"]
                 and all(s["state"] == "healthy" for s in status["ledger"]["slots"]))
 
-    t_ready = time.monotonic() + IDLE_WAIT_S * 2
-    while not ready() and time.monotonic() < t_ready:
-        time.sleep(0.5)
+    wait_until(ready, IDLE_WAIT_S * 2, 0.5)
     status = fleet.status()
     armed = [s["slot"] for s in status["ledger"]["slots"] if s["state"] == "healthy"]
     faults = fleet.fault_injector()

@@ -30,7 +30,8 @@ from fleet.errors import FleetStopped
 from fleet.data.dispatch import FleetResult
 from fleet.config.fleet import FleetConfig, load_fleet_config
 from fleet.cluster.naming import NAMESPACE, controller_name, new_fleet_name
-from fleet.outcome import DIED, UNAVAILABLE
+from fleet.outcome import DIED, UNAVAILABLE, Outcome
+from fleet.polling import poll
 from fleet.records import Record, of_kinds
 from fleet.operator import FaultInjector
 from fleet.data.routing_state import VersionPolicy
@@ -44,6 +45,7 @@ CONTROLLER_OPTIONS = dict(num_cpus=0, max_concurrency=10_000, max_task_retries=0
                           namespace=NAMESPACE)
 # Calls Fleet re-sends to a restarted controller (sync_weights and shutdown are re-sent too: the
 # restarted controller finishes or re-runs them; see ``SingleController.sync_weights``).
+CONTROLLER_POLL_S = 0.2  # how often a driver waiting for a restarted controller pings it
 _RESENDABLE = frozenset({"status", "events", "shard_counters", "admission_metrics", "ping", "config",
                          "sync_weights", "refit_outcome", "shutdown", "resize", "pause", "resume", "is_paused"})  # resize(n) to the size it has is a no-op
 
@@ -126,14 +128,19 @@ class Fleet:
     def _wait_for_controller(self) -> bool:
         """Ping the controller until it answers (a restarted one re-adopts its shards first) or
         ``controller_restart_wait_s`` passes. True if it answered."""
-        deadline = time.monotonic() + self.config.controller_restart_wait_s
-        while time.monotonic() < deadline and ray_door.actor_state(self._ctl) != "DEAD":
-            out = ray_door.try_ask(self._ctl, "ping", timeout=max(1.0, deadline - time.monotonic()))
-            if out.ok:
-                self.controller_restarts_seen = max(self.controller_restarts_seen, int(out.value.get("generation", 0)))
-                self._silent_since = None
-                return True
-            time.sleep(0.2)
+        wait_s = self.config.controller_restart_wait_s
+        deadline = time.monotonic() + wait_s
+
+        def ping() -> Outcome | None:  # None: Ray says the actor is gone for good (no restart left)
+            if ray_door.actor_state(self._ctl) == "DEAD":
+                return None
+            return ray_door.try_ask(self._ctl, "ping", timeout=max(1.0, deadline - time.monotonic()))
+
+        out = poll(ping, lambda o: o is None or o.ok, wait_s, CONTROLLER_POLL_S)
+        if out is not None and out.ok:
+            self.controller_restarts_seen = max(self.controller_restarts_seen, int(out.value.get("generation", 0)))
+            self._silent_since = None
+            return True
         if self._silent_since is None:
             self._silent_since = time.monotonic()
         return False
@@ -426,9 +433,7 @@ class Fleet:
         """Let the client return what it still holds (it saw the stop), then close it."""
         if self.client is None:
             return {}
-        deadline = time.monotonic() + bound_s
-        while self.client.counters()["in_progress"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        counters = self.client.counters()
+        client = self.client
+        counters = poll(client.counters, lambda c: not c["in_progress"], bound_s, 0.05)
         self.client.close()
         return counters

@@ -13,8 +13,9 @@ controller. ``rlfleet serve`` (``cli.serve``) wraps this with Ray start-up and s
 from __future__ import annotations
 
 import socket
-import time
 from typing import TYPE_CHECKING, Any
+
+from fleet.polling import poll
 
 if TYPE_CHECKING:
     import concurrent.futures
@@ -131,14 +132,14 @@ class HttpServer:
                                 timeout_graceful_shutdown=GRACEFUL_S)
         self._server = server = uvicorn.Server(config)
         self._done = done = client.spawn(server.serve(sockets=[sock]))
-        deadline = time.monotonic() + timeout_s
-        while not server.started:
+        def started() -> bool:
             if done.done():
                 done.result()  # raises what stopped it
                 raise RuntimeError("the HTTP server exited while starting")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the HTTP server did not start within {timeout_s:.0f} s")
-            time.sleep(0.02)
+            return bool(server.started)
+
+        if not poll(started, bool, timeout_s, 0.02):
+            raise TimeoutError(f"the HTTP server did not start within {timeout_s:.0f} s")
         return self
 
     def running(self) -> bool:
