@@ -80,7 +80,8 @@ class SlotRecord(NamedTuple):
     - ``stamp_failures``: refits in a row whose stamp this incarnation refused or failed (an error or a
       lie); it is evicted at ``STAMP_FAILURES_TO_EVICT`` (``health.slot_rules``); an acknowledged stamp clears it.
     - ``readmit_failures``, ``readmit_after``: re-admissions in a row that failed by the engine's own fault,
-      and when the next may start (``health.readmit``); a landed re-admission clears both.
+      and when the next may start (``health.readmit``); ``readmit_tries``: failures in a row whoever's fault (the
+      back-off doubles with them); a landed re-admission clears all three.
     """
 
     slot: int
@@ -97,6 +98,7 @@ class SlotRecord(NamedTuple):
     stamp_failures: int = 0
     readmit_failures: int = 0
     readmit_after: float = 0.0
+    readmit_tries: int = 0
 
 
 class FleetState(NamedTuple):

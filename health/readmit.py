@@ -22,8 +22,9 @@ What the health core decides here (pure, no I/O; the controller carries the acti
 - ``ReadmitFailed(slot, incarnation, detail, its_fault)``: a re-admission that did not land. A failure
   that is the engine's own (``its_fault``: its receive or load failed, its digests differ) counts; at
   ``READMIT_FAILURES_TO_EVICT`` in a row it is evicted (a fresh incarnation tries again). Either way the
-  next try waits ``READMIT_BACKOFF_S`` doubled per failure (at most ``READMIT_BACKOFF_CAP_S``): a slot
-  that keeps failing is never retried every tick. A donor's failure does not count against the engine.
+  next try waits ``READMIT_BACKOFF_S`` doubled per failure in a row, whoever's (at most
+  ``READMIT_BACKOFF_CAP_S``): a slot that keeps failing, or whose donors keep failing, is never retried every
+  tick. A donor's failure does not count toward the engine's eviction.
 
 Guarantee on failure: an event about an older or condemned incarnation is LATE and changes nothing.
 """
@@ -121,7 +122,7 @@ def land_committed(d: Draft, rec: SlotRecord, version: int, how: str) -> None:
         return
     reason = f"{how}: holds the committed version {version}"
     d.put(rec, rec._replace(weight_version=version, partial=False, readmit_failures=0, readmit_after=0.0,
-                            reason=reason))
+                            readmit_tries=0, reason=reason))
     d.reasons.append(f"{where} {reason}; it serves")
 
 
@@ -136,8 +137,9 @@ def on_readmit_failed(d: Draft, ev: ReadmitFailed) -> None:
     if failures >= READMIT_FAILURES_TO_EVICT:
         condemn(d, rec, f"re-admission failed {failures} times in a row: {ev.detail}; evicted", evict=True)
         return
-    backoff = min(READMIT_BACKOFF_S * 2 ** max(failures, rec.readmit_failures), READMIT_BACKOFF_CAP_S)
-    d.put(rec, rec._replace(readmit_failures=failures, readmit_after=d.now + backoff,
+    tries = rec.readmit_tries + 1  # a donor's failure does not count toward eviction, but backs off all the same
+    backoff = min(READMIT_BACKOFF_S * 2 ** (tries - 1), READMIT_BACKOFF_CAP_S)
+    d.put(rec, rec._replace(readmit_failures=failures, readmit_tries=tries, readmit_after=d.now + backoff,
                             reason=f"re-admission failed: {ev.detail}"))
     whose = "its own" if ev.its_fault else "the donor's, not counted"
     d.reasons.append(f"{where} re-admission failed ({whose}): {ev.detail}; next try in {backoff:g} s "

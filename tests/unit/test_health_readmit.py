@@ -17,7 +17,7 @@ from health import (
     Tick,
     step,
 )
-from health.readmit import READMIT_BACKOFF_S, READMIT_FAILURES_TO_EVICT
+from health.readmit import READMIT_BACKOFF_CAP_S, READMIT_BACKOFF_S, READMIT_FAILURES_TO_EVICT
 from health.testing import ready_fleet, refit
 
 H, S = ShardState.HEALTHY, ShardState.STALE
@@ -99,6 +99,24 @@ def test_failures_back_off_and_the_engines_own_evict_it_while_a_donors_never_cou
     d = step(ledger, ReadmitFailed(1, 2, "digests differ", its_fault=True), now)
     assert ledger.raw(1).incarnation == 3 or ledger.state(1) in (ShardState.DEAD, ShardState.RESTARTING)
     assert any(type(a).__name__ == "Evict" for a in d.actions)
+
+
+def test_donors_that_keep_failing_back_off_doubling_to_the_cap_and_never_evict_the_engine():
+    """With every donor failing (none can give the weights), the engine is tried again after 2, 4, 8 ... s, at
+    most READMIT_BACKOFF_CAP_S apart: never every 2 s for ever, and never evicted for the donors' fault."""
+    ledger = restarted()
+    now, gaps = 4.0, []
+    for _ in range(8):
+        step(ledger, ReadmitFailed(1, 2, "no donor could give the weights", its_fault=False), now)
+        rec = ledger.raw(1)
+        gaps.append(rec.readmit_after - now)
+        assert not readmits(step(ledger, Tick(), rec.readmit_after - 0.01))  # not before its back-off ran out
+        now = rec.readmit_after
+        assert readmits(step(ledger, Tick(), now))
+    assert gaps == [min(READMIT_BACKOFF_S * 2 ** k, READMIT_BACKOFF_CAP_S) for k in range(8)], gaps
+    assert gaps[-1] == READMIT_BACKOFF_CAP_S and ledger.raw(1).readmit_failures == 0 and ledger.raw(1).incarnation == 2
+    step(ledger, Readmitted(1, 2, 2, "slot 2"), now + 1.0)
+    assert ledger.raw(1).readmit_tries == 0 and ledger.state(1) is H
 
 
 def test_a_landed_readmission_clears_its_failures():
