@@ -111,7 +111,12 @@ class RLSurface:
 
     # -- the routes ------------------------------------------------------------------------
     def mount(self, app: FastAPI, front: Any) -> None:
+        """The routes on ``app``. Each weight route's operation (the request's body checked first, as vLLM's
+        FastAPI models check it) is timed into the front's registry under vLLM's own metrics
+        (``vllm:rl_weight_update_operation_duration_seconds{operation}``, ``..._operations_in_flight``), with
+        vLLM's operation names: ``init``, ``shutdown``, ``start``, ``update``, ``finish`` (the refit included)."""
         surface = self
+        record = front.metrics.weights.record
 
         @app.post("/pause")
         async def pause(mode: str = "abort", clear_cache: bool = True, timeout_s: float = 60.0):
@@ -167,7 +172,8 @@ class RLSurface:
             if isinstance(info, JSONResponse):
                 return info
             try:
-                joined = await surface._relay("init_transfer", info, timeout=TRANSFER_TIMEOUT_S)
+                with record("init"):
+                    joined = await surface._relay("init_transfer", info, timeout=TRANSFER_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - the trainer's mistake or its rendezvous: said, not raised
                 return _refused(400, f"could not join the trainer's weight-transfer group: {_cause(exc)}",
                                 "BadRequestError", "init_info")
@@ -175,17 +181,19 @@ class RLSurface:
 
         @app.post("/shutdown_weight_transfer_engine")
         async def shutdown_weight_transfer_engine():
-            await surface._relay("shutdown_transfer")
+            with record("shutdown"):
+                await surface._relay("shutdown_transfer")
             return {"message": "Weight transfer shut down"}
 
         @app.post("/start_weight_update")
         async def start_weight_update():
-            async with surface.lock:
-                if surface.pending is not None:  # the last update first: kept or dropped on the controller's word
-                    settled = await surface.settle(surface.pending)
-                    if surface.pending is not None:
-                        return settled
-                await surface._relay("start_update")
+            with record("start"):
+                async with surface.lock:
+                    if surface.pending is not None:  # the last update first: kept or dropped on the controller's word
+                        settled = await surface.settle(surface.pending)
+                        if surface.pending is not None:
+                            return settled
+                    await surface._relay("start_update")
             return {"message": "Weight update started"}
 
         @app.post("/update_weights")
@@ -195,7 +203,8 @@ class RLSurface:
             if isinstance(info, JSONResponse):
                 return info
             try:
-                got = await surface._relay("receive", info, timeout=TRANSFER_TIMEOUT_S)
+                with record("update"):
+                    got = await surface._relay("receive", info, timeout=TRANSFER_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001
                 return _refused(400, f"weight update refused, nothing changed: {_cause(exc)}", "BadRequestError",
                                 "update_info")
@@ -207,8 +216,9 @@ class RLSurface:
             if isinstance(body, JSONResponse):
                 return body
             label = body.get("weight_version")
-            async with surface.lock:
-                return await surface.finish(None if label is None else str(label))
+            with record("finish"):
+                async with surface.lock:
+                    return await surface.finish(None if label is None else str(label))
 
         @app.post("/update_weight_version")
         async def update_weight_version():

@@ -2,8 +2,8 @@
 
 OpenAI-compatible: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (``stream: true`` as server-sent events). The fleet's own: ``GET /health``, ``GET /metrics``
-(Prometheus text), ``GET /v1/fleet/status``. Weight updates are not exposed: they stay the
-trainer's call (``Fleet.sync_weights``) on the same fleet.
+(Prometheus text, ``serve.metrics``), ``GET /v1/fleet/status``. Weight updates stay the trainer's call
+(``Fleet.sync_weights``) on the same fleet, unless vLLM's RL routes are mounted (``rlapi.routes``).
 
 A request for ``n`` choices is sent to the fleet as ``n`` requests of one (``seed + i`` when seeded).
 
@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -44,7 +44,7 @@ from vllm.exceptions import VLLMValidationError
 
 from serve import protocol, sse
 from serve.front import Front, Outcome
-from serve.metrics import prometheus_text
+from serve.metrics import CONTENT_TYPE_LATEST
 from serve.prepare_pool import PoolBusy
 from serve.stream import Choices, EventStreamResponse, Stream
 
@@ -236,9 +236,7 @@ def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None) -
 
     @app.get("/metrics")
     async def metrics():
-        _, health_body = front.health()
-        text = prometheus_text(health_body, front.counters(), await front.status(timeout=5.0))
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(front.metrics.exposition(await front.status(timeout=5.0)), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/fleet/status")
     async def fleet_status():
@@ -325,7 +323,7 @@ async def _serve_one(front: Front, endpoint: str, req: Any, call: Callable, resp
     work = [(prompt, s) for prompt, sampling in jobs for s in protocol.choice_samplings(sampling)]
     request_id = f"http-{uuid.uuid4().hex[:16]}"  # the fleet's: unique, whatever the caller sends (a shard
     # answers a request id it has seen with that request's result)
-    front.histograms["queue"].observe(asyncio.get_running_loop().time() - arrived)
+    front.metrics.histograms["queue"].observe(asyncio.get_running_loop().time() - arrived)
     choices = Choices(front, work, request_id, stream=bool(req.stream), policy=policy, arrived=arrived)
     said = {protocol.POLICY_HEADER: policy.describe()} if policy is not None else {}
     # the caller's id for it (``X-Request-Id``, or the body's ``request_id`` when set) names the response, as

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from fleet.data.dispatch import FleetResult
 from fleet.data.poison import POISON
-from serve.metrics import Histogram
+from serve.metrics import FrontMetrics
 from serve.prepare_pool import PreparePool, PrepareTimeout
 from serve.protocol import BadRequest
 
@@ -78,8 +78,9 @@ class Front:
         self.tokens_out = 0
         self.latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self.ttfts: deque[float] = deque(maxlen=_LATENCY_WINDOW)  # streamed requests: time to the first token
-        # since the front started (``/metrics``' histograms): latency, time to first token, time queued at the front
-        self.histograms = {"e2e": Histogram(), "ttft": Histogram(), "queue": Histogram()}
+        # ``/metrics``: this front's own registry (histograms since it started: latency, time to first token, time
+        # queued at the front; vLLM's weight-route metrics; the fleet's figures, read at scrape time)
+        self.metrics = FrontMetrics(lambda: (self.health()[1], self.counters()))
         self.engines: dict[int, dict[str, int]] = {}  # slot -> requests and tokens it finished for this front
         self.stream_errors = 0  # streams ended by an error event after their 200 (returned mid-stream)
         self.cut_off = 0  # requests returned because the server stopped before they finished
@@ -174,7 +175,7 @@ class Front:
             self._cut.discard(task)
         if result.ok:
             self.latencies.append(clock() - t0)
-            self.histograms["e2e"].observe(clock() - (t0 if arrived is None else arrived))
+            self.metrics.histograms["e2e"].observe(clock() - (t0 if arrived is None else arrived))
             tokens = sum(len(c.token_ids) for c in result.result.completions)
             self.tokens_out += tokens
             if result.result.slot >= 0:  # (-1: ended before it reached an engine)
@@ -194,7 +195,7 @@ class Front:
             if first:
                 first = False
                 self.ttfts.append(clock() - t0)
-                self.histograms["ttft"].observe(clock() - (t0 if arrived is None else arrived))
+                self.metrics.histograms["ttft"].observe(clock() - (t0 if arrived is None else arrived))
             on_tokens(delta)
 
         return tokens
@@ -273,7 +274,6 @@ class Front:
             "ttft_p50_s": _quantile(ttft, 0.5),
             "ttft_p99_s": _quantile(ttft, 0.99),
             "stream_errors": self.stream_errors,
-            "histograms": {k: h.snapshot() for k, h in self.histograms.items()},
             "engines": {str(slot): dict(row) for slot, row in sorted(self.engines.items())},
             "client": self.client.counters(),
         }

@@ -8,8 +8,12 @@ requests, generation tokens/s over the poll window, and two counters (exported a
 ``<name>_total``): preemptions and generation tokens, counted by increments, so a
 restarted engine (whose own counts start from 0 again) never makes them go down. A slot
 that is no longer polled (dead, removed) reads 0, not its last load. Ray's metrics agent exports
-each under ``ray_<name>`` (``ray_rlfleet_shard_in_flight_cap``; a counter as ``ray_<name>_total``);
-the HTTP front's ``GET /metrics`` (``serve.metrics``) exports the per-shard load under the bare names.
+each under ``ray_<name>`` (``ray_rlfleet_shard_in_flight_cap``; a counter as ``ray_<name>_total``).
+A figure the HTTP front's ``GET /metrics`` (``serve.metrics``) also exports carries the front's name
+(engines per health state, gate, weight version, the per-shard load), so one dashboard query reads
+either source with or without the ``ray_`` prefix. The refit phases keep a name of their own: they time
+the fleet's lifecycle phases, not vLLM's weight-route operations
+(``vllm:rl_weight_update_operation_duration_seconds``), which only the front runs and times.
 
 The metrics are made through one factory, ``make(kind, name, description, tag_keys,
 boundaries)`` (``fleet.cluster.ray_door.make_metric`` unless given, the one place Ray is touched;
@@ -34,7 +38,7 @@ _STATES = (
 _SLOT = ("slot",)
 # key -> (kind, exported name, description, tag keys)
 _SPECS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
-    "shards": ("gauge", "rlfleet_shards", "Shards per health state", ("state",)),
+    "shards": ("gauge", "rlfleet_engines", "Engines per health state", ("state",)),  # the front's name for it
     "gate": ("gauge", "rlfleet_gate_open", "1 while dispatch is open", ()),
     "version": ("gauge", "rlfleet_weight_version", "Committed weight version", ()),
     "in_flight": ("gauge", "rlfleet_in_flight_requests", "Requests accepted and not yet ended", ()),

@@ -237,9 +237,9 @@ def test_curl_sees_health_models_metrics_and_status(served):
     code, body = curl(f"{served.url}/metrics")
     assert code == 200
     lines = body.splitlines()
-    assert "rlfleet_gate_open 1" in lines and "rlfleet_controller_up 1" in lines
-    assert any(line.startswith('rlfleet_http_responses_total{endpoint="/v1/completions",code="200"}') for line in lines)
-    assert 'rlfleet_engines{state="healthy"} 2' in lines
+    assert "rlfleet_gate_open 1.0" in lines and "rlfleet_controller_up 1.0" in lines
+    assert any(line.startswith('rlfleet_http_responses_total{code="200",endpoint="/v1/completions"}') for line in lines)
+    assert 'rlfleet_engines{state="healthy"} 2.0' in lines
     code, body = curl(f"{served.url}/v1/fleet/status")
     status = json.loads(body)
     assert code == 200 and status["controller"]["fleet"] == served.fleet.name and status["routing"]["serving"] == 2

@@ -202,7 +202,12 @@ def test_each_refit_closes_a_run_step_with_its_time_and_generation_tokens_per_se
 
 # ------------------------------------------------------------------------------ the HTTP front's /metrics
 def test_the_fronts_prometheus_text_carries_each_shards_load_from_the_status(model_dir):
-    from serve.metrics import prometheus_text
+    """The real controller's ``status()`` through the front's collector (``serve.metrics.FleetCollector``), read
+    back with ``prometheus_client``'s parser: each shard's load, under the Ray metrics' names."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serve.metrics import FleetCollector
 
     async def go():
         ctl, door = make(model_dir, FakeSink())
@@ -219,9 +224,21 @@ def test_the_fronts_prometheus_text_carries_each_shards_load_from_the_status(mod
     front = {"responses": {}, "in_flight": 0, "cancelled": 0, "tokens_out": 0, "latency_p50_s": None,
              "latency_p99_s": None, "client": {"accepted": 0, "completed": 0, "returned": 0, "requeued": 0,
                                                "in_progress": 0, "refused": {}}}
-    lines = set(prometheus_text(health, front, status).splitlines())
+    collector = FleetCollector(lambda: (health, front))
+    collector.status = status
+    registry = CollectorRegistry()
+    registry.register(collector)
+    got = {(s.name, s.labels.get("slot")): s.value
+           for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
     cap = status["shard_load"]["0"]["cap"]
-    assert {f'rlfleet_shard_in_flight_cap{{slot="0"}} {cap:g}', 'rlfleet_shard_kv_cache_usage{slot="0"} 0.5',
-            'rlfleet_shard_running_requests{slot="0"} 3', 'rlfleet_shard_queued_requests{slot="0"} 1',
-            'rlfleet_shard_preemptions_total{slot="0"} 7', 'rlfleet_shard_preemptions_total{slot="1"} 0'} <= lines
-    assert "# TYPE rlfleet_shard_preemptions_total counter" in lines
+    assert {("rlfleet_shard_in_flight_cap", "0"): cap, ("rlfleet_shard_kv_cache_usage", "0"): 0.5,
+            ("rlfleet_shard_running_requests", "0"): 3, ("rlfleet_shard_queued_requests", "0"): 1,
+            ("rlfleet_shard_preemptions_total", "0"): 7, ("rlfleet_shard_preemptions_total", "1"): 0}.items() \
+        <= got.items()
+    sink = FakeSink()  # the controller's Ray metrics carry the same names (Ray adds its ``ray_`` prefix)
+    FleetMetrics(enabled=True, make=sink.make)
+    assert {name for name, _ in got} & {f"{n}_total" if m.kind == "counter" else n for n, m in sink.metrics.items()} \
+        >= {"rlfleet_shard_in_flight_cap", "rlfleet_shard_kv_cache_usage", "rlfleet_shard_running_requests",
+            "rlfleet_shard_queued_requests", "rlfleet_shard_in_flight_requests", "rlfleet_shard_preemptions_total",
+            "rlfleet_engines",
+            "rlfleet_gate_open", "rlfleet_weight_version"}

@@ -6,7 +6,7 @@
   tool results included: the same ids as ``transformers``), and read back by vLLM's tool and reasoning parsers;
 - responses carry the fleet's tags (weight versions, slot, incarnation, request id) and token ids;
 - how a returned request becomes HTTP (400 for the caller's mistake with vLLM's words, 503 naming why);
-- the Prometheus text;
+- the Prometheus text (as a scraper parses it: ``test_serve_metrics``);
 - a cancelled request (its HTTP client left) is aborted on its shard and accounted, never lost.
 """
 
@@ -27,7 +27,6 @@ from fleet.types import Completion, GenerationResult
 from recipe.tinymodel import CHAT_TEMPLATE, build_tokenizer
 from serve import protocol
 from serve.front import Front
-from serve.metrics import prometheus_text
 from tests.transcripts import TOOLS, TRANSCRIPT, hf_rendering
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
@@ -349,14 +348,14 @@ def test_prometheus_text_has_the_fleets_gauges_and_the_fronts_counters(tok):
     front.latencies.append(0.25)
     status = {"ledger": {"slots": [{"state": "healthy"}, {"state": "healthy"}, {"state": "dead"}]},
               "refits": 4, "generation": 1, "target_size": 3}
-    text = prometheus_text(front.health()[1], front.counters(), status)
+    text = front.metrics.exposition(status).decode()
     lines = set(text.splitlines())
-    assert 'rlfleet_http_responses_total{endpoint="/v1/completions",code="200"} 2' in lines
-    assert {"rlfleet_gate_open 1", "rlfleet_weight_version 2", 'rlfleet_engines{state="healthy"} 2',
-            'rlfleet_engines{state="dead"} 1', "rlfleet_refits_total 4", "rlfleet_controller_up 1",
+    assert 'rlfleet_http_responses_total{code="200",endpoint="/v1/completions"} 2.0' in lines
+    assert {"rlfleet_gate_open 1.0", "rlfleet_weight_version 2.0", 'rlfleet_engines{state="healthy"} 2.0',
+            'rlfleet_engines{state="dead"} 1.0', "rlfleet_refits_total 4.0", "rlfleet_controller_up 1.0",
             'rlfleet_http_request_seconds{quantile="0.5"} 0.25'} <= lines
-    down = prometheus_text(front.health()[1], front.counters(), None)
-    assert "rlfleet_controller_up 0" in down and "rlfleet_engines" not in down
+    down = front.metrics.exposition(None).decode()
+    assert "rlfleet_controller_up 0.0" in down and "rlfleet_engines" not in down
     for line in text.splitlines():  # every sample line parses: name{labels} value
         if not line.startswith("#"):
             assert not math.isnan(float(line.rsplit(" ", 1)[1]))
@@ -811,12 +810,7 @@ def test_metrics_have_latency_ttft_and_queue_histograms_and_per_engine_series(to
     from fastapi.testclient import TestClient
 
     from serve.app import build_app
-    from serve.metrics import Histogram
 
-    h = Histogram((0.1, 1.0))
-    for v in (0.05, 0.1, 0.5, 3.0):
-        h.observe(v)
-    assert h.counts == [2, 1, 1] and h.count == 4 and h.sum == pytest.approx(3.65)
     client = _Capturing()
     http = TestClient(build_app(Front(client, tok, "m", MAX_LEN)))
     for _ in range(3):
@@ -825,13 +819,13 @@ def test_metrics_have_latency_ttft_and_queue_histograms_and_per_engine_series(to
     assert streamed.status_code == 200
     lines = http.get("/metrics").text.splitlines()
     assert "# TYPE rlfleet_http_e2e_request_latency_seconds histogram" in lines
-    assert 'rlfleet_http_e2e_request_latency_seconds_bucket{le="+Inf"} 4' in lines
-    assert "rlfleet_http_e2e_request_latency_seconds_count 4" in lines
-    assert "rlfleet_http_queue_time_seconds_count 4" in lines
-    buckets = [int(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("rlfleet_http_queue_time_seconds_bucket")]
+    assert 'rlfleet_http_e2e_request_latency_seconds_bucket{le="+Inf"} 4.0' in lines
+    assert "rlfleet_http_e2e_request_latency_seconds_count 4.0" in lines
+    assert "rlfleet_http_queue_time_seconds_count 4.0" in lines
+    buckets = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("rlfleet_http_queue_time_seconds_bucket")]
     assert buckets == sorted(buckets) and buckets[-1] == 4  # cumulative
-    assert 'rlfleet_http_engine_requests_total{slot="1"} 4' in lines  # the capturing client's results: slot 1
-    assert 'rlfleet_http_engine_generated_tokens_total{slot="1"} 4' in lines
+    assert 'rlfleet_http_engine_requests_total{slot="1"} 4.0' in lines  # the capturing client's results: slot 1
+    assert 'rlfleet_http_engine_generated_tokens_total{slot="1"} 4.0' in lines
 
 
 def test_a_front_timeout_below_the_fleets_refit_budget_is_refused_and_one_at_or_above_it_is_its_clients(model_dir):

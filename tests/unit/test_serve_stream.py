@@ -220,9 +220,11 @@ def test_a_stream_sends_each_delta_as_it_arrives_and_ends_with_the_results_block
     assert client.requests[0][2] is True  # asked the fleet for tokens as they come
     counters = front.counters()
     assert counters["ttft_p50_s"] == 1.0 and counters["responses"] == {"/v1/completions 200": 1}
-    ttft = counters["histograms"]["ttft"]  # counted from the HTTP request's arrival: the same 1 s here
-    assert ttft["count"] == 1 and ttft["sum"] == pytest.approx(1.0, abs=0.01)
-    assert counters["histograms"]["e2e"]["count"] == 1 and counters["engines"] == {"1": {"requests": 1, "tokens": 5}}
+    sample = front.metrics.registry.get_sample_value
+    ttft = "rlfleet_http_time_to_first_token_hist_seconds"  # counted from the HTTP request's arrival: the same 1 s here
+    assert sample(f"{ttft}_count") == 1 and sample(f"{ttft}_sum") == pytest.approx(1.0, abs=0.01)
+    assert sample("rlfleet_http_e2e_request_latency_seconds_count") == 1
+    assert counters["engines"] == {"1": {"requests": 1, "tokens": 5}}
 
 
 def test_a_chat_stream_opens_with_the_role_then_content_deltas_logprobs_and_usage(tok, chat):
