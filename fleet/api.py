@@ -136,7 +136,7 @@ class Fleet:
                 return None
             return ray_door.try_ask(self._ctl, "ping", timeout=max(1.0, deadline - time.monotonic()))
 
-        out = poll(ping, lambda o: o is None or o.ok, wait_s, CONTROLLER_POLL_S)
+        out = poll(ping, lambda o: o is None or o.ok, wait_s, CONTROLLER_POLL_S, clock=time.monotonic, sleep=time.sleep)
         if out is not None and out.ok:
             self.controller_restarts_seen = max(self.controller_restarts_seen, int(out.value.get("generation", 0)))
             self._silent_since = None
@@ -434,6 +434,7 @@ class Fleet:
         if self.client is None:
             return {}
         client = self.client
-        counters = poll(client.counters, lambda c: not c["in_progress"], bound_s, 0.05)
+        counters = poll(client.counters, lambda c: not c["in_progress"], bound_s, 0.05, clock=time.monotonic,
+                        sleep=time.sleep)
         self.client.close()
         return counters

@@ -39,3 +39,17 @@ def test_the_polled_functions_own_error_passes_through_at_once():
     with pytest.raises(RuntimeError, match="exited while starting"):
         poll(fn, bool, 10.0, 0.001)
     assert len(calls) == 1
+
+
+def test_a_callers_clock_and_sleep_bound_the_wait():
+    """A caller polls on its own clock (``fleet.api`` passes its module's, which its tests replace): the bound
+    is read on that clock and the waits are its sleeps."""
+    now = [0.0]
+    slept = []
+
+    def sleep(dt):
+        slept.append(dt)
+        now[0] += dt
+
+    out = poll(lambda: now[0], lambda t: False, 1.0, 0.25, clock=lambda: now[0], sleep=sleep)
+    assert out == 1.0 and slept == [0.25] * 4
