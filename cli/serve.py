@@ -4,6 +4,8 @@
     rlfleet serve --connect NAME [--address ADDR] [--port 8000]          serve a fleet that already runs
         [--chat-template FILE] [--trust-request-chat-template]
         [--enable-auto-tool-choice --tool-call-parser hermes] [--reasoning-parser qwen3]
+        [--weight-transfer-config '{"backend": "gloo"}'] [--logprobs-mode processed_logprobs]
+        [--max-logprobs -1] [--enable-scale-out]                    TRL's launch flags, as vllm serve takes them
 
 Prints one JSON line once it serves (``{"serving": URL, "fleet": NAME, ...}``) and one when it
 ends. SIGTERM or SIGINT stops it: the server stops accepting, requests in flight finish, and a
@@ -22,6 +24,9 @@ import sys
 import threading
 
 SHUTDOWN_S = 60.0  # how long a stop waits for the controller to shut the fleet down
+# vLLM's ``LogprobsMode`` (``vllm.config.model``), as ``EngineConfig.logprobs_mode`` takes them (a unit test keeps
+# the three equal): written out so that ``rlfleet --help`` imports neither vLLM nor pydantic
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
 def register(sub) -> None:
@@ -47,6 +52,26 @@ def register(sub) -> None:
     p.add_argument("--weight-transfer-config", default=None, metavar="JSON",
                    help="vLLM's RL routes (/init_weight_transfer_engine, /update_weights, ...) with this transfer, as "
                         "vllm serve's flag: '{\"backend\": \"gloo\"}' (a trainer's group reaches the fleet's relay)")
+    engine = p.add_argument_group("engines (as vllm serve's flags of the same names; TRL starts vllm serve with "
+                                  "--logprobs-mode processed_logprobs --max-logprobs -1 --enable-scale-out)")
+    engine.add_argument("--logprobs-mode", default=None, choices=LOGPROBS_MODES,
+                        help="what a token's logprob is, on every engine of the fleet: raw_logprobs (the model's, "
+                             "before temperature and top-p) or processed_logprobs (the distribution it was sampled "
+                             "from: what TRL's importance sampling wants); *_logits: logits instead. Default: the "
+                             "config's engine.logprobs_mode (raw_logprobs). Engines take it as they start: with "
+                             "--connect it must be what the running fleet's engines have, or it is refused")
+    engine.add_argument("--max-logprobs", type=int, default=None, metavar="N",
+                        help="the most logprobs a request may ask for per token, on every engine of the fleet "
+                             "(-1: no cap; default: the config's engine.max_logprobs, 20 as vLLM's). With --connect "
+                             "it must be the running fleet's, or it is refused")
+    engine.add_argument("--enable-scale-out", action="store_true",
+                        help="vLLM's render and token-in/token-out routes: POST /v1/chat/completions/render (a "
+                             "chat request rendered to its prompt token ids and sampling params, by vLLM's renderer) "
+                             "and POST /inference/v1/generate (token ids in, token ids out; each request routed "
+                             "through the fleet like any other: held across refits, continued on another engine "
+                             "if its own dies, tagged with the weight versions that sampled it). vLLM's other "
+                             "scale-out routes (/v1/completions/render, derender, /inference/v1/abort_requests) "
+                             "are not served. Without it both answer 403, as vllm serve's do")
     chat = p.add_argument_group("chat (as vllm serve's flags of the same names)")
     chat.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                       help="the chat template (a file, or the template itself; default: the tokenizer's)")
@@ -101,6 +126,46 @@ def weight_transfer_backend(text: str | None) -> str | None:
     return backend
 
 
+def engine_flags(args: argparse.Namespace) -> dict:
+    """The engine settings the command line sets (``--logprobs-mode``, ``--max-logprobs``; vllm serve's flags), as
+    fields of the config's ``engine`` section, checked: a ``ConfigError`` naming the flag (``--logprobs-mode``'s
+    values argparse checks)."""
+    from fleet.errors import ConfigError
+
+    out: dict = {}
+    if args.logprobs_mode is not None:
+        out["logprobs_mode"] = args.logprobs_mode
+    if args.max_logprobs is not None:
+        if args.max_logprobs < -1:
+            raise ConfigError("--max-logprobs", "must be -1 (no cap) or a number of logprobs >= 0", args.max_logprobs)
+        out["max_logprobs"] = args.max_logprobs
+    return out
+
+
+def with_engine_flags(data: dict, flags: dict) -> dict:
+    """A config file's settings with the engine flags over its ``engine`` section (a flag wins, as the flags of
+    vllm serve win over its config file)."""
+    engine = data.get("engine")
+    if not flags or not isinstance(engine, dict):  # no engine section: the config's own check names it
+        return data
+    return {**data, "engine": {**engine, **flags}}
+
+
+def check_connected_engines(flags: dict, fleet_name: str, engine) -> None:
+    """With ``--connect``, the fleet's engines already run with their settings, which a front cannot change: a
+    flag that asks for other ones is refused naming it (a trainer told ``processed_logprobs`` that gets raw ones
+    would bias its importance sampling silently)."""
+    from fleet.errors import ConfigError
+
+    for field, wanted in flags.items():
+        have = getattr(engine, field)
+        if have != wanted:
+            flag = "--" + field.replace("_", "-")
+            raise ConfigError(flag, f"the running fleet {fleet_name!r} has engine.{field} {have!r}, which engines "
+                                    f"take as they start: restart the fleet with engine.{field}: {wanted!r}, or "
+                                    f"leave the flag out", wanted)
+
+
 def check_relay_gpu(backend: str | None, config, have_gpus: float) -> None:
     """An NCCL relay takes a GPU of its own beside the engines' (NCCL refuses two ranks of one group on one GPU):
     refused before any actor starts when the Ray cluster has no such GPU, naming the flag."""
@@ -132,10 +197,10 @@ def _load_config(path: str) -> dict:
     return data
 
 
-def _join_ray(args: argparse.Namespace):
-    """Ray first (it installs its own SIGTERM handler in a driver), then the fleet's config, checked before
-    any actor exists; returns the config to start, or None for --connect."""
-    from fleet.cluster import ray_door
+def checked_config(args: argparse.Namespace):
+    """Every flag, and the fleet's config with the engine flags over it, checked before Ray or any fleet starts
+    (a ``ConfigError`` naming the flag or the field); returns the config to start, or None for --connect. The
+    checked values go on ``args`` (``chat``, ``weight_transfer``, ``engine_flags``) for ``http_server``."""
     from fleet.errors import ConfigError
     from fleet.config.fleet import load_fleet_config
     from serve.server import front_config, listening_socket
@@ -145,6 +210,7 @@ def _join_ray(args: argparse.Namespace):
         raise ConfigError("--request-timeout", "must be a finite number of seconds > 0", timeout)
     args.chat = chat_options(args)  # a parser vLLM does not know: refused before anything starts
     args.weight_transfer = weight_transfer_backend(args.weight_transfer_config)
+    args.engine_flags = engine_flags(args)
     if args.max_pending is not None and args.max_pending < 1:
         raise ConfigError("--max-pending", "must be at least 1", args.max_pending)
     try:  # the address to listen on, before a fleet starts (or a cluster is joined) only to be let down
@@ -152,16 +218,39 @@ def _join_ray(args: argparse.Namespace):
     except OSError as exc:
         raise ConfigError("--host/--port", str(exc), f"{args.host}:{args.port}") from None
     if args.connect:
+        return None
+    # refused here, before Ray starts, naming the field
+    config = load_fleet_config(with_engine_flags(_load_config(args.config), args.engine_flags))
+    front_config(config, timeout)  # --request-timeout as the fleet's config would take it (a --connect: at the front)
+    return config
+
+
+def _join_ray(args: argparse.Namespace):
+    """Ray first (it installs its own SIGTERM handler in a driver), then the fleet's config, checked before
+    any actor exists; returns the config to start, or None for --connect."""
+    from fleet.cluster import ray_door
+
+    config = checked_config(args)
+    if config is None:
         ray_door.join_cluster(args.address)
         return None
-    config = load_fleet_config(_load_config(args.config))  # refused here, before Ray starts, naming the field
-    front_config(config, timeout)  # --request-timeout as the fleet's config would take it (a --connect: at the front)
     if args.address:
         ray_door.join_cluster(args.address)
     else:
         ray_door.init_local(log_to_driver=False)
     check_relay_gpu(args.weight_transfer, config, ray_door.cluster_total("GPU"))
     return config
+
+
+def http_server(args: argparse.Namespace, fleet):
+    """The HTTP front the flags describe, over ``fleet`` (not started; ``_join_ray`` checked the flags)."""
+    from serve.server import HttpServer
+
+    return HttpServer(fleet, host=args.host, port=args.port, model_name=args.served_model_name,
+                      request_timeout_s=args.request_timeout, chat=args.chat,
+                      api_keys=args.api_key or [os.environ.get("VLLM_API_KEY", "")],
+                      max_pending=args.max_pending, weight_transfer=args.weight_transfer,
+                      scale_out=args.enable_scale_out)
 
 
 def _log_to_stderr() -> None:
@@ -182,7 +271,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from fleet.cluster import ray_door
     from fleet.api import Fleet
     from fleet.interrupt import Interrupted
-    from serve.server import HttpServer
 
     config = _join_ray(args)
     _log_to_stderr()
@@ -218,11 +306,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         if stop.is_set():
             return 0
+        if not owned:
+            check_connected_engines(args.engine_flags, fleet.name, fleet.config.engine)
         try:
-            server = HttpServer(fleet, host=args.host, port=args.port, model_name=args.served_model_name,
-                                request_timeout_s=args.request_timeout, chat=args.chat,
-                                api_keys=args.api_key or [os.environ.get("VLLM_API_KEY", "")],
-                                max_pending=args.max_pending, weight_transfer=args.weight_transfer).start()
+            server = http_server(args, fleet).start()
         except OSError as exc:
             print(f"rlfleet serve: error: {exc}", file=sys.stderr)
             return 2

@@ -3,8 +3,9 @@
 The routes keep vLLM's request and response shapes (``vllm/entrypoints/rl/online/api_router.py``,
 ``/server_info``, ``/reset_prefix_cache``) and map them onto the fleet:
 
-- ``/get_world_size`` is 1: the trainer's group has one member on the fleet's side, the relay
-  (``rlapi.relay``), however many engines the fleet runs;
+- ``/get_world_size`` is 1, with ``include_dp`` true or false (vLLM's TP x PP x DP and TP x PP): the trainer's
+  group has one member on the fleet's side, the relay (``rlapi.relay``), however many engines the fleet runs
+  and however they are parallel (a fleet's engines are not data-parallel ranks of the trainer's group);
 - ``/init_weight_transfer_engine`` joins the relay to the trainer's group (``rlapi.wires``: gloo, or NCCL with
   vLLM's own consumer on a GPU of the relay's own);
 - ``/start_weight_update``, ``/update_weights`` and ``/finish_weight_update`` move one update into
@@ -149,6 +150,7 @@ class RLSurface:
 
         @app.get("/get_world_size")
         async def get_world_size(include_dp: bool = True):
+            # vLLM's query (``?include_dp=false``: without data parallelism); the relay is the one rank either way
             return {"world_size": 1}
 
         @app.get("/server_info")
@@ -156,7 +158,8 @@ class RLSurface:
             cfg = surface.fleet.config
             vllm_config = {
                 "model_config": {"model": front.model, "served_model_name": front.model, "dtype": cfg.engine.dtype,
-                                 "max_model_len": front.max_model_len, "logprobs_mode": front.logprobs_mode},
+                                 "max_model_len": front.max_model_len, "logprobs_mode": front.logprobs_mode,
+                                 "max_logprobs": cfg.engine.max_logprobs},
                 "parallel_config": {"tensor_parallel_size": cfg.engine.tensor_parallel_size,
                                     "pipeline_parallel_size": cfg.engine.pipeline_parallel_size,
                                     "data_parallel_size": 1, "world_size": 1},

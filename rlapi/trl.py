@@ -73,3 +73,20 @@ def install() -> type[VLLMClient]:
     original = vllm_generation.VLLMClient
     vllm_generation.VLLMClient = GlooVLLMClient
     return original
+
+
+def launch_flags(backend: str = "gloo") -> list[str]:
+    """The flags TRL starts ``vllm serve`` with beyond the model's own settings (``trl.scripts.vllm_serve.build_command``:
+    ``--enable-scale-out --weight-transfer-config ... --logprobs-mode processed_logprobs --max-logprobs -1``), as TRL
+    writes them, with ``backend`` for the weight transfer (TRL's is NCCL; gloo on CPU). ``rlfleet serve --config
+    FLEET`` takes them as they are."""
+    import json
+
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
+    command = build_command(ScriptArguments(model="MODEL"))
+    imposed = ("--enable-scale-out", "--weight-transfer-config", "--logprobs-mode", "--max-logprobs")
+    flags = command[min(command.index(f) for f in imposed if f in command):]
+    at = flags.index("--weight-transfer-config") + 1
+    flags[at] = json.dumps({**json.loads(flags[at]), "backend": backend})
+    return flags

@@ -142,11 +142,12 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or str(exc)
 
 
-def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None) -> FastAPI:
+def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None, scale_out: bool = False) -> FastAPI:
     """The routes over ``front``. ``api_keys``: every ``/v1`` route wants ``Authorization: Bearer KEY``
     (vLLM's own middleware, as ``vllm serve --api-key``; ``/health``, ``/ready``, ``/metrics`` and
     ``/version`` stay open). Every response echoes ``X-Request-Id`` (the caller's, else a new one).
-    ``rl``: vLLM's RL routes (``rlapi.routes.RLSurface``), outside ``/v1`` as in ``vllm serve``."""
+    ``rl``: vLLM's RL routes (``rlapi.routes.RLSurface``), outside ``/v1`` as in ``vllm serve``. ``scale_out``:
+    vLLM's render and token-in/token-out routes (``serve.scale_out``; without it they answer 403, as vLLM's)."""
     from vllm.entrypoints.serve.middleware.x_request_id import XRequestIdMiddleware
 
     app = FastAPI(title="rlfleet", docs_url=None, redoc_url=None, openapi_url=None)
@@ -264,6 +265,9 @@ def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None) -
                             functools.partial(protocol.chat_response, renderer=front.chat), via=front.chat,
                             raw=raw_request)
 
+    from serve import scale_out as scale_out_routes
+
+    scale_out_routes.mount(app, front, scale_out, _serve, _error)
     if rl is not None:
         rl.mount(app, front)
     return app
@@ -330,7 +334,10 @@ async def _serve_one(front: Front, endpoint: str, req: Any, call: Callable, resp
     # in vllm serve; the fleet's own (``rlfleet.request_id``) stays unique
     caller = raw.headers.get("x-request-id") if raw is not None else None
     caller = caller or (req.request_id if "request_id" in req.model_fields_set else None)
-    prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
+    # vLLM's names: a chat response's ``id`` is ``chatcmpl-...``, a completion's ``cmpl-...``, a token-in/token-out
+    # response's ``request_id`` is ``generate-tokens-...``
+    prefix, id_field = ("chatcmpl", "id") if isinstance(req, ChatCompletionRequest) else \
+        ("cmpl", "id") if isinstance(req, CompletionRequest) else ("generate-tokens", "request_id")
     response_id = f"{prefix}-{caller or request_id}"
     front.name_request(response_id, request_id, len(jobs), len(work))
     if req.stream:
@@ -341,7 +348,7 @@ async def _serve_one(front: Front, endpoint: str, req: Any, call: Callable, resp
         return _error(out.code, out.message, out.kind, out.param)
     front.count(endpoint, 200)
     body = respond(req, front.model, out, front.tokenizer)
-    body["id"] = response_id
+    body[id_field] = response_id
     body["rlfleet"]["logprobs_mode"] = front.logprobs_mode  # which logprobs these are (the engines' mode)
     if policy is not None:
         body["rlfleet"]["version_policy"] = policy.describe()

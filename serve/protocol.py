@@ -221,16 +221,19 @@ MAX_CHARS_PER_TOKEN = 64
 
 
 def needs_tokenizer(req: Any) -> bool:
-    """False for a completion whose prompt is token ids (nothing to tokenize or render)."""
+    """False for a completion whose prompt is token ids, or a request that is nothing but token ids (vLLM's
+    ``GenerateRequest``): nothing to tokenize or render."""
     if isinstance(req, CompletionRequest):
         p = req.prompt
         return isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], str))
-    return True
+    return hasattr(req, "messages")
 
 
 def refuse_text_beyond_the_context(req: Any, max_model_len: int) -> None:
     """A prompt (or a conversation) of more characters than the context could hold at
     ``MAX_CHARS_PER_TOKEN``: refused naming the field, without tokenizing it."""
+    if not needs_tokenizer(req):
+        return
     if isinstance(req, CompletionRequest):
         p = req.prompt
         texts = [p] if isinstance(p, str) else [x for x in p if isinstance(x, str)] if isinstance(p, list) else []

@@ -73,6 +73,7 @@ class ChatRenderer:
             enable_auto_tools=o.enable_auto_tool_choice, tool_parser=o.tool_call_parser,
             reasoning_parser=o.reasoning_parser)
         self._loop: asyncio.AbstractEventLoop | None = None  # the rendering thread's own (``render`` is sync)
+        self._serving: dict[str, Any] = {}  # served model name -> vLLM's ``ServingRender`` over this renderer
 
     def fresh(self, tokenizer: Any) -> "ChatRenderer":
         """The same renderer over another tokenizer (a second thread's: ``serve.prepare_pool``)."""
@@ -88,6 +89,40 @@ class ChatRenderer:
         with vLLM's message (and its ``param``) when vLLM refuses the request. Blocking: call it off the
         routing loop (one thread: it keeps an event loop of its own for vLLM's async renderer)."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        from serve.protocol import BadRequest
+
+        out = self._run(self.online.render_chat(req))
+        if isinstance(out, ErrorResponse):
+            raise BadRequest(out.error.message, out.error.param)
+        _, inputs = out
+        return [int(t) for t in inputs[0]["prompt_token_ids"]]
+
+    def render_request(self, req: Any, served_model: str, request_id: str | None = None) -> Any:
+        """``/v1/chat/completions/render``'s answer to ``req``: vLLM's ``GenerateRequest`` (the prompt's token ids,
+        the sampling params, the request id), made by vLLM's own ``ServingRender`` over this renderer, as
+        ``vllm serve --enable-scale-out`` makes it (``request_id``: the caller's ``X-Request-Id``). Refusals as
+        ``render``'s; blocking, as ``render``."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        from serve.protocol import BadRequest
+
+        serving = self._serving.get(served_model)
+        if serving is None:
+            from vllm.entrypoints.openai.models.protocol import BaseModelPath
+            from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
+            from vllm.entrypoints.scale_out.render.serving import ServingRender
+
+            models = OpenAIModelRegistry(self.model_config, [BaseModelPath(name=served_model, model_path=self._args[0])])
+            serving = self._serving[served_model] = ServingRender(models, self.online)
+        headers = _Headers({"X-Request-Id": request_id} if request_id is not None else {})
+        out = self._run(serving.render_chat_request(req, headers))
+        if isinstance(out, ErrorResponse):
+            raise BadRequest(out.error.message, out.error.param)
+        return out
+
+    def _run(self, coro: Any) -> Any:
+        """One of vLLM's async rendering calls, on this thread's own loop; vLLM's refusals as ``BadRequest``."""
         from vllm.exceptions import VLLMValidationError
 
         from serve.protocol import BadRequest
@@ -95,15 +130,11 @@ class ChatRenderer:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
         try:
-            out = self._loop.run_until_complete(self.online.render_chat(req))
+            return self._loop.run_until_complete(coro)
         except VLLMValidationError as exc:
             raise BadRequest(str(exc), getattr(exc, "parameter", None)) from None
         except (ValueError, TypeError, KeyError) as exc:  # vLLM's parsing or the template refuses this conversation
             raise BadRequest(f"cannot render messages: {exc}", "messages") from None
-        if isinstance(out, ErrorResponse):
-            raise BadRequest(out.error.message, out.error.param)
-        _, inputs = out
-        return [int(t) for t in inputs[0]["prompt_token_ids"]]
 
     def new_parser(self, req: Any) -> Any:
         """A parser (vLLM's ``Parser``: the configured tool-call and reasoning parsers) for one completion of
@@ -123,3 +154,11 @@ class ChatRenderer:
             return None, text, None
         return parser.parse(text, req, enable_auto_tools=self.options.enable_auto_tool_choice,
                             model_output_token_ids=list(token_ids))
+
+
+@dataclass(frozen=True)
+class _Headers:
+    """What vLLM's ``ServingRender`` reads of the HTTP request (its ``X-Request-Id``), handed to the rendering
+    thread instead of the request itself."""
+
+    headers: dict

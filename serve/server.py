@@ -59,13 +59,14 @@ class HttpServer:
     def __init__(self, fleet: Any, host: str = DEFAULT_HOST, port: int = 8000, model_name: str | None = None,
                  tokenizer: Any = None, request_timeout_s: float | None = None, chat: Any = None,
                  api_keys: list[str] | None = None, max_pending: int | None = None,
-                 weight_transfer: str | None = None) -> None:
+                 weight_transfer: str | None = None, scale_out: bool = False) -> None:
         """``request_timeout_s``: how long an HTTP request may wait for the gate and a shard before it is
         answered 503 (default: the fleet's ``request_timeout_s``, which the trainer's requests use too).
         ``chat``: ``serve.render.ChatOptions`` (chat template, tool-call and reasoning parsers), checked here:
         a parser vLLM does not know is a ``ValueError`` naming the flag, before anything starts.
         ``weight_transfer``: the backend of vLLM's RL routes (``rlapi.routes``; ``gloo`` on CPU, ``nccl`` with a
-        GPU for the relay), as ``vllm serve --weight-transfer-config``; None: no RL routes."""
+        GPU for the relay), as ``vllm serve --weight-transfer-config``; None: no RL routes. ``scale_out``: vLLM's
+        render and token-in/token-out routes (``serve.scale_out``), as ``vllm serve --enable-scale-out``."""
         from rlapi import BACKENDS
         from serve.render import ChatOptions
 
@@ -75,6 +76,7 @@ class HttpServer:
             raise ValueError(f"--weight-transfer-config: backend must be one of {list(BACKENDS)} (what the fleet's "
                              f"relay receives with), got {weight_transfer!r}")
         self.weight_transfer = weight_transfer
+        self.scale_out = scale_out
         self.rl: RLSurface | None = None
         self.max_pending = max_pending
         self.api_keys = [k for k in (api_keys or ()) if k]  # ``/v1`` wants one as a Bearer token (vllm serve's rule)
@@ -128,7 +130,8 @@ class HttpServer:
             from rlapi.routes import RLSurface
 
             self.rl = RLSurface(self.fleet, self.weight_transfer)
-        config = uvicorn.Config(build_app(front, self.api_keys, self.rl), log_level="warning", access_log=False, lifespan="off",
+        app = build_app(front, self.api_keys, self.rl, self.scale_out)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=GRACEFUL_S)
         self._server = server = uvicorn.Server(config)
         self._done = done = client.spawn(server.serve(sockets=[sock]))

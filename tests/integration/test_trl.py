@@ -2,13 +2,18 @@
 client (``trl.generation.vllm_client.VLLMClient``, its transport swapped for gloo by ``rlapi.trl``), then TRL's
 own ``GRPOTrainer`` training against a three-engine fleet while shards are killed.
 
-One fleet for the module (three real engines, processed logprobs, every refit verified by checksum)."""
+One fleet for the module (three real engines, every refit verified by checksum), served as ``rlfleet serve`` serves
+it when started with TRL's launch flags exactly as TRL writes them (``rlapi.trl.launch_flags``: processed logprobs,
+no logprobs cap, the scale-out routes; gloo instead of NCCL on CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import time
+import warnings
 
 import pytest
 import requests
@@ -23,16 +28,26 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def served(ray_local, tiny_model, tmp_path_factory):
+    """``rlfleet serve --config FLEET --port 0`` and TRL's launch flags, parsed and checked by the command's own
+    parser and started by its own builder (``cli.serve``); in this process, so that the tests can arm faults on
+    the fleet and read the front's counters. The config leaves the logprobs mode at its default (raw): the
+    flag is what makes it processed."""
+    from cli.main import build_parser
+    from cli.serve import checked_config, http_server
     from fleet.api import Fleet
-    from serve.server import HttpServer
+    from rlapi.trl import launch_flags
 
-    log = tmp_path_factory.mktemp("trl") / "events.jsonl"
-    fleet = Fleet.start({"engine": {"model": tiny_model, "logprobs_mode": "processed_logprobs",
-                                    "kv_cache_memory_bytes": 16 << 20, "fault_journal": str(log) + ".faults"},
-                         "num_engines": 3, "min_healthy_engines": 1, "verify_weights": "checksum",
-                         "event_log_path": str(log), "restart_backoff_s": 0.5, "restart_budget": 6,
-                         "refit_timeout_s": 60, "lifecycle_grace_s": 5})
-    server = HttpServer(fleet, port=0, weight_transfer="gloo").start()
+    where = tmp_path_factory.mktemp("trl")
+    log = where / "events.jsonl"
+    path = where / "fleet.json"
+    path.write_text(json.dumps({"engine": {"model": tiny_model, "kv_cache_memory_bytes": 16 << 20,
+                                           "fault_journal": str(log) + ".faults"},
+                                "num_engines": 3, "min_healthy_engines": 1, "verify_weights": "checksum",
+                                "event_log_path": str(log), "restart_backoff_s": 0.5, "restart_budget": 6,
+                                "refit_timeout_s": 60, "lifecycle_grace_s": 5}))
+    args = build_parser().parse_args(["serve", "--config", str(path), "--port", "0", *launch_flags("gloo")])
+    fleet = Fleet.start(checked_config(args))
+    server = http_server(args, fleet).start()
     try:
         yield fleet, server
     finally:
@@ -67,7 +82,10 @@ def test_trls_client_route_by_route_moves_weights_into_every_engine_and_refusals
     info = requests.get(f"{url}/server_info", params={"config_format": "json"}, timeout=30).json()["vllm_config"]
     assert info["weight_transfer_config"] == {"backend": "gloo"}
     assert info["model_config"]["logprobs_mode"] == "processed_logprobs"  # what TRL's importance sampling wants
-    assert requests.get(f"{url}/get_world_size", timeout=30).json() == {"world_size": 1}  # the relay: one rank
+    assert info["model_config"]["max_logprobs"] == -1
+    for include_dp in ("true", "false"):  # the relay: one rank
+        assert requests.get(f"{url}/get_world_size", params={"include_dp": include_dp}, timeout=30).json() == \
+            {"world_size": 1}
     c = client_of(server)
     c.check_server(total_timeout=30)
     c.init_communicator(device="cpu")
@@ -185,6 +203,61 @@ def test_abort_requests_ends_requests_on_every_engine_with_their_output_so_far(s
     assert requests.post(f"{url}/v1/completions", timeout=60, json={
         "model": server.model_name, "prompt": [5, 6], "max_tokens": 3}).json()["choices"][0]["finish_reason"] == "length"
 
+def test_the_scale_out_routes_render_and_generate_on_real_engines_as_vllms_do(served):
+    """``--enable-scale-out``: a chat request rendered to vLLM's ``GenerateRequest`` (the prompt ids the chat
+    route tokenizes), then generated token-in/token-out on the fleet's engines: vLLM's response, each choice
+    tagged with the fleet's committed version. And ``--max-logprobs -1``: a request for 30 is answered."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest, GenerateTokensResponse
+
+    fleet, server = served
+    url = server.url
+    messages = [{"role": "user", "content": "red sun"}]
+    rendered = requests.post(f"{url}/v1/chat/completions/render", timeout=60,
+                             json={"model": server.model_name, "messages": messages, "max_tokens": 4}).json()
+    GenerateRequest.model_validate(rendered)
+    ids = requests.post(f"{url}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    assert rendered["token_ids"] == ids, (rendered["token_ids"], ids)
+    r = requests.post(f"{url}/inference/v1/generate", timeout=120, json={
+        "model": server.model_name, "token_ids": rendered["token_ids"], "features": None,
+        "sampling_params": {**rendered["sampling_params"], "n": 2, "logprobs": 0, "output_kind": 2}})
+    assert r.status_code == 200, r.text
+    out = GenerateTokensResponse.model_validate(r.json())
+    version = str(fleet.status()["version"])
+    assert len(out.choices) == 2 and all(len(c.token_ids or []) == 4 for c in out.choices)
+    assert all(c.logprobs is not None and len(c.logprobs.content or []) == 4 for c in out.choices)
+    assert all([s.version for s in c.weight_versions or []] == [version] for c in out.choices), out.choices
+    assert r.headers["x-rlfleet-weight-version"] == version and r.json()["rlfleet"]["weight_version"] == int(version)
+    # --max-logprobs -1 reached the engines: more than vLLM's default cap of 20 (an engine refuses past its cap)
+    many = requests.post(f"{url}/v1/completions", timeout=60, json={
+        "model": server.model_name, "prompt": [5, 6, 7], "max_tokens": 2, "logprobs": 30,
+        "return_tokens_as_token_ids": True})
+    assert many.status_code == 200 and len(many.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == 30, many.text
+
+
+@contextlib.contextmanager
+def trl_warnings():
+    """What TRL's GRPO trainer warns (its module logger, at WARNING whatever else set its level) and every Python
+    warning, while the block runs."""
+    heard: list[str] = []
+
+    class Heard(logging.Handler):
+        def emit(self, record):
+            heard.append(record.getMessage())
+
+    logger = logging.getLogger("trl.trainer.grpo_trainer")  # accelerate's adapter over it (``get_logger(__name__)``)
+    handler, level = Heard(logging.WARNING), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield heard
+            heard.extend(str(w.message) for w in caught)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def journal(path) -> list[dict]:
     try:
         with open(path) as f:
@@ -215,8 +288,14 @@ def test_trls_grpo_trainer_trains_through_two_shard_kills_and_ends_with_every_en
     v_before = fleet.status()["version"]
     synced_before = requests.get(f"{server.url}/weight_info", timeout=30).json()["rlfleet"]["updates_committed"]
     answered_before = server.front.counters()["responses"]
-    run = train(TRLRun(tiny_model, server.url, steps=30, output_dir=str(fleet.config.event_log_path) + ".trl"),
-                on_step=faults)
+    from trl import GRPOConfig
+
+    # TRL checks the server's logprobs mode when its importance-sampling correction is on (its default)
+    assert GRPOConfig.__dataclass_fields__["vllm_importance_sampling_correction"].default is True
+    with trl_warnings() as heard:
+        run = train(TRLRun(tiny_model, server.url, steps=30, output_dir=str(fleet.config.event_log_path) + ".trl"),
+                    on_step=faults)
+    assert not [w for w in heard if "logprobs-mode" in w or "logprobs_mode" in w], heard
     assert len(run.rewards) == 30 and armed == {"gen": True, "transfer": True}
     fired = [(j["slot"], j["point"], j["action"]) for j in journal(jpath)]
     assert (1, "generate", "kill") in fired and (2, "transfer", "kill") in fired, fired  # both faults went off
