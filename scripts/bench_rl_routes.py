@@ -31,34 +31,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_http import Server, free_port  # noqa: E402
+from bench_procs import cpu_by_process, cpu_used_by_role  # noqa: E402
 from bench_trl import alternating_rounds, command  # noqa: E402
 from fleet.config.engine import EngineConfig  # noqa: E402
 
 ROUTES = ("start", "update", "finish", "reset", "generate", "step")
-# a process's role, by the first of these its title or command line contains (Ray's and vLLM's process titles)
-ROLES = (("EngineCore", "engine core"), ("ray::EngineShard", "shard"), ("ray::SingleController", "controller"),
-         ("ray::WeightRelay", "relay"), ("cli.main serve", "front"), ("vllm.entrypoints", "api server"),
-         ("ray::", "ray workers"), ("ray", "ray"))
-
-
-def cpu_by_role(root_pid: int) -> dict[str, float]:
-    """CPU seconds so far of the process tree under ``root_pid`` and of this process (``client``), by role."""
-    import psutil
-
-    out: dict[str, float] = {}
-    root = psutil.Process(root_pid)
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            t, title = proc.cpu_times(), " ".join(proc.cmdline()) or proc.name()
-        except psutil.Error:
-            continue
-        role = next((r for key, r in ROLES if key in title), "other")
-        out[role] = out.get(role, 0.0) + t.user + t.system
-    me = psutil.Process().cpu_times()
-    out["client"] = me.user + me.system
-    return out
-
-
 def arm(name: str, cfg: EngineConfig, args, workdir: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -103,12 +80,12 @@ def arm(name: str, cfg: EngineConfig, args, workdir: str) -> dict:
             if step < 2:  # warm-up
                 for v in (*times.values(), *phases.values()):
                     v.clear()
-                cpu0 = cpu_by_role(server.proc.pid)
-        cpu1 = cpu_by_role(server.proc.pid)
+                cpu0 = cpu_by_process(server.proc.pid)
+        cpu1 = cpu_by_process(server.proc.pid)
         client.close_communicator()
     finally:
         server.stop()
-    cpu = {role: (cpu1[role] - cpu0.get(role, 0.0)) * 1000 / args.steps for role in cpu1}
+    cpu = {role: s * 1000 / args.steps for role, s in cpu_used_by_role(cpu0, cpu1).items()}
     cpu["all"] = sum(cpu.values())
     out = {"routes_ms": {k: statistics.median(v) * 1000 for k, v in times.items()},
            "phases_ms": {k: statistics.median(v) * 1000 for k, v in phases.items()}, "cpu_ms": cpu}
