@@ -20,8 +20,8 @@ The same footing for both arms:
   and ``vllm serve`` runs at the caller's, so the rlfleet arm's Ray is told ``RAY_worker_niceness=0``; each
   arm's processes' niceness is reported (``niceness``), read during the run;
 - each arm's CPU per counted step by process (``cpu_ms_per_step``: the server's processes by role, as
-  ``bench_rl_routes`` reads them, and the TRL run, the trainer), so a round that another process slowed shows
-  as wall time its processes did not spend.
+  ``bench_rl_routes`` reads them, and ``trainer``: the TRL run's process, its start-up included, over the same
+  step count), so a round that another process slowed shows as wall time its processes did not spend.
 
 A run's steps/s counts the steps after the first (the first carries TRL's start-up and the first sync)
 over their summed time. The last line is one JSON object: ``trl_rlfleet_vs_vllm_steps_per_s`` (the median
