@@ -67,6 +67,16 @@ def _error(code: int, message: str, kind: str, param: str | None = None) -> JSON
     return JSONResponse(protocol.error_body(message, kind, code, param), status_code=code, headers=headers)
 
 
+def _refused(front: Any, endpoint: str, exc: protocol.BadRequest | PoolBusy) -> JSONResponse:
+    """A request its preparation refused, counted on ``endpoint``: 400 naming the parameter, or 429 while every
+    preparing thread is busy (retry later)."""
+    if isinstance(exc, PoolBusy):
+        front.count(endpoint, 429)
+        return _error(429, f"{exc}: retry later", "TooManyRequests")
+    front.count(endpoint, 400)
+    return _error(400, str(exc), "BadRequestError", exc.param)
+
+
 def _authentication() -> Any:  # a middleware class (a subclass of vLLM's, untyped here)
     """vLLM's API-key middleware (``vllm serve --api-key``: its token check, its guarded ``/v1`` prefix), whose
     refusal is worded in OpenAI's error shape like every other error here (vLLM's own body is
@@ -267,7 +277,7 @@ def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None, s
 
     from serve import scale_out as scale_out_routes
 
-    scale_out_routes.mount(app, front, scale_out, _serve, _error)
+    scale_out_routes.mount(app, front, scale_out, _serve, _error, _refused)
     if rl is not None:
         rl.mount(app, front)
     return app
@@ -317,12 +327,8 @@ async def _serve_one(front: Front, endpoint: str, req: Any, call: Callable, resp
                                          getattr(front.client, "policy", None))
         jobs = await front.prepare(call, req, via) if protocol.needs_tokenizer(req) else \
             call(req, front.tokenizer if via is None else via, front.max_model_len)
-    except protocol.BadRequest as exc:
-        front.count(endpoint, 400)
-        return _error(400, str(exc), "BadRequestError", exc.param)
-    except PoolBusy as exc:
-        front.count(endpoint, 429)
-        return _error(429, f"{exc}: retry later", "TooManyRequests")
+    except (protocol.BadRequest, PoolBusy) as exc:
+        return _refused(front, endpoint, exc)
     # n choices of each prompt: n fleet requests of one, prompt-major (vLLM's order of choices)
     work = [(prompt, s) for prompt, sampling in jobs for s in protocol.choice_samplings(sampling)]
     request_id = f"http-{uuid.uuid4().hex[:16]}"  # the fleet's: unique, whatever the caller sends (a shard

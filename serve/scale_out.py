@@ -49,9 +49,10 @@ GENERATE_PATH = "/inference/v1/generate"
 DISABLED = "Scale-out endpoints are disabled. Restart rlfleet serve with --enable-scale-out to enable them."
 
 
-def mount(app: FastAPI, front: Any, enabled: bool, serve: Callable, error: Callable) -> None:
+def mount(app: FastAPI, front: Any, enabled: bool, serve: Callable, error: Callable, refused: Callable) -> None:
     """The two routes on ``app`` over ``front``; ``serve``: how a request is routed through the fleet
-    (``serve.app._serve``), ``error``: the error response (``serve.app._error``)."""
+    (``serve.app._serve``), ``error``: the error response (``serve.app._error``), ``refused``: the answer to a
+    request its preparation refused (``serve.app._refused``)."""
     if not enabled:
         async def disabled():
             return error(403, DISABLED, "PermissionDeniedError")
@@ -72,12 +73,8 @@ def mount(app: FastAPI, front: Any, enabled: bool, serve: Callable, error: Calla
         call = functools.partial(_render, model=front.model, request_id=raw_request.headers.get("x-request-id"))
         try:
             rendered = await front.prepare(call, request, front.chat)
-        except protocol.BadRequest as exc:
-            front.count(RENDER_PATH, 400)
-            return error(400, str(exc), "BadRequestError", exc.param)
-        except PoolBusy as exc:
-            front.count(RENDER_PATH, 429)
-            return error(429, f"{exc}: retry later", "TooManyRequests")
+        except (protocol.BadRequest, PoolBusy) as exc:
+            return refused(front, RENDER_PATH, exc)
         front.count(RENDER_PATH, 200)
         return JSONResponse(rendered.model_dump())
 
