@@ -74,7 +74,8 @@ class Reconciler:
 
     async def launched(self, slots) -> None:
         """Launch what is missing and wait until the launches of ``slots`` settled (each ends in ``settled``)."""
-        tasks = [t for s, t in self.launch_missing().items() if s in set(slots)]
+        wanted = set(slots)
+        tasks = [t for s, t in self.launch_missing().items() if s in wanted]
         if tasks:
             await asyncio.wait(tasks)
 

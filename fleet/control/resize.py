@@ -52,9 +52,7 @@ from fleet.control.parts import Parts
 from fleet.control.publisher import RoutingPublisher
 from health import (
     Batch,
-    CheckpointLoaded,
     Drain,
-    EngineReady,
     Ledger,
     ShardState,
     SlotRemoved,
