@@ -49,9 +49,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     # crash of a run that succeeded. Unheld, each of Ray's worker-death reports prints where the kill happened, next
     # to the demo's own line for it. Read by Ray when it is imported: set before anything imports it.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    from demo.report import continuation_line, on_purpose_line
-    from demo.run import DemoConfig, _nan_to_none, run_demo
-    from fleet.interrupt import exit_status
+    from rlfleet.demo.report import continuation_line, on_purpose_line
+    from rlfleet.demo.run import DemoConfig, _nan_to_none, run_demo
+    from rlfleet.fleet.interrupt import exit_status
 
     cfg = DemoConfig(steps=args.steps, engines=args.engines, fault_plan=args.fault_plan, kv_policy=args.kv_policy,
                      out=args.out, seed=args.seed, model=args.model, progress=args.progress,

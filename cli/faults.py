@@ -59,14 +59,14 @@ def _table(rows: list[dict]) -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from fleet.cluster import ray_door
-    from faults.matrix import Variant, by_name
-    from faults.runner import run_variants
-    from recipe.tinymodel import build_model, default_model_dir
+    from rlfleet.fleet.cluster import ray_door
+    from rlfleet.faults.matrix import Variant, by_name
+    from rlfleet.faults.runner import run_variants
+    from rlfleet.recipe.tinymodel import build_model, default_model_dir
     import yaml
 
-    from fleet.interrupt import catch_signals, exit_status, interrupted_by, restore
-    from health.faultplan import load_plan
+    from rlfleet.fleet.interrupt import catch_signals, exit_status, interrupted_by, restore
+    from rlfleet.health.faultplan import load_plan
 
     try:
         if args.plan:

@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from fleet.cluster import ray_door
+    from rlfleet.fleet.cluster import ray_door
 
     ray_door.join_cluster(args.address)
     for name in ray_door.running_fleets():
@@ -36,7 +36,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _attach(args: argparse.Namespace):
-    from fleet.api import Fleet
+    from rlfleet.fleet.api import Fleet
 
     return Fleet.connect(args.name, address=args.address)
 

@@ -12,17 +12,17 @@ import json
 import sys
 from typing import Callable
 
-from fleet.errors import RlfleetError
-from recipe.tinymodel import PRESETS
+from rlfleet.fleet.errors import RlfleetError
+from rlfleet.recipe.tinymodel import PRESETS
 
 
 def _cmd_model_build(args: argparse.Namespace) -> int:
-    from recipe.tinymodel import build_model, default_model_dir, digest
+    from rlfleet.recipe.tinymodel import build_model, default_model_dir, digest
 
     try:
         path = build_model(args.dir or default_model_dir(args.preset), preset=args.preset, seed=args.seed, force=args.force)
     except OSError as exc:
-        from fleet.errors import ConfigError
+        from rlfleet.fleet.errors import ConfigError
 
         raise ConfigError("dir", f"cannot build the model there: {exc.strerror or exc}", args.dir) from None
     print(json.dumps({"model_dir": str(path), "preset": args.preset, "seed": args.seed, "sha256": digest(path)}))
@@ -30,7 +30,7 @@ def _cmd_model_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_smoke(args: argparse.Namespace) -> int:
-    from cli.smoke import run_smoke
+    from rlfleet.cli.smoke import run_smoke
 
     summary = run_smoke(engines=args.engines, model=args.model)
     print(json.dumps(summary))
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SUBCOMMAND_MODULES = ("cli.demo", "cli.faults", "cli.slurm", "cli.fleet", "cli.serve")
+SUBCOMMAND_MODULES = ("rlfleet.cli.demo", "rlfleet.cli.faults", "rlfleet.cli.slurm", "rlfleet.cli.fleet", "rlfleet.cli.serve")
 
 
 def _register(sub, module: str) -> None:

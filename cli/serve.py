@@ -86,8 +86,8 @@ def register(sub) -> None:
 
 def chat_options(args: argparse.Namespace):
     """``serve.render.ChatOptions`` from the flags, checked (a ``ConfigError`` naming the flag)."""
-    from fleet.errors import ConfigError
-    from serve.render import ChatOptions
+    from rlfleet.fleet.errors import ConfigError
+    from rlfleet.serve.render import ChatOptions
 
     template = args.chat_template
     if template is not None and os.path.isfile(template):
@@ -108,8 +108,8 @@ def weight_transfer_backend(text: str | None) -> str | None:
     """``--weight-transfer-config``'s backend (vLLM's ``WeightTransferConfig`` JSON), checked: a ``ConfigError``
     naming the flag for JSON that does not parse, a field vLLM's config does not have, or a backend the relay
     does not receive with (``rlapi.BACKENDS``)."""
-    from fleet.errors import ConfigError
-    from rlapi import BACKENDS
+    from rlfleet.fleet.errors import ConfigError
+    from rlfleet.rlapi import BACKENDS
 
     if text is None:
         return None
@@ -130,7 +130,7 @@ def engine_flags(args: argparse.Namespace) -> dict:
     """The engine settings the command line sets (``--logprobs-mode``, ``--max-logprobs``; vllm serve's flags), as
     fields of the config's ``engine`` section, checked: a ``ConfigError`` naming the flag (``--logprobs-mode``'s
     values argparse checks)."""
-    from fleet.errors import ConfigError
+    from rlfleet.fleet.errors import ConfigError
 
     out: dict = {}
     if args.logprobs_mode is not None:
@@ -155,7 +155,7 @@ def check_connected_engines(flags: dict, fleet_name: str, engine) -> None:
     """With ``--connect``, the fleet's engines already run with their settings, which a front cannot change: a
     flag that asks for other ones is refused naming it (a trainer told ``processed_logprobs`` that gets raw ones
     would bias its importance sampling silently)."""
-    from fleet.errors import ConfigError
+    from rlfleet.fleet.errors import ConfigError
 
     for field, wanted in flags.items():
         have = getattr(engine, field)
@@ -169,7 +169,7 @@ def check_connected_engines(flags: dict, fleet_name: str, engine) -> None:
 def check_relay_gpu(backend: str | None, config, have_gpus: float) -> None:
     """An NCCL relay takes a GPU of its own beside the engines' (NCCL refuses two ranks of one group on one GPU):
     refused before any actor starts when the Ray cluster has no such GPU, naming the flag."""
-    from fleet.errors import ConfigError
+    from rlfleet.fleet.errors import ConfigError
 
     if backend != "nccl":
         return
@@ -183,7 +183,7 @@ def check_relay_gpu(backend: str | None, config, have_gpus: float) -> None:
 def _load_config(path: str) -> dict:
     import yaml
 
-    from fleet.errors import ConfigError
+    from rlfleet.fleet.errors import ConfigError
 
     try:
         with open(path) as f:
@@ -201,9 +201,9 @@ def checked_config(args: argparse.Namespace):
     """Every flag, and the fleet's config with the engine flags over it, checked before Ray or any fleet starts
     (a ``ConfigError`` naming the flag or the field); returns the config to start, or None for --connect. The
     checked values go on ``args`` (``chat``, ``weight_transfer``, ``engine_flags``) for ``http_server``."""
-    from fleet.errors import ConfigError
-    from fleet.config.fleet import load_fleet_config
-    from serve.server import front_config, listening_socket
+    from rlfleet.fleet.errors import ConfigError
+    from rlfleet.fleet.config.fleet import load_fleet_config
+    from rlfleet.serve.server import front_config, listening_socket
 
     timeout = args.request_timeout
     if timeout is not None and not (0 < timeout < math.inf):  # argparse's float takes "nan", "inf", "-3"
@@ -228,7 +228,7 @@ def checked_config(args: argparse.Namespace):
 def _join_ray(args: argparse.Namespace):
     """Ray first (it installs its own SIGTERM handler in a driver), then the fleet's config, checked before
     any actor exists; returns the config to start, or None for --connect."""
-    from fleet.cluster import ray_door
+    from rlfleet.fleet.cluster import ray_door
 
     config = checked_config(args)
     if config is None:
@@ -244,7 +244,7 @@ def _join_ray(args: argparse.Namespace):
 
 def http_server(args: argparse.Namespace, fleet):
     """The HTTP front the flags describe, over ``fleet`` (not started; ``_join_ray`` checked the flags)."""
-    from serve.server import HttpServer
+    from rlfleet.serve.server import HttpServer
 
     return HttpServer(fleet, host=args.host, port=args.port, model_name=args.served_model_name,
                       request_timeout_s=args.request_timeout, chat=args.chat,
@@ -268,9 +268,9 @@ def _log_to_stderr() -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from fleet.cluster import ray_door
-    from fleet.api import Fleet
-    from fleet.interrupt import Interrupted
+    from rlfleet.fleet.cluster import ray_door
+    from rlfleet.fleet.api import Fleet
+    from rlfleet.fleet.interrupt import Interrupted
 
     config = _join_ray(args)
     _log_to_stderr()

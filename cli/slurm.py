@@ -1,6 +1,6 @@
 """``rlfleet slurm submit``: fill the sbatch launcher from flags and submit it.
 
-The launcher lives in the ``slurm`` package (``slurm/`` in a checkout, shipped as
+The launcher lives in the ``rlfleet.slurm`` package (``slurm/`` in a checkout, shipped as
 package data in a wheel, read with ``importlib.resources``): ``rlfleet.sbatch.in``
 (the shell logic, with an ``#SBATCH`` header block and a settings block) and
 ``rlfleet_step.py`` (the per-step supervisor, embedded into the script as a heredoc).
@@ -28,7 +28,7 @@ from importlib import resources
 from importlib.resources.abc import Traversable
 from typing import Sequence
 
-LAUNCHER_PACKAGE = "slurm"
+LAUNCHER_PACKAGE = "rlfleet.slurm"
 TEMPLATE = "rlfleet.sbatch.in"
 STEP_PROGRAM = "rlfleet_step.py"
 STEP_MARKER = "# @RLFLEET_STEP_PY@"
@@ -154,12 +154,12 @@ def _embed_step(text: str, program: str) -> str:
 
 
 def _read(name: str, source: Traversable | None) -> str:
-    """One launcher file, from ``source`` or the installed ``slurm`` package."""
+    """One launcher file, from ``source`` or the installed ``rlfleet.slurm`` package."""
     try:
         return ((source or resources.files(LAUNCHER_PACKAGE)) / name).read_text()
     except (ModuleNotFoundError, FileNotFoundError) as exc:
         raise LauncherMissing(
-            f"launcher file {LAUNCHER_PACKAGE}/{name} not found ({exc}); reinstall rlfleet, it ships them as package data"
+            f"launcher file {name} of package {LAUNCHER_PACKAGE} not found ({exc}); reinstall rlfleet, it ships them as package data"
         ) from exc
 
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import time
 
-from fleet.cluster import ray_door
-from fleet.config.engine import EngineConfig, validate
-from fleet.errors import ConfigError
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.config.engine import EngineConfig, validate
+from rlfleet.fleet.errors import ConfigError
 
 
 def run_smoke(engines: int = 2, model: str | None = None) -> dict:
     if isinstance(engines, bool) or not isinstance(engines, int) or engines < 1:
         raise ConfigError("engines", "the smoke check needs at least one engine", engines)
-    from recipe.tinymodel import build_model, default_model_dir
+    from rlfleet.recipe.tinymodel import build_model, default_model_dir
 
     model = model or str(build_model(default_model_dir("tiny")))
     cfg = validate(EngineConfig, {"model": model}, prefix="engine")

@@ -26,9 +26,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from faults import invariants
-from faults.timeline import log_numbers, percentile, readmissions, refit_spans
-from fleet.records import Fault, Gate, Health, Kill, Record, Restart, all_of
+from rlfleet.faults import invariants
+from rlfleet.faults.timeline import log_numbers, percentile, readmissions, refit_spans
+from rlfleet.fleet.records import Fault, Gate, Health, Kill, Record, Restart, all_of
 
 STATE_COLORS = {
     "starting": "#c7c7c7",

@@ -1,7 +1,7 @@
 """``rlfleet demo``: the GRPO recipe trained on a fleet of vLLM engines through a shard kill and a controller
 kill, with a report.
 
-    from demo.run import DemoConfig, run_demo
+    from rlfleet.demo.run import DemoConfig, run_demo
     summary = run_demo(DemoConfig(steps=30, out="rlfleet-demo"))
 
 What it runs: a local Ray, a ``Fleet`` of ``engines`` vLLM engines (tiny model,
@@ -48,13 +48,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from faults.firing import FaultFiring, slot_states
-from faults.timeline import read_log
-from fleet.cluster import ray_door
-from fleet.polling import poll
-from fleet.errors import ConfigError, FleetStopped
-from fleet.interrupt import catch_signals, interrupted_by, restore
-from fleet.records import (Adopted, ControllerRestarted, Fault, Health, Readmit, Record, Restart, Retire, Stamp, Stopped,
+from rlfleet.faults.firing import FaultFiring, slot_states
+from rlfleet.faults.timeline import read_log
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.polling import poll
+from rlfleet.fleet.errors import ConfigError, FleetStopped
+from rlfleet.fleet.interrupt import catch_signals, interrupted_by, restore
+from rlfleet.fleet.records import (Adopted, ControllerRestarted, Fault, Health, Readmit, Record, Restart, Retire, Stamp, Stopped,
                            all_of)
 
 # How the demo's fleet differs from the defaults: short deadlines and fast restarts, sized
@@ -148,7 +148,7 @@ def default_plan(steps: int, engines: int) -> dict:
 
 def load_demo_plan(cfg: DemoConfig):
     """The ``FaultPlan`` for ``cfg`` (None for ``"none"``). Raises ``ConfigError`` naming the problem."""
-    from health.faultplan import load_plan
+    from rlfleet.health.faultplan import load_plan
 
     spec = str(cfg.fault_plan)
     if spec == "none":
@@ -304,8 +304,8 @@ class DemoRun:
     """
 
     def __init__(self, cfg: DemoConfig, view=None) -> None:
-        from health.faultplan import resolve
-        from recipe import AllowedTokensTask, PromptGenerator, RecipeConfig, TrainerConfig
+        from rlfleet.health.faultplan import resolve
+        from rlfleet.recipe import AllowedTokensTask, PromptGenerator, RecipeConfig, TrainerConfig
 
         if cfg.steps < 1:
             raise ConfigError("steps", "must be >= 1", cfg.steps)
@@ -372,8 +372,8 @@ class DemoRun:
     # ------------------------------------------------------------------ set-up and tear-down
     def prepare(self) -> None:
         """The report directory (cleared of a previous run's files), the model, the fleet config, the view."""
-        from demo.view import make_view
-        from recipe.tinymodel import build_model, default_model_dir
+        from rlfleet.demo.view import make_view
+        from rlfleet.recipe.tinymodel import build_model, default_model_dir
 
         self.out.mkdir(parents=True, exist_ok=True)
         for stale in ("events.jsonl", "summary.json", "learning.png", "timeline.png"):
@@ -384,8 +384,8 @@ class DemoRun:
 
     def start(self) -> None:
         """A local Ray, the trainer actor (checked at version 0), the fleet, and the watcher and firing on it."""
-        from demo.trainer import AuditedTrainerActor
-        from fleet.api import Fleet
+        from rlfleet.demo.trainer import AuditedTrainerActor
+        from rlfleet.fleet.api import Fleet
 
         engines = self.cfg.engines
         ray_door.init_local(num_cpus=engines + 3, log_to_driver=False)
@@ -452,7 +452,7 @@ class DemoRun:
 
     def collect(self, pending) -> tuple[list, int, set]:
         """Groups of the batch ``pending``, results returned (not generated), (slot, incarnation) that served it."""
-        from recipe import build_group
+        from rlfleet.recipe import build_group
 
         batch, refs = pending
         groups, returned, slots = [], 0, set()
@@ -597,7 +597,7 @@ class DemoRun:
     # ------------------------------------------------------------------ the report
     def write_report(self) -> dict:
         """``summary.json`` and the plots, from the rows, the notes and the event log the fleet wrote."""
-        from demo.report import summarize, write_plots
+        from rlfleet.demo.report import summarize, write_plots
 
         events = read_log(self.out / "events.jsonl")
         summary = summarize(self, events, time.monotonic() - self.t_start)

@@ -25,10 +25,10 @@ from typing import Sequence
 
 import torch
 
-from recipe.actor import GRPOTrainerActor
-from recipe.grpo import Group
-from recipe.logprobs import batch_token_logprobs
-from recipe.trainer import GRPOTrainer, TrainerConfig
+from rlfleet.recipe.actor import GRPOTrainerActor
+from rlfleet.recipe.grpo import Group
+from rlfleet.recipe.logprobs import batch_token_logprobs
+from rlfleet.recipe.trainer import GRPOTrainer, TrainerConfig
 
 
 class AuditedTrainerActor(GRPOTrainerActor):

@@ -23,8 +23,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from faults.polling import wait_until
-from fleet.records import Admission, RefitHeld, Record
+from rlfleet.faults.polling import wait_until
+from rlfleet.fleet.records import Admission, RefitHeld, Record
 
 PROMPT = [9, 19, 29, 39, 49]
 HELD = {"max_tokens": 500, "ignore_eos": True, "temperature": 1.0}  # a tiny model on a CPU makes 500 in seconds

@@ -28,13 +28,13 @@ import random
 import time
 from typing import Callable
 
-from faults import invariants
-from faults.evidence import describe, had_effect, prove
-from faults.firing import FaultFiring, slot_states
-from faults.runner import PROMPT, SAMPLING, FaultRunner
-from faults.timeline import percentile
-from fleet.errors import FleetStopped
-from health.faultplan import REFIT_PHASES, Firing, load_plan
+from rlfleet.faults import invariants
+from rlfleet.faults.evidence import describe, had_effect, prove
+from rlfleet.faults.firing import FaultFiring, slot_states
+from rlfleet.faults.runner import PROMPT, SAMPLING, FaultRunner
+from rlfleet.faults.timeline import percentile
+from rlfleet.fleet.errors import FleetStopped
+from rlfleet.health.faultplan import REFIT_PHASES, Firing, load_plan
 
 AT_A_PHASE = "<a refit phase>"  # drawn at random from REFIT_PHASES when the fault is fired
 CONTROLLER_KILLS = (("between_refits", "kill_controller"), (AT_A_PHASE, "kill_controller"))

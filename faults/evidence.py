@@ -74,18 +74,18 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from faults.admission_hold import prove_admission_hold_across_refit
-from faults.firing import hook_point
-from faults.loop_fault import prove_loop_error_then_kill
-from faults.operator import prove_controller_kill_under_keep_pause, prove_operator_resume_mid_refit
-from faults.poison import prove_poison_in_batch, prove_poison_request
-from faults.readmit import PROOFS as READMIT_PROOFS
-from faults.relay_commit import prove_relay_commit_lost
-from faults.resize_evidence import prove_resize_under_load
-from faults.timeline import departure, fault_to_reopen, recover_s, refit_spans
-from fleet.records import Adopted, ControllerRestarted, Fault, Gate, Phase, RefitRolledBack, Request, all_of
-from health.faultplan import CONTROLLER_WHAT, CORRUPTIONS, TRAINER_WHERE
-from refit.manifest import layer_group
+from rlfleet.faults.admission_hold import prove_admission_hold_across_refit
+from rlfleet.faults.firing import hook_point
+from rlfleet.faults.loop_fault import prove_loop_error_then_kill
+from rlfleet.faults.operator import prove_controller_kill_under_keep_pause, prove_operator_resume_mid_refit
+from rlfleet.faults.poison import prove_poison_in_batch, prove_poison_request
+from rlfleet.faults.readmit import PROOFS as READMIT_PROOFS
+from rlfleet.faults.relay_commit import prove_relay_commit_lost
+from rlfleet.faults.resize_evidence import prove_resize_under_load
+from rlfleet.faults.timeline import departure, fault_to_reopen, recover_s, refit_spans
+from rlfleet.fleet.records import Adopted, ControllerRestarted, Fault, Gate, Phase, RefitRolledBack, Request, all_of
+from rlfleet.health.faultplan import CONTROLLER_WHAT, CORRUPTIONS, TRAINER_WHERE
+from rlfleet.refit.manifest import layer_group
 
 QUARANTINE_OR_DEAD = ("suspect", "hung", "dead", "retired")
 # What a fault's action leads to. A shard's: the health states it puts the incarnation it hit into

@@ -52,17 +52,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any, Callable, Iterable, Protocol
 
-from faults.admission_hold import admission_hold_across_refit
-from faults.load import refit_under_load
-from faults.loop_fault import loop_error_then_kill
-from faults.operator import controller_kill_under_keep_pause, operator_resume_mid_refit
-from faults.relay_commit import relay_commit_lost
-from faults.poison import poison_in_batch, poison_request
-from faults.readmit import SCENARIOS as READMIT_SCENARIOS
-from faults.polling import wait_until
-from faults.resize_load import resize_under_load
-from fleet.errors import FleetStopped, RefitNotDelivered, RefitRefused
-from health.faultplan import CONTROLLER_WHAT, TRAINER_WHERE, Firing
+from rlfleet.faults.admission_hold import admission_hold_across_refit
+from rlfleet.faults.load import refit_under_load
+from rlfleet.faults.loop_fault import loop_error_then_kill
+from rlfleet.faults.operator import controller_kill_under_keep_pause, operator_resume_mid_refit
+from rlfleet.faults.relay_commit import relay_commit_lost
+from rlfleet.faults.poison import poison_in_batch, poison_request
+from rlfleet.faults.readmit import SCENARIOS as READMIT_SCENARIOS
+from rlfleet.faults.polling import wait_until
+from rlfleet.faults.resize_load import resize_under_load
+from rlfleet.fleet.errors import FleetStopped, RefitNotDelivered, RefitRefused
+from rlfleet.health.faultplan import CONTROLLER_WHAT, TRAINER_WHERE, Firing
 
 # A plan's ``where`` -> the shard's fault hook point (a step-boundary fault other than a kill goes off at the next probe).
 # A ``freeze`` ``between_refits`` goes off at the shard's next request: one is in flight on it when it freezes.

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping
 
-from fleet.records import Kill, Record, Request
+from rlfleet.fleet.records import Kill, Record, Request
 
 __all__ = ["FREEZES", "prove_core_reaped", "prove_resent"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from fleet.records import Adopt, ControllerRestarted, Gate, Phase, Readmit, Record, Request, Stamp, Stopped, all_of
+from rlfleet.fleet.records import Adopt, ControllerRestarted, Gate, Phase, Readmit, Record, Request, Stamp, Stopped, all_of
 
 Events = Iterable[Mapping | Record]  # wire dicts or typed records (``fleet.records``)
 

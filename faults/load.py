@@ -25,9 +25,9 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from fleet.cluster import ray_door
-from fleet.errors import RouteRefused
-from fleet.data.routing_state import LATEST, Ticket, VersionPolicy
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.errors import RouteRefused
+from rlfleet.fleet.data.routing_state import LATEST, Ticket, VersionPolicy
 
 PROMPT = [5, 6, 7, 8]
 SAMPLING = {"max_tokens": 4}

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Mapping
 
-from faults.polling import wait_until
-from fleet.records import Health, LoopError, Record
+from rlfleet.faults.polling import wait_until
+from rlfleet.fleet.records import Health, LoopError, Record
 
 LOOP = "liveness monitor"
 RAISES = 2  # ticks that raise before the kill

@@ -24,8 +24,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from faults.polling import wait_until
-from fleet.records import Phase, Record, Stamp
+from rlfleet.faults.polling import wait_until
+from rlfleet.fleet.records import Phase, Record, Stamp
 
 PROMPT = [7, 17, 27, 37, 47]
 HELD = {"max_tokens": 160, "ignore_eos": True, "temperature": 1.0}

@@ -37,8 +37,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from fleet.records import Health, Record, Request
-from faults.polling import wait_until
+from rlfleet.fleet.records import Health, Record, Request
+from rlfleet.faults.polling import wait_until
 
 POISON_TOKENS = [7, 77, 7, 77]  # in no other prompt the fault runs send
 POISON_PROMPT = [1, *POISON_TOKENS, 2]
@@ -82,7 +82,7 @@ class _OtherClient:
     ``OTHER_REQUESTS`` ordinary requests in a thread; returns once they run."""
 
     def __init__(self, fleet) -> None:
-        from fleet.api import Fleet
+        from rlfleet.fleet.api import Fleet
 
         self.fleet = Fleet.connect(fleet.name)
         self.out: list = []

@@ -3,6 +3,6 @@ helper (``fleet.polling``, on tenacity)."""
 
 from __future__ import annotations
 
-from fleet.polling import poll, wait_until
+from rlfleet.fleet.polling import poll, wait_until
 
 __all__ = ["poll", "wait_until"]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Sequence
 
-from fleet.records import Fault, Gate, Health, Promote, Record, Restart, Routing, Stamp, all_of
+from rlfleet.fleet.records import Fault, Gate, Health, Promote, Record, Restart, Routing, Stamp, all_of
 
 Events = Iterable[Mapping | Record]  # wire dicts or typed records (``fleet.records``)
 

@@ -34,9 +34,9 @@ import signal
 import time
 from typing import Any, Callable, Mapping
 
-from faults.polling import wait_until
-from faults.timeline import read_log
-from fleet.records import Adopted, ControllerRestarted, Fault, Health, Phase, Readmit, Record, Stamp
+from rlfleet.faults.polling import wait_until
+from rlfleet.faults.timeline import read_log
+from rlfleet.fleet.records import Adopted, ControllerRestarted, Fault, Health, Phase, Readmit, Record, Stamp
 
 DELAY_S = 3.0  # the first donor's send held back this long: the driver acts while the receiver waits
 UP_S = 60.0  # a NULL engine restarts in about a second; a loaded host may take longer

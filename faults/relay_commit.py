@@ -21,8 +21,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from fleet.cluster import ray_door
-from fleet.records import Record
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.records import Record
 
 SHORT_WAIT_S = 1.0  # the surface's wait for a restarted controller: shorter than any restart and re-adoption
 RESEND_FOR_S = 180.0  # how long the trainer keeps re-sending a finish answered 503
@@ -30,9 +30,9 @@ PARTIAL = ("model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj
 
 
 def relay_commit_lost(fleet, say: Callable[[str], Any] = print) -> dict:
-    from fleet.api import Fleet
-    from rlapi.relay import WeightRelay, load_checkpoint
-    from rlapi.routes import RLSurface
+    from rlfleet.fleet.api import Fleet
+    from rlfleet.rlapi.relay import WeightRelay, load_checkpoint
+    from rlfleet.rlapi.routes import RLSurface
 
     # the trainer's call gives up on the restarted controller early; the data plane it reads (the routing state,
     # the engines /weight_checker asks) is the fleet's own client, which waits as configured
@@ -111,8 +111,8 @@ class _Trainer:
 
     @classmethod
     async def join(cls, surface) -> "_Trainer":
-        from rlapi import gloo_wire
-        from rlapi.gloo_wire import GlooInitInfo
+        from rlfleet.rlapi import gloo_wire
+        from rlfleet.rlapi.gloo_wire import GlooInitInfo
 
         info = GlooInitInfo(master_address="127.0.0.1", master_port=free_port(), rank_offset=1, world_size=2,
                             packed=True, packed_buffer_size_bytes=1 << 22)
@@ -126,7 +126,7 @@ class _Trainer:
         return cls(out["g"], info)
 
     async def send(self, surface, tensors: list) -> None:
-        from rlapi import gloo_wire
+        from rlfleet.rlapi import gloo_wire
 
         await surface._relay("start_update")
         meta = {"names": [n for n, _ in tensors], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],

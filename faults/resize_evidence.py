@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from fleet.records import Health, Record, Resize, Stamp
+from rlfleet.fleet.records import Health, Record, Resize, Stamp
 
 
 def _end_record(events: list[Mapping | Record], call: Mapping) -> Resize | None:

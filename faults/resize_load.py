@@ -29,8 +29,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from faults.polling import wait_until
-from faults.load import ClientLoad
+from rlfleet.faults.polling import wait_until
+from rlfleet.faults.load import ClientLoad
 
 PROMPT = [1, 21, 31, 41, 51]
 SAMPLING = {"max_tokens": 128, "ignore_eos": True, "temperature": 1.0}  # long enough to be in flight at a resize

@@ -43,21 +43,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from faults import invariants
-from faults.evidence import prove
-from faults.frozen import prove_core_reaped, prove_resent
-from faults.promotion import prove_promotion
-from faults.firing import FaultFiring, slot_states
-from faults.polling import wait_until
-from faults.timeline import read_log
-from fleet.cluster import ray_door
-from fleet.api import Fleet
-from fleet.errors import FleetStopped
-from fleet.cluster.naming import controller_name, shard_name
-from fleet.records import Health, Kill, Readmit, Record, Request, Stamp, Stopped, all_of, of_kinds
-from faults.matrix import BASE_FLEET, Variant
-from faults.source import WeightSource
-from health.faultplan import CONTROLLER_WHAT, FaultPlan, load_plan, resolve
+from rlfleet.faults import invariants
+from rlfleet.faults.evidence import prove
+from rlfleet.faults.frozen import prove_core_reaped, prove_resent
+from rlfleet.faults.promotion import prove_promotion
+from rlfleet.faults.firing import FaultFiring, slot_states
+from rlfleet.faults.polling import wait_until
+from rlfleet.faults.timeline import read_log
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.api import Fleet
+from rlfleet.fleet.errors import FleetStopped
+from rlfleet.fleet.cluster.naming import controller_name, shard_name
+from rlfleet.fleet.records import Health, Kill, Readmit, Record, Request, Stamp, Stopped, all_of, of_kinds
+from rlfleet.faults.matrix import BASE_FLEET, Variant
+from rlfleet.faults.source import WeightSource
+from rlfleet.health.faultplan import CONTROLLER_WHAT, FaultPlan, load_plan, resolve
 
 PROMPT = [1, 21, 31, 41, 51]
 SAMPLING = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0}

@@ -29,10 +29,10 @@ from typing import Sequence
 
 import torch
 
-from recipe.logprobs import token_logprobs
-from refit.manifest import layer_group
-from refit.ports import LocalSenderPort
-from refit.sender import WeightSender
+from rlfleet.recipe.logprobs import token_logprobs
+from rlfleet.refit.manifest import layer_group
+from rlfleet.refit.ports import LocalSenderPort
+from rlfleet.refit.sender import WeightSender
 
 CORRUPTIONS = ("name", "shape", "dtype", "missing_tensor", "missing_layer")
 

@@ -35,9 +35,9 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from fleet.records import (ControllerRestarted, Fault, Gate, Health, Kill, Phase, Readmit, Record, Request, Restart,
+from rlfleet.fleet.records import (ControllerRestarted, Fault, Gate, Health, Kill, Phase, Readmit, Record, Request, Restart,
                            Stamp, StalenessAbort, Stopped, all_of)
-from health.faultplan import REFIT_PHASES
+from rlfleet.health.faultplan import REFIT_PHASES
 
 Events = Iterable[Mapping | Record]  # wire dicts (``read_log``, ``Fleet.events``) or typed records
 

@@ -23,18 +23,18 @@ from typing import Any, Iterable, Sequence, cast
 import time
 import uuid
 
-from fleet.cluster import ray_door
-from fleet.data.client import FleetClient
-from fleet.control.controller import SingleController
-from fleet.errors import FleetStopped
-from fleet.data.dispatch import FleetResult
-from fleet.config.fleet import FleetConfig, load_fleet_config
-from fleet.cluster.naming import NAMESPACE, controller_name, new_fleet_name
-from fleet.outcome import DIED, UNAVAILABLE, Outcome
-from fleet.polling import poll
-from fleet.records import Record, of_kinds
-from fleet.operator import FaultInjector
-from fleet.data.routing_state import VersionPolicy
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.data.client import FleetClient
+from rlfleet.fleet.control.controller import SingleController
+from rlfleet.fleet.errors import FleetStopped
+from rlfleet.fleet.data.dispatch import FleetResult
+from rlfleet.fleet.config.fleet import FleetConfig, load_fleet_config
+from rlfleet.fleet.cluster.naming import NAMESPACE, controller_name, new_fleet_name
+from rlfleet.fleet.outcome import DIED, UNAVAILABLE, Outcome
+from rlfleet.fleet.polling import poll
+from rlfleet.fleet.records import Record, of_kinds
+from rlfleet.fleet.operator import FaultInjector
+from rlfleet.fleet.data.routing_state import VersionPolicy
 
 # The controller only waits: no CPU reserved; its calls are control calls and one long poll per client.
 # Named and detached: Ray restarts it after its process dies (``max_restarts`` from the config), a
@@ -83,7 +83,7 @@ def check_node_id(node: Any) -> None:
     if node is None:
         return
     if not isinstance(node, str) or not node or any(c not in "0123456789abcdefABCDEF" for c in node):
-        from fleet.errors import ConfigError
+        from rlfleet.fleet.errors import ConfigError
 
         raise ConfigError("controller_node", "must be None or a Ray node id (hex digits, as ray.nodes() lists "
                           "them under NodeID)", node)
@@ -180,12 +180,12 @@ class Fleet:
         ray_door.init_local(num_cpus=num_cpus, log_to_driver=False)
         ray_door.check_capacity(cfg.total_engines, cfg.engine.num_cpus, cfg.engine.num_gpus)  # spares included
         if controller_node is not None and controller_node not in (alive := ray_door.alive_nodes()):
-            from fleet.errors import ConfigError
+            from rlfleet.fleet.errors import ConfigError
 
             raise ConfigError("controller_node", f"no live node of this Ray cluster has that id; live nodes: "
                               f"{sorted(alive)}", controller_node)
         if ray_door.find_actor(controller_name(name)) is not None:
-            from fleet.errors import ConfigError
+            from rlfleet.fleet.errors import ConfigError
 
             raise ConfigError("name", f"a fleet named {cfg.name!r} is already running on this Ray cluster; "
                               f"attach to it with Fleet.connect({cfg.name!r}) or pick another name", cfg.name)
@@ -361,7 +361,7 @@ class Fleet:
         the Ray cluster can place, raises ``ConfigError`` before anything changes; resizing to the size
         the fleet has changes nothing (so it is re-sent safely after a controller restart).
         """
-        from fleet.control.resize import check_target, drain_bound
+        from rlfleet.fleet.control.resize import check_target, drain_bound
 
         self._check_open("resize")
         n = check_target(n, self.config.min_healthy_engines)

@@ -26,7 +26,7 @@ import json
 import time
 from typing import Any, Callable, Iterable, NamedTuple, Sequence, cast
 
-from fleet.records import REGISTRY, Record, check, class_of, kind_of, kinds_of
+from rlfleet.fleet.records import REGISTRY, Record, check, class_of, kind_of, kinds_of
 
 # Values stored as they are. The log is written on every health transition and decision,
 # so the common fields (numbers, strings, enums, lists of them) take a type lookup, not a

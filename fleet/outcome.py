@@ -23,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.errors import DeadlineExceeded, EngineStalledError, ShardUnavailableError, ShardUnusableError
-from health import CallKind, FailureClass, Observed
-from health.classify import classify_kind
-from health.progress import stall_verdict
-from fleet.wire import ShardInfo
+from rlfleet.fleet.errors import DeadlineExceeded, EngineStalledError, ShardUnavailableError, ShardUnusableError
+from rlfleet.health import CallKind, FailureClass, Observed
+from rlfleet.health.classify import classify_kind
+from rlfleet.health.progress import stall_verdict
+from rlfleet.fleet.wire import ShardInfo
 
 OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR = "ok", "died", "unavailable", "timed_out", "bad_ack", "error"
 KINDS = (OK, DIED, UNAVAILABLE, TIMED_OUT, BAD_ACK, ERROR)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from fleet.record_base import (  # noqa: F401 - the helpers are read from here, with the kinds
+from rlfleet.fleet.record_base import (  # noqa: F401 - the helpers are read from here, with the kinds
     REGISTRY,
     Record,
     all_of,

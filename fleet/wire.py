@@ -36,8 +36,8 @@ from typing import Any
 
 import msgspec
 
-from fleet.data.routing_state import Ticket, VersionPolicy
-from fleet.errors import BadRequestError
+from rlfleet.fleet.data.routing_state import Ticket, VersionPolicy
+from rlfleet.fleet.errors import BadRequestError
 
 __all__ = ["BeginRefit", "Carried", "Counters", "Description", "Donated", "EndRefit", "Left", "PeerManifest",
            "PeerOffer", "PeerReceived", "Ping", "Record", "ServeRequest", "ShardFacts", "ShardInfo", "Started",

@@ -52,11 +52,11 @@ a shard's engine holding work and making none is stalled), ``testing`` (builders
 
 from __future__ import annotations
 
-from health.classify import classify_kind, is_late, refit_result
-from health.clock import Clock, FakeClock, MonotonicClock
-from health.config import HealthConfig
-from health.core import decide, step
-from health.decision import (
+from rlfleet.health.classify import classify_kind, is_late, refit_result
+from rlfleet.health.clock import Clock, FakeClock, MonotonicClock
+from rlfleet.health.config import HealthConfig
+from rlfleet.health.core import decide, step
+from rlfleet.health.decision import (
     AbortRefit,
     Action,
     CloseGate,
@@ -71,7 +71,7 @@ from health.decision import (
     StopExhausted,
     Transition,
 )
-from health.events import (
+from rlfleet.health.events import (
     Batch,
     EngineReady,
     Event,
@@ -88,13 +88,13 @@ from health.events import (
     Tick,
     VersionCommitted,
 )
-from health.ledger import FleetState, Ledger, SlotRecord, SlotStatus, view_state
-from health.membership import TRAINER_RANK, MembershipPlan, Participant, plan_membership
-from health.quorum import QuorumDecision, check_quorum
-from health.readmit import ReadmitFailed, Readmitted
-from health.resize import CheckpointLoaded, Drain, ResizePlan, SlotRemoved, SlotsAdded, check_size, plan_resize
-from health.restart import RestartPlan, RestartPolicy
-from health.states import CallKind, FailureClass, RefitResult, ShardState, SlotPhase
+from rlfleet.health.ledger import FleetState, Ledger, SlotRecord, SlotStatus, view_state
+from rlfleet.health.membership import TRAINER_RANK, MembershipPlan, Participant, plan_membership
+from rlfleet.health.quorum import QuorumDecision, check_quorum
+from rlfleet.health.readmit import ReadmitFailed, Readmitted
+from rlfleet.health.resize import CheckpointLoaded, Drain, ResizePlan, SlotRemoved, SlotsAdded, check_size, plan_resize
+from rlfleet.health.restart import RestartPlan, RestartPolicy
+from rlfleet.health.states import CallKind, FailureClass, RefitResult, ShardState, SlotPhase
 
 __all__ = [
     "AbortRefit",

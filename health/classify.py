@@ -24,7 +24,7 @@ never return a guess.
 
 from __future__ import annotations
 
-from health.states import FailureClass, RefitResult
+from rlfleet.health.states import FailureClass, RefitResult
 
 __all__ = ["OUTCOME_KINDS", "classify_kind", "is_late", "refit_result"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from health.restart import RestartPolicy
+from rlfleet.health.restart import RestartPolicy
 
 __all__ = ["HealthConfig", "ON_HANG"]
 

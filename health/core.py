@@ -70,10 +70,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from health import fleet_rules, gate_rules, readmit, resize, slot_rules
-from health.decision import Decision
-from health.draft import Draft
-from health.events import (
+from rlfleet.health import fleet_rules, gate_rules, readmit, resize, slot_rules
+from rlfleet.health.decision import Decision
+from rlfleet.health.draft import Draft
+from rlfleet.health.events import (
     Batch,
     EngineReady,
     Event,
@@ -88,8 +88,8 @@ from health.events import (
     Tick,
     VersionCommitted,
 )
-from health.ledger import Ledger
-from health.states import FailureClass
+from rlfleet.health.ledger import Ledger
+from rlfleet.health.states import FailureClass
 
 __all__ = ["decide", "step"]
 

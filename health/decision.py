@@ -30,12 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Union
 
-from health.states import CallKind, FailureClass, ShardState
+from rlfleet.health.states import CallKind, FailureClass, ShardState
 
 if TYPE_CHECKING:
-    from health.events import Event
-    from health.ledger import FleetState, SlotRecord
-    from health.resize import Drain
+    from rlfleet.health.events import Event
+    from rlfleet.health.ledger import FleetState, SlotRecord
+    from rlfleet.health.resize import Drain
 
 __all__ = [
     "AbortRefit",

@@ -16,10 +16,10 @@ Package-internal: controllers use ``decide``/``step``. Never raises.
 
 from __future__ import annotations
 
-from health.decision import Action, Decision, Transition, gate_reason_of
-from health.events import Event
-from health.ledger import FleetState, Ledger, SlotRecord, view_state
-from health.states import FailureClass, SlotPhase
+from rlfleet.health.decision import Action, Decision, Transition, gate_reason_of
+from rlfleet.health.events import Event
+from rlfleet.health.ledger import FleetState, Ledger, SlotRecord, view_state
+from rlfleet.health.states import FailureClass, SlotPhase
 
 __all__ = ["Draft"]
 

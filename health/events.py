@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
-from health.states import CallKind, FailureClass, RefitResult
+from rlfleet.health.states import CallKind, FailureClass, RefitResult
 
 if TYPE_CHECKING:
-    from health.resize import CheckpointLoaded, SlotRemoved, SlotsAdded
-    from health.readmit import ReadmitFailed, Readmitted
+    from rlfleet.health.resize import CheckpointLoaded, SlotRemoved, SlotsAdded
+    from rlfleet.health.readmit import ReadmitFailed, Readmitted
 
 __all__ = [
     "Batch",

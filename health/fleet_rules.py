@@ -9,15 +9,15 @@ versions involved before anything is recorded.
 
 from __future__ import annotations
 
-from health.decision import CloseGate, KeepGateClosed, OpenGate, StopExhausted, Transition
-from health.draft import Draft
-from health import readmit
-from health.events import RefitFinished, RefitRolledBack, RefitStarted, Tick, VersionCommitted
-from health.ledger import QUARANTINE, TIMER_RESTART, SlotRecord, view_state
-from health.gate_rules import operator_reason
-from health.quorum import check_quorum, exhausted_message
-from health.slot_rules import condemn, restart
-from health.states import FailureClass, ShardState, SlotPhase
+from rlfleet.health.decision import CloseGate, KeepGateClosed, OpenGate, StopExhausted, Transition
+from rlfleet.health.draft import Draft
+from rlfleet.health import readmit
+from rlfleet.health.events import RefitFinished, RefitRolledBack, RefitStarted, Tick, VersionCommitted
+from rlfleet.health.ledger import QUARANTINE, TIMER_RESTART, SlotRecord, view_state
+from rlfleet.health.gate_rules import operator_reason
+from rlfleet.health.quorum import check_quorum, exhausted_message
+from rlfleet.health.slot_rules import condemn, restart
+from rlfleet.health.states import FailureClass, ShardState, SlotPhase
 
 __all__ = [
     "check_permanent_exhaustion",

@@ -12,10 +12,10 @@ Guarantee on failure: an unknown pause mode raises ``ValueError`` naming it, bef
 
 from __future__ import annotations
 
-from health.decision import CloseGate, OpenGate
-from health.draft import Draft
-from health.events import Halted, OperatorPaused, OperatorResumed
-from health.quorum import check_quorum
+from rlfleet.health.decision import CloseGate, OpenGate
+from rlfleet.health.draft import Draft
+from rlfleet.health.events import Halted, OperatorPaused, OperatorResumed
+from rlfleet.health.quorum import check_quorum
 
 __all__ = ["PAUSE_MODES", "on_halted", "on_operator_paused", "on_operator_resumed",
            "operator_reason"]

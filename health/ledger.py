@@ -37,8 +37,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Protocol, cast
 
-from health.config import HealthConfig
-from health.states import ShardState, SlotPhase
+from rlfleet.health.config import HealthConfig
+from rlfleet.health.states import ShardState, SlotPhase
 
 __all__ = ["FleetState", "Ledger", "SlotRecord", "SlotStatus", "view_state"]
 

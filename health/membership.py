@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from health.ledger import Ledger
+from rlfleet.health.ledger import Ledger
 
 __all__ = ["TRAINER_RANK", "MembershipPlan", "Participant", "plan_membership"]
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from health.ledger import Ledger, SlotRecord, view_state
-from health.states import ShardState, SlotPhase
+from rlfleet.health.ledger import Ledger, SlotRecord, view_state
+from rlfleet.health.states import ShardState, SlotPhase
 
 __all__ = ["QuorumDecision", "check_quorum", "exhausted_message", "describe_dead"]
 

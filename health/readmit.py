@@ -33,10 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from health.decision import Readmit
-from health.draft import Draft
-from health.ledger import Ledger, SlotRecord, view_state
-from health.states import ShardState, SlotPhase
+from rlfleet.health.decision import Readmit
+from rlfleet.health.draft import Draft
+from rlfleet.health.ledger import Ledger, SlotRecord, view_state
+from rlfleet.health.states import ShardState, SlotPhase
 
 __all__ = ["READMIT_BACKOFF_CAP_S", "READMIT_BACKOFF_S", "READMIT_FAILURES_TO_EVICT", "ReadmitFailed",
            "Readmitted", "due", "land_committed", "on_readmit_failed", "on_readmitted", "on_tick"]
@@ -130,7 +130,7 @@ def on_readmit_failed(d: Draft, ev: ReadmitFailed) -> None:
     rec = _current(d, ev)
     if rec is None:
         return
-    from health.slot_rules import condemn
+    from rlfleet.health.slot_rules import condemn
 
     failures = rec.readmit_failures + (1 if ev.its_fault else 0)
     where = f"slot {rec.slot} incarnation {rec.incarnation}"
@@ -147,6 +147,6 @@ def on_readmit_failed(d: Draft, ev: ReadmitFailed) -> None:
 
 
 def _current(d: Draft, ev) -> SlotRecord | None:
-    from health.slot_rules import _resolve
+    from rlfleet.health.slot_rules import _resolve
 
     return _resolve(d, ev)

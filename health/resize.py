@@ -33,12 +33,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from health.decision import Transition
-from health.draft import Draft
-from health.readmit import land_committed
-from health.ledger import Ledger, SlotRecord, view_state
-from health.slot_rules import _resolve
-from health.states import ShardState, SlotPhase
+from rlfleet.health.decision import Transition
+from rlfleet.health.draft import Draft
+from rlfleet.health.readmit import land_committed
+from rlfleet.health.ledger import Ledger, SlotRecord, view_state
+from rlfleet.health.slot_rules import _resolve
+from rlfleet.health.states import ShardState, SlotPhase
 
 __all__ = ["CheckpointLoaded", "Drain", "ResizePlan", "SlotRemoved", "SlotsAdded", "check_size", "plan_resize"]
 

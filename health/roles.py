@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from health.states import ShardState
+from rlfleet.health.states import ShardState
 
 __all__ = ["Demotion", "Promotion", "Rebalanced", "Roles", "rebalance"]
 

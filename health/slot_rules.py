@@ -10,11 +10,11 @@ incarnation and value before anything is recorded; nothing here touches the ledg
 
 from __future__ import annotations
 
-from health.decision import AbortRefit, Evict, Probe, Restart, Retire, Transition
-from health.draft import Draft
-from health.events import EngineReady, Observed, RefitReport, SlotEvent
-from health.ledger import SlotRecord, view_state
-from health.states import CallKind, FailureClass, RefitResult, ShardState, SlotPhase
+from rlfleet.health.decision import AbortRefit, Evict, Probe, Restart, Retire, Transition
+from rlfleet.health.draft import Draft
+from rlfleet.health.events import EngineReady, Observed, RefitReport, SlotEvent
+from rlfleet.health.ledger import SlotRecord, view_state
+from rlfleet.health.states import CallKind, FailureClass, RefitResult, ShardState, SlotPhase
 
 __all__ = ["condemn", "land_all", "on_observed", "on_ready", "on_report", "restart"]
 

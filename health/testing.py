@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from health.config import HealthConfig
-from health.core import step
-from health.decision import Decision
-from health.events import (
+from rlfleet.health.config import HealthConfig
+from rlfleet.health.core import step
+from rlfleet.health.decision import Decision
+from rlfleet.health.events import (
     EngineReady,
     Event,
     RefitFinished,
@@ -21,8 +21,8 @@ from health.events import (
     RefitStarted,
     VersionCommitted,
 )
-from health.ledger import Ledger
-from health.states import RefitResult
+from rlfleet.health.ledger import Ledger
+from rlfleet.health.states import RefitResult
 
 __all__ = ["feed", "ready_fleet", "refit"]
 

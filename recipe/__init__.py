@@ -20,20 +20,20 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "AllowedTokensTask": "recipe.task",
-    "PromptGenerator": "recipe.task",
-    "Task": "recipe.task",
-    "Sample": "recipe.grpo",
-    "Group": "recipe.grpo",
-    "group_advantages": "recipe.grpo",
-    "build_group": "recipe.grpo",
-    "clipped_pg_loss": "recipe.grpo",
-    "token_logprobs": "recipe.logprobs",
-    "batch_token_logprobs": "recipe.logprobs",
-    "GRPOTrainer": "recipe.trainer",
-    "TrainerConfig": "recipe.trainer",
-    "GRPOTrainerActor": "recipe.actor",
-    "RecipeConfig": "recipe.config",
+    "AllowedTokensTask": "rlfleet.recipe.task",
+    "PromptGenerator": "rlfleet.recipe.task",
+    "Task": "rlfleet.recipe.task",
+    "Sample": "rlfleet.recipe.grpo",
+    "Group": "rlfleet.recipe.grpo",
+    "group_advantages": "rlfleet.recipe.grpo",
+    "build_group": "rlfleet.recipe.grpo",
+    "clipped_pg_loss": "rlfleet.recipe.grpo",
+    "token_logprobs": "rlfleet.recipe.logprobs",
+    "batch_token_logprobs": "rlfleet.recipe.logprobs",
+    "GRPOTrainer": "rlfleet.recipe.trainer",
+    "TrainerConfig": "rlfleet.recipe.trainer",
+    "GRPOTrainerActor": "rlfleet.recipe.actor",
+    "RecipeConfig": "rlfleet.recipe.config",
 }
 
 __all__ = sorted(_EXPORTS)

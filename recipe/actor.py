@@ -27,10 +27,10 @@ from typing import Sequence
 
 import torch
 
-from recipe.grpo import Group
-from recipe.trainer import GRPOTrainer, TrainerConfig
-from refit.ports import LocalSenderPort
-from refit.sender import WeightSender
+from rlfleet.recipe.grpo import Group
+from rlfleet.recipe.trainer import GRPOTrainer, TrainerConfig
+from rlfleet.refit.ports import LocalSenderPort
+from rlfleet.refit.sender import WeightSender
 
 
 class GRPOTrainerActor(LocalSenderPort):

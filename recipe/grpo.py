@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from recipe.task import Task
+from rlfleet.recipe.task import Task
 
 
 @dataclass(frozen=True)

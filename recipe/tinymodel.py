@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fleet.errors import ConfigError
+from rlfleet.fleet.errors import ConfigError
 
 FINGERPRINT_FILE = "rlfleet-model.json"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")

@@ -30,9 +30,9 @@ from typing import Sequence
 
 import torch
 
-from fleet.data.staleness import staleness_of, too_old
-from recipe.grpo import Group, clipped_pg_loss, group_advantages
-from recipe.logprobs import batch_token_logprobs, token_logprobs
+from rlfleet.fleet.data.staleness import staleness_of, too_old
+from rlfleet.recipe.grpo import Group, clipped_pg_loss, group_advantages
+from rlfleet.recipe.logprobs import batch_token_logprobs, token_logprobs
 
 
 @dataclass(frozen=True)

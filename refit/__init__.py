@@ -104,11 +104,11 @@ on the donor, ``rlfleet_receive_peer`` on the receiver, ``rlfleet_weight_digests
 (``refit.readable_weights``, on by default).
 """
 
-from refit.errors import ApplyError, ManifestError, RefitError, RefitUsageError, TransferError
-from refit.outcome import Outcome, Participant, ParticipantResult, PhaseTimings, RefitReport, assign_ranks
-from refit.ports import LocalSenderPort, ReceiverPort, SenderPort
-from refit.sender import WeightSender
-from refit.synchronizer import RefitConfig, WeightSynchronizer
+from rlfleet.refit.errors import ApplyError, ManifestError, RefitError, RefitUsageError, TransferError
+from rlfleet.refit.outcome import Outcome, Participant, ParticipantResult, PhaseTimings, RefitReport, assign_ranks
+from rlfleet.refit.ports import LocalSenderPort, ReceiverPort, SenderPort
+from rlfleet.refit.sender import WeightSender
+from rlfleet.refit.synchronizer import RefitConfig, WeightSynchronizer
 
 __all__ = [
     "ApplyError", "LocalSenderPort", "ManifestError", "Outcome", "Participant", "ParticipantResult", "PhaseTimings",

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from refit.errors import RefitUsageError, TransferError
+from rlfleet.refit.errors import RefitUsageError, TransferError
 
 BACKENDS = ("gloo", "nccl")
 _MAGIC = 0x52464C54  # "RFLT"

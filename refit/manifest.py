@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from refit.errors import ManifestError
+from rlfleet.refit.errors import ManifestError
 
 TRANSFERS = ("bucketed", "per_tensor")
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")

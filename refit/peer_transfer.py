@@ -33,11 +33,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from refit import peer
-from refit.errors import RefitUsageError, TransferError
-from refit.group import GroupAddress, RefitGroup, default_address, host_store
-from refit.receiver import COMPLETE, NOT_STARTED, PARTIAL
-from refit.sender import IN_FLIGHT
+from rlfleet.refit import peer
+from rlfleet.refit.errors import RefitUsageError, TransferError
+from rlfleet.refit.group import GroupAddress, RefitGroup, default_address, host_store
+from rlfleet.refit.receiver import COMPLETE, NOT_STARTED, PARTIAL
+from rlfleet.refit.sender import IN_FLIGHT
 
 JOINING, JOINED, FAILED = "joining", "joined", "failed"
 # A receiver is given the donor's address only once the donor hosts its store: a store it cannot reach within this

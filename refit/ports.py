@@ -20,7 +20,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
-from refit.sender import WeightSender
+from rlfleet.refit.sender import WeightSender
 
 
 class ReceiverPort(Protocol):

@@ -45,12 +45,12 @@ from typing import Any, Iterable, Protocol
 
 import torch
 
-from refit import checksum as _checksum
-from refit import heap
-from refit.errors import ApplyError, ManifestError, RefitUsageError, TransferError
-from refit.group import GroupAddress, RefitGroup
-from refit.manifest import ExpectedSpec, Manifest, layer_group, validate
-from refit.sender import HEADER_MAGIC, IN_FLIGHT
+from rlfleet.refit import checksum as _checksum
+from rlfleet.refit import heap
+from rlfleet.refit.errors import ApplyError, ManifestError, RefitUsageError, TransferError
+from rlfleet.refit.group import GroupAddress, RefitGroup
+from rlfleet.refit.manifest import ExpectedSpec, Manifest, layer_group, validate
+from rlfleet.refit.sender import HEADER_MAGIC, IN_FLIGHT
 
 AHEAD = IN_FLIGHT  # receives posted ahead in staged mode (the staging area holds every bucket); streaming uses 2
 

@@ -32,10 +32,10 @@ from typing import Any, Callable, Iterable, Mapping, TypeAlias
 
 import torch
 
-from refit import checksum as _checksum
-from refit.errors import RefitUsageError, TransferError
-from refit.group import GroupAddress, RefitGroup, default_address, device_for, host_store
-from refit.manifest import Manifest, plan_buckets
+from rlfleet.refit import checksum as _checksum
+from rlfleet.refit.errors import RefitUsageError, TransferError
+from rlfleet.refit.group import GroupAddress, RefitGroup, default_address, device_for, host_store
+from rlfleet.refit.manifest import Manifest, plan_buckets
 
 # Broadcasts outstanding at once on the sender. Many: every completion a Python thread waits for
 # costs a GIL hand-off (up to the 5 ms switch interval when another thread of the process is

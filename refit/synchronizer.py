@@ -58,12 +58,12 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Hashable, Mapping
 
 
-from refit.errors import ManifestError, RefitUsageError
-from refit.group import BACKENDS
-from refit.manifest import TRANSFERS, Manifest
-from refit.outcome import Outcome, ParticipantResult, PhaseTimings, RefitReport, describe
-from refit.ports import ReceiverPort, SenderPort
-from refit.receiver import APPLY_MODES, COMPLETE, PARTIAL, RECEIVING, STAGED
+from rlfleet.refit.errors import ManifestError, RefitUsageError
+from rlfleet.refit.group import BACKENDS
+from rlfleet.refit.manifest import TRANSFERS, Manifest
+from rlfleet.refit.outcome import Outcome, ParticipantResult, PhaseTimings, RefitReport, describe
+from rlfleet.refit.ports import ReceiverPort, SenderPort
+from rlfleet.refit.receiver import APPLY_MODES, COMPLETE, PARTIAL, RECEIVING, STAGED
 
 SENDER = "sender"
 POLL_FIRST_S, POLL_GROWTH, POLL_MAX_S = 0.05, 1.5, 0.25  # rlfleet_stage_status polling: 0.05 s growing to 0.25 s

@@ -34,8 +34,8 @@ from __future__ import annotations
 import os
 import time
 
-from refit import peer, peer_transfer, readable_weights
-from refit.receiver import COMPLETE, NOT_STARTED, PARTIAL, WeightReceiver
+from rlfleet.refit import peer, peer_transfer, readable_weights
+from rlfleet.refit.receiver import COMPLETE, NOT_STARTED, PARTIAL, WeightReceiver
 
 readable_weights.apply_if_wanted()  # vLLM imports this module in each worker before it loads the model
 
@@ -51,7 +51,7 @@ class _VllmModel:
         return self._worker.model_runner.model_config
 
     def expected_spec(self):
-        from refit.model_spec import checkpoint_spec
+        from rlfleet.refit.model_spec import checkpoint_spec
 
         return checkpoint_spec(self._config.model)
 

@@ -22,8 +22,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from refit.errors import RefitUsageError
-from refit.group import GroupAddress, RefitGroup
+from rlfleet.refit.errors import RefitUsageError
+from rlfleet.refit.group import GroupAddress, RefitGroup
 
 # vLLM's defaults (``vllm.distributed.weight_transfer.packed_tensor``), restated so this module needs no vLLM
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024

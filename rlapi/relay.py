@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from refit.checksum import ALL_CORES as checksum_threads, digest as checksum_digest, tensor_digest
-from refit.ports import LocalSenderPort
-from refit.sender import WeightSender
-from rlapi import gloo_wire
-from rlapi.wires import WireRefused, wire_for
+from rlfleet.refit.checksum import ALL_CORES as checksum_threads, digest as checksum_digest, tensor_digest
+from rlfleet.refit.ports import LocalSenderPort
+from rlfleet.refit.sender import WeightSender
+from rlfleet.rlapi import gloo_wire
+from rlfleet.rlapi.wires import WireRefused, wire_for
 
 
 class UpdateRefused(ValueError):

@@ -52,7 +52,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from fleet.cluster import ray_door
+from rlfleet.fleet.cluster import ray_door
 
 log = logging.getLogger("rlfleet.rlapi")
 CALL_TIMEOUT_S = 60.0
@@ -77,7 +77,7 @@ class RLSurface:
     """The fleet's side of vLLM's RL API: the relay actor, the fleet, and one weight update at a time."""
 
     def __init__(self, fleet: Any, backend: str = "gloo", relay: Any = None) -> None:
-        from rlapi.relay import WeightRelay
+        from rlfleet.rlapi.relay import WeightRelay
 
         self.fleet = fleet
         self.backend = backend
@@ -121,7 +121,7 @@ class RLSurface:
 
         @app.post("/pause")
         async def pause(mode: str = "abort", clear_cache: bool = True, timeout_s: float = 60.0):
-            from fleet.control.operator_pause import PAUSE_MODES
+            from rlfleet.fleet.control.operator_pause import PAUSE_MODES
 
             if mode not in PAUSE_MODES:
                 return _refused(400, f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "BadRequestError", "mode")

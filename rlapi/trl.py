@@ -23,9 +23,9 @@ import torch
 from trl.generation import vllm_client as _client
 from trl.generation.vllm_client import VLLMClient
 
-from refit.group import RefitGroup, wait_released
-from rlapi import gloo_wire
-from rlapi.gloo_wire import GlooInitInfo
+from rlfleet.refit.group import RefitGroup, wait_released
+from rlfleet.rlapi import gloo_wire
+from rlfleet.rlapi.gloo_wire import GlooInitInfo
 
 
 class GlooVLLMClient(VLLMClient):

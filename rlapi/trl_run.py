@@ -46,7 +46,7 @@ def prompts(model_dir: str, n: int, seed: int = 0) -> list[str]:
     """Seeded text prompts of ordinary tokens (``recipe.task.PromptGenerator``), as text TRL tokenizes."""
     from transformers import AutoTokenizer
 
-    from recipe.task import PromptGenerator
+    from rlfleet.recipe.task import PromptGenerator
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     return [tok.decode(p[1:]) for p in PromptGenerator(seed=seed).batch(0, n)]
@@ -59,8 +59,8 @@ def train(run: TRLRun, on_step: Callable[[int, Any], None] | None = None) -> TRL
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from recipe.task import AllowedTokensTask
-    from rlapi.trl import install
+    from rlfleet.recipe.task import AllowedTokensTask
+    from rlfleet.rlapi.trl import install
 
     install()
     task = AllowedTokensTask()
@@ -76,7 +76,7 @@ def train(run: TRLRun, on_step: Callable[[int, Any], None] | None = None) -> TRL
             if on_step is not None:
                 on_step(state.global_step, trainer)
             if state.global_step == run.steps - 1:  # this step's sync sends these weights, the run's last sync
-                from refit.checksum import tensor_digest
+                from rlfleet.refit.checksum import tensor_digest
 
                 run.synced_digests = {n: tensor_digest(n, p.detach()).hex() for n, p in trainer.model.named_parameters()}
 
@@ -111,7 +111,7 @@ def main() -> None:
     import argparse
     import json
 
-    from recipe.tinymodel import build_model, default_model_dir
+    from rlfleet.recipe.tinymodel import build_model, default_model_dir
 
     p = argparse.ArgumentParser()
     p.add_argument("--url", required=True)

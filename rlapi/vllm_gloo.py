@@ -22,9 +22,9 @@ from typing import ClassVar
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferEngine
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-from refit.group import RefitGroup
-from rlapi import gloo_wire
-from rlapi.gloo_wire import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, GlooInitInfo, GlooUpdateInfo
+from rlfleet.refit.group import RefitGroup
+from rlfleet.rlapi import gloo_wire
+from rlfleet.rlapi.gloo_wire import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, GlooInitInfo, GlooUpdateInfo
 
 BACKEND = "gloo"
 

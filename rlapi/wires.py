@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from rlapi import BACKENDS, gloo_wire
+from rlfleet.rlapi import BACKENDS, gloo_wire
 
 Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 # the relay is one rank of the trainer's group: vLLM's ParallelConfig fields its rank is computed from

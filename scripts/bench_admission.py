@@ -187,9 +187,9 @@ class Arm:
     # -- set-up ------------------------------------------------------------------
     def start(self) -> None:
         """A fresh fleet and weight source; warm up with one short request per engine and one refit (v1)."""
-        from fleet.cluster import ray_door
-        from fleet.api import Fleet
-        from faults.source import WeightSource
+        from rlfleet.fleet.cluster import ray_door
+        from rlfleet.fleet.api import Fleet
+        from rlfleet.faults.source import WeightSource
 
         t = time.monotonic()
         self.source = ray_door.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
@@ -200,7 +200,7 @@ class Arm:
         self.start_s = time.monotonic() - t
 
     def stop(self) -> None:
-        from fleet.cluster import ray_door
+        from rlfleet.fleet.cluster import ray_door
 
         if self.fleet is not None:
             self.fleet.shutdown()
@@ -219,10 +219,10 @@ class Arm:
                 barrier.abort()
 
     def _loop(self) -> dict:
-        from faults.timeline import percentile
-        from fleet.cluster import ray_door
-        from fleet.records import Admission
-        from fleet.data.staleness import StalenessFilter, staleness_of
+        from rlfleet.faults.timeline import percentile
+        from rlfleet.fleet.cluster import ray_door
+        from rlfleet.fleet.records import Admission
+        from rlfleet.fleet.data.staleness import StalenessFilter, staleness_of
 
         args, fleet = self.args, self.fleet
         flt = StalenessFilter(args.max_staleness)
@@ -389,8 +389,8 @@ def summary_of(results: dict[str, dict]) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from fleet.cluster import ray_door
-    from recipe.tinymodel import build_model, default_model_dir
+    from rlfleet.fleet.cluster import ray_door
+    from rlfleet.recipe.tinymodel import build_model, default_model_dir
 
     if args.prompt_tokens + args.completion_tokens > args.max_model_len:
         raise SystemExit("--prompt-tokens + --completion-tokens must fit in --max-model-len")

@@ -62,12 +62,12 @@ import random
 import statistics
 import time
 
-from faults.polling import wait_until
-from fleet.api import Fleet
-from fleet.cluster import ray_door
-from fleet.data.client import FleetClient
-from fleet.records import Fault, Health
-from recipe.tinymodel import build_model, default_model_dir
+from rlfleet.faults.polling import wait_until
+from rlfleet.fleet.api import Fleet
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.data.client import FleetClient
+from rlfleet.fleet.records import Fault, Health
+from rlfleet.recipe.tinymodel import build_model, default_model_dir
 
 ARMS = ("continuation", "resend")
 ENGINES = 2

@@ -42,14 +42,14 @@ import statistics
 import tempfile
 import time
 
-from faults import invariants
-from faults.load import PairLoad
-from faults.source import WeightSource
-from faults.timeline import read_log
-from fleet.cluster import ray_door
-from fleet.api import Fleet
-from fleet.records import Adopted, ControllerBack, ControllerRestarted, ControllerUnreachable
-from recipe.tinymodel import build_model, default_model_dir
+from rlfleet.faults import invariants
+from rlfleet.faults.load import PairLoad
+from rlfleet.faults.source import WeightSource
+from rlfleet.faults.timeline import read_log
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.api import Fleet
+from rlfleet.fleet.records import Adopted, ControllerBack, ControllerRestarted, ControllerUnreachable
+from rlfleet.recipe.tinymodel import build_model, default_model_dir
 
 PROMPTS = [[1, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(8)]
 

@@ -25,10 +25,10 @@ import statistics
 import time
 from collections import deque
 
-from fleet.cluster import ray_door
-from fleet.api import Fleet
-from fleet.config.engine import EngineConfig
-from recipe.tinymodel import build_model, default_model_dir
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.api import Fleet
+from rlfleet.fleet.config.engine import EngineConfig
+from rlfleet.recipe.tinymodel import build_model, default_model_dir
 
 PROMPT = [1, 2, 3]
 SAMPLING = {"max_tokens": 1}

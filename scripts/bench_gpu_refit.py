@@ -136,17 +136,17 @@ def fleet_defaults() -> tuple[float, float | None, str]:
 
     ``fleet.control.transfer_port`` passes ``FleetConfig.bucket_mb`` to ``RefitConfig`` and leaves
     ``direct_mb`` at ``RefitConfig``'s default. ``FleetConfig`` needs pydantic."""
-    from refit.synchronizer import RefitConfig
+    from rlfleet.refit.synchronizer import RefitConfig
 
     direct_mb = RefitConfig().direct_mb
     try:
-        from fleet.config.fleet import FleetConfig
+        from rlfleet.fleet.config.fleet import FleetConfig
     except ImportError:
         return FLEET_BUCKET_MB, direct_mb, "FLEET_BUCKET_MB (fleet.config not importable)"
     bucket_mb = FleetConfig.model_fields["bucket_mb"].default
     if bucket_mb != FLEET_BUCKET_MB:  # the fallback must say what the fleet says
         raise RuntimeError(f"FleetConfig.bucket_mb defaults to {bucket_mb}, FLEET_BUCKET_MB here says {FLEET_BUCKET_MB}")
-    return bucket_mb, direct_mb, "fleet.config.fleet.FleetConfig"
+    return bucket_mb, direct_mb, "rlfleet.fleet.config.fleet.FleetConfig"
 
 
 # ── the model and the engine's stand-in ─────────────────────────
@@ -206,7 +206,7 @@ class Loopback:
     """Two ranks of one process joined by device copies: the k-th broadcast of rank 0 meets the k-th of rank 1."""
 
     def __init__(self, device: torch.device) -> None:
-        from refit.group import GroupAddress
+        from rlfleet.refit.group import GroupAddress
 
         backend = "nccl" if device.type == "cuda" else "gloo"
         self.address = GroupAddress("loopback", 0, EPOCH, 2, backend)
@@ -221,7 +221,7 @@ class Loopback:
         return LoopbackEnd(self, rank)
 
     def post(self, rank: int, tensor: torch.Tensor, root: int) -> Op:
-        from refit.errors import TransferError
+        from rlfleet.refit.errors import TransferError
 
         with self.lock:
             if self.failure is not None:
@@ -251,7 +251,7 @@ class Loopback:
 
     def wait(self, rank: int, op: Op, deadline: float, what: str, budget_s: float) -> None:
         """``RefitGroup.wait``'s contract: return once done, else ``TransferError`` naming ``what``."""
-        from refit.errors import TransferError
+        from rlfleet.refit.errors import TransferError
 
         if not op.done.wait(max(0.0, deadline - time.monotonic())):
             self.abort(f"{what} timed out on rank {rank}")
@@ -304,7 +304,7 @@ class Sink:
     broken = False
 
     def __init__(self, device: torch.device, sources: dict[str, torch.Tensor], verify: bool = False) -> None:
-        from refit.group import GroupAddress
+        from rlfleet.refit.group import GroupAddress
 
         self.address = GroupAddress("sink", 0, EPOCH, 2, "nccl" if device.type == "cuda" else "gloo")
         self.device, self.sources, self.verify = device, sources, verify
@@ -351,7 +351,7 @@ def zero_all(*stores: dict) -> None:
 def pack_round(sender, sources, refit_id: int, bucket_mb: float, direct_mb: float | None, args, device,
                verify: bool = False) -> tuple[float, Sink]:
     """One ``WeightSender.send`` into a ``Sink``: (seconds to the sender's return and a device sync, the sink)."""
-    from refit.manifest import Manifest
+    from rlfleet.refit.manifest import Manifest
 
     sink = Sink(device, sources, verify)
     sender._group = sink  # the slot connect() fills with a RefitGroup
@@ -369,7 +369,7 @@ def pack_round(sender, sources, refit_id: int, bucket_mb: float, direct_mb: floa
 
 def measure_pack(label: str, sources, bucket_mb: float, direct_mb: float | None, args, device) -> dict:
     """A fresh sender: one cold round, ``args.repeats`` warm ones, then one checked (untimed) round."""
-    from refit.sender import WeightSender
+    from rlfleet.refit.sender import WeightSender
 
     release(device)
     sender = WeightSender(sources, device=device)
@@ -466,8 +466,8 @@ def refit_round(sender, receiver, model: DeviceParams, sources, refit_id: int, m
 def measure_refit(mode: str, sources, model: DeviceParams, bucket_mb: float, direct_mb: float | None, args,
                   device) -> dict:
     """A fresh sender and receiver: one cold round and ``args.repeats`` warm ones, every one checked."""
-    from refit.receiver import WeightReceiver
-    from refit.sender import WeightSender
+    from rlfleet.refit.receiver import WeightReceiver
+    from rlfleet.refit.sender import WeightSender
 
     release(device)
     sender, receiver = WeightSender(sources, device=device), WeightReceiver(model, device=device)

@@ -119,7 +119,7 @@ def load_file(path: pathlib.Path, name: str) -> types.ModuleType:
 def packed_tensor_modules(path: pathlib.Path | None) -> tuple[types.ModuleType, types.ModuleType]:
     """(relay's, trainer's): vLLM's ``packed_tensor`` as ``NcclWire`` gets it, and a second instance of the
     same file for the trainer, so that each side has its own cached streams as in two processes."""
-    from rlapi.wires import NcclWire
+    from rlfleet.rlapi.wires import NcclWire
 
     if path is None:
         relay = NcclWire._vllm()[2]
@@ -397,7 +397,7 @@ def main() -> int:
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     stand_in_missing_blake3("bench_gpu_relay")
-    from rlapi.wires import NcclWire, host_slab
+    from rlfleet.rlapi.wires import NcclWire, host_slab
 
     relay_pt, trainer_pt = packed_tensor_modules(args.packed_tensor)
     if device.type == "cpu":

@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from health import (  # noqa: E402  (the path line above makes the repo importable)
+from rlfleet.health import (  # noqa: E402  (the path line above makes the repo importable)
     CallKind,
     EngineReady,
     FailureClass,

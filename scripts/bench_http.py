@@ -61,8 +61,8 @@ from pathlib import Path
 
 import httpx
 
-from fleet.config.engine import EngineConfig
-from recipe.tinymodel import build_model, default_model_dir
+from rlfleet.fleet.config.engine import EngineConfig
+from rlfleet.recipe.tinymodel import build_model, default_model_dir
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def rlfleet_command(cfg: EngineConfig, port: int, workdir: str) -> list[str]:
     path = os.path.join(workdir, "fleet.yaml")
     with open(path, "w") as f:
         f.write(f"engine:\n  model: {cfg.model}\nnum_engines: 1\nmin_healthy_engines: 1\n")
-    return [sys.executable, "-m", "cli.main", "serve", "--config", path, "--port", str(port)]
+    return [sys.executable, "-m", "rlfleet.cli.main", "serve", "--config", path, "--port", str(port)]
 
 
 class Server:

@@ -92,19 +92,19 @@ import statistics
 import time
 from collections import Counter
 
-from faults.firing import incarnations, slot_states
-from faults.polling import wait_until
-from faults.promotion import capacity_restored_s
-from faults.timeline import gate_closed_s, percentile, reopen_s
-from fleet.cluster import ray_door
-from fleet.control.controller import SingleController
-from fleet.shard.null_backend import null_backend
-from fleet.records import Fault, Gate, Phase
-from fleet.cluster.ray_door import RayDoor
-from fleet.shard.engine_shard import EngineShard
-from recipe.tinymodel import build_model, default_model_dir
-from fleet.control.transfer_port import TransferResult
-from health import RefitResult
+from rlfleet.faults.firing import incarnations, slot_states
+from rlfleet.faults.polling import wait_until
+from rlfleet.faults.promotion import capacity_restored_s
+from rlfleet.faults.timeline import gate_closed_s, percentile, reopen_s
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.control.controller import SingleController
+from rlfleet.fleet.shard.null_backend import null_backend
+from rlfleet.fleet.records import Fault, Gate, Phase
+from rlfleet.fleet.cluster.ray_door import RayDoor
+from rlfleet.fleet.shard.engine_shard import EngineShard
+from rlfleet.recipe.tinymodel import build_model, default_model_dir
+from rlfleet.fleet.control.transfer_port import TransferResult
+from rlfleet.health import RefitResult
 
 SIZES = (1, 32, 128)  # 1 first: every ratio is against it
 TRANSFER_METHOD = "worker_rpc"  # this bench's stand-in for the transfer's one call per engine (``FanOutTransfer``)
@@ -241,7 +241,7 @@ def summary(n: int, rows: list[dict]) -> dict:
 def weight_source(model: str):
     """The trainer's stand-in, built before it is used: its model loads in its constructor, which a first
     refit would otherwise wait for inside its group bound (a fraction of refit_timeout_s)."""
-    from faults.source import WeightSource
+    from rlfleet.faults.source import WeightSource
 
     source = ray_door.spawn_actor(WeightSource, model, num_cpus=0)
     ray_door.ask(source, "rss_mb", timeout=300)
@@ -249,7 +249,7 @@ def weight_source(model: str):
 
 
 def death_to_reopen(model: str) -> dict:
-    from fleet.api import Fleet
+    from rlfleet.fleet.api import Fleet
 
     fleet = Fleet.start({"engine": {"model": model, "kv_cache_memory_bytes": 32 << 20}, "num_engines": 3,
                          "min_healthy_engines": 2, "refit_timeout_s": 15, "restart_dead_engines": False})
@@ -277,7 +277,7 @@ CAPACITY_FLEET = {"num_engines": 2, "min_healthy_engines": 1, "refit_timeout_s":
 def capacity_restore(model: str, spares: int, kills: int) -> list[float]:
     """Seconds from a serving engine's kill to full serving capacity, per kill, on a fleet with ``spares``
     warm spares (module docstring: the no-spare fleet refits as soon as the restarted engine is up)."""
-    from fleet.api import Fleet
+    from rlfleet.fleet.api import Fleet
 
     fleet = Fleet.start({"engine": {"model": model, "kv_cache_memory_bytes": 32 << 20}, **CAPACITY_FLEET,
                          "spare_engines": spares})

@@ -58,12 +58,12 @@ import threading
 import time
 from typing import Any
 
-from faults import invariants
-from faults.load import PairLoad
-from faults.timeline import read_log
-from fleet.api import Fleet
-from fleet.cluster import ray_door
-from fleet.records import Fault, Phase, Readmit, Restart
+from rlfleet.faults import invariants
+from rlfleet.faults.load import PairLoad
+from rlfleet.faults.timeline import read_log
+from rlfleet.fleet.api import Fleet
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.records import Fault, Phase, Readmit, Restart
 
 PROMPTS = [[1, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(8)]
 Series = list[tuple[float, int]]  # (engine step time, generation tokens since the engine started), in time order
@@ -315,8 +315,8 @@ def run_round(fleet: Fleet, trainer: Trainer, sampler: Sampler, k: int, args: ar
 
 def main() -> None:
     args = parse()
-    from faults.source import WeightSource  # torch: imported here, so the unit test of the arithmetic is quick
-    from recipe.tinymodel import build_model, default_model_dir
+    from rlfleet.faults.source import WeightSource  # torch: imported here, so the unit test of the arithmetic is quick
+    from rlfleet.recipe.tinymodel import build_model, default_model_dir
 
     model = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
     log_path = os.path.join(tempfile.mkdtemp(prefix="bench_readmit_"), "events.jsonl")

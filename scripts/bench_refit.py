@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from fleet.cluster import ray_door
+from rlfleet.fleet.cluster import ray_door
 
 MODEL_CACHE = Path(os.environ.get("RLFLEET_MODEL_CACHE", Path.home() / ".cache" / "rlfleet" / "models"))
 
@@ -90,10 +90,10 @@ async def raw_round(trainer, shards, rid: int, nbytes: int, timeout: float) -> f
 
 
 async def bench_preset(preset: str, args, counter) -> dict:
-    from faults.source import WeightSource
-    from fleet.config.engine import EngineConfig
-    from recipe.tinymodel import build_model
-    from refit import Participant, RefitConfig, WeightSynchronizer
+    from rlfleet.faults.source import WeightSource
+    from rlfleet.fleet.config.engine import EngineConfig
+    from rlfleet.recipe.tinymodel import build_model
+    from rlfleet.refit import Participant, RefitConfig, WeightSynchronizer
 
     model = str(build_model(MODEL_CACHE / preset, preset=preset, seed=0))
     cfg = EngineConfig(model=model, max_model_len=256, kv_cache_memory_bytes=32 << 20, call_timeout_s=args.timeout_s)

@@ -33,15 +33,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from bench_http import Server, free_port  # noqa: E402
 from bench_procs import cpu_by_process, cpu_used_by_role  # noqa: E402
 from bench_trl import alternating_rounds, command  # noqa: E402
-from fleet.config.engine import EngineConfig  # noqa: E402
+from rlfleet.fleet.config.engine import EngineConfig  # noqa: E402
 
 ROUTES = ("start", "update", "finish", "reset", "generate", "step")
 def arm(name: str, cfg: EngineConfig, args, workdir: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlapi.trl import GlooVLLMClient
-    from rlapi.trl_run import prompts
+    from rlfleet.rlapi.trl import GlooVLLMClient
+    from rlfleet.rlapi.trl_run import prompts
 
     port = free_port()
     env = {**os.environ, **cfg.process_env(), "VLLM_SERVER_DEV_MODE": "1"}

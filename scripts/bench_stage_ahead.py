@@ -26,12 +26,12 @@ import statistics
 import time
 from pathlib import Path
 
-from faults.load import ClientLoad
-from faults.source import WeightSource
-from faults.timeline import gate_closed_s
-from fleet.cluster import ray_door
-from fleet.api import Fleet
-from recipe.tinymodel import build_model
+from rlfleet.faults.load import ClientLoad
+from rlfleet.faults.source import WeightSource
+from rlfleet.faults.timeline import gate_closed_s
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.api import Fleet
+from rlfleet.recipe.tinymodel import build_model
 
 MODEL_CACHE = Path(os.environ.get("RLFLEET_MODEL_CACHE", Path.home() / ".cache" / "rlfleet" / "models"))
 PROMPT = [1, 20, 30, 40, 50, 60, 70, 80]

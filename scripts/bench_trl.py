@@ -48,9 +48,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_http import Server, free_port, vllm_command  # noqa: E402
 from bench_procs import ROLES, cpu_by_process, cpu_used_by_role  # noqa: E402
-from fleet.config.engine import EngineConfig  # noqa: E402
-from recipe.tinymodel import build_model, default_model_dir  # noqa: E402
-from rlapi.trl import launch_flags  # noqa: E402
+from rlfleet.fleet.config.engine import EngineConfig  # noqa: E402
+from rlfleet.recipe.tinymodel import build_model, default_model_dir  # noqa: E402
+from rlfleet.rlapi.trl import launch_flags  # noqa: E402
 
 
 def command(name: str, cfg: EngineConfig, port: int, workdir: str) -> list[str]:
@@ -61,7 +61,7 @@ def command(name: str, cfg: EngineConfig, port: int, workdir: str) -> list[str]:
     with open(path, "w") as f:
         f.write(f"engine:\n  model: {cfg.model}\n"
                 f"  kv_cache_memory_bytes: {cfg.kv_cache_memory_bytes}\nnum_engines: 1\nmin_healthy_engines: 1\n")
-    return [sys.executable, "-m", "cli.main", "serve", "--config", path, "--port", str(port), *launch_flags("gloo")]
+    return [sys.executable, "-m", "rlfleet.cli.main", "serve", "--config", path, "--port", str(port), *launch_flags("gloo")]
 
 
 def niceness_by_role(root_pid: int) -> dict[str, list[int]]:
@@ -96,7 +96,7 @@ def arm(name: str, cfg: EngineConfig, args, workdir: str) -> dict:
         nice = niceness_by_role(server.proc.pid)
         cpu0, trainer0 = cpu_by_process(server.proc.pid), _children_cpu_s()
         t0 = time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "rlapi.trl_run", "--url", server.url, "--steps", str(args.steps),
+        out = subprocess.run([sys.executable, "-m", "rlfleet.rlapi.trl_run", "--url", server.url, "--steps", str(args.steps),
                               "--max-tokens", str(args.max_tokens)],
                              cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout,
                              env={**os.environ, "PYTHONPATH": str(ROOT)})

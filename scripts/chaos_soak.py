@@ -11,9 +11,9 @@ import argparse
 import json
 import sys
 
-from fleet.cluster import ray_door
-from faults.chaos import soak
-from recipe.tinymodel import build_model, default_model_dir
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.faults.chaos import soak
+from rlfleet.recipe.tinymodel import build_model, default_model_dir
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ import asyncio
 import json
 import sys
 
-from serve.loadtest import run_load
+from rlfleet.serve.loadtest import run_load
 
 
 def main() -> int:

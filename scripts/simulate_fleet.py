@@ -58,11 +58,11 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from health.faultplan import REFIT_PHASES  # noqa: E402
-from sim.door import CALL_CPU_SOURCE, CALL_CPU_US  # noqa: E402  (the path line above makes the repo importable)
-from sim.faults import FaultSpec, schedule  # noqa: E402
-from sim.run import Scenario, simulate  # noqa: E402
-from sim.transfer import TransferModel  # noqa: E402
+from rlfleet.health.faultplan import REFIT_PHASES  # noqa: E402
+from rlfleet.sim.door import CALL_CPU_SOURCE, CALL_CPU_US  # noqa: E402  (the path line above makes the repo importable)
+from rlfleet.sim.faults import FaultSpec, schedule  # noqa: E402
+from rlfleet.sim.run import Scenario, simulate  # noqa: E402
+from rlfleet.sim.transfer import TransferModel  # noqa: E402
 
 KEYS = ("availability", "capacity_mean_share", "capacity_min_share", "refits_stopped", "controller_cpu_s_per_refit")
 
@@ -73,9 +73,9 @@ def door_cpu_s_per_refit(n: int, mix: dict[str, float], rounds: int = 5) -> floa
     the measured CPU per refit that production's door would replace with Ray's cost."""
     import asyncio
 
-    from sim.clock import run_virtual
-    from sim.door import SimDoor
-    from sim.shard import Timings
+    from rlfleet.sim.clock import run_virtual
+    from rlfleet.sim.door import SimDoor
+    from rlfleet.sim.shard import Timings
 
     args = {"set_route": (1, True, 0), "fence": (1,), "begin_refit": (1, 1), "set_weight_version": (1,),
             "abort": ([],)}

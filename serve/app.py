@@ -42,11 +42,11 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 )
 from vllm.exceptions import VLLMValidationError
 
-from serve import protocol, sse
-from serve.front import Front, Outcome
-from serve.metrics import CONTENT_TYPE_LATEST
-from serve.prepare_pool import PoolBusy
-from serve.stream import Choices, EventStreamResponse, Stream
+from rlfleet.serve import protocol, sse
+from rlfleet.serve.front import Front, Outcome
+from rlfleet.serve.metrics import CONTENT_TYPE_LATEST
+from rlfleet.serve.prepare_pool import PoolBusy
+from rlfleet.serve.stream import Choices, EventStreamResponse, Stream
 
 
 log = logging.getLogger("rlfleet.serve")
@@ -275,7 +275,7 @@ def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None, s
                             functools.partial(protocol.chat_response, renderer=front.chat), via=front.chat,
                             raw=raw_request)
 
-    from serve import scale_out as scale_out_routes
+    from rlfleet.serve import scale_out as scale_out_routes
 
     scale_out_routes.mount(app, front, scale_out, _serve, _error, _refused)
     if rl is not None:

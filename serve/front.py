@@ -28,11 +28,11 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fleet.data.dispatch import FleetResult
-from fleet.data.poison import POISON
-from serve.metrics import FrontMetrics
-from serve.prepare_pool import PreparePool, PrepareTimeout
-from serve.protocol import BadRequest
+from rlfleet.fleet.data.dispatch import FleetResult
+from rlfleet.fleet.data.poison import POISON
+from rlfleet.serve.metrics import FrontMetrics
+from rlfleet.serve.prepare_pool import PreparePool, PrepareTimeout
+from rlfleet.serve.protocol import BadRequest
 
 _PARAMETER = re.compile(r"\(parameter=(\w+)")
 # HTTP requests one front answers at once (each may be n fleet requests); past it a 429 at once. Sized for

@@ -45,8 +45,8 @@ from vllm.logprobs import Logprob
 from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.sampling_params import SamplingParams
 
-from fleet.data.dispatch import FleetResult
-from fleet.types import Completion, GenerationResult, field_with_invalid_text
+from rlfleet.fleet.data.dispatch import FleetResult
+from rlfleet.fleet.types import Completion, GenerationResult, field_with_invalid_text
 
 VERSION_HEADER = "x-rlfleet-weight-version"
 # A logprob of -inf (a token the sampler could not have drawn, under processed logprobs) is not JSON: vLLM's
@@ -191,7 +191,7 @@ def version_policy(req: Any, header: str | None, default: Any) -> Any:
     ``rlfleet.version_policy`` or the ``x-rlfleet-version-policy`` header (``latest``, ``any``,
     ``max_staleness=K``), ``default`` (the fleet's) when neither is sent. Both sent and different, an
     unknown key in ``rlfleet``, or a policy that does not parse: ``BadRequest`` naming the field."""
-    from fleet.data.routing_state import VersionPolicy
+    from rlfleet.fleet.data.routing_state import VersionPolicy
 
     block = (req.model_extra or {}).get(FLEET_FIELD)
     if block is not None and not isinstance(block, dict):

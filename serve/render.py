@@ -90,7 +90,7 @@ class ChatRenderer:
         routing loop (one thread: it keeps an event loop of its own for vLLM's async renderer)."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        from serve.protocol import BadRequest
+        from rlfleet.serve.protocol import BadRequest
 
         out = self._run(self.online.render_chat(req))
         if isinstance(out, ErrorResponse):
@@ -105,7 +105,7 @@ class ChatRenderer:
         ``render``'s; blocking, as ``render``."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        from serve.protocol import BadRequest
+        from rlfleet.serve.protocol import BadRequest
 
         serving = self._serving.get(served_model)
         if serving is None:
@@ -125,7 +125,7 @@ class ChatRenderer:
         """One of vLLM's async rendering calls, on this thread's own loop; vLLM's refusals as ``BadRequest``."""
         from vllm.exceptions import VLLMValidationError
 
-        from serve.protocol import BadRequest
+        from rlfleet.serve.protocol import BadRequest
 
         if self._loop is None:
             self._loop = asyncio.new_event_loop()

@@ -40,9 +40,9 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
 from vllm.entrypoints.serve.utils.api_utils import with_cancellation
 from vllm.outputs import WeightVersionSpan
 
-from fleet.data.dispatch import FleetResult
-from serve import protocol
-from serve.prepare_pool import PoolBusy
+from rlfleet.fleet.data.dispatch import FleetResult
+from rlfleet.serve import protocol
+from rlfleet.serve.prepare_pool import PoolBusy
 
 RENDER_PATH = "/v1/chat/completions/render"
 GENERATE_PATH = "/inference/v1/generate"

@@ -15,16 +15,16 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING, Any
 
-from fleet.polling import poll
+from rlfleet.fleet.polling import poll
 
 if TYPE_CHECKING:
     import concurrent.futures
 
     import uvicorn
 
-    from fleet.data.client import FleetClient
-    from rlapi.routes import RLSurface
-    from serve.front import Front
+    from rlfleet.fleet.data.client import FleetClient
+    from rlfleet.rlapi.routes import RLSurface
+    from rlfleet.serve.front import Front
 
 DEFAULT_HOST = "127.0.0.1"
 # At a stop, requests in flight get this long to finish; those still running are then answered 503 (and
@@ -38,8 +38,8 @@ def front_config(config: Any, request_timeout_s: float | None) -> Any:
     timeout below the refit budget would answer 503 to requests held across a refit that is within its
     deadline. Raises ``ConfigError`` naming the flag and the field, before the front (or, from the command
     line, a fleet) starts."""
-    from fleet.config.fleet import with_changes
-    from fleet.errors import ConfigError
+    from rlfleet.fleet.config.fleet import with_changes
+    from rlfleet.fleet.errors import ConfigError
 
     if request_timeout_s is None or request_timeout_s == config.request_timeout_s:
         return config
@@ -67,8 +67,8 @@ class HttpServer:
         ``weight_transfer``: the backend of vLLM's RL routes (``rlapi.routes``; ``gloo`` on CPU, ``nccl`` with a
         GPU for the relay), as ``vllm serve --weight-transfer-config``; None: no RL routes. ``scale_out``: vLLM's
         render and token-in/token-out routes (``serve.scale_out``), as ``vllm serve --enable-scale-out``."""
-        from rlapi import BACKENDS
-        from serve.render import ChatOptions
+        from rlfleet.rlapi import BACKENDS
+        from rlfleet.serve.render import ChatOptions
 
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"--max-pending must be at least 1, got {max_pending}")
@@ -102,18 +102,18 @@ class HttpServer:
         """Bind (an ``OSError`` here names the address: port taken, host unknown), then serve in the background."""
         import uvicorn
 
-        from serve.app import build_app
-        from serve.front import Front
+        from rlfleet.serve.app import build_app
+        from rlfleet.serve.front import Front
 
         client = self.fleet.client
         if self.client_config is not self.fleet.config:
-            from fleet.data.client import FleetClient
+            from rlfleet.fleet.data.client import FleetClient
 
             # a client of its own: the dispatcher's timeout is per client
             client = self._own_client = FleetClient(self.fleet.controller, self.client_config)
             client.wait_routing(-1, 60)
-        from serve.protocol import generation_defaults
-        from serve.render import ChatRenderer
+        from rlfleet.serve.protocol import generation_defaults
+        from rlfleet.serve.render import ChatRenderer
 
         engine = self.fleet.config.engine
         tokenizer = self._tokenizer or load_tokenizer(engine.model)
@@ -127,7 +127,7 @@ class HttpServer:
         sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         if self.weight_transfer is not None:
-            from rlapi.routes import RLSurface
+            from rlfleet.rlapi.routes import RLSurface
 
             self.rl = RLSurface(self.fleet, self.weight_transfer)
         app = build_app(front, self.api_keys, self.rl, self.scale_out)

@@ -38,8 +38,8 @@ from vllm.entrypoints.openai.completion.protocol import (
     CompletionStreamResponse,
 )
 
-from fleet.data.dispatch import FleetResult
-from serve import protocol
+from rlfleet.fleet.data.dispatch import FleetResult
+from rlfleet.serve import protocol
 
 DONE = "data: [DONE]\n\n"
 

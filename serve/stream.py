@@ -26,10 +26,10 @@ from typing import Any, AsyncIterator
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from fleet.data.dispatch import FleetResult
-from serve.front import Front, Outcome
-from serve.protocol import completed
-from serve.sse import StreamEvents
+from rlfleet.fleet.data.dispatch import FleetResult
+from rlfleet.serve.front import Front, Outcome
+from rlfleet.serve.protocol import completed
+from rlfleet.serve.sse import StreamEvents
 
 
 class Choices:

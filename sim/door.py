@@ -34,8 +34,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, TypeVar
 
-from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
-from sim.shard import CALL_DEADLINE, CallTimedOut, ShardDied, SimShard, Timings
+from rlfleet.fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
+from rlfleet.sim.shard import CALL_DEADLINE, CallTimedOut, ShardDied, SimShard, Timings
 
 __all__ = ["CALL_CPU_US", "CALL_CPU_SOURCE", "Node", "SimDoor", "SimTrainer"]
 

@@ -46,14 +46,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fleet.control.controller import SingleController
-from fleet.errors import FleetStopped, RefitNotStaged
-from fleet.records import Gate, Phase, Record, Routing, all_of
-from sim.clock import LoopClock, run_virtual
-from sim.door import CALL_CPU_US, SimDoor, SimTrainer
-from sim.faults import Fault, FaultSpec, schedule
-from sim.shard import Timings
-from sim.transfer import SimTransfer, TransferModel
+from rlfleet.fleet.control.controller import SingleController
+from rlfleet.fleet.errors import FleetStopped, RefitNotStaged
+from rlfleet.fleet.records import Gate, Phase, Record, Routing, all_of
+from rlfleet.sim.clock import LoopClock, run_virtual
+from rlfleet.sim.door import CALL_CPU_US, SimDoor, SimTrainer
+from rlfleet.sim.faults import Fault, FaultSpec, schedule
+from rlfleet.sim.shard import Timings
+from rlfleet.sim.transfer import SimTransfer, TransferModel
 
 __all__ = ["Scenario", "simulate"]
 

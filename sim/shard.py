@@ -26,12 +26,12 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from fleet.shard import peer_copy
-from fleet.shard.lease import RoutingLease
-from fleet.shard.pause_holds import PauseHolds
-from fleet.shard.request_gate import ShardGate
-from fleet.types import EngineStats
-from fleet.wire import (BeginRefit, Counters, Description, Donated, EndRefit, Left, PeerManifest, PeerOffer, PeerReceived,
+from rlfleet.fleet.shard import peer_copy
+from rlfleet.fleet.shard.lease import RoutingLease
+from rlfleet.fleet.shard.pause_holds import PauseHolds
+from rlfleet.fleet.shard.request_gate import ShardGate
+from rlfleet.fleet.types import EngineStats
+from rlfleet.fleet.wire import (BeginRefit, Counters, Description, Donated, EndRefit, Left, PeerManifest, PeerOffer, PeerReceived,
                         Ping, ShardFacts, Started, WeightDigests)
 
 __all__ = ["CALL_DEADLINE", "CallTimedOut", "ShardDied", "SimShard", "Timings"]

@@ -35,10 +35,10 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from fleet.errors import RefitArgumentError
-from fleet.control.transfer_port import TransferResult
-from health import RefitResult
-from sim.door import SimTrainer
+from rlfleet.fleet.errors import RefitArgumentError
+from rlfleet.fleet.control.transfer_port import TransferResult
+from rlfleet.health import RefitResult
+from rlfleet.sim.door import SimTrainer
 
 __all__ = ["SimTransfer", "TransferModel"]
 

@@ -56,7 +56,7 @@ def pytest_runtest_logstart(nodeid, location):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The engine starts this run cost, from the shards' own start records (``fleet.shard.start_records``), in
     all and by the test module running when each began (a module's fixtures' starts are its own)."""
-    from fleet.shard.start_records import by_window, read_starts, summarize
+    from rlfleet.fleet.shard.start_records import by_window, read_starts, summarize
 
     records = read_starts(os.environ["RLFLEET_START_RECORDS"])
     terminalreporter.write_sep("=", summarize(records))
@@ -66,7 +66,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from recipe.tinymodel import build_model, default_model_dir
+    from rlfleet.recipe.tinymodel import build_model, default_model_dir
 
     return str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
 
@@ -74,7 +74,7 @@ def tiny_model() -> str:
 @pytest.fixture(scope="session")
 def ray_local():
     """One Ray for the whole session (starting Ray costs seconds; engines are per module)."""
-    from fleet.cluster import ray_door
+    from rlfleet.fleet.cluster import ray_door
 
     ray_door.init_local(num_cpus=8, log_to_driver=False)
     yield

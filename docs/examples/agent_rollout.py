@@ -77,12 +77,12 @@ def main() -> int:
 
     from openai import OpenAI
 
-    from faults.source import WeightSource
-    from fleet.cluster import ray_door
-    from fleet.api import Fleet
-    from recipe.tinymodel import build_model, default_model_dir
-    from serve.render import ChatOptions
-    from serve.server import HttpServer
+    from rlfleet.faults.source import WeightSource
+    from rlfleet.fleet.cluster import ray_door
+    from rlfleet import Fleet
+    from rlfleet.recipe.tinymodel import build_model, default_model_dir
+    from rlfleet.serve.render import ChatOptions
+    from rlfleet.serve.server import HttpServer
 
     model_dir = str(build_model(default_model_dir("tiny")))
     fleet = Fleet.start({"engine": {"model": model_dir, "max_model_len": 1024}, "num_engines": 2,

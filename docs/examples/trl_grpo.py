@@ -36,16 +36,16 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-2)
     args = p.parse_args()
 
-    from recipe.tinymodel import build_model, default_model_dir
-    from rlapi.trl_run import TRLRun, train
+    from rlfleet.recipe.tinymodel import build_model, default_model_dir
+    from rlfleet.rlapi.trl_run import TRLRun, train
 
     model = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
     fleet = server = None
     url = args.url
     if url is None:
-        from fleet.api import Fleet
-        from fleet.cluster import ray_door
-        from serve.server import HttpServer
+        from rlfleet import Fleet
+        from rlfleet.fleet.cluster import ray_door
+        from rlfleet.serve.server import HttpServer
 
         ray_door.init_local(log_to_driver=False)
         fleet = Fleet.start({"engine": {"model": model, "logprobs_mode": "processed_logprobs"},

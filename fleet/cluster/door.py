@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Hashable, Mapping, Protocol, TypeVar, runtime_checkable
 
-from fleet.outcome import Outcome
+from rlfleet.fleet.outcome import Outcome
 
 __all__ = ["CONTROL_METHODS", "Door", "FAULT_METHODS"]
 

@@ -28,10 +28,10 @@ import ray
 from ray import exceptions as rex
 from ray.actor import ActorHandle
 
-from fleet.config.engine import EngineConfig
-from fleet.errors import ClusterNotFound, ConfigError
-from fleet.cluster.naming import NAMESPACE
-from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome, answer_kind  # noqa: F401 - re-exported
+from rlfleet.fleet.config.engine import EngineConfig
+from rlfleet.fleet.errors import ClusterNotFound, ConfigError
+from rlfleet.fleet.cluster.naming import NAMESPACE
+from rlfleet.fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome, answer_kind  # noqa: F401 - re-exported
 
 _K = TypeVar("_K", bound=Hashable)  # a fan-out's keys
 
@@ -154,7 +154,7 @@ def spawn_actor(cls: type, *args, **options):
 def _shard_actor_class():
     global _SHARD_CLS
     if _SHARD_CLS is None:
-        from fleet.shard.engine_shard import EngineShard
+        from rlfleet.fleet.shard.engine_shard import EngineShard
 
         _SHARD_CLS = _remote(EngineShard)
     return _SHARD_CLS
@@ -170,7 +170,7 @@ def find_actor(name: str):
 
 def running_fleets() -> list[str]:
     """Names of the fleets whose controller is alive on this Ray cluster."""
-    from fleet.cluster.naming import CONTROLLER_SUFFIX
+    from rlfleet.fleet.cluster.naming import CONTROLLER_SUFFIX
 
     names = ray.util.list_named_actors(all_namespaces=True)
     return sorted(n["name"][: -len(CONTROLLER_SUFFIX)] for n in names

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from fleet.config.engine import validate
+from rlfleet.fleet.config.engine import validate
 
 __all__ = ["AdmissionConfig", "load_admission_config"]
 

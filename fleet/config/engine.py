@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fleet.errors import ConfigError
+from rlfleet.fleet.errors import ConfigError
 
-DEFAULT_WORKER_EXTENSION = "refit.worker_extension.RefitWorkerExtension"
+DEFAULT_WORKER_EXTENSION = "rlfleet.refit.worker_extension.RefitWorkerExtension"
 CPU_BATCHED_TOKENS = 4096  # vLLM's own default on CPU for an engine in a Python process (``get_batch_defaults``)
 
 

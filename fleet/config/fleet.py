@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.config.admission import AdmissionConfig
-from fleet.config.engine import EngineConfig, validate
-from fleet.errors import ConfigError
+from rlfleet.fleet.config.admission import AdmissionConfig
+from rlfleet.fleet.config.engine import EngineConfig, validate
+from rlfleet.fleet.errors import ConfigError
 
 KV_POLICIES = ("recompute", "keep", "salt")
 REFIT_TIMEOUT_FALLBACK_S = 360.0
@@ -168,7 +168,7 @@ class FleetConfig(BaseModel):
         return self.num_engines + self.spare_engines
 
     def health_config(self):
-        from health import HealthConfig
+        from rlfleet.health import HealthConfig
 
         return HealthConfig(
             num_engines=self.total_engines,  # every slot, spares included: the health core treats them alike

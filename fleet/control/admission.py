@@ -31,9 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from fleet.config.admission import AdmissionConfig, load_admission_config
-from fleet.control.admission_law import AdmissionState, initial_cap, initial_state, update
-from fleet.types import EngineStats
+from rlfleet.fleet.config.admission import AdmissionConfig, load_admission_config
+from rlfleet.fleet.control.admission_law import AdmissionState, initial_cap, initial_state, update
+from rlfleet.fleet.types import EngineStats
 
 __all__ = ["AdmissionController"]
 

@@ -61,8 +61,8 @@ import math
 from dataclasses import dataclass, replace as _replace
 from typing import Any
 
-from fleet.config.admission import AdmissionConfig
-from fleet.types import EngineStats
+from rlfleet.fleet.config.admission import AdmissionConfig
+from rlfleet.fleet.types import EngineStats
 
 
 def replace(state: "AdmissionState", **changes: Any) -> "AdmissionState":

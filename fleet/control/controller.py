@@ -21,25 +21,25 @@ import asyncio
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from fleet.control.admission import AdmissionController
-from fleet.eventlog import EventLog
-from fleet.config.fleet import FleetConfig, load_fleet_config
-from fleet.control.dispatch_gate import DispatchGate
-from fleet.control.reconcile import Reconciler
-from fleet.control.loops import LoopFaults, run_loop
-from fleet.control.intent import COMMITTED, Intent, IntentStore
-from fleet.control.monitor import LivenessMonitor
-from fleet.control.metrics import FleetMetrics, RunMeter, shard_load, shard_rows
-from fleet.control.lifecycle import RefitLifecycle
-from fleet.cluster.naming import new_fleet_name
-from fleet.outcome import DIED, ERROR, TIMED_OUT, UNUSABLE, Outcome
-from fleet.control.nodes import NodeMap
-from fleet.control.parts import Parts
-from fleet.control.publisher import RoutingPublisher
-from fleet.control.refit_resends import RefitResends
-from fleet.data.routing_state import RoutingState
-from fleet.control.slots import Slots
-from health import (
+from rlfleet.fleet.control.admission import AdmissionController
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.config.fleet import FleetConfig, load_fleet_config
+from rlfleet.fleet.control.dispatch_gate import DispatchGate
+from rlfleet.fleet.control.reconcile import Reconciler
+from rlfleet.fleet.control.loops import LoopFaults, run_loop
+from rlfleet.fleet.control.intent import COMMITTED, Intent, IntentStore
+from rlfleet.fleet.control.monitor import LivenessMonitor
+from rlfleet.fleet.control.metrics import FleetMetrics, RunMeter, shard_load, shard_rows
+from rlfleet.fleet.control.lifecycle import RefitLifecycle
+from rlfleet.fleet.cluster.naming import new_fleet_name
+from rlfleet.fleet.outcome import DIED, ERROR, TIMED_OUT, UNUSABLE, Outcome
+from rlfleet.fleet.control.nodes import NodeMap
+from rlfleet.fleet.control.parts import Parts
+from rlfleet.fleet.control.publisher import RoutingPublisher
+from rlfleet.fleet.control.refit_resends import RefitResends
+from rlfleet.fleet.data.routing_state import RoutingState
+from rlfleet.fleet.control.slots import Slots
+from rlfleet.health import (
     Batch,
     CallKind,
     Decision,
@@ -56,10 +56,10 @@ from health import (
     SlotPhase,
     StopExhausted,
 )
-from fleet import records as ev
-from fleet.control.operator_pause import OperatorPause
-from fleet.control.controller_faults import ControllerFaults
-from fleet.control.readmission import Readmissions
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.control.operator_pause import OperatorPause
+from rlfleet.fleet.control.controller_faults import ControllerFaults
+from rlfleet.fleet.control.readmission import Readmissions
 
 TIMER_INTERVAL_S = 0.2
 
@@ -73,7 +73,7 @@ class SingleController(ControllerFaults):
         self.clock = clock or MonotonicClock()
         self.log = EventLog(self.cfg.event_log_path, clock=self.clock.now)
         if door is None:
-            from fleet.cluster.ray_door import RayDoor
+            from rlfleet.fleet.cluster.ray_door import RayDoor
 
             door = RayDoor()
         self.door = door
@@ -463,7 +463,7 @@ class SingleController(ControllerFaults):
         """Grow or shrink the fleet to ``n`` serving engines (``fleet.control.resize``); waits for a refit running now.
         ``ConfigError`` (nothing changed) for an ``n`` that is not an integer >= 1 and >= ``min_healthy_engines``."""
         await self.adopt_if_restarted()
-        from fleet.control.resize import resize
+        from rlfleet.fleet.control.resize import resize
 
         return await resize(self.parts, self.publisher, self.lifecycle.lock, n, drain_timeout_s)
 
@@ -528,7 +528,7 @@ class SingleController(ControllerFaults):
         async with self._adopting:
             if not self._must_adopt:
                 return
-            from fleet.control.recovery import adopt
+            from rlfleet.fleet.control.recovery import adopt
 
             try:
                 self.recovered = await adopt(self.parts, self.publisher)
@@ -551,6 +551,6 @@ class SingleController(ControllerFaults):
                 "epoch": self.slots.plan.epoch, "generation": self.generation, **self._gate_now()}
 
 def raise_stopped(message: str) -> None:
-    from fleet.errors import FleetStopped
+    from rlfleet.fleet.errors import FleetStopped
 
     raise FleetStopped(message)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fleet import records as ev
-from fleet.outcome import ERROR, TIMED_OUT
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.outcome import ERROR, TIMED_OUT
 
 # Arming a fault is an operator's call, not a health probe: a shard busy starting or serving may take longer
 # than ``probe_timeout_s`` (a hang variant's is 3 s) to answer it, and that says nothing about its health.
@@ -65,7 +65,7 @@ class ControllerFaults:
         the beginning of a refit phase (``stage`` under ``stage_ahead``, ``close``, ``staleness``, ``reconcile``,
         ``pause``, ``transfer``, ``stamp``, ``resume``, ``reopen``) or the middle of ``shutdown``. With a delay
         the process dies while that phase's calls are in flight. Not stored: the restarted controller is not armed."""
-        from fleet.control.lifecycle import PHASES
+        from rlfleet.fleet.control.lifecycle import PHASES
 
         points = ("stage",) + PHASES + ("shutdown",)
         if point not in points:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from fleet.eventlog import EventLog
-from fleet.records import Gate
-from health import Ledger
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.records import Gate
+from rlfleet.health import Ledger
 
 
 class DispatchGate:

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleet.cluster.naming import intent_key
+from rlfleet.fleet.cluster.naming import intent_key
 
 # How far the last refit got when the intent was last written: begun (engines may be paused; whether
 # bytes moved is each shard's own ``dirty`` flag), or committed (the record stays until the next refit

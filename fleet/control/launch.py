@@ -24,10 +24,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fleet.outcome import ERROR, TIMED_OUT, Outcome
-from fleet.control.parts import Parts
-from health import Batch, CallKind, CheckpointLoaded, EngineReady, Evict, FailureClass, Observed
-from fleet import records as ev
+from rlfleet.fleet.outcome import ERROR, TIMED_OUT, Outcome
+from rlfleet.fleet.control.parts import Parts
+from rlfleet.health import Batch, CallKind, CheckpointLoaded, EngineReady, Evict, FailureClass, Observed
+from rlfleet.fleet import records as ev
 
 PLACEMENT_POLL_S = 1.0
 WATCH_POLL_S = 0.5  # how often a start a dead controller began is asked how far it got  # how often a restart that Ray cannot place yet asks again

@@ -13,8 +13,8 @@ import asyncio
 import traceback
 from typing import Awaitable, Callable
 
-from fleet.eventlog import EventLog
-from fleet.records import Fault, LoopError
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.records import Fault, LoopError
 
 LOOPS = ("health timers", "liveness monitor", "admission")
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from health import ShardState
+from rlfleet.health import ShardState
 
 _STATES = (
     ShardState.HEALTHY, ShardState.STALE, ShardState.SUSPECT, ShardState.HUNG,
@@ -60,7 +60,7 @@ _PER_SHARD_GAUGES = (("cap", "cap"), ("kv", "kv_cache_usage"), ("running", "runn
 
 
 def _ray_factory() -> Callable[..., Any]:
-    from fleet.cluster.ray_door import make_metric  # the door: the only module that imports Ray
+    from rlfleet.fleet.cluster.ray_door import make_metric  # the door: the only module that imports Ray
 
     return make_metric
 

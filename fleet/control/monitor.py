@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from fleet.outcome import Outcome, with_progress
-from fleet.control.parts import Parts
-from health import CallKind, SlotPhase
-from fleet import records as ev
-from fleet.wire import Ping
+from rlfleet.fleet.outcome import Outcome, with_progress
+from rlfleet.fleet.control.parts import Parts
+from rlfleet.health import CallKind, SlotPhase
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.wire import Ping
 
 
 class LivenessMonitor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping
 
-from fleet.outcome import DIED, Outcome
+from rlfleet.fleet.outcome import DIED, Outcome
 
 __all__ = ["NodeLost", "NodeMap"]
 

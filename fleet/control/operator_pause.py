@@ -25,9 +25,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fleet.errors import BadRequestError, RefitOwnsEngine
-from health import OperatorPaused, OperatorResumed
-from health.gate_rules import PAUSE_MODES
+from rlfleet.fleet.errors import BadRequestError, RefitOwnsEngine
+from rlfleet.health import OperatorPaused, OperatorResumed
+from rlfleet.health.gate_rules import PAUSE_MODES
 
 WAIT_POLL_S = 0.1
 RESUME_GRACE_S = 30.0

@@ -16,16 +16,16 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Coroutine, Protocol
 
-from fleet.control.admission import AdmissionController
-from fleet.cluster.door import Door
-from fleet.eventlog import EventLog
-from fleet.config.fleet import FleetConfig
-from fleet.control.dispatch_gate import DispatchGate
-from fleet.control.intent import IntentStore
-from fleet.control.metrics import FleetMetrics
-from fleet.outcome import Outcome
-from fleet.control.slots import Slots
-from health import CallKind, Decision
+from rlfleet.fleet.control.admission import AdmissionController
+from rlfleet.fleet.cluster.door import Door
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.config.fleet import FleetConfig
+from rlfleet.fleet.control.dispatch_gate import DispatchGate
+from rlfleet.fleet.control.intent import IntentStore
+from rlfleet.fleet.control.metrics import FleetMetrics
+from rlfleet.fleet.outcome import Outcome
+from rlfleet.fleet.control.slots import Slots
+from rlfleet.health import CallKind, Decision
 
 
 class Clock(Protocol):

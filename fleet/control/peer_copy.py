@@ -28,8 +28,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.errors import PeerCopyRefused
-from fleet.shard.peer_copy import COMPLETE, call_bound, digest_misfit, misfit
+from rlfleet.fleet.errors import PeerCopyRefused
+from rlfleet.fleet.shard.peer_copy import COMPLETE, call_bound, digest_misfit, misfit
 
 _COPY_IDS = itertools.count(random.getrandbits(40))  # one id per copy: it names the copy's rendezvous
 YIELD_CLOSE_S = 2.0  # a copy that yields waits this long at most for its donor to close (a frozen one costs no more)

@@ -18,10 +18,10 @@ import asyncio
 import dataclasses
 from typing import Any, Callable
 
-from fleet.control.parts import Parts
-from fleet.data.routing_state import Member, RoutingState
-from health import CallKind
-from fleet import records as ev
+from rlfleet.fleet.control.parts import Parts
+from rlfleet.fleet.data.routing_state import Member, RoutingState
+from rlfleet.health import CallKind
+from rlfleet.fleet import records as ev
 
 
 # A leave notice not acknowledged is sent again, this many times in all (``probe_interval_s`` apart).

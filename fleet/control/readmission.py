@@ -28,10 +28,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from fleet import records as ev
-from fleet.control.parts import Parts
-from fleet.control.peer_copy import copy_weights
-from health import Readmit, ReadmitFailed, Readmitted
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.control.parts import Parts
+from rlfleet.fleet.control.peer_copy import copy_weights
+from rlfleet.health import Readmit, ReadmitFailed, Readmitted
 
 
 class Readmissions:

@@ -34,11 +34,11 @@ import asyncio
 import contextlib
 from typing import Callable, Iterator
 
-from fleet.control.launch import bring_up
-from fleet.control.parts import Parts
-from fleet.control.resize import forget_removed
-from health import Batch, RefitFinished, RefitReport, RefitResult, RefitStarted, SlotPhase, Tick, VersionCommitted
-from health.readmit import due as readmit_due
+from rlfleet.fleet.control.launch import bring_up
+from rlfleet.fleet.control.parts import Parts
+from rlfleet.fleet.control.resize import forget_removed
+from rlfleet.health import Batch, RefitFinished, RefitReport, RefitResult, RefitStarted, SlotPhase, Tick, VersionCommitted
+from rlfleet.health.readmit import due as readmit_due
 
 
 class Reconciler:

@@ -43,20 +43,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleet.control.intent import COMMITTED
-from fleet.cluster.naming import shard_name
-from fleet.outcome import DIED, Outcome
-from fleet.control.parts import Parts
-from fleet.control.publisher import RoutingPublisher
-from fleet.control.resize import adopted_ledger, fence_removed
-from health import (
+from rlfleet.fleet.control.intent import COMMITTED
+from rlfleet.fleet.cluster.naming import shard_name
+from rlfleet.fleet.outcome import DIED, Outcome
+from rlfleet.fleet.control.parts import Parts
+from rlfleet.fleet.control.publisher import RoutingPublisher
+from rlfleet.fleet.control.resize import adopted_ledger, fence_removed
+from rlfleet.health import (
     CallKind,
     EngineReady,
     MembershipPlan,
     OperatorPaused,
 )
-from fleet import records as ev
-from fleet.wire import Description
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.wire import Description
 
 EPOCHS_PER_GENERATION = 1 << 40
 

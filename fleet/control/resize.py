@@ -47,10 +47,10 @@ import asyncio
 import dataclasses
 from typing import Any, Iterable
 
-from fleet.errors import ConfigError, FleetStopped
-from fleet.control.parts import Parts
-from fleet.control.publisher import RoutingPublisher
-from health import (
+from rlfleet.fleet.errors import ConfigError, FleetStopped
+from rlfleet.fleet.control.parts import Parts
+from rlfleet.fleet.control.publisher import RoutingPublisher
+from rlfleet.health import (
     Batch,
     Drain,
     Ledger,
@@ -60,8 +60,8 @@ from health import (
     check_size,
     plan_resize,
 )
-from fleet import records as ev
-from fleet.wire import Counters, Left
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.wire import Counters, Left
 
 DRAIN_POLL_S = 0.05  # how often a draining shard's in-flight count is read
 

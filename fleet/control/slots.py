@@ -33,16 +33,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from fleet.cluster.door import Door
-from fleet.eventlog import EventLog
-from fleet.control.intent import IntentStore
-from fleet.cluster.naming import shard_name
-from fleet.control.nodes import NodeMap
-from fleet.outcome import Outcome, is_unusable, observed
-from health import CallKind, Decision, Ledger, MembershipPlan, SlotPhase, step
-from health.roles import Rebalanced, Roles, rebalance
-from fleet import records as ev
-from fleet.wire import Description, Started
+from rlfleet.fleet.cluster.door import Door
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.control.intent import IntentStore
+from rlfleet.fleet.cluster.naming import shard_name
+from rlfleet.fleet.control.nodes import NodeMap
+from rlfleet.fleet.outcome import Outcome, is_unusable, observed
+from rlfleet.health import CallKind, Decision, Ledger, MembershipPlan, SlotPhase, step
+from rlfleet.health.roles import Rebalanced, Roles, rebalance
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.wire import Description, Started
 
 
 class Slots:

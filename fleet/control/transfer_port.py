@@ -14,12 +14,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence, cast
 
-from fleet.errors import RefitArgumentError
-from fleet.config.fleet import REFIT_TIMEOUT_FALLBACK_S
-from health import Participant, RefitResult
-from refit import outcome as refit_outcome
-from refit.outcome import Outcome, ParticipantResult, RefitReport, assign_ranks
-from refit.synchronizer import RefitConfig, WeightSynchronizer
+from rlfleet.fleet.errors import RefitArgumentError
+from rlfleet.fleet.config.fleet import REFIT_TIMEOUT_FALLBACK_S
+from rlfleet.health import Participant, RefitResult
+from rlfleet.refit import outcome as refit_outcome
+from rlfleet.refit.outcome import Outcome, ParticipantResult, RefitReport, assign_ranks
+from rlfleet.refit.synchronizer import RefitConfig, WeightSynchronizer
 
 
 @dataclass(frozen=True)

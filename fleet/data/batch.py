@@ -20,7 +20,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from fleet.outcome import ERROR, TIMED_OUT, Outcome, answer_outcome
+from rlfleet.fleet.outcome import ERROR, TIMED_OUT, Outcome, answer_outcome
 
 
 @dataclass

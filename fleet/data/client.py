@@ -34,15 +34,15 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
-from fleet.data.dispatch import Dispatcher, FleetResult
-from fleet.eventlog import EventLog
-from fleet.outcome import DIED, UNUSABLE, Outcome, is_unusable
-from fleet.records import ControllerBack, ControllerGone, ControllerUnreachable
-from fleet.data.routing_state import RoutingState, VersionPolicy
-from fleet.types import TokenDelta
+from rlfleet.fleet.data.dispatch import Dispatcher, FleetResult
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.outcome import DIED, UNUSABLE, Outcome, is_unusable
+from rlfleet.fleet.records import ControllerBack, ControllerGone, ControllerUnreachable
+from rlfleet.fleet.data.routing_state import RoutingState, VersionPolicy
+from rlfleet.fleet.types import TokenDelta
 
 if TYPE_CHECKING:
-    from fleet.control.controller import SingleController
+    from rlfleet.fleet.control.controller import SingleController
 
 WATCH_S = 10.0  # one long poll waits at most this long for a change
 # While the controller cannot be reached: poll again after this long, doubling up to the cap.
@@ -152,7 +152,7 @@ class FleetClient(_Client):
 
     def __init__(self, controller: Any, config: Any, door: Any = None, name: str | None = None) -> None:
         if door is None:
-            from fleet.cluster.ray_door import RayDoor
+            from rlfleet.fleet.cluster.ray_door import RayDoor
 
             door = RayDoor()
         self.door = door

@@ -33,21 +33,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from fleet.errors import BadRequestError, RouteRefused
-from fleet.eventlog import EventLog
-from fleet.outcome import DIED, ERROR, TIMED_OUT, Outcome
-from fleet.data.batch import ServeBatcher
-from fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, Suspicion, actor_took_down, fingerprint, took_down
-from fleet.records import Request
-from fleet.data.shard_choice import pick_two, with_room
-from fleet.data.suspects import Evidence, SuspectBook
-from fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL, SUSPECT, UNHEARD, VERSION
-from fleet.data.routing_state import Member, RoutingState, VersionPolicy
-from fleet.data.partial import Partial
-from fleet.data.result import COMPLETED, RETURNED, FleetResult  # noqa: F401 - the request path's answer, re-exported
-from fleet.types import FINISH_ABORTED, Chunk, GenerationResult, TokenDelta
-from fleet.wire import ServeRequest
-from health import Clock, MonotonicClock
+from rlfleet.fleet.errors import BadRequestError, RouteRefused
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.outcome import DIED, ERROR, TIMED_OUT, Outcome
+from rlfleet.fleet.data.batch import ServeBatcher
+from rlfleet.fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, Suspicion, actor_took_down, fingerprint, took_down
+from rlfleet.fleet.records import Request
+from rlfleet.fleet.data.shard_choice import pick_two, with_room
+from rlfleet.fleet.data.suspects import Evidence, SuspectBook
+from rlfleet.fleet.shard.request_gate import FULL, POISON as POISON_REFUSAL, SUSPECT, UNHEARD, VERSION
+from rlfleet.fleet.data.routing_state import Member, RoutingState, VersionPolicy
+from rlfleet.fleet.data.partial import Partial
+from rlfleet.fleet.data.result import COMPLETED, RETURNED, FleetResult  # noqa: F401 - the request path's answer, re-exported
+from rlfleet.fleet.types import FINISH_ABORTED, Chunk, GenerationResult, TokenDelta
+from rlfleet.fleet.wire import ServeRequest
+from rlfleet.health import Clock, MonotonicClock
 
 class FleetView(Protocol):
     """What the dispatcher needs: the published routing state, the door to the shards, a way to report."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from fleet.wire import Carried
-from fleet.types import (FINISH_ABORTED, FINISH_LENGTH, Chunk, Completion, GenerationResult, PromptLogprobs, Span,
+from rlfleet.fleet.wire import Carried
+from rlfleet.fleet.types import (FINISH_ABORTED, FINISH_LENGTH, Chunk, Completion, GenerationResult, PromptLogprobs, Span,
                          TokenDelta, spans_of)
 
 # vLLM's ``SamplingParams.max_tokens`` when a request does not set it.

@@ -39,9 +39,9 @@ import hashlib
 import json
 from typing import Any, Iterable
 
-from fleet.errors import EngineCrashedError
-from fleet.outcome import DIED, ERROR, Outcome
-from fleet.data.suspects import S
+from rlfleet.fleet.errors import EngineCrashedError
+from rlfleet.fleet.outcome import DIED, ERROR, Outcome
+from rlfleet.fleet.data.suspects import S
 
 POISON = "poison"
 POISON_DEATHS = 2  # engines a request may take down; it is never sent to another one

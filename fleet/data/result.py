@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleet.types import GenerationResult
+from rlfleet.fleet.types import GenerationResult
 
 COMPLETED, RETURNED = "completed", "returned"
 

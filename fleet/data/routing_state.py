@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleet.data.staleness import too_old
+from rlfleet.fleet.data.staleness import too_old
 
 LATEST, MAX_STALENESS, ANY = "latest", "max_staleness", "any"
 

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from fleet.errors import ConfigError
+from rlfleet.fleet.errors import ConfigError
 
 __all__ = ["StalenessFilter", "staleness_of", "too_old"]
 

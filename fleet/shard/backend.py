@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
 
-from fleet.types import EngineStats, Piece
+from rlfleet.fleet.types import EngineStats, Piece
 
 PauseMode = Literal["keep", "abort", "wait"]
 PAUSE_MODES: tuple[str, ...] = ("keep", "abort", "wait")

@@ -21,24 +21,24 @@ import os
 import time
 from typing import Any, AsyncIterator, Callable, Sequence, cast
 
-from fleet.shard.backend import PAUSE_MODES, EngineBackend, PauseMode, StepMarks
-from fleet.config.engine import EngineConfig
-from fleet.shard.peer_methods import PeerCopyMethods
-from fleet.shard.fault_hooks import ArmedFault, FaultHooks
-from fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, EngineCrashedError, RouteRefused,
+from rlfleet.fleet.shard.backend import PAUSE_MODES, EngineBackend, PauseMode, StepMarks
+from rlfleet.fleet.config.engine import EngineConfig
+from rlfleet.fleet.shard.peer_methods import PeerCopyMethods
+from rlfleet.fleet.shard.fault_hooks import ArmedFault, FaultHooks
+from rlfleet.fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, EngineCrashedError, RouteRefused,
                           ShardShutDownError, ShardUnavailableError, ShardUnusableError)
-from fleet.outcome import BAD_ACK, ERROR, OK, UNAVAILABLE
-from fleet.data.routing_state import Ticket, VersionPolicy
-from fleet.data.poison import fingerprint
-from fleet.shard.lease import RoutingLease
-from fleet.shard.request_gate import RecentResults, ShardGate
-from fleet.shard.pause_holds import PauseHolds
-from fleet.shard.start_records import record_start
-from fleet.shard.output_stream import OutputStream, Pacer
-from fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, GenerationResult
-from fleet.wire import (BeginRefit, Carried, Counters, Description, EndRefit, Left, Ping, ShardFacts, ShardInfo,
+from rlfleet.fleet.outcome import BAD_ACK, ERROR, OK, UNAVAILABLE
+from rlfleet.fleet.data.routing_state import Ticket, VersionPolicy
+from rlfleet.fleet.data.poison import fingerprint
+from rlfleet.fleet.shard.lease import RoutingLease
+from rlfleet.fleet.shard.request_gate import RecentResults, ShardGate
+from rlfleet.fleet.shard.pause_holds import PauseHolds
+from rlfleet.fleet.shard.start_records import record_start
+from rlfleet.fleet.shard.output_stream import OutputStream, Pacer
+from rlfleet.fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, GenerationResult
+from rlfleet.fleet.wire import (BeginRefit, Carried, Counters, Description, EndRefit, Left, Ping, ShardFacts, ShardInfo,
                         Started, decode_request)
-from health.progress import ProgressWatch
+from rlfleet.health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
 CRASH_REPORT_GRACE_S = 1.0
@@ -51,10 +51,10 @@ STAGE_METHODS = frozenset({"rlfleet_stage"})  # bytes move into the staging area
 
 def _vllm_backend(config: EngineConfig) -> EngineBackend:
     if config.backend == "null":
-        from fleet.shard.null_backend import NullBackend
+        from rlfleet.fleet.shard.null_backend import NullBackend
 
         return NullBackend(config)
-    from fleet.shard.vllm_backend import VllmBackend
+    from rlfleet.fleet.shard.vllm_backend import VllmBackend
 
     return VllmBackend(config.engine_args())
 

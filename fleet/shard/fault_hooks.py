@@ -58,7 +58,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from fleet.errors import EngineCrashedError, ShardUnavailableError
+from rlfleet.fleet.errors import EngineCrashedError, ShardUnavailableError
 
 POINTS = ("pause", "resume", "set_weight_version", "generate", "ping", "transfer", "stream", "donate")
 ACTIONS = ("kill", "freeze", "hang", "false_ack", "slow", "crash_engine", "unavailable", "error", "poison",

@@ -26,8 +26,8 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-from fleet.shard.backend import BackendCapabilities, PauseMode
-from fleet.types import FINISH_ABORTED, Completion, EngineStats, Piece
+from rlfleet.fleet.shard.backend import BackendCapabilities, PauseMode
+from rlfleet.fleet.types import FINISH_ABORTED, Completion, EngineStats, Piece
 
 
 class NullBackend:
@@ -130,7 +130,7 @@ class NullWeights:
         return self.copied if self.copied is not None else f"version {version}"
 
     def call(self, method: str, args: tuple, version: int) -> Any:
-        from fleet.shard.peer_copy import label_manifest
+        from rlfleet.fleet.shard.peer_copy import label_manifest
 
         digests = {"weights": self.label(version)}
         if method == "rlfleet_peer_manifest":
@@ -163,7 +163,7 @@ class _HostModel:
         self.tensors: dict[str, Any] = {}
 
     def expected_spec(self):
-        from refit.model_spec import checkpoint_spec
+        from rlfleet.refit.model_spec import checkpoint_spec
 
         return checkpoint_spec(self._dir) if self._dir else None
 
@@ -193,7 +193,7 @@ class _HostModel:
 
 @functools.cache
 def _host_worker_class():
-    from refit.worker_extension import RefitWorkerExtension  # torch: imported only when weights are received
+    from rlfleet.refit.worker_extension import RefitWorkerExtension  # torch: imported only when weights are received
 
     class HostWorker(RefitWorkerExtension):
         """One weight-holding worker in the shard's own process (its calls run on the backend's thread)."""

@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from fleet.shard.continuation import TextSeam
-from fleet.wire import Carried
-from fleet.types import FINISH_STOP, Chunk, Completion, Piece, PromptLogprobs, Span, spans_of
+from rlfleet.fleet.shard.continuation import TextSeam
+from rlfleet.fleet.wire import Carried
+from rlfleet.fleet.types import FINISH_STOP, Chunk, Completion, Piece, PromptLogprobs, Span, spans_of
 
 
 @dataclass

@@ -9,7 +9,7 @@ world (the real ``EngineShard``, the simulator's): they cannot drift apart on th
 
 from __future__ import annotations
 
-from fleet.errors import RefitOwnsEngine
+from rlfleet.fleet.errors import RefitOwnsEngine
 
 
 class PauseHolds:

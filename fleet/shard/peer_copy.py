@@ -28,8 +28,8 @@ import asyncio
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
-from fleet.errors import PeerCopyRefused
-from fleet.wire import Donated, PeerManifest, PeerOffer, PeerReceived, WeightDigests
+from rlfleet.fleet.errors import PeerCopyRefused
+from rlfleet.fleet.wire import Donated, PeerManifest, PeerOffer, PeerReceived, WeightDigests
 
 POLL_S = 0.01  # how often a donor asks its workers whether the receiver joined (each ask is one worker call)
 
@@ -50,7 +50,7 @@ def _by_worker(answers: Sequence[dict]) -> list[dict]:
 def misfit(donor: PeerManifest, receiver: PeerManifest) -> str | None:
     """Why the donor's weights cannot be copied into the receiver, or None: the layouts (``refit.peer``) and
     what either engine says blocks a copy at all."""
-    from refit import peer  # the refit package loads torch: only a shard that takes part in a copy pays for it
+    from rlfleet.refit import peer  # the refit package loads torch: only a shard that takes part in a copy pays for it
 
     why = peer.manifest_misfit(donor.workers, receiver.workers)
     if why is not None:
@@ -64,7 +64,7 @@ def misfit(donor: PeerManifest, receiver: PeerManifest) -> str | None:
 
 def digest_misfit(donated: Donated, received: PeerReceived) -> str | None:
     """Why the receiver's weights are not proven the donor's, or None when every parameter's digest agrees."""
-    from refit import peer
+    from rlfleet.refit import peer
 
     return peer.digest_misfit(donated.digests, received.digests)
 

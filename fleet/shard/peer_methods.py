@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleet.shard import peer_copy
-from fleet.wire import Donated, PeerManifest, PeerOffer, PeerReceived, WeightDigests
+from rlfleet.fleet.shard import peer_copy
+from rlfleet.fleet.wire import Donated, PeerManifest, PeerOffer, PeerReceived, WeightDigests
 
 
 class PeerCopyMethods:

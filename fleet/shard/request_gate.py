@@ -35,9 +35,9 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Collection, Mapping
 
-from fleet.data.routing_state import Ticket
-from fleet.data.suspects import may_join
-from fleet.shard.lease import RoutingLease
+from rlfleet.fleet.data.routing_state import Ticket
+from rlfleet.fleet.data.suspects import may_join
+from rlfleet.fleet.shard.lease import RoutingLease
 
 PAUSED, NOT_MEMBER, EPOCH, VERSION, FULL = "paused", "not_member", "epoch", "version", "full"
 UNHEARD = "unheard"  # its lease on the routing state lapsed: a request bound to a version goes elsewhere

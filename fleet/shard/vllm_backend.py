@@ -12,10 +12,10 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
-from fleet.shard.backend import BackendCapabilities, PauseMode, confirmed
-from fleet.errors import BadRequestError, CacheResetFailed, EngineCrashedError
-from fleet.types import field_with_invalid_text
-from fleet.types import EngineStats, Piece, PromptLogprobs
+from rlfleet.fleet.shard.backend import BackendCapabilities, PauseMode, confirmed
+from rlfleet.fleet.errors import BadRequestError, CacheResetFailed, EngineCrashedError
+from rlfleet.fleet.types import field_with_invalid_text
+from rlfleet.fleet.types import EngineStats, Piece, PromptLogprobs
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM

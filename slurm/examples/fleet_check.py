@@ -29,9 +29,9 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from fleet.cluster import ray_door
-from fleet.config.engine import EngineConfig
-from recipe.tinymodel import build_model
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.config.engine import EngineConfig
+from rlfleet.recipe.tinymodel import build_model
 
 PROMPT = [1, 20, 30, 40, 50]
 SAMPLING = {"max_tokens": 8, "ignore_eos": True, "temperature": 1.0, "seed": 3}
@@ -48,9 +48,9 @@ def run_refit(shards: list, model_dir: str) -> dict:
     """
     import asyncio
 
-    from faults.source import WeightSource
-    from refit.outcome import assign_ranks
-    from refit.synchronizer import RefitConfig, WeightSynchronizer
+    from rlfleet.faults.source import WeightSource
+    from rlfleet.refit.outcome import assign_ranks
+    from rlfleet.refit.synchronizer import RefitConfig, WeightSynchronizer
 
     source = ray_door.spawn_actor(WeightSource, model_dir, num_cpus=0)
     try:

@@ -54,13 +54,13 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from faults.invariants import requests_accounted
-from faults.source import WeightSource
-from fleet.cluster import ray_door
-from fleet.api import Fleet
-from fleet.cluster.naming import controller_name, shard_name
-from fleet.records import Epoch, Health, Kill, NodeLost, Restart, Retire, of_kinds
-from recipe.tinymodel import build_model
+from rlfleet.faults.invariants import requests_accounted
+from rlfleet.faults.source import WeightSource
+from rlfleet.fleet.cluster import ray_door
+from rlfleet import Fleet
+from rlfleet.fleet.cluster.naming import controller_name, shard_name
+from rlfleet.fleet.records import Epoch, Health, Kill, NodeLost, Restart, Retire, of_kinds
+from rlfleet.recipe.tinymodel import build_model
 
 MARKER = "RLFLEET_NODE_LOSS"
 HEAD_RESOURCE = "node:__internal_head__"

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import pytest
 
-from faults.matrix import BASE_FLEET, MATRIX
-from faults.runner import FaultRunner
-from health.faultplan import load_plan, resolve
+from rlfleet.faults.matrix import BASE_FLEET, MATRIX
+from rlfleet.faults.runner import FaultRunner
+from rlfleet.health.faultplan import load_plan, resolve
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from faults.chaos import soak
+from rlfleet.faults.chaos import soak
 
 pytestmark = [pytest.mark.integration, pytest.mark.soak]
 

@@ -35,9 +35,9 @@ class SharedFleet:
         self._fleet = self._source = None
 
     def _start(self) -> None:
-        from faults.source import WeightSource
-        from fleet.cluster import ray_door
-        from fleet.api import Fleet
+        from rlfleet.faults.source import WeightSource
+        from rlfleet.fleet.cluster import ray_door
+        from rlfleet.fleet.api import Fleet
 
         # the model's whole context: an agent transcript with its tools (``tests.transcripts``) is ~600 tokens
         self._fleet = Fleet.start({"engine": {"model": self._model, "kv_cache_memory_bytes": 32 << 20,
@@ -62,7 +62,7 @@ class SharedFleet:
         return self._source
 
     def close(self) -> None:
-        from fleet.cluster import ray_door
+        from rlfleet.fleet.cluster import ray_door
 
         if self._fleet is not None:
             self._fleet.shutdown()
@@ -74,7 +74,7 @@ class RawPair:
     """Two bare shards on the tiny model, started on first use; ``fresh`` hands them to a module as new."""
 
     def __init__(self, tiny_model: str) -> None:
-        from fleet.config.engine import EngineConfig
+        from rlfleet.fleet.config.engine import EngineConfig
 
         self.cfg = EngineConfig(model=tiny_model, kv_cache_memory_bytes=16 << 20, max_model_len=512)
         self.shards: list = []
@@ -87,7 +87,7 @@ class RawPair:
     def _start(self) -> None:
         import time
 
-        from fleet.cluster import ray_door
+        from rlfleet.fleet.cluster import ray_door
 
         self.shards = [ray_door.spawn_shard(self.cfg, slot=i, incarnation=1) for i in range(2)]
         self.incarnations = [1, 1]
@@ -114,7 +114,7 @@ class RawPair:
 
     def fresh(self) -> list:
         """Both shards alive, ready, unpaused, on the checkpoint's weights stamped version 0."""
-        from fleet.cluster import ray_door
+        from rlfleet.fleet.cluster import ray_door
 
         if not self.shards:
             self._start()
@@ -133,7 +133,7 @@ class RawPair:
 
     @staticmethod
     def _weights(h) -> tuple[int, str]:
-        from fleet.cluster import ray_door
+        from rlfleet.fleet.cluster import ray_door
 
         (info,) = ray_door.ask(h, "worker_rpc", "rlfleet_worker_info", [], {}, 30, timeout=60)
         return info["weight_version"], info["weights_state"]
@@ -142,9 +142,9 @@ class RawPair:
         """The checkpoint's weights back into both engines, stamped 0 (a module left its own there)."""
         import asyncio
 
-        from faults.source import WeightSource
-        from fleet.cluster import ray_door
-        from refit import RefitConfig, WeightSynchronizer
+        from rlfleet.faults.source import WeightSource
+        from rlfleet.fleet.cluster import ray_door
+        from rlfleet.refit import RefitConfig, WeightSynchronizer
         from tests.integration.fleet_helpers import paused_refit
 
         if self._source is None:  # the checkpoint's weights, kept for the pair's later resets
@@ -168,7 +168,7 @@ class RawPair:
             assert ray_door.ask(h, "get_weight_version", timeout=30) == 0, "the raw pair's reset was not stamped"
 
     def close(self) -> None:
-        from fleet.cluster import ray_door
+        from rlfleet.fleet.cluster import ray_door
 
         for h in self.shards:
             ray_door.try_ask(h, "shutdown", timeout=60)

@@ -8,9 +8,9 @@ import signal
 import subprocess
 import time
 
-from faults import invariants
-from fleet.cluster import ray_door
-from refit import Outcome, Participant
+from rlfleet.faults import invariants
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.refit import Outcome, Participant
 
 PROMPTS = [[1, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(8)]
 SAMPLING = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.data.routing_state import ANY, LATEST, VersionPolicy
+from rlfleet.fleet.data.routing_state import ANY, LATEST, VersionPolicy
 from tests.integration.fleet_helpers import Run, wait_for
 
 pytestmark = pytest.mark.integration

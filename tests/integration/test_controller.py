@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.errors import RefitArgumentError, RefitRefused
+from rlfleet.fleet.errors import RefitArgumentError, RefitRefused
 from tests.integration.fleet_helpers import Run, assert_invariants, logprob_gap
 
 pytestmark = pytest.mark.integration

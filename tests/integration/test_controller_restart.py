@@ -34,16 +34,16 @@ from pathlib import Path
 
 import pytest
 
-from faults import invariants
-from faults.load import PairLoad
-from faults.source import WeightSource
-from faults.timeline import read_log
-from fleet.cluster import ray_door
-from fleet.api import Fleet
-from fleet.cluster.naming import NAMESPACE
+from rlfleet.faults import invariants
+from rlfleet.faults.load import PairLoad
+from rlfleet.faults.source import WeightSource
+from rlfleet.faults.timeline import read_log
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.api import Fleet
+from rlfleet.fleet.cluster.naming import NAMESPACE
 from tests.integration import fleet_helpers as helpers
 from tests.integration.fleet_helpers import PROMPTS, wait_for
-from fleet.records import (
+from rlfleet.fleet.records import (
     Adopted, ControllerBack, ControllerGone, ControllerRestarted, ControllerUnreachable, Fault, Phase, Stamp,
 )
 
@@ -172,8 +172,8 @@ def test_sigkilled_controller_clients_keep_serving_and_next_refit_lands(run):
 
 SECOND_DRIVER = r"""
 import json, sys
-from fleet.cluster import ray_door
-from fleet.api import Fleet
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.api import Fleet
 name, source_name, address, version = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 fleet = Fleet.connect(name, address=address)
 source = ray_door.find_actor(source_name)
@@ -224,8 +224,8 @@ def test_second_driver_connects_by_name_refits_and_detaches(run):
 
 FLOOD_CLIENT = r"""
 import json, pathlib, sys, time
-from fleet.cluster import ray_door
-from fleet.api import Fleet
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.api import Fleet
 name, address, ready, me = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3]), sys.argv[4]
 fleet = Fleet.connect(name, address=address)
 (ready / me).touch()

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from demo.run import DemoConfig, run_demo
-from fleet.records import Adopted, ControllerRestarted, Fault, Gate, Health, Readmit, Request, Restart, Stamp, of
+from rlfleet.demo.run import DemoConfig, run_demo
+from rlfleet.fleet.records import Adopted, ControllerRestarted, Fault, Gate, Health, Readmit, Request, Restart, Stamp, of
 
 pytestmark = pytest.mark.integration
 
@@ -166,7 +166,7 @@ def test_plots_are_valid_images(demo):
 
 
 def test_bad_fault_plan_is_refused_before_anything_starts(tmp_path, capsys):
-    from cli.main import main
+    from rlfleet.cli.main import main
 
     assert main(["demo", "--fault-plan", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "r")]) == 2
     assert "fault_plan" in capsys.readouterr().err

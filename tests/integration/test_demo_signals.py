@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.fleet_helpers import cli_env, session, session_gone, signal_and_wait, wait_for
-from fleet.records import Phase
+from rlfleet.fleet.records import Phase
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.integration
 def test_sigterm_ends_the_demo_with_its_report_and_nothing_left_behind(tiny_model, tmp_path, target):
     out = tmp_path / "report"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "demo", "--engines", "1", "--fault-plan", "none", "--steps", "200",
+        [sys.executable, "-m", "rlfleet.cli.main", "demo", "--engines", "1", "--fault-plan", "none", "--steps", "200",
          "--model", tiny_model, "--out", str(out), "--progress", "plain"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(), start_new_session=True,
         cwd=Path(__file__).resolve().parents[2],
@@ -80,7 +80,7 @@ def test_sigterm_while_the_fleet_starts_ends_faults_run_at_once_with_nothing_lef
     just stopped; that waited 60 s on the dead GCS and died with exit 1 and no summary. Now the fleet is
     abandoned (nothing is left to ask), the run reports what finished (nothing) and exits 143 in seconds."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "faults", "run", "--matrix", "--only", "kill-during-pause"],
+        [sys.executable, "-m", "rlfleet.cli.main", "faults", "run", "--matrix", "--only", "kill-during-pause"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(), start_new_session=True,
         cwd=Path(__file__).resolve().parents[2],
     )

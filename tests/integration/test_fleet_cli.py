@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from fleet.cluster import ray_door
-from fleet.api import Fleet
-from fleet.errors import ConfigError
-from fleet.cluster.naming import shard_name
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.api import Fleet
+from rlfleet.fleet.errors import ConfigError
+from rlfleet.fleet.cluster.naming import shard_name
 
 pytestmark = pytest.mark.quick  # no vLLM engine: seconds, in the quick lane
 
@@ -23,7 +23,7 @@ NAME = "cli-test-fleet"
 
 def rlfleet(*args: str) -> tuple[int, list[dict]]:
     env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "fleet", *args, "--address", ray_door.cluster_address()],
+    proc = subprocess.run([sys.executable, "-m", "rlfleet.cli.main", "fleet", *args, "--address", ray_door.cluster_address()],
                           capture_output=True, text=True, env=env, timeout=180)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return proc.returncode, rows

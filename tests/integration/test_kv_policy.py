@@ -37,11 +37,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from faults.source import WeightSource
-from fleet.cluster import ray_door
-from fleet.api import Fleet
+from rlfleet.faults.source import WeightSource
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.api import Fleet
 from tests.integration.fleet_helpers import assert_invariants, wait_for
-from fleet.records import FleetWarning
+from rlfleet.fleet.records import FleetWarning
 
 pytestmark = pytest.mark.integration
 

@@ -19,12 +19,12 @@ import time
 
 import pytest
 
-from faults.source import WeightSource
-from fleet.cluster import ray_door
-from fleet.errors import PeerCopyRefused
-from fleet.shard import peer_copy
-from fleet.wire import PeerManifest
-from refit import RefitConfig, WeightSynchronizer
+from rlfleet.faults.source import WeightSource
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.errors import PeerCopyRefused
+from rlfleet.fleet.shard import peer_copy
+from rlfleet.fleet.wire import PeerManifest
+from rlfleet.refit import RefitConfig, WeightSynchronizer
 from tests.integration.fleet_helpers import paused_refit
 
 pytestmark = pytest.mark.integration

@@ -24,10 +24,10 @@ import time
 
 import pytest
 
-from fleet.cluster import ray_door
-from recipe import AllowedTokensTask, PromptGenerator, RecipeConfig, TrainerConfig, build_group
-from recipe.actor import GRPOTrainerActor
-from refit import Outcome, Participant, RefitConfig, WeightSynchronizer
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.recipe import AllowedTokensTask, PromptGenerator, RecipeConfig, TrainerConfig, build_group
+from rlfleet.recipe.actor import GRPOTrainerActor
+from rlfleet.refit import Outcome, Participant, RefitConfig, WeightSynchronizer
 
 pytestmark = pytest.mark.integration
 

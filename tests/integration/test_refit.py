@@ -14,10 +14,10 @@ import re
 import pytest
 import torch
 
-from faults.source import WeightSource
-from fleet.cluster import ray_door
-from recipe.logprobs import token_logprobs
-from refit import LocalSenderPort, Outcome, RefitConfig, WeightSender, WeightSynchronizer
+from rlfleet.faults.source import WeightSource
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.recipe.logprobs import token_logprobs
+from rlfleet.refit import LocalSenderPort, Outcome, RefitConfig, WeightSender, WeightSynchronizer
 from tests.integration.fleet_helpers import participants, paused_refit
 
 pytestmark = pytest.mark.integration

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from faults.source import WeightSource
-from fleet.cluster import ray_door
-from refit import Outcome, Participant, RefitConfig, WeightSynchronizer
+from rlfleet.faults.source import WeightSource
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.refit import Outcome, Participant, RefitConfig, WeightSynchronizer
 
 pytestmark = pytest.mark.integration
 

@@ -11,10 +11,10 @@ import asyncio
 
 import pytest
 
-from faults.source import WeightSource
-from fleet.cluster import ray_door
-from fleet.config.engine import EngineConfig
-from refit import Outcome, RefitConfig, WeightSynchronizer, assign_ranks
+from rlfleet.faults.source import WeightSource
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.config.engine import EngineConfig
+from rlfleet.refit import Outcome, RefitConfig, WeightSynchronizer, assign_ranks
 from tests.integration.fleet_helpers import start_shards
 
 pytestmark = pytest.mark.integration

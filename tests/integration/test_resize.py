@@ -13,13 +13,13 @@ import time
 
 import pytest
 
-from faults.load import ClientLoad
-from fleet.cluster import ray_door
-from fleet.api import Fleet
-from fleet.errors import ConfigError
-from fleet.cluster.naming import shard_name
+from rlfleet.faults.load import ClientLoad
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.api import Fleet
+from rlfleet.fleet.errors import ConfigError
+from rlfleet.fleet.cluster.naming import shard_name
 from tests.integration.fleet_helpers import assert_invariants, wait_for
-from fleet.records import Resize, Stopped
+from rlfleet.fleet.records import Resize, Stopped
 
 pytestmark = [pytest.mark.integration, pytest.mark.quick]  # null engines: seconds, in the quick lane
 

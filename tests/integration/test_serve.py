@@ -31,11 +31,11 @@ import httpx
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from fleet.cluster import ray_door
-from fleet.records import Kill
-from serve.loadtest import run_load
-from serve.protocol import VERSION_HEADER
-from serve.server import HttpServer
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.records import Kill
+from rlfleet.serve.loadtest import run_load
+from rlfleet.serve.protocol import VERSION_HEADER
+from rlfleet.serve.server import HttpServer
 from tests.integration.fleet_helpers import Run, wait_for
 
 pytestmark = pytest.mark.integration
@@ -54,7 +54,7 @@ def served(shared_fleet):
 @pytest.fixture(scope="module")
 def agent_front(served):
     """A second front on the same fleet, as ``rlfleet serve --enable-auto-tool-choice --tool-call-parser hermes``."""
-    from serve.render import ChatOptions
+    from rlfleet.serve.render import ChatOptions
 
     front = HttpServer(served.fleet, port=0, chat=ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes"))
     front.start()

@@ -28,9 +28,9 @@ import time
 import httpx
 import pytest
 
-from fleet.cluster import ray_door
-from fleet.api import Fleet
-from serve.server import HttpServer
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.api import Fleet
+from rlfleet.serve.server import HttpServer
 from tests.integration.fleet_helpers import cli_env, session, session_gone, signal_and_wait, wait_for
 
 pytestmark = pytest.mark.integration
@@ -43,7 +43,7 @@ def null_fleet(model: str, name: str, **over) -> Fleet:
 
 def serve_process(*args: str, **popen) -> tuple[subprocess.Popen, dict]:
     """Start ``rlfleet serve ARGS``; return it and its first line (where it serves), or fail with its stderr."""
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.cli.main", "serve", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=cli_env(), **popen)
     first: dict = {}
     reader = threading.Thread(target=lambda: first.update(json.loads(proc.stdout.readline() or "{}")), daemon=True)
@@ -129,7 +129,7 @@ def test_serve_config_sigterm_to_its_process_group_while_the_engine_starts_exits
     the dead local Ray, wait 60 s on its GCS and die with exit 1. Now it is interrupted, the fleet abandoned."""
     cfg = tmp_path / "fleet.json"
     cfg.write_text(json.dumps({"engine": {"model": tiny_model, "kv_cache_memory_bytes": 32 << 20}, "num_engines": 1}))
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(cfg), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.cli.main", "serve", "--config", str(cfg), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
                             start_new_session=True)
     errors: list[str] = []
@@ -155,7 +155,7 @@ def test_serve_config_sigterm_to_its_process_group_while_the_engine_starts_exits
 def test_a_bad_config_is_refused_before_anything_starts(tmp_path, tiny_model):
     cfg = tmp_path / "fleet.yaml"
     cfg.write_text(json.dumps({"engine": {"model": tiny_model}, "num_engines": 0}))
-    out = subprocess.run([sys.executable, "-m", "cli.main", "serve", "--config", str(cfg)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "rlfleet.cli.main", "serve", "--config", str(cfg)], capture_output=True,
                          text=True, env=cli_env(), timeout=120)
     assert out.returncode == 2 and "num_engines" in out.stderr and "Traceback" not in out.stderr
 
@@ -180,7 +180,7 @@ def test_requests_still_running_when_the_front_stops_are_aborted_and_answered_50
     """What a SIGTERM to ``rlfleet serve`` does to requests that need longer than the stop's grace: they
     were uvicorn's bare 500s at its graceful-shutdown limit; now each is aborted on its engine and
     answered 503 in the OpenAI error shape, saying the server is shutting down."""
-    from serve.server import CUT_OFF_S
+    from rlfleet.serve.server import CUT_OFF_S
 
     fleet = null_fleet(tiny_model, "serve-cli-cut", engine={"null_generate_s": 60.0})
     server = HttpServer(fleet, port=0).start()

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from fleet.cluster import ray_door
-from fleet.config.engine import EngineConfig, validate
-from fleet.errors import BadRequestError, ConfigError, ShardShutDownError
+from rlfleet.fleet.cluster import ray_door
+from rlfleet.fleet.config.engine import EngineConfig, validate
+from rlfleet.fleet.errors import BadRequestError, ConfigError, ShardShutDownError
 
 pytestmark = pytest.mark.integration
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fleet.records import Health
+from rlfleet.fleet.records import Health
 
 import psutil  # noqa: E402 - installed with ray[default]
 
@@ -91,7 +91,7 @@ class LocalSlurm:
 
     def submit_argv(self, log_root: Path, driver: list[str], wait: bool, launcher: tuple[str, ...] = ()) -> list[str]:
         return [
-            PY, "-m", "cli.slurm", "submit", "--nodes", str(self.nodes), "--cpus-per-node", "2",
+            PY, "-m", "rlfleet.cli.slurm", "submit", "--nodes", str(self.nodes), "--cpus-per-node", "2",
             "--time", "00:10:00", "--log-root", str(log_root), "--python", PY, "--ready-timeout", "150",
             *(["--wait"] if wait else []), *launcher, "--", PY, *driver,
         ]  # fmt: skip
@@ -610,7 +610,7 @@ def test_two_node_job_with_a_network_namespace_per_node(slurm_netns_cluster, tmp
     Set RLFLEET_SLURM_NETNS_FLEET=1 to run fleet_check instead.)
     """
     if os.environ.get("RLFLEET_SLURM_NETNS_FLEET") == "1":
-        from recipe.tinymodel import build_model
+        from rlfleet.recipe.tinymodel import build_model
 
         model = str(build_model(Path.home() / ".cache" / "rlfleet" / "models" / "tiny"))
         rc = slurm_netns_cluster.run_job(tmp_path, [str(FLEET_CHECK), "--nodes", "2", "--model-dir", model])

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cli import slurm as slurm_cli
-from cli.slurm import JobSpec, SubmitError, render, render_default
+from rlfleet.cli import slurm as slurm_cli
+from rlfleet.cli.slurm import JobSpec, SubmitError, render, render_default
 
 pytestmark = pytest.mark.quick  # no vLLM engine: seconds, in the quick lane
 
@@ -29,7 +29,7 @@ def test_committed_launcher_equals_the_rendered_template():
     committed = (REPO / "slurm" / "rlfleet.sbatch").read_text()
     assert committed == render_default(), (
         "slurm/rlfleet.sbatch is stale; regenerate it: "
-        "python -c 'from cli.slurm import render_default; print(render_default(), end=\"\")' > slurm/rlfleet.sbatch"
+        "python -c 'from rlfleet.cli.slurm import render_default; print(render_default(), end=\"\")' > slurm/rlfleet.sbatch"
     )
 
 
@@ -96,9 +96,9 @@ def test_bad_flags_are_refused_before_anything_is_submitted(capsys, args, messag
 
 
 def test_missing_launcher_files_are_one_line_naming_the_file(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "slurm", None)  # as if the install shipped no `slurm` package
+    monkeypatch.setitem(sys.modules, "rlfleet.slurm", None)  # as if the install shipped no `rlfleet.slurm` package
     assert slurm_cli.main(["submit", "--dry-run"]) == 2
-    assert "launcher file slurm/rlfleet.sbatch.in not found" in capsys.readouterr().err
+    assert "launcher file rlfleet.sbatch.in of package rlfleet.slurm not found" in capsys.readouterr().err
 
 
 def test_unknown_setting_is_refused():

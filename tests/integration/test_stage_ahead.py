@@ -13,11 +13,11 @@ import statistics
 
 import pytest
 
-from faults.load import ClientLoad
-from fleet.cluster import naming
-from fleet.cluster import ray_door
+from rlfleet.faults.load import ClientLoad
+from rlfleet.fleet.cluster import naming
+from rlfleet.fleet.cluster import ray_door
 from tests.integration.fleet_helpers import Run, assert_invariants, logprob_gap, slot_states, wait_for
-from fleet.records import ControllerRestarted, Fault, Gate, Health, Phase, RefitFailedAttempt, Staged, of
+from rlfleet.fleet.records import ControllerRestarted, Fault, Gate, Health, Phase, RefitFailedAttempt, Staged, of
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ import pytest
 import requests
 import torch
 
-from faults.timeline import readmissions
-from fleet.records import Readmit
+from rlfleet.faults.timeline import readmissions
+from rlfleet.fleet.records import Readmit
 from tests.integration.fleet_helpers import wait_for
 
 pytestmark = pytest.mark.integration
@@ -32,10 +32,10 @@ def served(ray_local, tiny_model, tmp_path_factory):
     parser and started by its own builder (``cli.serve``); in this process, so that the tests can arm faults on
     the fleet and read the front's counters. The config leaves the logprobs mode at its default (raw): the
     flag is what makes it processed."""
-    from cli.main import build_parser
-    from cli.serve import checked_config, http_server
-    from fleet.api import Fleet
-    from rlapi.trl import launch_flags
+    from rlfleet.cli.main import build_parser
+    from rlfleet.cli.serve import checked_config, http_server
+    from rlfleet.fleet.api import Fleet
+    from rlfleet.rlapi.trl import launch_flags
 
     where = tmp_path_factory.mktemp("trl")
     log = where / "events.jsonl"
@@ -56,8 +56,8 @@ def served(ray_local, tiny_model, tmp_path_factory):
 
 
 def client_of(server):
-    from rlapi.trl import GlooVLLMClient
-    from rlapi.trl_run import free_port
+    from rlfleet.rlapi.trl import GlooVLLMClient
+    from rlfleet.rlapi.trl_run import free_port
 
     c = GlooVLLMClient(base_url=server.url, group_port=free_port(), connection_timeout=30)
     c.session.mount("http://", requests.adapters.HTTPAdapter(max_retries=0))  # a refusal is seen, not re-sent
@@ -71,7 +71,7 @@ def hf_model(path):
 
 
 def baseline(model) -> dict:
-    from refit.checksum import tensor_digest
+    from rlfleet.refit.checksum import tensor_digest
 
     return {n: tensor_digest(n, t.detach()).hex() for n, t in model.state_dict().items()}
 
@@ -272,8 +272,8 @@ def test_trls_grpo_trainer_trains_through_two_shard_kills_and_ends_with_every_en
     Every step finishes (TRL raises on a lost completion: it indexes one per prompt and sample), the last
     steps' reward clears chance by 5x and a fault-free run of the same seed by 0.8x, ``/weight_checker``
     finds every engine equal to what the trainer synced last, and both killed shards came back on it."""
-    from recipe.task import AllowedTokensTask
-    from rlapi.trl_run import TRLRun, train
+    from rlfleet.recipe.task import AllowedTokensTask
+    from rlfleet.rlapi.trl_run import TRLRun, train
 
     fleet, server = served
     jpath = fleet.config.engine.fault_journal

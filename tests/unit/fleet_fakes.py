@@ -34,22 +34,22 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from fleet.data.client import InProcessClient
-from sim.clock import LoopClock, VirtualTimeLoop, run_virtual  # noqa: F401 - the unit tests' virtual time
-from fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
-from fleet.data.poison import fingerprint
-from fleet.data.routing_state import ANY, RoutingState, VersionPolicy
-from fleet.shard.lease import RoutingLease
-from fleet.shard.pause_holds import PauseHolds
-from fleet.shard.request_gate import ShardGate
-from fleet.types import Completion, EngineStats, GenerationResult
-from fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, PeerCopyRefused, RefitArgumentError,
+from rlfleet.fleet.data.client import InProcessClient
+from rlfleet.sim.clock import LoopClock, VirtualTimeLoop, run_virtual  # noqa: F401 - the unit tests' virtual time
+from rlfleet.fleet.outcome import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, Outcome
+from rlfleet.fleet.data.poison import fingerprint
+from rlfleet.fleet.data.routing_state import ANY, RoutingState, VersionPolicy
+from rlfleet.fleet.shard.lease import RoutingLease
+from rlfleet.fleet.shard.pause_holds import PauseHolds
+from rlfleet.fleet.shard.request_gate import ShardGate
+from rlfleet.fleet.types import Completion, EngineStats, GenerationResult
+from rlfleet.fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, PeerCopyRefused, RefitArgumentError,
                           RefitOwnsEngine, RouteRefused, ShardUnusableError)
-from fleet.shard import peer_copy
-from fleet.control.transfer_port import TransferResult, by_deadline
-from fleet.wire import (BeginRefit, Counters, Description, Donated, EndRefit, Left, PeerManifest, PeerOffer, PeerReceived,
+from rlfleet.fleet.shard import peer_copy
+from rlfleet.fleet.control.transfer_port import TransferResult, by_deadline
+from rlfleet.fleet.wire import (BeginRefit, Counters, Description, Donated, EndRefit, Left, PeerManifest, PeerOffer, PeerReceived,
                         Ping, ShardFacts, Started, WeightDigests, decode_request)
-from health import RefitResult
+from rlfleet.health import RefitResult
 
 
 class ActorDiedError(Exception):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import random
 
-from fleet.data.dispatch import Dispatcher
-from fleet.data.routing_state import Member, RoutingState
-from fleet.eventlog import EventLog
-from fleet.outcome import DIED, OK, Outcome
-from fleet.types import Chunk, Completion, GenerationResult, Piece
-from fleet.wire import decode_request
+from rlfleet.fleet.data.dispatch import Dispatcher
+from rlfleet.fleet.data.routing_state import Member, RoutingState
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.outcome import DIED, OK, Outcome
+from rlfleet.fleet.types import Chunk, Completion, GenerationResult, Piece
+from rlfleet.fleet.wire import decode_request
 from tests.unit.fleet_fakes import StateView
 
 
@@ -148,7 +148,7 @@ def test_the_front_ends_a_request_by_the_ids_its_caller_knows():
     """A response's id ends every choice; vLLM's per-prompt ``id-j`` ends prompt j's; the fleet's own ids pass."""
     from types import SimpleNamespace
 
-    from serve.front import Front
+    from rlfleet.serve.front import Front
 
     front = SimpleNamespace(_names=__import__("collections").OrderedDict())
     Front.name_request(front, "cmpl-one", "http-1", 1, 1)

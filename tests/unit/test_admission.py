@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from fleet.control.admission import AdmissionController
-from fleet.config.admission import AdmissionConfig, load_admission_config
-from fleet.control.admission_law import AdmissionState, initial_cap, initial_state, update
-from fleet.errors import ConfigError
-from fleet.types import EngineStats
+from rlfleet.fleet.control.admission import AdmissionController
+from rlfleet.fleet.config.admission import AdmissionConfig, load_admission_config
+from rlfleet.fleet.control.admission_law import AdmissionState, initial_cap, initial_state, update
+from rlfleet.fleet.errors import ConfigError
+from rlfleet.fleet.types import EngineStats
 
 # The law's mechanics are tested with a cut at 0.9 by half, numbers easy to follow by hand;
 # the defaults (the seed law: cut 30 % above 0.8, grow 25 % below 0.6) are tested on their own.

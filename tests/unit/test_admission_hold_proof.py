@@ -5,10 +5,10 @@ lost."""
 
 from __future__ import annotations
 
-from faults.admission_hold import prove_admission_hold_across_refit, silent_spans
-from faults.evidence import LEADS_TO
-from fleet.records import RefitHeld
-from health.faultplan import ALLOWED
+from rlfleet.faults.admission_hold import prove_admission_hold_across_refit, silent_spans
+from rlfleet.faults.evidence import LEADS_TO
+from rlfleet.fleet.records import RefitHeld
+from rlfleet.health.faultplan import ALLOWED
 
 CALL = {"version": 1, "outcome": "committed", "error": None, "began": 100.0, "ended": 110.0}
 HELD = [RefitHeld(version=1, requests=12, by_slot={"0": 6, "1": 6})]  # the refit's record of what it held

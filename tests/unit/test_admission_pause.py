@@ -16,11 +16,11 @@ import asyncio
 
 import pytest
 
-from fleet.config.admission import AdmissionConfig
-from fleet.control.admission import AdmissionController
-from fleet.control.controller import SingleController
-from fleet.records import Admission
-from fleet.types import EngineStats
+from rlfleet.fleet.config.admission import AdmissionConfig
+from rlfleet.fleet.control.admission import AdmissionController
+from rlfleet.fleet.control.controller import SingleController
+from rlfleet.fleet.records import Admission
+from rlfleet.fleet.types import EngineStats
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, run_virtual
 from tests.unit.test_recovery import config
 

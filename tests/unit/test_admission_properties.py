@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from fleet.config.admission import AdmissionConfig
-from fleet.control.admission_law import AdmissionState, initial_state, update
-from fleet.types import EngineStats
+from rlfleet.fleet.config.admission import AdmissionConfig
+from rlfleet.fleet.control.admission_law import AdmissionState, initial_state, update
+from rlfleet.fleet.types import EngineStats
 
 
 @st.composite

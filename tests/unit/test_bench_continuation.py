@@ -8,8 +8,8 @@ import argparse
 import importlib.util
 import pathlib
 
-from fleet.data.dispatch import COMPLETED, FleetResult
-from fleet.types import Completion, GenerationResult
+from rlfleet.fleet.data.dispatch import COMPLETED, FleetResult
+from rlfleet.fleet.types import Completion, GenerationResult
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_continuation.py"
 

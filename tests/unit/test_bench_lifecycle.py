@@ -8,7 +8,7 @@ import importlib.util
 import pathlib
 from collections import Counter
 
-from fleet.records import Gate, Phase
+from rlfleet.fleet.records import Gate, Phase
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_lifecycle.py"
 

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from fleet.records import Fault, Phase, Readmit, Restart
+from rlfleet.fleet.records import Fault, Phase, Readmit, Restart
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_readmit.py"
 

@@ -1,6 +1,6 @@
 """When the chaos soak takes another step: its duration, then overtime only for owed controller kills."""
 
-from faults.chaos import CONTROLLER_KILLS, due
+from rlfleet.faults.chaos import CONTROLLER_KILLS, due
 
 
 def test_within_the_duration_the_soak_steps_whatever_fired():

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from cli import main as cli_main
+from rlfleet.cli import main as cli_main
 
 COMMANDS = {"demo", "faults", "slurm", "smoke", "model", "fleet"}
 
@@ -30,15 +30,15 @@ def test_every_subcommand_is_registered_and_importable():
 
 @pytest.fixture
 def demo_import_fails(monkeypatch):
-    # None in sys.modules makes `import cli.demo` raise ModuleNotFoundError, like a missing dependency.
-    monkeypatch.setitem(sys.modules, "cli.demo", None)
+    # None in sys.modules makes `import rlfleet.cli.demo` raise ModuleNotFoundError, like a missing dependency.
+    monkeypatch.setitem(sys.modules, "rlfleet.cli.demo", None)
 
 
 @pytest.mark.parametrize("args", [[], ["--engines", "3"], ["-h"], ["--", "x"]])
 def test_command_whose_import_fails_says_so_and_exits_2(demo_import_fails, capsys, args):
     assert cli_main.main(["demo", *args]) == 2
     err = capsys.readouterr().err
-    assert "rlfleet demo: cannot run: importing cli.demo failed: ModuleNotFoundError" in err
+    assert "rlfleet demo: cannot run: importing rlfleet.cli.demo failed: ModuleNotFoundError" in err
 
 
 def test_a_broken_import_leaves_the_other_commands_working(demo_import_fails):
@@ -55,7 +55,7 @@ def test_unknown_flags_of_a_working_command_are_still_refused(capsys):
 
 
 def test_smoke_with_no_engines_is_refused_naming_the_field(capsys):
-    from cli.main import main
+    from rlfleet.cli.main import main
 
     assert main(["smoke", "--engines", "0"]) == 2  # refused before Ray or any engine starts
     assert "invalid config engines" in capsys.readouterr().err
@@ -116,7 +116,7 @@ def test_an_address_where_nothing_listens_is_refused_at_once_without_asking_ray(
 def test_only_a_plain_host_and_port_is_checked_before_ray_is_asked():
     import socket
 
-    from fleet.cluster.ray_door import unreachable
+    from rlfleet.fleet.cluster.ray_door import unreachable
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

@@ -23,10 +23,10 @@ import asyncio
 
 import pytest
 
-from fleet.data.client import FleetClient
-from fleet.outcome import DIED, OK, UNAVAILABLE, Outcome
-from fleet.records import ControllerBack, ControllerGone, ControllerUnreachable, Record
-from fleet.data.routing_state import Member, RoutingState
+from rlfleet.fleet.data.client import FleetClient
+from rlfleet.fleet.outcome import DIED, OK, UNAVAILABLE, Outcome
+from rlfleet.fleet.records import ControllerBack, ControllerGone, ControllerUnreachable, Record
+from rlfleet.fleet.data.routing_state import Member, RoutingState
 from tests.unit.fleet_fakes import ActorDiedError, FakeDoor
 
 ANSWER = "answer"
@@ -182,7 +182,7 @@ def test_a_client_that_gave_up_follows_the_controller_again_when_it_answers(door
                                                                                epoch_back):
     """Giving up is not for good: it keeps asking at a slow rate and adopts the controller's state when it
     answers, a restarted one's higher epoch (9) or the same controller's own epoch (1: it was only slow)."""
-    import fleet.data.client as client_mod
+    import rlfleet.fleet.data.client as client_mod
 
     monkeypatch.setattr(client_mod, "RETRY_GAVE_UP_S", 0.1)
     door.state = fleet_of(door, 1)

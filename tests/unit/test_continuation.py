@@ -10,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import random
 
-from fleet.data.dispatch import Dispatcher
-from fleet.data.partial import Partial
-from fleet.data.routing_state import ANY, LATEST, Member, RoutingState, VersionPolicy
-from fleet.eventlog import EventLog
-from fleet.outcome import DIED, OK, Outcome
-from fleet.shard.continuation import TextSeam
-from fleet.shard.output_stream import Pacer
-from fleet.types import Chunk, Completion, GenerationResult, Piece
-from fleet.wire import Carried, ServeRequest, decode_request
+from rlfleet.fleet.data.dispatch import Dispatcher
+from rlfleet.fleet.data.partial import Partial
+from rlfleet.fleet.data.routing_state import ANY, LATEST, Member, RoutingState, VersionPolicy
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.outcome import DIED, OK, Outcome
+from rlfleet.fleet.shard.continuation import TextSeam
+from rlfleet.fleet.shard.output_stream import Pacer
+from rlfleet.fleet.types import Chunk, Completion, GenerationResult, Piece
+from rlfleet.fleet.wire import Carried, ServeRequest, decode_request
 from tests.unit.fleet_fakes import StateView
 
 

@@ -12,13 +12,13 @@ import warnings
 
 import pytest
 
-from fleet.control.controller import SingleController
-from fleet.errors import ConfigError, FleetExhausted, RefitFailed
-from fleet.config.fleet import REFIT_TIMEOUT_FALLBACK_S, load_fleet_config
-from fleet.outcome import DIED, UNAVAILABLE, Outcome, observed
-from health import CallKind
+from rlfleet.fleet.control.controller import SingleController
+from rlfleet.fleet.errors import ConfigError, FleetExhausted, RefitFailed
+from rlfleet.fleet.config.fleet import REFIT_TIMEOUT_FALLBACK_S, load_fleet_config
+from rlfleet.fleet.outcome import DIED, UNAVAILABLE, Outcome, observed
+from rlfleet.health import CallKind
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
-from fleet.records import Gate, Kill, Phase
+from rlfleet.fleet.records import Gate, Kill, Phase
 
 
 def make(model_dir, **over):
@@ -350,7 +350,7 @@ def test_kv_policy_salt_keeps_kv_and_salts_new_requests_by_version(model_dir):
 
 
 def test_backend_without_native_pause_must_confirm_invalidation_under_recompute(model_dir):
-    from fleet.errors import CacheInvalidationUnsupported
+    from rlfleet.fleet.errors import CacheInvalidationUnsupported
 
     async def go(answer):
         ctl, door, _ = make(model_dir)
@@ -404,7 +404,7 @@ def test_arming_a_fault_on_a_busy_shard_waits_past_the_probe_bound_and_names_wha
     probe's bound (3 s in the hang variants), which a shard busy with its first requests can miss. Arming
     now waits up to ``ARM_FAULT_TIMEOUT_S``, and one that still gets no answer names the slot, incarnation,
     point, action and bound; the shard's health is untouched (arming is not a probe)."""
-    from fleet.control.controller_faults import ARM_FAULT_TIMEOUT_S
+    from rlfleet.fleet.control.controller_faults import ARM_FAULT_TIMEOUT_S
 
     async def go():
         ctl, door, _ = make(model_dir)

@@ -8,12 +8,12 @@ import subprocess
 
 import pytest
 
-from faults import invariants as inv
-from faults.evidence import prove
-from faults.firing import FaultFiring
-from faults.runner import VariantReport, judge
-from health.faultplan import Firing
-from fleet.records import Adopt, Adopted, ControllerRestarted, Fault, Gate, Health, Kill, Phase, Record, Request, Stamp
+from rlfleet.faults import invariants as inv
+from rlfleet.faults.evidence import prove
+from rlfleet.faults.firing import FaultFiring
+from rlfleet.faults.runner import VariantReport, judge
+from rlfleet.health.faultplan import Firing
+from rlfleet.fleet.records import Adopt, Adopted, ControllerRestarted, Fault, Gate, Health, Kill, Phase, Record, Request, Stamp
 
 PID, NEW_PID = 4242, 5151
 

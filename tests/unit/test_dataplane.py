@@ -17,18 +17,18 @@ from collections import Counter
 
 import pytest
 
-from fleet.errors import RouteRefused
-from fleet.shard.null_backend import NullBackend
-from fleet.outcome import DIED, TIMED_OUT, Outcome
-from fleet.data.shard_choice import pick_two
-from fleet.data.routing_state import ANY, LATEST, MAX_STALENESS, Member, Ticket, VersionPolicy
-from fleet.shard.engine_shard import EngineShard
-from fleet.shard.request_gate import EPOCH, NOT_MEMBER, PAUSED, VERSION, RecentResults, ShardGate
-from health import CallKind
+from rlfleet.fleet.errors import RouteRefused
+from rlfleet.fleet.shard.null_backend import NullBackend
+from rlfleet.fleet.outcome import DIED, TIMED_OUT, Outcome
+from rlfleet.fleet.data.shard_choice import pick_two
+from rlfleet.fleet.data.routing_state import ANY, LATEST, MAX_STALENESS, Member, Ticket, VersionPolicy
+from rlfleet.fleet.shard.engine_shard import EngineShard
+from rlfleet.fleet.shard.request_gate import EPOCH, NOT_MEMBER, PAUSED, VERSION, RecentResults, ShardGate
+from rlfleet.health import CallKind
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
-from fleet.records import Health, ReportIgnored, Routing
-from fleet.wire import BeginRefit
+from rlfleet.fleet.records import Health, ReportIgnored, Routing
+from rlfleet.fleet.wire import BeginRefit
 
 
 # ------------------------------------------------------------------ version policy
@@ -78,7 +78,7 @@ def test_gate_refusal_reasons():
 
 
 def test_the_gate_runs_one_request_an_engine_died_under_at_a_time_and_any_number_of_others():
-    from fleet.shard.request_gate import SUSPECT
+    from rlfleet.fleet.shard.request_gate import SUSPECT
 
     g = member_gate()
     suspect, plain = Ticket(3, VersionPolicy(ANY), suspect=1), Ticket(3, VersionPolicy(ANY))
@@ -92,7 +92,7 @@ def test_the_gate_lets_suspects_share_an_engine_only_as_far_as_each_ones_allowan
     """When many suspects wait their client sends them with an allowance above 1 (``fleet.data.suspects``): the
     shard runs that many side by side, and never puts one beside a suspect that must run alone (allowance 1: its
     death is the one that counts toward poison), from whichever client."""
-    from fleet.shard.request_gate import SUSPECT
+    from rlfleet.fleet.shard.request_gate import SUSPECT
 
     g = member_gate()
 
@@ -146,7 +146,7 @@ class CountingBackend(NullBackend):
             except asyncio.TimeoutError:
                 pass
         if request_id in self.aborted:
-            from fleet.types import Completion
+            from rlfleet.fleet.types import Completion
 
             return [Completion((), (), "abort")]
         return await super().generate(prompt_token_ids, sampling, request_id, cache_salt)
@@ -194,9 +194,9 @@ def test_a_refused_request_never_reaches_the_engine(tmp_path):
 def test_a_shard_refuses_a_second_request_an_engine_died_under_naming_the_first_and_admits_it_once_that_ended(tmp_path):
     """The data plane's request says whether an engine died under it before (``ServeRequest.suspect``): the shard
     holds one such request at a time (``fleet.data.poison``), whichever client sends it, and ordinary ones beside."""
-    from fleet.shard.request_gate import SUSPECT
+    from rlfleet.fleet.shard.request_gate import SUSPECT
 
-    from fleet.wire import ServeRequest
+    from rlfleet.fleet.wire import ServeRequest
 
     def packed(rid: str, suspect: bool) -> bytes:
         return ServeRequest([1, 2], {"max_tokens": 2}, rid, None, 4, "any", 0, None, False, 0.0, None,
@@ -420,7 +420,7 @@ def test_a_request_whose_own_timeout_passes_while_it_generates_is_aborted_withou
 
 # ------------------------------------------------------------------ the cap is the shard's (hole 5)
 def test_the_gate_refuses_full_at_the_newest_published_cap():
-    from fleet.shard.request_gate import FULL
+    from rlfleet.fleet.shard.request_gate import FULL
 
     g = member_gate(epoch=3)
     assert g.admit(Ticket(3, cap=2), 2, in_flight=0) is None
@@ -436,7 +436,7 @@ def test_the_gate_refuses_full_at_the_newest_published_cap():
 def test_two_clients_never_push_a_shard_past_its_cap_and_full_is_a_free_reroute(model_dir):
     """Two clients, each within the published cap by its own count, flood one fleet: each shard refuses
     past its cap (``full``), the clients re-route with no error and no health report, nothing is lost."""
-    from fleet.data.client import InProcessClient
+    from rlfleet.fleet.data.client import InProcessClient
 
     async def go():
         ctl, door, _ = make(model_dir, admission={"ceiling": 2, "enabled": False}, request_timeout_s=600)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import random
 
-from fleet.data.dispatch import Dispatcher
-from fleet.eventlog import EventLog
-from fleet.outcome import DIED, OK, Outcome
-from fleet.data.routing_state import LATEST, Member, RoutingState, VersionPolicy
-from fleet.types import Completion, GenerationResult
-from fleet.wire import decode_request
+from rlfleet.fleet.data.dispatch import Dispatcher
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.outcome import DIED, OK, Outcome
+from rlfleet.fleet.data.routing_state import LATEST, Member, RoutingState, VersionPolicy
+from rlfleet.fleet.types import Completion, GenerationResult
+from rlfleet.fleet.wire import decode_request
 from tests.unit.fleet_fakes import StateView
 
 DEAD = {0, 1}

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from fleet import interrupt as run
+from rlfleet.fleet import interrupt as run
 
 
 @pytest.fixture(autouse=True)

@@ -10,13 +10,13 @@ import os
 
 import pytest
 
-from demo.report import continuation_figures, continuation_line, on_purpose_line, plot_learning, plot_timeline, state_segments
-from demo.run import DemoConfig, EventWatcher, _nan_to_none, default_plan, load_demo_plan
-from demo.view import PlainView, make_view
-from faults.firing import FaultFiring
-from fleet.errors import ConfigError
-from fleet.records import of_kinds
-from health.faultplan import Firing
+from rlfleet.demo.report import continuation_figures, continuation_line, on_purpose_line, plot_learning, plot_timeline, state_segments
+from rlfleet.demo.run import DemoConfig, EventWatcher, _nan_to_none, default_plan, load_demo_plan
+from rlfleet.demo.view import PlainView, make_view
+from rlfleet.faults.firing import FaultFiring
+from rlfleet.fleet.errors import ConfigError
+from rlfleet.fleet.records import of_kinds
+from rlfleet.health.faultplan import Firing
 from tests.unit.test_timeline import demo_log as _log
 
 
@@ -76,7 +76,7 @@ def test_the_demo_command_lets_ray_print_each_death_report_where_it_happens(monk
     import argparse
     import sys
 
-    from cli import demo as cli_demo
+    from rlfleet.cli import demo as cli_demo
 
     seen = {}
 
@@ -85,10 +85,10 @@ def test_the_demo_command_lets_ray_print_each_death_report_where_it_happens(monk
         raise SystemExit(0)
 
     monkeypatch.delenv("RAY_DEDUP_LOGS", raising=False)
-    monkeypatch.setitem(sys.modules, "demo.run", type(sys)("demo.run"))
-    sys.modules["demo.run"].DemoConfig = lambda **kw: kw
-    sys.modules["demo.run"].run_demo = fake_run_demo
-    sys.modules["demo.run"]._nan_to_none = lambda x: x
+    monkeypatch.setitem(sys.modules, "rlfleet.demo.run", type(sys)("rlfleet.demo.run"))
+    sys.modules["rlfleet.demo.run"].DemoConfig = lambda **kw: kw
+    sys.modules["rlfleet.demo.run"].run_demo = fake_run_demo
+    sys.modules["rlfleet.demo.run"]._nan_to_none = lambda x: x
     args = argparse.Namespace(steps=1, engines=3, fault_plan="none", kv_policy="recompute", out="/tmp/x", seed=0,
                               model=None, progress="off", rejoin_step=None)
     with pytest.raises(SystemExit):
@@ -137,7 +137,7 @@ def test_default_plan_and_plan_errors(tmp_path):
 def test_a_report_directory_or_model_that_cannot_be_used_is_refused_before_anything_starts(tmp_path, field):
     """Both ended a run late before: an unwritable ``--out`` in a traceback from ``mkdir``, a missing
     ``--model`` after Ray had started. ``DemoRun`` refuses them as it is built, naming the field."""
-    from demo.run import DemoRun
+    from rlfleet.demo.run import DemoRun
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -148,7 +148,7 @@ def test_a_report_directory_or_model_that_cannot_be_used_is_refused_before_anyth
 
 
 def test_rejoin_step():
-    from health.faultplan import resolve
+    from rlfleet.health.faultplan import resolve
 
     cfg = DemoConfig(steps=30)
     firings = resolve(load_demo_plan(cfg), 3)

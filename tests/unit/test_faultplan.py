@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-from faults.matrix import BASE_FLEET, MATRIX, by_name
-from faults.timeline import read_log
-from fleet.shard.fault_hooks import ArmedFault, FaultHooks
-from fleet.wire import ServeRequest
-from health.faultplan import load_plan, resolve
+from rlfleet.faults.matrix import BASE_FLEET, MATRIX, by_name
+from rlfleet.faults.timeline import read_log
+from rlfleet.fleet.shard.fault_hooks import ArmedFault, FaultHooks
+from rlfleet.fleet.wire import ServeRequest
+from rlfleet.health.faultplan import load_plan, resolve
 
 
 def plan(**over):
@@ -108,8 +108,8 @@ def test_controller_faults_name_no_shard_and_resolve_to_no_slot():
 
 
 def test_the_plans_refit_phases_are_the_lifecycles():
-    from fleet.control.lifecycle import PHASES
-    from health.faultplan import REFIT_PHASES
+    from rlfleet.fleet.control.lifecycle import PHASES
+    from rlfleet.health.faultplan import REFIT_PHASES
 
     assert REFIT_PHASES == PHASES
 
@@ -165,7 +165,7 @@ def test_a_fault_is_in_the_journal_before_it_acts(tmp_path, monkeypatch):
 
 
 def test_unavailable_raises_from_its_one_call_after_it_is_journaled(tmp_path):
-    from fleet.errors import ShardUnavailableError
+    from rlfleet.fleet.errors import ShardUnavailableError
 
     journal = tmp_path / "fired.jsonl"
     hooks = FaultHooks(lambda: [], slot=2, incarnation=1, journal=str(journal))
@@ -189,9 +189,9 @@ def test_slow_is_journaled_once_and_a_journal_that_cannot_be_written_refuses_the
 
 
 def test_a_shard_journals_its_faults_under_its_slot_and_incarnation(tmp_path, monkeypatch):
-    from fleet.config.engine import EngineConfig
-    from fleet.shard.null_backend import NullBackend
-    from fleet.shard.engine_shard import EngineShard
+    from rlfleet.fleet.config.engine import EngineConfig
+    from rlfleet.fleet.shard.null_backend import NullBackend
+    from rlfleet.fleet.shard.engine_shard import EngineShard
 
     (tmp_path / "config.json").write_text("{}")
     cfg = EngineConfig(model=str(tmp_path), fault_journal=str(tmp_path / "fired.jsonl"))
@@ -213,10 +213,10 @@ def test_a_fault_at_stream_goes_off_mid_generation_once_output_went_out(tmp_path
     """Point ``stream``: a streamed request reaches it before each chunk of output it sends; after one chunk
     (``after_calls`` 1) the fault acts while the client holds part of the output (``unavailable`` here: a
     ``kill`` would end the test process). A ``slow`` shard is not slowed chunk by chunk. Virtual time."""
-    from fleet.errors import ShardUnavailableError
-    from fleet.shard.engine_shard import EngineShard
-    from fleet.shard.null_backend import NullBackend
-    from fleet.types import Chunk, Piece
+    from rlfleet.fleet.errors import ShardUnavailableError
+    from rlfleet.fleet.shard.engine_shard import EngineShard
+    from rlfleet.fleet.shard.null_backend import NullBackend
+    from rlfleet.fleet.types import Chunk, Piece
     from tests.unit.fleet_fakes import run_virtual
 
     class Dripping(NullBackend):  # one token per 0.05 s, each its own output

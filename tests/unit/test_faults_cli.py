@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from cli import main as cli
-from faults.runner import VariantReport
+from rlfleet.cli import main as cli
+from rlfleet.faults.runner import VariantReport
 
 FIRED = {"slot": 2, "incarnation": 1, "point": "pause", "action": "kill", "t": 10.0, "left_for": "dead",
          "fault_to_reopen_s": 1.5, "recover_s": 9.0}
@@ -22,9 +22,9 @@ def stub_runner(monkeypatch):
                               faults=[{**FIRED, "slot": i}] if i == 0 else [])
                 for i, v in enumerate(variants)]
 
-    monkeypatch.setattr("faults.runner.run_variants", fake_run_variants)
-    monkeypatch.setattr("fleet.cluster.ray_door.init_local", lambda **kw: None)
-    monkeypatch.setattr("fleet.cluster.ray_door.shutdown", lambda: None)
+    monkeypatch.setattr("rlfleet.faults.runner.run_variants", fake_run_variants)
+    monkeypatch.setattr("rlfleet.fleet.cluster.ray_door.init_local", lambda **kw: None)
+    monkeypatch.setattr("rlfleet.fleet.cluster.ray_door.shutdown", lambda: None)
     return seen
 
 
@@ -61,7 +61,7 @@ def test_a_bad_plan_file_is_refused_naming_the_field(stub_runner, tmp_path, caps
 
 
 def test_a_trainer_s_fault_is_listed_without_a_slot():
-    from cli.faults import _fault_cells
+    from rlfleet.cli.faults import _fault_cells
 
     row = {"fault_to_reopen_s": 0.6, "faults": [{"slot": None, "incarnation": None, "point": "update",
                                                  "action": "corrupt_shape", "fault_to_reopen_s": 0.6}]}
@@ -90,16 +90,16 @@ def test_a_signal_mid_run_reports_the_variants_that_finished_and_exits_128_plus_
     the first variant's row and the summary are printed, ``interrupted`` names the signal, exit 143."""
     import signal
 
-    from fleet import interrupt
+    from rlfleet.fleet import interrupt
 
     def interrupted_run(model, variants, log=print, done=None, **kw):
         done.append(VariantReport(variants[0].name, "recovers", "recovers", passed=True, accepted=4, completed=4))
         interrupt._raise_interrupted(signal.SIGTERM, None)
 
-    monkeypatch.setattr("faults.runner.run_variants", interrupted_run)
-    monkeypatch.setattr("fleet.cluster.ray_door.init_local", lambda **kw: None)
-    monkeypatch.setattr("fleet.cluster.ray_door.shutdown", lambda: None)
-    monkeypatch.setattr("fleet.cluster.ray_door.local_ray_down", lambda wait_s=2.0: [])  # Ray still up: shut down in order
+    monkeypatch.setattr("rlfleet.faults.runner.run_variants", interrupted_run)
+    monkeypatch.setattr("rlfleet.fleet.cluster.ray_door.init_local", lambda **kw: None)
+    monkeypatch.setattr("rlfleet.fleet.cluster.ray_door.shutdown", lambda: None)
+    monkeypatch.setattr("rlfleet.fleet.cluster.ray_door.local_ray_down", lambda wait_s=2.0: [])  # Ray still up: shut down in order
     rc = cli.main(["faults", "run", "--matrix", "--only", "kill-during-pause", "hang-past-deadline", "--model", str(tmp_path)])
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])

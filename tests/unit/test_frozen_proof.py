@@ -4,8 +4,8 @@ request re-sent late, a re-sent request that never completed."""
 
 from __future__ import annotations
 
-from faults.frozen import prove_resent
-from fleet.records import Kill, Request
+from rlfleet.faults.frozen import prove_resent
+from rlfleet.fleet.records import Kill, Request
 
 SHOT = {"slot": 2, "incarnation": 1, "point": "generate", "action": "freeze", "t": 10.0}
 REASON = "slot 2 (incarnation 1) failed: died: ActorDiedError: the actor died"
@@ -50,7 +50,7 @@ def test_a_frozen_engine_core_under_a_live_actor_is_proven_like_a_frozen_shard()
 
 
 def test_the_stopped_engine_core_must_die_with_the_eviction_and_each_broken_promise_is_named():
-    from faults.frozen import prove_core_reaped
+    from rlfleet.faults.frozen import prove_core_reaped
 
     assert prove_core_reaped([CORE_SHOT], 2, alive=lambda pid: False) == []
     [left] = prove_core_reaped([CORE_SHOT], 2, alive=lambda pid: pid == 4343)

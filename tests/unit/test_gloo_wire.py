@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from rlapi import gloo_wire
-from rlapi.gloo_wire import GlooInitInfo, GlooUpdateInfo
+from rlfleet.rlapi import gloo_wire
+from rlfleet.rlapi.gloo_wire import GlooInitInfo, GlooUpdateInfo
 
 
 def free_port() -> int:
@@ -77,7 +77,7 @@ def test_a_bad_update_is_refused_naming_the_tensor():
 def test_a_closed_group_is_dropped_before_the_process_may_exit():
     """``refit.group.wait_released``: a process that exits while a closed group's destructor still runs on its
     release thread ends in ``std::terminate`` (exit -6); TRL's client waits for the drop as it closes."""
-    from refit import group as refit_group
+    from rlfleet.refit import group as refit_group
 
     class SlowToDrop:
         def __del__(self):

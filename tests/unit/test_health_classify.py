@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from health import FailureClass, RefitResult, classify_kind, is_late, refit_result
+from rlfleet.health import FailureClass, RefitResult, classify_kind, is_late, refit_result
 
 
 def test_an_event_from_a_replaced_incarnation_is_late_whatever_it_says():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from health import Clock, FakeClock, HealthConfig, MonotonicClock, RestartPolicy
+from rlfleet.health import Clock, FakeClock, HealthConfig, MonotonicClock, RestartPolicy
 
 
 def test_defaults_are_valid_and_expose_the_restart_policy():

@@ -5,7 +5,7 @@ checks the effect the table promises."""
 
 from __future__ import annotations
 
-from health import (
+from rlfleet.health import (
     AbortRefit,
     CallKind,
     Evict,
@@ -24,11 +24,11 @@ from health import (
     VersionCommitted,
     step,
 )
-from health.testing import feed, ready_fleet
+from rlfleet.health.testing import feed, ready_fleet
 from ray import exceptions as rex
 
-from fleet.outcome import observed
-from fleet.cluster.ray_door import outcome_of
+from rlfleet.fleet.outcome import observed
+from rlfleet.fleet.cluster.ray_door import outcome_of
 
 
 class ActorDiedError(rex.ActorDiedError):

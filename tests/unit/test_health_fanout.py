@@ -18,11 +18,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleet import eventlog
-from fleet.eventlog import EventLog
-from fleet.records import Gate, Health
-from fleet.control.metrics import FleetMetrics
-from health import (
+from rlfleet.fleet import eventlog
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.records import Gate, Health
+from rlfleet.fleet.control.metrics import FleetMetrics
+from rlfleet.health import (
     Batch,
     CallKind,
     EngineReady,
@@ -44,9 +44,9 @@ from health import (
     plan_membership,
     step,
 )
-from health.core import _batch_failure
-from health.ledger import QUARANTINE, TIMER_ESCALATE, TIMER_RESTART
-from health.testing import ready_fleet
+from rlfleet.health.core import _batch_failure
+from rlfleet.health.ledger import QUARANTINE, TIMER_ESCALATE, TIMER_RESTART
+from rlfleet.health.testing import ready_fleet
 from tests.unit.test_health_properties import CALLS, FAILURES, WARM_START, Model, configs, make_events, ops
 
 SLOT_OPS = ["observe", "observe", "probe", "ready", "report", "report", "late"]
@@ -198,7 +198,7 @@ def test_the_one_pass_rule_for_a_refits_reports_decides_what_they_decide_one_by_
                                                                                     monkeypatch):
     """The transfer step's batch (every participant COMPLETE) takes one pass (``slot_rules.land_all``);
     any other batch is left to the general rule. Both decide what the reports decide one by one."""
-    from health import slot_rules
+    from rlfleet.health import slot_rules
 
     single, batched = _refitting(6, on_hang="stop"), _refitting(6, on_hang="stop")
     if prepare is not None:

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-import health
+from rlfleet import health
 
 HEALTH_DIR = pathlib.Path(health.__file__).resolve().parent
 REPO_ROOT = HEALTH_DIR.parent
@@ -36,8 +36,8 @@ def test_no_module_under_health_imports_ray_or_vllm():
 
 def test_importing_health_loads_neither_ray_nor_vllm():
     code = (
-        "import sys, health, health.testing\n"
-        "import health.core, health.quorum, health.membership, health.classify\n"
+        "import sys, rlfleet.health, rlfleet.health.testing\n"
+        "import rlfleet.health.core, rlfleet.health.quorum, rlfleet.health.membership, rlfleet.health.classify\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'vllm', 'torch'))\n"
         "print(bad)\n"
     )
@@ -52,8 +52,9 @@ def test_the_control_plane_logic_and_its_unit_fakes_load_no_ray():
     """Only the door (``fleet.cluster.ray_door``) may import Ray: the control plane, the data plane's
     dispatch, the outcomes, the weight port and the unit tests' fakes run without it."""
     code = (
-        "import sys, fleet.control.controller, fleet.control.lifecycle, fleet.control.slots, fleet.control.monitor, "
-        "fleet.data.dispatch, fleet.outcome, fleet.control.transfer_port, fleet.records\n"
+        "import sys, rlfleet.fleet.control.controller, rlfleet.fleet.control.lifecycle, rlfleet.fleet.control.slots, "
+        "rlfleet.fleet.control.monitor, rlfleet.fleet.data.dispatch, rlfleet.fleet.outcome, "
+        "rlfleet.fleet.control.transfer_port, rlfleet.fleet.records\n"
         "import tests.unit.fleet_fakes\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))\n"
     )

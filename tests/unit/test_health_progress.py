@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from health.clock import FakeClock
-from health.progress import ProgressFacts, ProgressWatch, stall_verdict
+from rlfleet.health.clock import FakeClock
+from rlfleet.health.progress import ProgressFacts, ProgressWatch, stall_verdict
 
 BOUND = 10.0
 

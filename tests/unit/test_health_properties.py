@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from health import (
+from rlfleet.health import (
     CallKind,
     EngineReady,
     FailureClass,

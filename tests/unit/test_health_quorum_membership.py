@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from health import (
+from rlfleet.health import (
     TRAINER_RANK,
     CallKind,
     EngineReady,
@@ -24,7 +24,7 @@ from health import (
     plan_membership,
     step,
 )
-from health.testing import ready_fleet, refit
+from rlfleet.health.testing import ready_fleet, refit
 
 GENERATE = CallKind.GENERATE
 

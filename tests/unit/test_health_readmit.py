@@ -3,7 +3,7 @@ committed version, what a landed or failed re-admission changes, and that a refi
 
 from __future__ import annotations
 
-from health import (
+from rlfleet.health import (
     CallKind,
     EngineReady,
     FailureClass,
@@ -17,8 +17,8 @@ from health import (
     Tick,
     step,
 )
-from health.readmit import READMIT_BACKOFF_CAP_S, READMIT_BACKOFF_S, READMIT_FAILURES_TO_EVICT
-from health.testing import ready_fleet, refit
+from rlfleet.health.readmit import READMIT_BACKOFF_CAP_S, READMIT_BACKOFF_S, READMIT_FAILURES_TO_EVICT
+from rlfleet.health.testing import ready_fleet, refit
 
 H, S = ShardState.HEALTHY, ShardState.STALE
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from health import (
+from rlfleet.health import (
     CallKind,
     EngineReady,
     FailureClass,
@@ -25,7 +25,7 @@ from health import (
     decide,
     step,
 )
-from health.testing import feed, ready_fleet, refit
+from rlfleet.health.testing import feed, ready_fleet, refit
 
 COMPLETE, PARTIAL, NOT_STARTED = RefitResult.COMPLETE, RefitResult.PARTIAL, RefitResult.NOT_STARTED
 GENERATE, PAUSE, REFIT = CallKind.GENERATE, CallKind.PAUSE, CallKind.REFIT
@@ -266,7 +266,7 @@ def test_evicted_shard_restarts_after_backoff():
 
 
 # --- a refit rolled back before any engine changed -------------------------------------------------
-from health import RefitRolledBack  # noqa: E402
+from rlfleet.health import RefitRolledBack  # noqa: E402
 
 
 def test_a_rolled_back_refit_reopens_on_the_committed_version():
@@ -299,7 +299,7 @@ def test_a_commit_cannot_be_rolled_back_and_the_version_must_match():
 
 
 # --- quorum between refits: the gate follows it ----------------------------------------------------
-from health import CloseGate  # noqa: E402
+from rlfleet.health import CloseGate  # noqa: E402
 
 
 def test_deaths_between_refits_below_quorum_close_the_gate_and_a_refit_reopens_it():

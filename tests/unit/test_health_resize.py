@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from health import (
+from rlfleet.health import (
     Batch,
     CallKind,
     CheckpointLoaded,
@@ -32,7 +32,7 @@ from health import (
     plan_resize,
     step,
 )
-from health.testing import ready_fleet, refit
+from rlfleet.health.testing import ready_fleet, refit
 
 H, S, R = ShardState.HEALTHY, ShardState.STALE, ShardState.RETIRED
 

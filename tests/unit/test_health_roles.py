@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from health.roles import Demotion, Promotion, Roles, rebalance
-from health.states import ShardState as S
+from rlfleet.health.roles import Demotion, Promotion, Roles, rebalance
+from rlfleet.health.states import ShardState as S
 
 H, ST, D, R, RS, SU, HU, RT = (S.HEALTHY, S.STALE, S.DEAD, S.RESTARTING, S.STARTING, S.SUSPECT, S.HUNG, S.RETIRED)
 

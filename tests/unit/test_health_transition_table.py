@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from health import (
+from rlfleet.health import (
     CallKind,
     EngineReady,
     FailureClass,
@@ -24,7 +24,7 @@ from health import (
     Tick,
     step,
 )
-from health.testing import ready_fleet
+from rlfleet.health.testing import ready_fleet
 
 FAILURES = ("ok", "dead", "suspect", "hung", "lied", "error")
 # state before  call       after: ok        dead  suspect   hung      lied      error

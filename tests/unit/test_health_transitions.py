@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from health import (
+from rlfleet.health import (
     AbortRefit,
     CallKind,
     EngineReady,
@@ -30,7 +30,7 @@ from health import (
     decide,
     step,
 )
-from health.testing import ready_fleet, refit
+from rlfleet.health.testing import ready_fleet, refit
 
 PAUSE, REFIT, RESUME, GENERATE, PROBE, START = (
     CallKind.PAUSE, CallKind.REFIT, CallKind.RESUME, CallKind.GENERATE, CallKind.PROBE, CallKind.START,

@@ -1,7 +1,7 @@
 """The event-log invariant checks catch each violation they exist for."""
 
-from faults import invariants as inv
-from fleet.records import Gate, Phase, Readmit, Request, Stamp, Stopped
+from rlfleet.faults import invariants as inv
+from rlfleet.fleet.records import Gate, Phase, Readmit, Request, Stamp, Stopped
 
 
 def req(event, rid, **kw):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from fleet.control.controller import SingleController
+from rlfleet.fleet.control.controller import SingleController
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
-from fleet.records import Launch, Retire
+from rlfleet.fleet.records import Launch, Retire
 
 START_TIMEOUT_S = 5.0
 
@@ -93,7 +93,7 @@ def test_a_slot_whose_every_launch_raises_is_retired_when_its_budget_is_spent(mo
 
 def test_a_restart_whose_start_never_answers_is_cut_by_the_watchdog_and_retried(model_dir):
     async def go():
-        from fleet.control.launch import watchdog_s
+        from rlfleet.fleet.control.launch import watchdog_s
 
         ctl, door = make(model_dir)
         await ctl.start()

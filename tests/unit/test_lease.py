@@ -21,11 +21,11 @@ import random
 
 import pytest
 
-from fleet.data.dispatch import Dispatcher
-from fleet.data.routing_state import ANY, LATEST, MAX_STALENESS, Ticket, VersionPolicy
-from fleet.eventlog import EventLog
-from fleet.shard.lease import RoutingLease
-from fleet.shard.request_gate import UNHEARD, ShardGate
+from rlfleet.fleet.data.dispatch import Dispatcher
+from rlfleet.fleet.data.routing_state import ANY, LATEST, MAX_STALENESS, Ticket, VersionPolicy
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.shard.lease import RoutingLease
+from rlfleet.fleet.shard.request_gate import UNHEARD, ShardGate
 from tests.unit.fleet_fakes import LoopClock, StateView, client
 from tests.unit.test_controller import make, run
 
@@ -95,9 +95,9 @@ def test_the_engine_shard_refuses_latest_once_its_lease_lapses_and_every_control
     silence and the term) without reaching the engine, an ``any`` one runs; the monitor's ``ping`` with the
     routing epoch, a ``fence``, a refit's ``begin_refit`` and ``end_refit`` each renew it. A ping without the epoch
     (a probe by hand) does not."""
-    from fleet.errors import RouteRefused
-    from fleet.shard.engine_shard import EngineShard
-    from sim.clock import run_virtual
+    from rlfleet.fleet.errors import RouteRefused
+    from rlfleet.fleet.shard.engine_shard import EngineShard
+    from rlfleet.sim.clock import run_virtual
 
     async def go():
         shard = EngineShard({"model": model_dir, "backend": "null"}, 0, 1)

@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
-from fleet.control.controller import SingleController
-from fleet.control.metrics import FleetMetrics, RunMeter
-from fleet.types import EngineStats
+from rlfleet.fleet.control.controller import SingleController
+from rlfleet.fleet.control.metrics import FleetMetrics, RunMeter
+from rlfleet.fleet.types import EngineStats
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
-from fleet.records import RefitHeld, RunStep
+from rlfleet.fleet.records import RefitHeld, RunStep
 
 
 class FakeMetric:
@@ -207,7 +207,7 @@ def test_the_fronts_prometheus_text_carries_each_shards_load_from_the_status(mod
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from serve.metrics import FleetCollector
+    from rlfleet.serve.metrics import FleetCollector
 
     async def go():
         ctl, door = make(model_dir, FakeSink())

@@ -14,9 +14,9 @@ import asyncio
 import pytest
 import torch
 
-from rlapi import gloo_wire
-from rlapi.relay import UpdateRefused, WeightRelay
-from rlapi.wires import NcclWire, WireRefused, wire_for
+from rlfleet.rlapi import gloo_wire
+from rlfleet.rlapi.relay import UpdateRefused, WeightRelay
+from rlfleet.rlapi.wires import NcclWire, WireRefused, wire_for
 
 INIT = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2, "packed": True,
         "packed_buffer_size_bytes": 4096, "packed_num_buffers": 3}
@@ -151,7 +151,7 @@ def test_each_update_lands_in_a_host_slab_of_its_own_so_the_next_never_overwrite
 
 
 def test_a_host_slab_places_every_tensor_aligned_in_order_and_a_misordered_broadcast_is_refused(relay, vllm_nccl, monkeypatch):
-    from rlapi.wires import SLAB_ALIGN, host_slab
+    from rlfleet.rlapi.wires import SLAB_ALIGN, host_slab
 
     slab, views = host_slab(["a", "b", "c"], ["bfloat16", "float32", "int8"], [[3], [2, 5], [7]], pin=False)
     assert [n for n, _ in views] == ["a", "b", "c"]

@@ -8,11 +8,11 @@ import asyncio
 
 import msgspec
 
-from fleet.control.controller import SingleController
-from fleet.control.nodes import NodeMap
-from fleet.outcome import TIMED_OUT, Outcome
+from rlfleet.fleet.control.controller import SingleController
+from rlfleet.fleet.control.nodes import NodeMap
+from rlfleet.fleet.outcome import TIMED_OUT, Outcome
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, run_virtual
-from fleet.records import Health, NodeLost, Placement
+from rlfleet.fleet.records import Health, NodeLost, Placement
 
 NODE = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from fleet.config.engine import EngineConfig
-from fleet.shard.null_backend import NullBackend
-from refit.manifest import plan_buckets
-from refit.model_spec import checkpoint_spec
+from rlfleet.fleet.config.engine import EngineConfig
+from rlfleet.fleet.shard.null_backend import NullBackend
+from rlfleet.refit.manifest import plan_buckets
+from rlfleet.refit.model_spec import checkpoint_spec
 
 
 def _rpc(backend, method, *args):

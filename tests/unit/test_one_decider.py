@@ -10,10 +10,10 @@ import asyncio
 
 import pytest
 
-from fleet.control.lifecycle import RefitLifecycle
-from fleet.errors import RefitOwnsEngine
-from fleet.records import Gate, LoopError
-from health import Halted, OperatorPaused, OperatorResumed
+from rlfleet.fleet.control.lifecycle import RefitLifecycle
+from rlfleet.fleet.errors import RefitOwnsEngine
+from rlfleet.fleet.records import Gate, LoopError
+from rlfleet.health import Halted, OperatorPaused, OperatorResumed
 from tests.unit.fleet_fakes import client, run_virtual
 from tests.unit.test_recovery import Crash, arm, bury, started, stored, successor
 
@@ -55,7 +55,7 @@ def test_the_controller_and_its_parts_never_open_or_close_the_gate_themselves():
     can: the gate has no open/close, and the lifecycle reads the decision, not the operator's pause."""
     import inspect
 
-    from fleet.control import controller, lifecycle, operator_pause, recovery
+    from rlfleet.fleet.control import controller, lifecycle, operator_pause, recovery
 
     for module in (controller, lifecycle, operator_pause, recovery):
         src = inspect.getsource(module)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import inspect
 
-from fleet.api import Fleet
-from fleet.control.controller import SingleController
-from fleet.operator import FaultInjector
+from rlfleet.fleet.api import Fleet
+from rlfleet.fleet.control.controller import SingleController
+from rlfleet.fleet.operator import FaultInjector
 
 
 def test_the_fleet_api_carries_no_fault_injection_only_the_handle():

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from fleet.errors import BadRequestError
+from rlfleet.fleet.errors import BadRequestError
 from tests.unit.fleet_fakes import client, run_virtual
 from tests.unit.test_recovery import bury, started, stored, successor
 

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from refit import peer, peer_transfer
-from refit.receiver import COMPLETE, NOT_STARTED
-from refit.worker_extension import RefitWorkerExtension
+from rlfleet.refit import peer, peer_transfer
+from rlfleet.refit.receiver import COMPLETE, NOT_STARTED
+from rlfleet.refit.worker_extension import RefitWorkerExtension
 
 T = 20.0
 
@@ -205,7 +205,7 @@ def test_closing_a_copy_that_failed_or_yielded_late_leaves_the_next_copys_donati
 def test_a_receiver_whose_donor_is_gone_before_it_joins_gives_up_reaching_its_store_within_the_connect_bound(monkeypatch):
     """The donor died as its send began, before the receiver reached its store: torch's client would retry the
     address for the copy's whole deadline, holding the receiver's worker (and the next donor's copy) that long."""
-    from refit import group
+    from rlfleet.refit import group
 
     asked: list = []
 
@@ -229,7 +229,7 @@ def test_the_readable_weights_patch_makes_vllms_cpu_dispatch_keep_the_weight_and
     import sys
     import types
 
-    from refit import readable_weights
+    from rlfleet.refit import readable_weights
 
     seen: list[bool] = []
     utils = types.ModuleType("vllm.model_executor.layers.utils")
@@ -251,7 +251,7 @@ def test_the_readable_weights_patch_makes_vllms_cpu_dispatch_keep_the_weight_and
 
 
 def test_the_engine_config_tells_the_engine_process_whether_to_keep_readable_weights(model_dir):
-    from fleet.config.engine import EngineConfig
+    from rlfleet.fleet.config.engine import EngineConfig
 
     assert EngineConfig(model=model_dir).process_env()["RLFLEET_READABLE_WEIGHTS"] == "1"
     assert EngineConfig(model=model_dir, readable_weights=False).process_env()["RLFLEET_READABLE_WEIGHTS"] == "0"

@@ -17,13 +17,13 @@ import pickle
 
 import pytest
 
-from fleet.data.poison import actor_took_down, fingerprint, took_down
-from fleet.errors import ConfigError, EngineCrashedError
-from fleet.config.fleet import load_fleet_config
-from fleet.outcome import DIED, ERROR, Outcome
+from rlfleet.fleet.data.poison import actor_took_down, fingerprint, took_down
+from rlfleet.fleet.errors import ConfigError, EngineCrashedError
+from rlfleet.fleet.config.fleet import load_fleet_config
+from rlfleet.fleet.outcome import DIED, ERROR, Outcome
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
-from fleet.records import Health, Request
+from rlfleet.fleet.records import Health, Request
 
 POISON = [6, 6, 6]
 
@@ -89,8 +89,8 @@ async def wait_serving(ctl, n: int, within_s: float = 60.0) -> None:
 
 
 def test_a_poison_one_client_found_is_refused_by_the_shards_to_another_client(model_dir):
-    from fleet.data.client import InProcessClient
-    from fleet.data.poison import POISON as REASON
+    from rlfleet.fleet.data.client import InProcessClient
+    from rlfleet.fleet.data.poison import POISON as REASON
 
     async def go():
         ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
@@ -250,8 +250,8 @@ def test_another_clients_requests_that_shared_an_engine_with_a_poison_are_kept_a
     died under at a time, from whichever client (``suspect`` on its ticket, refused as ``suspect`` beside
     another): the poison's second engine runs no other such request, so no request of either client but the
     poison is under both deaths, and all of them complete."""
-    from fleet.data.client import InProcessClient
-    from fleet.shard.request_gate import SUSPECT
+    from rlfleet.fleet.data.client import InProcessClient
+    from rlfleet.fleet.shard.request_gate import SUSPECT
 
     async def go():
         ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
@@ -288,7 +288,7 @@ def test_a_poison_group_whose_later_copies_carry_no_death_takes_no_innocent_grou
     requests returned as poison, whole groups refused with them, in 8 seeded runs.)"""
     import random
 
-    from fleet.data.client import InProcessClient
+    from rlfleet.fleet.data.client import InProcessClient
 
     async def go(seed: int):
         ctl, door, _ = make(model_dir, min_healthy_engines=1, max_redispatch=5, poison_window_s=60)
@@ -323,7 +323,7 @@ def test_a_poison_group_whose_later_copies_carry_no_death_takes_no_innocent_grou
 
 
 def test_suspicion_of_a_fingerprint_ends_with_a_completion_or_its_window():
-    from fleet.data.poison import Suspicion
+    from rlfleet.fleet.data.poison import Suspicion
 
     s = Suspicion(window_s=10)
     assert not s and not s.suspect("f", 0.0)
@@ -366,8 +366,8 @@ def test_a_client_report_that_a_live_shard_cannot_serve_is_probed_and_the_actor_
     with a second client did exactly that). A report of a live shard that cannot serve (``unusable``) gets a
     probe instead; the shard answers it once the requests it ran have answered (``EngineShard.ping``), and that
     answer gets the actor killed. A dead actor's report (``died``) is taken at once, as before."""
-    from fleet.outcome import UNUSABLE
-    from fleet.records import Kill
+    from rlfleet.fleet.outcome import UNUSABLE
+    from rlfleet.fleet.records import Kill
 
     async def go():
         ctl, door, _ = make(model_dir, min_healthy_engines=1)
@@ -415,10 +415,10 @@ def test_a_bad_poison_window_is_refused_naming_it(model_dir, bad):
 
 # ------------------------------------------------------------------ the fault action: a prompt that crashes its engine
 def test_a_poison_fault_crashes_the_engine_under_a_matching_request_only(tmp_path, monkeypatch):
-    from fleet.shard import fault_hooks
-    from fleet.shard.fault_hooks import ArmedFault
-    from fleet.shard.null_backend import NullBackend
-    from fleet.shard.engine_shard import EngineShard
+    from rlfleet.fleet.shard import fault_hooks
+    from rlfleet.fleet.shard.fault_hooks import ArmedFault
+    from rlfleet.fleet.shard.null_backend import NullBackend
+    from rlfleet.fleet.shard.engine_shard import EngineShard
 
     monkeypatch.setattr(fault_hooks, "ENGINE_DEATH_WAIT_S", 0.05)  # the null engine has no core to see die
     for bad in (dict(point="generate", action="poison"), dict(point="generate", action="kill", match=(1,)),
@@ -444,7 +444,7 @@ def test_a_poison_fault_crashes_the_engine_under_a_matching_request_only(tmp_pat
 
 
 def test_the_poison_variant_proof_fails_when_a_third_engine_dies_the_repeat_is_sent_or_the_other_client_loses_one():
-    from faults.poison import prove_poison_request
+    from rlfleet.faults.poison import prove_poison_request
 
     first = {"version": 1, "outcome": "poison", "attempts": 2, "began": 10.0, "ended": 12.0,
              "reason": "poison: its attempts took down 2 engines"}
@@ -469,9 +469,9 @@ def test_the_poison_variant_proof_fails_when_a_third_engine_dies_the_repeat_is_s
 
 
 def test_a_shard_told_of_a_poison_refuses_it_from_anyone_and_runs_everything_else(tmp_path):
-    from fleet.errors import RouteRefused
-    from fleet.shard.null_backend import NullBackend
-    from fleet.shard.engine_shard import EngineShard
+    from rlfleet.fleet.errors import RouteRefused
+    from rlfleet.fleet.shard.null_backend import NullBackend
+    from rlfleet.fleet.shard.engine_shard import EngineShard
 
     async def go():
         (tmp_path / "config.json").write_text("{}")
@@ -490,7 +490,7 @@ def test_a_shard_told_of_a_poison_refuses_it_from_anyone_and_runs_everything_els
 
 
 def test_the_poison_in_batch_proof_fails_when_an_innocent_is_lost_a_third_engine_dies_or_the_poison_completes():
-    from faults.poison import prove_poison_in_batch
+    from rlfleet.faults.poison import prove_poison_in_batch
 
     call = {"version": 1, "outcome": "poison", "attempts": 2, "began": 10.0, "ended": 14.0,
             "reason": "poison: its attempts took down 2 engines"}

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fleet.polling import poll, wait_until
+from rlfleet.fleet.polling import poll, wait_until
 
 
 def test_poll_returns_the_first_result_that_is_done_without_calling_again():

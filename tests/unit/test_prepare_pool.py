@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from serve.prepare_pool import PoolBusy, PreparePool, PrepareTimeout
+from rlfleet.serve.prepare_pool import PoolBusy, PreparePool, PrepareTimeout
 
 
 def _pool(**kw) -> tuple[PreparePool, list]:
@@ -92,9 +92,9 @@ def test_a_hostile_request_template_is_refused_and_other_requests_are_rendered_m
     from fastapi.testclient import TestClient
     from transformers import AutoTokenizer
 
-    from serve.app import build_app
-    from serve.front import Front
-    from serve.render import ChatOptions, ChatRenderer
+    from rlfleet.serve.app import build_app
+    from rlfleet.serve.front import Front
+    from rlfleet.serve.render import ChatOptions, ChatRenderer
     from tests.unit.test_serve import _Capturing
 
     tok = AutoTokenizer.from_pretrained(tiny_model)

@@ -2,8 +2,8 @@
 
 from ray import exceptions as rex
 
-from fleet.errors import DeadlineExceeded, ShardUnavailableError
-from fleet.cluster.ray_door import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, outcome_of
+from rlfleet.fleet.errors import DeadlineExceeded, ShardUnavailableError
+from rlfleet.fleet.cluster.ray_door import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, outcome_of
 
 
 def _task_error(cause: BaseException) -> rex.RayTaskError:
@@ -40,8 +40,8 @@ def test_acks_must_be_exactly_true():
 def test_a_fleet_the_cluster_cannot_place_is_refused_naming_the_field(monkeypatch):
     import pytest
 
-    from fleet.cluster import ray_door
-    from fleet.errors import ConfigError
+    from rlfleet.fleet.cluster import ray_door
+    from rlfleet.fleet.errors import ConfigError
 
     monkeypatch.setattr(ray_door.ray, "cluster_resources", lambda: {"CPU": 2.0})
     ray_door.check_capacity(2, 1.0, 0.0)  # fits
@@ -58,9 +58,9 @@ import concurrent.futures  # noqa: E402
 
 import pytest  # noqa: E402
 
-from fleet.errors import EngineCrashedError, ShardShutDownError  # noqa: E402
-from fleet.outcome import observed  # noqa: E402
-from health import CallKind, FailureClass, Observed  # noqa: E402
+from rlfleet.fleet.errors import EngineCrashedError, ShardShutDownError  # noqa: E402
+from rlfleet.fleet.outcome import observed  # noqa: E402
+from rlfleet.health import CallKind, FailureClass, Observed  # noqa: E402
 
 
 def _failure(outcome) -> FailureClass:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fleet.records import Readmit as ReadmitRecord
+from rlfleet.fleet.records import Readmit as ReadmitRecord
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
 

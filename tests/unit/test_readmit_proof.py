@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from faults.evidence import LEADS_TO
-from faults.readmit import (DELAY_S, prove_readmit_controller_killed, prove_readmit_donor_killed,
+from rlfleet.faults.evidence import LEADS_TO
+from rlfleet.faults.readmit import (DELAY_S, prove_readmit_controller_killed, prove_readmit_donor_killed,
                             prove_readmit_engine_killed, prove_readmit_refit_mid_copy)
-from fleet.records import Adopted, ControllerRestarted, Fault, Health, Phase, Readmit, Stamp
-from health.faultplan import ALLOWED, READMIT_FAULTS
+from rlfleet.fleet.records import Adopted, ControllerRestarted, Fault, Health, Phase, Readmit, Stamp
+from rlfleet.health.faultplan import ALLOWED, READMIT_FAULTS
 
 SERVING = {"version": 3, "gate_open": True, "slots": {0: ("healthy", 1, 3), 1: ("healthy", 1, 3), 2: ("healthy", 2, 3)}}
 COPY = {"version": 3, "outcome": "copied", "error": None, "began": 100.0, "ended": 100.0}

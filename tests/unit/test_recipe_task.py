@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from fleet.data.dispatch import FleetResult
-from recipe.config import RecipeConfig
-from recipe.grpo import Group, Sample, build_group, group_advantages
-from recipe.task import FIRST_ORDINARY_ID, AllowedTokensTask, PromptGenerator
-from fleet.types import Completion, GenerationResult
+from rlfleet.fleet.data.dispatch import FleetResult
+from rlfleet.recipe.config import RecipeConfig
+from rlfleet.recipe.grpo import Group, Sample, build_group, group_advantages
+from rlfleet.recipe.task import FIRST_ORDINARY_ID, AllowedTokensTask, PromptGenerator
+from rlfleet.fleet.types import Completion, GenerationResult
 
 
 # -- reward ------------------------------------------------------------------------------

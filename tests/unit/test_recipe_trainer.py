@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from recipe.grpo import Group, Sample, clipped_pg_loss
-from recipe.logprobs import batch_token_logprobs
-from recipe.task import AllowedTokensTask, PromptGenerator
-from recipe.trainer import GRPOTrainer
-from refit.model_spec import checkpoint_spec
-from refit.sender import WeightSender
+from rlfleet.recipe.grpo import Group, Sample, clipped_pg_loss
+from rlfleet.recipe.logprobs import batch_token_logprobs
+from rlfleet.recipe.task import AllowedTokensTask, PromptGenerator
+from rlfleet.recipe.trainer import GRPOTrainer
+from rlfleet.refit.model_spec import checkpoint_spec
+from rlfleet.refit.sender import WeightSender
 
 
 # One intra-op thread: on a shared 2-core machine OpenMP threads spinning against other
@@ -143,7 +143,7 @@ def test_trainer_actor_trains_the_model_it_sends_and_refuses_a_torn_update(tiny_
     """``GRPOTrainerActor`` in-process (no Ray): one model for sender and trainer; step between prepare and send."""
     import asyncio
 
-    from recipe.actor import GRPOTrainerActor
+    from rlfleet.recipe.actor import GRPOTrainerActor
 
     async def scenario():
         actor = GRPOTrainerActor(tiny_model, lr=3e-3, threads=THREADS)
@@ -169,7 +169,7 @@ def test_the_weight_source_scores_like_the_trainer_and_steps_deterministically(t
     """``faults.source.WeightSource`` in-process (no Ray): the trainer's logprobs; seeded plain and relative steps."""
     import asyncio
 
-    from faults.source import WeightSource
+    from rlfleet.faults.source import WeightSource
 
     async def scenario():
         src = WeightSource(tiny_model, threads=THREADS)

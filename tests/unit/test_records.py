@@ -11,12 +11,12 @@ import json
 
 import pytest
 
-from fleet import records
-from fleet.eventlog import EventLog
-from fleet.records import (CLIENT_RECORDS, REGISTRY, Gate, Health, Kill, Phase, Record, Request, Restart, all_of,
+from rlfleet.fleet import records
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.records import (CLIENT_RECORDS, REGISTRY, Gate, Health, Kill, Phase, Record, Request, Restart, all_of,
                            kinds_of, of)
-from health.decision import Transition
-from health.states import ShardState
+from rlfleet.health.decision import Transition
+from rlfleet.health.states import ShardState
 
 
 def test_every_kind_is_defined_once_with_its_own_class():

@@ -15,12 +15,12 @@ import json
 
 import pytest
 
-from fleet.control.controller import SingleController
-from fleet.control.intent import CLOSING, COMMITTED, Intent
-from fleet.cluster.naming import intent_key, shard_name
-from fleet.control.recovery import EPOCHS_PER_GENERATION
+from rlfleet.fleet.control.controller import SingleController
+from rlfleet.fleet.control.intent import CLOSING, COMMITTED, Intent
+from rlfleet.fleet.cluster.naming import intent_key, shard_name
+from rlfleet.fleet.control.recovery import EPOCHS_PER_GENERATION
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
-from fleet.records import Adopted, ControllerRestarted, Error, Request, all_of
+from rlfleet.fleet.records import Adopted, ControllerRestarted, Error, Request, all_of
 
 
 class Crash(BaseException):
@@ -235,8 +235,8 @@ def test_without_a_stored_intent_the_successor_stops_loudly(model_dir):
 
 
 def test_a_bad_fleet_name_is_refused_naming_the_field(model_dir):
-    from fleet.errors import ConfigError
-    from fleet.config.fleet import load_fleet_config
+    from rlfleet.fleet.errors import ConfigError
+    from rlfleet.fleet.config.fleet import load_fleet_config
 
     with pytest.raises(ConfigError, match="name"):
         load_fleet_config(config(model_dir, name="has space"))
@@ -342,7 +342,7 @@ def test_a_re_adoption_that_fails_stops_the_fleet_loudly(model_dir):
 
 
 def test_the_intent_document_round_trips_every_field():
-    from fleet.control.intent import COMMITTED, Intent, RefitIntent
+    from rlfleet.fleet.control.intent import COMMITTED, Intent, RefitIntent
 
     full = Intent("f", {"engine": {"model": "/m"}, "num_engines": 3}, committed=7, membership_epoch=4,
                   slots={0: (2, 1), 5: (1, 0)}, refit=RefitIntent(7, COMMITTED, ((0, 2), (5, 1))), generation=2,
@@ -356,7 +356,7 @@ def test_the_intent_document_is_what_json_writes_and_follows_every_update():
     of the whole document (keys sorted) would write it, before and after updates that replace a field."""
     import json
 
-    from fleet.control.intent import CLOSING, Intent, RefitIntent
+    from rlfleet.fleet.control.intent import CLOSING, Intent, RefitIntent
 
     def plain(i: Intent) -> str:
         r = i.refit

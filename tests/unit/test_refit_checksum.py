@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit import checksum
+from rlfleet.refit import checksum
 
 
 def _flip(t: torch.Tensor, byte: int) -> torch.Tensor:

@@ -10,13 +10,13 @@ import asyncio
 
 import pytest
 
-from fleet.api import Fleet, check_n, check_prompts
-from fleet.errors import FleetStopped, RefitArgumentError, RefitFailed, RefitRefused
-from fleet.outcome import DIED, Outcome
-from health import CallKind
+from rlfleet.fleet.api import Fleet, check_n, check_prompts
+from rlfleet.fleet.errors import FleetStopped, RefitArgumentError, RefitFailed, RefitRefused
+from rlfleet.fleet.outcome import DIED, Outcome
+from rlfleet.health import CallKind
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
-from fleet.records import Gate, Phase, RefitRolledBack
+from rlfleet.fleet.records import Gate, Phase, RefitRolledBack
 
 REFIT_CALLS = ("pause", "transfer", "set_weight_version", "resume")
 
@@ -103,7 +103,7 @@ def test_an_unexpected_error_before_any_byte_moves_rolls_back(model_dir):
     async def go():
         ctl, door, transfer = make(model_dir)
         await ctl.start()
-        from fleet.control.lifecycle import pause as pause_step
+        from rlfleet.fleet.control.lifecycle import pause as pause_step
 
         real = pause_step.pause_settled
 
@@ -204,8 +204,8 @@ def test_n_must_be_a_positive_integer():
 
 
 def test_calls_after_shutdown_raise_fleet_stopped(monkeypatch, model_dir):
-    from fleet.cluster import ray_door
-    from fleet.config.fleet import load_fleet_config
+    from rlfleet.fleet.cluster import ray_door
+    from rlfleet.fleet.config.fleet import load_fleet_config
 
     monkeypatch.setattr(ray_door, "try_ask", lambda *a, **k: Outcome("ok", value={"accepted": 0}))
     monkeypatch.setattr(ray_door, "kill", lambda handle: None)
@@ -257,9 +257,9 @@ def test_the_transfer_phase_ends_within_its_deadline_retry_included(model_dir):
 
 def test_an_engine_that_reports_no_workers_is_never_counted_as_refitted(model_dir):
     """Seed 002's rule: a join answering None or an empty worker list is not a success."""
-    from fleet.config.fleet import load_fleet_config
-    from fleet.control.transfer_port import RefitTransferPort
-    from health import Participant, RefitResult
+    from rlfleet.fleet.config.fleet import load_fleet_config
+    from rlfleet.fleet.control.transfer_port import RefitTransferPort
+    from rlfleet.health import Participant, RefitResult
 
     class Door:
         def receiver_port(self, handle):
@@ -300,8 +300,8 @@ def test_keep_decides_drained_per_shard_so_an_idle_shard_still_invalidates(model
 def test_the_same_sender_keeps_its_group_across_refits_though_its_handle_arrives_as_a_new_object(model_dir):
     """A handle passed to the controller is deserialized anew on every call; comparing by identity built a new
     synchronizer, and so a new process group (a rendezvous), for every refit from the same trainer."""
-    from fleet.config.fleet import load_fleet_config
-    from fleet.control.transfer_port import RefitTransferPort
+    from rlfleet.fleet.config.fleet import load_fleet_config
+    from rlfleet.fleet.control.transfer_port import RefitTransferPort
 
     class Handle:  # as Ray's ActorHandle: equal when the actor is
         def __init__(self, actor):

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refit.errors import ManifestError
-from refit.manifest import MAX_SHOWN, Manifest, dtype_size, layer_group, plan_buckets, validate
+from rlfleet.refit.errors import ManifestError
+from rlfleet.refit.manifest import MAX_SHOWN, Manifest, dtype_size, layer_group, plan_buckets, validate
 
 SPEC = {
     "model.embed_tokens.weight": ((16, 8), "float32"),

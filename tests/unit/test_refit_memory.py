@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from refit import Participant, heap
+from rlfleet.refit import Participant, heap
 from tests.unit.test_refit_transport import DictModel, FakeWorker, ThreadEngine, model_tensors, run, sync_for
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from refit import Outcome, Participant, RefitUsageError
+from rlfleet.refit import Outcome, Participant, RefitUsageError
 from tests.unit.test_refit_transport import ThreadEngine, assert_holds, model_tensors, run, sync_for
 
 PA, PB = Participant(0, 1, (1,)), Participant(1, 1, (2, 3))

@@ -10,11 +10,11 @@ import asyncio
 
 import pytest
 
-from fleet.shard.null_backend import NullBackend
-from fleet.shard.engine_shard import EngineShard
+from rlfleet.fleet.shard.null_backend import NullBackend
+from rlfleet.fleet.shard.engine_shard import EngineShard
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
-from fleet.records import LeaveNotice, Stamp
+from rlfleet.fleet.records import LeaveNotice, Stamp
 
 
 async def _serve_while_checking(ctl, door, n: int = 30) -> list:
@@ -217,8 +217,8 @@ def test_under_keep_every_pause_lets_an_idle_shard_clear_its_cache(model_dir):
 
 
 def _quarantine(ctl, door, slot: int) -> None:
-    from fleet.outcome import UNAVAILABLE, Outcome
-    from health import CallKind
+    from rlfleet.fleet.outcome import UNAVAILABLE, Outcome
+    from rlfleet.health import CallKind
 
     ctl.observe(slot, 1, CallKind.GENERATE, Outcome(UNAVAILABLE, error=ConnectionError("unavailable")))
     assert ctl.ledger.state(slot).value == "suspect"
@@ -265,7 +265,7 @@ def test_a_leave_notice_is_retried_until_acknowledged(model_dir):
 
 
 def test_a_leave_notice_sent_again_never_undoes_a_later_join():
-    from fleet.shard.request_gate import ShardGate
+    from rlfleet.fleet.shard.request_gate import ShardGate
 
     gate = ShardGate()
     gate.route(5, True, 1)

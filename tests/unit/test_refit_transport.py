@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from refit import LocalSenderPort, Outcome, Participant, RefitConfig, RefitUsageError, WeightSender, WeightSynchronizer
-from refit.manifest import dtype_name
-from refit.worker_extension import RefitWorkerExtension
+from rlfleet.refit import LocalSenderPort, Outcome, Participant, RefitConfig, RefitUsageError, WeightSender, WeightSynchronizer
+from rlfleet.refit.manifest import dtype_name
+from rlfleet.refit.worker_extension import RefitWorkerExtension
 
 LAYERS = 3
 
@@ -639,9 +639,9 @@ def test_a_refit_cancelled_midway_leaves_the_group_broken_and_rebuild_forces_a_f
 
 
 def test_the_controllers_port_answers_by_its_deadline_and_cancels_the_stalled_transfer(model_dir):
-    from fleet.config.fleet import load_fleet_config
-    from fleet.control.transfer_port import RefitTransferPort
-    from health import Participant as Member, RefitResult as HealthResult
+    from rlfleet.fleet.config.fleet import load_fleet_config
+    from rlfleet.fleet.control.transfer_port import RefitTransferPort
+    from rlfleet.health import Participant as Member, RefitResult as HealthResult
 
     port = RefitTransferPort(load_fleet_config({"engine": {"model": model_dir}, "num_engines": 1}), door=None)
     cancelled = []

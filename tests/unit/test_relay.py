@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from rlapi import gloo_wire
-from rlapi.gloo_wire import GlooInitInfo
-from rlapi.relay import UpdateRefused, WeightRelay
+from rlfleet.rlapi import gloo_wire
+from rlfleet.rlapi.gloo_wire import GlooInitInfo
+from rlfleet.rlapi.relay import UpdateRefused, WeightRelay
 
 
 def free_port() -> int:

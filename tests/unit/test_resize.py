@@ -8,15 +8,15 @@ import asyncio
 
 import pytest
 
-from fleet.control.controller import SingleController
-from fleet.errors import ConfigError, FleetStopped
-from fleet.control.intent import Intent
-from fleet.cluster.naming import intent_key, shard_name
-from fleet.outcome import DIED, Outcome
-from health import CallKind
+from rlfleet.fleet.control.controller import SingleController
+from rlfleet.fleet.errors import ConfigError, FleetStopped
+from rlfleet.fleet.control.intent import Intent
+from rlfleet.fleet.cluster.naming import intent_key, shard_name
+from rlfleet.fleet.outcome import DIED, Outcome
+from rlfleet.health import CallKind
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
-from fleet.records import Kill, Phase, Resize, Stopped, all_of
-from fleet.wire import Left
+from rlfleet.fleet.records import Kill, Phase, Resize, Stopped, all_of
+from rlfleet.fleet.wire import Left
 
 
 def make(model_dir, door=None, **over):
@@ -348,9 +348,9 @@ def test_the_intent_keeps_the_removed_slots_and_reads_an_older_one_without_them(
 
 
 def test_a_shard_notes_what_it_held_as_it_left_the_serving_set_and_admits_nothing_after(model_dir):
-    from fleet.errors import RouteRefused
-    from fleet.data.routing_state import Ticket, VersionPolicy
-    from fleet.shard.engine_shard import EngineShard
+    from rlfleet.fleet.errors import RouteRefused
+    from rlfleet.fleet.data.routing_state import Ticket, VersionPolicy
+    from rlfleet.fleet.shard.engine_shard import EngineShard
 
     async def go():
         shard = EngineShard({"model": model_dir, "backend": "null", "null_generate_s": 5.0}, 3, 1)

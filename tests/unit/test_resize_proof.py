@@ -8,10 +8,10 @@ import copy
 
 import pytest
 
-from faults.evidence import prove
-from faults.runner import VariantReport, judge
-from health.faultplan import load_plan
-from fleet.records import Gate, Health, Phase, Record, Resize, Stamp
+from rlfleet.faults.evidence import prove
+from rlfleet.faults.runner import VariantReport, judge
+from rlfleet.health.faultplan import load_plan
+from rlfleet.fleet.records import Gate, Health, Phase, Record, Resize, Stamp
 
 GROW = {"n": 4, "outcome": "ok", "error": None, "summary": {"added": [3]}, "began": 10.0, "ended": 20.0}
 REFIT = {"version": 5, "outcome": "committed", "error": None, "began": 21.0, "ended": 23.0}
@@ -56,7 +56,7 @@ def verdict(f, evs):
 
 
 def test_the_variant_is_in_the_matrix_and_its_plan_is_valid():
-    from faults.matrix import by_name
+    from rlfleet.faults.matrix import by_name
 
     [variant] = by_name(["resize-under-load"])
     plan = load_plan(variant.plan)

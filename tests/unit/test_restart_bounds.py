@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.errors import ConfigError, RefitRefused
-from fleet.config.fleet import load_fleet_config
+from rlfleet.fleet.errors import ConfigError, RefitRefused
+from rlfleet.fleet.config.fleet import load_fleet_config
 from tests.unit.fleet_fakes import run_virtual
 from tests.unit.test_recovery import Crash, arm, bury, started, successor
-from fleet.records import Kill
+from rlfleet.fleet.records import Kill
 
 
 # ------------------------------------------------------------------ config checks at start
@@ -192,7 +192,7 @@ class FakeRay:
         return "ALIVE" if self.now >= self.up_at else "RESTARTING"
 
     def try_ask(self, handle, method, *args, timeout: float, **kw):
-        from fleet.outcome import OK, UNAVAILABLE, Outcome
+        from rlfleet.fleet.outcome import OK, UNAVAILABLE, Outcome
 
         self.calls.append((method, args))
         if self.now < self.up_at:
@@ -206,7 +206,7 @@ class FakeRay:
 
 @pytest.fixture
 def fake_ray(monkeypatch):
-    import fleet.api as api
+    import rlfleet.fleet.api as api
 
     def install(**kw) -> FakeRay:
         fake = FakeRay(**kw)
@@ -219,7 +219,7 @@ def fake_ray(monkeypatch):
 
 
 def test_fleet_resends_a_refit_under_the_same_refit_id(model_dir, fake_ray):
-    from fleet.api import Fleet
+    from rlfleet.fleet.api import Fleet
 
     fake = fake_ray(lose={"sync_weights"})  # the first answer is lost; the controller never restarted
     fleet = Fleet(object(), load_fleet_config({"engine": {"model": model_dir}}))
@@ -231,8 +231,8 @@ def test_fleet_resends_a_refit_under_the_same_refit_id(model_dir, fake_ray):
 
 
 def test_fleet_that_gave_up_on_its_controller_asks_it_again_on_the_next_call(model_dir, fake_ray):
-    from fleet.api import Fleet
-    from fleet.errors import FleetStopped
+    from rlfleet.fleet.api import Fleet
+    from rlfleet.fleet.errors import FleetStopped
 
     fake = fake_ray(up_at=200.0)  # re-adoption outlasts the 60 s wait (a config the check would refuse)
     fleet = Fleet(object(), load_fleet_config({"engine": {"model": model_dir}}))

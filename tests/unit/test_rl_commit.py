@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from fleet.errors import FleetStopped, RefitSourceFailed
-from rlapi import gloo_wire
-from rlapi.relay import WeightRelay
-from rlapi.routes import RLSurface
+from rlfleet.fleet.errors import FleetStopped, RefitSourceFailed
+from rlfleet.rlapi import gloo_wire
+from rlfleet.rlapi.relay import WeightRelay
+from rlfleet.rlapi.routes import RLSurface
 from tests.unit.test_relay import free_port
-from rlapi.gloo_wire import GlooInitInfo
+from rlfleet.rlapi.gloo_wire import GlooInitInfo
 
 
 class Engines:
@@ -271,7 +271,7 @@ def test_a_relay_copy_whose_digest_changed_since_its_commit_is_no_source(tiny_mo
 def test_controller_refit_outcome_says_committed_even_for_a_refit_that_raised_after_its_commit(model_dir):
     """``refit_outcome`` is what the surface asks; each answer from the decider (the intent's record of the
     refit under that id), never from the error the call raised."""
-    from fleet.errors import FleetExhausted
+    from rlfleet.fleet.errors import FleetExhausted
     from tests.unit.test_controller import make, run
 
     async def go():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from cli.serve import weight_transfer_backend
-from fleet.errors import ConfigError
+from rlfleet.cli.serve import weight_transfer_backend
+from rlfleet.fleet.errors import ConfigError
 
 
 def test_the_flag_takes_vllms_json_and_refuses_what_the_fleet_cannot_serve_naming_it():
@@ -18,8 +18,8 @@ def test_the_flag_takes_vllms_json_and_refuses_what_the_fleet_cannot_serve_namin
 
 
 def test_an_nccl_relay_is_refused_before_anything_starts_where_no_gpu_is_left_for_it(tiny_model):
-    from cli.serve import check_relay_gpu
-    from fleet.config.fleet import load_fleet_config
+    from rlfleet.cli.serve import check_relay_gpu
+    from rlfleet.fleet.config.fleet import load_fleet_config
 
     cpu = load_fleet_config({"engine": {"model": tiny_model}, "num_engines": 2})
     with pytest.raises(ConfigError, match="--weight-transfer-config") as err:
@@ -39,11 +39,11 @@ def test_gloo_is_in_both_of_vllms_registries_once_and_the_entry_point_names_it()
 
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    from rlapi.vllm_gloo import GlooTrainerWeightTransferEngine, GlooWeightTransferEngine, register
+    from rlfleet.rlapi.vllm_gloo import GlooTrainerWeightTransferEngine, GlooWeightTransferEngine, register
 
     register()
     register()  # vLLM loads plugins in every process, sometimes twice: a second call changes nothing
     assert WeightTransferEngineFactory._registry["gloo"]() is GlooWeightTransferEngine
     assert WeightTransferTrainerFactory._registry["gloo"]() is GlooTrainerWeightTransferEngine
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
-    assert project["project"]["entry-points"]["vllm.general_plugins"]["rlfleet_gloo_weights"] == "rlapi.vllm_gloo:register"
+    assert project["project"]["entry-points"]["vllm.general_plugins"]["rlfleet_gloo_weights"] == "rlfleet.rlapi.vllm_gloo:register"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.shard.backend import confirmed
+from rlfleet.fleet.shard.backend import confirmed
 
 
 @pytest.mark.parametrize("answer,ok", [
@@ -24,8 +24,8 @@ def test_the_default_kv_policy_is_recompute_and_a_refits_pause_clears_the_cache(
     requests re-prefill under the new weights)."""
     from types import SimpleNamespace
 
-    from fleet.config.fleet import load_fleet_config
-    from fleet.control.lifecycle.pause import pause_kw
+    from rlfleet.fleet.config.fleet import load_fleet_config
+    from rlfleet.fleet.control.lifecycle.pause import pause_kw
 
     cfg = load_fleet_config({"engine": {"model": model_dir}, "num_engines": 2})
     assert cfg.kv_policy == "recompute"
@@ -59,14 +59,14 @@ class _VllmThatFailsResets:
 @pytest.fixture
 def no_start_records(monkeypatch):
     """A shard over a stand-in engine starts nothing: not an engine start the suite counts (``start_records``)."""
-    from fleet.shard.start_records import ENV
+    from rlfleet.fleet.shard.start_records import ENV
 
     monkeypatch.delenv(ENV, raising=False)
 
 
 def _shard_over(llm, model_dir):
-    from fleet.shard.engine_shard import EngineShard
-    from fleet.shard.vllm_backend import VllmBackend
+    from rlfleet.fleet.shard.engine_shard import EngineShard
+    from rlfleet.fleet.shard.vllm_backend import VllmBackend
 
     class Backend(VllmBackend):
         async def start(self) -> None:
@@ -87,9 +87,9 @@ def test_a_vllm_error_from_a_reset_of_running_requests_is_an_answer_naming_the_s
     an error outcome that is no death (the shard is not replaced for it), and the shard goes on answering."""
     import asyncio
 
-    from fleet.errors import CacheResetFailed
-    from fleet.outcome import ERROR, answer_outcome, is_unusable, observed
-    from health import CallKind, FailureClass
+    from rlfleet.fleet.errors import CacheResetFailed
+    from rlfleet.fleet.outcome import ERROR, answer_outcome, is_unusable, observed
+    from rlfleet.health import CallKind, FailureClass
 
     async def go():
         llm = _VllmThatFailsResets(VLLM_FAILED)
@@ -118,8 +118,8 @@ def test_an_engine_that_dies_during_a_cache_reset_is_an_unusable_shard_not_a_res
 
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    from fleet.errors import EngineCrashedError
-    from fleet.outcome import answer_outcome, is_unusable
+    from rlfleet.fleet.errors import EngineCrashedError
+    from rlfleet.fleet.outcome import answer_outcome, is_unusable
 
     async def go():
         shard = _shard_over(_VllmThatFailsResets(EngineDeadError()), model_dir)
@@ -142,8 +142,8 @@ def test_a_cache_reset_that_fails_is_treated_by_the_kv_policy_and_never_takes_th
     counted failed."""
     import asyncio
 
-    from fleet.errors import CacheInvalidationUnsupported, CacheResetFailed
-    from fleet.records import Kill
+    from rlfleet.fleet.errors import CacheInvalidationUnsupported, CacheResetFailed
+    from rlfleet.fleet.records import Kill
     from tests.unit.fleet_fakes import client
     from tests.unit.test_controller import make, run
 
@@ -190,9 +190,9 @@ def test_a_cap_cut_with_requests_in_flight_cancels_none_of_them_and_only_gates_n
     import asyncio
     import random
 
-    from fleet.control.controller import SingleController
-    from fleet.data.client import InProcessClient
-    from fleet.types import EngineStats
+    from rlfleet.fleet.control.controller import SingleController
+    from rlfleet.fleet.data.client import InProcessClient
+    from rlfleet.fleet.types import EngineStats
     from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
 
     class LoadDoor(FakeDoor):

@@ -21,12 +21,12 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.sampling_params import SamplingParams
 
-from fleet.data.dispatch import FleetResult
-from fleet.data.routing_state import RoutingState
-from fleet.types import Completion, GenerationResult
-from recipe.tinymodel import CHAT_TEMPLATE, build_tokenizer
-from serve import protocol
-from serve.front import Front
+from rlfleet.fleet.data.dispatch import FleetResult
+from rlfleet.fleet.data.routing_state import RoutingState
+from rlfleet.fleet.types import Completion, GenerationResult
+from rlfleet.recipe.tinymodel import CHAT_TEMPLATE, build_tokenizer
+from rlfleet.serve import protocol
+from rlfleet.serve.front import Front
 from tests.transcripts import TOOLS, TRANSCRIPT, hf_rendering
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
@@ -98,7 +98,7 @@ def test_text_with_a_lone_surrogate_is_refused_naming_its_field_before_the_token
 
 
 def test_the_engine_side_refuses_a_sampling_dict_with_invalid_text_naming_the_field():
-    from fleet.types import field_with_invalid_text
+    from rlfleet.fleet.types import field_with_invalid_text
 
     assert field_with_invalid_text({"stop": ["a", "\ud800"], "n": 2}) == "stop"
     assert field_with_invalid_text({"structured_outputs": {"regex": "\udc00+"}}) == "structured_outputs"
@@ -116,14 +116,14 @@ def test_a_field_the_front_does_not_carry_out_is_refused_naming_it_not_ignored(t
 
 @pytest.fixture(scope="module")
 def chat(tok, tiny_model):
-    from serve.render import ChatRenderer
+    from rlfleet.serve.render import ChatRenderer
 
     return ChatRenderer(tiny_model, MAX_LEN * 2, tok)
 
 
 @pytest.fixture(scope="module")
 def parsing(tok, tiny_model):
-    from serve.render import ChatOptions, ChatRenderer
+    from rlfleet.serve.render import ChatOptions, ChatRenderer
 
     return ChatRenderer(tiny_model, MAX_LEN * 2, tok, ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes",
                                                                   reasoning_parser="qwen3"))
@@ -189,7 +189,7 @@ def test_a_forced_tool_choice_holds_the_output_to_the_tools_format_and_reads_the
 
 
 def test_a_trusted_request_template_is_used(tok, tiny_model):
-    from serve.render import ChatOptions, ChatRenderer
+    from rlfleet.serve.render import ChatOptions, ChatRenderer
 
     trusting = ChatRenderer(tiny_model, MAX_LEN, tok, ChatOptions(trust_request_chat_template=True))
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
@@ -219,7 +219,7 @@ def test_tool_calls_and_reasoning_are_read_back_by_vllms_parsers(tok, parsing):
 
 
 def test_chat_flags_vllm_does_not_know_are_refused_naming_the_flag():
-    from serve.render import ChatOptions
+    from rlfleet.serve.render import ChatOptions
 
     for options, flag in ((ChatOptions(tool_call_parser="nope"), "--tool-call-parser"),
                           (ChatOptions(reasoning_parser="nope"), "--reasoning-parser"),
@@ -328,7 +328,7 @@ def test_returned_requests_become_400_for_the_caller_and_503_naming_why_for_the_
 def test_every_503_says_when_to_retry(tok):
     from fastapi.testclient import TestClient
 
-    from serve.app import RETRY_AFTER_S, RETRY_AFTER_STOPPED_S, build_app
+    from rlfleet.serve.app import RETRY_AFTER_S, RETRY_AFTER_STOPPED_S, build_app
 
     closed = TestClient(build_app(Front(_Client(RoutingState(5, False, 2, reason="refit of version 3")), tok, "m", MAX_LEN)))
     assert closed.get("/health").status_code == 200 and "retry-after" not in closed.get("/health").headers
@@ -490,7 +490,7 @@ def test_fastapis_own_answers_come_in_the_openai_error_shape_and_head_health_ans
     error", "Field required"); HEAD /health was a 405. An OpenAI client reads ``error.message``."""
     from fastapi.testclient import TestClient
 
-    from serve.app import build_app
+    from rlfleet.serve.app import build_app
 
     http = TestClient(build_app(Front(_Client(RoutingState(5, True, 2)), tok, "m", MAX_LEN)))
     r = http.get("/v1/nope")
@@ -509,7 +509,7 @@ def test_fastapis_own_answers_come_in_the_openai_error_shape_and_head_health_ans
 
 # ------------------------------------------------------------------ per-request weight-version policy
 def test_a_request_names_its_weight_version_policy_in_its_body_or_a_header_and_a_bad_one_is_refused():
-    from fleet.data.routing_state import VersionPolicy
+    from rlfleet.fleet.data.routing_state import VersionPolicy
 
     fleet_default = VersionPolicy.for_fleet(1)
 
@@ -537,7 +537,7 @@ class _Capturing(_Client):
     """A fleet client that completes every request at once and keeps the policy each was sent with."""
 
     def __init__(self) -> None:
-        from fleet.data.routing_state import VersionPolicy
+        from rlfleet.fleet.data.routing_state import VersionPolicy
 
         super().__init__(RoutingState(5, True, 2))
         self.policy = VersionPolicy.for_fleet(1)
@@ -555,8 +555,8 @@ class _Capturing(_Client):
 def test_the_policy_goes_with_each_fleet_request_and_comes_back_in_the_response(tok):
     from fastapi.testclient import TestClient
 
-    from fleet.data.routing_state import VersionPolicy
-    from serve.app import build_app
+    from rlfleet.fleet.data.routing_state import VersionPolicy
+    from rlfleet.serve.app import build_app
 
     client = _Capturing()
     http = TestClient(build_app(Front(client, tok, "m", MAX_LEN)))
@@ -577,7 +577,7 @@ def test_the_policy_goes_with_each_fleet_request_and_comes_back_in_the_response(
 def test_a_field_the_front_would_not_honour_is_refused_naming_it(tok, body, param):
     from fastapi.testclient import TestClient
 
-    from serve.app import build_app
+    from rlfleet.serve.app import build_app
 
     client = _Capturing()
     r = TestClient(build_app(Front(client, tok, "m", MAX_LEN))).post("/v1/completions", json={"prompt": [1, 2], **body})
@@ -591,7 +591,7 @@ def test_an_api_key_guards_the_v1_routes_as_vllm_serve_does_and_the_request_id_c
     response and comes back in the header."""
     from fastapi.testclient import TestClient
 
-    from serve.app import build_app
+    from rlfleet.serve.app import build_app
 
     client = _Capturing()
     http = TestClient(build_app(Front(client, tok, "m", MAX_LEN), api_keys=["k1", "k2"]))
@@ -618,7 +618,7 @@ def test_a_batch_of_prompts_is_answered_prompt_major_each_choice_with_its_prompt
     each prompt once. A batch cannot stream yet: refused naming ``stream``."""
     from fastapi.testclient import TestClient
 
-    from serve.app import build_app
+    from rlfleet.serve.app import build_app
 
     client = _Capturing()
     http = TestClient(build_app(Front(client, tok, "m", MAX_LEN)))
@@ -643,7 +643,7 @@ def test_tokenize_and_detokenize_as_vllm_serve_answers_them(tok, chat):
     included) and ``/detokenize``, with vLLM's request and response models."""
     from fastapi.testclient import TestClient
 
-    from serve.app import build_app
+    from rlfleet.serve.app import build_app
 
     http = TestClient(build_app(Front(_Capturing(), tok, "m", MAX_LEN * 2, chat=chat)))
     r = http.post("/tokenize", json={"prompt": "red sun", "return_token_strs": True}).json()
@@ -663,10 +663,10 @@ def test_the_engines_logprobs_mode_is_a_fleet_setting_and_every_response_names_i
     field; the front says in each response which mode made its logprobs."""
     from fastapi.testclient import TestClient
 
-    from fleet.config.engine import EngineConfig
-    from fleet.config.fleet import load_fleet_config
-    from fleet.errors import ConfigError
-    from serve.app import build_app
+    from rlfleet.fleet.config.engine import EngineConfig
+    from rlfleet.fleet.config.fleet import load_fleet_config
+    from rlfleet.fleet.errors import ConfigError
+    from rlfleet.serve.app import build_app
 
     (tmp_path / "config.json").write_text("{}")
     cfg = EngineConfig(model=str(tmp_path), logprobs_mode="processed_logprobs")
@@ -688,7 +688,7 @@ def test_a_full_front_answers_429_at_once_a_bug_answers_json_and_every_request_h
 
     from fastapi.testclient import TestClient
 
-    from serve.app import build_app
+    from rlfleet.serve.app import build_app
 
     client = _Capturing()
     front = Front(client, tok, "m", MAX_LEN)
@@ -778,8 +778,8 @@ def test_fields_a_request_leaves_unset_take_the_models_generation_config_as_vllm
 
     from fastapi.testclient import TestClient
 
-    from serve.app import build_app
-    from serve.render import ChatRenderer
+    from rlfleet.serve.app import build_app
+    from rlfleet.serve.render import ChatRenderer
 
     for name in os.listdir(tiny_model):
         if name != "generation_config.json":
@@ -809,7 +809,7 @@ def test_metrics_have_latency_ttft_and_queue_histograms_and_per_engine_series(to
     front) with cumulative buckets, ``_sum`` and ``_count``, and per-slot counters of requests and tokens."""
     from fastapi.testclient import TestClient
 
-    from serve.app import build_app
+    from rlfleet.serve.app import build_app
 
     client = _Capturing()
     http = TestClient(build_app(Front(client, tok, "m", MAX_LEN)))
@@ -834,9 +834,9 @@ def test_a_front_timeout_below_the_fleets_refit_budget_is_refused_and_one_at_or_
     the flag and the field, before the front starts; at or above it, the front's client runs under it."""
     from types import SimpleNamespace
 
-    from fleet.config.fleet import load_fleet_config
-    from fleet.errors import ConfigError
-    from serve.server import HttpServer
+    from rlfleet.fleet.config.fleet import load_fleet_config
+    from rlfleet.fleet.errors import ConfigError
+    from rlfleet.serve.server import HttpServer
 
     cfg = load_fleet_config({"engine": {"model": model_dir}, "refit_timeout_s": 60, "lifecycle_grace_s": 5})
     fleet = SimpleNamespace(config=cfg)

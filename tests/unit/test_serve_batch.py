@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import random
 
-from fleet.data.batch import ServeBatcher
-from fleet.data.dispatch import Dispatcher
-from fleet.data.routing_state import Member, RoutingState
-from fleet.errors import BadRequestError, DeadlineExceeded, RouteRefused
-from fleet.eventlog import EventLog
-from fleet.outcome import DIED, ERROR, OK, TIMED_OUT, Outcome
-from fleet.types import Completion, GenerationResult
-from fleet.wire import ServeRequest, decode_request
+from rlfleet.fleet.data.batch import ServeBatcher
+from rlfleet.fleet.data.dispatch import Dispatcher
+from rlfleet.fleet.data.routing_state import Member, RoutingState
+from rlfleet.fleet.errors import BadRequestError, DeadlineExceeded, RouteRefused
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.outcome import DIED, ERROR, OK, TIMED_OUT, Outcome
+from rlfleet.fleet.types import Completion, GenerationResult
+from rlfleet.fleet.wire import ServeRequest, decode_request
 from tests.unit.fleet_fakes import StateView
 
 

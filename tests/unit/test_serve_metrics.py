@@ -18,11 +18,11 @@ from fastapi.testclient import TestClient
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleet.data.routing_state import RoutingState
-from recipe.tinymodel import build_tokenizer
-from rlapi.routes import RLSurface
-from serve.app import build_app
-from serve.front import Front
+from rlfleet.fleet.data.routing_state import RoutingState
+from rlfleet.recipe.tinymodel import build_tokenizer
+from rlfleet.rlapi.routes import RLSurface
+from rlfleet.serve.app import build_app
+from rlfleet.serve.front import Front
 
 VLLM_DURATION = "vllm:rl_weight_update_operation_duration_seconds"
 VLLM_IN_FLIGHT = "vllm:rl_weight_update_operations_in_flight"

@@ -24,16 +24,16 @@ from typing import Any
 
 import pytest
 
-from fleet.data.dispatch import FleetResult
-from fleet.data.routing_state import RoutingState
-from fleet.types import Completion, GenerationResult, TokenDelta
-from fleet.wire import decode_request
+from rlfleet.fleet.data.dispatch import FleetResult
+from rlfleet.fleet.data.routing_state import RoutingState
+from rlfleet.fleet.types import Completion, GenerationResult, TokenDelta
+from rlfleet.fleet.wire import decode_request
 from tests.unit.fleet_fakes import StateView
-from recipe.tinymodel import build_tokenizer
-from serve.app import build_app
-from serve.front import Front
-from serve.protocol import VERSION_HEADER
-from sim.clock import run_virtual
+from rlfleet.recipe.tinymodel import build_tokenizer
+from rlfleet.serve.app import build_app
+from rlfleet.serve.front import Front
+from rlfleet.serve.protocol import VERSION_HEADER
+from rlfleet.sim.clock import run_virtual
 
 MAX_LEN = 512
 
@@ -45,7 +45,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def chat(tok, tiny_model):
-    from serve.render import ChatRenderer
+    from rlfleet.serve.render import ChatRenderer
 
     return ChatRenderer(tiny_model, MAX_LEN, tok)
 
@@ -449,8 +449,8 @@ class SlowStreamDoor:
         self.calls: list[tuple[int, str, tuple]] = []
 
     async def stream(self, handle, method, request, timeout):
-        from fleet.outcome import DIED, OK, Outcome
-        from fleet.types import Chunk, Piece
+        from rlfleet.fleet.outcome import DIED, OK, Outcome
+        from rlfleet.fleet.types import Chunk, Piece
 
         slot = handle
         r = decode_request(request)
@@ -472,7 +472,7 @@ class SlowStreamDoor:
                                                  version_spans=((version, 0, len(made)),)))
 
     async def call(self, handle, method, *args, timeout):
-        from fleet.outcome import OK, Outcome
+        from rlfleet.fleet.outcome import OK, Outcome
 
         self.calls.append((handle, method, args))
         return Outcome(OK, value=True)
@@ -484,9 +484,9 @@ class DispatchingClient(StateView):
     def __init__(self, scripts) -> None:
         import random
 
-        from fleet.data.dispatch import Dispatcher
-        from fleet.data.routing_state import Member
-        from fleet.eventlog import EventLog
+        from rlfleet.fleet.data.dispatch import Dispatcher
+        from rlfleet.fleet.data.routing_state import Member
+        from rlfleet.fleet.eventlog import EventLog
 
         box: dict = {}
         self.members = (Member(0, 1, 0), Member(1, 1, 1))
@@ -542,7 +542,7 @@ def test_a_chat_stream_through_vllms_parsers_streams_reasoning_content_and_tool_
     by delta (one parser per choice, as ``vllm serve``): the reasoning as ``reasoning`` deltas, the text as
     ``content``, the call as ``tool_calls`` deltas whose arguments add up to the call's JSON; the choice
     finishes ``tool_calls``, and every chunk still carries its token ids (the trainer's)."""
-    from serve.render import ChatOptions, ChatRenderer
+    from rlfleet.serve.render import ChatOptions, ChatRenderer
     from tests.transcripts import TOOLS
 
     parsing = ChatRenderer(tiny_model, MAX_LEN * 2, tok, ChatOptions(enable_auto_tool_choice=True,

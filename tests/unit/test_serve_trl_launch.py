@@ -20,12 +20,12 @@ from typing import get_args
 import pytest
 from fastapi.testclient import TestClient
 
-from cli import main as cli_main
-from fleet.data.routing_state import RoutingState
-from fleet.types import Completion, GenerationResult
-from recipe.tinymodel import build_tokenizer
-from serve.app import build_app
-from serve.front import Front
+from rlfleet.cli import main as cli_main
+from rlfleet.fleet.data.routing_state import RoutingState
+from rlfleet.fleet.types import Completion, GenerationResult
+from rlfleet.recipe.tinymodel import build_tokenizer
+from rlfleet.serve.app import build_app
+from rlfleet.serve.front import Front
 from tests.transcripts import TOOLS, TRANSCRIPT, hf_rendering
 from tests.unit.test_serve import _Capturing, done
 
@@ -39,13 +39,13 @@ def tok():
 
 @pytest.fixture(scope="module")
 def chat(tok, tiny_model):
-    from serve.render import ChatRenderer
+    from rlfleet.serve.render import ChatRenderer
 
     return ChatRenderer(tiny_model, MAX_LEN, tok)
 
 
 def trl_args(config_path: str, *more: str):
-    from rlapi.trl import launch_flags
+    from rlfleet.rlapi.trl import launch_flags
 
     return cli_main.build_parser().parse_args(["serve", "--config", config_path, "--port", "0", *launch_flags("gloo"),
                                                *more])
@@ -63,11 +63,11 @@ def no_ray(monkeypatch) -> None:
 
 # ------------------------------------------------------------------ the flags
 def test_trls_launch_flags_parse_and_reach_the_engines_config_and_the_front(tmp_path, model_dir):
-    from fleet.config.engine import EngineConfig
-    from serve.server import HttpServer
+    from rlfleet.fleet.config.engine import EngineConfig
+    from rlfleet.serve.server import HttpServer
 
-    from cli.serve import checked_config, http_server
-    from rlapi.trl import launch_flags
+    from rlfleet.cli.serve import checked_config, http_server
+    from rlfleet.rlapi.trl import launch_flags
 
     flags = launch_flags("gloo")
     assert flags == ["--enable-scale-out", "--weight-transfer-config", '{"backend": "gloo"}', "--logprobs-mode",
@@ -95,8 +95,8 @@ def test_trls_launch_flags_parse_and_reach_the_engines_config_and_the_front(tmp_
 def test_the_logprobs_modes_are_vllms_and_the_engine_configs():
     from vllm.config.model import LogprobsMode
 
-    from cli.serve import LOGPROBS_MODES
-    from fleet.config.engine import EngineConfig
+    from rlfleet.cli.serve import LOGPROBS_MODES
+    from rlfleet.fleet.config.engine import EngineConfig
 
     engine = get_args(EngineConfig.model_fields["logprobs_mode"].annotation)
     assert set(LOGPROBS_MODES) == set(get_args(LogprobsMode)) == set(engine)
@@ -120,9 +120,9 @@ def test_a_bad_engine_flag_is_refused_naming_it_before_any_fleet_or_cluster(monk
 
 
 def test_connect_refuses_an_engine_flag_the_running_fleet_does_not_have_naming_it(model_dir):
-    from cli.serve import check_connected_engines
-    from fleet.config.engine import EngineConfig
-    from fleet.errors import ConfigError
+    from rlfleet.cli.serve import check_connected_engines
+    from rlfleet.fleet.config.engine import EngineConfig
+    from rlfleet.fleet.errors import ConfigError
 
     engine = EngineConfig(model=model_dir)  # raw_logprobs, 20
     with pytest.raises(ConfigError, match=r"--logprobs-mode.*'raw_logprobs'.*restart the fleet"):
@@ -140,7 +140,7 @@ def test_the_render_route_answers_as_vllms_own_renderer_with_the_ids_the_chat_ro
     from vllm.entrypoints.scale_out.render.serving import ServingRender
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
-    from serve.render import ChatRenderer, _Headers
+    from rlfleet.serve.render import ChatRenderer, _Headers
 
     client = _Capturing()
     http = TestClient(build_app(Front(client, tok, "m", MAX_LEN, chat=chat), scale_out=True))
@@ -229,8 +229,8 @@ def test_generate_refuses_what_the_fleet_does_not_carry_out_naming_the_field(tok
 
 # ------------------------------------------------------------------ world size and server info
 def test_world_size_answers_vllms_shape_with_and_without_dp_and_server_info_says_the_logprobs_mode(tok, model_dir):
-    from fleet.config.fleet import load_fleet_config
-    from rlapi.routes import RLSurface
+    from rlfleet.fleet.config.fleet import load_fleet_config
+    from rlfleet.rlapi.routes import RLSurface
 
     class Fleet:
         config = load_fleet_config({"engine": {"model": model_dir, "logprobs_mode": "processed_logprobs",

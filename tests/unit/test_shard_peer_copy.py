@@ -14,12 +14,12 @@ import asyncio
 import pytest
 import torch
 
-from fleet.errors import PeerCopyRefused
-from fleet.shard import peer_copy
-from fleet.shard.engine_shard import EngineShard
-from fleet.shard.fault_hooks import InjectedError
-from fleet.wire import PeerOffer
-from refit import peer
+from rlfleet.fleet.errors import PeerCopyRefused
+from rlfleet.fleet.shard import peer_copy
+from rlfleet.fleet.shard.engine_shard import EngineShard
+from rlfleet.fleet.shard.fault_hooks import InjectedError
+from rlfleet.fleet.wire import PeerOffer
+from rlfleet.refit import peer
 
 T = 20.0
 
@@ -202,7 +202,7 @@ def test_a_refit_that_lands_on_the_donor_during_its_send_fails_the_donation():
 def test_a_copy_whose_prefix_cache_cannot_be_cleared_is_not_ok_though_complete(model_dir):
     """The receiver's cached KV blocks were computed by its old weights: a copy that cannot drop them must not be
     admitted. The answer says so (not ok, ``cache_cleared`` False), the weights stay the copied ones, unstamped."""
-    from fleet.shard.null_backend import NullBackend
+    from rlfleet.fleet.shard.null_backend import NullBackend
 
     class NoReset(NullBackend):
         async def invalidate_cache(self) -> bool:

@@ -11,10 +11,10 @@ import asyncio
 
 import pytest
 
-from fleet.errors import DeadlineExceeded, EngineCrashedError
-from fleet.shard.null_backend import NullBackend
-from fleet.outcome import OK, TIMED_OUT, Outcome, with_progress
-from fleet.shard.engine_shard import EngineShard
+from rlfleet.fleet.errors import DeadlineExceeded, EngineCrashedError
+from rlfleet.fleet.shard.null_backend import NullBackend
+from rlfleet.fleet.outcome import OK, TIMED_OUT, Outcome, with_progress
+from rlfleet.fleet.shard.engine_shard import EngineShard
 from tests.unit.fleet_fakes import run_virtual
 
 
@@ -177,7 +177,7 @@ def test_a_probe_that_finds_the_core_dead_answers_only_after_the_requests_it_ran
     """The controller kills the actor on the probe's answer. Answered first, the requests' own answers never
     left the actor, and the client could not count the death against the request that caused it (the matrix's
     ``poison-request`` saw a poison prompt take down a third engine). The probe waits for them, a bounded time."""
-    from fleet.shard.engine_shard import CRASH_REPORT_GRACE_S
+    from rlfleet.fleet.shard.engine_shard import CRASH_REPORT_GRACE_S
 
     async def go(lag_s):
         b = CrashingBackend(lag_s)

@@ -12,10 +12,10 @@ import asyncio
 
 import pytest
 
-from fleet.errors import ShardUnavailableError
-from fleet.shard.null_backend import NullBackend
-from fleet.data.routing_state import Ticket, VersionPolicy
-from fleet.wire import BeginRefit, EndRefit
+from rlfleet.fleet.errors import ShardUnavailableError
+from rlfleet.fleet.shard.null_backend import NullBackend
+from rlfleet.fleet.data.routing_state import Ticket, VersionPolicy
+from rlfleet.fleet.wire import BeginRefit, EndRefit
 from tests.unit.fleet_fakes import run_virtual
 from tests.unit.test_shard_progress import shard_on  # the real shard in-process, on the virtual loop's clock
 

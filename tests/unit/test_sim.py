@@ -20,18 +20,17 @@ from pathlib import Path
 
 import pytest
 
-import fleet.control.controller
-import fleet.control.lifecycle
-from fleet.cluster.door import CONTROL_METHODS, FAULT_METHODS, Door
-from fleet.cluster.ray_door import RayDoor
-from fleet.shard.engine_shard import EngineShard
-from health import Participant, RefitResult
-from sim.clock import run_virtual
-from sim.door import SimDoor, SimTrainer
-from sim.faults import Fault, FaultSpec, schedule
-from sim.run import Scenario, simulate
-from sim.shard import SimShard, Timings
-from sim.transfer import SimTransfer, TransferModel
+from rlfleet.fleet.cluster.door import CONTROL_METHODS, FAULT_METHODS, Door
+from rlfleet.fleet.control import controller, lifecycle
+from rlfleet.fleet.cluster.ray_door import RayDoor
+from rlfleet.fleet.shard.engine_shard import EngineShard
+from rlfleet.health import Participant, RefitResult
+from rlfleet.sim.clock import run_virtual
+from rlfleet.sim.door import SimDoor, SimTrainer
+from rlfleet.sim.faults import Fault, FaultSpec, schedule
+from rlfleet.sim.run import Scenario, simulate
+from rlfleet.sim.shard import SimShard, Timings
+from rlfleet.sim.transfer import SimTransfer, TransferModel
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTROL_PLANE = ["fleet/control/controller.py", *(f"fleet/control/lifecycle/{m}.py" for m in ("pause", "transfer", "resume", "ends")),
@@ -97,8 +96,8 @@ def test_sim_shard_answers_each_control_method_as_engine_shard_does(method):
 def test_the_simulator_runs_the_production_classes():
     run, _ = simulate(Scenario(engines=8, horizon_s=1200, step_s=300, fault_list=()))
     ctl = run.controllers[0]
-    assert type(ctl) is fleet.control.controller.SingleController
-    assert type(ctl.lifecycle) is fleet.control.lifecycle.RefitLifecycle
+    assert type(ctl) is controller.SingleController
+    assert type(ctl.lifecycle) is lifecycle.RefitLifecycle
     assert type(ctl.door) is SimDoor
     assert len(run.refits) >= 3 and ctl.ledger.current_version == len(run.refits)
 
@@ -380,7 +379,7 @@ def test_the_script_prints_its_figures_as_the_last_line(tmp_path):
                 "controller_cpu_s_per_refit_16", "refits_stopped_16", "stress_availability_spares_16"):
         assert key in last, key
     assert last["stage_ahead"] is True and last["apply_gbps"] == 1000
-    from sim.door import CALL_CPU_SOURCE, CALL_CPU_US
+    from rlfleet.sim.door import CALL_CPU_SOURCE, CALL_CPU_US
 
     # the controller's CPU per call, as measured on real Ray, named with its source; and the run with calls free
     assert last["call_cpu_us"] == CALL_CPU_US and last["call_cpu_source"] == CALL_CPU_SOURCE
@@ -502,7 +501,7 @@ def test_the_run_reports_the_cost_it_charged_and_each_refit_phase(charged_vs_fre
 
 
 def test_the_default_cost_is_the_one_measured_on_real_ray():
-    from sim.door import CALL_CPU_SOURCE, CALL_CPU_US
+    from rlfleet.sim.door import CALL_CPU_SOURCE, CALL_CPU_US
 
     assert Scenario().call_cpu_us == CALL_CPU_US > 0 and SimDoor(8, Timings()).call_cpu_s == CALL_CPU_US / 1e6
     assert "bench_lifecycle.py" in CALL_CPU_SOURCE
@@ -516,7 +515,7 @@ def test_a_wait_until_a_deadline_an_ulp_away_ends_when_asyncio_runs_its_timer_ea
     before its timeout). The clock now moves to the timer it runs."""
     import concurrent.futures
 
-    from sim.clock import run_virtual
+    from rlfleet.sim.clock import run_virtual
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -543,7 +542,7 @@ def test_the_virtual_clock_reaches_a_timer_closer_than_its_float_resolution():
     regression fails this test instead of hanging the run."""
     import concurrent.futures
 
-    from sim.clock import run_virtual
+    from rlfleet.sim.clock import run_virtual
 
     async def go():
         loop = asyncio.get_running_loop()

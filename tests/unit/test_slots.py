@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from fleet.eventlog import EventLog
-from fleet.config.fleet import load_fleet_config
-from fleet.control.dispatch_gate import DispatchGate
-from fleet.control.intent import IntentStore
-from fleet.outcome import DIED, Outcome
-from fleet.control.slots import Slots
-from fleet.records import Decision, Gate, Health, Kill, Promote
-from health import (
+from rlfleet.fleet.eventlog import EventLog
+from rlfleet.fleet.config.fleet import load_fleet_config
+from rlfleet.fleet.control.dispatch_gate import DispatchGate
+from rlfleet.fleet.control.intent import IntentStore
+from rlfleet.fleet.outcome import DIED, Outcome
+from rlfleet.fleet.control.slots import Slots
+from rlfleet.fleet.records import Decision, Gate, Health, Kill, Promote
+from rlfleet.health import (
     CallKind, EngineReady, Ledger, MembershipPlan, RefitFinished, RefitReport, RefitResult, RefitStarted,
     Probe, VersionCommitted,
 )
@@ -70,7 +70,7 @@ def test_decide_returns_the_actions_and_carries_out_none(model_dir):
     decision = serve_version_0(slots)
     assert any(type(a).__name__ == "OpenGate" for a in decision.actions)
     inc, handle = slots.handles[0]
-    from health import FailureClass, Observed
+    from rlfleet.health import FailureClass, Observed
 
     d = slots.decide(Observed(0, inc, CallKind.GENERATE, FailureClass.HUNG, "deadline passed"))
     assert any(isinstance(a, Probe) for a in d.actions)
@@ -101,7 +101,7 @@ def test_a_role_change_is_stored_before_the_roles_change(model_dir):
         return real(new)
 
     intent.save = save
-    from health import FailureClass, Observed
+    from rlfleet.health import FailureClass, Observed
 
     slots.decide(Observed(0, slots.handles[0][0], CallKind.GENERATE, FailureClass.DEAD, "died"))
     assert writes and writes[-1] == ((1, 2), [0, 1]), writes  # stored while the roles in memory were the old ones

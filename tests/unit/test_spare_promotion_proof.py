@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from faults.promotion import capacity_restored_s, prove_promotion
+from rlfleet.faults.promotion import capacity_restored_s, prove_promotion
 from tests.unit.fleet_fakes import run_virtual
 from tests.unit.test_spares import RESTART_S, started
-from fleet.records import Fault, Gate, Health, Promote, Restart, Routing, Stamp
+from rlfleet.fleet.records import Fault, Gate, Health, Promote, Restart, Routing, Stamp
 
 
 @pytest.fixture

@@ -11,13 +11,13 @@ import asyncio
 
 import pytest
 
-from fleet.control.controller import SingleController
-from fleet.errors import ConfigError
-from fleet.config.fleet import load_fleet_config
-from fleet.control.intent import Intent
-from fleet.cluster.naming import intent_key
+from rlfleet.fleet.control.controller import SingleController
+from rlfleet.fleet.errors import ConfigError
+from rlfleet.fleet.config.fleet import load_fleet_config
+from rlfleet.fleet.control.intent import Intent
+from rlfleet.fleet.cluster.naming import intent_key
 from tests.unit.fleet_fakes import FakeDoor, FakeTransfer, LoopClock, client, run_virtual
-from fleet.records import Gate, Promote, Restart
+from rlfleet.fleet.records import Gate, Promote, Restart
 
 RESTART_S = 5.0  # how long the killed slot's replacement takes to start (virtual seconds)
 

@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
-from fleet.errors import ConfigError, RefitNotStaged, RefitRefused
-from fleet.config.fleet import load_fleet_config
+from rlfleet.fleet.errors import ConfigError, RefitNotStaged, RefitRefused
+from rlfleet.fleet.config.fleet import load_fleet_config
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
-from fleet.records import Gate, Phase, RefitFailedAttempt
+from rlfleet.fleet.records import Gate, Phase, RefitFailedAttempt
 
 
 def staged_fleet(model_dir, **over):
@@ -157,7 +157,7 @@ def test_stage_ahead_needs_the_staged_apply_mode(model_dir):
 
 def test_each_refit_may_choose_whether_it_stages_and_a_wrong_choice_changes_nothing(model_dir):
     """``sync_weights(..., stage_ahead=...)`` overrides the fleet's setting for that refit only."""
-    from fleet.errors import RefitArgumentError
+    from rlfleet.fleet.errors import RefitArgumentError
 
     async def go():
         ctl, door, transfer, seen = staged_fleet(model_dir)  # the fleet stages by default

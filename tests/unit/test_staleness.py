@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleet.data.dispatch import FleetResult
-from fleet.errors import ConfigError
-from recipe.grpo import Sample
-from fleet.data.staleness import StalenessFilter, staleness_of, too_old
-from fleet.types import Completion, GenerationResult
+from rlfleet.fleet.data.dispatch import FleetResult
+from rlfleet.fleet.errors import ConfigError
+from rlfleet.recipe.grpo import Sample
+from rlfleet.fleet.data.staleness import StalenessFilter, staleness_of, too_old
+from rlfleet.fleet.types import Completion, GenerationResult
 
 
 def result(version_start: int, weight_version: int | None = None, slot: int = 0, rid: str = "r") -> GenerationResult:

@@ -14,11 +14,11 @@ import asyncio
 
 import pytest
 
-from fleet.errors import ConfigError, DeadlineExceeded
-from fleet.config.fleet import load_fleet_config
+from rlfleet.fleet.errors import ConfigError, DeadlineExceeded
+from rlfleet.fleet.config.fleet import load_fleet_config
 from tests.unit.fleet_fakes import run_virtual
 from tests.unit.test_controller import make
-from fleet.records import Kill
+from rlfleet.fleet.records import Kill
 
 
 def stalled(seconds: float, in_flight: int = 2) -> dict:

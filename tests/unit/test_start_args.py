@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from cli import main as cli_main
-from fleet.errors import ConfigError, FleetExhausted
+from rlfleet.cli import main as cli_main
+from rlfleet.fleet.errors import ConfigError, FleetExhausted
 from tests.unit.test_controller import make, run
-from fleet.records import Error
+from rlfleet.fleet.records import Error
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
@@ -33,7 +33,7 @@ def test_serve_refuses_a_request_timeout_that_is_not_a_positive_number_of_second
 
 
 def _no_ray(monkeypatch):
-    import fleet.api as api
+    import rlfleet.fleet.api as api
 
     def never(*args, **kwargs):
         raise AssertionError("something was started for an impossible controller_node")

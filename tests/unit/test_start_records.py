@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fleet.shard import start_records
-from fleet.shard.start_records import read_starts, record_start, summarize
+from rlfleet.fleet.shard import start_records
+from rlfleet.fleet.shard.start_records import read_starts, record_start, summarize
 
 
 def test_nothing_is_written_when_the_variable_is_unset(tmp_path, monkeypatch):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import random
 
-from fleet.data.client import InProcessClient
-from fleet.data.suspects import SUSPECT_ROUNDS, Evidence, SuspectBook, allowance, may_join
-from fleet.errors import EngineCrashedError
+from rlfleet.fleet.data.client import InProcessClient
+from rlfleet.fleet.data.suspects import SUSPECT_ROUNDS, Evidence, SuspectBook, allowance, may_join
+from rlfleet.fleet.errors import EngineCrashedError
 from tests.unit.test_controller import make, run
 from tests.unit.test_poison import POISON, crashing_cores
 
@@ -131,10 +131,10 @@ def test_a_suspects_wait_for_a_shard_moves_its_deadline_on_by_at_most_one_more_r
     """Every shard runs a suspect that must run alone (another request of its client, forever): a suspect waits.
     Its wait moves its deadline on, but by one request timeout at most: it comes back after twice its timeout,
     saying it waited as a suspect, not never."""
-    from fleet.data.dispatch import Dispatcher
-    from fleet.data.poison import fingerprint
-    from fleet.data.routing_state import Member, RoutingState
-    from fleet.eventlog import EventLog
+    from rlfleet.fleet.data.dispatch import Dispatcher
+    from rlfleet.fleet.data.poison import fingerprint
+    from rlfleet.fleet.data.routing_state import Member, RoutingState
+    from rlfleet.fleet.eventlog import EventLog
     from tests.unit.fleet_fakes import FakeDoor, LoopClock, StateView, run_virtual
 
     async def go():

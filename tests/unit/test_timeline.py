@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from faults.evidence import prove
-from faults.runner import VariantReport, judge
-from fleet.records import (
+from rlfleet.faults.evidence import prove
+from rlfleet.faults.runner import VariantReport, judge
+from rlfleet.fleet.records import (
     Decision, Fault, Gate, Health, Phase, RefitRolledBack, Request, Restart, Routing, Stamp, Stopped,
 )
-from faults.timeline import (
+from rlfleet.faults.timeline import (
     departure,
     fault_to_reopen,
     log_numbers,
@@ -159,7 +159,7 @@ def test_recover_s_until_a_new_incarnation_is_stamped_or_the_same_one_is_healthy
 
 def test_a_replacement_re_admitted_from_a_peer_has_recovered_though_no_refit_stamped_it():
     """The CI soak's last fault: its slot came back by a peer copy after the last refit, so no stamp names it."""
-    from fleet.records import Readmit
+    from rlfleet.fleet.records import Readmit
 
     left = Health(slot=1, incarnation=1, before="healthy", after="dead", t=10.0, reason="")
     peer = dict(slot=1, version=4, edge="end", donor="slot 0", outcome="readmitted")
@@ -252,10 +252,10 @@ def test_a_step_boundary_kill_is_proven_by_the_controller_s_own_record():
 
 
 # ---------------------------------------------------------------------------------- a trainer's faults: fired and proven
-from faults.firing import TENSOR, FaultFiring  # noqa: E402
-from faults.invariants import requests_waited_below_quorum  # noqa: E402
-from fleet.errors import RefitRefused  # noqa: E402
-from health.faultplan import Firing  # noqa: E402
+from rlfleet.faults.firing import TENSOR, FaultFiring  # noqa: E402
+from rlfleet.faults.invariants import requests_waited_below_quorum  # noqa: E402
+from rlfleet.fleet.errors import RefitRefused  # noqa: E402
+from rlfleet.health.faultplan import Firing  # noqa: E402
 
 SHAPE = f"tensor {TENSOR}: shape (8, 9), engine expects (8, 8)"
 
@@ -480,7 +480,7 @@ def test_a_request_its_client_accepted_before_it_saw_the_gate_close_may_finish_o
 def test_a_peer_readmission_before_the_next_refit_is_the_recovery_with_its_donor():
     """Issue 48: the restarted engine was re-admitted from a peer (a ``readmit`` end record) before the refit that
     followed its restart; that refit's stamp of it later is not its re-admission."""
-    from fleet.records import Readmit
+    from rlfleet.fleet.records import Readmit
 
     log = demo_log()
     restart_end = next(e for e in log if Restart.matches(e) and e["edge"] == "end")

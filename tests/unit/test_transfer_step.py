@@ -15,11 +15,11 @@ import asyncio
 
 import pytest
 
-from fleet.errors import RefitNotDelivered, RefitSourceFailed
-from health import RefitResult
+from rlfleet.fleet.errors import RefitNotDelivered, RefitSourceFailed
+from rlfleet.health import RefitResult
 from tests.unit.fleet_fakes import FakeSender, client
 from tests.unit.test_controller import make, run
-from fleet.records import Gate, Phase, RefitRetrySkipped, RefitRolledBack
+from rlfleet.fleet.records import Gate, Phase, RefitRetrySkipped, RefitRolledBack
 
 REFIT_CALLS = ("pause", "transfer", "set_weight_version", "resume")
 
@@ -257,7 +257,7 @@ KILLED_SENDER_LOG = [
 
 
 def test_the_proof_of_a_killed_sender_needs_its_death_the_roll_back_and_a_later_commit():
-    from faults.evidence import prove
+    from rlfleet.faults.evidence import prove
 
     rows, problems = prove([_killed_sender_firing()], KILLED_SENDER_LOG, [])
     assert problems == [] and rows[0]["action"] == "kill_sender" and rows[0]["left_for"] == "rolled_back"

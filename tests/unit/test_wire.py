@@ -18,11 +18,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from fleet.errors import BadRequestError, ShardUnavailableError
-from fleet.shard.engine_shard import EngineShard
-from fleet.wire import (BeginRefit, Carried, Counters, Description, EndRefit, Left, Ping, ServeRequest, ShardInfo,
+from rlfleet.fleet.errors import BadRequestError, ShardUnavailableError
+from rlfleet.fleet.shard.engine_shard import EngineShard
+from rlfleet.fleet.wire import (BeginRefit, Carried, Counters, Description, EndRefit, Left, Ping, ServeRequest, ShardInfo,
                         Started, decode_request)
-from sim.shard import SimShard
+from rlfleet.sim.shard import SimShard
 from tests.unit.fleet_fakes import client
 from tests.unit.test_controller import make, run
 from tests.unit.test_dataplane import CountingBackend, shard_with

@@ -38,8 +38,8 @@ The package, one job a module: ``run`` (``RefitRun``: one refit's state and the 
 
 from __future__ import annotations
 
-from fleet.control.lifecycle.steps import RefitLifecycle
-from health.faultplan import REFIT_PHASES
+from rlfleet.fleet.control.lifecycle.steps import RefitLifecycle
+from rlfleet.health.faultplan import REFIT_PHASES
 
 PHASES = REFIT_PHASES  # close, reconcile, pause, transfer, commit, resume, reopen (``health.faultplan``)
 

@@ -9,11 +9,11 @@ serves it.
 
 from __future__ import annotations
 
-from fleet import records as ev
-from fleet.control.lifecycle.resume import resumed_outcome
-from fleet.control.lifecycle.run import RefitRun
-from fleet.errors import FleetStopped
-from health import CallKind, RefitFinished, RefitRolledBack
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.control.lifecycle.resume import resumed_outcome
+from rlfleet.fleet.control.lifecycle.run import RefitRun
+from rlfleet.fleet.errors import FleetStopped
+from rlfleet.health import CallKind, RefitFinished, RefitRolledBack
 
 
 async def end(r: RefitRun, error: type[FleetStopped], message: str, cause: BaseException | None = None) -> None:

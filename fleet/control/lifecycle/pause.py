@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 from typing import AbstractSet
 
-from fleet import records as ev
-from fleet.control.lifecycle.run import EndRefit, RefitRun
-from fleet.errors import CacheInvalidationUnsupported, FleetExhausted, RefitFailed
-from fleet.outcome import BAD_ACK, OK, Outcome
-from fleet.wire import BeginRefit
-from health import AbortRefit, CallKind, MembershipPlan, RefitStarted, plan_membership
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.control.lifecycle.run import EndRefit, RefitRun
+from rlfleet.fleet.errors import CacheInvalidationUnsupported, FleetExhausted, RefitFailed
+from rlfleet.fleet.outcome import BAD_ACK, OK, Outcome
+from rlfleet.fleet.wire import BeginRefit
+from rlfleet.health import AbortRefit, CallKind, MembershipPlan, RefitStarted, plan_membership
 
 
 async def close_gate(r: RefitRun) -> int:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleet import records as ev
-from fleet.control.lifecycle.run import EndRefit, RefitRun
-from fleet.errors import FleetExhausted, RefitFailed
-from fleet import wire
-from fleet.outcome import BAD_ACK, ERROR, OK, Outcome
-from health import AbortRefit, CallKind, KeepGateClosed, MembershipPlan, RefitFinished, StopExhausted, VersionCommitted
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.control.lifecycle.run import EndRefit, RefitRun
+from rlfleet.fleet.errors import FleetExhausted, RefitFailed
+from rlfleet.fleet import wire
+from rlfleet.fleet.outcome import BAD_ACK, ERROR, OK, Outcome
+from rlfleet.health import AbortRefit, CallKind, KeepGateClosed, MembershipPlan, RefitFinished, StopExhausted, VersionCommitted
 
 
 def commit(r: RefitRun, plan: MembershipPlan, complete: set[int]) -> None:

@@ -18,12 +18,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from fleet import records as ev
-from fleet.control.parts import Parts
-from fleet.control.publisher import RoutingPublisher
-from fleet.control.transfer_port import TransferPort
-from fleet.errors import FleetStopped
-from fleet.outcome import Outcome
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.control.parts import Parts
+from rlfleet.fleet.control.publisher import RoutingPublisher
+from rlfleet.fleet.control.transfer_port import TransferPort
+from rlfleet.fleet.errors import FleetStopped
+from rlfleet.fleet.outcome import Outcome
 
 
 class RollBack(Exception):

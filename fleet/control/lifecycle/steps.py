@@ -13,13 +13,13 @@ import time
 import warnings
 from typing import Any, Callable
 
-from fleet import records as ev
-from fleet.control.lifecycle import ends, pause, resume, transfer
-from fleet.control.lifecycle.run import EndRefit, RefitRun, RollBack
-from fleet.control.parts import Parts
-from fleet.control.publisher import RoutingPublisher
-from fleet.control.transfer_port import TransferPort
-from fleet.errors import FleetStopped, RefitArgumentError, RefitFailed, RefitRefused, RefitSourceFailed
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.control.lifecycle import ends, pause, resume, transfer
+from rlfleet.fleet.control.lifecycle.run import EndRefit, RefitRun, RollBack
+from rlfleet.fleet.control.parts import Parts
+from rlfleet.fleet.control.publisher import RoutingPublisher
+from rlfleet.fleet.control.transfer_port import TransferPort
+from rlfleet.fleet.errors import FleetStopped, RefitArgumentError, RefitFailed, RefitRefused, RefitSourceFailed
 
 
 class RefitLifecycle:
@@ -69,7 +69,7 @@ class RefitLifecycle:
     def transfer_port(self) -> TransferPort:
         """The weight transport; built from ``refit`` on first use unless one was injected."""
         if self._transfer is None:
-            from fleet.control.transfer_port import RefitTransferPort
+            from rlfleet.fleet.control.transfer_port import RefitTransferPort
 
             self._transfer = RefitTransferPort(self.p.cfg, self.p.door)
         return self._transfer

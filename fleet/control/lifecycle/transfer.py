@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleet import records as ev
-from fleet.control.lifecycle import pause as pause_step
-from fleet.control.lifecycle.run import PhaseOver, RefitRun, RollBack
-from fleet.control.transfer_port import TransferResult, healthy_attempt_s
-from fleet.errors import RefitNotDelivered, RefitNotStaged, RefitRefused, RefitSourceFailed
-from health import Batch, CallKind, MembershipPlan, RefitReport, RefitResult
+from rlfleet.fleet import records as ev
+from rlfleet.fleet.control.lifecycle import pause as pause_step
+from rlfleet.fleet.control.lifecycle.run import PhaseOver, RefitRun, RollBack
+from rlfleet.fleet.control.transfer_port import TransferResult, healthy_attempt_s
+from rlfleet.fleet.errors import RefitNotDelivered, RefitNotStaged, RefitRefused, RefitSourceFailed
+from rlfleet.health import Batch, CallKind, MembershipPlan, RefitReport, RefitResult
 
 
 async def transfer(r: RefitRun, plan: MembershipPlan, source: Any, paused: set[int], ahead: Any = None):
