@@ -8,7 +8,7 @@ with more fields than the shard knows is refused (``forbid_unknown_fields``): cl
 fleet run one wire.
 
 - ``ServeRequest``: the request a client sends to a shard (``EngineShard.serve``, ``serve_many``,
-  ``serve_stream``). It crosses Ray as msgpack bytes (``ServeRequest.encode``): Ray passes bytes through
+  ``submit``). It crosses Ray as msgpack bytes (``ServeRequest.encode``): Ray passes bytes through
   without pickling them, and the shard decodes them into a typed record (``decode_request``), which checks
   every field's type on the way. (Ray's serializer pickles a tuple argument, ~7 us a request on the bench
   machine, and a struct, ~11 us; bytes cost it ~0.3 us, and encoding and decoding ~0.3 us each.) ``Carried`` is what a continued request brings (``fleet.shard.continuation``).

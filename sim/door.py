@@ -249,10 +249,6 @@ class SimDoor:
             raise ShardDied(f"slot {shard.slot} incarnation {shard.incarnation} is dead")
         return await getattr(shard, method)(*args, **kwargs)  # each method keeps the call's deadline
 
-    async def stream(self, handle: SimShard, method: str, *args: Any, timeout: float):
-        """Simulated shards have no data plane (the simulation drives the control plane alone): one refusal."""
-        yield Outcome(ERROR, error=NotImplementedError(f"{method}: a simulated shard serves no requests"))
-
     async def fan_out(self, calls: Mapping[_K, tuple], timeout: float,
                       expect_ack: bool = False) -> dict[_K, Outcome]:
         """Every call settles before it returns. The calls queue on the controller's CPU in order

@@ -13,7 +13,7 @@ and scans the control plane's source for names missing here).
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Hashable, Mapping, Protocol, TypeVar, runtime_checkable
+from typing import Any, Hashable, Mapping, Protocol, TypeVar, runtime_checkable
 
 from rlfleet.fleet.outcome import Outcome
 
@@ -43,10 +43,6 @@ class Door(Protocol):
     async def call(self, handle: Any, method: str, *args: Any, timeout: float, expect_ack: bool = False,
                    **kwargs: Any) -> Outcome:
         """Call one shard method by name, bounded by ``timeout``."""
-
-    def stream(self, handle: Any, method: str, *args: Any, timeout: float) -> AsyncIterator[Outcome]:
-        """A streaming shard method (the data plane's ``serve_stream``): each item as an ``ok`` Outcome as it comes,
-        then, if it failed, one failed Outcome; ``timeout`` bounds the whole stream."""
 
     async def fan_out(self, calls: Mapping[_K, tuple], timeout: float,
                       expect_ack: bool = False) -> dict[_K, Outcome]:

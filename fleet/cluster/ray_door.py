@@ -22,7 +22,7 @@ import inspect
 import os
 import socket
 import time
-from typing import Any, AsyncIterator, Awaitable, Hashable, Mapping, TypeVar
+from typing import Any, Awaitable, Hashable, Mapping, TypeVar
 
 import ray
 from ray import exceptions as rex
@@ -511,29 +511,6 @@ class RayDoor:
         except Exception as exc:  # noqa: BLE001 - submitting to a dead actor can raise at once
             return outcome_of(exc=exc)
         return await call(ref, timeout, expect_ack)
-
-    async def stream(self, handle, method: str, *args, timeout: float) -> AsyncIterator[Outcome]:
-        """A streaming method's items as ``Outcome``s, as they come: every item ``ok``, then (if it failed) one
-        failed ``Outcome`` and the end. ``timeout`` bounds the whole stream; never raises."""
-        t0 = time.monotonic()
-        try:
-            items = getattr(handle, method).remote(*args)
-        except Exception as exc:  # noqa: BLE001 - submitting to a dead actor can raise at once
-            yield outcome_of(exc=exc)
-            return
-        while True:
-            left = timeout - (time.monotonic() - t0)
-            try:
-                ref = await asyncio.wait_for(items.__anext__(), max(0.0, left))
-                value = await asyncio.wait_for(asyncio.wrap_future(ref.future()), max(0.0, timeout - (time.monotonic() - t0)))
-            except StopAsyncIteration:
-                return
-            except BaseException as exc:  # noqa: BLE001 - every failure becomes an Outcome
-                if isinstance(exc, asyncio.CancelledError) and not isinstance(exc, asyncio.TimeoutError):
-                    raise
-                yield outcome_of(exc=exc, elapsed=time.monotonic() - t0)
-                return
-            yield outcome_of(value, elapsed=time.monotonic() - t0)
 
     async def fan_out(
         self, calls: Mapping[_K, tuple], timeout: float, expect_ack: bool = False

@@ -32,10 +32,14 @@ class _Batch:
 
 
 class ServeBatcher:
-    """One client's batching of plain ``serve`` calls per shard (``key``: the shard's slot and incarnation)."""
+    """One client's batching of plain ``serve`` calls per shard (``key``: the shard's slot and incarnation).
 
-    def __init__(self, view: Any) -> None:
+    ``one``/``many``: the shard's methods for a lone request and for several (``many`` with ``lead`` before the
+    list); ``one`` None sends a lone request as a list of one (``EngineShard.submit``)."""
+
+    def __init__(self, view: Any, one: str | None = "serve", many: str = "serve_many", lead: tuple = ()) -> None:
         self._view = view  # its ``door`` carries the calls
+        self._one, self._many, self._lead = one, many, lead
         self._open: dict[Hashable, _Batch] = {}
         self._sending: set[asyncio.Future] = set()  # referenced until done
         self.calls = 0  # calls sent (``serve`` or ``serve_many``)
@@ -66,11 +70,12 @@ class ServeBatcher:
         self.calls += 1
         outcomes: list[Outcome] = []
         try:
-            if len(batch.requests) == 1:
-                outcomes = [await self._view.door.call(batch.handle, "serve", batch.requests[0], timeout=batch.timeout)]
+            if len(batch.requests) == 1 and self._one is not None:
+                outcomes = [await self._view.door.call(batch.handle, self._one, batch.requests[0], timeout=batch.timeout)]
             else:
-                self.batched += len(batch.requests)
-                whole = await self._view.door.call(batch.handle, "serve_many", batch.requests, timeout=batch.timeout)
+                self.batched += len(batch.requests) if len(batch.requests) > 1 else 0
+                whole = await self._view.door.call(batch.handle, self._many, *self._lead, batch.requests,
+                                                   timeout=batch.timeout)
                 outcomes = ([answer_outcome(item, whole.elapsed_s) for item in whole.value] if whole.ok
                             else [whole] * len(batch.requests))
         except BaseException as exc:  # the door never raises for a shard's failure; this is the loop going away

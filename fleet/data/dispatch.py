@@ -37,6 +37,7 @@ from rlfleet.fleet.errors import BadRequestError, RouteRefused
 from rlfleet.fleet.eventlog import EventLog
 from rlfleet.fleet.outcome import DIED, ERROR, TIMED_OUT, Outcome
 from rlfleet.fleet.data.batch import ServeBatcher
+from rlfleet.fleet.data.taps import Taps
 from rlfleet.fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, Suspicion, actor_took_down, fingerprint, took_down
 from rlfleet.fleet.records import Request
 from rlfleet.fleet.data.shard_choice import pick_two, with_room
@@ -153,6 +154,7 @@ class Dispatcher:
         self._suspects = SuspectBook(wait_bound_s=request_timeout_s)
         self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
         self._batcher = ServeBatcher(view)  # plain calls ready at once for one shard go as one
+        self._taps = Taps(view, self._clock.now)  # watched requests: one poll per shard for all of them
         self._live: dict[int, _Pending] = {}  # every request from its acceptance to its end (by object: ids may repeat)
 
     # -- accounting ----------------------------------------------------------------
@@ -171,6 +173,8 @@ class Dispatcher:
             "tokens_reused": self.tokens_reused,
             "tokens_discarded": self.tokens_discarded,
             "batched": self._batcher.batched,  # requests sent in a serve_many with others (``fleet.data.batch``)
+            "submits": self._taps.submits,  # calls that started watched requests (``fleet.data.taps``)
+            "polls": self._taps.polls,  # take_output calls: every watched request's output on a shard at once
         }
 
     def load(self) -> dict[int, int]:
@@ -368,21 +372,24 @@ class Dispatcher:
         return f"slot {m.slot} (incarnation {m.incarnation}) failed: {outcome.describe()}"
 
     async def _send(self, m: Member, request: ServeRequest, p: _Pending, sampling: dict, deadline: float):
-        """The shard's answer to one attempt as ``Outcome``s: the stream's chunks and then its result, or, for a
-        short request with no streaming caller, the one plain call's result (``stream_min_tokens``; sent with
-        this client's other plain calls for that shard that are ready at once: ``fleet.data.batch``). The
-        request goes on the wire as its bytes (``fleet.wire``); one that cannot is the caller's bad request."""
+        """The shard's answer to one attempt as ``Outcome``s: its chunks as they come and then its result (a
+        request watched as it runs: a streaming caller, or one longer than ``stream_min_tokens``, whose output
+        this client holds against its engine's death; every watched request on that shard shares one poll:
+        ``fleet.data.taps``), or, for a short request with no streaming caller, the one plain call's result
+        (sent with this client's other plain calls for that shard that are ready at once: ``fleet.data.batch``).
+        The request goes on the wire as its bytes (``fleet.wire``); one that cannot is the caller's bad request."""
         try:
             wire = request.encode()
         except BadRequestError as exc:
             yield Outcome(ERROR, error=exc)
             return
         timeout = max(1.0, deadline - self._clock.now())
+        key = (m.slot, m.incarnation)
         if p.out.on_tokens is not None or p.out.budget(sampling) > self._stream_min:
-            async for out in self._view.door.stream(m.handle, "serve_stream", wire, timeout=timeout):
+            async for out in self._taps.stream(key, m.handle, p.request_id, wire, timeout):
                 yield out
             return
-        yield await self._batcher.serve((m.slot, m.incarnation), m.handle, wire, timeout)
+        yield await self._batcher.serve(key, m.handle, wire, timeout)
 
     async def _refused(self, p: _Pending, m: Member, state: RoutingState, deadline: float,
                        error: RouteRefused) -> FleetResult | None:

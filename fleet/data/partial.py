@@ -1,6 +1,6 @@
 """One request's output as its client holds it, across the engines that generated it.
 
-A shard streams a request's output (``EngineShard.serve_stream``: chunks, then the whole result).
+A shard tells a watched request's output as it is made (``fleet.data.taps``: chunks, then the whole result).
 ``Partial`` keeps what arrived of the first completion: token ids, each token's logprob from the
 engine that sampled it, the text, and the weight version of every token. When an engine dies, hangs
 or aborts the request, the dispatcher continues it elsewhere from what is held (``continuation``:

@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 import os
 import time
-from typing import Any, AsyncIterator, Callable, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 from rlfleet.fleet.shard.backend import PAUSE_MODES, EngineBackend, PauseMode, StepMarks
 from rlfleet.fleet.config.engine import EngineConfig
@@ -34,10 +34,11 @@ from rlfleet.fleet.shard.lease import RoutingLease
 from rlfleet.fleet.shard.request_gate import RecentResults, ShardGate
 from rlfleet.fleet.shard.pause_holds import PauseHolds
 from rlfleet.fleet.shard.start_records import record_start
-from rlfleet.fleet.shard.output_stream import OutputStream, Pacer
+from rlfleet.fleet.shard.outbox import Outbox, Outboxes
+from rlfleet.fleet.shard.output_stream import OutputStream
 from rlfleet.fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, GenerationResult
 from rlfleet.fleet.wire import (BeginRefit, Carried, Counters, Description, EndRefit, Left, Ping, ShardFacts, ShardInfo,
-                        Started, decode_request)
+                        ServeRequest, Started, decode_request)
 from rlfleet.health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
@@ -91,6 +92,8 @@ class EngineShard(PeerCopyMethods):
         self._suspects: dict[str, int] = {}  # the ones in flight that are suspect, with their allowance (``Ticket``)
         self._running: dict[str, asyncio.Future] = {}
         self._recent = RecentResults()
+        self._outboxes = Outboxes()  # each client's output of its submitted requests (``submit``)
+        self._tasks: set[asyncio.Future] = set()  # submitted runs and background aborts, referenced until done
         self.gate = ShardGate(RoutingLease(lambda: self._now()))  # the lease runs on the shard's clock
         self.holds = PauseHolds()  # the refit that owns its pause, the operator's ``keep`` pause
         self._paused_at = 0.0  # when the engine last paused (the progress clock)
@@ -348,11 +351,15 @@ class EngineShard(PeerCopyMethods):
         done.set_result(result)
         return result
 
-    # one per request (or per batch): Ray records no task events for them (``ray_door``)
-    DATA_PLANE_METHODS = ("serve", "serve_many", "serve_stream")
+    # one per request, batch or answer: Ray records no task events for them (``ray_door``)
+    DATA_PLANE_METHODS = ("serve", "serve_many", "submit", "take_output")
 
     async def serve(self, request: bytes) -> GenerationResult:
-        """``serve_stream``'s request as one plain call: the whole result (a short request: ``stream_min_tokens``)."""
+        """One plain call's request: the whole result (a short request nobody watches: ``stream_min_tokens``).
+
+        ``request`` is a ``fleet.wire.ServeRequest`` on the wire (its bytes: one argument, one msgpack array):
+        what ``generate`` takes, the ticket, how to stream and what a continuation carries. A malformed one is
+        refused (``BadRequestError`` naming the field) before anything runs."""
         r = decode_request(request)
         return await self._run(r.prompt, r.sampling, r.request_id, r.cache_salt, None, r.ticket(), r.carried, None)
 
@@ -362,37 +369,57 @@ class EngineShard(PeerCopyMethods):
         in order. One Ray call in place of many: Ray's cost is per call, and the engine gets the batch at once."""
         return list(await asyncio.gather(*(self.serve(r) for r in requests), return_exceptions=True))
 
-    async def serve_stream(self, request: bytes) -> AsyncIterator[Chunk | GenerationResult]:
-        """``generate`` for the data plane, as a stream (a Ray streaming generator): ``Chunk``s of output while
-        it runs, then the whole ``GenerationResult``. A failure is raised after the chunks sent before it, so the
-        client holds the partial output and can continue it elsewhere (``fleet.data.dispatch``).
+    def submit(self, tap: str, requests: list[bytes]) -> list[bool | BaseException]:
+        """Start requests whose output the client ``tap`` takes as it comes (``take_output``; see
+        ``fleet.shard.outbox``): each item True once started, or the ``BadRequestError`` that refused it. Every
+        started request ends in the outbox, with its result or the exception its run raised (a refusal too)."""
+        for rid in self._outboxes.orphans():  # clients that stopped taking: their requests stop
+            self._spawn(self._abort_quietly([rid]))
+        self._outboxes.idle()
+        box = self._outboxes.open(tap)
+        answers: list[bool | BaseException] = []
+        for wire in requests:
+            try:
+                r = decode_request(wire)
+                if r.request_id is None:
+                    raise BadRequestError("a submitted request needs its request_id (its output is told by it)")
+            except BadRequestError as exc:
+                answers.append(exc)
+                continue
+            self._start_tapped(box, r)
+            answers.append(True)
+        return answers
 
-        ``request`` is a ``fleet.wire.ServeRequest`` on the wire (its bytes: one argument, one msgpack array):
-        what ``generate`` takes, the ticket, how to stream and what a continuation carries. A malformed one is
-        refused (``BadRequestError`` naming the field) before anything runs."""
-        r = decode_request(request)
-        chunks: asyncio.Queue = asyncio.Queue()
-        pacer = Pacer(r.first_at_once, r.interval_s)
-        run = asyncio.ensure_future(self._run(r.prompt, r.sampling, r.request_id, r.cache_salt, None, r.ticket(),
-                                              r.carried, lambda c: pacer.offer(c, chunks)))
+    def _start_tapped(self, box: Outbox, r: ServeRequest) -> None:
+        rid = r.request_id
+        assert rid is not None
+        box.start(rid, r.interval_s)
+        wanted = r.first_at_once
 
-        def ended(_: asyncio.Future) -> None:  # what the pacer still holds, then the end
-            pacer.flush(chunks)
-            chunks.put_nowait(None)
+        def emit(chunk: Chunk) -> None:  # a first chunk a caller waits on leaves at once
+            box.offer(rid, chunk, urgent=wanted and chunk.prompt_token_ids is not None)
 
+        def ended(run: asyncio.Future) -> None:
+            box.end(rid, asyncio.CancelledError(f"request {rid} was cancelled on {self._who()}") if run.cancelled()
+                    else (run.exception() or run.result()))
+
+        run = self._spawn(self._run(r.prompt, r.sampling, rid, r.cache_salt, None, r.ticket(), r.carried, emit))
         run.add_done_callback(ended)
-        try:
-            while True:
-                chunk = await chunks.get()
-                if chunk is None:
-                    break
-                if self._hooks.armed_at("stream"):  # mid-generation, as output goes out
-                    await self._hooks.at("stream")
-                yield chunk
-            yield run.result()  # raises the run's failure, after every chunk it made
-        finally:
-            if not run.done():  # the caller went away: stop generating for it
-                run.cancel()
+
+    def _spawn(self, work) -> asyncio.Future:
+        """Run ``work`` on the shard's loop, referenced until it is done."""
+        future = asyncio.ensure_future(work)
+        self._tasks.add(future)
+        future.add_done_callback(self._tasks.discard)
+        return future
+
+    async def take_output(self, tap: str, wait_s: float = 1.0) -> list[tuple[str, Any]]:
+        """What the client ``tap``'s submitted requests made since its last take, every request's at once
+        (``fleet.shard.outbox.Outbox.take``): empty after ``wait_s`` (at most 10 s) if nothing came."""
+        answer = await self._outboxes.open(tap).take(min(float(wait_s), 10.0))
+        if self._hooks.armed_at("stream") and any(isinstance(item, Chunk) for _, item in answer):
+            await self._hooks.at("stream")  # mid-generation, as output goes out
+        return answer
 
     def set_route(self, epoch: int, member: bool, committed: int, lease_s: float | None = None) -> bool:
         """The controller's routing word for this shard (see ``fleet.shard.request_gate.ShardGate.route``), and the

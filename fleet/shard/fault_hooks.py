@@ -5,8 +5,8 @@ A shard calls ``hooks.at(point)`` at each hook point (start of ``pause``, ``resu
 ``worker_rpc``, point ``transfer``, a peer copy's receive included; a donor's side of a peer copy, point
 ``donate``, as its ``donate_weights`` begins). With nothing armed the shard skips the call
 entirely (``if self._hooks.armed``), so code without an active plan pays nothing.
-Point ``stream`` is mid-generation: a streamed request (``serve_stream``) reaches it before each
-chunk of output it sends (not its result); with ``after_calls`` or ``delay_s`` a fault there acts
+Point ``stream`` is mid-generation: a client's poll of its watched requests (``take_output``) reaches it
+before each answer that carries output (not one of results alone); with ``after_calls`` or ``delay_s`` a fault there acts
 while clients hold part of their output. It is called only for a fault armed at it (``armed_at``):
 a ``slow`` shard is not slowed chunk by chunk.
 

@@ -3,19 +3,13 @@
 ``OutputStream`` runs the backend's stream for one request and keeps, per completion, every token,
 logprob and piece of text, with the weight version the engine was stamped with when each piece
 arrived. A continued request (``fleet.shard.continuation``) has its text passed through a
-``TextSeam``. What it makes is told to ``emit`` (``Pacer`` decides what leaves as a ``Chunk``), and
-becomes the attempt's ``Completion``s and version spans when the engine finished.
-
-``Pacer``: a caller that waits on the first token (a streamed HTTP answer) gets it at once; after
-that, at most one chunk per ``interval_s``, so that a long generation costs a few dozen actor
-messages, not one per token. What is held when the run ends goes out only if it failed: the whole
-result carries the rest, so a short request costs one message.
+``TextSeam``. What it makes is told to ``emit`` as ``Chunk``s (the client's outbox on the shard,
+``fleet.shard.outbox``, decides when they leave), and becomes the attempt's ``Completion``s and version
+spans when the engine finished.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -110,30 +104,3 @@ class OutputStream:
         if o.spans and o.spans[-1][2] == len(o.tokens) and o.spans[0][1] == 0:
             return o.spans
         return spans_of(o.starts, len(o.tokens))
-
-
-class Pacer:
-    """What leaves the shard, and when: the first chunk at once when asked, then one per ``interval_s``."""
-
-    def __init__(self, first_at_once: bool, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._interval = interval_s
-        self._next = float("-inf") if first_at_once else clock() + interval_s
-        self._held: list[Piece] = []
-        self._prompt: tuple[int, ...] | None = None
-
-    def offer(self, chunk: Chunk, out: asyncio.Queue) -> None:
-        self._held += chunk.pieces
-        if chunk.prompt_token_ids is not None:
-            self._prompt = chunk.prompt_token_ids
-        now = self._clock()
-        if now < self._next:
-            return
-        self.flush(out)
-        self._next = now + self._interval
-
-    def flush(self, out: asyncio.Queue) -> None:
-        """Send what is held (the run ended: a failure follows, and the client keeps what it got)."""
-        if self._held or self._prompt is not None:
-            out.put_nowait(Chunk(tuple(self._held), self._prompt))
-        self._held, self._prompt = [], None

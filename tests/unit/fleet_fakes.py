@@ -50,6 +50,7 @@ from rlfleet.fleet.control.transfer_port import TransferResult, by_deadline
 from rlfleet.fleet.wire import (BeginRefit, Counters, Description, Donated, EndRefit, Left, PeerManifest, PeerOffer, PeerReceived,
                         Ping, ShardFacts, Started, WeightDigests, decode_request)
 from rlfleet.health import RefitResult
+from tests.unit.tapped_door import TAPPED, TappedShards
 
 
 class ActorDiedError(Exception):
@@ -57,7 +58,7 @@ class ActorDiedError(Exception):
 
 
 # What clients call on a shard (the rest is the controller's): what a shard cut off from the controller still gets.
-CLIENT_METHODS = frozenset({"serve", "serve_stream", "serve_many", "generate", "abort", "refuse_poison"})
+CLIENT_METHODS = frozenset({"serve", "submit", "take_output", "serve_many", "generate", "abort", "refuse_poison"})
 
 
 def _loop_time() -> float:
@@ -123,6 +124,7 @@ class FakeDoor:
         # (slot, incarnation) cut off from the controller: its control calls answer ``unavailable`` and its kill
         # never reaches it, while clients' data-plane calls still do (a partition a lagging client does not share)
         self.cut_off: set[tuple[int, int]] = set()
+        self._tapped = TappedShards(self._served)  # watched requests (``EngineShard.submit``, ``take_output``)
 
     def spawn_shard(self, config, slot, incarnation, weight_version=0, **options):
         shard = FakeShard(slot, incarnation, sticky=dict(self.on_spawn.get((slot, incarnation), {})),
@@ -168,6 +170,10 @@ class FakeDoor:
             return await self._end_refit(handle, timeout, **kw)
         if method == "serve_many":
             return await self._serve_many(handle, args[0], timeout)
+        if method in TAPPED:  # watched requests: run as ``serve`` each, their ends told through the shard's outbox
+            if handle.dead:
+                return Outcome(DIED, error=ActorDiedError(f"slot {handle.slot} died"))
+            return await self._tapped.answer(handle, method, args, timeout)
         return await self._one(handle, method, *args, timeout=timeout, expect_ack=expect_ack, **kw)
 
     async def _serve_many(self, handle: FakeShard, requests: list, timeout: float) -> Outcome:
@@ -213,7 +219,7 @@ class FakeDoor:
                                           paused_for=None))
 
     async def _one(self, handle: FakeShard, method: str, *args, timeout: float, expect_ack: bool = False, **kw) -> Outcome:
-        if method in ("serve", "serve_stream"):  # the data plane's generate, on the wire: recorded and scripted as "generate"
+        if method == "serve":  # the data plane's generate, on the wire: recorded and scripted as "generate"
             try:
                 r = decode_request(args[0])
             except BadRequestError as exc:  # as the shard refuses it: that request's answer, nothing ran
@@ -254,9 +260,9 @@ class FakeDoor:
             return Outcome(BAD_ACK, value=value)
         return Outcome(OK, value=value)
 
-    async def stream(self, handle: FakeShard, method: str, *args, timeout: float):
-        """A fake shard's stream is its whole result in one item (or its failure)."""
-        yield await self.call(handle, method, *args, timeout=timeout)
+    async def _served(self, handle: FakeShard, request: bytes, timeout: float):
+        """A fake shard's watched request: its whole result in one item (or its failure), as ``serve``."""
+        yield await self._one(handle, "serve", request, timeout=timeout)
 
     async def fan_out(self, calls, timeout, expect_ack=False):
         keys = list(calls)

@@ -18,6 +18,7 @@ from rlfleet.fleet.outcome import DIED, OK, Outcome
 from rlfleet.fleet.types import Chunk, Completion, GenerationResult, Piece
 from rlfleet.fleet.wire import decode_request
 from tests.unit.fleet_fakes import StateView
+from tests.unit.tapped_door import TAPPED, TappedShards
 
 
 class SlowDoor:
@@ -30,18 +31,21 @@ class SlowDoor:
         self.die: set[int] = set()
         self.lose_aborts = False  # the abort never reaches the engine (it died first)
         self.engine_aborts: dict[str, int] = {}  # request id -> after this many tokens its engine aborts it, once
+        self.tapped = TappedShards(self.script, key=lambda h: h)
 
     async def call(self, handle, method, *args, timeout):
         if method == "abort":
             if not self.lose_aborts:
                 self.aborted.update(args[0])
             return Outcome(OK, value=True)
+        if method in TAPPED:
+            return await self.tapped.answer(handle, method, args, timeout)
         last = None
-        async for out in self.stream(handle, method, *args, timeout=timeout):
+        async for out in self.script(handle, args[0], timeout):
             last = out
         return last
 
-    async def stream(self, handle, method, request, timeout):
+    async def script(self, handle, request, timeout):
         r = decode_request(request)
         prompt, sampling, rid = r.prompt, r.sampling, r.request_id
         self.sent.append((handle, rid))

@@ -16,10 +16,10 @@ from rlfleet.fleet.data.routing_state import ANY, LATEST, Member, RoutingState, 
 from rlfleet.fleet.eventlog import EventLog
 from rlfleet.fleet.outcome import DIED, OK, Outcome
 from rlfleet.fleet.shard.continuation import TextSeam
-from rlfleet.fleet.shard.output_stream import Pacer
 from rlfleet.fleet.types import Chunk, Completion, GenerationResult, Piece
 from rlfleet.fleet.wire import Carried, ServeRequest, decode_request
 from tests.unit.fleet_fakes import StateView
+from tests.unit.tapped_door import TAPPED, TappedShards
 
 
 # ---------------------------------------------------------------------------------------------- the seam
@@ -48,34 +48,6 @@ def test_new_text_that_could_still_complete_a_stop_across_the_seam_is_held_until
 
 
 # ---------------------------------------------------------------------------------------------- pacing
-def test_the_pacer_sends_the_first_chunk_at_once_when_asked_then_one_per_interval():
-    now = [0.0]
-    q: asyncio.Queue = asyncio.Queue()
-    pacer = Pacer(first_at_once=True, interval_s=0.05, clock=lambda: now[0])
-    for t in (0.0, 0.01, 0.02, 0.06, 0.07):
-        now[0] = t
-        pacer.offer(Chunk((piece([int(t * 100)]),), (9,) if t == 0 else None), q)
-    sent = [q.get_nowait() for _ in range(q.qsize())]
-    assert [[p.token_ids for p in c.pieces] for c in sent] == [[(0,)], [(1,), (2,), (6,)]]
-    assert sent[0].prompt_token_ids == (9,)
-    pacer.flush(q)  # the run ended: what is held goes out before its failure
-    assert [p.token_ids for p in q.get_nowait().pieces] == [(7,)]
-
-
-def test_without_a_streaming_caller_the_first_chunk_waits_for_the_interval_and_a_short_request_sends_none():
-    now = [0.0]
-    q: asyncio.Queue = asyncio.Queue()
-    pacer = Pacer(first_at_once=False, interval_s=0.05, clock=lambda: now[0])
-    pacer.offer(Chunk((piece([1]),), (9,)), q)
-    now[0] = 0.01
-    pacer.offer(Chunk((piece([2], finish="length"),)), q)
-    assert q.empty()  # done within the interval: the whole result alone carries it
-    now[0] = 0.06
-    pacer.offer(Chunk((piece([3]),)), q)
-    (c,) = [q.get_nowait()]
-    assert [p.token_ids for p in c.pieces] == [(1,), (2,), (3,)] and c.prompt_token_ids == (9,)
-
-
 # ---------------------------------------------------------------------------------------------- the partial output
 def piece(tokens, version=0, text=None, finish=None, index=0):
     return Piece(index, tuple(tokens), tuple(-0.5 for _ in tokens), text if text is not None else "".join(f"<{t}>" for t in tokens),
@@ -126,8 +98,9 @@ class StreamDoor:
         self.scripts = scripts
         self.sent: list[tuple[int, ServeRequest]] = []  # each request as the shard reads it
         self.calls: list[str] = []
+        self.tapped = TappedShards(self.script, key=lambda h: h)
 
-    async def stream(self, handle, method, request, timeout):
+    async def script(self, handle, request, timeout):
         slot = handle
         r = decode_request(request)
         self.sent.append((slot, r))
@@ -148,11 +121,14 @@ class StreamDoor:
         yield Outcome(OK, value=GenerationResult(rid, tuple(prompt), (c,), script.version, script.version, slot, 1,
                                                  version_spans=((script.version, 0, len(made)),) if made else ()))
 
-    async def call(self, handle, method, request, timeout):
-        """A plain call: the stream's last item (its result or failure)."""
+    async def call(self, handle, method, *args, timeout):
+        """A watched request's calls (``EngineShard.submit``, ``take_output``), or a plain call: the script's
+        last item (its result or failure)."""
         self.calls.append(method)
+        if method in TAPPED:
+            return await self.tapped.answer(handle, method, args, timeout)
         last = None
-        async for out in self.stream(handle, method, request, timeout):
+        async for out in self.script(handle, args[0], timeout):
             last = out
         return last
 
@@ -279,7 +255,8 @@ def test_a_short_request_without_a_streaming_caller_is_one_plain_call_and_a_long
         assert (await d.submit([1], {"max_tokens": 32}, "short")).ok  # a stream costs Ray twice a call
         assert (await d.submit([1], {"max_tokens": 33}, "long")).ok
         assert (await d.submit([1], {"max_tokens": 4}, "told", on_tokens=lambda delta: None)).ok
-        assert door.calls == ["serve"]
+        # the short one a plain call; the others submitted, their output taken by the client's poll of that shard
+        assert door.calls[0] == "serve" and [c for c in door.calls[1:] if c != "take_output"] == ["submit", "submit"]
         assert [req.request_id for _, req in door.sent] == ["short", "long", "told"]
 
     asyncio.run(go())

@@ -229,13 +229,14 @@ def test_a_fault_at_stream_goes_off_mid_generation_once_output_went_out(tmp_path
     (tmp_path / "config.json").write_text("{}")
     shard = EngineShard({"model": str(tmp_path), "backend": "null"}, 0, 1, backend_factory=Dripping)
 
-    async def served(max_tokens: int):
+    async def served(max_tokens: int, rid: str):
         got, loop = [], asyncio.get_running_loop()
         t0 = loop.time()
-        try:  # first token at once, then one chunk per 0.1 s
-            async for item in shard.serve_stream(ServeRequest([1, 2], {"max_tokens": max_tokens}, None, None, 0, "any", 0,
-                                                              None, True, 0.1, None, 0).encode()):
-                got.append(item)
+        request = ServeRequest([1, 2], {"max_tokens": max_tokens}, rid, None, 0, "any", 0, None, True, 0.1, None, 0)
+        assert shard.submit("client", [request.encode()]) == [True]
+        try:  # first token at once, then one answer per 0.1 s, the result at once
+            while not got or isinstance(got[-1], Chunk):
+                got += [item for _, item in await shard.take_output("client", 1.0)]
         except ShardUnavailableError as exc:
             got.append(exc)
         return got, round(loop.time() - t0, 2)
@@ -244,9 +245,9 @@ def test_a_fault_at_stream_goes_off_mid_generation_once_output_went_out(tmp_path
         await shard.start()
         shard.set_route(0, True, 0)
         shard.arm_fault("ping", "slow", 1.0)  # every hooked call slowed by 1 s: the request's start, once
-        clean = await served(6)
+        clean = await served(6, "r1")
         shard.arm_fault("stream", "unavailable", after_calls=1)
-        cut = await served(6)
+        cut = await served(40, "r2")  # still generating after the first answer, slowed 1 s by the slow fault
         return clean, cut, shard.faults_fired()
 
     (clean, clean_s), (cut, _), fired = run_virtual(scenario())

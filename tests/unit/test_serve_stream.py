@@ -29,6 +29,7 @@ from rlfleet.fleet.data.routing_state import RoutingState
 from rlfleet.fleet.types import Completion, GenerationResult, TokenDelta
 from rlfleet.fleet.wire import decode_request
 from tests.unit.fleet_fakes import StateView
+from tests.unit.tapped_door import TAPPED, TappedShards
 from rlfleet.recipe.tinymodel import build_tokenizer
 from rlfleet.serve.app import build_app
 from rlfleet.serve.front import Front
@@ -440,15 +441,16 @@ def test_a_stream_cut_off_by_the_servers_stop_ends_with_an_error_event_naming_th
 
 # ------------------------------------------------------------------ through the real dispatcher
 class SlowStreamDoor:
-    """Shards that stream one piece a second (``fleet.types.Chunk``s, as ``EngineShard.serve_stream``), then
+    """Shards that make one piece a second (``fleet.types.Chunk``s, told through ``EngineShard.take_output``), then
     die or finish as scripted per slot; every other call (an abort) is recorded."""
 
     def __init__(self, view_box: dict, scripts: dict[int, tuple[list[int], str, int]]) -> None:
         self.view_box, self.scripts = view_box, scripts
         self.sent: list[tuple[int, list[int]]] = []
         self.calls: list[tuple[int, str, tuple]] = []
+        self.tapped = TappedShards(self.script, key=lambda h: h)
 
-    async def stream(self, handle, method, request, timeout):
+    async def script(self, handle, request, timeout):
         from rlfleet.fleet.outcome import DIED, OK, Outcome
         from rlfleet.fleet.types import Chunk, Piece
 
@@ -474,6 +476,8 @@ class SlowStreamDoor:
     async def call(self, handle, method, *args, timeout):
         from rlfleet.fleet.outcome import OK, Outcome
 
+        if method in TAPPED:
+            return await self.tapped.answer(handle, method, args, timeout)
         self.calls.append((handle, method, args))
         return Outcome(OK, value=True)
 

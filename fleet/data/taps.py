@@ -1,0 +1,116 @@
+"""A client's watched requests on a shard, all their output through one poll: the caller's side of
+``fleet.shard.outbox``.
+
+A request whose output the client watches as it is made (a streaming caller, or a long one whose output is
+held against its engine's death) is submitted tapped (``EngineShard.submit``, batched with this client's
+other submissions for that shard that are ready at once: ``fleet.data.batch``), and its output comes back
+with every other such request's on that shard through one ``take_output`` poll per answer. ``Taps.stream``
+gives each request its own view: the ``Outcome``s a stream of its own would have given (``ok`` chunks, then
+its result, or its failure after the chunks sent before it), so ``fleet.data.dispatch`` handles both the
+same way.
+
+One poll runs per shard while any request there is watched, and stops when none is. A poll that fails
+ends every watched request there with that failure (the shard died: each one's outcome is ``died``, as
+each stream's would have been), except a poll that timed out in transit, which is sent again: a hung shard
+is the monitor's to find, and each request's own deadline still bounds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any, Callable, Hashable
+
+from rlfleet.fleet.data.batch import ServeBatcher
+from rlfleet.fleet.outcome import OK, TIMED_OUT, Outcome, answer_outcome
+from rlfleet.fleet.types import Chunk
+
+POLL_WAIT_S = 1.0  # a poll with nothing to answer comes back empty after this long
+POLL_SLACK_S = 10.0  # and its call's own deadline is this much later (Ray's and the shard's delays)
+
+
+class _Tap:
+    """The watched requests on one shard, and the poll that feeds them."""
+
+    def __init__(self, taps: "Taps", key: Hashable, handle: Any) -> None:
+        self._taps, self.key, self.handle = taps, key, handle
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._poll: asyncio.Future | None = None
+
+    def watch(self, request_id: str) -> asyncio.Queue:
+        q = self.queues[request_id] = asyncio.Queue()
+        if self._poll is None:
+            self._poll = asyncio.ensure_future(self._polling())
+        return q
+
+    def unwatch(self, request_id: str, q: asyncio.Queue) -> None:
+        """Stop feeding ``q`` (an attempt's generator may close after the next attempt of its request began
+        watching the same shard: that one's queue stays)."""
+        if self.queues.get(request_id) is q:
+            del self.queues[request_id]
+
+    async def _polling(self) -> None:
+        door = self._taps.view.door
+        try:
+            while self.queues:
+                out = await door.call(self.handle, "take_output", self._taps.id, POLL_WAIT_S,
+                                      timeout=POLL_WAIT_S + POLL_SLACK_S)  # fmt: skip
+                self._taps.polls += 1
+                if out.ok:
+                    for request_id, item in out.value:
+                        q = self.queues.get(request_id)
+                        if q is not None:  # one that ended here or was given up on: nobody waits for it
+                            q.put_nowait(answer_outcome(item, out.elapsed_s))
+                elif out.kind != TIMED_OUT:  # the shard failed: so did every request watched there
+                    for q in self.queues.values():
+                        q.put_nowait(out)
+                    return
+        finally:
+            self._poll = None
+            if not self.queues:
+                self._taps.drop(self.key, self)
+
+
+class Taps:
+    """One client's taps, by shard (``key``: its slot and incarnation)."""
+
+    def __init__(self, view: Any, clock: Callable[[], float]) -> None:
+        self.view = view  # its ``door`` carries the calls
+        self.id = uuid.uuid4().hex  # the shards' outboxes know this client by it
+        self._clock = clock
+        self._taps: dict[Hashable, _Tap] = {}
+        self._submits = ServeBatcher(view, one=None, many="submit", lead=(self.id,))
+        self.polls = 0  # take_output calls answered or failed
+
+    @property
+    def submits(self) -> int:
+        return self._submits.calls
+
+    def drop(self, key: Hashable, tap: _Tap) -> None:
+        if self._taps.get(key) is tap:
+            del self._taps[key]
+
+    async def stream(self, key: Hashable, handle: Any, request_id: str, wire: bytes, timeout: float):
+        """The request's ``Outcome``s as its own stream would give them: ``ok`` chunks, then its end; a
+        ``timed_out`` one when ``timeout`` passes first (the caller aborts it on the shard)."""
+        tap = self._taps.get(key)
+        if tap is None:
+            tap = self._taps[key] = _Tap(self, key, handle)
+        q = tap.watch(request_id)
+        try:
+            deadline = self._clock() + timeout
+            started = await self._submits.serve(key, handle, wire, timeout)
+            if not started.ok:  # refused as malformed, or the shard could not take it
+                yield started
+                return
+            while True:
+                try:
+                    out = await asyncio.wait_for(q.get(), max(0.0, deadline - self._clock()))
+                except asyncio.TimeoutError as exc:
+                    yield Outcome(TIMED_OUT, error=exc, elapsed_s=timeout)
+                    return
+                yield out
+                if not (out.kind == OK and isinstance(out.value, Chunk)):
+                    return
+        finally:
+            tap.unwatch(request_id, q)
