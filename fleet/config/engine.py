@@ -53,8 +53,10 @@ class EngineConfig(BaseModel):
     # Keep vLLM-CPU's original linear weights beside its packed copy (``refit.readable_weights``): what a peer
     # copy sends and re-packs. Costs one more copy of the linear weights in host memory; no effect on GPU.
     readable_weights: bool = True
-    backend: Literal["vllm", "null"] = Field(
-        "vllm", description="'null': no engine, every call answers at once (benchmarks of the control and data planes)"
+    backend: Literal["vllm", "null", "token_rate"] = Field(
+        "vllm", description="'null': no engine, every call answers at once (benchmarks of the control and data "
+                            "planes); 'token_rate': no engine core, tokens at a set rate through vLLM's own output "
+                            "path (benchmarks of the data path at GPU token rates)"
     )
     null_generate_s: float = Field(
         0.0, ge=0, description="'null' backend only: each generate takes this long (requests stay in flight; abortable)"
@@ -67,6 +69,14 @@ class EngineConfig(BaseModel):
         False, description="'null' backend only: receive each refit's weights for real (the transport's group, "
                            "manifest checks against the model directory, bytes into host memory) instead of "
                            "answering every weight call at once"
+    )
+    token_rate_per_s: float = Field(
+        1000.0, gt=0, allow_inf_nan=False,
+        description="'token_rate' backend only: engine steps per second, each one token to every running request "
+                    "(an upper bound: a shard that cannot keep up gets the next step when it is ready, none made up)"
+    )
+    token_rate_batch: int = Field(
+        256, gt=0, description="'token_rate' backend only: the most requests running at once (FIFO; the rest wait)"
     )
     # Placement and process environment of the actor hosting the engine.
     num_cpus: float = Field(1.0, ge=0)

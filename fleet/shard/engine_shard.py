@@ -55,6 +55,10 @@ def _vllm_backend(config: EngineConfig) -> EngineBackend:
         from rlfleet.fleet.shard.null_backend import NullBackend
 
         return NullBackend(config)
+    if config.backend == "token_rate":
+        from rlfleet.fleet.shard.token_rate_backend import TokenRateBackend
+
+        return TokenRateBackend(config.engine_args(), config.token_rate_per_s, config.token_rate_batch)
     from rlfleet.fleet.shard.vllm_backend import VllmBackend
 
     return VllmBackend(config.engine_args())
