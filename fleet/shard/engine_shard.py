@@ -373,7 +373,7 @@ class EngineShard(PeerCopyMethods):
         in order. One Ray call in place of many: Ray's cost is per call, and the engine gets the batch at once."""
         return list(await asyncio.gather(*(self.serve(r) for r in requests), return_exceptions=True))
 
-    def submit(self, tap: str, requests: list[bytes]) -> list[bool | BaseException]:
+    async def submit(self, tap: str, requests: list[bytes]) -> list[bool | BaseException]:
         """Start requests whose output the client ``tap`` takes as it comes (``take_output``; see
         ``fleet.shard.outbox``): each item True once started, or the ``BadRequestError`` that refused it. Every
         started request ends in the outbox, with its result or the exception its run raised (a refusal too)."""

@@ -233,7 +233,7 @@ def test_a_fault_at_stream_goes_off_mid_generation_once_output_went_out(tmp_path
         got, loop = [], asyncio.get_running_loop()
         t0 = loop.time()
         request = ServeRequest([1, 2], {"max_tokens": max_tokens}, rid, None, 0, "any", 0, None, True, 0.1, None, 0)
-        assert shard.submit("client", [request.encode()]) == [True]
+        assert await shard.submit("client", [request.encode()]) == [True]
         try:  # first token at once, then one answer per 0.1 s, the result at once
             while not got or isinstance(got[-1], Chunk):
                 got += [item for _, item in await shard.take_output("client", 1.0)]

@@ -165,7 +165,7 @@ def test_the_shard_refuses_a_malformed_request_before_anything_runs_and_serves_t
         shard.set_route(4, True, 0)
         with pytest.raises(BadRequestError, match="field epoch"):
             await shard.serve(request(epoch="4").encode())
-        (refused,) = shard.submit("client", [request(prompt=["a"], request_id="s").encode()])
+        (refused,) = await shard.submit("client", [request(prompt=["a"], request_id="s").encode()])
         assert isinstance(refused, BadRequestError) and "field prompt" in str(refused)
         many = await shard.serve_many([request(request_id="ok").encode(), request(suspect="x").encode()])
         assert many[0].completions and isinstance(many[1], BadRequestError) and "field suspect" in str(many[1])

@@ -1,0 +1,173 @@
+"""A client's watched requests on a shard: the shard's outbox (``fleet.shard.outbox``) and the client's poll
+(``fleet.data.taps``). Virtual time."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rlfleet.fleet.data.taps import Taps
+from rlfleet.fleet.errors import EngineCrashedError
+from rlfleet.fleet.outcome import DIED, OK, TIMED_OUT, Outcome
+from rlfleet.fleet.shard.outbox import ORPHAN_S, Outbox, Outboxes
+from rlfleet.fleet.types import Chunk, Completion, GenerationResult, Piece
+from rlfleet.sim.clock import run_virtual
+
+
+def piece(token: int) -> Piece:
+    return Piece(0, (token,), (-0.5,), f"<{token}>", 0)
+
+
+def result(rid: str, tokens: tuple[int, ...]) -> GenerationResult:
+    return GenerationResult(rid, (1,), (Completion(tokens, tuple(-0.5 for _ in tokens), "length"),), 0, 0, 0, 1)
+
+
+def tokens_of(answer) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for rid, item in answer:
+        if isinstance(item, Chunk):
+            out.setdefault(rid, []).extend(t for p in item.pieces for t in p.token_ids)
+    return out
+
+
+def test_every_requests_output_leaves_in_one_answer_per_interval_the_first_a_caller_waits_on_at_once():
+    async def go():
+        loop = asyncio.get_running_loop()
+        box, answers = Outbox(), []
+        for rid in ("a", "b", "c"):
+            box.start(rid, 0.05)
+
+        async def engine():
+            for step in range(10):  # every 10 ms, a token for each of the three requests
+                for rid in ("a", "b", "c"):
+                    box.offer(rid, Chunk((piece(step),), (9,) if step == 0 else None), urgent=rid == "a" and step == 0)
+                await asyncio.sleep(0.01)
+
+        async def client():
+            while sum(len(t) for _, a in answers for t in tokens_of(a).values()) < 30:
+                answer = await box.take(1.0)
+                answers.append((round(loop.time(), 3), answer))
+
+        await asyncio.gather(engine(), client())
+        return answers
+
+    answers = run_virtual(go())
+    assert answers[0][0] == 0.0 and set(tokens_of(answers[0][1])) == {"a", "b", "c"}  # at once, all of them
+    assert answers[0][1][0][1].prompt_token_ids == (9,)
+    gaps = [round(b[0] - a[0], 3) for a, b in zip(answers, answers[1:])]
+    assert all(g >= 0.05 for g in gaps), gaps  # then no more than one answer per interval
+    assert len(answers) <= 4  # 30 tokens of three requests in 4 answers, not 30 messages
+    joined: dict[str, list[int]] = {}
+    for _, a in answers:
+        for rid, toks in tokens_of(a).items():
+            joined.setdefault(rid, []).extend(toks)
+    assert joined == {rid: list(range(10)) for rid in ("a", "b", "c")}  # in order, none twice
+
+
+def test_an_end_leaves_at_once_a_result_drops_what_was_held_and_a_failure_keeps_it_ahead_of_its_error():
+    async def go():
+        box = Outbox()
+        box.start("ok", 0.25)
+        box.start("bad", 0.25)
+        box.offer("ok", Chunk((piece(1),), (9,)), urgent=False)
+        box.offer("bad", Chunk((piece(2),), (9,)), urgent=False)
+        crash = EngineCrashedError("engine core died")
+        box.end("ok", result("ok", (1,)))
+        box.end("bad", crash)
+        t0 = asyncio.get_running_loop().time()
+        answer = await box.take(1.0)
+        return answer, asyncio.get_running_loop().time() - t0, crash
+
+    answer, waited, crash = run_virtual(go())
+    assert waited == 0.0  # ends do not wait for the interval
+    assert [(rid, type(item).__name__) for rid, item in answer] == [("bad", "Chunk"), ("ok", "GenerationResult"),
+                                                                      ("bad", "EngineCrashedError")]
+    assert answer[0][1].prompt_token_ids == (9,) and answer[2][1] is crash
+
+
+def test_a_take_with_nothing_to_answer_comes_back_empty_after_its_wait():
+    async def go():
+        box = Outbox()
+        t0 = asyncio.get_running_loop().time()
+        answer = await box.take(1.0)
+        return answer, asyncio.get_running_loop().time() - t0
+
+    assert run_virtual(go()) == ([], 1.0)
+
+
+def test_a_client_that_stops_polling_leaves_its_requests_to_be_aborted():
+    async def go():
+        boxes = Outboxes()
+        kept, gone = boxes.open("kept"), boxes.open("gone")
+        kept.start("k1", 0.05)
+        gone.start("g1", 0.05)
+        gone.start("g2", 0.05)
+        poll = asyncio.ensure_future(kept.take(10.0))  # a poll under way: that client is alive
+        await asyncio.sleep(ORPHAN_S - 1)
+        early = boxes.orphans()
+        await asyncio.sleep(2)
+        late = boxes.orphans()
+        poll.cancel()
+        return early, late, boxes.get("gone"), boxes.get("kept") is kept
+
+    early, late, gone_box, kept_still = run_virtual(go())
+    assert early == [] and sorted(late) == ["g1", "g2"] and gone_box is None and kept_still
+
+
+# ------------------------------------------------------------------ the client's poll
+class PollDoor:
+    """``take_output`` answers as scripted, in order; ``submit`` takes everything."""
+
+    def __init__(self, answers: list[Outcome]) -> None:
+        self.answers, self.calls = answers, []
+
+    async def call(self, handle, method, *args, timeout):
+        self.calls.append(method)
+        if method == "submit":
+            return Outcome(OK, value=[True] * len(args[1]))
+        await asyncio.sleep(0.1)
+        return self.answers.pop(0) if self.answers else Outcome(OK, value=[])
+
+
+class View:
+    def __init__(self, door) -> None:
+        self.door = door
+
+
+def test_a_dead_shards_poll_ends_every_request_watched_there_and_a_timed_out_poll_is_sent_again():
+    async def go():
+        loop = asyncio.get_running_loop()
+        door = PollDoor([Outcome(TIMED_OUT, error=TimeoutError("poll lost in transit")),
+                         Outcome(OK, value=[("a", Chunk((piece(5),), (9,)))]),
+                         Outcome(DIED, error=RuntimeError("actor died"))])
+        taps = Taps(View(door), loop.time)
+
+        async def watch(rid):
+            return [o async for o in taps.stream((0, 1), "h", rid, b"request", 60.0)]
+
+        return await asyncio.gather(watch("a"), watch("b")), door.calls
+
+    (a, b), calls = run_virtual(go())
+    assert [o.kind for o in a] == [OK, DIED] and isinstance(a[0].value, Chunk)
+    assert [o.kind for o in b] == [DIED]
+    assert calls.count("take_output") == 3 and calls.count("submit") == 1  # both submitted in one call
+
+
+def test_an_attempt_that_closes_late_does_not_stop_the_next_attempt_of_its_request_on_the_same_shard():
+    async def go():
+        loop = asyncio.get_running_loop()
+        door = PollDoor([Outcome(OK, value=[("r", result("r", (1,)))]), Outcome(OK, value=[]),
+                         Outcome(OK, value=[("r", result("r", (2,)))])])
+        taps = Taps(View(door), loop.time)
+        first = taps.stream((0, 1), "h", "r", b"request", 60.0)
+        got = [await first.__anext__()]  # its result: the dispatcher stops there, the generator not closed yet
+
+        async def collect():
+            return [o async for o in taps.stream((0, 1), "h", "r", b"request", 60.0)]
+
+        second = asyncio.ensure_future(collect())  # the re-sent attempt watches the same shard
+        await asyncio.sleep(0.01)
+        await first.aclose()  # the first attempt's generator closes only now
+        return got, await second
+    got, second = run_virtual(go())
+    assert [o.value.completions[0].token_ids for o in got] == [(1,)]
+    assert [o.value.completions[0].token_ids for o in second] == [(2,)]
