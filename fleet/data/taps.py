@@ -104,11 +104,15 @@ class Taps:
                 yield started
                 return
             while True:
-                try:
-                    out = await asyncio.wait_for(q.get(), max(0.0, deadline - self._clock()))
-                except asyncio.TimeoutError as exc:
-                    yield Outcome(TIMED_OUT, error=exc, elapsed_s=timeout)
-                    return
+                if q.empty():
+                    try:  # (``asyncio.timeout``, not ``wait_for``: no task made per chunk)
+                        async with asyncio.timeout(max(0.0, deadline - self._clock())):
+                            out = await q.get()
+                    except TimeoutError as exc:
+                        yield Outcome(TIMED_OUT, error=exc, elapsed_s=timeout)
+                        return
+                else:
+                    out = q.get_nowait()
                 yield out
                 if not (out.kind == OK and isinstance(out.value, Chunk)):
                     return

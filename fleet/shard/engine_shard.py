@@ -36,7 +36,7 @@ from rlfleet.fleet.shard.pause_holds import PauseHolds
 from rlfleet.fleet.shard.start_records import record_start
 from rlfleet.fleet.shard.outbox import Outbox, Outboxes
 from rlfleet.fleet.shard.output_stream import OutputStream
-from rlfleet.fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, GenerationResult
+from rlfleet.fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, GenerationResult, Piece
 from rlfleet.fleet.wire import (BeginRefit, Carried, Counters, Description, EndRefit, Left, Ping, ShardFacts, ShardInfo,
                         ServeRequest, Started, decode_request)
 from rlfleet.health.progress import ProgressWatch
@@ -400,8 +400,8 @@ class EngineShard(PeerCopyMethods):
         box.start(rid, r.interval_s)
         wanted = r.first_at_once
 
-        def emit(chunk: Chunk) -> None:  # a first chunk a caller waits on leaves at once
-            box.offer(rid, chunk, urgent=wanted and chunk.prompt_token_ids is not None)
+        def emit(pieces: list[Piece], prompt: tuple[int, ...] | None, version: int) -> None:
+            box.offer(rid, pieces, prompt, version, urgent=wanted and prompt is not None)  # a first chunk awaited
 
         def ended(run: asyncio.Future) -> None:
             box.end(rid, asyncio.CancelledError(f"request {rid} was cancelled on {self._who()}") if run.cancelled()

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
+from itertools import chain
 from typing import Any, Callable
 
 from rlfleet.fleet.types import Chunk, Piece
@@ -33,12 +35,51 @@ def _loop_time() -> float:
     return asyncio.get_running_loop().time()
 
 
+def _joined(held: list[tuple[int, Piece]]) -> tuple[Piece, ...]:
+    """The held pieces labelled with their versions, each run that only adds tokens (same completion and version,
+    no top logprobs, version labels or prompt logprobs) as one piece: an answer carries about one piece per
+    request and completion, whatever the engine steps between two answers were."""
+    out: list[Piece] = []
+    run: list[Piece] = []
+    at = 0  # the run's version
+
+    def flush() -> None:
+        if run:
+            out.append(_one(run, at))
+            run.clear()
+
+    for version, piece in held:
+        plain = piece.top_logprobs is None and piece.spans is None and piece.prompt_logprobs is None
+        if plain and run and run[0].index == piece.index and at == version:
+            run.append(piece)
+            if piece.finish_reason is not None:  # a completion's last piece ends its run
+                flush()
+            continue
+        flush()
+        if plain and piece.finish_reason is None:
+            run.append(piece)
+            at = version
+        else:
+            out.append(replace(piece, version=version))
+    flush()
+    return tuple(out)
+
+
+def _one(run: list[Piece], version: int) -> Piece:
+    first, last = run[0], run[-1]
+    if len(run) == 1:
+        return replace(first, version=version)
+    return Piece(first.index, tuple(chain.from_iterable([p.token_ids for p in run])),
+                 tuple(chain.from_iterable([p.logprobs for p in run])), "".join([p.text for p in run]), version, None,
+                 last.finish_reason, last.stop_reason)
+
+
 class Outbox:
     """One client's output on this shard. Not thread-safe: the shard's event loop owns it."""
 
     def __init__(self, clock: Callable[[], float] = _loop_time) -> None:
         self._clock = clock
-        self._held: dict[str, list[Piece]] = {}  # request id -> pieces not yet taken, in order
+        self._held: dict[str, list[tuple[int, Piece]]] = {}  # request id -> (version, piece) not yet taken
         self._prompts: dict[str, tuple[int, ...]] = {}  # request id -> prompt ids, with its first chunk
         self._intervals: dict[str, float] = {}  # request id -> its interval, while it runs
         self._ends: list[tuple[str, Any]] = []  # (request id, result or exception), in the order they ended
@@ -51,11 +92,15 @@ class Outbox:
     def start(self, request_id: str, interval_s: float) -> None:
         self._intervals[request_id] = interval_s
 
-    def offer(self, request_id: str, chunk: Chunk, urgent: bool) -> None:
-        """``request_id``'s new output (``urgent``: a caller waits on it, send it now)."""
-        self._held.setdefault(request_id, []).extend(chunk.pieces)
-        if chunk.prompt_token_ids is not None:
-            self._prompts[request_id] = chunk.prompt_token_ids
+    def offer(self, request_id: str, pieces: list[Piece], prompt: tuple[int, ...] | None, version: int,
+              urgent: bool) -> None:
+        """``request_id``'s new output, made at weight ``version`` (``prompt``: the prompt's ids, with its first
+        output; ``urgent``: a caller waits on it, send it now). Kept as it came; labelled and joined when taken."""
+        held = self._held.setdefault(request_id, [])
+        for piece in pieces:
+            held.append((version, piece))
+        if prompt is not None:
+            self._prompts[request_id] = prompt
         self._urgent = self._urgent or urgent
         self._wake.set()
 
@@ -118,7 +163,7 @@ class Outbox:
             self.polled_at = self._clock()
 
     def _answer(self, now: float) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = [(rid, Chunk(tuple(pieces), self._prompts.pop(rid, None)))
+        out: list[tuple[str, Any]] = [(rid, Chunk(_joined(pieces), self._prompts.pop(rid, None)))
                                       for rid, pieces in self._held.items()]  # fmt: skip
         out += self._ends
         self._held, self._ends, self._urgent, self._last = {}, [], False, now

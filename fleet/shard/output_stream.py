@@ -3,9 +3,10 @@
 ``OutputStream`` runs the backend's stream for one request and keeps, per completion, every token,
 logprob and piece of text, with the weight version the engine was stamped with when each piece
 arrived. A continued request (``fleet.shard.continuation``) has its text passed through a
-``TextSeam``. What it makes is told to ``emit`` as ``Chunk``s (the client's outbox on the shard,
-``fleet.shard.outbox``, decides when they leave), and becomes the attempt's ``Completion``s and version
-spans when the engine finished.
+``TextSeam``. What it makes is told to ``emit`` (the pieces, the prompt's ids with the first, and the
+version they were made at: the client's outbox on the shard, ``fleet.shard.outbox``, labels them and
+decides when they leave), and becomes the attempt's ``Completion``s and version spans when the engine
+finished.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any, Callable, Sequence
 
 from rlfleet.fleet.shard.continuation import TextSeam
 from rlfleet.fleet.wire import Carried
-from rlfleet.fleet.types import FINISH_STOP, Chunk, Completion, Piece, PromptLogprobs, Span, spans_of
+from rlfleet.fleet.types import FINISH_STOP, Completion, Piece, PromptLogprobs, Span, spans_of
+
+Emit = Callable[[list[Piece], "tuple[int, ...] | None", int], None]  # (pieces, prompt ids with the first, version)
 
 
 @dataclass
@@ -32,7 +35,7 @@ class _Out:
 
 class OutputStream:
     def __init__(self, backend: Any, tokens: Sequence[int], sampling: dict, request_id: str,
-                 carried: Carried | None, emit: Callable[[Chunk], None] | None, version: Callable[[], int]) -> None:
+                 carried: Carried | None, emit: Emit | None, version: Callable[[], int]) -> None:
         self._backend = backend
         self._tokens = list(tokens)
         self._sampling = sampling
@@ -53,13 +56,14 @@ class OutputStream:
         async for pieces in self._backend.stream(self._tokens, self._sampling, self._rid, cache_salt,
                                                  final_only=self._emit is None):
             made, cut = [], False
+            version = self._version()  # what the engine was stamped with as these tokens arrived
             for piece in pieces:
                 piece, cut = self._seamed(piece)
-                made.append(self._keep(piece))
+                made.append(self._keep(piece, version))
                 if cut:
                     break
             if self._emit is not None and made:
-                self._emit(Chunk(tuple(made), tuple(self._tokens) if self._first else None))
+                self._emit(made, tuple(self._tokens) if self._first else None, version)
                 self._first = False
             if cut:  # a stop string across the seam ended it: the engine stops too
                 await self._backend.abort([self._rid])
@@ -73,9 +77,7 @@ class OutputStream:
             return replace(piece, text=text), False
         return replace(piece, text=text, finish_reason=FINISH_STOP, stop_reason=stop, spans=None), True
 
-    def _keep(self, piece: Piece) -> Piece:
-        version = self._version()
-        piece = replace(piece, version=version)
+    def _keep(self, piece: Piece, version: int) -> Piece:
         if piece.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = piece.prompt_logprobs
         o = self._outs.setdefault(piece.index, _Out())

@@ -79,7 +79,9 @@ class TappedShards:
         first = True
         async for out in items:
             if out.ok and isinstance(out.value, Chunk):
-                box.offer(rid, out.value, urgent=first_at_once and first)
+                chunk = out.value
+                box.offer(rid, list(chunk.pieces), chunk.prompt_token_ids,
+                          chunk.pieces[0].version if chunk.pieces else 0, urgent=first_at_once and first)
                 first = False
                 continue
             if out.ok:

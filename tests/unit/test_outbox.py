@@ -39,7 +39,7 @@ def test_every_requests_output_leaves_in_one_answer_per_interval_the_first_a_cal
         async def engine():
             for step in range(10):  # every 10 ms, a token for each of the three requests
                 for rid in ("a", "b", "c"):
-                    box.offer(rid, Chunk((piece(step),), (9,) if step == 0 else None), urgent=rid == "a" and step == 0)
+                    box.offer(rid, [piece(step)], (9,) if step == 0 else None, 0, urgent=rid == "a" and step == 0)
                 await asyncio.sleep(0.01)
 
         async def client():
@@ -68,8 +68,8 @@ def test_an_end_leaves_at_once_a_result_drops_what_was_held_and_a_failure_keeps_
         box = Outbox()
         box.start("ok", 0.25)
         box.start("bad", 0.25)
-        box.offer("ok", Chunk((piece(1),), (9,)), urgent=False)
-        box.offer("bad", Chunk((piece(2),), (9,)), urgent=False)
+        box.offer("ok", [piece(1)], (9,), 0, urgent=False)
+        box.offer("bad", [piece(2)], (9,), 0, urgent=False)
         crash = EngineCrashedError("engine core died")
         box.end("ok", result("ok", (1,)))
         box.end("bad", crash)
@@ -171,3 +171,21 @@ def test_an_attempt_that_closes_late_does_not_stop_the_next_attempt_of_its_reque
     got, second = run_virtual(go())
     assert [o.value.completions[0].token_ids for o in got] == [(1,)]
     assert [o.value.completions[0].token_ids for o in second] == [(2,)]
+
+
+def test_an_answer_joins_a_requests_pieces_by_version_and_labels_them_with_the_version_they_were_made_at():
+    async def go():
+        box = Outbox()
+        box.start("r", 0.05)
+        box.offer("r", [piece(1), piece(2)], (9,), 3, urgent=False)  # made at version 3 (pieces say 0)
+        box.offer("r", [piece(3)], None, 3, urgent=False)
+        box.offer("r", [piece(4)], None, 4, urgent=False)  # the refit's stamp landed between two steps
+        box.offer("r", [Piece(0, (5,), (-0.5,), "<5>", 0, finish_reason="length")], None, 4, urgent=False)
+        box.hurry()
+        return await box.take(1.0)
+
+    ((rid, chunk),) = run_virtual(go())
+    assert rid == "r" and chunk.prompt_token_ids == (9,)
+    assert [(p.token_ids, p.version, p.text, p.finish_reason) for p in chunk.pieces] == [
+        ((1, 2, 3), 3, "<1><2><3>", None), ((4, 5), 4, "<4><5>", "length")]
+    assert [len(p.logprobs) for p in chunk.pieces] == [3, 2]
