@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence, cast
 from rlfleet.fleet.shard.backend import PAUSE_MODES, EngineBackend, PauseMode, StepMarks
 from rlfleet.fleet.config.engine import EngineConfig
 from rlfleet.fleet.shard.peer_methods import PeerCopyMethods
+from rlfleet.fleet.shard.tap_methods import TapMethods
 from rlfleet.fleet.shard.fault_hooks import ArmedFault, FaultHooks
 from rlfleet.fleet.errors import (BadRequestError, CacheResetFailed, DeadlineExceeded, EngineCrashedError, RouteRefused,
                           ShardShutDownError, ShardUnavailableError, ShardUnusableError)
@@ -34,11 +35,11 @@ from rlfleet.fleet.shard.lease import RoutingLease
 from rlfleet.fleet.shard.request_gate import RecentResults, ShardGate
 from rlfleet.fleet.shard.pause_holds import PauseHolds
 from rlfleet.fleet.shard.start_records import record_start
-from rlfleet.fleet.shard.outbox import Outbox, Outboxes
+from rlfleet.fleet.shard.outbox import Outboxes
 from rlfleet.fleet.shard.output_stream import OutputStream
-from rlfleet.fleet.types import FINISH_ABORTED, Chunk, Completion, EngineStats, GenerationResult, Piece
+from rlfleet.fleet.types import FINISH_ABORTED, Completion, EngineStats, GenerationResult
 from rlfleet.fleet.wire import (BeginRefit, Carried, Counters, Description, EndRefit, Left, Ping, ShardFacts, ShardInfo,
-                        ServeRequest, Started, decode_request)
+                        Started, decode_request)
 from rlfleet.health.progress import ProgressWatch
 
 BackendFactory = Callable[[EngineConfig], EngineBackend]
@@ -64,7 +65,7 @@ def _vllm_backend(config: EngineConfig) -> EngineBackend:
     return VllmBackend(config.engine_args())
 
 
-class EngineShard(PeerCopyMethods):
+class EngineShard(TapMethods, PeerCopyMethods):
     """One engine in one slot. Construct cheaply; ``start()`` builds the engine.
 
     Preconditions: ``config`` is a validated ``EngineConfig`` (or its dict form).
@@ -276,7 +277,7 @@ class EngineShard(PeerCopyMethods):
         return await self._run(prompt, sampling, request_id, cache_salt, timeout, ticket, carried, None)
 
     async def _run(self, prompt, sampling, request_id, cache_salt, timeout, ticket, carried, emit) -> GenerationResult:
-        """``generate``, telling ``emit`` (when given) each ``Chunk`` of output as ``_Stream`` makes them."""
+        """``generate``, telling ``emit`` (when given) the output as ``OutputStream`` makes it."""
         if self._hooks.armed:
             await self._hooks.at("generate")
         backend = self._require_ready("generate")
@@ -372,58 +373,6 @@ class EngineShard(PeerCopyMethods):
         ready at once), run side by side: each item's result, or the exception its own call would have raised,
         in order. One Ray call in place of many: Ray's cost is per call, and the engine gets the batch at once."""
         return list(await asyncio.gather(*(self.serve(r) for r in requests), return_exceptions=True))
-
-    async def submit(self, tap: str, requests: list[bytes]) -> list[bool | BaseException]:
-        """Start requests whose output the client ``tap`` takes as it comes (``take_output``; see
-        ``fleet.shard.outbox``): each item True once started, or the ``BadRequestError`` that refused it. Every
-        started request ends in the outbox, with its result or the exception its run raised (a refusal too)."""
-        for rid in self._outboxes.orphans():  # clients that stopped taking: their requests stop
-            self._spawn(self._abort_quietly([rid]))
-        self._outboxes.idle()
-        box = self._outboxes.open(tap)
-        answers: list[bool | BaseException] = []
-        for wire in requests:
-            try:
-                r = decode_request(wire)
-                if r.request_id is None:
-                    raise BadRequestError("a submitted request needs its request_id (its output is told by it)")
-            except BadRequestError as exc:
-                answers.append(exc)
-                continue
-            self._start_tapped(box, r)
-            answers.append(True)
-        return answers
-
-    def _start_tapped(self, box: Outbox, r: ServeRequest) -> None:
-        rid = r.request_id
-        assert rid is not None
-        box.start(rid, r.interval_s)
-        wanted = r.first_at_once
-
-        def emit(pieces: list[Piece], prompt: tuple[int, ...] | None, version: int) -> None:
-            box.offer(rid, pieces, prompt, version, urgent=wanted and prompt is not None)  # a first chunk awaited
-
-        def ended(run: asyncio.Future) -> None:
-            box.end(rid, asyncio.CancelledError(f"request {rid} was cancelled on {self._who()}") if run.cancelled()
-                    else (run.exception() or run.result()))
-
-        run = self._spawn(self._run(r.prompt, r.sampling, rid, r.cache_salt, None, r.ticket(), r.carried, emit))
-        run.add_done_callback(ended)
-
-    def _spawn(self, work) -> asyncio.Future:
-        """Run ``work`` on the shard's loop, referenced until it is done."""
-        future = asyncio.ensure_future(work)
-        self._tasks.add(future)
-        future.add_done_callback(self._tasks.discard)
-        return future
-
-    async def take_output(self, tap: str, wait_s: float = 1.0) -> list[tuple[str, Any]]:
-        """What the client ``tap``'s submitted requests made since its last take, every request's at once
-        (``fleet.shard.outbox.Outbox.take``): empty after ``wait_s`` (at most 10 s) if nothing came."""
-        answer = await self._outboxes.open(tap).take(min(float(wait_s), 10.0))
-        if self._hooks.armed_at("stream") and any(isinstance(item, Chunk) for _, item in answer):
-            await self._hooks.at("stream")  # mid-generation, as output goes out
-        return answer
 
     def set_route(self, epoch: int, member: bool, committed: int, lease_s: float | None = None) -> bool:
         """The controller's routing word for this shard (see ``fleet.shard.request_gate.ShardGate.route``), and the
