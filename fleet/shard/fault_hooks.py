@@ -6,7 +6,8 @@ A shard calls ``hooks.at(point)`` at each hook point (start of ``pause``, ``resu
 ``donate``, as its ``donate_weights`` begins). With nothing armed the shard skips the call
 entirely (``if self._hooks.armed``), so code without an active plan pays nothing.
 Point ``stream`` is mid-generation: a client's poll of its watched requests (``take_output``) reaches it
-before each answer that carries output (not one of results alone); with ``after_calls`` or ``delay_s`` a fault there acts
+once for each request's chunk of output in the answer, before the answer leaves (not for results); with
+``after_calls`` (chunks let through) or ``delay_s`` a fault there acts
 while clients hold part of their output. It is called only for a fault armed at it (``armed_at``):
 a ``slow`` shard is not slowed chunk by chunk.
 

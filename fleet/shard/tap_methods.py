@@ -76,6 +76,7 @@ class TapMethods:
         """What the client ``tap``'s submitted requests made since its last take, every request's at once
         (``fleet.shard.outbox.Outbox.take``): empty after ``wait_s`` (at most 10 s) if nothing came."""
         answer = await self._outboxes.open(tap).take(min(float(wait_s), 10.0))
-        if self._hooks.armed_at("stream") and any(isinstance(item, Chunk) for _, item in answer):
-            await self._hooks.at("stream")  # mid-generation, as output goes out
+        if self._hooks.armed_at("stream"):  # mid-generation, as output goes out: once per request's chunk in it
+            for _ in range(sum(isinstance(item, Chunk) for _, item in answer)):
+                await self._hooks.at("stream")
         return answer
