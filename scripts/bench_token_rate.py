@@ -6,7 +6,8 @@ carries, so the path, not the engine, limits), and the Python client in this pro
 request (an ``on_tokens`` caller), 512 tokens each. For each concurrency: the tokens per second the shard and
 its client carried, and the CPU each process used (the shard actor, this client; Ray's own daemons apart).
 The fleet's CPU per token is the shard's plus the client's, less the synthetic core's own (an engine core's
-work, which on a GPU runs in its own process: measured alone, per token, by the baseline run).
+work, which on a GPU runs in its own process: measured alone, per token and at the same concurrency, by the
+baseline run).
 
 The baseline, in the same run: vLLM's own output processing of the same tokens in one process
 (``fleet.shard.token_rate_baseline.output_processing_cpu_s``: ``OutputProcessor.process_outputs`` and each
@@ -15,8 +16,8 @@ the token out.
 
     python scripts/bench_token_rate.py [--tokens 512] [--concurrency 1,64,256] [--rate 100000]
 
-The last line is one JSON object: ``max_tokens_per_s_C``, ``fleet_cpu_us_per_token_C`` (and its parts) for each
-concurrency C, ``vllm_output_cpu_us_per_token_256``, ``fleet_vs_vllm_cpu_per_token_256`` and
+The last line is one JSON object: ``max_tokens_per_s_C``, ``fleet_cpu_us_per_token_C`` (and its parts) and
+``vllm_output_cpu_us_per_token_C`` for each concurrency C, ``fleet_vs_vllm_cpu_per_token_256`` and
 ``cpu_per_token_256_vs_1``.
 """
 
@@ -76,13 +77,17 @@ async def streams(client, concurrency: int, tokens: int, round_: int) -> tuple[i
     return told[0], sum(len(r.result.completions[0].token_ids) for r in results)
 
 
-def measure(fleet: Fleet, concurrency: int, tokens: int, round_: int) -> dict:
+def measure(fleet: Fleet, concurrency: int, tokens: int, rounds: int) -> dict:
+    """``rounds`` rounds of ``concurrency`` streams, one round after the other (enough tokens to read CPU time)."""
     pid, me = shard_pid(), os.getpid()
     shard0, client0, t0 = _cpu(pid), _cpu(me), time.perf_counter()
-    told, made = fleet.client.spawn(streams(fleet.client, concurrency, tokens, round_)).result(1800)
+    made = 0
+    for r in range(rounds):
+        told, got = fleet.client.spawn(streams(fleet.client, concurrency, tokens, r)).result(1800)
+        assert told == got == concurrency * tokens, (told, got)
+        made += got
     wall = time.perf_counter() - t0
     shard_s, client_s = _cpu(pid) - shard0, _cpu(me) - client0
-    assert told == made == concurrency * tokens, (told, made)
     return {"tokens": made, "wall_s": wall, "shard_cpu_s": shard_s, "client_cpu_s": client_s}
 
 
@@ -95,27 +100,30 @@ def main() -> None:
     sizes = [int(c) for c in args.concurrency.split(",")]
     model = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
 
-    base = output_processing_cpu_s(model, max(sizes), args.tokens)
-    print(f"baseline: vLLM's output processing {base['us_per_token']:.1f} us/token, the synthetic core "
-          f"{base['core_us_per_token']:.1f} us/token ({max(sizes)} requests x {args.tokens} tokens)", flush=True)
+    base = {c: output_processing_cpu_s(model, c, args.tokens) for c in sizes}  # vLLM's alone, at each concurrency
+    for c in sizes:
+        print(f"baseline at {c:>3}: vLLM's output processing {base[c]['us_per_token']:.1f} us/token, the synthetic "
+              f"core {base[c]['core_us_per_token']:.1f} us/token ({c} requests x {args.tokens} tokens)", flush=True)
 
     ray_door.init_local(num_cpus=4, log_to_driver=False)
     fleet = Fleet.start(fleet_config(model, args.rate, max(sizes), args.tokens))
-    out: dict = {"vllm_output_cpu_us_per_token_256": round(base["us_per_token"], 2),
-                 "synthetic_core_us_per_token": round(base["core_us_per_token"], 2)}
+    out: dict = {f"vllm_output_cpu_us_per_token_{c}": round(base[c]["us_per_token"], 2) for c in sizes}
+    out.update({f"synthetic_core_us_per_token_{c}": round(base[c]["core_us_per_token"], 2) for c in sizes})
     try:
-        measure(fleet, min(8, max(sizes)), 32, 0)  # warm-up: the first requests import and compile paths
-        for k, c in enumerate(sizes, start=1):
-            m = measure(fleet, c, args.tokens, k)
+        measure(fleet, min(8, max(sizes)), 32, 1)  # warm-up: the first requests import and compile paths
+        for c in sizes:
+            m = measure(fleet, c, args.tokens, -(-max(sizes) // c))  # as many tokens at each concurrency
             shard_us = 1e6 * m["shard_cpu_s"] / m["tokens"]
             client_us = 1e6 * m["client_cpu_s"] / m["tokens"]
-            fleet_us = shard_us - base["core_us_per_token"] + client_us
+            core_us = base[c]["core_us_per_token"]  # the stand-in engine core's own, at this concurrency
+            fleet_us = shard_us - core_us + client_us
             out[f"max_tokens_per_s_{c}"] = round(m["tokens"] / m["wall_s"])
             out[f"fleet_cpu_us_per_token_{c}"] = round(fleet_us, 2)
             out[f"shard_cpu_us_per_token_{c}"] = round(shard_us, 2)
             out[f"client_cpu_us_per_token_{c}"] = round(client_us, 2)
             print(f"{c:>4} streams: {out[f'max_tokens_per_s_{c}']:>7} tokens/s, fleet {fleet_us:.1f} us/token "
-                  f"(shard {shard_us:.1f} less core {base['core_us_per_token']:.1f}, client {client_us:.1f})",
+                  f"(shard {shard_us:.1f} less core {core_us:.1f}, client {client_us:.1f}; vLLM alone "
+                  f"{base[c]['us_per_token']:.1f})",
                   flush=True)
         counters = fleet.client.counters()
         out["polls"], out["submits"] = counters.get("polls"), counters.get("submits")
@@ -123,7 +131,7 @@ def main() -> None:
         fleet.shutdown()
         ray_door.shutdown()
     top, one = max(sizes), min(sizes)
-    out[f"fleet_vs_vllm_cpu_per_token_{top}"] = round(out[f"fleet_cpu_us_per_token_{top}"] / base["us_per_token"], 3)
+    out[f"fleet_vs_vllm_cpu_per_token_{top}"] = round(out[f"fleet_cpu_us_per_token_{top}"] / base[top]["us_per_token"], 3)
     out[f"cpu_per_token_{top}_vs_{one}"] = round(out[f"fleet_cpu_us_per_token_{top}"] / out[f"fleet_cpu_us_per_token_{one}"], 3)
     print(json.dumps(out))
 

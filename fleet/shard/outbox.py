@@ -96,13 +96,15 @@ class Outbox:
               urgent: bool) -> None:
         """``request_id``'s new output, made at weight ``version`` (``prompt``: the prompt's ids, with its first
         output; ``urgent``: a caller waits on it, send it now). Kept as it came; labelled and joined when taken."""
+        wake = urgent or not self._held  # only what moves the answer's due time wakes the taker
         held = self._held.setdefault(request_id, [])
         for piece in pieces:
             held.append((version, piece))
         if prompt is not None:
             self._prompts[request_id] = prompt
         self._urgent = self._urgent or urgent
-        self._wake.set()
+        if wake:
+            self._wake.set()
 
     def end(self, request_id: str, ending: Any) -> None:
         """``request_id`` ended with ``ending``: a result (what it still held is dropped: the result carries it
@@ -153,9 +155,10 @@ class Outbox:
                 if left <= 0:
                     return []
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), left)
-                except asyncio.TimeoutError:
+                try:  # (``asyncio.timeout``, not ``wait_for``: no task made per wait)
+                    async with asyncio.timeout(left):
+                        await self._wake.wait()
+                except TimeoutError:
                     pass
             return self._answer(now)
         finally:
