@@ -174,3 +174,24 @@ def test_bad_fault_plan_is_refused_before_anything_starts(tmp_path, capsys):
     bad.write_text("name: x\nexpect: recovers\nsteps: 2\nfaults: [{where: nowhere, what: kill, shard: 0}]\n")
     assert main(["demo", "--fault-plan", str(bad), "--out", str(tmp_path / "r")]) == 2
     assert "faults[0].where" in capsys.readouterr().err
+
+
+# Ray's report for a worker that died: what a clean run must not print (issue 49: a newcomer reads it as a crash)
+DEATH_REPORT = ("died or was killed", "unexpected system error", "SYSTEM_ERROR")
+
+
+def test_a_clean_demo_run_ends_without_a_worker_death_report(tmp_path):
+    """``rlfleet demo`` as a user runs it, with no faults, to its end: exit 0, and nothing in its output (stdout and
+    stderr, Ray's forwarded worker logs included) reports a worker that died, not even at the shutdown."""
+    import subprocess
+    import sys
+
+    from tests.integration.fleet_helpers import cli_env
+
+    out = subprocess.run([sys.executable, "-m", "rlfleet.cli.main", "demo", "--engines", "1", "--fault-plan", "none",
+                          "--steps", "3", "--progress", "plain", "--out", str(tmp_path / "report")],
+                         capture_output=True, text=True, timeout=600, env=cli_env())  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "shutting down" in text and '"ok": true' in text  # it ran to its end, through the shutdown
+    assert not [line for line in text.splitlines() if any(p in line for p in DEATH_REPORT)], text[-3000:]
