@@ -22,7 +22,7 @@ import uuid
 from typing import Any, Callable, Hashable
 
 from rlfleet.fleet.data.batch import ServeBatcher
-from rlfleet.fleet.outcome import OK, TIMED_OUT, Outcome, answer_outcome
+from rlfleet.fleet.outcome import ERROR, OK, TIMED_OUT, Outcome, answer_outcome
 from rlfleet.fleet.types import Chunk
 
 POLL_WAIT_S = 1.0  # a poll with nothing to answer comes back empty after this long
@@ -49,6 +49,10 @@ class _Tap:
         if self.queues.get(request_id) is q:
             del self.queues[request_id]
 
+    def _fail_all(self, out: Outcome) -> None:
+        for q in self.queues.values():
+            q.put_nowait(out)
+
     async def _polling(self) -> None:
         door = self._taps.view.door
         try:
@@ -62,9 +66,10 @@ class _Tap:
                         if q is not None:  # one that ended here or was given up on: nobody waits for it
                             q.put_nowait(answer_outcome(item, out.elapsed_s))
                 elif out.kind != TIMED_OUT:  # the shard failed: so did every request watched there
-                    for q in self.queues.values():
-                        q.put_nowait(out)
+                    self._fail_all(out)
                     return
+        except Exception as exc:  # noqa: BLE001 - a malformed answer: end what waits here, never leave it hanging
+            self._fail_all(Outcome(ERROR, error=RuntimeError(f"the poll of slot {self.key} failed: {exc!r}")))
         finally:
             self._poll = None
             if not self.queues:

@@ -80,6 +80,7 @@ class Outbox:
     def __init__(self, clock: Callable[[], float] = _loop_time) -> None:
         self._clock = clock
         self._held: dict[str, list[tuple[int, Piece]]] = {}  # request id -> (version, piece) not yet taken
+        self._held_interval = math.inf  # the smallest interval of the requests that hold output
         self._prompts: dict[str, tuple[int, ...]] = {}  # request id -> prompt ids, with its first chunk
         self._intervals: dict[str, float] = {}  # request id -> its interval, while it runs
         self._ends: list[tuple[str, Any]] = []  # (request id, result or exception), in the order they ended
@@ -96,7 +97,11 @@ class Outbox:
               urgent: bool) -> None:
         """``request_id``'s new output, made at weight ``version`` (``prompt``: the prompt's ids, with its first
         output; ``urgent``: a caller waits on it, send it now). Kept as it came; labelled and joined when taken."""
-        wake = urgent or not self._held  # only what moves the answer's due time wakes the taker
+        wake = urgent
+        if request_id not in self._held:  # only what moves the answer's due time earlier wakes the taker
+            interval = self._intervals.get(request_id, 0.0)
+            wake = wake or interval < self._held_interval
+            self._held_interval = min(self._held_interval, interval)
         held = self._held.setdefault(request_id, [])
         for piece in pieces:
             held.append((version, piece))
@@ -129,6 +134,11 @@ class Outbox:
     def running(self) -> list[str]:
         return list(self._intervals)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing running, nothing to take, nobody waiting on it."""
+        return not self._intervals and not self.holds() and not self._polling
+
     def orphaned(self) -> bool:
         return not self._polling and self._clock() - self.polled_at > ORPHAN_S
 
@@ -136,10 +146,7 @@ class Outbox:
         """When the held output may leave (now or earlier: it may)."""
         if self._ends or self._urgent:
             return -math.inf
-        if not self._held:
-            return math.inf
-        interval = min((self._intervals.get(rid, 0.0) for rid in self._held), default=0.0)
-        return self._last + interval
+        return self._last + self._held_interval if self._held else math.inf
 
     async def take(self, wait_s: float) -> list[tuple[str, Any]]:
         """Everything due, as ``(request id, Chunk | result | exception)`` in order; empty after ``wait_s``."""
@@ -169,7 +176,7 @@ class Outbox:
         out: list[tuple[str, Any]] = [(rid, Chunk(_joined(pieces), self._prompts.pop(rid, None)))
                                       for rid, pieces in self._held.items()]  # fmt: skip
         out += self._ends
-        self._held, self._ends, self._urgent, self._last = {}, [], False, now
+        self._held, self._ends, self._urgent, self._last, self._held_interval = {}, [], False, now, math.inf
         return out
 
 
@@ -196,5 +203,5 @@ class Outboxes:
 
     def idle(self) -> None:
         """Let go of outboxes with nothing running and nothing left to take."""
-        for tap in [t for t, b in self._boxes.items() if not b.running and not b.holds() and not b._polling]:
+        for tap in [t for t, b in self._boxes.items() if b.idle]:
             del self._boxes[tap]

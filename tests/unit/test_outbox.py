@@ -7,7 +7,7 @@ import asyncio
 
 from rlfleet.fleet.data.taps import Taps
 from rlfleet.fleet.errors import EngineCrashedError
-from rlfleet.fleet.outcome import DIED, OK, TIMED_OUT, Outcome
+from rlfleet.fleet.outcome import DIED, ERROR, OK, TIMED_OUT, Outcome
 from rlfleet.fleet.shard.outbox import ORPHAN_S, Outbox, Outboxes
 from rlfleet.fleet.types import Chunk, Completion, GenerationResult, Piece
 from rlfleet.sim.clock import run_virtual
@@ -189,3 +189,35 @@ def test_an_answer_joins_a_requests_pieces_by_version_and_labels_them_with_the_v
     assert [(p.token_ids, p.version, p.text, p.finish_reason) for p in chunk.pieces] == [
         ((1, 2, 3), 3, "<1><2><3>", None), ((4, 5), 4, "<4><5>", "length")]
     assert [len(p.logprobs) for p in chunk.pieces] == [3, 2]
+
+
+def test_a_streamed_requests_output_is_not_held_to_a_slower_requests_interval():
+    """A long request nobody streams (interval 0.25 s) holds output first; a streamed one (0.05 s) then makes
+    some: the answer leaves on the streamed one's interval, not the other's."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        box = Outbox()
+        box.start("held", 0.25)
+        box.start("streamed", 0.05)
+        box.offer("held", [piece(0)], (9,), 0, urgent=True)
+        first = await box.take(1.0)  # an answer at 0: the next is due an interval later
+        box.offer("held", [piece(1)], None, 0, urgent=False)
+        taking = asyncio.ensure_future(box.take(1.0))
+        await asyncio.sleep(0.02)  # the taker sleeps toward 0.25 s
+        box.offer("streamed", [piece(2)], (9,), 0, urgent=False)
+        answer = await taking
+        return first, round(loop.time(), 3), sorted(tokens_of(answer).items())
+
+    _, at, got = run_virtual(go())
+    assert at == 0.05 and got == [("held", [1]), ("streamed", [2])]
+
+
+def test_a_poll_whose_answer_cannot_be_read_ends_what_waits_there_instead_of_leaving_it_hanging():
+    async def go():
+        loop = asyncio.get_running_loop()
+        taps = Taps(View(PollDoor([Outcome(OK, value=None)])), loop.time)  # not a list of (id, item)
+        outs = [o async for o in taps.stream((0, 1), "h", "r", b"request", 60.0)]
+        return outs, loop.time()
+
+    outs, at = run_virtual(go())
+    assert [o.kind for o in outs] == [ERROR] and "poll of slot (0, 1) failed" in str(outs[0].error) and at < 1.0
