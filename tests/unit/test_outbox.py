@@ -221,3 +221,31 @@ def test_a_poll_whose_answer_cannot_be_read_ends_what_waits_there_instead_of_lea
 
     outs, at = run_virtual(go())
     assert [o.kind for o in outs] == [ERROR] and "poll of slot (0, 1) failed" in str(outs[0].error) and at < 1.0
+
+
+def test_two_clients_on_one_shard_each_take_only_their_own_requests_output(tmp_path):
+    """The real ``EngineShard`` (null engine): two clients submit at once; each client's poll answers its own
+    requests and never the other's."""
+    from rlfleet.fleet.shard.engine_shard import EngineShard
+    from rlfleet.fleet.wire import ServeRequest
+
+    (tmp_path / "config.json").write_text("{}")
+
+    def wire(rid: str, prompt: list[int]) -> bytes:
+        return ServeRequest(prompt, {"max_tokens": 1}, rid, None, 0, "any", 0, None, True, 0.05, None, 0).encode()
+
+    async def go():
+        shard = EngineShard({"model": str(tmp_path), "backend": "null"}, 0, 1)
+        await shard.start()
+        shard.set_route(0, True, 0)
+        assert await shard.submit("a", [wire("a1", [1]), wire("a2", [2])]) == [True, True]
+        assert await shard.submit("b", [wire("b1", [3])]) == [True]
+        got: dict[str, list[str]] = {"a": [], "b": []}
+        while len(got["a"]) < 2 or len(got["b"]) < 1:
+            for client in ("a", "b"):
+                got[client] += [rid for rid, item in await shard.take_output(client, 0.1)
+                                if isinstance(item, GenerationResult)]
+        return got
+
+    got = run_virtual(go())
+    assert sorted(got["a"]) == ["a1", "a2"] and got["b"] == ["b1"]
