@@ -62,9 +62,11 @@ PromptLogprobs = tuple[dict[int, tuple[float, int]] | None, ...]
 Span = tuple[int, int, int]  # (weight version, first completion token, end): tokens [start, end) of one version
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Piece:
     """New output of one completion (``index``, when n > 1) since the shard last sent one: what a stream carries.
+    Made once per token on the output path, so slotted and not frozen (a frozen dataclass's ``__init__`` costs
+    three times as much): nobody changes one once made (``dataclasses.replace`` makes another).
 
     ``version`` is the weight version the engine was stamped with when the shard received these tokens (the
     final ``GenerationResult`` carries vLLM's own per-token labels, which win); ``finish_reason`` is set on a

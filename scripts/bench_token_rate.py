@@ -14,7 +14,11 @@ The baseline, in the same run: vLLM's own output processing of the same tokens i
 request's ``AsyncLLM.generate`` drain), what ``vllm serve``'s API server pays per token before it writes
 the token out.
 
-    python scripts/bench_token_rate.py [--tokens 512] [--concurrency 1,64,256] [--rate 100000]
+    python scripts/bench_token_rate.py [--tokens 512] [--concurrency 1,64,256] [--rate 100000] [--repeats 3]
+
+Both sides are measured ``--repeats`` times at each concurrency, in turn (the baseline, then the fleet, and
+again), and each figure is the median: on a shared machine one measurement of either side moves by a fifth.
+Both processes freeze their collector heap once started, as ``vllm serve``'s API server does.
 
 The last line is one JSON object: ``max_tokens_per_s_C``, ``fleet_cpu_us_per_token_C`` (and its parts) and
 ``vllm_output_cpu_us_per_token_C`` for each concurrency C, ``fleet_vs_vllm_cpu_per_token_256`` and
@@ -27,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import time
 
 import psutil
@@ -91,47 +96,57 @@ def measure(fleet: Fleet, concurrency: int, tokens: int, rounds: int) -> dict:
     return {"tokens": made, "wall_s": wall, "shard_cpu_s": shard_s, "client_cpu_s": client_s}
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--concurrency", default="1,64,256")
     parser.add_argument("--rate", type=float, default=100000.0, help="the engine's steps a second (far above the path)")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements of each side at each concurrency")
+    parser.add_argument("--min-tokens", type=int, default=32768, help="tokens per measurement, at least")
     args = parser.parse_args()
     sizes = [int(c) for c in args.concurrency.split(",")]
     model = str(build_model(default_model_dir("tiny"), preset="tiny", seed=0))
 
-    base = {c: output_processing_cpu_s(model, c, args.tokens) for c in sizes}  # vLLM's alone, at each concurrency
-    for c in sizes:
-        print(f"baseline at {c:>3}: vLLM's output processing {base[c]['us_per_token']:.1f} us/token, the synthetic "
-              f"core {base[c]['core_us_per_token']:.1f} us/token ({c} requests x {args.tokens} tokens)", flush=True)
-
     ray_door.init_local(num_cpus=4, log_to_driver=False)
     fleet = Fleet.start(fleet_config(model, args.rate, max(sizes), args.tokens))
-    out: dict = {f"vllm_output_cpu_us_per_token_{c}": round(base[c]["us_per_token"], 2) for c in sizes}
-    out.update({f"synthetic_core_us_per_token_{c}": round(base[c]["core_us_per_token"], 2) for c in sizes})
+    out: dict = {"repeats": args.repeats}
     try:
         measure(fleet, min(8, max(sizes)), 32, 1)  # warm-up: the first requests import and compile paths
         for c in sizes:
-            m = measure(fleet, c, args.tokens, -(-max(sizes) // c))  # as many tokens at each concurrency
-            shard_us = 1e6 * m["shard_cpu_s"] / m["tokens"]
-            client_us = 1e6 * m["client_cpu_s"] / m["tokens"]
-            core_us = base[c]["core_us_per_token"]  # the stand-in engine core's own, at this concurrency
-            fleet_us = shard_us - core_us + client_us
-            out[f"max_tokens_per_s_{c}"] = round(m["tokens"] / m["wall_s"])
+            rounds = max(1, -(-args.min_tokens // (c * args.tokens)))
+            base, runs = [], []
+            for _ in range(args.repeats):  # the two sides in turn: what drifts on the machine moves both alike
+                base.append(output_processing_cpu_s(model, c, args.tokens))  # vLLM's alone, this process
+                runs.append(measure(fleet, c, args.tokens, rounds))
+            vllm_us = _median([b["us_per_token"] for b in base])
+            core_us = _median([b["core_us_per_token"] for b in base])  # the stand-in engine core's own
+            shard_us = _median([1e6 * m["shard_cpu_s"] / m["tokens"] for m in runs])
+            client_us = _median([1e6 * m["client_cpu_s"] / m["tokens"] for m in runs])
+            fleet_us = _median([1e6 * (m["shard_cpu_s"] + m["client_cpu_s"]) / m["tokens"] - core_us for m in runs])
+            out[f"vllm_output_cpu_us_per_token_{c}"] = round(vllm_us, 2)
+            out[f"synthetic_core_us_per_token_{c}"] = round(core_us, 2)
+            out[f"max_tokens_per_s_{c}"] = round(_median([m["tokens"] / m["wall_s"] for m in runs]))
             out[f"fleet_cpu_us_per_token_{c}"] = round(fleet_us, 2)
             out[f"shard_cpu_us_per_token_{c}"] = round(shard_us, 2)
             out[f"client_cpu_us_per_token_{c}"] = round(client_us, 2)
+            each_fleet = ", ".join(f"{1e6 * (m['shard_cpu_s'] + m['client_cpu_s']) / m['tokens'] - core_us:.1f}"
+                                   for m in runs)
+            each_vllm = ", ".join(f"{b['us_per_token']:.1f}" for b in base)
             print(f"{c:>4} streams: {out[f'max_tokens_per_s_{c}']:>7} tokens/s, fleet {fleet_us:.1f} us/token "
-                  f"(shard {shard_us:.1f} less core {core_us:.1f}, client {client_us:.1f}; vLLM alone "
-                  f"{base[c]['us_per_token']:.1f})",
-                  flush=True)
+                  f"(shard {shard_us:.1f} less core {core_us:.1f}, client {client_us:.1f}); vLLM alone "
+                  f"{vllm_us:.1f} (medians of {args.repeats}, each {rounds} round(s) of {c} x {args.tokens} tokens; "
+                  f"fleet {each_fleet}; vLLM {each_vllm})", flush=True)
         counters = fleet.client.counters()
         out["polls"], out["submits"] = counters.get("polls"), counters.get("submits")
     finally:
         fleet.shutdown()
         ray_door.shutdown()
     top, one = max(sizes), min(sizes)
-    out[f"fleet_vs_vllm_cpu_per_token_{top}"] = round(out[f"fleet_cpu_us_per_token_{top}"] / base[top]["us_per_token"], 3)
+    out[f"fleet_vs_vllm_cpu_per_token_{top}"] = round(out[f"fleet_cpu_us_per_token_{top}"] / out[f"vllm_output_cpu_us_per_token_{top}"], 3)
     out[f"cpu_per_token_{top}_vs_{one}"] = round(out[f"fleet_cpu_us_per_token_{top}"] / out[f"fleet_cpu_us_per_token_{one}"], 3)
     print(json.dumps(out))
 

@@ -154,7 +154,7 @@ class Dispatcher:
         self._suspects = SuspectBook(wait_bound_s=request_timeout_s)
         self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
         self._batcher = ServeBatcher(view)  # plain calls ready at once for one shard go as one
-        self._taps = Taps(view, self._clock.now)  # watched requests: one poll per shard for all of them
+        self._taps = Taps(view)  # watched requests: one poll per shard for all of them
         self._live: dict[int, _Pending] = {}  # every request from its acceptance to its end (by object: ids may repeat)
 
     # -- accounting ----------------------------------------------------------------

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, Callable, Hashable
+from collections import deque
+from typing import Any, Hashable
 
 from rlfleet.fleet.data.batch import ServeBatcher
 from rlfleet.fleet.outcome import ERROR, OK, TIMED_OUT, Outcome, answer_outcome
@@ -29,21 +30,48 @@ POLL_WAIT_S = 1.0  # a poll with nothing to answer comes back empty after this l
 POLL_SLACK_S = 10.0  # and its call's own deadline is this much later (Ray's and the shard's delays)
 
 
+class _Inbox:
+    """One watched request's ``Outcome``s as its poll brings them: put without waiting, taken in order."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: Any) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
+_TIMED_OUT = object()  # put in a request's inbox when its time ran out
+
+
 class _Tap:
     """The watched requests on one shard, and the poll that feeds them."""
 
     def __init__(self, taps: "Taps", key: Hashable, handle: Any) -> None:
         self._taps, self.key, self.handle = taps, key, handle
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.queues: dict[str, _Inbox] = {}
         self._poll: asyncio.Future | None = None
 
-    def watch(self, request_id: str) -> asyncio.Queue:
-        q = self.queues[request_id] = asyncio.Queue()
+    def watch(self, request_id: str) -> _Inbox:
+        q = self.queues[request_id] = _Inbox()
         if self._poll is None:
             self._poll = asyncio.ensure_future(self._polling())
         return q
 
-    def unwatch(self, request_id: str, q: asyncio.Queue) -> None:
+    def unwatch(self, request_id: str, q: _Inbox) -> None:
         """Stop feeding ``q`` (an attempt's generator may close after the next attempt of its request began
         watching the same shard: that one's queue stays)."""
         if self.queues.get(request_id) is q:
@@ -51,7 +79,7 @@ class _Tap:
 
     def _fail_all(self, out: Outcome) -> None:
         for q in self.queues.values():
-            q.put_nowait(out)
+            q.put(out)
 
     async def _polling(self) -> None:
         door = self._taps.view.door
@@ -64,7 +92,7 @@ class _Tap:
                     for request_id, item in out.value:
                         q = self.queues.get(request_id)
                         if q is not None:  # one that ended here or was given up on: nobody waits for it
-                            q.put_nowait(answer_outcome(item, out.elapsed_s))
+                            q.put(answer_outcome(item, out.elapsed_s))
                 elif out.kind != TIMED_OUT:  # the shard failed: so did every request watched there
                     self._fail_all(out)
                     return
@@ -79,10 +107,9 @@ class _Tap:
 class Taps:
     """One client's taps, by shard (``key``: its slot and incarnation)."""
 
-    def __init__(self, view: Any, clock: Callable[[], float]) -> None:
+    def __init__(self, view: Any) -> None:
         self.view = view  # its ``door`` carries the calls
         self.id = uuid.uuid4().hex  # the shards' outboxes know this client by it
-        self._clock = clock
         self._taps: dict[Hashable, _Tap] = {}
         self._submits = ServeBatcher(view, one=None, many="submit", lead=(self.id,))
         self.polls = 0  # take_output calls answered or failed
@@ -102,24 +129,21 @@ class Taps:
         if tap is None:
             tap = self._taps[key] = _Tap(self, key, handle)
         q = tap.watch(request_id)
+        timer = asyncio.get_running_loop().call_later(timeout, q.put, _TIMED_OUT)  # (one timer, not one per chunk)
         try:
-            deadline = self._clock() + timeout
             started = await self._submits.serve(key, handle, wire, timeout)
             if not started.ok:  # refused as malformed, or the shard could not take it
                 yield started
                 return
             while True:
-                if q.empty():
-                    try:  # (``asyncio.timeout``, not ``wait_for``: no task made per chunk)
-                        async with asyncio.timeout(max(0.0, deadline - self._clock())):
-                            out = await q.get()
-                    except TimeoutError as exc:
-                        yield Outcome(TIMED_OUT, error=exc, elapsed_s=timeout)
-                        return
-                else:
-                    out = q.get_nowait()
+                out = await q.get()
+                if out is _TIMED_OUT:
+                    yield Outcome(TIMED_OUT, error=TimeoutError(f"request {request_id} did not end within {timeout:g} s"),
+                                  elapsed_s=timeout)
+                    return
                 yield out
                 if not (out.kind == OK and isinstance(out.value, Chunk)):
                     return
         finally:
+            timer.cancel()
             tap.unwatch(request_id, q)

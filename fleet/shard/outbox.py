@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import replace
-from itertools import chain
 from typing import Any, Callable
 
 from rlfleet.fleet.types import Chunk, Piece
@@ -35,43 +33,49 @@ def _loop_time() -> float:
     return asyncio.get_running_loop().time()
 
 
-def _joined(held: list[tuple[int, Piece]]) -> tuple[Piece, ...]:
-    """The held pieces labelled with their versions, each run that only adds tokens (same completion and version,
-    no top logprobs, version labels or prompt logprobs) as one piece: an answer carries about one piece per
-    request and completion, whatever the engine steps between two answers were."""
-    out: list[Piece] = []
-    run: list[Piece] = []
-    at = 0  # the run's version
+class _Run:
+    """Pieces of one completion made at one version, joined as they are offered: an answer carries about one
+    piece per request and completion, whatever the engine steps between two answers were (with n > 1, the
+    completions' runs side by side: each one's pieces in order, not interleaved). A piece with prompt
+    logprobs starts a run; one whose top logprobs are present where the run's are not (or the reverse), or
+    whose completion or version differs, starts the next; a completion's last piece (its finish reason and
+    the engine's spans) ends it."""
 
-    def flush() -> None:
-        if run:
-            out.append(_one(run, at))
-            run.clear()
+    __slots__ = ("index", "version", "tokens", "logprobs", "text", "tops", "finish", "stop", "spans", "prompt_lps")
 
-    for version, piece in held:
-        plain = piece.top_logprobs is None and piece.spans is None and piece.prompt_logprobs is None
-        if plain and run and run[0].index == piece.index and at == version:
-            run.append(piece)
-            if piece.finish_reason is not None:  # a completion's last piece ends its run
-                flush()
-            continue
-        flush()
-        if plain and piece.finish_reason is None:
-            run.append(piece)
-            at = version
-        else:
-            out.append(replace(piece, version=version))
-    flush()
-    return tuple(out)
+    def __init__(self, piece: Piece, version: int) -> None:
+        self.index, self.version = piece.index, version
+        self.tokens, self.logprobs, self.text = list(piece.token_ids), list(piece.logprobs), [piece.text]
+        self.tops = None if piece.top_logprobs is None else list(piece.top_logprobs)
+        self.finish, self.stop, self.spans = piece.finish_reason, piece.stop_reason, piece.spans
+        self.prompt_lps = piece.prompt_logprobs
+
+    def join(self, piece: Piece, version: int) -> bool:
+        """Add ``piece`` if it goes on this run."""
+        if (self.finish is not None or piece.index != self.index or version != self.version
+                or piece.prompt_logprobs is not None or (piece.top_logprobs is None) != (self.tops is None)):
+            return False
+        self.tokens += piece.token_ids
+        self.logprobs += piece.logprobs
+        self.text.append(piece.text)
+        if self.tops is not None:
+            self.tops += piece.top_logprobs  # type: ignore[arg-type]
+        if piece.finish_reason is not None:
+            self.finish, self.stop, self.spans = piece.finish_reason, piece.stop_reason, piece.spans
+        return True
+
+    def piece(self) -> Piece:
+        return Piece(self.index, tuple(self.tokens), tuple(self.logprobs), "".join(self.text), self.version,
+                     None if self.tops is None else tuple(self.tops), self.finish, self.stop, self.spans,
+                     self.prompt_lps)
 
 
-def _one(run: list[Piece], version: int) -> Piece:
-    first, last = run[0], run[-1]
-    if len(run) == 1:
-        return replace(first, version=version)
-    return Piece(first.index, tuple(chain.from_iterable([p.token_ids for p in run])),
-                 tuple(chain.from_iterable([p.logprobs for p in run])), "".join([p.text for p in run]), version, None,
-                 last.finish_reason, last.stop_reason)
+def _last_of(runs: list[_Run], index: int) -> _Run | None:
+    """The last run of completion ``index`` (the last run, with one completion)."""
+    for run in reversed(runs):
+        if run.index == index:
+            return run
+    return None
 
 
 class Outbox:
@@ -79,7 +83,7 @@ class Outbox:
 
     def __init__(self, clock: Callable[[], float] = _loop_time) -> None:
         self._clock = clock
-        self._held: dict[str, list[tuple[int, Piece]]] = {}  # request id -> (version, piece) not yet taken
+        self._held: dict[str, list[_Run]] = {}  # request id -> its output not yet taken
         self._held_interval = math.inf  # the smallest interval of the requests that hold output
         self._prompts: dict[str, tuple[int, ...]] = {}  # request id -> prompt ids, with its first chunk
         self._intervals: dict[str, float] = {}  # request id -> its interval, while it runs
@@ -96,15 +100,18 @@ class Outbox:
     def offer(self, request_id: str, pieces: list[Piece], prompt: tuple[int, ...] | None, version: int,
               urgent: bool) -> None:
         """``request_id``'s new output, made at weight ``version`` (``prompt``: the prompt's ids, with its first
-        output; ``urgent``: a caller waits on it, send it now). Kept as it came; labelled and joined when taken."""
+        output; ``urgent``: a caller waits on it, send it now). Joined to what the request holds (``_Run``)."""
         wake = urgent
-        if request_id not in self._held:  # only what moves the answer's due time earlier wakes the taker
+        held = self._held.get(request_id)
+        if held is None:  # only what moves the answer's due time earlier wakes the taker
             interval = self._intervals.get(request_id, 0.0)
             wake = wake or interval < self._held_interval
             self._held_interval = min(self._held_interval, interval)
-        held = self._held.setdefault(request_id, [])
+            held = self._held[request_id] = []
         for piece in pieces:
-            held.append((version, piece))
+            last = _last_of(held, piece.index)
+            if last is None or not last.join(piece, version):
+                held.append(_Run(piece, version))
         if prompt is not None:
             self._prompts[request_id] = prompt
         self._urgent = self._urgent or urgent
@@ -173,8 +180,8 @@ class Outbox:
             self.polled_at = self._clock()
 
     def _answer(self, now: float) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = [(rid, Chunk(_joined(pieces), self._prompts.pop(rid, None)))
-                                      for rid, pieces in self._held.items()]  # fmt: skip
+        out: list[tuple[str, Any]] = [(rid, Chunk(tuple([run.piece() for run in runs]), self._prompts.pop(rid, None)))
+                                      for rid, runs in self._held.items()]  # fmt: skip
         out += self._ends
         self._held, self._ends, self._urgent, self._last, self._held_interval = {}, [], False, now, math.inf
         return out

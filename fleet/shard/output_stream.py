@@ -53,24 +53,31 @@ class OutputStream:
         self.prompt_logprobs: PromptLogprobs | None = None  # the engine's, when the sampling asked for them
 
     async def run(self, cache_salt: str | None) -> None:
+        emit, keep = self._emit, self._keep
         async for pieces in self._backend.stream(self._tokens, self._sampling, self._rid, cache_salt,
-                                                 final_only=self._emit is None):
-            made, cut = [], False
+                                                 final_only=emit is None):
             version = self._version()  # what the engine was stamped with as these tokens arrived
-            for piece in pieces:
-                piece, cut = self._seamed(piece)
-                made.append(self._keep(piece, version))
-                if cut:
-                    break
-            if self._emit is not None and made:
-                self._emit(made, tuple(self._tokens) if self._first else None, version)
+            cut = False
+            if self._seam is None:  # (per token: the plain path first)
+                made = pieces
+                for piece in pieces:
+                    keep(piece, version)
+            else:
+                made = []
+                for piece in pieces:
+                    piece, cut = self._seamed(piece)
+                    made.append(keep(piece, version))
+                    if cut:
+                        break
+            if emit is not None and made:
+                emit(made, tuple(self._tokens) if self._first else None, version)
                 self._first = False
             if cut:  # a stop string across the seam ended it: the engine stops too
                 await self._backend.abort([self._rid])
                 return
 
     def _seamed(self, piece: Piece) -> tuple[Piece, bool]:
-        if self._seam is None or piece.index != 0:
+        if self._seam is None or piece.index != 0:  # (a continued request's first completion only)
             return piece, False
         text, stop = self._seam.feed(piece.text, last=piece.finish_reason is not None)
         if stop is None:
@@ -80,7 +87,9 @@ class OutputStream:
     def _keep(self, piece: Piece, version: int) -> Piece:
         if piece.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = piece.prompt_logprobs
-        o = self._outs.setdefault(piece.index, _Out())
+        o = self._outs.get(piece.index)
+        if o is None:
+            o = self._outs[piece.index] = _Out()
         if piece.token_ids:
             o.starts.append((version, len(o.tokens)))
         o.tokens += piece.token_ids

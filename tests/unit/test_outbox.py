@@ -135,11 +135,10 @@ class View:
 
 def test_a_dead_shards_poll_ends_every_request_watched_there_and_a_timed_out_poll_is_sent_again():
     async def go():
-        loop = asyncio.get_running_loop()
         door = PollDoor([Outcome(TIMED_OUT, error=TimeoutError("poll lost in transit")),
                          Outcome(OK, value=[("a", Chunk((piece(5),), (9,)))]),
                          Outcome(DIED, error=RuntimeError("actor died"))])
-        taps = Taps(View(door), loop.time)
+        taps = Taps(View(door))
 
         async def watch(rid):
             return [o async for o in taps.stream((0, 1), "h", rid, b"request", 60.0)]
@@ -154,10 +153,9 @@ def test_a_dead_shards_poll_ends_every_request_watched_there_and_a_timed_out_pol
 
 def test_an_attempt_that_closes_late_does_not_stop_the_next_attempt_of_its_request_on_the_same_shard():
     async def go():
-        loop = asyncio.get_running_loop()
         door = PollDoor([Outcome(OK, value=[("r", result("r", (1,)))]), Outcome(OK, value=[]),
                          Outcome(OK, value=[("r", result("r", (2,)))])])
-        taps = Taps(View(door), loop.time)
+        taps = Taps(View(door))
         first = taps.stream((0, 1), "h", "r", b"request", 60.0)
         got = [await first.__anext__()]  # its result: the dispatcher stops there, the generator not closed yet
 
@@ -191,6 +189,30 @@ def test_an_answer_joins_a_requests_pieces_by_version_and_labels_them_with_the_v
     assert [len(p.logprobs) for p in chunk.pieces] == [3, 2]
 
 
+def test_top_logprobs_and_each_completion_of_n_join_in_their_own_runs_and_prompt_logprobs_start_one():
+    def top(index: int, token: int, **kw) -> Piece:
+        return Piece(index, (token,), (-0.5,), f"<{token}>", 0, top_logprobs=({token: -0.5},), **kw)
+
+    async def go():
+        box = Outbox()
+        box.start("r", 0.05)
+        box.offer("r", [top(0, 1, prompt_logprobs=(None,)), top(1, 11, prompt_logprobs=(None,))], (9,), 2, False)
+        box.offer("r", [top(0, 2), top(1, 12)], None, 2, urgent=False)  # n = 2: one piece of each per step
+        box.offer("r", [piece(3)], None, 2, urgent=False)  # no top logprobs where the run has them: a new run
+        box.offer("r", [top(1, 13, finish_reason="stop", spans=((2, 0, 3),))], None, 2, urgent=False)
+        box.offer("r", [top(1, 14)], None, 2, urgent=False)  # after its completion's last piece: a run of its own
+        box.hurry()
+        return await box.take(1.0)
+
+    ((_, chunk),) = run_virtual(go())
+    assert [(p.index, p.token_ids, p.text, p.finish_reason, p.spans, p.prompt_logprobs is not None)
+            for p in chunk.pieces] == [
+        (0, (1, 2), "<1><2>", None, None, True), (1, (11, 12, 13), "<11><12><13>", "stop", ((2, 0, 3),), True),
+        (0, (3,), "<3>", None, None, False), (1, (14,), "<14>", None, None, False)]
+    assert [p.top_logprobs for p in chunk.pieces][:2] == [({1: -0.5}, {2: -0.5}), ({11: -0.5}, {12: -0.5}, {13: -0.5})]
+    assert chunk.pieces[2].top_logprobs is None and {p.version for p in chunk.pieces} == {2}
+
+
 def test_a_streamed_requests_output_is_not_held_to_a_slower_requests_interval():
     """A long request nobody streams (interval 0.25 s) holds output first; a streamed one (0.05 s) then makes
     some: the answer leaves on the streamed one's interval, not the other's."""
@@ -215,7 +237,7 @@ def test_a_streamed_requests_output_is_not_held_to_a_slower_requests_interval():
 def test_a_poll_whose_answer_cannot_be_read_ends_what_waits_there_instead_of_leaving_it_hanging():
     async def go():
         loop = asyncio.get_running_loop()
-        taps = Taps(View(PollDoor([Outcome(OK, value=None)])), loop.time)  # not a list of (id, item)
+        taps = Taps(View(PollDoor([Outcome(OK, value=None)])))  # not a list of (id, item)
         outs = [o async for o in taps.stream((0, 1), "h", "r", b"request", 60.0)]
         return outs, loop.time()
 
