@@ -313,6 +313,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"rlfleet serve: error: {exc}", file=sys.stderr)
             return 2
+        from rlfleet.fleet.gc_heap import freeze_started_heap
+
+        freeze_started_heap()  # as ``vllm serve`` once it listens
         print(json.dumps({"serving": server.url, "fleet": fleet.name, "model": server.model_name,
                           "started_fleet": owned}), flush=True)
         while not stop.wait(0.5):

@@ -22,10 +22,10 @@ from vllm import SamplingParams
 from vllm.outputs import STREAM_FINISHED, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.tokenizers import cached_get_tokenizer
-from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
 
+from rlfleet.fleet.gc_heap import freeze_started_heap
 from rlfleet.fleet.shard.token_rate import SyntheticCore, engine_request, process_step, text_token_ids
 
 
@@ -81,11 +81,11 @@ def output_processing_cpu_s(model_dir: str, requests: int, tokens_per_request: i
     this process (``cpu_s``, the synthetic core's share taken out: ``core_cpu_s``), the tokens and µs per token.
     ``logprobs``: per token, as the shard asks (0: the sampled token's; k: and the top k; None: none);
     ``final_only``: one output per request (``FINAL_ONLY``) instead of a delta per step. Runs its own event loop,
-    after freezing this process's collector heap as ``vllm serve`` does (``freeze_gc_heap``)."""
+    after freezing this process's collector heap as ``vllm serve`` does (``fleet.gc_heap``)."""
     if requests <= 0 or tokens_per_request <= 0 or prompt_len <= 0:
         raise ValueError("requests, tokens_per_request and prompt_len must be > 0")
     tokenizer = cached_get_tokenizer(model_dir)
-    freeze_gc_heap()  # as ``vllm serve``'s API server does once it is up (and a shard once its engine is)
+    freeze_started_heap()  # as ``vllm serve``'s API server does once it is up (and a shard once its engine is)
     core = SyntheticCore(text_token_ids(tokenizer), requests, prompt_len + tokens_per_request + 1, 16)
     processor = OutputProcessor(tokenizer, log_stats=True)  # vllm serve logs stats unless told not to
     kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from rlfleet.fleet.shard.backend import BackendCapabilities, PauseMode, confirmed
 from rlfleet.fleet.errors import BadRequestError, CacheResetFailed, EngineCrashedError
+from rlfleet.fleet.gc_heap import freeze_started_heap
 from rlfleet.fleet.types import field_with_invalid_text
 from rlfleet.fleet.types import EngineStats, Piece, PromptLogprobs
 
@@ -115,13 +116,7 @@ class VllmBackend:
             building.add_done_callback(_shut_down_late)
             raise
         self._engine = engine
-        # What ``vllm serve`` does once its engine is up (``freeze_gc_heap``): the start's objects (vLLM, torch,
-        # the tokenizer) leave the collector's generations, so the collections that the output path's
-        # allocations set off no longer walk them. A shard serves one engine for its life: nothing frozen here
-        # was to be freed. Measured on the token-rate engine: a fifth of the shard's CPU per token.
-        from vllm.utils.gc_utils import freeze_gc_heap
-
-        freeze_gc_heap()
+        freeze_started_heap()  # as ``vllm serve`` once its engine is up (a shard serves one engine for its life)
         cache = engine.vllm_config.cache_config
         # vLLM's block pool keeps one block back (its null block): usable tokens are one block fewer.
         self._stats.kv_cache_tokens = int(max(0, (cache.num_gpu_blocks or 0) - 1) * cache.block_size)
