@@ -96,10 +96,6 @@ def measure(fleet: Fleet, concurrency: int, tokens: int, rounds: int) -> dict:
     return {"tokens": made, "wall_s": wall, "shard_cpu_s": shard_s, "client_cpu_s": client_s}
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=512)
@@ -122,14 +118,14 @@ def main() -> None:
             for _ in range(args.repeats):  # the two sides in turn: what drifts on the machine moves both alike
                 base.append(output_processing_cpu_s(model, c, args.tokens))  # vLLM's alone, this process
                 runs.append(measure(fleet, c, args.tokens, rounds))
-            vllm_us = _median([b["us_per_token"] for b in base])
-            core_us = _median([b["core_us_per_token"] for b in base])  # the stand-in engine core's own
-            shard_us = _median([1e6 * m["shard_cpu_s"] / m["tokens"] for m in runs])
-            client_us = _median([1e6 * m["client_cpu_s"] / m["tokens"] for m in runs])
-            fleet_us = _median([1e6 * (m["shard_cpu_s"] + m["client_cpu_s"]) / m["tokens"] - core_us for m in runs])
+            vllm_us = statistics.median([b["us_per_token"] for b in base])
+            core_us = statistics.median([b["core_us_per_token"] for b in base])  # the stand-in engine core's own
+            shard_us = statistics.median([1e6 * m["shard_cpu_s"] / m["tokens"] for m in runs])
+            client_us = statistics.median([1e6 * m["client_cpu_s"] / m["tokens"] for m in runs])
+            fleet_us = statistics.median([1e6 * (m["shard_cpu_s"] + m["client_cpu_s"]) / m["tokens"] - core_us for m in runs])
             out[f"vllm_output_cpu_us_per_token_{c}"] = round(vllm_us, 2)
             out[f"synthetic_core_us_per_token_{c}"] = round(core_us, 2)
-            out[f"max_tokens_per_s_{c}"] = round(_median([m["tokens"] / m["wall_s"] for m in runs]))
+            out[f"max_tokens_per_s_{c}"] = round(statistics.median([m["tokens"] / m["wall_s"] for m in runs]))
             out[f"fleet_cpu_us_per_token_{c}"] = round(fleet_us, 2)
             out[f"shard_cpu_us_per_token_{c}"] = round(shard_us, 2)
             out[f"client_cpu_us_per_token_{c}"] = round(client_us, 2)
