@@ -123,7 +123,7 @@ def spawn_shard(config: EngineConfig, slot: int, incarnation: int, weight_versio
         opts.update(name=name, namespace=NAMESPACE, lifetime="detached")
     opts.update(options)
     return _shard_actor_class().options(**opts).remote(config.model_dump(), slot, incarnation, weight_version,
-                                                       node_id=current_node_id)
+                                                       node_id=current_node_id, node_ip=current_node_ip)
 
 
 _SHARD_CLS = None
@@ -186,6 +186,17 @@ def actor_state(handle) -> str:
         return str(state.actors(actor_id=handle._actor_id.hex()).get("State", "UNKNOWN"))
     except Exception:  # noqa: BLE001 - a debugging API: never let it break a caller
         return "UNKNOWN"
+
+
+def current_node_ip() -> str | None:
+    """The address of the Ray node this process runs on (where a shard's data links listen: ``fleet.link``), or
+    None outside Ray."""
+    if not ray.is_initialized():
+        return None
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - no address: no links, the data path stays on actor calls
+        return None
 
 
 def current_node_id() -> str | None:

@@ -182,7 +182,7 @@ class FleetClient(_Client):
         return Dispatcher(self, self.log, self.config.request_timeout_s, self.config.max_redispatch, id_prefix=self.name,
                           poison_window_s=self.config.poison_window_s, continuation=self.config.continuation,
                           stream_interval_s=self.config.stream_interval_s, hold_interval_s=self.config.hold_interval_s,
-                          stream_min_tokens=self.config.stream_min_tokens)
+                          stream_min_tokens=self.config.stream_min_tokens, data_link=self.config.data_link)
 
     def _run(self, coro, timeout: float):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -349,6 +349,7 @@ class FleetClient(_Client):
             return
         self._closed = True
         try:
+            self._loop.call_soon_threadsafe(self.dispatcher.close_links)  # the shards abort what still ran there
             self._run(self._cancel_all(), 10)
         except Exception:  # noqa: BLE001 - closing must not raise
             pass

@@ -36,7 +36,6 @@ from typing import Any, Callable, Protocol
 from rlfleet.fleet.errors import BadRequestError, RouteRefused
 from rlfleet.fleet.eventlog import EventLog
 from rlfleet.fleet.outcome import DIED, ERROR, TIMED_OUT, Outcome
-from rlfleet.fleet.data.batch import ServeBatcher
 from rlfleet.fleet.data.taps import Taps
 from rlfleet.fleet.data.poison import POISON, POISON_DEATHS, PoisonMemory, Suspicion, actor_took_down, fingerprint, took_down
 from rlfleet.fleet.records import Request
@@ -113,7 +112,7 @@ class Dispatcher:
         self, view: FleetView, log: EventLog, request_timeout_s: float, max_redispatch: int,
         clock: Clock | None = None, rng: random.Random | None = None, id_prefix: str = "req",
         poison_window_s: float = 600.0, continuation: bool = True, stream_interval_s: float = 0.05,
-        stream_min_tokens: int = 32, hold_interval_s: float | None = None,
+        stream_min_tokens: int = 32, hold_interval_s: float | None = None, data_link: bool = False,
     ) -> None:
         self._view = view
         self._clock = clock or MonotonicClock()
@@ -153,9 +152,12 @@ class Dispatcher:
         # for a shard it may run on moves its deadline on, by at most one more request timeout
         self._suspects = SuspectBook(wait_bound_s=request_timeout_s)
         self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
-        self._batcher = ServeBatcher(view)  # plain calls ready at once for one shard go as one
-        self._taps = Taps(view)  # watched requests: one poll per shard for all of them
+        self._taps = Taps(view, data_link)  # a data link per shard, or one poll per shard for its watched requests
         self._live: dict[int, _Pending] = {}  # every request from its acceptance to its end (by object: ids may repeat)
+
+    def close_links(self) -> None:
+        """Close this client's data links (``fleet.data.taps``): its client is closing."""
+        self._taps.close()
 
     # -- accounting ----------------------------------------------------------------
     @property
@@ -172,9 +174,11 @@ class Dispatcher:
             "refused": dict(self.refused),
             "tokens_reused": self.tokens_reused,
             "tokens_discarded": self.tokens_discarded,
-            "batched": self._batcher.batched,  # requests sent in a serve_many with others (``fleet.data.batch``)
+            "batched": self._taps.batched,  # requests sent in a serve_many with others (``fleet.data.batch``)
             "submits": self._taps.submits,  # calls that started watched requests (``fleet.data.taps``)
             "polls": self._taps.polls,  # take_output calls: every watched request's output on a shard at once
+            "links": self._taps.links,  # data links opened (``fleet.link``): requests and output with no actor call
+            "link_answers": self._taps.answers,  # output answers over them: every request's output on a shard at once
         }
 
     def load(self) -> dict[int, int]:
@@ -374,9 +378,9 @@ class Dispatcher:
     async def _send(self, m: Member, request: ServeRequest, p: _Pending, sampling: dict, deadline: float):
         """The shard's answer to one attempt as ``Outcome``s: its chunks as they come and then its result (a
         request watched as it runs: a streaming caller, or one longer than ``stream_min_tokens``, whose output
-        this client holds against its engine's death; every watched request on that shard shares one poll:
-        ``fleet.data.taps``), or, for a short request with no streaming caller, the one plain call's result
-        (sent with this client's other plain calls for that shard that are ready at once: ``fleet.data.batch``).
+        this client holds against its engine's death), or, for a short request with no streaming caller, its
+        result alone; over the shard's data link, or by actor calls shared with this client's other requests
+        for that shard (``fleet.data.taps``).
         The request goes on the wire as its bytes (``fleet.wire``); one that cannot is the caller's bad request."""
         try:
             wire = request.encode()
@@ -384,12 +388,9 @@ class Dispatcher:
             yield Outcome(ERROR, error=exc)
             return
         timeout = max(1.0, deadline - self._clock.now())
-        key = (m.slot, m.incarnation)
-        if p.out.on_tokens is not None or p.out.budget(sampling) > self._stream_min:
-            async for out in self._taps.stream(key, m.handle, p.request_id, wire, timeout):
-                yield out
-            return
-        yield await self._batcher.serve(key, m.handle, wire, timeout)
+        watched = p.out.on_tokens is not None or p.out.budget(sampling) > self._stream_min
+        async for out in self._taps.stream((m.slot, m.incarnation), m.handle, p.request_id, wire, timeout, watched):
+            yield out
 
     async def _refused(self, p: _Pending, m: Member, state: RoutingState, deadline: float,
                        error: RouteRefused) -> FleetResult | None:

@@ -79,10 +79,13 @@ class EngineShard(TapMethods, PeerCopyMethods):
         weight_version: int = 0,
         backend_factory: BackendFactory | None = None,
         node_id: Callable[[], str | None] | None = None,
+        node_ip: Callable[[], str | None] | None = None,
     ) -> None:
         self.config = config if isinstance(config, EngineConfig) else EngineConfig.model_validate(config)
         # where this shard runs, asked of its door (``fleet.cluster.ray_door`` passes Ray's node id; none outside Ray)
         self._where = node_id or (lambda: None)
+        self._node_ip = node_ip or (lambda: None)  # where its data links listen (``open_link``; none outside Ray)
+        self._link = None
         os.environ.update(self.config.process_env())
         self.slot = slot
         self.incarnation = incarnation
@@ -357,7 +360,7 @@ class EngineShard(TapMethods, PeerCopyMethods):
         return result
 
     # one per request, batch or answer: Ray records no task events for them (``ray_door``)
-    DATA_PLANE_METHODS = ("serve", "serve_many", "submit", "take_output")
+    DATA_PLANE_METHODS = ("serve", "serve_many", "submit", "take_output", "open_link")
 
     async def serve(self, request: bytes) -> GenerationResult:
         """One plain call's request: the whole result (a short request nobody watches: ``stream_min_tokens``).

@@ -5,9 +5,10 @@ refit's calls. ``self`` is the ``EngineShard``."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Callable
 
 from rlfleet.fleet.errors import BadRequestError
+from rlfleet.fleet.shard.link_server import LinkServer
 from rlfleet.fleet.shard.outbox import Outbox, Outboxes
 from rlfleet.fleet.types import Chunk, Piece
 from rlfleet.fleet.wire import ServeRequest, decode_request
@@ -17,6 +18,8 @@ class TapMethods:
     _outboxes: Outboxes
     _tasks: set[asyncio.Future]
     _hooks: Any
+    _link: LinkServer | None
+    _node_ip: Callable[[], str | None]
 
     # what the shard itself provides (``EngineShard``'s own methods come first in its MRO)
     def _who(self) -> str:
@@ -32,12 +35,18 @@ class TapMethods:
         """Start requests whose output the client ``tap`` takes as it comes (``take_output``; see
         ``fleet.shard.outbox``): each item True once started, or the ``BadRequestError`` that refused it. Every
         started request ends in the outbox, with its result or the exception its run raised (a refusal too)."""
+        return self.submit_on(tap, requests)
+
+    def submit_on(self, tap: str, requests: list[bytes], watched: list[bool] | None = None,
+                  started: set[str] | None = None) -> list[bool | BaseException]:
+        """``submit``, also for a data link (``fleet.shard.link_server``): ``watched[i]`` False runs request i
+        with no output until its end (a plain call's request); ``started`` collects the ids started."""
         for rid in self._outboxes.orphans():  # clients that stopped taking: their requests stop
             self._spawn(self._abort_quietly([rid]))
         self._outboxes.idle()
         box = self._outboxes.open(tap)
         answers: list[bool | BaseException] = []
-        for wire in requests:
+        for i, wire in enumerate(requests):
             try:
                 r = decode_request(wire)
                 if r.request_id is None:
@@ -45,11 +54,23 @@ class TapMethods:
             except BadRequestError as exc:
                 answers.append(exc)
                 continue
-            self._start_tapped(box, r)
+            self._start_tapped(box, r, watched is None or bool(watched[i]))
+            if started is not None:
+                started.add(r.request_id)
             answers.append(True)
         return answers
 
-    def _start_tapped(self, box: Outbox, r: ServeRequest) -> None:
+    async def open_link(self) -> tuple[str, int, bytes] | None:
+        """Where this shard takes data links (``fleet.link``): its address, port and the links' secret; None
+        where it takes none (outside Ray). Listens from the first call on."""
+        if self._link is None:
+            host = self._node_ip()
+            if host is None:
+                return None
+            self._link = LinkServer(self, host)
+        return await self._link.address()
+
+    def _start_tapped(self, box: Outbox, r: ServeRequest, watched: bool = True) -> None:
         rid = r.request_id
         assert rid is not None
         box.start(rid, r.interval_s)
@@ -62,7 +83,8 @@ class TapMethods:
             box.end(rid, asyncio.CancelledError(f"request {rid} was cancelled on {self._who()}") if run.cancelled()
                     else (run.exception() or run.result()))
 
-        run = self._spawn(self._run(r.prompt, r.sampling, rid, r.cache_salt, None, r.ticket(), r.carried, emit))
+        run = self._spawn(self._run(r.prompt, r.sampling, rid, r.cache_salt, None, r.ticket(), r.carried,
+                                    emit if watched else None))
         run.add_done_callback(ended)
 
     def _spawn(self, work) -> asyncio.Future:

@@ -5,8 +5,9 @@ the result's completion, of its whole budget, and the requests that ran on the k
 the tokens they held (continued, their tokens reused, not generated again). The kill is proven to have
 fired: the slot's incarnation died and was replaced, and its requests were in flight there when it did.
 
-All of them share one poll per client and shard (``fleet.data.taps``): the test also reads that the client
-made a few hundred polls, not one message per request and answer.
+All of them share one data link per client and shard (``fleet.link``), whose answers carry every request's
+output at once: the test also reads that the client took its output over the links, a few hundred answers
+(not one message per request and answer), and made no poll by actor call.
 """
 
 from __future__ import annotations
@@ -62,4 +63,5 @@ def test_a_shard_killed_mid_stream_at_256_requests_loses_no_token_and_repeats_no
     wait_for(lambda: {r["slot"]: r["incarnation"] for r in fleet.status()["ledger"]["slots"]}[victim] > before[victim],
              120, 0.2, "the killed slot's replacement")  # fmt: skip
     counters = client.counters()
-    assert counters["polls"] < REQUESTS * 20, counters  # one poll per answer for every request on a shard
+    assert counters["links"] >= 2 and counters["polls"] == 0, counters  # over the links, not by actor calls
+    assert 0 < counters["link_answers"] < REQUESTS * 20, counters  # one answer for every request on a shard

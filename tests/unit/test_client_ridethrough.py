@@ -77,7 +77,7 @@ class ControllerDoor(FakeDoor):
 def config(**kw) -> SimpleNamespace:
     return SimpleNamespace(max_staleness=None, kv_policy="none", request_timeout_s=30.0, max_redispatch=3,
                            poison_window_s=600.0, event_log_path=None, continuation=True,
-                           stream_interval_s=0.05, hold_interval_s=0.25, stream_min_tokens=32, **kw)
+                           stream_interval_s=0.05, hold_interval_s=0.25, stream_min_tokens=32, data_link=False, **kw)
 
 
 def fleet_of(door: ControllerDoor, epoch: int, slots=(0, 1), gate_open: bool = True) -> RoutingState:
