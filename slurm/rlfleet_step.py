@@ -308,6 +308,9 @@ def run_ray_node(role: str, ip: str, base: int, min_wp: int, max_wp: int) -> int
     os.makedirs(temp_dir, exist_ok=True)
     argv = ray_start_argv(role, ip, ports, min_wp, max_wp, temp_dir)
     env = dict(os.environ, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+    # Ray starts its workers at niceness 15 unless told: the engines (Ray workers and their children) would then
+    # yield the CPU to anything else on the node, a colocated trainer included (``fleet.cluster.ray_door``)
+    env.setdefault("RAY_worker_niceness", "0")
     log(f"{role} on {ip}: {' '.join(argv)}")
     main = subprocess.Popen(argv, env=env)
     grace = env_float("RLFLEET_STOP_GRACE_S", 10.0)

@@ -265,6 +265,7 @@ def kill(handle) -> None:
 
 
 LOCAL_MIN_CPUS = 8
+WORKER_NICENESS = "0"  # the engines' priority: their caller's (``init_local``; the Slurm launcher's ``ray start`` too)
 
 
 def init_local(num_cpus: int | None = None, **kwargs) -> None:
@@ -278,6 +279,11 @@ def init_local(num_cpus: int | None = None, **kwargs) -> None:
         return
     if num_cpus is None:
         num_cpus = max(os.cpu_count() or 1, LOCAL_MIN_CPUS)
+    # Ray starts its workers at niceness 15 unless told (``RAY_worker_niceness``, read by the raylet this starts):
+    # the engines, which are Ray workers and their children, would then yield the CPU to everything else on the
+    # machine, a trainer, an HTTP front and their clients included. ``vllm serve``'s engine runs at its caller's
+    # priority; so do rlfleet's (a value the caller set is kept).
+    os.environ.setdefault("RAY_worker_niceness", WORKER_NICENESS)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=kwargs.pop("log_to_driver", True), **kwargs)
 
 

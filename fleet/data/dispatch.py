@@ -174,7 +174,7 @@ class Dispatcher:
             "refused": dict(self.refused),
             "tokens_reused": self.tokens_reused,
             "tokens_discarded": self.tokens_discarded,
-            "batched": self._taps.batched,  # requests sent in a serve_many with others (``fleet.data.batch``)
+            "batched": self._taps.batched,  # requests sent with others: one serve_many or one link frame
             "submits": self._taps.submits,  # calls that started watched requests (``fleet.data.taps``)
             "polls": self._taps.polls,  # take_output calls: every watched request's output on a shard at once
             "links": self._taps.links,  # data links opened (``fleet.link``): requests and output with no actor call

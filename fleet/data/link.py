@@ -1,7 +1,8 @@
 """A client's end of a data link to one shard (``fleet.link``; the shard's end is ``fleet.shard.link_server``).
 
 ``send`` queues a request; every request queued in the same turn of the event loop goes in one submission
-frame. What comes back is told to the link's owner (``fleet.data.taps``): ``started(request_ids, answers)``
+frame (the owner is told ``batched(n)`` of a frame of n > 1). What comes back is told to the link's owner
+(``fleet.data.taps``): ``started(request_ids, answers)``
 for a submission's answers, ``out(items)`` for output as the shard's outbox lets it go, and ``lost(error)``
 once, when the link breaks (the owner decides, by asking Ray, whether the shard died).
 """
@@ -16,6 +17,8 @@ from rlfleet.fleet.link import OPEN_S, LinkError, frame, hello, read_frame
 
 
 class LinkOwner(Protocol):
+    def batched(self, requests: int) -> None: ...
+
     def started(self, request_ids: list[str], answers: list[Any]) -> None: ...
 
     def out(self, items: list[tuple[str, Any]]) -> None: ...
@@ -58,6 +61,8 @@ class Link:
             return
         seq = next(self._seq)
         self._sent[seq] = queued[0]
+        if len(queued[0]) > 1:
+            self._owner.batched(len(queued[0]))
         self._writer.write(frame((seq, queued[1], queued[2])))
 
     async def _read(self) -> None:

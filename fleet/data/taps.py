@@ -117,6 +117,9 @@ class _Tap:
                 q.put(answer_outcome(item, elapsed_s))
 
     # the link's owner (``fleet.data.link.LinkOwner``)
+    def batched(self, requests: int) -> None:
+        self._taps.link_batched += requests
+
     def started(self, request_ids: list[str], answers: list[Any]) -> None:
         self._deliver([(rid, a) for rid, a in zip(request_ids, answers) if a is not True], 0.0)
 
@@ -170,6 +173,7 @@ class Taps:
         self._work: set[asyncio.Future] = set()  # background work (a lost link's reckoning), referenced until done
         self.polls = 0  # take_output calls answered or failed
         self.links = 0  # data links opened
+        self.link_batched = 0  # requests that went in a link's frame with others
         self.answers = 0  # output answers taken over data links (each every request's output that was due)
 
     @property
@@ -178,7 +182,8 @@ class Taps:
 
     @property
     def batched(self) -> int:
-        return self._plain.batched
+        """Requests sent with others in one call or frame (``fleet.data.batch``, ``fleet.data.link``)."""
+        return self._plain.batched + self.link_batched
 
     def keep(self, future: asyncio.Future) -> None:
         self._work.add(future)

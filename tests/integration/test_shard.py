@@ -55,6 +55,19 @@ def test_two_shards_generate_tagged_results(shards, raw_pair):
     assert len(text.prompt_token_ids) > 0 and len(text.completions[0].token_ids) <= 4
 
 
+def test_the_shards_and_their_engine_cores_run_at_their_callers_priority(shards):
+    """Ray starts its workers at niceness 15 unless told; rlfleet's local Ray tells it 0 (``ray_door.init_local``),
+    so an engine competes for the CPU as ``vllm serve``'s does, not behind every other process on the node."""
+    import psutil
+
+    mine = psutil.Process().nice()
+    for shard in shards:
+        pid = ray_door.ask(shard, "describe", timeout=10).pid
+        engine = psutil.Process(pid)
+        family = [engine] + engine.children(recursive=True)  # the shard and its engine core process
+        assert len(family) >= 2 and {p.nice() for p in family} == {mine}, [(p.pid, p.name(), p.nice()) for p in family]
+
+
 def test_pause_keep_holds_in_flight_and_resume_completes_them(shards):
     shard = shards[0]
     pending = [ray_door.submit(shard, "generate", PROMPT, LONG) for _ in range(4)]
