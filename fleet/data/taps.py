@@ -135,7 +135,8 @@ class _Tap:
         self._taps.keep(asyncio.ensure_future(self._after_loss(error)))
 
     async def _after_loss(self, error: BaseException) -> None:
-        out = await self._taps.view.door.call(self.handle, "take_output", self._taps.id, 0.0, timeout=POLL_SLACK_S)
+        # a call that takes nothing (a poll would take output a next link of this client's is owed)
+        out = await self._taps.view.door.call(self.handle, "in_flight", timeout=POLL_SLACK_S)
         self.fail_all(out if not out.ok and out.kind != TIMED_OUT else
                        Outcome(ERROR, error=LinkError(f"the data link to slot {self.key} broke: {error}")))
 

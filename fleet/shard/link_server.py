@@ -8,8 +8,9 @@ per connected client a reader and a pump.
   poll (its fault point ``stream`` included), without the poll. A client that reads slowly holds the pump at
   the socket's buffer and its output joins up in the outbox meanwhile.
 
-A link that ends (the client closed it, died, or broke the protocol) aborts the requests started over it and
-still running: its client gave them up when it lost the link (``fleet.data.taps``).
+Each link has an outbox of its own. A link that ends (the client closed it, died, or broke the protocol) aborts
+the requests started over it and still running: its client gave them up when it lost the link
+(``fleet.data.taps``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class LinkServer:
                 self.refused += 1
                 return
             self.accepted += 1
+            tap = f"{tap}#link{self.accepted}"  # an outbox of its own: a later link of the same client never
+            # shares one with a link whose end the shard has not seen yet (its pump would take the new one's output)
             pump = asyncio.ensure_future(self._pump(tap, writer))
             while True:
                 seq, requests, watched = await read_frame(reader)
