@@ -58,6 +58,14 @@ async def linked_shard(tmp_path, generate_s: float = 0.0) -> tuple[EngineShard, 
     return shard, Taps(View(door), linking=True), door
 
 
+async def until(condition, bound_s: float = 2.0) -> None:
+    """Wait (on the loop) until ``condition()`` holds, at most ``bound_s``; the caller asserts what it needs."""
+    for _ in range(int(bound_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+
+
 async def collect(taps: Taps, rid: str, watched: bool = True, request: bytes | None = None) -> list[Outcome]:
     return [o async for o in taps.stream((0, 1), "h", rid, request or wire(rid, watched), 30.0, watched)]
 
@@ -104,16 +112,10 @@ def test_a_client_that_closes_its_link_has_the_requests_it_started_there_aborted
     async def go():
         shard, taps, _ = await linked_shard(tmp_path, generate_s=30.0)
         running = asyncio.ensure_future(collect(taps, "long"))
-        for _ in range(100):
-            if shard.in_flight():
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: shard.in_flight())
         assert shard.in_flight() == ["long"]
         taps.close()
-        for _ in range(100):
-            if not shard.in_flight():
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: not shard.in_flight())
         left = shard.in_flight()
         ended = await asyncio.wait_for(running, 10.0)
         return left, ended
@@ -127,10 +129,7 @@ def test_a_link_that_breaks_under_a_live_shard_ends_its_requests_with_the_link_e
     async def go():
         shard, taps, door = await linked_shard(tmp_path, generate_s=30.0)
         running = asyncio.ensure_future(collect(taps, "long"))
-        for _ in range(100):
-            if shard.in_flight():
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: shard.in_flight())
         for task in list(shard._link._links):  # the shard's end of the connection goes; the shard lives on
             task.cancel()
         ended = await asyncio.wait_for(running, 10.0)
