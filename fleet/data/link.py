@@ -2,9 +2,9 @@
 
 ``send`` queues a request; every request queued in the same turn of the event loop goes in one submission
 frame (the owner is told ``batched(n)`` of a frame of n > 1). What comes back is told to the link's owner
-(``fleet.data.taps``): ``started(request_ids, answers)``
-for a submission's answers, ``out(items)`` for output as the shard's outbox lets it go, and ``lost(error)``
-once, when the link breaks (the owner decides, by asking Ray, whether the shard died).
+(``fleet.data.taps``): ``started(request_ids, answers)`` for a submission's answers, ``out(items)`` for output
+as the shard's outbox lets it go, and ``lost(error)`` once, when the link breaks (the owner decides, by asking
+Ray, whether the shard died).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ class Link:
         self._sent: dict[int, list[str]] = {}  # submissions not yet answered: seq -> their request ids
         self._queued: tuple[list[str], list[bytes], list[bool]] | None = None
         self.closed = False
-        self.frames_in = 0  # output frames received (each carries every request's output that was due)
         self._reading = asyncio.ensure_future(self._read())
 
     @classmethod
@@ -71,7 +70,6 @@ class Link:
             while True:
                 kind, *rest = await read_frame(self._reader)
                 if kind == "out":
-                    self.frames_in += 1
                     self._owner.out(rest[0])
                 elif kind == "started":
                     seq, answers = rest

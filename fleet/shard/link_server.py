@@ -39,19 +39,13 @@ class LinkServer:
         self.port = 0
         self.accepted = 0  # links opened
         self.refused = 0  # connections whose hello was wrong or late
-        self._links: set[asyncio.Task] = set()
+        self._links: set[asyncio.Task] = set()  # each connection's task, while it runs
 
     async def address(self) -> tuple[str, int, bytes]:
         if self._server is None:
             self._server = await asyncio.start_server(self._serve, self.host, 0)
             self.port = self._server.sockets[0].getsockname()[1]
         return self.host, self.port, self.secret
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._links):
-            task.cancel()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
