@@ -267,7 +267,8 @@ class Counters(Record, array_like=True, frozen=True):
     """``counters``' answer: what the shard admitted and refused (by reason), its gate's word (``member``,
     ``floor``, ``committed``, ``cap``), requests in flight and the most held at once, re-sent ids answered
     again (``deduplicated``), tokens its engine made while paused (``sampled_while_paused``: 0 unless
-    something unpaused it behind its pause's back), ``left`` and who holds it paused."""
+    something unpaused it behind its pause's back), ``left`` and who holds it paused; ``gathered``: watched
+    requests started, by the tokens their engine sent per output (``fleet.shard.stream_pace``)."""
 
     admitted: int
     refused: dict[str, int]
@@ -286,6 +287,7 @@ class Counters(Record, array_like=True, frozen=True):
     sampled_while_paused: int
     refit_hold: int | None
     operator_hold: bool
+    gathered: dict[int, int]
 
 
 class BeginRefit(Record, array_like=True, frozen=True):

@@ -44,10 +44,13 @@ class EngineBackend(Protocol):
         request_id: str,
         cache_salt: str | None = None,
         final_only: bool = False,
+        gather: int = 1,
     ) -> AsyncIterator[list[Piece]]:
         """The request's output as it is generated: each item the new tokens of the completions that moved,
         a completion's last piece with its finish reason (``abort`` when aborted) and the engine's version
-        labels (``Piece.spans``) if it keeps them. ``final_only``: one item, at the end."""
+        labels (``Piece.spans``) if it keeps them. ``final_only``: one item, at the end. ``gather``: the engine
+        may hold up to that many new tokens of a completion before it sends them (its first and its last at
+        once); a backend that cannot sends them as it makes them."""
         ...
 
     def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...

@@ -34,6 +34,7 @@ from rlfleet.fleet.data.poison import fingerprint
 from rlfleet.fleet.shard.lease import RoutingLease
 from rlfleet.fleet.shard.request_gate import RecentResults, ShardGate
 from rlfleet.fleet.shard.pause_holds import PauseHolds
+from rlfleet.fleet.shard.stream_pace import StreamPace
 from rlfleet.fleet.shard.start_records import record_start
 from rlfleet.fleet.shard.outbox import Outboxes
 from rlfleet.fleet.shard.output_stream import OutputStream
@@ -111,6 +112,8 @@ class EngineShard(TapMethods, PeerCopyMethods):
         self._load = {"finished": 0, "peak": 0, "trough": 0}  # for the admission law, since the last stats()
         self._ids = itertools.count()
         self._now: Callable[[], float] = time.monotonic  # the progress clock's time (tests: a virtual loop's)
+        self._pace = StreamPace()  # the engine's steps, for how many tokens it may gather per output (``_start_tapped``)
+        self._gathered: dict[int, int] = {}  # watched requests started, by their tokens per output
         self._progress = self._watch_progress()
 
     def _watch_progress(self) -> ProgressWatch:
@@ -128,6 +131,7 @@ class EngineShard(TapMethods, PeerCopyMethods):
         something unpaused the engine behind its pause's back (``counters``' ``sampled_while_paused``)."""
         now = self._now()
         self._progress.stepped(now, tokens)
+        self._pace.stepped(now, tokens)
         if tokens and self.gate.paused and now - self._paused_at >= PAUSE_SETTLE_S:
             self.sampled_while_paused += int(tokens)
 
@@ -279,8 +283,10 @@ class EngineShard(TapMethods, PeerCopyMethods):
         """
         return await self._run(prompt, sampling, request_id, cache_salt, timeout, ticket, carried, None)
 
-    async def _run(self, prompt, sampling, request_id, cache_salt, timeout, ticket, carried, emit) -> GenerationResult:
-        """``generate``, telling ``emit`` (when given) the output as ``OutputStream`` makes it."""
+    async def _run(self, prompt, sampling, request_id, cache_salt, timeout, ticket, carried, emit,
+                   gather: int = 1) -> GenerationResult:
+        """``generate``, telling ``emit`` (when given) the output as ``OutputStream`` makes it, in outputs of up to
+        ``gather`` tokens (``fleet.shard.stream_pace``)."""
         if self._hooks.armed:
             await self._hooks.at("generate")
         backend = self._require_ready("generate")
@@ -311,7 +317,7 @@ class EngineShard(TapMethods, PeerCopyMethods):
             self._suspects[rid] = ticket.suspect
         self._load["peak"] = max(self._load["peak"], len(self._inflight))
         self._busy()
-        out = OutputStream(backend, tokens, dict(sampling or {}), rid, carried, emit, lambda: self._version)
+        out = OutputStream(backend, tokens, dict(sampling or {}), rid, carried, emit, lambda: self._version, gather)
         try:
             if self._hooks.armed:
                 await self._hooks.poisoned(tokens, rid, self._backend.check_alive)
@@ -466,7 +472,7 @@ class EngineShard(TapMethods, PeerCopyMethods):
         g = self.gate
         return Counters(g.admitted, dict(g.refused), g.paused, g.member, g.floor, g.committed, g.cap, g.peak_in_flight,
                         self.deduplicated, len(self._inflight), self.slot, self.incarnation, self._version, self._left,
-                        self.sampled_while_paused, self.holds.refit, self.holds.operator)
+                        self.sampled_while_paused, self.holds.refit, self.holds.operator, dict(self._gathered))
 
     async def abort(self, request_ids: Sequence[str]) -> bool:
         """Abort these requests; their ``generate`` calls return explicit aborted results."""

@@ -65,7 +65,7 @@ class NullBackend:
         return [Completion((0,), (0.0,), "length")]
 
     async def stream(self, prompt_token_ids: Sequence[int], sampling: dict, request_id: str, cache_salt=None,
-                     final_only: bool = False):
+                     final_only: bool = False, gather: int = 1):
         """``generate``'s completions as one item: a null engine has nothing to stream."""
         completions = await self.generate(prompt_token_ids, sampling, request_id, cache_salt)
         yield [Piece(i, c.token_ids, c.logprobs, c.text or "", finish_reason=c.finish_reason, stop_reason=c.stop_reason,

@@ -7,6 +7,11 @@ arrived. A continued request (``fleet.shard.continuation``) has its text passed 
 version they were made at: the client's outbox on the shard, ``fleet.shard.outbox``, labels them and
 decides when they leave), and becomes the attempt's ``Completion``s and version spans when the engine
 finished.
+
+With ``gather`` > 1 the engine sends the request's tokens that many at a time (``fleet.shard.stream_pace``), so
+a piece may hold tokens made before the engine's last stamp: it is labelled with the older of the versions at its
+arrival and at the previous piece's, and never claims weights newer than the ones that made it. The engine's own
+labels, with the last piece, are exact and replace these in the result.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ class _Out:
 
 class OutputStream:
     def __init__(self, backend: Any, tokens: Sequence[int], sampling: dict, request_id: str,
-                 carried: Carried | None, emit: Emit | None, version: Callable[[], int]) -> None:
+                 carried: Carried | None, emit: Emit | None, version: Callable[[], int], gather: int = 1) -> None:
         self._backend = backend
+        self._gather = gather
         self._tokens = list(tokens)
         self._sampling = sampling
         self._rid = request_id
@@ -53,10 +59,13 @@ class OutputStream:
         self.prompt_logprobs: PromptLogprobs | None = None  # the engine's, when the sampling asked for them
 
     async def run(self, cache_salt: str | None) -> None:
-        emit, keep = self._emit, self._keep
+        emit, keep, gathered = self._emit, self._keep, self._gather > 1
+        before = self._version()
         async for pieces in self._backend.stream(self._tokens, self._sampling, self._rid, cache_salt,
-                                                 final_only=emit is None):
-            version = self._version()  # what the engine was stamped with as these tokens arrived
+                                                 final_only=emit is None, gather=self._gather):
+            version = now = self._version()  # what the engine was stamped with as these tokens arrived
+            if gathered:  # tokens the engine held back may predate a stamp since the last output: say the older
+                version, before = min(now, before), now
             cut = False
             if self._seam is None:  # (per token: the plain path first)
                 made = pieces

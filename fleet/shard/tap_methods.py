@@ -10,6 +10,7 @@ from typing import Any, Callable
 from rlfleet.fleet.errors import BadRequestError
 from rlfleet.fleet.shard.link_server import LinkServer
 from rlfleet.fleet.shard.outbox import Outbox, Outboxes
+from rlfleet.fleet.shard.stream_pace import StreamPace
 from rlfleet.fleet.types import Chunk, Piece
 from rlfleet.fleet.wire import ServeRequest, decode_request
 
@@ -20,6 +21,8 @@ class TapMethods:
     _hooks: Any
     _link: LinkServer | None
     _node_ip: Callable[[], str | None]
+    _pace: StreamPace
+    _gathered: dict[int, int]
 
     # what the shard itself provides (``EngineShard``'s own methods come first in its MRO)
     def _who(self) -> str:
@@ -28,7 +31,8 @@ class TapMethods:
     async def _abort_quietly(self, request_ids: Any) -> None:
         raise NotImplementedError
 
-    async def _run(self, prompt, sampling, request_id, cache_salt, timeout, ticket, carried, emit) -> Any:
+    async def _run(self, prompt, sampling, request_id, cache_salt, timeout, ticket, carried, emit,
+                   gather: int = 1) -> Any:
         raise NotImplementedError
 
     async def submit(self, tap: str, requests: list[bytes]) -> list[bool | BaseException]:
@@ -83,8 +87,12 @@ class TapMethods:
             box.end(rid, asyncio.CancelledError(f"request {rid} was cancelled on {self._who()}") if run.cancelled()
                     else (run.exception() or run.result()))
 
+        # a watched request's output in gathers that fit its interval; a plain one has one output, its end
+        gather = self._pace.gather(r.interval_s) if watched else 1
+        if watched:
+            self._gathered[gather] = self._gathered.get(gather, 0) + 1
         run = self._spawn(self._run(r.prompt, r.sampling, rid, r.cache_salt, None, r.ticket(), r.carried,
-                                    emit if watched else None))
+                                    emit if watched else None, gather))
         run.add_done_callback(ended)
 
     def _spawn(self, work) -> asyncio.Future:

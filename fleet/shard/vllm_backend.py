@@ -52,35 +52,53 @@ def _make_stats_logger(sink: EngineStats, on_step: Callable[[int], None]):
 
 
 def _prompt_logprobs(request_output) -> PromptLogprobs | None:
-    """vLLM's prompt logprobs of a request (``{id: Logprob}`` per position) as plain data."""
-    lps = request_output.prompt_logprobs
-    if lps is None:
+    """vLLM's prompt logprobs of a request (``FlatLogprobs``: see ``stream``) as plain data, ``{id: (logprob,
+    rank)}`` per position; None for a position vLLM has none for (the first)."""
+    flat = request_output.prompt_logprobs
+    if flat is None:
         return None
-    return tuple(None if d is None else {int(t): (float(v.logprob), int(v.rank or 0)) for t, v in d.items()}
-                 for d in lps)
+    ids, values, ranks = flat.token_ids, flat.logprobs, flat.ranks
+    return tuple({ids[j]: (values[j], ranks[j] or 0) for j in range(s, e)} if e > s else None
+                 for s, e in zip(flat.start_indices, flat.end_indices))
 
 
 def _piece(out, top: bool) -> Piece:
-    """One vLLM ``CompletionOutput`` delta as plain data; ``top``: keep each position's top-k logprobs too."""
-    lps = tuple([_NAN if lp is None else float(lp.logprob)
-                 for lp in map(_sampled, out.token_ids, out.logprobs or ())])  # fmt: skip
-    tops = tuple({int(t): float(v.logprob) for t, v in (entry or {}).items()} for entry in out.logprobs or ()) if top else None
-    spans = None
-    if out.weight_versions:  # (vLLM sets them on a request's last output)
-        try:  # the labels are what the shard stamped (``set_weight_version``): its integer versions
-            spans = tuple((int(s.version), int(s.start), int(s.end)) for s in out.weight_versions)
-        except ValueError:
-            spans = None  # an engine label the shard did not set ("default", before its first stamp)
+    """One vLLM ``CompletionOutput`` delta as plain data; ``top``: keep each position's top-k logprobs too.
+
+    The logprobs come as vLLM's ``FlatLogprobs`` (``stream`` asks for them so): a few flat lists per request
+    instead of a dict and a ``Logprob`` object per token, which the collector would walk as long as the
+    request runs. The sampled token is each position's first entry (vLLM's sampler puts it there)."""
+    flat = out.logprobs
+    if flat is None:
+        return Piece(out.index, tuple(out.token_ids), (), out.text or "", 0, None, out.finish_reason,
+                     out.stop_reason, _spans(out))
+    ids, values, starts, ends = flat.token_ids, flat.logprobs, flat.start_indices, flat.end_indices
+    lps = tuple([values[s] if s < e and ids[s] == token else _sampled(token, ids, values, s, e)
+                 for token, s, e in zip(out.token_ids, starts, ends)])  # fmt: skip
+    tops = tuple({ids[j]: values[j] for j in range(s, e)} for s, e in zip(starts, ends)) if top else None
     return Piece(out.index, tuple(out.token_ids), lps, out.text or "", 0, tops, out.finish_reason, out.stop_reason,
-                 spans)
+                 _spans(out))
+
+
+def _spans(out) -> tuple[tuple[int, int, int], ...] | None:
+    """The weight-version spans of a request's last output (vLLM sets them there), as the shard's versions."""
+    if not out.weight_versions:
+        return None
+    try:  # the labels are what the shard stamped (``set_weight_version``): its integer versions
+        return tuple((int(s.version), int(s.start), int(s.end)) for s in out.weight_versions)
+    except ValueError:
+        return None  # an engine label the shard did not set ("default", before its first stamp)
 
 
 _NAN = float("nan")
 
 
-def _sampled(token: int, entry) -> Any:
-    """The sampled token's ``Logprob`` in its position's entry (None when the entry lacks it)."""
-    return entry.get(token) if entry else None
+def _sampled(token: int, ids: list[int], values: list[float], start: int, end: int) -> float:
+    """The sampled token's logprob among its position's entries ``[start, end)``; NaN when they lack it."""
+    for j in range(start, end):
+        if ids[j] == token:
+            return values[j]
+    return _NAN
 
 
 def _shut_down_late(building) -> None:
@@ -155,11 +173,13 @@ class VllmBackend:
         request_id: str,
         cache_salt: str | None = None,
         final_only: bool = False,
+        gather: int = 1,
     ) -> AsyncIterator[list[Piece]]:
         """The request's output as vLLM produces it: each item the new tokens of the completions that moved
         (vLLM's ``DELTA`` outputs, merged by vLLM while the shard is slower than the engine). ``final_only``:
         one item when it ends (``FINAL_ONLY``: nobody watches it run, and a per-step output costs the shard's
-        process CPU that the engine core on the same cores would use)."""
+        process CPU that the engine core on the same cores would use). ``gather``: vLLM's ``stream_interval`` (an
+        output every that many tokens; the first and the end at once), unless the sampling sets its own."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
@@ -168,7 +188,10 @@ class VllmBackend:
         engine = self._live()
         params = dict(sampling)
         params.setdefault("logprobs", 0)
+        params["flat_logprobs"] = True  # what ``_piece`` reads: no object per token for the collector to walk
         params["output_kind"] = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA
+        if gather > 1 and not final_only:
+            params.setdefault("stream_interval", int(gather))
         bad = field_with_invalid_text(sampling)
         if bad is not None:
             raise BadRequestError(f"sampling params rejected: {bad} holds text that is not valid Unicode "

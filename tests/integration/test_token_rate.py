@@ -3,7 +3,9 @@ token-rate engine (vLLM's own output processor, no GPU: ``fleet.shard.token_rate
 every request is mid-stream. Each caller is told every token exactly once and in order: what it was told is
 the result's completion, of its whole budget, and the requests that ran on the killed shard went on from
 the tokens they held (continued, their tokens reused, not generated again). The kill is proven to have
-fired: the slot's incarnation died and was replaced, and its requests were in flight there when it did.
+fired: the slot's incarnation died and was replaced, and its requests were in flight there when it did. Both
+engines had their pace before the requests came (a warm-up), so each sent its requests' tokens several an output
+(``fleet.shard.stream_pace``): tokens the killed engine still held back were lost with it, and made again.
 
 All of them share one data link per client and shard (``fleet.link``), whose answers carry every request's
 output at once: the test also reads that the client took its output over the links, a few hundred answers
@@ -28,6 +30,7 @@ def fleet(ray_local, tiny_model):
         "engine": {"model": tiny_model, "backend": "token_rate", "token_rate_per_s": 100, "token_rate_batch": 256,
                    "max_model_len": 1024, "num_cpus": 0},
         "num_engines": 2, "min_healthy_engines": 1, "metrics": False, "admission": {"enabled": False},
+        "stream_interval_s": 0.2,  # at 100 steps a second each engine may gather up to 8 tokens an output
     })  # fmt: skip
     try:
         yield f
@@ -39,6 +42,9 @@ def test_a_shard_killed_mid_stream_at_256_requests_loses_no_token_and_repeats_no
     client = fleet.client
     told: dict[int, list[int]] = {i: [] for i in range(REQUESTS)}
     sampling = {"max_tokens": TOKENS, "ignore_eos": True, "temperature": 1.0}
+    warm = [client.spawn(client.generate_async([9, i], {**sampling, "max_tokens": 24}, None, None, lambda d: None))
+            for i in range(16)]  # both engines step a while: each shard has their pace
+    assert all(f.result(120).ok for f in warm)
     futures = [client.spawn(client.generate_async([3 + i % 50, 5, 7], {**sampling, "seed": i}, None, None,
                                                   lambda d, i=i: told[i].extend(d.token_ids)))
                for i in range(REQUESTS)]  # fmt: skip
@@ -47,6 +53,8 @@ def test_a_shard_killed_mid_stream_at_256_requests_loses_no_token_and_repeats_no
     victim = max(held, key=lambda s: len(held[s]))
     before = {r["slot"]: r["incarnation"] for r in fleet.status()["ledger"]["slots"]}
     assert len(held[victim]) > 50 and min(len(t) for t in told.values()) < TOKENS  # mid-stream, many on it
+    gathered = fleet.shard_counters()[victim]["gathered"]  # its engine held tokens back as the kill came
+    assert sum(n for k, n in gathered.items() if int(k) > 1) >= len(held[victim]), gathered
     assert fleet.fault_injector().kill_shard(victim)
 
     results = [f.result(600) for f in futures]

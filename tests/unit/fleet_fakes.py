@@ -320,7 +320,7 @@ class FakeDoor:
         g = s.gate
         return Counters(g.admitted, dict(g.refused), g.paused, g.member, g.floor, g.committed, g.cap, g.peak_in_flight,
                         0, _running(s), s.slot, s.incarnation, s.version, s.left, s.ran_while_paused, s.holds.refit,
-                        s.holds.operator)
+                        s.holds.operator, {})
 
     async def _set_route(self, s, epoch, member, committed, lease_s=None):
         if s.gate.member and not member and epoch >= s.gate.routed_at:  # as EngineShard.set_route: what it held as it left the serving set

@@ -220,7 +220,7 @@ def test_a_fault_at_stream_goes_off_mid_generation_once_output_went_out(tmp_path
     from tests.unit.fleet_fakes import run_virtual
 
     class Dripping(NullBackend):  # one token per 0.05 s, each its own output
-        async def stream(self, prompt_token_ids, sampling, request_id, cache_salt=None, final_only=False):
+        async def stream(self, prompt_token_ids, sampling, request_id, cache_salt=None, final_only=False, gather=1):
             n = int(sampling["max_tokens"])
             for i in range(n):
                 await asyncio.sleep(0.05)

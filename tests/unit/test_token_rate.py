@@ -308,6 +308,24 @@ def test_vllm_backend_streams_the_token_rate_engines_pieces(tiny_model):
     asyncio.run(go())
 
 
+def test_a_gathered_request_comes_k_tokens_an_output_its_first_and_its_end_at_once(tiny_model):
+    async def go():
+        backend = TokenRateBackend({"model": tiny_model, "max_model_len": 128}, RATE, 4)
+        await backend.start()
+        sizes = [[len(p.token_ids) for p in chunk] async for chunk in backend.stream([1, 5, 6], {"max_tokens": 9}, "r1",
+                                                                                      gather=3)]
+        assert sizes == [[1], [3], [3], [2]]  # vLLM's stream_interval: the first at once, then 3 at a time, the end
+        own = [len(c[0].token_ids) async for c in backend.stream([1, 5, 6], {"max_tokens": 5, "stream_interval": 2},
+                                                                  "r2", gather=4)]
+        assert own == [1, 2, 2]  # the caller's own interval wins
+        final = [len(c[0].token_ids) async for c in backend.stream([1, 5, 6], {"max_tokens": 5}, "r3", final_only=True,
+                                                                    gather=4)]
+        assert final == [5]
+        await backend.shutdown()
+
+    asyncio.run(go())
+
+
 def test_a_shard_on_the_token_rate_backend_serves_with_version_spans(tiny_model):
     async def go():
         shard = EngineShard({"model": tiny_model, "backend": "token_rate", "token_rate_per_s": RATE,

@@ -47,7 +47,7 @@ def answers() -> list:
         Started(0, 1, 2, "ready", 0, 123, None, start_s=1.5, native_pause=True, node="n1"),
         Description(0, 1, 2, "ready", 0, 123, None, node=None, dirty=True, paused=True, refit_hold=3,
                     operator_hold=False, native_pause=True, gate={"member": True}),
-        Counters(5, {"paused": 2}, False, True, 7, 2, 16, 9, 1, 0, 0, 1, 2, Left(2, 5, 9), 0, None, True),
+        Counters(5, {"paused": 2}, False, True, 7, 2, 16, 9, 1, 0, 0, 1, 2, Left(2, 5, 9), 0, None, True, {1: 3, 4: 2}),
         BeginRefit(1, 2),
         BeginRefit(1, 2, paused=True),
         EndRefit("unavailable", ShardUnavailableError("engine busy"), 1, True, "operator"),
@@ -80,7 +80,7 @@ def test_the_answers_keep_the_keys_the_untyped_answers_had():
     assert set(Counters.__struct_fields__) == {
         "admitted", "refused", "paused", "member", "floor", "committed", "cap", "peak_in_flight", "deduplicated",
         "in_flight", "slot", "incarnation", "weight_version", "left", "sampled_while_paused", "refit_hold",
-        "operator_hold"}
+        "operator_hold", "gathered"}
     assert set(Description.__struct_fields__) == {
         "slot", "incarnation", "weight_version", "state", "in_flight", "pid", "progress", "node", "dirty",
         "paused", "refit_hold", "operator_hold", "native_pause", "gate"}
