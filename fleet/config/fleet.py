@@ -99,7 +99,8 @@ class FleetConfig(BaseModel):
     # from scratch (``fleet.data.partial``).
     continuation: bool = True
     # Shards send a request's output at most once per this many seconds (a streamed HTTP answer's first token
-    # at once): what a death loses at most, against one actor message per token.
+    # at once): what a death loses at most, against one actor message per token. The engine may hold a request's
+    # tokens for up to half of it before it sends them to the shard (``fleet.shard.stream_pace``).
     stream_interval_s: float = Field(0.05, gt=0, le=5.0, allow_inf_nan=False)
     # A request with no streaming caller is streamed only so its client holds its output for continuation: at most
     # once per this many seconds. Each message costs an actor call on both sides: at 0.05 s, 16 requests of 64 tokens
