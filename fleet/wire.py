@@ -287,7 +287,7 @@ class Counters(Record, array_like=True, frozen=True):
     sampled_while_paused: int
     refit_hold: int | None
     operator_hold: bool
-    gathered: dict[int, int]
+    gathered: dict[int, int] = msgspec.field(default_factory=dict)
 
 
 class BeginRefit(Record, array_like=True, frozen=True):

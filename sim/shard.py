@@ -150,7 +150,7 @@ class SimShard:
         g = self.gate
         return Counters(g.admitted, dict(g.refused), g.paused, g.member, g.floor, g.committed, g.cap, g.peak_in_flight,
                         0, 0, self.slot, self.incarnation, self.version, self._left, 0, self.holds.refit,
-                        self.holds.operator)
+                        self.holds.operator, {})
 
     async def set_route(self, epoch: int, member: bool, committed: int, lease_s: float | None = None) -> bool:
         await self._take(self.t.rpc_s)
