@@ -20,9 +20,13 @@ Both sides are measured ``--repeats`` times at each concurrency, in turn (the ba
 again), and each figure is the median: on a shared machine one measurement of either side moves by a fifth.
 Both processes freeze their collector heap once started, as ``vllm serve``'s API server does.
 
+The shard's engine sends each request's tokens a few at a time when its pace lets them fit in half the
+client's interval (``fleet.shard.stream_pace``: vLLM's ``stream_interval``); the baseline is vLLM at its
+default, one output per token, as ``vllm serve`` runs.
+
 The last line is one JSON object: ``max_tokens_per_s_C``, ``fleet_cpu_us_per_token_C`` (and its parts) and
-``vllm_output_cpu_us_per_token_C`` for each concurrency C, ``fleet_vs_vllm_cpu_per_token_256`` and
-``cpu_per_token_256_vs_1``.
+``vllm_output_cpu_us_per_token_C`` for each concurrency C, ``fleet_vs_vllm_cpu_per_token_256``,
+``cpu_per_token_256_vs_1``, and ``gathered`` (the shard's requests by tokens per output, warm-up included).
 """
 
 from __future__ import annotations
@@ -138,6 +142,8 @@ def main() -> None:
                   f"fleet {each_fleet}; vLLM {each_vllm})", flush=True)
         counters = fleet.client.counters()
         out["polls"], out["submits"] = counters.get("polls"), counters.get("submits")
+        # the shard's watched requests by the tokens its engine sent per output (``fleet.shard.stream_pace``)
+        out["gathered"] = {str(k): n for k, n in sorted(fleet.shard_counters()[0]["gathered"].items(), key=lambda kv: int(kv[0]))}
     finally:
         fleet.shutdown()
         ray_door.shutdown()
