@@ -8,10 +8,11 @@ version they were made at: the client's outbox on the shard, ``fleet.shard.outbo
 decides when they leave), and becomes the attempt's ``Completion``s and version spans when the engine
 finished.
 
-With ``gather`` > 1 the engine sends the request's tokens that many at a time (``fleet.shard.stream_pace``), so
-a piece may hold tokens made before the engine's last stamp: it is labelled with the older of the versions at its
-arrival and at the previous piece's, and never claims weights newer than the ones that made it. The engine's own
-labels, with the last piece, are exact and replace these in the result.
+With ``gather`` > 1 (or the caller's own ``stream_interval``) the engine sends the request's tokens that many
+at a time (``fleet.shard.stream_pace``), so a piece may hold tokens made before the engine's last stamp: it is
+labelled with the older of the versions at its arrival and at the previous piece's, and never claims weights
+newer than the ones that made it. The engine's own labels, with the last piece, are exact and replace these in
+the result.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class OutputStream:
         self.prompt_logprobs: PromptLogprobs | None = None  # the engine's, when the sampling asked for them
 
     async def run(self, cache_salt: str | None) -> None:
-        emit, keep, gathered = self._emit, self._keep, self._gather > 1
+        emit, keep = self._emit, self._keep
+        # the engine may hold tokens back: asked to here, or by the caller's own vLLM ``stream_interval``
+        gathered = self._gather > 1 or self._sampling.get("stream_interval") not in (None, 1)
         before = self._version()
         async for pieces in self._backend.stream(self._tokens, self._sampling, self._rid, cache_salt,
                                                  final_only=emit is None, gather=self._gather):

@@ -87,9 +87,9 @@ class TapMethods:
             box.end(rid, asyncio.CancelledError(f"request {rid} was cancelled on {self._who()}") if run.cancelled()
                     else (run.exception() or run.result()))
 
-        # a watched request's output in gathers that fit its interval; a plain one has one output, its end
-        gather = self._pace.gather(r.interval_s) if watched else 1
-        if watched:
+        gather = 1  # a plain request has one output, its end
+        if watched:  # a watched one's output in gathers that fit its interval
+            gather = self._pace.gather(r.interval_s)
             self._gathered[gather] = self._gathered.get(gather, 0) + 1
         run = self._spawn(self._run(r.prompt, r.sampling, rid, r.cache_salt, None, r.ticket(), r.carried,
                                     emit if watched else None, gather))

@@ -69,13 +69,13 @@ def _piece(out, top: bool) -> Piece:
     instead of a dict and a ``Logprob`` object per token, which the collector would walk as long as the
     request runs. The sampled token is each position's first entry (vLLM's sampler puts it there)."""
     flat = out.logprobs
-    if flat is None:
-        return Piece(out.index, tuple(out.token_ids), (), out.text or "", 0, None, out.finish_reason,
-                     out.stop_reason, _spans(out))
-    ids, values, starts, ends = flat.token_ids, flat.logprobs, flat.start_indices, flat.end_indices
-    lps = tuple([values[s] if s < e and ids[s] == token else _sampled(token, ids, values, s, e)
-                 for token, s, e in zip(out.token_ids, starts, ends)])  # fmt: skip
-    tops = tuple({ids[j]: values[j] for j in range(s, e)} for s, e in zip(starts, ends)) if top else None
+    lps: tuple[float, ...] = ()
+    tops = None
+    if flat is not None:
+        ids, values, starts, ends = flat.token_ids, flat.logprobs, flat.start_indices, flat.end_indices
+        lps = tuple([values[s] if s < e and ids[s] == token else _sampled(token, ids, values, s, e)
+                     for token, s, e in zip(out.token_ids, starts, ends)])  # fmt: skip
+        tops = tuple({ids[j]: values[j] for j in range(s, e)} for s, e in zip(starts, ends)) if top else None
     return Piece(out.index, tuple(out.token_ids), lps, out.text or "", 0, tops, out.finish_reason, out.stop_reason,
                  _spans(out))
 

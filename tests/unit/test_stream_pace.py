@@ -79,14 +79,14 @@ class ScriptedBackend:
             yield pieces
 
 
-def run_stream(gather: int, stamp_before: int) -> tuple[list[int], tuple, ScriptedBackend]:
+def run_stream(gather: int, stamp_before: int, sampling: dict | None = None) -> tuple[list[int], tuple, ScriptedBackend]:
     """Three outputs of two tokens; the engine is stamped version 2 before output ``stamp_before``."""
     version = [1]
     script = [[Piece(0, (10 + 2 * i, 11 + 2 * i), (-0.5, -0.5), "ab")] for i in range(3)]
     script[-1][0] = Piece(0, script[-1][0].token_ids, (-0.5, -0.5), "ab", finish_reason="length")
     backend = ScriptedBackend(script, lambda i: version.__setitem__(0, 2 if i >= stamp_before else version[0]))
     told: list[int] = []
-    out = OutputStream(backend, [1, 2], {}, "r1", None, lambda pieces, prompt, v: told.append(v),
+    out = OutputStream(backend, [1, 2], sampling or {}, "r1", None, lambda pieces, prompt, v: told.append(v),
                        lambda: version[0], gather)
     asyncio.run(out.run(None))
     return told, out.spans(), backend
@@ -104,3 +104,9 @@ def test_a_piece_sent_as_made_carries_the_version_at_its_arrival():
     told, spans, _ = run_stream(gather=1, stamp_before=1)
     assert told == [1, 2, 2]
     assert spans == ((1, 0, 2), (2, 2, 6))
+
+
+def test_a_callers_own_stream_interval_labels_pieces_as_gathered_ones():
+    told, _, backend = run_stream(gather=1, stamp_before=1, sampling={"stream_interval": 3})
+    assert backend.asked == [{"final_only": False, "gather": 1}]
+    assert told == [1, 1, 2]
