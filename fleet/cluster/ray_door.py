@@ -290,8 +290,9 @@ def init_local(num_cpus: int | None = None, **kwargs) -> None:
 def local_ray_down(wait_s: float = 2.0) -> list[str]:
     """The daemons (raylet, GCS, ...) of a local Ray this process started that have exited, waiting up to
     ``wait_s`` for any to go. A signal sent to the whole process group (Ctrl-C, ``timeout``, a batch
-    system) stops them along with the driver, and every actor of that Ray with them. Empty when this
-    process did not start its Ray, or its daemons all still run."""
+    system) stops them along with the driver, and every actor of that Ray with them; the workers it misses
+    are ended here (``end_stranded_workers``). Empty when this process did not start its Ray, or its daemons
+    all still run."""
     node = getattr(ray._private.worker, "_global_node", None)
     if node is None or not getattr(node, "head", False):
         return []
@@ -299,8 +300,60 @@ def local_ray_down(wait_s: float = 2.0) -> list[str]:
     while True:
         dead = sorted({kind for kind, _ in node.dead_processes()})
         if dead or time.monotonic() >= deadline:
-            return dead
+            break
         time.sleep(0.1)
+    if dead:
+        end_stranded_workers(node.session_name)
+    return dead
+
+
+STRANDED_GRACE_S = 3.0  # how long a stranded worker has to end on SIGTERM before it is killed
+
+
+def end_stranded_workers(session_name: str, grace_s: float = STRANDED_GRACE_S) -> list[int]:
+    """End the processes of the Ray ``session_name`` that outlived its daemons (its workers, an agent) and
+    their children (a shard's engine core). Ray puts each worker in a process group of its own, so a signal sent to the driver's group
+    stops the daemons but misses every worker: one that registered notices its raylet went and exits, but
+    one still starting (importing vLLM for a restarted engine) learns it only when its import ends, a
+    minute later on a loaded machine. Each gets SIGTERM, and SIGKILL after ``grace_s``. Returns their pids."""
+    import psutil
+
+    def live(procs: list) -> list:  # a zombie has ended (its parent reaps it, or init does once that exits)
+        out = []
+        for proc in procs:
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    out.append(proc)
+            except psutil.Error:
+                pass
+        return out
+
+    def signal_all(procs: list, kill: bool) -> None:
+        for proc in procs:
+            try:
+                proc.kill() if kill else proc.terminate()
+            except psutil.Error:
+                pass
+
+    mark = f"--session-name={session_name}"
+    workers = [proc for proc in psutil.process_iter(["cmdline"])
+               if proc.pid != os.getpid() and mark in (proc.info["cmdline"] or ())]
+    family = list(workers)
+    for proc in workers:
+        try:
+            family += proc.children(recursive=True)
+        except psutil.Error:
+            pass
+    family = live(family)
+    ended = [proc.pid for proc in family]
+    for kill in (False, True):
+        signal_all(family, kill)
+        deadline = time.monotonic() + grace_s
+        while (family := live(family)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not family:
+            break
+    return ended
 
 
 def ray_down_reason(dead: list[str]) -> str:

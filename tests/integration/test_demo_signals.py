@@ -101,4 +101,6 @@ def test_sigterm_while_the_fleet_starts_ends_faults_run_at_once_with_nothing_lef
     assert any("interrupted by SIGTERM: 0 of 1 variant(s) finished" in line for line in lines), detail
     summary = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
     assert summary["interrupted"] == "SIGTERM" and summary["variants"] == 0, detail
-    session_gone(proc.pid)
+    # the workers still starting sit in process groups of their own, which the signal missed: the run ends
+    # them before it exits (they used to import vLLM for up to a minute before noticing their raylet went)
+    session_gone(proc.pid, within_s=20)

@@ -1,9 +1,15 @@
 """The one door to Ray maps every failure to the outcome kind the health core expects."""
 
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
 from ray import exceptions as rex
 
 from rlfleet.fleet.errors import DeadlineExceeded, ShardUnavailableError
-from rlfleet.fleet.cluster.ray_door import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, outcome_of
+from rlfleet.fleet.cluster.ray_door import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, end_stranded_workers, outcome_of
 
 
 def _task_error(cause: BaseException) -> rex.RayTaskError:
@@ -133,3 +139,34 @@ def test_observed_carries_a_bounded_description():
     assert ev == Observed(2, 5, CallKind.PAUSE, FailureClass.SUSPECT, ev.detail)
     assert ev.detail.startswith("unavailable: ActorUnavailableError")
     assert len(observed(1, 1, CallKind.RESUME, outcome_of(exc=ValueError("x" * 1000))).detail) == 300
+
+
+def test_the_processes_a_group_signal_missed_are_ended_one_that_ignores_sigterm_killed(tmp_path):
+    """``end_stranded_workers`` ends every process carrying the Ray session's mark, each in a process group of
+    its own as Ray's workers are, and their children: SIGTERM first, SIGKILL for one that ignores it."""
+    ready = tmp_path / "ready"
+    # a "worker" that ignores SIGTERM and has a child (an engine core); and one of another Ray session
+    stubborn = ("import signal, subprocess, sys, time, pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+                f"pathlib.Path({str(ready)!r}).write_text(str(c.pid)); time.sleep(600)")
+    ours = subprocess.Popen([sys.executable, "-c", stubborn, "--session-name=session_test_1"], start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "--session-name=session_test_2"],
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() or not ready.read_text():
+            assert time.monotonic() < deadline, "the stand-in worker did not start"
+            time.sleep(0.05)
+        child = int(ready.read_text())
+        t0 = time.monotonic()
+        ended = end_stranded_workers("session_test_1", grace_s=0.5)
+        assert sorted(ended) == sorted([ours.pid, child]), ended
+        assert ours.wait(5) == -signal.SIGKILL  # it ignored SIGTERM: killed after the grace
+        assert time.monotonic() - t0 < 5
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+        assert other.poll() is None  # another session's process is not touched
+    finally:
+        for proc in (ours, other):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
