@@ -32,6 +32,12 @@ calls one after another, so a refit's gate-closed time grows with the fleet. Eac
 also runs once more at the default rate with calls free (``availability_calls_free_N``,
 ``gate_closed_s_per_refit_calls_free_N``): what that cost takes away.
 
+5. a sharded refit of Qwen3-235B-A22B, 128 trainer GPUs into 32 inference GPUs at TP 8 over 50 GB/s
+   links (``sim.refit_235b``: the parameters and their sources), three ways: today's broadcast, a sharded
+   refit with vLLM 0.32's destination-layout resolution, and one with every parameter resolved; each
+   through the production lifecycle on 4 engines, fault-free, staged and in place: its refit time and
+   gate-closed time beside the published figures (``--refit-235b-only`` runs this alone).
+
 Writes ``--plot`` (availability and serving capacity over simulated time, 1,024 engines)
 and prints a markdown table; the last line is one JSON object with, for each size N,
 ``availability_N``, ``availability_fault_free_N``, ``availability_transfer_closed_N``,
@@ -41,7 +47,9 @@ and prints a markdown table; the last line is one JSON object with, for each siz
 of this process while a refit ran), ``refits_stopped_N``, ``call_cpu_s_per_refit_N`` (controller CPU
 charged for calls while a refit ran), ``phases_s_per_refit_N`` and ``gate_phase_dominant_N`` (the
 refit phase with the gate closed that took longest, mean), the stress run's figures, and
-``call_cpu_us`` with its ``call_cpu_source``.
+``call_cpu_us`` with its ``call_cpu_source``, and ``refit_235b`` (per layout: the plan's bytes, the busiest
+link's seconds, ``refit_s`` and ``gate_closed_s`` staged and ``_in_place``, the fallback share) with
+``refit_235b_anchors``.
 
 Usage: ``python scripts/simulate_fleet.py [--sizes 64,256,1024] [--hours 6] [--step-s 600]
 [--stress 100] [--stress-hours 3] [--seed 0] [--apply-gbps 1000] [--call-cpu-us 1023.2] [--plot docs/scale.png]``
@@ -61,6 +69,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from rlfleet.health.faultplan import REFIT_PHASES  # noqa: E402
 from rlfleet.sim.door import CALL_CPU_SOURCE, CALL_CPU_US  # noqa: E402  (the path line above makes the repo importable)
 from rlfleet.sim.faults import FaultSpec, schedule  # noqa: E402
+from rlfleet.sim import refit_235b  # noqa: E402
 from rlfleet.sim.run import Scenario, simulate  # noqa: E402
 from rlfleet.sim.transfer import TransferModel  # noqa: E402
 
@@ -181,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--call-cpu-us", type=float, default=CALL_CPU_US,
                     help=f"controller CPU per control call, microseconds (default: {CALL_CPU_SOURCE})")
     ap.add_argument("--plot", type=pathlib.Path, default=None, help="write the plot here (PNG)")
+    ap.add_argument("--refit-235b-only", action="store_true",
+                    help="run only the sharded refit of a 235B model (section 5), not the fleet sizes")
     args = ap.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
@@ -203,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                  "apply_gbps": args.apply_gbps, "call_cpu_us": args.call_cpu_us, "call_cpu_source": source}
     lines = [HEADER]
     plotted = []
-    for n in sizes:
+    for n in ([] if args.refit_235b_only else sizes):
         base = Scenario(engines=n, step_s=args.step_s, horizon_s=args.hours * 3600, faults=FaultSpec(seed=args.seed),
                         **ahead)
         run, r = simulate(base)
@@ -245,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         if n == max(sizes):
             plotted.append((f"default rate ({sum(r['faults'].values())} faults)", run))
             plotted.append(("default rate, gate closed for the transfer", closed_run))
-    if args.stress > 0:
+    if args.stress > 0 and not args.refit_235b_only:
         n = max(sizes)
         spec = FaultSpec(seed=args.seed, rate_multiplier=args.stress)
         faults = tuple(schedule(spec, n, args.stress_hours * 3600))
@@ -265,10 +276,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['capacity_mean_share']:.4f}, time to full capacity {r['time_to_full_capacity_s']}", flush=True)
             plotted.append((f"x{args.stress:g} rate, {spares} warm spares ({sum(r['faults'].values())} faults)", run))
         out["stress"] = args.stress
-    if args.plot:
+    if args.plot and plotted:
         plot(args.plot, plotted, max(sizes))
         out["plot"] = str(args.plot)
-    print("\n".join(lines))
+    out["refit_235b"] = refit_235b.simulate_layouts(transfer, min(args.hours, 2.0), args.step_s, args.call_cpu_us)
+    out["refit_235b_anchors"] = refit_235b.ANCHORS
+    for layout, f in out["refit_235b"].items():
+        lines_235 = (f"235B refit, {layout}: busiest link {f['busiest_link_gb']} GB ({f['wire_s']} s at 50 GB/s), "
+                     f"fallback share {f['fallback_share']}; refit {f['refit_s']} s with the gate closed "
+                     f"{f['gate_closed_s']} s staged, {f['gate_closed_s_in_place']} s in place")
+        print(lines_235, flush=True)
+    print(f"published: {json.dumps(refit_235b.ANCHORS)}", flush=True)
+    if lines[1:]:
+        print("\n".join(lines))
     out["real_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))
     return 0

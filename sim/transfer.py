@@ -51,14 +51,19 @@ class TransferModel:
     group_setup_s: float = 3.0  # rendezvous of a new group (a new membership epoch)
     peer_failure_detect_s: float = 5.0  # a dead peer surfaces as an error in the collective this much later
     poll_s: float = 1.0  # how often the simulated collective notices a participant's fate
+    # a sharded refit (``refit.shard_plan``): the bytes on its busiest link, and the most one engine worker
+    # applies from its staging area; None: the broadcast's (every link carries, every worker applies, the model)
+    wire_bytes: float | None = None
+    apply_bytes: float | None = None
 
     def broadcast_seconds(self, rebuild: bool) -> float:
         """Group set-up (when rebuilt) and every byte into the staging area."""
-        return (self.group_setup_s if rebuild else 0.0) + self.model_bytes / self.bandwidth_Bps
+        wire = self.model_bytes if self.wire_bytes is None else self.wire_bytes
+        return (self.group_setup_s if rebuild else 0.0) + wire / self.bandwidth_Bps
 
     def apply_seconds(self) -> float:
         """The staged bytes copied over the live weights."""
-        return self.model_bytes / self.apply_Bps
+        return (self.model_bytes if self.apply_bytes is None else self.apply_bytes) / self.apply_Bps
 
     def seconds(self, rebuild: bool) -> float:
         """A whole ``transfer``: broadcast, then apply."""

@@ -392,6 +392,14 @@ def test_the_script_prints_its_figures_as_the_last_line(tmp_path):
     assert last["availability_transfer_closed_16"] < 0.98  # the comparison: closed for the whole transfer
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| default rate | 16 |" in out.stdout and "| gate closed for the transfer | 16 |" in out.stdout
+    # section 5: the 235B sharded refit through the production lifecycle, each layout beside the published figures
+    r235 = last["refit_235b"]
+    assert set(r235) == {"broadcast", "vllm", "resolved"} and last["refit_235b_anchors"]["perplexity_qwen3_235b_s"] == 2.0
+    for f in r235.values():
+        assert f["refits"] >= 2 and f["refit_s"] > f["wire_s"] and f["gate_closed_s"] < f["refit_s"]
+        assert f["gate_closed_s_in_place"] >= f["wire_s"]  # in place, the gate is closed while the bytes move
+    assert r235["resolved"]["refit_s"] < r235["vllm"]["refit_s"] / 3 < r235["broadcast"]["refit_s"] / 3
+    assert "235B refit, resolved: busiest link 59.55 GB" in out.stdout
 
 
 def test_the_script_refuses_bad_arguments_naming_them():
