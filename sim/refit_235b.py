@@ -16,7 +16,8 @@ and output embeddings not tied; bf16. The layouts, per parameter (checkpoint nam
 - ``resolved``: every parameter sliced to what the worker holds (``q``, experts' ``gate``/``up`` and both
   embeddings along their output dim, experts' ``down`` along its input dim); ``k``/``v`` are sent whole to
   every worker (4 KV heads over TP 8: each worker holds one head, replicated on two; whole is the
-  conservative count, 0.3% of the model).
+  conservative count, 0.3% of the model). The dense layers' placement is ``refit.fused_layout``'s (checked
+  against a TP 2 engine's own digests); the experts follow the same column/row rule.
 
 Links: 50 GB/s each way per GPU (a 400 Gb/s NIC per GPU, as prime-rl's figure is stated against), every link
 at once (a non-blocking fabric). The sender ranks hold FSDP dim-0 shards.

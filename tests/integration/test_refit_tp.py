@@ -52,6 +52,47 @@ def plan(shards) -> dict:
     return {p: ray_door.ShardReceiverPort(shards[p.slot]) for p in assign_ranks(counts)}
 
 
+def test_each_workers_live_parameters_hold_exactly_the_fused_layouts_pieces(engines, tiny_model):
+    """``refit.fused_layout`` places every checkpoint tensor's rows in each TP worker's live parameters, the fused
+    ``qkv_proj`` and ``gate_up_proj`` included: the parameters it builds from the checkpoint have the digests vLLM
+    computes over each worker's own (``compute_weight_checksums``). Runs first: the engines hold the checkpoint."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file
+
+    from rlfleet.refit.fused_layout import param_rows, resolve
+
+    shards, _ = engines
+    config = json.loads((Path(tiny_model) / "config.json").read_text())
+    ckpt: dict = {}
+    for f in sorted(Path(tiny_model).glob("*.safetensors")):
+        ckpt.update(load_file(str(f)))
+    workers = ray_door.ask(shards[1], "worker_rpc", "rlfleet_weight_digests", [], {}, 60, timeout=90)
+    assert len(workers) == 2
+    checked = set()
+    for digests in workers:
+        rank = int(next(iter(digests)).split(":tp")[1].split(":")[0])
+        pieces = resolve(config, 2, rank)
+        live = {name.split(":", 4)[4]: d for name, d in digests.items()}
+        assert {p.param for p in pieces} == set(live), sorted(set(live) ^ {p.param for p in pieces})
+        for param, digest in live.items():
+            mine = [p for p in pieces if p.param == param]
+            first = ckpt[mine[0].ckpt]
+            if mine[0].dim == 1:
+                want = first[:, mine[0].start:mine[0].end].contiguous()
+            else:
+                want = torch.zeros((param_rows(config, 2, param), *first.shape[1:]), dtype=first.dtype)
+                for p in mine:
+                    want[p.offset:p.offset + p.length] = ckpt[p.ckpt][p.start:p.end]
+            got = hashlib.sha256(want.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            assert got == digest, (rank, param, [(p.ckpt, p.start, p.end, p.offset) for p in mine])
+            checked.add(param)
+    assert any("qkv_proj" in n for n in checked) and any("gate_up_proj" in n for n in checked)
+
+
 @pytest.mark.parametrize("mode", ["staged", "streaming"])
 def test_tensor_parallel_engine_refits_every_worker(engines, mode):
     shards, trainer = engines
