@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 REPLICA = -1  # ``dest_dim`` of a parameter every worker holds whole (vLLM's direct replicated placement)
 
@@ -96,37 +96,77 @@ class ShardPlan:
         return self.busiest_link_bytes(engines) / link_Bps
 
 
-def plan(params: Iterable[ParamSpec], source_ranks: int, tp: int) -> ShardPlan:
-    """The plan of one refit from ``source_ranks`` dim-0-sharded sender ranks into an engine of ``tp`` workers."""
-    if source_ranks < 1 or tp < 1:
-        raise ValueError(f"source_ranks and tp must be >= 1, got {source_ranks!r} and {tp!r}")
-    specs: Sequence[ParamSpec] = list(params)
+def _bytes_from_sources(shape: tuple[int, ...], itemsize: int, cut: tuple[int, int, int], source_ranks: int) -> list[int]:
+    """What each dim-0-sharded sender rank sends of one tensor to a worker that takes ``cut`` = (dim, start, end):
+    along dim 0 the rows both hold; along another dim, every rank's rows cut to the slice."""
+    dim, start, end = cut
+    rows, row_bytes = shape[0], math.prod(shape[1:]) * itemsize
+    out = []
+    for s in range(source_ranks):
+        src = chunk(rows, source_ranks, s)
+        if dim == 0:
+            out.append(_overlap(src, (start, end)) * row_bytes)
+        else:
+            out.append((src[1] - src[0]) * row_bytes // shape[dim] * (end - start))
+    return out
+
+
+def _plan(cuts: Iterable[tuple[tuple[int, ...], int, int, int, tuple[int, int, int]]], source_ranks: int, tp: int,
+          direct: int, fallback: int) -> ShardPlan:
+    """The one byte count: ``cuts`` are (shape, itemsize, count, worker, (dim, start, end)), one per worker and
+    tensor (``count`` equal tensors)."""
     recv = [0] * tp
     send = [0] * source_ranks
-    direct = fallback = 0
-    for p in specs:
-        rows = p.shape[0]
-        src_rows = [chunk(rows, source_ranks, s) for s in range(source_ranks)]
-        if p.direct:
-            direct += p.nbytes * p.count
-        else:
-            fallback += p.nbytes * p.count
-        for r in range(tp):
-            if p.dest_dim == 0:  # the worker's rows, from the ranks whose rows overlap them
-                mine = chunk(rows, tp, r)
-                got = [_overlap(src, mine) * p.row_bytes for src in src_rows]
-            elif p.dest_dim is not None and p.dest_dim > 0:  # every rank's rows, cut to the worker's slice
-                cols = p.shape[p.dest_dim]
-                if cols % tp:
-                    raise ValueError(f"{p.name}: dim {p.dest_dim} ({cols}) does not split over tp={tp}; "
-                                     "vLLM's layout resolution sends it whole (dest_dim None)")
-                got = [(src[1] - src[0]) * p.row_bytes // tp for src in src_rows]
-            else:  # a replica or the fallback: every rank's rows, whole
-                got = [(src[1] - src[0]) * p.row_bytes for src in src_rows]
-            for s, b in enumerate(got):
-                send[s] += b * p.count
-            recv[r] += sum(got) * p.count
+    for shape, itemsize, count, worker, cut in cuts:
+        got = _bytes_from_sources(shape, itemsize, cut, source_ranks)
+        for s, b in enumerate(got):
+            send[s] += b * count
+        recv[worker] += sum(got) * count
     return ShardPlan(tuple(recv), tuple(send), direct + fallback, direct, fallback)
+
+
+def _check_ranks(source_ranks: int, tp: int) -> None:
+    if source_ranks < 1 or tp < 1:
+        raise ValueError(f"source_ranks and tp must be >= 1, got {source_ranks!r} and {tp!r}")
+
+
+def plan(params: Iterable[ParamSpec], source_ranks: int, tp: int) -> ShardPlan:
+    """The plan of one refit from ``source_ranks`` dim-0-sharded sender ranks into an engine of ``tp`` workers."""
+    _check_ranks(source_ranks, tp)
+    specs: Sequence[ParamSpec] = list(params)
+
+    def cuts():
+        for p in specs:
+            for r in range(tp):
+                if p.dest_dim == 0:  # the worker's rows
+                    yield p.shape, p.itemsize, p.count, r, (0, *chunk(p.shape[0], tp, r))
+                elif p.dest_dim is not None and p.dest_dim > 0:  # the worker's slice of another dim
+                    size = p.shape[p.dest_dim]
+                    if size % tp:
+                        raise ValueError(f"{p.name}: dim {p.dest_dim} ({size}) does not split over tp={tp}; "
+                                         "vLLM's layout resolution sends it whole (dest_dim None)")
+                    yield p.shape, p.itemsize, p.count, r, (p.dest_dim, r * size // tp, (r + 1) * size // tp)
+                else:  # a replica or the fallback: whole
+                    yield p.shape, p.itemsize, p.count, r, (0, 0, p.shape[0])
+
+    direct = sum(p.nbytes * p.count for p in specs if p.direct)
+    fallback = sum(p.nbytes * p.count for p in specs if not p.direct)
+    return _plan(cuts(), source_ranks, tp, direct, fallback)
+
+
+def plan_pieces(pieces_by_rank: Sequence[Sequence], shapes: Mapping[str, Sequence[int]], itemsize: int,
+                source_ranks: int) -> ShardPlan:
+    """The plan when each worker's placement is known piece by piece (``refit.fused_layout.resolve``: a list of
+    ``Piece``s per TP rank; ``shapes``: each checkpoint tensor's shape): every byte is placed, none falls back."""
+    tp = len(pieces_by_rank)
+    _check_ranks(source_ranks, tp)
+    missing = sorted({pc.ckpt for pieces in pieces_by_rank for pc in pieces} - set(shapes))
+    if missing:
+        raise ValueError(f"shapes has no entry for {missing[:6]}")
+    cuts = [(tuple(shapes[pc.ckpt]), itemsize, 1, r, (pc.dim, pc.start, pc.end))
+            for r, pieces in enumerate(pieces_by_rank) for pc in pieces]
+    model = sum(math.prod(shapes[name]) * itemsize for name in {pc.ckpt for pieces in pieces_by_rank for pc in pieces})
+    return _plan(cuts, source_ranks, tp, model, 0)
 
 
 def funnel_link_bytes(params: Iterable[ParamSpec]) -> int:

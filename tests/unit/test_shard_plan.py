@@ -80,3 +80,25 @@ def test_the_235b_model_has_its_published_size_and_vllms_resolution_leaves_almos
     # resolved, a worker receives its eighth (plus the k/v heads sent whole, 0.3% of the model)
     assert max(resolved.recv_bytes) / (resolved.model_bytes / refit_235b.TP) == pytest.approx(1.0, abs=0.02)
     assert refit_235b.figures("resolved")["wire_s"] < refit_235b.figures("vllm")["wire_s"] / 5
+
+
+def test_a_placement_piece_by_piece_sends_each_worker_only_its_pieces_and_each_rank_about_its_share():
+    from rlfleet.refit.fused_layout import resolve
+    from rlfleet.refit.shard_plan import plan_pieces
+
+    config = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64,
+              "intermediate_size": 256, "vocab_size": 512, "num_hidden_layers": 2, "model_type": "llama"}
+    shapes = {}  # at TP 1 each piece is its whole tensor: its rows (or, for a row-parallel one, its columns)
+    for p in resolve(config, 1, 0):
+        if p.ckpt.endswith("norm.weight"):
+            shapes[p.ckpt] = (p.end,)
+        else:
+            shapes[p.ckpt] = (p.end, 128) if p.dim == 0 else (128, p.end)
+    got = plan_pieces([resolve(config, 2, r) for r in range(2)], shapes, 4, source_ranks=2)
+    norms = sum(math.prod(s) * 4 for n, s in shapes.items() if n.endswith("norm.weight"))
+    assert got.fallback_bytes == 0 and got.direct_bytes == got.model_bytes
+    assert list(got.recv_bytes) == [(got.model_bytes - norms) // 2 + norms] * 2  # its half; the norms whole
+    assert sum(got.send_bytes) == sum(got.recv_bytes)
+    assert max(got.send_bytes) / got.model_bytes < 0.6  # the bound with 2 ranks
+    with pytest.raises(ValueError, match="shapes has no entry"):
+        plan_pieces([resolve(config, 2, 0)], {}, 4, 2)
