@@ -129,3 +129,13 @@ def param_rows(config: Mapping, tp: int, param: str) -> int:
         vocab = _need(config, "vocab_size")
         return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING // tp
     return max(p.offset + p.length for p in pieces)
+
+
+def local_shapes(config: Mapping, tp: int, pieces: list[Piece], shapes: Mapping) -> dict[str, tuple[int, ...]]:
+    """The shape of each live parameter the worker holding ``pieces`` has (``shapes``: the checkpoint's): a
+    row-parallel one keeps every row and its columns; the others their rows (padded for the vocabulary)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for p in pieces:
+        full = tuple(int(d) for d in shapes[p.ckpt])
+        out[p.param] = (full[0], p.length) if p.dim == 1 else (param_rows(config, tp, p.param), *full[1:])
+    return out

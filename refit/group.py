@@ -209,11 +209,22 @@ class RefitGroup:
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0):
         """Start a broadcast of ``tensor`` (contiguous, on ``self.device``) from ``root``; returns the work."""
-        if self._pg is None or self.broken:
-            raise TransferError(f"refit group of epoch {self.address.epoch} is {'broken' if self.broken else 'closed'}; rebuild it")
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        return self._pg.broadcast([tensor], opts)
+        return self._live().broadcast([tensor], opts)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0):
+        """Start a point-to-point send of ``tensor`` to rank ``dst`` (a sharded refit); returns the work."""
+        return self._live().send([tensor], int(dst), int(tag))
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0):
+        """Start a point-to-point receive into ``tensor`` from rank ``src``; returns the work."""
+        return self._live().recv([tensor], int(src), int(tag))
+
+    def _live(self):
+        if self._pg is None or self.broken:
+            raise TransferError(f"refit group of epoch {self.address.epoch} is {'broken' if self.broken else 'closed'}; rebuild it")
+        return self._pg
 
     def wait(self, work, deadline: float, what: str, budget_s: float) -> None:
         """Wait for ``work`` until the monotonic ``deadline`` (of a ``budget_s`` budget); raise ``TransferError`` naming ``what``.
@@ -241,8 +252,12 @@ class RefitGroup:
             ) from None
 
     def _wait_watching_sender(self, work, deadline: float) -> None:
+        try:
+            future = work.get_future()
+        except RuntimeError:  # gloo's point-to-point work has no future, and reports completion only in its
+            return  # ``wait``: the caller's bounded ``wait`` is the watch (a dead peer's closed pair fails it at once)
         done = threading.Event()
-        work.get_future().add_done_callback(lambda _f: done.set())
+        future.add_done_callback(lambda _f: done.set())
         while not done.wait(min(ABORT_POLL_S, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
                 raise TimeoutError("deadline passed")

@@ -67,10 +67,6 @@ def chunk(n: int, parts: int, i: int) -> tuple[int, int]:
     return min(n, i * size), min(n, (i + 1) * size)
 
 
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
-    return max(0, min(a[1], b[1]) - max(a[0], b[0]))
-
-
 @dataclass(frozen=True)
 class ShardPlan:
     recv_bytes: tuple[int, ...]  # per engine worker (its TP rank)
@@ -96,18 +92,27 @@ class ShardPlan:
         return self.busiest_link_bytes(engines) / link_Bps
 
 
-def _bytes_from_sources(shape: tuple[int, ...], itemsize: int, cut: tuple[int, int, int], source_ranks: int) -> list[int]:
-    """What each dim-0-sharded sender rank sends of one tensor to a worker that takes ``cut`` = (dim, start, end):
-    along dim 0 the rows both hold; along another dim, every rank's rows cut to the slice."""
+def rows_sent(shape: Sequence[int], cut: tuple[int, int, int], source_ranks: int, rank: int) -> tuple[int, int]:
+    """The rows ``[start, end)`` of a tensor of ``shape`` that dim-0-sharded sender ``rank`` sends a worker taking
+    ``cut`` = (dim, start, end): along dim 0 the rows both hold; along another dim, every row the rank holds (cut
+    to the slice's columns by the caller). Empty (start == end) when it sends nothing. The one answer both the
+    plan's byte count and the wire (``refit.sharded_wire``) use."""
     dim, start, end = cut
-    rows, row_bytes = shape[0], math.prod(shape[1:]) * itemsize
+    held = chunk(int(shape[0]), source_ranks, rank)
+    if dim != 0:
+        return held
+    lo, hi = max(held[0], start), min(held[1], end)
+    return (lo, hi) if lo < hi else (held[0], held[0])
+
+
+def _bytes_from_sources(shape: tuple[int, ...], itemsize: int, cut: tuple[int, int, int], source_ranks: int) -> list[int]:
+    """What each sender rank sends of one tensor to a worker that takes ``cut`` (``rows_sent``)."""
+    dim, start, end = cut
+    row_bytes = math.prod(shape[1:]) * itemsize
     out = []
     for s in range(source_ranks):
-        src = chunk(rows, source_ranks, s)
-        if dim == 0:
-            out.append(_overlap(src, (start, end)) * row_bytes)
-        else:
-            out.append((src[1] - src[0]) * row_bytes // shape[dim] * (end - start))
+        lo, hi = rows_sent(shape, cut, source_ranks, s)
+        out.append((hi - lo) * (row_bytes if dim == 0 else row_bytes // shape[dim] * (end - start)))
     return out
 
 

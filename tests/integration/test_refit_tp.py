@@ -63,13 +63,15 @@ def test_each_workers_live_parameters_hold_exactly_the_fused_layouts_pieces(engi
     import torch
     from safetensors.torch import load_file
 
-    from rlfleet.refit.fused_layout import param_rows, resolve
+    from rlfleet.refit.fused_layout import local_shapes, resolve
+    from rlfleet.refit.sharded_wire import from_full
 
     shards, _ = engines
     config = json.loads((Path(tiny_model) / "config.json").read_text())
     ckpt: dict = {}
     for f in sorted(Path(tiny_model).glob("*.safetensors")):
         ckpt.update(load_file(str(f)))
+    shapes = {n: tuple(t.shape) for n, t in ckpt.items()}
     workers = ray_door.ask(shards[1], "worker_rpc", "rlfleet_weight_digests", [], {}, 60, timeout=90)
     assert len(workers) == 2
     checked = set()
@@ -78,17 +80,9 @@ def test_each_workers_live_parameters_hold_exactly_the_fused_layouts_pieces(engi
         pieces = resolve(config, 2, rank)
         live = {name.split(":", 4)[4]: d for name, d in digests.items()}
         assert {p.param for p in pieces} == set(live), sorted(set(live) ^ {p.param for p in pieces})
-        for param, digest in live.items():
-            mine = [p for p in pieces if p.param == param]
-            first = ckpt[mine[0].ckpt]
-            if mine[0].dim == 1:
-                want = first[:, mine[0].start:mine[0].end].contiguous()
-            else:
-                want = torch.zeros((param_rows(config, 2, param), *first.shape[1:]), dtype=first.dtype)
-                for p in mine:
-                    want[p.offset:p.offset + p.length] = ckpt[p.ckpt][p.start:p.end]
+        for param, want in from_full(pieces, ckpt, local_shapes(config, 2, pieces, shapes)).items():
             got = hashlib.sha256(want.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-            assert got == digest, (rank, param, [(p.ckpt, p.start, p.end, p.offset) for p in mine])
+            assert got == live[param], (rank, param, [(p.ckpt, p.start, p.end, p.offset) for p in pieces if p.param == param])
             checked.add(param)
     assert any("qkv_proj" in n for n in checked) and any("gate_up_proj" in n for n in checked)
 

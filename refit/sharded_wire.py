@@ -1,0 +1,146 @@
+"""A sharded refit on the wire: each sender rank sends each engine worker one buffer with exactly its part.
+
+Sender rank ``s`` of ``S`` holds rows ``shard_plan.chunk(rows, S, s)`` of every checkpoint tensor (FSDP's dim-0
+shards). Worker ``w`` of an engine takes the pieces ``refit.fused_layout.resolve`` gives its TP rank. What rank
+``s`` sends worker ``w`` of one piece is ``shard_plan.rows_sent`` (the one answer the plan's byte count uses too),
+cut to the piece's columns for a row-parallel piece. Both ends derive the same ``segments`` from the same
+pieces and shapes, so a buffer carries no header: the rank packs the segments end to end, the worker unpacks
+them in the same order into its live parameters (vLLM's layout: ``fused_layout.local_shapes``). No rank gathers
+the model, and no worker receives a byte it does not hold.
+
+``send_all`` and ``receive_all`` run one side over a ``RefitGroup`` whose ranks ``0 .. S-1`` are the sender's and
+``first_worker ..`` the engine's workers; every wait is bounded by one deadline (``TransferError`` past it, as
+for a broadcast). One dtype per refit here; a model of mixed dtypes is refused, naming a tensor.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from rlfleet.refit.fused_layout import Piece
+from rlfleet.refit.shard_plan import chunk, rows_sent
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``rows`` (of the checkpoint tensor ``ckpt``), columns ``cols`` of them (None: all), land in the live
+    parameter ``param`` at rows ``dst_rows`` and, for a row-parallel piece, columns ``dst_cols``."""
+
+    ckpt: str
+    param: str
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None
+    dst_rows: tuple[int, int]
+    dst_cols: tuple[int, int] | None
+    numel: int
+
+
+def segments(pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]], source_ranks: int, rank: int) -> list[Segment]:
+    """What sender ``rank`` sends the worker holding ``pieces``, in order."""
+    out = []
+    for p in pieces:
+        shape = tuple(shapes[p.ckpt])
+        lo, hi = rows_sent(shape, (p.dim, p.start, p.end), source_ranks, rank)
+        if hi <= lo:
+            continue
+        inner = 1
+        for d in shape[1:]:
+            inner *= int(d)
+        if p.dim == 0:
+            dst = (p.offset + lo - p.start, p.offset + hi - p.start)
+            out.append(Segment(p.ckpt, p.param, (lo, hi), None, dst, None, (hi - lo) * inner))
+        else:
+            cols = (p.start, p.end)
+            out.append(Segment(p.ckpt, p.param, (lo, hi), cols, (lo, hi), (p.offset, p.offset + p.end - p.start),
+                               (hi - lo) * inner // shape[1] * (p.end - p.start)))
+    return out
+
+
+def pack(segs: Sequence[Segment], shard: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]],
+         source_ranks: int, rank: int) -> torch.Tensor:
+    """Sender ``rank``'s buffer for one worker: each segment's rows, from the rank's own dim-0 shard."""
+    parts = []
+    for sg in segs:
+        first = chunk(int(shapes[sg.ckpt][0]), source_ranks, rank)[0]
+        t = shard[sg.ckpt][sg.rows[0] - first: sg.rows[1] - first]
+        if sg.cols is not None:
+            t = t[:, sg.cols[0]: sg.cols[1]]
+        parts.append(t.reshape(-1))
+    return torch.cat(parts) if parts else torch.empty(0)
+
+
+def unpack(buffer: torch.Tensor, segs: Sequence[Segment], params: Mapping[str, torch.Tensor]) -> None:
+    """Write one sender's buffer into the worker's live parameters."""
+    at = 0
+    for sg in segs:
+        dst = params[sg.param][sg.dst_rows[0]: sg.dst_rows[1]]
+        if sg.dst_cols is not None:
+            dst = dst[:, sg.dst_cols[0]: sg.dst_cols[1]]
+        dst.copy_(buffer[at: at + sg.numel].view(dst.shape))
+        at += sg.numel
+    if at != buffer.numel():
+        raise ValueError(f"a sender's buffer holds {buffer.numel()} elements, its segments {at}")
+
+
+def from_full(pieces: Sequence[Piece], tensors: Mapping[str, torch.Tensor],
+              shapes_local: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
+    """The live parameters of the worker holding ``pieces``, built from whole checkpoint ``tensors`` (what a
+    sender holding the full model, or a test, puts where the wire would; vocabulary padding rows are zero)."""
+    dtype = _one_dtype(tensors)
+    out = {name: torch.zeros(tuple(shape), dtype=dtype) for name, shape in shapes_local.items()}
+    for p in pieces:
+        src = tensors[p.ckpt]
+        if p.dim == 0:
+            out[p.param][p.offset: p.offset + p.length] = src[p.start: p.end]
+        else:
+            out[p.param][:, p.offset: p.offset + p.length] = src[:, p.start: p.end]
+    return out
+
+
+def _one_dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) > 1:
+        odd = next(n for n, t in tensors.items() if t.dtype != next(iter(tensors.values())).dtype)
+        raise ValueError(f"a sharded refit moves one dtype; {odd!r} is {tensors[odd].dtype} among {sorted(map(str, dtypes))}")
+    return next(iter(dtypes))
+
+
+def send_all(group, pieces_by_worker: Sequence[Sequence[Piece]], shapes: Mapping[str, Sequence[int]],
+             shard: Mapping[str, torch.Tensor], source_ranks: int, rank: int, first_worker: int, timeout_s: float) -> int:
+    """Sender ``rank``: one buffer to each worker that takes any of its rows; returns the bytes sent."""
+    _one_dtype(shard)
+    deadline = time.monotonic() + timeout_s
+    works, sent = [], 0
+    for w, pieces in enumerate(pieces_by_worker):
+        buf = pack(segments(pieces, shapes, source_ranks, rank), shard, shapes, source_ranks, rank)
+        if buf.numel():
+            works.append((w, buf, group.send(buf.contiguous(), first_worker + w)))
+            sent += buf.numel() * buf.element_size()
+    for w, _buf, work in works:
+        group.wait(work, deadline, f"sharded send from rank {rank} to worker {w}", timeout_s)
+    return sent
+
+
+def receive_all(group, pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]], params: Mapping[str, torch.Tensor],
+                source_ranks: int, timeout_s: float) -> int:
+    """A worker: one buffer from each sender rank that holds any of its rows, written into ``params``; returns
+    the bytes received. Nothing is written until every buffer arrived (a failed receive leaves ``params`` as
+    they were)."""
+    dtype = _one_dtype(params)
+    deadline = time.monotonic() + timeout_s
+    posted = []
+    for s in range(source_ranks):
+        segs = segments(pieces, shapes, source_ranks, s)
+        n = sum(sg.numel for sg in segs)
+        if n:
+            buf = torch.empty(n, dtype=dtype, device=group.device)
+            posted.append((s, segs, buf, group.recv(buf, s)))
+    for s, _segs, _buf, work in posted:
+        group.wait(work, deadline, f"sharded receive from rank {s}", timeout_s)
+    for _s, segs, buf, _work in posted:
+        unpack(buf, segs, params)
+    return sum(buf.numel() * buf.element_size() for _s, _segs, buf, _work in posted)

@@ -1,0 +1,94 @@
+"""``refit.sharded_wire`` over real gloo groups (threads stand in for processes): dim-0-sharded sender ranks
+send each TP worker exactly its pieces, point to point, and the workers hold what ``fused_layout`` places."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from rlfleet.refit.errors import TransferError
+from rlfleet.refit.fused_layout import local_shapes, resolve
+from rlfleet.refit.group import GroupAddress, RefitGroup, host_store
+from rlfleet.refit.shard_plan import chunk, plan_pieces
+from rlfleet.refit.sharded_wire import from_full, receive_all, send_all
+
+CONFIG = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+          "intermediate_size": 96, "vocab_size": 200, "num_hidden_layers": 2, "model_type": "llama"}
+T = 30.0
+
+
+def checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {}
+    for p in resolve(CONFIG, 1, 0):  # at TP 1 a piece is its whole tensor
+        if p.ckpt.endswith("norm.weight"):
+            shapes[p.ckpt] = (p.end,)
+        else:
+            shapes[p.ckpt] = (p.end, 64) if p.dim == 0 else (64, p.end)
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def run(senders: int, tp: int, full: dict[str, torch.Tensor], epoch: int, fail_rank: int | None = None):
+    """Every rank on its own thread; returns (workers' params, bytes sent per sender, bytes received per worker)."""
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    pieces = [resolve(CONFIG, tp, r) for r in range(tp)]
+    world = senders + tp
+    store = host_store("127.0.0.1", world, T)
+    address = GroupAddress("127.0.0.1", store.port, epoch, world, "gloo", op_timeout_s=T)
+    params = [{n: torch.full(s, float("nan")) for n, s in local_shapes(CONFIG, tp, pieces[w], shapes).items()}
+              for w in range(tp)]
+
+    def sender(s: int) -> int:
+        group = RefitGroup(address, s, T, store=store if s == 0 else None)
+        try:
+            if s == fail_rank:
+                return 0  # dies before sending: closes its end
+            shard = {n: t[slice(*chunk(t.shape[0], senders, s))].clone() for n, t in full.items()}
+            return send_all(group, pieces, shapes, shard, senders, s, senders, 5.0)
+        finally:
+            group.close()
+
+    def worker(w: int) -> int:
+        group = RefitGroup(address, senders + w, T)
+        try:
+            return receive_all(group, pieces[w], shapes, params[w], senders, 5.0)
+        finally:
+            group.close()
+
+    with ThreadPoolExecutor(world) as pool:
+        sends = [pool.submit(sender, s) for s in range(senders)]
+        recvs = [pool.submit(worker, w) for w in range(tp)]
+        sent = [f.result() for f in sends]
+        got = [f.exception() or f.result() for f in recvs]
+    return params, pieces, shapes, sent, got
+
+
+@pytest.mark.parametrize("senders, tp", [(2, 2), (3, 4), (1, 2)])
+def test_each_worker_gets_exactly_its_pieces_from_every_rank_and_nothing_else(senders, tp):
+    full = checkpoint(seed=senders * 10 + tp)
+    params, pieces, shapes, sent, got = run(senders, tp, full, epoch=senders * 10 + tp)
+    for w in range(tp):
+        want = from_full(pieces[w], full, local_shapes(CONFIG, tp, pieces[w], shapes))
+        assert set(params[w]) == set(want)
+        for name, t in want.items():
+            pad = torch.isnan(params[w][name])  # the vocabulary's padding rows: nothing is sent there
+            assert torch.equal(params[w][name][~pad], t[~pad]), (w, name)
+            assert (t[pad] == 0).all()
+    plan = plan_pieces(pieces, shapes, 4, senders)  # the wire moves the bytes the plan counts, no more
+    assert sent == list(plan.send_bytes) and got == list(plan.recv_bytes)
+
+
+def test_a_sender_rank_that_never_sends_fails_the_workers_within_the_deadline_and_writes_nothing():
+    full = checkpoint(seed=5)
+    params, _pieces, _shapes, _sent, got = run(2, 2, full, epoch=99, fail_rank=1)
+    assert all(isinstance(g, TransferError) for g in got), got
+    assert all(torch.isnan(t).all() for p in params for t in p.values())  # rank 0's buffers were not applied either
+
+
+def test_a_model_of_two_dtypes_is_refused_naming_a_tensor():
+    from rlfleet.refit.sharded_wire import _one_dtype
+
+    with pytest.raises(ValueError, match="'b' is torch.float16"):
+        _one_dtype({"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.float16)})
