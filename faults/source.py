@@ -55,6 +55,8 @@ class WeightSource(LocalSenderPort):
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.eval()
         self._hold_s = 0.0
+        self._addr = addr
+        self._sharded_store = None
         super().__init__(WeightSender(self.model, dtype=torch.float32, addr=addr))
 
     async def hold_next_update(self, seconds: float) -> bool:
@@ -102,6 +104,48 @@ class WeightSource(LocalSenderPort):
     async def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
         """Float32 logprob of each completion token given the prompt and the tokens before it."""
         return await self._run(lambda: token_logprobs(self.model, list(prompt_ids), list(completion_ids)))
+
+    # -- a sharded refit: this actor as one of several sender ranks ----------------------
+    async def open_sharded(self, world_size: int, epoch: int, timeout_s: float) -> dict:
+        """Sender rank 0 of a sharded refit: host the group's store; returns the address every rank joins."""
+        def host() -> dict:
+            from rlfleet.refit.group import GroupAddress, default_address, host_store
+
+            addr = self._addr or default_address()
+            self._sharded_store = host_store(addr, int(world_size), float(timeout_s))
+            return GroupAddress(addr, self._sharded_store.port, int(epoch), int(world_size), "gloo",
+                                op_timeout_s=float(timeout_s)).to_wire()
+
+        return await self._run(host)
+
+    async def send_sharded(self, address: dict, rank: int, ranks: int, tp: int, first_worker: int, timeout_s: float) -> dict:
+        """Send as rank ``rank`` of ``ranks`` (an FSDP rank's stand-in: only this rank's dim-0 rows of each tensor
+        leave it) to an engine of ``tp`` workers whose ranks start at ``first_worker`` (``refit.sharded_wire``).
+        Answers ``bytes_sent``, ``send_s`` and ``model_bytes``."""
+        def send() -> dict:
+            import time
+
+            from rlfleet.refit import fused_layout, sharded_wire
+            from rlfleet.refit.group import GroupAddress, RefitGroup
+            from rlfleet.refit.shard_plan import chunk
+
+            pieces = [fused_layout.resolve(self.model.config.to_dict(), int(tp), r) for r in range(int(tp))]
+            names = {p.ckpt for ps in pieces for p in ps}
+            full = {n: t.detach() for n, t in self.model.state_dict().items() if n in names}
+            shapes = {n: tuple(t.shape) for n, t in full.items()}
+            shard = {n: t[slice(*chunk(t.shape[0], int(ranks), int(rank)))] for n, t in full.items()}
+            store, self._sharded_store = (self._sharded_store, None) if int(rank) == 0 else (None, self._sharded_store)
+            t0 = time.monotonic()
+            group = RefitGroup(GroupAddress.from_wire(address), int(rank), float(timeout_s), store=store)
+            try:
+                sent = sharded_wire.send_all(group, pieces, shapes, shard, int(ranks), int(rank), int(first_worker),
+                                             float(timeout_s))
+            finally:
+                group.close()
+            return {"bytes_sent": sent, "send_s": time.monotonic() - t0,
+                    "model_bytes": sum(t.numel() * t.element_size() for t in full.values())}
+
+        return await self._run(send)
 
     # -- tests --------------------------------------------------------------------------
     async def corrupt_next_update(self, kind: str | None, name: str = "model.layers.1.mlp.up_proj.weight") -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -76,12 +76,13 @@ def pack(segs: Sequence[Segment], shard: Mapping[str, torch.Tensor], shapes: Map
 def unpack(buffer: torch.Tensor, segs: Sequence[Segment], params: Mapping[str, torch.Tensor]) -> None:
     """Write one sender's buffer into the worker's live parameters."""
     at = 0
-    for sg in segs:
-        dst = params[sg.param][sg.dst_rows[0]: sg.dst_rows[1]]
-        if sg.dst_cols is not None:
-            dst = dst[:, sg.dst_cols[0]: sg.dst_cols[1]]
-        dst.copy_(buffer[at: at + sg.numel].view(dst.shape))
-        at += sg.numel
+    with torch.no_grad():  # live parameters may be leaves that require grad
+        for sg in segs:
+            dst = params[sg.param][sg.dst_rows[0]: sg.dst_rows[1]]
+            if sg.dst_cols is not None:
+                dst = dst[:, sg.dst_cols[0]: sg.dst_cols[1]]
+            dst.copy_(buffer[at: at + sg.numel].view(dst.shape))
+            at += sg.numel
     if at != buffer.numel():
         raise ValueError(f"a sender's buffer holds {buffer.numel()} elements, its segments {at}")
 
@@ -126,10 +127,10 @@ def send_all(group, pieces_by_worker: Sequence[Sequence[Piece]], shapes: Mapping
 
 
 def receive_all(group, pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]], params: Mapping[str, torch.Tensor],
-                source_ranks: int, timeout_s: float) -> int:
+                source_ranks: int, timeout_s: float, on_first_write: Callable[[], None] = lambda: None) -> int:
     """A worker: one buffer from each sender rank that holds any of its rows, written into ``params``; returns
     the bytes received. Nothing is written until every buffer arrived (a failed receive leaves ``params`` as
-    they were)."""
+    they were); ``on_first_write`` is called just before the first write."""
     dtype = _one_dtype(params)
     deadline = time.monotonic() + timeout_s
     posted = []
@@ -141,6 +142,8 @@ def receive_all(group, pieces: Sequence[Piece], shapes: Mapping[str, Sequence[in
             posted.append((s, segs, buf, group.recv(buf, s)))
     for s, _segs, _buf, work in posted:
         group.wait(work, deadline, f"sharded receive from rank {s}", timeout_s)
+    if posted:
+        on_first_write()
     for _s, segs, buf, _work in posted:
         unpack(buf, segs, params)
     return sum(buf.numel() * buf.element_size() for _s, _segs, buf, _work in posted)

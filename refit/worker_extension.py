@@ -58,6 +58,10 @@ class _VllmModel:
     def engine_dtype(self):
         return str(self._config.dtype).removeprefix("torch.")
 
+    def hf_config(self) -> dict:
+        """The model's ``config.json`` as vLLM read it (``refit.fused_layout`` places parameters from it)."""
+        return self._config.hf_config.to_dict()
+
     def apply(self, weights) -> None:
         self._worker.model_runner.reload_weights(weights_iterator=weights)
 
@@ -279,6 +283,67 @@ class RefitWorkerExtension:
                                                           f"{type(exc).__name__}: {exc}")
             res["load_s"] = time.monotonic() - t0
         rx.note_peer_copy(res["state"], int(version), theirs.get("applied"))
+        self._rlfleet_weight_version = rx.weight_version
+        if digests and res["state"] == COMPLETE:
+            res["digests"] = self.rlfleet_weight_digests()
+        return res
+
+    def rlfleet_receive_sharded(self, address: dict, first_worker: int, source_ranks: int, version: int,
+                                timeout_s: float, digests: bool = True) -> dict:
+        """A sharded refit's receiving worker (``refit.sharded_wire``): join the group at ``address`` as rank
+        ``first_worker + worker_index``; take from each of the ``source_ranks`` dim-0-sharded sender ranks exactly
+        the rows ``refit.fused_layout`` places in this worker's live parameters, written in place (the engine is
+        paused); have vLLM re-derive what it computes from them; record ``version``. Answers ``state``
+        (``not_started`` with ``refused``: a layout it cannot place, nothing joined or written; ``partial``;
+        ``complete``), ``error``, ``bytes``, timings and, when complete and asked, this worker's ``digests``."""
+        from rlfleet.refit import fused_layout, sharded_wire
+        from rlfleet.refit.group import GroupAddress, RefitGroup
+
+        index, count = self._rlfleet_index()
+        res: dict = {"ok": False, "state": NOT_STARTED, "error": None, "refused": None, "bytes": 0, "recv_s": 0.0,
+                     "load_s": 0.0, "worker_index": index}
+        model = self._rlfleet_model()
+        spec = model.expected_spec() or {}
+        named = dict(self._rlfleet_params())
+        try:
+            config: dict = getattr(model, "hf_config", dict)()
+            pieces = fused_layout.resolve(config, count, index)
+            missing = sorted({p.param for p in pieces} - set(named)) + sorted({p.ckpt for p in pieces} - set(spec))
+            if missing:
+                raise ValueError(f"this worker has no {missing[:4]}")
+        except ValueError as exc:
+            res["error"] = res["refused"] = f"sharded refit refused, nothing changed: {exc}"
+            return res
+        shapes = {name: shape for name, (shape, _dtype) in spec.items()}
+        rx = self._rlfleet_receiver()
+        written: list[bool] = []
+
+        def first_write() -> None:
+            written.append(True)
+            rx.note_peer_copy(PARTIAL)  # from here on the live weights are neither the old nor the new ones
+
+        t0 = time.monotonic()
+        try:
+            group = RefitGroup(GroupAddress.from_wire(address), int(first_worker) + index, float(timeout_s))
+            try:
+                res["bytes"] = sharded_wire.receive_all(group, pieces, shapes, named, int(source_ranks), float(timeout_s),
+                                                        on_first_write=first_write)
+            finally:
+                group.close()
+        except Exception as exc:  # noqa: BLE001 - before the first write nothing changed; after it, weights unknown
+            res.update(state=PARTIAL if written else NOT_STARTED,
+                       error=f"sharded refit of version {version}: {type(exc).__name__}: {exc}")
+            return res
+        res["recv_s"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        try:
+            getattr(model, "after_peer_load", lambda: None)()
+            res.update(ok=True, state=COMPLETE)
+        except Exception as exc:  # noqa: BLE001 - the bytes are in, the engine's own derivation failed
+            res.update(state=PARTIAL, error=f"loading the sharded refit failed after every byte arrived: "
+                                            f"{type(exc).__name__}: {exc}")
+        res["load_s"] = time.monotonic() - t1
+        rx.note_peer_copy(res["state"], int(version))
         self._rlfleet_weight_version = rx.weight_version
         if digests and res["state"] == COMPLETE:
             res["digests"] = self.rlfleet_weight_digests()

@@ -110,3 +110,48 @@ def test_tensor_parallel_engine_refits_every_worker(engines, mode):
     print(f"\n{mode}: max logprob difference TP=1 {gaps[0]:.2e}, TP=2 {gaps[1]:.2e}")
     assert max(gaps) < 1e-4, gaps
     asyncio.run(sync.close())
+
+
+def test_a_sharded_refit_from_two_ranks_sends_each_worker_its_rows_only_and_lands_as_a_full_refit_does(engines, tiny_model):
+    """Two sender ranks (each sends only its dim-0 rows, as an FSDP rank holds them) into the TP 2 engine over
+    ``refit.sharded_wire``: each worker receives exactly the bytes ``shard_plan`` counts for it, the busiest rank
+    sends under 0.6 of the model, and vLLM's digests of both workers equal those a full refit of the same
+    weights leaves; the engine then generates by them."""
+    shards, _ = engines
+    ranks = [ray_door.spawn_actor(WeightSource, tiny_model, num_cpus=0) for _ in range(2)]
+    for r in ranks:  # both hold the same "trained" weights
+        ray_door.ask(r, "perturb", seed=31, scale=0.05, relative=True, timeout=T)
+    address = ray_door.ask(ranks[0], "open_sharded", 4, 1000, 30.0, timeout=T)
+    sends = [ray_door.submit(r, "send_sharded", address, i, 2, 2, 2, 30.0) for i, r in enumerate(ranks)]
+    recv = ray_door.submit(shards[1], "worker_rpc", "rlfleet_receive_sharded", [address, 2, 2, 7, 30.0], {}, 60)
+    sent, got = ray_door.results(sends, timeout=T), ray_door.result(recv, timeout=T)
+    ray_door.kill(ranks[1])
+    trainer = ranks[0]
+    assert [g["state"] for g in got] == ["complete", "complete"], got
+    import json
+    from pathlib import Path
+
+    from rlfleet.refit.fused_layout import resolve
+    from rlfleet.refit.model_spec import checkpoint_spec
+    from rlfleet.refit.shard_plan import plan_pieces
+
+    config = json.loads((Path(tiny_model) / "config.json").read_text())
+    shapes = {n: shape for n, (shape, _d) in checkpoint_spec(tiny_model).items()}
+    counted = plan_pieces([resolve(config, 2, r) for r in range(2)], shapes, 4, 2)
+    assert sorted(g["bytes"] for g in got) == sorted(counted.recv_bytes)
+    assert [s["bytes_sent"] for s in sent] == list(counted.send_bytes)
+    assert max(s["bytes_sent"] for s in sent) / sent[0]["model_bytes"] < 0.6
+    sharded = {k: v for g in got for k, v in g["digests"].items()}
+    # the same weights by a full refit (the broadcast path): vLLM's digests of every parameter are the same
+    parts = plan(shards)
+    sync = WeightSynchronizer(ray_door.ActorSenderPort(trainer), RefitConfig(timeout_s=30, bucket_mb=0.25))
+    report = asyncio.run(sync.refit(parts, version=8, epoch=8))
+    assert report.ok, report.summary()
+    asyncio.run(sync.close())
+    full = {k: v for d in ray_door.ask(shards[1], "worker_rpc", "rlfleet_weight_digests", [], {}, 60, timeout=90)
+            for k, v in d.items()}
+    assert sharded == full
+    c = ray_door.ask(shards[1], "generate", PROMPT, SAMPLING, timeout=T).completions[0]
+    ref = ray_door.ask(trainer, "logprobs", PROMPT, list(c.token_ids), timeout=T)
+    ray_door.kill(trainer)
+    assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < 1e-4
