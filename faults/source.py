@@ -137,12 +137,13 @@ class WeightSource(LocalSenderPort):
             store, self._sharded_store = (self._sharded_store, None) if int(rank) == 0 else (None, self._sharded_store)
             t0 = time.monotonic()
             group = RefitGroup(GroupAddress.from_wire(address), int(rank), float(timeout_s), store=store)
+            group_s = time.monotonic() - t0
             try:
                 sent = sharded_wire.send_all(group, pieces, shapes, shard, int(ranks), int(rank), int(first_worker),
                                              float(timeout_s))
             finally:
                 group.close()
-            return {"bytes_sent": sent, "send_s": time.monotonic() - t0,
+            return {"bytes_sent": sent, "send_s": time.monotonic() - t0, "group_s": group_s,
                     "model_bytes": sum(t.numel() * t.element_size() for t in full.values())}
 
         return await self._run(send)

@@ -215,11 +215,21 @@ class RefitGroup:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0):
         """Start a point-to-point send of ``tensor`` to rank ``dst`` (a sharded refit); returns the work."""
-        return self._live().send([tensor], int(dst), int(tag))
+        return self._post("send", dst, lambda pg: pg.send([tensor], int(dst), int(tag)))
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0):
         """Start a point-to-point receive into ``tensor`` from rank ``src``; returns the work."""
-        return self._live().recv([tensor], int(src), int(tag))
+        return self._post("receive", src, lambda pg: pg.recv([tensor], int(src), int(tag)))
+
+    def _post(self, what: str, peer: int, start):
+        """Start a point-to-point operation; a peer already gone fails it here, as ``TransferError``."""
+        pg = self._live()
+        try:
+            return start(pg)
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError for a closed pair
+            self.broken = True
+            raise TransferError(f"{what} with rank {peer} failed to start on rank {self.rank} of epoch "
+                                f"{self.address.epoch}: {type(exc).__name__}: {str(exc)[:300]}") from None
 
     def _live(self):
         if self._pg is None or self.broken:

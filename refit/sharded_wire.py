@@ -4,8 +4,8 @@ Sender rank ``s`` of ``S`` holds rows ``shard_plan.chunk(rows, S, s)`` of every 
 shards). Worker ``w`` of an engine takes the pieces ``refit.fused_layout.resolve`` gives its TP rank. What rank
 ``s`` sends worker ``w`` of one piece is ``shard_plan.rows_sent`` (the one answer the plan's byte count uses too),
 cut to the piece's columns for a row-parallel piece. Both ends derive the same ``segments`` from the same
-pieces and shapes, so a buffer carries no header: the rank packs the segments end to end, the worker unpacks
-them in the same order into its live parameters (vLLM's layout: ``fused_layout.local_shapes``). No rank gathers
+pieces and shapes, so a buffer carries no header: each segment travels as one message (tagged by its place in the list),
+into its place in a buffer per sender rank, which the worker unpacks into its live parameters (vLLM's layout: ``fused_layout.local_shapes``). No rank gathers
 the model, and no worker receives a byte it does not hold.
 
 ``send_all`` and ``receive_all`` run one side over a ``RefitGroup`` whose ranks ``0 .. S-1`` are the sender's and
@@ -60,19 +60,6 @@ def segments(pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]], sourc
     return out
 
 
-def pack(segs: Sequence[Segment], shard: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]],
-         source_ranks: int, rank: int) -> torch.Tensor:
-    """Sender ``rank``'s buffer for one worker: each segment's rows, from the rank's own dim-0 shard."""
-    parts = []
-    for sg in segs:
-        first = chunk(int(shapes[sg.ckpt][0]), source_ranks, rank)[0]
-        t = shard[sg.ckpt][sg.rows[0] - first: sg.rows[1] - first]
-        if sg.cols is not None:
-            t = t[:, sg.cols[0]: sg.cols[1]]
-        parts.append(t.reshape(-1))
-    return torch.cat(parts) if parts else torch.empty(0)
-
-
 def unpack(buffer: torch.Tensor, segs: Sequence[Segment], params: Mapping[str, torch.Tensor]) -> None:
     """Write one sender's buffer into the worker's live parameters."""
     at = 0
@@ -110,18 +97,32 @@ def _one_dtype(tensors: Mapping[str, torch.Tensor]) -> torch.dtype:
     return next(iter(dtypes))
 
 
+def _parts(segs: Sequence[Segment], shard: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]],
+           source_ranks: int, rank: int) -> list[torch.Tensor]:
+    """Each segment's rows from the rank's shard, flat: a view where they are contiguous (rows of a dim-0
+    piece), a copy where they are not (a row-parallel piece's columns)."""
+    out = []
+    for sg in segs:
+        first = chunk(int(shapes[sg.ckpt][0]), source_ranks, rank)[0]
+        t = shard[sg.ckpt][sg.rows[0] - first: sg.rows[1] - first]
+        if sg.cols is not None:
+            t = t[:, sg.cols[0]: sg.cols[1]]
+        out.append(t.contiguous().view(-1))
+    return out
+
+
 def send_all(group, pieces_by_worker: Sequence[Sequence[Piece]], shapes: Mapping[str, Sequence[int]],
              shard: Mapping[str, torch.Tensor], source_ranks: int, rank: int, first_worker: int, timeout_s: float) -> int:
-    """Sender ``rank``: one buffer to each worker that takes any of its rows; returns the bytes sent."""
+    """Sender ``rank``: each worker's segments, one message each (tagged by its place in the worker's list; no
+    copy where the rows are contiguous); returns the bytes sent."""
     _one_dtype(shard)
     deadline = time.monotonic() + timeout_s
     works, sent = [], 0
     for w, pieces in enumerate(pieces_by_worker):
-        buf = pack(segments(pieces, shapes, source_ranks, rank), shard, shapes, source_ranks, rank)
-        if buf.numel():
-            works.append((w, buf, group.send(buf.contiguous(), first_worker + w)))
-            sent += buf.numel() * buf.element_size()
-    for w, _buf, work in works:
+        for tag, t in enumerate(_parts(segments(pieces, shapes, source_ranks, rank), shard, shapes, source_ranks, rank)):
+            works.append((w, t, group.send(t, first_worker + w, tag)))
+            sent += t.numel() * t.element_size()
+    for w, _t, work in works:
         group.wait(work, deadline, f"sharded send from rank {rank} to worker {w}", timeout_s)
     return sent
 
@@ -133,14 +134,18 @@ def receive_all(group, pieces: Sequence[Piece], shapes: Mapping[str, Sequence[in
     they were); ``on_first_write`` is called just before the first write."""
     dtype = _one_dtype(params)
     deadline = time.monotonic() + timeout_s
-    posted = []
+    posted, works = [], []
     for s in range(source_ranks):
         segs = segments(pieces, shapes, source_ranks, s)
         n = sum(sg.numel for sg in segs)
         if n:
             buf = torch.empty(n, dtype=dtype, device=group.device)
-            posted.append((s, segs, buf, group.recv(buf, s)))
-    for s, _segs, _buf, work in posted:
+            at = 0
+            for tag, sg in enumerate(segs):  # one message per segment, into its place in the rank's buffer
+                works.append((s, group.recv(buf[at: at + sg.numel], s, tag)))
+                at += sg.numel
+            posted.append((s, segs, buf, None))
+    for s, work in works:
         group.wait(work, deadline, f"sharded receive from rank {s}", timeout_s)
     if posted:
         on_first_write()

@@ -325,6 +325,7 @@ class RefitWorkerExtension:
         t0 = time.monotonic()
         try:
             group = RefitGroup(GroupAddress.from_wire(address), int(first_worker) + index, float(timeout_s))
+            res["group_s"] = group.build_s
             try:
                 res["bytes"] = sharded_wire.receive_all(group, pieces, shapes, named, int(source_ranks), float(timeout_s),
                                                         on_first_write=first_write)
