@@ -1,12 +1,13 @@
-"""A sharded refit on the wire: each sender rank sends each engine worker one buffer with exactly its part.
+"""A sharded refit on the wire: each sender rank sends each engine worker exactly its part, point to point.
 
 Sender rank ``s`` of ``S`` holds rows ``shard_plan.chunk(rows, S, s)`` of every checkpoint tensor (FSDP's dim-0
 shards). Worker ``w`` of an engine takes the pieces ``refit.fused_layout.resolve`` gives its TP rank. What rank
 ``s`` sends worker ``w`` of one piece is ``shard_plan.rows_sent`` (the one answer the plan's byte count uses too),
 cut to the piece's columns for a row-parallel piece. Both ends derive the same ``segments`` from the same
-pieces and shapes, so a buffer carries no header: each segment travels as one message (tagged by its place in the list),
-into its place in a buffer per sender rank, which the worker unpacks into its live parameters (vLLM's layout: ``fused_layout.local_shapes``). No rank gathers
-the model, and no worker receives a byte it does not hold.
+pieces and shapes, so nothing carries a header: each segment travels as one message (tagged by its place in
+the list) into its place in one buffer per sender rank, which the worker unpacks into its live parameters
+(vLLM's layout: ``fused_layout.local_shapes``). No rank gathers the model, and no worker receives a byte it
+does not hold.
 
 ``send_all`` and ``receive_all`` run one side over a ``RefitGroup`` whose ranks ``0 .. S-1`` are the sender's and
 ``first_worker ..`` the engine's workers; every wait is bounded by one deadline (``TransferError`` past it, as
@@ -129,8 +130,8 @@ def send_all(group, pieces_by_worker: Sequence[Sequence[Piece]], shapes: Mapping
 
 def receive_all(group, pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]], params: Mapping[str, torch.Tensor],
                 source_ranks: int, timeout_s: float, on_first_write: Callable[[], None] = lambda: None) -> int:
-    """A worker: one buffer from each sender rank that holds any of its rows, written into ``params``; returns
-    the bytes received. Nothing is written until every buffer arrived (a failed receive leaves ``params`` as
+    """A worker: every sender rank's segments, each into its place in one buffer per rank, then written into
+    ``params``; returns the bytes received. Nothing is written until every buffer arrived (a failed receive leaves ``params`` as
     they were); ``on_first_write`` is called just before the first write."""
     dtype = _one_dtype(params)
     deadline = time.monotonic() + timeout_s
