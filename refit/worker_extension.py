@@ -311,10 +311,14 @@ class RefitWorkerExtension:
             missing = sorted({p.param for p in pieces} - set(named)) + sorted({p.ckpt for p in pieces} - set(spec))
             if missing:
                 raise ValueError(f"this worker has no {missing[:4]}")
+            shapes = {name: shape for name, (shape, _dtype) in spec.items()}
+            for param, shape in fused_layout.local_shapes(config, count, pieces, shapes).items():
+                if tuple(named[param].shape) != tuple(shape):
+                    raise ValueError(f"live parameter {param!r} is {tuple(named[param].shape)}, the layout places "
+                                     f"{tuple(shape)} (unreadable packed weights: RLFLEET_READABLE_WEIGHTS=0?)")
         except ValueError as exc:
             res["error"] = res["refused"] = f"sharded refit refused, nothing changed: {exc}"
             return res
-        shapes = {name: shape for name, (shape, _dtype) in spec.items()}
         rx = self._rlfleet_receiver()
         written: list[bool] = []
 

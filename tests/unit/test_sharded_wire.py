@@ -92,3 +92,73 @@ def test_a_model_of_two_dtypes_is_refused_naming_a_tensor():
 
     with pytest.raises(ValueError, match="'b' is torch.float16"):
         _one_dtype({"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.float16)})
+
+
+class _Adapter:
+    """A worker's model as the extension sees it: checkpoint spec, config, live parameters in vLLM's layout."""
+
+    def __init__(self, full: dict, tp: int, rank: int, break_param: str | None = None) -> None:
+        self.full_shapes = {n: tuple(t.shape) for n, t in full.items()}
+        pieces = resolve(CONFIG, tp, rank)
+        self.live = {n: torch.full(s, float("nan")) for n, s in local_shapes(CONFIG, tp, pieces, self.full_shapes).items()}
+        if break_param:  # a packed linear whose weight vLLM emptied (readable weights off)
+            self.live[break_param] = torch.empty(0)
+
+    def expected_spec(self):
+        return {n: (s, "float32") for n, s in self.full_shapes.items()}
+
+    def hf_config(self):
+        return dict(CONFIG)
+
+    def live_tensors(self):
+        return self.live.items()
+
+
+def _worker(adapter, index: int, count: int):
+    from rlfleet.refit.worker_extension import RefitWorkerExtension
+
+    class Worker(RefitWorkerExtension):
+        def _rlfleet_model(self):
+            return adapter
+
+        def _rlfleet_index(self):
+            return index, count
+
+    return Worker()
+
+
+def test_the_worker_refuses_a_live_layout_it_cannot_write_before_joining_anything():
+    adapter = _Adapter(checkpoint(seed=1), 2, 0, break_param="model.layers.0.self_attn.qkv_proj.weight")
+    bogus = GroupAddress("127.0.0.1", 1, 1, 4, "gloo").to_wire()  # nothing listens there: joining would fail
+    res = _worker(adapter, 0, 2).rlfleet_receive_sharded(bogus, 2, 2, 5, 5.0)
+    assert res["state"] == "not_started" and "qkv_proj" in res["refused"] and "RLFLEET_READABLE_WEIGHTS" in res["refused"]
+
+
+def test_the_workers_receive_through_the_extension_and_land_complete_at_the_version():
+    full = checkpoint(seed=2)
+    shapes = {n: tuple(t.shape) for n, t in full.items()}
+    pieces = [resolve(CONFIG, 2, r) for r in range(2)]
+    adapters = [_Adapter(full, 2, r) for r in range(2)]
+    store = host_store("127.0.0.1", 4, T)
+    address = GroupAddress("127.0.0.1", store.port, 7, 4, "gloo", op_timeout_s=T)
+
+    def sender(s: int) -> int:
+        group = RefitGroup(address, s, T, store=store if s == 0 else None)
+        try:
+            shard = {n: t[slice(*chunk(t.shape[0], 2, s))] for n, t in full.items()}
+            return send_all(group, pieces, shapes, shard, 2, s, 2, 5.0)
+        finally:
+            group.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        sends = [pool.submit(sender, s) for s in range(2)]
+        recvs = [pool.submit(_worker(adapters[w], w, 2).rlfleet_receive_sharded, address.to_wire(), 2, 2, 9, 5.0, False)
+                 for w in range(2)]
+        [f.result() for f in sends]
+        got = [f.result() for f in recvs]
+    assert [g["state"] for g in got] == ["complete", "complete"], got
+    for w in range(2):
+        want = from_full(pieces[w], full, local_shapes(CONFIG, 2, pieces[w], shapes))
+        for name, t in want.items():
+            keep = ~torch.isnan(adapters[w].live[name])
+            assert torch.equal(adapters[w].live[name][keep], t[keep])
