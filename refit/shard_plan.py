@@ -53,10 +53,6 @@ class ParamSpec:
         return math.prod(self.shape) * self.itemsize
 
     @property
-    def row_bytes(self) -> int:
-        return math.prod(self.shape[1:]) * self.itemsize
-
-    @property
     def direct(self) -> bool:
         return self.dest_dim is not None
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
@@ -38,8 +39,9 @@ from rlfleet.fleet.cluster import ray_door  # noqa: E402
 from rlfleet.fleet.config.engine import EngineConfig  # noqa: E402
 from rlfleet.recipe.tinymodel import build_model  # noqa: E402
 from rlfleet.refit import RefitConfig, WeightSynchronizer, assign_ranks  # noqa: E402
-from rlfleet.refit.fused_layout import local_shapes, resolve  # noqa: E402
+from rlfleet.refit.fused_layout import resolve  # noqa: E402
 from rlfleet.refit.model_spec import checkpoint_spec  # noqa: E402
+from rlfleet.refit.shard_plan import plan_pieces  # noqa: E402
 
 MODEL_CACHE = Path(os.environ.get("RLFLEET_MODEL_CACHE", Path.home() / ".cache" / "rlfleet" / "models"))
 TP, RANKS = 2, 2
@@ -50,40 +52,15 @@ def digests(shard) -> dict:
     return {k: v for d in ray_door.ask(shard, "worker_rpc", "rlfleet_weight_digests", [], {}, 120, timeout=T) for k, v in d.items()}
 
 
-def held_bytes(config: dict, shapes: dict, itemsize: int) -> list[int]:
-    """What each worker holds of the parameters it places (the vocabulary's padding rows are not received)."""
-    out = []
-    for r in range(TP):
-        pieces = resolve(config, TP, r)
-        out.append(sum(p.length * (itemsize * _inner(shapes[p.ckpt], p.dim)) for p in pieces))
-    return out
-
-
-def _inner(shape, dim: int) -> int:
-    """Elements per unit of ``dim`` (a row for dim 0, a column's height for dim 1)."""
-    n = 1
-    for i, d in enumerate(shape):
-        if i != dim:
-            n *= int(d)
-    return n
-
-
 def vllm_fallback_share(config: dict, shapes: dict) -> float:
     """The bytes vLLM 0.32's ``m2n_layout`` would send whole to every worker on this model: its resolution places
     only parameters whose checkpoint name is a live parameter with a plain parallel loader (``o_proj``,
     ``down_proj``, norms); fused ones and the vocabulary-parallel embeddings fall back."""
     pieces = resolve(config, 1, 0)
-    total = sum(_size(shapes[p.ckpt]) for p in pieces)
-    direct = sum(_size(shapes[p.ckpt]) for p in pieces
+    total = sum(math.prod(shapes[p.ckpt]) for p in pieces)
+    direct = sum(math.prod(shapes[p.ckpt]) for p in pieces
                  if p.param == p.ckpt and "embed_tokens" not in p.ckpt and not p.ckpt.startswith("lm_head"))
     return round(1 - direct / total, 4)
-
-
-def _size(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def main() -> int:
@@ -144,8 +121,8 @@ def main() -> int:
         for h in [shard, *ranks]:
             ray_door.kill(h)
         ray_door.shutdown()
-    itemsize = 4
-    held = held_bytes(config, shapes, itemsize)
+    # what each worker holds of the parameters it places is what the plan sends it (padding rows are not sent)
+    held = plan_pieces([resolve(config, TP, r) for r in range(TP)], shapes, 4, RANKS).recv_bytes
     recv = rows[-1]["worker_recv_bytes"]
     out = {
         "preset": args.preset, "model_bytes": model_bytes, "tp": TP, "sender_ranks": RANKS, "rounds": args.rounds,

@@ -9,7 +9,8 @@ import psutil
 from ray import exceptions as rex
 
 from rlfleet.fleet.errors import DeadlineExceeded, ShardUnavailableError
-from rlfleet.fleet.cluster.ray_door import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, end_stranded_workers, outcome_of
+from rlfleet.fleet.cluster.ray_door import BAD_ACK, DIED, ERROR, OK, TIMED_OUT, UNAVAILABLE, outcome_of
+from rlfleet.fleet.cluster.stranded import end_stranded_workers
 
 
 def _task_error(cause: BaseException) -> rex.RayTaskError:
