@@ -42,10 +42,12 @@ class WeightSource(LocalSenderPort):
 
     ``seed`` seeds torch before loading; ``threads``: torch intra-op threads of this
     process (None leaves them alone); ``addr``: the address engines reach the refit
-    group's store at (None: ``refit.group.default_address()``).
+    group's store at (None: ``refit.group.default_address()``); ``delta``: ``WeightSender``'s (``"copy"``: each
+    update after the first travels as patches where they are smaller).
     """
 
-    def __init__(self, model_dir: str, seed: int = 0, threads: int | None = 1, addr: str | None = None) -> None:
+    def __init__(self, model_dir: str, seed: int = 0, threads: int | None = 1, addr: str | None = None,
+                 delta: str = "off") -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         if threads:
             torch.set_num_threads(threads)
@@ -57,7 +59,12 @@ class WeightSource(LocalSenderPort):
         self._hold_s = 0.0
         self._addr = addr
         self._sharded_store = None
-        super().__init__(WeightSender(self.model, dtype=torch.float32, addr=addr))
+        super().__init__(WeightSender(self.model, dtype=torch.float32, addr=addr, delta=delta))
+
+    async def set_delta(self, mode: str) -> bool:
+        """``WeightSender``'s ``delta`` from the next update on (``"off"``: every update whole)."""
+        self.sender.delta = mode
+        return True
 
     async def hold_next_update(self, seconds: float) -> bool:
         """Fault injection: the next ``prepare`` waits ``seconds`` first, as a slow trainer would; the refit,
@@ -76,18 +83,20 @@ class WeightSource(LocalSenderPort):
             os._exit(1)
         return await super().send(refit_id, timeout_s)
 
-    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None) -> dict:
+    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None,
+                      full: bool = False) -> dict:
         hold, self._hold_s = self._hold_s, 0.0
         if hold:
             await asyncio.sleep(hold)
-        return await super().prepare(refit_id, transfer, bucket_mb, direct_mb)
+        return await super().prepare(refit_id, transfer, bucket_mb, direct_mb, full)
 
     # -- the policy -------------------------------------------------------------------
-    async def perturb(self, seed: int, scale: float = 0.02, relative: bool = False) -> int:
+    async def perturb(self, seed: int, scale: float = 0.02, relative: bool = False, fraction: float = 1.0) -> int:
         """A deterministic "training step": every weight += seeded N(0, 1) noise times ``scale``.
 
         With ``relative``, the noise of each tensor is also scaled by that tensor's std
-        (1 for a one-element or constant tensor). Returns the number of tensors changed.
+        (1 for a one-element or constant tensor); ``fraction`` < 1 changes only that share of each
+        tensor's elements (seeded), as a delta refit sees a step. Returns the number of tensors changed.
         """
 
         def step() -> int:
@@ -96,7 +105,10 @@ class WeightSource(LocalSenderPort):
             with torch.no_grad():
                 for p in params:
                     std = (p.float().std().item() if p.numel() > 1 else 1.0) if relative else 1.0
-                    p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * (scale * (std or 1.0)))
+                    noise = torch.randn(p.shape, generator=gen, dtype=p.dtype) * (scale * (std or 1.0))
+                    if fraction < 1.0:
+                        noise *= torch.rand(p.shape, generator=gen) < fraction
+                    p.add_(noise)
             return len(params)
 
         return await self._run(step)

@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+from rlfleet.refit import delta
 from rlfleet.refit.errors import ManifestError
 
 TRANSFERS = ("bucketed", "per_tensor")
@@ -110,6 +111,12 @@ class Manifest:
     partial: bool = False
     frozen: tuple[str, ...] = ()
     aliases: tuple[tuple[str, str], ...] = ()
+    # A delta (``refit.delta``): the tensors sent as patches or left unchanged, with their full shapes; their
+    # entries are ``<name>#delta_idx`` / ``<name>#delta_val`` (none when nothing changed). ``base``: the token of
+    # the weights the patches apply to; ``result``: the token of the weights this update leaves (None: untracked).
+    patches: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    base: str | None = None
+    result: str | None = None
 
     def leaves_out(self, name: str) -> bool:
         """True if the sender declared that ``name`` may be absent (the engines keep it as it is)."""
@@ -122,6 +129,15 @@ class Manifest:
     @property
     def names(self) -> list[str]:
         return [e.name for e in self.entries]
+
+    @property
+    def weight_names(self) -> list[str]:
+        """The model's tensors this update sets: those sent whole and those patched (or left unchanged)."""
+        return [n for n in self.names if delta.split_name(n) is None] + [n for n, _ in self.patches]
+
+    @property
+    def is_delta(self) -> bool:
+        return self.base is not None
 
     @property
     def total_bytes(self) -> int:
@@ -151,6 +167,8 @@ class Manifest:
             "partial": self.partial,
             "frozen": list(self.frozen),
             "aliases": [list(a) for a in self.aliases],
+            **({"patches": [[n, list(sh)] for n, sh in self.patches], "base": self.base} if self.is_delta else {}),
+            **({"result": self.result} if self.result is not None else {}),
         }
 
     @classmethod
@@ -165,6 +183,9 @@ class Manifest:
                 partial=bool(wire.get("partial", False)),
                 frozen=tuple(str(p) for p in wire.get("frozen", ())),
                 aliases=tuple((str(a), str(b)) for a, b in wire.get("aliases", ())),
+                patches=tuple((str(n), tuple(int(x) for x in sh)) for n, sh in wire.get("patches", ())),
+                base=None if wire.get("base") is None else str(wire["base"]),
+                result=None if wire.get("result") is None else str(wire["result"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from None
@@ -190,18 +211,47 @@ class Manifest:
                     raise ManifestError(f"tensor {e.name!r}: numel {e.numel} does not match shape {e.shape}")
                 if e.offset < 0 or e.offset + e.numel > b.numel:
                     raise ManifestError(f"tensor {e.name!r} lies outside bucket {b.index} ({b.numel} elements)")
+        self._check_patches(seen)
         for alias, target in self.aliases:
-            if target not in seen or alias in seen:
+            if target not in seen and target not in dict(self.patches) or alias in seen:
                 raise ManifestError(f"alias {alias!r} -> {target!r} must name a tensor of the update under a name it does not use")
 
 
+    def _check_patches(self, seen: set[str]) -> None:
+        """A patch's two entries come together, one index per value, 1-D; a patched tensor is not also sent whole."""
+        if self.patches and self.base is None:
+            raise ManifestError("an update with patches must name the base they apply to")
+        sizes = {e.name: e for e in self.entries}
+        patched = dict(self.patches)
+        if len(patched) != len(self.patches):
+            raise ManifestError("a tensor is patched twice in the update")
+        for name in self.names:
+            split = delta.split_name(name)
+            if split is not None and split[0] not in patched:
+                raise ManifestError(f"entry {name!r} belongs to no patch of the update")
+        for name, shape in self.patches:
+            idx, val = sizes.get(delta.idx_name(name)), sizes.get(delta.val_name(name))
+            if name in seen:
+                raise ManifestError(f"tensor {name!r} is both patched and sent whole")
+            if (idx is None) != (val is None):
+                raise ManifestError(f"patch of {name!r} lacks its {'values' if val is None else 'indices'}")
+            if idx is not None and val is not None:
+                if len(idx.shape) != 1 or idx.shape != val.shape or idx.numel > math.prod(shape):
+                    raise ManifestError(f"patch of {name!r}: {idx.numel} indices and {val.numel} values for a "
+                                        f"tensor of shape {shape}")
+                if idx.dtype not in ("int32", "int64"):
+                    raise ManifestError(f"patch of {name!r}: indices are {idx.dtype}, not int32 or int64")
+
+
 def plan_buckets(
-    specs: Iterable[tuple[str, Sequence[int], object]], bucket_bytes: int, transfer: str = "bucketed", direct_bytes: int | None = None
+    specs: Iterable[tuple[str, Sequence[int], object]], bucket_bytes: int, transfer: str = "bucketed", direct_bytes: int | None = None,
+    **fields,
 ) -> Manifest:
     """Lay tensors ``(name, shape, dtype)`` into buckets. See the module docstring for the guarantees.
 
     Tensors of at least ``direct_bytes`` get a bucket of their own (the sender can then
-    broadcast them straight from their storage, without packing).
+    broadcast them straight from their storage, without packing). ``fields``: the manifest's other fields
+    (``partial``, ``frozen``, ``aliases``, ``patches``, ``base``, ``result``).
     """
     if transfer not in TRANSFERS:
         raise ManifestError(f"unknown transfer {transfer!r}; allowed: {TRANSFERS}")
@@ -235,7 +285,7 @@ def plan_buckets(
             if alone:
                 close()
         close()
-    manifest = Manifest(transfer, tuple(buckets))
+    manifest = Manifest(transfer, tuple(buckets), **fields)
     manifest.check_layout()
     return manifest
 
@@ -258,7 +308,9 @@ def validate(manifest: Manifest, expected: ExpectedSpec | None, engine_dtype: st
     manifest.check_layout()
     if not manifest.buckets:
         raise ManifestError("the update holds no tensors")
-    problems = [p for p in (_entry_problem(e, expected, engine_dtype) for e in manifest.entries) if p]
+    problems = [p for p in (_entry_problem(e, expected, engine_dtype) for e in manifest.entries
+                            if delta.split_name(e.name) is None) if p]
+    problems += [p for p in (_patch_problem(n, sh, manifest, expected, engine_dtype) for n, sh in manifest.patches) if p]
     if expected is not None and not problems:
         problems = _completeness_problems(manifest, expected)
     if problems:
@@ -281,10 +333,21 @@ def _entry_problem(e: TensorEntry, expected: ExpectedSpec | None, engine_dtype: 
     return None
 
 
+def _patch_problem(name: str, shape: tuple[int, ...], manifest: Manifest, expected: ExpectedSpec | None,
+                   engine_dtype: str | None) -> str | None:
+    """A patch checked as the whole tensor it writes: a weight of the model, of its shape, values in the engine's dtype."""
+    vals = next((e for e in manifest.entries if e.name == delta.val_name(name)), None)
+    whole = TensorEntry(name, shape, vals.dtype if vals is not None else (engine_dtype or "float32"), 0, math.prod(shape))
+    problem = _entry_problem(whole, expected, engine_dtype)
+    if problem is None and whole.dtype not in ("float32", "float64", "float16", "bfloat16"):
+        problem = f"tensor {name}: a patch needs floating values, got {whole.dtype}"
+    return problem
+
+
 def _completeness_problems(manifest: Manifest, expected: ExpectedSpec) -> list[str]:
     """Missing weights the sender did not declare, and decoder layers the update would tear."""
     required = sorted(n for n in expected if not _NOT_LOADED.search(n))
-    carried = set(manifest.names) | {alias for alias, _ in manifest.aliases}
+    carried = set(manifest.weight_names) | {alias for alias, _ in manifest.aliases}
     absent = [n for n in required if n not in carried]
     undeclared = [n for n in absent if not manifest.leaves_out(n)]
     problems = []
@@ -293,7 +356,7 @@ def _completeness_problems(manifest: Manifest, expected: ExpectedSpec) -> list[s
             f"missing tensors: {_name_groups(undeclared, required)}; an update carries every weight of the model "
             "unless the sender declares a partial update (WeightSender(partial=True) or WeightSender(frozen=[...]))"
         )
-    touched = {layer_group(n) for n in manifest.names}
+    touched = {layer_group(n) for n in manifest.weight_names}
     torn = [n for n in absent if n not in undeclared and layer_group(n) in touched]
     if torn:
         layers = sorted({layer_group(n) for n in torn})

@@ -116,6 +116,8 @@ class RefitReport:
     sender_error: str | None = None
     goal: str = "refit"  # "stage" for a stage report (participants aim at STAGED)
     sender_digest: str | None = None  # the sender's checksum of the update (stage under verify="checksum")
+    delta: bool = False  # the update travelled as patches against the weights the engines held (``refit.delta``)
+    delta_refused: str | None = None  # why patches were refused by an engine and the update was sent whole instead
 
     def __post_init__(self) -> None:
         if self.goal not in GOALS:
@@ -148,7 +150,10 @@ class RefitReport:
     def summary(self) -> str:
         verdict = "ok" if self.ok else ("REFUSED" if self.refused else "FAILED")
         head = f"{self.goal} {self.refit_id} to version {self.version} (epoch {self.epoch}): " + verdict
-        lines = [head + f" in {self.timings.total_s:.2f} s, {self.bytes_sent / 2**20:.1f} MiB sent"]
+        sent_as = " as patches" if self.delta else ""
+        lines = [head + f" in {self.timings.total_s:.2f} s, {self.bytes_sent / 2**20:.1f} MiB sent{sent_as}"]
+        if self.delta_refused:
+            lines.append(f"  sent whole: {self.delta_refused}")
         if self.sender_error:
             lines.append(f"  sender: {self.sender_error}")
         for k, r in self.results.items():

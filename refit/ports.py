@@ -34,7 +34,10 @@ class SenderPort(Protocol):
 
     async def close_group(self) -> bool: ...
 
-    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None) -> dict: ...
+    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None,
+                      full: bool = False) -> dict:
+        """The manifest of the sender's current weights; ``full``: whole tensors, never patches (``refit.delta``)."""
+        ...
 
     async def send(self, refit_id: int, timeout_s: float) -> dict: ...
 
@@ -73,8 +76,9 @@ class LocalSenderPort:
     async def close_group(self) -> bool:
         return await self._run(lambda: self.sender.close_group())
 
-    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None) -> dict:
-        return await self._run(lambda: self.sender.prepare(refit_id, transfer, bucket_mb, direct_mb))
+    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None,
+                      full: bool = False) -> dict:
+        return await self._run(lambda: self.sender.prepare(refit_id, transfer, bucket_mb, direct_mb, full=full))
 
     async def send(self, refit_id: int, timeout_s: float) -> dict:
         return await self._run(lambda: self.sender.send(refit_id, timeout_s))

@@ -45,7 +45,7 @@ from typing import Any, Iterable, Protocol
 
 import torch
 
-from rlfleet.refit import checksum as _checksum
+from rlfleet.refit import checksum as _checksum, delta as _delta
 from rlfleet.refit import heap
 from rlfleet.refit.errors import ApplyError, ManifestError, RefitUsageError, TransferError
 from rlfleet.refit.group import GroupAddress, RefitGroup
@@ -73,6 +73,11 @@ class ModelAdapter(Protocol):
 
     def live_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The model's live parameters under their own names (for read-back checksums)."""
+
+    # Optional, for delta refits (``refit.delta``); a model without it is always sent whole:
+    #   apply_patches(patches: list[(name, shape, values, flat indices)], whole: list[(name, tensor)]) -> None
+    #       write the patches and the whole tensors (checkpoint names) into the live model in place. May raise.
+    #   patch_blocker() -> str | None: why patches cannot be applied to this model now (None: they can).
 
 
 class _Fault:
@@ -127,6 +132,7 @@ class WeightReceiver:
         self.group: RefitGroup | None = None
         self.weight_version: int = 0
         self.weights_state = "initial"  # initial | complete | partial
+        self.holds: str | None = None  # the token of the update these weights came from (``refit.delta``)
         self._prepared: tuple[int, Manifest, int, str, bool, int] | None = None
         self._aliases: dict[str, list[str]] = {}  # sent name -> tied names the model also loads
         self._staging: dict[str, torch.Tensor] = {}
@@ -207,6 +213,11 @@ class WeightReceiver:
             return {"ok": False, "error": str(exc), "state": NOT_STARTED}
         if self.group is None or self.group.broken:
             return {"ok": False, "error": "no live refit group on this rank: rebuild the epoch", "state": NOT_STARTED}
+        if m.is_delta:
+            why = self._delta_blocker(m, mode)
+            if why:  # not the update's fault: the same weights sent whole fit
+                return {"ok": False, "state": NOT_STARTED, "base_refused": why,
+                        "error": f"delta refit {refit_id} refused, nothing changed: {why}"}
         self._prepared = (int(refit_id), m, int(version), mode, bool(checksum), m.digest())
         spec = self._expected()
         self._aliases = {}
@@ -214,6 +225,19 @@ class WeightReceiver:
             if spec is not None and alias in spec:
                 self._aliases.setdefault(target, []).append(alias)
         return {"ok": True, "error": None, "state": NOT_STARTED, "bytes": m.total_bytes}
+
+    def _delta_blocker(self, m: Manifest, mode: str) -> str | None:
+        """Why this rank cannot apply the delta ``m`` (None: it can)."""
+        if self.weights_state != COMPLETE or self.holds != m.base:
+            held = {"initial": "the weights it started with, which no update's token names",
+                    PARTIAL: "partial weights (an update that did not complete)"}.get(self.weights_state) or \
+                (f"the weights of token {self.holds}" if self.holds else "weights no update's token names (a sharded refit)")
+            return f"the patches apply to the weights of token {m.base}; this rank holds {held}"
+        if mode != "staged":
+            return f"patches are applied in one step after every byte arrived (apply mode 'staged'), not {mode!r}"
+        if not hasattr(self.model, "apply_patches"):
+            return "this model adapter applies no patches"
+        return getattr(self.model, "patch_blocker", lambda: None)()
 
     # -- receive ----------------------------------------------------------------------------
     def receive(self, refit_id: int, timeout_s: float, expect_digest: str | None = None) -> dict:
@@ -249,16 +273,16 @@ class WeightReceiver:
             res["state"], res["phase"] = PARTIAL, "apply"
             res["error"] = str(exc)
         res["recv_s"] = time.monotonic() - t0 - res["apply_s"]
-        return self._finish(res, version, want_digest, expect_digest)
+        return self._finish(res, version, want_digest, expect_digest, manifest.result)
 
-    def _finish(self, res: dict, version: int, want_digest: bool, expect_digest: str | None) -> dict:
+    def _finish(self, res: dict, version: int, want_digest: bool, expect_digest: str | None, result: str | None) -> dict:
         """Verify (when asked) and stamp: the version moves only on a COMPLETE apply whose digest matched."""
         if res["state"] == COMPLETE and (want_digest or expect_digest is not None):
             self._verify(res, expect_digest)
         if res["state"] == PARTIAL:
-            self.weights_state = PARTIAL
+            self.weights_state, self.holds = PARTIAL, None
         elif res["state"] == COMPLETE:
-            self.weights_state = COMPLETE
+            self.weights_state, self.holds = COMPLETE, result
             self.weight_version = version
             res["ok"] = True
         res["version"] = self.weight_version
@@ -364,7 +388,7 @@ class WeightReceiver:
         except ApplyError as exc:
             res["state"], res["phase"] = PARTIAL, "apply"
             res["error"] = str(exc)
-        return self._finish(res, rec.version, rec.want_digest, expect_digest)
+        return self._finish(res, rec.version, rec.want_digest, expect_digest, rec.manifest.result)
 
     def _verify(self, res: dict, expect_digest: str | None) -> None:
         """Record the digest of what was applied; a mismatch with the sender's leaves the engine PARTIAL."""
@@ -446,8 +470,44 @@ class WeightReceiver:
             (e.name, self._staging[b.dtype][b.staging_offset + e.offset : b.staging_offset + e.offset + e.numel].view(e.shape))
             for b in manifest.buckets for e in b.entries
         ]
-        self._apply(views, res, want_digest, first=True)
+        if manifest.is_delta:
+            self._apply_delta(manifest, views, res, want_digest)
+        else:
+            self._apply(views, res, want_digest, first=True)
         res["state"] = COMPLETE
+
+    def _apply_delta(self, manifest: Manifest, views: list[tuple[str, torch.Tensor]], res: dict, want_digest: bool) -> None:
+        """Patches and whole tensors in one ``apply_patches``; digests (``want_digest``) cover the entries as they
+        arrived, as the sender's ``checksum`` does. A tied tensor the model loads gets its target's patch."""
+        self._applied_digests.clear()
+        self._applied_shapes.clear()
+        got = dict(views)
+        whole = [(n, t) for n, t in views if _delta.split_name(n) is None]
+        patches = [(n, shape, got[_delta.val_name(n)], got[_delta.idx_name(n)])
+                   for n, shape in manifest.patches if _delta.val_name(n) in got and got[_delta.val_name(n)].numel()]
+        whole += [(alias, t) for name, t in list(whole) for alias in self._aliases.get(name, ())]
+        patches += [(alias, shape, v, i) for name, shape, v, i in list(patches) for alias in self._aliases.get(name, ())]
+        if self._fault is not None and self._fault.kind in ("fail_apply", "corrupt"):
+            kind, self._fault = self._fault.kind, None
+            if kind == "fail_apply":
+                raise ApplyError("injected apply failure")
+            (patches[0][2] if patches else whole[0][1]).view(-1)[0] += 1
+        t0 = time.monotonic()
+        try:
+            if patches or whole:
+                self.model.apply_patches(patches, whole)  # type: ignore[attr-defined]  # checked at prepare
+        except Exception as exc:  # noqa: BLE001 - the model may fail in any way, after some writes
+            raise ApplyError(f"applying {len(patches)} patches and {len(whole)} whole tensors failed: "
+                             f"{type(exc).__name__}: {exc}") from None
+        finally:
+            res["apply_s"] += time.monotonic() - t0
+        res["patches"] = len(patches)
+        for name, t in views:
+            self._applied_shapes[name] = tuple(t.shape)
+            if want_digest:
+                self._applied_digests[name] = _checksum.tensor_digest(name, t)
+        for name, shape in manifest.patches:
+            self._applied_shapes[name] = tuple(shape)
 
     def _receive_streaming(self, group: RefitGroup, manifest: Manifest, deadline: float, res: dict, want_digest: bool, expect: list[int]) -> None:
         sizes = manifest.max_bucket_numel()
@@ -535,7 +595,8 @@ class WeightReceiver:
         """What the last refit applied (per-tensor digests, hex, and shapes): a peer copy carries it to the engine
         it gives these weights to (``note_peer_copy``), whose live weights the same update then describes."""
         return {"digests": {n: d.hex() for n, d in self._applied_digests.items()},
-                "shapes": {n: list(s) for n, s in self._applied_shapes.items()}}
+                "shapes": {n: list(s) for n, s in self._applied_shapes.items()},
+                "holds": self.holds if self.weights_state == COMPLETE else None}
 
     def note_peer_copy(self, state: str, version: int | None = None, applied: dict | None = None) -> None:
         """A peer copy (``refit.peer_transfer``) wrote this rank's live weights: ``partial`` (from its first write
@@ -548,6 +609,7 @@ class WeightReceiver:
         self._applied_digests.clear()
         self._applied_shapes.clear()
         self.weights_state = COMPLETE if state == COMPLETE else PARTIAL
+        self.holds = (applied or {}).get("holds") if state == COMPLETE else None
         if state == COMPLETE and version is not None:
             self.weight_version = int(version)
         if state == COMPLETE and applied:

@@ -16,6 +16,12 @@ out) or ``WeightSender(model, frozen=["model.embed_tokens.weight", "model.layers
 engines keep exactly the tensors left out, and refuse an update that leaves out a
 weight it did not declare.
 
+Delta refits (``refit.delta``): ``WeightSender(model, delta="copy")`` keeps a copy, in the wire dtype, of
+what it last sent whole or as patches, and sends each later update as patches against it where that is
+smaller; ``delta="reference"`` keeps references instead, for a source whose tensors are replaced, never
+written in place (the relay's copy). The copy becomes the base only once its send completed; an engine that
+does not hold it refuses the patches and the synchronizer asks for the update whole (``prepare(full=True)``).
+
 All methods are blocking and meant to run on one thread (``LocalSenderPort`` puts
 them on a dedicated thread). Failures of peers never raise: ``send`` returns a
 result with ``ok=False``, the error, and how far it got; the group is then closed at
@@ -24,7 +30,6 @@ once, which makes receivers still waiting on it fail fast.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import time
 from collections import deque
@@ -32,7 +37,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeAlias
 
 import torch
 
-from rlfleet.refit import checksum as _checksum
+from rlfleet.refit import checksum as _checksum, delta as _delta
 from rlfleet.refit.errors import RefitUsageError, TransferError
 from rlfleet.refit.group import GroupAddress, RefitGroup, default_address, device_for, host_store
 from rlfleet.refit.manifest import Manifest, plan_buckets
@@ -42,6 +47,7 @@ from rlfleet.refit.manifest import Manifest, plan_buckets
 # busy), so the wire must never stall on Python; gloo/nccl progress the posted ops on their own.
 IN_FLIGHT = 64
 HEADER_MAGIC = 0x5246484452  # header of one transfer: [magic, epoch, refit_id, n_buckets, digest]
+DELTA_MODES = ("off", "copy", "reference")
 WeightSource: TypeAlias = torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 
@@ -71,10 +77,17 @@ class WeightSender:
 
     def __init__(
         self, source: WeightSource, *, dtype: torch.dtype | None = None, addr: str | None = None, device=None,
-        partial: bool = False, frozen: Iterable[str] = (),
+        partial: bool = False, frozen: Iterable[str] = (), delta: str = "off",
     ) -> None:
         if isinstance(frozen, str):
             raise RefitUsageError(f"frozen must be a collection of names or patterns, got the string {frozen!r}")
+        if delta not in DELTA_MODES:
+            raise RefitUsageError(f"delta must be one of {DELTA_MODES}, got {delta!r}")
+        self.delta = delta
+        # (token, tensors in the wire dtype): what the engines hold after the last completed send, and what
+        # the prepared update would leave them holding (promoted to ``_base`` when its send completes)
+        self._base: tuple[str, dict[str, torch.Tensor]] | None = None
+        self._candidate: tuple[str, dict[str, torch.Tensor]] | None = None
         self._source = source
         self.partial = bool(partial)
         self.frozen = tuple(frozen)
@@ -85,6 +98,7 @@ class WeightSender:
         self._pending_address: GroupAddress | None = None
         self._store: torch.distributed.TCPStore | None = None
         self._prepared: tuple[int, Manifest, dict[str, torch.Tensor], int] | None = None
+        self._last_wire: dict[str, torch.Tensor] = {}  # the prepared update's entries, for ``checksum``
         self._pack: dict[tuple[str, int], torch.Tensor] = {}
         self._raw: torch.Tensor | None = None
 
@@ -137,10 +151,13 @@ class WeightSender:
         return self._dtype if (self._dtype is not None and t.is_floating_point()) else t.dtype
 
     def checksum(self, names: Iterable[str] | None = None) -> str:
-        """Digest of the weights as they would be sent (after the dtype cast), over ``names`` or all."""
+        """Digest of the weights as they would be sent (after the dtype cast), over ``names`` or all. Between
+        ``prepare`` and ``send`` the names are the manifest's entries (a delta's patch entries among them)."""
         wanted = set(names) if names is not None else None
+        prepared = self._last_wire if self._prepared is not None else {}
+        items = prepared.items() if prepared and wanted is not None and wanted <= prepared.keys() else self.named_tensors()
         return _checksum.digest(
-            ((n, t.to(self._wire_dtype(t))) for n, t in self.named_tensors() if wanted is None or n in wanted),
+            ((n, t.to(self._wire_dtype(t))) for n, t in items if wanted is None or n in wanted),
             threads=_checksum.ALL_CORES,
         )
 
@@ -182,21 +199,49 @@ class WeightSender:
         return self._group
 
     # -- one update ---------------------------------------------------------------------
-    def prepare(self, refit_id: int, transfer: str = "bucketed", bucket_mb: float = 16.0, direct_mb: float | None = 4.0) -> dict:
+    def prepare(self, refit_id: int, transfer: str = "bucketed", bucket_mb: float = 16.0, direct_mb: float | None = 4.0,
+                full: bool = False) -> dict:
         """Plan the buckets of the current weights; returns the manifest (wire form) receivers validate.
 
-        Tensors of at least ``direct_mb`` travel alone, straight from their storage (no packing).
+        Tensors of at least ``direct_mb`` travel alone, straight from their storage (no packing). Under
+        ``delta``, the update is patches against the base unless ``full`` (an engine lacks the base).
         """
         items, aliases = self._collect()
         tensors = dict(items)
-        specs = [(n, tuple(t.shape), self._wire_dtype(t)) for n, t in tensors.items()]
+        patches: list[tuple[str, tuple[int, ...]]] = []
+        base_token = result = None
+        self._candidate = None
+        if self.delta != "off":
+            wire = {n: self._snapshot(t) for n, t in tensors.items()}
+            result = _checksum.digest(wire.items(), threads=_checksum.ALL_CORES)
+            self._candidate = (result, wire)
+            base = self._base
+            if not full and base is not None and base[1].keys() == wire.keys():
+                base_token, tensors = base[0], {}
+                for n, t in wire.items():
+                    d = _delta.diff(t, base[1][n])
+                    if d is None:
+                        tensors[n] = t
+                        continue
+                    patches.append((n, tuple(t.shape)))
+                    if d[0].numel():
+                        tensors[_delta.idx_name(n)], tensors[_delta.val_name(n)] = d
+        specs = [(n, tuple(t.shape), t.dtype if _delta.split_name(n) else self._wire_dtype(t)) for n, t in tensors.items()]
         direct = None if direct_mb is None else int(direct_mb * 2**20)
-        manifest = dataclasses.replace(
-            plan_buckets(specs, int(bucket_mb * 2**20), transfer, direct),
-            partial=self.partial, frozen=self.frozen, aliases=tuple(sorted(aliases.items())),
-        )
+        if not specs and patches:  # nothing changed since the base: one empty patch keeps the stream's shape
+            n = patches[0][0]
+            tensors = {_delta.idx_name(n): torch.empty(0, dtype=torch.int32), _delta.val_name(n): wire[n].reshape(-1)[:0]}
+            specs = [(k, (0,), t.dtype) for k, t in tensors.items()]
+        manifest = plan_buckets(specs, int(bucket_mb * 2**20), transfer, direct, partial=self.partial, frozen=self.frozen,
+                                aliases=tuple(sorted(aliases.items())), patches=tuple(patches), base=base_token, result=result)
         self._prepared = (int(refit_id), manifest, tensors, manifest.digest())
+        self._last_wire = tensors
         return manifest.to_wire()
+
+    def _snapshot(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in the wire dtype, as the base of the next delta: a copy, or (``delta="reference"``) the tensor."""
+        out = t.detach().to(self._wire_dtype(t))
+        return out.clone() if self.delta == "copy" and out.data_ptr() == t.data_ptr() else out
 
     def send(self, refit_id: int, timeout_s: float) -> dict:
         """Broadcast the prepared update. Never raises for peer failures; see the module docstring."""
@@ -220,7 +265,9 @@ class WeightSender:
             group.signal_abort(str(exc))  # receivers still waiting stop now instead of at their deadline
             self.close_group()
             return {"ok": False, "error": str(exc), "send_s": time.monotonic() - t0, **progress}
-        return {"ok": True, "error": None, "send_s": time.monotonic() - t0, **progress}
+        if self._candidate is not None:  # every receiver got it: engines that applied it hold this base now
+            self._base, self._candidate = self._candidate, None
+        return {"ok": True, "error": None, "send_s": time.monotonic() - t0, "delta": manifest.is_delta, **progress}
 
     def _pack_buffer(self, dtype: str, parity: int, numel: int, device) -> torch.Tensor:
         buf = self._pack.get((dtype, parity))

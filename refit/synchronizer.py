@@ -196,6 +196,7 @@ class WeightSynchronizer:
         self._epoch: int | None = None
         self._members: dict[Hashable, ReceiverPort] = {}
         self._group_ok = False
+        self._delta_refused: str | None = None  # this refit's patches were refused (and sent whole): why
         # The manifest (wire form) every member of the live group accepted at its last prepare, or None.
         self._accepted: dict | None = None
         self._deferred: dict | None = None  # this refit's prepare arguments, when its receivers prepare as they receive
@@ -255,7 +256,8 @@ class WeightSynchronizer:
         apply_s = max((float(r.detail.get("apply_s", 0.0)) for r in results.values()), default=0.0)
         timings = PhaseTimings(group_s, prepare_s, transfer_s, float(sender.get("send_s", 0.0)), apply_s, time.monotonic() - t0)
         sender_error = None if sender.get("ok") else sender.get("error") or "sender failed"
-        report = RefitReport(version, epoch, refit_id, results, timings, rebuilt, int(sender.get("bytes_sent", 0)), sender_error)
+        report = RefitReport(version, epoch, refit_id, results, timings, rebuilt, int(sender.get("bytes_sent", 0)), sender_error,
+                             delta=bool(sender.get("delta")), delta_refused=self._delta_refused)
         if not report.ok:
             self._group_ok = False  # a failed transfer leaves the group dead: rebuild next time
         return report
@@ -266,6 +268,7 @@ class WeightSynchronizer:
         ``planned``: the sender's prepare of ``refit_id``, started ahead (``plan_ahead``)."""
         ctx = dict(version=version, epoch=epoch, refit_id=refit_id)
         group_s, rebuilt = 0.0, False
+        self._delta_refused = None
         if not self._group_ok or epoch != self._epoch or set(parts) != set(self._members):
             rebuilt = True
             failure = await self._build_group(parts, epoch, world)
@@ -316,7 +319,8 @@ class WeightSynchronizer:
         timings = PhaseTimings(group_s, prepare_s, time.monotonic() - t2, float(sender.get("send_s", 0.0)), 0.0, time.monotonic() - t0)
         sender_error = None if sender.get("ok") else sender.get("error") or "sender failed"
         report = RefitReport(version, epoch, refit_id, results, timings, rebuilt, int(sender.get("bytes_sent", 0)), sender_error,
-                             goal="stage", sender_digest=sender_digest)
+                             goal="stage", sender_digest=sender_digest, delta=bool(sender.get("delta")),
+                             delta_refused=self._delta_refused)
         if not report.ok:
             self._group_ok = False  # a failed stage leaves the group dead: rebuild next time
         return report
@@ -439,7 +443,7 @@ class WeightSynchronizer:
 
     # -- phase 2: prepare -------------------------------------------------------------------
     async def _prepare(self, parts: dict, refit_id: int, version: int, defer: bool = False,
-                       planned: Awaitable[_Settled] | None = None) -> tuple[str | None, tuple | None]:
+                       planned: Awaitable[_Settled] | None = None, full: bool = False) -> tuple[str | None, tuple | None]:
         """Plan, validate on every receiver, and (``verify``) digest on the sender.
 
         Returns (the sender's digest or None, None) when every receiver accepted, else
@@ -449,8 +453,10 @@ class WeightSynchronizer:
         """
         cfg = self.config
         self._deferred = None
-        prepared = await (planned if planned is not None else
-                          _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb), cfg.rpc_timeout_s))
+        if planned is None:
+            whole = {"full": True} if full else {}  # asked only after patches were refused: any sender answers the rest
+            planned = _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb, **whole), cfg.rpc_timeout_s)
+        prepared = await planned
         if prepared.value is None:
             why = prepared.error("sender prepare", cfg.rpc_timeout_s) or "sender prepare returned nothing"
             refused = why if isinstance(prepared.exc, ManifestError) else None  # e.g. a dtype that cannot be sent
@@ -465,7 +471,7 @@ class WeightSynchronizer:
         settled: dict[Hashable, _Settled]
         digested: list[_Settled]
         settled, *digested = await asyncio.gather(*calls)
-        failures = {}
+        failures, lacks_base = {}, {}
         for key, s in settled.items():
             err, refused = s.error(f"prepare of {describe(key)}", cfg.rpc_timeout_s), None
             if err:
@@ -473,8 +479,13 @@ class WeightSynchronizer:
             else:
                 workers = _per_worker(s.value)
                 err, refused = _worker_error(workers), next((w["refused"] for w in workers if w.get("refused")), None)
+                lacks_base.update({key: w["base_refused"] for w in workers if w.get("base_refused")})
             if err:
                 failures[key] = (err, s.exc, refused)
+        if failures and not full and prepared.value.get("base") is not None and failures.keys() <= lacks_base.keys():
+            # patches some engine cannot apply (it lacks their base): the same update, whole, fits every engine
+            self._delta_refused = "; ".join(f"{describe(k)}: {v}" for k, v in lacks_base.items())
+            return await self._prepare(parts, refit_id, version, defer, full=True)
         if failures:
             return None, (None, failures)
         self._accepted = prepared.value

@@ -68,6 +68,32 @@ class _VllmModel:
     def live_tensors(self):
         return self._worker.model_runner.get_model().named_parameters()
 
+    def apply_patches(self, patches, whole) -> None:
+        """A delta refit (``refit.delta``) through vLLM's own sparse loader: patches and whole tensors written in
+        place by the model's ``load_weights`` (checkpoint names, sharded and fused as it loads), then what vLLM
+        derives from the parameters (the CPU's packed linears) recomputed once."""
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+            CheckpointWeightPatch, load_checkpoint_weight_patches)
+
+        model = self._worker.model_runner.get_model()
+        if patches:
+            load_checkpoint_weight_patches(model, [CheckpointWeightPatch(n, tuple(shape), v.dtype, v, i)
+                                                   for n, shape, v, i in patches])
+        if whole:
+            load_checkpoint_weight_patches(model, [CheckpointWeightPatch(n, tuple(t.shape), t.dtype, t.reshape(-1))
+                                                   for n, t in whole])
+        self.after_peer_load()
+
+    def patch_blocker(self) -> str | None:
+        """Why vLLM's sparse loader cannot write this model in place: a quantized model or unreadable packed
+        linears (their weights are repacked and dropped on CPU unless ``refit.readable_weights`` keeps them)."""
+        quant = getattr(self._config, "quantization", None)
+        if quant:
+            return f"the model is quantized ({quant}): patches apply to unquantized models only"
+        if any(t.numel() == 0 for _, t in self.live_tensors()):
+            return "some live weights are unreadable (packed linears without RLFLEET_READABLE_WEIGHTS): patches cannot be written"
+        return None
+
     def peer_blocker(self) -> str | None:
         """Why this engine's parameters cannot be copied as they are, or None. A quantized model's (or an fp8 KV
         cache's) processing turns loaded tensors into kernel formats and derived state in place: running it

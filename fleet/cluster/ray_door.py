@@ -494,8 +494,9 @@ class ActorSenderPort:
     async def close_group(self) -> bool:
         return await call_async(self.handle, "close_group")
 
-    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None) -> dict:
-        return await call_async(self.handle, "prepare", refit_id, transfer, bucket_mb, direct_mb)
+    async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None,
+                      full: bool = False) -> dict:
+        return await call_async(self.handle, "prepare", refit_id, transfer, bucket_mb, direct_mb, full)
 
     async def send(self, refit_id: int, timeout_s: float) -> dict:
         return await call_async(self.handle, "send", refit_id, timeout_s)

@@ -155,3 +155,57 @@ def test_a_sharded_refit_from_two_ranks_sends_each_worker_its_rows_only_and_land
     ref = ray_door.ask(trainer, "logprobs", PROMPT, list(c.token_ids), timeout=T)
     ray_door.kill(trainer)
     assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < 1e-4
+
+
+def test_a_delta_refit_lands_through_vllms_sparse_loader_as_a_full_refit_does_and_an_engine_without_the_base_gets_it_whole(
+        engines, tiny_model):
+    """After one whole update, only the changed elements travel (``refit.delta``) and vLLM's own sparse loader
+    writes them into both engines, the TP 2 one's fused and sharded parameters included: vLLM's digests of every
+    parameter equal those a full refit of the same weights leaves. Then the TP 1 engine takes an update from
+    another sender, so it no longer holds the base: the next delta is refused there (the fault fired: the report
+    names it) and the same refit sends the update whole, to both."""
+    shards, _ = engines
+    trainer = ray_door.spawn_actor(WeightSource, tiny_model, 0, 1, None, "copy", num_cpus=0)  # delta="copy"
+    other = ray_door.spawn_actor(WeightSource, tiny_model, num_cpus=0)  # the checkpoint's weights
+    parts = plan(shards)
+    cfg = RefitConfig(timeout_s=30, bucket_mb=0.25, verify="checksum")
+    sync = WeightSynchronizer(ray_door.ActorSenderPort(trainer), cfg)
+
+    def digests():
+        return {k: v for h in shards.values() for d in ray_door.ask(h, "worker_rpc", "rlfleet_weight_digests", [], {}, 60, timeout=90)
+                for k, v in d.items()}
+
+    async def go():
+        ray_door.ask(trainer, "perturb", seed=41, scale=0.05, relative=True, timeout=T)
+        whole = await sync.refit(parts, version=20, epoch=20)
+        ray_door.ask(trainer, "perturb", seed=42, scale=0.05, relative=True, fraction=0.01, timeout=T)
+        patched = await sync.refit(parts, version=21, epoch=20)
+        after_delta = digests()
+        ray_door.ask(trainer, "set_delta", "off", timeout=T)
+        full = await sync.refit(parts, version=22, epoch=20)
+        after_full = digests()
+        ray_door.ask(trainer, "set_delta", "copy", timeout=T)
+        await sync.refit(parts, version=23, epoch=20)  # whole again: the sender's base is what it sends now
+        intruder = WeightSynchronizer(ray_door.ActorSenderPort(other), RefitConfig(timeout_s=30, bucket_mb=0.25))
+        single = {p: port for p, port in parts.items() if p.slot == 0}
+        assert (await intruder.refit(single, version=24, epoch=21)).ok
+        await intruder.close()
+        ray_door.ask(trainer, "perturb", seed=43, scale=0.05, relative=True, fraction=0.01, timeout=T)
+        refused = await sync.refit(parts, version=25, epoch=22)
+        await sync.close()
+        return whole, patched, after_delta, full, after_full, refused
+
+    whole, patched, after_delta, full, after_full, refused = asyncio.run(go())
+    assert whole.ok and not whole.delta, whole.summary()
+    assert patched.ok and patched.delta, patched.summary()
+    assert full.ok and not full.delta, full.summary()
+    assert patched.bytes_sent < 0.1 * full.bytes_sent, (patched.bytes_sent, full.bytes_sent)
+    assert after_delta == after_full and len(after_delta) > 0
+    assert refused.ok and not refused.delta, refused.summary()
+    assert refused.delta_refused and refused.delta_refused.startswith("slot 0") and "slot 1" not in refused.delta_refused
+    for h in shards.values():
+        c = ray_door.ask(h, "generate", PROMPT, SAMPLING, timeout=T).completions[0]
+        ref = ray_door.ask(trainer, "logprobs", PROMPT, list(c.token_ids), timeout=T)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < 1e-4
+    ray_door.kill(trainer)
+    ray_door.kill(other)

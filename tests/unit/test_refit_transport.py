@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rlfleet.refit import LocalSenderPort, Outcome, Participant, RefitConfig, RefitUsageError, WeightSender, WeightSynchronizer
+from rlfleet.refit import delta
 from rlfleet.refit.manifest import dtype_name
 from rlfleet.refit.worker_extension import RefitWorkerExtension
 
@@ -59,6 +60,13 @@ class DictModel:
 
     def live_tensors(self):
         return self.tensors.items()
+
+    def apply_patches(self, patches, whole):
+        self.apply_calls.append([n for n, *_ in patches] + [n for n, _ in whole])
+        for n, _shape, values, indices in patches:
+            delta.apply_flat(self.tensors[n], indices, values)
+        for n, w in whole:
+            self.tensors[n].copy_(w)
 
 
 class FakeWorker(RefitWorkerExtension):

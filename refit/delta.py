@@ -1,0 +1,72 @@
+"""Delta refits: send only the elements that changed since the weights the engines hold.
+
+Pure functions over tensors; no process group, no vLLM. The sender (``refit.sender``) diffs each tensor of
+the new update against the base it sent before, bit for bit in the wire dtype; a tensor whose changed
+elements, sent as (flat index, value) pairs, take fewer bytes than the tensor travels as a *patch*: two
+1-D entries of the manifest, ``<name>#delta_idx`` (int32, or int64 past 2**31 elements) and
+``<name>#delta_val`` (the wire dtype). A tensor with no change travels as nothing. Every other tensor
+travels whole, as in a full update. The engine applies patches through vLLM's own sparse loader
+(``CheckpointWeightPatch``, ``load_checkpoint_weight_patches``), which takes checkpoint names, shards and
+fuses them as the model's ``load_weights`` does.
+
+Which weights a patch applies to is named by a *token*: the sender's digest (``refit.checksum``) of the full
+update as sent. A full update carries the token of what it sends (``Manifest.result``); an engine records it
+when its apply is complete, and passes it on with a peer copy. A delta carries the token it was diffed
+against (``Manifest.base``) and an engine whose recorded token differs (a restart, a re-admission, a failed
+or partial apply, another sender's weights) refuses it before any byte moves; the synchronizer then sends
+the update whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IDX_SUFFIX = "#delta_idx"
+VAL_SUFFIX = "#delta_val"
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def idx_name(name: str) -> str:
+    return name + IDX_SUFFIX
+
+
+def val_name(name: str) -> str:
+    return name + VAL_SUFFIX
+
+
+def split_name(entry: str) -> tuple[str, str] | None:
+    """``("model.x.weight", "idx" | "val")`` for a patch entry's name, None for a whole tensor's."""
+    for suffix, kind in ((IDX_SUFFIX, "idx"), (VAL_SUFFIX, "val")):
+        if entry.endswith(suffix):
+            return entry[: -len(suffix)], kind
+    return None
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(_BITS[t.element_size()])
+
+
+def diff(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(flat indices, values) of ``new``'s elements whose bits differ from ``base``'s, or None when the tensor
+    should travel whole: not floating (vLLM's sparse loader marks unchanged elements with NaN), a shape or
+    dtype change, a NaN among the new values, or a patch no smaller than the tensor."""
+    if not new.is_floating_point() or new.shape != base.shape or new.dtype != base.dtype or new.device != base.device:
+        return None
+    idx_t = index_dtype(new.numel())
+    changed = torch.nonzero(_bits(new) != _bits(base)).reshape(-1)
+    patch_bytes = changed.numel() * (torch.empty((), dtype=idx_t).element_size() + new.element_size())
+    if patch_bytes >= new.numel() * new.element_size():
+        return None
+    values = new.reshape(-1).index_select(0, changed)
+    if values.numel() and torch.isnan(values).any():
+        return None
+    return changed.to(idx_t), values
+
+
+def apply_flat(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """Write a patch into ``target`` in place (a model adapter without vLLM's loader, and the tests)."""
+    target.view(-1).index_copy_(0, indices.to(torch.int64), values.to(target.dtype))

@@ -1,0 +1,132 @@
+"""Delta refits (``refit.delta``) end to end without Ray or vLLM: real gloo groups, receivers as fake workers.
+
+After one whole update, a sender with ``delta="copy"`` sends only the elements that changed; an engine
+that does not hold the base the patches were diffed against refuses them before any byte moves, and the
+update goes out whole instead, to every engine, in the same refit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlfleet.refit import LocalSenderPort, Outcome, Participant, RefitConfig, WeightSender, WeightSynchronizer, delta
+from rlfleet.refit.errors import ManifestError
+from rlfleet.refit.manifest import Manifest, plan_buckets, validate
+from tests.unit.test_refit_transport import ThreadEngine, assert_holds, model_tensors, run
+
+
+def delta_sync(tensors, **cfg):
+    sender = WeightSender(lambda: list(tensors.items()), addr="127.0.0.1", delta="copy")
+    return sender, WeightSynchronizer(LocalSenderPort(sender), RefitConfig(**{"timeout_s": 10, "group_timeout_s": 10, **cfg}))
+
+
+def nudge(tensors, names, k=3, seed=0):
+    """Change ``k`` elements of each named tensor in place (the optimizer writes the trainer's weights in place)."""
+    g = torch.Generator().manual_seed(seed)
+    for n in names:
+        flat = tensors[n].view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[:k]
+        flat[idx] += 1.0
+
+
+def test_after_one_whole_update_only_the_changed_elements_travel_and_every_engine_holds_the_new_weights():
+    new = model_tensors(1)
+    engines = {Participant(i, 1, (i + 1,)): ThreadEngine(model_tensors(0)) for i in range(2)}
+    sender, sync = delta_sync(new, verify="checksum")
+
+    async def go():
+        first = await sync.refit(engines, 1, 1)
+        whole_bytes = first.bytes_sent
+        nudge(new, ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"])
+        second = await sync.refit(engines, 2, 1)
+        unchanged = await sync.refit(engines, 3, 1)
+        return first, whole_bytes, second, unchanged
+
+    first, whole_bytes, second, unchanged = run(go())
+    assert first.ok and not first.delta and first.delta_refused is None  # no base yet: whole
+    assert second.ok and second.delta, second.summary()
+    assert second.bytes_sent == 2 * 3 * (4 + 4), second.summary()  # 3 (int32 index, float32 value) pairs per tensor
+    assert second.bytes_sent < whole_bytes / 100
+    assert unchanged.ok and unchanged.delta and unchanged.bytes_sent == 0
+    for eng in engines.values():
+        assert_holds(eng, new)
+        assert eng.workers[0].rlfleet_worker_info()["weight_version"] == 3
+        assert eng.workers[0].model.apply_calls[1] == ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+
+
+def test_an_engine_without_the_base_refuses_the_patches_and_the_same_refit_sends_the_update_whole():
+    new = model_tensors(1)
+    old = {Participant(0, 1, (1,)): ThreadEngine(model_tensors(0))}
+    sender, sync = delta_sync(new)
+
+    async def go():
+        assert (await sync.refit(old, 1, 1)).ok
+        nudge(new, ["model.norm.weight"])
+        restarted = {**old, Participant(1, 2, (2,)): ThreadEngine(model_tensors(0))}  # a fresh engine: checkpoint weights
+        return await sync.refit(restarted, 2, 2), restarted
+
+    report, engines = run(go())
+    assert report.ok and not report.delta, report.summary()
+    assert report.delta_refused and "slot 1" in report.delta_refused and "holds the weights it started with" in report.delta_refused
+    assert report.bytes_sent == sum(t.numel() * 4 for t in new.values())
+    for eng in engines.values():
+        assert_holds(eng, new)
+
+
+def test_a_corrupted_patch_fails_verification_and_that_engine_gets_the_next_update_whole():
+    new = model_tensors(1)
+    engines = {Participant(i, 1, (i + 1,)): ThreadEngine(model_tensors(0)) for i in range(2)}
+    sender, sync = delta_sync(new, verify="checksum")
+    bad = next(iter(engines.values())).workers[0]
+
+    async def go():
+        assert (await sync.refit(engines, 1, 1)).ok
+        nudge(new, ["model.norm.weight"])
+        bad.rlfleet_inject_fault("corrupt")
+        corrupted = await sync.refit(engines, 2, 1)
+        nudge(new, ["model.norm.weight"], seed=1)
+        return corrupted, await sync.refit(engines, 3, 2)
+
+    corrupted, healed = run(go())
+    assert corrupted.delta and [r.outcome for r in corrupted.results.values()] == [Outcome.PARTIAL, Outcome.COMPLETE]
+    assert corrupted.results[Participant(0, 1, (1,))].phase == "verify"
+    assert healed.ok and not healed.delta and "partial weights" in (healed.delta_refused or ""), healed.summary()
+    for eng in engines.values():
+        assert_holds(eng, new)
+
+
+def test_diff_keeps_a_tensor_whole_when_a_patch_would_not_be_smaller_or_cannot_be_written():
+    base = torch.zeros(100)
+    few = base.clone()
+    few[[3, 50]] = torch.tensor([1.0, -0.0])  # -0.0 differs from 0.0 in its bits: a change vLLM must see
+    idx, val = delta.diff(few, base)
+    assert idx.tolist() == [3, 50] and idx.dtype == torch.int32 and torch.equal(val, few[[3, 50]])
+    assert delta.diff(base + 1, base) is None  # every element changed: whole is smaller
+    nan = base.clone()
+    nan[7] = float("nan")
+    assert delta.diff(nan, base) is None  # NaN marks "unchanged" in vLLM's sparse loader
+    assert delta.diff(torch.arange(100), torch.arange(100)) is None  # not floating
+    idx, val = delta.diff(base, base)
+    assert idx.numel() == 0 and val.numel() == 0
+
+
+def test_a_manifest_of_patches_is_checked_as_the_tensors_they_write():
+    spec = {"a.weight": ((4, 4), "float32"), "b.weight": ((4,), "float32")}
+
+    def manifest(entries, patches, base="t0"):
+        return plan_buckets(entries, 1 << 20, patches=tuple(patches), base=base, result="t1")
+
+    ok = manifest([("a.weight#delta_idx", (2,), "int32"), ("a.weight#delta_val", (2,), "float32")], [("a.weight", (4, 4)), ("b.weight", (4,))])
+    validate(Manifest.from_wire(ok.to_wire()), spec, "float32")
+    assert Manifest.from_wire(ok.to_wire()).weight_names == ["a.weight", "b.weight"]
+    with pytest.raises(ManifestError, match=r"a.weight: shape \(2, 8\), engine expects \(4, 4\)"):
+        validate(manifest([("a.weight#delta_idx", (2,), "int32"), ("a.weight#delta_val", (2,), "float32")], [("a.weight", (2, 8)), ("b.weight", (4,))]), spec, "float32")
+    with pytest.raises(ManifestError, match="missing tensors: b.weight"):
+        validate(manifest([("a.weight#delta_idx", (2,), "int32"), ("a.weight#delta_val", (2,), "float32")], [("a.weight", (4, 4))]), spec, "float32")
+    with pytest.raises(ManifestError, match="lacks its values"):
+        manifest([("a.weight#delta_idx", (2,), "int32")], [("a.weight", (4, 4))])
+    with pytest.raises(ManifestError, match="must name the base"):
+        manifest([("a.weight#delta_idx", (2,), "int32"), ("a.weight#delta_val", (2,), "float32")], [("a.weight", (4, 4))], base=None)
+    with pytest.raises(ManifestError, match="belongs to no patch"):
+        manifest([("c.weight#delta_val", (2,), "float32")], [("a.weight", (4, 4))])
