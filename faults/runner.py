@@ -61,6 +61,15 @@ from rlfleet.health.faultplan import CONTROLLER_WHAT, FaultPlan, load_plan, reso
 
 PROMPT = [1, 21, 31, 41, 51]
 SAMPLING = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0}
+# Each training step changes this share of every tensor's elements, and the trainer sends deltas
+# (``refit.delta``): after the first update, every variant's refits carry patches (an engine that lacks their
+# base, a restarted one, gets the update whole), so each fault also meets a delta in flight.
+STEP_CHANGES = 0.05
+
+
+def spawn_source(model_dir: str):
+    """The variants' trainer: a ``WeightSource`` sending deltas after its first update."""
+    return ray_door.spawn_actor(WeightSource, model_dir, 0, 1, None, "copy", num_cpus=0)
 
 
 @dataclass
@@ -153,7 +162,7 @@ class FaultRunner:
         else:
             self.heal(self._fleet)
         if self._source is None:
-            self._source = ray_door.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
+            self._source = spawn_source(self.model_dir)
         return self._fleet
 
     def close_fleet(self) -> None:
@@ -214,7 +223,7 @@ class FaultRunner:
     def new_version(self) -> int:
         """A deterministic training step on the weight source; its version number."""
         self._version += 1
-        ray_door.ask(self._source, "perturb", self._version, 0.01, timeout=60)
+        ray_door.ask(self._source, "perturb", self._version, 0.01, False, STEP_CHANGES, timeout=60)
         return self._version
 
     def skip_to(self, version: int) -> None:
@@ -230,7 +239,7 @@ class FaultRunner:
         """A fresh ``WeightSource`` from the checkpoint (later steps perturb it); Ray's word on the old one."""
         old, state = self._source, ray_door.actor_state(self._source)
         ray_door.kill(old)
-        self._source = ray_door.spawn_actor(WeightSource, self.model_dir, num_cpus=0)
+        self._source = spawn_source(self.model_dir)
         return state
 
     # ------------------------------------------------------------------ one variant

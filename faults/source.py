@@ -61,11 +61,6 @@ class WeightSource(LocalSenderPort):
         self._sharded_store = None
         super().__init__(WeightSender(self.model, dtype=torch.float32, addr=addr, delta=delta))
 
-    async def set_delta(self, mode: str) -> bool:
-        """``WeightSender``'s ``delta`` from the next update on (``"off"``: every update whole)."""
-        self.sender.delta = mode
-        return True
-
     async def hold_next_update(self, seconds: float) -> bool:
         """Fault injection: the next ``prepare`` waits ``seconds`` first, as a slow trainer would; the refit,
         and the gate it closed, are held that long (the engines are paused by then)."""
@@ -84,11 +79,11 @@ class WeightSource(LocalSenderPort):
         return await super().send(refit_id, timeout_s)
 
     async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None,
-                      full: bool = False) -> dict:
+                      full: bool = False, digests: bool = False) -> dict:
         hold, self._hold_s = self._hold_s, 0.0
         if hold:
             await asyncio.sleep(hold)
-        return await super().prepare(refit_id, transfer, bucket_mb, direct_mb, full)
+        return await super().prepare(refit_id, transfer, bucket_mb, direct_mb, full, digests)
 
     # -- the policy -------------------------------------------------------------------
     async def perturb(self, seed: int, scale: float = 0.02, relative: bool = False, fraction: float = 1.0) -> int:

@@ -284,6 +284,18 @@ class FenceFailed(Record):
     engines: list
 
 
+@record("transfer")
+class Transfer(Record):
+    """One transfer attempt's bytes: the most any participant received (a broadcast gives each all of it),
+    whether the update travelled as patches (``refit.delta``), and why patches were refused and the update
+    sent whole instead."""
+    version: int
+    epoch: int
+    bytes: int
+    delta: bool
+    delta_refused: str | None = None
+
+
 @record("refit_failed_attempt")
 class RefitFailedAttempt(Record):
     """An attempt of a refit left engines behind: ``failed`` maps slot (a string on the wire) to detail."""

@@ -29,20 +29,26 @@ import torch
 
 from rlfleet.recipe.grpo import Group
 from rlfleet.recipe.trainer import GRPOTrainer, TrainerConfig
+from rlfleet.refit.manifest import dtype_name
 from rlfleet.refit.ports import LocalSenderPort
 from rlfleet.refit.sender import WeightSender
 
 
 class GRPOTrainerActor(LocalSenderPort):
-    """Precondition: ``model_dir`` is a local Llama checkpoint. ``threads``: torch intra-op threads of this process."""
+    """Precondition: ``model_dir`` is a local Llama checkpoint. ``threads``: torch intra-op threads of this process.
+    ``delta``: the ``WeightSender``'s (``"copy"``: after one whole update, each refit sends only the elements that
+    changed, ``refit.delta``); ``wire_dtype``: the dtype the engines run (the trainer keeps float32 weights; a
+    bfloat16 engine receives them cast, and at a realistic learning rate most bfloat16 values do not change)."""
 
-    def __init__(self, model_dir: str, config: TrainerConfig | None = None, threads: int | None = 1, addr: str | None = None, **overrides) -> None:
+    def __init__(self, model_dir: str, config: TrainerConfig | None = None, threads: int | None = 1, addr: str | None = None,
+                 delta: str = "off", wire_dtype: str = "float32", **overrides) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         cfg = config or TrainerConfig()
         if overrides or threads:
             cfg = TrainerConfig(**{**cfg.__dict__, **({"num_threads": threads} if threads else {}), **overrides})
         self.trainer = GRPOTrainer(str(model_dir), cfg)
-        super().__init__(WeightSender(self.trainer.model, dtype=torch.float32, addr=addr))
+        super().__init__(WeightSender(self.trainer.model, dtype=getattr(torch, dtype_name(wire_dtype)), addr=addr,
+                                      delta=delta))
         self._lock = asyncio.Lock()
         self._train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlfleet-grpo")
         self._prepared_version: int | None = None

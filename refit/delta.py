@@ -9,9 +9,11 @@ travels whole, as in a full update. The engine applies patches through vLLM's ow
 (``CheckpointWeightPatch``, ``load_checkpoint_weight_patches``), which takes checkpoint names, shards and
 fuses them as the model's ``load_weights`` does.
 
-Which weights a patch applies to is named by a *token*: the sender's digest (``refit.checksum``) of the full
-update as sent. A full update carries the token of what it sends (``Manifest.result``); an engine records it
-when its apply is complete, and passes it on with a peer copy. A delta carries the token it was diffed
+Which weights a patch applies to is named by a *token*: a random name the sender gives the snapshot of each
+update it sends, whole or as patches (a content digest of the model would cost a pass over it each refit and
+prove no more: only the update that carries a token can leave an engine holding it). A full update carries
+the token of what it sends (``Manifest.result``); an engine records it when its apply is complete (and, under
+``verify="checksum"``, its digest matched), and passes it on with a peer copy. A delta carries the token it was diffed
 against (``Manifest.base``) and an engine whose recorded token differs (a restart, a re-admission, a failed
 or partial apply, another sender's weights) refuses it before any byte moves; the synchronizer then sends
 the update whole.

@@ -117,6 +117,9 @@ class Manifest:
     patches: tuple[tuple[str, tuple[int, ...]], ...] = ()
     base: str | None = None
     result: str | None = None
+    # The sender's ``refit.checksum.tensor_digest`` (hex) of each patched tensor's new whole value, when asked
+    # (``prepare(digests=True)``): what an engine's record of its weights says after the patches.
+    patched_digests: tuple[tuple[str, str], ...] = ()
 
     def leaves_out(self, name: str) -> bool:
         """True if the sender declared that ``name`` may be absent (the engines keep it as it is)."""
@@ -168,6 +171,7 @@ class Manifest:
             "frozen": list(self.frozen),
             "aliases": [list(a) for a in self.aliases],
             **({"patches": [[n, list(sh)] for n, sh in self.patches], "base": self.base} if self.is_delta else {}),
+            **({"patched_digests": [list(d) for d in self.patched_digests]} if self.patched_digests else {}),
             **({"result": self.result} if self.result is not None else {}),
         }
 
@@ -186,6 +190,7 @@ class Manifest:
                 patches=tuple((str(n), tuple(int(x) for x in sh)) for n, sh in wire.get("patches", ())),
                 base=None if wire.get("base") is None else str(wire["base"]),
                 result=None if wire.get("result") is None else str(wire["result"]),
+                patched_digests=tuple((str(n), str(d)) for n, d in wire.get("patched_digests", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from None
@@ -229,6 +234,8 @@ class Manifest:
             split = delta.split_name(name)
             if split is not None and split[0] not in patched:
                 raise ManifestError(f"entry {name!r} belongs to no patch of the update")
+        if not dict(self.patched_digests).keys() <= patched.keys():
+            raise ManifestError("a patched digest names a tensor the update does not patch")
         for name, shape in self.patches:
             idx, val = sizes.get(delta.idx_name(name)), sizes.get(delta.val_name(name))
             if name in seen:
@@ -251,7 +258,7 @@ def plan_buckets(
 
     Tensors of at least ``direct_bytes`` get a bucket of their own (the sender can then
     broadcast them straight from their storage, without packing). ``fields``: the manifest's other fields
-    (``partial``, ``frozen``, ``aliases``, ``patches``, ``base``, ``result``).
+    (``partial``, ``frozen``, ``aliases``, ``patches``, ``base``, ``result``, ``patched_digests``).
     """
     if transfer not in TRANSFERS:
         raise ManifestError(f"unknown transfer {transfer!r}; allowed: {TRANSFERS}")

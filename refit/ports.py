@@ -20,7 +20,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
-from rlfleet.refit.sender import WeightSender
+from rlfleet.refit.errors import RefitUsageError
+from rlfleet.refit.sender import DELTA_MODES, WeightSender
 
 
 class ReceiverPort(Protocol):
@@ -35,8 +36,9 @@ class SenderPort(Protocol):
     async def close_group(self) -> bool: ...
 
     async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None,
-                      full: bool = False) -> dict:
-        """The manifest of the sender's current weights; ``full``: whole tensors, never patches (``refit.delta``)."""
+                      full: bool = False, digests: bool = False) -> dict:
+        """The manifest of the sender's current weights; ``full``: whole tensors, never patches (``refit.delta``);
+        ``digests``: each patched tensor's new digest in the manifest (``WeightSender.prepare``)."""
         ...
 
     async def send(self, refit_id: int, timeout_s: float) -> dict: ...
@@ -77,14 +79,22 @@ class LocalSenderPort:
         return await self._run(lambda: self.sender.close_group())
 
     async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None,
-                      full: bool = False) -> dict:
-        return await self._run(lambda: self.sender.prepare(refit_id, transfer, bucket_mb, direct_mb, full=full))
+                      full: bool = False, digests: bool = False) -> dict:
+        return await self._run(lambda: self.sender.prepare(refit_id, transfer, bucket_mb, direct_mb, full=full, digests=digests))
 
     async def send(self, refit_id: int, timeout_s: float) -> dict:
         return await self._run(lambda: self.sender.send(refit_id, timeout_s))
 
     async def send_raw(self, refit_id: int, nbytes: int, timeout_s: float) -> dict:
         return await self._run(lambda: self.sender.send_raw(refit_id, nbytes, timeout_s))
+
+    async def set_delta(self, mode: str, whole: bool = False) -> bool:
+        """The sender's ``delta`` mode from the next update on (``"off"``: every update whole; see ``WeightSender``).
+        ``whole``: send every update whole while still keeping the base (a benchmark's full arm)."""
+        if mode not in DELTA_MODES:
+            raise RefitUsageError(f"delta must be one of {DELTA_MODES}, got {mode!r}")
+        self.sender.delta, self.sender.whole = mode, bool(whole)
+        return True
 
     async def checksum(self, names: Iterable[str] | None = None) -> str:
         names = list(names) if names is not None else None

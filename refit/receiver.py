@@ -140,6 +140,7 @@ class WeightReceiver:
         self._raw: torch.Tensor | None = None
         self._applied_digests: dict[str, bytes] = {}
         self._applied_shapes: dict[str, tuple[int, ...]] = {}
+        self._wire_digest: str | None = None  # a delta's: the digest of its entries as they arrived (``_verify``)
         self._fault: _Fault | None = None
         self._spec_cache: tuple[ExpectedSpec | None] | None = None
         self._budget = 0.0
@@ -231,7 +232,8 @@ class WeightReceiver:
         if self.weights_state != COMPLETE or self.holds != m.base:
             held = {"initial": "the weights it started with, which no update's token names",
                     PARTIAL: "partial weights (an update that did not complete)"}.get(self.weights_state) or \
-                (f"the weights of token {self.holds}" if self.holds else "weights no update's token names (a sharded refit)")
+                (f"the weights of token {self.holds}" if self.holds else
+                 "weights no update's token names (sent by a sender without delta, or a sharded refit)")
             return f"the patches apply to the weights of token {m.base}; this rank holds {held}"
         if mode != "staged":
             return f"patches are applied in one step after every byte arrived (apply mode 'staged'), not {mode!r}"
@@ -391,8 +393,9 @@ class WeightReceiver:
         return self._finish(res, rec.version, rec.want_digest, expect_digest, rec.manifest.result)
 
     def _verify(self, res: dict, expect_digest: str | None) -> None:
-        """Record the digest of what was applied; a mismatch with the sender's leaves the engine PARTIAL."""
-        res["digest"] = _checksum.combine(self._applied_digests)
+        """Record the digest of what was applied (a delta's: of its entries as they arrived); a mismatch with the
+        sender's leaves the engine PARTIAL."""
+        res["digest"] = self._wire_digest if self._wire_digest is not None else _checksum.combine(self._applied_digests)
         if expect_digest is not None and res["digest"] != expect_digest:
             res["state"], res["phase"] = PARTIAL, "verify"
             res["error"] = f"checksum mismatch: applied {res['digest']}, sender sent {expect_digest}; the applied weights are not the sender's"
@@ -477,8 +480,10 @@ class WeightReceiver:
         res["state"] = COMPLETE
 
     def _apply_delta(self, manifest: Manifest, views: list[tuple[str, torch.Tensor]], res: dict, want_digest: bool) -> None:
-        """Patches and whole tensors in one ``apply_patches``; digests (``want_digest``) cover the entries as they
-        arrived, as the sender's ``checksum`` does. A tied tensor the model loads gets its target's patch."""
+        """Patches and whole tensors in one ``apply_patches``. With ``want_digest``, the entries as they arrived are
+        digested (``self._wire_digest``: what ``verify`` compares with the sender's ``checksum`` of them), and the
+        record of what this rank holds (``checksum``'s ``applied``) is the whole tensors' digests and the new
+        digests the sender declared for the patched ones. A tied tensor the model loads gets its target's patch."""
         self._applied_digests.clear()
         self._applied_shapes.clear()
         got = dict(views)
@@ -502,12 +507,18 @@ class WeightReceiver:
         finally:
             res["apply_s"] += time.monotonic() - t0
         res["patches"] = len(patches)
+        wire = {name: _checksum.tensor_digest(name, t) for name, t in views} if want_digest else {}
+        self._wire_digest = _checksum.combine(wire) if want_digest else None
         for name, t in views:
-            self._applied_shapes[name] = tuple(t.shape)
-            if want_digest:
-                self._applied_digests[name] = _checksum.tensor_digest(name, t)
+            if _delta.split_name(name) is None:
+                self._applied_shapes[name] = tuple(t.shape)
+                if want_digest:
+                    self._applied_digests[name] = wire[name]
+        declared = dict(manifest.patched_digests)
         for name, shape in manifest.patches:
             self._applied_shapes[name] = tuple(shape)
+            if want_digest and name in declared:
+                self._applied_digests[name] = bytes.fromhex(declared[name])
 
     def _receive_streaming(self, group: RefitGroup, manifest: Manifest, deadline: float, res: dict, want_digest: bool, expect: list[int]) -> None:
         sizes = manifest.max_bucket_numel()
@@ -548,6 +559,7 @@ class WeightReceiver:
         res["state"] = COMPLETE
 
     def _apply(self, weights: list[tuple[str, torch.Tensor]], res: dict, want_digest: bool, first: bool) -> None:
+        self._wire_digest = None
         if first:
             self._applied_digests.clear()
             self._applied_shapes.clear()

@@ -31,6 +31,7 @@ once, which makes receivers still waiting on it fail fast.
 from __future__ import annotations
 
 import fnmatch
+import secrets
 import time
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping, TypeAlias
@@ -84,6 +85,7 @@ class WeightSender:
         if delta not in DELTA_MODES:
             raise RefitUsageError(f"delta must be one of {DELTA_MODES}, got {delta!r}")
         self.delta = delta
+        self.whole = False  # under ``delta``: send whole anyway, keeping the base (``LocalSenderPort.set_delta``)
         # (token, tensors in the wire dtype): what the engines hold after the last completed send, and what
         # the prepared update would leave them holding (promoted to ``_base`` when its send completes)
         self._base: tuple[str, dict[str, torch.Tensor]] | None = None
@@ -200,11 +202,13 @@ class WeightSender:
 
     # -- one update ---------------------------------------------------------------------
     def prepare(self, refit_id: int, transfer: str = "bucketed", bucket_mb: float = 16.0, direct_mb: float | None = 4.0,
-                full: bool = False) -> dict:
+                full: bool = False, digests: bool = False) -> dict:
         """Plan the buckets of the current weights; returns the manifest (wire form) receivers validate.
 
         Tensors of at least ``direct_mb`` travel alone, straight from their storage (no packing). Under
-        ``delta``, the update is patches against the base unless ``full`` (an engine lacks the base).
+        ``delta``, the update is patches against the base unless ``full`` (an engine lacks the base); ``digests``:
+        the manifest says each patched tensor's new digest, for the engines' record of what they hold (a pass
+        over the patched tensors: asked only under ``RefitConfig(checksum=True)`` or ``verify="checksum"``).
         """
         items, aliases = self._collect()
         tensors = dict(items)
@@ -213,10 +217,10 @@ class WeightSender:
         self._candidate = None
         if self.delta != "off":
             wire = {n: self._snapshot(t) for n, t in tensors.items()}
-            result = _checksum.digest(wire.items(), threads=_checksum.ALL_CORES)
+            result = secrets.token_hex(16)  # names exactly these tensors: only this sender's snapshot has it
             self._candidate = (result, wire)
             base = self._base
-            if not full and base is not None and base[1].keys() == wire.keys():
+            if not (full or self.whole) and base is not None and base[1].keys() == wire.keys():
                 base_token, tensors = base[0], {}
                 for n, t in wire.items():
                     d = _delta.diff(t, base[1][n])
@@ -232,8 +236,10 @@ class WeightSender:
             n = patches[0][0]
             tensors = {_delta.idx_name(n): torch.empty(0, dtype=torch.int32), _delta.val_name(n): wire[n].reshape(-1)[:0]}
             specs = [(k, (0,), t.dtype) for k, t in tensors.items()]
+        declared = tuple((n, _checksum.tensor_digest(n, wire[n], _checksum.ALL_CORES).hex()) for n, _ in patches) if digests else ()
         manifest = plan_buckets(specs, int(bucket_mb * 2**20), transfer, direct, partial=self.partial, frozen=self.frozen,
-                                aliases=tuple(sorted(aliases.items())), patches=tuple(patches), base=base_token, result=result)
+                                aliases=tuple(sorted(aliases.items())), patches=tuple(patches), base=base_token, result=result,
+                                patched_digests=declared)
         self._prepared = (int(refit_id), manifest, tensors, manifest.digest())
         self._last_wire = tensors
         return manifest.to_wire()

@@ -216,8 +216,8 @@ class WeightSynchronizer:
         if self._lock.locked():
             return None
         cfg, refit_id = self.config, next(self._ids)
-        planned = asyncio.ensure_future(_bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb),
-                                                 cfg.rpc_timeout_s))
+        planned = asyncio.ensure_future(_bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb,
+                                                                     **self._asks()), cfg.rpc_timeout_s))
         return Ahead(self, refit_id, planned)
 
     async def refit(self, participants: Mapping[Hashable, ReceiverPort], version: int, epoch: int,
@@ -454,8 +454,8 @@ class WeightSynchronizer:
         cfg = self.config
         self._deferred = None
         if planned is None:
-            whole = {"full": True} if full else {}  # asked only after patches were refused: any sender answers the rest
-            planned = _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb, **whole), cfg.rpc_timeout_s)
+            planned = _bounded(self.sender.prepare(refit_id, cfg.transfer, cfg.bucket_mb, cfg.direct_mb, **self._asks(full)),
+                               cfg.rpc_timeout_s)
         prepared = await planned
         if prepared.value is None:
             why = prepared.error("sender prepare", cfg.rpc_timeout_s) or "sender prepare returned nothing"
@@ -494,6 +494,11 @@ class WeightSynchronizer:
         if not isinstance(digested[0].value, str):
             return None, (digested[0].error("sender checksum", cfg.timeout_s) or f"sender checksum answered {digested[0].value!r}", {})
         return digested[0].value, None
+
+    def _asks(self, full: bool = False) -> dict:
+        """The sender ``prepare``'s optional arguments this refit needs (none by default: any sender answers)."""
+        cfg = self.config
+        return {**({"full": True} if full else {}), **({"digests": True} if cfg.checksum or cfg.verifies else {})}
 
     async def _sender_digest(self, manifest_wire: dict) -> str:
         """The sender's checksum of exactly the tensors of this update (after its dtype cast)."""

@@ -77,8 +77,9 @@ class _VllmModel:
 
         model = self._worker.model_runner.get_model()
         if patches:
+            # unique indices by construction (``refit.delta.diff``: torch.nonzero); vLLM still checks their range
             load_checkpoint_weight_patches(model, [CheckpointWeightPatch(n, tuple(shape), v.dtype, v, i)
-                                                   for n, shape, v, i in patches])
+                                                   for n, shape, v, i in patches], validate_unique_indices=False)
         if whole:
             load_checkpoint_weight_patches(model, [CheckpointWeightPatch(n, tuple(t.shape), t.dtype, t.reshape(-1))
                                                    for n, t in whole])

@@ -22,6 +22,12 @@ engines the fleet runs. The relay:
   unless the relay's copy is the fleet's committed version and still has the digest it had when committed;
   ``source_for`` refuses a refit of the relay's copy as the committed weights on the same grounds.
 
+Delta refits (``refit.delta``, on by default: ``delta="reference"``): after the first update, the relay sends
+the engines only the elements that changed since what it last sent them, diffed against its own copy (no
+second copy: an update replaces the copy's tensors, never writes them), however the trainer sent them; an
+engine that does not hold that base (restarted, re-admitted from elsewhere) refuses the patches and gets the
+update whole. ``delta="off"`` sends every update whole.
+
 A tied ``lm_head.weight`` the checkpoint does not hold is accepted and not sent on (vLLM ties it).
 """
 
@@ -69,7 +75,7 @@ def _tied(model_dir: str) -> bool:
 
 
 class WeightRelay(LocalSenderPort):
-    def __init__(self, model_dir: str, addr: str | None = None, backend: str = "gloo") -> None:
+    def __init__(self, model_dir: str, addr: str | None = None, backend: str = "gloo", delta: str = "reference") -> None:
         self.model_dir = model_dir
         self.wire = wire_for(backend)
         self.serving = load_checkpoint(model_dir)
@@ -83,7 +89,8 @@ class WeightRelay(LocalSenderPort):
         self._committed_digest: str | None = None  # the digest of ``serving`` when it was committed
         self._as_loaded = True  # ``serving`` is the checkpoint as loaded (no update applied yet)
         self._lock = threading.Lock()
-        super().__init__(WeightSender(lambda: list(self.serving.items()), addr=addr))
+        # ``serving``'s tensors are replaced by an update, never written in place: the sender's base can be them
+        super().__init__(WeightSender(lambda: list(self.serving.items()), addr=addr, delta=delta))
 
     # -- the trainer's group -------------------------------------------------------------
     async def init_transfer(self, init_info: dict, timeout_s: float = gloo_wire.DEFAULT_TIMEOUT_S) -> dict:

@@ -495,8 +495,8 @@ class ActorSenderPort:
         return await call_async(self.handle, "close_group")
 
     async def prepare(self, refit_id: int, transfer: str, bucket_mb: float, direct_mb: float | None = None,
-                      full: bool = False) -> dict:
-        return await call_async(self.handle, "prepare", refit_id, transfer, bucket_mb, direct_mb, full)
+                      full: bool = False, digests: bool = False) -> dict:
+        return await call_async(self.handle, "prepare", refit_id, transfer, bucket_mb, direct_mb, full, digests)
 
     async def send(self, refit_id: int, timeout_s: float) -> dict:
         return await call_async(self.handle, "send", refit_id, timeout_s)

@@ -89,6 +89,12 @@ class FleetConfig(BaseModel):
     # "checksum": an engine's new version is stamped only when the digest of what it applied equals
     # the sender's (about +1 s per refit of the 100M model on 2 CPU cores; scripts/bench_refit.py)
     verify_weights: Literal["none", "checksum"] = "none"
+    # Delta refits from the relay (``rlfleet serve``'s vLLM RL API): after its first update, the relay sends the
+    # engines only the elements that changed since what it sent them (``refit.delta``; an engine without that
+    # base gets the update whole). A bfloat16 model at RL learning rates changes few elements a step; a float32
+    # one changes nearly all, and "off" then saves the relay's diff. A Python-API trainer chooses its own
+    # (``WeightSender(delta=...)``).
+    relay_deltas: Literal["on", "off"] = "on"
     # Requests and admission (per-shard in-flight cap that follows the engine's KV-cache load).
     admission: AdmissionConfig = AdmissionConfig()
     max_staleness: int | None = Field(None, ge=0)

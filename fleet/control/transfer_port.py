@@ -30,6 +30,8 @@ class TransferResult:
     refused: str | None = None  # the update itself does not fit the model (names the tensor); nothing moved
     staged: bool = False  # (``stage`` only) the whole update is in the engine's staging area; live weights untouched
     sender_error: str | None = None  # the weight sender failed in this attempt (died, timed out, raised): its error
+    delta: bool = False  # the update travelled as patches against the weights the engines held (``refit.delta``)
+    delta_refused: str | None = None  # why an engine refused the patches (the update then went whole, to all)
 
 
 SENDER_METHODS = ("open_group", "connect", "close_group", "prepare", "send")
@@ -240,6 +242,7 @@ class RefitTransferPort:
             out[key.slot] = TransferResult(
                 RefitResult.NOT_STARTED if staged else RefitResult(r.outcome.value), f"[{r.phase or 'done'}] {detail}",
                 r.bytes_moved, refused=r.refused, staged=staged, sender_error=report.sender_error,
+                delta=report.delta, delta_refused=report.delta_refused,
             )
         return out
 

@@ -174,6 +174,14 @@ class _HostModel:
         for name, tensor in weights:
             self.tensors[name] = tensor.clone()
 
+    def apply_patches(self, patches, whole) -> None:
+        """A delta refit (``refit.delta``): patches written into what the last update put here, whole tensors kept."""
+        from rlfleet.refit import delta
+
+        for name, _shape, values, indices in patches:
+            delta.apply_flat(self.tensors[name], indices, values)
+        self.apply(whole)
+
     def live_tensors(self):
         return self.tensors.items()
 

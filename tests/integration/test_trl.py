@@ -20,7 +20,7 @@ import requests
 import torch
 
 from rlfleet.faults.timeline import readmissions
-from rlfleet.fleet.records import Readmit
+from rlfleet.fleet.records import Readmit, RefitFailedAttempt, Transfer
 from tests.integration.fleet_helpers import wait_for
 
 pytestmark = pytest.mark.integration
@@ -330,6 +330,15 @@ def test_trls_grpo_trainer_trains_through_two_shard_kills_and_ends_with_every_en
         r = back[slot]
         assert (r["how"] == "peer" and r["before_next_refit"]) or (slot, r["incarnation"]) in yielded, (back, yielded)
     assert any(r["how"] == "peer" for r in back.values()), back
+    # the relay sends the engines only what changed (``refit.delta``): after the first, every transfer went as patches
+    # against what the engines held, but where an engine lacked that base (named: a restarted one, or one that applied
+    # an attempt its sender saw fail) or the attempt itself failed (the shard killed in it), and the update went whole
+    sent = [t for t in Transfer.among(events) if t.version > v_before]
+    failed = {r.version for r in RefitFailedAttempt.among(events)}
+    whole = [(t.version, t.delta_refused) for t in sent[1:] if not t.delta]
+    print(f"\nrelay -> engines per transfer: {[t.bytes for t in sent]} bytes; whole after the first: {whole}")
+    assert len(sent) >= 30 and len(whole) <= 4, whole
+    assert all(why or version in failed or version - 1 in failed for version, why in whole), (whole, failed)
     chance = AllowedTokensTask().chance_reward
     faulted = sum(run.rewards[-5:]) / 5
 

@@ -49,9 +49,11 @@ def test_after_one_whole_update_only_the_changed_elements_travel_and_every_engin
     assert second.bytes_sent == 2 * 3 * (4 + 4), second.summary()  # 3 (int32 index, float32 value) pairs per tensor
     assert second.bytes_sent < whole_bytes / 100
     assert unchanged.ok and unchanged.delta and unchanged.bytes_sent == 0
+    want = sender.checksum()  # the whole weights: what every engine's record says it holds after the patches
     for eng in engines.values():
         assert_holds(eng, new)
         assert eng.workers[0].rlfleet_worker_info()["weight_version"] == 3
+        assert eng.workers[0].rlfleet_checksum()["applied"] == want
         assert eng.workers[0].model.apply_calls[1] == ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
 
 

@@ -182,6 +182,10 @@ async def _transfer_once(r: RefitRun, plan: MembershipPlan, source: Any, rebuild
     results = await _bounded(r, plan, deadline, lambda parts, left: r.port.transfer(
         parts, r.version, plan.epoch, source, rebuild=rebuild, timeout=left, ahead=ahead))
     _report(r, plan.participants, results)
+    if results:
+        r.p.log.emit(ev.Transfer(version=r.version, epoch=plan.epoch, bytes=max(res.bytes_moved for res in results.values()),
+                                 delta=any(res.delta for res in results.values()),
+                                 delta_refused=next((res.delta_refused for res in results.values() if res.delta_refused), None)))
     return results
 
 
