@@ -72,6 +72,7 @@ ADMISSION_HOLD = {**PAIR, "min_healthy_engines": 1, "probe_timeout_s": 6.0,
 class Variant:
     plan: dict
     # "evicted:<slot>", "readmitted:<slot>", "restamped:<slot>", "retired:<slot>", "stop_names:<slot>",
+    # "delta_sent" (a transfer went as patches), "delta_refused:<slot>" (that engine refused them, sent whole),
     # "below_quorum", "controller_back", "promoted:<slot>", "resent:<slot>" (faults.runner)
     checks: tuple[str, ...] = ()
 
@@ -91,7 +92,9 @@ MATRIX: tuple[Variant, ...] = (
     _v("kill-step-boundary", "recovers", [{"where": "step_boundary", "what": "kill", "shard": 1, "step": 1}],
        description="a shard's actor process killed between steps"),
     _v("kill-during-pause", "recovers", [{"where": "pause", "what": "kill", "shard": 2, "step": 1}]),
-    _v("kill-during-transfer", "recovers", [{"where": "transfer", "what": "kill", "shard": 0, "step": 1}]),
+    _v("kill-during-transfer", "recovers", [{"where": "transfer", "what": "kill", "shard": 0, "step": 2}],
+       checks=("delta_sent",), description="a real engine killed while the update's patches reach it (refit.delta): "
+                                           "step 1's refit leaves every engine on the trainer's base"),
     _v("kill-during-resume", "recovers", [{"where": "resume", "what": "kill", "shard": 1, "step": 1}]),
     # the RL surface's commit where the controller dies after it (issue 47): real engines, whose applied digests
     # /weight_checker reads (``verify_weights: checksum``)
@@ -253,11 +256,13 @@ MATRIX: tuple[Variant, ...] = (
     _v("below-quorum-between-refits", "recovers",
        [{"where": "between_refits", "what": "kill", "shard": 0, "step": 2},
         {"where": "between_refits", "what": "kill", "shard": 1, "step": 2}],
-       checks=("below_quorum", "readmitted:0", "readmitted:1"), steps=2, fleet={**NULL, "readmit": False},
+       checks=("below_quorum", "readmitted:0", "readmitted:1", "delta_refused:0"), steps=2,
+       fleet={**NULL, "readmit": False},
        description="two of three shards die between refits, past the checkpoint's version (a restart at "
                    "version 0 would serve at once), with no re-admission from a peer (the refit path, as when "
                    "no donor is left): requests wait at the closed gate until the restarted shards come back "
-                   "and the next refit brings quorum back"),
+                   "and the next refit brings quorum back; its patches are refused by the restarted engines "
+                   "(they do not hold the base) and the same refit sends the update whole"),
     # a refit that stages its update while the fleet serves (``stage_ahead``), where its faults meet the staging
     _v("kill-during-stage", "recovers", [{"where": "transfer", "what": "kill", "shard": 1, "step": 1}],
        checks=("readmitted:1",), fleet=STAGING,

@@ -54,7 +54,7 @@ from rlfleet.fleet.cluster import ray_door
 from rlfleet.fleet.api import Fleet
 from rlfleet.fleet.errors import FleetStopped
 from rlfleet.fleet.cluster.naming import controller_name, shard_name
-from rlfleet.fleet.records import Health, Kill, Readmit, Record, Request, Stamp, Stopped, all_of, of_kinds
+from rlfleet.fleet.records import Health, Kill, Readmit, Record, Request, Stamp, Stopped, Transfer, all_of, of_kinds
 from rlfleet.faults.matrix import BASE_FLEET, Variant
 from rlfleet.faults.source import WeightSource
 from rlfleet.health.faultplan import CONTROLLER_WHAT, FaultPlan, load_plan, resolve
@@ -327,7 +327,16 @@ class FaultRunner:
             if kind == "promoted":  # a warm spare took the killed serving slot's place (faults.promotion)
                 rep.violations += [f"check {check}: {p}" for p in prove_promotion(self.events(t0), slot)]
                 continue
-            if kind == "stop_names":
+            if kind == "delta_sent":  # the variant's refits met the fault with patches in flight (``refit.delta``)
+                sent = Transfer.among(self.events(t0, kinds=[Transfer]))
+                ok = any(t.delta for t in sent)
+                rep.notes.append(f"check {check}: transfers {[(t.version, t.delta, t.bytes, t.delta_refused) for t in sent]}")
+            elif kind == "delta_refused":  # an engine without the patches' base refused them; the update went whole
+                sent = Transfer.among(self.events(t0, kinds=[Transfer]))
+                refused = [t for t in sent if t.delta_refused and f"slot {slot} " in t.delta_refused and not t.delta]
+                ok = bool(refused)
+                rep.notes.append(f"check {check}: " + (refused[0].delta_refused[:200] if refused else f"none in {sent}"))
+            elif kind == "stop_names":
                 ok = any(f"slot {slot}" in e.reason for e in Stopped.among(self.events(t0)))
             elif kind == "evicted":
                 ok = self._wait(lambda: self._evicted(slot), 60, f"eviction of slot {slot}")

@@ -270,7 +270,7 @@ class WeightSender:
         except TransferError as exc:
             group.signal_abort(str(exc))  # receivers still waiting stop now instead of at their deadline
             self.close_group()
-            return {"ok": False, "error": str(exc), "send_s": time.monotonic() - t0, **progress}
+            return {"ok": False, "error": str(exc), "send_s": time.monotonic() - t0, "delta": manifest.is_delta, **progress}
         if self._candidate is not None:  # every receiver got it: engines that applied it hold this base now
             self._base, self._candidate = self._candidate, None
         return {"ok": True, "error": None, "send_s": time.monotonic() - t0, "delta": manifest.is_delta, **progress}
