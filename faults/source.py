@@ -69,7 +69,8 @@ class WeightSource(LocalSenderPort):
 
     async def die_at_next_send(self) -> bool:
         """Fault injection: the next ``send`` ends this process (``os._exit``) before it sends a byte, with the
-        engines paused and waiting in the transfer; Ray reports the actor dead to every caller."""
+        engines paused and waiting in the transfer (a sharded send: once the group is built, its rows expected);
+        Ray reports the actor dead to every caller."""
         self._die_at_send = True
         return True
 
@@ -126,32 +127,52 @@ class WeightSource(LocalSenderPort):
         return await self._run(host)
 
     async def send_sharded(self, address: dict, rank: int, ranks: int, tp: int, first_worker: int, timeout_s: float) -> dict:
+        """Send as rank ``rank`` of ``ranks`` to one engine of ``tp`` workers whose ranks start at ``first_worker``."""
+        return await self.send_sharded_to(address, rank, ranks, [(first_worker, tp)], timeout_s)
+
+    async def send_sharded_to(self, address: dict, rank: int, ranks: int, targets: list, timeout_s: float) -> dict:
         """Send as rank ``rank`` of ``ranks`` (an FSDP rank's stand-in: only this rank's dim-0 rows of each tensor
-        leave it) to an engine of ``tp`` workers whose ranks start at ``first_worker`` (``refit.sharded_wire``).
-        Answers ``bytes_sent``, ``send_s`` and ``model_bytes``."""
+        leave it) to each engine of ``targets`` (``[first_worker, tp]``: its workers' ranks start at
+        ``first_worker``), point to point (``refit.sharded_wire``). Answers ``ok``, ``error``, ``bytes_sent``,
+        ``send_s``, ``group_s`` and ``model_bytes``; a failure of the group or a peer is ``ok`` False, not raised."""
         def send() -> dict:
             import time
 
             from rlfleet.refit import fused_layout, sharded_wire
+            from rlfleet.refit.errors import TransferError
             from rlfleet.refit.group import GroupAddress, RefitGroup
             from rlfleet.refit.shard_plan import chunk
 
-            pieces = [fused_layout.resolve(self.model.config.to_dict(), int(tp), r) for r in range(int(tp))]
-            names = {p.ckpt for ps in pieces for p in ps}
-            full = {n: t.detach() for n, t in self.model.state_dict().items() if n in names}
-            shapes = {n: tuple(t.shape) for n, t in full.items()}
-            shard = {n: t[slice(*chunk(t.shape[0], int(ranks), int(rank)))] for n, t in full.items()}
+            config = self.model.config.to_dict()
+            state = {n: t.detach() for n, t in self.model.state_dict().items()}
             store, self._sharded_store = (self._sharded_store, None) if int(rank) == 0 else (None, self._sharded_store)
             t0 = time.monotonic()
-            group = RefitGroup(GroupAddress.from_wire(address), int(rank), float(timeout_s), store=store)
-            group_s = time.monotonic() - t0
+            out = {"ok": False, "error": None, "bytes_sent": 0, "send_s": 0.0, "group_s": 0.0, "model_bytes": 0}
             try:
-                sent = sharded_wire.send_all(group, pieces, shapes, shard, int(ranks), int(rank), int(first_worker),
-                                             float(timeout_s))
+                group = RefitGroup(GroupAddress.from_wire(address), int(rank), float(timeout_s), store=store)
+            except TransferError as exc:
+                return {**out, "error": f"sender rank {rank}: {exc}", "send_s": time.monotonic() - t0}
+            out["group_s"] = time.monotonic() - t0
+            if getattr(self, "_die_at_send", False):  # mid-send: every member joined, the engines wait for its rows
+                os._exit(1)
+            names: set = set()
+            try:
+                for first_worker, tp in targets:
+                    pieces = [fused_layout.resolve(config, int(tp), r) for r in range(int(tp))]
+                    names |= {p.ckpt for ps in pieces for p in ps}
+                    full = {n: state[n] for n in {p.ckpt for ps in pieces for p in ps}}
+                    shapes = {n: tuple(t.shape) for n, t in full.items()}
+                    shard = {n: t[slice(*chunk(t.shape[0], int(ranks), int(rank)))] for n, t in full.items()}
+                    out["bytes_sent"] += sharded_wire.send_all(group, pieces, shapes, shard, int(ranks), int(rank),
+                                                               int(first_worker), float(timeout_s))
+                out["ok"] = True
+            except TransferError as exc:
+                out["error"] = f"sender rank {rank}: {exc}"
             finally:
                 group.close()
-            return {"bytes_sent": sent, "send_s": time.monotonic() - t0, "group_s": group_s,
-                    "model_bytes": sum(t.numel() * t.element_size() for t in full.values())}
+            out["send_s"] = time.monotonic() - t0
+            out["model_bytes"] = sum(state[n].numel() * state[n].element_size() for n in names)
+            return out
 
         return await self._run(send)
 

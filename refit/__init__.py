@@ -108,10 +108,11 @@ from rlfleet.refit.errors import ApplyError, ManifestError, RefitError, RefitUsa
 from rlfleet.refit.outcome import Outcome, Participant, ParticipantResult, PhaseTimings, RefitReport, assign_ranks
 from rlfleet.refit.ports import LocalSenderPort, ReceiverPort, SenderPort
 from rlfleet.refit.sender import WeightSender
+from rlfleet.refit.sharded_sync import ShardedSource, ShardedSynchronizer
 from rlfleet.refit.synchronizer import RefitConfig, WeightSynchronizer
 
 __all__ = [
     "ApplyError", "LocalSenderPort", "ManifestError", "Outcome", "Participant", "ParticipantResult", "PhaseTimings",
-    "ReceiverPort", "RefitConfig", "RefitError", "RefitReport", "RefitUsageError", "SenderPort", "TransferError",
-    "WeightSender", "WeightSynchronizer", "assign_ranks",
+    "ReceiverPort", "RefitConfig", "RefitError", "RefitReport", "RefitUsageError", "SenderPort", "ShardedSource",
+    "ShardedSynchronizer", "TransferError", "WeightSender", "WeightSynchronizer", "assign_ranks",
 ]

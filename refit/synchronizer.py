@@ -170,6 +170,29 @@ def _worker_error(results: list[dict]) -> str | None:
     return "; ".join(errs) if errs else None
 
 
+def worker_outcome(key: Hashable, workers: list[dict], idle_phase: str) -> ParticipantResult:
+    """One engine's outcome from its workers' ``receive``/``apply_staged`` answers."""
+    states = [w.get("state") for w in workers]
+    if all(st == COMPLETE for st in states) and all(w.get("ok") for w in workers):
+        outcome = Outcome.COMPLETE
+    elif any(st in (COMPLETE, PARTIAL) for st in states):
+        outcome = Outcome.PARTIAL  # some worker changed its weights, not all completed
+    else:
+        outcome = Outcome.NOT_STARTED
+    error = _worker_error(workers)
+    phases = [w.get("phase") for w in workers if w.get("phase")]
+    phase = None if error is None else (phases[0] if phases else "apply" if any(st == PARTIAL for st in states) else idle_phase)
+    if phase == "verify":
+        error = f"{describe(key)}: {error}"
+    detail = {
+        "recv_s": max(float(w.get("recv_s", 0.0)) for w in workers),
+        "apply_s": max(float(w.get("apply_s", 0.0)) for w in workers),
+        "versions": [w.get("version") for w in workers],
+        "digests": [w.get("digest") for w in workers],
+    }
+    return ParticipantResult(outcome, error, phase, sum(int(w.get("bytes", 0)) for w in workers), None, detail)
+
+
 def check_layout(participants: Mapping[Hashable, ReceiverPort]) -> int:
     """Ranks must be exactly 1..N, each engine's consecutive. Returns the world size (N + 1)."""
     if not participants:
@@ -538,26 +561,7 @@ class WeightSynchronizer:
         return self._worker_outcome(key, _per_worker(s.value), idle_phase="transfer")
 
     def _worker_outcome(self, key: Hashable, workers: list[dict], idle_phase: str) -> ParticipantResult:
-        """One engine's outcome from its workers' ``receive``/``apply_staged`` answers."""
-        states = [w.get("state") for w in workers]
-        if all(st == COMPLETE for st in states) and all(w.get("ok") for w in workers):
-            outcome = Outcome.COMPLETE
-        elif any(st in (COMPLETE, PARTIAL) for st in states):
-            outcome = Outcome.PARTIAL  # some worker changed its weights, not all completed
-        else:
-            outcome = Outcome.NOT_STARTED
-        error = _worker_error(workers)
-        phases = [w.get("phase") for w in workers if w.get("phase")]
-        phase = None if error is None else (phases[0] if phases else "apply" if any(st == PARTIAL for st in states) else idle_phase)
-        if phase == "verify":
-            error = f"{describe(key)}: {error}"
-        detail = {
-            "recv_s": max(float(w.get("recv_s", 0.0)) for w in workers),
-            "apply_s": max(float(w.get("apply_s", 0.0)) for w in workers),
-            "versions": [w.get("version") for w in workers],
-            "digests": [w.get("digest") for w in workers],
-        }
-        return ParticipantResult(outcome, error, phase, sum(int(w.get("bytes", 0)) for w in workers), None, detail)
+        return worker_outcome(key, workers, idle_phase)
 
     def _aborted(self, parts: dict, phase: str, failure: tuple, ctx: dict, timings: PhaseTimings, rebuilt: bool, goal: str = "refit") -> RefitReport:
         sender_err, failures = failure

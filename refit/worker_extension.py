@@ -315,6 +315,37 @@ class RefitWorkerExtension:
             res["digests"] = self.rlfleet_weight_digests()
         return res
 
+    def _rlfleet_sharded_layout(self):
+        """(pieces, checkpoint shapes, live parameters) of this worker for a sharded refit; ``ValueError`` naming
+        what it cannot place (a model ``refit.fused_layout`` does not know, unreadable packed weights)."""
+        from rlfleet.refit import fused_layout
+
+        index, count = self._rlfleet_index()
+        model = self._rlfleet_model()
+        spec = model.expected_spec() or {}
+        named = dict(self._rlfleet_params())
+        config: dict = getattr(model, "hf_config", dict)()
+        pieces = fused_layout.resolve(config, count, index)
+        missing = sorted({p.param for p in pieces} - set(named)) + sorted({p.ckpt for p in pieces} - set(spec))
+        if missing:
+            raise ValueError(f"this worker has no {missing[:4]}")
+        shapes = {name: shape for name, (shape, _dtype) in spec.items()}
+        for param, shape in fused_layout.local_shapes(config, count, pieces, shapes).items():
+            if tuple(named[param].shape) != tuple(shape):
+                raise ValueError(f"live parameter {param!r} is {tuple(named[param].shape)}, the layout places "
+                                 f"{tuple(shape)} (unreadable packed weights: RLFLEET_READABLE_WEIGHTS=0?)")
+        return pieces, shapes, named
+
+    def rlfleet_sharded_fits(self) -> dict:
+        """Whether this worker can take a sharded refit (``rlfleet_receive_sharded``): ``ok``, or ``refused`` saying
+        why not. Changes nothing; asked of every worker before any joins a sharded refit's group."""
+        try:
+            self._rlfleet_sharded_layout()
+        except ValueError as exc:
+            why = f"sharded refit refused, nothing changed: {exc}"
+            return {"ok": False, "error": why, "refused": why, "worker_index": self._rlfleet_index()[0]}
+        return {"ok": True, "error": None, "refused": None, "worker_index": self._rlfleet_index()[0]}
+
     def rlfleet_receive_sharded(self, address: dict, first_worker: int, source_ranks: int, version: int,
                                 timeout_s: float, digests: bool = True) -> dict:
         """A sharded refit's receiving worker (``refit.sharded_wire``): join the group at ``address`` as rank
@@ -323,26 +354,15 @@ class RefitWorkerExtension:
         paused); have vLLM re-derive what it computes from them; record ``version``. Answers ``state``
         (``not_started`` with ``refused``: a layout it cannot place, nothing joined or written; ``partial``;
         ``complete``), ``error``, ``bytes``, timings and, when complete and asked, this worker's ``digests``."""
-        from rlfleet.refit import fused_layout, sharded_wire
+        from rlfleet.refit import sharded_wire
         from rlfleet.refit.group import GroupAddress, RefitGroup
 
-        index, count = self._rlfleet_index()
+        index, _count = self._rlfleet_index()
         res: dict = {"ok": False, "state": NOT_STARTED, "error": None, "refused": None, "bytes": 0, "recv_s": 0.0,
                      "load_s": 0.0, "worker_index": index}
         model = self._rlfleet_model()
-        spec = model.expected_spec() or {}
-        named = dict(self._rlfleet_params())
         try:
-            config: dict = getattr(model, "hf_config", dict)()
-            pieces = fused_layout.resolve(config, count, index)
-            missing = sorted({p.param for p in pieces} - set(named)) + sorted({p.ckpt for p in pieces} - set(spec))
-            if missing:
-                raise ValueError(f"this worker has no {missing[:4]}")
-            shapes = {name: shape for name, (shape, _dtype) in spec.items()}
-            for param, shape in fused_layout.local_shapes(config, count, pieces, shapes).items():
-                if tuple(named[param].shape) != tuple(shape):
-                    raise ValueError(f"live parameter {param!r} is {tuple(named[param].shape)}, the layout places "
-                                     f"{tuple(shape)} (unreadable packed weights: RLFLEET_READABLE_WEIGHTS=0?)")
+            pieces, shapes, named = self._rlfleet_sharded_layout()
         except ValueError as exc:
             res["error"] = res["refused"] = f"sharded refit refused, nothing changed: {exc}"
             return res
@@ -377,6 +397,7 @@ class RefitWorkerExtension:
         res["load_s"] = time.monotonic() - t1
         rx.note_peer_copy(res["state"], int(version))
         self._rlfleet_weight_version = rx.weight_version
+        res.update(apply_s=res["load_s"], version=rx.weight_version)  # as a refit's receive answers
         if digests and res["state"] == COMPLETE:
             res["digests"] = self.rlfleet_weight_digests()
         return res

@@ -11,6 +11,7 @@ the paused engines that staged the update.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence, cast
 
@@ -19,6 +20,7 @@ from rlfleet.fleet.config.fleet import REFIT_TIMEOUT_FALLBACK_S
 from rlfleet.health import Participant, RefitResult
 from rlfleet.refit import outcome as refit_outcome
 from rlfleet.refit.outcome import Outcome, ParticipantResult, RefitReport, assign_ranks
+from rlfleet.refit.sharded_sync import ShardedSource, ShardedSynchronizer
 from rlfleet.refit.synchronizer import RefitConfig, WeightSynchronizer
 
 
@@ -35,6 +37,15 @@ class TransferResult:
 
 
 SENDER_METHODS = ("open_group", "connect", "close_group", "prepare", "send")
+SHARDED_METHODS = ("open_sharded", "send_sharded_to")
+
+
+def sender_state(door: Any, source: Any) -> str:
+    """Ray's word on a weight source: a sharded one is ``DEAD`` as soon as one of its ranks is."""
+    if isinstance(source, ShardedSource):
+        states = [door.actor_state(h) for h in source.ranks]
+        return "DEAD" if "DEAD" in states else states[0] if len(set(states)) == 1 else "UNKNOWN"
+    return door.actor_state(source)
 
 
 class TransferPort(Protocol):
@@ -146,6 +157,14 @@ class RefitTransferPort:
         self._workers: dict[tuple[int, int], int] = {}
 
     def check_source(self, source: Any) -> None:
+        if isinstance(source, ShardedSource):
+            bad = [i for i, h in enumerate(source.ranks) if not self._door.is_sender(h, SHARDED_METHODS)]
+            if not source.ranks or bad:
+                raise RefitArgumentError(
+                    f"sync_weights: a ShardedSource needs one or more trainer ranks, each an actor with methods "
+                    f"{', '.join(SHARDED_METHODS)}; " + (f"rank(s) {bad} are not" if bad else "it has none")
+                    + "; nothing changed")
+            return
         if source is None or not self._door.is_sender(source, SENDER_METHODS):
             raise RefitArgumentError(
                 f"sync_weights: source must be a weight sender (an actor whose class is a "
@@ -164,6 +183,8 @@ class RefitTransferPort:
         """Honours ``timeout`` (a participant not done by then is PARTIAL: bytes may have moved, and the group,
         cancelled midway, is rebuilt next time) and ``rebuild`` (a fresh group whatever the epoch)."""
         async def attempt() -> dict[int, TransferResult]:
+            if isinstance(source, ShardedSource):
+                return await self._sharded(participants, version, epoch, source)
             out, ports = await self._ports(participants, source)
             if ports:
                 assert self._sync is not None  # _ports built it
@@ -171,6 +192,24 @@ class RefitTransferPort:
             return out
 
         return await by_deadline(attempt(), participants, timeout, RefitResult.PARTIAL, "weights unknown")
+
+    async def _sharded(self, participants, version, epoch, source: ShardedSource) -> dict[int, TransferResult]:
+        """Every rank to every engine point to point (``refit.sharded_sync``); an update some engine cannot place
+        sharded goes out whole from rank 0 by the broadcast, when rank 0 can send it whole."""
+        out, ports = await self._receivers(participants)
+        if not ports:
+            return out
+        sync = ShardedSynchronizer([self._door.sender_port(h) for h in source.ranks], self._config)
+        report = await sync.refit(ports, version, epoch)
+        whole = source.ranks[0]
+        if report.refused and self._door.is_sender(whole, SENDER_METHODS):
+            why = f"sent whole by the broadcast from rank 0, refused sharded: {report.refused[:300]}"
+            out, ports = await self._ports(participants, whole)
+            assert self._sync is not None  # _ports built it
+            results = self._results(await self._sync.refit(ports, version, epoch, rebuild=True))
+            return {**out, **{s: dataclasses.replace(r, detail=f"{r.detail}; {why}") for s, r in results.items()}}
+        out.update(self._results(report))
+        return out
 
     async def stage(self, participants, version, epoch, source, timeout) -> dict[int, TransferResult]:
         """Honours ``timeout``: an engine not done staging by then is NOT_STARTED (its live weights never change
@@ -219,6 +258,11 @@ class RefitTransferPort:
                 await self._sync.close()
             self._sync, self._source = WeightSynchronizer(self._door.sender_port(source), self._config), source
             self._staged = None
+        return await self._receivers(participants)
+
+    async def _receivers(self, participants) -> tuple[dict[int, TransferResult], dict]:
+        """A receiver port per participant, ranks laid out; engines whose workers cannot be counted are answered
+        ``NOT_STARTED`` at once."""
         handles = {(p.slot, p.incarnation): h for p, h in participants}
         counts = {member: await self._worker_count(member, h) for member, h in handles.items()}
         out: dict[int, TransferResult] = {

@@ -48,7 +48,7 @@ CRASH_REPORT_GRACE_S = 1.0
 PAUSE_SETTLE_S = 0.5  # a step's stat record may reach the shard this long after the pause that followed it  # a probe that finds the engine core dead waits this long for the requests it ran
 # Worker-extension methods that move weights: the "transfer" fault point.
 TRANSFER_METHODS = frozenset({"rlfleet_receive", "rlfleet_receive_raw", "rlfleet_apply_staged",  # they write live weights
-                              "rlfleet_receive_peer"})
+                              "rlfleet_receive_peer", "rlfleet_receive_sharded"})
 STAGE_METHODS = frozenset({"rlfleet_stage"})  # bytes move into the staging area; live weights untouched
 
 

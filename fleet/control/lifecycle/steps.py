@@ -18,7 +18,8 @@ from rlfleet.fleet.control.lifecycle import ends, pause, resume, transfer
 from rlfleet.fleet.control.lifecycle.run import EndRefit, RefitRun, RollBack
 from rlfleet.fleet.control.parts import Parts
 from rlfleet.fleet.control.publisher import RoutingPublisher
-from rlfleet.fleet.control.transfer_port import TransferPort
+from rlfleet.fleet.control.transfer_port import TransferPort, sender_state
+from rlfleet.refit.sharded_sync import ShardedSource
 from rlfleet.fleet.errors import FleetStopped, RefitArgumentError, RefitFailed, RefitRefused, RefitSourceFailed
 
 
@@ -91,7 +92,7 @@ class RefitLifecycle:
                 f"sync_weights: version {version} is not greater than the committed version {committed}; "
                 f"refused, nothing changed, the fleet serves {serves()}")
         self.transfer_port().check_source(source)
-        if source is not None and self.p.door.actor_state(source) == "DEAD":  # Ray's GCS: the sender is gone for good
+        if source is not None and sender_state(self.p.door, source) == "DEAD":  # Ray's GCS: the sender is gone for good
             raise RefitSourceFailed(
                 f"sync_weights({version}): the weight sender {source!r} is dead (Ray reports its actor DEAD); "
                 f"refused before the gate closed, nothing changed, the fleet serves version {self.p.gate.version}; "
@@ -115,6 +116,10 @@ class RefitLifecycle:
                                         crash_point=self._crash_point, warn_once=self._warn_once)
             try:
                 staging = self.p.cfg.stage_ahead if stage_ahead is None else stage_ahead
+                if staging and isinstance(source, ShardedSource):
+                    self._warn_once("a ShardedSource does not stage ahead: its refits pause the engines for the "
+                                    "transfer (each engine writes its rows once every rank's arrived)")
+                    staging = False
                 return await _steps(r, source, staging)
             except EndRefit as stop:
                 await ends.end(r, stop.error, stop.message)

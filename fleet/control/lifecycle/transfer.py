@@ -16,7 +16,7 @@ from typing import Any
 from rlfleet.fleet import records as ev
 from rlfleet.fleet.control.lifecycle import pause as pause_step
 from rlfleet.fleet.control.lifecycle.run import PhaseOver, RefitRun, RollBack
-from rlfleet.fleet.control.transfer_port import TransferResult, healthy_attempt_s
+from rlfleet.fleet.control.transfer_port import TransferResult, healthy_attempt_s, sender_state
 from rlfleet.fleet.errors import RefitNotDelivered, RefitNotStaged, RefitRefused, RefitSourceFailed
 from rlfleet.health import Batch, CallKind, MembershipPlan, RefitReport, RefitResult
 
@@ -165,7 +165,7 @@ def _no_retry(r: RefitRun, source: Any, results: dict, deadline: float) -> str |
     less of the phase is left than an attempt needs: the time one healthy attempt is sized for
     (``healthy_attempt_s``, a quarter of ``refit_timeout_s``), not what the first attempt took (one that
     failed on a frozen engine ran into the receivers' bound, far longer than a retry without it needs)."""
-    if any(res.sender_error for res in results.values()) and r.p.door.actor_state(source) == "DEAD":
+    if any(res.sender_error for res in results.values()) and sender_state(r.p.door, source) == "DEAD":
         return f"the weight sender {source!r} is dead: a retry from it cannot move anything"
     left, needed = deadline - r.p.clock.now(), healthy_attempt_s(r.p.cfg)
     if left < needed:
@@ -230,7 +230,7 @@ def _roll_back_if_nothing_moved(r: RefitRun, tried: list[dict], source: Any) -> 
              f"reopens on it if quorum serves it; send version {v} again")
     sender = next((res.sender_error for attempt in reversed(tried) for res in attempt.values() if res.sender_error), None)
     if sender is not None:
-        dead = " is dead: it" if r.p.door.actor_state(source) == "DEAD" else ""
+        dead = " is dead: it" if sender_state(r.p.door, source) == "DEAD" else ""
         raise RollBack(RefitSourceFailed(
             f"refit of version {v}: the weight sender {source!r}{dead} failed before the update reached any engine's weights "
             f"({n} attempt(s); sender: {sender[:400]}); {after}, from a live sender"))

@@ -1,0 +1,129 @@
+"""``ShardedSynchronizer``: a refit whose sender is several trainer ranks, each sending each engine worker
+exactly the rows it holds of what that worker holds (``refit.sharded_wire``), point to point; no rank gathers
+the model.
+
+``refit(participants, version, epoch)`` answers the same ``RefitReport`` as ``WeightSynchronizer.refit``, with
+the same outcome per engine, in three bounded phases:
+
+1. fit: every engine's workers say whether they can place the pieces ``refit.fused_layout`` gives them
+   (``rlfleet_sharded_fits``); one that cannot refuses, naming why, before anything joins or moves
+   (``RefitReport.refused``: the caller sends the update another way);
+2. group: sender rank 0 hosts a fresh store (``open_sharded``); the group's ranks are the ``S`` sender ranks,
+   then every engine's workers in the participants' order (``assign_ranks``: engine ranks ``1..N`` become
+   ``S .. S + N - 1``);
+3. transfer: every sender rank sends to every engine (``send_sharded_to``) while every engine receives and,
+   once every rank's rows arrived, writes them into its live parameters and stamps ``version``
+   (``rlfleet_receive_sharded``). An engine writes nothing until every rank's bytes are in, so a rank that dies
+   or stalls leaves every engine ``NOT_STARTED`` on its old weights: the sender's failure, named by rank.
+
+Each refit builds its group (the ranks' stores live only for one transfer). Raises only ``RefitUsageError``
+(no sender rank, a bad rank layout); every participant's failure is a typed outcome.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Hashable, Mapping, Protocol, Sequence, cast
+
+from rlfleet.refit.errors import RefitUsageError
+from rlfleet.refit.outcome import Outcome, Participant, ParticipantResult, PhaseTimings, RefitReport, describe
+from rlfleet.refit.ports import ReceiverPort
+from rlfleet.refit.synchronizer import RefitConfig, _per_worker, _settle_all, _worker_error, check_layout, worker_outcome
+
+SENDER = "sender"
+
+
+@dataclass(frozen=True)
+class ShardedSource:
+    """A weight source of several trainer ranks (each a ``ShardedSenderPort``'s actor), for
+    ``Fleet.sync_weights(version, ShardedSource((rank0, rank1, ...)))``: rank ``i`` holds dim-0 shard ``i`` of every
+    tensor. Rank 0 hosts the group; where it is also a whole-model sender (a ``refit.SenderPort``), an update the
+    engines cannot place sharded goes out from it by today's broadcast instead."""
+
+    ranks: tuple
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+
+
+class ShardedSenderPort(Protocol):
+    """One trainer rank of a sharded refit (``faults.source.WeightSource`` stands in for an FSDP rank)."""
+
+    async def open_sharded(self, world_size: int, epoch: int, timeout_s: float) -> dict: ...
+
+    async def send_sharded_to(self, address: dict, rank: int, ranks: int, targets: list, timeout_s: float) -> dict: ...
+
+
+class ShardedSynchronizer:
+    def __init__(self, ranks: Sequence[ShardedSenderPort], config: RefitConfig | None = None) -> None:
+        if not ranks:
+            raise RefitUsageError("a sharded refit needs at least one sender rank")
+        self.ranks = list(ranks)
+        self.config = config or RefitConfig()
+        self._ids = 0
+
+    async def refit(self, participants: Mapping[Hashable, ReceiverPort], version: int, epoch: int) -> RefitReport:
+        """``participants``: ``refit.outcome.Participant`` -> port, ranks laid out by ``assign_ranks``."""
+        check_layout(participants)
+        cfg, S = self.config, len(self.ranks)
+        parts: dict[Hashable, ReceiverPort] = dict(participants)
+        self._ids += 1
+        refit_id, t0 = self._ids, time.monotonic()
+        ctx = (int(version), int(epoch), refit_id)
+        fits = await _settle_all({k: p.worker_rpc("rlfleet_sharded_fits", (), {}, cfg.rpc_timeout_s) for k, p in parts.items()},
+                                 cfg.rpc_timeout_s + cfg.grace_s)
+        failures: dict[Hashable, ParticipantResult] = {}
+        for key, s in fits.items():
+            err = s.error(f"sharded fit of {describe(key)}", cfg.rpc_timeout_s)
+            workers = _per_worker(s.value) if err is None else []
+            refused = next((w["refused"] for w in workers if w.get("refused")), None)
+            err = err or _worker_error(workers)
+            if err:
+                failures[key] = ParticipantResult(Outcome.NOT_STARTED, err, "prepare", 0, s.exc, refused=refused)
+        if failures:
+            first = next(iter(failures.values())).error
+            aborted = {k: failures.get(k) or ParticipantResult(Outcome.NOT_STARTED, f"refit aborted before any weight "
+                                                               f"moved: {first}", "prepare") for k in parts}
+            return RefitReport(*ctx, aborted, PhaseTimings(prepare_s=time.monotonic() - t0, total_s=time.monotonic() - t0), True)
+        world = S + sum(len(cast(Participant, k).ranks) for k in parts)
+        t1 = time.monotonic()
+        opened = await _settle_all({SENDER: self.ranks[0].open_sharded(world, int(epoch), cfg.group_timeout_s)},
+                                   cfg.rpc_timeout_s + cfg.grace_s)
+        address = opened[SENDER].value
+        if not isinstance(address, dict):
+            why = opened[SENDER].error("sender rank 0 open", cfg.rpc_timeout_s) or f"sender rank 0 answered {address!r}"
+            unopened = {k: ParticipantResult(Outcome.NOT_STARTED, f"refit aborted before any weight moved: {why}", "group")
+                        for k in parts}
+            return RefitReport(*ctx, unopened, PhaseTimings(group_s=time.monotonic() - t1, total_s=time.monotonic() - t0),
+                               True, 0, why)
+        targets = {k: (S + cast(Participant, k).ranks[0] - 1, len(cast(Participant, k).ranks)) for k in parts}
+        bound = cfg.timeout_s + cfg.apply_timeout_s
+        calls: dict[Hashable, Awaitable[Any]] = {
+            (SENDER, i): r.send_sharded_to(address, i, S, [list(t) for t in targets.values()], cfg.timeout_s)
+            for i, r in enumerate(self.ranks)}
+        for key, port in parts.items():
+            calls[key] = port.worker_rpc("rlfleet_receive_sharded", (address, targets[key][0], S, int(version), cfg.timeout_s),
+                                         {"digests": False}, bound)
+        t2 = time.monotonic()
+        settled = await _settle_all(calls, bound + cfg.grace_s)
+        sent, sender_error = 0, None
+        for i in range(S):
+            s = settled.pop((SENDER, i))
+            answer = s.value if isinstance(s.value, dict) else {}
+            sent += int(answer.get("bytes_sent", 0))
+            if not answer.get("ok"):
+                why = answer.get("error") or s.error(f"sender rank {i}", bound) or f"sender rank {i} answered {s.value!r}"
+                sender_error = sender_error or why
+        results: dict[Hashable, ParticipantResult] = {}
+        for key, s in settled.items():
+            err = s.error(f"sharded receive on {describe(key)}", bound + cfg.grace_s)
+            if err is not None:  # nothing is written before every rank's rows arrived: unknown only if all were sent
+                outcome = Outcome.PARTIAL if sender_error is None else Outcome.NOT_STARTED
+                results[key] = ParticipantResult(outcome, err, "transfer", 0, s.exc)
+            else:
+                results[key] = worker_outcome(key, _per_worker(s.value), idle_phase="transfer")
+        timings = PhaseTimings(t1 - t0, 0.0, time.monotonic() - t2, 0.0,
+                               max((float(r.detail.get("apply_s", 0.0)) for r in results.values()), default=0.0),
+                               time.monotonic() - t0)
+        return RefitReport(*ctx, results, timings, True, sent, sender_error)

@@ -1,0 +1,70 @@
+"""``refit.sharded_sync.ShardedSynchronizer``'s decisions over ports that answer as the worker extension and the
+sender ranks do (the wire itself is ``test_sharded_wire``'s; real engines and the lifecycle are
+``tests/integration/test_sharded_refit.py``'s): who joins at which rank, and what each answer makes of an engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rlfleet.refit import Outcome, Participant, RefitConfig
+from rlfleet.refit.sharded_sync import ShardedSynchronizer
+
+
+class Rank:
+    def __init__(self, answer=None, dies=False) -> None:
+        self.answer, self.dies, self.calls = answer, dies, []
+
+    async def open_sharded(self, world_size, epoch, timeout_s):
+        self.calls.append(("open", world_size, epoch))
+        return {"address": "here", "world_size": world_size}
+
+    async def send_sharded_to(self, address, rank, ranks, targets, timeout_s):
+        self.calls.append(("send", rank, ranks, targets))
+        if self.dies:
+            raise RuntimeError("the actor died")
+        return self.answer or {"ok": True, "error": None, "bytes_sent": 100}
+
+
+class Engine:
+    def __init__(self, workers=1, fits=True, state="complete") -> None:
+        self.workers, self.fits, self.state, self.calls = workers, fits, state, []
+
+    async def worker_rpc(self, method, args=(), kwargs=None, timeout=None):
+        self.calls.append((method, tuple(args)))
+        if method == "rlfleet_sharded_fits":
+            return [{"ok": self.fits, "refused": None if self.fits else "sharded refit refused, nothing changed: no qkv",
+                     "error": None if self.fits else "sharded refit refused, nothing changed: no qkv"}] * self.workers
+        ok = self.state == "complete"
+        return [{"ok": ok, "state": self.state, "error": None if ok else "sharded receive timed out", "bytes": 50,
+                 "version": args[3] if ok else 0}] * self.workers
+
+
+def refit(ranks, engines, version=7):
+    parts = {Participant(slot, 1, ranks_): eng for slot, (ranks_, eng) in enumerate(engines)}
+    return asyncio.run(ShardedSynchronizer(ranks, RefitConfig(timeout_s=5)).refit(parts, version, 3))
+
+
+def test_every_rank_sends_every_engine_and_each_worker_joins_after_the_sender_ranks():
+    ranks = [Rank(), Rank()]
+    one, two = Engine(), Engine(workers=2)
+    report = refit(ranks, [((1,), one), ((2, 3), two)])
+    assert report.ok and report.bytes_sent == 200 and not report.refused
+    assert ranks[0].calls[0] == ("open", 2 + 3, 3)  # 2 sender ranks + 3 engine workers
+    assert [c[1:] for c in ranks[0].calls[1:] + ranks[1].calls] == [(0, 2, [[2, 1], [3, 2]]), (1, 2, [[2, 1], [3, 2]])]
+    assert one.calls[-1] == ("rlfleet_receive_sharded", ({"address": "here", "world_size": 5}, 2, 2, 7, 5))
+    assert two.calls[-1][1][1] == 3  # its workers are ranks 3 and 4
+    assert all(r.outcome is Outcome.COMPLETE for r in report.results.values())
+
+
+def test_an_engine_that_cannot_place_its_rows_refuses_before_anything_joins():
+    ranks = [Rank(), Rank()]
+    report = refit(ranks, [((1,), Engine()), ((2,), Engine(fits=False))])
+    assert report.refused and "no qkv" in report.refused
+    assert ranks[0].calls == [] and ranks[1].calls == []  # no store hosted, nothing sent
+    assert all(r.outcome is Outcome.NOT_STARTED for r in report.results.values())
+
+
+def test_a_rank_that_dies_is_the_senders_failure_and_leaves_every_engine_not_started():
+    report = refit([Rank(), Rank(dies=True)], [((1,), Engine(state="not_started")), ((2,), Engine(state="not_started"))])
+    assert not report.ok and "sender rank 1 raised RuntimeError: the actor died" in report.sender_error
+    assert all(r.outcome is Outcome.NOT_STARTED for r in report.results.values())
