@@ -5,20 +5,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import pathlib
 
 from rlfleet.fleet.data.dispatch import COMPLETED, FleetResult
 from rlfleet.fleet.types import Completion, GenerationResult
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_continuation.py"
+from tests.scripts import load
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_continuation", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_continuation")
 
 
 ARGS = argparse.Namespace(requests=4, max_tokens=10, prompt_tokens=3, kill_at=0.5, seed=7, model=None)

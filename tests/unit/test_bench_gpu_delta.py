@@ -4,21 +4,16 @@ broken apply is caught (the check can fail)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 import sys
 
 import torch
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_gpu_delta.py"
+from tests.scripts import load
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu_delta", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_gpu_delta")
 
 
 def run(module, monkeypatch, capsys, *extra) -> tuple[int, dict]:

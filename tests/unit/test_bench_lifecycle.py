@@ -4,20 +4,14 @@ fake handles whose methods' ``.remote`` return coroutines, as ``RayDoor.call`` a
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import pathlib
 from collections import Counter
 
 from rlfleet.fleet.records import Gate, Phase
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_lifecycle.py"
+from tests.scripts import load
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_lifecycle", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_lifecycle")
 
 
 class _Method:

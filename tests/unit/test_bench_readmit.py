@@ -3,21 +3,15 @@ each figure is read from, the refit that would have brought the engine back, the
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 
 import pytest
 
 from rlfleet.fleet.records import Fault, Phase, Readmit, Restart
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_readmit.py"
+from tests.scripts import load
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_readmit", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_readmit")
 
 
 def at(t: float, rec) -> dict:
