@@ -68,3 +68,49 @@ def test_a_rank_that_dies_is_the_senders_failure_and_leaves_every_engine_not_sta
     report = refit([Rank(), Rank(dies=True)], [((1,), Engine(state="not_started")), ((2,), Engine(state="not_started"))])
     assert not report.ok and "sender rank 1 raised RuntimeError: the actor died" in report.sender_error
     assert all(r.outcome is Outcome.NOT_STARTED for r in report.results.values())
+
+
+def test_the_controllers_port_sends_an_update_no_engine_can_place_sharded_whole_from_rank_0(model_dir):
+    """``RefitTransferPort`` over a ``ShardedSource``: the engine (a fake worker over a dict of checkpoint tensors:
+    ``refit.fused_layout`` cannot place its parameters) refuses the sharded refit before anything joins, and the
+    same transfer goes out by today's broadcast from rank 0, a whole-model sender, over real gloo."""
+    from rlfleet.fleet.config.fleet import load_fleet_config
+    from rlfleet.fleet.control.transfer_port import RefitTransferPort, sender_state
+    from rlfleet.health import Participant as Member, RefitResult
+    from rlfleet.refit import LocalSenderPort, WeightSender
+    from rlfleet.refit.sharded_sync import ShardedSource
+    from tests.unit.test_refit_transport import ThreadEngine, assert_holds, model_tensors
+
+    class Door:
+        def is_sender(self, h, methods):
+            return all(hasattr(h, m) for m in methods)
+
+        def sender_port(self, h):
+            return h
+
+        def receiver_port(self, h):
+            return h
+
+        def actor_state(self, h):
+            return "DEAD" if getattr(h, "dead", False) else "ALIVE"
+
+    class WholeRank(LocalSenderPort, Rank):
+        def __init__(self, tensors):
+            LocalSenderPort.__init__(self, WeightSender(lambda: list(tensors.items()), addr="127.0.0.1"))
+            Rank.__init__(self)
+
+    new = model_tensors(1)
+    rank0, rank1 = WholeRank(new), Rank()
+    engine = ThreadEngine(model_tensors(0))
+    port = RefitTransferPort(load_fleet_config({"engine": {"model": model_dir}, "num_engines": 1, "refit_timeout_s": 40}),
+                             door=Door())
+    source = ShardedSource([rank0, rank1])
+    port.check_source(source)
+    out = asyncio.run(port.transfer([(Member(0, 1, 1), engine)], 1, 1, source, rebuild=False, timeout=30))
+    assert out[0].result is RefitResult.COMPLETE, out
+    assert "sent whole by the broadcast from rank 0, refused sharded" in out[0].detail
+    assert "config field 'hidden_size'" in out[0].detail
+    assert rank1.calls == [] and [c[0] for c in rank0.calls] == []  # no sharded group was ever opened
+    assert_holds(engine, new)
+    rank1.dead = True
+    assert sender_state(Door(), source) == "DEAD" and sender_state(Door(), rank0) == "ALIVE"
