@@ -337,7 +337,7 @@ def test_trls_grpo_trainer_trains_through_two_shard_kills_and_ends_with_every_en
     failed = {r.version for r in RefitFailedAttempt.among(events)}
     whole = [(t.version, t.delta_refused) for t in sent[1:] if not t.delta]
     print(f"\nrelay -> engines per transfer: {[t.bytes for t in sent]} bytes; whole after the first: {whole}")
-    assert len(sent) >= 30 and len(whole) <= 4, whole
+    assert len(sent) >= 30 and len(sent) - len(whole) >= 22, whole  # two kills: each costs at most a few whole ones
     assert all(why or version in failed or version - 1 in failed for version, why in whole), (whole, failed)
     chance = AllowedTokensTask().chance_reward
     faulted = sum(run.rewards[-5:]) / 5
