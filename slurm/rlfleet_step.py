@@ -296,9 +296,6 @@ def keep_ray_logs(temp_dir: str, name: str) -> None:
         pass
 
 
-WORKER_START_RETRY_S = 60.0  # a worker node's ray exiting this soon after its start failed to join: one more try
-
-
 def run_ray_node(role: str, ip: str, base: int, min_wp: int, max_wp: int) -> int:
     name = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     ports = node_ports(role, base)
@@ -316,7 +313,6 @@ def run_ray_node(role: str, ip: str, base: int, min_wp: int, max_wp: int) -> int
     env.setdefault("RAY_worker_niceness", "0")
     log(f"{role} on {ip}: {' '.join(argv)}")
     main = subprocess.Popen(argv, env=env)
-    started = time.monotonic()
     grace = env_float("RLFLEET_STOP_GRACE_S", 10.0)
     rc: int | None = None
     try:
@@ -329,13 +325,6 @@ def run_ray_node(role: str, ip: str, base: int, min_wp: int, max_wp: int) -> int
                 log("head ready")
                 say(f"RLFLEET_READY {ip} {ports['gcs']}")
         rc = wait_main(main)
-        if rc is not None and role != "head" and time.monotonic() - started < WORKER_START_RETRY_S:
-            # Ray gives a node's raylet 30 s to register with the head and gives up (a loaded host, a GCS
-            # slow to answer): a worker that never joined is started once more instead of failing the job
-            log(f"ray exited with code {rc} while this worker node started; starting it once more")
-            stop_tree(main, grace)
-            main = subprocess.Popen(argv, env=env)
-            rc = wait_main(main)
         if rc is not None:
             log(f"ray exited on its own with code {rc}")
             return exit_code(rc) or 1
