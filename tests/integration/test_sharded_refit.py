@@ -21,8 +21,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def run(shared_fleet, tiny_model):
     r = Run(shared_fleet.fleet, shared_fleet.source)
+    r.version = shared_fleet.fleet.status()["version"]  # the shared fleet's, whichever module ran before
     r.heal()
-    r.version = shared_fleet.fleet.status()["version"]
     ranks = [ray_door.spawn_actor(WeightSource, tiny_model, num_cpus=0) for _ in range(2)]
     yield r, ranks
     for h in ranks:
