@@ -67,7 +67,9 @@ def test_demo_learns_through_a_shard_kill(demo):
     assert summary["final_eval"]["refit_participants"] == [0, 1, 2], "the killed slot must be back by the end"
     # Re-admitted mid-run from a serving peer at the committed version, before the next refit (issue 48), and it
     # generated training batches after.
-    readmitted = summary["log"]["readmissions"][0]
+    # the killed slot's (on a loaded host an engine stalled past stall_timeout_s is restarted too, and re-admitted
+    # by the refit that follows: a recovery of its own, not this one)
+    readmitted = next(r for r in summary["log"]["readmissions"] if r["slot"] == KILLED_SLOT)
     assert summary["rejoin"]["step"] == 2 * STEPS // 3 and readmitted["version"] < STEPS
     assert readmitted["how"] == "peer" and readmitted["donor"] in ("slot 0", "slot 2"), readmitted
     assert readmitted["before_next_refit"] and summary["readmitted_by_peer"] >= 1, readmitted
