@@ -100,7 +100,6 @@ class WeightSender:
         self._pending_address: GroupAddress | None = None
         self._store: torch.distributed.TCPStore | None = None
         self._prepared: tuple[int, Manifest, dict[str, torch.Tensor], int] | None = None
-        self._last_wire: dict[str, torch.Tensor] = {}  # the prepared update's entries, for ``checksum``
         self._pack: dict[tuple[str, int], torch.Tensor] = {}
         self._raw: torch.Tensor | None = None
 
@@ -156,7 +155,7 @@ class WeightSender:
         """Digest of the weights as they would be sent (after the dtype cast), over ``names`` or all. Between
         ``prepare`` and ``send`` the names are the manifest's entries (a delta's patch entries among them)."""
         wanted = set(names) if names is not None else None
-        prepared = self._last_wire if self._prepared is not None else {}
+        prepared = self._prepared[2] if self._prepared is not None else {}  # the prepared update's entries
         items = prepared.items() if prepared and wanted is not None and wanted <= prepared.keys() else self.named_tensors()
         return _checksum.digest(
             ((n, t.to(self._wire_dtype(t))) for n, t in items if wanted is None or n in wanted),
@@ -221,15 +220,8 @@ class WeightSender:
             self._candidate = (result, wire)
             base = self._base
             if not (full or self.whole) and base is not None and base[1].keys() == wire.keys():
-                base_token, tensors = base[0], {}
-                for n, t in wire.items():
-                    d = _delta.diff(t, base[1][n])
-                    if d is None:
-                        tensors[n] = t
-                        continue
-                    patches.append((n, tuple(t.shape)))
-                    if d[0].numel():
-                        tensors[_delta.idx_name(n)], tensors[_delta.val_name(n)] = d
+                base_token = base[0]
+                tensors, patches = self._patches(wire, base[1])
         specs = [(n, tuple(t.shape), t.dtype if _delta.split_name(n) else self._wire_dtype(t)) for n, t in tensors.items()]
         direct = None if direct_mb is None else int(direct_mb * 2**20)
         if not specs and patches:  # nothing changed since the base: one empty patch keeps the stream's shape
@@ -241,8 +233,23 @@ class WeightSender:
                                 aliases=tuple(sorted(aliases.items())), patches=tuple(patches), base=base_token, result=result,
                                 patched_digests=declared)
         self._prepared = (int(refit_id), manifest, tensors, manifest.digest())
-        self._last_wire = tensors
         return manifest.to_wire()
+
+    @staticmethod
+    def _patches(wire: dict[str, torch.Tensor], base: dict[str, torch.Tensor]):
+        """(the update's entries, the patched tensors with their shapes): each tensor of ``wire`` whole, as its
+        patch against ``base`` (``refit.delta.diff``) where that is smaller, or nothing where it did not change."""
+        entries: dict[str, torch.Tensor] = {}
+        patches: list[tuple[str, tuple[int, ...]]] = []
+        for n, t in wire.items():
+            d = _delta.diff(t, base[n])
+            if d is None:
+                entries[n] = t
+                continue
+            patches.append((n, tuple(t.shape)))
+            if d[0].numel():
+                entries[_delta.idx_name(n)], entries[_delta.val_name(n)] = d
+        return entries, patches
 
     def _snapshot(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` in the wire dtype, as the base of the next delta: a copy, or (``delta="reference"``) the tensor."""
