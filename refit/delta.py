@@ -72,3 +72,37 @@ def diff(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def apply_flat(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
     """Write a patch into ``target`` in place (a model adapter without vLLM's loader, and the tests)."""
     target.view(-1).index_copy_(0, indices.to(torch.int64), values.to(target.dtype))
+
+
+@torch.no_grad()
+def write_piece(target: torch.Tensor, shape: tuple[int, ...], indices: torch.Tensor, values: torch.Tensor,
+                dim: int, start: int, end: int, offset: int) -> int:
+    """Write the part of a patch that lands in one live parameter, in place; returns how many elements it wrote.
+
+    The patch addresses a checkpoint tensor of ``shape`` by flat index. Its rows (``dim`` 0) or columns (``dim``
+    1) ``[start, end)`` sit at ``offset`` along the same dim of ``target`` (``refit.fused_layout.Piece``: a
+    fused parameter's share, a tensor-parallel shard, or the whole tensor). The cost is in the patch's size,
+    not the tensor's: the indices of the piece are selected and moved to ``target``'s coordinates."""
+    if dim not in (0, 1) or (dim == 1 and len(shape) != 2) or not target.is_contiguous():
+        raise ValueError(f"a piece is rows or columns of a 2-D tensor into a contiguous one: dim={dim}, shape={shape}")
+    idx = indices.to(device=target.device, dtype=torch.int64)
+    vals = values.to(device=target.device, dtype=target.dtype)
+    if dim == 0:
+        row = 1
+        for d in shape[1:]:
+            row *= int(d)
+        if start or end != shape[0]:
+            keep = (idx >= start * row) & (idx < end * row)
+            idx, vals = idx[keep], vals[keep]
+        shift = (offset - start) * row
+        if shift:
+            idx = idx + shift
+    else:
+        cols, live_cols = int(shape[1]), int(target.shape[1])
+        r, c = idx // cols, idx % cols
+        if start or end != cols:
+            keep = (c >= start) & (c < end)
+            r, c, vals = r[keep], c[keep], vals[keep]
+        idx = r * live_cols + (c - start + offset)
+    target.view(-1).index_copy_(0, idx, vals)
+    return int(idx.numel())

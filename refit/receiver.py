@@ -75,8 +75,9 @@ class ModelAdapter(Protocol):
         """The model's live parameters under their own names (for read-back checksums)."""
 
     # Optional, for delta refits (``refit.delta``); a model without it is always sent whole:
-    #   apply_patches(patches: list[(name, shape, values, flat indices)], whole: list[(name, tensor)]) -> None
-    #       write the patches and the whole tensors (checkpoint names) into the live model in place. May raise.
+    #   apply_patches(patches: list[(name, shape, values, flat indices)], whole: list[(name, tensor)]) -> dict | None
+    #       write the patches and the whole tensors (checkpoint names) into the live model in place; may answer
+    #       how many patches took each way (``patch_ways``: in place, through a loader). May raise.
     #   patch_blocker() -> str | None: why patches cannot be applied to this model now (None: they can).
 
 
@@ -133,6 +134,7 @@ class WeightReceiver:
         self.weight_version: int = 0
         self.weights_state = "initial"  # initial | complete | partial
         self.holds: str | None = None  # the token of the update these weights came from (``refit.delta``)
+        self.patch_ways: dict | None = None  # how the last delta's patches were written, as the model answered
         self._prepared: tuple[int, Manifest, int, str, bool, int] | None = None
         self._aliases: dict[str, list[str]] = {}  # sent name -> tied names the model also loads
         self._staging: dict[str, torch.Tensor] = {}
@@ -499,8 +501,8 @@ class WeightReceiver:
             (patches[0][2] if patches else whole[0][1]).view(-1)[0] += 1
         t0 = time.monotonic()
         try:
-            if patches or whole:
-                self.model.apply_patches(patches, whole)  # type: ignore[attr-defined]  # checked at prepare
+            ways = self.model.apply_patches(patches, whole) if patches or whole else None  # type: ignore[attr-defined]
+            self.patch_ways = ways if isinstance(ways, dict) else None
         except Exception as exc:  # noqa: BLE001 - the model may fail in any way, after some writes
             raise ApplyError(f"applying {len(patches)} patches and {len(whole)} whole tensors failed: "
                              f"{type(exc).__name__}: {exc}") from None

@@ -68,22 +68,55 @@ class _VllmModel:
     def live_tensors(self):
         return self._worker.model_runner.get_model().named_parameters()
 
-    def apply_patches(self, patches, whole) -> None:
-        """A delta refit (``refit.delta``) through vLLM's own sparse loader: patches and whole tensors written in
-        place by the model's ``load_weights`` (checkpoint names, sharded and fused as it loads), then what vLLM
-        derives from the parameters (the CPU's packed linears) recomputed once."""
+    def apply_patches(self, patches, whole) -> dict:
+        """A delta refit (``refit.delta``). A patch of a checkpoint tensor that ``refit.fused_layout`` places in
+        this worker's live parameters (Llama-family names: fused, tensor-parallel and padded ones included) is
+        written there in place, at a cost in its size (``delta.write_piece``), as vLLM's ``m2n_layout`` writes a
+        parameter it resolves directly; every other patch, and the whole tensors, go through vLLM's own sparse
+        loader (``load_checkpoint_weight_patches``: the model's ``load_weights`` over a NaN-masked tensor, a pass
+        over the whole tensor). Then what vLLM derives from the parameters (the CPU's packed linears) is
+        recomputed once. Answers how many patches took each way, and the seconds writing and re-deriving took."""
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (
             CheckpointWeightPatch, load_checkpoint_weight_patches)
 
+        from rlfleet.refit import delta
+
         model = self._worker.model_runner.get_model()
-        if patches:
+        t0 = time.monotonic()
+        placed, rest = self._placed(patches)
+        for param, shape, values, indices, piece in placed:
+            delta.write_piece(param, shape, indices, values, piece.dim, piece.start, piece.end, piece.offset)
+        if rest:
             # unique indices by construction (``refit.delta.diff``: torch.nonzero); vLLM still checks their range
             load_checkpoint_weight_patches(model, [CheckpointWeightPatch(n, tuple(shape), v.dtype, v, i)
-                                                   for n, shape, v, i in patches], validate_unique_indices=False)
+                                                   for n, shape, v, i in rest], validate_unique_indices=False)
         if whole:
             load_checkpoint_weight_patches(model, [CheckpointWeightPatch(n, tuple(t.shape), t.dtype, t.reshape(-1))
                                                    for n, t in whole])
+        t2 = time.monotonic()
         self.after_peer_load()
+        return {"in_place": len(patches) - len(rest), "loader": len(rest), "whole": len(whole),
+                "write_s": round(t2 - t0, 4), "derive_s": round(time.monotonic() - t2, 4)}
+
+    def _placed(self, patches) -> tuple[list, list]:
+        """([(live parameter, checkpoint shape, values, indices, piece)] for the patches the layout places, the
+        patches it does not): all of them when it cannot place this model (``_rlfleet_sharded_layout`` says why)."""
+        layout = getattr(self._worker, "_rlfleet_sharded_layout", None)
+        try:
+            pieces, _shapes, named = layout() if layout is not None else ([], {}, {})
+        except ValueError:
+            return [], list(patches)
+        by_ckpt: dict[str, list] = {}
+        for p in pieces:
+            by_ckpt.setdefault(p.ckpt, []).append(p)
+        placed, rest = [], []
+        for n, shape, v, i in patches:
+            mine = by_ckpt.get(n)
+            if not mine or any(not named[p.param].is_contiguous() for p in mine):
+                rest.append((n, shape, v, i))
+                continue
+            placed += [(named[p.param], tuple(shape), v, i, p) for p in mine]
+        return placed, rest
 
     def patch_blocker(self) -> str | None:
         """Why vLLM's sparse loader cannot write this model in place: a quantized model or unreadable packed
@@ -169,6 +202,7 @@ class RefitWorkerExtension:
             "worker_index": index,
             "workers": count,
             "epoch": rx.group.address.epoch if rx and rx.group else None,
+            "patch_ways": rx.patch_ways if rx else None,  # the last delta: patches written in place, through the loader
         }
 
     def rlfleet_join(self, address: dict, ranks: list, timeout_s: float) -> dict:

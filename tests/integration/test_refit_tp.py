@@ -157,10 +157,10 @@ def test_a_sharded_refit_from_two_ranks_sends_each_worker_its_rows_only_and_land
     assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < 1e-4
 
 
-def test_a_delta_refit_lands_through_vllms_sparse_loader_as_a_full_refit_does_and_an_engine_without_the_base_gets_it_whole(
+def test_a_delta_refit_lands_in_place_as_a_full_refit_does_and_an_engine_without_the_base_gets_it_whole(
         engines, tiny_model):
-    """After one whole update, only the changed elements travel (``refit.delta``) and vLLM's own sparse loader
-    writes them into both engines, the TP 2 one's fused and sharded parameters included: vLLM's digests of every
+    """After one whole update, only the changed elements travel (``refit.delta``) and each worker writes them
+    straight into its live parameters, the TP 2 engine's fused and sharded ones included: vLLM's digests of every
     parameter equal those a full refit of the same weights leaves. Then the TP 1 engine takes an update from
     another sender, so it no longer holds the base: the next delta is refused there (the fault fired: the report
     names it) and the same refit sends the update whole, to both."""
@@ -181,6 +181,7 @@ def test_a_delta_refit_lands_through_vllms_sparse_loader_as_a_full_refit_does_an
         ray_door.ask(trainer, "perturb", seed=42, scale=0.05, relative=True, fraction=0.01, timeout=T)
         patched = await sync.refit(parts, version=21, epoch=20)
         after_delta = digests()
+        ways = [w["patch_ways"] for h in shards.values() for w in ray_door.ask(h, "worker_rpc", "rlfleet_worker_info", [], {}, 60, timeout=90)]
         ray_door.ask(trainer, "set_delta", "off", timeout=T)
         full = await sync.refit(parts, version=22, epoch=20)
         after_full = digests()
@@ -193,14 +194,16 @@ def test_a_delta_refit_lands_through_vllms_sparse_loader_as_a_full_refit_does_an
         ray_door.ask(trainer, "perturb", seed=43, scale=0.05, relative=True, fraction=0.01, timeout=T)
         refused = await sync.refit(parts, version=25, epoch=22)
         await sync.close()
-        return whole, patched, after_delta, full, after_full, refused
+        return whole, patched, after_delta, ways, full, after_full, refused
 
-    whole, patched, after_delta, full, after_full, refused = asyncio.run(go())
+    whole, patched, after_delta, ways, full, after_full, refused = asyncio.run(go())
     assert whole.ok and not whole.delta, whole.summary()
     assert patched.ok and patched.delta, patched.summary()
     assert full.ok and not full.delta, full.summary()
     assert patched.bytes_sent < 0.1 * full.bytes_sent, (patched.bytes_sent, full.bytes_sent)
     assert after_delta == after_full and len(after_delta) > 0
+    # every worker (TP 1, and both of TP 2) wrote each patch into its live parameters, none through the loader
+    assert len(ways) == 3 and all(w["in_place"] > 0 and w["loader"] == 0 for w in ways), ways
     assert refused.ok and not refused.delta, refused.summary()
     assert refused.delta_refused and refused.delta_refused.startswith("slot 0") and "slot 1" not in refused.delta_refused
     for h in shards.values():

@@ -2,8 +2,10 @@
 (That they are vLLM's: ``tests/integration/test_refit_tp.py`` compares them with a TP=2 engine's own digests.)"""
 
 import pytest
+import torch
 
-from rlfleet.refit.fused_layout import VOCAB_PADDING, param_rows, resolve
+from rlfleet.refit import delta
+from rlfleet.refit.fused_layout import VOCAB_PADDING, local_shapes, param_rows, resolve
 
 LLAMA = {"hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
          "intermediate_size": 256, "vocab_size": 500, "num_hidden_layers": 2, "tie_word_embeddings": False,
@@ -74,3 +76,54 @@ def test_qwen3_adds_its_per_head_norms_whole_on_every_rank():
 def test_a_layout_it_cannot_place_is_refused_naming_the_field(change, tp, field):
     with pytest.raises(ValueError, match=field):
         resolve({**LLAMA, **change}, tp, 0)
+
+
+def _checkpoint(config, seed):
+    h, hd, heads, kv = config["hidden_size"], config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"model.embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h), "model.norm.weight": (h,)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (heads * hd, h), p + "self_attn.k_proj.weight": (kv * hd, h),
+                       p + "self_attn.v_proj.weight": (kv * hd, h), p + "self_attn.o_proj.weight": (h, heads * hd),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def _live(config, tp, rank, ckpt):
+    """The worker's live parameters built densely from ``ckpt``: each piece's rows or columns copied in."""
+    pieces = resolve(config, tp, rank)
+    shapes = local_shapes(config, tp, pieces, {n: t.shape for n, t in ckpt.items()})
+    live = {n: torch.zeros(s) for n, s in shapes.items()}
+    for p in pieces:
+        src = ckpt[p.ckpt].narrow(p.dim, p.start, p.length)
+        live[p.param].narrow(p.dim, p.offset, p.length).copy_(src)
+    return pieces, live
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_patch_written_piece_by_piece_leaves_each_worker_what_a_dense_load_of_the_new_tensors_would(tp):
+    """``refit.delta.write_piece``: an engine writes a delta's changed elements straight into its live (fused,
+    sharded, padded) parameters, at a cost in the patch's size; the result is the dense layout of the new weights."""
+    old = _checkpoint(LLAMA, 0)
+    new = {n: t.clone() for n, t in old.items()}
+    g = torch.Generator().manual_seed(1)
+    patches = {}
+    for n, t in new.items():
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 50)].sort().values
+        flat[idx] += 1.0
+        patches[n] = (idx.to(torch.int32), flat[idx].clone())
+    for rank in range(tp):
+        pieces, live = _live(LLAMA, tp, rank, old)
+        _, want = _live(LLAMA, tp, rank, new)
+        written = 0
+        for p in pieces:
+            idx, vals = patches[p.ckpt]
+            written += delta.write_piece(live[p.param], tuple(old[p.ckpt].shape), idx, vals, p.dim, p.start, p.end, p.offset)
+        for name in live:
+            assert torch.equal(live[name], want[name]), (tp, rank, name)
+        assert 0 < written <= sum(i.numel() for i, _ in patches.values())

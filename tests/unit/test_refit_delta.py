@@ -132,3 +132,58 @@ def test_a_manifest_of_patches_is_checked_as_the_tensors_they_write():
         manifest([("a.weight#delta_idx", (2,), "int32"), ("a.weight#delta_val", (2,), "float32")], [("a.weight", (4, 4))], base=None)
     with pytest.raises(ManifestError, match="belongs to no patch"):
         manifest([("c.weight#delta_val", (2,), "float32")], [("a.weight", (4, 4))])
+
+
+class _LoaderModel(torch.nn.Module):
+    """A model whose ``load_weights`` keeps vLLM's sparse-loader contract: one final same-shaped ``copy_`` per
+    checkpoint tensor (``a`` is fused into the live ``ab``'s first rows; ``c`` is its own parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ab = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+        self.c = torch.nn.Parameter(torch.zeros(3, 4), requires_grad=False)
+        self.loaded: list[str] = []
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            self.loaded.append(name)
+            (self.ab[:4] if name == "a" else self.c).copy_(t)
+        return {n for n, _ in weights}
+
+
+def test_the_engine_writes_placed_patches_in_place_and_leaves_the_rest_to_vllms_sparse_loader():
+    """``_VllmModel.apply_patches``: a patch the layout places (``a``, fused into ``ab``) is written in place and
+    never reaches the model's loader; one it does not (``c``), or every one when the layout refuses the model,
+    goes through vLLM's ``load_checkpoint_weight_patches``. Both leave the new values, and nothing else changed."""
+    from rlfleet.refit.fused_layout import Piece
+    from rlfleet.refit.worker_extension import _VllmModel
+
+    def engine(refuse: bool):
+        model = _LoaderModel()
+        model.ab.copy_(torch.arange(24.0).view(6, 4))
+        model.c.copy_(-torch.arange(12.0).view(3, 4))
+
+        def layout():
+            if refuse:
+                raise ValueError("this worker has no ['ab']")
+            return [Piece("a", "ab", 0, 0, 4, 0)], {}, {"ab": model.ab, "c": model.c}
+
+        runner = type("Runner", (), {"get_model": lambda self: model})()
+        worker = type("Worker", (), {"model_runner": runner, "_rlfleet_sharded_layout": staticmethod(layout)})()
+        adapter = _VllmModel(worker)
+        adapter.after_peer_load = lambda: None  # vLLM's post-processing needs a real model config
+        return model, adapter
+
+    patches = [("a", (4, 4), torch.tensor([99.0, 77.0]), torch.tensor([1, 14], dtype=torch.int32)),
+               ("c", (3, 4), torch.tensor([55.0]), torch.tensor([11], dtype=torch.int32))]
+    for refuse in (False, True):
+        model, adapter = engine(refuse)
+        ab, c = model.ab.clone(), model.c.clone()
+        ways = adapter.apply_patches(patches, [])
+        ab.view(-1)[[1, 14]] = torch.tensor([99.0, 77.0])
+        c.view(-1)[11] = 55.0
+        assert torch.equal(model.ab, ab) and torch.equal(model.c, c), refuse
+        if refuse:
+            assert (ways["in_place"], ways["loader"]) == (0, 2) and model.loaded == ["a", "c"]
+        else:
+            assert (ways["in_place"], ways["loader"]) == (1, 1) and model.loaded == ["c"]
