@@ -112,6 +112,16 @@ def _parts(segs: Sequence[Segment], shard: Mapping[str, torch.Tensor], shapes: M
     return out
 
 
+def _buffer(buffers: dict | None, rank: int, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A receive buffer of ``numel`` elements for sender ``rank``: the kept one where it fits, else a new one (kept)."""
+    kept = None if buffers is None else buffers.get(rank)
+    if kept is None or kept.dtype != dtype or kept.device != torch.device(device) or kept.numel() < numel:
+        kept = torch.empty(numel, dtype=dtype, device=device)
+        if buffers is not None:
+            buffers[rank] = kept
+    return kept[:numel]
+
+
 def send_all(group, pieces_by_worker: Sequence[Sequence[Piece]], shapes: Mapping[str, Sequence[int]],
              shard: Mapping[str, torch.Tensor], source_ranks: int, rank: int, first_worker: int, timeout_s: float) -> int:
     """Sender ``rank``: each worker's segments, one message each (tagged by its place in the worker's list; no
@@ -129,10 +139,13 @@ def send_all(group, pieces_by_worker: Sequence[Sequence[Piece]], shapes: Mapping
 
 
 def receive_all(group, pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]], params: Mapping[str, torch.Tensor],
-                source_ranks: int, timeout_s: float, on_first_write: Callable[[], None] = lambda: None) -> int:
+                source_ranks: int, timeout_s: float, on_first_write: Callable[[], None] = lambda: None,
+                buffers: dict | None = None) -> int:
     """A worker: every sender rank's segments, each into its place in one buffer per rank, then written into
     ``params``; returns the bytes received. Nothing is written until every buffer arrived (a failed receive leaves ``params`` as
-    they were); ``on_first_write`` is called just before the first write."""
+    they were); ``on_first_write`` is called just before the first write. ``buffers``: the worker's receive buffers,
+    kept from one refit to the next (as a broadcast receiver keeps its staging area), so that a refit does not
+    fault in fresh pages for every byte it receives."""
     dtype = _one_dtype(params)
     deadline = time.monotonic() + timeout_s
     posted, works = [], []
@@ -140,7 +153,7 @@ def receive_all(group, pieces: Sequence[Piece], shapes: Mapping[str, Sequence[in
         segs = segments(pieces, shapes, source_ranks, s)
         n = sum(sg.numel for sg in segs)
         if n:
-            buf = torch.empty(n, dtype=dtype, device=group.device)
+            buf = _buffer(buffers, s, n, dtype, group.device)
             at = 0
             for tag, sg in enumerate(segs):  # one message per segment, into its place in the rank's buffer
                 works.append((s, group.recv(buf[at: at + sg.numel], s, tag)))

@@ -413,7 +413,8 @@ class RefitWorkerExtension:
             res["group_s"] = group.build_s
             try:
                 res["bytes"] = sharded_wire.receive_all(group, pieces, shapes, named, int(source_ranks), float(timeout_s),
-                                                        on_first_write=first_write)
+                                                        on_first_write=first_write,
+                                                        buffers=self.__dict__.setdefault("_rlfleet_sharded_buffers", {}))
             finally:
                 group.close()
         except Exception as exc:  # noqa: BLE001 - before the first write nothing changed; after it, weights unknown
