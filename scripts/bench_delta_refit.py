@@ -4,8 +4,9 @@ The trainer is the recipe's ``GRPOTrainerActor``: float32 master weights, Adam a
 a realistic rate for RL fine-tuning), one GRPO step per round on rollouts the engine generates for
 ``AllowedTokensTask``. Its ``WeightSender`` casts to bfloat16 (the engine's dtype) and runs with
 ``delta="copy"``: after one whole update it diffs each tensor, bit for bit in bfloat16, against what it last
-sent and sends the changed elements as patches (``refit.delta``), which the engine writes through vLLM's own
-sparse loader. Each round, after the training step:
+sent and sends the changed elements as patches (``refit.delta``), which the engine writes straight into its
+live parameters where ``refit.fused_layout`` places them (all of them for this Llama model; vLLM's own sparse
+loader for the rest) before vLLM-CPU repacks the changed linears. Each round, after the training step:
 
 1. the delta refit of the new weights (``refit.WeightSynchronizer``, the transport the lifecycle drives);
 2. vLLM's digests of every parameter (``compute_weight_checksums``);
@@ -111,12 +112,16 @@ def main() -> int:
                 if not report.ok:
                     raise RuntimeError(f"{arm} refit of round {rnd} failed: {report.summary()}")
                 arms[arm] = (report, took, digests(shard))
+                if arm == "delta":  # how the engine wrote the patches, and what re-deriving its packed linears took
+                    ways = ray_door.ask(shard, "worker_rpc", "rlfleet_worker_info", [], {}, 60, timeout=T)[0]["patch_ways"] or {}
             (dr, ds, dd), (fr, fs, fd) = arms["delta"], arms["full"]
             equal.append(dd == fd)
             row = {"round": rnd, "version": version, "step_s": round(step_s, 3), "reward": round(metrics.get("reward_mean", 0.0), 4),
                    "delta_sent_as_patches": dr.delta, "delta_s": round(ds, 4), "full_s": round(fs, 4),
                    "delta_bytes": dr.bytes_sent, "full_bytes": fr.bytes_sent,
                    "delta_prepare_s": round(dr.timings.prepare_s, 4), "delta_apply_s": round(dr.timings.apply_s, 4),
+                   "delta_write_s": ways.get("write_s"), "delta_derive_s": ways.get("derive_s"),
+                   "patches_in_place": ways.get("in_place"), "patches_loader": ways.get("loader"),
                    "full_prepare_s": round(fr.timings.prepare_s, 4), "full_apply_s": round(fr.timings.apply_s, 4),
                    "digests_equal": equal[-1]}
             print(json.dumps(row), flush=True)
@@ -137,6 +142,10 @@ def main() -> int:
         "delta_bytes_vs_full": round(max(r["delta_bytes"] / r["full_bytes"] for r in rows), 4),
         "delta_refit_s_vs_full": round(statistics.median(r["delta_s"] for r in rows) / statistics.median(r["full_s"] for r in rows), 3),
         "delta_s": [r["delta_s"] for r in rows], "full_s": [r["full_s"] for r in rows],
+        # where a delta's time goes: the sender's diff (a pass over its float32 weights), the engine's in-place
+        # writes, and vLLM-CPU's repack of every changed linear (oneDNN; a full refit pays it too, a GPU never)
+        "delta_prepare_s": [r["delta_prepare_s"] for r in rows], "delta_write_s": [r["delta_write_s"] for r in rows],
+        "delta_derive_s": [r["delta_derive_s"] for r in rows],
         "digests_equal": all(equal),
     }
     print(json.dumps(out))
