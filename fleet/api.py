@@ -426,7 +426,7 @@ class Fleet:
         self._shut_down = f"Fleet.abandon(): {why}"
         if self.client is None:
             return {}
-        self.client.close()
+        self.client.close(abandon=True)
         return self.client.counters()
 
     def _close_client(self, bound_s: float = 30.0) -> dict:

@@ -342,19 +342,25 @@ class FleetClient(_Client):
             raise RuntimeError(f"fleet client {self.name} is closed")
         return asyncio.run_coroutine_threadsafe(self.group_async(prompt, n, sampling, policy), self._loop)
 
-    def close(self) -> None:
-        """Stop following the controller and stop the client's loop (requests still pending are returned
-        by their own deadlines; call after the fleet stopped)."""
+    def close(self, abandon: bool = False) -> None:
+        """Stop following the controller and stop the client's loop (call after the fleet stopped). Each
+        request still in progress is cancelled, and returned and logged "cancelled by the caller"; whatever
+        the loop could not end in time is returned the same way once it stopped (``return_unsettled``), so no
+        accepted request is left without its end. ``abandon``: the cluster is gone; ask its actors nothing."""
         if self._closed:
             return
         self._closed = True
+        if abandon:
+            self.dispatcher.abandoned = True  # read on the loop before any abort is sent
         try:
-            self._loop.call_soon_threadsafe(self.dispatcher.close_links)  # the shards abort what still ran there
+            if not abandon:
+                self._loop.call_soon_threadsafe(self.dispatcher.close_links)  # the shards abort what still ran there
             self._run(self._cancel_all(), 10)
         except Exception:  # noqa: BLE001 - closing must not raise
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self.dispatcher.return_unsettled("cancelled by the caller: the client closed")
         if not self._thread.is_alive():
             self._loop.close()
         self.log.close()

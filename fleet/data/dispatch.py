@@ -90,6 +90,7 @@ class _Pending:
     # itself included (``fleet.data.suspects``); 0: not suspect
     allowance: int = 0
     suspect_wait: float = 0.0  # seconds its deadline moved on by: waits for a shard it may run on, as a suspect
+    settled: bool = False  # it has ended (completed or returned), counted and logged once
 
 
 
@@ -154,10 +155,22 @@ class Dispatcher:
         self._aborts: set[asyncio.Future] = set()  # background calls (aborts, poison notices), referenced until done
         self._taps = Taps(view, data_link)  # a data link per shard, or one poll per shard for its watched requests
         self._live: dict[int, _Pending] = {}  # every request from its acceptance to its end (by object: ids may repeat)
+        self.abandoned = False  # the cluster under the fleet is gone (``FleetClient.close(abandon=True)``): ask it nothing
 
     def close_links(self) -> None:
         """Close this client's data links (``fleet.data.taps``): its client is closing."""
         self._taps.close()
+
+    def return_unsettled(self, why: str) -> int:
+        """Return and log every request accepted and not yet ended, at once, whatever its task is doing (the
+        client is closing, and its loop may never run that task again); returns how many. A task that runs on
+        afterwards finds its request settled and counts nothing twice. Safe once the loop has stopped."""
+        ended = 0
+        for p in list(self._live.values()):
+            if not p.settled:
+                self._return(p, why)
+                ended += 1
+        return ended
 
     # -- accounting ----------------------------------------------------------------
     @property
@@ -281,7 +294,10 @@ class Dispatcher:
         self._return(p, "cancelled by the caller")
 
     def _abort_on(self, m: Member, p: _Pending) -> None:
-        """Ask ``m``'s shard to stop generating ``p`` (in the background: the caller has its answer)."""
+        """Ask ``m``'s shard to stop generating ``p`` (in the background: the caller has its answer); nothing
+        once the cluster is gone (``abandoned``: a call to a dead cluster's actor may hold the loop)."""
+        if self.abandoned:
+            return
         self._background(self._view.door.call(m.handle, "abort", [p.request_id], timeout=10.0))
 
     def _background(self, call) -> None:
@@ -587,6 +603,9 @@ class Dispatcher:
                 p.suspect_wait += self._suspects.credit(p.suspect_wait, self._clock.now() - now)
 
     def _complete(self, p: _Pending, result: GenerationResult) -> FleetResult:
+        if p.settled:  # returned already, by ``return_unsettled`` (its client closed): counted and logged there
+            return self._settled_result(p)
+        p.settled = True
         self.completed += 1
         if self._suspicion and not p.ended:  # it ran to its end: its fingerprint does not break engines every time
             self._suspicion.clear(self._fp(p))
@@ -605,9 +624,15 @@ class Dispatcher:
         )
 
     def _return(self, p: _Pending, reason: str) -> FleetResult:
+        if p.settled:
+            return self._settled_result(p)
+        p.settled = True
         self.returned += 1
         self.returned_reasons[reason.split(":")[0]] += 1
         self._log.emit(Request(event=Request.RETURNED, request_id=p.request_id, reason=reason))
+        return self._settled_result(p, reason)
+
+    def _settled_result(self, p: _Pending, reason: str = "already returned: its client closed") -> FleetResult:
         return FleetResult(
             p.request_id, RETURNED, None, reason, p.attempts, p.accepted_version, self._clock.now() - p.accepted_at,
             accepted_at=p.accepted_at, continued=p.continued, tokens_reused=p.tokens_reused,

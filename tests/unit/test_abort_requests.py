@@ -202,3 +202,26 @@ def test_ending_every_request_of_one_client_leaves_another_clients_requests_on_t
         assert theirs.counters()["completed"] == 3 and mine.counters()["completed"] == 3
 
     asyncio.run(go())
+
+
+def test_a_closing_client_returns_every_request_its_loop_will_not_end_and_counts_none_twice():
+    """``Dispatcher.return_unsettled``: a client closing while its loop is held (a call into a cluster that
+    a signal took down) would stop the loop with requests accepted and never ended. Each is returned and logged
+    at once; when its task runs again, it finds it settled: no second record, no second count, and no abort
+    sent to an abandoned cluster."""
+    async def go():
+        door, _, d = fleet()
+        runs = [asyncio.ensure_future(d.submit([1], {"max_tokens": 300}, f"r{i}")) for i in range(3)]
+        await asyncio.sleep(0.05)
+        assert d.in_progress == 3
+        d.abandoned = True
+        assert d.return_unsettled("cancelled by the caller: the client closed") == 3
+        assert d.in_progress == 0 and d.returned == 3
+        for r in runs:  # the loop goes on after all: each task ends, and counts nothing again
+            r.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+        ends = [e for e in d._log.records() if e["event"] in ("returned", "completed")]
+        assert sorted(e["request_id"] for e in ends) == ["r0", "r1", "r2"] and d.returned == 3 and d.completed == 0
+        assert door.aborted == set() and d.return_unsettled("again") == 0
+
+    asyncio.run(go())
