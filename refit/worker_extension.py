@@ -126,7 +126,22 @@ class _VllmModel:
             return f"the model is quantized ({quant}): patches apply to unquantized models only"
         if any(t.numel() == 0 for _, t in self.live_tensors()):
             return "some live weights are unreadable (packed linears without RLFLEET_READABLE_WEIGHTS): patches cannot be written"
-        return None
+        return self._prepacked_experts()
+
+    def _prepacked_experts(self) -> str | None:
+        """vLLM-CPU prepacks fused-MoE expert weights in place, in their own parameters (``cpu_prepack_moe_weight``,
+        float32 included): a patch in checkpoint coordinates would land on the packed layout, and repacking
+        after it would pack twice. Such an engine takes updates whole (``reload_weights`` restores and repacks)."""
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        model = self._worker.model_runner.get_model()
+        name = next((n for n, m in model.named_modules() if isinstance(m, RoutedExperts)), None)
+        if name is None:
+            return None
+        return f"vLLM-CPU prepacks the MoE experts' weights in place ({name}): patches cannot be written"
 
     def peer_blocker(self) -> str | None:
         """Why this engine's parameters cannot be copied as they are, or None. A quantized model's (or an fp8 KV

