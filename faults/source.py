@@ -130,11 +130,13 @@ class WeightSource(LocalSenderPort):
         """Send as rank ``rank`` of ``ranks`` to one engine of ``tp`` workers whose ranks start at ``first_worker``."""
         return await self.send_sharded_to(address, rank, ranks, [(first_worker, tp)], timeout_s)
 
-    async def send_sharded_to(self, address: dict, rank: int, ranks: int, targets: list, timeout_s: float) -> dict:
+    async def send_sharded_to(self, address: dict, rank: int, ranks: int, targets: list, timeout_s: float,
+                              verify: bool = False) -> dict:
         """Send as rank ``rank`` of ``ranks`` (an FSDP rank's stand-in: only this rank's dim-0 rows of each tensor
         leave it) to each engine of ``targets`` (``[first_worker, tp]``: its workers' ranks start at
         ``first_worker``), point to point (``refit.sharded_wire``). Answers ``ok``, ``error``, ``bytes_sent``,
-        ``send_s``, ``group_s`` and ``model_bytes``; a failure of the group or a peer is ``ok`` False, not raised."""
+        ``send_s``, ``group_s`` and ``model_bytes``; a failure of the group or a peer is ``ok`` False, not raised.
+        ``verify``: also ``stream_digests``, the ``stream_digest`` of what went to each worker, by its group rank."""
         def send() -> dict:
             import time
 
@@ -148,6 +150,7 @@ class WeightSource(LocalSenderPort):
             store, self._sharded_store = (self._sharded_store, None) if int(rank) == 0 else (None, self._sharded_store)
             t0 = time.monotonic()
             out = {"ok": False, "error": None, "bytes_sent": 0, "send_s": 0.0, "group_s": 0.0, "model_bytes": 0}
+            stream: dict = {}
             try:
                 group = RefitGroup(GroupAddress.from_wire(address), int(rank), float(timeout_s), store=store)
             except TransferError as exc:
@@ -164,13 +167,16 @@ class WeightSource(LocalSenderPort):
                     shapes = {n: tuple(t.shape) for n, t in full.items()}
                     shard = {n: t[slice(*chunk(t.shape[0], int(ranks), int(rank)))] for n, t in full.items()}
                     out["bytes_sent"] += sharded_wire.send_all(group, pieces, shapes, shard, int(ranks), int(rank),
-                                                               int(first_worker), float(timeout_s))
+                                                               int(first_worker), float(timeout_s),
+                                                               digests=stream if verify else None)
                 out["ok"] = True
             except TransferError as exc:
                 out["error"] = f"sender rank {rank}: {exc}"
             finally:
                 group.close()
             out["send_s"] = time.monotonic() - t0
+            if verify:
+                out["stream_digests"] = stream
             out["model_bytes"] = sum(state[n].numel() * state[n].element_size() for n in names)
             return out
 

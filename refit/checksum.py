@@ -44,3 +44,17 @@ def combine(per_tensor: dict[str, bytes]) -> str:
 
 def digest(items: Iterable[tuple[str, torch.Tensor]], threads: int = 1) -> str:
     return combine({name: tensor_digest(name, t, threads) for name, t in items})
+
+
+def stream_digest(parts: Iterable[torch.Tensor], threads: int = 1) -> str:
+    """BLAKE3 over the raw bytes of ``parts``, end to end, in order (no names, no shapes): the digest of a stream
+    whose layout both ends derive from the same plan (``refit.sharded_wire``). How the bytes are cut into parts
+    does not change it."""
+    h = blake3.blake3(max_threads=threads)
+    for t in parts:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.numel():
+            h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest(length=DIGEST_BYTES)

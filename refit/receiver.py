@@ -186,6 +186,14 @@ class WeightReceiver:
         self._fault = _Fault(kind, int(at_bucket), float(freeze_s)) if kind else None
         return True
 
+    def take_fault(self, kind: str) -> bool:
+        """Whether a fault of ``kind`` is armed; it is disarmed (it fires once). For a receive that does not run
+        through this receiver (a sharded refit's, ``refit.sharded_wire``)."""
+        if self._fault is None or self._fault.kind != kind:
+            return False
+        self._fault = None
+        return True
+
     # -- prepare ----------------------------------------------------------------------------
     def _expected(self) -> ExpectedSpec | None:
         if self._spec_cache is None:

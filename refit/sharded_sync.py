@@ -15,6 +15,9 @@ the same outcome per engine, in three bounded phases:
    once every rank's rows arrived, writes them into its live parameters and stamps ``version``
    (``rlfleet_receive_sharded``). An engine writes nothing until every rank's bytes are in, so a rank that dies
    or stalls leaves every engine ``NOT_STARTED`` on its old weights: the sender's failure, named by rank.
+   Under ``verify="checksum"`` each worker digests, before writing, the rows each rank sent it, and each rank
+   what it sent each worker (``checksum.stream_digest``); an engine whose worker's digest differs from its
+   rank's is PARTIAL in phase "verify" (an engine failure, as for a broadcast refit's verification).
 
 Each refit builds its group (the ranks' stores live only for one transfer). Raises only ``RefitUsageError``
 (no sender rank, a bad rank layout); every participant's failure is a typed outcome.
@@ -52,7 +55,25 @@ class ShardedSenderPort(Protocol):
 
     async def open_sharded(self, world_size: int, epoch: int, timeout_s: float) -> dict: ...
 
-    async def send_sharded_to(self, address: dict, rank: int, ranks: int, targets: list, timeout_s: float) -> dict: ...
+    async def send_sharded_to(self, address: dict, rank: int, ranks: int, targets: list, timeout_s: float,
+                              verify: bool = False) -> dict: ...
+
+
+def _verified(key: Hashable, result: ParticipantResult, workers: list[dict], first: int,
+              streams: dict[int, dict]) -> ParticipantResult:
+    """``result`` (COMPLETE) if each of the engine's workers digested, of the rows each sender rank sent it, what
+    that rank digested of them (``refit.sharded_wire``'s ``stream_digest``, both ends), else PARTIAL in phase
+    "verify", naming the worker and the rank: the rows were written, and they are not the trainer's."""
+    for w in workers:
+        index = int(w.get("worker_index", 0))
+        got = {int(r): d for r, d in (w.get("stream_digests") or {}).items()}
+        for rank, sent in sorted(streams.items()):
+            mine = sent.get(first + index)
+            if mine != got.get(rank):
+                error = (f"verify: worker {index} of {describe(key)} holds rows from sender rank {rank} whose digest "
+                         f"{got.get(rank)} is not the {mine} that rank sent")
+                return ParticipantResult(Outcome.PARTIAL, error, "verify", result.bytes_moved, detail=result.detail)
+    return result
 
 
 class ShardedSynchronizer:
@@ -99,19 +120,21 @@ class ShardedSynchronizer:
                                True, 0, why)
         targets = {k: (S + cast(Participant, k).ranks[0] - 1, len(cast(Participant, k).ranks)) for k in parts}
         bound = cfg.timeout_s + cfg.apply_timeout_s
+        verify = {"verify": True} if cfg.verifies else {}
         calls: dict[Hashable, Awaitable[Any]] = {
-            (SENDER, i): r.send_sharded_to(address, i, S, [list(t) for t in targets.values()], cfg.timeout_s)
+            (SENDER, i): r.send_sharded_to(address, i, S, [list(t) for t in targets.values()], cfg.timeout_s, **verify)
             for i, r in enumerate(self.ranks)}
         for key, port in parts.items():
             calls[key] = port.worker_rpc("rlfleet_receive_sharded", (address, targets[key][0], S, int(version), cfg.timeout_s),
-                                         {"digests": False}, bound)
+                                         {"digests": False, **verify}, bound)
         t2 = time.monotonic()
         settled = await _settle_all(calls, bound + cfg.grace_s)
-        sent, sender_error = 0, None
+        sent, sender_error, streams = 0, None, {}
         for i in range(S):
             s = settled.pop((SENDER, i))
             answer = s.value if isinstance(s.value, dict) else {}
             sent += int(answer.get("bytes_sent", 0))
+            streams[i] = answer.get("stream_digests") or {}
             if not answer.get("ok"):
                 why = answer.get("error") or s.error(f"sender rank {i}", bound) or f"sender rank {i} answered {s.value!r}"
                 sender_error = sender_error or why
@@ -122,7 +145,10 @@ class ShardedSynchronizer:
                 outcome = Outcome.PARTIAL if sender_error is None else Outcome.NOT_STARTED
                 results[key] = ParticipantResult(outcome, err, "transfer", 0, s.exc)
             else:
-                results[key] = worker_outcome(key, _per_worker(s.value), idle_phase="transfer")
+                workers = _per_worker(s.value)
+                results[key] = worker_outcome(key, workers, idle_phase="transfer")
+                if verify and sender_error is None and results[key].outcome is Outcome.COMPLETE:
+                    results[key] = _verified(key, results[key], workers, targets[key][0], streams)
         timings = PhaseTimings(t1 - t0, 0.0, time.monotonic() - t2, 0.0,
                                max((float(r.detail.get("apply_s", 0.0)) for r in results.values()), default=0.0),
                                time.monotonic() - t0)

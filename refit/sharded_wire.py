@@ -22,6 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from rlfleet.refit.checksum import stream_digest
 from rlfleet.refit.fused_layout import Piece
 from rlfleet.refit.shard_plan import chunk, rows_sent
 
@@ -123,14 +124,19 @@ def _buffer(buffers: dict | None, rank: int, numel: int, dtype: torch.dtype, dev
 
 
 def send_all(group, pieces_by_worker: Sequence[Sequence[Piece]], shapes: Mapping[str, Sequence[int]],
-             shard: Mapping[str, torch.Tensor], source_ranks: int, rank: int, first_worker: int, timeout_s: float) -> int:
+             shard: Mapping[str, torch.Tensor], source_ranks: int, rank: int, first_worker: int, timeout_s: float,
+             digests: dict | None = None) -> int:
     """Sender ``rank``: each worker's segments, one message each (tagged by its place in the worker's list; no
-    copy where the rows are contiguous); returns the bytes sent."""
+    copy where the rows are contiguous); returns the bytes sent. ``digests``: filled with the ``stream_digest`` of
+    what went to each worker, by its group rank (what the worker digests of the same bytes: ``receive_all``)."""
     _one_dtype(shard)
     deadline = time.monotonic() + timeout_s
     works, sent = [], 0
     for w, pieces in enumerate(pieces_by_worker):
-        for tag, t in enumerate(_parts(segments(pieces, shapes, source_ranks, rank), shard, shapes, source_ranks, rank)):
+        parts = _parts(segments(pieces, shapes, source_ranks, rank), shard, shapes, source_ranks, rank)
+        if digests is not None and parts:
+            digests[first_worker + w] = stream_digest(parts)
+        for tag, t in enumerate(parts):
             works.append((w, t, group.send(t, first_worker + w, tag)))
             sent += t.numel() * t.element_size()
     for w, _t, work in works:
@@ -140,12 +146,15 @@ def send_all(group, pieces_by_worker: Sequence[Sequence[Piece]], shapes: Mapping
 
 def receive_all(group, pieces: Sequence[Piece], shapes: Mapping[str, Sequence[int]], params: Mapping[str, torch.Tensor],
                 source_ranks: int, timeout_s: float, on_first_write: Callable[[], None] = lambda: None,
-                buffers: dict | None = None) -> int:
+                buffers: dict | None = None, digests: dict | None = None,
+                arrived: Callable[[dict[int, torch.Tensor]], None] = lambda by_rank: None) -> int:
     """A worker: every sender rank's segments, each into its place in one buffer per rank, then written into
     ``params``; returns the bytes received. Nothing is written until every buffer arrived (a failed receive leaves ``params`` as
     they were); ``on_first_write`` is called just before the first write. ``buffers``: the worker's receive buffers,
     kept from one refit to the next (as a broadcast receiver keeps its staging area), so that a refit does not
-    fault in fresh pages for every byte it receives."""
+    fault in fresh pages for every byte it receives. Once every buffer arrived, before anything is written:
+    ``arrived({sender rank: buffer})`` is called, then ``digests`` is filled with each sender rank's
+    ``stream_digest`` of what came from it (equal to the sender's, ``send_all``, when nothing changed on the way)."""
     dtype = _one_dtype(params)
     deadline = time.monotonic() + timeout_s
     posted, works = [], []
@@ -161,6 +170,9 @@ def receive_all(group, pieces: Sequence[Piece], shapes: Mapping[str, Sequence[in
             posted.append((s, segs, buf, None))
     for s, work in works:
         group.wait(work, deadline, f"sharded receive from rank {s}", timeout_s)
+    arrived({s: buf for s, _segs, buf, _work in posted})
+    if digests is not None:
+        digests.update({s: stream_digest([buf]) for s, _segs, buf, _work in posted})
     if posted:
         on_first_write()
     for _s, segs, buf, _work in posted:

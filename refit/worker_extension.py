@@ -396,13 +396,15 @@ class RefitWorkerExtension:
         return {"ok": True, "error": None, "refused": None, "worker_index": self._rlfleet_index()[0]}
 
     def rlfleet_receive_sharded(self, address: dict, first_worker: int, source_ranks: int, version: int,
-                                timeout_s: float, digests: bool = True) -> dict:
+                                timeout_s: float, digests: bool = True, verify: bool = False) -> dict:
         """A sharded refit's receiving worker (``refit.sharded_wire``): join the group at ``address`` as rank
         ``first_worker + worker_index``; take from each of the ``source_ranks`` dim-0-sharded sender ranks exactly
         the rows ``refit.fused_layout`` places in this worker's live parameters, written in place (the engine is
         paused); have vLLM re-derive what it computes from them; record ``version``. Answers ``state``
         (``not_started`` with ``refused``: a layout it cannot place, nothing joined or written; ``partial``;
-        ``complete``), ``error``, ``bytes``, timings and, when complete and asked, this worker's ``digests``."""
+        ``complete``), ``error``, ``bytes``, timings and, when complete and asked, this worker's ``digests``.
+        ``verify``: also ``stream_digests``, each sender rank's ``stream_digest`` of the rows it sent here, taken
+        before they are written (the synchronizer compares them with the ranks' own)."""
         from rlfleet.refit import sharded_wire
         from rlfleet.refit.group import GroupAddress, RefitGroup
 
@@ -417,6 +419,11 @@ class RefitWorkerExtension:
             return res
         rx = self._rlfleet_receiver()
         written: list[bool] = []
+        stream: dict = {}
+
+        def arrived(by_rank: dict) -> None:
+            if rx.take_fault("corrupt") and by_rank:  # tests: one element changed on the way
+                next(iter(by_rank.values())).view(-1)[0] += 1
 
         def first_write() -> None:
             written.append(True)
@@ -429,7 +436,8 @@ class RefitWorkerExtension:
             try:
                 res["bytes"] = sharded_wire.receive_all(group, pieces, shapes, named, int(source_ranks), float(timeout_s),
                                                         on_first_write=first_write,
-                                                        buffers=self.__dict__.setdefault("_rlfleet_sharded_buffers", {}))
+                                                        buffers=self.__dict__.setdefault("_rlfleet_sharded_buffers", {}),
+                                                        digests=stream if verify else None, arrived=arrived)
             finally:
                 group.close()
         except Exception as exc:  # noqa: BLE001 - before the first write nothing changed; after it, weights unknown
@@ -437,6 +445,8 @@ class RefitWorkerExtension:
                        error=f"sharded refit of version {version}: {type(exc).__name__}: {exc}")
             return res
         res["recv_s"] = time.monotonic() - t0
+        if verify:
+            res["stream_digests"] = stream
         t1 = time.monotonic()
         try:
             getattr(model, "after_peer_load", lambda: None)()

@@ -157,6 +157,35 @@ def test_a_sharded_refit_from_two_ranks_sends_each_worker_its_rows_only_and_land
     assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < 1e-4
 
 
+def test_a_sharded_refit_under_verify_finds_a_worker_whose_rows_changed_on_the_way(engines, tiny_model):
+    """``verify="checksum"`` keeps its meaning for sharded refits (``refit.sharded_sync``): each worker digests,
+    before writing, the rows each rank sent it, and each rank what it sent. A clean refit of both engines is
+    COMPLETE; then one element the TP 2 engine's workers received is changed before it is digested (the fault
+    fired: the report names the worker and the rank), that engine is PARTIAL in phase "verify" and the TP 1
+    engine COMPLETE. A full refit puts the same weights back everywhere."""
+    from rlfleet.refit.sharded_sync import ShardedSynchronizer
+
+    shards, _ = engines
+    ranks = [ray_door.spawn_actor(WeightSource, tiny_model, num_cpus=0) for _ in range(2)]
+    for r in ranks:
+        ray_door.ask(r, "perturb", seed=33, scale=0.05, relative=True, timeout=T)
+    parts = plan(shards)
+    sync = ShardedSynchronizer([ray_door.ActorSenderPort(r) for r in ranks], RefitConfig(timeout_s=30, verify="checksum"))
+    clean = asyncio.run(sync.refit(parts, version=40, epoch=40))
+    assert clean.ok, clean.summary()
+    ray_door.ask(shards[1], "worker_rpc", "rlfleet_inject_fault", ["corrupt"], {}, 30, timeout=60)
+    bad = asyncio.run(sync.refit(parts, version=41, epoch=41))
+    by_slot = {p.slot: res for p, res in bad.results.items()}
+    assert by_slot[0].outcome is Outcome.COMPLETE, bad.summary()
+    assert by_slot[1].outcome is Outcome.PARTIAL and by_slot[1].phase == "verify", bad.summary()
+    assert "worker 0 of" in by_slot[1].error and "sender rank 0" in by_slot[1].error, by_slot[1].error
+    full = WeightSynchronizer(ray_door.ActorSenderPort(ranks[0]), RefitConfig(timeout_s=30, bucket_mb=0.25))
+    assert asyncio.run(full.refit(parts, version=42, epoch=42)).ok
+    asyncio.run(full.close())
+    for r in ranks:
+        ray_door.kill(r)
+
+
 def test_a_delta_refit_lands_in_place_as_a_full_refit_does_and_an_engine_without_the_base_gets_it_whole(
         engines, tiny_model):
     """After one whole update, only the changed elements travel (``refit.delta``) and each worker writes them

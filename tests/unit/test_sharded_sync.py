@@ -18,16 +18,21 @@ class Rank:
         self.calls.append(("open", world_size, epoch))
         return {"address": "here", "world_size": world_size}
 
-    async def send_sharded_to(self, address, rank, ranks, targets, timeout_s):
+    async def send_sharded_to(self, address, rank, ranks, targets, timeout_s, verify=False):
         self.calls.append(("send", rank, ranks, targets))
         if self.dies:
             raise RuntimeError("the actor died")
+        if verify:  # what it sent each worker, by the worker's group rank
+            workers = [first + i for first, n in targets for i in range(n)]
+            return {"ok": True, "error": None, "bytes_sent": 100, "stream_digests": {g: f"r{rank}w{g}" for g in workers}}
         return self.answer or {"ok": True, "error": None, "bytes_sent": 100}
 
 
 class Engine:
-    def __init__(self, workers=1, fits=True, state="complete") -> None:
+    def __init__(self, workers=1, fits=True, state="complete", first=0, garbled=None) -> None:
+        """``first``: its first worker's group rank; ``garbled``: (worker, sender rank) whose rows changed on the way."""
         self.workers, self.fits, self.state, self.calls = workers, fits, state, []
+        self.first, self.garbled, self.kwargs = first, garbled, {}
 
     async def worker_rpc(self, method, args=(), kwargs=None, timeout=None):
         self.calls.append((method, tuple(args)))
@@ -35,13 +40,32 @@ class Engine:
             return [{"ok": self.fits, "refused": None if self.fits else "sharded refit refused, nothing changed: no qkv",
                      "error": None if self.fits else "sharded refit refused, nothing changed: no qkv"}] * self.workers
         ok = self.state == "complete"
-        return [{"ok": ok, "state": self.state, "error": None if ok else "sharded receive timed out", "bytes": 50,
-                 "version": args[3] if ok else 0}] * self.workers
+        self.kwargs = dict(kwargs or {})
+        answers = [{"ok": ok, "state": self.state, "error": None if ok else "sharded receive timed out", "bytes": 50,
+                    "version": args[3] if ok else 0, "worker_index": w} for w in range(self.workers)]
+        if self.kwargs.get("verify"):
+            for w, a in enumerate(answers):
+                a["stream_digests"] = {s: ("garbled" if (w, s) == self.garbled else f"r{s}w{self.first + w}") for s in range(2)}
+        return answers
 
 
-def refit(ranks, engines, version=7):
+def refit(ranks, engines, version=7, **cfg):
     parts = {Participant(slot, 1, ranks_): eng for slot, (ranks_, eng) in enumerate(engines)}
-    return asyncio.run(ShardedSynchronizer(ranks, RefitConfig(timeout_s=5)).refit(parts, version, 3))
+    return asyncio.run(ShardedSynchronizer(ranks, RefitConfig(timeout_s=5, **cfg)).refit(parts, version, 3))
+
+
+def test_under_verify_an_engine_whose_worker_got_other_rows_than_a_rank_sent_is_partial_in_verify():
+    """``verify="checksum"``: each rank's digest of what it sent each worker against that worker's of what it
+    got; the engine whose second worker's rows from rank 1 differ is PARTIAL in phase "verify", naming both, and
+    the other is COMPLETE. Without ``verify`` nobody digests."""
+    one, two = Engine(first=2), Engine(workers=2, first=3, garbled=(1, 1))
+    report = refit([Rank(), Rank()], [((1,), one), ((2, 3), two)], verify="checksum")
+    good, bad = report.results.values()
+    assert good.outcome is Outcome.COMPLETE and one.kwargs == {"digests": False, "verify": True}
+    assert bad.outcome is Outcome.PARTIAL and bad.phase == "verify", bad
+    assert "worker 1 of" in bad.error and "sender rank 1" in bad.error and "garbled" in bad.error
+    plain = Engine()
+    assert refit([Rank(), Rank()], [((1,), plain)]).ok and plain.kwargs == {"digests": False}
 
 
 def test_every_rank_sends_every_engine_and_each_worker_joins_after_the_sender_ranks():

@@ -30,8 +30,11 @@ def checkpoint(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
 
 
-def run(senders: int, tp: int, full: dict[str, torch.Tensor], epoch: int, fail_rank: int | None = None):
-    """Every rank on its own thread; returns (workers' params, bytes sent per sender, bytes received per worker)."""
+def run(senders: int, tp: int, full: dict[str, torch.Tensor], epoch: int, fail_rank: int | None = None,
+        digests: dict | None = None, corrupt: int | None = None):
+    """Every rank on its own thread; returns (workers' params, bytes sent per sender, bytes received per worker).
+    ``digests``: filled with each sender's and each worker's stream digests (``("sent", s)``, ``("got", w)``);
+    ``corrupt``: that worker changes one element of what it received before it is digested and written."""
     shapes = {n: tuple(t.shape) for n, t in full.items()}
     pieces = [resolve(CONFIG, tp, r) for r in range(tp)]
     world = senders + tp
@@ -46,14 +49,21 @@ def run(senders: int, tp: int, full: dict[str, torch.Tensor], epoch: int, fail_r
             if s == fail_rank:
                 return 0  # dies before sending: closes its end
             shard = {n: t[slice(*chunk(t.shape[0], senders, s))].clone() for n, t in full.items()}
-            return send_all(group, pieces, shapes, shard, senders, s, senders, 5.0)
+            mine = None if digests is None else digests.setdefault(("sent", s), {})
+            return send_all(group, pieces, shapes, shard, senders, s, senders, 5.0, digests=mine)
         finally:
             group.close()
 
     def worker(w: int) -> int:
         group = RefitGroup(address, senders + w, T)
         try:
-            return receive_all(group, pieces[w], shapes, params[w], senders, 5.0)
+            mine = None if digests is None else digests.setdefault(("got", w), {})
+
+            def arrived(by_rank):
+                if w == corrupt:
+                    by_rank[max(by_rank)].view(-1)[0] += 1
+
+            return receive_all(group, pieces[w], shapes, params[w], senders, 5.0, digests=mine, arrived=arrived)
         finally:
             group.close()
 
@@ -78,6 +88,21 @@ def test_each_worker_gets_exactly_its_pieces_from_every_rank_and_nothing_else(se
             assert (t[pad] == 0).all()
     plan = plan_pieces(pieces, shapes, 4, senders)  # the wire moves the bytes the plan counts, no more
     assert sent == list(plan.send_bytes) and got == list(plan.recv_bytes)
+
+
+def test_each_worker_digests_what_each_rank_sent_it_as_that_rank_did_and_a_changed_element_shows():
+    """``verify="checksum"`` for sharded refits: per (sender rank, worker), the stream digest of the rows sent
+    equals the one of the rows received, however the wire cut them; one element changed on the way to worker 1
+    changes exactly the digest of the rank it came from, there."""
+    full = checkpoint(seed=7)
+    digests: dict = {}
+    run(2, 2, full, epoch=77, digests=digests)
+    pairs = {(s, w) for s in range(2) for w in range(2)}
+    assert {(s, w) for s in range(2) for w in digests[("sent", s)]} == {(s, 2 + w) for s, w in pairs}
+    assert all(digests[("sent", s)][2 + w] == digests[("got", w)][s] for s, w in pairs)
+    bad: dict = {}
+    run(2, 2, full, epoch=78, digests=bad, corrupt=1)
+    assert [(s, w) for s, w in sorted(pairs) if bad[("sent", s)][2 + w] != bad[("got", w)][s]] == [(1, 1)]
 
 
 def test_a_sender_rank_that_never_sends_fails_the_workers_within_the_deadline_and_writes_nothing():
