@@ -288,12 +288,15 @@ class FenceFailed(Record):
 class Transfer(Record):
     """One transfer attempt's bytes: the most any participant received (a broadcast gives each all of it),
     whether the update travelled as patches (``refit.delta``), and why patches were refused and the update
-    sent whole instead."""
+    sent whole instead; whether it travelled point to point from a sharded source's ranks
+    (``refit.sharded_sync``), and why an engine refused that and it went whole from rank 0."""
     version: int
     epoch: int
     bytes: int
     delta: bool
     delta_refused: str | None = None
+    sharded: bool = False
+    sharded_refused: str | None = None
 
 
 @record("refit_failed_attempt")

@@ -34,6 +34,8 @@ class TransferResult:
     sender_error: str | None = None  # the weight sender failed in this attempt (died, timed out, raised): its error
     delta: bool = False  # the update travelled as patches against the weights the engines held (``refit.delta``)
     delta_refused: str | None = None  # why an engine refused the patches (the update then went whole, to all)
+    sharded: bool = False  # the update travelled point to point from a ``ShardedSource``'s ranks (``refit.sharded_sync``)
+    sharded_refused: str | None = None  # why an engine refused the sharded refit (it then went whole from rank 0)
 
 
 SENDER_METHODS = ("open_group", "connect", "close_group", "prepare", "send")
@@ -207,8 +209,9 @@ class RefitTransferPort:
             out, ports = await self._ports(participants, whole)
             assert self._sync is not None  # _ports built it
             results = self._results(await self._sync.refit(ports, version, epoch, rebuild=True))
-            return {**out, **{s: dataclasses.replace(r, detail=f"{r.detail}; {why}") for s, r in results.items()}}
-        out.update(self._results(report))
+            return {**out, **{s: dataclasses.replace(r, detail=f"{r.detail}; {why}", sharded_refused=report.refused)
+                              for s, r in results.items()}}
+        out.update({s: dataclasses.replace(r, sharded=True) for s, r in self._results(report).items()})
         return out
 
     async def stage(self, participants, version, epoch, source, timeout) -> dict[int, TransferResult]:

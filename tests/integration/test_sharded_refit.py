@@ -41,7 +41,7 @@ def test_two_trainer_ranks_refit_the_fleet_point_to_point_through_the_lifecycle(
     summary = r.fleet.sync_weights(v, ShardedSource(ranks))
     assert summary["complete"] == [0, 1] and summary["attempts"] == 1, summary
     sent = [t for t in Transfer.among(r.fleet.events()) if t.version == v]
-    assert len(sent) == 1 and sent[0].bytes > 0
+    assert len(sent) == 1 and sent[0].bytes > 0 and sent[0].sharded and sent[0].sharded_refused is None
     results = [x for g in r.fleet.generate([[1, 9, 8, 7]] * 4, n=2, sampling={"max_tokens": 12, "seed": 5}) for x in g]
     assert all(x.ok and x.result.weight_version == v for x in results)
     gap = logprob_gap(ranks[0], results)  # the engines hold the ranks' weights, rows from both

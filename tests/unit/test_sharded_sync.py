@@ -134,6 +134,7 @@ def test_the_controllers_port_sends_an_update_no_engine_can_place_sharded_whole_
     assert out[0].result is RefitResult.COMPLETE, out
     assert "sent whole by the broadcast from rank 0, refused sharded" in out[0].detail
     assert "config field 'hidden_size'" in out[0].detail
+    assert not out[0].sharded and "config field 'hidden_size'" in out[0].sharded_refused  # what the record says
     assert rank1.calls == [] and [c[0] for c in rank0.calls] == []  # no sharded group was ever opened
     assert_holds(engine, new)
     rank1.dead = True

@@ -185,7 +185,10 @@ async def _transfer_once(r: RefitRun, plan: MembershipPlan, source: Any, rebuild
     if results:
         r.p.log.emit(ev.Transfer(version=r.version, epoch=plan.epoch, bytes=max(res.bytes_moved for res in results.values()),
                                  delta=any(res.delta for res in results.values()),
-                                 delta_refused=next((res.delta_refused for res in results.values() if res.delta_refused), None)))
+                                 delta_refused=next((res.delta_refused for res in results.values() if res.delta_refused), None),
+                                 sharded=any(res.sharded for res in results.values()),
+                                 sharded_refused=next((res.sharded_refused for res in results.values() if res.sharded_refused),
+                                                      None)))
     return results
 
 
