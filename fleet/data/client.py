@@ -355,7 +355,8 @@ class FleetClient(_Client):
         try:
             if not abandon:
                 self._loop.call_soon_threadsafe(self.dispatcher.close_links)  # the shards abort what still ran there
-            self._run(self._cancel_all(), 10)
+            # abandoning, the loop may be held by calls into the dead cluster: the sweep below ends what it does not
+            self._run(self._cancel_all(), 2 if abandon else 10)
         except Exception:  # noqa: BLE001 - closing must not raise
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
