@@ -75,7 +75,11 @@ def _tied(model_dir: str) -> bool:
 
 
 class WeightRelay(LocalSenderPort):
-    def __init__(self, model_dir: str, addr: str | None = None, backend: str = "gloo", delta: str = "reference") -> None:
+    def __init__(self, model_dir: str, addr: str | None = None, backend: str = "gloo", delta: str = "reference",
+                 dtype: str | None = None) -> None:
+        """``dtype``: the engines' (``EngineConfig.dtype`` when it is not ``auto``): floating tensors go to the
+        engines, and are diffed for their deltas, in it, so a float32 trainer's update costs bfloat16 engines
+        only the elements whose bfloat16 value changed, as patches they take; None: the checkpoint's dtypes."""
         self.model_dir = model_dir
         self.wire = wire_for(backend)
         self.serving = load_checkpoint(model_dir)
@@ -90,7 +94,8 @@ class WeightRelay(LocalSenderPort):
         self._as_loaded = True  # ``serving`` is the checkpoint as loaded (no update applied yet)
         self._lock = threading.Lock()
         # ``serving``'s tensors are replaced by an update, never written in place: the sender's base can be them
-        super().__init__(WeightSender(lambda: list(self.serving.items()), addr=addr, delta=delta))
+        wire = None if dtype in (None, "auto") else getattr(torch, str(dtype))
+        super().__init__(WeightSender(lambda: list(self.serving.items()), addr=addr, delta=delta, dtype=wire))
 
     # -- the trainer's group -------------------------------------------------------------
     async def init_transfer(self, init_info: dict, timeout_s: float = gloo_wire.DEFAULT_TIMEOUT_S) -> dict:

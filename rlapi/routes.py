@@ -84,8 +84,8 @@ class RLSurface:
         # an NCCL relay is a rank of the trainer's NCCL group and of the fleet's refit group: a GPU of its own
         if relay is None:
             delta = "reference" if fleet.config.relay_deltas == "on" else "off"
-            relay = ray_door.spawn_actor(WeightRelay, fleet.config.engine.model, None, backend, delta, num_cpus=0,
-                                         num_gpus=1 if backend == "nccl" else 0)
+            relay = ray_door.spawn_actor(WeightRelay, fleet.config.engine.model, None, backend, delta,
+                                         fleet.config.engine.dtype, num_cpus=0, num_gpus=1 if backend == "nccl" else 0)
         self.relay = relay
         self.lock = asyncio.Lock()
         self.label: str | None = None  # the trainer's own name for the committed version, when it sent one

@@ -114,3 +114,35 @@ def test_calls_out_of_order_are_refused():
     relay.group, relay.info, relay.staged = None, None, None
     with pytest.raises(UpdateRefused, match="init_weight_transfer_engine"):
         asyncio.run(relay.receive({"names": [], "dtype_names": [], "shapes": []}))
+
+
+def test_a_relay_for_bfloat16_engines_sends_and_diffs_in_bfloat16(tiny_model):
+    """A float32 trainer's update into bfloat16 engines (``vllm serve --dtype bfloat16`` beside TRL's float32
+    model): the relay sends in the engines' dtype, so its delta is the bfloat16 changes, as patches the engines
+    take. A change below bfloat16's resolution does not travel; one above it does, and the engine holds exactly
+    the update's bfloat16 values."""
+    from rlfleet.refit import Participant, RefitConfig, WeightSynchronizer
+    from tests.unit.test_refit_transport import ThreadEngine, assert_holds
+
+    relay = WeightRelay(tiny_model, addr="127.0.0.1", dtype="bfloat16")
+    engine = ThreadEngine({n: t.to(torch.bfloat16) for n, t in relay.serving.items()})
+    parts = {Participant(0, 1, (1,)): engine}
+    sync = WeightSynchronizer(relay, RefitConfig(timeout_s=10, group_timeout_s=10))
+
+    async def go():
+        first = await sync.refit(parts, 1, 1)
+        update = {n: t.clone() for n, t in relay.serving.items()}
+        name = next(n for n, t in update.items() if t.numel() > 64)
+        for t in update.values():
+            t.mul_(1 + 1e-5)  # below bfloat16's resolution nearly everywhere
+        update[name].view(-1)[:5] += 1.0  # well above it
+        relay.serving = update  # as ``finish_update`` replaces it
+        second = await sync.refit(parts, 2, 1)
+        await sync.close()
+        return first, second, update
+
+    first, second, update = asyncio.run(go())
+    assert first.ok and not first.delta, first.summary()
+    assert second.ok and second.delta, second.summary()
+    assert second.bytes_sent < 0.05 * first.bytes_sent, (second.bytes_sent, first.bytes_sent)
+    assert_holds(engine, {n: t.to(torch.bfloat16) for n, t in update.items()})
