@@ -286,7 +286,8 @@ class FenceFailed(Record):
 
 @record("transfer")
 class Transfer(Record):
-    """One transfer attempt's bytes: the most any participant received (a broadcast gives each all of it),
+    """One transfer attempt's bytes (into live weights, or under ``stage_ahead`` into the staging areas): the
+    most any participant received (a broadcast gives each all of it),
     whether the update travelled as patches (``refit.delta``), and why patches were refused and the update
     sent whole instead; whether it travelled point to point from a sharded source's ranks
     (``refit.sharded_sync``), and why an engine refused that and it went whole from rank 0."""

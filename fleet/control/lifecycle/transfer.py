@@ -61,6 +61,7 @@ async def stage_ahead(r: RefitRun, source: Any) -> set[tuple[int, int]]:
         results = await _bounded(r, plan, deadline, lambda parts, left: r.port.stage(
             parts, r.version, plan.epoch, source, timeout=left))
         _refuse_if_the_update_does_not_fit(r, results)
+        _record_transfer(r, plan.epoch, results)
         staged = {(p.slot, p.incarnation) for p in plan.participants if results[p.slot].staged}
         if len(staged) == len(plan.participants):
             break
@@ -182,14 +183,20 @@ async def _transfer_once(r: RefitRun, plan: MembershipPlan, source: Any, rebuild
     results = await _bounded(r, plan, deadline, lambda parts, left: r.port.transfer(
         parts, r.version, plan.epoch, source, rebuild=rebuild, timeout=left, ahead=ahead))
     _report(r, plan.participants, results)
-    if results:
-        r.p.log.emit(ev.Transfer(version=r.version, epoch=plan.epoch, bytes=max(res.bytes_moved for res in results.values()),
-                                 delta=any(res.delta for res in results.values()),
-                                 delta_refused=next((res.delta_refused for res in results.values() if res.delta_refused), None),
-                                 sharded=any(res.sharded for res in results.values()),
-                                 sharded_refused=next((res.sharded_refused for res in results.values() if res.sharded_refused),
-                                                      None)))
+    _record_transfer(r, plan.epoch, results)
     return results
+
+
+def _record_transfer(r: RefitRun, epoch: int, results: dict) -> None:
+    """The ``transfer`` record of one attempt that moved the update (into live weights, or staging areas)."""
+    if not results:
+        return
+    values = results.values()
+    r.p.log.emit(ev.Transfer(version=r.version, epoch=epoch, bytes=max(res.bytes_moved for res in values),
+                             delta=any(res.delta for res in values),
+                             delta_refused=next((res.delta_refused for res in values if res.delta_refused), None),
+                             sharded=any(res.sharded for res in values),
+                             sharded_refused=next((res.sharded_refused for res in values if res.sharded_refused), None)))
 
 
 async def _bounded(r: RefitRun, plan: MembershipPlan, deadline: float, call) -> dict:
