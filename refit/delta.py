@@ -5,9 +5,10 @@ the new update against the base it sent before, bit for bit in the wire dtype; a
 elements, sent as (flat index, value) pairs, take fewer bytes than the tensor travels as a *patch*: two
 1-D entries of the manifest, ``<name>#delta_idx`` (int32, or int64 past 2**31 elements) and
 ``<name>#delta_val`` (the wire dtype). A tensor with no change travels as nothing. Every other tensor
-travels whole, as in a full update. The engine applies patches through vLLM's own sparse loader
-(``CheckpointWeightPatch``, ``load_checkpoint_weight_patches``), which takes checkpoint names, shards and
-fuses them as the model's ``load_weights`` does.
+travels whole, as in a full update. An engine worker writes a patch straight into its live parameters where
+``refit.fused_layout`` places the tensor (``write_piece``: the cost is in the patch's size), and any other
+through vLLM's own sparse loader (``CheckpointWeightPatch``, ``load_checkpoint_weight_patches``), which takes
+checkpoint names, shards and fuses them as the model's ``load_weights`` does.
 
 Which weights a patch applies to is named by a *token*: a random name the sender gives the snapshot of each
 update it sends, whole or as patches (a content digest of the model would cost a pass over it each refit and
