@@ -89,29 +89,6 @@ def test_engines_generate_while_the_update_moves_and_the_gate_closes_only_for_th
     assert_invariants(run.fleet)
 
 
-def test_a_delta_stages_ahead_as_patches_and_both_engines_apply_it_in_place(run):
-    """``stage_ahead`` meets ``refit.delta`` on real engines: the source sending deltas, its first staged update
-    goes whole (no engine holds a token of its), the next one, 1 % of each tensor changed, stages as patches
-    (its transfer record says so, a tenth of the bytes) and both engines apply them under the closed gate:
-    they generate by the source's new weights."""
-    ray_door.ask(run.source, "set_delta", "copy", timeout=30)
-    try:
-        whole = run.refit()
-        run.version += 1
-        ray_door.ask(run.source, "perturb", run.version, 0.02, True, 0.01, timeout=60)
-        patched = run.fleet.sync_weights(run.version, run.source, stage_ahead=True)
-    finally:
-        ray_door.ask(run.source, "set_delta", "off", timeout=30)
-    assert whole["complete"] == [0, 1] and patched["complete"] == [0, 1], patched
-    sent = {t.version: t for t in Transfer.among(run.fleet.events()) if t.version >= run.version - 1}
-    assert not sent[run.version - 1].delta and sent[run.version].delta, sent
-    assert sent[run.version].bytes < 0.1 * sent[run.version - 1].bytes, sent
-    results = [x for g in run.fleet.generate([PROMPT] * 2, n=2, sampling={**SHORT, "seed": 9}) for x in g]
-    assert all(x.ok and x.result.weight_version == run.version for x in results)
-    assert logprob_gap(run.source, results) < 1e-4
-    assert_invariants(run.fleet)
-
-
 def test_a_shard_killed_as_it_stages_is_replaced_and_the_refit_lands_on_the_other(run):
     slot = 1
     incarnations = {s["slot"]: s["incarnation"] for s in run.fleet.status()["ledger"]["slots"]}
@@ -167,3 +144,26 @@ def test_a_controller_killed_while_the_update_stages_is_restarted_and_the_refit_
     assert all(r.ok and r.result.weight_version == run.version for r in later)
     assert logprob_gap(run.source, later) < 1e-4
     assert_invariants(fleet)
+
+
+def test_a_delta_stages_ahead_as_patches_and_both_engines_apply_it_in_place(run):
+    """``stage_ahead`` meets ``refit.delta`` on real engines: the source sending deltas, its first staged update
+    goes whole (no engine holds a token of its), the next one, 1 % of each tensor changed, stages as patches
+    (its transfer record says so, a tenth of the bytes) and both engines apply them under the closed gate:
+    they generate by the source's new weights."""
+    ray_door.ask(run.source, "set_delta", "copy", timeout=30)
+    try:
+        whole = run.refit()
+        run.version += 1
+        ray_door.ask(run.source, "perturb", run.version, 0.02, True, 0.01, timeout=60)
+        patched = run.fleet.sync_weights(run.version, run.source, stage_ahead=True)
+    finally:
+        ray_door.ask(run.source, "set_delta", "off", timeout=30)
+    assert whole["complete"] == [0, 1] and patched["complete"] == [0, 1], patched
+    sent = {t.version: t for t in Transfer.among(run.fleet.events()) if t.version >= run.version - 1}
+    assert not sent[run.version - 1].delta and sent[run.version].delta, sent
+    assert sent[run.version].bytes < 0.1 * sent[run.version - 1].bytes, sent
+    results = [x for g in run.fleet.generate([PROMPT] * 2, n=2, sampling={**SHORT, "seed": 9}) for x in g]
+    assert all(x.ok and x.result.weight_version == run.version for x in results)
+    assert logprob_gap(run.source, results) < 1e-4
+    assert_invariants(run.fleet)
