@@ -171,13 +171,13 @@ def test_the_workers_receive_through_the_extension_and_land_complete_at_the_vers
         group = RefitGroup(address, s, T, store=store if s == 0 else None)
         try:
             shard = {n: t[slice(*chunk(t.shape[0], 2, s))] for n, t in full.items()}
-            return send_all(group, pieces, shapes, shard, 2, s, 2, 5.0)
+            return send_all(group, pieces, shapes, shard, 2, s, 2, T)
         finally:
             group.close()
 
     with ThreadPoolExecutor(4) as pool:
         sends = [pool.submit(sender, s) for s in range(2)]
-        recvs = [pool.submit(_worker(adapters[w], w, 2).rlfleet_receive_sharded, address.to_wire(), 2, 2, 9, 5.0, False)
+        recvs = [pool.submit(_worker(adapters[w], w, 2).rlfleet_receive_sharded, address.to_wire(), 2, 2, 9, T, False)
                  for w in range(2)]
         [f.result() for f in sends]
         got = [f.result() for f in recvs]
