@@ -25,14 +25,19 @@ ALL_CORES = blake3.blake3.AUTO
 
 def tensor_digest(name: str, tensor: torch.Tensor, threads: int = 1) -> bytes:
     """``threads``: how many threads BLAKE3 may use (``ALL_CORES``: as many as it likes); the digest is the same."""
+    h = blake3.blake3(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}|".encode(),
+                      max_threads=threads)
+    _hash_bytes(h, tensor)
+    return h.digest(length=DIGEST_BYTES)
+
+
+def _hash_bytes(h, tensor: torch.Tensor) -> None:
+    """Feed ``tensor``'s raw bytes to ``h``, in place on the CPU (a tensor off the CPU is copied to host first)."""
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    h = blake3.blake3(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode(), max_threads=threads)
     if t.numel():
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return h.digest(length=DIGEST_BYTES)
+        h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 def combine(per_tensor: dict[str, bytes]) -> str:
@@ -52,9 +57,5 @@ def stream_digest(parts: Iterable[torch.Tensor], threads: int = 1) -> str:
     does not change it."""
     h = blake3.blake3(max_threads=threads)
     for t in parts:
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if t.numel():
-            h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        _hash_bytes(h, t)
     return h.hexdigest(length=DIGEST_BYTES)
