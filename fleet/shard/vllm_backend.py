@@ -62,6 +62,21 @@ def _prompt_logprobs(request_output) -> PromptLogprobs | None:
                  for s, e in zip(flat.start_indices, flat.end_indices))
 
 
+def _rendered(engine, prompt: dict[str, Any]) -> dict[str, Any]:
+    """``prompt`` as vLLM's renderer makes it ready for the engine (``render_cmpl``, with the engine's own
+    completion limits), as ``vllm serve`` renders before it calls the engine. ``AsyncLLM.add_request`` still takes
+    a raw prompt (deprecated in vLLM 0.32: "will be removed") and renders it on the renderer's thread pool, as
+    text must be; a prompt of token ids needs no tokenizer, so it is rendered here on the shard's loop. An engine
+    with no renderer (``fleet.shard.token_rate``'s, which takes token ids as they are) gets ``prompt``."""
+    from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+    renderer = getattr(engine, "renderer", None)
+    if renderer is None:
+        return prompt
+    (engine_input,) = renderer.render_cmpl([parse_model_prompt(engine.model_config, prompt)])
+    return engine_input
+
+
 def _piece(out, top: bool) -> Piece:
     """One vLLM ``CompletionOutput`` delta as plain data; ``top``: keep each position's top-k logprobs too.
 
@@ -206,7 +221,7 @@ class VllmBackend:
         top = bool(sp.logprobs)  # logprobs=k > 0: the caller wants each position's top k as well
         produced = False
         try:
-            async for out in engine.generate(prompt, sp, request_id):
+            async for out in engine.generate(_rendered(engine, prompt), sp, request_id):
                 pieces = [_piece(o, top) for o in out.outputs]
                 if not produced and pieces and sp.prompt_logprobs is not None:  # vLLM sends them with the first
                     pieces[0] = replace(pieces[0], prompt_logprobs=_prompt_logprobs(out))
