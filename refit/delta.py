@@ -53,21 +53,55 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(_BITS[t.element_size()])
 
 
-def diff(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+class Scratch:
+    """A comparison mask reused from tensor to tensor and refit to refit: a fresh one per tensor is a fresh
+    allocation whose pages the comparison faults in, a third of the diff's time on CPU."""
+
+    def __init__(self) -> None:
+        self._mask: torch.Tensor | None = None
+
+    def mask(self, numel: int, device) -> torch.Tensor:
+        """A bool buffer of ``numel`` rounded up to whole 8-byte words, on ``device``, zero past ``numel``."""
+        words = -(-numel // 8)
+        if self._mask is None or self._mask.numel() < words * 8 or self._mask.device != torch.device(device):
+            self._mask = torch.zeros(words * 8, dtype=torch.bool, device=device)
+        out = self._mask[: words * 8]
+        out[numel:] = False
+        return out
+
+
+def changed(new: torch.Tensor, base: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+    """Flat indices (int64, ascending) of the elements whose bits differ between two tensors of one shape and
+    dtype. Equal to ``nonzero(bits(new) != bits(base))``, found in two narrower passes: which 8-byte words of
+    the comparison mask hold a change (a few percent of them after an RL step), then which bytes of those."""
+    a, b = _bits(new), _bits(base)
+    n = a.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=a.device)
+    mask = (scratch or Scratch()).mask(n, a.device)
+    torch.ne(a, b, out=mask[:n])
+    words = mask.view(torch.int64)
+    hit = torch.nonzero(words).reshape(-1)
+    where = torch.nonzero(words.index_select(0, hit).view(torch.uint8).reshape(-1, 8))
+    return hit.index_select(0, where[:, 0]) * 8 + where[:, 1]
+
+
+def diff(new: torch.Tensor, base: torch.Tensor, scratch: Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(flat indices, values) of ``new``'s elements whose bits differ from ``base``'s, or None when the tensor
     should travel whole: not floating (vLLM's sparse loader marks unchanged elements with NaN), a shape or
-    dtype change, a NaN among the new values, or a patch no smaller than the tensor."""
+    dtype change, a NaN among the new values, or a patch no smaller than the tensor. ``scratch``: the mask
+    buffer to reuse (``Scratch``)."""
     if not new.is_floating_point() or new.shape != base.shape or new.dtype != base.dtype or new.device != base.device:
         return None
     idx_t = index_dtype(new.numel())
-    changed = torch.nonzero(_bits(new) != _bits(base)).reshape(-1)
-    patch_bytes = changed.numel() * (torch.empty((), dtype=idx_t).element_size() + new.element_size())
+    where = changed(new, base, scratch)
+    patch_bytes = where.numel() * (torch.empty((), dtype=idx_t).element_size() + new.element_size())
     if patch_bytes >= new.numel() * new.element_size():
         return None
-    values = new.reshape(-1).index_select(0, changed)
+    values = new.reshape(-1).index_select(0, where)
     if values.numel() and torch.isnan(values).any():
         return None
-    return changed.to(idx_t), values
+    return where.to(idx_t), values
 
 
 def apply_flat(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:

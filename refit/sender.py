@@ -90,6 +90,11 @@ class WeightSender:
         # the prepared update would leave them holding (promoted to ``_base`` when its send completes)
         self._base: tuple[str, dict[str, torch.Tensor]] | None = None
         self._candidate: tuple[str, dict[str, torch.Tensor]] | None = None
+        # the wire-dtype buffers the next candidate is written into: never the base's (they swap when a send
+        # completes), so a delta's snapshot faults in no fresh pages (``_snapshots``)
+        self._spare: dict[str, torch.Tensor] = {}
+        self._base_owned: dict[str, torch.Tensor] = {}  # the base's tensors that are this sender's buffers
+        self._scratch = _delta.Scratch()
         self._source = source
         self.partial = bool(partial)
         self.frozen = tuple(frozen)
@@ -215,13 +220,13 @@ class WeightSender:
         base_token = result = None
         self._candidate = None
         if self.delta != "off":
-            wire = {n: self._snapshot(t) for n, t in tensors.items()}
+            wire = self._snapshots(tensors)
             result = secrets.token_hex(16)  # names exactly these tensors: only this sender's snapshot has it
             self._candidate = (result, wire)
             base = self._base
             if not (full or self.whole) and base is not None and base[1].keys() == wire.keys():
                 base_token = base[0]
-                tensors, patches = self._patches(wire, base[1])
+                tensors, patches = self._patches(wire, base[1], self._scratch)
         specs = [(n, tuple(t.shape), t.dtype if _delta.split_name(n) else self._wire_dtype(t)) for n, t in tensors.items()]
         direct = None if direct_mb is None else int(direct_mb * 2**20)
         if not specs and patches:  # nothing changed since the base: one empty patch keeps the stream's shape
@@ -236,13 +241,13 @@ class WeightSender:
         return manifest.to_wire()
 
     @staticmethod
-    def _patches(wire: dict[str, torch.Tensor], base: dict[str, torch.Tensor]):
+    def _patches(wire: dict[str, torch.Tensor], base: dict[str, torch.Tensor], scratch: _delta.Scratch | None = None):
         """(the update's entries, the patched tensors with their shapes): each tensor of ``wire`` whole, as its
         patch against ``base`` (``refit.delta.diff``) where that is smaller, or nothing where it did not change."""
         entries: dict[str, torch.Tensor] = {}
         patches: list[tuple[str, tuple[int, ...]]] = []
         for n, t in wire.items():
-            d = _delta.diff(t, base[n])
+            d = _delta.diff(t, base[n], scratch)
             if d is None:
                 entries[n] = t
                 continue
@@ -251,10 +256,28 @@ class WeightSender:
                 entries[_delta.idx_name(n)], entries[_delta.val_name(n)] = d
         return entries, patches
 
-    def _snapshot(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` in the wire dtype, as the base of the next delta: a copy, or (``delta="reference"``) the tensor."""
-        out = t.detach().to(self._wire_dtype(t))
-        return out.clone() if self.delta == "copy" and out.data_ptr() == t.data_ptr() else out
+    def _snapshots(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each tensor in the wire dtype, as the base of the next delta: written into this sender's spare
+        buffers (a copy, or a cast), or under ``delta="reference"`` the tensor itself where no cast is needed.
+        The spare buffers are the last base's once a send completed, so between refits the sender holds the
+        base and one spare copy: what it held at the peak of every refit before, kept instead of
+        allocated anew (on CPU a fresh buffer's page faults cost more than the cast)."""
+        out: dict[str, torch.Tensor] = {}
+        for n, t in tensors.items():
+            dtype = self._wire_dtype(t)
+            if self.delta == "reference" and t.dtype == dtype:
+                out[n] = t
+                continue
+            buf = self._spare.get(n)
+            if buf is None or buf.shape != t.shape or buf.dtype != dtype or buf.device != t.device:
+                buf = self._spare[n] = torch.empty(t.shape, dtype=dtype, device=t.device)
+            out[n] = buf.copy_(t)
+        return out
+
+    def _promote(self) -> None:
+        """The candidate's send completed: it is the base, and the old base's own buffers are the spares."""
+        self._base, self._candidate = self._candidate, None
+        self._spare, self._base_owned = self._base_owned, self._spare
 
     def send(self, refit_id: int, timeout_s: float) -> dict:
         """Broadcast the prepared update. Never raises for peer failures; see the module docstring."""
@@ -279,7 +302,7 @@ class WeightSender:
             self.close_group()
             return {"ok": False, "error": str(exc), "send_s": time.monotonic() - t0, "delta": manifest.is_delta, **progress}
         if self._candidate is not None:  # every receiver got it: engines that applied it hold this base now
-            self._base, self._candidate = self._candidate, None
+            self._promote()
         return {"ok": True, "error": None, "send_s": time.monotonic() - t0, "delta": manifest.is_delta, **progress}
 
     def _pack_buffer(self, dtype: str, parity: int, numel: int, device) -> torch.Tensor:

@@ -113,6 +113,51 @@ def test_diff_keeps_a_tensor_whole_when_a_patch_would_not_be_smaller_or_cannot_b
     assert idx.numel() == 0 and val.numel() == 0
 
 
+def test_changed_finds_exactly_the_elements_whose_bits_differ_across_word_edges_and_a_reused_mask():
+    """``delta.changed`` reads the comparison mask 8 bytes at a time: sizes around a word's edge, the dtypes a
+    wire carries, none or every element changed, and one mask reused from a larger tensor for a smaller one
+    (whose stale tail must not read as changes) all give exactly the plain ``nonzero`` of the bits."""
+    g = torch.Generator().manual_seed(1)
+    scratch = delta.Scratch()
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    for n in (4097, 1, 7, 8, 9, 63, 64, 65, 1000):  # the largest first: every later one reuses its mask
+        for dtype, view in bits.items():
+            base = torch.randn(n, generator=g).to(dtype)
+            for share in (0.0, 0.03, 1.0):
+                new = base.clone()
+                pick = torch.randperm(n, generator=g)[: int(n * share)]
+                new[pick] = new[pick] * 2 + 1
+                want = torch.nonzero(new.view(view) != base.view(view)).reshape(-1)
+                got = delta.changed(new, base, scratch)
+                assert torch.equal(got, want), (n, dtype, share)
+                assert torch.equal(delta.changed(new.reshape(1, -1), base.reshape(1, -1)), want)  # no scratch
+    assert delta.changed(torch.empty(0), torch.empty(0)).numel() == 0
+
+
+def test_the_next_candidate_is_written_into_spare_buffers_never_into_the_base():
+    """The sender keeps two wire copies and swaps them when a send completes: the base an engine holds is
+    never the buffer the next snapshot is cast into, and an update prepared but not sent leaves it as it was."""
+    new = model_tensors(1)
+    engines = {Participant(0, 1, (1,)): ThreadEngine(model_tensors(0))}
+    sender, sync = delta_sync(new)
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    async def go():
+        await sync.refit(engines, 1, 1)
+        first = sender._base[1][name]
+        nudge(new, [name])
+        second = await sync.refit(engines, 2, 1)
+        return first, second
+
+    first, second = run(go())
+    assert second.ok and second.delta
+    held = sender._base[1][name]
+    assert held.data_ptr() != first.data_ptr() and torch.equal(held, new[name])
+    sender.prepare(99)  # a prepared update that is never sent: written into the spare, the old base's buffer
+    assert sender._spare[name].data_ptr() == first.data_ptr()
+    assert sender._base[1][name] is held and torch.equal(held, new[name])
+
+
 def test_a_manifest_of_patches_is_checked_as_the_tensors_they_write():
     spec = {"a.weight": ((4, 4), "float32"), "b.weight": ((4,), "float32")}
 
