@@ -33,6 +33,7 @@ from rlfleet.recipe.logprobs import token_logprobs
 from rlfleet.refit.manifest import layer_group
 from rlfleet.refit.ports import LocalSenderPort
 from rlfleet.refit.sender import WeightSender
+from rlfleet.refit.sharded_wire import KeptGroup
 
 CORRUPTIONS = ("name", "shape", "dtype", "missing_tensor", "missing_layer")
 
@@ -59,6 +60,7 @@ class WeightSource(LocalSenderPort):
         self._hold_s = 0.0
         self._addr = addr
         self._sharded_store = None
+        self._sharded_kept = KeptGroup()
         super().__init__(WeightSender(self.model, dtype=torch.float32, addr=addr, delta=delta))
 
     async def hold_next_update(self, seconds: float) -> bool:
@@ -130,13 +132,19 @@ class WeightSource(LocalSenderPort):
         """Send as rank ``rank`` of ``ranks`` to one engine of ``tp`` workers whose ranks start at ``first_worker``."""
         return await self.send_sharded_to(address, rank, ranks, [(first_worker, tp)], timeout_s)
 
+    async def sharded_holds(self, address: dict) -> bool:
+        """Whether this rank still holds the group at ``address`` (the last sharded refit's, offered again)."""
+        return self._sharded_kept.holds(address)
+
     async def send_sharded_to(self, address: dict, rank: int, ranks: int, targets: list, timeout_s: float,
-                              verify: bool = False) -> dict:
+                              verify: bool = False, keep: bool = False) -> dict:
         """Send as rank ``rank`` of ``ranks`` (an FSDP rank's stand-in: only this rank's dim-0 rows of each tensor
         leave it) to each engine of ``targets`` (``[first_worker, tp]``: its workers' ranks start at
         ``first_worker``), point to point (``refit.sharded_wire``). Answers ``ok``, ``error``, ``bytes_sent``,
         ``send_s``, ``group_s`` and ``model_bytes``; a failure of the group or a peer is ``ok`` False, not raised.
-        ``verify``: also ``stream_digests``, the ``stream_digest`` of what went to each worker, by its group rank."""
+        ``verify``: also ``stream_digests``, the ``stream_digest`` of what went to each worker, by its group rank.
+        ``keep``: the group stays joined once the send completed, for a next refit at the same address
+        (``sharded_wire.KeptGroup``; ``reused_group`` says whether this one reused it)."""
         def send() -> dict:
             import time
 
@@ -147,15 +155,18 @@ class WeightSource(LocalSenderPort):
 
             config = self.model.config.to_dict()
             state = {n: t.detach() for n, t in self.model.state_dict().items()}
-            store, self._sharded_store = (self._sharded_store, None) if int(rank) == 0 else (None, self._sharded_store)
             t0 = time.monotonic()
             out = {"ok": False, "error": None, "bytes_sent": 0, "send_s": 0.0, "group_s": 0.0, "model_bytes": 0}
             stream: dict = {}
-            try:
-                group = RefitGroup(GroupAddress.from_wire(address), int(rank), float(timeout_s), store=store)
-            except TransferError as exc:
-                return {**out, "error": f"sender rank {rank}: {exc}", "send_s": time.monotonic() - t0}
-            out["group_s"] = time.monotonic() - t0
+            group = self._sharded_kept.take(address)
+            out["reused_group"] = group is not None
+            if group is None:
+                store, self._sharded_store = (self._sharded_store, None) if int(rank) == 0 else (None, self._sharded_store)
+                try:
+                    group = RefitGroup(GroupAddress.from_wire(address), int(rank), float(timeout_s), store=store)
+                except TransferError as exc:
+                    return {**out, "error": f"sender rank {rank}: {exc}", "send_s": time.monotonic() - t0}
+                out["group_s"] = time.monotonic() - t0
             if getattr(self, "_die_at_send", False):  # mid-send: every member joined, the engines wait for its rows
                 os._exit(1)
             names: set = set()
@@ -173,7 +184,10 @@ class WeightSource(LocalSenderPort):
             except TransferError as exc:
                 out["error"] = f"sender rank {rank}: {exc}"
             finally:
-                group.close()
+                if out["ok"] and keep:
+                    self._sharded_kept.keep(address, group)
+                else:
+                    group.close()
             out["send_s"] = time.monotonic() - t0
             if verify:
                 out["stream_digests"] = stream

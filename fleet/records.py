@@ -290,7 +290,8 @@ class Transfer(Record):
     most any participant received (a broadcast gives each all of it),
     whether the update travelled as patches (``refit.delta``), and why patches were refused and the update
     sent whole instead; whether it travelled point to point from a sharded source's ranks
-    (``refit.sharded_sync``), and why an engine refused that and it went whole from rank 0."""
+    (``refit.sharded_sync``), and why an engine refused that and it went whole from rank 0; whether that
+    sharded transfer went over the group the last one completed on (``sharded_group_reused``: none built)."""
     version: int
     epoch: int
     bytes: int
@@ -298,6 +299,7 @@ class Transfer(Record):
     delta_refused: str | None = None
     sharded: bool = False
     sharded_refused: str | None = None
+    sharded_group_reused: bool = False
 
 
 @record("refit_failed_attempt")

@@ -19,7 +19,13 @@ the same outcome per engine, in three bounded phases:
    what it sent each worker (``checksum.stream_digest``); an engine whose worker's digest differs from its
    rank's is PARTIAL in phase "verify" (an engine failure, as for a broadcast refit's verification).
 
-Each refit builds its group (the ranks' stores live only for one transfer). Raises only ``RefitUsageError``
+The group outlives a refit that completed: every rank and worker keeps it (``keep``), and the next refit over
+the same epoch, ranks and layout reuses it when every member says it still holds it (``sharded_holds`` of each
+rank, and each worker's fit answer), asked in the fit phase's round, so no call is added. Building a group is a
+store and a handshake on gloo; on NCCL it is a communicator per refit, seconds at scale. Anything else builds a
+new one: another epoch or layout, a member that does not hold it (restarted, or a rank without
+``sharded_holds``), the retry (``rebuild``), or any failure or cancellation of the refit before (the members
+that completed keep the old group only until they are given a new address). Raises only ``RefitUsageError``
 (no sender rank, a bad rank layout); every participant's failure is a typed outcome.
 """
 
@@ -51,12 +57,15 @@ class ShardedSource:
 
 
 class ShardedSenderPort(Protocol):
-    """One trainer rank of a sharded refit (``faults.source.WeightSource`` stands in for an FSDP rank)."""
+    """One trainer rank of a sharded refit (``faults.source.WeightSource`` stands in for an FSDP rank).
+    ``sharded_holds`` is optional: a rank without it gets a new group every refit."""
 
     async def open_sharded(self, world_size: int, epoch: int, timeout_s: float) -> dict: ...
 
     async def send_sharded_to(self, address: dict, rank: int, ranks: int, targets: list, timeout_s: float,
-                              verify: bool = False) -> dict: ...
+                              verify: bool = False, keep: bool = False) -> dict: ...
+
+    async def sharded_holds(self, address: dict) -> bool: ...
 
 
 def _verified(key: Hashable, result: ParticipantResult, workers: list[dict], first: int,
@@ -83,23 +92,41 @@ class ShardedSynchronizer:
         self.ranks = list(ranks)
         self.config = config or RefitConfig()
         self._ids = 0
+        # (epoch, sender ranks, each engine's key and first rank and workers) and the address of the group the
+        # last refit completed over; None while a refit runs and after one that did not complete
+        self._held: tuple[tuple, dict] | None = None
+        self.reused = False  # whether the last refit reused its group
 
-    async def refit(self, participants: Mapping[Hashable, ReceiverPort], version: int, epoch: int) -> RefitReport:
-        """``participants``: ``refit.outcome.Participant`` -> port, ranks laid out by ``assign_ranks``."""
+    async def refit(self, participants: Mapping[Hashable, ReceiverPort], version: int, epoch: int,
+                    rebuild: bool = False) -> RefitReport:
+        """``participants``: ``refit.outcome.Participant`` -> port, ranks laid out by ``assign_ranks``. ``rebuild``:
+        a new group even where every member holds the last one."""
         check_layout(participants)
         cfg, S = self.config, len(self.ranks)
         parts: dict[Hashable, ReceiverPort] = dict(participants)
         self._ids += 1
         refit_id, t0 = self._ids, time.monotonic()
         ctx = (int(version), int(epoch), refit_id)
-        fits = await _settle_all({k: p.worker_rpc("rlfleet_sharded_fits", (), {}, cfg.rpc_timeout_s) for k, p in parts.items()},
-                                 cfg.rpc_timeout_s + cfg.grace_s)
+        world = S + sum(len(cast(Participant, k).ranks) for k in parts)
+        targets = {k: (S + cast(Participant, k).ranks[0] - 1, len(cast(Participant, k).ranks)) for k in parts}
+        layout = (int(epoch), S, tuple((k, *t) for k, t in targets.items()))
+        held, self._held, self.reused = self._held, None, False
+        offer = held[1] if held is not None and held[0] == layout and not rebuild else None
+        asks: dict[Hashable, Awaitable[Any]] = {
+            k: p.worker_rpc("rlfleet_sharded_fits", (), {"group": offer} if offer else {}, cfg.rpc_timeout_s)
+            for k, p in parts.items()}
+        if offer is not None:
+            asks.update({(SENDER, i): _holds(r, offer) for i, r in enumerate(self.ranks)})
+        fits = await _settle_all(asks, cfg.rpc_timeout_s + cfg.grace_s)
+        held_by = [fits.pop((SENDER, i)).value is True for i in range(S)] if offer is not None else [False]
         failures: dict[Hashable, ParticipantResult] = {}
+        holding = all(held_by)
         for key, s in fits.items():
             err = s.error(f"sharded fit of {describe(key)}", cfg.rpc_timeout_s)
             workers = _per_worker(s.value) if err is None else []
             refused = next((w["refused"] for w in workers if w.get("refused")), None)
             err = err or _worker_error(workers)
+            holding = holding and bool(workers) and all(w.get("holds") is True for w in workers)
             if err:
                 failures[key] = ParticipantResult(Outcome.NOT_STARTED, err, "prepare", 0, s.exc, refused=refused)
         if failures:
@@ -107,26 +134,28 @@ class ShardedSynchronizer:
             aborted = {k: failures.get(k) or ParticipantResult(Outcome.NOT_STARTED, f"refit aborted before any weight "
                                                                f"moved: {first}", "prepare") for k in parts}
             return RefitReport(*ctx, aborted, PhaseTimings(prepare_s=time.monotonic() - t0, total_s=time.monotonic() - t0), True)
-        world = S + sum(len(cast(Participant, k).ranks) for k in parts)
         t1 = time.monotonic()
-        opened = await _settle_all({SENDER: self.ranks[0].open_sharded(world, int(epoch), cfg.group_timeout_s)},
-                                   cfg.rpc_timeout_s + cfg.grace_s)
-        address = opened[SENDER].value
-        if not isinstance(address, dict):
-            why = opened[SENDER].error("sender rank 0 open", cfg.rpc_timeout_s) or f"sender rank 0 answered {address!r}"
-            unopened = {k: ParticipantResult(Outcome.NOT_STARTED, f"refit aborted before any weight moved: {why}", "group")
-                        for k in parts}
-            return RefitReport(*ctx, unopened, PhaseTimings(group_s=time.monotonic() - t1, total_s=time.monotonic() - t0),
-                               True, 0, why)
-        targets = {k: (S + cast(Participant, k).ranks[0] - 1, len(cast(Participant, k).ranks)) for k in parts}
+        if offer is not None and holding:
+            address, self.reused = offer, True
+        else:
+            opened = await _settle_all({SENDER: self.ranks[0].open_sharded(world, int(epoch), cfg.group_timeout_s)},
+                                       cfg.rpc_timeout_s + cfg.grace_s)
+            address = opened[SENDER].value
+            if not isinstance(address, dict):
+                why = opened[SENDER].error("sender rank 0 open", cfg.rpc_timeout_s) or f"sender rank 0 answered {address!r}"
+                unopened = {k: ParticipantResult(Outcome.NOT_STARTED, f"refit aborted before any weight moved: {why}",
+                                                 "group") for k in parts}
+                return RefitReport(*ctx, unopened, PhaseTimings(group_s=time.monotonic() - t1,
+                                                                total_s=time.monotonic() - t0), True, 0, why)
         bound = cfg.timeout_s + cfg.apply_timeout_s
         verify = {"verify": True} if cfg.verifies else {}
         calls: dict[Hashable, Awaitable[Any]] = {
-            (SENDER, i): r.send_sharded_to(address, i, S, [list(t) for t in targets.values()], cfg.timeout_s, **verify)
+            (SENDER, i): r.send_sharded_to(address, i, S, [list(t) for t in targets.values()], cfg.timeout_s,
+                                           keep=True, **verify)
             for i, r in enumerate(self.ranks)}
         for key, port in parts.items():
             calls[key] = port.worker_rpc("rlfleet_receive_sharded", (address, targets[key][0], S, int(version), cfg.timeout_s),
-                                         {"digests": False, **verify}, bound)
+                                         {"digests": False, "keep": True, **verify}, bound)
         t2 = time.monotonic()
         settled = await _settle_all(calls, bound + cfg.grace_s)
         sent, sender_error, streams = 0, None, {}
@@ -152,4 +181,12 @@ class ShardedSynchronizer:
         timings = PhaseTimings(t1 - t0, 0.0, time.monotonic() - t2, 0.0,
                                max((float(r.detail.get("apply_s", 0.0)) for r in results.values()), default=0.0),
                                time.monotonic() - t0)
+        if sender_error is None and all(r.outcome is Outcome.COMPLETE for r in results.values()):
+            self._held = (layout, address)
         return RefitReport(*ctx, results, timings, True, sent, sender_error)
+
+
+async def _holds(rank: ShardedSenderPort, address: dict) -> bool:
+    """Whether ``rank`` still holds the group at ``address``; a rank without ``sharded_holds`` holds none."""
+    ask = getattr(rank, "sharded_holds", None)
+    return bool(await ask(address)) if ask is not None else False

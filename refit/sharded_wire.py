@@ -24,7 +24,39 @@ import torch
 
 from rlfleet.refit.checksum import stream_digest
 from rlfleet.refit.fused_layout import Piece
+from rlfleet.refit.group import RefitGroup
 from rlfleet.refit.shard_plan import chunk, rows_sent
+
+
+class KeptGroup:
+    """A member's group of the last sharded refit it completed, kept for the next one at the same address
+    (``refit.sharded_sync`` offers it when every member holds it). A member uses it by ``take``; it keeps it
+    again only once its part of that refit completed, and closes it otherwise: a group a transfer failed or
+    stopped on may hold messages nobody will read."""
+
+    def __init__(self) -> None:
+        self._held: tuple[dict, RefitGroup] | None = None
+
+    def holds(self, address: dict | None) -> bool:
+        return self._held is not None and address is not None and self._held[0] == address
+
+    def take(self, address: dict) -> RefitGroup | None:
+        """The kept group if it is ``address``'s, no longer kept; any other kept group is closed."""
+        held, self._held = self._held, None
+        if held is not None and held[0] == address:
+            return held[1]
+        if held is not None:
+            held[1].close()
+        return None
+
+    def keep(self, address: dict, group: RefitGroup) -> None:
+        self.drop()
+        self._held = (dict(address), group)
+
+    def drop(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held[1].close()
 
 
 @dataclass(frozen=True)

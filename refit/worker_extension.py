@@ -385,18 +385,25 @@ class RefitWorkerExtension:
                                  f"{tuple(shape)} (unreadable packed weights: RLFLEET_READABLE_WEIGHTS=0?)")
         return pieces, shapes, named
 
-    def rlfleet_sharded_fits(self) -> dict:
+    def rlfleet_sharded_fits(self, group: dict | None = None) -> dict:
         """Whether this worker can take a sharded refit (``rlfleet_receive_sharded``): ``ok``, or ``refused`` saying
-        why not. Changes nothing; asked of every worker before any joins a sharded refit's group."""
+        why not; ``holds``: whether it still holds the group at ``group`` (the last refit's, offered again).
+        Changes nothing; asked of every worker before any joins a sharded refit's group."""
+        holds = self._rlfleet_kept_group().holds(group)
         try:
             self._rlfleet_sharded_layout()
         except ValueError as exc:
             why = f"sharded refit refused, nothing changed: {exc}"
-            return {"ok": False, "error": why, "refused": why, "worker_index": self._rlfleet_index()[0]}
-        return {"ok": True, "error": None, "refused": None, "worker_index": self._rlfleet_index()[0]}
+            return {"ok": False, "error": why, "refused": why, "worker_index": self._rlfleet_index()[0], "holds": holds}
+        return {"ok": True, "error": None, "refused": None, "worker_index": self._rlfleet_index()[0], "holds": holds}
+
+    def _rlfleet_kept_group(self):
+        from rlfleet.refit.sharded_wire import KeptGroup
+
+        return self.__dict__.setdefault("_rlfleet_sharded_group", KeptGroup())
 
     def rlfleet_receive_sharded(self, address: dict, first_worker: int, source_ranks: int, version: int,
-                                timeout_s: float, digests: bool = True, verify: bool = False) -> dict:
+                                timeout_s: float, digests: bool = True, verify: bool = False, keep: bool = False) -> dict:
         """A sharded refit's receiving worker (``refit.sharded_wire``): join the group at ``address`` as rank
         ``first_worker + worker_index``; take from each of the ``source_ranks`` dim-0-sharded sender ranks exactly
         the rows ``refit.fused_layout`` places in this worker's live parameters, written in place (the engine is
@@ -404,7 +411,9 @@ class RefitWorkerExtension:
         (``not_started`` with ``refused``: a layout it cannot place, nothing joined or written; ``partial``;
         ``complete``), ``error``, ``bytes``, timings and, when complete and asked, this worker's ``digests``.
         ``verify``: also ``stream_digests``, each sender rank's ``stream_digest`` of the rows it sent here, taken
-        before they are written (the synchronizer compares them with the ranks' own)."""
+        before they are written (the synchronizer compares them with the ranks' own). ``keep``: the group stays
+        joined once the receive completed, for a next refit at the same address (``sharded_wire.KeptGroup``);
+        ``group_s`` is 0 where this one reused it."""
         from rlfleet.refit import sharded_wire
         from rlfleet.refit.group import GroupAddress, RefitGroup
 
@@ -429,17 +438,26 @@ class RefitWorkerExtension:
             written.append(True)
             rx.note_peer_copy(PARTIAL)  # from here on the live weights are neither the old nor the new ones
 
+        kept = self._rlfleet_kept_group()
         t0 = time.monotonic()
         try:
-            group = RefitGroup(GroupAddress.from_wire(address), int(first_worker) + index, float(timeout_s))
-            res["group_s"] = group.build_s
+            group = kept.take(address)
+            res["reused_group"] = group is not None
+            if group is None:
+                group = RefitGroup(GroupAddress.from_wire(address), int(first_worker) + index, float(timeout_s))
+            res["group_s"] = 0.0 if res["reused_group"] else group.build_s
+            done = False
             try:
                 res["bytes"] = sharded_wire.receive_all(group, pieces, shapes, named, int(source_ranks), float(timeout_s),
                                                         on_first_write=first_write,
                                                         buffers=self.__dict__.setdefault("_rlfleet_sharded_buffers", {}),
                                                         digests=stream if verify else None, arrived=arrived)
+                done = True
             finally:
-                group.close()
+                if done and keep:
+                    kept.keep(address, group)
+                else:
+                    group.close()
         except Exception as exc:  # noqa: BLE001 - before the first write nothing changed; after it, weights unknown
             res.update(state=PARTIAL if written else NOT_STARTED,
                        error=f"sharded refit of version {version}: {type(exc).__name__}: {exc}")

@@ -1,7 +1,7 @@
 """A sharded refit against today's broadcast, into one real vLLM-CPU engine at TP 2, on gloo.
 
 The sender is 2 ranks, each a ``WeightSource`` holding the same "trained" weights and sending only its own
-dim-0 rows of every tensor (what an FSDP rank holds; ``WeightSource.send_sharded``). Each engine worker
+dim-0 rows of every tensor (what an FSDP rank holds; ``WeightSource.send_sharded_to``). Each engine worker
 receives, from both, exactly the rows ``refit.fused_layout`` places in its live parameters, the fused
 ``qkv_proj`` and ``gate_up_proj`` included (``refit.sharded_wire``), then has vLLM re-derive its packed linears.
 The baseline, in the same run and into the same engine: the same weights by today's refit
@@ -16,7 +16,8 @@ The last line is one JSON object: ``bytes_received_per_worker_vs_held`` (the mos
 it holds of the parameters it places, goal <= 1.1), ``fallback_share`` (bytes sent whole: none with
 ``fused_layout``) and ``vllm_resolution_fallback_share`` (what vLLM 0.32's own ``m2n_layout`` would send whole
 on this model: the fused and vocabulary-parallel parameters), ``sharded_vs_broadcast_s`` (the sharded
-refit's wall time, its group built each time, over the broadcast's, goal <= 0.8), ``max_rank_bytes_sent_vs_model``
+refit's wall time over the broadcast's, goal <= 0.8; both keep their group from round to round, as
+``refit.sharded_sync`` and the broadcast's synchronizer do, and round 0, which builds them, is not counted), ``max_rank_bytes_sent_vs_model``
 (goal <= 0.6 with 2 ranks), ``digests_equal`` (every round), and per round both arms' seconds.
 """
 
@@ -78,7 +79,7 @@ def main() -> int:
     env = {**cfg.process_env(), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # one NUMA node: no per-worker binding
     shard = ray_door.spawn_shard(cfg, slot=0, incarnation=1, runtime_env={"env_vars": env})
     ranks = [ray_door.spawn_actor(WeightSource, model, num_cpus=0) for _ in range(RANKS)]
-    rows, equal, model_bytes = [], [], 0
+    rows, equal, model_bytes, address = [], [], 0, None
     loop = asyncio.new_event_loop()  # the synchronizer's locks belong to one loop: every refit runs on it
     try:
         ray_door.ask(shard, "start", timeout=T)
@@ -89,10 +90,12 @@ def main() -> int:
             for r in ranks:
                 ray_door.ask(r, "perturb", seed=100 + rnd, scale=0.02, relative=True, timeout=T)
             t0 = time.monotonic()
-            address = ray_door.ask(ranks[0], "open_sharded", RANKS + TP, 5000 + rnd, 300.0, timeout=T)
-            sends = [ray_door.submit(r, "send_sharded", address, i, RANKS, TP, RANKS, 300.0) for i, r in enumerate(ranks)]
+            if address is None:  # each side keeps the group for the next round, as the broadcast's sender does
+                address = ray_door.ask(ranks[0], "open_sharded", RANKS + TP, 5000, 300.0, timeout=T)
+            sends = [ray_door.submit(r, "send_sharded_to", address, i, RANKS, [[RANKS, TP]], 300.0, keep=True)
+                     for i, r in enumerate(ranks)]
             recv = ray_door.submit(shard, "worker_rpc", "rlfleet_receive_sharded", [address, RANKS, RANKS, 2 * rnd + 1, 300.0],
-                                   {"digests": False}, 600)
+                                   {"digests": False, "keep": True}, 600)
             sent, got = ray_door.results(sends, timeout=T), ray_door.result(recv, timeout=T)
             sharded_s = time.monotonic() - t0
             if any(g["state"] != "complete" for g in got):

@@ -36,6 +36,7 @@ class TransferResult:
     delta_refused: str | None = None  # why an engine refused the patches (the update then went whole, to all)
     sharded: bool = False  # the update travelled point to point from a ``ShardedSource``'s ranks (``refit.sharded_sync``)
     sharded_refused: str | None = None  # why an engine refused the sharded refit (it then went whole from rank 0)
+    sharded_group_reused: bool = False  # the sharded refit went over the group of the last one (nothing built)
 
 
 SENDER_METHODS = ("open_group", "connect", "close_group", "prepare", "send")
@@ -156,6 +157,7 @@ class RefitTransferPort:
         self._sync: WeightSynchronizer | None = None
         self._source: Any = None
         self._staged: RefitReport | None = None  # the synchronizer's report of the last stage (what ``apply_staged`` applies)
+        self._sharded_sync: tuple[tuple, ShardedSynchronizer] | None = None  # by its source's ranks: it keeps their group
         self._workers: dict[tuple[int, int], int] = {}
 
     def check_source(self, source: Any) -> None:
@@ -186,7 +188,7 @@ class RefitTransferPort:
         cancelled midway, is rebuilt next time) and ``rebuild`` (a fresh group whatever the epoch)."""
         async def attempt() -> dict[int, TransferResult]:
             if isinstance(source, ShardedSource):
-                return await self._sharded(participants, version, epoch, source)
+                return await self._sharded(participants, version, epoch, source, rebuild)
             out, ports = await self._ports(participants, source)
             if ports:
                 assert self._sync is not None  # _ports built it
@@ -195,14 +197,18 @@ class RefitTransferPort:
 
         return await by_deadline(attempt(), participants, timeout, RefitResult.PARTIAL, "weights unknown")
 
-    async def _sharded(self, participants, version, epoch, source: ShardedSource) -> dict[int, TransferResult]:
-        """Every rank to every engine point to point (``refit.sharded_sync``); an update some engine cannot place
-        sharded goes out whole from rank 0 by the broadcast, when rank 0 can send it whole."""
+    async def _sharded(self, participants, version, epoch, source: ShardedSource, rebuild: bool = False
+                       ) -> dict[int, TransferResult]:
+        """Every rank to every engine point to point (``refit.sharded_sync``, one synchronizer per source's ranks,
+        which keeps their group from refit to refit); an update some engine cannot place sharded goes out whole
+        from rank 0 by the broadcast, when rank 0 can send it whole."""
         out, ports = await self._receivers(participants)
         if not ports:
             return out
-        sync = ShardedSynchronizer([self._door.sender_port(h) for h in source.ranks], self._config)
-        report = await sync.refit(ports, version, epoch)
+        if self._sharded_sync is None or self._sharded_sync[0] != source.ranks:
+            self._sharded_sync = (source.ranks, ShardedSynchronizer([self._door.sender_port(h) for h in source.ranks],
+                                                                    self._config))
+        report = await self._sharded_sync[1].refit(ports, version, epoch, rebuild=rebuild)
         whole = source.ranks[0]
         if report.refused and self._door.is_sender(whole, SENDER_METHODS):
             why = f"sent whole by the broadcast from rank 0, refused sharded: {report.refused[:300]}"
@@ -211,7 +217,9 @@ class RefitTransferPort:
             results = self._results(await self._sync.refit(ports, version, epoch, rebuild=True))
             return {**out, **{s: dataclasses.replace(r, detail=f"{r.detail}; {why}", sharded_refused=report.refused)
                               for s, r in results.items()}}
-        out.update({s: dataclasses.replace(r, sharded=True) for s, r in self._results(report).items()})
+        reused = self._sharded_sync[1].reused
+        out.update({s: dataclasses.replace(r, sharded=True, sharded_group_reused=reused)
+                    for s, r in self._results(report).items()})
         return out
 
     async def stage(self, participants, version, epoch, source, timeout) -> dict[int, TransferResult]:

@@ -42,9 +42,15 @@ def test_two_trainer_ranks_refit_the_fleet_point_to_point_through_the_lifecycle(
     assert summary["complete"] == [0, 1] and summary["attempts"] == 1, summary
     sent = [t for t in Transfer.among(r.fleet.events()) if t.version == v]
     assert len(sent) == 1 and sent[0].bytes > 0 and sent[0].sharded and sent[0].sharded_refused is None
+    assert not sent[0].sharded_group_reused  # the fleet's first sharded refit from these ranks builds the group
+    perturb(ranks, 503)
+    v += 1
+    assert r.fleet.sync_weights(v, ShardedSource(ranks))["complete"] == [0, 1]
+    again = [t for t in Transfer.among(r.fleet.events()) if t.version == v]
+    assert len(again) == 1 and again[0].sharded and again[0].sharded_group_reused  # the next one reuses it
     results = [x for g in r.fleet.generate([[1, 9, 8, 7]] * 4, n=2, sampling={"max_tokens": 12, "seed": 5}) for x in g]
     assert all(x.ok and x.result.weight_version == v for x in results)
-    gap = logprob_gap(ranks[0], results)  # the engines hold the ranks' weights, rows from both
+    gap = logprob_gap(ranks[0], results)  # the engines hold the ranks' weights (the second update), rows from both
     assert gap < 1e-4, gap
     with pytest.raises(RefitArgumentError, match=r"ShardedSource needs .* rank\(s\) \[1\] are not"):
         r.fleet.sync_weights(v + 1, ShardedSource((ranks[0], "not an actor")))

@@ -11,42 +11,61 @@ from rlfleet.refit.sharded_sync import ShardedSynchronizer
 
 
 class Rank:
+    opened = 0  # every rank's stores, counted: each address is a new one
+
     def __init__(self, answer=None, dies=False) -> None:
-        self.answer, self.dies, self.calls = answer, dies, []
+        self.answer, self.dies, self.calls, self.held = answer, dies, [], None
 
     async def open_sharded(self, world_size, epoch, timeout_s):
         self.calls.append(("open", world_size, epoch))
-        return {"address": "here", "world_size": world_size}
+        Rank.opened += 1
+        return {"address": f"here{Rank.opened}", "world_size": world_size}
 
-    async def send_sharded_to(self, address, rank, ranks, targets, timeout_s, verify=False):
+    async def sharded_holds(self, address):
+        return self.held == address
+
+    async def send_sharded_to(self, address, rank, ranks, targets, timeout_s, verify=False, keep=False):
         self.calls.append(("send", rank, ranks, targets))
+        self.held = None
         if self.dies:
             raise RuntimeError("the actor died")
         if verify:  # what it sent each worker, by the worker's group rank
             workers = [first + i for first, n in targets for i in range(n)]
             return {"ok": True, "error": None, "bytes_sent": 100, "stream_digests": {g: f"r{rank}w{g}" for g in workers}}
-        return self.answer or {"ok": True, "error": None, "bytes_sent": 100}
+        answer = self.answer or {"ok": True, "error": None, "bytes_sent": 100}
+        if answer["ok"] and keep:
+            self.held = address
+        return answer
+
+
+_holds_kept = None  # set below: Rank.sharded_holds, put back after a test takes it away
 
 
 class Engine:
     def __init__(self, workers=1, fits=True, state="complete", first=0, garbled=None) -> None:
         """``first``: its first worker's group rank; ``garbled``: (worker, sender rank) whose rows changed on the way."""
         self.workers, self.fits, self.state, self.calls = workers, fits, state, []
-        self.first, self.garbled, self.kwargs = first, garbled, {}
+        self.first, self.garbled, self.kwargs, self.held = first, garbled, {}, None
 
     async def worker_rpc(self, method, args=(), kwargs=None, timeout=None):
         self.calls.append((method, tuple(args)))
         if method == "rlfleet_sharded_fits":
+            holds = (kwargs or {}).get("group") is not None and (kwargs or {}).get("group") == self.held
             return [{"ok": self.fits, "refused": None if self.fits else "sharded refit refused, nothing changed: no qkv",
-                     "error": None if self.fits else "sharded refit refused, nothing changed: no qkv"}] * self.workers
+                     "error": None if self.fits else "sharded refit refused, nothing changed: no qkv",
+                     "holds": holds}] * self.workers
         ok = self.state == "complete"
         self.kwargs = dict(kwargs or {})
+        self.held = args[0] if ok and self.kwargs.pop("keep", False) else None
         answers = [{"ok": ok, "state": self.state, "error": None if ok else "sharded receive timed out", "bytes": 50,
                     "version": args[3] if ok else 0, "worker_index": w} for w in range(self.workers)]
         if self.kwargs.get("verify"):
             for w, a in enumerate(answers):
                 a["stream_digests"] = {s: ("garbled" if (w, s) == self.garbled else f"r{s}w{self.first + w}") for s in range(2)}
         return answers
+
+
+_holds_kept = Rank.sharded_holds
 
 
 def refit(ranks, engines, version=7, **cfg):
@@ -75,7 +94,8 @@ def test_every_rank_sends_every_engine_and_each_worker_joins_after_the_sender_ra
     assert report.ok and report.bytes_sent == 200 and not report.refused
     assert ranks[0].calls[0] == ("open", 2 + 3, 3)  # 2 sender ranks + 3 engine workers
     assert [c[1:] for c in ranks[0].calls[1:] + ranks[1].calls] == [(0, 2, [[2, 1], [3, 2]]), (1, 2, [[2, 1], [3, 2]])]
-    assert one.calls[-1] == ("rlfleet_receive_sharded", ({"address": "here", "world_size": 5}, 2, 2, 7, 5))
+    method, (address, *rest) = one.calls[-1]
+    assert method == "rlfleet_receive_sharded" and rest == [2, 2, 7, 5] and address["world_size"] == 5
     assert two.calls[-1][1][1] == 3  # its workers are ranks 3 and 4
     assert all(r.outcome is Outcome.COMPLETE for r in report.results.values())
 
@@ -139,3 +159,46 @@ def test_the_controllers_port_sends_an_update_no_engine_can_place_sharded_whole_
     assert_holds(engine, new)
     rank1.dead = True
     assert sender_state(Door(), source) == "DEAD" and sender_state(Door(), rank0) == "ALIVE"
+
+
+def test_the_next_refit_over_the_same_members_reuses_their_group_and_anything_else_builds_a_new_one():
+    """A group outlives a completed refit: the next one over the same epoch, ranks and engines asks every member in
+    the fit round whether it still holds it, and reuses it (no store hosted); a member that does not hold it (a
+    restarted worker), a failed refit before, another epoch, or ``rebuild`` each get a new one."""
+    ranks = [Rank(), Rank()]
+    one, two = Engine(), Engine(workers=2)
+    parts = {Participant(0, 1, (1,)): one, Participant(1, 1, (2, 3)): two}
+    sync = ShardedSynchronizer(ranks, RefitConfig(timeout_s=5))
+
+    def go(version, epoch=3, **kw):
+        report = asyncio.run(sync.refit(parts, version, epoch, **kw))
+        assert report.ok, report.summary()
+        return sum(c[0] == "open" for c in ranks[0].calls), one.calls[-1][1][0]
+
+    opens, first = go(1)
+    assert opens == 1 and not sync.reused
+    assert one.calls[0] == ("rlfleet_sharded_fits", ()) and two.kwargs == {"digests": False}  # keep=True was sent
+    opens, again = go(2)
+    assert (opens, again, sync.reused) == (1, first, True)  # no store hosted, the same address
+    two.held = None  # its worker restarted: it holds nothing
+    opens, fresh = go(3)
+    assert opens == 2 and fresh != first and not sync.reused
+    opens, _ = go(4, rebuild=True)
+    assert opens == 3
+    opens, _ = go(5, epoch=4)
+    assert opens == 4
+    one.state = "partial"
+    assert not asyncio.run(sync.refit(parts, 6, 4)).ok and sync.reused  # it reused the group, and failed on it
+    failed_on = one.calls[-1][1][0]
+    one.state = "complete"
+    opens, after = go(7, epoch=4)  # the group a refit failed on is never offered again
+    assert opens == 5 and after != failed_on and not sync.reused
+    without = [Rank(), Rank()]
+    del Rank.sharded_holds  # a rank with no sharded_holds: a new group every refit
+    try:
+        plain = ShardedSynchronizer(without, RefitConfig(timeout_s=5))
+        for v in (1, 2):
+            assert asyncio.run(plain.refit({Participant(0, 1, (1,)): Engine()}, v, 3)).ok
+        assert sum(c[0] == "open" for c in without[0].calls) == 2
+    finally:
+        Rank.sharded_holds = _holds_kept

@@ -187,3 +187,58 @@ def test_the_workers_receive_through_the_extension_and_land_complete_at_the_vers
         for name, t in want.items():
             keep = ~torch.isnan(adapters[w].live[name])
             assert torch.equal(adapters[w].live[name][keep], t[keep])
+
+
+def test_a_kept_group_carries_the_next_refit_and_a_new_address_replaces_it():
+    """Workers and sender ranks that keep their group (``keep``, ``KeptGroup``) take the next refit over it with no
+    new store or handshake, and hold that refit's weights; given another address, each closes the kept group and
+    joins the new one."""
+    from rlfleet.refit.sharded_wire import KeptGroup
+
+    pieces = [resolve(CONFIG, 2, r) for r in range(2)]
+    adapters = [_Adapter(checkpoint(seed=2), 2, r) for r in range(2)]
+    workers = [_worker(adapters[w], w, 2) for w in range(2)]
+    kept = [KeptGroup(), KeptGroup()]
+
+    def round_(full: dict, address: GroupAddress, store) -> list[dict]:
+        shapes = {n: tuple(t.shape) for n, t in full.items()}
+        wire = address.to_wire()
+
+        def sender(s: int) -> bool:
+            group = kept[s].take(wire)
+            reused = group is not None
+            group = group or RefitGroup(address, s, T, store=store if s == 0 else None)
+            shard = {n: t[slice(*chunk(t.shape[0], 2, s))] for n, t in full.items()}
+            send_all(group, pieces, shapes, shard, 2, s, 2, T)
+            kept[s].keep(wire, group)
+            return reused
+
+        with ThreadPoolExecutor(4) as pool:
+            sends = [pool.submit(sender, s) for s in range(2)]
+            recvs = [pool.submit(workers[w].rlfleet_receive_sharded, wire, 2, 2, 9, T, False, keep=True) for w in range(2)]
+            reused = [f.result() for f in sends]
+            got = [f.result() for f in recvs]
+        assert [g["state"] for g in got] == ["complete", "complete"], got
+        for w in range(2):
+            for name, t in from_full(pieces[w], full, local_shapes(CONFIG, 2, pieces[w], shapes)).items():
+                live = adapters[w].live[name]
+                assert torch.equal(live[~torch.isnan(live)], t[~torch.isnan(live)]), name
+        return [{"sender_reused": r, **g} for r, g in zip(reused, got)]
+
+    store = host_store("127.0.0.1", 4, T)
+    first = GroupAddress("127.0.0.1", store.port, 7, 4, "gloo", op_timeout_s=T)
+    one = round_(checkpoint(seed=2), first, store)
+    assert not any(g["reused_group"] or g["sender_reused"] for g in one) and all(g["group_s"] > 0 for g in one)
+    assert all(workers[w].rlfleet_sharded_fits(first.to_wire())["holds"] for w in range(2))
+    two = round_(checkpoint(seed=3), first, None)  # no store hosted: nobody joins anything
+    assert all(g["reused_group"] and g["sender_reused"] and g["group_s"] == 0.0 for g in two)
+    other = host_store("127.0.0.1", 4, T)
+    second = GroupAddress("127.0.0.1", other.port, 8, 4, "gloo", op_timeout_s=T)
+    assert not workers[0].rlfleet_sharded_fits(second.to_wire())["holds"]
+    three = round_(checkpoint(seed=4), second, other)
+    assert not any(g["reused_group"] or g["sender_reused"] for g in three)
+    assert not workers[0].rlfleet_sharded_fits(first.to_wire())["holds"]  # the first group was closed
+    for k in kept:
+        k.drop()
+    for w in workers:
+        w._rlfleet_kept_group().drop()

@@ -196,7 +196,8 @@ def _record_transfer(r: RefitRun, epoch: int, results: dict) -> None:
                              delta=any(res.delta for res in values),
                              delta_refused=next((res.delta_refused for res in values if res.delta_refused), None),
                              sharded=any(res.sharded for res in values),
-                             sharded_refused=next((res.sharded_refused for res in values if res.sharded_refused), None)))
+                             sharded_refused=next((res.sharded_refused for res in values if res.sharded_refused), None),
+                             sharded_group_reused=any(res.sharded_group_reused for res in values)))
 
 
 async def _bounded(r: RefitRun, plan: MembershipPlan, deadline: float, call) -> dict:
