@@ -22,6 +22,7 @@ the update whole.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 IDX_SUFFIX = "#delta_idx"
@@ -55,35 +56,40 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 class Scratch:
     """A comparison mask reused from tensor to tensor and refit to refit: a fresh one per tensor is a fresh
-    allocation whose pages the comparison faults in, a third of the diff's time on CPU."""
+    allocation whose pages the comparison faults in, on CPU a third of the diff's time."""
 
     def __init__(self) -> None:
         self._mask: torch.Tensor | None = None
 
     def mask(self, numel: int, device) -> torch.Tensor:
-        """A bool buffer of ``numel`` rounded up to whole 8-byte words, on ``device``, zero past ``numel``."""
-        words = -(-numel // 8)
-        if self._mask is None or self._mask.numel() < words * 8 or self._mask.device != torch.device(device):
-            self._mask = torch.zeros(words * 8, dtype=torch.bool, device=device)
-        out = self._mask[: words * 8]
-        out[numel:] = False
-        return out
+        """A bool buffer of ``numel`` elements on ``device``."""
+        if self._mask is None or self._mask.numel() < numel or self._mask.device != torch.device(device):
+            self._mask = torch.empty(numel, dtype=torch.bool, device=device)
+        return self._mask[:numel]
 
 
 def changed(new: torch.Tensor, base: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
     """Flat indices (int64, ascending) of the elements whose bits differ between two tensors of one shape and
-    dtype. Equal to ``nonzero(bits(new) != bits(base))``, found in two narrower passes: which 8-byte words of
-    the comparison mask hold a change (a few percent of them after an RL step), then which bytes of those."""
+    dtype: ``nonzero(bits(new) != bits(base))``. On CPU by numpy, whose comparison of 16-bit integers is
+    vectorized where torch's is not (2.8x on one thread) and whose ``flatnonzero`` is one pass (torch's
+    ``nonzero`` counts, then fills): together 60 ms against 130 for 100M bfloat16 elements on one thread."""
     a, b = _bits(new), _bits(base)
     n = a.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=a.device)
     mask = (scratch or Scratch()).mask(n, a.device)
-    torch.ne(a, b, out=mask[:n])
-    words = mask.view(torch.int64)
-    hit = torch.nonzero(words).reshape(-1)
-    where = torch.nonzero(words.index_select(0, hit).view(torch.uint8).reshape(-1, 8))
-    return hit.index_select(0, where[:, 0]) * 8 + where[:, 1]
+    return (_changed_numpy if a.device.type == "cpu" else _changed_torch)(a, b, mask)
+
+
+def _changed_numpy(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    out = mask.numpy()
+    np.not_equal(a.numpy(), b.numpy(), out=out)
+    return torch.from_numpy(np.flatnonzero(out))
+
+
+def _changed_torch(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    torch.ne(a, b, out=mask)
+    return torch.nonzero(mask).reshape(-1)
 
 
 def diff(new: torch.Tensor, base: torch.Tensor, scratch: Scratch | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:

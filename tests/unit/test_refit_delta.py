@@ -113,24 +113,27 @@ def test_diff_keeps_a_tensor_whole_when_a_patch_would_not_be_smaller_or_cannot_b
     assert idx.numel() == 0 and val.numel() == 0
 
 
-def test_changed_finds_exactly_the_elements_whose_bits_differ_across_word_edges_and_a_reused_mask():
-    """``delta.changed`` reads the comparison mask 8 bytes at a time: sizes around a word's edge, the dtypes a
-    wire carries, none or every element changed, and one mask reused from a larger tensor for a smaller one
-    (whose stale tail must not read as changes) all give exactly the plain ``nonzero`` of the bits."""
+def test_changed_finds_exactly_the_elements_whose_bits_differ_by_numpy_and_by_torch_with_a_reused_mask():
+    """``delta.changed`` (numpy on CPU, torch elsewhere; both run here): the dtypes a wire carries, -0.0
+    against 0.0, none, some or every element changed, and one mask reused from a larger tensor for smaller
+    ones all give exactly the plain ``nonzero`` of the bits."""
     g = torch.Generator().manual_seed(1)
-    scratch = delta.Scratch()
     bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-    for n in (4097, 1, 7, 8, 9, 63, 64, 65, 1000):  # the largest first: every later one reuses its mask
-        for dtype, view in bits.items():
-            base = torch.randn(n, generator=g).to(dtype)
-            for share in (0.0, 0.03, 1.0):
-                new = base.clone()
-                pick = torch.randperm(n, generator=g)[: int(n * share)]
-                new[pick] = new[pick] * 2 + 1
-                want = torch.nonzero(new.view(view) != base.view(view)).reshape(-1)
-                got = delta.changed(new, base, scratch)
-                assert torch.equal(got, want), (n, dtype, share)
-                assert torch.equal(delta.changed(new.reshape(1, -1), base.reshape(1, -1)), want)  # no scratch
+    for way in (delta._changed_numpy, delta._changed_torch):
+        scratch = delta.Scratch()
+        for n in (4097, 1, 7, 8, 9, 64, 1000):  # the largest first: every later one reuses its mask
+            for dtype, view in bits.items():
+                base = torch.randn(n, generator=g).to(dtype)
+                base[0] = 0.0
+                for share in (0.0, 0.03, 1.0):
+                    new = base.clone()
+                    pick = torch.randperm(n, generator=g)[: int(n * share)]
+                    new[pick] = new[pick] * 2 + 1
+                    new[0] = -0.0 if share else 0.0
+                    want = torch.nonzero(new.view(view) != base.view(view)).reshape(-1)
+                    got = way(new.view(view).reshape(-1), base.view(view).reshape(-1), scratch.mask(n, "cpu"))
+                    assert torch.equal(got, want) and got.dtype == torch.int64, (way.__name__, n, dtype, share)
+                    assert torch.equal(delta.changed(new.reshape(1, -1), base.reshape(1, -1)), want)  # no scratch
     assert delta.changed(torch.empty(0), torch.empty(0)).numel() == 0
 
 
