@@ -83,7 +83,7 @@ def changed(new: torch.Tensor, base: torch.Tensor, scratch: Scratch | None = Non
 
 def _changed_numpy(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     out = mask.numpy()
-    np.not_equal(a.numpy(), b.numpy(), out=out)
+    np.not_equal(a.detach().numpy(), b.detach().numpy(), out=out)
     return torch.from_numpy(np.flatnonzero(out))
 
 
