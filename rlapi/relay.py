@@ -16,11 +16,10 @@ engines the fleet runs. The relay:
 - commits the candidate once the fleet committed it (``commit``), else drops it (``revert``): the
   fleet and the relay keep serving the last committed weights. Whether the fleet committed is the
   controller's word (``rlapi.routes``), never guessed from an error;
-- knows which committed version its copy is (``committed_as``, with the digest of that copy): the
+- knows which committed version its copy is (``committed_as``, sealed as committed: ``_Seal``): the
   checkpoint's version 0 when the fleet serves the checkpoint, else unknown until a full update commits.
   A partial update is the committed weights with some tensors replaced, so it is refused (nothing changed)
-  unless the relay's copy is the fleet's committed version and still has the digest it had when committed;
-  ``source_for`` refuses a refit of the relay's copy as the committed weights on the same grounds.
+  unless the relay's copy is the fleet's committed version and still the copy it sealed at the commit.
 
 Delta refits (``refit.delta``, on by default: ``delta="reference"``): after the first update, the relay sends
 the engines only the elements that changed since what it last sent them, diffed against its own copy (no
@@ -43,7 +42,7 @@ from typing import Any
 
 import torch
 
-from rlfleet.refit.checksum import ALL_CORES as checksum_threads, digest as checksum_digest, tensor_digest
+from rlfleet.refit.checksum import tensor_digest
 from rlfleet.refit.ports import LocalSenderPort
 from rlfleet.refit.sender import WeightSender
 from rlfleet.rlapi import gloo_wire
@@ -74,6 +73,32 @@ def _tied(model_dir: str) -> bool:
         return False
 
 
+class _Seal:
+    """The relay's copy as the fleet committed it: each tensor itself (held, so no other takes its place or its
+    address) and torch's count of in-place writes to it (``Tensor._version``). The copy is unchanged while every
+    name maps to that same tensor with that count, which is checked without reading a byte (0.1 ms for the 100M
+    model). It used to be a BLAKE3 digest of the whole copy at every commit: a pass over the model each step
+    that the relay's next call waited behind (78 ms for that model's 456 MB on this machine's two cores, 5.8
+    GB/s: about 2.4 s for a 7B model in bfloat16). What the seal does not see is
+    a write that bypasses torch (through a numpy view); the relay makes none: an update replaces the copy's
+    tensors, and the wire receives each update into fresh buffers (``rlapi.gloo_wire.receive``)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self._held = {n: (t, t._version) for n, t in weights.items()}
+
+    def broken(self, weights: dict[str, torch.Tensor]) -> str | None:
+        """None while ``weights`` is the sealed copy; else the first difference, named."""
+        if weights.keys() != self._held.keys():
+            return "its tensors are not the ones committed"
+        for name, t in weights.items():
+            held, writes = self._held[name]
+            if t is not held:
+                return f"tensor {name!r} was replaced"
+            if t._version != writes:
+                return f"tensor {name!r} was written in place"
+        return None
+
+
 class WeightRelay(LocalSenderPort):
     def __init__(self, model_dir: str, addr: str | None = None, backend: str = "gloo", delta: str = "reference",
                  dtype: str | None = None) -> None:
@@ -90,7 +115,7 @@ class WeightRelay(LocalSenderPort):
         self.info: Any = None  # the trainer's init info, parsed by the wire
         self.received = {"updates": 0, "bytes": 0, "tensors": 0}
         self.committed_as: int | None = None  # the fleet's committed version this copy is (None: unknown)
-        self._committed_digest: str | None = None  # the digest of ``serving`` when it was committed
+        self._seal: _Seal | None = None  # ``serving`` as it was committed
         self._as_loaded = True  # ``serving`` is the checkpoint as loaded (no update applied yet)
         self._lock = threading.Lock()
         # ``serving``'s tensors are replaced by an update, never written in place: the sender's base can be them
@@ -192,28 +217,29 @@ class WeightRelay(LocalSenderPort):
         return {"tensors": len(staged), "full": full}
 
     async def holds(self, version: int) -> str | None:
-        """None when the relay's committed copy is the fleet's committed ``version`` with the digest it had when
-        it was committed; else why not (the relay's copy is then no source of the committed weights)."""
+        """None when the relay's committed copy is the fleet's committed ``version``, unchanged since it was
+        committed (``_Seal``); else why not (the relay's copy is then no source of the committed weights)."""
         if self.committed_as != version:
             known = "an unknown version" if self.committed_as is None else f"version {self.committed_as}"
             return f"the relay's copy is {known}, the fleet's committed weights are version {version}"
         base = self._before if self._before is not None else self.serving
-        if self._committed_digest is not None and await self._digest(base) != self._committed_digest:
-            return f"the relay's copy of version {version} no longer has the digest it had when committed"
+        changed = self._seal.broken(base) if self._seal is not None else None
+        if changed:
+            return f"the relay's copy of version {version} changed since it was committed: {changed}"
         return None
 
     async def commit(self, version: int | None = None) -> dict:
         """The fleet committed the candidate as ``version``: it is the relay's copy of that version from now on."""
         self._before = None
         if version is not None:
-            self.committed_as, self._committed_digest = int(version), await self._digest(self.serving)
-        return {"committed_as": self.committed_as, "digest": self._committed_digest}
+            self.committed_as, self._seal = int(version), _Seal(self.serving)
+        return {"committed_as": self.committed_as}
 
     async def adopt(self, version: int) -> dict:
         """The fleet serves ``version`` as the relay starts: the relay's copy (the checkpoint) is that version
         only when it is the checkpoint's, 0; otherwise unknown until a full update commits."""
         if version == 0 and self._as_loaded:
-            self.committed_as, self._committed_digest = 0, await self._digest(self.serving)
+            self.committed_as, self._seal = 0, _Seal(self.serving)
         return {"committed_as": self.committed_as}
 
     async def revert(self) -> bool:
@@ -221,10 +247,6 @@ class WeightRelay(LocalSenderPort):
         if before is not None:
             self.serving, self._before = before, None
         return before is not None
-
-    async def _digest(self, weights: dict[str, torch.Tensor]) -> str:
-        items = list(weights.items())
-        return await self._run(lambda: checksum_digest(items, threads=checksum_threads))
 
     # -- what it holds ----------------------------------------------------------------------
     async def digests(self) -> dict[str, Any]:

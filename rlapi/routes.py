@@ -19,7 +19,7 @@ The routes keep vLLM's request and response shapes (``vllm/entrypoints/rl/online
   and keeps the update as the candidate; the re-sent finish (or the next ``/start_weight_update``) asks
   again under the same id, and nothing else refits from the relay meanwhile;
 - a partial update (not every tensor) is the committed weights with some replaced: it is refused (409,
-  nothing changed) unless the relay's copy is the fleet's committed version with the digest it had when
+  nothing changed) unless the relay's copy is the fleet's committed version, unchanged since it was
   committed (``WeightRelay.holds``). A relay that starts beside a fleet already past the checkpoint
   (``rlfleet serve --connect``) holds the checkpoint, not the committed weights: it takes a full update first;
 - versions are the fleet's (it numbers them; a trainer's ``weight_version`` label is kept beside it);

@@ -15,6 +15,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from rlfleet.fleet.errors import FleetStopped, RefitSourceFailed
@@ -248,7 +249,10 @@ def test_a_relay_that_starts_beside_a_fleet_past_the_checkpoint_refuses_partial_
     asyncio.run(go())
 
 
-def test_a_relay_copy_whose_digest_changed_since_its_commit_is_no_source(tiny_model):
+@pytest.mark.parametrize("how", ["replaced", "written in place"])
+def test_a_relay_copy_changed_since_its_commit_is_no_source(tiny_model, how):
+    """The relay's seal of its committed copy: a tensor replaced, or written in place by torch, behind the commit's
+    back makes the copy no source of the committed weights, and a partial update is refused naming the tensor."""
     relay, fleet, surface, trainer = setup(tiny_model)
 
     async def go():
@@ -257,12 +261,15 @@ def test_a_relay_copy_whose_digest_changed_since_its_commit_is_no_source(tiny_mo
         await surface._committing
         assert await relay.holds(1) is None
         name = sorted(relay.serving)[0]
-        relay.serving[name] = relay.serving[name] * 2  # anything that changes the copy behind the commit's back
+        if how == "replaced":
+            relay.serving[name] = relay.serving[name].clone()  # the same values, another tensor
+        else:
+            relay.serving[name].view(-1)[0] += 1  # one element, in place
         problem = await relay.holds(1)
-        assert problem and "digest" in problem
+        assert problem and f"tensor {name!r} was {how}" in problem, problem
         await trainer.send(bumped(relay, 1.0, [name]))
         code, out = body(await surface.finish(None))
-        assert code == 409 and "digest" in out["error"]["message"]
+        assert code == 409 and "changed since it was committed" in out["error"]["message"], out
 
     asyncio.run(go())
 
