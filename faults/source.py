@@ -156,38 +156,32 @@ class WeightSource(LocalSenderPort):
             config = self.model.config.to_dict()
             state = {n: t.detach() for n, t in self.model.state_dict().items()}
             t0 = time.monotonic()
-            out = {"ok": False, "error": None, "bytes_sent": 0, "send_s": 0.0, "group_s": 0.0, "model_bytes": 0}
+            out = {"ok": False, "error": None, "bytes_sent": 0, "send_s": 0.0, "group_s": 0.0, "model_bytes": 0,
+                   "reused_group": False}
             stream: dict = {}
-            group = self._sharded_kept.take(address)
-            out["reused_group"] = group is not None
-            if group is None:
-                store, self._sharded_store = (self._sharded_store, None) if int(rank) == 0 else (None, self._sharded_store)
-                try:
-                    group = RefitGroup(GroupAddress.from_wire(address), int(rank), float(timeout_s), store=store)
-                except TransferError as exc:
-                    return {**out, "error": f"sender rank {rank}: {exc}", "send_s": time.monotonic() - t0}
-                out["group_s"] = time.monotonic() - t0
-            if getattr(self, "_die_at_send", False):  # mid-send: every member joined, the engines wait for its rows
-                os._exit(1)
             names: set = set()
+
+            def build() -> RefitGroup:
+                store, self._sharded_store = (self._sharded_store, None) if int(rank) == 0 else (None, self._sharded_store)
+                return RefitGroup(GroupAddress.from_wire(address), int(rank), float(timeout_s), store=store)
+
             try:
-                for first_worker, tp in targets:
-                    pieces = [fused_layout.resolve(config, int(tp), r) for r in range(int(tp))]
-                    names |= {p.ckpt for ps in pieces for p in ps}
-                    full = {n: state[n] for n in {p.ckpt for ps in pieces for p in ps}}
-                    shapes = {n: tuple(t.shape) for n, t in full.items()}
-                    shard = {n: t[slice(*chunk(t.shape[0], int(ranks), int(rank)))] for n, t in full.items()}
-                    out["bytes_sent"] += sharded_wire.send_all(group, pieces, shapes, shard, int(ranks), int(rank),
-                                                               int(first_worker), float(timeout_s),
-                                                               digests=stream if verify else None)
-                out["ok"] = True
-            except TransferError as exc:
+                with self._sharded_kept.joined(address, build, keep) as (group, reused):
+                    out["reused_group"], out["group_s"] = reused, 0.0 if reused else time.monotonic() - t0
+                    if getattr(self, "_die_at_send", False):  # mid-send: every member joined, the engines wait for its rows
+                        os._exit(1)
+                    for first_worker, tp in targets:
+                        pieces = [fused_layout.resolve(config, int(tp), r) for r in range(int(tp))]
+                        names |= {p.ckpt for ps in pieces for p in ps}
+                        full = {n: state[n] for n in {p.ckpt for ps in pieces for p in ps}}
+                        shapes = {n: tuple(t.shape) for n, t in full.items()}
+                        shard = {n: t[slice(*chunk(t.shape[0], int(ranks), int(rank)))] for n, t in full.items()}
+                        out["bytes_sent"] += sharded_wire.send_all(group, pieces, shapes, shard, int(ranks), int(rank),
+                                                                   int(first_worker), float(timeout_s),
+                                                                   digests=stream if verify else None)
+                    out["ok"] = True
+            except TransferError as exc:  # joining the group, or a peer on it
                 out["error"] = f"sender rank {rank}: {exc}"
-            finally:
-                if out["ok"] and keep:
-                    self._sharded_kept.keep(address, group)
-                else:
-                    group.close()
             out["send_s"] = time.monotonic() - t0
             if verify:
                 out["stream_digests"] = stream

@@ -118,9 +118,9 @@ class ShardedSynchronizer:
         if offer is not None:
             asks.update({(SENDER, i): _holds(r, offer) for i, r in enumerate(self.ranks)})
         fits = await _settle_all(asks, cfg.rpc_timeout_s + cfg.grace_s)
-        held_by = [fits.pop((SENDER, i)).value is True for i in range(S)] if offer is not None else [False]
+        rank_answers = [fits.pop((SENDER, i)) for i in range(S)] if offer is not None else []
+        holding = offer is not None and all(a.value is True for a in rank_answers)
         failures: dict[Hashable, ParticipantResult] = {}
-        holding = all(held_by)
         for key, s in fits.items():
             err = s.error(f"sharded fit of {describe(key)}", cfg.rpc_timeout_s)
             workers = _per_worker(s.value) if err is None else []

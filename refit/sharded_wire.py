@@ -17,8 +17,9 @@ for a broadcast). One dtype per refit here; a model of mixed dtypes is refused, 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -52,6 +53,23 @@ class KeptGroup:
     def keep(self, address: dict, group: RefitGroup) -> None:
         self.drop()
         self._held = (dict(address), group)
+
+    @contextmanager
+    def joined(self, address: dict, build: Callable[[], RefitGroup], keep: bool) -> Iterator[tuple[RefitGroup, bool]]:
+        """(the group at ``address``, whether it was kept): the kept one, else ``build()``'s. Kept again when the
+        body completes and ``keep``; closed when it raises or not ``keep``."""
+        group = self.take(address)
+        reused = group is not None
+        group = group if group is not None else build()
+        done = False
+        try:
+            yield group, reused
+            done = True
+        finally:
+            if done and keep:
+                self.keep(address, group)
+            else:
+                group.close()
 
     def drop(self) -> None:
         held, self._held = self._held, None

@@ -441,23 +441,13 @@ class RefitWorkerExtension:
         kept = self._rlfleet_kept_group()
         t0 = time.monotonic()
         try:
-            group = kept.take(address)
-            res["reused_group"] = group is not None
-            if group is None:
-                group = RefitGroup(GroupAddress.from_wire(address), int(first_worker) + index, float(timeout_s))
-            res["group_s"] = 0.0 if res["reused_group"] else group.build_s
-            done = False
-            try:
+            with kept.joined(address, lambda: RefitGroup(GroupAddress.from_wire(address), int(first_worker) + index,
+                                                         float(timeout_s)), keep) as (group, reused):
+                res["reused_group"], res["group_s"] = reused, 0.0 if reused else group.build_s
                 res["bytes"] = sharded_wire.receive_all(group, pieces, shapes, named, int(source_ranks), float(timeout_s),
                                                         on_first_write=first_write,
                                                         buffers=self.__dict__.setdefault("_rlfleet_sharded_buffers", {}),
                                                         digests=stream if verify else None, arrived=arrived)
-                done = True
-            finally:
-                if done and keep:
-                    kept.keep(address, group)
-                else:
-                    group.close()
         except Exception as exc:  # noqa: BLE001 - before the first write nothing changed; after it, weights unknown
             res.update(state=PARTIAL if written else NOT_STARTED,
                        error=f"sharded refit of version {version}: {type(exc).__name__}: {exc}")
