@@ -42,7 +42,7 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 )
 from vllm.exceptions import VLLMValidationError
 
-from rlfleet.serve import protocol, sse
+from rlfleet.serve import bodies, protocol, sse
 from rlfleet.serve.front import Front, Outcome
 from rlfleet.serve.metrics import CONTENT_TYPE_LATEST
 from rlfleet.serve.prepare_pool import PoolBusy
@@ -147,7 +147,8 @@ def _validation_message(exc: RequestValidationError) -> str:
         if loc == ("body",) and e.get("type") == "missing":
             parts.append("the request body is missing: send a JSON object")
             continue
-        where = ".".join(str(x) for x in loc if x != "body")
+        # (a union member is tagged by its schema, ``function-wrap[...]`` for vLLM's models: no field of the body)
+        where = ".".join(str(x) for x in loc if x != "body" and not str(x).startswith("function-"))
         parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
     return "; ".join(parts) or str(exc)
 
@@ -173,7 +174,7 @@ def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None, s
     app.add_middleware(AccessLog)  # outermost: it sees every answer, a 401 and the X-Request-Id header included
 
     @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest):
+    async def tokenize(request: bodies.Tokenize):  # type: ignore[valid-type]
         """vLLM's ``/tokenize``: a prompt's ids (special tokens as asked), or a conversation's as the chat
         endpoint renders it (the same renderer: tools and tool calls included)."""
         if request.model is not None and request.model != front.model:
@@ -189,7 +190,7 @@ def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None, s
                                 token_strs=strs).model_dump(exclude_none=True)
 
     @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest):
+    async def detokenize(request: bodies.Detokenize):  # type: ignore[valid-type]
         if request.model is not None and request.model != front.model:
             return _error(404, f"The model `{request.model}` does not exist.", "NotFoundError", "model")
         size = len(front.tokenizer)
@@ -258,14 +259,14 @@ def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None, s
 
     @app.post("/v1/completions")
     @with_cancellation
-    async def completions(request: CompletionRequest, raw_request: Request):
+    async def completions(request: bodies.Completion, raw_request: Request):  # type: ignore[valid-type]
         return await _serve(front, "/v1/completions", request,
                             functools.partial(protocol.completion_calls, defaults=front.sampling_defaults),
                             protocol.completion_response, raw=raw_request)
 
     @app.post("/v1/chat/completions")
     @with_cancellation
-    async def chat(request: ChatCompletionRequest, raw_request: Request):
+    async def chat(request: bodies.Chat, raw_request: Request):  # type: ignore[valid-type]
         if front.chat is None:
             front.count("/v1/chat/completions", 400)
             return _error(400, "this server renders no chat (started without a chat renderer)", "BadRequestError",

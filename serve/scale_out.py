@@ -41,7 +41,7 @@ from vllm.entrypoints.serve.utils.api_utils import with_cancellation
 from vllm.outputs import WeightVersionSpan
 
 from rlfleet.fleet.data.dispatch import FleetResult
-from rlfleet.serve import protocol
+from rlfleet.serve import bodies, protocol
 from rlfleet.serve.prepare_pool import PoolBusy
 
 RENDER_PATH = "/v1/chat/completions/render"
@@ -62,7 +62,7 @@ def mount(app: FastAPI, front: Any, enabled: bool, serve: Callable, error: Calla
         return
 
     @app.post(RENDER_PATH)
-    async def render(request: ChatCompletionRequest, raw_request: Request):
+    async def render(request: bodies.Chat, raw_request: Request):  # type: ignore[valid-type]
         if front.chat is None:
             front.count(RENDER_PATH, 400)
             return error(400, "this server renders no chat (started without a chat renderer)", "BadRequestError",
@@ -80,7 +80,7 @@ def mount(app: FastAPI, front: Any, enabled: bool, serve: Callable, error: Calla
 
     @app.post(GENERATE_PATH)
     @with_cancellation
-    async def generate(request: GenerateRequest, raw_request: Request):
+    async def generate(request: bodies.Generate, raw_request: Request):  # type: ignore[valid-type]
         return await serve(front, GENERATE_PATH, request,
                            functools.partial(generate_calls, defaults=front.sampling_defaults), generate_response,
                            raw=raw_request)

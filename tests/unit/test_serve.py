@@ -871,3 +871,60 @@ def test_a_request_the_closed_gate_holds_past_its_timeout_gets_503_naming_why_th
     assert late.code == 503 and "the gate is closed" in late.message and "pause" in late.message, late.message
     assert waited >= 2.0
     assert again.code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/render", "/tokenize"])
+@pytest.mark.parametrize("messages", [5, None, True])
+def test_a_body_field_of_the_wrong_type_is_a_400_naming_it_even_where_a_vllm_validator_raises_typeerror(
+        tok, chat, path, messages):
+    """vLLM's ``check_system_message_content_type`` iterates ``messages`` before pydantic checks its type: an int
+    (or null, or true) raised ``TypeError``, which pydantic lets through, and the caller got a 500."""
+    from fastapi.testclient import TestClient
+
+    from rlfleet.serve.app import build_app
+
+    front = Front(_Client(RoutingState(5, True, 2)), tok, "m", MAX_LEN)
+    front.chat = chat
+    http = TestClient(build_app(front, scale_out=True), raise_server_exceptions=False)
+    r = http.post(path, json={"model": "m", "messages": messages})
+    assert r.status_code == 400, r.text
+    assert "messages: Input should be" in r.json()["error"]["message"], r.json()
+    assert "function-" not in r.json()["error"]["message"]
+    if path != "/tokenize":
+        r = http.post(path, json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "x"})
+        assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]  # pydantic's own check, as before
+
+
+def test_a_validator_reading_a_field_of_the_wrong_type_is_a_400_naming_the_field(tok):
+    """``{"structured_outputs": 5}`` was read with ``.get`` by a vLLM validator: ``AttributeError``, a 500."""
+    from fastapi.testclient import TestClient
+
+    from rlfleet.serve.app import build_app
+
+    http = TestClient(build_app(Front(_Client(RoutingState(5, True, 2)), tok, "m", MAX_LEN)), raise_server_exceptions=False)
+    r = http.post("/v1/completions", json={"prompt": [1, 2], "structured_outputs": 5})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("structured_outputs: "), r.json()
+    r = http.post("/tokenize", json={"prompt": 5})  # a union body: its members' problems, without their schema tags
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt: Input should be"), r.json()
+    assert "function-" not in r.json()["error"]["message"]
+
+
+def test_a_typeerror_no_single_field_explains_still_answers_400_naming_the_model():
+    from pydantic import ValidationError, model_validator
+    from pydantic import BaseModel
+
+    from rlfleet.serve.bodies import checked
+
+    class Odd(BaseModel):
+        x: int = 0
+
+        @model_validator(mode="before")
+        @classmethod
+        def _boom(cls, data):
+            if isinstance(data, dict) and data.get("x") == 3:
+                raise TypeError("three is not a number here")
+            return data
+
+    with pytest.raises(ValidationError, match="the request body does not fit Odd: three is not a number here"):
+        checked(Odd).model_validate({"x": 3})
+    assert isinstance(checked(Odd).model_validate({"x": 4}), Odd)
