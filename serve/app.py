@@ -174,7 +174,7 @@ def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None, s
     app.add_middleware(AccessLog)  # outermost: it sees every answer, a 401 and the X-Request-Id header included
 
     @app.post("/tokenize")
-    async def tokenize(request: bodies.Tokenize):  # type: ignore[valid-type]
+    async def tokenize(request: bodies.Tokenize):
         """vLLM's ``/tokenize``: a prompt's ids (special tokens as asked), or a conversation's as the chat
         endpoint renders it (the same renderer: tools and tool calls included)."""
         if request.model is not None and request.model != front.model:
@@ -190,7 +190,7 @@ def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None, s
                                 token_strs=strs).model_dump(exclude_none=True)
 
     @app.post("/detokenize")
-    async def detokenize(request: bodies.Detokenize):  # type: ignore[valid-type]
+    async def detokenize(request: bodies.Detokenize):
         if request.model is not None and request.model != front.model:
             return _error(404, f"The model `{request.model}` does not exist.", "NotFoundError", "model")
         size = len(front.tokenizer)
@@ -259,14 +259,14 @@ def build_app(front: Front, api_keys: list[str] | None = None, rl: Any = None, s
 
     @app.post("/v1/completions")
     @with_cancellation
-    async def completions(request: bodies.Completion, raw_request: Request):  # type: ignore[valid-type]
+    async def completions(request: bodies.Completion, raw_request: Request):
         return await _serve(front, "/v1/completions", request,
                             functools.partial(protocol.completion_calls, defaults=front.sampling_defaults),
                             protocol.completion_response, raw=raw_request)
 
     @app.post("/v1/chat/completions")
     @with_cancellation
-    async def chat(request: bodies.Chat, raw_request: Request):  # type: ignore[valid-type]
+    async def chat(request: bodies.Chat, raw_request: Request):
         if front.chat is None:
             front.count("/v1/chat/completions", 400)
             return _error(400, "this server renders no chat (started without a chat renderer)", "BadRequestError",

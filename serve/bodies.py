@@ -14,9 +14,9 @@ vLLM's.
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, TypeAdapter, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -29,14 +29,14 @@ __all__ = ["Chat", "Completion", "Detokenize", "Generate", "MISFIT_ERRORS", "Tok
 MISFIT_ERRORS = (TypeError, AttributeError, KeyError, IndexError)
 
 
-def misfit(model: type, data: Any) -> tuple[str, str] | None:
+def misfit(model: type[BaseModel], data: Any) -> tuple[str, str] | None:
     """The first field of ``data`` whose value does not validate as ``model`` declares it, with pydantic's words;
     None when every field does (or ``data`` is not an object, which the model's own check words)."""
     if not isinstance(data, dict):
         return None
     for name, value in data.items():
         field = model.model_fields.get(name)
-        if field is None:
+        if field is None or field.annotation is None:
             continue
         try:
             TypeAdapter(field.annotation).validate_python(value)
@@ -48,10 +48,10 @@ def misfit(model: type, data: Any) -> tuple[str, str] | None:
 
 
 @cache
-def checked(model: type) -> type:
+def checked(model: type[BaseModel]) -> type[BaseModel]:
     """``model`` with its validators' ``MISFIT_ERRORS`` answered as validation errors (see the module's docstring)."""
 
-    class Checked(model):  # type: ignore[misc, valid-type]
+    class Checked(model):  # type: ignore[valid-type, misc]
         @model_validator(mode="wrap")
         @classmethod
         def _types_fit(cls, data: Any, handler: Any) -> Any:
@@ -69,8 +69,12 @@ def checked(model: type) -> type:
     return Checked
 
 
-Completion = checked(CompletionRequest)
-Chat = checked(ChatCompletionRequest)
-Tokenize = checked(TokenizeCompletionRequest) | checked(TokenizeChatRequest)
-Detokenize = checked(DetokenizeRequest)
-Generate = checked(GenerateRequest)
+if TYPE_CHECKING:  # to a type checker they are vLLM's models, which they are but for the one validator
+    Completion, Chat, Detokenize, Generate = CompletionRequest, ChatCompletionRequest, DetokenizeRequest, GenerateRequest
+    Tokenize = TokenizeCompletionRequest | TokenizeChatRequest
+else:
+    Completion = checked(CompletionRequest)
+    Chat = checked(ChatCompletionRequest)
+    Tokenize = checked(TokenizeCompletionRequest) | checked(TokenizeChatRequest)
+    Detokenize = checked(DetokenizeRequest)
+    Generate = checked(GenerateRequest)

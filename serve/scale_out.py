@@ -62,7 +62,7 @@ def mount(app: FastAPI, front: Any, enabled: bool, serve: Callable, error: Calla
         return
 
     @app.post(RENDER_PATH)
-    async def render(request: bodies.Chat, raw_request: Request):  # type: ignore[valid-type]
+    async def render(request: bodies.Chat, raw_request: Request):
         if front.chat is None:
             front.count(RENDER_PATH, 400)
             return error(400, "this server renders no chat (started without a chat renderer)", "BadRequestError",
@@ -80,7 +80,7 @@ def mount(app: FastAPI, front: Any, enabled: bool, serve: Callable, error: Calla
 
     @app.post(GENERATE_PATH)
     @with_cancellation
-    async def generate(request: bodies.Generate, raw_request: Request):  # type: ignore[valid-type]
+    async def generate(request: bodies.Generate, raw_request: Request):
         return await serve(front, GENERATE_PATH, request,
                            functools.partial(generate_calls, defaults=front.sampling_defaults), generate_response,
                            raw=raw_request)
