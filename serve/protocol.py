@@ -484,7 +484,7 @@ def chat_response(req: ChatCompletionRequest, model: str, frs: list[FleetResult]
             finish_reason=finish, stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if req.return_token_ids is not False else None))
     body = ChatCompletionResponse(id=f"chatcmpl-{frs[0].request_id}", model=model, choices=choices,
-                                  usage=_usage(frs),
+                                  usage=_usage(frs, len(frs)),  # one conversation: its n choices share it
                                   prompt_token_ids=list(completed(frs[0]).prompt_token_ids)
                                   if req.return_token_ids is not False else None,
                                   prompt_logprobs=prompt_logprobs(completed(frs[0]), tokenizer)).model_dump(exclude_none=True)

@@ -284,6 +284,9 @@ def test_n_choices_are_n_fleet_requests_of_one_seeded_apart_and_answered_as_one_
     tag = body["rlfleet"]
     assert (tag["version_start"], tag["weight_version"], tag["attempts"], tag["continued"]) == (3, 4, 3, 1)
     assert [c["request_id"] for c in tag["choices"]] == ["r-1-0", "r-1-1"] and tag["choices"][1]["slot"] == 1
+    chat = protocol.chat_response(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], n=2), "m",
+                                  [a, b], tok)
+    assert chat["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}  # the prompt once, as vLLM
 
 
 # ------------------------------------------------------------------ a returned request, as HTTP
