@@ -123,9 +123,14 @@ class RLSurface:
         record = front.metrics.weights.record
 
         @app.post("/pause")
-        async def pause(mode: str = "abort", clear_cache: bool = True, timeout_s: float = 60.0):
+        async def pause(request: Request, mode: str = "abort", clear_cache: bool = True, timeout_s: float = 60.0):
             from rlfleet.fleet.control.operator_pause import PAUSE_MODES
 
+            # what it takes is in the query, as vLLM's: a mode in the body, or a misspelt one, would have been
+            # ignored and the default taken, ``abort``, which ends what the engines run
+            unread = await _unread(request, PAUSE_QUERY, "nothing paused")
+            if unread is not None:
+                return unread
             if mode not in PAUSE_MODES:
                 return _refused(400, f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "BadRequestError", "mode")
             out = await asyncio.to_thread(surface.fleet.pause, mode, timeout_s)
@@ -144,6 +149,10 @@ class RLSurface:
             body = await _json_object(request, empty_ok=True)
             if isinstance(body, JSONResponse):
                 return body
+            # a misspelt field (``request_id``) would have been read as no ids: every request ended
+            unread = await _unread(request, frozenset(), "nothing aborted", body, frozenset({"request_ids"}))
+            if unread is not None:
+                return unread
             ids = body.get("request_ids") or None
             if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
                 return _refused(400, "request_ids must be a list of request ids (strings); empty or missing ends "
@@ -379,6 +388,36 @@ async def _object_field(request: Request, name: str, hint: str, one_of: bool = F
     if not isinstance(value, dict):
         return _refused(400, f"{name} must be an object {hint}", "BadRequestError", name)
     return value
+
+
+PAUSE_QUERY = frozenset({"mode", "clear_cache", "timeout_s"})
+
+
+async def _unread(request: Request, query: frozenset[str], nothing: str, body: dict | None = None,
+                  fields: frozenset[str] = frozenset()) -> JSONResponse | None:
+    """The 400 for what a route would not read: a query parameter not in ``query``, a body field not in ``fields``
+    (``body``: the JSON object read; None: the route takes no body, so any but an empty object is refused). A
+    route whose defaults act on everything must not take a misspelt or misplaced argument as absent. ``nothing``:
+    what the answer says was done (nothing)."""
+    extra = sorted(set(request.query_params) - query)
+    if extra:
+        takes = f"it takes {', '.join(sorted(query))}" if query else "it takes none"
+        return _refused(400, f"unknown query parameter {extra[0]!r} ({takes}); {nothing}", "BadRequestError", extra[0])
+    if body is None:
+        raw = (await request.body()).strip()
+        try:
+            empty = not raw or json.loads(raw) == {}
+        except ValueError:
+            empty = False
+        if not empty:
+            return _refused(400, f"{request.url.path} takes no body: its arguments go in the query "
+                                 f"({', '.join(f'?{q}=' for q in sorted(query))}); {nothing}", "BadRequestError")
+        return None
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        return _refused(400, f"unknown field {unknown[0]!r} (it takes {', '.join(sorted(fields))}); {nothing}",
+                        "BadRequestError", unknown[0])
+    return None
 
 
 def _cause(exc: BaseException) -> str:

@@ -143,6 +143,7 @@ def test_trls_client_route_by_route_moves_weights_into_every_engine_and_refusals
     # /pause and /resume: the gate closes for the operator, a request sent meanwhile is held (not refused) and
     # answered after /resume; a weight update during the pause commits and leaves the gate closed
     assert requests.post(f"{url}/pause", params={"mode": "sideways"}, timeout=30).status_code == 400
+    assert requests.post(f"{url}/pause", json={"mode": "wait"}, timeout=30).status_code == 400  # the mode is a query's
     assert requests.post(f"{url}/pause", params={"mode": "wait"}, timeout=90).json()["status"] == "paused"
     assert requests.get(f"{url}/is_paused", timeout=30).json() == {"is_paused": True}
     assert requests.get(f"{url}/ready", timeout=30).status_code == 503
@@ -182,6 +183,8 @@ def test_abort_requests_ends_requests_on_every_engine_with_their_output_so_far(s
         # every choice of both in progress (the two requests' 6), then a moment to make tokens
         wait_for(lambda: client.counters()["in_progress"] == 6, 60, 0.05, "both requests' choices in progress")
         time.sleep(1.0)
+        typo = requests.post(f"{url}/abort_requests", json={"request_id": "cmpl-end-me"}, timeout=30)  # not read: refused
+        assert typo.status_code == 400 and client.counters()["in_progress"] == 6, typo.text
         named = requests.post(f"{url}/abort_requests", json={"request_ids": ["cmpl-end-me"]}, timeout=30).json()
         assert named["status"] == "aborted" and named["aborted"] == 3, (named, client.counters(),
                                                                          dict(client.dispatcher.returned_reasons))
