@@ -181,7 +181,13 @@ class RefitGroup:
         try:
             if self._store is None:
                 connect = timeout_s if connect_s is None else min(float(timeout_s), float(connect_s))
-                self._store = dist.TCPStore(address.addr, address.port, address.world_size, is_master=False, timeout=_td(connect))
+                try:
+                    self._store = dist.TCPStore(address.addr, address.port, address.world_size, is_master=False,
+                                                timeout=_td(connect))
+                except Exception as exc:  # noqa: BLE001 - nothing answered there: say so, not the group's budget
+                    raise TransferError(f"rank {rank} could not join the refit group of epoch {address.epoch}: nothing "
+                                        f"answered at {address.addr}:{address.port} within {connect:.1f} s (is its "
+                                        f"host up?): {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from None
                 if connect < timeout_s:  # reached: the group's own waits on it get the whole budget
                     self._store.set_timeout(_td(timeout_s))
             self._prefix = dist.PrefixStore(f"rlfleet/epoch{address.epoch}", self._store)

@@ -30,6 +30,10 @@ DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024
 DEFAULT_PACKED_NUM_BUFFERS = 2
 WIRE_EPOCH = 7_000_001  # the handshake's epoch: a refit group's epochs never reach it
 DEFAULT_TIMEOUT_S = 600.0
+# how long a receiver waits for the trainer's rendezvous store to answer at all: the trainer opens it just after it
+# sends ``/init_weight_transfer_engine`` (TRL's client and vLLM's ``trainer_init`` do), so nothing there by then
+# is a wrong address or port, which would otherwise hold the route for the whole ``DEFAULT_TIMEOUT_S``
+CONNECT_TIMEOUT_S = 30.0
 
 
 @dataclass(kw_only=True)
@@ -89,11 +93,13 @@ def open_sender(info: GlooInitInfo, timeout_s: float = DEFAULT_TIMEOUT_S) -> Ref
     return RefitGroup(_address(info), 0, timeout_s, store=store)
 
 
-def join(info: GlooInitInfo, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> RefitGroup:
-    """A receiver: join the trainer's group as ``rank`` (``rank_offset`` plus the receiver's own rank)."""
+def join(info: GlooInitInfo, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+         connect_s: float = CONNECT_TIMEOUT_S) -> RefitGroup:
+    """A receiver: join the trainer's group as ``rank`` (``rank_offset`` plus the receiver's own rank); refused
+    (``TransferError``) when nothing answers at the rendezvous within ``connect_s``."""
     if not info.rank_offset <= rank < info.world_size:
         raise RefitUsageError(f"rank {rank} is outside [{info.rank_offset}, {info.world_size})")
-    return RefitGroup(_address(info), rank, timeout_s)
+    return RefitGroup(_address(info), rank, timeout_s, connect_s=connect_s)
 
 
 def chunks(metadata: Sequence[tuple[str, torch.dtype, Sequence[int]]], buffer_bytes: int) -> Iterator[list[tuple]]:

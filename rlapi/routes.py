@@ -53,6 +53,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rlfleet.fleet.cluster import ray_door
+from rlfleet.serve.front import ServerStopping
 
 log = logging.getLogger("rlfleet.rlapi")
 CALL_TIMEOUT_S = 60.0
@@ -188,7 +189,9 @@ class RLSurface:
                 return info
             try:
                 with record("init"):
-                    joined = await surface._relay("init_transfer", info, timeout=TRANSFER_TIMEOUT_S)
+                    joined = await front.until_stopped(surface._relay("init_transfer", info, timeout=TRANSFER_TIMEOUT_S))
+            except ServerStopping as exc:
+                return _refused(503, str(exc), "ServiceUnavailableError")
             except Exception as exc:  # noqa: BLE001 - the trainer's mistake or its rendezvous: said, not raised
                 return _refused(400, f"could not join the trainer's weight-transfer group: {_cause(exc)}",
                                 "BadRequestError", "init_info")
@@ -219,7 +222,9 @@ class RLSurface:
                 return info
             try:
                 with record("update"):
-                    got = await surface._relay("receive", info, timeout=TRANSFER_TIMEOUT_S)
+                    got = await front.until_stopped(surface._relay("receive", info, timeout=TRANSFER_TIMEOUT_S))
+            except ServerStopping as exc:
+                return _refused(503, str(exc), "ServiceUnavailableError")
             except Exception as exc:  # noqa: BLE001
                 return _refused(400, f"weight update refused, nothing changed: {_cause(exc)}", "BadRequestError",
                                 "update_info")

@@ -56,6 +56,10 @@ class Outcome:
     param: str | None = None  # the request field a 400 is about, when known
 
 
+class ServerStopping(Exception):
+    """A call the server's stop cut off (``Front.until_stopped``): its caller is answered 503."""
+
+
 class Front:
     def __init__(self, client: Any, tokenizer: Any, model: str, max_model_len: int, controller: Any = None,
                  chat: Any = None) -> None:
@@ -184,6 +188,28 @@ class Front:
                 row["tokens"] += tokens
             return Outcome(200, result)
         return self.returned(result)
+
+    async def until_stopped(self, call: Any) -> Any:
+        """``call``'s result, unless the server's stop (``cut_off_after``) comes first: then ``ServerStopping``,
+        for the route to answer (503) instead of being torn down mid-call by the HTTP server. For a route's long
+        call off the fleet's request path (the weight routes' relay calls); its caller leaving still cancels it."""
+        if self._closing:
+            if asyncio.iscoroutine(call):
+                call.close()  # never started
+            raise ServerStopping("the server is shutting down: nothing was done; send it to the next server")
+        task = asyncio.current_task()
+        assert task is not None
+        self._running.add(task)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if task not in self._cut:
+                raise
+            task.uncancel()
+            raise ServerStopping("the server is shutting down: the call was cut off before it finished") from None
+        finally:
+            self._running.discard(task)
+            self._cut.discard(task)
 
     def _timed(self, on_tokens: Callable[[Any], None], clock: Callable[[], float], t0: float,
                arrived: float | None) -> Callable[[Any], None]:

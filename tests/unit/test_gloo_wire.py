@@ -97,3 +97,27 @@ def test_a_closed_group_is_dropped_before_the_process_may_exit():
     joined["group"].close()
     assert refit_group.wait_released(10) is True
     assert not [t for t in threading.enumerate() if t.name == "rlfleet-refit-release"]
+
+
+def test_a_rendezvous_nothing_answers_is_refused_within_the_connect_bound_and_a_late_host_is_still_joined():
+    """The trainer opens its store just after it asks the server to join (TRL's order), so a receiver waits for it a
+    while; a wrong address or port used to hold ``/init_weight_transfer_engine`` for the whole 600 s budget."""
+    from rlfleet.refit.errors import TransferError
+
+    info = GlooInitInfo(master_address="127.0.0.1", master_port=free_port(), rank_offset=1, world_size=2)
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match=r"nothing answered at 127\.0\.0\.1:\d+ within 1\.0 s"):
+        gloo_wire.join(info, 1, timeout_s=600, connect_s=1.0)
+    assert time.monotonic() - t0 < 10
+    joined = {}
+    t = threading.Thread(target=lambda: joined.update(group=gloo_wire.join(info, 1, timeout_s=30, connect_s=10.0)))
+    t.start()
+    time.sleep(1.5)  # the host comes up after the receiver began to wait for it
+    sender = gloo_wire.open_sender(info, timeout_s=30)
+    t.join(30)
+    try:
+        assert "group" in joined
+    finally:
+        sender.close()
+        if "group" in joined:
+            joined["group"].close()

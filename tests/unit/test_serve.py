@@ -931,3 +931,28 @@ def test_a_typeerror_no_single_field_explains_still_answers_400_naming_the_model
     with pytest.raises(ValidationError, match="the request body does not fit Odd: three is not a number here"):
         checked(Odd).model_validate({"x": 3})
     assert isinstance(checked(Odd).model_validate({"x": 4}), Odd)
+
+
+def test_a_weight_routes_long_call_the_servers_stop_cuts_off_is_answered_not_torn_down(tok):
+    """A relay call still running when the server stopped (a trainer's rendezvous that never came) was cancelled by
+    uvicorn at its shutdown limit: a traceback per call in the log, and no answer. ``until_stopped`` turns the
+    server's cut-off into ``ServerStopping`` (the route answers 503); the caller leaving still cancels it."""
+    from rlfleet.serve.front import ServerStopping
+
+    async def go():
+        front = Front(_Client(RoutingState(5, True, 2)), tok, "m", MAX_LEN)
+        never = asyncio.get_running_loop().create_future()
+        mine = asyncio.ensure_future(front.until_stopped(asyncio.sleep(30)))
+        cut = asyncio.ensure_future(front.until_stopped(never))
+        await asyncio.sleep(0.05)
+        mine.cancel()  # its caller left: cancelled, as before
+        await asyncio.sleep(0)
+        assert mine.cancelled()
+        front.cut_off_after(0.05)
+        with pytest.raises(ServerStopping, match="cut off before it finished"):
+            await cut
+        assert cut.done()
+        with pytest.raises(ServerStopping, match="nothing was done"):  # one that comes after the stop began
+            await front.until_stopped(asyncio.sleep(0))
+
+    asyncio.run(go())
