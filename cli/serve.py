@@ -271,6 +271,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from rlfleet.fleet.cluster import ray_door
     from rlfleet.fleet.api import Fleet
     from rlfleet.fleet.interrupt import Interrupted
+    from rlfleet.serve.server import CUT_OFF_S
 
     config = _join_ray(args)
     _log_to_stderr()
@@ -283,6 +284,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if stop.is_set():  # a second signal while stopping: stop now (what was started may be left behind)
             os._exit(128 + signum)
         stop.set()
+        # said at once (a plain write: a handler must not take the logging lock the interrupted code may hold)
+        os.write(2, f"rlfleet serve: {signal.Signals(signum).name} received: stopping (requests in flight finish "
+                    f"or are answered 503 within {CUT_OFF_S:g} s, then the fleet shuts down; a second signal stops "
+                    f"at once)\n".encode())
         if starting[0]:  # interrupt the start: it shuts the half-started fleet down (abandons it if Ray went too)
             raise Interrupted(signum)
 

@@ -55,11 +55,11 @@ def serve_process(*args: str, **popen) -> tuple[subprocess.Popen, dict]:
     return proc, first
 
 
-def finish(proc: subprocess.Popen, timeout: float = 90.0) -> tuple[int, list[dict]]:
+def finish(proc: subprocess.Popen, timeout: float = 90.0) -> tuple[int, list[dict], str]:
     out, err = proc.communicate(timeout=timeout)
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert lines, f"no last line; stderr: {err[-2000:]}"
-    return proc.returncode, lines
+    return proc.returncode, lines, err
 
 
 def curl(*args: str) -> tuple[int, dict]:
@@ -85,8 +85,9 @@ def test_serve_connect_answers_curl_and_sigint_leaves_the_fleet_serving(ray_loca
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):  # `rlfleet serve` prints it, exit 2
             HttpServer(fleet, port=port).start()
         proc.send_signal(signal.SIGINT)  # Ctrl-C
-        code, lines = finish(proc)
+        code, lines, err = finish(proc)
         assert code == 0 and lines[-1]["stopped"] and lines[-1]["fleet_shut_down"] is False
+        assert "rlfleet serve: SIGINT received: stopping" in err, err[-2000:]  # said when it came, not only at the end
         assert lines[-1]["front"]["responses"] == {"/v1/completions 200": 1}
         assert fleet.generate([[1, 2]])[0][0].ok  # detached, not stopped: the fleet still serves
     finally:
@@ -118,8 +119,9 @@ def test_serve_config_then_sigterm_to_its_process_group_exits_cleanly(tiny_model
     assert complete(first["serving"])[0] == 200
     assert len(session(proc.pid)) > 3  # the local Ray's daemons run in the process group the signal reaches
     os.killpg(proc.pid, signal.SIGTERM)
-    code, lines = finish(proc, 60)  # bounded: still running after it is a TimeoutExpired
+    code, lines, err = finish(proc, 60)  # bounded: still running after it is a TimeoutExpired
     assert code == 0 and lines[-1]["stopped"] and lines[-1]["fleet_shut_down"] is True
+    assert "rlfleet serve: SIGTERM received: stopping" in err, err[-2000:]
     session_gone(proc.pid)
 
 
