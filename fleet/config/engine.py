@@ -159,10 +159,15 @@ def validate(model_cls: type[BaseModel], data: dict[str, Any], prefix: str = "")
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        err = errors[0]
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
         field = f"{prefix}.{loc}" if prefix else loc
         problem = err["msg"].removeprefix("Value error, ")
+        # every misspelt field at once: fixing one to be told of the next costs a start each
+        more = [".".join(str(p) for p in e["loc"]) for e in errors[1:] if e.get("type") == "extra_forbidden"]
+        if err.get("type") == "extra_forbidden" and more:
+            problem += f"; so are {', '.join((f'{prefix}.{m}' if prefix else m) for m in more)}"
         allowed = err.get("ctx", {}).get("expected")
         if allowed and str(allowed) not in problem:
             problem += f"; allowed: {allowed}"

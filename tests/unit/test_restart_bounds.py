@@ -262,3 +262,12 @@ def test_a_refused_refit_id_is_not_stored_with_another_refit_and_a_successor_ref
         await new.shutdown()
 
     run_virtual(go())
+
+
+def test_every_misspelt_field_of_a_config_is_named_at_once(model_dir):
+    """With two unknown fields only the first was reported: a start per typo to find them all."""
+    with pytest.raises(ConfigError, match=r"invalid config engine\.modle: Extra inputs are not permitted; so are "
+                                          r"num_engine, foo \(got 1\)"):
+        load_fleet_config({"engine": {"model": model_dir, "modle": 1}, "num_engine": 2, "foo": 3})
+    with pytest.raises(ConfigError, match=r"invalid config foo: Extra inputs are not permitted \(got 3\)$"):
+        load_fleet_config({"engine": {"model": model_dir}, "foo": 3})
