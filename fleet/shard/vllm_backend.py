@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
+from enum import Enum
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from rlfleet.fleet.shard.backend import BackendCapabilities, PauseMode, confirmed
@@ -60,6 +61,32 @@ def _prompt_logprobs(request_output) -> PromptLogprobs | None:
     ids, values, ranks = flat.token_ids, flat.logprobs, flat.ranks
     return tuple({ids[j]: (values[j], ranks[j] or 0) for j in range(s, e)} if e > s else None
                  for s, e in zip(flat.start_indices, flat.end_indices))
+
+
+def sampling_params(params: dict[str, Any]) -> Any:
+    """vLLM's ``SamplingParams`` from a request's dict, each field's type checked against vLLM's own annotations
+    (``msgspec.convert``, which runs vLLM's ``__post_init__`` checks as the constructor does, at the same cost). The
+    constructor takes what it is given: ``max_tokens=4.5`` or ``seed="x"`` reached the engine core, which died on
+    it, twice, before the poison check returned the request (80 s; a one-engine fleet stopped). A seed outside
+    int64 (where vLLM's OpenAI models bound it; torch's generator refuses more) is refused too, and an unknown
+    field still is, in the constructor's words. Raises ``TypeError``/``ValueError`` naming the field."""
+    import msgspec
+    import torch
+    from vllm import SamplingParams
+
+    unknown = sorted(set(params) - set(SamplingParams.__struct_fields__))
+    if unknown:
+        raise TypeError(f"Unexpected keyword argument {unknown[0]!r}")
+    plain = {k: (v.value if isinstance(v, Enum) else v) for k, v in params.items()}  # msgspec takes an enum's value
+    try:
+        sp = msgspec.convert(plain, SamplingParams)
+    except msgspec.ValidationError as exc:  # "Expected `int | null`, got `float` - at `$.max_tokens`"
+        raise TypeError(str(exc)) from None
+    bound = torch.iinfo(torch.int64)
+    if sp.seed is not None and not bound.min <= sp.seed <= bound.max:
+        raise ValueError(f"seed must be within int64 [{bound.min}, {bound.max}], got {sp.seed} (parameter=seed, "
+                         f"value={sp.seed})")
+    return sp
 
 
 def _rendered(engine, prompt: dict[str, Any]) -> dict[str, Any]:
@@ -195,7 +222,6 @@ class VllmBackend:
         one item when it ends (``FINAL_ONLY``: nobody watches it run, and a per-step output costs the shard's
         process CPU that the engine core on the same cores would use). ``gather``: vLLM's ``stream_interval`` (an
         output every that many tokens; the first and the end at once), unless the sampling sets its own."""
-        from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -212,7 +238,7 @@ class VllmBackend:
             raise BadRequestError(f"sampling params rejected: {bad} holds text that is not valid Unicode "
                                   "(a lone surrogate such as \\ud800)")
         try:
-            sp = SamplingParams(**params)
+            sp = sampling_params(params)
         except (TypeError, ValueError, VLLMClientError) as exc:
             raise BadRequestError(f"sampling params rejected by vLLM: {exc}") from None
         prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}

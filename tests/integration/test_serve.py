@@ -221,6 +221,11 @@ def test_a_bad_request_is_refused_with_vllms_message_and_another_model_is_not_fo
     (results,) = served.fleet.generate([[1, 2, 3]], n=1, sampling={"max_tokens": 2, "stop": ["\ud800"]})
     assert [(r.status, r.attempts) for r in results] == [("returned", 1)], results  # not re-sent elsewhere
     assert results[0].reason.startswith("bad request") and "stop holds text that is not valid Unicode" in results[0].reason
+    for sampling, at in (({"max_tokens": 4.5}, "$.max_tokens"), ({"max_tokens": 2, "seed": "x"}, "$.seed")):
+        # taken as given by SamplingParams(**d), these killed the engine core (twice, before the poison check)
+        (results,) = served.fleet.generate([[1, 2, 3]], n=1, sampling=sampling)
+        assert [(r.status, r.attempts) for r in results] == [("returned", 1)], results
+        assert results[0].reason.startswith("bad request") and at in results[0].reason, results[0].reason
     status = served.fleet.status()
     assert status["gate_open"] and status["epoch"] == epoch  # the caller's mistakes changed nothing
     assert {row["state"] for row in status["ledger"]["slots"]} == {"healthy"}, status["ledger"]["slots"]

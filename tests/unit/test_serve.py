@@ -105,6 +105,42 @@ def test_the_engine_side_refuses_a_sampling_dict_with_invalid_text_naming_the_fi
     assert field_with_invalid_text({"stop": ["\u00e9"], "seed": 1, "logit_bias": {3: 1.0}}) is None
 
 
+@pytest.mark.parametrize("sampling, words", [
+    ({"max_tokens": 4.5}, "Expected `int | null`, got `float` - at `$.max_tokens`"),
+    ({"seed": "x"}, "Expected `int | null`, got `str` - at `$.seed`"),
+    ({"max_tokens": "4"}, "at `$.max_tokens`"),
+    ({"stop": 5}, "at `$.stop`"),
+    ({"logit_bias": {"1": 0.5}}, "at `key` in `$.logit_bias`"),
+    ({"seed": 2 ** 64}, "seed must be within int64"),
+    ({"bogus_key": 1}, "Unexpected keyword argument 'bogus_key'"),
+    ({"max_tokens": 0}, "max_tokens must be at least 1"),  # vLLM's own checks still run
+])
+def test_the_engine_side_refuses_a_sampling_value_of_the_wrong_type_naming_the_field(sampling, words):
+    """``SamplingParams(**d)`` took ``max_tokens=4.5`` or ``seed="x"`` as given; the engine core died on them
+    (twice, before the poison check returned the request: a one-engine fleet stopped). Checked against vLLM's own
+    annotations now, in the shard, before anything reaches the engine."""
+    from vllm.exceptions import VLLMClientError
+
+    from rlfleet.fleet.shard.vllm_backend import sampling_params
+
+    with pytest.raises((TypeError, ValueError, VLLMClientError)) as err:  # what the shard answers as a bad request
+        sampling_params({"max_tokens": 8, **sampling})
+    assert words in str(err.value)
+
+
+def test_the_engine_side_builds_the_same_sampling_params_as_vllms_constructor():
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    from rlfleet.fleet.shard.vllm_backend import sampling_params
+
+    d = {"max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "seed": 3, "stop": "x", "logprobs": 2, "n": 1,
+         "logit_bias": {5: -1.0}, "output_kind": RequestOutputKind.DELTA, "flat_logprobs": True, "stream_interval": 4,
+         "ignore_eos": True, "stop_token_ids": [2]}
+    assert sampling_params(d) == SamplingParams(**d)
+    so = sampling_params({"structured_outputs": {"json": {"type": "object"}}}).structured_outputs
+    assert isinstance(so, StructuredOutputsParams) and so.json == {"type": "object"}
+
+
 @pytest.mark.parametrize("field,value", [
     ("truncate_prompt_tokens", 2), ("suffix", "end"), ("echo", True),
 ])
