@@ -65,6 +65,24 @@ def test_a_version_that_is_not_an_integer_is_refused_naming_the_argument(model_d
     run(go())
 
 
+def test_a_version_past_int64_is_refused_before_anything_moves(model_dir):
+    """2**64 went through to the transfer, whose int64 header could not carry it: both attempts timed out (90 s
+    each) and the refit failed as the sender's fault."""
+    async def go():
+        ctl, door, _ = make(model_dir)
+        await ctl.start()
+        door.calls.clear()
+        with pytest.raises(RefitArgumentError, match=r"version must be at most 9223372036854775807 \(an int64\), "
+                                                     r"got 18446744073709551616"):
+            await ctl.sync_weights(2 ** 64)
+        assert _refit_calls(door) == []
+        _serving_unchanged(ctl, 0)
+        assert (await ctl.sync_weights(2 ** 63 - 1))["version"] == 2 ** 63 - 1  # the largest one is a version
+        await ctl.shutdown()
+
+    run(go())
+
+
 def test_a_source_that_is_not_a_sender_is_refused_before_the_gate_closes(model_dir):
     async def go():
         ctl, door, _ = make(model_dir)

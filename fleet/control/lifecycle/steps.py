@@ -22,6 +22,8 @@ from rlfleet.fleet.control.transfer_port import TransferPort, sender_state
 from rlfleet.refit.sharded_sync import ShardedSource
 from rlfleet.fleet.errors import FleetStopped, RefitArgumentError, RefitFailed, RefitRefused, RefitSourceFailed
 
+MAX_VERSION = 2 ** 63 - 1  # a weight version travels as an int64 (transfer headers, stamps)
+
 
 class RefitLifecycle:
     """The refit of one version at a time, built from the controller's parts (``fleet.control.parts``): the slots, the
@@ -86,6 +88,10 @@ class RefitLifecycle:
             raise RefitArgumentError(
                 f"sync_weights: version must be an integer weight version, got {version!r} "
                 f"({type(version).__name__}); nothing changed, the fleet serves {serves()}")
+        if version > MAX_VERSION:  # the wire's headers and the engines' stamps carry it as an int64
+            raise RefitArgumentError(
+                f"sync_weights: version must be at most {MAX_VERSION} (an int64), got {version}; nothing changed, "
+                f"the fleet serves {serves()}")
         committed = self.p.slots.ledger.current_version
         if committed is not None and version <= committed:
             raise RefitRefused(
