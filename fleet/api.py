@@ -26,13 +26,13 @@ import uuid
 from rlfleet.fleet.cluster import ray_door
 from rlfleet.fleet.data.client import FleetClient
 from rlfleet.fleet.control.controller import SingleController
-from rlfleet.fleet.errors import FleetStopped
+from rlfleet.fleet.errors import FleetStopped, RefitArgumentError
 from rlfleet.fleet.data.dispatch import FleetResult
 from rlfleet.fleet.config.fleet import FleetConfig, load_fleet_config
 from rlfleet.fleet.cluster.naming import NAMESPACE, controller_name, new_fleet_name
 from rlfleet.fleet.outcome import DIED, UNAVAILABLE, Outcome
 from rlfleet.fleet.polling import poll
-from rlfleet.fleet.records import Record, of_kinds
+from rlfleet.fleet.records import Record, kinds_of, of_kinds
 from rlfleet.fleet.operator import FaultInjector
 from rlfleet.fleet.data.routing_state import VersionPolicy
 
@@ -316,6 +316,10 @@ class Fleet:
         ``refit_outcome(version, refit_id)``, or sends the same call again under the same id (a re-send is
         recognised: it awaits the refit still running, or answers how it ended).
         """
+        if isinstance(source, Fleet):  # it cannot even cross to the controller: Ray's serializer would say why, at length
+            raise RefitArgumentError(
+                "sync_weights: source must be a weight sender (an actor whose class is a refit.ports.LocalSenderPort, "
+                f"or a ShardedSource), got the Fleet {self.name!r} itself; nothing changed")
         staging = self.config.stage_ahead if stage_ahead is None else stage_ahead is True
         refit_id = refit_id or uuid.uuid4().hex  # a re-send of this call (lost answer, controller restart) carries it too
         summary = self._ask("sync_weights", version, source, refit_id, stage_ahead,
@@ -386,9 +390,12 @@ class Fleet:
         them typed with ``fleet.records``: ``Kill.among(fleet.events())``). ``since``: skip the first records
         of that merged list (each record's ``seq`` is its index in it); ``kinds``: record classes or kind strings."""
         assert self.client is not None  # ``start``/``connect`` opened it
+        if isinstance(since, bool) or not isinstance(since, int):
+            raise TypeError(f"fleet.events: since must be an integer (a record's seq), got {since!r}")
+        wanted = kinds_of(kinds)  # refused (naming the kind) before the log is read
         merged = sorted(self._ask("events", 0, None, timeout=60) + self.client.events(), key=lambda r: r["t"])
         # ``seq`` is the record's index in this merged list (what ``since`` counts)
-        return of_kinds([{**r, "seq": i} for i, r in enumerate(merged) if i >= since], kinds)
+        return of_kinds([{**r, "seq": i} for i, r in enumerate(merged) if i >= since], wanted)
 
     def shard_counters(self) -> dict[int, dict]:
         """Per live slot: requests its shard admitted and refused, by reason (the data plane's own count), its

@@ -164,6 +164,11 @@ def kinds_of(kinds: None) -> None: ...
 def kinds_of(kinds: Iterable[str | type[Record]]) -> set[str]: ...
 
 
-def kinds_of(kinds: Iterable[str | type[Record]] | None) -> set[str] | None:
-    """A ``kinds=`` filter (record classes or kind strings) as a set of kind strings; None stays None."""
-    return None if kinds is None else {kind_of(k) for k in kinds}
+def kinds_of(kinds: Iterable[str | type[Record]] | str | type[Record] | None) -> set[str] | None:
+    """A ``kinds=`` filter (record classes or kind strings) as a set of kind strings; None stays None. One kind
+    alone (``"refit"``, ``Kill``) is that kind, not its letters read one by one."""
+    if kinds is None:
+        return None
+    if isinstance(kinds, (str, type)):
+        return {kind_of(kinds)}
+    return {kind_of(k) for k in kinds}

@@ -30,6 +30,7 @@ import pytest
 
 from rlfleet.fleet.cluster import ray_door
 from rlfleet.fleet.api import Fleet
+from rlfleet.fleet.errors import RefitArgumentError
 from rlfleet.serve.server import HttpServer
 from tests.integration.fleet_helpers import cli_env, session, session_gone, signal_and_wait, wait_for
 
@@ -96,6 +97,13 @@ def test_serve_connect_answers_curl_and_sigint_leaves_the_fleet_serving(ray_loca
 
 def test_a_fleet_stopped_under_the_front_is_answered_503_naming_why(ray_local, tiny_model):
     fleet = null_fleet(tiny_model, "serve-cli-b")
+    # the Python API's own argument checks, on this running fleet: each names its argument, nothing changes
+    phases = fleet.events(kinds="phase")  # one kind alone, not its letters one by one
+    assert phases and {e["kind"] for e in phases} == {"phase"}
+    with pytest.raises(TypeError, match="since must be an integer"):
+        fleet.events(since="x")
+    with pytest.raises(RefitArgumentError, match="got the Fleet 'serve-cli-b' itself"):  # not Ray's serializer dump
+        fleet.sync_weights(1, fleet)
     server = HttpServer(fleet, port=0).start()
     try:
         assert complete(server.url)[0] == 200

@@ -95,6 +95,8 @@ def test_kinds_filters_take_classes_or_strings_and_refuse_unknown_ones():
         kinds_of(["gates"])
     with pytest.raises(TypeError, match="not an event kind"):
         kinds_of([int])
+    # one kind alone is that kind ("gate" was read letter by letter: "unknown event kind 'g'")
+    assert kinds_of("gate") == {"gate"} and kinds_of(Kill) == {"kill"}
 
 
 def test_emit_a_record_writes_what_emit_of_its_kind_writes(tmp_path):
