@@ -156,27 +156,22 @@ class Front:
         ``arrived``: when the HTTP request came (the loop's clock), from which the histograms count."""
         if self._closing:
             return self._shutting_down()
-        task = asyncio.current_task()
-        assert task is not None  # a coroutine the loop runs: a task
-        self._running.add(task)
         self.in_flight += 1
         clock = asyncio.get_running_loop().time  # time.monotonic on a real loop; virtual time in tests
         t0 = clock()
         if on_tokens is not None:
             on_tokens = self._timed(on_tokens, clock, t0, arrived)
         try:
-            result = await self.client.generate_async(prompt, sampling, request_id, policy=policy, on_tokens=on_tokens)
+            result = await self.until_stopped(
+                self.client.generate_async(prompt, sampling, request_id, policy=policy, on_tokens=on_tokens))
         except asyncio.CancelledError:
-            if task not in self._cut:
-                self.cancelled += 1
-                raise
-            task.uncancel()  # this front's own cut-off, not the caller's: answer it
+            self.cancelled += 1
+            raise
+        except ServerStopping:  # this front's own cut-off, not the caller's: answer it
             self.cut_off += 1
             return self._shutting_down()
         finally:
             self.in_flight -= 1
-            self._running.discard(task)
-            self._cut.discard(task)
         if result.ok:
             self.latencies.append(clock() - t0)
             self.metrics.histograms["e2e"].observe(clock() - (t0 if arrived is None else arrived))
@@ -192,7 +187,7 @@ class Front:
     async def until_stopped(self, call: Any) -> Any:
         """``call``'s result, unless the server's stop (``cut_off_after``) comes first: then ``ServerStopping``,
         for the route to answer (503) instead of being torn down mid-call by the HTTP server. For a route's long
-        call off the fleet's request path (the weight routes' relay calls); its caller leaving still cancels it."""
+        call (a fleet request: ``run``; the weight routes' relay calls); its caller leaving still cancels it."""
         if self._closing:
             if asyncio.iscoroutine(call):
                 call.close()  # never started

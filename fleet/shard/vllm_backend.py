@@ -71,10 +71,9 @@ def sampling_params(params: dict[str, Any]) -> Any:
     int64 (where vLLM's OpenAI models bound it; torch's generator refuses more) is refused too, and an unknown
     field still is, in the constructor's words. Raises ``TypeError``/``ValueError`` naming the field."""
     import msgspec
-    import torch
     from vllm import SamplingParams
 
-    unknown = sorted(set(params) - set(SamplingParams.__struct_fields__))
+    unknown = sorted(params.keys() - SamplingParams.__struct_fields__)
     if unknown:
         raise TypeError(f"Unexpected keyword argument {unknown[0]!r}")
     plain = {k: (v.value if isinstance(v, Enum) else v) for k, v in params.items()}  # msgspec takes an enum's value
@@ -82,9 +81,8 @@ def sampling_params(params: dict[str, Any]) -> Any:
         sp = msgspec.convert(plain, SamplingParams)
     except msgspec.ValidationError as exc:  # "Expected `int | null`, got `float` - at `$.max_tokens`"
         raise TypeError(str(exc)) from None
-    bound = torch.iinfo(torch.int64)
-    if sp.seed is not None and not bound.min <= sp.seed <= bound.max:
-        raise ValueError(f"seed must be within int64 [{bound.min}, {bound.max}], got {sp.seed} (parameter=seed, "
+    if sp.seed is not None and not -2 ** 63 <= sp.seed < 2 ** 63:
+        raise ValueError(f"seed must be within int64 [{-2 ** 63}, {2 ** 63 - 1}], got {sp.seed} (parameter=seed, "
                          f"value={sp.seed})")
     return sp
 
