@@ -105,7 +105,7 @@ class EngineShard(TapMethods, PeerCopyMethods):
         self._tasks: set[asyncio.Future] = set()  # submitted runs and background aborts, referenced until done
         self.gate = ShardGate(RoutingLease(lambda: self._now()))  # the lease runs on the shard's clock
         self.holds = PauseHolds()  # the refit that owns its pause, the operator's ``keep`` pause
-        self._paused_at = 0.0  # when the engine last paused (the progress clock)
+        self._paused_since: float | None = None  # when the engine last paused; None once a resume is sent
         self.sampled_while_paused = 0  # tokens its engine made while paused (``_stepped``)
         self.deduplicated = 0
         self._left: Left | None = None  # what it held when it last left the serving set
@@ -128,11 +128,14 @@ class EngineShard(TapMethods, PeerCopyMethods):
     def _stepped(self, tokens: int) -> None:
         """One engine step made ``tokens``. One made while the engine is paused (past the settling of the step
         that ran as the pause arrived) is counted: a paused engine samples nothing, so it is always 0 unless
-        something unpaused the engine behind its pause's back (``counters``' ``sampled_while_paused``)."""
+        something unpaused the engine behind its pause's back (``counters``' ``sampled_while_paused``). Counting
+        stops when the shard sends its own resume: the engine steps before that call returns, and those steps'
+        records can reach this process ahead of the call's answer."""
         now = self._now()
         self._progress.stepped(now, tokens)
         self._pace.stepped(now, tokens)
-        if tokens and self.gate.paused and now - self._paused_at >= PAUSE_SETTLE_S:
+        since = self._paused_since
+        if tokens and since is not None and now - since >= PAUSE_SETTLE_S:
             self.sampled_while_paused += int(tokens)
 
     def _busy(self) -> None:
@@ -508,7 +511,8 @@ class EngineShard(TapMethods, PeerCopyMethods):
         self.holds.paused(mode, owner)
         if not self.gate.paused:
             self._progress.hold("paused", self._now())  # a paused engine makes no step: not a stall
-            self._paused_at = self._now()
+        if self._paused_since is None:
+            self._paused_since = self._now()
         self.gate.paused = True  # from now on new work is refused (what was in flight is held or aborted)
         return True
 
@@ -522,6 +526,7 @@ class EngineShard(TapMethods, PeerCopyMethods):
         if self._hooks.armed and await self._hooks.at("resume"):
             return False
         backend = self._require_ready("resume")
+        self._paused_since = None  # the engine may step from here on: its records are not a pause broken
         await self._bounded("resume", backend.resume(), timeout)
         if self.gate.paused:
             self._progress.release("paused", self._now())

@@ -207,3 +207,33 @@ def test_a_probe_that_finds_the_core_dead_answers_only_after_the_requests_it_ran
     assert 0.3 <= waited < 0.5
     ended, waited = run_virtual(go(30.0))  # requests that never learn it: the probe answers after the grace
     assert ended == [] and waited == pytest.approx(CRASH_REPORT_GRACE_S + 0.05, abs=0.01)
+
+
+class ResumingBackend(SteppingBackend):
+    """An engine core that steps as soon as it is told to resume: its step records can reach the shard before
+    the resume call returns there (the loaded machine of CI, where vLLM's output handler ran first)."""
+
+    async def resume(self) -> None:
+        await super().resume()
+        for _ in range(5):
+            self.step_listener(3)
+            await asyncio.sleep(0.01)
+
+
+def test_only_steps_an_engine_makes_while_paused_and_unresumed_count_as_sampled_while_paused(model_dir):
+    async def go():
+        b = ResumingBackend()
+        shard = shard_on(b, model_dir)
+        await shard.start()
+        await shard.pause("keep", False)
+        await asyncio.sleep(1.0)  # past the settling of the step that ran as the pause came
+        await shard.resume()
+        after_own_resume = shard.counters().sampled_while_paused
+        await shard.pause("keep", False)
+        await asyncio.sleep(1.0)
+        b.step_listener(4)  # a step behind the pause's back: nothing here resumed the engine
+        return after_own_resume, shard.counters().sampled_while_paused
+
+    own, behind = run_virtual(go())
+    assert own == 0, f"steps after the shard's own resume were counted as sampled while paused: {own}"
+    assert behind == 4
