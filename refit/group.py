@@ -83,6 +83,29 @@ def default_address() -> str:
         return "127.0.0.1"
 
 
+def resolver_stall_s(resolv_conf: str = "/etc/resolv.conf", env: dict | None = None) -> float:
+    """The longest one DNS lookup can block this host: glibc's per-try timeout, doubled at each of its tries
+    (``options timeout:N attempts:M`` in ``resolv_conf``, overridden by ``RES_OPTIONS``; 5 s and 2 tries by
+    default: 5 + 10 s). torch's store client looks the store's address up in reverse DNS before every connect
+    (c10d's ``SocketImpl`` names its peer; pytorch#159007), inside the connect's own deadline, so a resolver that
+    dropped one packet costs a connect that long: a bound on reaching a store must allow it."""
+    timeout, attempts = 5, 2
+    try:
+        with open(resolv_conf) as f:
+            lines = [ln.split()[1:] for ln in f if ln.split()[:1] == ["options"]]
+    except OSError:
+        lines = []
+    extra = (os.environ if env is None else env).get("RES_OPTIONS", "").split()
+    for opt in [o for ln in lines for o in ln] + extra:
+        name, _, value = opt.partition(":")
+        if name in ("timeout", "attempts") and value.isdigit():
+            if name == "timeout":
+                timeout = min(int(value), 30)  # glibc's caps
+            else:
+                attempts = min(int(value), 5)
+    return float(max(1, timeout) * (2 ** max(1, attempts) - 1))
+
+
 def device_for(backend: str, device: torch.device | str | None = None) -> torch.device:
     if backend not in BACKENDS:
         raise RefitUsageError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -10,8 +10,11 @@ engine: it runs as one worker call, between two engine steps, so no reload of th
 reads them (the engine core runs worker calls one at a time) and no forward pass reads them half-written.
 
 Stream: a header ``[PEER_MAGIC, copy id, tensors, manifest digest]``, then every parameter with a nonzero
-size, in manifest order, each broadcast from its own storage (up to ``IN_FLIGHT`` outstanding). The receiver
-checks the header before it posts a single receive into a parameter.
+size, in manifest order, each broadcast from its own storage (up to ``IN_FLIGHT`` outstanding), then the
+receiver's receipt (``[PEER_MAGIC, copy id]``, broadcast from rank 1). The receiver checks the header before it
+posts a single receive into a parameter. The donor closes the group (and the store it hosts) only after the
+receipt: a donor's broadcast completes once its bytes are sent, not received, and a receiver that found the
+store gone while its last tensors were still arriving took that for the donor's death.
 
 Guarantees (results are plain dicts, never exceptions, as the worker extension answers them):
 
@@ -35,15 +38,17 @@ import torch
 
 from rlfleet.refit import peer
 from rlfleet.refit.errors import RefitUsageError, TransferError
-from rlfleet.refit.group import GroupAddress, RefitGroup, default_address, host_store
+from rlfleet.refit.group import GroupAddress, RefitGroup, default_address, host_store, resolver_stall_s
 from rlfleet.refit.receiver import COMPLETE, NOT_STARTED, PARTIAL
 from rlfleet.refit.sender import IN_FLIGHT
 
 JOINING, JOINED, FAILED = "joining", "joined", "failed"
 # A receiver is given the donor's address only once the donor hosts its store: a store it cannot reach within this
 # is gone with its donor (died as the copy began), and the receiver stops, not_started, instead of holding its
-# worker (and the next donor's copy, or a refit, queued behind it) for the copy's whole deadline.
-CONNECT_S = 3.0
+# worker (and the next donor's copy, or a refit, queued behind it) for the copy's whole deadline. Three seconds of
+# network, plus what a reverse DNS lookup inside torch's connect may take (``resolver_stall_s``): with 3 s alone,
+# about one copy in 300 failed on this machine, every time after a DNS packet was lost.
+CONNECT_S = 3.0 + resolver_stall_s()
 PEER_WORLD = 2  # rank 0 the donor worker, rank 1 the receiver worker
 
 
@@ -132,6 +137,10 @@ class Donation:
                 _settle(group, pending, deadline, budget, res)
         while pending:
             _settle(group, pending, deadline, budget, res)
+        receipt = torch.zeros(2, dtype=torch.int64, device=group.device)
+        group.wait(group.broadcast(receipt, root=1), deadline, "peer copy receipt", budget)
+        if receipt.tolist() != _receipt(self.copy_id, group.device).tolist():
+            raise TransferError(f"peer copy receipt {receipt.tolist()}: not the receiver of copy {self.copy_id}")
 
     def close(self) -> None:
         with self._lock:
@@ -139,6 +148,10 @@ class Donation:
             group, self._group = self._group, None
         if group is not None:
             group.close()
+
+
+def _receipt(copy_id: int, device) -> torch.Tensor:
+    return torch.tensor([peer.PEER_MAGIC, int(copy_id)], dtype=torch.int64, device=device)
 
 
 def _settle(group: RefitGroup, pending: deque, deadline: float, budget: float, res: dict) -> None:
@@ -181,6 +194,12 @@ def receive(address: dict, copy_id: int, named: Sequence[tuple[str, Any]], m: di
         res["state"], res["ok"] = COMPLETE, True
     except TransferError as exc:
         res["error"] = str(exc)
+    else:
+        try:  # every byte landed: a receipt the donor does not take changes nothing here (the donor says so)
+            group.wait(group.broadcast(_receipt(copy_id, group.device), root=1), deadline, "peer copy receipt",
+                       float(timeout_s))
+        except TransferError:
+            pass
     finally:
         group.close()
         res["recv_s"] = time.monotonic() - t0

