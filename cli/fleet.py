@@ -51,5 +51,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
-    print(json.dumps(_attach(args).shutdown(), default=str))
+    import os
+    import socket
+
+    by = f"`rlfleet fleet stop` (process {os.getpid()} on {socket.gethostname()})"
+    print(json.dumps(_attach(args).shutdown(by=by), default=str))
     return 0

@@ -41,10 +41,6 @@ from rlfleet.health.faultplan import REFIT_PHASES
 
 Events = Iterable[Mapping | Record]  # wire dicts (``read_log``, ``Fleet.events``) or typed records
 
-# The controller's own ``stopped`` record when it is shut down on purpose (not a failure).
-SHUTDOWN_REASON = "controller shut down"
-
-
 def percentile(values: Iterable[float | None], q: float, ndigits: int | None = None, default: Any = None) -> Any:
     """The ``q``-quantile (``q`` in [0, 1]) of ``values``, interpolated linearly between the closest ranks.
 
@@ -212,7 +208,7 @@ def request_counts(events: Events) -> dict[str, int]:
 
 def stop_reason(events: Events) -> str | None:
     """Why the fleet stopped, or None (the controller's own shutdown is not a stop)."""
-    stop = Stopped.first(events, lambda s: s.reason != SHUTDOWN_REASON)
+    stop = Stopped.first(events, lambda s: not s.shutdown)
     return None if stop is None else stop.reason
 
 

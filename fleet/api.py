@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence, cast
 
+import os
+import socket
 import time
 import uuid
 
@@ -145,7 +147,14 @@ class Fleet:
             self._silent_since = time.monotonic()
         return False
 
+    def _stopped_by(self) -> str | None:
+        """Why the fleet stopped, in the controller's words, if this process's client was told (a ``shutdown``
+        from another process, ``rlfleet fleet stop``, a fleet that could not go on)."""
+        return None if self.client is None else self.client.stopped_by_fleet
+
     def _not_answering(self, method: str) -> FleetStopped:
+        if (why := self._stopped_by()) is not None:
+            return FleetStopped(f"fleet.{method}: the fleet stopped ({why}); its controller is gone")
         state = ray_door.actor_state(self._ctl)
         then = "it is gone for good" if state == "DEAD" else "the next call asks it again"
         return FleetStopped(f"fleet.{method}: the fleet's controller did not answer within controller_restart_wait_s "
@@ -158,6 +167,8 @@ class Fleet:
             raise out.error
         if out.kind == "timed_out":
             raise TimeoutError(f"fleet.{method} did not finish within {timeout:.0f} s")
+        if (why := self._stopped_by()) is not None:
+            raise FleetStopped(f"fleet.{method}: the fleet stopped ({why}); its controller is gone")
         raise FleetStopped(f"fleet.{method}: the fleet's controller is gone ({out.describe()[:200]})")
 
     def _check_open(self, method: str) -> None:
@@ -407,21 +418,27 @@ class Fleet:
         """Per slot: admission cap, the law's counters, and the engine's last polled stats (preemptions, KV usage)."""
         return self._ask("admission_metrics", timeout=60)
 
-    def shutdown(self, timeout_s: float = 180.0) -> dict:
+    def shutdown(self, timeout_s: float = 180.0, by: str | None = None) -> dict:
         """Return pending requests explicitly, stop every engine and the controller. A second call is a no-op.
-        ``timeout_s`` bounds the controller's part (a driver whose local Ray is going down with it passes less)."""
+        ``timeout_s`` bounds the controller's part (a driver whose local Ray is going down with it passes less).
+        ``by`` names who stops it, for every client of the fleet to read (default: this process). A fleet another
+        process already stopped (``rlfleet fleet stop``) answers ``already_stopped`` with that process's words."""
         if self._shut_down is not None:
             return {"already_shut_down": True}
         self._shut_down = "Fleet.shutdown() was called"
-        out = ray_door.try_ask(self._ctl, "shutdown", timeout=timeout_s)
-        if out.kind in (DIED, UNAVAILABLE) and self._wait_for_controller():
+        by = by or f"Fleet.shutdown() in process {os.getpid()} on {socket.gethostname()}"
+        out = ray_door.try_ask(self._ctl, "shutdown", by, timeout=timeout_s)
+        if out.kind in (DIED, UNAVAILABLE) and self._stopped_by() is None and self._wait_for_controller():
             # it died inside shutdown: the restarted controller finished it on its first call; this
             # second call returns once it has
-            out = ray_door.try_ask(self._ctl, "shutdown", timeout=timeout_s)
+            out = ray_door.try_ask(self._ctl, "shutdown", by, timeout=timeout_s)
         counters = self._close_client()
         ray_door.kill(self._ctl)
-        summary = out.value if out.ok else {"error": out.describe()}
-        return {**summary, **counters}
+        if out.ok:
+            return {**out.value, **counters}
+        if (why := self._stopped_by()) is not None and out.kind in (DIED, UNAVAILABLE):
+            return {"already_stopped": why, **counters}
+        return {"error": out.describe(), **counters}
 
     def abandon(self, why: str) -> dict:
         """The cluster under the fleet is gone (its local Ray stopped with a signal sent to the whole process

@@ -76,8 +76,10 @@ class Decision(Record):
 
 @record("stopped")
 class Stopped(Record):
-    """The fleet stopped with the gate closed."""
+    """The fleet stopped with the gate closed. ``shutdown``: it was asked to (``Fleet.shutdown``, ``rlfleet fleet
+    stop``, a restarted controller finishing one), not a failure."""
     reason: str
+    shutdown: bool = False
 
 
 @record("warning")

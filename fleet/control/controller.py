@@ -173,15 +173,16 @@ class SingleController(ControllerFaults):
         for name, (interval, tick) in ticks.items():
             self.in_background(run_loop(name, interval, self._loop_faults.wrap(name, tick), self.log))
 
-    async def shutdown(self) -> dict:
-        """Stop dispatch, return every pending request explicitly, shut every shard down.
+    async def shutdown(self, by: str | None = None) -> dict:
+        """Stop dispatch, return every pending request explicitly, shut every shard down. ``by`` names who asked
+        (a process, ``rlfleet fleet stop``): every client, the one that started the fleet too, is told it.
 
         The shutdown marker is stored first: a controller that dies halfway is restarted by Ray and
         finishes the shutdown (``fleet.control.recovery``) instead of leaving engines orphaned."""
         await self.adopt_if_restarted()
         if self.intent.current is not None:
             self.intent.shutting_down()
-        self.halt("controller shut down")
+        self.halt(f"shut down by {by}" if by else "controller shut down", shutdown=True)
         for task in list(self._tasks):
             task.cancel()
         outs = {}
@@ -207,11 +208,11 @@ class SingleController(ControllerFaults):
         self.log.close()
         return {"shards": kinds}
 
-    def halt(self, reason: str) -> None:
+    def halt(self, reason: str, shutdown: bool = False) -> None:
         """Stop with the gate closed: waiting requests are returned explicitly from now on. Stored first (a
         store that fails now is reported: it must not hide the stop), then decided (``Halted``)."""
         if self.stopped is None:
-            self.log.emit(ev.Stopped(reason=reason))
+            self.log.emit(ev.Stopped(reason=reason, shutdown=shutdown))
             if self.intent.current is not None:
                 self.intent.stopped(reason)
         self.decide(Halted(reason))

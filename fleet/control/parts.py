@@ -48,8 +48,8 @@ class Actions(Protocol):
     def observe_all(self, call: CallKind, settled: dict[int, tuple[int, Outcome]]) -> tuple:
         """``observe`` for every settled call of one fan-out, as one decision; returns its actions."""
 
-    def halt(self, reason: str) -> None:
-        """Stop with the gate closed."""
+    def halt(self, reason: str, shutdown: bool = False) -> None:
+        """Stop with the gate closed (``shutdown``: asked for, not a failure)."""
 
     def in_background(self, coro: Coroutine) -> asyncio.Task:
         """Run ``coro`` as a task the controller owns (cancelled at shutdown, its error logged)."""

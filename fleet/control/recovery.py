@@ -235,7 +235,7 @@ async def _finish_commit(p: Parts, intent, alive: dict[int, Description], failed
 async def _finish_shutdown(p: Parts, publisher: RoutingPublisher, generation: int, found: dict[int, Any],
                            fenced: list, t0: float) -> dict:
     """The controller died inside ``shutdown``: shut down and kill every shard it can find, then stay stopped."""
-    p.act.halt("controller shut down (finished by the restarted controller)")
+    p.act.halt("controller shut down (finished by the restarted controller)", shutdown=True)
     # bounded like re-adoption (clients wait for it): a shard that does not finish in time is killed below
     outs = await p.door.fan_out({s: (h, "shutdown", (), {}) for s, h in found.items()}, timeout=p.cfg.adoption_bound_s)
     for handle in found.values():

@@ -169,6 +169,7 @@ class FleetClient(_Client):
         # The controller's outages as this client saw them (written on the client's loop only).
         self.outage: dict[str, Any] = {"unreachable_since": None, "outages": 0, "down_s_total": 0.0}
         self._gave_up_from: int | None = None  # the epoch it followed when it gave up on the controller
+        self.stopped_by_fleet: str | None = None  # why the controller said the fleet stopped (its own words), once it did
         self.completed_while_down = 0  # requests that completed while the controller could not be reached
         self._reports: set[asyncio.Future] = set()  # failure reports in flight (referenced until done)
         self._loop = _new_loop()
@@ -217,6 +218,8 @@ class FleetClient(_Client):
                 if since is not None:
                     self._controller_back(since)
                 retry = RETRY_FIRST_S
+                if out.value.stopped and self.stopped_by_fleet is None:
+                    self.stopped_by_fleet = out.value.stopped  # kept: the client's own stop (its controller gone) follows
                 await self._adopt(out.value)
                 continue
             if self._closed:
@@ -264,8 +267,9 @@ class FleetClient(_Client):
 
     async def _stop(self, out: Outcome) -> None:
         """Adopt the client's own ``stopped`` state: every held request is returned, none is lost."""
-        await self._adopt(RoutingState(self._state.epoch + 1, False, self._state.version,
-                                       stopped=f"the fleet's controller is gone ({out.describe()[:200]})"))
+        why = (f"{self.stopped_by_fleet}; its controller is gone" if self.stopped_by_fleet is not None
+               else f"the fleet's controller is gone ({out.describe()[:200]})")
+        await self._adopt(RoutingState(self._state.epoch + 1, False, self._state.version, stopped=why))
 
     def controller_outage(self) -> dict[str, Any]:
         """The controller's outages as this client saw them: ``unreachable_since`` (``time.monotonic()``

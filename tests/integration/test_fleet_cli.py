@@ -13,7 +13,7 @@ import pytest
 
 from rlfleet.fleet.cluster import ray_door
 from rlfleet.fleet.api import Fleet
-from rlfleet.fleet.errors import ConfigError
+from rlfleet.fleet.errors import ConfigError, FleetStopped
 from rlfleet.fleet.cluster.naming import shard_name
 
 pytestmark = pytest.mark.quick  # no vLLM engine: seconds, in the quick lane
@@ -46,5 +46,12 @@ def test_a_fleet_is_listed_inspected_and_stopped_by_name_from_a_shell(ray_local,
         assert code == 0 and {"fleet": NAME} not in rows
         code, _ = rlfleet("status", NAME)
         assert code == 2  # "no running fleet of that name", one line, no traceback
+        # the driver that started it is told who stopped it, not that its controller "died"
+        late = fleet.generate([[1, 2, 3]])[0][0]
+        assert not late.ok and "`rlfleet fleet stop`" in late.reason, late
+        with pytest.raises(FleetStopped, match=r"the fleet stopped \(shut down by `rlfleet fleet stop` \(process \d+"):
+            fleet.status()
+        out = fleet.shutdown()
+        assert "error" not in out and "`rlfleet fleet stop`" in out["already_stopped"], out
     finally:
         fleet.shutdown()

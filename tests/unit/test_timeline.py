@@ -68,7 +68,7 @@ def demo_log() -> list[dict]:
     ev(23.0, Request, event="accepted", request_id="r9")
     ev(23.5, Request, event="completed", request_id="r9", slot=1, incarnation=2, version=3, version_start=3)
     ev(24.0, Request, event="accepted", request_id="r10")
-    ev(30.0, Stopped, reason="controller shut down")
+    ev(30.0, Stopped, reason="controller shut down", shutdown=True)
     ev(30.0, Request, event="returned", request_id="r10", reason="fleet stopped: controller shut down")
     ev(30.1, Phase, phase="shutdown", edge="end", shards={})
     return recs
