@@ -422,13 +422,15 @@ class Fleet:
         """Return pending requests explicitly, stop every engine and the controller. A second call is a no-op.
         ``timeout_s`` bounds the controller's part (a driver whose local Ray is going down with it passes less).
         ``by`` names who stops it, for every client of the fleet to read (default: this process). A fleet another
-        process already stopped (``rlfleet fleet stop``) answers ``already_stopped`` with that process's words."""
+        process already stopped (``rlfleet fleet stop``: its controller is gone for good) answers ``already_stopped``
+        with that process's words; a controller that died inside this shutdown is waited for as ever (Ray restarts
+        it, and it finishes the shutdown), even though it had told the clients the fleet stopped."""
         if self._shut_down is not None:
             return {"already_shut_down": True}
         self._shut_down = "Fleet.shutdown() was called"
         by = by or f"Fleet.shutdown() in process {os.getpid()} on {socket.gethostname()}"
         out = ray_door.try_ask(self._ctl, "shutdown", by, timeout=timeout_s)
-        if out.kind in (DIED, UNAVAILABLE) and self._stopped_by() is None and self._wait_for_controller():
+        if out.kind in (DIED, UNAVAILABLE) and self._wait_for_controller():
             # it died inside shutdown: the restarted controller finished it on its first call; this
             # second call returns once it has
             out = ray_door.try_ask(self._ctl, "shutdown", by, timeout=timeout_s)
