@@ -156,7 +156,8 @@ def test_serve_config_sigterm_to_its_process_group_while_the_engine_starts_exits
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     lines = [json.loads(line) for line in proc.stdout.read().splitlines() if line.startswith("{")]
-    assert lines and "serving" not in lines[0], lines  # it never served: the signal came during the start
+    # it never served: the signal came during the start
+    assert lines and "serving" not in lines[0], (lines, code, f"{took:.1f} s", "".join(errors[-30:]))
     assert code == 0, (code, took, "".join(errors[-20:]))
     assert lines[-1]["stopped"] and lines[-1]["end"].startswith("interrupted while the fleet started"), lines
     session_gone(proc.pid)
