@@ -51,9 +51,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
-    import os
-    import socket
+    from rlfleet.fleet.api import this_process
 
-    by = f"`rlfleet fleet stop` (process {os.getpid()} on {socket.gethostname()})"
-    print(json.dumps(_attach(args).shutdown(by=by), default=str))
+    print(json.dumps(_attach(args).shutdown(by=f"`rlfleet fleet stop` ({this_process()})"), default=str))
     return 0

@@ -97,6 +97,11 @@ def check_n(n: Any) -> int:
     return n
 
 
+def this_process() -> str:
+    """This process as a stop's reason names it (who asked, read by every client of the fleet)."""
+    return f"process {os.getpid()} on {socket.gethostname()}"
+
+
 class Fleet:
     def __init__(self, controller: Any, config: FleetConfig) -> None:
         self._ctl = controller
@@ -152,9 +157,14 @@ class Fleet:
         from another process, ``rlfleet fleet stop``, a fleet that could not go on)."""
         return None if self.client is None else self.client.stopped_by_fleet
 
+    def _stopped_error(self, method: str) -> FleetStopped | None:
+        """The controller is gone: ``FleetStopped`` in the controller's own words if this client was told why."""
+        why = self._stopped_by()
+        return None if why is None else FleetStopped(f"fleet.{method}: the fleet stopped ({why}); its controller is gone")
+
     def _not_answering(self, method: str) -> FleetStopped:
-        if (why := self._stopped_by()) is not None:
-            return FleetStopped(f"fleet.{method}: the fleet stopped ({why}); its controller is gone")
+        if (told := self._stopped_error(method)) is not None:
+            return told
         state = ray_door.actor_state(self._ctl)
         then = "it is gone for good" if state == "DEAD" else "the next call asks it again"
         return FleetStopped(f"fleet.{method}: the fleet's controller did not answer within controller_restart_wait_s "
@@ -167,8 +177,8 @@ class Fleet:
             raise out.error
         if out.kind == "timed_out":
             raise TimeoutError(f"fleet.{method} did not finish within {timeout:.0f} s")
-        if (why := self._stopped_by()) is not None:
-            raise FleetStopped(f"fleet.{method}: the fleet stopped ({why}); its controller is gone")
+        if (told := self._stopped_error(method)) is not None:
+            raise told
         raise FleetStopped(f"fleet.{method}: the fleet's controller is gone ({out.describe()[:200]})")
 
     def _check_open(self, method: str) -> None:
@@ -428,7 +438,7 @@ class Fleet:
         if self._shut_down is not None:
             return {"already_shut_down": True}
         self._shut_down = "Fleet.shutdown() was called"
-        by = by or f"Fleet.shutdown() in process {os.getpid()} on {socket.gethostname()}"
+        by = by or f"Fleet.shutdown() in {this_process()}"
         out = ray_door.try_ask(self._ctl, "shutdown", by, timeout=timeout_s)
         if out.kind in (DIED, UNAVAILABLE) and self._wait_for_controller():
             # it died inside shutdown: the restarted controller finished it on its first call; this
